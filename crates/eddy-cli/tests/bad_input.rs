@@ -1,0 +1,150 @@
+//! Bad input gets a one-line error naming the file and the problem, exit code 2, and no panic.
+//! Malformed models are derived from the real SmolLM2 GGUF with eddy's GGUF writer.
+
+use eddy::gguf::{ggml_type, write_gguf, GgufFile, GgufValue};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const SMOL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+fn smol() -> Option<PathBuf> {
+    let p = eddy::load::models_dir().join(SMOL);
+    if p.is_file() {
+        return Some(p);
+    }
+    if std::env::var("EDDY_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
+        return None;
+    }
+    panic!("{} is missing: run `tools/fetch_models.sh smollm2`", p.display());
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("eddy-bad-input-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d.join(name)
+}
+
+/// Run `eddy run --model path -m hi` and check the failure shape; returns stderr.
+fn expect_error(model: &Path, extra: &[&str], needle: &str) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_eddy"))
+        .args(["run", "--model", model.to_str().unwrap(), "-m", "hi", "--temperature", "0", "-n", "4"])
+        .args(extra)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(2), "stderr: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(lines[0].contains(needle), "expected '{needle}' in: {err}");
+    err
+}
+
+/// Rewrite the SmolLM2 file with `edit` applied to its metadata and tensor list.
+fn modified(name: &str, edit: impl FnOnce(&mut std::collections::BTreeMap<String, GgufValue>, &mut Vec<(String, Vec<u64>, u32, Vec<u8>)>)) -> Option<PathBuf> {
+    let src = smol()?;
+    let g = GgufFile::open(&src).unwrap();
+    let mut meta = g.metadata.clone();
+    let mut tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)> =
+        g.tensors.iter().map(|t| (t.name.clone(), t.dims.clone(), t.ggml_type, g.tensor_data(t).unwrap().to_vec())).collect();
+    edit(&mut meta, &mut tensors);
+    let refs: Vec<(String, Vec<u64>, u32, &[u8])> = tensors.iter().map(|(n, d, t, b)| (n.clone(), d.clone(), *t, &b[..])).collect();
+    let out = tmp(name);
+    write_gguf(&out, &meta, &refs).unwrap();
+    Some(out)
+}
+
+#[test]
+fn missing_file() {
+    let p = tmp("does-not-exist.gguf");
+    let err = expect_error(&p, &[], "no such file");
+    assert!(err.contains("does-not-exist.gguf"));
+}
+
+#[test]
+fn truncated_file() {
+    let Some(src) = smol() else { return };
+    let bytes = std::fs::read(&src).unwrap();
+    for len in [10usize, 4096, bytes.len() / 2] {
+        let p = tmp(&format!("truncated-{len}.gguf"));
+        std::fs::write(&p, &bytes[..len]).unwrap();
+        let err = expect_error(&p, &[], "truncated");
+        assert!(err.contains(&format!("truncated-{len}.gguf")), "{err}");
+    }
+}
+
+#[test]
+fn wrong_magic() {
+    let p = tmp("magic.gguf");
+    std::fs::write(&p, b"PK\x03\x04 this is a zip file, not a model").unwrap();
+    expect_error(&p, &[], "not a GGUF file");
+}
+
+#[test]
+fn unknown_architecture() {
+    let Some(p) = modified("arch.gguf", |m, _| {
+        m.insert("general.architecture".into(), GgufValue::String("mamba9".into()));
+    }) else {
+        return;
+    };
+    expect_error(&p, &[], "unknown architecture 'mamba9'");
+}
+
+#[test]
+fn unsupported_tensor_type() {
+    let Some(p) = modified("q3k.gguf", |_, ts| {
+        let t = ts.iter_mut().find(|t| t.0 == "blk.0.attn_q.weight").unwrap();
+        let n: u64 = t.1.iter().product();
+        t.2 = ggml_type::Q3_K;
+        t.3 = vec![0x11; (n / 256 * 110) as usize];
+    }) else {
+        return;
+    };
+    expect_error(&p, &[], "Q3_K");
+}
+
+#[test]
+fn shape_mismatch() {
+    let Some(p) = modified("shape.gguf", |_, ts| {
+        let t = ts.iter_mut().find(|t| t.0 == "blk.3.ffn_up.weight").unwrap();
+        t.1 = vec![576, 1024];
+        t.3.truncate(576 * 1024 / 32 * 20);
+    }) else {
+        return;
+    };
+    expect_error(&p, &[], "blk.3.ffn_up.weight");
+}
+
+#[test]
+fn missing_tokenizer() {
+    let Some(p) = modified("notok.gguf", |m, _| {
+        m.retain(|k, _| !k.starts_with("tokenizer."));
+    }) else {
+        return;
+    };
+    expect_error(&p, &[], "tokenizer");
+}
+
+#[test]
+fn prompt_longer_than_context() {
+    let Some(p) = smol() else { return };
+    let long = "word ".repeat(100);
+    let out = Command::new(env!("CARGO_BIN_EXE_eddy"))
+        .args(["run", "--model", p.to_str().unwrap(), "--ctx", "32", "-m", &long])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("context holds 32"), "{err}");
+}
+
+#[test]
+fn bad_sampling_values() {
+    let Some(p) = smol() else { return };
+    let out = Command::new(env!("CARGO_BIN_EXE_eddy"))
+        .args(["run", "--model", p.to_str().unwrap(), "--top-p", "1.5", "-m", "hi"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("top_p"));
+}

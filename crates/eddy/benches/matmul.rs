@@ -1,0 +1,149 @@
+//! CPU matmul benchmarks.
+//!
+//! * `gemv_int4` / `gemv_int8`: one token (decode) at 1536×1536, 8960×1536 and 1536×8960 (rows×cols),
+//!   1 and 2 threads; throughput = weight bytes streamed per call (`WeightMatrix::nbytes`).
+//! * `gemm_int4` / `gemm_int8`: 128 tokens (prefill); throughput in "elements" = 2·rows·cols·n
+//!   operations (multiply + add), i.e. read Gelem/s as GOP/s.
+//!
+//! * `gemv_cold_*`: like `gemv_*` at 8960×1536 but rotating through ≥ 128 MB of weight copies, so the
+//!   weights come from DRAM (the plain `gemv_*` sizes fit in L2/L3 and measure cache bandwidth).
+//! * `small_*`: n = 2..8 tokens at 1536×1536 (speculative decoding), GOP/s.
+//!
+//! Activations are quantized once outside the timed loop.
+//! Run: `cargo bench -p eddy --bench matmul -- --warm-up-time 1 --measurement-time 3`.
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use eddy::backend::cpu::{matmul, quantize_activations, Kernel, QuantizedActivations, ThreadPool};
+use eddy::quant::{Int4Matrix, Int8Matrix, WeightMatrix, QK};
+use std::hint::black_box;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+    fn f(&mut self) -> f32 {
+        (self.next() & 0xFFFFFF) as f32 / 16777216.0
+    }
+}
+
+fn int4(rows: usize, cols: usize, rng: &mut Rng) -> WeightMatrix {
+    let ng = rows * cols / QK;
+    WeightMatrix::Int4(Int4Matrix {
+        rows,
+        cols,
+        packed: (0..rows * cols / 2).map(|_| rng.next() as u8).collect(),
+        scale: (0..ng).map(|_| 0.001 + 0.01 * rng.f()).collect(),
+        min: (0..ng).map(|_| -0.05 * rng.f()).collect(),
+    })
+}
+
+fn int8(rows: usize, cols: usize, rng: &mut Rng) -> WeightMatrix {
+    let q: Vec<i8> = (0..rows * cols).map(|_| ((rng.next() % 255) as i32 - 127) as i8).collect();
+    let qsum = q.chunks(32).map(|c| c.iter().map(|&v| v as i32).sum()).collect();
+    WeightMatrix::Int8(Int8Matrix {
+        rows,
+        cols,
+        group: 32,
+        scale: (0..rows * cols / 32).map(|_| 0.001 + 0.01 * rng.f()).collect(),
+        q,
+        qsum,
+    })
+}
+
+fn bench(c: &mut Criterion) {
+    eprintln!("eddy kernel path: {:?}", Kernel::active());
+    let mut rng = Rng(42);
+    let pools = [ThreadPool::new(1), ThreadPool::new(2)];
+    let shapes = [(1536usize, 1536usize), (8960, 1536), (1536, 8960)];
+    for (name, make) in [("int4", int4 as fn(usize, usize, &mut Rng) -> WeightMatrix), ("int8", int8)] {
+        let mut g = c.benchmark_group(format!("gemv_{name}"));
+        for &(rows, cols) in &shapes {
+            let w = make(rows, cols, &mut rng);
+            let x: Vec<f32> = (0..cols).map(|_| rng.f() * 2.0 - 1.0).collect();
+            let mut xq = QuantizedActivations::new();
+            quantize_activations(&pools[0], &x, 1, cols, &mut xq);
+            let mut out = vec![0f32; rows];
+            g.throughput(Throughput::Bytes(w.nbytes() as u64));
+            for pool in &pools {
+                let id = BenchmarkId::new(format!("{rows}x{cols}"), format!("t{}", pool.n_threads()));
+                g.bench_function(id, |b| b.iter(|| matmul(pool, black_box(&w), &[], &xq, 1, &mut out)));
+            }
+        }
+        g.finish();
+
+        let n = 128;
+        let mut g = c.benchmark_group(format!("gemm_{name}"));
+        g.sample_size(10);
+        for &(rows, cols) in &shapes[..2] {
+            let w = make(rows, cols, &mut rng);
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.f() * 2.0 - 1.0).collect();
+            let mut xq = QuantizedActivations::new();
+            quantize_activations(&pools[0], &x, n, cols, &mut xq);
+            let mut out = vec![0f32; n * rows];
+            g.throughput(Throughput::Elements((2 * rows * cols * n) as u64));
+            for pool in &pools {
+                let id = BenchmarkId::new(format!("{rows}x{cols}_n{n}"), format!("t{}", pool.n_threads()));
+                g.bench_function(id, |b| b.iter(|| matmul(pool, black_box(&w), &[], &xq, n, &mut out)));
+            }
+        }
+        g.finish();
+    }
+}
+
+/// Decode from DRAM: rotate through copies of an 8960×1536 matrix totalling ≥ 128 MB (> L3), so every
+/// call streams its weights from memory.
+fn cold(c: &mut Criterion) {
+    let mut rng = Rng(9);
+    let pools = [ThreadPool::new(1), ThreadPool::new(2)];
+    let (rows, cols) = (8960, 1536);
+    for (name, make) in [("int4", int4 as fn(usize, usize, &mut Rng) -> WeightMatrix), ("int8", int8)] {
+        let first = make(rows, cols, &mut rng);
+        let copies = (128 << 20) / first.nbytes() + 1;
+        let ws: Vec<WeightMatrix> = std::iter::once(first).chain((1..copies).map(|_| make(rows, cols, &mut rng))).collect();
+        let x: Vec<f32> = (0..cols).map(|_| rng.f() * 2.0 - 1.0).collect();
+        let mut xq = QuantizedActivations::new();
+        quantize_activations(&pools[0], &x, 1, cols, &mut xq);
+        let mut out = vec![0f32; rows];
+        let mut g = c.benchmark_group(format!("gemv_cold_{name}"));
+        g.throughput(Throughput::Bytes(ws[0].nbytes() as u64));
+        for pool in &pools {
+            let mut i = 0;
+            let id = BenchmarkId::new(format!("{rows}x{cols}"), format!("t{}", pool.n_threads()));
+            g.bench_function(id, |b| {
+                b.iter(|| {
+                    i = (i + 1) % ws.len();
+                    matmul(pool, black_box(&ws[i]), &[], &xq, 1, &mut out)
+                })
+            });
+        }
+        g.finish();
+    }
+}
+
+/// Small batches (speculative decoding): throughput in GOP/s as in `gemm_*`; shows the GEMV → GEMM
+/// switch.
+fn small(c: &mut Criterion) {
+    let mut rng = Rng(7);
+    let pool = ThreadPool::new(1);
+    for (name, make) in [("int4", int4 as fn(usize, usize, &mut Rng) -> WeightMatrix), ("int8", int8)] {
+        let mut g = c.benchmark_group(format!("small_{name}"));
+        let (rows, cols) = (1536, 1536);
+        let w = make(rows, cols, &mut rng);
+        for n in [2usize, 4, 6, 8] {
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.f() * 2.0 - 1.0).collect();
+            let mut xq = QuantizedActivations::new();
+            quantize_activations(&pool, &x, n, cols, &mut xq);
+            let mut out = vec![0f32; n * rows];
+            g.throughput(Throughput::Elements((2 * rows * cols * n) as u64));
+            g.bench_function(format!("{rows}x{cols}_n{n}/t1"), |b| {
+                b.iter(|| matmul(&pool, black_box(&w), &[], &xq, n, &mut out))
+            });
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, bench, cold, small);
+criterion_main!(benches);

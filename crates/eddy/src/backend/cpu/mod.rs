@@ -1,0 +1,262 @@
+//! CPU kernels: activation quantization and matrix products against eddy's weight formats.
+//!
+//! # Kernel paths
+//! Three implementations, chosen once per process by [`Kernel::active`]:
+//! * [`Kernel::Avx512`]: AVX-512 F/BW/VL + VNNI (`vpdpbusd`), 64 bytes (two activation groups) per step.
+//! * [`Kernel::Avx2`]: AVX2 + FMA (`vpmaddubsw` + `vpmaddwd`), 32 bytes (one activation group) per step.
+//! * [`Kernel::Scalar`]: portable loops.
+//!
+//! The environment variable `EDDY_KERNEL=scalar|avx2|avx512` caps the choice (a request for a path the
+//! CPU lacks falls back to the best available one). Tests call [`matmul_with`] /
+//! [`quantize_activations_with`] to exercise every path in one process.
+//!
+//! # Batch invariance
+//! Every path computes output `(row, token)` with a sequence of floating-point operations that depends
+//! only on `(row, token)`, never on `n`, on the tile the pair lands in, or on the thread count: each pair
+//! owns its own accumulator (a SIMD vector, reduced by a fixed shuffle tree at the end), the per-step
+//! operations applied to it are the same in every `R rows × T tokens` tile instantiation (tiles only
+//! share loads and weight decoding, which are exact), and integer parts are exact. So a token's row of
+//! `matmul(.., n = 1, ..)` is bit-identical to the same token inside any batch. Results of different
+//! paths differ by float reassociation only.
+//!
+//! # Int weights × int8 activations
+//! Activations are quantized per token and group of 32 ([`quantize_activations`]): `x ≈ d·q`.
+//! * Int4 (`w = s·q_w + m`): `Σ_c w·x = Σ_g d_g·(s_g·Σ_j q_w·q_x + m_g·Σ_j q_x)`. The nibbles are the
+//!   unsigned operand of `vpdpbusd`/`vpmaddubsw`, the activation codes the signed one.
+//! * Int8 (`w = s·q_w`, group 32 or 16): AVX-512 uses the shifted activations
+//!   [`QuantizedActivations::qu`] `= q_x + 128` (u8) and starts every `vpdpbusd` from
+//!   `−128·Σ_{4 lanes} q_w` (computed per weight vector with one more `vpdpbusd`), so every i32 lane is
+//!   exactly `Σ q_w·q_x` of its 4 elements. AVX2 uses the sign trick
+//!   `maddubs(|q_w|, sign(q_x, q_w))`.
+//!
+//! Each i32 lane (4 products) is converted to f32 and fused-multiply-added into the pair's accumulator
+//! with the per-lane factor `s_w·d_x` of the group the lane belongs to.
+
+pub mod activation;
+pub mod attention;
+mod avx2;
+mod avx512;
+pub mod bandwidth;
+pub mod norm;
+mod pool;
+mod quantize;
+mod reference;
+pub mod rope;
+mod scalar;
+#[cfg(test)]
+mod tests;
+
+use std::ops::Range;
+use std::sync::OnceLock;
+
+use crate::quant::{WeightMatrix, QK};
+
+pub use pool::ThreadPool;
+pub use quantize::{quantize_activations, quantize_activations_with, QuantizedActivations};
+pub use reference::matmul_reference;
+
+/// A kernel implementation path. Ordered from least to most capable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Kernel {
+    /// Portable scalar code.
+    Scalar,
+    /// AVX2 + FMA (x86-64).
+    Avx2,
+    /// AVX-512 F + BW + VL + VNNI (x86-64).
+    Avx512,
+}
+
+impl Kernel {
+    /// The best path this CPU supports (runtime detection, no environment override).
+    pub fn detect() -> Kernel {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni")
+                && is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+            {
+                return Kernel::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return Kernel::Avx2;
+            }
+        }
+        Kernel::Scalar
+    }
+
+    /// Whether this path can run on this CPU.
+    pub fn is_available(self) -> bool {
+        self <= Kernel::detect()
+    }
+
+    /// Every path available on this CPU, lowest first.
+    pub fn available() -> Vec<Kernel> {
+        [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512].into_iter().filter(|k| k.is_available()).collect()
+    }
+
+    /// Parse `scalar`, `avx2` or `avx512` (case-insensitive).
+    pub fn parse(s: &str) -> Option<Kernel> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "scalar" => Some(Kernel::Scalar),
+            "avx2" => Some(Kernel::Avx2),
+            "avx512" => Some(Kernel::Avx512),
+            _ => None,
+        }
+    }
+
+    /// The path used by [`matmul`] and [`quantize_activations`]: [`Kernel::detect`], capped by the
+    /// `EDDY_KERNEL` environment variable if set. Decided once per process.
+    pub fn active() -> Kernel {
+        static ACTIVE: OnceLock<Kernel> = OnceLock::new();
+        *ACTIVE.get_or_init(|| {
+            let best = Kernel::detect();
+            match std::env::var("EDDY_KERNEL") {
+                Ok(v) => match Kernel::parse(&v) {
+                    Some(k) => k.min(best),
+                    None => {
+                        eprintln!("eddy: ignoring EDDY_KERNEL={v:?} (expected scalar, avx2 or avx512)");
+                        best
+                    }
+                },
+                Err(_) => best,
+            }
+        })
+    }
+}
+
+/// A raw output pointer shared by workers that write disjoint elements.
+#[derive(Clone, Copy)]
+pub(crate) struct SyncPtr<T>(pub(crate) *mut T);
+unsafe impl<T> Send for SyncPtr<T> {}
+unsafe impl<T> Sync for SyncPtr<T> {}
+impl<T> SyncPtr<T> {
+    /// The pointer (a method, so closures capture the whole `Sync` wrapper, not the raw field).
+    #[inline]
+    pub(crate) fn get(self) -> *mut T {
+        self.0
+    }
+}
+
+/// Everything a tile kernel needs. `out[t * rows + r]` receives `(row r, token t)`.
+pub(crate) struct Ctx<'a> {
+    pub(crate) w: &'a WeightMatrix,
+    pub(crate) x: &'a [f32],
+    pub(crate) xq: &'a QuantizedActivations,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) out: SyncPtr<f32>,
+}
+
+/// Matrix product `out[t*rows + r] = Σ_c W[r][c] · x[t][c]` for `t in 0..n`, on the [`Kernel::active`]
+/// path, split across `pool` by rows.
+///
+/// * `w`: `rows × cols` weights.
+/// * `x`: `n × cols` f32 activations, row-major. Read for `F32`/`Bf16` weights; ignored for
+///   `Int4`/`Int8` weights (may then be empty; if non-empty its length is debug-asserted).
+/// * `xq`: `x` quantized by [`quantize_activations`] (`xq.n >= n`, `xq.cols == cols`). Read for
+///   `Int4`/`Int8` weights, ignored otherwise.
+/// * `out`: `n × rows` f32, token-major (`out.len() == n * rows`).
+///
+/// Nothing is allocated. Results are bit-identical for a token regardless of `n` and of the thread
+/// count (see the module docs).
+pub fn matmul(pool: &ThreadPool, w: &WeightMatrix, x: &[f32], xq: &QuantizedActivations, n: usize, out: &mut [f32]) {
+    matmul_with(Kernel::active(), pool, w, x, xq, n, out)
+}
+
+/// [`matmul`] on an explicitly chosen path. Panics if `kernel` is not available on this CPU.
+pub fn matmul_with(
+    kernel: Kernel,
+    pool: &ThreadPool,
+    w: &WeightMatrix,
+    x: &[f32],
+    xq: &QuantizedActivations,
+    n: usize,
+    out: &mut [f32],
+) {
+    assert!(kernel.is_available(), "kernel path {kernel:?} is not supported by this CPU");
+    let (rows, cols) = (w.rows(), w.cols());
+    assert_eq!(out.len(), n * rows, "out must hold n*rows values");
+    check_weights(w);
+    match w {
+        WeightMatrix::F32 { .. } | WeightMatrix::Bf16 { .. } => {
+            assert!(x.len() >= n * cols, "x must hold n*cols values");
+        }
+        WeightMatrix::Int4(_) | WeightMatrix::Int8(_) => {
+            assert!(cols % QK == 0, "quantized weights need cols % 32 == 0");
+            assert!(xq.n >= n && xq.cols == cols, "xq must hold n tokens of cols values (quantize_activations)");
+            assert!(
+                xq.q.len() >= n * cols
+                    && xq.qu.len() >= n * cols
+                    && xq.scale.len() >= n * cols / QK
+                    && xq.sum.len() >= n * cols / QK
+                    && xq.dsum.len() >= n * cols / QK,
+                "xq buffers too short"
+            );
+            debug_assert!(x.is_empty() || x.len() >= n * cols);
+        }
+    }
+    if n == 0 || rows == 0 {
+        return;
+    }
+    let ctx = Ctx { w, x, xq, rows, cols, out: SyncPtr(out.as_mut_ptr()) };
+    // Rows per claimed chunk: a multiple of the 16-row GEMM block, and at least ~64 K multiply-adds.
+    let min_chunk = (65536 / (cols * n).max(1)).clamp(16, 256).next_multiple_of(16);
+    if pool.n_threads() == 1 || rows * cols * n < 1 << 17 {
+        // SAFETY: shapes checked above; the whole output is ours.
+        unsafe { process_rows(kernel, &ctx, n, 0..rows) };
+    } else {
+        // SAFETY: chunks are disjoint row ranges, so workers write disjoint outputs.
+        pool.parallel_for(rows, min_chunk, |range| unsafe { process_rows(kernel, &ctx, n, range) });
+    }
+}
+
+fn check_weights(w: &WeightMatrix) {
+    let (rows, cols) = (w.rows(), w.cols());
+    match w {
+        WeightMatrix::F32 { data, .. } => assert!(data.len() >= rows * cols),
+        WeightMatrix::Bf16 { data, .. } => assert!(data.len() >= rows * cols),
+        WeightMatrix::Int4(m) => {
+            assert!(m.packed.len() >= rows * cols / 2);
+            assert!(m.scale.len() >= rows * cols / QK && m.min.len() >= rows * cols / QK);
+        }
+        WeightMatrix::Int8(m) => {
+            assert!(m.group == 32 || m.group == 16, "Int8 group must be 32 or 16");
+            assert!(m.q.len() >= rows * cols && m.scale.len() >= rows * cols / m.group);
+        }
+    }
+}
+
+/// Rows processed per block: its weights stay in L2 while every token tile passes over them.
+pub(crate) const ROW_BLOCK: usize = 32;
+
+/// Compute outputs for rows `range` and all `n` tokens.
+///
+/// Scalar/AVX2: row blocks of [`ROW_BLOCK`], token tiles of 4, row tiles of 4 (1 at a row tail).
+/// AVX-512 has its own blocking (see `avx512.rs`).
+unsafe fn process_rows(kernel: Kernel, ctx: &Ctx, n: usize, range: Range<usize>) {
+    if kernel == Kernel::Avx512 {
+        return avx512::rows(ctx, n, range);
+    }
+    let mut rb = range.start;
+    while rb < range.end {
+        let rb_end = (rb + ROW_BLOCK).min(range.end);
+        let mut t = 0;
+        while t < n {
+            let nt = (n - t).min(4);
+            let mut r = rb;
+            while r < rb_end {
+                let nr = if rb_end - r >= 4 { 4 } else { 1 };
+                match kernel {
+                    Kernel::Avx2 => avx2::tile(ctx, r, nr, t, nt),
+                    _ => scalar::tile(ctx, r, nr, t, nt),
+                }
+                r += nr;
+            }
+            t += nt;
+        }
+        rb = rb_end;
+    }
+}

@@ -1,0 +1,367 @@
+use super::*;
+use crate::quant::{Int4Matrix, Int8Matrix};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// SplitMix64: small deterministic generator for test data.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [0, 1).
+    fn f(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32
+    }
+    /// Uniform in [lo, hi).
+    fn range(&mut self, lo: f32, hi: f32) -> f32 {
+        lo + (hi - lo) * self.f()
+    }
+    /// Never zero: magnitude in [lo, hi), random sign.
+    fn nz(&mut self, lo: f32, hi: f32) -> f32 {
+        let v = self.range(lo, hi);
+        if self.next() & 1 == 0 {
+            v
+        } else {
+            -v
+        }
+    }
+    fn int(&mut self, lo: i32, hi: i32) -> i32 {
+        lo + (self.next() % (hi - lo + 1) as u64) as i32
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Int4,
+    Int8,
+    Int8G16,
+    F32,
+    Bf16,
+}
+const KINDS: [Kind; 5] = [Kind::Int4, Kind::Int8, Kind::Int8G16, Kind::F32, Kind::Bf16];
+
+fn rand_weights(kind: Kind, rows: usize, cols: usize, rng: &mut Rng) -> WeightMatrix {
+    match kind {
+        Kind::Int4 => {
+            let ng = rows * cols / QK;
+            WeightMatrix::Int4(Int4Matrix {
+                rows,
+                cols,
+                packed: (0..rows * cols / 2).map(|_| rng.next() as u8).collect(),
+                scale: (0..ng).map(|_| rng.range(0.002, 0.02)).collect(),
+                min: (0..ng).map(|_| rng.nz(0.01, 0.2)).collect(),
+            })
+        }
+        Kind::Int8 | Kind::Int8G16 => {
+            let (group, lo, hi) = if matches!(kind, Kind::Int8) { (32, -127, 127) } else { (16, -32, 31) };
+            let q: Vec<i8> = (0..rows * cols).map(|_| rng.int(lo, hi) as i8).collect();
+            let qsum = q.chunks(group).map(|c| c.iter().map(|&v| v as i32).sum()).collect();
+            WeightMatrix::Int8(Int8Matrix {
+                rows,
+                cols,
+                group,
+                scale: (0..rows * cols / group).map(|_| rng.nz(0.001, 0.01)).collect(),
+                q,
+                qsum,
+            })
+        }
+        Kind::F32 => WeightMatrix::F32 { rows, cols, data: (0..rows * cols).map(|_| rng.nz(0.001, 0.1)).collect() },
+        Kind::Bf16 => WeightMatrix::Bf16 {
+            rows,
+            cols,
+            data: (0..rows * cols).map(|_| (rng.nz(0.001, 0.1).to_bits() >> 16) as u16).collect(),
+        },
+    }
+}
+
+/// Activations in ±[0.01, 1) with occasional outliers; never zero.
+fn rand_x(n: usize, cols: usize, rng: &mut Rng) -> Vec<f32> {
+    (0..n * cols).map(|_| if rng.next() % 50 == 0 { rng.nz(2.0, 20.0) } else { rng.nz(0.01, 1.0) }).collect()
+}
+
+/// Σ of absolute values of every term the product is made of (the scale for tolerances).
+fn magnitude(w: &WeightMatrix, x: &[f32], xq: &QuantizedActivations, r: usize, t: usize) -> f64 {
+    let cols = w.cols();
+    match w {
+        WeightMatrix::Int4(m) => {
+            let gpr = cols / QK;
+            (0..gpr)
+                .map(|g| {
+                    let d = xq.scale[t * gpr + g] as f64;
+                    let (s, mn) = (m.scale[r * gpr + g].abs() as f64, m.min[r * gpr + g].abs() as f64);
+                    (0..QK)
+                        .map(|j| {
+                            let b = m.packed[(r * cols + g * QK) / 2 + j % 16];
+                            let q = if j < 16 { b & 15 } else { b >> 4 } as f64;
+                            let xv = (xq.q[t * cols + g * QK + j] as f64).abs();
+                            d * (s * q + mn) * xv
+                        })
+                        .sum::<f64>()
+                })
+                .sum()
+        }
+        WeightMatrix::Int8(m) => (0..cols)
+            .map(|c| {
+                let s = m.scale[(r * cols + c) / m.group].abs() as f64;
+                let d = xq.scale[t * (cols / QK) + c / QK] as f64;
+                s * d * (m.q[r * cols + c] as f64 * xq.q[t * cols + c] as f64).abs()
+            })
+            .sum(),
+        _ => {
+            let mut row = vec![0f32; cols];
+            w.dequant_row(r, &mut row);
+            (0..cols).map(|c| (row[c] as f64 * x[t * cols + c] as f64).abs()).sum()
+        }
+    }
+}
+
+fn quantize(kernel: Kernel, x: &[f32], n: usize, cols: usize) -> QuantizedActivations {
+    let pool = ThreadPool::new(1);
+    let mut xq = QuantizedActivations::new();
+    quantize_activations_with(kernel, &pool, x, n, cols, &mut xq);
+    xq
+}
+
+#[test]
+fn pool_run_visits_every_index_once() {
+    for n in 1..=4 {
+        let pool = ThreadPool::new(n);
+        assert_eq!(pool.n_threads(), n);
+        for iter in 0..2000 {
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(|i, nt| {
+                assert_eq!(nt, n);
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "iteration {iter}");
+            if iter % 500 == 499 {
+                // Let workers park, then wake them again.
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+        }
+    }
+}
+
+#[test]
+fn pool_parallel_for_covers_range_exactly_once() {
+    let mut rng = Rng(7);
+    let pool = ThreadPool::new(3);
+    for _ in 0..300 {
+        let n = rng.int(0, 2000) as usize;
+        let min_chunk = rng.int(1, 64) as usize;
+        let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+        pool.parallel_for(n, min_chunk, |range| {
+            assert!(range.start % min_chunk == 0, "chunks start at multiples of min_chunk");
+            for i in range {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+    }
+}
+
+#[test]
+fn pool_nested_calls_run_serially_and_panics_propagate() {
+    let pool = ThreadPool::new(2);
+    let total = AtomicUsize::new(0);
+    pool.run(|_, _| {
+        pool.parallel_for(100, 10, |r| {
+            total.fetch_add(r.len(), Ordering::Relaxed);
+        })
+    });
+    assert_eq!(total.load(Ordering::Relaxed), 200);
+    let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        pool.run(|i, _| {
+            if i == 1 {
+                panic!("boom");
+            }
+        })
+    }));
+    assert!(res.is_err());
+    let count = AtomicUsize::new(0);
+    pool.run(|_, _| {
+        count.fetch_add(1, Ordering::Relaxed);
+    });
+    assert_eq!(count.load(Ordering::Relaxed), 2, "pool still usable after a panic");
+}
+
+#[test]
+fn kernel_parse_and_availability() {
+    assert_eq!(Kernel::parse("AVX512"), Some(Kernel::Avx512));
+    assert_eq!(Kernel::parse("avx2"), Some(Kernel::Avx2));
+    assert_eq!(Kernel::parse("scalar"), Some(Kernel::Scalar));
+    assert_eq!(Kernel::parse("sse"), None);
+    assert!(Kernel::Scalar.is_available());
+    assert!(Kernel::active() <= Kernel::detect());
+    assert!(Kernel::available().contains(&Kernel::active()));
+}
+
+#[test]
+fn quantize_simd_matches_scalar_exactly() {
+    let mut rng = Rng(1);
+    for &cols in &[32usize, 96, 576, 928] {
+        for &n in &[1usize, 3, 7] {
+            let mut x = rand_x(n, cols, &mut rng);
+            // Special groups: all zero, tiny, exact ties after scaling, one huge value.
+            x[..QK].fill(0.0);
+            if n * cols >= 4 * QK {
+                x[QK..2 * QK].iter_mut().for_each(|v| *v *= 1e-32);
+                // amax = 127 → inverse scale 1: codes hit k + 0.5 ties exactly.
+                x[2 * QK] = 127.0;
+                for j in 1..QK {
+                    x[2 * QK + j] = j as f32 - 15.5;
+                }
+                x[3 * QK + 5] = 1e6;
+            }
+            let want = quantize(Kernel::Scalar, &x, n, cols);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            for k in Kernel::available() {
+                let got = quantize(k, &x, n, cols);
+                assert_eq!(got.q, want.q, "{k:?} codes");
+                assert_eq!(got.qu, want.qu, "{k:?} shifted codes");
+                assert_eq!(got.sum, want.sum, "{k:?} sums");
+                assert_eq!(bits(&got.dsum), bits(&want.dsum), "{k:?} dsums");
+                assert_eq!(bits(&got.scale), bits(&want.scale), "{k:?} scales");
+            }
+            // Invariants: codes in range, qu = q + 128, sums match, reconstruction error ≤ d/2.
+            for g in 0..n * cols / QK {
+                let d = want.scale[g];
+                let mut s = 0;
+                for j in 0..QK {
+                    let i = g * QK + j;
+                    let q = want.q[i] as i32;
+                    assert!((-127..=127).contains(&q));
+                    assert_eq!(want.qu[i] as i32, q + 128);
+                    s += q;
+                    assert!((x[i] - d * q as f32).abs() <= d * 0.5001 + 1e-30, "group {g}");
+                }
+                assert_eq!(s, want.sum[g]);
+                assert_eq!(want.dsum[g].to_bits(), (d * s as f32).to_bits());
+            }
+            assert_eq!(want.scale[0], 0.0);
+            assert!(want.q[..QK].iter().all(|&q| q == 0));
+        }
+    }
+}
+
+#[test]
+fn quantize_reuses_buffers_and_splits_across_threads() {
+    let mut rng = Rng(2);
+    let (n, cols) = (300, 576);
+    let x = rand_x(n, cols, &mut rng);
+    let want = quantize(Kernel::Scalar, &x, n, cols);
+    let pool = ThreadPool::new(3);
+    let mut xq = QuantizedActivations::new();
+    quantize_activations(&pool, &x, n, cols, &mut xq);
+    let ptr = xq.q.as_ptr();
+    quantize_activations(&pool, &x[..cols], 1, cols, &mut xq);
+    quantize_activations(&pool, &x, n, cols, &mut xq);
+    assert_eq!(ptr, xq.q.as_ptr(), "no reallocation once large enough");
+    assert_eq!(xq.q, want.q);
+    assert_eq!(xq.scale, want.scale);
+}
+
+#[test]
+fn matmul_all_paths_match_reference() {
+    let mut rng = Rng(3);
+    let pool = ThreadPool::new(2);
+    for kind in KINDS {
+        for &rows in &[1usize, 7, 33, 97] {
+            for &cols in &[32usize, 96, 576, 928] {
+                let w = rand_weights(kind, rows, cols, &mut rng);
+                for &n in &[1usize, 2, 4, 5, 9] {
+                    let x = rand_x(n, cols, &mut rng);
+                    let xq = quantize(Kernel::Scalar, &x, n, cols);
+                    let mut want = vec![0f32; n * rows];
+                    matmul_reference(&w, &x, &xq, n, &mut want);
+                    for k in Kernel::available() {
+                        let mut got = vec![f32::NAN; n * rows];
+                        matmul_with(k, &pool, &w, &x, &xq, n, &mut got);
+                        for t in 0..n {
+                            for r in 0..rows {
+                                let (g, e) = (got[t * rows + r], want[t * rows + r]);
+                                let tol = 1e-5 * magnitude(&w, &x, &xq, r, t) + 1e-30;
+                                assert!(
+                                    ((g - e) as f64).abs() <= tol,
+                                    "{kind:?} {k:?} rows={rows} cols={cols} n={n} r={r} t={t}: {g} vs {e} (tol {tol})"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_is_batch_and_thread_invariant_bitwise() {
+    let mut rng = Rng(4);
+    let pools: Vec<ThreadPool> = (1..=3).map(ThreadPool::new).collect();
+    for kind in KINDS {
+        for &(rows, cols) in &[(203usize, 928usize), (45, 96)] {
+            let w = rand_weights(kind, rows, cols, &mut rng);
+            let nmax = 17;
+            let x = rand_x(nmax, cols, &mut rng);
+            let xq_all = quantize(Kernel::Scalar, &x, nmax, cols);
+            for k in Kernel::available() {
+                // Single-token results, one call per token.
+                let mut single = vec![0f32; nmax * rows];
+                for t in 0..nmax {
+                    let xt = &x[t * cols..(t + 1) * cols];
+                    let xq = quantize(k, xt, 1, cols);
+                    assert_eq!(xq.q[..], xq_all.q[t * cols..(t + 1) * cols]);
+                    matmul_with(k, &pools[0], &w, xt, &xq, 1, &mut single[t * rows..(t + 1) * rows]);
+                }
+                for &n in &[1usize, 2, 3, 5, 8, 17] {
+                    let xq = quantize(k, &x[..n * cols], n, cols);
+                    for pool in &pools {
+                        let mut got = vec![f32::NAN; n * rows];
+                        matmul_with(k, pool, &w, &x[..n * cols], &xq, n, &mut got);
+                        for i in 0..n * rows {
+                            assert_eq!(
+                                got[i].to_bits(),
+                                single[i].to_bits(),
+                                "{kind:?} {k:?} {rows}x{cols} n={n} threads={} t={} r={}",
+                                pool.n_threads(),
+                                i / rows,
+                                i % rows
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn int4_matches_dequantized_dot() {
+    let mut rng = Rng(5);
+    let pool = ThreadPool::new(2);
+    let (rows, cols, n) = (64, 896 + 32, 3);
+    let w = rand_weights(Kind::Int4, rows, cols, &mut rng);
+    let x = rand_x(n, cols, &mut rng);
+    let mut xq = QuantizedActivations::new();
+    quantize_activations(&pool, &x, n, cols, &mut xq);
+    let mut got = vec![0f32; n * rows];
+    matmul(&pool, &w, &[], &xq, n, &mut got);
+    let (mut wrow, mut xrow) = (vec![0f32; cols], vec![0f32; cols]);
+    for t in 0..n {
+        xq.dequantize_row(t, &mut xrow);
+        for r in 0..rows {
+            w.dequant_row(r, &mut wrow);
+            let exact_q: f64 = (0..cols).map(|c| wrow[c] as f64 * xrow[c] as f64).sum();
+            let exact: f64 = (0..cols).map(|c| wrow[c] as f64 * x[t * cols + c] as f64).sum();
+            let mag: f64 = (0..cols).map(|c| (wrow[c] as f64 * x[t * cols + c] as f64).abs()).sum();
+            let g = got[t * rows + r] as f64;
+            assert!((g - exact_q).abs() <= 1e-5 * magnitude(&w, &x, &xq, r, t), "r={r} t={t}: {g} vs {exact_q}");
+            // Activation quantization error: |Δx| ≤ d/2 per value, ~1% of the magnitude at most.
+            assert!((g - exact).abs() <= 0.02 * mag, "r={r} t={t}: {g} vs unquantized {exact}");
+        }
+    }
+}

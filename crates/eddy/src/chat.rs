@@ -1,0 +1,552 @@
+//! Chat templates: render a conversation to the prompt text the model was trained on, as transformers'
+//! `apply_chat_template(messages, tokenize=False, add_generation_prompt=..., **kwargs)` does.
+//!
+//! Templates are Jinja; eddy renders them with minijinja set up like transformers' sandboxed Jinja2
+//! environment: `trim_blocks` and `lstrip_blocks` on, the trailing newline dropped, loop controls, Python
+//! string/dict methods (`.strip()`, `.items()`, …), `raise_exception(msg)`, `strftime_now(fmt)`, and a
+//! `tojson` that writes what Python's `json.dumps(x, ensure_ascii=False)` writes (with `indent`,
+//! `separators`, `sort_keys` and `ensure_ascii` arguments). Values print as Python prints them (`True`,
+//! `None`, `1e-05`, `['a', 1]`). The context holds `messages`, `add_generation_prompt`, `bos_token`,
+//! `eos_token` (when known), `tools = None`, `documents = None`, and the caller's kwargs (which may override
+//! all but `messages` and `add_generation_prompt`).
+
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use crate::tokenizer::Tokenizer;
+use minijinja::value::{Enumerator, Kwargs, Object, ObjectRepr, Value, ValueKind};
+use minijinja::{Environment, ErrorKind, Output, State};
+use std::path::Path;
+use std::sync::Arc;
+
+/// One message of a conversation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant`, `tool`, …
+    pub role: String,
+    /// The message text.
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A message with the given role and content.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        ChatMessage { role: role.into(), content: content.into() }
+    }
+}
+
+/// A compiled chat template.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate").field("bos_token", &self.bos_token).field("eos_token", &self.eos_token).finish()
+    }
+}
+
+const TEMPLATE_NAME: &str = "chat_template";
+
+impl ChatTemplate {
+    /// Compiles `source`; `bos_token`/`eos_token` are the strings the template sees under those names.
+    /// A syntax error is an [`Error::Text`].
+    pub fn new(source: &str, bos_token: Option<String>, eos_token: Option<String>) -> Result<Self> {
+        let mut env = Environment::new();
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .keep_trailing_newline(false)
+            .build()
+            .map_err(|e| Error::Text(format!("chat template: {e}")))?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_formatter(python_formatter);
+        env.add_filter("tojson", tojson_filter);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_template_owned(TEMPLATE_NAME, source.to_string())
+            .map_err(|e| Error::Text(format!("chat template does not compile: {}", describe(&e))))?;
+        Ok(ChatTemplate { env, bos_token, eos_token })
+    }
+
+    /// The template in GGUF metadata `tokenizer.chat_template`, with the tokenizer's BOS/EOS names;
+    /// `None` when the file has none (base models). A non-string value is an [`Error::Model`].
+    pub fn from_gguf(g: &GgufFile, tok: &Tokenizer) -> Result<Option<Self>> {
+        let Some(v) = g.get("tokenizer.chat_template") else { return Ok(None) };
+        let source = v
+            .as_str()
+            .ok_or_else(|| Error::model(&g.path, "metadata tokenizer.chat_template is not a string"))?;
+        Self::with_tokenizer(source, tok).map(Some).map_err(|e| Error::model(&g.path, e.to_string()))
+    }
+
+    /// The template of a Hugging Face model folder: `chat_template.jinja`, else `chat_template.json`
+    /// (`{"chat_template": ...}`), else `"chat_template"` in `tokenizer_config.json` (a string, or a list of
+    /// `{name, template}` of which the one named `default` is used). `None` when there is none.
+    pub fn from_dir(dir: &Path, tok: &Tokenizer) -> Result<Option<Self>> {
+        let jinja = dir.join("chat_template.jinja");
+        if jinja.is_file() {
+            let source = std::fs::read_to_string(&jinja).map_err(|e| Error::model(&jinja, format!("cannot read: {e}")))?;
+            return Self::with_tokenizer(&source, tok).map(Some).map_err(|e| Error::model(&jinja, e.to_string()));
+        }
+        for name in ["chat_template.json", "tokenizer_config.json"] {
+            let path = dir.join(name);
+            if !path.is_file() {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).map_err(|e| Error::model(&path, format!("cannot read: {e}")))?;
+            let json: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| Error::model(&path, format!("malformed JSON: {e}")))?;
+            let source = match json.get("chat_template") {
+                None | Some(serde_json::Value::Null) => continue,
+                Some(serde_json::Value::String(s)) => s.clone(),
+                Some(serde_json::Value::Array(list)) => {
+                    let named = list.iter().find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"));
+                    match named.and_then(|t| t.get("template")).and_then(|t| t.as_str()) {
+                        Some(s) => s.to_string(),
+                        None => return Err(Error::model(&path, "chat_template list has no template named \"default\"")),
+                    }
+                }
+                Some(_) => return Err(Error::model(&path, "chat_template is neither a string nor a list of templates")),
+            };
+            return Self::with_tokenizer(&source, tok).map(Some).map_err(|e| Error::model(&path, e.to_string()));
+        }
+        Ok(None)
+    }
+
+    fn with_tokenizer(source: &str, tok: &Tokenizer) -> Result<Self> {
+        let name = |id: Option<u32>| id.and_then(|i| tok.token_str(i));
+        Self::new(source, name(tok.bos_id), name(tok.eos_id))
+    }
+
+    /// Renders `messages` as transformers' `apply_chat_template(messages, tokenize=False,
+    /// add_generation_prompt=..., **kwargs)`. A template that raises, or fails, is an [`Error::Text`].
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
+        let msgs: Vec<Value> = messages
+            .iter()
+            .map(|m| {
+                OrderedMap::value(vec![
+                    ("role".to_string(), Value::from(m.role.as_str())),
+                    ("content".to_string(), Value::from(m.content.as_str())),
+                ])
+            })
+            .collect();
+        let mut ctx: Vec<(String, Value)> = Vec::new();
+        let mut set = |k: &str, v: Value| match ctx.iter_mut().find(|(key, _)| key == k) {
+            Some(slot) => slot.1 = v,
+            None => ctx.push((k.to_string(), v)),
+        };
+        if let Some(b) = &self.bos_token {
+            set("bos_token", Value::from(b.as_str()));
+        }
+        if let Some(e) = &self.eos_token {
+            set("eos_token", Value::from(e.as_str()));
+        }
+        set("tools", Value::from(()));
+        set("documents", Value::from(()));
+        for (k, v) in kwargs {
+            set(k, json_to_value(v));
+        }
+        set("messages", Value::from(msgs));
+        set("add_generation_prompt", Value::from(add_generation_prompt));
+        let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(|e| Error::Text(format!("chat template: {}", describe(&e))))?;
+        tmpl.render(OrderedMap::value(ctx)).map_err(|e| Error::Text(format!("chat template: {}", describe(&e))))
+    }
+}
+
+/// The prompt ids for a rendered chat, as transformers' `apply_chat_template(tokenize=True)`: templates
+/// write BOS themselves, so the text is encoded without adding special tokens.
+pub fn encode_chat(tok: &Tokenizer, rendered: &str) -> Result<Vec<u32>> {
+    tok.encode(rendered, false)
+}
+
+/// One-line description of a minijinja error (with the template's message for `raise_exception`).
+fn describe(e: &minijinja::Error) -> String {
+    let mut s = match (e.kind(), e.detail()) {
+        (ErrorKind::InvalidOperation, Some(d)) => d.to_string(),
+        _ => e.to_string(),
+    };
+    if let Some(line) = e.line() {
+        if !s.contains("line") {
+            s.push_str(&format!(" (line {line})"));
+        }
+    }
+    let mut src = std::error::Error::source(e);
+    while let Some(inner) = src {
+        s.push_str(&format!(": {inner}"));
+        src = inner.source();
+    }
+    s
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Values
+
+/// A map that keeps insertion order (Python dicts do; minijinja's own maps are sorted).
+#[derive(Debug)]
+struct OrderedMap(Vec<(String, Value)>);
+
+impl OrderedMap {
+    fn value(entries: Vec<(String, Value)>) -> Value {
+        Value::from_object(OrderedMap(entries))
+    }
+}
+
+impl Object for OrderedMap {
+    fn repr(self: &Arc<Self>) -> ObjectRepr {
+        ObjectRepr::Map
+    }
+    fn get_value(self: &Arc<Self>, key: &Value) -> Option<Value> {
+        let key = key.as_str()?;
+        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone())
+    }
+    fn enumerate(self: &Arc<Self>) -> Enumerator {
+        Enumerator::Values(self.0.iter().map(|(k, _)| Value::from(k.as_str())).collect())
+    }
+    fn enumerator_len(self: &Arc<Self>) -> Option<usize> {
+        Some(self.0.len())
+    }
+}
+
+/// JSON (kwargs) to template values; objects keep their key order.
+fn json_to_value(v: &serde_json::Value) -> Value {
+    match v {
+        serde_json::Value::Null => Value::from(()),
+        serde_json::Value::Bool(b) => Value::from(*b),
+        serde_json::Value::Number(n) => {
+            if let Some(i) = n.as_i64() {
+                Value::from(i)
+            } else if let Some(u) = n.as_u64() {
+                Value::from(u)
+            } else {
+                Value::from(n.as_f64().unwrap_or(f64::NAN))
+            }
+        }
+        serde_json::Value::String(s) => Value::from(s.as_str()),
+        serde_json::Value::Array(a) => Value::from(a.iter().map(json_to_value).collect::<Vec<_>>()),
+        serde_json::Value::Object(o) => OrderedMap::value(o.iter().map(|(k, v)| (k.clone(), json_to_value(v))).collect()),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Functions and filters
+
+fn raise_exception(msg: String) -> std::result::Result<Value, minijinja::Error> {
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+}
+
+/// `strftime_now(fmt)`: local time formatted with strftime directives (as Python's `datetime.now().strftime`).
+fn strftime_now(fmt: String) -> std::result::Result<Value, minijinja::Error> {
+    use chrono::format::{Item, StrftimeItems};
+    let items: Vec<Item> = StrftimeItems::new(&fmt).collect();
+    if items.iter().any(|i| matches!(i, Item::Error)) {
+        return Err(minijinja::Error::new(ErrorKind::InvalidOperation, format!("strftime_now: invalid format {fmt:?}")));
+    }
+    Ok(Value::from(chrono::Local::now().format_with_items(items.into_iter()).to_string()))
+}
+
+/// `tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)` as transformers defines
+/// it: Python's `json.dumps` with those arguments (`separators` and `sort_keys` by keyword only).
+fn tojson_filter(
+    value: &Value,
+    ensure_ascii: Option<Value>,
+    indent: Option<Value>,
+    kwargs: Kwargs,
+) -> std::result::Result<Value, minijinja::Error> {
+    let pick = |pos: Option<Value>, name: &str| -> std::result::Result<Option<Value>, minijinja::Error> {
+        match pos {
+            Some(v) => Ok(Some(v)),
+            None => kwargs.get::<Option<Value>>(name),
+        }
+    };
+    let ensure_ascii = pick(ensure_ascii, "ensure_ascii")?.is_some_and(|v| v.is_true());
+    let indent = match pick(indent, "indent")? {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => Some(match v.kind() {
+            ValueKind::String => v.as_str().unwrap_or("").to_string(),
+            ValueKind::Number => " ".repeat(i64::try_from(v.clone()).unwrap_or(0).max(0) as usize),
+            _ => return Err(minijinja::Error::new(ErrorKind::InvalidOperation, "tojson: indent must be an int or a string")),
+        }),
+    };
+    let (item_sep, key_sep) = match kwargs.get::<Option<Value>>("separators")? {
+        Some(v) if !v.is_none() => {
+            let parts: Vec<Value> = v.try_iter()?.collect();
+            match parts.as_slice() {
+                [a, b] if a.as_str().is_some() && b.as_str().is_some() => {
+                    (a.as_str().unwrap().to_string(), b.as_str().unwrap().to_string())
+                }
+                _ => return Err(minijinja::Error::new(ErrorKind::InvalidOperation, "tojson: separators must be two strings")),
+            }
+        }
+        _ => (if indent.is_some() { "," } else { ", " }.to_string(), ": ".to_string()),
+    };
+    let sort_keys = kwargs.get::<Option<Value>>("sort_keys")?.is_some_and(|v| v.is_true());
+    kwargs.assert_all_used()?;
+    let opts = JsonOpts { ensure_ascii, indent, item_sep, key_sep, sort_keys };
+    let mut out = String::new();
+    write_json(&mut out, value, &opts, 0)?;
+    Ok(Value::from(out))
+}
+
+struct JsonOpts {
+    ensure_ascii: bool,
+    indent: Option<String>,
+    item_sep: String,
+    key_sep: String,
+    sort_keys: bool,
+}
+
+fn not_serializable(value: &Value) -> minijinja::Error {
+    minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: object of kind {} is not JSON serializable", value.kind()))
+}
+
+fn write_json(out: &mut String, value: &Value, o: &JsonOpts, depth: usize) -> std::result::Result<(), minijinja::Error> {
+    match value.kind() {
+        ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
+        ValueKind::Number => write_number(out, value, true),
+        ValueKind::String => write_json_str(out, value.as_str().unwrap_or(""), o.ensure_ascii),
+        ValueKind::Seq | ValueKind::Iterable => {
+            let items: Vec<Value> = value.try_iter()?.collect();
+            write_container(out, '[', ']', items.len(), o, depth, |out, i| write_json(out, &items[i], o, depth + 1))?;
+        }
+        ValueKind::Map => {
+            let mut keys: Vec<Value> = value.try_iter()?.collect();
+            if o.sort_keys {
+                keys.sort_by_key(|k| k.to_string());
+            }
+            write_container(out, '{', '}', keys.len(), o, depth, |out, i| {
+                let k = &keys[i];
+                match k.kind() {
+                    ValueKind::String => write_json_str(out, k.as_str().unwrap_or(""), o.ensure_ascii),
+                    ValueKind::Number | ValueKind::Bool | ValueKind::None => {
+                        let mut s = String::new();
+                        write_json(&mut s, k, o, depth)?;
+                        write_json_str(out, &s, o.ensure_ascii)
+                    }
+                    _ => return Err(not_serializable(k)),
+                }
+                out.push_str(&o.key_sep);
+                write_json(out, &value.get_item(k)?, o, depth + 1)
+            })?;
+        }
+        _ => return Err(not_serializable(value)),
+    }
+    Ok(())
+}
+
+fn write_container(
+    out: &mut String,
+    open: char,
+    close: char,
+    n: usize,
+    o: &JsonOpts,
+    depth: usize,
+    mut item: impl FnMut(&mut String, usize) -> std::result::Result<(), minijinja::Error>,
+) -> std::result::Result<(), minijinja::Error> {
+    out.push(open);
+    if n == 0 {
+        out.push(close);
+        return Ok(());
+    }
+    for i in 0..n {
+        if i > 0 {
+            out.push_str(&o.item_sep);
+        }
+        if let Some(ind) = &o.indent {
+            out.push('\n');
+            out.push_str(&ind.repeat(depth + 1));
+        }
+        item(out, i)?;
+    }
+    if let Some(ind) = &o.indent {
+        out.push('\n');
+        out.push_str(&ind.repeat(depth));
+    }
+    out.push(close);
+    Ok(())
+}
+
+/// A JSON string as `json.dumps` writes it (`ensure_ascii` escapes everything outside ASCII as `\uXXXX`).
+fn write_json_str(out: &mut String, s: &str, ensure_ascii: bool) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c if ensure_ascii && (c as u32) > 0x7e => {
+                let mut buf = [0u16; 2];
+                for unit in c.encode_utf16(&mut buf) {
+                    out.push_str(&format!("\\u{:04x}", unit));
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+/// A number as Python writes it (`repr`): integers plainly, floats in shortest round-trip form with
+/// Python's exponent rules (`1e-05`, `1e+16`, `0.0001`, `1.0`). `json` selects JSON's spelling of
+/// non-finite values (`NaN`, `Infinity`) over Python's (`nan`, `inf`).
+fn write_number(out: &mut String, value: &Value, json: bool) {
+    if value.is_integer() {
+        if let Ok(i) = i128::try_from(value.clone()) {
+            out.push_str(&i.to_string());
+            return;
+        }
+    }
+    let f = f64::try_from(value.clone()).unwrap_or(f64::NAN);
+    out.push_str(&py_float_repr(f, json));
+}
+
+fn py_float_repr(f: f64, json: bool) -> String {
+    if f.is_nan() {
+        return if json { "NaN" } else { "nan" }.into();
+    }
+    if f.is_infinite() {
+        let s = if json { "Infinity" } else { "inf" };
+        return if f < 0.0 { format!("-{s}") } else { s.into() };
+    }
+    if f == 0.0 {
+        return if f.is_sign_negative() { "-0.0" } else { "0.0" }.into();
+    }
+    // Shortest round-trip digits and exponent, from Rust's `{:e}` ("d.ddde±x").
+    let e = format!("{:e}", f.abs());
+    let (mant, exp) = e.split_once('e').unwrap_or((&e, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    let digits: String = mant.chars().filter(|c| c.is_ascii_digit()).collect();
+    let decpt = exp + 1; // position of the decimal point relative to the digit string
+    let sign = if f < 0.0 { "-" } else { "" };
+    let body = if decpt <= -4 || decpt > 16 {
+        let (first, rest) = digits.split_at(1);
+        let m = if rest.is_empty() { first.to_string() } else { format!("{first}.{rest}") };
+        format!("{m}e{}{:02}", if exp < 0 { '-' } else { '+' }, exp.abs())
+    } else if decpt <= 0 {
+        format!("0.{}{digits}", "0".repeat((-decpt) as usize))
+    } else if decpt as usize >= digits.len() {
+        format!("{digits}{}.0", "0".repeat(decpt as usize - digits.len()))
+    } else {
+        let (a, b) = digits.split_at(decpt as usize);
+        format!("{a}.{b}")
+    };
+    format!("{sign}{body}")
+}
+
+/// Python's `repr` of a string: single quotes unless the text has `'` and no `"`.
+fn py_str_repr(out: &mut String, s: &str) {
+    let q = if s.contains('\'') && !s.contains('"') { '"' } else { '\'' };
+    out.push(q);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == q => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if (c as u32) < 0x20 || c as u32 == 0x7f => out.push_str(&format!("\\x{:02x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push(q);
+}
+
+/// Python's `str()` of a value (`repr` inside containers).
+fn py_str(out: &mut String, value: &Value, nested: bool) {
+    match value.kind() {
+        ValueKind::Undefined => {}
+        ValueKind::None => out.push_str("None"),
+        ValueKind::Bool => out.push_str(if value.is_true() { "True" } else { "False" }),
+        ValueKind::Number => {
+            if value.is_integer() {
+                write_number(out, value, false)
+            } else {
+                let f = f64::try_from(value.clone()).unwrap_or(f64::NAN);
+                out.push_str(&py_float_repr(f, false));
+            }
+        }
+        ValueKind::String if nested => py_str_repr(out, value.as_str().unwrap_or("")),
+        ValueKind::Seq => match value.try_iter() {
+            Ok(it) => {
+                out.push(if value.is_tuple() { '(' } else { '[' });
+                for (i, v) in it.enumerate() {
+                    if i > 0 {
+                        out.push_str(", ");
+                    }
+                    py_str(out, &v, true);
+                }
+                out.push(if value.is_tuple() { ')' } else { ']' });
+            }
+            Err(_) => out.push_str(&value.to_string()),
+        },
+        ValueKind::Map => match value.try_iter() {
+            Ok(it) => {
+                out.push('{');
+                for (i, k) in it.enumerate() {
+                    if i > 0 {
+                        out.push_str(", ");
+                    }
+                    py_str(out, &k, true);
+                    out.push_str(": ");
+                    py_str(out, &value.get_item(&k).unwrap_or_default(), true);
+                }
+                out.push('}');
+            }
+            Err(_) => out.push_str(&value.to_string()),
+        },
+        _ => out.push_str(&value.to_string()),
+    }
+}
+
+/// Prints values the way Jinja2 (Python `str`) does.
+fn python_formatter(out: &mut Output, state: &mut State, value: &Value) -> std::result::Result<(), minijinja::Error> {
+    match value.kind() {
+        ValueKind::String | ValueKind::Undefined => minijinja::escape_formatter(out, state, value),
+        _ => {
+            let mut s = String::new();
+            py_str(&mut s, value, false);
+            out.write_str(&s).map_err(|_| minijinja::Error::new(ErrorKind::WriteFailure, "cannot write output"))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn float_repr_matches_python() {
+        for (f, s) in [
+            (1.0, "1.0"),
+            (0.1, "0.1"),
+            (1e16, "1e+16"),
+            (1234567890123456.0, "1234567890123456.0"),
+            (1e-5, "1e-05"),
+            (0.0001, "0.0001"),
+            (-1.5e-7, "-1.5e-07"),
+            (1e20, "1e+20"),
+            (123.456, "123.456"),
+            (-0.0, "-0.0"),
+            (2.5e300, "2.5e+300"),
+        ] {
+            assert_eq!(py_float_repr(f, true), s, "{f}");
+        }
+    }
+}

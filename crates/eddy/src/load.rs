@@ -1,0 +1,131 @@
+//! Resolving `--model` to files and loading model, tokenizer and chat template.
+//!
+//! A model is named by a GGUF file path, a Hugging Face model folder, or a hub id `org/name` (downloaded with
+//! hf-hub into the standard Hugging Face cache; `HF_HOME` and `HF_HUB_OFFLINE` are honoured). Without a
+//! name, the default model (Qwen2.5-Coder-0.5B-Instruct GGUF, fetched by `tools/fetch_models.sh`) is used.
+
+use crate::chat::ChatTemplate;
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use crate::models::Model;
+use crate::tokenizer::Tokenizer;
+use std::path::{Path, PathBuf};
+
+/// File name of the default model inside the models folder.
+pub const DEFAULT_MODEL_FILE: &str = "qwen2.5-coder-0.5b-instruct.gguf";
+
+/// The folder `tools/fetch_models.sh` fills: `$EDDY_MODELS`, else `$HOME/.cache/eddy/models`.
+pub fn models_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("EDDY_MODELS") {
+        return PathBuf::from(d);
+    }
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    home.join(".cache/eddy/models")
+}
+
+/// Path of the default model, or an error saying how to fetch it.
+pub fn default_model_path() -> Result<PathBuf> {
+    let p = models_dir().join(DEFAULT_MODEL_FILE);
+    if p.is_file() {
+        Ok(p)
+    } else {
+        Err(Error::model(&p, "default model not found; fetch it with `tools/fetch_models.sh qwen05` (or pass --model)"))
+    }
+}
+
+/// A model with its tokenizer and (optional) chat template.
+pub struct LoadedModel {
+    /// Weights and configuration.
+    pub model: Model,
+    /// Tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The model's chat template, if it has one.
+    pub template: Option<ChatTemplate>,
+    /// Where it was loaded from.
+    pub source: PathBuf,
+}
+
+/// Load the model named by `spec` (see the module docs); `progress(done, total)` reports tensor import.
+pub fn load(spec: Option<&str>, progress: &mut dyn FnMut(usize, usize)) -> Result<LoadedModel> {
+    let path = match spec {
+        None => default_model_path()?,
+        Some(s) => resolve(s)?,
+    };
+    if path.is_dir() {
+        return Err(Error::model(&path, "Hugging Face safetensors folders are not supported yet; pass a GGUF file"));
+    }
+    load_gguf(&path, progress)
+}
+
+/// Turn a `--model` argument into a local path: an existing path as it is, else a hub id.
+fn resolve(spec: &str) -> Result<PathBuf> {
+    let p = Path::new(spec);
+    if p.exists() {
+        return Ok(p.to_path_buf());
+    }
+    let looks_like_hub_id = spec.matches('/').count() == 1
+        && !spec.starts_with('.')
+        && !spec.starts_with('/')
+        && !spec.ends_with(".gguf")
+        && spec.split('/').all(|s| !s.is_empty());
+    if !looks_like_hub_id {
+        return Err(Error::model(p, "no such file or directory"));
+    }
+    hub_download(spec)
+}
+
+/// Download (or find in the Hugging Face cache) a hub repository's GGUF file, honouring HF_HOME and
+/// HF_HUB_OFFLINE. A cached copy is used without touching the network.
+fn hub_download(repo_id: &str) -> Result<PathBuf> {
+    let cache = hf_hub::Cache::from_env();
+    let repo_dir = cache.path().join(format!("models--{}", repo_id.replace('/', "--")));
+    if let Some(p) = cached_gguf(&repo_dir) {
+        return Ok(p);
+    }
+    let offline = std::env::var("HF_HUB_OFFLINE").map(|v| v == "1" || v.eq_ignore_ascii_case("true")).unwrap_or(false);
+    if offline {
+        return Err(Error::model(
+            repo_id,
+            format!("HF_HUB_OFFLINE is set and the model is not in the Hugging Face cache ({})", cache.path().display()),
+        ));
+    }
+    let api = hf_hub::api::sync::ApiBuilder::from_cache(cache)
+        .build()
+        .map_err(|e| Error::model(repo_id, format!("cannot start the hub client: {e}")))?;
+    let repo = api.model(repo_id.to_string());
+    let info = repo.info().map_err(|e| Error::model(repo_id, format!("cannot reach the Hugging Face hub: {e}")))?;
+    let gguf = info
+        .siblings
+        .iter()
+        .map(|s| s.rfilename.clone())
+        .filter(|f| f.ends_with(".gguf"))
+        .min_by_key(|f| (!f.to_lowercase().contains("q4_k_m"), f.len()))
+        .ok_or_else(|| Error::model(repo_id, "the repository has no .gguf file (safetensors repositories are not supported yet)"))?;
+    repo.get(&gguf).map_err(|e| Error::model(repo_id, format!("download of {gguf} failed: {e}")))
+}
+
+/// A `.gguf` in any snapshot of a cached hub repository (`models--org--name/snapshots/<rev>/`).
+fn cached_gguf(repo_dir: &Path) -> Option<PathBuf> {
+    let mut found: Vec<PathBuf> = std::fs::read_dir(repo_dir.join("snapshots"))
+        .ok()?
+        .flatten()
+        .flat_map(|snap| std::fs::read_dir(snap.path()).into_iter().flatten().flatten())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "gguf"))
+        .collect();
+    found.sort();
+    found.into_iter().next()
+}
+
+/// Load model, tokenizer and chat template from one GGUF file.
+pub fn load_gguf(path: &Path, progress: &mut dyn FnMut(usize, usize)) -> Result<LoadedModel> {
+    let g = GgufFile::open(path)?;
+    crate::models::config_from_gguf(&g)?; // unknown architecture: say so before anything else
+    let tokenizer = Tokenizer::from_gguf(&g)?;
+    let model = Model::from_gguf(&g, progress)?;
+    if tokenizer.vocab_size() > model.config.vocab_size {
+        return Err(Error::model(path, format!("tokenizer has {} tokens but the embedding only {} rows", tokenizer.vocab_size(), model.config.vocab_size)));
+    }
+    let template = ChatTemplate::from_gguf(&g, &tokenizer)?;
+    Ok(LoadedModel { model, tokenizer, template, source: path.to_path_buf() })
+}

@@ -1,0 +1,75 @@
+//! Sequence state, owned by the engine: the KV cache and the committed tokens.
+//!
+//! The KV cache is allocated once for the context length (`n_layers × ctx × kv_dim` f32 for K and for V)
+//! and never grows; a forward pass over a batch at positions `n_past..n_past+T` writes rows
+//! `n_past..n_past+T` and reads rows `0..n_past+T`. Committing a batch just advances `n_past`.
+
+use crate::error::{Error, Result};
+
+/// Preallocated key/value cache of one sequence.
+pub struct KvCache {
+    /// Layers.
+    pub n_layers: usize,
+    /// Rows per layer (the context length in tokens).
+    pub ctx: usize,
+    /// Values per row: `n_kv_heads × head_dim`.
+    pub kv_dim: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl KvCache {
+    /// Allocate (zeroed) for `ctx` tokens.
+    pub fn new(n_layers: usize, ctx: usize, kv_dim: usize) -> Self {
+        let n = n_layers * ctx * kv_dim;
+        KvCache { n_layers, ctx, kv_dim, k: vec![0.0; n], v: vec![0.0; n] }
+    }
+
+    /// K and V of layer `l`, each `ctx × kv_dim`.
+    pub fn layer_mut(&mut self, l: usize) -> (&mut [f32], &mut [f32]) {
+        let n = self.ctx * self.kv_dim;
+        (&mut self.k[l * n..(l + 1) * n], &mut self.v[l * n..(l + 1) * n])
+    }
+
+    /// Bytes held.
+    pub fn nbytes(&self) -> usize {
+        (self.k.len() + self.v.len()) * 4
+    }
+}
+
+/// The committed state of one sequence.
+pub struct SeqState {
+    /// KV cache; rows `0..tokens.len()` are valid.
+    pub kv: KvCache,
+    /// Tokens whose K/V are in the cache, in order.
+    pub tokens: Vec<u32>,
+}
+
+impl SeqState {
+    /// New empty sequence with room for `ctx` tokens.
+    pub fn new(n_layers: usize, ctx: usize, kv_dim: usize) -> Self {
+        SeqState { kv: KvCache::new(n_layers, ctx, kv_dim), tokens: Vec::with_capacity(ctx) }
+    }
+
+    /// Number of committed positions.
+    pub fn n_past(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Forget everything (the cache memory is kept).
+    pub fn clear(&mut self) {
+        self.tokens.clear();
+    }
+
+    /// Error unless `extra` more tokens fit.
+    pub fn check_room(&self, extra: usize) -> Result<()> {
+        if self.n_past() + extra > self.kv.ctx {
+            return Err(Error::Input(format!(
+                "sequence of {} tokens exceeds the context length of {} tokens",
+                self.n_past() + extra,
+                self.kv.ctx
+            )));
+        }
+        Ok(())
+    }
+}

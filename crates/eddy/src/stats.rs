@@ -1,0 +1,113 @@
+//! Run statistics: timing of a generation, peak memory, and energy from the Linux powercap (RAPL) counters.
+
+use std::time::Duration;
+
+/// What one generation measured. Times are wall-clock.
+#[derive(Debug, Clone, Default)]
+pub struct GenerationStats {
+    /// Prompt tokens prefilled.
+    pub prompt_tokens: usize,
+    /// Tokens generated (sampled), including the first.
+    pub generated_tokens: usize,
+    /// Target forward passes made while decoding (after the prefill).
+    pub decode_passes: usize,
+    /// From the start of prefill to the first sampled token.
+    pub ttft: Duration,
+    /// From the first sampled token to the last.
+    pub decode_time: Duration,
+    /// Whole call.
+    pub duration: Duration,
+    /// Why generation stopped.
+    pub finish: FinishReason,
+}
+
+/// Why generation stopped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-generation token.
+    #[default]
+    Stop,
+    /// `max_tokens` reached, or the context is full.
+    Length,
+    /// The caller asked to stop.
+    Cancelled,
+}
+
+impl GenerationStats {
+    /// Prompt tokens ÷ TTFT (tokens/s).
+    pub fn prefill_speed(&self) -> f64 {
+        self.prompt_tokens as f64 / self.ttft.as_secs_f64().max(1e-9)
+    }
+    /// (generated − 1) ÷ (time of last token − time of first token), tokens/s; 0 with fewer than 2 tokens.
+    pub fn generation_speed(&self) -> f64 {
+        if self.generated_tokens < 2 {
+            return 0.0;
+        }
+        (self.generated_tokens - 1) as f64 / self.decode_time.as_secs_f64().max(1e-9)
+    }
+    /// Generated tokens ÷ decode forward passes (the first token comes from the prefill pass).
+    pub fn tokens_per_pass(&self) -> f64 {
+        if self.decode_passes == 0 {
+            return if self.generated_tokens > 0 { 1.0 } else { 0.0 };
+        }
+        (self.generated_tokens.saturating_sub(1)) as f64 / self.decode_passes as f64
+    }
+}
+
+/// Peak resident set size of this process in bytes (`VmHWM` of /proc/self/status), if readable.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Reads cumulative package energy from `/sys/class/powercap/intel-rapl:N/energy_uj` (µJ), handling the
+/// counter's wrap at `max_energy_range_uj`. AMD exposes the same files.
+pub struct EnergyMeter {
+    zones: Vec<(std::path::PathBuf, u64, u64)>, // (energy file, max range, value at start)
+}
+
+impl EnergyMeter {
+    /// Start measuring; `Err(reason)` when no counter can be read (not Linux, no RAPL, not root, VM).
+    pub fn start() -> Result<Self, String> {
+        let base = std::path::Path::new("/sys/class/powercap");
+        let entries = std::fs::read_dir(base).map_err(|_| "no RAPL counters (/sys/class/powercap absent)".to_string())?;
+        let mut zones = Vec::new();
+        let mut denied = false;
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            // Top-level package zones only (intel-rapl:0, intel-rapl:1), not sub-zones (intel-rapl:0:0).
+            if !(name.starts_with("intel-rapl:") && name.matches(':').count() == 1) {
+                continue;
+            }
+            let f = e.path().join("energy_uj");
+            match std::fs::read_to_string(&f) {
+                Ok(v) => {
+                    let max = std::fs::read_to_string(e.path().join("max_energy_range_uj"))
+                        .ok()
+                        .and_then(|s| s.trim().parse().ok())
+                        .unwrap_or(u64::MAX);
+                    if let Ok(v) = v.trim().parse() {
+                        zones.push((f, max, v));
+                    }
+                }
+                Err(_) => denied = true,
+            }
+        }
+        if zones.is_empty() {
+            return Err(if denied { "RAPL counters not readable (needs root)".into() } else { "no RAPL package counters".into() });
+        }
+        Ok(EnergyMeter { zones })
+    }
+
+    /// Joules used since `start`.
+    pub fn joules(&self) -> f64 {
+        let mut uj = 0u64;
+        for (f, max, start) in &self.zones {
+            let now: u64 = std::fs::read_to_string(f).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(*start);
+            uj += if now >= *start { now - start } else { max - start + now };
+        }
+        uj as f64 * 1e-6
+    }
+}
