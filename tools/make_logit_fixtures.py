@@ -35,6 +35,9 @@ PROMPTS = [
     "children from the village come down to watch the wheel turn. Their grandparents remember when the mill "
     "still ground flour for three valleys, and every autumn the carts lined up along the road waiting their turn. "
     "Now the stones are quiet, and only the swallows use the loft.",
+    "<|im_start|>user\nWhat does this JSON describe?\n{\"name\": \"eddy\", \"language\": \"Rust\", \"backends\": [\"cpu\", \"cuda\"], "
+    "\"version\": \"0.1.0\"}<|im_end|>\n<|im_start|>assistant\nIt describes a software project called eddy, written in Rust, "
+    "with two backends: one for the CPU and one for CUDA GPUs. The version field says it is an early release.<|im_end|>\n",
 ]
 
 MODEL_FILES = {

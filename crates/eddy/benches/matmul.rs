@@ -5,7 +5,7 @@
 //! * `gemm_int4` / `gemm_int8`: 128 tokens (prefill); throughput in "elements" = 2·rows·cols·n
 //!   operations (multiply + add), i.e. read Gelem/s as GOP/s.
 //!
-//! * `gemv_cold_*`: like `gemv_*` at 8960×1536 but rotating through ≥ 128 MB of weight copies, so the
+//! * `gemv_cold_*`: like `gemv_*` at 8960×1536 but rotating through ≥ 384 MB of weight copies, so the
 //!   weights come from DRAM (the plain `gemv_*` sizes fit in L2/L3 and measure cache bandwidth).
 //! * `small_*`: n = 2..8 tokens at 1536×1536 (speculative decoding), GOP/s.
 //!
@@ -100,7 +100,7 @@ fn cold(c: &mut Criterion) {
     let (rows, cols) = (8960, 1536);
     for (name, make) in [("int4", int4 as fn(usize, usize, &mut Rng) -> WeightMatrix), ("int8", int8)] {
         let first = make(rows, cols, &mut rng);
-        let copies = (128 << 20) / first.nbytes() + 1;
+        let copies = (384 << 20) / first.nbytes() + 1;
         let ws: Vec<WeightMatrix> = std::iter::once(first).chain((1..copies).map(|_| make(rows, cols, &mut rng))).collect();
         let x: Vec<f32> = (0..cols).map(|_| rng.f() * 2.0 - 1.0).collect();
         let mut xq = QuantizedActivations::new();

@@ -29,12 +29,15 @@ fn generate(engine: &mut eddy::engine::Engine, prompt: &[u32], sampler: SamplerP
 fn reference_prompt_gives_python_code() {
     let Some(mut engine) = common::engine(DEFAULT, 2048) else { return };
     let prompt = chat_prompt(&engine, "Write a python function to merge two sorted lists.");
-    let ids = generate(&mut engine, &prompt, SamplerParams::default(), 200);
+    let ids = generate(&mut engine, &prompt, SamplerParams::default(), 600);
     let text = engine.lm.tokenizer.decode(&ids, true).unwrap();
     eprintln!("{text}");
-    assert!(text.contains("def "), "no function definition in: {text}");
-    assert!(text.contains("return"), "no return in: {text}");
-    assert!(text.contains("```python"), "no python code block in: {text}");
+    // The first ```python block must parse as Python, define a function, and merge two sorted lists.
+    let code = text.split("```python").nth(1).and_then(|rest| rest.split("```").next()).unwrap_or_else(|| panic!("no python code block in: {text}"));
+    let name = code.split("def ").nth(1).and_then(|r| r.split('(').next()).unwrap_or_else(|| panic!("no function in: {code}"));
+    let check = format!("{code}\nassert {name}([1, 4, 9], [2, 3, 10]) == [1, 2, 3, 4, 9, 10]\nprint('ok')\n");
+    let out = std::process::Command::new("python3").args(["-c", &check]).output().expect("python3 is needed to check the generated code");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ok", "generated code failed: {}\n{code}", String::from_utf8_lossy(&out.stderr));
 }
 
 #[test]

@@ -2,8 +2,10 @@
 //!
 //! # Kernel paths
 //! Three implementations, chosen once per process by [`Kernel::active`]:
-//! * [`Kernel::Avx512`]: AVX-512 F/BW/VL + VNNI (`vpdpbusd`), 64 bytes (two activation groups) per step.
-//! * [`Kernel::Avx2`]: AVX2 + FMA (`vpmaddubsw` + `vpmaddwd`), 32 bytes (one activation group) per step.
+//! * [`Kernel::Avx512`]: AVX-512 F/BW/VL + VNNI (`vpdpbusd`). Int weights: a streaming GEMV for small
+//!   batches and a repacking GEMM (16 rows per vector, 8 tokens per weight load) for larger ones; both
+//!   produce identical bits (see `avx512.rs`).
+//! * [`Kernel::Avx2`]: AVX2 + FMA (`vpmaddubsw` + `vpmaddwd`), `R rows × T tokens` register tiles.
 //! * [`Kernel::Scalar`]: portable loops.
 //!
 //! The environment variable `EDDY_KERNEL=scalar|avx2|avx512` caps the choice (a request for a path the
@@ -11,26 +13,24 @@
 //! [`quantize_activations_with`] to exercise every path in one process.
 //!
 //! # Batch invariance
-//! Every path computes output `(row, token)` with a sequence of floating-point operations that depends
-//! only on `(row, token)`, never on `n`, on the tile the pair lands in, or on the thread count: each pair
-//! owns its own accumulator (a SIMD vector, reduced by a fixed shuffle tree at the end), the per-step
-//! operations applied to it are the same in every `R rows × T tokens` tile instantiation (tiles only
-//! share loads and weight decoding, which are exact), and integer parts are exact. So a token's row of
-//! `matmul(.., n = 1, ..)` is bit-identical to the same token inside any batch. Results of different
-//! paths differ by float reassociation only.
+//! Within a path, output `(row, token)` is computed by a sequence of floating-point operations that
+//! depends only on `(row, token)`, never on `n`, on the tile or kernel variant the pair lands in, or on
+//! the thread count; integer parts are exact. So a token's row of `matmul(.., n = 1, ..)` is
+//! bit-identical to the same token inside any batch. Scalar/AVX2: each pair owns one accumulator
+//! (a SIMD vector reduced by a fixed shuffle tree); tiles only share loads and weight decoding.
+//! AVX-512: every pair runs 16 f32 chains over its weight groups (`chain = group % 16`) reduced by a
+//! fixed tree, whether the chains sit in the lanes of one register (GEMV) or in 16 registers whose
+//! lanes are 16 rows (GEMM). Different paths differ by float reassociation only.
 //!
 //! # Int weights × int8 activations
 //! Activations are quantized per token and group of 32 ([`quantize_activations`]): `x ≈ d·q`.
-//! * Int4 (`w = s·q_w + m`): `Σ_c w·x = Σ_g d_g·(s_g·Σ_j q_w·q_x + m_g·Σ_j q_x)`. The nibbles are the
-//!   unsigned operand of `vpdpbusd`/`vpmaddubsw`, the activation codes the signed one.
-//! * Int8 (`w = s·q_w`, group 32 or 16): AVX-512 uses the shifted activations
-//!   [`QuantizedActivations::qu`] `= q_x + 128` (u8) and starts every `vpdpbusd` from
-//!   `−128·Σ_{4 lanes} q_w` (computed per weight vector with one more `vpdpbusd`), so every i32 lane is
-//!   exactly `Σ q_w·q_x` of its 4 elements. AVX2 uses the sign trick
-//!   `maddubs(|q_w|, sign(q_x, q_w))`.
-//!
-//! Each i32 lane (4 products) is converted to f32 and fused-multiply-added into the pair's accumulator
-//! with the per-lane factor `s_w·d_x` of the group the lane belongs to.
+//! * Int4 (`w = s·q_w + m`): `Σ_c w·x = Σ_g (s_g·d_g·Σ_j q_w·q_x + m_g·d_g·Σ_j q_x)`. The nibbles are
+//!   the unsigned operand of `vpdpbusd`/`vpmaddubsw`, the activation codes the signed one.
+//! * Int8 (`w = s·q_w`, group 32 or 16; a group-16 weight group uses the scale of the 32-group of
+//!   activations containing it): AVX-512 multiplies the shifted activations
+//!   [`QuantizedActivations::qu`] `= q_x + 128` (u8) by the signed codes and subtracts `128·qsum` per
+//!   weight group ([`crate::quant::Int8Matrix::qsum`] must be exact); AVX2 uses the sign trick
+//!   `maddubs(|q_w|, sign(q_x, q_w))`; both give the exact integer dot.
 
 pub mod activation;
 pub mod attention;
