@@ -5,6 +5,7 @@ use clap::{Args, Parser, Subcommand};
 use eddy::chat::{encode_chat, ChatMessage};
 use eddy::engine::{default_threads, Engine, EngineOptions, GenerateParams};
 use eddy::load::{load, LoadedModel};
+use eddy::model_dir::Quant;
 use eddy::sampling::SamplerParams;
 use eddy::stats::{peak_rss_bytes, EnergyMeter, GenerationStats};
 use eddy::tokenizer::StreamDecoder;
@@ -63,6 +64,10 @@ struct ModelArgs {
     /// Context length in tokens (KV cache size).
     #[arg(long, default_value_t = 4096)]
     ctx: usize,
+    /// Quantize a safetensors model's weights at load: q8 (int8) or q4 (int4 projections, int8 embedding
+    /// and LM head); default: keep them as stored (f32 / bf16). Not for GGUF files.
+    #[arg(long, value_name = "q8|q4")]
+    quant: Option<Quant>,
 }
 
 #[derive(Args)]
@@ -140,12 +145,12 @@ fn main() -> ExitCode {
     }
 }
 
-fn load_with_progress(spec: Option<&str>) -> eddy::Result<LoadedModel> {
+fn load_with_progress(spec: Option<&str>, quant: Quant) -> eddy::Result<LoadedModel> {
     let bar = indicatif::ProgressBar::with_draw_target(None, indicatif::ProgressDrawTarget::stderr());
     bar.set_style(
         indicatif::ProgressStyle::with_template("loading {bar:40} {pos}/{len} tensors {elapsed}").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    let r = load(spec, &mut |done, total| {
+    let r = load(spec, quant, &mut |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
     });
@@ -157,7 +162,7 @@ fn engine_for(m: &ModelArgs) -> eddy::Result<Engine> {
     if m.ctx < 2 {
         return Err(eddy::Error::Input("--ctx must be at least 2".into()));
     }
-    let lm = load_with_progress(m.model.as_deref())?;
+    let lm = load_with_progress(m.model.as_deref(), m.quant.unwrap_or_default())?;
     let opts = EngineOptions { threads: m.threads.unwrap_or_else(default_threads).max(1), ctx: m.ctx, ..Default::default() };
     Ok(Engine::new(lm, &opts))
 }

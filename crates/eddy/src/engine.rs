@@ -97,7 +97,8 @@ impl Engine {
         self.state.clear();
         let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };
         forward(&self.lm.model, &self.pool, &mut self.ws, &mut self.state, prompt, Logits::Last, &mut self.logits)?;
-        let mut history: Vec<u32> = prompt.to_vec();
+        let mut history: Vec<u32> = Vec::with_capacity(self.ctx());
+        history.extend_from_slice(prompt);
         let mut t_first = None;
         let mut t_last = t0;
         stats.finish = FinishReason::Length;

@@ -11,6 +11,7 @@ pub mod engine;
 pub mod error;
 pub mod gguf;
 pub mod load;
+pub mod model_dir;
 pub mod models;
 pub mod quant;
 pub mod sampling;

@@ -1,12 +1,16 @@
 //! Resolving `--model` to files and loading model, tokenizer and chat template.
 //!
-//! A model is named by a GGUF file path, a Hugging Face model folder, or a hub id `org/name` (downloaded with
-//! hf-hub into the standard Hugging Face cache; `HF_HOME` and `HF_HUB_OFFLINE` are honoured). Without a
-//! name, the default model (Qwen2.5-Coder-0.5B-Instruct GGUF, fetched by `tools/fetch_models.sh`) is used.
+//! A model is named by a GGUF file path, a Hugging Face model folder (loaded by [`crate::model_dir`]), or a
+//! hub id `org/name` (downloaded with hf-hub into the standard Hugging Face cache; `HF_HOME` and
+//! `HF_HUB_OFFLINE` are honoured): a repository with `.gguf` files gives its GGUF (preferring Q4_K_M), any
+//! other its safetensors folder (`config.json`, tokenizer files, chat template, `model.safetensors` or the
+//! index and its shards). Without a name, the default model (Qwen2.5-Coder-0.5B-Instruct GGUF, fetched by
+//! `tools/fetch_models.sh`) is used.
 
 use crate::chat::ChatTemplate;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
+use crate::model_dir::{self, Quant};
 use crate::models::Model;
 use crate::tokenizer::Tokenizer;
 use std::path::{Path, PathBuf};
@@ -46,13 +50,22 @@ pub struct LoadedModel {
 }
 
 /// Load the model named by `spec` (see the module docs); `progress(done, total)` reports tensor import.
-pub fn load(spec: Option<&str>, progress: &mut dyn FnMut(usize, usize)) -> Result<LoadedModel> {
+///
+/// `quant` applies to safetensors folders (see [`Quant`]); GGUF files are used as they are quantized, and
+/// asking to quantize one is an [`Error::Input`].
+pub fn load(spec: Option<&str>, quant: Quant, progress: &mut dyn FnMut(usize, usize)) -> Result<LoadedModel> {
     let path = match spec {
         None => default_model_path()?,
         Some(s) => resolve(s)?,
     };
     if path.is_dir() {
-        return Err(Error::model(&path, "Hugging Face safetensors folders are not supported yet; pass a GGUF file"));
+        return model_dir::load_dir(&path, quant, progress);
+    }
+    if quant != Quant::None {
+        return Err(Error::Input(format!(
+            "--quant {quant} applies to Hugging Face safetensors models; {} is a GGUF file, already quantized",
+            path.display()
+        )));
     }
     load_gguf(&path, progress)
 }
@@ -74,12 +87,16 @@ fn resolve(spec: &str) -> Result<PathBuf> {
     hub_download(spec)
 }
 
-/// Download (or find in the Hugging Face cache) a hub repository's GGUF file, honouring HF_HOME and
-/// HF_HUB_OFFLINE. A cached copy is used without touching the network.
+/// Download (or find in the Hugging Face cache) a hub repository's model, honouring HF_HOME and
+/// HF_HUB_OFFLINE: its GGUF file when it has one, else its safetensors folder (the snapshot directory).
+/// A cached copy is used without touching the network.
 fn hub_download(repo_id: &str) -> Result<PathBuf> {
     let cache = hf_hub::Cache::from_env();
     let repo_dir = cache.path().join(format!("models--{}", repo_id.replace('/', "--")));
     if let Some(p) = cached_gguf(&repo_dir) {
+        return Ok(p);
+    }
+    if let Some(p) = cached_folder(&repo_dir) {
         return Ok(p);
     }
     let offline = std::env::var("HF_HUB_OFFLINE").map(|v| v == "1" || v.eq_ignore_ascii_case("true")).unwrap_or(false);
@@ -94,14 +111,36 @@ fn hub_download(repo_id: &str) -> Result<PathBuf> {
         .map_err(|e| Error::model(repo_id, format!("cannot start the hub client: {e}")))?;
     let repo = api.model(repo_id.to_string());
     let info = repo.info().map_err(|e| Error::model(repo_id, format!("cannot reach the Hugging Face hub: {e}")))?;
-    let gguf = info
-        .siblings
-        .iter()
-        .map(|s| s.rfilename.clone())
-        .filter(|f| f.ends_with(".gguf"))
-        .min_by_key(|f| (!f.to_lowercase().contains("q4_k_m"), f.len()))
-        .ok_or_else(|| Error::model(repo_id, "the repository has no .gguf file (safetensors repositories are not supported yet)"))?;
-    repo.get(&gguf).map_err(|e| Error::model(repo_id, format!("download of {gguf} failed: {e}")))
+    let files: Vec<String> = info.siblings.iter().map(|s| s.rfilename.clone()).collect();
+    let get = |f: &str| repo.get(f).map_err(|e| Error::model(repo_id, format!("download of {f} failed: {e}")));
+    if let Some(gguf) = files.iter().filter(|f| f.ends_with(".gguf")).min_by_key(|f| (!f.to_lowercase().contains("q4_k_m"), f.len())) {
+        return get(gguf);
+    }
+    let has = |f: &str| files.iter().any(|x| x == f);
+    if !has(model_dir::CONFIG_FILE) {
+        return Err(Error::model(repo_id, "the repository has neither a .gguf file nor a config.json (not a model repository?)"));
+    }
+    if !has(model_dir::TOKENIZER_FILE) {
+        return Err(Error::model(repo_id, "the repository has no tokenizer.json (eddy needs the fast-tokenizer file)"));
+    }
+    let config = get(model_dir::CONFIG_FILE)?;
+    let dir = config.parent().map(Path::to_path_buf).unwrap_or_default();
+    for f in [model_dir::TOKENIZER_FILE, model_dir::TOKENIZER_CONFIG_FILE, "chat_template.jinja", "chat_template.json"] {
+        if has(f) {
+            get(f)?;
+        }
+    }
+    if has(model_dir::WEIGHTS_FILE) {
+        get(model_dir::WEIGHTS_FILE)?;
+    } else if has(model_dir::WEIGHTS_INDEX_FILE) {
+        let index = get(model_dir::WEIGHTS_INDEX_FILE)?;
+        for shard in model_dir::shard_files(&index)? {
+            get(&shard)?;
+        }
+    } else {
+        return Err(Error::model(repo_id, "the repository has no .gguf file and no model.safetensors (or its index)"));
+    }
+    Ok(dir)
 }
 
 /// A `.gguf` in any snapshot of a cached hub repository (`models--org--name/snapshots/<rev>/`).
@@ -115,6 +154,21 @@ fn cached_gguf(repo_dir: &Path) -> Option<PathBuf> {
         .collect();
     found.sort();
     found.into_iter().next()
+}
+
+/// A complete safetensors snapshot of a cached hub repository: the one `refs/main` names if complete,
+/// else the first complete one in name order.
+fn cached_folder(repo_dir: &Path) -> Option<PathBuf> {
+    let snapshots = repo_dir.join("snapshots");
+    if let Ok(rev) = std::fs::read_to_string(repo_dir.join("refs/main")) {
+        let p = snapshots.join(rev.trim());
+        if !rev.trim().is_empty() && model_dir::is_complete_dir(&p) {
+            return Some(p);
+        }
+    }
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&snapshots).ok()?.flatten().map(|e| e.path()).collect();
+    dirs.sort();
+    dirs.into_iter().find(|d| model_dir::is_complete_dir(d))
 }
 
 /// Load model, tokenizer and chat template from one GGUF file.

@@ -4,7 +4,8 @@
 //! hyper-parameters into a [`ModelConfig`] and states how it differs from the common pre-norm decoder (biases,
 //! q/k norms, extra norms, embedding scale, activation, sliding-window layers, RoPE pairing). The weights
 //! ([`Model`]) and the one forward pass ([`forward`]) are shared: prefill, decode and (later) tree
-//! verification all run through [`forward`].
+//! verification all run through [`forward`]. GGUF files are read here ([`Model::from_gguf`]); Hugging Face
+//! safetensors folders by [`crate::model_dir`], which converts their conventions to the same [`Model`].
 
 pub mod forward;
 pub mod gemma3;
@@ -107,6 +108,19 @@ impl ModelConfig {
     /// `n_heads × head_dim`.
     pub fn q_dim(&self) -> usize {
         self.n_heads * self.head_dim
+    }
+
+    /// Checks that the attention shape is consistent and that the widths suit eddy's kernels (multiples of
+    /// 32); the problem in words otherwise.
+    pub fn check_shapes(&self) -> std::result::Result<(), String> {
+        let c = self;
+        if c.n_heads == 0 || c.n_kv_heads == 0 || c.n_heads % c.n_kv_heads != 0 || c.rope_dims > c.head_dim || c.rope_dims % 2 != 0 {
+            return Err(format!("inconsistent attention shape: {} heads, {} kv heads, head_dim {}, rope dims {}", c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dims));
+        }
+        if c.d_model % 32 != 0 || c.ffn_dim % 32 != 0 || c.q_dim() % 32 != 0 {
+            return Err(format!("unsupported shape: d_model {} / ffn {} / q_dim {} must be multiples of 32", c.d_model, c.ffn_dim, c.q_dim()));
+        }
+        Ok(())
     }
 }
 
@@ -358,11 +372,6 @@ pub(crate) fn common_config(g: &GgufFile, arch: Arch, name: &str) -> Result<Mode
         post_norms: false,
         final_softcap: None,
     };
-    if c.n_heads == 0 || c.n_kv_heads == 0 || c.n_heads % c.n_kv_heads != 0 || c.rope_dims > c.head_dim || c.rope_dims % 2 != 0 {
-        return Err(Error::model(&g.path, format!("inconsistent attention shape: {} heads, {} kv heads, head_dim {}, rope dims {}", c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dims)));
-    }
-    if c.d_model % 32 != 0 || c.ffn_dim % 32 != 0 || c.q_dim() % 32 != 0 {
-        return Err(Error::model(&g.path, format!("unsupported shape: d_model {} / ffn {} / q_dim {} must be multiples of 32", c.d_model, c.ffn_dim, c.q_dim())));
-    }
+    c.check_shapes().map_err(|m| Error::model(&g.path, m))?;
     Ok(c)
 }

@@ -26,6 +26,8 @@
 //! `R × T` register tiles; each pair owns one 16-lane accumulator (`fma` per 16 columns, masked tail)
 //! reduced by the same tree, independent of `R`/`T`.
 
+#![allow(clippy::needless_range_loop)] // SIMD tiles index several parallel arrays
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) use imp::rows;
 
@@ -49,6 +51,9 @@ mod imp {
     /// GEMV software prefetch distance in rows (the hardware prefetchers alone leave ~40% of the DRAM
     /// bandwidth unused on one core).
     const PF_ROWS: usize = 8;
+    fn pfr() -> usize { static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new(); *V.get_or_init(|| std::env::var("PFR").ok().and_then(|v| v.parse().ok()).unwrap_or(PF_ROWS)) }
+    fn pfh() -> usize { static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new(); *V.get_or_init(|| std::env::var("PFH").ok().and_then(|v| v.parse().ok()).unwrap_or(0)) }
+    #[inline] #[target_feature(enable = "avx512f")] unsafe fn pfx(p: *const i8) { match pfh() { 0 => _mm_prefetch::<_MM_HINT_T0>(p), 1 => _mm_prefetch::<_MM_HINT_T1>(p), 2 => _mm_prefetch::<_MM_HINT_T2>(p), _ => _mm_prefetch::<_MM_HINT_NTA>(p) } }
     /// Rows per GEMM block (one vector lane per row).
     const GEMM_ROWS: usize = 16;
 
@@ -192,8 +197,8 @@ mod imp {
 
         // Software prefetch: the same position PF_ROWS rows further on (may point past the end:
         // prefetches never fault, and the pointers are formed with wrapping arithmetic).
-        let pf = PF_ROWS * if K == INT4 { cols / 2 } else { cols };
-        let pfs = PF_ROWS * wgpr;
+        let pf = pfr() * if K == INT4 { cols / 2 } else { cols };
+        let pfs = pfr() * wgpr;
         let mut acc = [_mm512_setzero_ps(); R];
         let mut g = 0;
         while g < wgpr {
@@ -226,7 +231,7 @@ mod imp {
                             let xh = _mm512_permutex2var_epi64(x0, idx_hi, x1);
                             for r in 0..R {
                                 let pp = wq.add(((r0 + r) * cols + e) / 2);
-                                _mm_prefetch::<_MM_HINT_T0>(pp.wrapping_add(pf) as *const i8);
+                                pfx(pp.wrapping_add(pf) as *const i8);
                                 let pw = load_bytes(pp, 16 * ng);
                                 let lo = _mm512_and_si512(pw, nib);
                                 let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(pw), nib);
@@ -238,8 +243,8 @@ mod imp {
                             let x1 = if ng > 2 { load_bytes(xp.add(e + 64), 32 * ng - 64) } else { zero };
                             for r in 0..R {
                                 let w = wq.add((r0 + r) * cols + e);
-                                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(pf) as *const i8);
-                                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(pf + 64) as *const i8);
+                                pfx(w.wrapping_add(pf) as *const i8);
+                                pfx(w.wrapping_add(pf + 64) as *const i8);
                                 let da = _mm512_dpbusd_epi32(zero, x0, load_bytes(w, 32 * ng));
                                 let db = if ng > 2 {
                                     _mm512_dpbusd_epi32(zero, x1, load_bytes(w.add(64), 32 * ng - 64))
@@ -256,7 +261,7 @@ mod imp {
                             let x0 = load_bytes(xp.add(e), 16 * ng);
                             for r in 0..R {
                                 let pp = wq.add((r0 + r) * cols + e);
-                                _mm_prefetch::<_MM_HINT_T0>(pp.wrapping_add(pf) as *const i8);
+                                pfx(pp.wrapping_add(pf) as *const i8);
                                 let w = load_bytes(pp, 16 * ng);
                                 v[h][r] = _mm512_dpbusd_epi32(zero, x0, w);
                             }
@@ -278,8 +283,8 @@ mod imp {
             };
             for r in 0..R {
                 let gi = (r0 + r) * wgpr + g;
-                _mm_prefetch::<_MM_HINT_T0>(ws.wrapping_add(gi + pfs) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>((wx as *const f32).wrapping_add(gi + pfs) as *const i8);
+                pfx(ws.wrapping_add(gi + pfs) as *const i8);
+                pfx((wx as *const f32).wrapping_add(gi + pfs) as *const i8);
                 let mut d = _mm512_add_epi32(
                     _mm512_permutex2var_epi32(pairs[0][r], idx_a, pairs[1][r]),
                     _mm512_permutex2var_epi32(pairs[0][r], idx_b, pairs[1][r]),

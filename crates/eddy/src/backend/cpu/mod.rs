@@ -185,7 +185,7 @@ pub fn matmul_with(
             assert!(x.len() >= n * cols, "x must hold n*cols values");
         }
         WeightMatrix::Int4(_) | WeightMatrix::Int8(_) => {
-            assert!(cols % QK == 0, "quantized weights need cols % 32 == 0");
+            assert_eq!(cols % QK, 0, "quantized weights need cols % 32 == 0");
             assert!(xq.n >= n && xq.cols == cols, "xq must hold n tokens of cols values (quantize_activations)");
             assert!(
                 xq.q.len() >= n * cols

@@ -113,7 +113,12 @@ impl ThreadPool {
         let fref: &(dyn Fn(usize, usize) + Sync) = &f;
         // SAFETY: the lifetime is erased only for the duration of this call: `Wait` below blocks
         // (even on unwind) until every worker has finished with the pointer.
-        let ptr: JobPtr = unsafe { JobPtr(std::mem::transmute(fref as *const (dyn Fn(usize, usize) + Sync))) };
+        let ptr: JobPtr = unsafe {
+            JobPtr(std::mem::transmute::<
+                *const (dyn Fn(usize, usize) + Sync + '_),
+                *const (dyn Fn(usize, usize) + Sync + 'static),
+            >(fref))
+        };
         unsafe { *s.job.get() = Some(ptr) };
         s.done.0.store(0, Ordering::Relaxed);
         s.generation.0.fetch_add(1, Ordering::SeqCst);
@@ -208,7 +213,7 @@ fn worker(s: Arc<Shared>, idx: usize, n: usize) {
                     break;
                 }
                 i = i.wrapping_add(1);
-                if i % 64 == 0 && start.elapsed() > SPIN {
+                if i & 63 == 0 && start.elapsed() > SPIN {
                     break;
                 }
             }

@@ -76,7 +76,7 @@ pub fn quantize_activations_with(
     out: &mut QuantizedActivations,
 ) {
     assert!(kernel.is_available(), "kernel path {kernel:?} is not supported by this CPU");
-    assert!(cols % QK == 0, "cols must be a multiple of 32");
+    assert_eq!(cols % QK, 0, "cols must be a multiple of 32");
     assert!(x.len() >= n * cols, "x must hold n*cols values");
     out.resize(n, cols);
     let q = SyncPtr(out.q.as_mut_ptr());
