@@ -115,12 +115,12 @@ mod imp {
             for r in 0..R {
                 let o = (r0 + r) * gpr + g;
                 sw[r] = _mm256_maskload_ps(sc.add(o), lm);
-                // Prefetch the same block PF_ROWS rows on (never faults; wrapping pointer arithmetic).
+                // Prefetch (into L2) the same block PF_ROWS rows on (never faults; wrapping pointer arithmetic).
                 let ahead = ((r0 + r + PF_ROWS) * cols + g * QK) / 2;
-                _mm_prefetch::<_MM_HINT_T0>(pk.wrapping_add(ahead) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(pk.wrapping_add(ahead + 64) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(sc.wrapping_add(o + PF_ROWS * gpr) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(mn.wrapping_add(o + PF_ROWS * gpr) as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(pk.wrapping_add(ahead) as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(pk.wrapping_add(ahead + 64) as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(sc.wrapping_add(o + PF_ROWS * gpr) as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(mn.wrapping_add(o + PF_ROWS * gpr) as *const i8);
                 let mv = _mm256_maskload_ps(mn.add(o), lm);
                 for t in 0..T {
                     acc[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(mv, dx[t]), sx[t], acc[r][t]);
@@ -185,9 +185,9 @@ mod imp {
                 sw[r] = _mm256_maskload_ps(sc.add((r0 + r) * wgpr + gw), lanes(nb));
                 let ahead = (r0 + r + PF_ROWS) * cols + e0;
                 for l in 0..ne / 64 {
-                    _mm_prefetch::<_MM_HINT_T0>(wq.wrapping_add(ahead + 64 * l));
+                    _mm_prefetch::<_MM_HINT_T1>(wq.wrapping_add(ahead + 64 * l));
                 }
-                _mm_prefetch::<_MM_HINT_T0>(sc.wrapping_add((r0 + r + PF_ROWS) * wgpr + gw) as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(sc.wrapping_add((r0 + r + PF_ROWS) * wgpr + gw) as *const i8);
             }
             for k in 0..ne / QK {
                 let e = e0 + k * QK;
