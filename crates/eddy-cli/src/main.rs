@@ -11,7 +11,6 @@ use eddy::stats::{peak_rss_bytes, EnergyMeter, GenerationStats};
 use eddy::tokenizer::StreamDecoder;
 use std::io::{Read, Write};
 use std::process::ExitCode;
-use std::time::Instant;
 
 #[derive(Parser)]
 #[command(name = "eddy", version, about = "eddy: fast local LLM inference")]
@@ -23,15 +22,34 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Generate a reply to one message, streamed to stdout; statistics go to stderr.
+    #[command(allow_negative_numbers = true)]
     Run(RunArgs),
     /// Perplexity of a text file: non-overlapping windows of --ctx tokens, tokens 1..n-1 of each scored.
+    #[command(allow_negative_numbers = true)]
     Perplexity(PplArgs),
     /// Raw model speed like llama-bench: prefill of -p tokens and decode of -n tokens (synthetic token
     /// ids, end-of-generation ignored), repeated -r times; prints the mean and spread as JSON lines.
+    #[command(allow_negative_numbers = true)]
     Speed(SpeedArgs),
-    /// Memory read bandwidth with --threads workers (GB/s), the limit decode speed is measured against.
+    /// Serve the OpenAI-compatible HTTP API (chat and text completions, streaming) on --host:--port.
+    Serve {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        /// Port to listen on.
+        #[arg(long, default_value_t = 8000)]
+        port: u16,
+        /// Requests that may wait for the engine; more are answered 503.
+        #[arg(long, default_value_t = 16)]
+        max_queue: usize,
+    },
+    /// Memory read bandwidth with --threads workers, printed as a bare number of GB/s (the limit decode
+    /// speed is measured against).
+    #[command(allow_negative_numbers = true)]
     Bandwidth {
-        /// Worker threads (default: all available cores).
+        /// Worker threads (default: all available cores; more than the cores available are capped).
         #[arg(long, short = 't')]
         threads: Option<usize>,
     },
@@ -41,13 +59,14 @@ enum Cmd {
 struct SpeedArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Prompt tokens to prefill.
+    /// Prompt tokens to prefill (at least 1; -p + -n must fit in --ctx).
     #[arg(short = 'p', long, default_value_t = 128)]
     prompt_tokens: usize,
-    /// Tokens to decode.
+    /// Tokens to generate: the first comes from the prefill, the decode speed is measured over the other
+    /// n-1, so n >= 2 for a tg line; 0 = prefill only.
     #[arg(short = 'n', long, default_value_t = 64)]
     gen_tokens: usize,
-    /// Repetitions.
+    /// Repetitions (at least 1).
     #[arg(short = 'r', long, default_value_t = 3)]
     repetitions: usize,
 }
@@ -58,10 +77,11 @@ struct ModelArgs {
     /// from the eddy models folder, see tools/fetch_models.sh).
     #[arg(long)]
     model: Option<String>,
-    /// Worker threads (default: all available cores).
+    /// Worker threads (default: all available cores; more than the cores available are capped).
     #[arg(long, short = 't')]
     threads: Option<usize>,
-    /// Context length in tokens (KV cache size).
+    /// Context length in tokens (KV cache size; at least 2, capped at the model's training context). For
+    /// `perplexity`, the window length.
     #[arg(long, default_value_t = 4096)]
     ctx: usize,
     /// Quantize a safetensors model's weights at load: q8 (int8) or q4 (int4 projections, int8 embedding
@@ -74,11 +94,13 @@ struct ModelArgs {
 struct RunArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// The user message; `-` reads it from stdin.
-    #[arg(long = "message", short = 'm')]
+    /// The user message (must not be empty unless --raw); `-` reads it from stdin (trailing newlines
+    /// dropped).
+    #[arg(long = "message", short = 'm', allow_hyphen_values = true)]
     message: String,
-    /// A system message placed before the user message.
-    #[arg(long)]
+    /// A system message placed before the user message (with --raw or without a chat template: prepended
+    /// to the message, followed by a blank line).
+    #[arg(long, allow_hyphen_values = true)]
     system: Option<String>,
     /// Send the message as raw text, without the chat template (BOS is added if the model wants one).
     #[arg(long)]
@@ -89,22 +111,24 @@ struct RunArgs {
     /// Sampling temperature; 0 = greedy.
     #[arg(long, default_value_t = 0.8)]
     temperature: f32,
-    /// Top-k filter (0 = off).
+    /// Top-k filter: keep the k most likely tokens (0 = off).
     #[arg(long, default_value_t = 40)]
     top_k: usize,
-    /// Top-p (nucleus) filter (1 = off).
+    /// Top-p (nucleus) filter, in (0, 1]: keep the smallest set of tokens whose probability reaches p
+    /// (1 = off).
     #[arg(long, default_value_t = 0.95)]
     top_p: f32,
-    /// Min-p filter relative to the most likely token (0 = off).
+    /// Min-p filter, in [0, 1]: drop tokens less likely than min-p times the most likely one (0 = off).
     #[arg(long, default_value_t = 0.05)]
     min_p: f32,
-    /// Repetition penalty over the last 64 tokens (1 = off).
+    /// Repetition penalty over the last 64 tokens, > 0 (1 = off; above 1 discourages repeats).
     #[arg(long, default_value_t = 1.0)]
     repetition_penalty: f32,
-    /// Random seed (same seed, same output). Default: random.
+    /// Random seed: the same seed and options give the same output. Default: a random seed.
     #[arg(long)]
     seed: Option<u64>,
-    /// Most tokens to generate.
+    /// Most tokens to generate (at least 1); generation also stops at an end-of-turn token or when the
+    /// context is full.
     #[arg(long, short = 'n', default_value_t = 1024)]
     max_tokens: usize,
     /// Print the statistics as one JSON object (on stderr) instead of the panel.
@@ -119,30 +143,148 @@ struct PplArgs {
     /// Text file to score.
     #[arg(long, short = 'f')]
     file: std::path::PathBuf,
-    /// Print the result as JSON.
+    /// Print the result as one JSON object (perplexity, scored_tokens, window).
     #[arg(long)]
     json: bool,
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+                let _ = e.print();
+                return ExitCode::SUCCESS;
+            }
+            let _ = writeln!(std::io::stderr(), "error: {}", clap_error_line(&e));
+            return ExitCode::from(2);
+        }
+    };
     let r = match cli.cmd {
         Cmd::Run(a) => run(a),
         Cmd::Perplexity(a) => perplexity(a),
         Cmd::Speed(a) => speed(a),
-        Cmd::Bandwidth { threads } => {
-            let pool = eddy::backend::cpu::ThreadPool::new(threads.unwrap_or_else(default_threads).max(1));
-            println!("{:.1}", eddy::backend::cpu::bandwidth::measure_read_bandwidth(&pool, 1 << 30, 5));
-            Ok(())
-        }
+        Cmd::Serve { model, host, port, max_queue } => serve(model, &host, port, max_queue),
+        Cmd::Bandwidth { threads } => bandwidth(threads),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            // Never panic on a closed stderr: the exit code still says what happened.
+            let _ = writeln!(std::io::stderr(), "error: {}", one_line(&e.to_string()));
             ExitCode::from(2)
         }
     }
+}
+
+fn serve(model: ModelArgs, host: &str, port: u16, max_queue: usize) -> eddy::Result<()> {
+    let (engine, _) = engine_for(&model)?;
+    let opts = eddy_server::ServeOptions { max_queue, ..Default::default() };
+    eddy_server::run_blocking(host, port, engine, opts).map_err(|e| eddy::Error::Input(format!("server: {e}")))
+}
+
+/// `thing: problem`, an input error named after the option or input at fault.
+fn bad(thing: &str, problem: impl std::fmt::Display) -> eddy::Error {
+    eddy::Error::Input(format!("{thing}: {problem}"))
+}
+
+/// Collapse a message to one line (errors are one line, whatever the library or a parser wrote).
+fn one_line(s: &str) -> String {
+    s.split(['\n', '\r']).map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ")
+}
+
+/// A command-line parse error as one `thing: problem` line (clap's own rendering spans several lines and
+/// a usage block).
+fn clap_error_line(e: &clap::Error) -> String {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    let get = |k: ContextKind| match e.get(k) {
+        Some(ContextValue::String(s)) => Some(s.clone()),
+        Some(ContextValue::Strings(v)) if !v.is_empty() => Some(v.join(", ")),
+        _ => None,
+    };
+    // "--threads <THREADS>" → "--threads"
+    let flag = |s: &str| s.split(", ").map(|a| a.split_whitespace().next().unwrap_or(a).to_string()).collect::<Vec<_>>().join(", ");
+    let hint = get(ContextKind::SuggestedArg)
+        .or_else(|| get(ContextKind::SuggestedSubcommand))
+        .map(|s| format!("; did you mean '{s}'?"))
+        .unwrap_or_default();
+    const COMMANDS: &str = "run, perplexity, speed or bandwidth";
+    let specific = match e.kind() {
+        ErrorKind::InvalidValue | ErrorKind::ValueValidation => get(ContextKind::InvalidArg).map(|arg| {
+            let val = get(ContextKind::InvalidValue).unwrap_or_default();
+            let why = match (e.kind(), std::error::Error::source(e)) {
+                (ErrorKind::ValueValidation, Some(src)) => src.to_string(),
+                _ if val.is_empty() => "a value is required".to_string(),
+                _ => match get(ContextKind::ValidValue) {
+                    Some(v) => format!("expected one of {v}"),
+                    None => "not accepted".to_string(),
+                },
+            };
+            if val.is_empty() {
+                format!("{}: {why}", flag(&arg))
+            } else {
+                format!("{}: invalid value '{val}': {why}", flag(&arg))
+            }
+        }),
+        ErrorKind::UnknownArgument => get(ContextKind::InvalidArg).map(|arg| {
+            let what = if arg.starts_with('-') { "unknown option" } else { "unexpected argument (quote text with spaces)" };
+            format!("{arg}: {what}{hint} (see --help)")
+        }),
+        ErrorKind::ArgumentConflict => get(ContextKind::InvalidArg).map(|arg| match get(ContextKind::PriorArg) {
+            Some(prior) if flag(&prior) != flag(&arg) => format!("{}: cannot be used with {}", flag(&arg), flag(&prior)),
+            _ => format!("{}: given more than once", flag(&arg)),
+        }),
+        ErrorKind::MissingRequiredArgument => {
+            get(ContextKind::InvalidArg).map(|args| format!("{}: required but not given (see --help)", flag(&args)))
+        }
+        ErrorKind::InvalidSubcommand => {
+            get(ContextKind::InvalidSubcommand).map(|c| format!("{c}: unknown command (commands: {COMMANDS}){hint}"))
+        }
+        ErrorKind::MissingSubcommand | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            Some(format!("eddy: no command given (commands: {COMMANDS}; see eddy --help)"))
+        }
+        _ => None,
+    };
+    specific.unwrap_or_else(|| {
+        let text = e.render().to_string();
+        let body: Vec<&str> = text
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !l.starts_with("Usage:") && !l.starts_with("For more information"))
+            .collect();
+        format!("eddy: {}", body.join(" ").trim_start_matches("error: "))
+    })
+}
+
+/// Print one line on stdout; a reader that went away (broken pipe) is not an error.
+fn print_line(s: &str) -> eddy::Result<()> {
+    let mut out = std::io::stdout().lock();
+    match writeln!(out, "{s}").and_then(|_| out.flush()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        Err(e) => Err(bad("stdout", format!("cannot write: {e}"))),
+    }
+}
+
+/// Worker threads for `--threads`: at least 1, at most the cores available (a spinning pool with more
+/// workers than cores is many times slower, not faster).
+fn threads_for(requested: Option<usize>) -> eddy::Result<usize> {
+    let cores = default_threads();
+    match requested {
+        None => Ok(cores),
+        Some(0) => Err(bad("--threads", "must be at least 1 (leave it out to use all cores)")),
+        Some(n) if n > cores => {
+            let _ = writeln!(std::io::stderr(), "note: --threads {n} is more than the {cores} cores available; using {cores}");
+            Ok(cores)
+        }
+        Some(n) => Ok(n),
+    }
+}
+
+fn bandwidth(threads: Option<usize>) -> eddy::Result<()> {
+    let pool = eddy::backend::cpu::ThreadPool::new(threads_for(threads)?);
+    print_line(&format!("{:.1}", eddy::backend::cpu::bandwidth::measure_read_bandwidth(&pool, 1 << 30, 5)))
 }
 
 fn load_with_progress(spec: Option<&str>, quant: Quant) -> eddy::Result<LoadedModel> {
@@ -158,30 +300,32 @@ fn load_with_progress(spec: Option<&str>, quant: Quant) -> eddy::Result<LoadedMo
     r
 }
 
-fn engine_for(m: &ModelArgs) -> eddy::Result<Engine> {
+/// Check the options of `m` (before the slow model load), then load the model and build the engine;
+/// returns it with its number of worker threads.
+fn engine_for(m: &ModelArgs) -> eddy::Result<(Engine, usize)> {
     if m.ctx < 2 {
-        return Err(eddy::Error::Input("--ctx must be at least 2".into()));
+        return Err(bad("--ctx", format!("must be at least 2 tokens, got {}", m.ctx)));
     }
+    let threads = threads_for(m.threads)?;
     let lm = load_with_progress(m.model.as_deref(), m.quant.unwrap_or_default())?;
-    let opts = EngineOptions { threads: m.threads.unwrap_or_else(default_threads).max(1), ctx: m.ctx, ..Default::default() };
-    Ok(Engine::new(lm, &opts))
+    let opts = EngineOptions { threads, ctx: m.ctx, ..Default::default() };
+    Ok((Engine::new(lm, &opts), threads))
 }
 
-fn run(a: RunArgs) -> eddy::Result<()> {
-    let message = if a.message == "-" {
-        let mut s = String::new();
-        std::io::stdin().read_to_string(&mut s).map_err(|e| eddy::Error::Input(format!("cannot read the message from stdin: {e}")))?;
-        s
-    } else {
-        a.message.clone()
-    };
-    let kwargs = match &a.chat_template_kwargs {
-        None => serde_json::Map::new(),
-        Some(s) => match serde_json::from_str::<serde_json::Value>(s) {
-            Ok(serde_json::Value::Object(m)) => m,
-            _ => return Err(eddy::Error::Input("--chat-template-kwargs must be a JSON object".into())),
-        },
-    };
+/// The sampling options, each checked with the name of its flag.
+fn sampler_params(a: &RunArgs) -> eddy::Result<SamplerParams> {
+    if !(a.temperature.is_finite() && a.temperature >= 0.0) {
+        return Err(bad("--temperature", format!("must be a number >= 0 (0 = greedy), got {}", a.temperature)));
+    }
+    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
+        return Err(bad("--top-p", format!("must be in (0, 1] (1 = off), got {}", a.top_p)));
+    }
+    if !(0.0..=1.0).contains(&a.min_p) {
+        return Err(bad("--min-p", format!("must be in [0, 1] (0 = off), got {}", a.min_p)));
+    }
+    if !(a.repetition_penalty.is_finite() && a.repetition_penalty > 0.0) {
+        return Err(bad("--repetition-penalty", format!("must be a number > 0 (1 = off), got {}", a.repetition_penalty)));
+    }
     let sampler = SamplerParams {
         temperature: a.temperature,
         top_k: a.top_k,
@@ -191,8 +335,37 @@ fn run(a: RunArgs) -> eddy::Result<()> {
         repeat_last_n: 64,
         seed: a.seed.unwrap_or_else(random_seed),
     };
-    sampler.validate().map_err(eddy::Error::Input)?;
-    let mut engine = engine_for(&a.model)?;
+    sampler.validate().map_err(|e| bad("sampling", e))?;
+    Ok(sampler)
+}
+
+fn run(a: RunArgs) -> eddy::Result<()> {
+    // Everything the user typed is checked before the (slow) model load.
+    let sampler = sampler_params(&a)?;
+    if a.max_tokens == 0 {
+        return Err(bad("--max-tokens", "must be at least 1"));
+    }
+    let kwargs = match &a.chat_template_kwargs {
+        None => serde_json::Map::new(),
+        Some(s) => match serde_json::from_str::<serde_json::Value>(s) {
+            Ok(serde_json::Value::Object(m)) => m,
+            Ok(v) => return Err(bad("--chat-template-kwargs", format!("must be a JSON object like '{{\"enable_thinking\": false}}', got {v}"))),
+            Err(e) => return Err(bad("--chat-template-kwargs", format!("invalid JSON ({e}); expected an object like '{{\"enable_thinking\": false}}'"))),
+        },
+    };
+    let (message, source) = if a.message == "-" {
+        let mut buf = Vec::new();
+        std::io::stdin().read_to_end(&mut buf).map_err(|e| bad("stdin", format!("cannot read the message: {e}")))?;
+        let s = String::from_utf8(buf).map_err(|e| bad("stdin", format!("the message is not UTF-8 text ({e})")))?;
+        // `echo hi | eddy run -m -` sends "hi", not "hi\n".
+        (s.trim_end_matches(['\n', '\r']).to_string(), "stdin")
+    } else {
+        (a.message.clone(), "--message")
+    };
+    if message.trim().is_empty() && !a.raw {
+        return Err(bad(source, "the message is empty"));
+    }
+    let (mut engine, _) = engine_for(&a.model)?;
     let lm = &engine.lm;
     let prompt = match (&lm.template, a.raw) {
         (Some(t), false) => {
@@ -205,11 +378,14 @@ fn run(a: RunArgs) -> eddy::Result<()> {
             encode_chat(&lm.tokenizer, &text)?
         }
         (None, false) => {
-            eprintln!("note: the model has no chat template; sending the message as raw text");
+            let _ = writeln!(std::io::stderr(), "note: the model has no chat template; sending the message as raw text");
             lm.tokenizer.encode(&with_system(&a.system, &message), true)?
         }
         (_, true) => lm.tokenizer.encode(&with_system(&a.system, &message), true)?,
     };
+    if prompt.is_empty() {
+        return Err(bad(source, "the message is empty and the model adds no BOS token: nothing to generate from"));
+    }
 
     let energy = EnergyMeter::start();
     let mut e_first = None;
@@ -218,7 +394,6 @@ fn run(a: RunArgs) -> eddy::Result<()> {
     let mut dec = StreamDecoder::new(&tok, true);
     let mut out = std::io::stdout().lock();
     let mut write_err = None;
-    let started = Instant::now();
     let stats = engine.generate(&prompt, &params, &mut |id| {
         if e_first.is_none() {
             e_first = Some(energy.as_ref().map(|m| m.joules()).unwrap_or(0.0));
@@ -235,18 +410,22 @@ fn run(a: RunArgs) -> eddy::Result<()> {
         }
         true
     })?;
-    if let Ok(Some(text)) = dec.finish() {
-        let _ = out.write_all(text.as_bytes());
+    if write_err.is_none() {
+        // What is still pending at the end: an incomplete character (cut by --max-tokens) decodes to
+        // U+FFFD; leave it out rather than print a replacement character the model never finished.
+        if let Ok(Some(text)) = dec.finish() {
+            let _ = out.write_all(text.trim_end_matches('\u{FFFD}').as_bytes());
+        }
+        if let Err(e) = writeln!(out).and_then(|_| out.flush()) {
+            write_err = Some(e);
+        }
     }
-    let _ = writeln!(out);
-    let _ = out.flush();
     drop(out);
     if let Some(e) = write_err {
         if e.kind() != std::io::ErrorKind::BrokenPipe {
-            return Err(eddy::Error::Input(format!("cannot write to stdout: {e}")));
+            return Err(bad("stdout", format!("cannot write the reply: {e}")));
         }
     }
-    let _ = started;
     let total_j = energy.as_ref().ok().map(|m| m.joules());
     print_stats(&stats, energy.as_ref().err(), total_j, e_first.unwrap_or(0.0), a.json);
     Ok(())
@@ -275,6 +454,7 @@ fn print_stats(s: &GenerationStats, energy_err: Option<&String>, total_j: Option
         }
         None => (None, None, None),
     };
+    let mut err = std::io::stderr().lock();
     if json {
         let v = serde_json::json!({
             "time_to_first_token_s": s.ttft.as_secs_f64(),
@@ -292,51 +472,74 @@ fn print_stats(s: &GenerationStats, energy_err: Option<&String>, total_j: Option
             "decode_forward_passes": s.decode_passes,
             "finish_reason": format!("{:?}", s.finish).to_lowercase(),
         });
-        eprintln!("{v}");
+        let _ = writeln!(err, "{v}");
         return;
     }
     let na = |why: &str| format!("n/a ({why})");
     let why = energy_err.map(|s| s.as_str()).unwrap_or("unavailable");
-    eprintln!("time to first token: {:.2} s", s.ttft.as_secs_f64());
-    eprintln!("prefill speed: {:.2} t/s", s.prefill_speed());
-    eprintln!("generation speed: {:.2} t/s", s.generation_speed());
-    eprintln!("tokens per forward pass: {:.2} t/f", s.tokens_per_pass());
-    eprintln!("memory used: {}", mem_gb.map(|g| format!("{g:.2} GB")).unwrap_or_else(|| na("no /proc/self/status")));
-    eprintln!("total energy: {}", e_total.map(|j| format!("{j:.2} J")).unwrap_or_else(|| na(why)));
-    eprintln!("input energy per token: {}", e_in.map(|j| format!("{j:.2} J/tok")).unwrap_or_else(|| na(why)));
-    eprintln!("output energy per token: {}", e_out.map(|j| format!("{j:.2} J/tok")).unwrap_or_else(|| na(why)));
-    eprintln!("duration: {:.2} s", s.duration.as_secs_f64());
+    let _ = writeln!(err, "time to first token: {:.2} s", s.ttft.as_secs_f64());
+    let _ = writeln!(err, "prefill speed: {:.2} t/s", s.prefill_speed());
+    let _ = writeln!(err, "generation speed: {:.2} t/s", s.generation_speed());
+    let _ = writeln!(err, "tokens per forward pass: {:.2} t/f", s.tokens_per_pass());
+    let _ = writeln!(err, "memory used: {}", mem_gb.map(|g| format!("{g:.2} GB")).unwrap_or_else(|| na("no /proc/self/status")));
+    let _ = writeln!(err, "total energy: {}", e_total.map(|j| format!("{j:.2} J")).unwrap_or_else(|| na(why)));
+    let _ = writeln!(err, "input energy per token: {}", e_in.map(|j| format!("{j:.2} J/tok")).unwrap_or_else(|| na(why)));
+    let _ = writeln!(err, "output energy per token: {}", e_out.map(|j| format!("{j:.2} J/tok")).unwrap_or_else(|| na(why)));
+    let _ = writeln!(err, "duration: {:.2} s", s.duration.as_secs_f64());
 }
 
 fn perplexity(a: PplArgs) -> eddy::Result<()> {
-    let text = std::fs::read_to_string(&a.file).map_err(|e| eddy::Error::Io { path: a.file.clone(), source: e })?;
+    let file = a.file.display().to_string();
+    let bytes = std::fs::read(&a.file).map_err(|e| eddy::Error::Io { path: a.file.clone(), source: e })?;
+    let text = String::from_utf8(bytes).map_err(|e| bad(&file, format!("not UTF-8 text ({e})")))?;
+    if text.is_empty() {
+        return Err(bad(&file, "the file is empty: nothing to score"));
+    }
     let window = a.model.ctx;
-    let mut engine = engine_for(&ModelArgs { ctx: window, ..a.model })?;
+    let (mut engine, _) = engine_for(&a.model)?;
+    if window > engine.ctx() {
+        return Err(bad("--ctx", format!("a window of {window} tokens is longer than the model's training context of {}", engine.ctx())));
+    }
     let tokens = engine.lm.tokenizer.encode(&text, true)?;
+    if tokens.len() < 2 {
+        return Err(bad(&file, format!("{} token(s): nothing to score (at least 2 are needed)", tokens.len())));
+    }
     let (ppl, n) = engine.perplexity(&tokens, window)?;
     if a.json {
-        println!("{}", serde_json::json!({"perplexity": ppl, "scored_tokens": n, "window": window}));
+        print_line(&serde_json::json!({"perplexity": ppl, "scored_tokens": n, "window": window}).to_string())
     } else {
-        println!("perplexity: {ppl:.4}");
-        println!("scored tokens: {n}");
+        print_line(&format!("perplexity: {ppl:.4}\nscored tokens: {n}"))
     }
-    Ok(())
 }
 
 fn speed(a: SpeedArgs) -> eddy::Result<()> {
-    if a.prompt_tokens == 0 || a.repetitions == 0 {
-        return Err(eddy::Error::Input("-p and -r must be at least 1".into()));
+    if a.prompt_tokens == 0 {
+        return Err(bad("-p/--prompt-tokens", "must be at least 1"));
     }
-    let mut engine = engine_for(&a.model)?;
+    if a.gen_tokens == 1 {
+        return Err(bad("-n/--gen-tokens", "1 token gives no decode measurement (the first comes from the prefill): use 0 for prefill only or at least 2"));
+    }
+    if a.repetitions == 0 {
+        return Err(bad("-r/--repetitions", "must be at least 1"));
+    }
+    let (mut engine, threads) = engine_for(&a.model)?;
+    if a.prompt_tokens + a.gen_tokens > engine.ctx() {
+        return Err(bad(
+            "--ctx",
+            format!("-p {} + -n {} tokens do not fit in the context of {} tokens", a.prompt_tokens, a.gen_tokens, engine.ctx()),
+        ));
+    }
     let vocab = engine.lm.tokenizer.vocab_size().min(engine.lm.model.config.vocab_size) as u64;
-    // Deterministic pseudo-random prompt (as llama-bench uses random tokens), avoiding the first 256 ids.
+    // Deterministic pseudo-random prompt (as llama-bench uses random tokens), avoiding the first 256 ids
+    // (bytes and special tokens) when the vocabulary is large enough.
+    let (lo, span) = if vocab > 512 { (256, vocab - 256) } else { (0, vocab.max(1)) };
     let mut x = 0x9E37_79B9_7F4A_7C15u64;
     let prompt: Vec<u32> = (0..a.prompt_tokens)
         .map(|_| {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            (256 + x % (vocab - 256)) as u32
+            (lo + x % span) as u32
         })
         .collect();
     let params = GenerateParams { max_tokens: a.gen_tokens.max(1), sampler: SamplerParams::default(), ignore_eos: true };
@@ -357,11 +560,13 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
     let (pm, ps) = summary(&pp);
     let (tm, ts) = summary(&tg);
     let model = engine.lm.source.display().to_string();
-    let threads = a.model.threads.unwrap_or_else(default_threads);
-    println!("{}", serde_json::json!({"model": model, "test": format!("pp{}", a.prompt_tokens), "threads": threads, "avg_ts": pm, "stddev_ts": ps}));
+    print_line(&serde_json::json!({"model": model, "test": format!("pp{}", a.prompt_tokens), "threads": threads, "avg_ts": pm, "stddev_ts": ps}).to_string())?;
     if a.gen_tokens > 1 {
-        println!("{}", serde_json::json!({"model": model, "test": format!("tg{}", a.gen_tokens), "threads": threads, "avg_ts": tm, "stddev_ts": ts,
-            "weight_bytes": engine.lm.model.weight_bytes()}));
+        print_line(
+            &serde_json::json!({"model": model, "test": format!("tg{}", a.gen_tokens), "threads": threads, "avg_ts": tm, "stddev_ts": ts,
+                "weight_bytes": engine.lm.model.weight_bytes()})
+            .to_string(),
+        )?;
     }
     Ok(())
 }

@@ -1,0 +1,403 @@
+//! OpenAI wire formats: request validation (field by field, so that every error names its parameter) and
+//! the error object.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use eddy::chat::ChatMessage;
+use eddy::sampling::SamplerParams;
+use serde_json::{json, Map, Value};
+
+/// An OpenAI error response: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    /// 400 invalid_request_error about `param`.
+    pub fn invalid(param: Option<&str>, message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: param.map(str::to_string),
+            code: None,
+        }
+    }
+
+    /// 400 for a parameter eddy does not implement yet.
+    pub fn unsupported(param: &str, what: &str) -> Self {
+        let mut e = Self::invalid(Some(param), format!("{what} is not supported yet"));
+        e.code = Some("unsupported_parameter");
+        e
+    }
+
+    pub fn with_status(
+        mut self,
+        status: StatusCode,
+        kind: &'static str,
+        code: Option<&'static str>,
+    ) -> Self {
+        self.status = status;
+        self.kind = kind;
+        self.code = code;
+        self
+    }
+
+    pub fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+type R<T> = Result<T, ApiError>;
+
+/// Parses the body as a JSON object.
+pub fn parse_object(body: &[u8]) -> R<Map<String, Value>> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(ApiError::invalid(
+            None,
+            "the request body must be a JSON object",
+        )),
+        Err(e) => Err(ApiError::invalid(
+            None,
+            format!("invalid JSON in the request body: {e}"),
+        )),
+    }
+}
+
+fn get<'a>(o: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
+    o.get(k).filter(|v| !v.is_null())
+}
+
+fn number(
+    o: &Map<String, Value>,
+    k: &str,
+    ok: impl Fn(f64) -> bool,
+    range: &str,
+) -> R<Option<f64>> {
+    match get(o, k) {
+        None => Ok(None),
+        Some(v) => match v.as_f64() {
+            Some(x) if ok(x) => Ok(Some(x)),
+            Some(x) => Err(ApiError::invalid(
+                Some(k),
+                format!("{k} must be {range}, got {x}"),
+            )),
+            None => Err(ApiError::invalid(
+                Some(k),
+                format!("{k} must be a number, got {v}"),
+            )),
+        },
+    }
+}
+
+fn integer(o: &Map<String, Value>, k: &str, min: i64) -> R<Option<i64>> {
+    match get(o, k) {
+        None => Ok(None),
+        Some(v) => match v.as_i64() {
+            Some(x) if x >= min => Ok(Some(x)),
+            Some(x) => Err(ApiError::invalid(
+                Some(k),
+                format!("{k} must be at least {min}, got {x}"),
+            )),
+            None => Err(ApiError::invalid(
+                Some(k),
+                format!("{k} must be an integer, got {v}"),
+            )),
+        },
+    }
+}
+
+fn boolean(o: &Map<String, Value>, k: &str) -> R<Option<bool>> {
+    match get(o, k) {
+        None => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(v) => Err(ApiError::invalid(
+            Some(k),
+            format!("{k} must be a boolean, got {v}"),
+        )),
+    }
+}
+
+/// Parameters shared by chat and text completions.
+#[derive(Debug)]
+pub struct Common {
+    pub max_tokens: Option<usize>,
+    pub sampler: SamplerParams,
+    pub stops: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// Validates `model` against the served id and the shared sampling/streaming parameters; rejects the
+/// OpenAI features eddy does not implement yet.
+pub fn parse_common(o: &Map<String, Value>, model_id: &str) -> R<Common> {
+    match get(o, "model") {
+        None => {}
+        Some(Value::String(m)) if m == model_id => {}
+        Some(Value::String(m)) => {
+            return Err(ApiError::invalid(
+                Some("model"),
+                format!("the model `{m}` does not exist; this server serves `{model_id}`"),
+            )
+            .with_status(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                Some("model_not_found"),
+            ))
+        }
+        Some(v) => {
+            return Err(ApiError::invalid(
+                Some("model"),
+                format!("model must be a string, got {v}"),
+            ))
+        }
+    }
+    // Features not implemented: refuse rather than silently ignore.
+    if let Some(rf) = get(o, "response_format") {
+        let t = rf.get("type").and_then(Value::as_str);
+        match t {
+            Some("text") => {}
+            Some(t) => {
+                return Err(ApiError::unsupported(
+                    "response_format",
+                    &format!("response_format {t}"),
+                ))
+            }
+            None => {
+                return Err(ApiError::invalid(
+                    Some("response_format"),
+                    "response_format must be an object with a type",
+                ))
+            }
+        }
+    }
+    for k in ["tools", "functions"] {
+        if let Some(v) = get(o, k) {
+            if v.as_array().is_none_or(|a| !a.is_empty()) {
+                return Err(ApiError::unsupported(k, k));
+            }
+        }
+    }
+    match get(o, "logprobs") {
+        None | Some(Value::Bool(false)) => {}
+        Some(_) => return Err(ApiError::unsupported("logprobs", "logprobs")),
+    }
+    if get(o, "top_logprobs").is_some() {
+        return Err(ApiError::unsupported("top_logprobs", "top_logprobs"));
+    }
+    if boolean(o, "echo")? == Some(true) {
+        return Err(ApiError::unsupported("echo", "echo"));
+    }
+    if get(o, "suffix").is_some() {
+        return Err(ApiError::unsupported("suffix", "suffix"));
+    }
+    if let Some(n) = integer(o, "n", 1)? {
+        if n != 1 {
+            return Err(ApiError::invalid(
+                Some("n"),
+                format!("only n=1 is supported, got n={n}"),
+            ));
+        }
+    }
+    if let Some(n) = integer(o, "best_of", 1)? {
+        if n != 1 {
+            return Err(ApiError::invalid(
+                Some("best_of"),
+                format!("only best_of=1 is supported, got {n}"),
+            ));
+        }
+    }
+    let mut max_tokens = integer(o, "max_tokens", 1)?;
+    if let Some(m) = integer(o, "max_completion_tokens", 1)? {
+        max_tokens = Some(m);
+    }
+    let mut s = SamplerParams {
+        temperature: 1.0,
+        seed: random_seed(),
+        ..SamplerParams::default()
+    };
+    if let Some(t) = number(o, "temperature", |x| (0.0..=2.0).contains(&x), "in [0, 2]")? {
+        s.temperature = t as f32;
+    }
+    if let Some(p) = number(o, "top_p", |x| x > 0.0 && x <= 1.0, "in (0, 1]")? {
+        s.top_p = p as f32;
+    }
+    if let Some(k) = integer(o, "top_k", 0)? {
+        s.top_k = k as usize;
+    }
+    if let Some(p) = number(o, "min_p", |x| (0.0..=1.0).contains(&x), "in [0, 1]")? {
+        s.min_p = p as f32;
+    }
+    if let Some(p) = number(o, "repetition_penalty", |x| x > 0.0 && x.is_finite(), "> 0")? {
+        s.repetition_penalty = p as f32;
+    }
+    match get(o, "seed") {
+        None => {}
+        Some(v) => match (v.as_u64(), v.as_i64()) {
+            (Some(x), _) => s.seed = x,
+            (None, Some(x)) => s.seed = x as u64,
+            _ => {
+                return Err(ApiError::invalid(
+                    Some("seed"),
+                    format!("seed must be an integer, got {v}"),
+                ))
+            }
+        },
+    }
+    let stops = match get(o, "stop") {
+        None => Vec::new(),
+        Some(Value::String(x)) => vec![x.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                v.as_str().map(str::to_string).ok_or_else(|| {
+                    ApiError::invalid(Some("stop"), "stop must be a string or a list of strings")
+                })
+            })
+            .collect::<R<Vec<_>>>()?,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                Some("stop"),
+                "stop must be a string or a list of strings",
+            ))
+        }
+    };
+    let stream = boolean(o, "stream")?.unwrap_or(false);
+    let include_usage = match get(o, "stream_options") {
+        None => false,
+        Some(Value::Object(so)) => boolean(so, "include_usage")
+            .map_err(|mut e| {
+                e.param = Some("stream_options.include_usage".into());
+                e
+            })?
+            .unwrap_or(false),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                Some("stream_options"),
+                "stream_options must be an object",
+            ))
+        }
+    };
+    Ok(Common {
+        max_tokens: max_tokens.map(|m| m as usize),
+        sampler: s,
+        stops,
+        stream,
+        include_usage,
+    })
+}
+
+/// `messages` → chat messages (`developer` is given to the template as `system`).
+pub fn parse_messages(o: &Map<String, Value>) -> R<Vec<ChatMessage>> {
+    let p = Some("messages");
+    let Some(list) = get(o, "messages") else {
+        return Err(ApiError::invalid(p, "messages is required"));
+    };
+    let Some(list) = list.as_array() else {
+        return Err(ApiError::invalid(p, "messages must be an array"));
+    };
+    if list.is_empty() {
+        return Err(ApiError::invalid(p, "messages must not be empty"));
+    }
+    let mut out = Vec::with_capacity(list.len());
+    for (i, m) in list.iter().enumerate() {
+        let at = format!("messages[{i}]");
+        let bad = |msg: String| ApiError::invalid(Some(&at), msg);
+        let Some(m) = m.as_object() else {
+            return Err(bad(format!("{at} must be an object")));
+        };
+        let role = match m.get("role").and_then(Value::as_str) {
+            Some(r @ ("system" | "user" | "assistant")) => r,
+            Some("developer") => "system",
+            Some(r) => {
+                return Err(bad(format!(
+                    "{at}.role `{r}` is not supported (system, developer, user, assistant)"
+                )))
+            }
+            None => return Err(bad(format!("{at}.role must be a string"))),
+        };
+        let content = match m.get("content") {
+            None | Some(Value::Null) if role == "assistant" => String::new(),
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(parts)) => {
+                let mut s = String::new();
+                for part in parts {
+                    match (
+                        part.get("type").and_then(Value::as_str),
+                        part.get("text").and_then(Value::as_str),
+                    ) {
+                        (Some("text"), Some(t)) => s.push_str(t),
+                        (Some(t), _) if t != "text" => {
+                            return Err(ApiError::unsupported(
+                                &at,
+                                &format!("content part type `{t}`"),
+                            ))
+                        }
+                        _ => {
+                            return Err(bad(format!(
+                            "{at}.content parts must be {{\"type\": \"text\", \"text\": string}}"
+                        )))
+                        }
+                    }
+                }
+                s
+            }
+            _ => {
+                return Err(bad(format!(
+                    "{at}.content must be a string or an array of text parts"
+                )))
+            }
+        };
+        out.push(ChatMessage::new(role, content));
+    }
+    Ok(out)
+}
+
+/// `chat_template_kwargs` (an object, default empty).
+pub fn parse_kwargs(o: &Map<String, Value>) -> R<Map<String, Value>> {
+    match get(o, "chat_template_kwargs") {
+        None => Ok(Map::new()),
+        Some(Value::Object(m)) => Ok(m.clone()),
+        Some(_) => Err(ApiError::invalid(
+            Some("chat_template_kwargs"),
+            "chat_template_kwargs must be an object",
+        )),
+    }
+}
+
+/// `prompt` of a text completion (a string).
+pub fn parse_prompt(o: &Map<String, Value>) -> R<String> {
+    match get(o, "prompt") {
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(_)) => Err(ApiError::unsupported("prompt", "a list or token-id prompt")),
+        Some(v) => Err(ApiError::invalid(
+            Some("prompt"),
+            format!("prompt must be a string, got {v}"),
+        )),
+        None => Err(ApiError::invalid(Some("prompt"), "prompt is required")),
+    }
+}
+
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish()
+}
