@@ -146,5 +146,5 @@ fn bad_sampling_values() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("top_p"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--top-p"));
 }

@@ -26,13 +26,19 @@ pub struct EngineOptions {
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { threads: default_threads(), ctx: 4096, max_batch: 256 }
+        EngineOptions {
+            threads: default_threads(),
+            ctx: 4096,
+            max_batch: 256,
+        }
     }
 }
 
 /// Physical cores available to this process (at least 1).
 pub fn default_threads() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
 }
 
 /// What to generate.
@@ -64,7 +70,14 @@ impl Engine {
         let ctx = opts.ctx.min(c.train_ctx).max(1);
         let state = SeqState::new(c.n_layers, ctx, c.kv_dim());
         let ws = Workspace::new(&lm.model, opts.max_batch.max(1));
-        Engine { pool: ThreadPool::new(opts.threads.max(1)), ws, state, sampler: Sampler::default(), logits: Vec::new(), lm }
+        Engine {
+            pool: ThreadPool::new(opts.threads.max(1)),
+            ws,
+            state,
+            sampler: Sampler::default(),
+            logits: Vec::new(),
+            lm,
+        }
     }
 
     /// Context length in tokens.
@@ -81,22 +94,38 @@ impl Engine {
     /// sampled token, end-of-generation tokens excluded; returning `false` stops generation.
     ///
     /// Errors: empty prompt, prompt that does not fit in the context, invalid sampling parameters.
-    pub fn generate(&mut self, prompt: &[u32], params: &GenerateParams, on_token: &mut dyn FnMut(u32) -> bool) -> Result<GenerationStats> {
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        params: &GenerateParams,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<GenerationStats> {
         params.sampler.validate().map_err(Error::Input)?;
         if prompt.is_empty() {
-            return Err(Error::Input("the prompt is empty".into()));
+            return Err(Error::Input("prompt: empty (no tokens)".into()));
         }
         if prompt.len() >= self.ctx() {
             return Err(Error::Input(format!(
-                "the prompt has {} tokens but the context holds {} (room is needed for at least one new token); use a longer --ctx or a shorter prompt",
+                "prompt: {} tokens but the context holds {} (room is needed for at least one new token); use a longer --ctx or a shorter prompt",
                 prompt.len(),
                 self.ctx()
             )));
         }
         let t0 = Instant::now();
         self.state.clear();
-        let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };
-        forward(&self.lm.model, &self.pool, &mut self.ws, &mut self.state, prompt, Logits::Last, &mut self.logits)?;
+        let mut stats = GenerationStats {
+            prompt_tokens: prompt.len(),
+            ..Default::default()
+        };
+        forward(
+            &self.lm.model,
+            &self.pool,
+            &mut self.ws,
+            &mut self.state,
+            prompt,
+            Logits::Last,
+            &mut self.logits,
+        )?;
         let mut history: Vec<u32> = Vec::with_capacity(self.ctx());
         history.extend_from_slice(prompt);
         let mut t_first = None;
@@ -104,7 +133,9 @@ impl Engine {
         stats.finish = FinishReason::Length;
         while stats.generated_tokens < params.max_tokens {
             let pos = history.len();
-            let tok = self.sampler.sample(&params.sampler, &mut self.logits, &history, pos);
+            let tok = self
+                .sampler
+                .sample(&params.sampler, &mut self.logits, &history, pos);
             let now = Instant::now();
             if t_first.is_none() {
                 t_first = Some(now);
@@ -125,11 +156,23 @@ impl Engine {
                 stats.finish = FinishReason::Length;
                 break;
             }
-            forward(&self.lm.model, &self.pool, &mut self.ws, &mut self.state, &[tok], Logits::Last, &mut self.logits)?;
+            forward(
+                &self.lm.model,
+                &self.pool,
+                &mut self.ws,
+                &mut self.state,
+                &[tok],
+                Logits::Last,
+                &mut self.logits,
+            )?;
             stats.decode_passes += 1;
         }
         stats.decode_time = t_first.map(|f| t_last - f).unwrap_or_default();
         stats.duration = t0.elapsed();
+        if t_first.is_none() {
+            // max_tokens = 0: only the prefill ran; keep prefill speed meaningful (not prompt ÷ 0).
+            stats.ttft = stats.duration;
+        }
         Ok(stats)
     }
 
@@ -138,7 +181,15 @@ impl Engine {
     pub fn score(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         self.state.clear();
         let mut out = Vec::new();
-        forward(&self.lm.model, &self.pool, &mut self.ws, &mut self.state, tokens, Logits::All, &mut out)?;
+        forward(
+            &self.lm.model,
+            &self.pool,
+            &mut self.ws,
+            &mut self.state,
+            tokens,
+            Logits::All,
+            &mut out,
+        )?;
         Ok(out)
     }
 
@@ -147,10 +198,15 @@ impl Engine {
     /// stride). Returns (perplexity, scored tokens). A last window shorter than 2 tokens is dropped.
     pub fn perplexity(&mut self, tokens: &[u32], window: usize) -> Result<(f64, usize)> {
         if window < 2 {
-            return Err(Error::Input("perplexity window must be at least 2 tokens".into()));
+            return Err(Error::Input(
+                "perplexity window must be at least 2 tokens".into(),
+            ));
         }
         if window > self.ctx() {
-            return Err(Error::Input(format!("perplexity window of {window} tokens exceeds the context of {}", self.ctx())));
+            return Err(Error::Input(format!(
+                "perplexity window of {window} tokens exceeds the context of {}",
+                self.ctx()
+            )));
         }
         let vocab = self.lm.model.config.vocab_size;
         let (mut nll, mut n) = (0f64, 0usize);
@@ -166,7 +222,9 @@ impl Engine {
             }
         }
         if n == 0 {
-            return Err(Error::Input("the text has fewer than 2 tokens: nothing to score".into()));
+            return Err(Error::Input(
+                "the text has fewer than 2 tokens: nothing to score".into(),
+            ));
         }
         Ok(((nll / n as f64).exp(), n))
     }

@@ -1,0 +1,367 @@
+//! The command line as a user meets it: every mistake gets one line `error: <file or option>: <problem>`
+//! and exit code 2 (option checks come before the model load), help is complete, the reply on stdout is
+//! valid UTF-8, the stats panel has its 9 lines, and closed pipes never panic the process.
+//! Model runs use SmolLM2 (the fastest model) with one thread and a few tokens.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+const SMOL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+fn smol() -> Option<PathBuf> {
+    let p = eddy::load::models_dir().join(SMOL);
+    if p.is_file() {
+        return Some(p);
+    }
+    if std::env::var("EDDY_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
+        return None;
+    }
+    panic!("{} is missing: run `tools/fetch_models.sh smollm2`", p.display());
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("eddy-cli-usage-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d.join(name)
+}
+
+fn eddy(args: &[&str]) -> Output {
+    eddy_stdin(args, None)
+}
+
+fn eddy_stdin(args: &[&str], stdin: Option<&[u8]>) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_eddy"))
+        .args(args)
+        .env("HF_HUB_OFFLINE", "1")
+        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    if let Some(bytes) = stdin {
+        child.stdin.take().unwrap().write_all(bytes).unwrap();
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// Exit code 2, no panic, and stderr is exactly one line `error: <thing>: <problem>` containing `needle`.
+fn expect_error(args: &[&str], needle: &str) -> String {
+    expect_error_stdin(args, None, needle)
+}
+
+fn expect_error_stdin(args: &[&str], stdin: Option<&[u8]>, needle: &str) -> String {
+    let out = eddy_stdin(args, stdin);
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+    assert!(!err.contains("panicked"), "{args:?}: {err}");
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 1, "{args:?}: not one line: {err}");
+    let line = lines[0];
+    assert!(line.starts_with("error: "), "{args:?}: {err}");
+    let rest = &line["error: ".len()..];
+    let (thing, problem) = rest.split_once(": ").unwrap_or_else(|| panic!("{args:?}: no 'thing: problem' in {err}"));
+    assert!(!thing.trim().is_empty() && !problem.trim().is_empty(), "{args:?}: {err}");
+    assert!(line.contains(needle), "{args:?}: expected '{needle}' in: {err}");
+    assert!(out.stdout.is_empty(), "{args:?}: stdout: {}", String::from_utf8_lossy(&out.stdout));
+    line.to_string()
+}
+
+/// A model path that does not exist: option errors must come before the model is even looked at.
+const NO_MODEL: &str = "/nonexistent/eddy-test-model.gguf";
+
+fn run_args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec!["run", "--model", NO_MODEL, "--threads", "1", "-m", "hi"];
+    v.extend_from_slice(extra);
+    v
+}
+
+#[test]
+fn parse_errors_are_one_line() {
+    expect_error(&[], "no command given");
+    expect_error(&["runn"], "runn: unknown command");
+    expect_error(&["run", "--temp", "1", "-m", "hi"], "--temp: unknown option; did you mean '--temperature'");
+    expect_error(&["run"], "--message: required");
+    expect_error(&["perplexity"], "--file: required");
+    expect_error(&["run", "-m", "hi", "-n", "4", "-n", "5"], "--max-tokens: given more than once");
+    expect_error(&["run", "-m", "hi", "--threads", "abc"], "--threads: invalid value 'abc'");
+    expect_error(&["run", "-m", "hi", "-n", "-1"], "--max-tokens: invalid value '-1'");
+    expect_error(&["run", "-m", "hi", "--seed", "-5"], "--seed: invalid value '-5'");
+    expect_error(&["run", "-m", "hi", "--quant", "q5"], "--quant: invalid value 'q5'");
+    expect_error(&["run", "-m", "hi", "extra"], "extra: unexpected argument");
+    expect_error(&["run", "-m", "hi", "--temperature"], "--temperature: a value is required");
+}
+
+#[test]
+fn bad_option_values_are_named_before_the_model_loads() {
+    // Negative numbers reach eddy's own check (clap alone would say "unexpected argument '-1'").
+    expect_error(&run_args(&["--temperature", "-1"]), "--temperature: must be a number >= 0");
+    expect_error(&run_args(&["--temperature", "NaN"]), "--temperature:");
+    expect_error(&run_args(&["--temperature", "inf"]), "--temperature:");
+    expect_error(&run_args(&["--top-p", "0"]), "--top-p: must be in (0, 1]");
+    expect_error(&run_args(&["--top-p", "-0.5"]), "--top-p:");
+    expect_error(&run_args(&["--min-p", "NaN"]), "--min-p:");
+    expect_error(&run_args(&["--repetition-penalty", "0"]), "--repetition-penalty:");
+    expect_error(&run_args(&["-n", "0"]), "--max-tokens: must be at least 1");
+    expect_error(&run_args(&["--ctx", "1"]), "--ctx: must be at least 2");
+    expect_error(&run_args(&["--ctx", "0"]), "--ctx:");
+    expect_error(&["run", "--model", NO_MODEL, "--threads", "0", "-m", "hi"], "--threads: must be at least 1");
+    expect_error(&run_args(&["--chat-template-kwargs", "{bad"]), "--chat-template-kwargs: invalid JSON");
+    expect_error(&run_args(&["--chat-template-kwargs", "[1]"]), "--chat-template-kwargs: must be a JSON object");
+    expect_error(&run_args(&["--chat-template-kwargs", ""]), "--chat-template-kwargs:");
+    expect_error(&["run", "--model", NO_MODEL, "-m", ""], "--message: the message is empty");
+    expect_error(&["run", "--model", NO_MODEL, "-m", "  \n"], "--message: the message is empty");
+    expect_error_stdin(&["run", "--model", NO_MODEL, "-m", "-"], Some(b""), "stdin: the message is empty");
+    expect_error_stdin(&["run", "--model", NO_MODEL, "-m", "-"], Some(b"\xff\xfe"), "stdin: the message is not UTF-8");
+    expect_error(&["speed", "--model", NO_MODEL, "-p", "0"], "-p/--prompt-tokens: must be at least 1");
+    expect_error(&["speed", "--model", NO_MODEL, "-n", "1"], "-n/--gen-tokens:");
+    expect_error(&["speed", "--model", NO_MODEL, "-r", "0"], "-r/--repetitions: must be at least 1");
+    expect_error(&["bandwidth", "--threads", "0"], "--threads: must be at least 1");
+    // With valid options the model is what is wrong.
+    expect_error(&run_args(&[]), "eddy-test-model.gguf: no such file");
+}
+
+#[test]
+fn model_paths() {
+    expect_error(&["run", "--model", "", "-m", "hi"], "--model: empty");
+    let dir = tmp("garbage-dir");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("config.json"), b"\x00\x01 not json").unwrap();
+    expect_error(&["run", "--model", dir.to_str().unwrap(), "-m", "hi"], "config.json");
+    let empty = tmp("empty.gguf");
+    std::fs::write(&empty, b"").unwrap();
+    expect_error(&["run", "--model", empty.to_str().unwrap(), "-m", "hi"], "empty.gguf: not a GGUF file");
+    let text = tmp("notes.txt");
+    std::fs::write(&text, "just some text, not a model\n").unwrap();
+    expect_error(&["run", "--model", text.to_str().unwrap(), "-m", "hi"], "notes.txt: not a GGUF file");
+    let hf_home = tmp("hf-home");
+    let out = Command::new(env!("CARGO_BIN_EXE_eddy"))
+        .args(["run", "--model", "foo/bar", "-m", "hi"])
+        .env("HF_HUB_OFFLINE", "1")
+        .env("HF_HOME", &hf_home)
+        .env_remove("HF_HUB_CACHE")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.starts_with("error: foo/bar: HF_HUB_OFFLINE"), "{err}");
+
+    let Some(smol) = smol() else { return };
+    let s = smol.to_str().unwrap();
+    expect_error(&["run", "--model", s, "--quant", "q8", "-m", "hi"], "--quant q8 is for Hugging Face safetensors");
+    // A folder of GGUF files (such as the models folder) names the files to pass instead.
+    let folder = tmp("gguf-folder");
+    std::fs::create_dir_all(&folder).unwrap();
+    let _ = std::fs::remove_file(folder.join("model.gguf"));
+    std::os::unix::fs::symlink(&smol, folder.join("model.gguf")).unwrap();
+    expect_error(&["run", "--model", folder.to_str().unwrap(), "-m", "hi"], "model.gguf: pass the GGUF file itself");
+}
+
+/// Every option of every command has a description in `--help`, and help exits 0.
+#[test]
+fn help_explains_every_option() {
+    for cmd in [&[][..], &["run"], &["perplexity"], &["speed"], &["bandwidth"]] {
+        let mut args: Vec<&str> = cmd.to_vec();
+        args.push("--help");
+        let out = eddy(&args);
+        let help = String::from_utf8(out.stdout).unwrap();
+        assert_eq!(out.status.code(), Some(0), "{args:?}");
+        let lines: Vec<&str> = help.lines().collect();
+        let mut options = 0;
+        for (i, l) in lines.iter().enumerate() {
+            let t = l.trim_start();
+            if !(l.starts_with("  ") && t.starts_with('-')) {
+                continue;
+            }
+            options += 1;
+            // "  -t, --threads <THREADS>  Worker threads ..." or the description on the next, deeper line.
+            let spec_end = t.find("  ").map(|j| t[j..].trim().len());
+            let same_line = spec_end.is_some_and(|n| n > 0);
+            let next_line = lines.get(i + 1).is_some_and(|n| {
+                let nt = n.trim_start();
+                n.len() - nt.len() > l.len() - t.len() && !nt.is_empty() && !nt.starts_with('-')
+            });
+            assert!(same_line || next_line, "{args:?}: option without a description: {l}\n{help}");
+        }
+        assert!(options >= 2, "{args:?}: {help}");
+    }
+}
+
+const PANEL: [&str; 9] = [
+    "time to first token: ",
+    "prefill speed: ",
+    "generation speed: ",
+    "tokens per forward pass: ",
+    "memory used: ",
+    "total energy: ",
+    "input energy per token: ",
+    "output energy per token: ",
+    "duration: ",
+];
+
+fn run_smol(smol: &Path, extra: &[&str]) -> Output {
+    let mut args = vec!["run", "--model", smol.to_str().unwrap(), "--threads", "1"];
+    args.extend_from_slice(extra);
+    let out = eddy(&args);
+    assert_eq!(out.status.code(), Some(0), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    out
+}
+
+#[test]
+fn panel_json_and_seeds() {
+    let Some(smol) = smol() else { return };
+    let out = run_smol(&smol, &["-n", "3", "--temperature", "0", "-m", "hi"]);
+    let err = String::from_utf8(out.stderr).unwrap();
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 9, "{err}");
+    for (l, p) in lines.iter().zip(PANEL) {
+        assert!(l.starts_with(p), "expected '{p}…', got '{l}'");
+    }
+    // -n 1: one token, still the full panel.
+    let out = run_smol(&smol, &["-n", "1", "--temperature", "0", "-m", "hi"]);
+    assert_eq!(String::from_utf8(out.stderr).unwrap().lines().count(), 9);
+    // --json: one JSON object on stderr.
+    let out = run_smol(&smol, &["-n", "2", "--json", "-m", "hi"]);
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(err.lines().count(), 1, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&err).unwrap();
+    assert_eq!(v["generated_tokens"].as_u64().map(|n| n <= 2), Some(true), "{v}");
+    assert!(v["prefill_speed_tps"].as_f64().is_some_and(|x| x.is_finite() && x > 0.0), "{v}");
+    // Same seed, same output; the random default differs between runs only by chance.
+    let story = ["-n", "12", "--seed", "7", "--temperature", "1.0", "-m", "Tell me a story about a fox."];
+    let a = run_smol(&smol, &story).stdout;
+    let b = run_smol(&smol, &story).stdout;
+    assert_eq!(a, b);
+    // A temperature so small that logits / temperature overflow is greedy, not a random junk token.
+    let greedy = run_smol(&smol, &["-n", "6", "--temperature", "0", "-m", "What is 2+2?"]).stdout;
+    for t in ["1e-38", "1e-45"] {
+        let tiny = run_smol(&smol, &["-n", "6", "--seed", "1", "--temperature", t, "-m", "What is 2+2?"]).stdout;
+        assert_eq!(String::from_utf8_lossy(&tiny), String::from_utf8_lossy(&greedy), "--temperature {t}");
+    }
+    // --top-k 0 (off) works; stdin message, trailing newline dropped, equals the argument.
+    run_smol(&smol, &["-n", "2", "--top-k", "0", "--seed", "1", "-m", "hi"]);
+    let mut args = vec!["run", "--model", smol.to_str().unwrap(), "--threads", "1", "-n", "4", "--temperature", "0", "-m", "-"];
+    let piped = eddy_stdin(&args, Some(b"What is 2+2?\n"));
+    assert_eq!(piped.status.code(), Some(0));
+    args.pop();
+    args.push("What is 2+2?");
+    assert_eq!(piped.stdout, eddy(&args).stdout);
+}
+
+#[test]
+fn reply_is_valid_utf8_and_never_ends_in_a_broken_character() {
+    let Some(smol) = smol() else { return };
+    for n in 1..=6 {
+        let n = n.to_string();
+        let out = run_smol(&smol, &["-n", &n, "--temperature", "0", "-m", "Reply only with emoji: 🦀👨‍👩‍👧🎉 — naïve 你好"]);
+        let text = String::from_utf8(out.stdout).unwrap_or_else(|e| panic!("-n {n}: stdout is not UTF-8: {e}"));
+        assert!(!text.contains('\u{FFFD}'), "-n {n}: replacement character in {text:?}");
+        assert!(text.ends_with('\n'), "-n {n}: {text:?}");
+    }
+}
+
+#[test]
+fn closed_pipes_do_not_panic() {
+    let Some(smol) = smol() else { return };
+    let s = smol.to_str().unwrap();
+    // stdout read for 10 bytes, then closed (`| head -c 10`): generation stops, exit 0, the panel still prints.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_eddy"))
+        .args(["run", "--model", s, "--threads", "1", "-n", "60", "--temperature", "0", "-m", "Tell me a long story."])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut buf = [0u8; 10];
+    child.stdout.take().unwrap().read_exact(&mut buf).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(!err.contains("panicked") && !err.contains("error"), "{err}");
+    assert_eq!(err.lines().count(), 9, "{err}");
+    // stderr closed before anything is written: the panel (or --json, or an error) cannot panic.
+    for (extra, code) in [(&["-n", "3"][..], 0), (&["-n", "3", "--json"][..], 0), (&["-n", "0"][..], 2)] {
+        let mut args = vec!["run", "--model", s, "--threads", "1", "--temperature", "0", "-m", "hi"];
+        args.extend_from_slice(extra);
+        let mut child = Command::new(env!("CARGO_BIN_EXE_eddy")).args(&args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+        drop(child.stderr.take());
+        assert_eq!(child.wait().unwrap().code(), Some(code), "{args:?}");
+    }
+    // perplexity's result written to a closed stdout.
+    let f = tmp("fox.txt");
+    std::fs::write(&f, "The quick brown fox jumps over the lazy dog. ".repeat(4)).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_eddy"))
+        .args(["perplexity", "--model", s, "--threads", "1", "-f", f.to_str().unwrap(), "--ctx", "16"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn context_limits() {
+    let Some(smol) = smol() else { return };
+    let s = smol.to_str().unwrap();
+    for ctx in ["2", "8"] {
+        expect_error(&["run", "--model", s, "--threads", "1", "--ctx", ctx, "-m", "hi"], &format!("prompt: 31 tokens but the context holds {ctx}"));
+    }
+    // --raw "hi" is one token: a context of 2 still generates.
+    let out = run_smol(&smol, &["--ctx", "2", "--raw", "-n", "5", "--temperature", "0", "-m", "hi"]);
+    assert!(!out.stdout.is_empty());
+    // Larger than the model's training context: capped, not an allocation failure.
+    run_smol(&smol, &["--ctx", "100000000000", "-n", "2", "--temperature", "0", "-m", "hi"]);
+    // --raw with an empty message and no BOS token: nothing to generate from.
+    expect_error(&["run", "--model", s, "--threads", "1", "--raw", "-m", ""], "--message: the message is empty and the model adds no BOS");
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+#[test]
+fn perplexity_inputs() {
+    let Some(smol) = smol() else { return };
+    let s = smol.to_str().unwrap();
+    let ppl = |f: &Path, extra: &[&str]| {
+        let mut v = vec!["perplexity", "--model", s, "--threads", "1", "-f", f.to_str().unwrap()];
+        v.extend_from_slice(extra);
+        v.iter().map(|x| x.to_string()).collect::<Vec<String>>()
+    };
+    let empty = tmp("ppl-empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    expect_error(&strs(&ppl(&empty, &[])), "ppl-empty.txt: the file is empty");
+    let one = tmp("ppl-one.txt");
+    std::fs::write(&one, "Hello").unwrap();
+    expect_error(&strs(&ppl(&one, &[])), "ppl-one.txt: 1 token");
+    let bin = tmp("ppl-bin.dat");
+    std::fs::write(&bin, [0xffu8, 0xfe, 0x00, 0x80, 0xc3]).unwrap();
+    expect_error(&strs(&ppl(&bin, &[])), "ppl-bin.dat: not UTF-8 text");
+    let fox = tmp("ppl-fox.txt");
+    std::fs::write(&fox, "The quick brown fox jumps over the lazy dog. ".repeat(3)).unwrap();
+    expect_error(&strs(&ppl(&fox, &["--ctx", "1"])), "--ctx: must be at least 2");
+    expect_error(&strs(&ppl(&fox, &["--ctx", "100000"])), "--ctx: a window of 100000 tokens is longer than the model's training context");
+    expect_error(&strs(&ppl(&tmp("ppl-missing.txt"), &[])), "ppl-missing.txt:");
+    for ctx in ["2", "4096"] {
+        let out = eddy(&strs(&ppl(&fox, &["--ctx", ctx, "--json"])));
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(v["perplexity"].as_f64().is_some_and(|p| p.is_finite() && p >= 1.0), "{v}");
+    }
+}
+
+#[test]
+fn speed_inputs() {
+    let Some(smol) = smol() else { return };
+    let s = smol.to_str().unwrap();
+    expect_error(&["speed", "--model", s, "--threads", "1", "-p", "4", "-n", "100", "--ctx", "16"], "--ctx: -p 4 + -n 100 tokens do not fit");
+    let out = eddy(&["speed", "--model", s, "--threads", "1", "-p", "4", "-n", "0", "-r", "1"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(text.lines().count(), 1, "{text}");
+    let v: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
+    assert_eq!(v["test"], "pp4");
+    assert_eq!(v["threads"], 1);
+}
