@@ -80,10 +80,10 @@ struct ModelArgs {
     /// Worker threads (default: all available cores; more than the cores available are capped).
     #[arg(long, short = 't')]
     threads: Option<usize>,
-    /// Context length in tokens (KV cache size; at least 2, capped at the model's training context). For
-    /// `perplexity`, the window length.
-    #[arg(long, default_value_t = 4096)]
-    ctx: usize,
+    /// Context length in tokens (KV cache size; at least 2, capped at the model's training context);
+    /// default 4096. For `perplexity`, the window length; default 512.
+    #[arg(long)]
+    ctx: Option<usize>,
     /// Quantize a safetensors model's weights at load: q8 (int8) or q4 (int4 projections, int8 embedding
     /// and LM head); default: keep them as stored (f32 / bf16). Not for GGUF files.
     #[arg(long, value_name = "q8|q4")]
@@ -303,12 +303,21 @@ fn load_with_progress(spec: Option<&str>, quant: Quant) -> eddy::Result<LoadedMo
 /// Check the options of `m` (before the slow model load), then load the model and build the engine;
 /// returns it with its number of worker threads.
 fn engine_for(m: &ModelArgs) -> eddy::Result<(Engine, usize)> {
-    if m.ctx < 2 {
-        return Err(bad("--ctx", format!("must be at least 2 tokens, got {}", m.ctx)));
+    engine_with_ctx(m, m.ctx.unwrap_or(DEFAULT_CTX))
+}
+
+/// Context length of `run`, `serve` and `speed` when --ctx is not given.
+const DEFAULT_CTX: usize = 4096;
+/// Perplexity window when --ctx is not given (llama-perplexity's default).
+const DEFAULT_PPL_CTX: usize = 512;
+
+fn engine_with_ctx(m: &ModelArgs, ctx: usize) -> eddy::Result<(Engine, usize)> {
+    if ctx < 2 {
+        return Err(bad("--ctx", format!("must be at least 2 tokens, got {ctx}")));
     }
     let threads = threads_for(m.threads)?;
     let lm = load_with_progress(m.model.as_deref(), m.quant.unwrap_or_default())?;
-    let opts = EngineOptions { threads, ctx: m.ctx, ..Default::default() };
+    let opts = EngineOptions { threads, ctx, ..Default::default() };
     Ok((Engine::new(lm, &opts), threads))
 }
 
@@ -495,8 +504,8 @@ fn perplexity(a: PplArgs) -> eddy::Result<()> {
     if text.is_empty() {
         return Err(bad(&file, "the file is empty: nothing to score"));
     }
-    let window = a.model.ctx;
-    let (mut engine, _) = engine_for(&a.model)?;
+    let window = a.model.ctx.unwrap_or(DEFAULT_PPL_CTX);
+    let (mut engine, _) = engine_with_ctx(&a.model, window)?;
     if window > engine.ctx() {
         return Err(bad("--ctx", format!("a window of {window} tokens is longer than the model's training context of {}", engine.ctx())));
     }

@@ -1,8 +1,11 @@
 //! CPU matmul benchmarks.
 //!
-//! * `gemv_int4` / `gemv_int8`: one token (decode) at 1536×1536, 8960×1536 and 1536×8960 (rows×cols),
+//! Formats: `q4` (bits 4, f16 scale + min: Q4_1-like), `q5` (bits 5, f16 implicit: Q5_0), `q6` (bits 6,
+//! group 16, k-quant scales: Q6_K), `q8` (bits 8, f16 implicit: Q8_0).
+//!
+//! * `gemv_q*`: one token (decode) at 1536×1536, 8960×1536 and 1536×8960 (rows×cols),
 //!   1 and 2 threads; throughput = weight bytes streamed per call (`WeightMatrix::nbytes`).
-//! * `gemm_int4` / `gemm_int8`: 128 tokens (prefill); throughput in "elements" = 2·rows·cols·n
+//! * `gemm_q*`: 128 tokens (prefill); throughput in "elements" = 2·rows·cols·n
 //!   operations (multiply + add), i.e. read Gelem/s as GOP/s.
 //!
 //! * `gemv_cold_*`: like `gemv_*` at 8960×1536 but rotating through ≥ 384 MB of weight copies, so the
@@ -14,13 +17,17 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use eddy::backend::cpu::{matmul, quantize_activations, Kernel, QuantizedActivations, ThreadPool};
-use eddy::quant::{Int4Matrix, Int8Matrix, WeightMatrix, QK};
+use eddy::quant::{GroupScales, QMatrix, WeightMatrix, QK};
+use half::f16;
 use std::hint::black_box;
 
 struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         self.0 >> 33
     }
     fn f(&mut self) -> f32 {
@@ -28,36 +35,68 @@ impl Rng {
     }
 }
 
-fn int4(rows: usize, cols: usize, rng: &mut Rng) -> WeightMatrix {
-    let ng = rows * cols / QK;
-    WeightMatrix::Int4(Int4Matrix {
+fn qm(bits: u8, rows: usize, cols: usize, rng: &mut Rng) -> WeightMatrix {
+    let n = rows * cols;
+    let planes = if bits == 5 || bits == 6 {
+        bits as usize - 4
+    } else {
+        0
+    };
+    let group = if bits == 6 { 16 } else { QK };
+    let ng = n / group;
+    let scales = match bits {
+        4 => GroupScales::F16 {
+            scale: (0..ng)
+                .map(|_| f16::from_f32(0.001 + 0.01 * rng.f()))
+                .collect(),
+            min: Some((0..ng).map(|_| f16::from_f32(-0.05 * rng.f())).collect()),
+        },
+        6 => GroupScales::SuperI8 {
+            sc: (0..ng).map(|_| rng.next() as i8).collect(),
+            mn: None,
+            d: (0..n / 256).map(|_| 0.0001 * rng.f()).collect(),
+            dmin: vec![],
+        },
+        _ => GroupScales::F16 {
+            scale: (0..ng)
+                .map(|_| f16::from_f32(0.001 + 0.01 * rng.f()))
+                .collect(),
+            min: None,
+        },
+    };
+    WeightMatrix::Q(QMatrix {
         rows,
         cols,
-        packed: (0..rows * cols / 2).map(|_| rng.next() as u8).collect(),
-        scale: (0..ng).map(|_| 0.001 + 0.01 * rng.f()).collect(),
-        min: (0..ng).map(|_| -0.05 * rng.f()).collect(),
+        bits,
+        group,
+        lo: (0..if bits == 8 { n } else { n / 2 })
+            .map(|_| rng.next() as u8)
+            .collect(),
+        hi: (0..n / QK * 4 * planes).map(|_| rng.next() as u8).collect(),
+        scales,
     })
 }
-
-fn int8(rows: usize, cols: usize, rng: &mut Rng) -> WeightMatrix {
-    let q: Vec<i8> = (0..rows * cols).map(|_| ((rng.next() % 255) as i32 - 127) as i8).collect();
-    let qsum = q.chunks(32).map(|c| c.iter().map(|&v| v as i32).sum()).collect();
-    WeightMatrix::Int8(Int8Matrix {
-        rows,
-        cols,
-        group: 32,
-        scale: (0..rows * cols / 32).map(|_| 0.001 + 0.01 * rng.f()).collect(),
-        q,
-        qsum,
-    })
+fn q4(r: usize, c: usize, g: &mut Rng) -> WeightMatrix {
+    qm(4, r, c, g)
 }
+fn q5(r: usize, c: usize, g: &mut Rng) -> WeightMatrix {
+    qm(5, r, c, g)
+}
+fn q6(r: usize, c: usize, g: &mut Rng) -> WeightMatrix {
+    qm(6, r, c, g)
+}
+fn q8(r: usize, c: usize, g: &mut Rng) -> WeightMatrix {
+    qm(8, r, c, g)
+}
+type Make = fn(usize, usize, &mut Rng) -> WeightMatrix;
+const FORMATS: [(&str, Make); 4] = [("q4", q4), ("q5", q5), ("q6", q6), ("q8", q8)];
 
 fn bench(c: &mut Criterion) {
     eprintln!("eddy kernel path: {:?}", Kernel::active());
     let mut rng = Rng(42);
     let pools = [ThreadPool::new(1), ThreadPool::new(2)];
     let shapes = [(1536usize, 1536usize), (8960, 1536), (1536, 8960)];
-    for (name, make) in [("int4", int4 as fn(usize, usize, &mut Rng) -> WeightMatrix), ("int8", int8)] {
+    for (name, make) in FORMATS {
         let mut g = c.benchmark_group(format!("gemv_{name}"));
         for &(rows, cols) in &shapes {
             let w = make(rows, cols, &mut rng);
@@ -67,8 +106,11 @@ fn bench(c: &mut Criterion) {
             let mut out = vec![0f32; rows];
             g.throughput(Throughput::Bytes(w.nbytes() as u64));
             for pool in &pools {
-                let id = BenchmarkId::new(format!("{rows}x{cols}"), format!("t{}", pool.n_threads()));
-                g.bench_function(id, |b| b.iter(|| matmul(pool, black_box(&w), &[], &xq, 1, &mut out)));
+                let id =
+                    BenchmarkId::new(format!("{rows}x{cols}"), format!("t{}", pool.n_threads()));
+                g.bench_function(id, |b| {
+                    b.iter(|| matmul(pool, black_box(&w), &[], &xq, 1, &mut out))
+                });
             }
         }
         g.finish();
@@ -84,8 +126,13 @@ fn bench(c: &mut Criterion) {
             let mut out = vec![0f32; n * rows];
             g.throughput(Throughput::Elements((2 * rows * cols * n) as u64));
             for pool in &pools {
-                let id = BenchmarkId::new(format!("{rows}x{cols}_n{n}"), format!("t{}", pool.n_threads()));
-                g.bench_function(id, |b| b.iter(|| matmul(pool, black_box(&w), &[], &xq, n, &mut out)));
+                let id = BenchmarkId::new(
+                    format!("{rows}x{cols}_n{n}"),
+                    format!("t{}", pool.n_threads()),
+                );
+                g.bench_function(id, |b| {
+                    b.iter(|| matmul(pool, black_box(&w), &[], &xq, n, &mut out))
+                });
             }
         }
         g.finish();
@@ -98,10 +145,12 @@ fn cold(c: &mut Criterion) {
     let mut rng = Rng(9);
     let pools = [ThreadPool::new(1), ThreadPool::new(2)];
     let (rows, cols) = (8960, 1536);
-    for (name, make) in [("int4", int4 as fn(usize, usize, &mut Rng) -> WeightMatrix), ("int8", int8)] {
+    for (name, make) in FORMATS {
         let first = make(rows, cols, &mut rng);
         let copies = (384 << 20) / first.nbytes() + 1;
-        let ws: Vec<WeightMatrix> = std::iter::once(first).chain((1..copies).map(|_| make(rows, cols, &mut rng))).collect();
+        let ws: Vec<WeightMatrix> = std::iter::once(first)
+            .chain((1..copies).map(|_| make(rows, cols, &mut rng)))
+            .collect();
         let x: Vec<f32> = (0..cols).map(|_| rng.f() * 2.0 - 1.0).collect();
         let mut xq = QuantizedActivations::new();
         quantize_activations(&pools[0], &x, 1, cols, &mut xq);
@@ -127,7 +176,7 @@ fn cold(c: &mut Criterion) {
 fn small(c: &mut Criterion) {
     let mut rng = Rng(7);
     let pool = ThreadPool::new(1);
-    for (name, make) in [("int4", int4 as fn(usize, usize, &mut Rng) -> WeightMatrix), ("int8", int8)] {
+    for (name, make) in FORMATS {
         let mut g = c.benchmark_group(format!("small_{name}"));
         let (rows, cols) = (1536, 1536);
         let w = make(rows, cols, &mut rng);

@@ -76,14 +76,19 @@ fn load_cases() -> Vec<Case> {
         .collect()
 }
 
-/// Types whose import is bit-for-bit exact; Q4_0 is exact up to the sign of zero; Q5_1 and Q5_K are
-/// requantized.
-fn import_is_bit_exact(t: u32) -> bool {
-    ![gt::Q4_0, gt::Q5_1, gt::Q5_K].contains(&t)
-}
-
-fn requantized(t: u32) -> bool {
-    t == gt::Q5_1 || t == gt::Q5_K
+/// The `QMatrix` parameters each block type imports to: (bits, group, bits per weight incl. scales).
+fn expected_format(t: u32) -> Option<(u8, usize, f64)> {
+    Some(match t {
+        gt::Q4_0 => (4, 32, 4.5),
+        gt::Q4_1 => (4, 32, 5.0),
+        gt::Q4_K => (4, 32, 4.75),
+        gt::Q5_0 => (5, 32, 5.5),
+        gt::Q5_1 => (5, 32, 6.0),
+        gt::Q5_K => (5, 32, 5.75),
+        gt::Q6_K => (6, 16, 6.625),
+        gt::Q8_0 => (8, 32, 8.5),
+        _ => return None,
+    })
 }
 
 fn dequant_all(m: &WeightMatrix) -> Vec<f32> {
@@ -152,72 +157,35 @@ fn dequantize_blocks_matches_gguf_py_bit_for_bit() {
 
 #[test]
 fn import_matrix_matches_reference() {
-    let mut worst_requant_ratio = 0f64;
     for c in load_cases() {
         let m = import_matrix(Path::new("fixture.gguf"), &c.info(), &c.raw).unwrap();
         assert_eq!((m.rows(), m.cols()), (c.rows, c.cols), "{}", c.name);
-        // The format each type maps to.
+        // The format each type maps to, and its size.
         let kind_ok = match (c.ggml_type, &m) {
             (gt::F32 | gt::F16, WeightMatrix::F32 { .. })
             | (gt::BF16, WeightMatrix::Bf16 { .. }) => true,
-            (gt::Q4_0 | gt::Q4_1 | gt::Q4_K, WeightMatrix::Int4(_)) => true,
-            (gt::Q6_K, WeightMatrix::Int8(q)) => q.group == 16,
-            (gt::Q8_0 | gt::Q5_0 | gt::Q5_1 | gt::Q5_K, WeightMatrix::Int8(q)) => q.group == 32,
+            (t, WeightMatrix::Q(q)) => expected_format(t).is_some_and(|(bits, group, bpw)| {
+                q.bits == bits
+                    && q.group == group
+                    && m.nbytes() as f64 == bpw * (c.rows * c.cols) as f64 / 8.0
+            }),
+            // Rows not a multiple of the block size: exact f32 fallback.
+            (t, WeightMatrix::F32 { .. }) => {
+                c.cols % 32 != 0 || c.cols % gt::block_size(t).map_or(1, |b| b.0) != 0
+            }
             _ => false,
         };
         assert!(kind_ok, "{}: imported as {m:?}", c.name);
-        if let WeightMatrix::Int8(q) = &m {
-            assert_eq!(q.qsum.len(), q.scale.len());
-            for (g, &s) in q.qsum.iter().enumerate() {
-                assert_eq!(
-                    s,
-                    q.q[g * q.group..][..q.group]
-                        .iter()
-                        .map(|&v| v as i32)
-                        .sum::<i32>(),
-                    "{} qsum {g}",
-                    c.name
-                );
-            }
-        }
         let got = dequant_all(&m);
-        if requantized(c.ggml_type) {
-            // Bound: half a step of the symmetric int8 grid, s = max|w|/127 per group of 32.
-            for (g, (a, w)) in got
-                .chunks_exact(32)
-                .zip(c.reference.chunks_exact(32))
-                .enumerate()
-            {
-                let amax = w.iter().fold(0f32, |x, &v| x.max(v.abs())) as f64;
-                for (x, y) in a.iter().zip(w) {
-                    let err = (*x as f64 - *y as f64).abs();
-                    let bound = amax / 254.0;
-                    assert!(
-                        err <= bound * 1.0001 + 1e-30,
-                        "{} group {g}: {x} vs {y}, bound {bound}",
-                        c.name
-                    );
-                    if bound > 0.0 {
-                        worst_requant_ratio = worst_requant_ratio.max(err / bound);
-                    }
-                }
-            }
-        } else {
-            for (i, (a, b)) in got.iter().zip(&c.reference).enumerate() {
-                if import_is_bit_exact(c.ggml_type) {
-                    assert_eq!(
-                        a.to_bits(),
-                        b.to_bits(),
-                        "{} value {i}: {a} vs reference {b}",
-                        c.name
-                    );
-                } else {
-                    assert_eq!(a, b, "{} value {i}: {a} vs reference {b}", c.name);
-                }
-            }
+        for (i, (a, b)) in got.iter().zip(&c.reference).enumerate() {
+            assert_eq!(
+                a.to_bits(),
+                b.to_bits(),
+                "{} value {i}: {a} vs reference {b}",
+                c.name
+            );
         }
     }
-    eprintln!("Q5_1/Q5_K requantization: worst error = {worst_requant_ratio:.4} × max|w|/254");
 }
 
 #[test]
@@ -307,8 +275,8 @@ fn models_dir() -> PathBuf {
         })
 }
 
-/// Imports every tensor of `file`; checks 2-D imports against `dequantize` (exact types: equal values,
-/// requantized types: the half-step bound). Returns the number of values checked.
+/// Imports every tensor of `file`; checks 2-D imports against `dequantize` bit-for-bit. Returns the
+/// number of values checked.
 fn import_whole_model(file: &Path) -> usize {
     let g = GgufFile::open(file).unwrap();
     let mut checked = 0;
@@ -329,23 +297,14 @@ fn import_whole_model(file: &Path) -> usize {
         let mut row = vec![0f32; m.cols()];
         for (r, want) in reference.chunks_exact(m.cols()).enumerate() {
             m.dequant_row(r, &mut row);
-            if requantized(t.ggml_type) {
-                for (x, w) in row.chunks_exact(32).zip(want.chunks_exact(32)) {
-                    let bound = w.iter().fold(0f32, |a, &v| a.max(v.abs())) / 254.0 * 1.0001;
-                    assert!(
-                        x.iter().zip(w).all(|(a, b)| (a - b).abs() <= bound),
-                        "{} row {r}",
-                        t.name
-                    );
-                }
-            } else {
-                assert!(
-                    row == want,
-                    "{} ({}) row {r} differs from dequantize()",
-                    t.name,
-                    gt::name(t.ggml_type)
-                );
-            }
+            assert!(
+                row.iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{} ({}) row {r} differs from dequantize()",
+                t.name,
+                gt::name(t.ggml_type)
+            );
         }
         checked += reference.len();
     }

@@ -24,21 +24,18 @@
 //! # Import mapping and exactness
 //!
 //! "Exact" means that `WeightMatrix::dequant_row` of the import equals [`dequantize_blocks`] of the original
-//! bytes value-for-value in f32 (`==`, so `+0.0` and `−0.0` count as equal); measured on the fixtures of
-//! `tests/quant_import.rs` and on every tensor of the real model files.
+//! bytes bit-for-bit in f32 (including the sign of zero); checked on the fixtures of
+//! `tests/quant_import.rs` and on every tensor of the real model files. Every import is exact and keeps
+//! the original size up to the scale encoding (bits per weight in parentheses):
 //!
-//! * Q4_0 → [`Int4Matrix`], scale `d`, min `−8d`, nibbles copied as they are. Exact: `d·q` and `8d` need at
-//!   most 15 significant bits, so `d·q + (−8d)` is the exact value of `d·(q−8)`; the one difference is
-//!   the sign of zero (code 8 with `d < 0` gives `+0.0` where the reference gives `−0.0`).
-//! * Q4_1 → Int4, scale `d`, min `m`. Exact (bit-for-bit: the same two f32 operations).
-//! * Q4_K → Int4 group 32, scale `d·sc`, min `−(dmin·m)`, each computed in f32 as ggml does. Exact
-//!   (bit-for-bit: `a·q + (−b)` is `a·q − b`).
-//! * Q8_0 → [`Int8Matrix`] group 32, codes as they are, scale `d`. Exact (bit-for-bit).
-//! * Q5_0 → Int8 group 32, codes `q − 16`, scale `d`. Exact (bit-for-bit).
-//! * Q6_K → Int8 group 16, codes `q − 32`, scale `d·sc`. Exact (bit-for-bit).
-//! * Q5_1, Q5_K (asymmetric, no exact symmetric form) → dequantized, then each group of 32 requantized to
-//!   Int8 with scale `s = max|w| / 127` and `q = round(w / s)`: the error is at most `s/2 = max|w|/254` per
-//!   element (plus rounding of the f32 product, a relative 2⁻²⁴).
+//! * Q4_0 → [`QMatrix`] bits 4, `F16{d, implicit}` (4.5): nibbles copied; `d·(q−8)`.
+//! * Q4_1 → bits 4, `F16{d, m}` (5.0): `d·q + m`.
+//! * Q5_0 → bits 5, `F16{d, implicit}` (5.5): nibbles and `qh` copied as they are.
+//! * Q5_1 → bits 5, `F16{d, m}` (6.0).
+//! * Q8_0 → bits 8, codes `q + 128`, `F16{d, implicit}` (8.5): `d·(q'−128)` is `d·q`.
+//! * Q4_K → bits 4, `SuperI8{sc, mn, d, −dmin}` (4.75): `(d·sc)·q + (−dmin)·m` is ggml's `(d·sc)·q − dmin·m`.
+//! * Q5_K → bits 5, `SuperI8` as Q4_K (5.75).
+//! * Q6_K → bits 6, group 16, `SuperI8{sc, None, d}` (6.625): `(d·sc)·(q−32)`.
 //! * F32 → `WeightMatrix::F32`; F16 → `F32` (exact conversion); BF16 → `Bf16` (bits kept).
 //!
 //! A matrix whose row length (`dims[0]`) is not a multiple of 32 (or of the block size of its type) cannot
@@ -48,9 +45,10 @@
 // `x % k != 0` rather than `is_multiple_of`, which is newer than the workspace's rust-version (1.85).
 #![allow(clippy::manual_is_multiple_of)]
 
-use super::{Int4Matrix, Int8Matrix, WeightMatrix, QK};
+use super::{GroupScales, QMatrix, WeightMatrix, QK};
 use crate::error::{Error, Result};
 use crate::gguf::{ggml_type as gt, TensorInfo};
+use half::f16;
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use std::path::Path;
 
@@ -77,9 +75,9 @@ pub fn is_supported(ggml_type: u32) -> bool {
 /// How [`quantize_f32`] stores a matrix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QuantKind {
-    /// [`Int8Matrix`], symmetric, group 32, scale `max|w| / 127`.
+    /// [`QMatrix`] bits 8, symmetric (implicit offset), group 32, f16 scale `≈ max|w| / 127`.
     Q8,
-    /// [`Int4Matrix`], asymmetric, group 32, scale `(max − min) / 15` and min the group's minimum.
+    /// [`QMatrix`] bits 4, asymmetric, group 32, f16 scale `≈ (max − min) / 15` and f16 offset `≈ min`.
     Q4,
 }
 
@@ -396,210 +394,194 @@ pub fn import_matrix(path: &Path, info: &TensorInfo, bytes: &[u8]) -> Result<Wei
             cols,
             data: dequantize(path, info, bytes)?,
         },
-        gt::Q4_0 | gt::Q4_1 => WeightMatrix::Int4(import_q4_0_1(t, rows, cols, n, bytes)),
-        gt::Q4_K => WeightMatrix::Int4(import_q4_k(rows, cols, n, bytes)),
-        gt::Q8_0 | gt::Q5_0 | gt::Q6_K => {
-            WeightMatrix::Int8(import_int8_exact(t, rows, cols, n, bytes))
+        gt::Q4_0 | gt::Q4_1 | gt::Q5_0 | gt::Q5_1 | gt::Q8_0 => {
+            WeightMatrix::Q(import_legacy(t, rows, cols, n, bytes))
         }
-        gt::Q5_1 | gt::Q5_K => WeightMatrix::Int8(import_requant(t, rows, cols, n, bytes)),
+        gt::Q4_K | gt::Q5_K | gt::Q6_K => WeightMatrix::Q(import_k(t, rows, cols, n, bytes)),
         _ => unreachable!("validate() accepts only supported types"),
     })
 }
 
-fn import_q4_0_1(t: u32, rows: usize, cols: usize, n: usize, bytes: &[u8]) -> Int4Matrix {
-    let groups = n / QK;
-    let mut packed = vec![0u8; n / 2];
-    let mut scale = vec![0f32; groups];
-    let mut min = vec![0f32; groups];
-    let (bb, qs_at) = if t == gt::Q4_0 { (18, 2) } else { (20, 4) };
-    for (((blk, p), s), m) in bytes
-        .chunks_exact(bb)
-        .zip(packed.chunks_exact_mut(16))
-        .zip(&mut scale)
-        .zip(&mut min)
-    {
-        let d = f16_at(blk, 0);
-        *s = d;
-        *m = if t == gt::Q4_0 {
-            -8.0 * d
-        } else {
-            f16_at(blk, 2)
-        };
-        p.copy_from_slice(&blk[qs_at..qs_at + 16]);
-    }
-    Int4Matrix {
-        rows,
-        cols,
-        packed,
-        scale,
-        min,
-    }
-}
-
-fn import_q4_k(rows: usize, cols: usize, n: usize, bytes: &[u8]) -> Int4Matrix {
-    let groups = n / QK;
-    let mut packed = vec![0u8; n / 2];
-    let mut scale = vec![0f32; groups];
-    let mut min = vec![0f32; groups];
-    for (((blk, p), s8), m8) in bytes
-        .chunks_exact(144)
-        .zip(packed.chunks_exact_mut(128))
-        .zip(scale.chunks_exact_mut(8))
-        .zip(min.chunks_exact_mut(8))
-    {
-        let blk: &[u8; 144] = blk.try_into().expect("chunks_exact(144)");
-        let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
-        let (sc, m) = k_scale_min(&blk[4..16]);
-        for s in 0..8 {
-            s8[s] = d * sc[s] as f32;
-            m8[s] = -(dmin * m[s] as f32);
-        }
-        for j in 0..4 {
-            let q: &[u8; 32] = blk[16 + 32 * j..][..32].try_into().expect("32 bytes");
-            let (lo, hi) = p[32 * j..][..32].split_at_mut(16);
-            for k in 0..16 {
-                // Sub-block 2j: low nibbles; eddy byte k = code k | code k+16 << 4.
-                lo[k] = (q[k] & 15) | (q[k + 16] << 4);
-                // Sub-block 2j+1: high nibbles.
-                hi[k] = (q[k] >> 4) | (q[k + 16] & 0xF0);
-            }
-        }
-    }
-    Int4Matrix {
-        rows,
-        cols,
-        packed,
-        scale,
-        min,
-    }
-}
-
-/// Q8_0, Q5_0 (group 32) and Q6_K (group 16): codes and scales carried over exactly.
-fn import_int8_exact(t: u32, rows: usize, cols: usize, n: usize, bytes: &[u8]) -> Int8Matrix {
-    let group = if t == gt::Q6_K { 16 } else { 32 };
-    let groups = n / group;
-    let mut q = vec![0i8; n];
-    let mut scale = vec![0f32; groups];
-    let mut qsum = vec![0i32; groups];
-    match t {
-        gt::Q8_0 => {
-            for (((blk, qo), s), sum) in bytes
-                .chunks_exact(34)
-                .zip(q.chunks_exact_mut(32))
-                .zip(&mut scale)
-                .zip(&mut qsum)
-            {
-                *s = f16_at(blk, 0);
-                let mut acc = 0i32;
-                for (o, &b) in qo.iter_mut().zip(&blk[2..34]) {
-                    *o = b as i8;
-                    acc += b as i8 as i32;
-                }
-                *sum = acc;
-            }
-        }
-        gt::Q5_0 => {
-            for (((blk, qo), s), sum) in bytes
-                .chunks_exact(22)
-                .zip(q.chunks_exact_mut(32))
-                .zip(&mut scale)
-                .zip(&mut qsum)
-            {
-                *s = f16_at(blk, 0);
-                let codes = q5_codes(
-                    u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]),
-                    &blk[6..22],
-                );
-                let mut acc = 0i32;
-                for (o, &c) in qo.iter_mut().zip(&codes) {
-                    *o = c as i8 - 16;
-                    acc += c as i32 - 16;
-                }
-                *sum = acc;
-            }
-        }
-        _ => {
-            for (((blk, qo), s16), sum16) in bytes
-                .chunks_exact(210)
-                .zip(q.chunks_exact_mut(256))
-                .zip(scale.chunks_exact_mut(16))
-                .zip(qsum.chunks_exact_mut(16))
-            {
-                let blk: &[u8; 210] = blk.try_into().expect("chunks_exact(210)");
-                let d = f16_at(blk, 208);
-                let codes = q6k_codes(blk);
-                qo.copy_from_slice(&codes);
-                for g in 0..16 {
-                    s16[g] = d * blk[192 + g] as i8 as f32;
-                    sum16[g] = codes[16 * g..][..16].iter().map(|&c| c as i32).sum();
-                }
-            }
-        }
-    }
-    Int8Matrix {
-        rows,
-        cols,
-        group,
-        q,
-        scale,
-        qsum,
-    }
-}
-
-/// Symmetric int8 quantization of one group: returns (scale, Σ codes). `q = round(w / s)`, `s = max|w|/127`.
+/// Pack 32 codes (each `< 2^bits`) into one block: `lo` (16 bytes, or 32 for bits 8) and `hi`
+/// (`4·(bits−4)` bytes for bits 5/6).
 #[inline(always)]
-fn quantize_group_q8(w: &[f32], out: &mut [i8]) -> (f32, i32) {
-    let amax = w.iter().fold(0f32, |a, &x| a.max(x.abs()));
-    let s = amax / 127.0;
-    if s == 0.0 || !s.is_finite() {
-        out.fill(0);
-        return (if s.is_finite() { s } else { 0.0 }, 0);
+fn pack_block(bits: u8, q: &[u8], lo: &mut [u8], hi: &mut [u8]) {
+    if bits == 8 {
+        lo[..QK].copy_from_slice(&q[..QK]);
+        return;
     }
-    let mut acc = 0i32;
-    for (o, &x) in out.iter_mut().zip(w) {
-        let q = (x / s).round().clamp(-127.0, 127.0) as i8;
-        *o = q;
-        acc += q as i32;
+    for j in 0..16 {
+        lo[j] = (q[j] & 15) | ((q[j + 16] & 15) << 4);
     }
-    (s, acc)
+    for p in 0..(bits as usize).saturating_sub(4).min(2) {
+        let mut w = 0u32;
+        for (j, &c) in q[..QK].iter().enumerate() {
+            w |= (((c >> (4 + p)) & 1) as u32) << j;
+        }
+        hi[4 * p..4 * p + 4].copy_from_slice(&w.to_le_bytes());
+    }
 }
 
-/// Q5_1, Q5_K: dequantize each block, requantize each group of 32 to symmetric int8.
-fn import_requant(t: u32, rows: usize, cols: usize, n: usize, bytes: &[u8]) -> Int8Matrix {
-    let (bv, bb) = gt::block_size(t).expect("supported type");
-    let groups = n / QK;
-    let mut q = vec![0i8; n];
-    let mut scale = vec![0f32; groups];
-    let mut qsum = vec![0i32; groups];
-    let gpb = bv / QK;
-    let mut w = [0f32; 256];
-    for (((blk, qo), s), sum) in bytes
+#[inline(always)]
+fn f16_bits_at(b: &[u8], at: usize) -> f16 {
+    f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]]))
+}
+
+/// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: codes and f16 scales (and offsets) carried over as they are.
+fn import_legacy(t: u32, rows: usize, cols: usize, n: usize, bytes: &[u8]) -> QMatrix {
+    let (bb, bits, has_min) = match t {
+        gt::Q4_0 => (18, 4u8, false),
+        gt::Q4_1 => (20, 4, true),
+        gt::Q5_0 => (22, 5, false),
+        gt::Q5_1 => (24, 5, true),
+        _ => (34, 8, false),
+    };
+    let nb = n / QK;
+    let lo_len = if bits == 8 { QK } else { QK / 2 };
+    let planes = (bits == 5) as usize;
+    let mut lo = vec![0u8; nb * lo_len];
+    let mut hi = vec![0u8; nb * 4 * planes];
+    let mut scale = Vec::with_capacity(nb);
+    let mut min = Vec::with_capacity(if has_min { nb } else { 0 });
+    let at = if has_min { 4 } else { 2 };
+    for (i, (blk, lo_b)) in bytes
         .chunks_exact(bb)
-        .zip(q.chunks_exact_mut(bv))
-        .zip(scale.chunks_exact_mut(gpb))
-        .zip(qsum.chunks_exact_mut(gpb))
+        .zip(lo.chunks_exact_mut(lo_len))
+        .enumerate()
     {
-        dequant_block(t, blk, &mut w[..bv]);
-        for g in 0..gpb {
-            (s[g], sum[g]) = quantize_group_q8(&w[QK * g..][..QK], &mut qo[QK * g..][..QK]);
+        scale.push(f16_bits_at(blk, 0));
+        if has_min {
+            min.push(f16_bits_at(blk, 2));
+        }
+        match bits {
+            8 => {
+                for (o, &b) in lo_b.iter_mut().zip(&blk[2..34]) {
+                    *o = b ^ 0x80; // (q as i8 + 128) as u8
+                }
+            }
+            4 => lo_b.copy_from_slice(&blk[at..at + 16]),
+            _ => {
+                hi[4 * i..4 * i + 4].copy_from_slice(&blk[at..at + 4]);
+                lo_b.copy_from_slice(&blk[at + 4..at + 20]);
+            }
         }
     }
-    Int8Matrix {
+    QMatrix {
         rows,
         cols,
+        bits,
         group: QK,
-        q,
-        scale,
-        qsum,
+        lo,
+        hi,
+        scales: GroupScales::F16 {
+            scale,
+            min: has_min.then_some(min),
+        },
     }
+}
+
+/// Q4_K, Q5_K (group 32, scale and offset multipliers) and Q6_K (group 16, implicit offset).
+fn import_k(t: u32, rows: usize, cols: usize, n: usize, bytes: &[u8]) -> QMatrix {
+    let (bb, bits, group) = match t {
+        gt::Q4_K => (144, 4u8, 32),
+        gt::Q5_K => (176, 5, 32),
+        _ => (210, 6, 16),
+    };
+    let q6 = t == gt::Q6_K;
+    let nsb = n / 256;
+    let planes = bits as usize - 4;
+    let ng = n / group;
+    let mut lo = vec![0u8; n / 2];
+    let mut hi = vec![0u8; n / QK * 4 * planes];
+    let mut sc = vec![0i8; ng];
+    let mut mn = vec![0i8; if q6 { 0 } else { ng }];
+    let mut d = vec![0f32; nsb];
+    let mut dmin = vec![0f32; if q6 { 0 } else { nsb }];
+    let mut q = [0u8; 256];
+    for (s, blk) in bytes.chunks_exact(bb).enumerate() {
+        if q6 {
+            d[s] = f16_at(blk, 208);
+            for (o, c) in q.iter_mut().zip(q6k_codes(blk)) {
+                *o = (c + 32) as u8;
+            }
+            for g in 0..16 {
+                sc[16 * s + g] = blk[192 + g] as i8;
+            }
+        } else {
+            d[s] = f16_at(blk, 0);
+            dmin[s] = -f16_at(blk, 2);
+            let (scs, ms) = k_scale_min(&blk[4..16]);
+            for g in 0..8 {
+                sc[8 * s + g] = scs[g] as i8;
+                mn[8 * s + g] = ms[g] as i8;
+            }
+            if t == gt::Q5_K {
+                q = q5k_codes(&blk[16..48], &blk[48..176]);
+            } else {
+                for sub in 0..8 {
+                    let chunk = &blk[16 + 32 * (sub / 2)..][..32];
+                    let sh = 4 * (sub % 2);
+                    for i in 0..32 {
+                        q[32 * sub + i] = (chunk[i] >> sh) & 15;
+                    }
+                }
+            }
+        }
+        for b in 0..8 {
+            let blk_i = 8 * s + b;
+            pack_block(
+                bits,
+                &q[32 * b..][..32],
+                &mut lo[16 * blk_i..][..16],
+                &mut hi[4 * planes * blk_i..][..4 * planes],
+            );
+        }
+    }
+    QMatrix {
+        rows,
+        cols,
+        bits,
+        group,
+        lo,
+        hi,
+        scales: GroupScales::SuperI8 {
+            sc,
+            mn: (!q6).then_some(mn),
+            d,
+            dmin,
+        },
+    }
+}
+
+/// The f16 nearest to `x` on its side: `≥ x` if `up`, else `≤ x` (finite `x` within f16 range).
+fn f16_toward(x: f32, up: bool) -> f16 {
+    let h = f16::from_f32(x);
+    let v = h.to_f32();
+    if !v.is_finite() || (up && v >= x) || (!up && v <= x) {
+        return h;
+    }
+    let b = h.to_bits();
+    f16::from_bits(if v == 0.0 {
+        if up {
+            0x0001
+        } else {
+            0x8001
+        }
+    } else if (v > 0.0) == up {
+        b + 1
+    } else {
+        b - 1
+    })
 }
 
 /// Quantize a row-major `rows × cols` f32 matrix (e.g. from safetensors, for `--quant q8|q4`).
 ///
-/// [`QuantKind::Q8`]: [`Int8Matrix`] group 32, `s = max|w|/127`, `q = round(w/s)` (error ≤ `s/2`).
-/// [`QuantKind::Q4`]: [`Int4Matrix`] group 32, `min` = the group's minimum, `s = (max − min)/15`,
-/// `q = round((w − min)/s)` (error ≤ `s/2`). If `cols` is not a multiple of 32 the matrix is returned as
-/// `WeightMatrix::F32` unchanged. Non-finite inputs give meaningless codes (but no panic).
+/// [`QuantKind::Q8`]: [`QMatrix`] bits 8, group 32, implicit offset, f16 scale `S ≥ max|w|/127` (the f16
+/// at or above), codes `round(w/S) + 128` (error ≤ `S/2`).
+/// [`QuantKind::Q4`]: bits 4, group 32, f16 offset `M ≤ min` (the f16 at or below the group's minimum),
+/// f16 scale `S ≥ (max − M)/15`, `q = round((w − M)/S)` (error ≤ `S/2`). If `cols` is not a multiple of 32
+/// the matrix is returned as `WeightMatrix::F32` unchanged. Non-finite inputs (or values beyond the f16
+/// range) give meaningless codes (but no panic).
 ///
 /// # Panics
 /// If `data.len() != rows * cols`.
@@ -618,62 +600,70 @@ pub fn quantize_f32(rows: usize, cols: usize, data: &[f32], kind: QuantKind) -> 
         };
     }
     let groups = n / QK;
+    let mut scale = Vec::with_capacity(groups);
     match kind {
         QuantKind::Q8 => {
-            let mut q = vec![0i8; n];
-            let mut scale = vec![0f32; groups];
-            let mut qsum = vec![0i32; groups];
-            for (((w, qo), s), sum) in data
-                .chunks_exact(QK)
-                .zip(q.chunks_exact_mut(QK))
-                .zip(&mut scale)
-                .zip(&mut qsum)
-            {
-                (*s, *sum) = quantize_group_q8(w, qo);
+            let mut lo = vec![0u8; n];
+            for (w, qo) in data.chunks_exact(QK).zip(lo.chunks_exact_mut(QK)) {
+                let amax = w.iter().fold(0f32, |a, &x| a.max(x.abs()));
+                let s16 = f16_toward(amax / 127.0, true);
+                let s = s16.to_f32();
+                if s == 0.0 || !s.is_finite() {
+                    scale.push(if s.is_finite() { s16 } else { f16::ZERO });
+                    qo.fill(128);
+                    continue;
+                }
+                scale.push(s16);
+                for (o, &x) in qo.iter_mut().zip(w) {
+                    *o = ((x / s).round().clamp(-127.0, 127.0) as i32 + 128) as u8;
+                }
             }
-            WeightMatrix::Int8(Int8Matrix {
+            WeightMatrix::Q(QMatrix {
                 rows,
                 cols,
+                bits: 8,
                 group: QK,
-                q,
-                scale,
-                qsum,
+                lo,
+                hi: Vec::new(),
+                scales: GroupScales::F16 { scale, min: None },
             })
         }
         QuantKind::Q4 => {
-            let mut packed = vec![0u8; n / 2];
-            let mut scale = vec![0f32; groups];
-            let mut min = vec![0f32; groups];
-            for (((w, p), s), m) in data
-                .chunks_exact(QK)
-                .zip(packed.chunks_exact_mut(QK / 2))
-                .zip(&mut scale)
-                .zip(&mut min)
-            {
-                let (lo, hi) = w
+            let mut lo = vec![0u8; n / 2];
+            let mut min = Vec::with_capacity(groups);
+            for (w, p) in data.chunks_exact(QK).zip(lo.chunks_exact_mut(QK / 2)) {
+                let (l, h) = w
                     .iter()
                     .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &x| {
                         (lo.min(x), hi.max(x))
                     });
-                let d = (hi - lo) / 15.0;
-                *m = lo;
-                if d == 0.0 || !d.is_finite() {
-                    *s = 0.0;
+                let m16 = f16_toward(l, false);
+                let m = m16.to_f32();
+                let s16 = f16_toward((h - m) / 15.0, true);
+                let s = s16.to_f32();
+                min.push(m16);
+                if s == 0.0 || !s.is_finite() || !m.is_finite() {
+                    scale.push(f16::ZERO);
                     p.fill(0);
                     continue;
                 }
-                *s = d;
-                let code = |x: f32| ((x - lo) / d).round().clamp(0.0, 15.0) as u8;
+                scale.push(s16);
+                let code = |x: f32| ((x - m) / s).round().clamp(0.0, 15.0) as u8;
                 for k in 0..QK / 2 {
                     p[k] = code(w[k]) | (code(w[k + 16]) << 4);
                 }
             }
-            WeightMatrix::Int4(Int4Matrix {
+            WeightMatrix::Q(QMatrix {
                 rows,
                 cols,
-                packed,
-                scale,
-                min,
+                bits: 4,
+                group: QK,
+                lo,
+                hi: Vec::new(),
+                scales: GroupScales::F16 {
+                    scale,
+                    min: Some(min),
+                },
             })
         }
     }
@@ -709,24 +699,26 @@ mod tests {
                     let (lo, hi) = w
                         .iter()
                         .fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
-                    let step = match kind {
+                    let WeightMatrix::Q(q) = &m else {
+                        panic!("{kind:?}: not quantized")
+                    };
+                    // Half a step of the stored (f16) scale; the stored scale is at most one f16 ulp
+                    // above the ideal one.
+                    let step = q.scale_min(r, g).0;
+                    let ideal = match kind {
                         QuantKind::Q8 => lo.abs().max(hi.abs()) / 127.0,
                         QuantKind::Q4 => (hi - lo) / 15.0,
                     };
+                    assert!(
+                        step >= ideal && step <= ideal * 1.002 + 1e-7,
+                        "{kind:?}: scale {step} vs {ideal}"
+                    );
                     for (a, b) in row[g * QK..][..QK].iter().zip(w) {
                         assert!(
                             (a - b).abs() <= step * 0.5001 + 1e-7,
                             "{kind:?}: {a} vs {b}"
                         );
                     }
-                }
-            }
-            if let WeightMatrix::Int8(m) = &m {
-                for (g, &s) in m.qsum.iter().enumerate() {
-                    assert_eq!(
-                        s,
-                        m.q[g * 32..][..32].iter().map(|&q| q as i32).sum::<i32>()
-                    );
                 }
             }
         }
@@ -736,7 +728,7 @@ mod tests {
         ));
         assert!(matches!(
             quantize_f32(2, 32, &[0.0; 64], QuantKind::Q8),
-            WeightMatrix::Int8(_)
+            WeightMatrix::Q(QMatrix { bits: 8, .. })
         ));
     }
 

@@ -1,12 +1,13 @@
 //! eddy's weight formats and the import of GGUF block types into them.
 //!
 //! A weight matrix has `rows` output features and `cols` input features, stored row-major and
-//! quantized along `cols` in groups (the group never straddles rows):
+//! quantized along `cols` (groups never straddle rows):
 //!
-//! * [`Int4Matrix`]: unsigned 4-bit codes `q ∈ [0, 15]` with an f32 scale `s` and an f32 offset `m` per
-//!   group of 32: `w = s·q + m` (equivalently a zero point `z = −m/s`). Imports Q4_0, Q4_1 and Q4_K exactly.
-//! * [`Int8Matrix`]: signed 8-bit codes with one f32 scale per group of 32 (or 16 for Q6_K):
-//!   `w = s·q`. Imports Q8_0, Q5_0 and Q6_K exactly; Q5_1/Q5_K are requantized (nearly exact).
+//! * [`QMatrix`]: unsigned `bits`-bit codes (`bits` ∈ {4, 5, 6, 8}) in blocks of 32 values, with a scale
+//!   `S` and an offset `M` per group of `group` values (32, or 16): `w = S·q + M`. The scales are f16
+//!   per group ([`GroupScales::F16`]) or the k-quant two-level form ([`GroupScales::SuperI8`]); the offset
+//!   is explicit or the implicit `M = −2^(bits−1)·S` (symmetric codes). Every GGUF block type eddy reads
+//!   is imported into it exactly and at (nearly) its original size, see [`import`].
 //! * `F32` / `Bf16`: small or unquantized tensors.
 //!
 //! Products against these run with int8 activations ([`crate::backend::cpu::QuantizedActivations`]),
@@ -14,54 +15,213 @@
 
 pub mod import;
 
-/// Number of values that share one activation scale, and the int4 group size.
+/// Values per code block, and per activation scale.
 pub const QK: usize = 32;
+/// Values per super-block of [`GroupScales::SuperI8`].
+pub const QK_SUPER: usize = 256;
 
-/// int4 weights with a scale and offset per group of [`QK`] along each row.
+/// Per group scale `S_g` and offset `M_g` of a [`QMatrix`]: `value = S_g·q + M_g`.
 #[derive(Debug, Clone)]
-pub struct Int4Matrix {
-    /// Output features.
-    pub rows: usize,
-    /// Input features (a multiple of 32).
-    pub cols: usize,
-    /// `rows * cols / 2` bytes. Group g of row r occupies bytes `[(r*cols + g*32)/2, +16)`; byte `j` of a
-    /// group holds element `j` in its low nibble and element `j + 16` in its high nibble.
-    pub packed: Vec<u8>,
-    /// Per group scale `s`, `rows * cols / 32` entries, row-major.
-    pub scale: Vec<f32>,
-    /// Per group offset `m` (the value of code 0), same indexing as `scale`.
-    pub min: Vec<f32>,
+pub enum GroupScales {
+    /// f16 scale per group (`rows·cols/group` entries, row-major); f16 offset per group, or (`None`)
+    /// the implicit `M = −2^(bits−1)·S` (symmetric codes).
+    F16 {
+        /// Per group scale.
+        scale: Vec<half::f16>,
+        /// Per group offset (the value of code 0), or `None` for the implicit one.
+        min: Option<Vec<half::f16>>,
+    },
+    /// k-quant two-level scales: `S = d[sb]·sc[g]`, `M = dmin[sb]·mn[g]` (each one f32 product), or the
+    /// implicit `M = −2^(bits−1)·S` when `mn` is `None`. `sb` indexes super-blocks of 256 values along
+    /// the row (`cols % 256 == 0`; `rows·cols/256` entries, row-major); `sc`/`mn` have one entry per group.
+    SuperI8 {
+        /// Per group scale multiplier.
+        sc: Vec<i8>,
+        /// Per group offset multiplier, or `None` for the implicit offset.
+        mn: Option<Vec<i8>>,
+        /// Per super-block scale.
+        d: Vec<f32>,
+        /// Per super-block offset scale (empty when `mn` is `None`).
+        dmin: Vec<f32>,
+    },
 }
 
-/// int8 weights with one symmetric scale per group.
+/// Quantized weights: unsigned `bits`-bit codes in blocks of 32 values plus [`GroupScales`].
+///
+/// Block `b` of row `r` is block `r·cols/32 + b` of the matrix. Its codes:
+/// * `bits` 4/5/6: the low 4 bits in `lo[16·block..][..16]`, byte `j` = element `j` (low nibble) |
+///   element `j + 16` (high nibble); the higher bits in `hi[4·(bits−4)·block..]`: `bits − 4` planes of
+///   4 bytes (little-endian u32), bit `j` of plane `p` = bit `4 + p` of element `j`.
+/// * `bits` 8: `lo[32·block..][..32]`, one byte per code; `hi` is empty.
 #[derive(Debug, Clone)]
-pub struct Int8Matrix {
+pub struct QMatrix {
     /// Output features.
     pub rows: usize,
-    /// Input features (a multiple of 32).
+    /// Input features (a multiple of 32; of 256 with [`GroupScales::SuperI8`]).
     pub cols: usize,
-    /// Group size along a row: 32 or 16.
+    /// Code width: 4, 5, 6 or 8; codes are `0 ≤ q < 2^bits`.
+    pub bits: u8,
+    /// Values per scale along a row: 32, or 16 (only with an implicit offset).
     pub group: usize,
-    /// `rows * cols` codes in `[-127, 127]` (Q6_K imports use `[-32, 31]`), row-major.
-    pub q: Vec<i8>,
-    /// Per group scale, `rows * cols / group` entries.
-    pub scale: Vec<f32>,
-    /// Per group sum of the codes, same indexing as `scale` (lets kernels that shift activations to
-    /// unsigned undo the shift: `Σ q·x = Σ q·(x+128) − 128·Σ q`).
-    pub qsum: Vec<i32>,
+    /// Low 4 bits (bits 4/5/6) or whole codes (bits 8); see the type docs.
+    pub lo: Vec<u8>,
+    /// Bit planes 4 and 5 (bits 5/6); empty otherwise.
+    pub hi: Vec<u8>,
+    /// Scales and offsets.
+    pub scales: GroupScales,
+}
+
+impl QMatrix {
+    /// Bit planes above the low nibble per block (1 for bits 5, 2 for bits 6, else 0).
+    pub fn planes(&self) -> usize {
+        if self.bits == 5 || self.bits == 6 {
+            self.bits as usize - 4
+        } else {
+            0
+        }
+    }
+
+    /// Whether the offset is the implicit `−2^(bits−1)·S`.
+    pub fn implicit_min(&self) -> bool {
+        match &self.scales {
+            GroupScales::F16 { min, .. } => min.is_none(),
+            GroupScales::SuperI8 { mn, .. } => mn.is_none(),
+        }
+    }
+
+    /// The 32 codes of block `blk` (`(r·cols + c)/32` for element `c` of row `r`).
+    #[inline]
+    pub fn decode_block(&self, blk: usize) -> [u8; QK] {
+        let mut q = [0u8; QK];
+        if self.bits == 8 {
+            q.copy_from_slice(&self.lo[blk * QK..][..QK]);
+            return q;
+        }
+        let lo = &self.lo[blk * 16..][..16];
+        for j in 0..16 {
+            q[j] = lo[j] & 15;
+            q[j + 16] = lo[j] >> 4;
+        }
+        let p = self.planes();
+        for k in 0..p {
+            let at = 4 * (p * blk + k);
+            let w = u32::from_le_bytes([
+                self.hi[at],
+                self.hi[at + 1],
+                self.hi[at + 2],
+                self.hi[at + 3],
+            ]);
+            for (j, q) in q.iter_mut().enumerate() {
+                *q |= (((w >> j) & 1) as u8) << (4 + k);
+            }
+        }
+        q
+    }
+
+    /// Code of element `c` of row `r`.
+    #[inline]
+    pub fn code(&self, r: usize, c: usize) -> u8 {
+        self.decode_block((r * self.cols + c) / QK)[c % QK]
+    }
+
+    /// `(S, M)` of group `g` of row `r` (`g < cols/group`); `M` is `None` for the implicit offset. Each is
+    /// formed as the kernels form it (f16 → f32 exactly; `d·sc` and `dmin·mn` one f32 product each).
+    #[inline]
+    pub fn scale_min(&self, r: usize, g: usize) -> (f32, Option<f32>) {
+        let gi = r * (self.cols / self.group) + g;
+        match &self.scales {
+            GroupScales::F16 { scale, min } => {
+                (scale[gi].to_f32(), min.as_ref().map(|m| m[gi].to_f32()))
+            }
+            GroupScales::SuperI8 { sc, mn, d, dmin } => {
+                let sb = (r * self.cols + g * self.group) / QK_SUPER;
+                (
+                    d[sb] * sc[gi] as f32,
+                    mn.as_ref().map(|mn| dmin[sb] * mn[gi] as f32),
+                )
+            }
+        }
+    }
+
+    /// Bytes of codes plus scales.
+    pub fn nbytes(&self) -> usize {
+        self.lo.len()
+            + self.hi.len()
+            + match &self.scales {
+                GroupScales::F16 { scale, min } => {
+                    2 * scale.len() + min.as_ref().map_or(0, |m| 2 * m.len())
+                }
+                GroupScales::SuperI8 { sc, mn, d, dmin } => {
+                    sc.len() + mn.as_ref().map_or(0, |m| m.len()) + 4 * (d.len() + dmin.len())
+                }
+            }
+    }
+
+    /// Panics unless the buffers and parameters are consistent with `rows × cols`.
+    pub fn check(&self) {
+        let n = self.rows * self.cols;
+        assert!(
+            matches!(self.bits, 4 | 5 | 6 | 8),
+            "QMatrix bits must be 4, 5, 6 or 8"
+        );
+        assert!(self.cols % QK == 0, "QMatrix cols must be a multiple of 32");
+        assert!(
+            self.group == 32 || self.group == 16,
+            "QMatrix group must be 32 or 16"
+        );
+        assert!(
+            self.implicit_min() || (self.group == 32 && self.bits != 8),
+            "QMatrix: explicit offsets need group 32 and bits 4/5/6"
+        );
+        let lo = if self.bits == 8 { n } else { n / 2 };
+        assert!(
+            self.lo.len() >= lo && self.hi.len() >= n / QK * 4 * self.planes(),
+            "QMatrix codes too short"
+        );
+        let ng = n / self.group;
+        match &self.scales {
+            GroupScales::F16 { scale, min } => {
+                assert!(
+                    scale.len() >= ng && min.as_ref().is_none_or(|m| m.len() >= ng),
+                    "QMatrix scales too short"
+                )
+            }
+            GroupScales::SuperI8 { sc, mn, d, dmin } => {
+                assert!(
+                    self.cols % QK_SUPER == 0,
+                    "SuperI8 scales need cols % 256 == 0"
+                );
+                assert!(
+                    sc.len() >= ng && d.len() >= n / QK_SUPER,
+                    "QMatrix scales too short"
+                );
+                assert!(
+                    mn.as_ref()
+                        .is_none_or(|m| m.len() >= ng && dmin.len() >= n / QK_SUPER),
+                    "QMatrix offsets too short"
+                );
+            }
+        }
+    }
 }
 
 /// A 2-D weight in one of eddy's formats.
 #[derive(Debug, Clone)]
 pub enum WeightMatrix {
     /// `rows × cols` f32, row-major.
-    F32 { rows: usize, cols: usize, data: Vec<f32> },
+    F32 {
+        rows: usize,
+        cols: usize,
+        data: Vec<f32>,
+    },
     /// `rows × cols` bf16 bit patterns, row-major.
-    Bf16 { rows: usize, cols: usize, data: Vec<u16> },
-    /// See [`Int4Matrix`].
-    Int4(Int4Matrix),
-    /// See [`Int8Matrix`].
-    Int8(Int8Matrix),
+    Bf16 {
+        rows: usize,
+        cols: usize,
+        data: Vec<u16>,
+    },
+    /// See [`QMatrix`].
+    Q(QMatrix),
 }
 
 impl WeightMatrix {
@@ -69,16 +229,14 @@ impl WeightMatrix {
     pub fn rows(&self) -> usize {
         match self {
             WeightMatrix::F32 { rows, .. } | WeightMatrix::Bf16 { rows, .. } => *rows,
-            WeightMatrix::Int4(m) => m.rows,
-            WeightMatrix::Int8(m) => m.rows,
+            WeightMatrix::Q(m) => m.rows,
         }
     }
     /// Input features.
     pub fn cols(&self) -> usize {
         match self {
             WeightMatrix::F32 { cols, .. } | WeightMatrix::Bf16 { cols, .. } => *cols,
-            WeightMatrix::Int4(m) => m.cols,
-            WeightMatrix::Int8(m) => m.cols,
+            WeightMatrix::Q(m) => m.cols,
         }
     }
     /// Bytes the weights occupy in memory (codes plus scales); what one GEMV streams.
@@ -86,11 +244,13 @@ impl WeightMatrix {
         match self {
             WeightMatrix::F32 { data, .. } => data.len() * 4,
             WeightMatrix::Bf16 { data, .. } => data.len() * 2,
-            WeightMatrix::Int4(m) => m.packed.len() + 8 * m.scale.len(),
-            WeightMatrix::Int8(m) => m.q.len() + 8 * m.scale.len(),
+            WeightMatrix::Q(m) => m.nbytes(),
         }
     }
     /// Dequantize row `r` into `out` (`cols` values). Used for embedding lookup and as the reference.
+    ///
+    /// [`QMatrix`]: `S·q + M` with an explicit offset; `S·(q − 2^(bits−1))` (one f32 product of an exact
+    /// integer) with the implicit one.
     pub fn dequant_row(&self, r: usize, out: &mut [f32]) {
         let cols = self.cols();
         assert_eq!(out.len(), cols);
@@ -101,24 +261,20 @@ impl WeightMatrix {
                     *o = f32::from_bits((b as u32) << 16);
                 }
             }
-            WeightMatrix::Int4(m) => {
-                let gpr = cols / QK;
-                for g in 0..gpr {
-                    let gi = r * gpr + g;
-                    let bytes = &m.packed[(r * cols + g * QK) / 2..][..QK / 2];
-                    let (s, mn) = (m.scale[gi], m.min[gi]);
-                    for j in 0..QK / 2 {
-                        out[g * QK + j] = s * (bytes[j] & 15) as f32 + mn;
-                        out[g * QK + j + 16] = s * (bytes[j] >> 4) as f32 + mn;
-                    }
-                }
-            }
-            WeightMatrix::Int8(m) => {
-                let gpr = cols / m.group;
-                for g in 0..gpr {
-                    let s = m.scale[r * gpr + g];
-                    for j in 0..m.group {
-                        out[g * m.group + j] = s * m.q[r * cols + g * m.group + j] as f32;
+            WeightMatrix::Q(m) => {
+                let half = 1i32 << (m.bits - 1);
+                let mut q = [0u8; QK];
+                for g in 0..cols / m.group {
+                    let (s, mn) = m.scale_min(r, g);
+                    for c in g * m.group..(g + 1) * m.group {
+                        if c % QK == 0 || c == g * m.group {
+                            q = m.decode_block((r * cols + c) / QK);
+                        }
+                        let q = q[c % QK];
+                        out[c] = match mn {
+                            Some(mn) => s * q as f32 + mn,
+                            None => s * (q as i32 - half) as f32,
+                        };
                     }
                 }
             }

@@ -1,7 +1,9 @@
 //! AVX2 + FMA tile kernels: `R` rows × `T` tokens per call, 32 activation bytes (one group) per step.
 //!
-//! No VNNI: byte products go through `vpmaddubsw` (u8 × i8 → i16 pairs, never saturating here: Int4
-//! nibbles ≤ 15, Int8 uses `|q_w| ≤ 127` × `±q_x`) and `vpmaddwd` by ones (→ i32 lanes of 4 products).
+//! No VNNI: byte products go through `vpmaddubsw` (u8 × i8 → i16 pairs, never saturating here: explicit
+//! offsets use codes ≤ 63 (bits ≤ 6); implicit ones the signed codes `c = q − 2^(bits−1)` as
+//! `|c| ≤ 128` × `±q_x`, which also folds the offset into the integer dot) and `vpmaddwd` by ones (→ i32
+//! lanes of 4 products). One step is one block of 32 codes.
 //! As in the AVX-512 path, each (row, token) pair has its own accumulator and a fixed per-pair
 //! operation sequence, so results do not depend on the tile shape or batch size.
 
@@ -19,7 +21,7 @@ pub(crate) unsafe fn tile(_: &super::Ctx, _: usize, _: usize, _: usize, _: usize
 #[cfg(target_arch = "x86_64")]
 mod imp {
     use super::super::Ctx;
-    use crate::quant::{Int4Matrix, Int8Matrix, WeightMatrix, QK};
+    use crate::quant::{QMatrix, WeightMatrix, QK};
     use std::arch::x86_64::*;
 
     /// Software prefetch distance in rows (see the AVX-512 GEMV).
@@ -48,9 +50,10 @@ mod imp {
         while t < t0 + nt {
             let n2 = (t0 + nt - t).min(2);
             match ctx.w {
-                WeightMatrix::Int4(m) => dispatch!(nr, n2, int4, [], m, ctx, r0, t),
-                WeightMatrix::Int8(m) if m.group == 16 => dispatch!(nr, n2, int8, [, true], m, ctx, r0, t),
-                WeightMatrix::Int8(m) => dispatch!(nr, n2, int8, [, false], m, ctx, r0, t),
+                WeightMatrix::Q(m) if m.group == 16 => {
+                    dispatch!(nr, n2, qtile, [, true], m, ctx, r0, t)
+                }
+                WeightMatrix::Q(m) => dispatch!(nr, n2, qtile, [, false], m, ctx, r0, t),
                 WeightMatrix::F32 { data, .. } => {
                     dispatch!(nr, n2, float, [, false], data.as_ptr() as *const u8, ctx, r0, t)
                 }
@@ -76,12 +79,20 @@ mod imp {
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     fn lanes(n: usize) -> __m256i {
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
+        _mm256_cmpgt_epi32(
+            _mm256_set1_epi32(n as i32),
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        )
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn store<const R: usize, const T: usize>(ctx: &Ctx, r0: usize, t0: usize, acc: &[[__m256; T]; R]) {
+    unsafe fn store<const R: usize, const T: usize>(
+        ctx: &Ctx,
+        r0: usize,
+        t0: usize,
+        acc: &[[__m256; T]; R],
+    ) {
         for t in 0..T {
             for r in 0..R {
                 *ctx.out.0.add((t0 + t) * ctx.rows + r0 + r) = hsum(acc[r][t]);
@@ -89,142 +100,105 @@ mod imp {
         }
     }
 
-    /// Int4 weights × int8 activations; one step = one group (16 packed bytes × 32 activation bytes).
+    /// The 32 codes of block `blk` as bytes in natural order.
+    #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn int4<const R: usize, const T: usize>(m: &Int4Matrix, ctx: &Ctx, r0: usize, t0: usize) {
-        let cols = ctx.cols;
-        let gpr = cols / QK;
-        let xq = ctx.xq;
-        let (pk, sc, mn) = (m.packed.as_ptr(), m.scale.as_ptr(), m.min.as_ptr());
-        let (xqp, xsc, xsm) = (xq.q.as_ptr(), xq.scale.as_ptr(), xq.sum.as_ptr());
-        let nib = _mm_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [[_mm256_setzero_ps(); T]; R];
-        let mut g = 0;
-        while g < gpr {
-            let nb = (gpr - g).min(8);
-            let lm = lanes(nb);
-            let mut dx = [_mm256_setzero_ps(); T];
-            let mut sx = [_mm256_setzero_ps(); T];
-            for t in 0..T {
-                let o = (t0 + t) * gpr + g;
-                dx[t] = _mm256_maskload_ps(xsc.add(o), lm);
-                sx[t] = _mm256_cvtepi32_ps(_mm256_maskload_epi32(xsm.add(o), lm));
-            }
-            let mut sw = [_mm256_setzero_ps(); R];
-            for r in 0..R {
-                let o = (r0 + r) * gpr + g;
-                sw[r] = _mm256_maskload_ps(sc.add(o), lm);
-                // Prefetch (into L2) the same block PF_ROWS rows on (never faults; wrapping pointer arithmetic).
-                let ahead = ((r0 + r + PF_ROWS) * cols + g * QK) / 2;
-                _mm_prefetch::<_MM_HINT_T1>(pk.wrapping_add(ahead) as *const i8);
-                _mm_prefetch::<_MM_HINT_T1>(pk.wrapping_add(ahead + 64) as *const i8);
-                _mm_prefetch::<_MM_HINT_T1>(sc.wrapping_add(o + PF_ROWS * gpr) as *const i8);
-                _mm_prefetch::<_MM_HINT_T1>(mn.wrapping_add(o + PF_ROWS * gpr) as *const i8);
-                let mv = _mm256_maskload_ps(mn.add(o), lm);
-                for t in 0..T {
-                    acc[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(mv, dx[t]), sx[t], acc[r][t]);
-                }
-            }
-            for k in 0..nb {
-                let e = (g + k) * QK;
-                let idx = _mm256_set1_epi32(k as i32);
-                let mut wv = [_mm256_setzero_si256(); R];
-                let mut swe = [_mm256_setzero_ps(); R];
-                for r in 0..R {
-                    let raw = _mm_loadu_si128(pk.add(((r0 + r) * cols + e) / 2) as *const __m128i);
-                    let lo = _mm_and_si128(raw, nib);
-                    let hi = _mm_and_si128(_mm_srli_epi16::<4>(raw), nib);
-                    wv[r] = _mm256_set_m128i(hi, lo);
-                    swe[r] = _mm256_permutevar8x32_ps(sw[r], idx);
-                }
-                for t in 0..T {
-                    let xv = _mm256_loadu_si256(xqp.add((t0 + t) * cols + e) as *const __m256i);
-                    let dxe = _mm256_permutevar8x32_ps(dx[t], idx);
-                    for r in 0..R {
-                        let d = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[r], xv), ones);
-                        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(swe[r], dxe), acc[r][t]);
-                    }
-                }
-            }
-            g += nb;
+    unsafe fn decode32(m: &QMatrix, blk: usize, p_n: usize) -> __m256i {
+        if m.bits == 8 {
+            return _mm256_loadu_si256(m.lo.as_ptr().add(blk * QK) as *const __m256i);
         }
-        store::<R, T>(ctx, r0, t0, &acc);
+        let nib = _mm_set1_epi8(0x0F);
+        let raw = _mm_loadu_si128(m.lo.as_ptr().add(blk * 16) as *const __m128i);
+        let mut v = _mm256_set_m128i(
+            _mm_and_si128(_mm_srli_epi16::<4>(raw), nib),
+            _mm_and_si128(raw, nib),
+        );
+        if p_n > 0 {
+            // Byte j ← byte j/8 of the plane word; select bit j%8.
+            let ctl = _mm256_setr_epi8(
+                0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3,
+                3, 3, 3, 3,
+            );
+            let sel = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+            for p in 0..p_n {
+                let w = (m.hi.as_ptr().add(4 * (p_n * blk + p)) as *const i32).read_unaligned();
+                let bv = _mm256_shuffle_epi8(_mm256_set1_epi32(w), ctl);
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(bv, sel), sel);
+                v = _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8((16 << p) as i8)));
+            }
+        }
+        v
     }
 
-    /// Int8 weights (group 32, or 16 if `G16`) × int8 activations via `maddubs(|w|, sign(x, w))`.
+    /// Quantized weights (group 32, or 16 if `G16`) × int8 activations, one block of 32 per step.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn int8<const R: usize, const T: usize, const G16: bool>(
-        m: &Int8Matrix,
+    unsafe fn qtile<const R: usize, const T: usize, const G16: bool>(
+        m: &QMatrix,
         ctx: &Ctx,
         r0: usize,
         t0: usize,
     ) {
         let cols = ctx.cols;
-        let gs = if G16 { 16 } else { 32 };
-        let wgpr = cols / gs;
-        let xgpr = cols / QK;
+        let nblk = cols / QK;
         let xq = ctx.xq;
-        let (wq, sc) = (m.q.as_ptr(), m.scale.as_ptr());
-        let (xqp, xsc) = (xq.q.as_ptr(), xq.scale.as_ptr());
+        let imp = m.implicit_min();
+        let p_n = m.planes();
+        let half = _mm256_set1_epi8((1u32 << (m.bits - 1)) as u8 as i8);
         let ones = _mm256_set1_epi16(1);
-        let dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+        let lo_row = if m.bits == 8 { cols } else { cols / 2 };
+        let pf_every = if m.bits == 8 { 2 } else { 4 };
         let mut acc = [[_mm256_setzero_ps(); T]; R];
-        let mut gw = 0;
-        while gw < wgpr {
-            let nb = (wgpr - gw).min(8);
-            let e0 = gw * gs;
-            let ne = nb * gs;
-            let mut dx = [_mm256_setzero_ps(); T];
-            for t in 0..T {
-                let v = _mm256_maskload_ps(xsc.add((t0 + t) * xgpr + e0 / QK), lanes(ne / QK));
-                dx[t] = if G16 { _mm256_permutevar8x32_ps(v, dup) } else { v };
-            }
-            let mut sw = [_mm256_setzero_ps(); R];
+        for k in 0..nblk {
+            let mut wv = [_mm256_setzero_si256(); R];
+            let mut aw = [_mm256_setzero_si256(); R];
+            let mut sm = [(0f32, 0f32, 0f32); R];
             for r in 0..R {
-                sw[r] = _mm256_maskload_ps(sc.add((r0 + r) * wgpr + gw), lanes(nb));
-                let ahead = (r0 + r + PF_ROWS) * cols + e0;
-                for l in 0..ne / 64 {
-                    _mm_prefetch::<_MM_HINT_T1>(wq.wrapping_add(ahead + 64 * l));
+                let blk = (r0 + r) * nblk + k;
+                if k % pf_every == 0 {
+                    let ahead = (r0 + r + PF_ROWS) * lo_row + k * lo_row / nblk;
+                    _mm_prefetch::<_MM_HINT_T1>(m.lo.as_ptr().wrapping_add(ahead) as *const i8);
                 }
-                _mm_prefetch::<_MM_HINT_T1>(sc.wrapping_add((r0 + r + PF_ROWS) * wgpr + gw) as *const i8);
-            }
-            for k in 0..ne / QK {
-                let e = e0 + k * QK;
-                // i32 lane l belongs to weight group k (G32) or 2k + l/4 (G16) of the block.
-                let idx = if G16 {
-                    _mm256_setr_epi32(
-                        2 * k as i32,
-                        2 * k as i32,
-                        2 * k as i32,
-                        2 * k as i32,
-                        2 * k as i32 + 1,
-                        2 * k as i32 + 1,
-                        2 * k as i32 + 1,
-                        2 * k as i32 + 1,
+                let q = decode32(m, blk, p_n);
+                if imp {
+                    wv[r] = _mm256_sub_epi8(q, half);
+                    aw[r] = _mm256_abs_epi8(wv[r]);
+                } else {
+                    wv[r] = q;
+                }
+                sm[r] = if G16 {
+                    (
+                        m.scale_min(r0 + r, 2 * k).0,
+                        m.scale_min(r0 + r, 2 * k + 1).0,
+                        0.0,
                     )
                 } else {
-                    _mm256_set1_epi32(k as i32)
+                    let (s, mn) = m.scale_min(r0 + r, k);
+                    (s, s, mn.unwrap_or(0.0))
                 };
-                let mut wv = [_mm256_setzero_si256(); R];
-                let mut aw = [_mm256_setzero_si256(); R];
-                let mut swe = [_mm256_setzero_ps(); R];
+            }
+            for t in 0..T {
+                let xv = _mm256_loadu_si256(
+                    xq.q.as_ptr().add((t0 + t) * cols + k * QK) as *const __m256i
+                );
+                let xi = (t0 + t) * nblk + k;
+                let dx = xq.scale[xi];
                 for r in 0..R {
-                    wv[r] = _mm256_loadu_si256(wq.add((r0 + r) * cols + e) as *const __m256i);
-                    aw[r] = _mm256_abs_epi8(wv[r]);
-                    swe[r] = _mm256_permutevar8x32_ps(sw[r], idx);
-                }
-                for t in 0..T {
-                    let xv = _mm256_loadu_si256(xqp.add((t0 + t) * cols + e) as *const __m256i);
-                    let dxe = _mm256_permutevar8x32_ps(dx[t], idx);
-                    for r in 0..R {
-                        let sxv = _mm256_sign_epi8(xv, wv[r]);
-                        let d = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[r], sxv), ones);
-                        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(swe[r], dxe), acc[r][t]);
+                    let p = if imp {
+                        _mm256_maddubs_epi16(aw[r], _mm256_sign_epi8(xv, wv[r]))
+                    } else {
+                        _mm256_maddubs_epi16(wv[r], xv)
+                    };
+                    let d = _mm256_madd_epi16(p, ones);
+                    let (s0, s1, mn) = sm[r];
+                    let (a, b) = (s0 * dx, s1 * dx);
+                    let sv = _mm256_setr_ps(a, a, a, a, b, b, b, b);
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sv, acc[r][t]);
+                    if !imp {
+                        let mv = _mm256_setr_ps(mn, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+                        acc[r][t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xq.dsum[xi]), acc[r][t]);
                     }
                 }
             }
-            gw += nb;
         }
         store::<R, T>(ctx, r0, t0, &acc);
     }
@@ -273,7 +247,11 @@ mod imp {
             }
             for t in 0..T {
                 let p = x.add((t0 + t) * cols + c);
-                let xv = if n == 8 { _mm256_loadu_ps(p) } else { _mm256_maskload_ps(p, lanes(n)) };
+                let xv = if n == 8 {
+                    _mm256_loadu_ps(p)
+                } else {
+                    _mm256_maskload_ps(p, lanes(n))
+                };
                 for r in 0..R {
                     acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
                 }

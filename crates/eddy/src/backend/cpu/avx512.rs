@@ -1,22 +1,23 @@
 //! AVX-512 (F/BW/VL/VNNI) kernels.
 //!
-//! # Int4 / Int8 weights: one canonical operation order per (row, token)
-//! Let `D_g` be the exact i32 dot of weight group `g` (32 values; 16 for Int8 with group 16) with the
-//! activation codes. Each (row, token) pair owns 16 f32 chains `acc[0..16]`, all starting at +0.
-//! For `g = 0, 1, 2, ...` chain `c = g % 16` is updated as
-//! * Int4: `acc[c] = fma(f32(D_g), s_g·d_g, acc[c]); acc[c] = fma(m_g, dsum_g, acc[c])` with
+//! # Quantized weights: one canonical operation order per (row, token)
+//! Let `D_g` be the exact i32 dot of the codes of weight group `g` (32 or 16 values) with the activation
+//! codes, and `D'_g = D_g − 2^(bits−1)·Σq_x` for the implicit offset. Each (row, token) pair owns 16 f32
+//! chains `acc[0..16]`, all starting at +0. For `g = 0, 1, 2, ...` chain `c = g % 16` is updated as
+//! * implicit offset: `acc[c] = fma(f32(D'_g), S_g·d_g, acc[c])`
+//! * explicit offset: `acc[c] = fma(f32(D_g), S_g·d_g, acc[c]); acc[c] = fma(M_g, dsum_g, acc[c])` with
 //!   `dsum_g = d_g·f32(Σq_x)` from [`super::QuantizedActivations::dsum`]
-//! * Int8: `acc[c] = fma(f32(D_g), s_g·d_g, acc[c])`
 //!
-//! and the result is the fixed tree `((a0+a8)+(a4+a12))+((a2+a10)+(a6+a14)) + (same for odd c)`.
-//! Two kernels implement exactly this:
-//! * GEMV (`n < GEMM_MIN_N`): rows stream through `vpdpbusd` in natural layout; the i32 lanes of 16
-//!   groups are reduced exactly (integer shuffles/adds) into one vector whose lane `c` is `D_{16b+c}`,
-//!   and the 16 chains are the 16 lanes of one accumulator (final reduction = the tree above).
-//! * GEMM (`n >= GEMM_MIN_N`): 16 rows are repacked (16×16 transposes) so that lane `r` of a vector holds 4
-//!   consecutive codes of row `r`; `vpdpbusd` with a broadcast 4-byte activation quad accumulates
-//!   `D_g` for 16 rows at once (8 instructions per group and token, no conversion in between), and
-//!   chain `acc[c]` is a vector over the 16 rows. Tokens are processed 8 at a time per weight load.
+//! (`S_g`, `M_g` formed as `QMatrix::scale_min` forms them) and the result is the fixed tree
+//! `((a0+a8)+(a4+a12))+((a2+a10)+(a6+a14)) + (same for odd c)`. Two kernels implement exactly this:
+//! * GEMV (`n < 6`, 4 for bits 8): rows stream through `vpdpbusd` in natural layout (5/6-bit codes: the
+//!   bit planes become byte masks with `vpshufb` + `vptestmb` and are added into the nibbles); the i32
+//!   lanes of 16 groups are reduced exactly into one vector whose lane `c` is `D_{16b+c}`, and the 16
+//!   chains are the 16 lanes of one accumulator (final reduction = the tree above).
+//! * GEMM (larger `n`): 16 rows are repacked (16×16 transposes, codes expanded to bytes) so that lane
+//!   `r` of a vector holds 4 consecutive codes of row `r`; `vpdpbusd` with a broadcast 4-byte activation
+//!   quad accumulates `D_g` for 16 rows at once, and chain `acc[c]` is a vector over the 16 rows. Tokens
+//!   are processed 8 at a time per weight load.
 //!
 //! Integer parts are exact and the float operations per pair are identical in both kernels, so a
 //! token's output is bit-identical for any `n`, tile, or thread count. (An untouched chain equals one
@@ -40,24 +41,17 @@ pub(crate) unsafe fn rows(_: &super::Ctx, _: usize, _: std::ops::Range<usize>) {
 #[cfg(target_arch = "x86_64")]
 mod imp {
     use super::super::{Ctx, ROW_BLOCK};
-    use crate::quant::{WeightMatrix, QK};
+    use crate::quant::{GroupScales, QMatrix, WeightMatrix, QK, QK_SUPER};
     use std::arch::x86_64::*;
     use std::cell::RefCell;
     use std::ops::Range;
 
-    /// Smallest batch that uses the repacking GEMM kernel, for Int4 and Int8 weights (measured
-    /// crossover; both kernels give identical bits).
-    const GEMM_MIN_N: [usize; 2] = [6, 4];
     /// GEMV software prefetch (into L2) distance in rows: the hardware prefetchers alone leave ~40% of
     /// the DRAM bandwidth of one core unused (measured on Zen 4 and Sapphire Rapids; the L2 hint is
     /// much better than L1 on Zen 4).
     const PF_ROWS: usize = 8;
     /// Rows per GEMM block (one vector lane per row).
     const GEMM_ROWS: usize = 16;
-
-    const INT4: u8 = 0;
-    const I8G32: u8 = 1;
-    const I8G16: u8 = 2;
 
     #[repr(C, align(64))]
     #[derive(Clone, Copy)]
@@ -74,14 +68,37 @@ mod imp {
     /// The CPU must support the AVX-512 path; shapes validated by `matmul_with`; no other writer of
     /// these rows.
     pub(crate) unsafe fn rows(ctx: &Ctx, n: usize, range: Range<usize>) {
-        let kind = match ctx.w {
-            WeightMatrix::Int4(_) => INT4,
-            WeightMatrix::Int8(m) if m.group == 16 => I8G16,
-            WeightMatrix::Int8(_) => I8G32,
-            WeightMatrix::F32 { .. } | WeightMatrix::Bf16 { .. } => return float_rows(ctx, n, range),
+        let m = match ctx.w {
+            WeightMatrix::Q(m) => m,
+            WeightMatrix::F32 { .. } | WeightMatrix::Bf16 { .. } => {
+                return float_rows(ctx, n, range)
+            }
         };
-        if n >= GEMM_MIN_N[(kind != INT4) as usize] {
-            let gs = if kind == I8G16 { 16 } else { 32 };
+        match (m.bits, m.group == 16) {
+            (4, false) => q_rows::<4, false>(ctx, m, n, range),
+            (5, false) => q_rows::<5, false>(ctx, m, n, range),
+            (6, false) => q_rows::<6, false>(ctx, m, n, range),
+            (8, false) => q_rows::<8, false>(ctx, m, n, range),
+            (4, true) => q_rows::<4, true>(ctx, m, n, range),
+            (5, true) => q_rows::<5, true>(ctx, m, n, range),
+            (6, true) => q_rows::<6, true>(ctx, m, n, range),
+            _ => unreachable!(
+                "QMatrix bits {} group {} (check() rejects it)",
+                m.bits, m.group
+            ),
+        }
+    }
+
+    unsafe fn q_rows<const B: u8, const G16: bool>(
+        ctx: &Ctx,
+        m: &QMatrix,
+        n: usize,
+        range: Range<usize>,
+    ) {
+        // Smallest batch that uses the repacking GEMM (measured crossover; both give identical bits).
+        let gemm_min_n = if B == 8 { 4 } else { 6 };
+        if n >= gemm_min_n {
+            let gs = if G16 { 16 } else { 32 };
             let lines = ctx.cols / gs * (gs / 4 + 2);
             SCRATCH.with(|s| {
                 let mut s = s.borrow_mut();
@@ -92,11 +109,7 @@ mod imp {
                 let mut r = range.start;
                 while r < range.end {
                     let nr = (range.end - r).min(GEMM_ROWS);
-                    match kind {
-                        INT4 => gemm_block::<INT4>(ctx, n, r, nr, scratch),
-                        I8G32 => gemm_block::<I8G32>(ctx, n, r, nr, scratch),
-                        _ => gemm_block::<I8G16>(ctx, n, r, nr, scratch),
-                    }
+                    gemm_block::<B, G16>(ctx, m, n, r, nr, scratch);
                     r += nr;
                 }
             });
@@ -107,16 +120,13 @@ mod imp {
                 for t in 0..n {
                     let mut r = rb;
                     while r < rb_end {
-                        let four = rb_end - r >= 4;
-                        match (kind, four) {
-                            (INT4, true) => gemv::<INT4, 4>(ctx, r, t),
-                            (INT4, false) => gemv::<INT4, 1>(ctx, r, t),
-                            (I8G32, true) => gemv::<I8G32, 4>(ctx, r, t),
-                            (I8G32, false) => gemv::<I8G32, 1>(ctx, r, t),
-                            (_, true) => gemv::<I8G16, 4>(ctx, r, t),
-                            (_, false) => gemv::<I8G16, 1>(ctx, r, t),
+                        if rb_end - r >= 4 {
+                            gemv::<B, G16, 4>(ctx, m, r, t);
+                            r += 4;
+                        } else {
+                            gemv::<B, G16, 1>(ctx, m, r, t);
+                            r += 1;
                         }
-                        r += if four { 4 } else { 1 };
                     }
                 }
                 rb = rb_end;
@@ -164,125 +174,290 @@ mod imp {
         }
     }
 
-    /// One GEMV chunk: weight groups starting at element `e` (`ng <= 4` groups: 128 values for Int4 and
-    /// Int8/32, 64 for Int8/16) of rows `r0..r0+R` against the activations `xp` (codes for Int4, shifted
-    /// codes for Int8). Returns per row the i32 vector whose 128-bit lane `c` holds 4 partial dots of
-    /// group `c` (exact; Int8 still includes the `+128` shift). Prefetches `pf` bytes ahead.
+    /// Bit planes above the low nibble per block.
+    const fn planes(b: u8) -> usize {
+        if b == 5 || b == 6 {
+            b as usize - 4
+        } else {
+            0
+        }
+    }
+
+    /// `(S, M)` of the 16 weight groups `g..g+16` (`nb` of them valid, `g % 16 == 0`) of row `row`, lane
+    /// `i` = group `g + i`, formed exactly as [`QMatrix::scale_min`] forms them. `M` is zero for the
+    /// implicit offset.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    unsafe fn group_sm<const G16: bool>(
+        m: &QMatrix,
+        row: usize,
+        g: usize,
+        nb: usize,
+    ) -> (__m512, __m512) {
+        let gs = if G16 { 16 } else { 32 };
+        let gi = row * (m.cols / gs) + g;
+        let bm = mask16(nb);
+        match &m.scales {
+            GroupScales::F16 { scale, min } => {
+                let s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+                    bm,
+                    scale.as_ptr().add(gi) as *const i16,
+                ));
+                let mn = match min {
+                    Some(min) => _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+                        bm,
+                        min.as_ptr().add(gi) as *const i16,
+                    )),
+                    None => _mm512_setzero_ps(),
+                };
+                (s, mn)
+            }
+            GroupScales::SuperI8 { sc, mn, d, dmin } => {
+                let sb = (row * m.cols + g * gs) / QK_SUPER;
+                // 16 groups of 32 span super-blocks sb (lanes 0..8) and sb+1; 16 groups of 16 span sb.
+                let two = |v: &[f32]| {
+                    if G16 || nb <= 8 {
+                        _mm512_set1_ps(v[sb])
+                    } else {
+                        _mm512_mask_blend_ps(
+                            0xFF00,
+                            _mm512_set1_ps(v[sb]),
+                            _mm512_set1_ps(v[sb + 1]),
+                        )
+                    }
+                };
+                let i8v = |p: *const i8| {
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(bm, p)))
+                };
+                let s = _mm512_mul_ps(two(d), i8v(sc.as_ptr().add(gi)));
+                let mnv = match mn {
+                    Some(mn) => _mm512_mul_ps(two(dmin), i8v(mn.as_ptr().add(gi))),
+                    None => _mm512_setzero_ps(),
+                };
+                (s, mnv)
+            }
+        }
+    }
+
+    /// Per 128-bit lane `c` (block `c` of a 4-block chunk) the bit-plane words of that block: `P` = 1: the
+    /// 16 bytes of the chunk in every lane (block `c`'s word at byte `4c`); `P` = 2: lanes hold bytes
+    /// 0..16, 0..16, 16..32, 16..32 (block `c`'s plane `p` at byte `8(c%2) + 4p`).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn plane_lanes<const P: usize>(ph: *const u8, nbk: usize) -> __m512i {
+        if P == 1 {
+            _mm512_broadcast_i32x4(_mm_maskz_loadu_epi8(mask16(4 * nbk), ph as *const i8))
+        } else {
+            let y = _mm256_maskz_loadu_epi8((mask64(8 * nbk)) as __mmask32, ph as *const i8);
+            let z = _mm512_castsi256_si512(y);
+            _mm512_shuffle_i64x2::<0b01_01_00_00>(z, z)
+        }
+    }
+
+    /// `pshufb` controls that put, in byte `j` of lane `c`, the byte of block `c`'s plane `p` holding bit `j`
+    /// (`hi`: bit `j + 16`) of the plane, given the [`plane_lanes`] layout: `[P − 1][p][hi]`.
+    const PLANE_CTL: [[[u8; 64]; 2]; 2] = [
+        [plane_ctl(1, 0, false), plane_ctl(1, 0, true)],
+        [plane_ctl(2, 0, false), plane_ctl(2, 0, true)],
+    ];
+    const PLANE_CTL_P1: [[u8; 64]; 2] = [plane_ctl(2, 1, false), plane_ctl(2, 1, true)];
+
+    const fn plane_ctl(planes: usize, p: usize, hi: bool) -> [u8; 64] {
+        let mut v = [0u8; 64];
+        let mut c = 0;
+        while c < 4 {
+            let mut j = 0;
+            while j < 16 {
+                let base = if planes == 1 { 4 * c } else { 8 * (c % 2) + 4 * p };
+                v[16 * c + j] = (base + 2 * hi as usize + j / 8) as u8;
+                j += 1;
+            }
+            c += 1;
+        }
+        v
+    }
+
+    /// [`reduce_idx`] for group 32 and group 16.
+    const REDUCE_IDX: [[i32; 16]; 2] = [reduce_idx(false), reduce_idx(true)];
+
+    /// One GEMV chunk: blocks `blk..blk+nbk` (`nbk <= 4`, `blk` row-relative) of rows `r0..r0+R` against
+    /// the activations of token pointer `xp`. Returns per row two i32 vectors. Group 32: the first has in
+    /// 128-bit lane `c` four partial dots of block `c` (the second is unused); group 16: lane `c` of the
+    /// first holds group `2c` of the chunk, of the second group `2c + 1`. Prefetches `PF_ROWS` rows ahead.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    unsafe fn chunk<const K: u8, const R: usize>(
-        ctx: &Ctx,
-        wq: *const u8,
+    unsafe fn chunk<const B: u8, const G16: bool, const R: usize>(
+        m: &QMatrix,
         xp: *const u8,
         r0: usize,
-        e: usize,
-        ng: usize,
-        pf: usize,
-    ) -> [__m512i; R] {
-        let cols = ctx.cols;
+        blk: usize,
+        nbk: usize,
+        pf_hi: bool,
+    ) -> [[__m512i; 2]; R] {
+        let cols = m.cols;
         let zero = _mm512_setzero_si512();
-        let mut v = [zero; R];
-        match K {
-            INT4 => {
-                // Split 128 activation bytes (4 groups) into the low and high half of each group.
-                let idx_lo = _mm512_set_epi64(13, 12, 9, 8, 5, 4, 1, 0);
-                let idx_hi = _mm512_set_epi64(15, 14, 11, 10, 7, 6, 3, 2);
-                let nib = _mm512_set1_epi8(0x0F);
-                let x0 = load_bytes(xp.add(e), 32 * ng);
-                let x1 = if ng > 2 { load_bytes(xp.add(e + 64), 32 * ng - 64) } else { zero };
-                let xl = _mm512_permutex2var_epi64(x0, idx_lo, x1);
-                let xh = _mm512_permutex2var_epi64(x0, idx_hi, x1);
-                for r in 0..R {
-                    let pp = wq.add(((r0 + r) * cols + e) / 2);
-                    _mm_prefetch::<_MM_HINT_T1>(pp.wrapping_add(pf) as *const i8);
-                    let pw = load_bytes(pp, 16 * ng);
-                    let lo = _mm512_and_si512(pw, nib);
-                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(pw), nib);
-                    v[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, xl), hi, xh);
+        let mut v = [[zero; 2]; R];
+        let e = blk * QK;
+        let x0 = load_bytes(xp.add(e), 32 * nbk);
+        let x1 = if nbk > 2 {
+            load_bytes(xp.add(e + 64), 32 * nbk - 64)
+        } else {
+            zero
+        };
+        if B == 8 {
+            for r in 0..R {
+                let w = m.lo.as_ptr().add((r0 + r) * cols + e);
+                _mm_prefetch::<_MM_HINT_T1>(w.wrapping_add(PF_ROWS * cols) as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(w.wrapping_add(PF_ROWS * cols + 64) as *const i8);
+                let da = _mm512_dpbusd_epi32(zero, load_bytes(w, 32 * nbk), x0);
+                let db = if nbk > 2 {
+                    _mm512_dpbusd_epi32(zero, load_bytes(w.add(64), 32 * nbk - 64), x1)
+                } else {
+                    zero
+                };
+                v[r][0] = _mm512_add_epi32(
+                    _mm512_shuffle_i32x4::<0b10_00_10_00>(da, db),
+                    _mm512_shuffle_i32x4::<0b11_01_11_01>(da, db),
+                );
+            }
+            return v;
+        }
+        const P_MAX: usize = 2;
+        let p_n = planes(B);
+        // Split 128 activation bytes (4 blocks) into the low and high half of each block.
+        let idx_lo = _mm512_set_epi64(13, 12, 9, 8, 5, 4, 1, 0);
+        let idx_hi = _mm512_set_epi64(15, 14, 11, 10, 7, 6, 3, 2);
+        let nib = _mm512_set1_epi8(0x0F);
+        let xl = _mm512_permutex2var_epi64(x0, idx_lo, x1);
+        let xh = _mm512_permutex2var_epi64(x0, idx_hi, x1);
+        let bitsel = _mm512_set1_epi64(0x8040_2010_0804_0201u64 as i64);
+        let mut ctl = [[zero; 2]; P_MAX];
+        for p in 0..p_n {
+            for h in 0..2 {
+                let c = if p == 1 { &PLANE_CTL_P1[h] } else { &PLANE_CTL[p_n - 1][h] };
+                ctl[p][h] = _mm512_loadu_si512(c.as_ptr() as *const __m512i);
+            }
+        }
+        let hi_row = cols / QK * 4 * p_n;
+        for r in 0..R {
+            let pp = m.lo.as_ptr().add(((r0 + r) * cols + e) / 2);
+            _mm_prefetch::<_MM_HINT_T1>(pp.wrapping_add(PF_ROWS * cols / 2) as *const i8);
+            let pw = load_bytes(pp, 16 * nbk);
+            let mut lo = _mm512_and_si512(pw, nib);
+            let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(pw), nib);
+            if p_n > 0 {
+                let ph = m.hi.as_ptr().add((r0 + r) * hi_row + blk * 4 * p_n);
+                if pf_hi {
+                    _mm_prefetch::<_MM_HINT_T1>(ph.wrapping_add(PF_ROWS * hi_row) as *const i8);
+                }
+                let hb = if p_n == 1 {
+                    plane_lanes::<1>(ph, nbk)
+                } else {
+                    plane_lanes::<2>(ph, nbk)
+                };
+                for p in 0..p_n {
+                    let add = _mm512_set1_epi8((16 << p) as i8);
+                    let kl = _mm512_test_epi8_mask(_mm512_shuffle_epi8(hb, ctl[p][0]), bitsel);
+                    let kh = _mm512_test_epi8_mask(_mm512_shuffle_epi8(hb, ctl[p][1]), bitsel);
+                    lo = _mm512_mask_add_epi8(lo, kl, lo, add);
+                    hi = _mm512_mask_add_epi8(hi, kh, hi, add);
                 }
             }
-            I8G32 => {
-                let x0 = load_bytes(xp.add(e), 32 * ng);
-                let x1 = if ng > 2 { load_bytes(xp.add(e + 64), 32 * ng - 64) } else { zero };
-                for r in 0..R {
-                    let w = wq.add((r0 + r) * cols + e);
-                    _mm_prefetch::<_MM_HINT_T1>(w.wrapping_add(pf) as *const i8);
-                    _mm_prefetch::<_MM_HINT_T1>(w.wrapping_add(pf + 64) as *const i8);
-                    let da = _mm512_dpbusd_epi32(zero, x0, load_bytes(w, 32 * ng));
-                    let db =
-                        if ng > 2 { _mm512_dpbusd_epi32(zero, x1, load_bytes(w.add(64), 32 * ng - 64)) } else { zero };
-                    v[r] = _mm512_add_epi32(
-                        _mm512_shuffle_i32x4::<0b10_00_10_00>(da, db),
-                        _mm512_shuffle_i32x4::<0b11_01_11_01>(da, db),
-                    );
-                }
-            }
-            _ => {
-                let x0 = load_bytes(xp.add(e), 16 * ng);
-                for r in 0..R {
-                    let pp = wq.add((r0 + r) * cols + e);
-                    _mm_prefetch::<_MM_HINT_T1>(pp.wrapping_add(pf) as *const i8);
-                    v[r] = _mm512_dpbusd_epi32(zero, x0, load_bytes(pp, 16 * ng));
-                }
+            if G16 {
+                v[r] = [
+                    _mm512_dpbusd_epi32(zero, lo, xl),
+                    _mm512_dpbusd_epi32(zero, hi, xh),
+                ];
+            } else {
+                v[r][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, xl), hi, xh);
             }
         }
         v
     }
 
+    /// Lane permutation of the GEMV reduction: lane `g` (group `g` of a 16-group step) takes dword
+    /// `idx[g]` (and `idx[g] + 2`) of the pair vectors. Slot `4q + c` is 128-bit lane `c` of chunk
+    /// vector `q`; group 32: slot = group; group 16: vector `q = 2k + h` lane `c` is group `8k + 2c + h`.
+    const fn reduce_idx(g16: bool) -> [i32; 16] {
+        let mut idx = [0i32; 16];
+        let mut g = 0;
+        while g < 16 {
+            let (q, c) = if g16 { (2 * (g / 8) + g % 2, (g % 8) / 2) } else { (g / 4, g % 4) };
+            idx[g] = (4 * c + (q & 1) + 16 * (q / 2)) as i32;
+            g += 1;
+        }
+        idx
+    }
+
     /// GEMV: rows `r0..r0+R` × token `t`, natural weight layout.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    unsafe fn gemv<const K: u8, const R: usize>(ctx: &Ctx, r0: usize, t: usize) {
+    unsafe fn gemv<const B: u8, const G16: bool, const R: usize>(
+        ctx: &Ctx,
+        m: &QMatrix,
+        r0: usize,
+        t: usize,
+    ) {
         let cols = ctx.cols;
         let xq = ctx.xq;
-        let gs = if K == I8G16 { 16 } else { 32 };
+        let gs = if G16 { 16 } else { 32 };
         let wgpr = cols / gs;
         let xgpr = cols / QK;
-        // Weight codes, scales, and (Int4) offsets or (Int8) code sums.
-        let (wq, ws, wx): (*const u8, *const f32, *const u8) = match ctx.w {
-            WeightMatrix::Int4(m) => (m.packed.as_ptr(), m.scale.as_ptr(), m.min.as_ptr() as *const u8),
-            WeightMatrix::Int8(m) => (m.q.as_ptr() as *const u8, m.scale.as_ptr(), m.qsum.as_ptr() as *const u8),
-            _ => unreachable!(),
-        };
-        let xp: *const u8 = if K == INT4 { xq.q.as_ptr() as *const u8 } else { xq.qu.as_ptr() }.add(t * cols);
+        let imp = m.implicit_min();
+        let xp = (xq.q.as_ptr() as *const u8).add(t * cols);
         let xs = xq.scale.as_ptr().add(t * xgpr);
         let xds = xq.dsum.as_ptr().add(t * xgpr);
+        let xsum = if G16 {
+            xq.sum16.as_ptr().add(t * cols / 16)
+        } else {
+            xq.sum.as_ptr().add(t * xgpr)
+        };
 
         let zero = _mm512_setzero_si512();
-        // Final reduction step: lane g (natural group order) of the block.
-        // Group 4q+c sits in lanes 4c+(q&1) and 4c+(q&1)+2 of pair q/2 (second pair: index + 16).
-        let idx_a = _mm512_set_epi32(29, 25, 21, 17, 28, 24, 20, 16, 13, 9, 5, 1, 12, 8, 4, 0);
+        let idx_a = _mm512_loadu_si512(REDUCE_IDX[G16 as usize].as_ptr() as *const __m512i);
         let idx_b = _mm512_add_epi32(idx_a, _mm512_set1_epi32(2));
         let dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-
-        // Software prefetch into L2: the same position PF_ROWS rows further on (may point past the end:
-        // prefetches never fault, and the pointers are formed with wrapping arithmetic).
-        let pf = PF_ROWS * if K == INT4 { cols / 2 } else { cols };
-        let pfs = PF_ROWS * wgpr;
+        // Scale bytes per group and their base, for the prefetch of the scales PF_ROWS rows on.
+        let (sp, sbytes): (*const u8, usize) = match &m.scales {
+            GroupScales::F16 { scale, .. } => (scale.as_ptr() as *const u8, 2),
+            GroupScales::SuperI8 { sc, .. } => (sc.as_ptr() as *const u8, 1),
+        };
+        let mp: *const u8 = match &m.scales {
+            GroupScales::F16 { min: Some(v), .. } => v.as_ptr() as *const u8,
+            GroupScales::SuperI8 { mn: Some(v), .. } => v.as_ptr() as *const u8,
+            _ => sp,
+        };
+        // Blocks per chunk line of the bit planes: prefetch them once per 64 bytes.
+        let pf_every = if planes(B) == 2 { 2 } else { 4 };
         let mut acc = [_mm512_setzero_ps(); R];
         let mut g = 0;
         while g < wgpr {
             let nb = (wgpr - g).min(16);
             let bm = mask16(nb);
-            let d16 = if K == I8G16 {
+            let d16 = if G16 {
                 _mm512_permutexvar_ps(dup, _mm512_maskz_loadu_ps(mask16(nb / 2), xs.add(g / 2)))
             } else {
                 _mm512_maskz_loadu_ps(bm, xs.add(g))
             };
-            // Chunk q covers weight groups g+4q .. g+4q+4; a full block is straight-line code.
             let mut v = [[zero; R]; 4];
-            if nb == 16 {
-                for q in 0..4 {
-                    v[q] = chunk::<K, R>(ctx, wq, xp, r0, (g + 4 * q) * gs, 4, pf);
+            let blk0 = g * gs / QK;
+            let nblk = nb * gs / QK;
+            let nchunks = if G16 { 2 } else { 4 };
+            for k in 0..nchunks {
+                let nbk = nblk.saturating_sub(4 * k).min(4);
+                if nbk == 0 {
+                    continue;
                 }
-            } else {
-                for q in 0..4 {
-                    let ng = nb.saturating_sub(4 * q).min(4);
-                    if ng > 0 {
-                        v[q] = chunk::<K, R>(ctx, wq, xp, r0, (g + 4 * q) * gs, ng, pf);
+                let c = chunk::<B, G16, R>(m, xp, r0, blk0 + 4 * k, nbk, k % pf_every == 0);
+                for r in 0..R {
+                    if G16 {
+                        v[2 * k][r] = c[r][0];
+                        v[2 * k + 1][r] = c[r][1];
+                    } else {
+                        v[k][r] = c[r][0];
                     }
                 }
             }
-            // 128-bit lane c of chunk q holds 4 partials of group 4q+c: reduce pairs of chunks.
+            // 128-bit lane c of vector q holds 4 partials of slot 4q+c: reduce pairs of vectors.
             let mut pairs = [[zero; R]; 2];
             for p in 0..2 {
                 for r in 0..R {
@@ -292,27 +467,39 @@ mod imp {
                     );
                 }
             }
-            let e16 = if K == INT4 {
-                _mm512_maskz_loadu_ps(bm, xds.add(g))
+            let corr = if imp {
+                _mm512_sllv_epi32(
+                    _mm512_maskz_loadu_epi32(bm, xsum.add(g)),
+                    _mm512_set1_epi32(B as i32 - 1),
+                )
             } else {
+                zero
+            };
+            let e16 = if imp {
                 _mm512_setzero_ps()
+            } else {
+                _mm512_maskz_loadu_ps(bm, xds.add(g))
             };
             for r in 0..R {
                 let gi = (r0 + r) * wgpr + g;
-                _mm_prefetch::<_MM_HINT_T1>(ws.wrapping_add(gi + pfs) as *const i8);
-                _mm_prefetch::<_MM_HINT_T1>((wx as *const f32).wrapping_add(gi + pfs) as *const i8);
-                let mut d = _mm512_add_epi32(
-                    _mm512_permutex2var_epi32(pairs[0][r], idx_a, pairs[1][r]),
-                    _mm512_permutex2var_epi32(pairs[0][r], idx_b, pairs[1][r]),
+                _mm_prefetch::<_MM_HINT_T1>(
+                    sp.wrapping_add((gi + PF_ROWS * wgpr) * sbytes) as *const i8
                 );
-                if K != INT4 {
-                    let qs = _mm512_maskz_loadu_epi32(bm, (wx as *const i32).add(gi));
-                    d = _mm512_sub_epi32(d, _mm512_slli_epi32::<7>(qs));
+                if !imp {
+                    _mm_prefetch::<_MM_HINT_T1>(
+                        mp.wrapping_add((gi + PF_ROWS * wgpr) * sbytes) as *const i8
+                    );
                 }
-                let s16 = _mm512_maskz_loadu_ps(bm, ws.add(gi));
+                let d = _mm512_sub_epi32(
+                    _mm512_add_epi32(
+                        _mm512_permutex2var_epi32(pairs[0][r], idx_a, pairs[1][r]),
+                        _mm512_permutex2var_epi32(pairs[0][r], idx_b, pairs[1][r]),
+                    ),
+                    corr,
+                );
+                let (s16, m16) = group_sm::<G16>(m, r0 + r, g, nb);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s16, d16), acc[r]);
-                if K == INT4 {
-                    let m16 = _mm512_maskz_loadu_ps(bm, (wx as *const f32).add(gi));
+                if !imp {
                     acc[r] = _mm512_fmadd_ps(m16, e16, acc[r]);
                 }
             }
@@ -325,22 +512,29 @@ mod imp {
 
     /// GEMM for rows `r0..r0+nr` (`nr <= 16`) and all `n` tokens: repack, then token tiles of 8.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    unsafe fn gemm_block<const K: u8>(ctx: &Ctx, n: usize, r0: usize, nr: usize, scratch: *mut __m512i) {
-        repack::<K>(ctx, r0, nr, scratch);
+    unsafe fn gemm_block<const B: u8, const G16: bool>(
+        ctx: &Ctx,
+        m: &QMatrix,
+        n: usize,
+        r0: usize,
+        nr: usize,
+        scratch: *mut __m512i,
+    ) {
+        repack::<B, G16>(m, r0, nr, scratch);
         let mut t = 0;
         while t < n {
             let left = n - t;
             let step = if left >= 8 {
-                gemm_tile::<K, 8>(ctx, r0, nr, t, scratch);
+                gemm_tile::<B, G16, 8>(ctx, m, r0, nr, t, scratch);
                 8
             } else if left >= 4 {
-                gemm_tile::<K, 4>(ctx, r0, nr, t, scratch);
+                gemm_tile::<B, G16, 4>(ctx, m, r0, nr, t, scratch);
                 4
             } else if left >= 2 {
-                gemm_tile::<K, 2>(ctx, r0, nr, t, scratch);
+                gemm_tile::<B, G16, 2>(ctx, m, r0, nr, t, scratch);
                 2
             } else {
-                gemm_tile::<K, 1>(ctx, r0, nr, t, scratch);
+                gemm_tile::<B, G16, 1>(ctx, m, r0, nr, t, scratch);
                 1
             };
             t += step;
@@ -376,71 +570,152 @@ mod imp {
         }
     }
 
-    /// Repack rows `r0..r0+nr` into `scratch`: per weight group `w`, `gs/4` vectors whose lane `r`
-    /// holds 4 consecutive codes of row `r0+r` (Int4 nibbles expanded to bytes), then the 16 scales,
-    /// then the 16 offsets (Int4) or `−128·Σq` (Int8). Missing rows are zero. Done with 16×16
-    /// transposes of 64-byte row slices.
+    /// Repack rows `r0..r0+nr` into `scratch`: per weight group `w`, `gs/4` vectors whose lane `r` holds
+    /// 4 consecutive codes of row `r0+r` (expanded to bytes), then the 16 scales `S`, then the 16 offsets
+    /// `M` (zero for the implicit offset). Missing rows are zero. Done with 16×16 transposes of 64-byte
+    /// row slices.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    unsafe fn repack<const K: u8>(ctx: &Ctx, r0: usize, nr: usize, scratch: *mut __m512i) {
-        let cols = ctx.cols;
-        let gs = if K == I8G16 { 16 } else { 32 };
+    unsafe fn repack<const B: u8, const G16: bool>(
+        m: &QMatrix,
+        r0: usize,
+        nr: usize,
+        scratch: *mut __m512i,
+    ) {
+        let cols = m.cols;
+        let gs = if G16 { 16 } else { 32 };
         let qj = gs / 4;
         let stride = qj + 2;
         let wgpr = cols / gs;
+        let nblk = cols / QK;
+        let p_n = planes(B);
         let zero = _mm512_setzero_si512();
         let nib = _mm512_set1_epi8(0x0F);
-        let (codes, scale, extra): (*const u8, *const f32, *const i32) = match ctx.w {
-            WeightMatrix::Int4(m) => (m.packed.as_ptr(), m.scale.as_ptr(), m.min.as_ptr() as *const i32),
-            WeightMatrix::Int8(m) => (m.q.as_ptr() as *const u8, m.scale.as_ptr(), m.qsum.as_ptr()),
-            _ => unreachable!(),
-        };
-        // Bytes per row, and weight groups per 64-byte slice.
-        let row_bytes = if K == INT4 { cols / 2 } else { cols };
-        let gpl = if K == I8G32 { 2 } else { 4 };
         let mut a = [zero; 16];
-        let mut w = 0;
-        while w < wgpr {
-            let ng = (wgpr - w).min(gpl);
-            let nbytes = 64 * ng / gpl;
-            for r in 0..16 {
-                a[r] = if r < nr { load_bytes(codes.add((r0 + r) * row_bytes + w * 64 / gpl), nbytes) } else { zero };
-            }
-            transpose16(&mut a);
-            // a[col]: lane r = dword `col` of row r's slice; slice group c owns cols c*16/gpl ..
-            for c in 0..ng {
-                let dst = scratch.add((w + c) * stride);
-                if K == INT4 {
-                    for j in 0..4 {
-                        let v = a[4 * c + j];
-                        _mm512_store_si512(dst.add(j), _mm512_and_si512(v, nib));
-                        _mm512_store_si512(dst.add(j + 4), _mm512_and_si512(_mm512_srli_epi32::<4>(v), nib));
-                    }
-                } else {
-                    for j in 0..qj {
-                        _mm512_store_si512(dst.add(j), a[qj * c + j]);
-                    }
-                }
-            }
-            w += ng;
-        }
-        // Scales and offsets / code sums: 16 rows × 16 groups at a time.
-        let mut w = 0;
-        while w < wgpr {
-            let nb = (wgpr - w).min(16);
-            for pass in 0..2 {
+        if B == 8 {
+            // 64-byte slices = 2 blocks; a[8c + j] lane r = codes 4j.. of block c of row r.
+            let mut b = 0;
+            while b < nblk {
+                let nbk = (nblk - b).min(2);
                 for r in 0..16 {
                     a[r] = if r < nr {
-                        let src = if pass == 0 { scale as *const i32 } else { extra };
-                        _mm512_maskz_loadu_epi32(mask16(nb), src.add((r0 + r) * wgpr + w))
+                        load_bytes(m.lo.as_ptr().add((r0 + r) * cols + b * QK), 32 * nbk)
                     } else {
                         zero
                     };
                 }
                 transpose16(&mut a);
-                for c in 0..nb {
-                    let v = if pass == 1 && K != INT4 { _mm512_sub_epi32(zero, _mm512_slli_epi32::<7>(a[c])) } else { a[c] };
-                    _mm512_store_si512(scratch.add((w + c) * stride + qj + pass), v);
+                for c in 0..nbk {
+                    for j in 0..8 {
+                        _mm512_store_si512(scratch.add((b + c) * stride + j), a[8 * c + j]);
+                    }
                 }
+                b += nbk;
+            }
+        } else {
+            let hi_row = nblk * 4 * p_n;
+            let mut hv = [zero; 32];
+            // Byte j/2 of each dword to all 4 bytes; bit 4(j%2)+k selects element 4j+k.
+            let sel = [
+                _mm512_set1_epi32(0x0804_0201),
+                _mm512_set1_epi32(0x8040_2010u32 as i32),
+            ];
+            let mut ctl = [zero; 4];
+            for (h, c) in ctl.iter_mut().enumerate() {
+                let mut v = [0u8; 64];
+                for (i, b) in v.iter_mut().enumerate() {
+                    *b = ((i % 16) / 4 * 4 + h) as u8;
+                }
+                *c = _mm512_loadu_si512(v.as_ptr() as *const __m512i);
+            }
+            let mut b0 = 0;
+            while b0 < nblk {
+                let nb16 = (nblk - b0).min(16);
+                // Plane words: hv[P·b + p] lane r = plane p of block b0+b of row r.
+                for s in 0..p_n {
+                    let nbytes = (4 * p_n * nb16).saturating_sub(64 * s).min(64);
+                    if nbytes == 0 {
+                        continue;
+                    }
+                    for r in 0..16 {
+                        a[r] = if r < nr {
+                            load_bytes(
+                                m.hi.as_ptr().add((r0 + r) * hi_row + b0 * 4 * p_n + 64 * s),
+                                nbytes,
+                            )
+                        } else {
+                            zero
+                        };
+                    }
+                    transpose16(&mut a);
+                    hv[16 * s..16 * s + 16].copy_from_slice(&a);
+                }
+                let mut b = 0;
+                while b < nb16 {
+                    let nbk = (nb16 - b).min(4);
+                    for r in 0..16 {
+                        a[r] = if r < nr {
+                            load_bytes(
+                                m.lo.as_ptr().add(((r0 + r) * cols + (b0 + b) * QK) / 2),
+                                16 * nbk,
+                            )
+                        } else {
+                            zero
+                        };
+                    }
+                    transpose16(&mut a);
+                    for c in 0..nbk {
+                        let bi = b + c; // block within the 16-block step
+                        for j in 0..4 {
+                            let v = a[4 * c + j];
+                            let mut lo = _mm512_and_si512(v, nib);
+                            let mut hi = _mm512_and_si512(_mm512_srli_epi32::<4>(v), nib);
+                            for p in 0..p_n {
+                                let w = hv[p_n * bi + p];
+                                let add = _mm512_set1_epi8((16 << p) as i8);
+                                let kl = _mm512_test_epi8_mask(
+                                    _mm512_shuffle_epi8(w, ctl[j / 2]),
+                                    sel[j % 2],
+                                );
+                                let kh = _mm512_test_epi8_mask(
+                                    _mm512_shuffle_epi8(w, ctl[2 + j / 2]),
+                                    sel[j % 2],
+                                );
+                                lo = _mm512_mask_add_epi8(lo, kl, lo, add);
+                                hi = _mm512_mask_add_epi8(hi, kh, hi, add);
+                            }
+                            let blk = b0 + bi;
+                            if G16 {
+                                _mm512_store_si512(scratch.add(2 * blk * stride + j), lo);
+                                _mm512_store_si512(scratch.add((2 * blk + 1) * stride + j), hi);
+                            } else {
+                                _mm512_store_si512(scratch.add(blk * stride + j), lo);
+                                _mm512_store_si512(scratch.add(blk * stride + j + 4), hi);
+                            }
+                        }
+                    }
+                    b += nbk;
+                }
+                b0 += nb16;
+            }
+        }
+        // Scales and offsets: 16 rows × 16 groups at a time.
+        let mut sa = [zero; 16];
+        let mut w = 0;
+        while w < wgpr {
+            let nb = (wgpr - w).min(16);
+            for r in 0..16 {
+                (a[r], sa[r]) = if r < nr {
+                    let (s, mn) = group_sm::<G16>(m, r0 + r, w, nb);
+                    (_mm512_castps_si512(s), _mm512_castps_si512(mn))
+                } else {
+                    (zero, zero)
+                };
+            }
+            transpose16(&mut a);
+            transpose16(&mut sa);
+            for c in 0..nb {
+                _mm512_store_si512(scratch.add((w + c) * stride + qj), a[c]);
+                _mm512_store_si512(scratch.add((w + c) * stride + qj + 1), sa[c]);
             }
             w += nb;
         }
@@ -448,8 +723,9 @@ mod imp {
 
     /// GEMM tile: the repacked 16-row block × tokens `t0..t0+T`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    unsafe fn gemm_tile<const K: u8, const T: usize>(
+    unsafe fn gemm_tile<const B: u8, const G16: bool, const T: usize>(
         ctx: &Ctx,
+        m: &QMatrix,
         r0: usize,
         nr: usize,
         t0: usize,
@@ -457,42 +733,63 @@ mod imp {
     ) {
         let cols = ctx.cols;
         let xq = ctx.xq;
-        let gs = if K == I8G16 { 16 } else { 32 };
+        let gs = if G16 { 16 } else { 32 };
         let qj = gs / 4;
         let stride = qj + 2;
         let wgpr = cols / gs;
         let xgpr = cols / QK;
-        let xbase: *const u8 = if K == INT4 { xq.q.as_ptr() as *const u8 } else { xq.qu.as_ptr() };
+        let imp = m.implicit_min();
+        let xbase = xq.q.as_ptr() as *const u8;
         let mut xp = [xbase; T];
         let mut xs = [xq.scale.as_ptr(); T];
         let mut xds = [xq.dsum.as_ptr(); T];
+        let mut xsum = [xq.sum.as_ptr(); T];
         for t in 0..T {
             xp[t] = xbase.add((t0 + t) * cols);
             xs[t] = xs[t].add((t0 + t) * xgpr);
             xds[t] = xds[t].add((t0 + t) * xgpr);
+            xsum[t] = if G16 {
+                xq.sum16.as_ptr().add((t0 + t) * cols / 16)
+            } else {
+                xsum[t].add((t0 + t) * xgpr)
+            };
         }
         let mut acc = [[_mm512_setzero_ps(); 16]; T];
         for w in 0..wgpr {
             let c = w & 15;
             let blk = scratch.add(w * stride);
-            let init = if K == INT4 { _mm512_setzero_si512() } else { _mm512_load_si512(blk.add(qj + 1)) };
-            let mut d = [init; T];
+            let mut d = [_mm512_setzero_si512(); T];
+            if imp {
+                for t in 0..T {
+                    d[t] = _mm512_set1_epi32(-(*xsum[t].add(w) << (B - 1)));
+                }
+            }
             for j in 0..qj {
                 let wv = _mm512_load_si512(blk.add(j));
                 for t in 0..T {
-                    let xb = _mm512_set1_epi32((xp[t].add(w * gs + 4 * j) as *const i32).read_unaligned());
-                    d[t] = if K == INT4 { _mm512_dpbusd_epi32(d[t], wv, xb) } else { _mm512_dpbusd_epi32(d[t], xb, wv) };
+                    let xb = _mm512_set1_epi32(
+                        (xp[t].add(w * gs + 4 * j) as *const i32).read_unaligned(),
+                    );
+                    d[t] = _mm512_dpbusd_epi32(d[t], wv, xb);
                 }
             }
             let s = _mm512_load_ps(blk.add(qj) as *const f32);
             let xg = w * gs / QK;
             for t in 0..T {
                 let dg = *xs[t].add(xg);
-                let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[t]), _mm512_mul_ps(s, _mm512_set1_ps(dg)), acc[t][c]);
-                acc[t][c] = if K == INT4 {
-                    _mm512_fmadd_ps(_mm512_load_ps(blk.add(qj + 1) as *const f32), _mm512_set1_ps(*xds[t].add(w)), a)
-                } else {
+                let a = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(d[t]),
+                    _mm512_mul_ps(s, _mm512_set1_ps(dg)),
+                    acc[t][c],
+                );
+                acc[t][c] = if imp {
                     a
+                } else {
+                    _mm512_fmadd_ps(
+                        _mm512_load_ps(blk.add(qj + 1) as *const f32),
+                        _mm512_set1_ps(*xds[t].add(w)),
+                        a,
+                    )
                 };
             }
         }
@@ -561,7 +858,12 @@ mod imp {
 
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma")]
-    unsafe fn store<const R: usize, const T: usize>(ctx: &Ctx, r0: usize, t0: usize, acc: &[[__m512; T]; R]) {
+    unsafe fn store<const R: usize, const T: usize>(
+        ctx: &Ctx,
+        r0: usize,
+        t0: usize,
+        acc: &[[__m512; T]; R],
+    ) {
         for t in 0..T {
             for r in 0..R {
                 *ctx.out.0.add((t0 + t) * ctx.rows + r0 + r) = hsum(acc[r][t]);
@@ -606,7 +908,11 @@ mod imp {
                 }
                 for t in 0..T {
                     let p = x.add((t0 + t) * cols + c);
-                    let xv = if k == 0xFFFF { _mm512_loadu_ps(p) } else { _mm512_maskz_loadu_ps(k, p) };
+                    let xv = if k == 0xFFFF {
+                        _mm512_loadu_ps(p)
+                    } else {
+                        _mm512_maskz_loadu_ps(k, p)
+                    };
                     for r in 0..R {
                         acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
                     }

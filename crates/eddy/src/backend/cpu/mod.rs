@@ -22,15 +22,15 @@
 //! fixed tree, whether the chains sit in the lanes of one register (GEMV) or in 16 registers whose
 //! lanes are 16 rows (GEMM). Different paths differ by float reassociation only.
 //!
-//! # Int weights × int8 activations
-//! Activations are quantized per token and group of 32 ([`quantize_activations`]): `x ≈ d·q`.
-//! * Int4 (`w = s·q_w + m`): `Σ_c w·x = Σ_g (s_g·d_g·Σ_j q_w·q_x + m_g·d_g·Σ_j q_x)`. The nibbles are
-//!   the unsigned operand of `vpdpbusd`/`vpmaddubsw`, the activation codes the signed one.
-//! * Int8 (`w = s·q_w`, group 32 or 16; a group-16 weight group uses the scale of the 32-group of
-//!   activations containing it): AVX-512 multiplies the shifted activations
-//!   [`QuantizedActivations::qu`] `= q_x + 128` (u8) by the signed codes and subtracts `128·qsum` per
-//!   weight group ([`crate::quant::Int8Matrix::qsum`] must be exact); AVX2 uses the sign trick
-//!   `maddubs(|q_w|, sign(q_x, q_w))`; both give the exact integer dot.
+//! # Quantized weights × int8 activations
+//! Activations are quantized per token and group of 32 ([`quantize_activations`]): `x ≈ d·q_x`.
+//! A [`crate::quant::QMatrix`] (`w = S·q + M`, unsigned `q`) gives per weight group
+//! `Σ_j w·x = d·(S·D + M·Σ_j q_x)` with `D = Σ_j q·q_x` exact in i32. The codes are the unsigned operand of
+//! `vpdpbusd`/`vpmaddubsw`, the activation codes the signed one. With the implicit offset
+//! `M = −2^(bits−1)·S` the offset term is folded into the integer: `D' = D − 2^(bits−1)·Σ_j q_x` and the
+//! group adds `(S·d)·D'`; with an explicit offset it adds `(S·d)·D` and `M·(d·Σ_j q_x)`
+//! ([`QuantizedActivations::dsum`]). A group-16 weight group uses the scale of the 32-group of
+//! activations containing it and the half-group sums [`QuantizedActivations::sum16`].
 
 pub mod activation;
 pub mod attention;
@@ -94,7 +94,10 @@ impl Kernel {
 
     /// Every path available on this CPU, lowest first.
     pub fn available() -> Vec<Kernel> {
-        [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512].into_iter().filter(|k| k.is_available()).collect()
+        [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512]
+            .into_iter()
+            .filter(|k| k.is_available())
+            .collect()
     }
 
     /// Parse `scalar`, `avx2` or `avx512` (case-insensitive).
@@ -155,14 +158,21 @@ pub(crate) struct Ctx<'a> {
 ///
 /// * `w`: `rows × cols` weights.
 /// * `x`: `n × cols` f32 activations, row-major. Read for `F32`/`Bf16` weights; ignored for
-///   `Int4`/`Int8` weights (may then be empty; if non-empty its length is debug-asserted).
+///   quantized weights (may then be empty; if non-empty its length is debug-asserted).
 /// * `xq`: `x` quantized by [`quantize_activations`] (`xq.n >= n`, `xq.cols == cols`). Read for
-///   `Int4`/`Int8` weights, ignored otherwise.
+///   quantized weights, ignored otherwise.
 /// * `out`: `n × rows` f32, token-major (`out.len() == n * rows`).
 ///
 /// Nothing is allocated. Results are bit-identical for a token regardless of `n` and of the thread
 /// count (see the module docs).
-pub fn matmul(pool: &ThreadPool, w: &WeightMatrix, x: &[f32], xq: &QuantizedActivations, n: usize, out: &mut [f32]) {
+pub fn matmul(
+    pool: &ThreadPool,
+    w: &WeightMatrix,
+    x: &[f32],
+    xq: &QuantizedActivations,
+    n: usize,
+    out: &mut [f32],
+) {
     matmul_with(Kernel::active(), pool, w, x, xq, n, out)
 }
 
@@ -176,7 +186,10 @@ pub fn matmul_with(
     n: usize,
     out: &mut [f32],
 ) {
-    assert!(kernel.is_available(), "kernel path {kernel:?} is not supported by this CPU");
+    assert!(
+        kernel.is_available(),
+        "kernel path {kernel:?} is not supported by this CPU"
+    );
     let (rows, cols) = (w.rows(), w.cols());
     assert_eq!(out.len(), n * rows, "out must hold n*rows values");
     check_weights(w);
@@ -184,12 +197,15 @@ pub fn matmul_with(
         WeightMatrix::F32 { .. } | WeightMatrix::Bf16 { .. } => {
             assert!(x.len() >= n * cols, "x must hold n*cols values");
         }
-        WeightMatrix::Int4(_) | WeightMatrix::Int8(_) => {
+        WeightMatrix::Q(_) => {
             assert_eq!(cols % QK, 0, "quantized weights need cols % 32 == 0");
-            assert!(xq.n >= n && xq.cols == cols, "xq must hold n tokens of cols values (quantize_activations)");
+            assert!(
+                xq.n >= n && xq.cols == cols,
+                "xq must hold n tokens of cols values (quantize_activations)"
+            );
             assert!(
                 xq.q.len() >= n * cols
-                    && xq.qu.len() >= n * cols
+                    && xq.sum16.len() >= n * cols / 16
                     && xq.scale.len() >= n * cols / QK
                     && xq.sum.len() >= n * cols / QK
                     && xq.dsum.len() >= n * cols / QK,
@@ -201,15 +217,26 @@ pub fn matmul_with(
     if n == 0 || rows == 0 {
         return;
     }
-    let ctx = Ctx { w, x, xq, rows, cols, out: SyncPtr(out.as_mut_ptr()) };
+    let ctx = Ctx {
+        w,
+        x,
+        xq,
+        rows,
+        cols,
+        out: SyncPtr(out.as_mut_ptr()),
+    };
     // Rows per claimed chunk: a multiple of the 16-row GEMM block, and at least ~64 K multiply-adds.
-    let min_chunk = (65536 / (cols * n).max(1)).clamp(16, 256).next_multiple_of(16);
+    let min_chunk = (65536 / (cols * n).max(1))
+        .clamp(16, 256)
+        .next_multiple_of(16);
     if pool.n_threads() == 1 || rows * cols * n < 1 << 17 {
         // SAFETY: shapes checked above; the whole output is ours.
         unsafe { process_rows(kernel, &ctx, n, 0..rows) };
     } else {
         // SAFETY: chunks are disjoint row ranges, so workers write disjoint outputs.
-        pool.parallel_for(rows, min_chunk, |range| unsafe { process_rows(kernel, &ctx, n, range) });
+        pool.parallel_for(rows, min_chunk, |range| unsafe {
+            process_rows(kernel, &ctx, n, range)
+        });
     }
 }
 
@@ -218,14 +245,7 @@ fn check_weights(w: &WeightMatrix) {
     match w {
         WeightMatrix::F32 { data, .. } => assert!(data.len() >= rows * cols),
         WeightMatrix::Bf16 { data, .. } => assert!(data.len() >= rows * cols),
-        WeightMatrix::Int4(m) => {
-            assert!(m.packed.len() >= rows * cols / 2);
-            assert!(m.scale.len() >= rows * cols / QK && m.min.len() >= rows * cols / QK);
-        }
-        WeightMatrix::Int8(m) => {
-            assert!(m.group == 32 || m.group == 16, "Int8 group must be 32 or 16");
-            assert!(m.q.len() >= rows * cols && m.scale.len() >= rows * cols / m.group);
-        }
+        WeightMatrix::Q(m) => m.check(),
     }
 }
 

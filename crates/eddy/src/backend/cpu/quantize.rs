@@ -7,8 +7,9 @@ use crate::quant::QK;
 ///
 /// For token `t` and group `g` (`G = cols / 32` groups per token, index `t*G + g`):
 /// `d = scale[t*G+g] = max|x| / 127` (f32), codes `q[t*cols + g*32 + j] ∈ [-127, 127]` with
-/// `x ≈ d·q`, `sum[t*G+g] = Σ_j q` (i32), `dsum[t*G+g] = d · (Σ_j q as f32)` (f32, the Int4 offset
-/// term's activation factor), and `qu = q + 128` as u8 (used by the VNNI int8 kernels).
+/// `x ≈ d·q`, `sum[t*G+g] = Σ_j q` (i32), `dsum[t*G+g] = d · (Σ_j q as f32)` (f32, the offset term's
+/// activation factor), and `sum16[2(t*G+g) + h] = Σ_{j<16} q[.. + 16h + j]` (sums per half group, for
+/// group-16 weights).
 /// A group with `max|x| < 1e-30` (in particular an all-zero group) has `d = 0` and all codes 0.
 /// Buffers are reused across calls; they only grow.
 #[derive(Debug, Clone, Default)]
@@ -25,8 +26,8 @@ pub struct QuantizedActivations {
     pub sum: Vec<i32>,
     /// `n * cols / 32` values `scale · (sum as f32)` (one f32 multiply, rounded).
     pub dsum: Vec<f32>,
-    /// `n * cols` codes shifted to unsigned: `qu = (q + 128) as u8` (i.e. `q as u8 ^ 0x80`).
-    pub qu: Vec<u8>,
+    /// `n * cols / 16` sums of the codes per 16 values.
+    pub sum16: Vec<i32>,
 }
 
 impl QuantizedActivations {
@@ -48,7 +49,7 @@ impl QuantizedActivations {
         self.n = n;
         self.cols = cols;
         self.q.resize(n * cols, 0);
-        self.qu.resize(n * cols, 0);
+        self.sum16.resize(n * cols / 16, 0);
         self.scale.resize(n * cols / QK, 0.0);
         self.sum.resize(n * cols / QK, 0);
         self.dsum.resize(n * cols / QK, 0.0);
@@ -62,7 +63,13 @@ impl QuantizedActivations {
 /// nearest with **ties to even**, clamped to `[-127, 127]`. All paths produce bit-identical output
 /// (for finite inputs; NaN/inf inputs give unspecified codes). Large batches are split across `pool`
 /// by tokens.
-pub fn quantize_activations(pool: &ThreadPool, x: &[f32], n: usize, cols: usize, out: &mut QuantizedActivations) {
+pub fn quantize_activations(
+    pool: &ThreadPool,
+    x: &[f32],
+    n: usize,
+    cols: usize,
+    out: &mut QuantizedActivations,
+) {
     quantize_activations_with(Kernel::active(), pool, x, n, cols, out)
 }
 
@@ -75,12 +82,15 @@ pub fn quantize_activations_with(
     cols: usize,
     out: &mut QuantizedActivations,
 ) {
-    assert!(kernel.is_available(), "kernel path {kernel:?} is not supported by this CPU");
+    assert!(
+        kernel.is_available(),
+        "kernel path {kernel:?} is not supported by this CPU"
+    );
     assert_eq!(cols % QK, 0, "cols must be a multiple of 32");
     assert!(x.len() >= n * cols, "x must hold n*cols values");
     out.resize(n, cols);
     let q = SyncPtr(out.q.as_mut_ptr());
-    let qu = SyncPtr(out.qu.as_mut_ptr());
+    let s16 = SyncPtr(out.sum16.as_mut_ptr());
     let sc = SyncPtr(out.scale.as_mut_ptr());
     let sm = SyncPtr(out.sum.as_mut_ptr());
     let ds = SyncPtr(out.dsum.as_mut_ptr());
@@ -92,13 +102,16 @@ pub fn quantize_activations_with(
             let ng = range.len();
             let xs = &x[g0 * QK..(g0 + ng) * QK];
             let q = std::slice::from_raw_parts_mut(q.get().add(g0 * QK), ng * QK);
-            let qu = std::slice::from_raw_parts_mut(qu.get().add(g0 * QK), ng * QK);
             let sc = std::slice::from_raw_parts_mut(sc.get().add(g0), ng);
             let sm = std::slice::from_raw_parts_mut(sm.get().add(g0), ng);
-            quantize_groups(kernel, xs, q, qu, sc, sm);
+            quantize_groups(kernel, xs, q, sc, sm);
             let ds = std::slice::from_raw_parts_mut(ds.get().add(g0), ng);
+            let s16 = std::slice::from_raw_parts_mut(s16.get().add(2 * g0), 2 * ng);
             for g in 0..ng {
                 ds[g] = sc[g] * sm[g] as f32;
+                let h: i32 = q[g * QK..g * QK + 16].iter().map(|&v| v as i32).sum();
+                s16[2 * g] = h;
+                s16[2 * g + 1] = sm[g] - h;
             }
         }
     };
@@ -119,17 +132,17 @@ pub(crate) fn group_scale(amax: f32) -> (f32, f32) {
     }
 }
 
-unsafe fn quantize_groups(kernel: Kernel, x: &[f32], q: &mut [i8], qu: &mut [u8], sc: &mut [f32], sm: &mut [i32]) {
+unsafe fn quantize_groups(kernel: Kernel, x: &[f32], q: &mut [i8], sc: &mut [f32], sm: &mut [i32]) {
     match kernel {
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx512 => simd::quantize_avx512(x, q, qu, sc, sm),
+        Kernel::Avx512 => simd::quantize_avx512(x, q, sc, sm),
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx2 => simd::quantize_avx2(x, q, qu, sc, sm),
-        _ => quantize_scalar(x, q, qu, sc, sm),
+        Kernel::Avx2 => simd::quantize_avx2(x, q, sc, sm),
+        _ => quantize_scalar(x, q, sc, sm),
     }
 }
 
-fn quantize_scalar(x: &[f32], q: &mut [i8], qu: &mut [u8], sc: &mut [f32], sm: &mut [i32]) {
+fn quantize_scalar(x: &[f32], q: &mut [i8], sc: &mut [f32], sm: &mut [i32]) {
     for g in 0..sc.len() {
         let xs = &x[g * QK..(g + 1) * QK];
         let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
@@ -138,7 +151,6 @@ fn quantize_scalar(x: &[f32], q: &mut [i8], qu: &mut [u8], sc: &mut [f32], sm: &
         for j in 0..QK {
             let v = (xs[j] * inv).round_ties_even().clamp(-127.0, 127.0) as i32;
             q[g * QK + j] = v as i8;
-            qu[g * QK + j] = (v + 128) as u8;
             sum += v;
         }
         sc[g] = d;
@@ -152,8 +164,7 @@ mod simd {
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-    pub(super) unsafe fn quantize_avx512(x: &[f32], q: &mut [i8], qu: &mut [u8], sc: &mut [f32], sm: &mut [i32]) {
-        let flip = _mm_set1_epi8(0x80u8 as i8);
+    pub(super) unsafe fn quantize_avx512(x: &[f32], q: &mut [i8], sc: &mut [f32], sm: &mut [i32]) {
         for g in 0..sc.len() {
             let p = x.as_ptr().add(g * QK);
             let a = _mm512_loadu_ps(p);
@@ -163,11 +174,17 @@ mod simd {
             let vi = _mm512_set1_ps(inv);
             const R: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
             let ia = _mm512_max_epi32(
-                _mm512_min_epi32(_mm512_cvt_roundps_epi32::<R>(_mm512_mul_ps(a, vi)), _mm512_set1_epi32(127)),
+                _mm512_min_epi32(
+                    _mm512_cvt_roundps_epi32::<R>(_mm512_mul_ps(a, vi)),
+                    _mm512_set1_epi32(127),
+                ),
                 _mm512_set1_epi32(-127),
             );
             let ib = _mm512_max_epi32(
-                _mm512_min_epi32(_mm512_cvt_roundps_epi32::<R>(_mm512_mul_ps(b, vi)), _mm512_set1_epi32(127)),
+                _mm512_min_epi32(
+                    _mm512_cvt_roundps_epi32::<R>(_mm512_mul_ps(b, vi)),
+                    _mm512_set1_epi32(127),
+                ),
                 _mm512_set1_epi32(-127),
             );
             let qa = _mm512_cvtepi32_epi8(ia);
@@ -175,18 +192,14 @@ mod simd {
             let qp = q.as_mut_ptr().add(g * QK) as *mut __m128i;
             _mm_storeu_si128(qp, qa);
             _mm_storeu_si128(qp.add(1), qb);
-            let up = qu.as_mut_ptr().add(g * QK) as *mut __m128i;
-            _mm_storeu_si128(up, _mm_xor_si128(qa, flip));
-            _mm_storeu_si128(up.add(1), _mm_xor_si128(qb, flip));
             sc[g] = d;
             sm[g] = _mm512_reduce_add_epi32(_mm512_add_epi32(ia, ib));
         }
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn quantize_avx2(x: &[f32], q: &mut [i8], qu: &mut [u8], sc: &mut [f32], sm: &mut [i32]) {
+    pub(super) unsafe fn quantize_avx2(x: &[f32], q: &mut [i8], sc: &mut [f32], sm: &mut [i32]) {
         let sign = _mm256_set1_ps(-0.0);
-        let flip = _mm256_set1_epi8(0x80u8 as i8);
         let lo = _mm256_set1_epi32(-127);
         let hi = _mm256_set1_epi32(127);
         let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -218,8 +231,10 @@ mod simd {
             let p23 = _mm256_packs_epi32(iv[2], iv[3]);
             let b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), perm);
             _mm256_storeu_si256(q.as_mut_ptr().add(g * QK) as *mut __m256i, b);
-            _mm256_storeu_si256(qu.as_mut_ptr().add(g * QK) as *mut __m256i, _mm256_xor_si256(b, flip));
-            let s = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
+            let s = _mm256_add_epi32(
+                _mm256_add_epi32(iv[0], iv[1]),
+                _mm256_add_epi32(iv[2], iv[3]),
+            );
             let s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
             let s4 = _mm_add_epi32(s4, _mm_shuffle_epi32::<0b01_00_11_10>(s4));
             let s4 = _mm_add_epi32(s4, _mm_shuffle_epi32::<0b10_11_00_01>(s4));

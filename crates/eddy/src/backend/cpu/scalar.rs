@@ -38,40 +38,39 @@ fn dot(ctx: &Ctx, r: usize, t: usize) -> f32 {
             }
             acc
         }
-        WeightMatrix::Int4(m) => {
-            let gpr = cols / QK;
-            let xq = ctx.xq;
-            let packed = &m.packed[r * cols / 2..(r + 1) * cols / 2];
-            let xs = &xq.q[t * cols..(t + 1) * cols];
-            let mut acc = 0f32;
-            for g in 0..gpr {
-                let b = &packed[g * QK / 2..(g + 1) * QK / 2];
-                let xg = &xs[g * QK..(g + 1) * QK];
-                let mut dot = 0i32;
-                for j in 0..QK / 2 {
-                    dot += (b[j] & 15) as i32 * xg[j] as i32 + (b[j] >> 4) as i32 * xg[j + 16] as i32;
-                }
-                let d = xq.scale[t * gpr + g];
-                let gi = r * gpr + g;
-                acc += (m.scale[gi] * d) * dot as f32;
-                acc += (m.min[gi] * d) * xq.sum[t * gpr + g] as f32;
-            }
-            acc
-        }
-        WeightMatrix::Int8(m) => {
+        WeightMatrix::Q(m) => {
             let gs = m.group;
-            let gpr = cols / gs;
+            let xgpr = cols / QK;
             let xq = ctx.xq;
-            let wq = &m.q[r * cols..(r + 1) * cols];
             let xs = &xq.q[t * cols..(t + 1) * cols];
+            let half = 1i32 << (m.bits - 1);
+            let mut q = [0u8; QK];
             let mut acc = 0f32;
-            for g in 0..gpr {
-                let mut dot = 0i32;
-                for j in g * gs..(g + 1) * gs {
-                    dot += wq[j] as i32 * xs[j] as i32;
+            for g in 0..cols / gs {
+                let c0 = g * gs;
+                if c0 % QK == 0 {
+                    q = m.decode_block((r * cols + c0) / QK);
                 }
-                let d = xq.scale[t * (cols / QK) + g * gs / QK];
-                acc += (m.scale[r * gpr + g] * d) * dot as f32;
+                let mut dot = 0i32;
+                for j in 0..gs {
+                    dot += q[c0 % QK + j] as i32 * xs[c0 + j] as i32;
+                }
+                let xi = t * xgpr + c0 / QK;
+                let d = xq.scale[xi];
+                match m.scale_min(r, g) {
+                    (s, None) => {
+                        let sx = if gs == 16 {
+                            xq.sum16[t * cols / 16 + g]
+                        } else {
+                            xq.sum[xi]
+                        };
+                        acc += (s * d) * (dot - half * sx) as f32;
+                    }
+                    (s, Some(mn)) => {
+                        acc += (s * d) * dot as f32;
+                        acc += mn * xq.dsum[xi];
+                    }
+                }
             }
             acc
         }

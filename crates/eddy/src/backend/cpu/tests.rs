@@ -1,5 +1,6 @@
 use super::*;
-use crate::quant::{Int4Matrix, Int8Matrix};
+use crate::quant::{GroupScales, QMatrix};
+use half::f16;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// SplitMix64: small deterministic generator for test data.
@@ -34,87 +35,137 @@ impl Rng {
     }
 }
 
+/// Scale encodings of [`QMatrix`] under test.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Sc {
+    F16Implicit,
+    F16Min,
+    SuperMin,
+    SuperImplicit,
+}
+
 #[derive(Clone, Copy, Debug)]
 enum Kind {
-    Int4,
-    Int8,
-    Int8G16,
+    /// bits, group, scales.
+    Q(u8, usize, Sc),
     F32,
     Bf16,
 }
-const KINDS: [Kind; 5] = [Kind::Int4, Kind::Int8, Kind::Int8G16, Kind::F32, Kind::Bf16];
+/// Every bits × scales combination the imports produce (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+/// and the `--quant` formats), plus a few more the format allows.
+const KINDS: [Kind; 14] = [
+    Kind::Q(4, 32, Sc::F16Implicit),
+    Kind::Q(4, 32, Sc::F16Min),
+    Kind::Q(4, 32, Sc::SuperMin),
+    Kind::Q(5, 32, Sc::F16Implicit),
+    Kind::Q(5, 32, Sc::F16Min),
+    Kind::Q(5, 32, Sc::SuperMin),
+    Kind::Q(6, 16, Sc::SuperImplicit),
+    Kind::Q(8, 32, Sc::F16Implicit),
+    Kind::Q(6, 32, Sc::F16Min),
+    Kind::Q(8, 32, Sc::SuperImplicit),
+    Kind::Q(4, 16, Sc::SuperImplicit),
+    Kind::Q(5, 16, Sc::F16Implicit),
+    Kind::F32,
+    Kind::Bf16,
+];
+
+/// Row length to test `kind` at for a requested `cols` (SuperI8 scales need multiples of 256).
+fn cols_for(kind: Kind, cols: usize) -> usize {
+    match kind {
+        Kind::Q(_, _, Sc::SuperMin | Sc::SuperImplicit) => cols.next_multiple_of(256),
+        _ => cols,
+    }
+}
 
 fn rand_weights(kind: Kind, rows: usize, cols: usize, rng: &mut Rng) -> WeightMatrix {
     match kind {
-        Kind::Int4 => {
-            let ng = rows * cols / QK;
-            WeightMatrix::Int4(Int4Matrix {
+        Kind::Q(bits, group, sc) => {
+            let n = rows * cols;
+            let planes = if bits == 5 || bits == 6 {
+                bits as usize - 4
+            } else {
+                0
+            };
+            let lo_len = if bits == 8 { n } else { n / 2 };
+            let ng = n / group;
+            let scales = match sc {
+                Sc::F16Implicit | Sc::F16Min => GroupScales::F16 {
+                    scale: (0..ng)
+                        .map(|_| f16::from_f32(rng.nz(0.002, 0.02)))
+                        .collect(),
+                    min: (sc == Sc::F16Min)
+                        .then(|| (0..ng).map(|_| f16::from_f32(rng.nz(0.01, 0.2))).collect()),
+                },
+                Sc::SuperMin | Sc::SuperImplicit => GroupScales::SuperI8 {
+                    sc: (0..ng).map(|_| rng.next() as i8).collect(),
+                    mn: (sc == Sc::SuperMin).then(|| (0..ng).map(|_| rng.next() as i8).collect()),
+                    d: (0..n / 256).map(|_| rng.nz(0.00002, 0.0002)).collect(),
+                    dmin: if sc == Sc::SuperMin {
+                        (0..n / 256).map(|_| rng.nz(0.0001, 0.002)).collect()
+                    } else {
+                        vec![]
+                    },
+                },
+            };
+            WeightMatrix::Q(QMatrix {
                 rows,
                 cols,
-                packed: (0..rows * cols / 2).map(|_| rng.next() as u8).collect(),
-                scale: (0..ng).map(|_| rng.range(0.002, 0.02)).collect(),
-                min: (0..ng).map(|_| rng.nz(0.01, 0.2)).collect(),
-            })
-        }
-        Kind::Int8 | Kind::Int8G16 => {
-            let (group, lo, hi) = if matches!(kind, Kind::Int8) { (32, -127, 127) } else { (16, -32, 31) };
-            let q: Vec<i8> = (0..rows * cols).map(|_| rng.int(lo, hi) as i8).collect();
-            let qsum = q.chunks(group).map(|c| c.iter().map(|&v| v as i32).sum()).collect();
-            WeightMatrix::Int8(Int8Matrix {
-                rows,
-                cols,
+                bits,
                 group,
-                scale: (0..rows * cols / group).map(|_| rng.nz(0.001, 0.01)).collect(),
-                q,
-                qsum,
+                lo: (0..lo_len).map(|_| rng.next() as u8).collect(),
+                hi: (0..n / QK * 4 * planes).map(|_| rng.next() as u8).collect(),
+                scales,
             })
         }
-        Kind::F32 => WeightMatrix::F32 { rows, cols, data: (0..rows * cols).map(|_| rng.nz(0.001, 0.1)).collect() },
+        Kind::F32 => WeightMatrix::F32 {
+            rows,
+            cols,
+            data: (0..rows * cols).map(|_| rng.nz(0.001, 0.1)).collect(),
+        },
         Kind::Bf16 => WeightMatrix::Bf16 {
             rows,
             cols,
-            data: (0..rows * cols).map(|_| (rng.nz(0.001, 0.1).to_bits() >> 16) as u16).collect(),
+            data: (0..rows * cols)
+                .map(|_| (rng.nz(0.001, 0.1).to_bits() >> 16) as u16)
+                .collect(),
         },
     }
 }
 
 /// Activations in ±[0.01, 1) with occasional outliers; never zero.
 fn rand_x(n: usize, cols: usize, rng: &mut Rng) -> Vec<f32> {
-    (0..n * cols).map(|_| if rng.next() % 50 == 7 { rng.nz(2.0, 20.0) } else { rng.nz(0.01, 1.0) }).collect()
+    (0..n * cols)
+        .map(|_| {
+            if rng.next() % 50 == 7 {
+                rng.nz(2.0, 20.0)
+            } else {
+                rng.nz(0.01, 1.0)
+            }
+        })
+        .collect()
 }
 
 /// Σ of absolute values of every term the product is made of (the scale for tolerances).
 fn magnitude(w: &WeightMatrix, x: &[f32], xq: &QuantizedActivations, r: usize, t: usize) -> f64 {
     let cols = w.cols();
     match w {
-        WeightMatrix::Int4(m) => {
-            let gpr = cols / QK;
-            (0..gpr)
-                .map(|g| {
-                    let d = xq.scale[t * gpr + g] as f64;
-                    let (s, mn) = (m.scale[r * gpr + g].abs() as f64, m.min[r * gpr + g].abs() as f64);
-                    (0..QK)
-                        .map(|j| {
-                            let b = m.packed[(r * cols + g * QK) / 2 + j % 16];
-                            let q = if j < 16 { b & 15 } else { b >> 4 } as f64;
-                            let xv = (xq.q[t * cols + g * QK + j] as f64).abs();
-                            d * (s * q + mn) * xv
-                        })
-                        .sum::<f64>()
-                })
-                .sum()
-        }
-        WeightMatrix::Int8(m) => (0..cols)
+        WeightMatrix::Q(m) => (0..cols)
             .map(|c| {
-                let s = m.scale[(r * cols + c) / m.group].abs() as f64;
+                let g = c / m.group;
+                let (sw, mn) = m.scale_min(r, g);
+                let mn = mn.unwrap_or(-((1i32 << (m.bits - 1)) as f32) * sw);
                 let d = xq.scale[t * (cols / QK) + c / QK] as f64;
-                s * d * (m.q[r * cols + c] as f64 * xq.q[t * cols + c] as f64).abs()
+                let q = m.code(r, c) as f64;
+                d * (sw.abs() as f64 * q + mn.abs() as f64) * (xq.q[t * cols + c] as f64).abs()
             })
             .sum(),
         _ => {
             let mut row = vec![0f32; cols];
             w.dequant_row(r, &mut row);
-            (0..cols).map(|c| (row[c] as f64 * x[t * cols + c] as f64).abs()).sum()
+            (0..cols)
+                .map(|c| (row[c] as f64 * x[t * cols + c] as f64).abs())
+                .sum()
         }
     }
 }
@@ -137,7 +188,10 @@ fn pool_run_visits_every_index_once() {
                 assert_eq!(nt, n);
                 hits[i].fetch_add(1, Ordering::Relaxed);
             });
-            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "iteration {iter}");
+            assert!(
+                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                "iteration {iter}"
+            );
             if iter % 500 == 499 {
                 // Let workers park, then wake them again.
                 std::thread::sleep(std::time::Duration::from_millis(2));
@@ -155,7 +209,10 @@ fn pool_parallel_for_covers_range_exactly_once() {
         let min_chunk = rng.int(1, 64) as usize;
         let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
         pool.parallel_for(n, min_chunk, |range| {
-            assert!(range.start % min_chunk == 0, "chunks start at multiples of min_chunk");
+            assert!(
+                range.start % min_chunk == 0,
+                "chunks start at multiples of min_chunk"
+            );
             for i in range {
                 hits[i].fetch_add(1, Ordering::Relaxed);
             }
@@ -186,7 +243,11 @@ fn pool_nested_calls_run_serially_and_panics_propagate() {
     pool.run(|_, _| {
         count.fetch_add(1, Ordering::Relaxed);
     });
-    assert_eq!(count.load(Ordering::Relaxed), 2, "pool still usable after a panic");
+    assert_eq!(
+        count.load(Ordering::Relaxed),
+        2,
+        "pool still usable after a panic"
+    );
 }
 
 #[test]
@@ -222,12 +283,12 @@ fn quantize_simd_matches_scalar_exactly() {
             for k in Kernel::available() {
                 let got = quantize(k, &x, n, cols);
                 assert_eq!(got.q, want.q, "{k:?} codes");
-                assert_eq!(got.qu, want.qu, "{k:?} shifted codes");
+                assert_eq!(got.sum16, want.sum16, "{k:?} half-group sums");
                 assert_eq!(got.sum, want.sum, "{k:?} sums");
                 assert_eq!(bits(&got.dsum), bits(&want.dsum), "{k:?} dsums");
                 assert_eq!(bits(&got.scale), bits(&want.scale), "{k:?} scales");
             }
-            // Invariants: codes in range, qu = q + 128, sums match, reconstruction error ≤ d/2.
+            // Invariants: codes in range, sums match, reconstruction error ≤ d/2.
             for g in 0..n * cols / QK {
                 let d = want.scale[g];
                 let mut s = 0;
@@ -235,11 +296,15 @@ fn quantize_simd_matches_scalar_exactly() {
                     let i = g * QK + j;
                     let q = want.q[i] as i32;
                     assert!((-127..=127).contains(&q));
-                    assert_eq!(want.qu[i] as i32, q + 128);
                     s += q;
-                    assert!((x[i] - d * q as f32).abs() <= d * 0.5001 + 1e-30, "group {g}");
+                    assert!(
+                        (x[i] - d * q as f32).abs() <= d * 0.5001 + 1e-30,
+                        "group {g}"
+                    );
                 }
                 assert_eq!(s, want.sum[g]);
+                let h: i32 = want.q[g * QK..g * QK + 16].iter().map(|&v| v as i32).sum();
+                assert_eq!((want.sum16[2 * g], want.sum16[2 * g + 1]), (h, s - h));
                 assert_eq!(want.dsum[g].to_bits(), (d * s as f32).to_bits());
             }
             assert_eq!(want.scale[0], 0.0);
@@ -272,6 +337,7 @@ fn matmul_all_paths_match_reference() {
     for kind in KINDS {
         for &rows in &[1usize, 7, 33, 97] {
             for &cols in &[32usize, 96, 576, 928] {
+                let cols = cols_for(kind, cols);
                 let w = rand_weights(kind, rows, cols, &mut rng);
                 for &n in &[1usize, 2, 4, 5, 9] {
                     let x = rand_x(n, cols, &mut rng);
@@ -304,6 +370,7 @@ fn matmul_is_batch_and_thread_invariant_bitwise() {
     let pools: Vec<ThreadPool> = (1..=3).map(ThreadPool::new).collect();
     for kind in KINDS {
         for &(rows, cols) in &[(203usize, 928usize), (45, 96)] {
+            let cols = cols_for(kind, cols);
             let w = rand_weights(kind, rows, cols, &mut rng);
             let nmax = 17;
             let x = rand_x(nmax, cols, &mut rng);
@@ -315,7 +382,15 @@ fn matmul_is_batch_and_thread_invariant_bitwise() {
                     let xt = &x[t * cols..(t + 1) * cols];
                     let xq = quantize(k, xt, 1, cols);
                     assert_eq!(xq.q[..], xq_all.q[t * cols..(t + 1) * cols]);
-                    matmul_with(k, &pools[0], &w, xt, &xq, 1, &mut single[t * rows..(t + 1) * rows]);
+                    matmul_with(
+                        k,
+                        &pools[0],
+                        &w,
+                        xt,
+                        &xq,
+                        1,
+                        &mut single[t * rows..(t + 1) * rows],
+                    );
                 }
                 for &n in &[1usize, 2, 3, 5, 8, 17] {
                     let xq = quantize(k, &x[..n * cols], n, cols);
@@ -340,28 +415,40 @@ fn matmul_is_batch_and_thread_invariant_bitwise() {
 }
 
 #[test]
-fn int4_matches_dequantized_dot() {
+fn quantized_matches_dequantized_dot() {
     let mut rng = Rng(5);
     let pool = ThreadPool::new(2);
-    let (rows, cols, n) = (64, 896 + 32, 3);
-    let w = rand_weights(Kind::Int4, rows, cols, &mut rng);
-    let x = rand_x(n, cols, &mut rng);
-    let mut xq = QuantizedActivations::new();
-    quantize_activations(&pool, &x, n, cols, &mut xq);
-    let mut got = vec![0f32; n * rows];
-    matmul(&pool, &w, &[], &xq, n, &mut got);
-    let (mut wrow, mut xrow) = (vec![0f32; cols], vec![0f32; cols]);
-    for t in 0..n {
-        xq.dequantize_row(t, &mut xrow);
-        for r in 0..rows {
-            w.dequant_row(r, &mut wrow);
-            let exact_q: f64 = (0..cols).map(|c| wrow[c] as f64 * xrow[c] as f64).sum();
-            let exact: f64 = (0..cols).map(|c| wrow[c] as f64 * x[t * cols + c] as f64).sum();
-            let mag: f64 = (0..cols).map(|c| (wrow[c] as f64 * x[t * cols + c] as f64).abs()).sum();
-            let g = got[t * rows + r] as f64;
-            assert!((g - exact_q).abs() <= 1e-5 * magnitude(&w, &x, &xq, r, t), "r={r} t={t}: {g} vs {exact_q}");
-            // Activation quantization error: |Δx| ≤ d/2 per value, ~1% of the magnitude at most.
-            assert!((g - exact).abs() <= 0.02 * mag, "r={r} t={t}: {g} vs unquantized {exact}");
+    for kind in KINDS.into_iter().filter(|k| matches!(k, Kind::Q(..))) {
+        let (rows, cols, n) = (64, cols_for(kind, 896 + 32), 3);
+        let w = rand_weights(kind, rows, cols, &mut rng);
+        let x = rand_x(n, cols, &mut rng);
+        let mut xq = QuantizedActivations::new();
+        quantize_activations(&pool, &x, n, cols, &mut xq);
+        let mut got = vec![0f32; n * rows];
+        matmul(&pool, &w, &[], &xq, n, &mut got);
+        let (mut wrow, mut xrow) = (vec![0f32; cols], vec![0f32; cols]);
+        for t in 0..n {
+            xq.dequantize_row(t, &mut xrow);
+            for r in 0..rows {
+                w.dequant_row(r, &mut wrow);
+                let exact_q: f64 = (0..cols).map(|c| wrow[c] as f64 * xrow[c] as f64).sum();
+                let exact: f64 = (0..cols)
+                    .map(|c| wrow[c] as f64 * x[t * cols + c] as f64)
+                    .sum();
+                let mag: f64 = (0..cols)
+                    .map(|c| (wrow[c] as f64 * x[t * cols + c] as f64).abs())
+                    .sum();
+                let g = got[t * rows + r] as f64;
+                assert!(
+                    (g - exact_q).abs() <= 1e-5 * magnitude(&w, &x, &xq, r, t),
+                    "{kind:?} r={r} t={t}: {g} vs {exact_q}"
+                );
+                // Activation quantization error: |Δx| ≤ d/2 per value, ~1% of the magnitude at most.
+                assert!(
+                    (g - exact).abs() <= 0.02 * mag,
+                    "{kind:?} r={r} t={t}: {g} vs unquantized {exact}"
+                );
+            }
         }
     }
 }
