@@ -5,23 +5,12 @@ use eddy::gguf::{ggml_type, write_gguf, GgufFile, GgufValue};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const SMOL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+mod common;
 
-fn smol() -> Option<PathBuf> {
-    let p = eddy::load::models_dir().join(SMOL);
-    if p.is_file() {
-        return Some(p);
-    }
-    if std::env::var("EDDY_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        return None;
-    }
-    panic!("{} is missing: run `tools/fetch_models.sh smollm2`", p.display());
-}
+use common::smol;
 
 fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("eddy-bad-input-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d.join(name)
+    common::tmp("bad-input", name)
 }
 
 /// Run `eddy run --model path -m hi` and check the failure shape; returns stderr.

@@ -7,23 +7,12 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-const SMOL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+mod common;
 
-fn smol() -> Option<PathBuf> {
-    let p = eddy::load::models_dir().join(SMOL);
-    if p.is_file() {
-        return Some(p);
-    }
-    if std::env::var("EDDY_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        return None;
-    }
-    panic!("{} is missing: run `tools/fetch_models.sh smollm2`", p.display());
-}
+use common::smol;
 
 fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("eddy-cli-usage-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d.join(name)
+    common::tmp("cli-usage", name)
 }
 
 fn eddy(args: &[&str]) -> Output {

@@ -114,19 +114,21 @@ mod imp {
                 }
             });
         } else {
+            let bitalg = is_x86_feature_detected!("avx512bitalg");
             let mut rb = range.start;
             while rb < range.end {
                 let rb_end = (rb + ROW_BLOCK).min(range.end);
                 for t in 0..n {
                     let mut r = rb;
                     while r < rb_end {
-                        if rb_end - r >= 4 {
-                            gemv::<B, G16, 4>(ctx, m, r, t);
-                            r += 4;
-                        } else {
-                            gemv::<B, G16, 1>(ctx, m, r, t);
-                            r += 1;
+                        let four = rb_end - r >= 4;
+                        match (four, bitalg) {
+                            (true, true) => gemv_bitalg::<B, G16, 4>(ctx, m, r, t),
+                            (true, false) => gemv_plain::<B, G16, 4>(ctx, m, r, t),
+                            (false, true) => gemv_bitalg::<B, G16, 1>(ctx, m, r, t),
+                            (false, false) => gemv_plain::<B, G16, 1>(ctx, m, r, t),
                         }
+                        r += if four { 4 } else { 1 };
                     }
                 }
                 rb = rb_end;
@@ -239,40 +241,49 @@ mod imp {
         }
     }
 
-    /// Per 128-bit lane `c` (block `c` of a 4-block chunk) the bit-plane words of that block: `P` = 1: the
-    /// 16 bytes of the chunk in every lane (block `c`'s word at byte `4c`); `P` = 2: lanes hold bytes
-    /// 0..16, 0..16, 16..32, 16..32 (block `c`'s plane `p` at byte `8(c%2) + 4p`).
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn plane_lanes<const P: usize>(ph: *const u8, nbk: usize) -> __m512i {
-        if P == 1 {
-            _mm512_broadcast_i32x4(_mm_maskz_loadu_epi8(mask16(4 * nbk), ph as *const i8))
-        } else {
-            let y = _mm256_maskz_loadu_epi8((mask64(8 * nbk)) as __mmask32, ph as *const i8);
-            let z = _mm512_castsi256_si512(y);
-            _mm512_shuffle_i64x2::<0b01_01_00_00>(z, z)
+    /// `vpermw` index that transposes the 16-bit halves of the bit-plane words of a 4-block chunk: source
+    /// word `2Pc + q` (block `c`, plane `q / 2`, half `q % 2`) goes to word `4q + c`, so that u64 `q` of the
+    /// result is the byte mask of plane `q / 2` for the low (`q` even: elements `0..16` of each block) or
+    /// high (elements `16..32`) nibble vector. `[P − 1]`.
+    const PLANE_T: [[i16; 16]; 2] = [plane_t(1), plane_t(2)];
+
+    const fn plane_t(planes: usize) -> [i16; 16] {
+        let mut v = [0i16; 16];
+        let mut q = 0;
+        while q < 2 * planes {
+            let mut c = 0;
+            while c < 4 {
+                v[4 * q + c] = (2 * planes * c + q) as i16;
+                c += 1;
+            }
+            q += 1;
         }
+        v
     }
 
-    /// `pshufb` controls that put, in byte `j` of lane `c`, the byte of block `c`'s plane `p` holding bit `j`
-    /// (`hi`: bit `j + 16`) of the plane, given the [`plane_lanes`] layout: `[P − 1][p][hi]`.
-    const PLANE_CTL: [[[u8; 64]; 2]; 2] = [
-        [plane_ctl(1, 0, false), plane_ctl(1, 0, true)],
-        [plane_ctl(2, 0, false), plane_ctl(2, 0, true)],
+    /// `vpshufbitqmb` bit selectors: mask bit `16c + j` of the low (`h` = 0: element `j`) or high (`h` = 1:
+    /// element `j + 16`) nibble vector is bit `j + 16h` of block `c`'s plane `p`, where qword `q` of the
+    /// source holds u64 [`PLANE_Q`]`[q]` of the chunk's plane bytes. `[P − 1][p][h]`.
+    const PLANE_SEL: [[[[u8; 64]; 2]; 2]; 2] = [
+        [[plane_sel(1, 0, 0), plane_sel(1, 0, 1)], [[0; 64]; 2]],
+        [[plane_sel(2, 0, 0), plane_sel(2, 0, 1)], [plane_sel(2, 1, 0), plane_sel(2, 1, 1)]],
     ];
-    const PLANE_CTL_P1: [[u8; 64]; 2] = [plane_ctl(2, 1, false), plane_ctl(2, 1, true)];
+    /// Source qword of 64-bit lane `q` (block `q / 2`) of the plane bytes: `[P − 1]`.
+    const PLANE_Q: [[i64; 8]; 2] = [[0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 2, 2, 3, 3]];
 
-    const fn plane_ctl(planes: usize, p: usize, hi: bool) -> [u8; 64] {
+    const fn plane_sel(planes: usize, p: usize, h: usize) -> [u8; 64] {
         let mut v = [0u8; 64];
-        let mut c = 0;
-        while c < 4 {
-            let mut j = 0;
-            while j < 16 {
-                let base = if planes == 1 { 4 * c } else { 8 * (c % 2) + 4 * p };
-                v[16 * c + j] = (base + 2 * hi as usize + j / 8) as u8;
-                j += 1;
+        let mut q = 0;
+        while q < 8 {
+            let c = q / 2;
+            // Bit offset of block c's plane p word inside its source qword.
+            let base = if planes == 1 { 32 * (c % 2) } else { 32 * p };
+            let mut i = 0;
+            while i < 8 {
+                v[8 * q + i] = (base + 16 * h + 8 * (q % 2) + i) as u8;
+                i += 1;
             }
-            c += 1;
+            q += 1;
         }
         v
     }
@@ -284,9 +295,10 @@ mod imp {
     /// the activations of token pointer `xp`. Returns per row two i32 vectors. Group 32: the first has in
     /// 128-bit lane `c` four partial dots of block `c` (the second is unused); group 16: lane `c` of the
     /// first holds group `2c` of the chunk, of the second group `2c + 1`. Prefetches `PF_ROWS` rows ahead.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    unsafe fn chunk<const B: u8, const G16: bool, const R: usize>(
+    /// `BITALG`: build the plane masks with `vpshufbitqmb` (else `vpermw` and moves through GPRs); both
+    /// give the same bytes. Inlined into [`gemv_bitalg`] / [`gemv_plain`], which enable the features.
+    #[inline(always)]
+    unsafe fn chunk<const B: u8, const G16: bool, const R: usize, const BITALG: bool>(
         m: &QMatrix,
         xp: *const u8,
         r0: usize,
@@ -322,7 +334,6 @@ mod imp {
             }
             return v;
         }
-        const P_MAX: usize = 2;
         let p_n = planes(B);
         // Split 128 activation bytes (4 blocks) into the low and high half of each block.
         let idx_lo = _mm512_set_epi64(13, 12, 9, 8, 5, 4, 1, 0);
@@ -330,12 +341,12 @@ mod imp {
         let nib = _mm512_set1_epi8(0x0F);
         let xl = _mm512_permutex2var_epi64(x0, idx_lo, x1);
         let xh = _mm512_permutex2var_epi64(x0, idx_hi, x1);
-        let bitsel = _mm512_set1_epi64(0x8040_2010_0804_0201u64 as i64);
-        let mut ctl = [[zero; 2]; P_MAX];
+        let pt = _mm256_loadu_si256(PLANE_T[p_n.max(1) - 1].as_ptr() as *const __m256i);
+        let pq = _mm512_loadu_si512(PLANE_Q[p_n.max(1) - 1].as_ptr() as *const __m512i);
+        let mut sel = [[zero; 2]; 2];
         for p in 0..p_n {
             for h in 0..2 {
-                let c = if p == 1 { &PLANE_CTL_P1[h] } else { &PLANE_CTL[p_n - 1][h] };
-                ctl[p][h] = _mm512_loadu_si512(c.as_ptr() as *const __m512i);
+                sel[p][h] = _mm512_loadu_si512(PLANE_SEL[p_n - 1][p][h].as_ptr() as *const __m512i);
             }
         }
         let hi_row = cols / QK * 4 * p_n;
@@ -350,17 +361,33 @@ mod imp {
                 if pf_hi {
                     _mm_prefetch::<_MM_HINT_T1>(ph.wrapping_add(PF_ROWS * hi_row) as *const i8);
                 }
-                let hb = if p_n == 1 {
-                    plane_lanes::<1>(ph, nbk)
+                let hb = _mm256_maskz_loadu_epi8(
+                    mask64(4 * p_n * nbk) as __mmask32,
+                    ph as *const i8,
+                );
+                if BITALG {
+                    let src = _mm512_permutexvar_epi64(pq, _mm512_castsi256_si512(hb));
+                    for p in 0..p_n {
+                        let add = _mm512_set1_epi8((16 << p) as i8);
+                        let kl = _mm512_bitshuffle_epi64_mask(src, sel[p][0]);
+                        let kh = _mm512_bitshuffle_epi64_mask(src, sel[p][1]);
+                        lo = _mm512_mask_add_epi8(lo, kl, lo, add);
+                        hi = _mm512_mask_add_epi8(hi, kh, hi, add);
+                    }
                 } else {
-                    plane_lanes::<2>(ph, nbk)
-                };
-                for p in 0..p_n {
-                    let add = _mm512_set1_epi8((16 << p) as i8);
-                    let kl = _mm512_test_epi8_mask(_mm512_shuffle_epi8(hb, ctl[p][0]), bitsel);
-                    let kh = _mm512_test_epi8_mask(_mm512_shuffle_epi8(hb, ctl[p][1]), bitsel);
+                    let t = _mm256_permutexvar_epi16(pt, hb);
+                    let add = _mm512_set1_epi8(16);
+                    let kl = _cvtu64_mask64(_mm256_extract_epi64::<0>(t) as u64);
+                    let kh = _cvtu64_mask64(_mm256_extract_epi64::<1>(t) as u64);
                     lo = _mm512_mask_add_epi8(lo, kl, lo, add);
                     hi = _mm512_mask_add_epi8(hi, kh, hi, add);
+                    if p_n == 2 {
+                        let add = _mm512_set1_epi8(32);
+                        let kl = _cvtu64_mask64(_mm256_extract_epi64::<2>(t) as u64);
+                        let kh = _cvtu64_mask64(_mm256_extract_epi64::<3>(t) as u64);
+                        lo = _mm512_mask_add_epi8(lo, kl, lo, add);
+                        hi = _mm512_mask_add_epi8(hi, kh, hi, add);
+                    }
                 }
             }
             if G16 {
@@ -390,8 +417,30 @@ mod imp {
     }
 
     /// GEMV: rows `r0..r0+R` × token `t`, natural weight layout.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512bitalg,avx2,fma")]
+    unsafe fn gemv_bitalg<const B: u8, const G16: bool, const R: usize>(
+        ctx: &Ctx,
+        m: &QMatrix,
+        r0: usize,
+        t: usize,
+    ) {
+        gemv::<B, G16, R, true>(ctx, m, r0, t)
+    }
+
+    /// [`gemv`] for CPUs without AVX512-BITALG.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    unsafe fn gemv<const B: u8, const G16: bool, const R: usize>(
+    unsafe fn gemv_plain<const B: u8, const G16: bool, const R: usize>(
+        ctx: &Ctx,
+        m: &QMatrix,
+        r0: usize,
+        t: usize,
+    ) {
+        gemv::<B, G16, R, false>(ctx, m, r0, t)
+    }
+
+    /// GEMV body, inlined into [`gemv_bitalg`] / [`gemv_plain`].
+    #[inline(always)]
+    unsafe fn gemv<const B: u8, const G16: bool, const R: usize, const BITALG: bool>(
         ctx: &Ctx,
         m: &QMatrix,
         r0: usize,
@@ -447,7 +496,7 @@ mod imp {
                 if nbk == 0 {
                     continue;
                 }
-                let c = chunk::<B, G16, R>(m, xp, r0, blk0 + 4 * k, nbk, k % pf_every == 0);
+                let c = chunk::<B, G16, R, BITALG>(m, xp, r0, blk0 + 4 * k, nbk, k % pf_every == 0);
                 for r in 0..R {
                     if G16 {
                         v[2 * k][r] = c[r][0];
