@@ -157,8 +157,8 @@ fn forward_chunk(
             rms_norm_inplace(k, w, c.norm_eps);
         }
         for i in 0..t {
-            layer.rope.apply(&mut q[i * qd..(i + 1) * qd], hd, n_past + i);
-            layer.rope.apply(&mut k[i * kvd..(i + 1) * kvd], hd, n_past + i);
+            let (qi, ki) = (&mut q[i * qd..(i + 1) * qd], &mut k[i * kvd..(i + 1) * kvd]);
+            layer.rope.apply_all(&mut [qi, ki], hd, n_past + i);
         }
         let (kc, vc) = state.kv.layer_mut(l);
         kc[n_past * kvd..(n_past + t) * kvd].copy_from_slice(k);

@@ -36,6 +36,12 @@ impl Rope {
 
     /// Rotate every head of one token row `x` (`n_heads × head_dim`) for absolute position `pos`.
     pub fn apply(&self, x: &mut [f32], head_dim: usize, pos: usize) {
+        self.apply_all(&mut [x], head_dim, pos);
+    }
+
+    /// Rotate every head of several token rows at the same position (a token's q and k), computing the
+    /// cos/sin table once.
+    pub fn apply_all(&self, rows: &mut [&mut [f32]], head_dim: usize, pos: usize) {
         let half = self.rot_dims / 2;
         // cos/sin computed in f64 then rounded, as position·freq can exceed f32 precision at long context.
         let mut cs = [(0f32, 0f32); 256];
@@ -43,7 +49,7 @@ impl Rope {
             let a = pos as f64 * *f as f64;
             cs[i] = (a.cos() as f32, a.sin() as f32);
         }
-        for head in x.chunks_exact_mut(head_dim) {
+        for head in rows.iter_mut().flat_map(|x| x.chunks_exact_mut(head_dim)) {
             for (i, &(c, s)) in cs.iter().enumerate().take(half) {
                 let (a, b) = match self.mode {
                     RopeMode::Normal => (2 * i, 2 * i + 1),
