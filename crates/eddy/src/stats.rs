@@ -19,6 +19,17 @@ pub struct GenerationStats {
     pub duration: Duration,
     /// Why generation stopped.
     pub finish: FinishReason,
+    /// Prompt tokens whose KV was reused from the previous request (prefix cache) instead of prefilled.
+    pub cached_tokens: usize,
+    /// Draft tokens proposed to the target (tree nodes below the root, over all verify passes).
+    pub draft_tokens: usize,
+    /// Draft tokens the target accepted.
+    pub draft_accepted: usize,
+    /// `accepted_at_depth[d]`: verify passes that accepted at least `d + 1` draft tokens; with
+    /// `proposed_at_depth[d]` (passes whose tree reached depth `d + 1`) it gives the acceptance profile.
+    pub accepted_at_depth: Vec<usize>,
+    /// Verify passes whose tree reached depth `d + 1`.
+    pub proposed_at_depth: Vec<usize>,
 }
 
 /// Why generation stopped.
