@@ -18,5 +18,6 @@ pub mod sampling;
 pub mod state;
 pub mod stats;
 pub mod tokenizer;
+pub mod tree;
 
 pub use error::{Error, Result};

@@ -31,6 +31,16 @@ impl KvCache {
         (&mut self.k[l * n..(l + 1) * n], &mut self.v[l * n..(l + 1) * n])
     }
 
+    /// Copy row `src` to row `dst` (K and V) in every layer.
+    pub fn copy_row(&mut self, src: usize, dst: usize) {
+        let (n, kvd) = (self.ctx * self.kv_dim, self.kv_dim);
+        for l in 0..self.n_layers {
+            let (s, d) = (l * n + src * kvd, l * n + dst * kvd);
+            self.k.copy_within(s..s + kvd, d);
+            self.v.copy_within(s..s + kvd, d);
+        }
+    }
+
     /// Bytes held.
     pub fn nbytes(&self) -> usize {
         (self.k.len() + self.v.len()) * 4
@@ -59,6 +69,29 @@ impl SeqState {
     /// Forget everything (the cache memory is kept).
     pub fn clear(&mut self) {
         self.tokens.clear();
+    }
+
+    /// Keep only the first `n` committed tokens (the rows after them become scratch).
+    pub fn truncate(&mut self, n: usize) {
+        self.tokens.truncate(n);
+    }
+
+    /// Commit an accepted path of a verified token tree (see [`crate::tree`]): `path` lists node indices
+    /// (each node's K/V in scratch row `n_past + node`), root first, each the parent of the next;
+    /// `tokens[node]` is the node's token. The node at depth `d` moves to row `n_past + d`. Copies run in
+    /// increasing depth and a node's index is at least its depth, so no source is overwritten before it
+    /// is read.
+    ///
+    /// Panics if the path is not increasing or runs past the cache (engine bugs, not user input).
+    pub fn commit_path(&mut self, tokens: &[u32], path: &[usize]) {
+        let n_past = self.n_past();
+        for (d, &node) in path.iter().enumerate() {
+            assert!(node >= d && (d == 0 || node > path[d - 1]) && n_past + node < self.kv.ctx, "bad accepted path {path:?}");
+            if node != d {
+                self.kv.copy_row(n_past + node, n_past + d);
+            }
+            self.tokens.push(tokens[node]);
+        }
     }
 
     /// Error unless `extra` more tokens fit.

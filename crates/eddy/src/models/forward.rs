@@ -13,11 +13,12 @@
 
 use super::Model;
 use crate::backend::cpu::activation::gated_act;
-use crate::backend::cpu::attention::{attention, AttnShape};
+use crate::backend::cpu::attention::{attention, AttnShape, Visibility};
 use crate::backend::cpu::norm::{rms_norm, rms_norm_inplace};
 use crate::backend::cpu::{matmul, quantize_activations, QuantizedActivations, ThreadPool};
 use crate::error::{Error, Result};
-use crate::state::SeqState;
+use crate::state::{KvCache, SeqState};
+use crate::tree::TreePaths;
 
 /// Which rows of the batch get logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,9 +95,61 @@ pub fn forward(
             Logits::Last if last_chunk => Logits::Last,
             _ => Logits::None,
         };
-        forward_chunk(model, pool, ws, state, chunk, chunk_want, logits);
+        let n_past = state.n_past();
+        forward_chunk(model, pool, ws, &mut state.kv, n_past, chunk, Rows::Chain, chunk_want, logits);
+        state.tokens.extend_from_slice(chunk);
     }
     Ok(())
+}
+
+/// Verify pass over a token tree: run nodes `first..n` of the tree (`tokens[i]` is node `i`'s token,
+/// `paths` its topology, see [`crate::tree`]) against the committed sequence in `state`, and append every
+/// computed node's logits (`vocab` floats each, in node order) to `logits`.
+///
+/// Node `i` is at position `n_past + depth(i)` and its K/V go to the scratch row `n_past + i`, beyond the
+/// committed rows: the committed state is only read. Nodes `0..first` must have been computed by an
+/// earlier call on the same committed state (incremental drafting). After acceptance,
+/// [`SeqState::commit_path`] moves the accepted nodes' K/V into place. Each node's logits are
+/// bit-identical to those plain decoding computes at the same position (batch-invariant kernels).
+///
+/// Errors: a token id outside the vocabulary, `tokens.len() != paths.len()`, or a tree that does not fit
+/// in the KV cache after the committed rows.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_tree(
+    model: &Model,
+    pool: &ThreadPool,
+    ws: &mut Workspace,
+    state: &mut SeqState,
+    tokens: &[u32],
+    paths: &TreePaths,
+    first: usize,
+    logits: &mut Vec<f32>,
+) -> Result<()> {
+    let vocab = model.config.vocab_size;
+    if tokens.len() != paths.len() || first > tokens.len() {
+        return Err(Error::Input(format!("token tree: {} tokens for {} nodes (from node {first})", tokens.len(), paths.len())));
+    }
+    if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(Error::Input(format!("token id {bad} is outside the vocabulary of {vocab}")));
+    }
+    state.check_room(tokens.len())?;
+    logits.clear();
+    let n_past = state.n_past();
+    let mut start = first;
+    while start < tokens.len() {
+        let end = (start + ws.max_batch).min(tokens.len());
+        let rows = Rows::Tree { first: start, paths };
+        forward_chunk(model, pool, ws, &mut state.kv, n_past, &tokens[start..end], rows, Logits::All, logits);
+        start = end;
+    }
+    Ok(())
+}
+
+/// Where a batch's rows sit: a chain at `n_past..`, or tree nodes `first..` (scratch rows `n_past + node`).
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    Chain,
+    Tree { first: usize, paths: &'a TreePaths },
 }
 
 fn add_bias(x: &mut [f32], b: &Option<Vec<f32>>) {
@@ -115,19 +168,30 @@ fn add_into(x: &mut [f32], y: &[f32]) {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn forward_chunk(
     model: &Model,
     pool: &ThreadPool,
     ws: &mut Workspace,
-    state: &mut SeqState,
+    kv: &mut KvCache,
+    n_past: usize,
     tokens: &[u32],
+    rows: Rows,
     want: Logits,
     logits: &mut Vec<f32>,
 ) {
     let c = &model.config;
     let t = tokens.len();
     let (d, qd, kvd, hd, fd) = (c.d_model, c.q_dim(), c.kv_dim(), c.head_dim, c.ffn_dim);
-    let n_past = state.n_past();
+    // First cache row written, RoPE position of each row, and what the attention sees.
+    let (row0, vis) = match rows {
+        Rows::Chain => (n_past, Visibility::Causal),
+        Rows::Tree { first, paths } => (n_past + first, Visibility::Tree { first, paths }),
+    };
+    let position = |i: usize| match rows {
+        Rows::Chain => n_past + i,
+        Rows::Tree { first, paths } => n_past + paths.depth(first + i),
+    };
     let Workspace { x, h, q, k, v, att, o, gate, up, xq, .. } = ws;
     let (x, h, q, k, v) = (&mut x[..t * d], &mut h[..t * d], &mut q[..t * qd], &mut k[..t * kvd], &mut v[..t * kvd]);
     let (att, o, gate, up) = (&mut att[..t * qd], &mut o[..t * d], &mut gate[..t * fd], &mut up[..t * fd]);
@@ -158,11 +222,11 @@ fn forward_chunk(
         }
         for i in 0..t {
             let (qi, ki) = (&mut q[i * qd..(i + 1) * qd], &mut k[i * kvd..(i + 1) * kvd]);
-            layer.rope.apply_all(&mut [qi, ki], hd, n_past + i);
+            layer.rope.apply_all(&mut [qi, ki], hd, position(i));
         }
-        let (kc, vc) = state.kv.layer_mut(l);
-        kc[n_past * kvd..(n_past + t) * kvd].copy_from_slice(k);
-        vc[n_past * kvd..(n_past + t) * kvd].copy_from_slice(v);
+        let (kc, vc) = kv.layer_mut(l);
+        kc[row0 * kvd..(row0 + t) * kvd].copy_from_slice(k);
+        vc[row0 * kvd..(row0 + t) * kvd].copy_from_slice(v);
         let shape = AttnShape {
             n_heads: c.n_heads,
             n_kv_heads: c.n_kv_heads,
@@ -171,7 +235,7 @@ fn forward_chunk(
             window: layer.window,
             softcap: None,
         };
-        attention(pool, &shape, q, kc, vc, n_past, t, att);
+        attention(pool, &shape, q, kc, vc, n_past, t, vis, att);
         quantize_activations(pool, att, t, qd, xq);
         matmul(pool, &layer.wo, att, xq, t, o);
         if let Some(w) = &layer.post_attn_norm {
@@ -192,7 +256,6 @@ fn forward_chunk(
         }
         add_into(x, o);
     }
-    state.tokens.extend_from_slice(tokens);
 
     let rows = match want {
         Logits::None => return,

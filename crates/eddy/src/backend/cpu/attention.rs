@@ -6,8 +6,14 @@
 //! `0..=n_past + i` (the batch's own K/V were written to rows `n_past..n_past+T` before the call), limited
 //! to the last `window` positions when a sliding window is set. Each (query, head) is computed alone, in a
 //! fixed order, so results never depend on the batch size.
+//!
+//! Token trees ([`Visibility::Tree`]): query `i` is tree node `first + i` at position `n_past + depth`;
+//! its keys are the committed rows `0..n_past` followed by its ancestors' rows (`n_past + node`), root
+//! first. Keys are visited in position order, exactly as for a chain, so a node's output is bit-identical
+//! to what plain decoding computes at the same position with the same K/V.
 
 use super::ThreadPool;
+use crate::tree::TreePaths;
 use std::cell::RefCell;
 
 /// Shape and options of one attention layer.
@@ -27,11 +33,28 @@ pub struct AttnShape {
     pub softcap: Option<f32>,
 }
 
+/// Which cache rows each query of a batch sees.
+#[derive(Debug, Clone, Copy)]
+pub enum Visibility<'a> {
+    /// Query `i` sits at position `n_past + i` and sees rows `0..=n_past + i`.
+    Causal,
+    /// Query `i` is node `first + i` of the tree; it sees the committed rows and its ancestors' rows.
+    Tree {
+        /// Tree node of query 0.
+        first: usize,
+        /// Root-to-node paths of the whole tree.
+        paths: &'a TreePaths,
+    },
+}
+
 thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Attention of `t` queries against the cache. `out` is `t × n_heads × head_dim`.
+///
+/// The cache must hold every row a query sees: `n_past + t` rows for [`Visibility::Causal`],
+/// `n_past + first + t` for a tree.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     pool: &ThreadPool,
@@ -41,6 +64,7 @@ pub fn attention(
     v_cache: &[f32],
     n_past: usize,
     t: usize,
+    vis: Visibility,
     out: &mut [f32],
 ) {
     let hd = s.head_dim;
@@ -48,26 +72,41 @@ pub fn attention(
     let group = s.n_heads / s.n_kv_heads;
     let out_ptr = SendPtr(out.as_mut_ptr());
     assert!(q.len() >= t * s.n_heads * hd && out.len() >= t * s.n_heads * hd);
-    assert!(k_cache.len() >= (n_past + t) * kv_stride && v_cache.len() >= (n_past + t) * kv_stride);
+    let rows_used = match vis {
+        Visibility::Causal => n_past + t,
+        Visibility::Tree { first, paths } => {
+            assert!(first + t <= paths.len());
+            n_past + first + t
+        }
+    };
+    assert!(k_cache.len() >= rows_used * kv_stride && v_cache.len() >= rows_used * kv_stride);
     pool.parallel_for(t * s.n_heads, 1, |range| {
         SCORES.with(|sc| {
             let mut scores = sc.borrow_mut();
             for item in range {
                 let (i, h) = (item / s.n_heads, item % s.n_heads);
                 let kvh = h / group;
-                let pos = n_past + i;
-                let first = match s.window {
+                let (pos, path): (usize, &[u32]) = match vis {
+                    Visibility::Causal => (n_past + i, &[]),
+                    Visibility::Tree { first, paths } => {
+                        let p = paths.path(first + i);
+                        (n_past + p.len() - 1, p)
+                    }
+                };
+                // Cache row of the key at absolute position `j`.
+                let row = |j: usize| if path.is_empty() || j < n_past { j } else { n_past + path[j - n_past] as usize };
+                let lo = match s.window {
                     Some(w) => (pos + 1).saturating_sub(w),
                     None => 0,
                 };
-                let n = pos + 1 - first;
+                let n = pos + 1 - lo;
                 if scores.len() < n {
                     scores.resize(n, 0.0);
                 }
                 let qh = &q[(i * s.n_heads + h) * hd..][..hd];
                 let mut max = f32::NEG_INFINITY;
                 for (j, sc) in scores[..n].iter_mut().enumerate() {
-                    let kr = &k_cache[(first + j) * kv_stride + kvh * hd..][..hd];
+                    let kr = &k_cache[row(lo + j) * kv_stride + kvh * hd..][..hd];
                     let mut v = dot(qh, kr) * s.scale;
                     if let Some(c) = s.softcap {
                         v = c * (v / c).tanh();
@@ -85,7 +124,7 @@ pub fn attention(
                 let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add((i * s.n_heads + h) * hd), hd) };
                 o.fill(0.0);
                 for (j, &p) in scores[..n].iter().enumerate() {
-                    let vr = &v_cache[(first + j) * kv_stride + kvh * hd..][..hd];
+                    let vr = &v_cache[row(lo + j) * kv_stride + kvh * hd..][..hd];
                     let w = p * inv;
                     for (a, &b) in o.iter_mut().zip(vr) {
                         *a += w * b;
@@ -177,14 +216,14 @@ mod tests {
             let k: Vec<f32> = (0..rows * 40).map(|_| rnd()).collect();
             let v: Vec<f32> = (0..rows * 40).map(|_| rnd()).collect();
             let mut out = vec![0f32; t * 120];
-            attention(&pool, &s, &q, &k, &v, n_past, t, &mut out);
+            attention(&pool, &s, &q, &k, &v, n_past, t, Visibility::Causal, &mut out);
             let want = reference(&s, &q, &k, &v, n_past, t);
             for (a, b) in out.iter().zip(&want) {
                 assert!((*a as f64 - b).abs() < 1e-5, "{a} vs {b}");
             }
             // The last query alone (as in decode) gives bit-identical output.
             let mut one = vec![0f32; 120];
-            attention(&pool, &s, &q[3 * 120..], &k, &v, n_past + 3, 1, &mut one);
+            attention(&pool, &s, &q[3 * 120..], &k, &v, n_past + 3, 1, Visibility::Causal, &mut one);
             assert_eq!(one, out[3 * 120..]);
         }
     }
