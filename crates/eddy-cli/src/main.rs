@@ -4,6 +4,7 @@
 use clap::{Args, Parser, Subcommand};
 use eddy::chat::{encode_chat, ChatMessage};
 use eddy::engine::{default_threads, Engine, EngineOptions, GenerateParams};
+use eddy::spec::{build_speculators, Budget, SpeculatorKind};
 use eddy::load::{load, LoadedModel};
 use eddy::model_dir::Quant;
 use eddy::sampling::SamplerParams;
@@ -69,6 +70,10 @@ struct SpeedArgs {
     /// Repetitions (at least 1).
     #[arg(short = 'r', long, default_value_t = 3)]
     repetitions: usize,
+    /// Also time one verify pass over token trees of these sizes (nodes, comma-separated, e.g.
+    /// 1,2,4,8,16,32,64) after the -p prompt: the cost curve speculative decoding trades against.
+    #[arg(long, value_name = "N,N,...", value_delimiter = ',')]
+    verify_sizes: Vec<usize>,
 }
 
 #[derive(Args)]
@@ -134,6 +139,48 @@ struct RunArgs {
     /// Print the statistics as one JSON object (on stderr) instead of the panel.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    spec: SpecArgs,
+}
+
+/// Speculative decoding options (output is identical with and without).
+#[derive(Args, Clone)]
+struct SpecArgs {
+    /// Speculative decoding: none, suffix (lookup in the prompt and the text so far), draft (a smaller
+    /// model with the same tokenizer, --draft-model), or auto (suffix, plus the draft model if given).
+    #[arg(long, default_value = "none", value_name = "none|suffix|draft|auto")]
+    speculator: String,
+    /// Draft model (GGUF file, Hugging Face folder or hub id) for --speculator draft|auto.
+    #[arg(long, value_name = "PATH")]
+    draft_model: Option<String>,
+    /// Draft tokens verified per target forward pass: a node count, or auto (chosen each step from the
+    /// measured verify cost and the drafts' confidence).
+    #[arg(long, default_value = "auto", value_name = "N|auto")]
+    spec_budget: String,
+}
+
+/// Parse the speculation flags (before any model is loaded).
+fn spec_options(a: &SpecArgs) -> eddy::Result<(SpeculatorKind, Budget)> {
+    let kind = SpeculatorKind::parse(&a.speculator).map_err(|e| bad("--speculator", e))?;
+    let budget = Budget::parse(&a.spec_budget).map_err(|e| bad("--spec-budget", e))?;
+    if kind == SpeculatorKind::Draft && a.draft_model.is_none() {
+        return Err(bad("--speculator", "draft needs --draft-model PATH"));
+    }
+    if a.draft_model.is_some() && matches!(kind, SpeculatorKind::None | SpeculatorKind::Suffix) {
+        return Err(bad("--draft-model", "is only used with --speculator draft or auto"));
+    }
+    Ok((kind, budget))
+}
+
+/// Load the draft model (if any) and attach the speculators to `engine`.
+fn attach_speculators(engine: &mut Engine, a: &SpecArgs, kind: SpeculatorKind, budget: Budget) -> eddy::Result<()> {
+    let draft = match &a.draft_model {
+        Some(p) => Some(load_with_progress(Some(p), Quant::default())?),
+        None => None,
+    };
+    let specs = build_speculators(kind, draft, &engine.lm.tokenizer, engine.ctx())?;
+    engine.set_speculation(specs, budget);
+    Ok(())
 }
 
 #[derive(Args)]
@@ -374,7 +421,9 @@ fn run(a: RunArgs) -> eddy::Result<()> {
     if message.trim().is_empty() && !a.raw {
         return Err(bad(source, "the message is empty"));
     }
+    let (spec_kind, spec_budget) = spec_options(&a.spec)?;
     let (mut engine, _) = engine_for(&a.model)?;
+    attach_speculators(&mut engine, &a.spec, spec_kind, spec_budget)?;
     let lm = &engine.lm;
     let prompt = match (&lm.template, a.raw) {
         (Some(t), false) => {
@@ -576,6 +625,21 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
                 "weight_bytes": engine.lm.model.weight_bytes()})
             .to_string(),
         )?;
+    }
+    if !a.verify_sizes.is_empty() {
+        if a.verify_sizes.contains(&0) || a.verify_sizes.iter().any(|&n| n > 1024) {
+            return Err(bad("--verify-sizes", "tree sizes must be 1..=1024 nodes"));
+        }
+        let times = engine.verify_times(&prompt, &a.verify_sizes, a.repetitions.max(3))?;
+        let one = times.iter().find(|t| t.0 == 1).map(|t| t.1);
+        for (n, secs) in times {
+            let mut j = serde_json::json!({"model": model, "test": format!("verify{n}"), "threads": threads, "nodes": n, "ms": secs * 1e3});
+            if let Some(one) = one {
+                j["vs_one_node"] = serde_json::json!(secs / one);
+                j["vs_sequential_decode"] = serde_json::json!(secs / (one * n as f64));
+            }
+            print_line(&j.to_string())?;
+        }
     }
     Ok(())
 }

@@ -1,16 +1,27 @@
 //! The engine: owns the model, the sequence state and the workspace, and runs the generate loop.
 //!
 //! `generate` = prefill the prompt in one forward pass (chunked internally) → sample the first token →
-//! decode one token per forward pass until an end-of-generation token, `max_tokens`, or the context is full.
+//! decode until an end-of-generation token, `max_tokens`, or the context is full.
 //! Sampling is keyed by (seed, absolute position), see [`crate::sampling`].
+//!
+//! Decoding is one loop for plain and speculative decoding: each step builds a token tree below the last
+//! sampled token (the root; just the root without speculators), verifies it in one target forward pass
+//! ([`forward_tree`]), walks it with the target's own samples ([`accept_walk`]) and commits the accepted
+//! path ([`SeqState::commit_path`]). The emitted tokens are those of plain decoding whatever the tree.
+//!
+//! Prefix cache: the committed sequence of the previous request is kept; a new prompt that starts with
+//! part of it reuses those KV rows and prefills only the rest (batch-invariant kernels make the result
+//! identical to a cold prefill).
 
 use crate::backend::cpu::ThreadPool;
 use crate::error::{Error, Result};
 use crate::load::LoadedModel;
-use crate::models::forward::{forward, Logits, Workspace};
+use crate::models::forward::{forward, forward_tree, Logits, Workspace};
 use crate::sampling::{Sampler, SamplerParams};
+use crate::spec::{accept_walk, Budget, CostModel, DraftTree, ProposeCtx, Speculator};
 use crate::state::SeqState;
 use crate::stats::{FinishReason, GenerationStats};
+use crate::tree::TreePaths;
 use std::time::Instant;
 
 /// Engine construction options.
@@ -22,6 +33,8 @@ pub struct EngineOptions {
     pub ctx: usize,
     /// Largest batch of one forward pass (prefill chunk).
     pub max_batch: usize,
+    /// Reuse the KV of the longest common prefix with the previous request.
+    pub prefix_cache: bool,
 }
 
 impl Default for EngineOptions {
@@ -30,6 +43,7 @@ impl Default for EngineOptions {
             threads: default_threads(),
             ctx: 4096,
             max_batch: 256,
+            prefix_cache: true,
         }
     }
 }
@@ -61,6 +75,10 @@ pub struct Engine {
     state: SeqState,
     sampler: Sampler,
     logits: Vec<f32>,
+    prefix_cache: bool,
+    speculators: Vec<Box<dyn Speculator>>,
+    budget: Budget,
+    cost: CostModel,
 }
 
 impl Engine {
@@ -76,8 +94,87 @@ impl Engine {
             state,
             sampler: Sampler::default(),
             logits: Vec::new(),
+            prefix_cache: opts.prefix_cache,
+            speculators: Vec::new(),
+            budget: Budget::Auto,
+            cost: CostModel::default(),
             lm,
         }
+    }
+
+    /// Speculate with `speculators` (merged into one tree per step) under `budget`; an empty list is
+    /// plain decoding.
+    pub fn set_speculation(&mut self, speculators: Vec<Box<dyn Speculator>>, budget: Budget) {
+        self.speculators = speculators;
+        self.budget = budget;
+    }
+
+    /// Names of the active speculators.
+    pub fn speculator_names(&self) -> Vec<&'static str> {
+        self.speculators.iter().map(|s| s.name()).collect()
+    }
+
+    /// The measured verify-cost model.
+    pub fn cost_model(&self) -> &CostModel {
+        &self.cost
+    }
+
+    /// Verify-pass time over trees of each of `sizes` nodes (chains, root included) after prefilling
+    /// `prompt`: the median of `reps` passes each, in seconds. Scratch rows only: nothing is committed
+    /// beyond the prompt. Feeds the cost model too.
+    ///
+    /// Errors: an empty prompt, or a prompt plus the largest tree that does not fit in the context.
+    pub fn verify_times(&mut self, prompt: &[u32], sizes: &[usize], reps: usize) -> Result<Vec<(usize, f64)>> {
+        let largest = sizes.iter().copied().max().unwrap_or(0);
+        if prompt.is_empty() || prompt.len() + largest > self.ctx() {
+            return Err(Error::Input(format!(
+                "verify timing: a prompt of {} tokens plus a tree of {largest} nodes must fit in the context of {}",
+                prompt.len(),
+                self.ctx()
+            )));
+        }
+        self.state.clear();
+        forward(&self.lm.model, &self.pool, &mut self.ws, &mut self.state, prompt, Logits::None, &mut self.logits)?;
+        let mut out = Vec::new();
+        for &n in sizes {
+            let tokens: Vec<u32> = prompt.iter().cycle().take(n).copied().collect();
+            let paths = TreePaths::chain(n);
+            let mut times = Vec::new();
+            for _ in 0..reps.max(1) {
+                let t = Instant::now();
+                forward_tree(&self.lm.model, &self.pool, &mut self.ws, &mut self.state, &tokens, &paths, 0, &mut self.logits)?;
+                times.push(t.elapsed().as_secs_f64());
+            }
+            times.sort_by(|a, b| a.total_cmp(b));
+            let med = times[times.len() / 2];
+            self.cost.record_verify(n, med);
+            out.push((n, med));
+        }
+        Ok(out)
+    }
+
+    /// Drop the prefix cache (the next request prefills from scratch).
+    pub fn clear_cache(&mut self) {
+        self.state.clear();
+    }
+
+    /// Measure verify passes over chains of 1, 2, 4, … 64 nodes after the committed sequence (scratch
+    /// rows only; nothing is committed), seeding the cost model.
+    fn calibrate(&mut self, token: u32) -> Result<()> {
+        let room = self.ctx() - self.state.n_past();
+        for n in [1usize, 2, 4, 8, 16, 32, 64] {
+            if n > room || n > self.ws.max_batch {
+                break;
+            }
+            let tokens = vec![token; n];
+            let paths = TreePaths::chain(n);
+            for _ in 0..2 {
+                let t = Instant::now();
+                forward_tree(&self.lm.model, &self.pool, &mut self.ws, &mut self.state, &tokens, &paths, 0, &mut self.logits)?;
+                self.cost.record_verify(n, t.elapsed().as_secs_f64());
+            }
+        }
+        Ok(())
     }
 
     /// Context length in tokens.
@@ -112,30 +209,47 @@ impl Engine {
             )));
         }
         let t0 = Instant::now();
-        self.state.clear();
         let mut stats = GenerationStats {
             prompt_tokens: prompt.len(),
             ..Default::default()
         };
+        // Prefix cache: keep the committed rows shared with this prompt (at least one token is prefilled,
+        // for its logits).
+        let keep = if self.prefix_cache {
+            let common = self.state.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+            common.min(prompt.len() - 1)
+        } else {
+            0
+        };
+        self.state.truncate(keep);
+        stats.cached_tokens = keep;
+        if !self.speculators.is_empty() && !self.cost.is_calibrated() {
+            // Once per engine, in the prefill time: the verify-cost curve of this machine.
+            self.calibrate(prompt[0])?;
+        }
+        for s in self.speculators.iter_mut() {
+            s.prefill(&self.pool, prompt)?;
+        }
         forward(
             &self.lm.model,
             &self.pool,
             &mut self.ws,
             &mut self.state,
-            prompt,
+            &prompt[keep..],
             Logits::Last,
             &mut self.logits,
         )?;
-        let mut history: Vec<u32> = Vec::with_capacity(self.ctx());
+        let vocab = self.lm.model.config.vocab_size;
+        let mut history: Vec<u32> = Vec::with_capacity(self.ctx() + 1);
         history.extend_from_slice(prompt);
         let mut t_first = None;
         let mut t_last = t0;
         stats.finish = FinishReason::Length;
-        while stats.generated_tokens < params.max_tokens {
-            let pos = history.len();
-            let tok = self
-                .sampler
-                .sample(&params.sampler, &mut self.logits, &history, pos);
+        // The first token comes from the prefill logits.
+        let first = self.sampler.sample(&params.sampler, &mut self.logits[..vocab], &history, history.len());
+        let mut next = Some(first);
+        while let Some(tok) = next.take() {
+            // Emit `tok` (sampled at position history.len()).
             let now = Instant::now();
             if t_first.is_none() {
                 t_first = Some(now);
@@ -156,16 +270,82 @@ impl Engine {
                 stats.finish = FinishReason::Length;
                 break;
             }
-            forward(
-                &self.lm.model,
-                &self.pool,
-                &mut self.ws,
-                &mut self.state,
-                &[tok],
-                Logits::Last,
-                &mut self.logits,
-            )?;
+            // One decode step: tree below `tok`, verify, walk, commit.
+            let room = self.ctx() - self.state.n_past();
+            let left = params.max_tokens - stats.generated_tokens;
+            let max_nodes = (room - 1).min(left.saturating_sub(1));
+            let mut tree = DraftTree::new(tok);
+            let mut draft_cost = 0.0;
+            if !self.speculators.is_empty() && max_nodes > 0 {
+                let ctx = ProposeCtx {
+                    pool: &self.pool,
+                    budget: self.budget,
+                    max_nodes,
+                    cost: &self.cost,
+                    temperature: params.sampler.temperature,
+                };
+                for s in self.speculators.iter_mut() {
+                    draft_cost += s.propose(&ctx, &history, &mut tree)?;
+                }
+            }
+            let tree = tree.select(self.budget, max_nodes, &self.cost, draft_cost);
+            let paths = TreePaths::new(&tree.parents)?;
+            let tv = Instant::now();
+            forward_tree(&self.lm.model, &self.pool, &mut self.ws, &mut self.state, &tree.tokens, &paths, 0, &mut self.logits)?;
+            self.cost.record_verify(tree.len(), tv.elapsed().as_secs_f64());
             stats.decode_passes += 1;
+            // Walk with the target's samples; every sample but the bonus is emitted inside the walk.
+            let mut path_hist = history.clone();
+            let n_committed = self.state.n_past();
+            let sampler = &mut self.sampler;
+            let logits = &mut self.logits;
+            let walk = accept_walk(&tree, |node| {
+                let row = &mut logits[node * vocab..(node + 1) * vocab];
+                let pos = path_hist.len();
+                debug_assert_eq!(pos, n_committed + paths.depth(node) + 1);
+                let y = sampler.sample(&params.sampler, row, &path_hist, pos);
+                path_hist.push(y);
+                Some(y)
+            });
+            let accepted = walk.path.len() - 1;
+            stats.draft_tokens += tree.len() - 1;
+            stats.draft_accepted += accepted;
+            let depth = (1..tree.len()).map(|i| paths.depth(i)).max().unwrap_or(0);
+            if stats.proposed_at_depth.len() < depth {
+                stats.proposed_at_depth.resize(depth, 0);
+                stats.accepted_at_depth.resize(depth, 0);
+            }
+            for d in 0..depth {
+                stats.proposed_at_depth[d] += 1;
+            }
+            for d in 0..accepted {
+                stats.accepted_at_depth[d] += 1;
+            }
+            self.state.commit_path(&tree.tokens, &walk.path);
+            // Emit the accepted draft tokens (all but the last sample), then continue with the bonus.
+            let mut stop = None;
+            for &y in &walk.samples[..accepted] {
+                t_last = Instant::now();
+                stats.generated_tokens += 1;
+                if !params.ignore_eos && self.lm.tokenizer.is_stop(y) {
+                    stop = Some(FinishReason::Stop);
+                    break;
+                }
+                if !on_token(y) {
+                    stop = Some(FinishReason::Cancelled);
+                    break;
+                }
+                history.push(y);
+                if stats.generated_tokens >= params.max_tokens {
+                    stop = Some(FinishReason::Length);
+                    break;
+                }
+            }
+            if let Some(f) = stop {
+                stats.finish = f;
+                break;
+            }
+            next = walk.samples.last().copied();
         }
         stats.decode_time = t_first.map(|f| t_last - f).unwrap_or_default();
         stats.duration = t0.elapsed();

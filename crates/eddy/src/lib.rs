@@ -15,6 +15,7 @@ pub mod model_dir;
 pub mod models;
 pub mod quant;
 pub mod sampling;
+pub mod spec;
 pub mod state;
 pub mod stats;
 pub mod tokenizer;

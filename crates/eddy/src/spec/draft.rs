@@ -1,0 +1,311 @@
+//! Draft-model speculator: a smaller model with the same tokenizer proposes a tree best-first from its
+//! per-node top-k probabilities (the DDTree heap of `algorithms.md` §3.2, expanded with an autoregressive
+//! draft: every expansion step is one draft forward over the frontier it picked, as a token tree through
+//! [`forward_tree`]).
+//!
+//! Per round: the draft catches up on the tokens the target committed since last round — accepted nodes
+//! it had already run are compacted from its scratch rows ([`SeqState::commit_path`]), the rest (the
+//! bonus token, an accepted leaf) are prefilled — which also yields its distribution after the root.
+//! Then, repeatedly: pop the best `width` candidates from the heap into the draft tree, run them through
+//! the draft in one pass, push each one's top-k children with score = parent score × draft probability.
+//! Expansion stops at the node budget, the depth limit, or — with the automatic budget — when another
+//! draft pass is not expected to raise tokens per second. Candidates left in the heap still enter the
+//! proposal as leaves. The draft's committed state is never changed by drafting itself, so it stays in
+//! step with what the target accepted.
+
+use super::{probs_of, top_k, Budget, CostModel, DraftTree, ProposeCtx, Ranked, Speculator};
+use crate::backend::cpu::ThreadPool;
+use crate::error::{Error, Result};
+use crate::load::LoadedModel;
+use crate::models::forward::{forward, forward_tree, Logits, Workspace};
+use crate::state::SeqState;
+use crate::tokenizer::Tokenizer;
+use crate::tree::{TreePaths, NO_PARENT};
+use std::collections::BinaryHeap;
+use std::time::Instant;
+
+/// Children taken per expanded node.
+const TOP_K: usize = 4;
+/// Candidates expanded per draft pass.
+const WIDTH: usize = 4;
+/// Deepest draft node below the root.
+const MAX_DEPTH: usize = 16;
+
+/// A draft model and its own sequence state.
+pub struct DraftModel {
+    lm: LoadedModel,
+    ws: Workspace,
+    state: SeqState,
+    logits: Vec<f32>,
+    /// Nodes run through the draft this round (hanging off its committed sequence): tokens, parents.
+    tokens: Vec<u32>,
+    parents: Vec<usize>,
+    /// Seconds per draft pass (moving average).
+    pass_cost: Option<f64>,
+    /// Hit rate of the draft's top-1 continuation: (hits, trials), and the last top chain to score.
+    hits: (u32, u32),
+    pending_chain: Option<(usize, Vec<u32>)>,
+    rounds: u64,
+}
+
+/// Error unless `draft` tokenizes exactly as `target`: same vocabulary size and the same string for
+/// every id.
+pub fn check_same_vocab(target: &Tokenizer, draft: &Tokenizer) -> Result<()> {
+    if target.vocab_size() != draft.vocab_size() {
+        return Err(Error::Input(format!(
+            "draft model: its vocabulary has {} tokens but the target's has {}; a draft model must share the target's tokenizer",
+            draft.vocab_size(),
+            target.vocab_size()
+        )));
+    }
+    for id in 0..target.vocab_size() as u32 {
+        if target.token_str(id) != draft.token_str(id) {
+            return Err(Error::Input(format!(
+                "draft model: token {id} is {:?} in the draft but {:?} in the target; a draft model must share the target's tokenizer",
+                draft.token_str(id),
+                target.token_str(id)
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl DraftModel {
+    /// Wrap `lm` as a draft for a target with tokenizer `target` and context `ctx` tokens.
+    ///
+    /// Errors: the tokenizers differ.
+    pub fn new(lm: LoadedModel, target: &Tokenizer, ctx: usize) -> Result<DraftModel> {
+        check_same_vocab(target, &lm.tokenizer)?;
+        let c = &lm.model.config;
+        let ctx = ctx.min(c.train_ctx).max(1);
+        let state = SeqState::new(c.n_layers, ctx, c.kv_dim());
+        let ws = Workspace::new(&lm.model, 256);
+        Ok(DraftModel {
+            ws,
+            state,
+            logits: Vec::new(),
+            tokens: Vec::new(),
+            parents: Vec::new(),
+            pass_cost: None,
+            hits: (0, 0),
+            pending_chain: None,
+            rounds: 0,
+            lm,
+        })
+    }
+
+    /// Hit rate of the draft's top-1 token (Beta(1, 1) prior).
+    pub fn hit_rate(&self) -> f64 {
+        (self.hits.0 as f64 + 1.0) / (self.hits.1 as f64 + 2.0)
+    }
+
+    fn record_pass(&mut self, secs: f64) {
+        self.pass_cost = Some(match self.pass_cost {
+            Some(o) => 0.8 * o + 0.2 * secs,
+            None => secs,
+        });
+    }
+
+    /// Bring the draft's committed sequence to `history` and leave the logits after its last token in
+    /// `self.logits`.
+    fn catch_up(&mut self, pool: &ThreadPool, history: &[u32]) -> Result<()> {
+        let committed = &self.state.tokens;
+        if history.len() > committed.len() && history.starts_with(committed) && !self.tokens.is_empty() {
+            // Compact the accepted nodes that were already run.
+            let paths = TreePaths::new(&self.parents)?;
+            let mut path = Vec::new();
+            let mut parent = NO_PARENT;
+            let n_past = committed.len();
+            // The last history token is never compacted: its logits are needed.
+            for &tok in &history[n_past..history.len() - 1] {
+                match (0..self.tokens.len()).find(|&i| self.parents[i] == parent && self.tokens[i] == tok) {
+                    Some(i) => {
+                        path.push(i);
+                        parent = i;
+                    }
+                    None => break,
+                }
+            }
+            debug_assert!(path.iter().enumerate().all(|(d, &i)| paths.depth(i) == d));
+            if !path.is_empty() {
+                let toks = self.tokens.clone();
+                self.state.commit_path(&toks, &path);
+            }
+        }
+        self.tokens.clear();
+        self.parents.clear();
+        let common = self.state.tokens.iter().zip(history).take_while(|(a, b)| a == b).count();
+        let keep = common.min(history.len() - 1);
+        self.state.truncate(keep);
+        let t0 = Instant::now();
+        forward(&self.lm.model, pool, &mut self.ws, &mut self.state, &history[keep..], Logits::Last, &mut self.logits)?;
+        if history.len() - keep <= WIDTH {
+            self.record_pass(t0.elapsed().as_secs_f64());
+        }
+        Ok(())
+    }
+
+    fn score_last_chain(&mut self, history: &[u32]) {
+        if let Some((start, chain)) = self.pending_chain.take() {
+            for (i, &t) in chain.iter().enumerate() {
+                match history.get(start + i) {
+                    Some(&a) => {
+                        self.hits.1 += 1;
+                        if a == t {
+                            self.hits.0 += 1;
+                        } else {
+                            break;
+                        }
+                    }
+                    None => break,
+                }
+            }
+        }
+    }
+}
+
+/// A draft candidate: its parent in the proposal tree and in the draft's own tree ([`NO_PARENT`]: the
+/// root), its token and depth below the root.
+#[derive(Debug, Clone)]
+struct Cand {
+    tree_parent: usize,
+    draft_parent: usize,
+    token: u32,
+    depth: usize,
+}
+
+type Scored = Ranked<Cand>;
+
+impl Speculator for DraftModel {
+    fn name(&self) -> &'static str {
+        "draft"
+    }
+
+    fn prefill(&mut self, pool: &ThreadPool, prompt: &[u32]) -> Result<()> {
+        self.tokens.clear();
+        self.parents.clear();
+        self.pending_chain = None;
+        if prompt.len() < 2 {
+            return Ok(());
+        }
+        // Everything but the last token: the first propose runs the rest and gets its logits.
+        let body = &prompt[..prompt.len() - 1];
+        let common = self.state.tokens.iter().zip(body).take_while(|(a, b)| a == b).count();
+        self.state.truncate(common);
+        forward(&self.lm.model, pool, &mut self.ws, &mut self.state, &body[common..], Logits::None, &mut self.logits)
+    }
+
+    fn propose(&mut self, ctx: &ProposeCtx, history: &[u32], tree: &mut DraftTree) -> Result<f64> {
+        let t0 = Instant::now();
+        self.score_last_chain(history);
+        self.rounds += 1;
+        let vocab = self.lm.model.config.vocab_size;
+        if history.iter().any(|&t| t as usize >= vocab) {
+            return Ok(0.0);
+        }
+        let want = ctx.max_nodes.min(ctx.budget.max_nodes());
+        let auto = ctx.budget == Budget::Auto;
+        let hit = self.hit_rate();
+        let cost = ctx.cost;
+        let c_pass = self.pass_cost.unwrap_or(0.0);
+        if want == 0 {
+            return Ok(0.0);
+        }
+        // Does even one draft pass pay? (Explore every 16th round so the hit rate can recover.)
+        if auto && self.pass_cost.is_some() && self.rounds % 16 != 0 {
+            let c1 = cost.verify_cost(1);
+            if !CostModel::pays(1.0, c1, hit, c_pass + cost.verify_cost(2) - c1) {
+                return Ok(0.0);
+            }
+        }
+        if self.state.kv.ctx < history.len() + 1 {
+            return Ok(0.0);
+        }
+        self.catch_up(ctx.pool, history)?;
+        let n_past = self.state.n_past();
+        let room = self.state.kv.ctx - n_past;
+        let temp = if ctx.temperature > 0.0 { ctx.temperature } else { 1.0 };
+        let mut heap = BinaryHeap::new();
+        let mut seq = 0usize;
+        let push_children = |heap: &mut BinaryHeap<Scored>, seq: &mut usize, row: &[f32], score: f32, tree_parent: usize, draft_parent: usize, depth: usize| {
+            let top = top_k(row, TOP_K);
+            let probs = probs_of(row, &top, temp);
+            for (&(tok, _), &p) in top.iter().zip(&probs) {
+                *seq += 1;
+                heap.push(Ranked { score: score * p, seq: *seq, item: Cand { tree_parent, draft_parent, token: tok, depth } });
+            }
+        };
+        let first_row = self.logits[..vocab].to_vec();
+        push_children(&mut heap, &mut seq, &first_row, 1.0, 0, NO_PARENT, 1);
+        // The draft's greedy chain (to learn its hit rate from what the target does next), and the draft
+        // node its last token hangs from.
+        let mut chain = vec![top_k(&first_row, 1)[0].0];
+        let mut chain_tail = NO_PARENT;
+        let mut added = 0usize;
+        let mut spent = t0.elapsed().as_secs_f64();
+        let mut expected = 1.0f64;
+        // Proposal nodes not yet run through the draft (their children are unknown): (candidate, node).
+        let mut unexpanded: Vec<(Scored, usize)> = Vec::new();
+        loop {
+            // Lazy expansion: run the draft on the popped nodes whose expected best child (score × the
+            // draft's top-1 hit rate) beats every candidate already known.
+            let best_known = heap.peek().map_or(0.0, |c| c.score as f64);
+            unexpanded.sort_by(|x, y| y.0.score.total_cmp(&x.0.score));
+            let n_expand = unexpanded
+                .iter()
+                .take(WIDTH)
+                .take_while(|(c, _)| c.score as f64 * hit > best_known && c.item.depth < MAX_DEPTH)
+                .count();
+            if n_expand > 0 && self.tokens.len() + n_expand <= room {
+                let frontier: Vec<(Scored, usize)> = unexpanded.drain(..n_expand).collect();
+                let go = !auto || {
+                    let gain: f64 = frontier.iter().map(|(c, _)| c.score as f64).sum::<f64>() * hit;
+                    let extra = c_pass + cost.verify_cost(added + 1 + frontier.len()) - cost.verify_cost(added + 1);
+                    CostModel::pays(expected, spent + cost.verify_cost(added + 1), gain, extra)
+                };
+                if go {
+                    let first = self.tokens.len();
+                    for (c, _) in &frontier {
+                        self.tokens.push(c.item.token);
+                        self.parents.push(c.item.draft_parent);
+                    }
+                    let paths = TreePaths::new(&self.parents)?;
+                    let tp = Instant::now();
+                    forward_tree(&self.lm.model, ctx.pool, &mut self.ws, &mut self.state, &self.tokens, &paths, first, &mut self.logits)?;
+                    self.record_pass(tp.elapsed().as_secs_f64());
+                    for (j, (c, node)) in frontier.iter().enumerate() {
+                        let row = self.logits[j * vocab..(j + 1) * vocab].to_vec();
+                        if c.item.draft_parent == chain_tail && chain.last() == Some(&c.item.token) {
+                            // The draft's own greedy chain continues through this node.
+                            chain_tail = first + j;
+                            chain.push(top_k(&row, 1)[0].0);
+                        }
+                        push_children(&mut heap, &mut seq, &row, c.score, *node, first + j, c.item.depth + 1);
+                    }
+                    spent = t0.elapsed().as_secs_f64();
+                    continue;
+                }
+                // Not worth a draft pass: these nodes stay leaves.
+            }
+            if added >= want {
+                break;
+            }
+            let Some(c) = heap.pop() else { break };
+            if c.score < 1e-4 {
+                break;
+            }
+            if auto {
+                let (cb, cn) = (spent + cost.verify_cost(added + 1), spent + cost.verify_cost(added + 2));
+                if !CostModel::pays(expected, cb, c.score as f64, cn - cb) {
+                    break;
+                }
+            }
+            let node = tree.add(c.item.tree_parent, c.item.token, c.score);
+            added += 1;
+            expected += c.score as f64;
+            unexpanded.push((c, node));
+        }
+        self.pending_chain = Some((history.len(), chain));
+        Ok(t0.elapsed().as_secs_f64())
+    }
+}

@@ -1,0 +1,509 @@
+//! Speculative decoding: drafters propose a token tree below the last sampled token, the target verifies
+//! the whole tree in one forward pass ([`crate::models::forward::forward_tree`]) and keeps the longest path
+//! that matches its own samples.
+//!
+//! * Proposals: every [`Speculator`] adds candidate nodes, each with a score — its estimate of the
+//!   probability that the target accepts the whole path from the root to that node. Identical paths from
+//!   several speculators merge into one node (the higher score wins), so suffix lookup and a draft model
+//!   share one tree.
+//! * Budget: [`DraftTree::select`] keeps the best nodes, best-first by score (a child never outscores its
+//!   parent, so every prefix of that order is a prefix-closed subtree: DDTree's heap, `algorithms.md`
+//!   §3.2). With a fixed budget it keeps that many; with [`Budget::Auto`] it adds a node only while it
+//!   raises expected tokens per second under the measured [`CostModel`] (CaDDTree, `algorithms.md` §3.5):
+//!   with `E(B) = 1 + Σ_{i≤B} s_i` and round cost `C(B) = c_draft + c_verify(B + 1)`, node `B + 1` is
+//!   added iff `s_{B+1} · C(B) > E(B) · (C(B+1) − C(B))`. A tree of the root alone is plain decoding.
+//! * Acceptance ([`accept_walk`]): sample-and-match (`algorithms.md` §4.3). At each node the target's
+//!   sample is drawn exactly as plain decoding draws it (same processed distribution, randomness keyed by
+//!   seed and absolute position); if a child carries that token the walk moves there, otherwise the
+//!   sample is the bonus token. The output is therefore identical to plain decoding at any temperature.
+
+pub mod draft;
+pub mod suffix;
+
+use crate::backend::cpu::ThreadPool;
+use crate::error::Result;
+use crate::tree::NO_PARENT;
+
+/// How many draft nodes a verify pass may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Budget {
+    /// At most this many nodes below the root (best-first).
+    Fixed(usize),
+    /// Chosen per step by the cost model, up to [`MAX_AUTO_NODES`].
+    Auto,
+}
+
+/// Largest tree (nodes below the root) the automatic budget considers.
+pub const MAX_AUTO_NODES: usize = 64;
+
+impl Budget {
+    /// Parse `auto` or a node count.
+    pub fn parse(s: &str) -> std::result::Result<Budget, String> {
+        if s == "auto" {
+            return Ok(Budget::Auto);
+        }
+        match s.parse::<usize>() {
+            Ok(n) if n <= 1024 => Ok(Budget::Fixed(n)),
+            _ => Err(format!("spec budget must be `auto` or a node count 0..=1024, got `{s}`")),
+        }
+    }
+
+    /// Upper bound on nodes below the root.
+    pub fn max_nodes(self) -> usize {
+        match self {
+            Budget::Fixed(n) => n,
+            Budget::Auto => MAX_AUTO_NODES,
+        }
+    }
+}
+
+/// A token tree under construction: node 0 is the root (the last sampled token, not yet in the KV cache),
+/// every other node's parent precedes it. Scores are path-acceptance estimates in `[0, 1]`; the root's is
+/// 1 and a child's never exceeds its parent's.
+#[derive(Debug, Clone, Default)]
+pub struct DraftTree {
+    /// Token of each node.
+    pub tokens: Vec<u32>,
+    /// Parent of each node ([`NO_PARENT`] for the root).
+    pub parents: Vec<usize>,
+    /// Estimated probability that the target accepts the path root → node.
+    pub scores: Vec<f32>,
+}
+
+impl DraftTree {
+    /// A tree holding only `root`.
+    pub fn new(root: u32) -> DraftTree {
+        DraftTree { tokens: vec![root], parents: vec![NO_PARENT], scores: vec![1.0] }
+    }
+
+    /// Number of nodes, root included.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// True when empty (never, once built with [`DraftTree::new`]).
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// The child of `parent` carrying `token`, if any.
+    pub fn child(&self, parent: usize, token: u32) -> Option<usize> {
+        (parent + 1..self.len()).find(|&i| self.parents[i] == parent && self.tokens[i] == token)
+    }
+
+    /// Add (or merge into an existing) child of `parent` with `token`; the score is clamped to the
+    /// parent's and the larger of two merged scores wins. Returns the node index.
+    pub fn add(&mut self, parent: usize, token: u32, score: f32) -> usize {
+        let s = score.clamp(0.0, self.scores[parent]);
+        if let Some(i) = self.child(parent, token) {
+            if s > self.scores[i] {
+                self.scores[i] = s;
+            }
+            return i;
+        }
+        self.tokens.push(token);
+        self.parents.push(parent);
+        self.scores.push(s);
+        self.len() - 1
+    }
+
+    /// Depth of node `i` (root 0).
+    pub fn depth(&self, mut i: usize) -> usize {
+        let mut d = 0;
+        while self.parents[i] != NO_PARENT {
+            i = self.parents[i];
+            d += 1;
+        }
+        d
+    }
+
+    /// Keep the best nodes below the root under `budget`, best-first by score (ties: lower index first),
+    /// renumbered in that order, which is topological and prefix-closed. `cost` and `draft_cost` (seconds
+    /// already spent drafting this round) drive [`Budget::Auto`]; at most `max_nodes` nodes are kept in
+    /// any case (room in the KV cache, tokens left to generate).
+    pub fn select(&self, budget: Budget, max_nodes: usize, cost: &CostModel, draft_cost: f64) -> DraftTree {
+        let mut order: Vec<usize> = (1..self.len()).collect();
+        // Scores are monotone along paths, so with index tie-breaking a parent always sorts before its
+        // children.
+        order.sort_by(|&a, &b| self.scores[b].total_cmp(&self.scores[a]).then(a.cmp(&b)));
+        let cap = budget.max_nodes().min(max_nodes).min(order.len());
+        let keep = match budget {
+            Budget::Fixed(_) => cap,
+            Budget::Auto => {
+                let scores: Vec<f64> = order[..cap].iter().map(|&i| self.scores[i] as f64).collect();
+                cost.best_size(&scores, draft_cost)
+            }
+        };
+        let mut new_index = vec![usize::MAX; self.len()];
+        new_index[0] = 0;
+        let mut out = DraftTree::new(self.tokens[0]);
+        for &i in &order[..keep] {
+            let p = new_index[self.parents[i]];
+            debug_assert!(p != usize::MAX, "selection is prefix-closed");
+            out.tokens.push(self.tokens[i]);
+            out.parents.push(p);
+            out.scores.push(self.scores[i]);
+            new_index[i] = out.len() - 1;
+        }
+        out
+    }
+}
+
+/// Measured costs of this machine: verify time as a function of tree size, per-speculator draft time.
+///
+/// Verify times are exponential moving averages per tree size (nodes including the root) of the real
+/// verify passes, seeded by [`CostModel::record_verify`] from a calibration run; sizes never measured are
+/// interpolated linearly between measured neighbours (extrapolated from the two nearest beyond them).
+#[derive(Debug, Clone, Default)]
+pub struct CostModel {
+    verify: Vec<Option<f64>>,
+}
+
+impl CostModel {
+    /// Record that a verify pass over `nodes` nodes (root included) took `secs` seconds.
+    pub fn record_verify(&mut self, nodes: usize, secs: f64) {
+        if nodes == 0 || !secs.is_finite() {
+            return;
+        }
+        if self.verify.len() <= nodes {
+            self.verify.resize(nodes + 1, None);
+        }
+        let e = &mut self.verify[nodes];
+        *e = Some(match *e {
+            Some(old) => 0.8 * old + 0.2 * secs,
+            None => secs,
+        });
+    }
+
+    /// True once any verify time is known.
+    pub fn is_calibrated(&self) -> bool {
+        self.verify.iter().any(|v| v.is_some())
+    }
+
+    /// Estimated seconds of a verify pass over `nodes` nodes (root included); 0 when nothing is known.
+    pub fn verify_cost(&self, nodes: usize) -> f64 {
+        let known: Vec<(usize, f64)> = self.verify.iter().enumerate().filter_map(|(n, v)| v.map(|v| (n, v))).collect();
+        match known.len() {
+            0 => 0.0,
+            1 => known[0].1,
+            _ => {
+                if let Some(&(_, v)) = known.iter().find(|(n, _)| *n == nodes) {
+                    return v;
+                }
+                // The two measured sizes bracketing `nodes`, or the two nearest at the end it lies beyond.
+                let hi = known.iter().position(|(n, _)| *n > nodes).unwrap_or(known.len() - 1).max(1);
+                let (a, b) = (known[hi - 1], known[hi]);
+                let slope = (b.1 - a.1) / (b.0 - a.0) as f64;
+                (a.1 + slope * (nodes as f64 - a.0 as f64)).max(a.1.min(b.1) * 0.5)
+            }
+        }
+    }
+
+    /// The CaDDTree stopping rule over path scores `s` in non-increasing order: the number of them to keep.
+    pub fn best_size(&self, s: &[f64], draft_cost: f64) -> usize {
+        if !self.is_calibrated() {
+            return 0;
+        }
+        let mut e = 1.0;
+        let mut b = 0;
+        while b < s.len() {
+            let c_b = draft_cost + self.verify_cost(b + 1);
+            let c_next = draft_cost + self.verify_cost(b + 2);
+            if s[b] * c_b > e * (c_next - c_b) {
+                e += s[b];
+                b += 1;
+            } else {
+                break;
+            }
+        }
+        b
+    }
+
+    /// Whether spending `extra_cost` seconds (drafting, larger verify) to gain `extra_tokens` expected
+    /// tokens raises tokens per second, given the round so far yields `tokens` in `secs`.
+    pub fn pays(tokens: f64, secs: f64, extra_tokens: f64, extra_cost: f64) -> bool {
+        extra_tokens * secs > tokens * extra_cost
+    }
+}
+
+/// What a speculator may use while proposing.
+pub struct ProposeCtx<'a> {
+    /// The engine's worker threads (draft models run on them).
+    pub pool: &'a ThreadPool,
+    /// Node budget of this step.
+    pub budget: Budget,
+    /// Hard cap on nodes below the root (KV room, tokens left).
+    pub max_nodes: usize,
+    /// Measured verify costs.
+    pub cost: &'a CostModel,
+    /// Target sampling temperature (0 = greedy); draft probabilities are taken at this temperature (1 for
+    /// greedy) as acceptance estimates.
+    pub temperature: f32,
+}
+
+/// A source of draft tokens. Implementations keep whatever incremental state they need (a suffix
+/// automaton, a draft model's KV cache) in step with the sequence they are shown.
+pub trait Speculator: Send {
+    /// Short name (`suffix`, `draft`).
+    fn name(&self) -> &'static str;
+
+    /// A new sequence starts with `prompt` (prefill time): build state for it. The next
+    /// [`Speculator::propose`] call's history starts with `prompt`.
+    fn prefill(&mut self, pool: &ThreadPool, prompt: &[u32]) -> Result<()>;
+
+    /// Add candidate nodes below the root of `tree` (node 0, whose token is `history`'s last) for the
+    /// sequence `history` (prompt, every token generated so far, the root last). Returns the seconds
+    /// spent, which count as this round's drafting cost.
+    fn propose(&mut self, ctx: &ProposeCtx, history: &[u32], tree: &mut DraftTree) -> Result<f64>;
+}
+
+/// Which speculators to run (`--speculator`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpeculatorKind {
+    /// Plain decoding.
+    None,
+    /// Suffix lookup over the prompt and the generated text.
+    Suffix,
+    /// A draft model (needs one).
+    Draft,
+    /// Suffix lookup, plus the draft model when one is given.
+    Auto,
+}
+
+impl SpeculatorKind {
+    /// Parse `none|suffix|draft|auto`.
+    pub fn parse(s: &str) -> std::result::Result<SpeculatorKind, String> {
+        Ok(match s {
+            "none" => SpeculatorKind::None,
+            "suffix" => SpeculatorKind::Suffix,
+            "draft" => SpeculatorKind::Draft,
+            "auto" => SpeculatorKind::Auto,
+            _ => return Err(format!("speculator must be none, suffix, draft or auto, got `{s}`")),
+        })
+    }
+}
+
+/// Build the speculators of `kind` for a target with tokenizer `target` and context `ctx`.
+///
+/// Errors: `Draft` without a draft model, a draft model given to `None`/`Suffix`, or a draft model whose
+/// tokenizer differs from the target's.
+pub fn build_speculators(
+    kind: SpeculatorKind,
+    draft: Option<crate::load::LoadedModel>,
+    target: &crate::tokenizer::Tokenizer,
+    ctx: usize,
+) -> Result<Vec<Box<dyn Speculator>>> {
+    use crate::error::Error;
+    let mut out: Vec<Box<dyn Speculator>> = Vec::new();
+    match (kind, draft) {
+        (SpeculatorKind::None, None) => {}
+        (SpeculatorKind::Suffix, None) => out.push(Box::new(suffix::SuffixSpeculator::default())),
+        (SpeculatorKind::Auto, None) => out.push(Box::new(suffix::SuffixSpeculator::default())),
+        (SpeculatorKind::Draft, Some(d)) => out.push(Box::new(draft::DraftModel::new(d, target, ctx)?)),
+        (SpeculatorKind::Auto, Some(d)) => {
+            out.push(Box::new(suffix::SuffixSpeculator::default()));
+            out.push(Box::new(draft::DraftModel::new(d, target, ctx)?));
+        }
+        (SpeculatorKind::Draft, None) => {
+            return Err(Error::Input("speculator `draft` needs a draft model (--draft-model PATH)".into()))
+        }
+        (k, Some(_)) => {
+            return Err(Error::Input(format!(
+                "a draft model was given but the speculator is {k:?}; use --speculator draft or auto"
+            )))
+        }
+    }
+    Ok(out)
+}
+
+/// Result of walking a verified tree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Walk {
+    /// Nodes whose tokens are accepted, root first (the root is always accepted: it was sampled).
+    pub path: Vec<usize>,
+    /// The target's samples along the path: `samples[d]` was drawn at node `path[d]`. Every sample but the
+    /// last equals the token of the next path node; the last is the bonus token. Shorter than `path`
+    /// when `sample` asked to stop.
+    pub samples: Vec<u32>,
+}
+
+/// Sample-and-match walk from the root: at node `n` (path so far `path`), `sample(n, &path_tokens)`
+/// returns the target's token for the position after `n`, or `None` to stop (end of generation, token
+/// limit, cancellation). Follows the child carrying the sample; the first sample with no such child ends
+/// the walk.
+pub fn accept_walk(tree: &DraftTree, mut sample: impl FnMut(usize) -> Option<u32>) -> Walk {
+    let mut walk = Walk { path: vec![0], samples: Vec::new() };
+    let mut node = 0;
+    while let Some(y) = sample(node) {
+        walk.samples.push(y);
+        match tree.child(node, y) {
+            Some(c) => {
+                walk.path.push(c);
+                node = c;
+            }
+            None => break,
+        }
+    }
+    walk
+}
+
+/// A max-heap entry: higher score first, then lower `seq` (earlier insertion) first.
+#[derive(Debug, Clone)]
+pub(crate) struct Ranked<T> {
+    pub score: f32,
+    pub seq: usize,
+    pub item: T,
+}
+
+impl<T> PartialEq for Ranked<T> {
+    fn eq(&self, o: &Self) -> bool {
+        self.cmp(o) == std::cmp::Ordering::Equal
+    }
+}
+impl<T> Eq for Ranked<T> {}
+impl<T> PartialOrd for Ranked<T> {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl<T> Ord for Ranked<T> {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        self.score.total_cmp(&o.score).then(o.seq.cmp(&self.seq))
+    }
+}
+
+/// Indices of the `k` largest values of `x` (ties: lower index), in decreasing order.
+pub fn top_k(x: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    for (i, &v) in x.iter().enumerate() {
+        if best.len() == k && v <= best[k - 1].1 {
+            continue;
+        }
+        let pos = best.iter().position(|&(_, b)| v > b).unwrap_or(best.len());
+        best.insert(pos, (i as u32, v));
+        best.truncate(k);
+    }
+    best
+}
+
+/// `softmax(x / temperature)` evaluated at the `top` entries: their probabilities.
+pub fn probs_of(x: &[f32], top: &[(u32, f32)], temperature: f32) -> Vec<f32> {
+    let inv_t = 1.0 / temperature.max(1e-3);
+    let m = top.first().map(|t| t.1).unwrap_or(0.0) * inv_t;
+    let z: f64 = x.iter().filter(|v| v.is_finite()).map(|&v| ((v * inv_t - m) as f64).exp()).sum();
+    top.iter().map(|&(_, v)| (((v * inv_t - m) as f64).exp() / z) as f32).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample_tree() -> DraftTree {
+        let mut t = DraftTree::new(7);
+        let a = t.add(0, 10, 0.9);
+        let b = t.add(0, 11, 0.05);
+        let c = t.add(a, 12, 0.8);
+        t.add(c, 13, 0.95); // clamped to 0.8
+        t.add(b, 14, 0.04);
+        t.add(a, 15, 0.1);
+        t
+    }
+
+    #[test]
+    fn add_merges_and_clamps() {
+        let mut t = sample_tree();
+        assert_eq!(t.len(), 7);
+        assert_eq!(t.scores[4], 0.8, "a child never outscores its parent");
+        let again = t.add(0, 10, 0.95);
+        assert_eq!((again, t.len(), t.scores[1]), (1, 7, 0.95), "an identical path merges, higher score wins");
+        assert_eq!(t.depth(4), 3);
+    }
+
+    #[test]
+    fn select_is_prefix_closed_within_budget_parents_first() {
+        let t = sample_tree();
+        let cost = CostModel::default();
+        for budget in 0..8 {
+            let s = t.select(Budget::Fixed(budget), usize::MAX, &cost, 0.0);
+            assert_eq!(s.len(), 1 + budget.min(6));
+            for i in 1..s.len() {
+                assert!(s.parents[i] < i, "parents before children");
+                assert!(s.scores[i] <= s.scores[s.parents[i]]);
+            }
+            // The kept nodes are the best ones: every dropped node scores no more than every kept one.
+            let kept_min = s.scores[1..].iter().cloned().fold(1.0f32, f32::min);
+            let mut all: Vec<f32> = t.scores[1..].to_vec();
+            all.sort_by(|a, b| b.total_cmp(a));
+            if budget < 6 {
+                assert!(all[budget] <= kept_min);
+            }
+        }
+        let s = t.select(Budget::Fixed(3), usize::MAX, &cost, 0.0);
+        assert_eq!(s.tokens, vec![7, 10, 12, 13]);
+        assert_eq!(s.parents, vec![NO_PARENT, 0, 1, 2]);
+        // The hard cap wins over the budget.
+        assert_eq!(t.select(Budget::Fixed(5), 2, &cost, 0.0).len(), 3);
+    }
+
+    #[test]
+    fn accept_walk_follows_samples_and_stops_at_bonus() {
+        let t = sample_tree();
+        // Target samples 10, 12, 99: accepts nodes 1 and 3, bonus 99.
+        let answers = [(0usize, 10u32), (1, 12), (3, 99)];
+        let w = accept_walk(&t, |n| answers.iter().find(|a| a.0 == n).map(|a| a.1));
+        assert_eq!(w.path, vec![0, 1, 3]);
+        assert_eq!(w.samples, vec![10, 12, 99]);
+        // First sample matches no child: only the root, bonus = that sample.
+        let w = accept_walk(&t, |_| Some(42));
+        assert_eq!((w.path, w.samples), (vec![0], vec![42]));
+        // Down to a leaf: the leaf's sample is the bonus.
+        let answers = [(0usize, 10u32), (1, 12), (3, 13), (4, 5)];
+        let w = accept_walk(&t, |n| answers.iter().find(|a| a.0 == n).map(|a| a.1));
+        assert_eq!(w.path, vec![0, 1, 3, 4]);
+        assert_eq!(w.samples, vec![10, 12, 13, 5]);
+        // Stopping (e.g. end of generation) mid-walk.
+        let w = accept_walk(&t, |n| if n == 0 { Some(10) } else { None });
+        assert_eq!((w.path, w.samples), (vec![0, 1], vec![10]));
+    }
+
+    #[test]
+    fn cost_model_interpolates_and_stops_when_a_node_does_not_pay() {
+        let mut c = CostModel::default();
+        assert_eq!(c.best_size(&[0.9, 0.9], 0.0), 0, "uncalibrated: no speculation");
+        // Verify cost: 10 ms for 1 node, +1 ms per extra node up to 8, then +4 ms per node.
+        for (n, ms) in [(1, 10.0), (2, 11.0), (4, 13.0), (8, 17.0), (16, 49.0)] {
+            c.record_verify(n, ms / 1000.0);
+        }
+        assert!((c.verify_cost(3) - 0.012).abs() < 1e-9);
+        assert!((c.verify_cost(12) - 0.033).abs() < 1e-9);
+        assert!((c.verify_cost(32) - 0.113).abs() < 1e-9, "extrapolated from the last two: {}", c.verify_cost(32));
+        // Confident chain: every node pays while its score beats E·ΔC/C.
+        let s = [0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.5, 0.4];
+        let b = c.best_size(&s, 0.0);
+        // Hand-check the rule at the stopping point.
+        let e: f64 = 1.0 + s[..b].iter().sum::<f64>();
+        let (cb, cn) = (c.verify_cost(b + 1), c.verify_cost(b + 2));
+        assert!(b < s.len() && s[b] * cb <= e * (cn - cb), "stopped at {b} though node {b} pays");
+        let (cp, cq) = (c.verify_cost(b), c.verify_cost(b + 1));
+        let ep = e - s[b - 1];
+        assert!(s[b - 1] * cp > ep * (cq - cp), "kept node {} that does not pay", b - 1);
+        assert_eq!(b, 7);
+        // Hopeless drafts: nothing pays.
+        assert_eq!(c.best_size(&[0.01, 0.01], 0.0), 0);
+        // Expensive drafting already spent makes each extra node relatively cheaper.
+        assert!(c.best_size(&s, 0.05) >= b);
+        // EMA update.
+        c.record_verify(1, 0.020);
+        assert!((c.verify_cost(1) - 0.012).abs() < 1e-9);
+    }
+
+    #[test]
+    fn top_k_and_probs() {
+        let x = [0.5f32, 3.0, -1.0, 3.0, 2.0];
+        let t = top_k(&x, 3);
+        assert_eq!(t.iter().map(|e| e.0).collect::<Vec<_>>(), vec![1, 3, 4]);
+        let p = probs_of(&x, &t, 1.0);
+        let z: f32 = x.iter().map(|v| v.exp()).sum();
+        assert!((p[0] - 3f32.exp() / z).abs() < 1e-6 && (p[2] - 2f32.exp() / z).abs() < 1e-6);
+    }
+}
