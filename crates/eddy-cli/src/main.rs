@@ -529,6 +529,11 @@ fn print_stats(s: &GenerationStats, energy_err: Option<&String>, total_j: Option
             "generated_tokens": s.generated_tokens,
             "decode_forward_passes": s.decode_passes,
             "finish_reason": format!("{:?}", s.finish).to_lowercase(),
+            "cached_tokens": s.cached_tokens,
+            "draft_tokens": s.draft_tokens,
+            "draft_accepted": s.draft_accepted,
+            "proposed_at_depth": s.proposed_at_depth,
+            "accepted_at_depth": s.accepted_at_depth,
         });
         let _ = writeln!(err, "{v}");
         return;
@@ -544,6 +549,18 @@ fn print_stats(s: &GenerationStats, energy_err: Option<&String>, total_j: Option
     let _ = writeln!(err, "input energy per token: {}", e_in.map(|j| format!("{j:.2} J/tok")).unwrap_or_else(|| na(why)));
     let _ = writeln!(err, "output energy per token: {}", e_out.map(|j| format!("{j:.2} J/tok")).unwrap_or_else(|| na(why)));
     let _ = writeln!(err, "duration: {:.2} s", s.duration.as_secs_f64());
+    if s.draft_tokens > 0 {
+        let by_depth: Vec<String> =
+            s.accepted_at_depth.iter().zip(&s.proposed_at_depth).take(8).map(|(a, p)| format!("{:.2}", *a as f64 / (*p).max(1) as f64)).collect();
+        let _ = writeln!(
+            err,
+            "draft tokens accepted: {}/{} ({:.0} %); acceptance by depth: {}",
+            s.draft_accepted,
+            s.draft_tokens,
+            100.0 * s.draft_accepted as f64 / s.draft_tokens as f64,
+            by_depth.join(" ")
+        );
+    }
 }
 
 fn perplexity(a: PplArgs) -> eddy::Result<()> {

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Speculative decoding on this machine, one script, one run (issue 4). Target Qwen2.5-Coder-1.5B-Instruct
+# Q4_K_M, draft Qwen2.5-Coder-0.5B-Instruct; the first NUM HumanEval prompts and NUM ShareGPT first turns,
+# chat, temperature 0, MAX_TOKENS tokens; `eddy bench` is the client of every server:
+#   eddy serve plain | eddy serve --speculator auto (suffix + draft, auto budget) | llama-server plain |
+#   llama-server --spec-type draft-simple (n-max 4 and 8) | llama-server --spec-type ngram-mod
+# Then the verify-cost curve: one target pass over trees of 1..64 nodes vs that many decode steps.
+#
+# usage: bench/spec_vs_llama.sh          THREADS=2 NUM=20 MAX_TOKENS=256 PORT=8112 OUT=target/spec-bench
+set -euo pipefail
+cd "$(dirname "$0")/.."
+THREADS=${THREADS:-2}
+NUM=${NUM:-20}
+MAX_TOKENS=${MAX_TOKENS:-256}
+PORT=${PORT:-8112}
+OUT=${OUT:-target/spec-bench}
+MODELS_DIR=${EDDY_MODELS:-$HOME/.cache/eddy/models}
+TARGET="$MODELS_DIR/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+DRAFT="$MODELS_DIR/qwen2.5-coder-0.5b-instruct.gguf"
+
+. bench/llama_cpp_env.sh
+tools/fetch_models.sh qwen05 >&2
+tools/fetch_models.sh qwen15 >&2
+tools/fetch_datasets.sh >&2
+cargo build --release -q -p eddy-cli
+EDDY=target/release/eddy
+mkdir -p "$OUT"
+
+server_pid=
+stop_server() { [ -z "$server_pid" ] || { kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; server_pid=; }; }
+trap stop_server EXIT
+wait_ready() {
+  for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && return 0
+    kill -0 "$server_pid" 2>/dev/null || { echo "the server exited; see $1" >&2; exit 1; }
+    sleep 0.5
+  done
+  echo "the server did not become ready; see $1" >&2; exit 1
+}
+run_server() { # label, command...
+  local label=$1; shift
+  "$@" > "$OUT/$label.log" 2>&1 &
+  server_pid=$!
+  wait_ready "$OUT/$label.log"
+  for ds in humaneval sharegpt; do
+    $EDDY bench --endpoint "http://127.0.0.1:$PORT/v1" --dataset $ds --num "$NUM" --max-tokens "$MAX_TOKENS" \
+      --warmup 1 --label "$label" --out "$OUT/$label.$ds.json" >&2
+  done
+  curl -sf "http://127.0.0.1:$PORT/metrics" > "$OUT/$label.metrics" 2>/dev/null || true
+  stop_server
+}
+
+LS=("$LLAMA_BIN/llama-server" -m "$TARGET" -t "$THREADS" -c 4096 -np 1 --jinja --host 127.0.0.1 --port "$PORT")
+ES=($EDDY serve --model "$TARGET" --threads "$THREADS" --ctx 4096 --port "$PORT")
+run_server eddy-plain "${ES[@]}"
+run_server eddy-spec "${ES[@]}" --speculator auto --draft-model "$DRAFT" --spec-budget auto
+run_server llama-plain "${LS[@]}"
+run_server llama-draft4 "${LS[@]}" --spec-type draft-simple -md "$DRAFT" --spec-draft-n-max 4 -td "$THREADS"
+run_server llama-draft8 "${LS[@]}" --spec-type draft-simple -md "$DRAFT" --spec-draft-n-max 8 -td "$THREADS"
+run_server llama-ngram "${LS[@]}" --spec-type ngram-mod
+
+$EDDY speed --model "$TARGET" --threads "$THREADS" -p 256 -n 0 -r 5 --verify-sizes 1,2,3,4,6,8,12,16,24,32,48,64 > "$OUT/verify.jsonl"
+
+python3 - "$OUT" "$NUM" "$MAX_TOKENS" "$THREADS" <<'PY'
+import json, sys
+out, num, max_tokens, threads = sys.argv[1:]
+labels = ["eddy-plain", "eddy-spec", "llama-plain", "llama-draft4", "llama-draft8", "llama-ngram"]
+names = {"eddy-plain": "eddy serve, no speculation", "eddy-spec": "eddy serve --speculator auto (suffix + 0.5B draft)",
+         "llama-plain": "llama-server", "llama-draft4": "llama-server draft-simple 0.5B, n-max 4",
+         "llama-draft8": "llama-server draft-simple 0.5B, n-max 8", "llama-ngram": "llama-server ngram-mod"}
+print(f"Qwen2.5-Coder-1.5B-Instruct Q4_K_M, {num} prompts per set, chat, temperature 0, max_tokens {max_tokens}, {threads} threads\n")
+for ds in ["humaneval", "sharegpt"]:
+    R = {l: json.load(open(f"{out}/{l}.{ds}.json")) for l in labels}
+    base = R["llama-plain"]["summary"]["decode_tps"]["median"]
+    print(f"**{ds}**\n")
+    print("| server | decode tok/s median (p10–p90) | vs llama-server plain | tokens/pass | TTFT s median |")
+    print("|---|---|---|---|---|")
+    for l in labels:
+        s = R[l]["summary"]
+        d = s["decode_tps"]
+        tpp = s.get("tokens_per_pass", {}).get("median") if isinstance(s.get("tokens_per_pass"), dict) else None
+        tpp = f"{tpp:.2f}" if tpp else "–"
+        print(f"| {names[l]} | {d['median']:.1f} ({d['p10']:.1f}–{d['p90']:.1f}) | {d['median']/base:.2f}× | {tpp} | {s['ttft_s']['median']:.2f} |")
+    print()
+print("**verify cost** (one target pass over a tree of n nodes after a 256-token prompt)\n")
+print("| nodes | ms | vs 1 node | vs n sequential decode steps |")
+print("|---|---|---|---|")
+for line in open(f"{out}/verify.jsonl"):
+    j = json.loads(line)
+    if j.get("test", "").startswith("verify"):
+        print(f"| {j['nodes']} | {j['ms']:.1f} | {j['vs_one_node']:.2f} | {j['vs_sequential_decode']:.2f} |")
+PY
