@@ -620,6 +620,8 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
     let params = GenerateParams { max_tokens: a.gen_tokens.max(1), sampler: SamplerParams::default(), ignore_eos: true };
     let (mut pp, mut tg) = (Vec::new(), Vec::new());
     for _ in 0..a.repetitions {
+        // Every repetition prefills the whole prompt (no prefix-cache reuse).
+        engine.clear_cache();
         let s = engine.generate(&prompt, &params, &mut |_| true)?;
         pp.push(s.prefill_speed());
         if a.gen_tokens > 1 {
