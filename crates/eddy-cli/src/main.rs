@@ -44,6 +44,10 @@ enum Cmd {
         /// Requests that may wait for the engine; more are answered 503.
         #[arg(long, default_value_t = 16)]
         max_queue: usize,
+        /// Turn off the prefix cache (by default a request that starts with the tokens of the previous
+        /// one reuses their KV and prefills only the rest; output is identical either way).
+        #[arg(long)]
+        no_prefix_cache: bool,
     },
     /// Memory read bandwidth with --threads workers, printed as a bare number of GB/s (the limit decode
     /// speed is measured against).
@@ -165,7 +169,7 @@ fn main() -> ExitCode {
         Cmd::Run(a) => run(a),
         Cmd::Perplexity(a) => perplexity(a),
         Cmd::Speed(a) => speed(a),
-        Cmd::Serve { model, host, port, max_queue } => serve(model, &host, port, max_queue),
+        Cmd::Serve { model, host, port, max_queue, no_prefix_cache } => serve(model, &host, port, max_queue, !no_prefix_cache),
         Cmd::Bandwidth { threads } => bandwidth(threads),
     };
     match r {
@@ -178,8 +182,8 @@ fn main() -> ExitCode {
     }
 }
 
-fn serve(model: ModelArgs, host: &str, port: u16, max_queue: usize) -> eddy::Result<()> {
-    let (engine, _) = engine_for(&model)?;
+fn serve(model: ModelArgs, host: &str, port: u16, max_queue: usize, prefix_cache: bool) -> eddy::Result<()> {
+    let (engine, _) = engine_with(&model, model.ctx.unwrap_or(DEFAULT_CTX), prefix_cache)?;
     let opts = eddy_server::ServeOptions { max_queue, ..Default::default() };
     eddy_server::run_blocking(host, port, engine, opts).map_err(|e| eddy::Error::Input(format!("server: {e}")))
 }
@@ -312,12 +316,16 @@ const DEFAULT_CTX: usize = 4096;
 const DEFAULT_PPL_CTX: usize = 512;
 
 fn engine_with_ctx(m: &ModelArgs, ctx: usize) -> eddy::Result<(Engine, usize)> {
+    engine_with(m, ctx, EngineOptions::default().prefix_cache)
+}
+
+fn engine_with(m: &ModelArgs, ctx: usize, prefix_cache: bool) -> eddy::Result<(Engine, usize)> {
     if ctx < 2 {
         return Err(bad("--ctx", format!("must be at least 2 tokens, got {ctx}")));
     }
     let threads = threads_for(m.threads)?;
     let lm = load_with_progress(m.model.as_deref(), m.quant.unwrap_or_default())?;
-    let opts = EngineOptions { threads, ctx, ..Default::default() };
+    let opts = EngineOptions { threads, ctx, prefix_cache, ..Default::default() };
     Ok((Engine::new(lm, &opts), threads))
 }
 

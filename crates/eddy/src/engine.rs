@@ -22,6 +22,9 @@ pub struct EngineOptions {
     pub ctx: usize,
     /// Largest batch of one forward pass (prefill chunk).
     pub max_batch: usize,
+    /// Reuse the KV of the longest common prefix with the previous request instead of prefilling it
+    /// again (`eddy serve --no-prefix-cache` turns it off). Output is identical either way.
+    pub prefix_cache: bool,
 }
 
 impl Default for EngineOptions {
@@ -30,6 +33,7 @@ impl Default for EngineOptions {
             threads: default_threads(),
             ctx: 4096,
             max_batch: 256,
+            prefix_cache: true,
         }
     }
 }

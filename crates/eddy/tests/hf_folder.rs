@@ -66,7 +66,7 @@ fn golden(arch: &str) -> Golden {
 
 fn engine_at(dir: &Path, quant: Quant) -> Engine {
     let lm = load(Some(dir.to_str().unwrap()), quant, &mut |_, _| {}).unwrap_or_else(|e| panic!("{e}"));
-    Engine::new(lm, &EngineOptions { threads: common::threads(), ctx: 64, max_batch: 256 })
+    Engine::new(lm, &EngineOptions { threads: common::threads(), ctx: 64, max_batch: 256, ..Default::default() })
 }
 
 fn engine(arch: &str, quant: Quant) -> Engine {
@@ -499,7 +499,7 @@ fn hub_cache_child() {
     let lm = load(Some("synthetic/tiny-llama"), Quant::None, &mut |_, _| {}).unwrap_or_else(|e| panic!("{e}"));
     assert!(lm.source.ends_with("snapshots/0123456789abcdef"), "{}", lm.source.display());
     let g = golden("llama");
-    let mut e = Engine::new(lm, &EngineOptions { threads: 1, ctx: 64, max_batch: 256 });
+    let mut e = Engine::new(lm, &EngineOptions { threads: 1, ctx: 64, max_batch: 256, ..Default::default() });
     assert_eq!(e.score(&g.tokens[0]).unwrap(), llama_logits(&fixtures().join("llama"))[0]);
     match load(Some("synthetic/not-cached"), Quant::None, &mut |_, _| {}) {
         Err(e) => assert!(e.to_string().contains("HF_HUB_OFFLINE"), "{e}"),

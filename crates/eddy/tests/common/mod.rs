@@ -26,6 +26,6 @@ pub fn threads() -> usize {
 pub fn engine(file: &str, ctx: usize) -> Option<eddy::engine::Engine> {
     let p = model_path(file)?;
     let lm = eddy::load::load_gguf(&p, &mut |_, _| {}).unwrap_or_else(|e| panic!("{e}"));
-    let opts = eddy::engine::EngineOptions { threads: threads(), ctx, max_batch: 256 };
+    let opts = eddy::engine::EngineOptions { threads: threads(), ctx, max_batch: 256, ..Default::default() };
     Some(eddy::engine::Engine::new(lm, &opts))
 }
