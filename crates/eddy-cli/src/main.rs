@@ -1,5 +1,8 @@
 //! The `eddy` command: `eddy run` (chat with a model, streaming the reply, then a stats panel) and
-//! `eddy perplexity` (perplexity of a text file over fixed windows).
+//! `eddy perplexity` (perplexity of a text file over fixed windows), `eddy serve` (the OpenAI API) and
+//! `eddy bench` (a streaming benchmark client for any OpenAI-compatible endpoint).
+
+mod bench;
 
 use clap::{Args, Parser, Subcommand};
 use eddy::chat::{encode_chat, ChatMessage};
@@ -49,6 +52,10 @@ enum Cmd {
         #[arg(long)]
         no_prefix_cache: bool,
     },
+    /// Benchmark an OpenAI-compatible endpoint (eddy serve, llama-server, ...): per streamed request the
+    /// time to first token, decode speed and tokens per pass; median, p10 and p90 as text and JSON.
+    /// `--compare a.json b.json --plot out.svg` sets saved runs side by side.
+    Bench(bench::BenchArgs),
     /// Memory read bandwidth with --threads workers, printed as a bare number of GB/s (the limit decode
     /// speed is measured against).
     #[command(allow_negative_numbers = true)]
@@ -171,6 +178,7 @@ fn main() -> ExitCode {
         Cmd::Speed(a) => speed(a),
         Cmd::Serve { model, host, port, max_queue, no_prefix_cache } => serve(model, &host, port, max_queue, !no_prefix_cache),
         Cmd::Bandwidth { threads } => bandwidth(threads),
+        Cmd::Bench(a) => bench::run(a).map_err(eddy::Error::Input),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -213,7 +221,7 @@ fn clap_error_line(e: &clap::Error) -> String {
         .or_else(|| get(ContextKind::SuggestedSubcommand))
         .map(|s| format!("; did you mean '{s}'?"))
         .unwrap_or_default();
-    const COMMANDS: &str = "run, perplexity, speed or bandwidth";
+    const COMMANDS: &str = "run, serve, bench, perplexity, speed or bandwidth";
     let specific = match e.kind() {
         ErrorKind::InvalidValue | ErrorKind::ValueValidation => get(ContextKind::InvalidArg).map(|arg| {
             let val = get(ContextKind::InvalidValue).unwrap_or_default();
