@@ -70,6 +70,9 @@ struct Sample {
     tokens_per_pass: Option<f64>,
     cached_tokens: Option<u64>,
     finish_reason: Option<String>,
+    /// The server's own decode speed (llama-server's `timings.predicted_per_second`, which eddy serve
+    /// sends too), to set against the client-side one.
+    server_decode_tps: Option<f64>,
 }
 
 impl Sample {
@@ -78,7 +81,7 @@ impl Sample {
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "ttft_s": self.ttft_s, "decode_tps": self.decode_tps, "e2e_s": self.e2e_s,
             "tokens_per_pass": self.tokens_per_pass, "cached_tokens": self.cached_tokens,
-            "finish_reason": self.finish_reason,
+            "finish_reason": self.finish_reason, "server_decode_tps": self.server_decode_tps,
         })
     }
 }
@@ -214,6 +217,9 @@ fn request(agent: &ureq::Agent, base: &str, model: &str, prompt: &str, max_token
         if v["usage"].is_object() {
             usage = v["usage"].clone();
         }
+        if let Some(t) = v["timings"]["predicted_per_second"].as_f64() {
+            s.server_decode_tps = Some(t);
+        }
         let Some(c) = v["choices"].get(0) else { continue };
         let text = ["content", "reasoning_content"]
             .iter()
@@ -278,6 +284,7 @@ fn summary(s: &[Sample]) -> Value {
         "completion_tokens": stats(s.iter().map(|x| Some(x.completion_tokens as f64))),
         "prompt_tokens": stats(s.iter().map(|x| x.prompt_tokens.map(|n| n as f64))),
         "tokens_per_pass": stats(s.iter().map(|x| x.tokens_per_pass)),
+        "server_decode_tps": stats(s.iter().map(|x| x.server_decode_tps)),
     })
 }
 
@@ -286,6 +293,7 @@ const METRICS: &[(&str, &str, usize)] = &[
     ("ttft_s", "time to first token (s)", 3),
     ("decode_tps", "decode speed (tok/s)", 2),
     ("tokens_per_pass", "tokens per pass", 2),
+    ("server_decode_tps", "server-reported decode", 2),
     ("e2e_s", "request time (s)", 2),
     ("completion_tokens", "completion tokens", 0),
     ("prompt_tokens", "prompt tokens", 0),

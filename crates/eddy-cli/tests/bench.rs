@@ -57,6 +57,9 @@ fn bench_measures_an_eddy_server_and_compares_runs() {
         // Decode speed = (n − 1) ÷ (first → last token), so the decode span fits within the request.
         let tps = r["decode_tps"].as_f64().unwrap();
         assert!((n - 1) as f64 / tps <= e2e - ttft + 1e-3, "{r}");
+        // The client's decode speed is the server's own (same tokens, timed at the other end of the socket).
+        let server = r["server_decode_tps"].as_f64().unwrap();
+        assert!((0.7..1.4).contains(&(tps / server)), "client {tps} vs server {server} tok/s: {r}");
         // No speculation: one token per forward pass (eddy reports spec_verify_ct).
         assert!((r["tokens_per_pass"].as_f64().unwrap() - 1.0).abs() < 1e-9, "{r}");
         assert!(r["prompt_tokens"].as_u64().unwrap() > 5);
@@ -108,5 +111,39 @@ fn bench_option_errors_are_one_line() {
         let last = err.lines().last().unwrap_or("");
         assert_eq!(err.lines().filter(|l| l.starts_with("error")).count(), 1, "{args:?}: {err}");
         assert!(last.starts_with("error: ") && last.contains(needle), "{args:?}: {err}");
+    }
+}
+
+/// The real `eddy serve` binary (with --no-prefix-cache, on an ephemeral port), measured by `eddy bench`.
+#[test]
+fn serve_binary_with_no_prefix_cache_is_benchmarked() {
+    use std::io::BufRead;
+    let Some(model) = common::smol() else { return };
+    let mut child = Command::new(env!("CARGO_BIN_EXE_eddy"))
+        .args(["serve", "--model", model.to_str().unwrap(), "--threads", "1", "--ctx", "512", "--port", "0", "--no-prefix-cache"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    let addr = loop {
+        line.clear();
+        assert!(err.read_line(&mut line).unwrap() > 0, "eddy serve exited before listening");
+        if let Some(a) = line.trim().split("listening on http://").nth(1) {
+            break a.to_string();
+        }
+    };
+    let out = common::tmp("bench", "serve.json");
+    let o = eddy(&[
+        "bench", "--endpoint", &format!("http://{addr}/v1"), "--prompt", "Say hi.", "--num", "2", "--max-tokens", "4",
+        "--warmup", "0", "--out", out.to_str().unwrap(),
+    ]);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let run: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    for r in run["requests"].as_array().unwrap() {
+        assert_eq!(r["cached_tokens"], 0, "--no-prefix-cache: {r}");
+        assert!(r["completion_tokens"].as_u64().unwrap() >= 1);
     }
 }
