@@ -58,15 +58,21 @@ pub(crate) fn spawn(
                 let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
                     run_job(&mut engine, &tok, job, &metrics)
                 }));
+                // Counted out before the last event goes: a client that scrapes /metrics right after its
+                // answer sees the job finished.
                 metrics.running_delta(-1);
-                if r.is_err() {
-                    let _ = tx.send(Event::Error("the engine panicked while generating".into()));
+                let last = r.unwrap_or_else(|_| {
+                    Some(Event::Error("the engine panicked while generating".into()))
+                });
+                if let Some(ev) = last {
+                    let _ = tx.send(ev);
                 }
             }
         })
 }
 
-fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) {
+/// Generates one job, sending its text deltas; returns the last event to send (none when the client left).
+fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) -> Option<Event> {
     let Job {
         prompt,
         params,
@@ -104,13 +110,11 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) {
         true
     });
     match r {
-        Err(e) => {
-            let _ = tx.send(Event::Error(e.to_string()));
-        }
+        Err(e) => Some(Event::Error(e.to_string())),
         Ok(stats) => {
             metrics.generation(&stats, n);
             if stats.finish == FinishReason::Cancelled && !hit {
-                return; // client gone
+                return None; // client gone
             }
             if !hit {
                 if let Ok(Some(text)) = dec.finish() {
@@ -127,11 +131,11 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) {
             } else {
                 "length"
             };
-            let _ = tx.send(Event::Done {
+            Some(Event::Done {
                 finish,
                 completion_tokens: n,
                 stats,
-            });
+            })
         }
     }
 }
