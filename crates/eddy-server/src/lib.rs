@@ -6,15 +6,23 @@
 //! its own channel; a client that goes away closes that channel, which cancels the job at the next decode
 //! step (or skips it while still queued).
 //!
-//! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`.
+//! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
+//! `GET /metrics` (Prometheus text).
+//!
+//! A streaming request that is still waiting for its first token (queued, or in a long prefill) gets an
+//! SSE comment `: keep-alive` every [`ServeOptions::keep_alive`], so that proxies and clients with read
+//! timeouts do not give up on it.
 
 pub mod api;
+pub mod metrics;
+pub mod reasoning;
 pub mod worker;
 
 use api::{ApiError, Common};
 use axum::body::{Body, Bytes};
-use axum::extract::State;
+use axum::extract::{Request, State};
 use axum::http::{header, Method, StatusCode, Uri};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -22,12 +30,16 @@ use eddy::chat::{encode_chat, ChatTemplate};
 use eddy::engine::{Engine, GenerateParams};
 use eddy::stats::GenerationStats;
 use eddy::tokenizer::Tokenizer;
+use metrics::Metrics;
+use reasoning::{ReasoningSplitter, Split, Start};
 use serde_json::{json, Value};
 use std::collections::VecDeque;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use worker::{Event, Job};
 
@@ -38,6 +50,9 @@ pub struct ServeOptions {
     pub model_id: Option<String>,
     /// Jobs that may wait for the engine thread; more are answered 503.
     pub max_queue: usize,
+    /// Period of the `: keep-alive` SSE comments sent while a streaming request waits for its first
+    /// token; `None` sends none.
+    pub keep_alive: Option<Duration>,
 }
 
 impl Default for ServeOptions {
@@ -45,6 +60,7 @@ impl Default for ServeOptions {
         ServeOptions {
             model_id: None,
             max_queue: 16,
+            keep_alive: Some(Duration::from_secs(5)),
         }
     }
 }
@@ -69,6 +85,8 @@ struct AppState {
     jobs: std::sync::mpsc::SyncSender<Job>,
     created: u64,
     next_id: AtomicU64,
+    metrics: Arc<Metrics>,
+    keep_alive: Option<Duration>,
 }
 
 /// Serves the OpenAI API on `listener` until the listener fails. The engine moves to its own thread.
@@ -113,6 +131,7 @@ pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router>
         .clone()
         .unwrap_or_else(|| model_id_for(&engine));
     let (tx, rx) = std::sync::mpsc::sync_channel(opts.max_queue);
+    let metrics = Arc::new(Metrics::default());
     let state = Arc::new(AppState {
         model_id,
         tokenizer: engine.lm.tokenizer.clone(),
@@ -121,16 +140,39 @@ pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router>
         jobs: tx,
         created: unix_now(),
         next_id: AtomicU64::new(1),
+        metrics: metrics.clone(),
+        keep_alive: opts.keep_alive.filter(|d| !d.is_zero()),
     });
-    worker::spawn(engine, rx)?;
+    worker::spawn(engine, rx, metrics)?;
     Ok(Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/metrics", get(prometheus))
         .fallback(not_found)
         .method_not_allowed_fallback(not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            count_requests,
+        ))
         .with_state(state))
+}
+
+/// Counts every answered request by endpoint and status.
+async fn count_requests(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let endpoint = metrics::endpoint_label(req.uri().path());
+    let resp = next.run(req).await;
+    st.metrics.request(endpoint, resp.status().as_u16());
+    resp
+}
+
+async fn prometheus(State(st): State<Arc<AppState>>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        st.metrics.render(),
+    )
+        .into_response()
 }
 
 fn unix_now() -> u64 {
@@ -188,6 +230,7 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
 async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, ApiError> {
     let o = api::parse_object(&body)?;
     let common = api::parse_common(&o, &st.model_id)?;
+    let mut thinking = None;
     let prompt = match kind {
         Kind::Chat => {
             let messages = api::parse_messages(&o)?;
@@ -201,6 +244,7 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
             let text = t
                 .render(&messages, true, &kwargs)
                 .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
+            thinking = reasoning::thinking_mode(t, &messages, &kwargs, &text);
             encode_chat(&st.tokenizer, &text)
                 .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
         }
@@ -265,8 +309,14 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
         },
         stops: common.stops.clone(),
         tx,
+        queued_at: Instant::now(),
     };
-    match st.jobs.try_send(job) {
+    st.metrics.queue_delta(1);
+    let sent = st.jobs.try_send(job);
+    if sent.is_err() {
+        st.metrics.queue_delta(-1);
+    }
+    match sent {
         Ok(()) => {}
         Err(std::sync::mpsc::TrySendError::Full(_)) => {
             return Err(ApiError::invalid(
@@ -305,9 +355,10 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
         created: unix_now(),
         model: st.model_id.clone(),
         include_usage: common.include_usage,
+        thinking,
     };
     if common.stream {
-        Ok(stream_response(fmt, rx))
+        Ok(stream_response(fmt, rx, st.keep_alive))
     } else {
         whole_response(fmt, rx, &common).await
     }
@@ -320,20 +371,41 @@ struct Formatter {
     created: u64,
     model: String,
     include_usage: bool,
+    /// Thinking mode of a chat request: `<think>` text goes to `reasoning_content`.
+    thinking: Option<Start>,
 }
 
-fn usage(prompt: usize, completion: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
-}
-
-/// llama-server's `timings` object.
-fn timings(s: &GenerationStats, completion_tokens: usize) -> Value {
+/// The OpenAI `usage` object, with `prompt_tokens_details.cached_tokens` (prefix cache) and
+/// `spec_verify_ct` (target forward passes while decoding).
+fn usage(s: &GenerationStats, completion: usize) -> Value {
     json!({
-        "prompt_n": s.prompt_tokens,
-        "prompt_ms": s.ttft.as_secs_f64() * 1e3,
+        "prompt_tokens": s.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": s.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": s.cached_tokens},
+        "spec_verify_ct": s.decode_passes,
+    })
+}
+
+/// llama-server's `timings` object: `prompt_n` counts the prompt tokens actually prefilled, `cache_n`
+/// those reused from the prefix cache; `draft_n` / `draft_n_accepted` count speculation drafts.
+fn timings(s: &GenerationStats, completion_tokens: usize) -> Value {
+    let prompt_n = s.prompt_tokens.saturating_sub(s.cached_tokens);
+    let prompt_ms = s.ttft.as_secs_f64() * 1e3;
+    let predicted_ms = s.decode_time.as_secs_f64() * 1e3;
+    let per = |n: usize, ms: f64| if n > 0 { ms / n as f64 } else { 0.0 };
+    json!({
+        "cache_n": s.cached_tokens,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": per(prompt_n, prompt_ms),
+        "prompt_per_second": if prompt_ms > 0.0 { prompt_n as f64 * 1e3 / prompt_ms } else { 0.0 },
         "predicted_n": completion_tokens,
-        "predicted_ms": s.decode_time.as_secs_f64() * 1e3,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": per(completion_tokens.saturating_sub(1), predicted_ms),
         "predicted_per_second": s.generation_speed(),
+        "draft_n": s.draft_tokens,
+        "draft_n_accepted": s.draft_accepted,
     })
 }
 
@@ -355,7 +427,17 @@ impl Formatter {
     ) -> Value {
         let choice = match self.kind {
             Kind::Chat => {
-                json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish})
+                let mut message = json!({"role": "assistant", "content": text});
+                if let Some(start) = self.thinking {
+                    let mut sp = ReasoningSplitter::new(start);
+                    let (a, b) = (sp.push(&text), sp.finish());
+                    message["content"] = json!(a.content + &b.content);
+                    let r = a.reasoning + &b.reasoning;
+                    if !r.is_empty() {
+                        message["reasoning_content"] = json!(r);
+                    }
+                }
+                json!({"index": 0, "message": message, "logprobs": null, "finish_reason": finish})
             }
             Kind::Text => {
                 json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
@@ -364,7 +446,7 @@ impl Formatter {
         json!({
             "id": self.id, "object": self.object(false), "created": self.created, "model": self.model,
             "choices": [choice],
-            "usage": usage(stats.prompt_tokens, completion_tokens),
+            "usage": usage(stats, completion_tokens),
             "timings": timings(stats, completion_tokens),
         })
     }
@@ -393,9 +475,16 @@ impl Formatter {
         v
     }
 
+    /// A chat chunk whose delta is `reasoning_content`.
+    fn reasoning_chunk(&self, text: &str) -> Value {
+        let mut v = self.chunk(false, None, None);
+        v["choices"][0]["delta"] = json!({"reasoning_content": text});
+        v
+    }
+
     fn usage_chunk(&self, stats: &GenerationStats, completion_tokens: usize) -> Value {
         json!({"id": self.id, "object": self.object(true), "created": self.created, "model": self.model, "choices": [],
-               "usage": usage(stats.prompt_tokens, completion_tokens)})
+               "usage": usage(stats, completion_tokens)})
     }
 }
 
@@ -433,16 +522,22 @@ fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
-fn stream_response(fmt: Formatter, rx: mpsc::UnboundedReceiver<Event>) -> Response {
+fn stream_response(
+    fmt: Formatter,
+    rx: mpsc::UnboundedReceiver<Event>,
+    keep_alive: Option<Duration>,
+) -> Response {
     let mut queued = VecDeque::new();
     if fmt.kind == Kind::Chat {
         queued.push_back(sse(&fmt.chunk(true, Some(""), None)));
     }
     let body = SseBody {
+        splitter: fmt.thinking.map(ReasoningSplitter::new),
         fmt,
         rx,
         queued,
         finished: false,
+        keep_alive: keep_alive.map(|d| (d, Box::pin(tokio::time::sleep(d)))),
     };
     Response::builder()
         .status(StatusCode::OK)
@@ -459,18 +554,50 @@ struct SseBody {
     rx: mpsc::UnboundedReceiver<Event>,
     queued: VecDeque<Bytes>,
     finished: bool,
+    /// Period and timer of the keep-alive comments; dropped at the first text.
+    keep_alive: Option<(Duration, Pin<Box<tokio::time::Sleep>>)>,
+    /// Thinking mode: splits the text into reasoning and content.
+    splitter: Option<ReasoningSplitter>,
 }
 
+const KEEP_ALIVE: &[u8] = b": keep-alive\n\n";
+
 impl SseBody {
+    fn push_split(&mut self, s: Split) {
+        if !s.reasoning.is_empty() {
+            let c = self.fmt.reasoning_chunk(&s.reasoning);
+            self.queued.push_back(sse(&c));
+        }
+        if !s.content.is_empty() {
+            let c = self.fmt.chunk(false, Some(&s.content), None);
+            self.queued.push_back(sse(&c));
+        }
+    }
+
     fn on_event(&mut self, ev: Option<Event>) {
-        let f = &self.fmt;
         match ev {
-            Some(Event::Delta(t)) => self.queued.push_back(sse(&f.chunk(false, Some(&t), None))),
+            Some(Event::Delta(t)) => {
+                self.keep_alive = None;
+                match self.splitter.as_mut() {
+                    Some(sp) => {
+                        let s = sp.push(&t);
+                        self.push_split(s);
+                    }
+                    None => {
+                        let c = self.fmt.chunk(false, Some(&t), None);
+                        self.queued.push_back(sse(&c));
+                    }
+                }
+            }
             Some(Event::Done {
                 finish,
                 completion_tokens,
                 stats,
             }) => {
+                if let Some(s) = self.splitter.as_mut().map(ReasoningSplitter::finish) {
+                    self.push_split(s);
+                }
+                let f = &self.fmt;
                 let mut last = f.chunk(false, None, Some(finish));
                 if f.kind == Kind::Chat {
                     last["choices"][0]["delta"] = json!({});
@@ -516,8 +643,17 @@ impl futures_core::Stream for SseBody {
                 return Poll::Ready(None);
             }
             match this.rx.poll_recv(cx) {
-                Poll::Pending => return Poll::Pending,
                 Poll::Ready(ev) => this.on_event(ev),
+                Poll::Pending => {
+                    if let Some((period, timer)) = this.keep_alive.as_mut() {
+                        if timer.as_mut().poll(cx).is_ready() {
+                            let next = tokio::time::Instant::now() + *period;
+                            timer.as_mut().reset(next);
+                            return Poll::Ready(Some(Ok(Bytes::from_static(KEEP_ALIVE))));
+                        }
+                    }
+                    return Poll::Pending;
+                }
             }
         }
     }

@@ -5,7 +5,10 @@
 use eddy::engine::{Engine, GenerateParams};
 use eddy::stats::{FinishReason, GenerationStats};
 use eddy::tokenizer::{StreamDecoder, Tokenizer};
+use crate::metrics::Metrics;
 use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
 /// One generation request, prompt already tokenized.
@@ -14,6 +17,8 @@ pub(crate) struct Job {
     pub params: GenerateParams,
     pub stops: Vec<String>,
     pub tx: UnboundedSender<Event>,
+    /// When the job entered the queue.
+    pub queued_at: Instant,
 }
 
 /// What the engine thread sends back for a job.
@@ -31,36 +36,51 @@ pub(crate) enum Event {
     Error(String),
 }
 
-/// Start the engine thread; jobs are read from `rx` until every sender is dropped.
+/// Start the engine thread; jobs are read from `rx` until every sender is dropped. Every job taken from
+/// the queue is counted out of `metrics`' queue depth.
 pub(crate) fn spawn(
     mut engine: Engine,
     rx: std::sync::mpsc::Receiver<Job>,
+    metrics: Arc<Metrics>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new()
         .name("eddy-engine".into())
         .spawn(move || {
             let tok = engine.lm.tokenizer.clone();
             while let Ok(job) = rx.recv() {
+                metrics.queue_delta(-1);
                 if job.tx.is_closed() {
                     continue; // the client left while the job was queued
                 }
+                metrics.queue_time(job.queued_at.elapsed());
                 let tx = job.tx.clone();
-                let r =
-                    std::panic::catch_unwind(AssertUnwindSafe(|| run_job(&mut engine, &tok, job)));
-                if r.is_err() {
-                    let _ = tx.send(Event::Error("the engine panicked while generating".into()));
+                metrics.running_delta(1);
+                let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    run_job(&mut engine, &tok, job, &metrics)
+                }));
+                // Counted out before the last event goes: a client that scrapes /metrics right after its
+                // answer sees the job finished.
+                metrics.running_delta(-1);
+                let last = r.unwrap_or_else(|_| {
+                    Some(Event::Error("the engine panicked while generating".into()))
+                });
+                if let Some(ev) = last {
+                    let _ = tx.send(ev);
                 }
             }
         })
 }
 
-fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job) {
+/// Generates one job, sending its text deltas; returns the last event to send (none when the client left).
+fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) -> Option<Event> {
     let Job {
         prompt,
         params,
         stops,
         tx,
+        ..
     } = job;
+    let mut last_token: Option<Instant> = None;
     let mut dec = StreamDecoder::new(tok, true);
     let mut stop = StopMatcher::new(stops);
     let mut n = 0usize;
@@ -74,6 +94,10 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job) {
         if tx.is_closed() {
             return false;
         }
+        let now = Instant::now();
+        if let Some(prev) = last_token.replace(now) {
+            metrics.token_latency(now - prev);
+        }
         n += 1;
         if let Ok(Some(text)) = dec.push(id) {
             let (out, h) = stop.push(&text);
@@ -86,12 +110,11 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job) {
         true
     });
     match r {
-        Err(e) => {
-            let _ = tx.send(Event::Error(e.to_string()));
-        }
+        Err(e) => Some(Event::Error(e.to_string())),
         Ok(stats) => {
+            metrics.generation(&stats, n);
             if stats.finish == FinishReason::Cancelled && !hit {
-                return; // client gone
+                return None; // client gone
             }
             if !hit {
                 if let Ok(Some(text)) = dec.finish() {
@@ -108,11 +131,11 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job) {
             } else {
                 "length"
             };
-            let _ = tx.send(Event::Done {
+            Some(Event::Done {
                 finish,
                 completion_tokens: n,
                 stats,
-            });
+            })
         }
     }
 }

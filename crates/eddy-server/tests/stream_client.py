@@ -25,8 +25,8 @@ with urllib.request.urlopen(req) as resp:
     assert resp.headers["Content-Type"].startswith("text/event-stream"), resp.headers["Content-Type"]
     for raw in resp:
         line = raw.decode("utf-8").rstrip("\n")
-        if not line:
-            continue
+        if not line or line.startswith(":"):
+            continue  # event separator, or an SSE comment (": keep-alive")
         assert line.startswith("data: "), line
         data = line[len("data: "):]
         if data == "[DONE]":

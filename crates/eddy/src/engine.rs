@@ -33,7 +33,8 @@ pub struct EngineOptions {
     pub ctx: usize,
     /// Largest batch of one forward pass (prefill chunk).
     pub max_batch: usize,
-    /// Reuse the KV of the longest common prefix with the previous request.
+    /// Reuse the KV of the longest common prefix with the previous request instead of prefilling it
+    /// again (`eddy serve --no-prefix-cache` turns it off). Output is identical either way.
     pub prefix_cache: bool,
 }
 

@@ -1,0 +1,149 @@
+//! `eddy bench` against an in-process `eddy serve` on SmolLM2: the measured numbers agree with what the
+//! server itself reports, the JSON run is complete, `--compare` reads runs back and `--plot` draws them;
+//! bad options and unreachable endpoints get one error line.
+
+use serde_json::Value;
+use std::net::SocketAddr;
+use std::process::{Command, Output};
+
+mod common;
+
+fn eddy(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_eddy")).args(args).output().unwrap()
+}
+
+fn start_server(p: &std::path::Path) -> SocketAddr {
+    let lm = eddy::load::load_gguf(p, &mut |_, _| {}).unwrap();
+    let opts = eddy::engine::EngineOptions { threads: 1, ctx: 1024, ..Default::default() };
+    let engine = eddy::engine::Engine::new(lm, &opts);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        rt.block_on(async move {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            tx.send(l.local_addr().unwrap()).unwrap();
+            eddy_server::serve(l, engine, eddy_server::ServeOptions::default()).await.unwrap();
+        });
+    });
+    rx.recv().unwrap()
+}
+
+#[test]
+fn bench_measures_an_eddy_server_and_compares_runs() {
+    let Some(model) = common::smol() else { return };
+    let addr = start_server(&model);
+    let endpoint = format!("http://{addr}/v1");
+    let data = common::tmp("bench", "prompts.jsonl");
+    std::fs::write(&data, "{\"prompt\": \"Count from one to twenty in words.\"}\n\"Name the planets of the solar system.\"\n").unwrap();
+    let out_a = common::tmp("bench", "a.json");
+    let o = eddy(&[
+        "bench", "--endpoint", &endpoint, "--dataset", data.to_str().unwrap(), "--num", "2", "--max-tokens", "16",
+        "--warmup", "1", "--out", out_a.to_str().unwrap(), "--label", "smol-a",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8(o.stdout).unwrap();
+    assert!(text.contains("decode speed (tok/s)") && text.contains("median"), "{text}");
+    let run: Value = serde_json::from_str(&std::fs::read_to_string(&out_a).unwrap()).unwrap();
+    assert_eq!(run["model"], "SmolLM2-135M-Instruct.Q4_1"); // from /v1/models: no --model given
+    assert_eq!(run["label"], "smol-a");
+    let reqs = run["requests"].as_array().unwrap();
+    assert_eq!(reqs.len(), 2);
+    for r in reqs {
+        let n = r["completion_tokens"].as_u64().unwrap();
+        assert!((2..=16).contains(&n), "{r}");
+        let ttft = r["ttft_s"].as_f64().unwrap();
+        let e2e = r["e2e_s"].as_f64().unwrap();
+        assert!(ttft > 0.0 && ttft < e2e, "{r}");
+        // Decode speed = (n − 1) ÷ (first → last token), so the decode span fits within the request.
+        let tps = r["decode_tps"].as_f64().unwrap();
+        assert!((n - 1) as f64 / tps <= e2e - ttft + 1e-3, "{r}");
+        // The client's decode speed is the server's own (same tokens, timed at the other end of the socket).
+        let server = r["server_decode_tps"].as_f64().unwrap();
+        assert!((0.7..1.4).contains(&(tps / server)), "client {tps} vs server {server} tok/s: {r}");
+        // No speculation: one token per forward pass (eddy reports spec_verify_ct).
+        assert!((r["tokens_per_pass"].as_f64().unwrap() - 1.0).abs() < 1e-9, "{r}");
+        assert!(r["prompt_tokens"].as_u64().unwrap() > 5);
+    }
+    let s = &run["summary"];
+    assert_eq!(s["requests"], 2);
+    let med = s["decode_tps"]["median"].as_f64().unwrap();
+    assert!(s["decode_tps"]["p10"].as_f64().unwrap() <= med && med <= s["decode_tps"]["p90"].as_f64().unwrap());
+
+    // The same prompt twice, greedy: the completion lengths agree with the server's own count.
+    let out_b = common::tmp("bench", "b.json");
+    let o = eddy(&[
+        "bench", "--endpoint", &endpoint, "--model", "SmolLM2-135M-Instruct.Q4_1", "--prompt", "Say hi.",
+        "--num", "2", "--max-tokens", "8", "--warmup", "0", "--out", out_b.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let b: Value = serde_json::from_str(&std::fs::read_to_string(&out_b).unwrap()).unwrap();
+    assert_eq!(b["requests"][0]["completion_tokens"], b["requests"][1]["completion_tokens"]);
+    assert_eq!(b["label"], addr.to_string());
+
+    let svg = common::tmp("bench", "ab.svg");
+    let o = eddy(&["bench", "--compare", out_a.to_str().unwrap(), out_b.to_str().unwrap(), "--plot", svg.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let table = String::from_utf8(o.stdout).unwrap();
+    assert!(table.contains("smol-a") && table.contains(&addr.to_string()), "{table}");
+    assert!(table.contains("ratios to the first"), "{table}");
+    let drawn = std::fs::read_to_string(&svg).unwrap();
+    assert!(drawn.starts_with("<svg") && drawn.contains("decode speed (tok/s)"));
+    assert_eq!(drawn.matches("<circle").count(), 8, "a dot per request per panel");
+}
+
+#[test]
+fn bench_option_errors_are_one_line() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["bench", "--prompt", "x"], "--endpoint: required"),
+        (&["bench", "--endpoint", "localhost:1/v1", "--prompt", "x"], "not an http"),
+        (&["bench", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m", "--prompt", "x", "--num", "0"], "--num"),
+        (&["bench", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m"], "--dataset"),
+        (&["bench", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m", "--dataset", "/nonexistent/x"], "not humaneval"),
+        (&["bench", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m", "--prompt", "x", "--warmup", "0"], "127.0.0.1:9"),
+        (&["bench", "--compare", "/nonexistent/a.json"], "cannot read"),
+        (&["bench", "--plot", "x.svg"], "--compare"),
+    ];
+    for (args, needle) in cases {
+        let o = eddy(args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8(o.stderr).unwrap();
+        // Progress lines may come first; the error is the last line, and the only one.
+        let last = err.lines().last().unwrap_or("");
+        assert_eq!(err.lines().filter(|l| l.starts_with("error")).count(), 1, "{args:?}: {err}");
+        assert!(last.starts_with("error: ") && last.contains(needle), "{args:?}: {err}");
+    }
+}
+
+/// The real `eddy serve` binary (with --no-prefix-cache, on an ephemeral port), measured by `eddy bench`.
+#[test]
+fn serve_binary_with_no_prefix_cache_is_benchmarked() {
+    use std::io::BufRead;
+    let Some(model) = common::smol() else { return };
+    let mut child = Command::new(env!("CARGO_BIN_EXE_eddy"))
+        .args(["serve", "--model", model.to_str().unwrap(), "--threads", "1", "--ctx", "512", "--port", "0", "--no-prefix-cache"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    let addr = loop {
+        line.clear();
+        assert!(err.read_line(&mut line).unwrap() > 0, "eddy serve exited before listening");
+        if let Some(a) = line.trim().split("listening on http://").nth(1) {
+            break a.to_string();
+        }
+    };
+    let out = common::tmp("bench", "serve.json");
+    let o = eddy(&[
+        "bench", "--endpoint", &format!("http://{addr}/v1"), "--prompt", "Say hi.", "--num", "2", "--max-tokens", "4",
+        "--warmup", "0", "--out", out.to_str().unwrap(),
+    ]);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let run: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    for r in run["requests"].as_array().unwrap() {
+        assert_eq!(r["cached_tokens"], 0, "--no-prefix-cache: {r}");
+        assert!(r["completion_tokens"].as_u64().unwrap() >= 1);
+    }
+}
