@@ -920,10 +920,8 @@ fn prefix_cache_outputs_equal_cold_runs() {
     assert_eq!(w["choices"][0]["message"], c["choices"][0]["message"]);
 }
 
-/// PENDING the engine's prefix cache (EngineOptions.prefix_cache, being built in engine.rs): remove the
-/// `ignore` when it lands. Checks that `cached_tokens` reports the reuse where a prefix is shared.
+/// `cached_tokens` reports the reuse where a prefix is shared.
 #[test]
-#[ignore = "pending the engine's prefix cache (EngineOptions.prefix_cache); run with --ignored once it lands"]
 fn prefix_cache_reports_cached_tokens() {
     let Some((warm, cold)) = prefix_cache_pair() else { return };
     let short = strict_prefix_of_a();
@@ -1119,4 +1117,35 @@ mod fuzz {
             REFUSED.load(Ordering::Relaxed)
         );
     }
+}
+
+/// A server speculating with suffix lookup answers exactly as the plain one, and reports the drafts:
+/// `usage.spec_verify_ct` below the completion tokens, `timings.draft_n(_accepted)`, and /metrics counters.
+#[test]
+fn speculative_server_answers_as_plain_and_reports_drafts() {
+    let Some(p) = model_path() else { return };
+    let mut spec = engine(&p);
+    let specs = eddy::spec::build_speculators(eddy::spec::SpeculatorKind::Suffix, None, &spec.lm.tokenizer, spec.ctx()).unwrap();
+    spec.set_speculation(specs, eddy::spec::Budget::Fixed(8));
+    let spec = start(spec, eddy_server::ServeOptions::default());
+    let plain = server_or_skip!();
+    let text = "one two three four five six seven eight nine ten";
+    let msg = format!("Repeat this line three times: {text}");
+    for temperature in [0.0, 0.8] {
+        let body = json!({"messages": [{"role": "user", "content": msg}], "max_tokens": 64, "temperature": temperature, "seed": 7});
+        let a = post(spec, "/v1/chat/completions", body.clone()).json();
+        let b = post(plain, "/v1/chat/completions", body).json();
+        assert_eq!(a["choices"][0]["message"], b["choices"][0]["message"], "speculation changed the answer at T={temperature}");
+        let done = a["usage"]["completion_tokens"].as_u64().unwrap();
+        let passes = a["usage"]["spec_verify_ct"].as_u64().unwrap();
+        assert!(a["timings"]["draft_n"].as_u64().unwrap() > 0, "{a}");
+        if temperature == 0.0 {
+            assert!(a["timings"]["draft_n_accepted"].as_u64().unwrap() > 0, "{a}");
+            assert!(passes < done, "{passes} verify passes for {done} tokens: nothing accepted");
+        }
+        assert_eq!(b["timings"]["draft_n"].as_u64().unwrap(), 0);
+    }
+    let m = request(spec, "GET", "/metrics", "").body;
+    assert!(metric(&m, "eddy_spec_draft_tokens_total") > 0.0);
+    assert!(metric(&m, "eddy_spec_draft_tokens_accepted_total") > 0.0);
 }
