@@ -564,16 +564,16 @@ impl Shard {
 }
 
 /// The tensors of a folder, over all its shards.
-struct Tensors {
+pub(crate) struct Tensors {
     shards: Vec<Shard>,
     /// Tensor name → shard.
     index: HashMap<String, usize>,
     /// The file named by "missing tensor" errors: model.safetensors or the index.
-    listing: PathBuf,
+    pub(crate) listing: PathBuf,
 }
 
 impl Tensors {
-    fn open(dir: &Path) -> Result<Tensors> {
+    pub(crate) fn open(dir: &Path) -> Result<Tensors> {
         let single = dir.join(WEIGHTS_FILE);
         let index_path = dir.join(WEIGHTS_INDEX_FILE);
         let (files, listing) = if single.is_file() {
@@ -608,8 +608,40 @@ impl Tensors {
         Some((shard, shard.meta.info(name)?))
     }
 
-    fn contains(&self, name: &str) -> bool {
+    pub(crate) fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
+    }
+
+    /// Shape of tensor `name`, if present.
+    pub(crate) fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.get(name).map(|(_, i)| i.shape.clone())
+    }
+
+    /// Tensor `name` as f32 (f32/f16/bf16 data), after checking its shape is `want`.
+    pub(crate) fn f32_tensor(&self, name: &str, want: &[usize]) -> Result<Vec<f32>> {
+        let (shard, info) = self.get(name).ok_or_else(|| Error::model(&self.listing, format!("missing tensor {name}")))?;
+        DirLoader::check_shape(shard, name, info, want)?;
+        to_f32(shard, name, info)
+    }
+
+    /// Matrix `name` (`rows × cols`), stored as [`DirLoader`] stores it under `quant` (`vocab`: embedding/LM head).
+    pub(crate) fn matrix(&self, name: &str, rows: usize, cols: usize, quant: Quant, vocab: bool) -> Result<WeightMatrix> {
+        let (shard, info) = self.get(name).ok_or_else(|| Error::model(&self.listing, format!("missing tensor {name}")))?;
+        DirLoader::check_shape(shard, name, info, &[rows, cols])?;
+        let kind = match (quant, vocab) {
+            (Quant::None, _) => None,
+            (Quant::Q8, _) | (Quant::Q4, true) => Some(QuantKind::Q8),
+            (Quant::Q4, false) => Some(QuantKind::Q4),
+        };
+        Ok(match (kind, info.dtype) {
+            (None, Dtype::BF16) => WeightMatrix::Bf16 {
+                rows,
+                cols,
+                data: shard.bytes(info).chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect(),
+            },
+            (None, _) => WeightMatrix::F32 { rows, cols, data: to_f32(shard, name, info)? },
+            (Some(k), _) => quantize_f32(rows, cols, &to_f32(shard, name, info)?, k),
+        })
     }
 }
 
@@ -684,22 +716,7 @@ impl<'a> DirLoader<'a> {
 
     /// A `rows × cols` matrix (out × in, as stored by PyTorch).
     fn matrix(&mut self, name: &str, rows: usize, cols: usize, role: Role) -> Result<WeightMatrix> {
-        let (shard, info) = self.find(name)?;
-        Self::check_shape(shard, name, info, &[rows, cols])?;
-        let kind = match (self.quant, role) {
-            (Quant::None, _) => None,
-            (Quant::Q8, _) | (Quant::Q4, Role::Vocab) => Some(QuantKind::Q8),
-            (Quant::Q4, Role::Projection) => Some(QuantKind::Q4),
-        };
-        let m = match (kind, info.dtype) {
-            (None, Dtype::BF16) => WeightMatrix::Bf16 {
-                rows,
-                cols,
-                data: shard.bytes(info).chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect(),
-            },
-            (None, _) => WeightMatrix::F32 { rows, cols, data: to_f32(shard, name, info)? },
-            (Some(k), _) => quantize_f32(rows, cols, &to_f32(shard, name, info)?, k),
-        };
+        let m = self.t.matrix(name, rows, cols, self.quant, role == Role::Vocab)?;
         self.tick();
         Ok(m)
     }

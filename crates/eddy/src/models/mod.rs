@@ -12,6 +12,7 @@ pub mod gemma3;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
+pub mod qwen35;
 
 pub use forward::{forward, Workspace};
 

@@ -77,7 +77,7 @@ impl GdnShape {
     }
     /// Problem with the shape, in words.
     pub fn check(&self) -> Result<(), String> {
-        if self.n_k_heads == 0 || self.n_v_heads % self.n_k_heads != 0 || self.d_k == 0 || self.d_v == 0 || self.kernel < 1 {
+        if self.n_k_heads == 0 || !self.n_v_heads.is_multiple_of(self.n_k_heads) || self.d_k == 0 || self.d_v == 0 || self.kernel < 1 {
             return Err(format!(
                 "inconsistent Gated DeltaNet shape: {} key heads, {} value heads, d_k {}, d_v {}, conv kernel {}",
                 self.n_k_heads, self.n_v_heads, self.d_k, self.d_v, self.kernel
