@@ -304,3 +304,68 @@ fn bad_input_gives_errors() {
     assert!(e.contains("not a Qwen3.5 dense model"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The 0.8B-shape synthetic model (tools/make_qwen35_08b.py; not committed: 1.5 GB). The test runs only when
+/// `$EDDY_MODELS/qwen35-0.8b-synthetic/model.safetensors` exists. Weights bf16, eddy computes in f32 like
+/// transformers (float32 on the same bf16 values). Required: eddy's logit at each golden top-16 id within
+/// 1e-2 · max |logit| of transformers', same argmax at ≥ 99 % of the 64 positions.
+#[test]
+fn shape_08b_matches_transformers() {
+    let dir = eddy::load::models_dir().join("qwen35-0.8b-synthetic");
+    if !dir.join("model.safetensors").is_file() {
+        eprintln!("skipping: {} missing (python3 tools/make_qwen35_08b.py makes it in about a minute)", dir.display());
+        return;
+    }
+    let gpath = fixtures().join("08b.golden.json");
+    let g: Value = serde_json::from_str(&std::fs::read_to_string(&gpath).unwrap()).unwrap();
+    let m = Qwen35Model::load_dir(&dir, Quant::None).unwrap_or_else(|e| panic!("{e}"));
+    let c = &m.config;
+    assert_eq!((c.n_layers, c.d_model, c.ffn_dim, c.vocab_size, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dims), (24, 1024, 3584, 248_320, 8, 2, 256, 64));
+    assert_eq!((c.gdn.n_k_heads, c.gdn.n_v_heads, c.gdn.d_k, c.gdn.d_v), (16, 16, 128, 128));
+    // The weights must be the ones the golden file was made from.
+    for f in g["fingerprint"].as_array().unwrap() {
+        let (name, idx, want) = (f["tensor"].as_str().unwrap(), f["index"].as_u64().unwrap() as usize, f["value"].as_f64().unwrap() as f32);
+        let got = match name {
+            "model.embed_tokens.weight" => {
+                let mut row = vec![0f32; c.d_model];
+                m.embed.dequant_row(idx / c.d_model, &mut row);
+                row[idx % c.d_model]
+            }
+            "model.layers.23.mlp.down_proj.weight" => {
+                let mut row = vec![0f32; c.ffn_dim];
+                m.layers[23].w_down.dequant_row(idx / c.ffn_dim, &mut row);
+                row[idx % c.ffn_dim]
+            }
+            "model.layers.0.linear_attn.A_log" => match &m.layers[0].mixer {
+                qwen35::Mixer::DeltaNet(d) => (-d.a_neg[idx]).ln(),
+                _ => unreachable!(),
+            },
+            other => panic!("unknown fingerprint tensor {other}"),
+        };
+        assert!((got - want).abs() <= 1e-6 * want.abs().max(1.0), "{} was regenerated differently ({name}[{idx}] = {got}, golden {want}): rerun tools/make_qwen35_08b.py with the pinned numpy", dir.display());
+    }
+    let pool = pool();
+    let vocab = c.vocab_size;
+    let (mut agree, mut total, mut worst) = (0, 0, 0f32);
+    for case in g["cases"].as_array().unwrap() {
+        let tokens: Vec<u32> = case["tokens"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+        let scale = case["max_abs_logit"].as_f64().unwrap() as f32;
+        let t0 = std::time::Instant::now();
+        let logits = prefill_logits(&m, &pool, &tokens);
+        eprintln!("0.8B: prefill of {} tokens with all logits in {:.2} s", tokens.len(), t0.elapsed().as_secs_f64());
+        for (i, want) in case["argmax"].as_array().unwrap().iter().enumerate() {
+            let row = &logits[i * vocab..(i + 1) * vocab];
+            total += 1;
+            agree += (argmax(row) == want.as_u64().unwrap() as usize) as usize;
+            let ids = case["top_ids"][i].as_array().unwrap();
+            let vals = case["top_logits"][i].as_array().unwrap();
+            for (id, v) in ids.iter().zip(vals) {
+                let e = (row[id.as_u64().unwrap() as usize] - v.as_f64().unwrap() as f32).abs() / scale;
+                worst = worst.max(e);
+            }
+        }
+    }
+    eprintln!("0.8B: max |Δlogit| / max |logit| = {worst:.2e} over the top-16 ids, argmax {agree}/{total}");
+    assert!(worst <= 1e-2, "relative logit error {worst}");
+    assert!(agree * 100 >= total * 99, "argmax agreement {agree}/{total}");
+}
