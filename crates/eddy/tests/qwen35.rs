@@ -369,3 +369,108 @@ fn shape_08b_matches_transformers() {
     assert!(worst <= 1e-2, "relative logit error {worst}");
     assert!(agree * 100 >= total * 99, "argmax agreement {agree}/{total}");
 }
+
+/// Speed on the 0.8B-shape model (ignored by default; `cargo test --release -p eddy --test qwen35 bench_08b
+/// -- --ignored --nocapture`): decode tokens/s per weight format against the bandwidth limit (weight bytes per
+/// token ÷ measured read bandwidth), prefill tokens/s at 512, and one GDN layer's tree verification (16 and
+/// 64 nodes) against the same number of sequential recurrent decode steps.
+#[test]
+#[ignore]
+fn bench_08b() {
+    use eddy::backend::cpu::gdn;
+    use std::time::Instant;
+    let dir = eddy::load::models_dir().join("qwen35-0.8b-synthetic");
+    if !dir.join("model.safetensors").is_file() {
+        eprintln!("skipping: {} missing", dir.display());
+        return;
+    }
+    let pool = pool();
+    let bw = eddy::backend::cpu::bandwidth::measure_read_bandwidth(&pool, 1 << 30, 3);
+    eprintln!("threads {}, read bandwidth {bw:.1} GB/s", pool.n_threads());
+    for quant in [Quant::Q4, Quant::Q8, Quant::None] {
+        let m = Qwen35Model::load_dir(&dir, quant).unwrap();
+        let mut ws = Qwen35Workspace::new(512);
+        let mut st = Qwen35State::new(&m.config, 1024);
+        let mut out = Vec::new();
+        let prompt: Vec<u32> = (0..512u32).map(|i| (i * 7919) % 248_000).collect();
+        let t0 = Instant::now();
+        forward(&m, &pool, &mut ws, &mut st, &prompt, Logits::Last, &mut out).unwrap();
+        let pp = 512.0 / t0.elapsed().as_secs_f64();
+        let n = 32;
+        let t0 = Instant::now();
+        for i in 0..n {
+            forward(&m, &pool, &mut ws, &mut st, &[(i * 31) as u32], Logits::Last, &mut out).unwrap();
+        }
+        let tg = n as f64 / t0.elapsed().as_secs_f64();
+        let gb = m.weight_bytes() as f64 / 1e9;
+        eprintln!("{quant}: weights {gb:.3} GB/token, pp512 {pp:.1} t/s, tg {tg:.2} t/s, bandwidth limit {:.2} t/s ({:.0} %)", bw / gb, 100.0 * tg * gb / bw);
+        // Whole-model tree verification: a 16-node chain and a 16-node two-level tree against one decode step.
+        let t0 = Instant::now();
+        for i in 0..8 {
+            forward(&m, &pool, &mut ws, &mut st, &[(i * 17) as u32], Logits::Last, &mut out).unwrap();
+        }
+        let step = t0.elapsed().as_secs_f64() / 8.0;
+        for (what, parents) in [("chain", gdn::chain_parents(16)), ("4x4 tree", (0..16).map(|i| if i == 0 { usize::MAX } else if i < 4 { 0 } else { (i - 4) / 3 + 1 }).collect::<Vec<_>>())] {
+            let tokens: Vec<u32> = (0..16).map(|i| i * 101).collect();
+            let t0 = Instant::now();
+            for _ in 0..3 {
+                forward_tree(&m, &pool, &mut ws, &mut st, &tokens, &parents, &mut out).unwrap();
+            }
+            let tv = t0.elapsed().as_secs_f64() / 3.0;
+            eprintln!("{quant}: 16-node {what} verify {:.1} ms = {:.2} decode steps ({:.1} ms)", tv * 1e3, tv / step, step * 1e3);
+        }
+    }
+}
+
+/// One GDN layer of the 0.8B shape (ignored by default): tree verification of 1–64 nodes against one
+/// recurrent decode step and against the same number of sequential steps.
+#[test]
+#[ignore]
+fn bench_gdn_layer() {
+    use eddy::backend::cpu::gdn;
+    use std::time::Instant;
+    // One thread and best-of-N timings: the ratio is what matters, and a shared machine makes means noisy.
+    let pool = ThreadPool::new(1);
+    let best = |f: &mut dyn FnMut()| -> f64 {
+        (0..15)
+            .map(|_| {
+                let t0 = Instant::now();
+                f();
+                t0.elapsed().as_secs_f64()
+            })
+            .fold(f64::INFINITY, f64::min)
+    };
+    let s = gdn::GdnShape { n_k_heads: 16, n_v_heads: 16, d_k: 128, d_v: 128, kernel: 4, v_tiled: false };
+    let mut seed = 9u64;
+    let mut rnd = || {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    };
+    for n in [1usize, 4, 16, 64] {
+        let mut c: Vec<f32> = (0..n * s.conv_dim()).map(|_| rnd()).collect();
+        let mut a: Vec<f32> = (0..n * 16).map(|_| rnd()).collect();
+        let mut b: Vec<f32> = (0..n * 16).map(|_| rnd()).collect();
+        gdn::prepare(&s, &mut c, &mut a, &mut b, &[-0.5; 16], &[0.0; 16], n);
+        let mut state: Vec<f32> = (0..s.state_len()).map(|_| rnd() * 0.1).collect();
+        let parents = gdn::chain_parents(n);
+        let (mut gamma, mut u, mut o) = (vec![0f32; n * 16], vec![0f32; n * s.value_dim()], vec![0f32; n * s.value_dim()]);
+        let tree = best(&mut || gdn::wy_outputs(&pool, &s, &state, &c, &a, &b, &parents, &mut gamma, &mut u, &mut o));
+        let path: Vec<usize> = (0..n).collect();
+        let mut st2 = state.clone();
+        let commit = best(&mut || gdn::apply_path(&pool, &s, &mut st2, &c, &gamma, &u, &path));
+        let seq = best(&mut || {
+            for i in 0..n {
+                gdn::recurrent(&pool, &s, &mut state, &c[i * s.conv_dim()..], &a[i * 16..], &b[i * 16..], 1, &mut o[..s.value_dim()]);
+            }
+        });
+        let one = best(&mut || gdn::recurrent(&pool, &s, &mut state, &c, &a, &b, 1, &mut o[..s.value_dim()]));
+        eprintln!(
+            "GDN layer (1 thread), {n} nodes: tree verify {:.1} µs + commit {:.1} µs; {n} sequential steps {:.1} µs; one step {:.1} µs → verify = {:.2} steps",
+            tree * 1e6,
+            commit * 1e6,
+            seq * 1e6,
+            one * 1e6,
+            tree / one
+        );
+    }
+}

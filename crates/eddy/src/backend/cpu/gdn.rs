@@ -219,15 +219,194 @@ fn qkv<'a>(s: &GdnShape, row: &'a [f32], h: usize) -> (&'a [f32], &'a [f32], &'a
     (&row[kh * dk..(kh + 1) * dk], &row[kd + kh * dk..kd + (kh + 1) * dk], &row[2 * kd + h * dv..2 * kd + (h + 1) * dv])
 }
 
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    super::attention::dot(a, b)
+/// Defines `$name` that runs `$body::<true>` (an `#[inline(always)]` fn generic over `const FMA: bool`)
+/// compiled for AVX-512 or AVX2+FMA when the CPU has them (fixed 16-lane loops then vectorize with wide
+/// registers and fused multiply-adds), else `$body::<false>` for the baseline target (separate mul and add,
+/// as `mul_add` without FMA hardware is a slow library call).
+macro_rules! multiversion {
+    ($(#[$m:meta])* $vis:vis fn $name:ident => $body:ident ($($arg:ident : $ty:ty),*)) => {
+        $(#[$m])*
+        #[allow(clippy::too_many_arguments)]
+        $vis fn $name($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    #[target_feature(enable = "avx512f,avx2,fma")]
+                    #[allow(clippy::too_many_arguments)]
+                    unsafe fn wide($($arg: $ty),*) {
+                        $body::<true>($($arg),*)
+                    }
+                    // SAFETY: the features were detected at run time.
+                    return unsafe { wide($($arg),*) };
+                }
+                if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                    #[target_feature(enable = "avx2,fma")]
+                    #[allow(clippy::too_many_arguments)]
+                    unsafe fn narrow($($arg: $ty),*) {
+                        $body::<true>($($arg),*)
+                    }
+                    // SAFETY: the features were detected at run time.
+                    return unsafe { narrow($($arg),*) };
+                }
+            }
+            $body::<false>($($arg),*)
+        }
+    };
 }
 
-#[inline]
-fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+/// Column block of the state processed in registers.
+const LANES: usize = 16;
+
+/// `acc + a·b`, fused where the hardware has FMA.
+#[inline(always)]
+fn madd<const FMA: bool>(acc: f32, a: f32, b: f32) -> f32 {
+    if FMA {
+        a.mul_add(b, acc)
+    } else {
+        acc + a * b
+    }
+}
+
+#[inline(always)]
+fn axpy_f<const FMA: bool>(y: &mut [f32], a: f32, x: &[f32]) {
     for (y, &x) in y.iter_mut().zip(x) {
-        *y += a * x;
+        *y = madd::<FMA>(*y, a, x);
+    }
+}
+
+#[inline(always)]
+fn dot_f<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..LANES {
+            acc[l] = madd::<FMA>(acc[l], x[l], y[l]);
+        }
+    }
+    let mut s: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
+    for v in acc {
+        s += v;
+    }
+    s
+}
+
+multiversion! {
+    /// `out[x] = Sᵀ xs[x]` for `nx` vectors: `st` is `dk × dv`, `xs` is `nx × dk`, `out` is `nx × dv`.
+    pub fn state_t_times => state_t_times_body(st: &[f32], dk: usize, dv: usize, xs: &[f32], nx: usize, out: &mut [f32])
+}
+
+#[inline(always)]
+fn state_t_times_body<const FMA: bool>(st: &[f32], dk: usize, dv: usize, xs: &[f32], nx: usize, out: &mut [f32]) {
+    assert!(st.len() >= dk * dv && xs.len() >= nx * dk && out.len() >= nx * dv);
+    if dv.is_multiple_of(2 * LANES) {
+        state_t_times_blocked::<FMA, 2>(st, dk, dv, xs, nx, out);
+    } else if dv.is_multiple_of(LANES) {
+        state_t_times_blocked::<FMA, 1>(st, dk, dv, xs, nx, out);
+    } else {
+        for x in 0..nx {
+            let o = &mut out[x * dv..(x + 1) * dv];
+            o.fill(0.0);
+            for m in 0..dk {
+                axpy_f::<FMA>(o, xs[x * dk + m], &st[m * dv..(m + 1) * dv]);
+            }
+        }
+    }
+}
+
+/// Groups of four vectors, then single ones, times `CH` column blocks of 16.
+#[inline(always)]
+fn state_t_times_blocked<const FMA: bool, const CH: usize>(st: &[f32], dk: usize, dv: usize, xs: &[f32], nx: usize, out: &mut [f32]) {
+    let four = nx / 4 * 4;
+    for x0 in (0..four).step_by(4) {
+        state_t_times_group::<FMA, CH, 4>(st, dk, dv, xs, x0, out);
+    }
+    for x0 in four..nx {
+        state_t_times_group::<FMA, CH, 1>(st, dk, dv, xs, x0, out);
+    }
+}
+
+/// Vectors `x0..x0+NV` × `CH` column blocks of 16 per step: `NV·CH` independent accumulators share each load.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+fn state_t_times_group<const FMA: bool, const CH: usize, const NV: usize>(st: &[f32], dk: usize, dv: usize, xs: &[f32], x0: usize, out: &mut [f32]) {
+    for jc in (0..dv).step_by(CH * LANES) {
+        let mut acc = [[[0f32; LANES]; CH]; NV];
+        for m in 0..dk {
+            let rows: [&[f32; LANES]; CH] = std::array::from_fn(|c| st[m * dv + jc + c * LANES..][..LANES].try_into().unwrap());
+            for v in 0..NV {
+                let cv = xs[(x0 + v) * dk + m];
+                for c in 0..CH {
+                    for l in 0..LANES {
+                        acc[v][c][l] = madd::<FMA>(acc[v][c][l], cv, rows[c][l]);
+                    }
+                }
+            }
+        }
+        for v in 0..NV {
+            for c in 0..CH {
+                let o = (x0 + v) * dv + jc + c * LANES;
+                out[o..o + LANES].copy_from_slice(&acc[v][c]);
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// `S ← alpha·S + Σ_p coef[p]·ks[p] us[p]ᵀ`: `st` is `dk × dv`, `ks` is `np × dk`, `us` is `np × dv`.
+    pub fn state_rank_update => state_rank_update_body(st: &mut [f32], dk: usize, dv: usize, alpha: f32, ks: &[f32], us: &[f32], coef: &[f32])
+}
+
+#[inline(always)]
+fn state_rank_update_body<const FMA: bool>(st: &mut [f32], dk: usize, dv: usize, alpha: f32, ks: &[f32], us: &[f32], coef: &[f32]) {
+    let np = coef.len();
+    assert!(st.len() >= dk * dv && ks.len() >= np * dk && us.len() >= np * dv);
+    // Row by row: the row (d_v values) stays in L1 while each rank-1 term is added with independent lanes.
+    for m in 0..dk {
+        let row = &mut st[m * dv..(m + 1) * dv];
+        row.iter_mut().for_each(|v| *v *= alpha);
+        for p in 0..np {
+            axpy_f::<FMA>(row, coef[p] * ks[p * dk + m], &us[p * dv..(p + 1) * dv]);
+        }
+    }
+}
+
+multiversion! {
+    /// One value head of [`wy_outputs`] on gathered, contiguous inputs: `xs` holds `k_i, q_i` for each node
+    /// (`2n × dk`), `vs` the values (`n × dv`), `gam`/`bet` the node's γ and β; writes `us` (ũ) and `os`
+    /// (outputs), `n × dv` each; `ksqs` is scratch (`2n × dv`).
+    fn wy_head => wy_head_body(st: &[f32], dk: usize, dv: usize, parents: &[usize], xs: &[f32], vs: &[f32], gam: &[f32], bet: &[f32], ksqs: &mut [f32], us: &mut [f32], os: &mut [f32])
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn wy_head_body<const FMA: bool>(st: &[f32], dk: usize, dv: usize, parents: &[usize], xs: &[f32], vs: &[f32], gam: &[f32], bet: &[f32], ksqs: &mut [f32], us: &mut [f32], os: &mut [f32]) {
+    let n = parents.len();
+    state_t_times_body::<FMA>(st, dk, dv, xs, 2 * n, ksqs);
+    let key = |i: usize| &xs[2 * i * dk..(2 * i + 1) * dk];
+    let query = |i: usize| &xs[(2 * i + 1) * dk..(2 * i + 2) * dk];
+    for i in 0..n {
+        let (gi, b) = (gam[i], bet[i]);
+        let egi = gi.exp();
+        let (done, rest) = us.split_at_mut(i * dv);
+        let ui = &mut rest[..dv];
+        let (ks, qs) = (&ksqs[2 * i * dv..(2 * i + 1) * dv], &ksqs[(2 * i + 1) * dv..(2 * i + 2) * dv]);
+        for j in 0..dv {
+            ui[j] = b * (vs[i * dv + j] - egi * ks[j]);
+        }
+        let oi = &mut os[i * dv..(i + 1) * dv];
+        for j in 0..dv {
+            oi[j] = egi * qs[j];
+        }
+        let mut a = parents[i];
+        while a != usize::MAX {
+            let decay = (gi - gam[a]).exp();
+            let ua = &done[a * dv..(a + 1) * dv];
+            axpy_f::<FMA>(ui, -b * decay * dot_f::<FMA>(key(i), key(a)), ua);
+            axpy_f::<FMA>(oi, decay * dot_f::<FMA>(query(i), key(a)), ua);
+            a = parents[a];
+        }
+        axpy_f::<FMA>(oi, dot_f::<FMA>(query(i), key(i)), ui);
     }
 }
 
@@ -249,23 +428,13 @@ pub fn recurrent(pool: &ThreadPool, s: &GdnShape, state: &mut [f32], c: &[f32], 
                 let (q, k, v) = qkv(s, &c[t * cd..(t + 1) * cd], h);
                 let alpha = g[t * hv + h].exp();
                 let b = beta[t * hv + h];
-                kv.fill(0.0);
-                for m in 0..dk {
-                    axpy(&mut kv, k[m], &st[m * dv..(m + 1) * dv]);
-                }
+                state_t_times(st, dk, dv, k, 1, &mut kv);
                 for j in 0..dv {
                     kv[j] = b * (v[j] - alpha * kv[j]);
                 }
+                state_rank_update(st, dk, dv, alpha, k, &kv, &[1.0]);
                 let o = unsafe { std::slice::from_raw_parts_mut(op.get().add(t * vd + h * dv), dv) };
-                o.fill(0.0);
-                for m in 0..dk {
-                    let row = &mut st[m * dv..(m + 1) * dv];
-                    let km = k[m];
-                    for j in 0..dv {
-                        row[j] = alpha * row[j] + km * kv[j];
-                    }
-                    axpy(o, q[m], row);
-                }
+                state_t_times(st, dk, dv, q, 1, o);
             }
         }
     });
@@ -307,55 +476,29 @@ pub fn wy_outputs(
     let op = SyncPtr(out.as_mut_ptr());
     pool.parallel_for(hv, 1, |range| {
         WY_SCRATCH.with(|sc| {
-            let (ks, qs) = &mut *sc.borrow_mut();
-            ks.resize(n * dv, 0.0);
-            qs.resize(n * dv, 0.0);
+            let (xs, rest) = &mut *sc.borrow_mut();
+            xs.resize(2 * n * dk + n * dv + 2 * n, 0.0);
+            rest.resize(4 * n * dv, 0.0);
+            let (xs, tail) = xs.split_at_mut(2 * n * dk);
+            let (vs, tail) = tail.split_at_mut(n * dv);
+            let (gam, bet) = tail.split_at_mut(n);
+            let (ksqs, tail) = rest.split_at_mut(2 * n * dv);
+            let (us, os) = tail.split_at_mut(n * dv);
             for h in range {
-                let st = &state[h * dk * dv..(h + 1) * dk * dv];
-                // S₀ᵀk_i and S₀ᵀq_i for every node, one pass over S₀.
-                ks.fill(0.0);
-                qs.fill(0.0);
-                for m in 0..dk {
-                    let row = &st[m * dv..(m + 1) * dv];
-                    for i in 0..n {
-                        let (q, k, _) = qkv(s, &c[i * cd..(i + 1) * cd], h);
-                        axpy(&mut ks[i * dv..(i + 1) * dv], k[m], row);
-                        axpy(&mut qs[i * dv..(i + 1) * dv], q[m], row);
-                    }
-                }
                 for i in 0..n {
                     let (q, k, v) = qkv(s, &c[i * cd..(i + 1) * cd], h);
-                    let gi = gamma[i * hv + h];
-                    let b = beta[i * hv + h];
-                    let egi = gi.exp();
-                    // SAFETY: head h owns the `dv` slices at column h·dv of every row of `u` and `out`; rows
-                    // j < i were finished earlier in this loop.
-                    let ui = unsafe { std::slice::from_raw_parts_mut(up.get().add(i * vd + h * dv), dv) };
-                    for j in 0..dv {
-                        ui[j] = b * (v[j] - egi * ks[i * dv + j]);
-                    }
-                    let oi = unsafe { std::slice::from_raw_parts_mut(op.get().add(i * vd + h * dv), dv) };
-                    for j in 0..dv {
-                        oi[j] = egi * qs[i * dv + j];
-                    }
-                    let mut a = parents[i];
-                    while a != usize::MAX {
-                        let (_, ka, _) = qkv(s, &c[a * cd..(a + 1) * cd], h);
-                        let decay = (gi - gamma[a * hv + h]).exp();
-                        let ua = unsafe { std::slice::from_raw_parts(up.get().add(a * vd + h * dv), dv) };
-                        axpy(ui, -b * decay * dot(k, ka), ua);
-                        a = parents[a];
-                    }
-                    // Outputs read ũ of self and ancestors.
-                    let ui: &[f32] = ui;
-                    axpy(oi, dot(q, k), ui);
-                    let mut a = parents[i];
-                    while a != usize::MAX {
-                        let (_, ka, _) = qkv(s, &c[a * cd..(a + 1) * cd], h);
-                        let decay = (gi - gamma[a * hv + h]).exp();
-                        let ua = unsafe { std::slice::from_raw_parts(up.get().add(a * vd + h * dv), dv) };
-                        axpy(oi, decay * dot(q, ka), ua);
-                        a = parents[a];
+                    xs[2 * i * dk..(2 * i + 1) * dk].copy_from_slice(k);
+                    xs[(2 * i + 1) * dk..(2 * i + 2) * dk].copy_from_slice(q);
+                    vs[i * dv..(i + 1) * dv].copy_from_slice(v);
+                    gam[i] = gamma[i * hv + h];
+                    bet[i] = beta[i * hv + h];
+                }
+                wy_head(&state[h * dk * dv..(h + 1) * dk * dv], dk, dv, parents, xs, vs, gam, bet, ksqs, us, os);
+                for i in 0..n {
+                    // SAFETY: head h owns the `dv` slices at column h·dv of every row of `u` and `out`.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(us[i * dv..].as_ptr(), up.get().add(i * vd + h * dv), dv);
+                        std::ptr::copy_nonoverlapping(os[i * dv..].as_ptr(), op.get().add(i * vd + h * dv), dv);
                     }
                 }
             }
@@ -372,22 +515,18 @@ pub fn apply_path(pool: &ThreadPool, s: &GdnShape, state: &mut [f32], c: &[f32],
     let sp = SyncPtr(state.as_mut_ptr());
     pool.parallel_for(hv, 1, |range| {
         let mut coef = vec![0f32; path.len()];
+        let mut ks = vec![0f32; path.len() * dk];
+        let mut us = vec![0f32; path.len() * dv];
         for h in range {
             // SAFETY: each head owns its state block.
             let st = unsafe { std::slice::from_raw_parts_mut(sp.get().add(h * dk * dv), dk * dv) };
             let gl = gamma[last * hv + h];
-            for (cf, &j) in coef.iter_mut().zip(path) {
-                *cf = (gl - gamma[j * hv + h]).exp();
+            for (p, &j) in path.iter().enumerate() {
+                coef[p] = (gl - gamma[j * hv + h]).exp();
+                ks[p * dk..(p + 1) * dk].copy_from_slice(qkv(s, &c[j * cd..(j + 1) * cd], h).1);
+                us[p * dv..(p + 1) * dv].copy_from_slice(&u[j * vd + h * dv..j * vd + (h + 1) * dv]);
             }
-            let el = gl.exp();
-            for m in 0..dk {
-                let row = &mut st[m * dv..(m + 1) * dv];
-                row.iter_mut().for_each(|x| *x *= el);
-                for (&cf, &j) in coef.iter().zip(path) {
-                    let (_, k, _) = qkv(s, &c[j * cd..(j + 1) * cd], h);
-                    axpy(row, cf * k[m], &u[j * vd + h * dv..j * vd + (h + 1) * dv]);
-                }
-            }
+            state_rank_update(st, dk, dv, gl.exp(), &ks, &us, &coef);
         }
     });
 }
@@ -465,8 +604,9 @@ mod tests {
         }
     }
 
+    /// d_v = 24 takes the generic loops, d_v = 32 the 16-lane blocked ones.
     fn shape(v_tiled: bool) -> GdnShape {
-        GdnShape { n_k_heads: 2, n_v_heads: 4, d_k: 16, d_v: 24, kernel: 4, v_tiled }
+        GdnShape { n_k_heads: 2, n_v_heads: 4, d_k: 16, d_v: if v_tiled { 24 } else { 32 }, kernel: 4, v_tiled }
     }
 
     /// Random prepared inputs for n nodes: (c, g, beta, state).
@@ -646,5 +786,36 @@ mod tests {
         assert!((c[0] - 0.6 / 2.0).abs() < 1e-6 && (c[2] - 0.8 / 2.0).abs() < 1e-6);
         assert!((c[5] - 1.0).abs() < 1e-6 && c[8] == 9.0);
         assert!((a[0] - (-2.0 * (0.75f32.exp()).ln_1p())).abs() < 1e-6 && b[0] == 0.5);
+    }
+}
+
+#[cfg(test)]
+mod speed {
+    #[test]
+    #[ignore]
+    fn gdn_state_t_times_speed() {
+        let (dk, dv) = (128, 128);
+        let st: Vec<f32> = (0..dk * dv).map(|i| (i % 7) as f32 * 0.1).collect();
+        for nx in [1usize, 2, 8, 32] {
+            let xs: Vec<f32> = (0..nx * dk).map(|i| (i % 5) as f32 * 0.1).collect();
+            let mut out = vec![0f32; nx * dv];
+            let mut best = f64::INFINITY;
+            for _ in 0..200 {
+                let t = std::time::Instant::now();
+                super::state_t_times(&st, dk, dv, &xs, nx, &mut out);
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            let mut ks = vec![0f32; nx * dk];
+            ks.copy_from_slice(&xs);
+            let mut s2 = st.clone();
+            let coef = vec![0.5f32; nx];
+            let mut best_u = f64::INFINITY;
+            for _ in 0..200 {
+                let t = std::time::Instant::now();
+                super::state_rank_update(&mut s2, dk, dv, 0.9, &ks, &out, &coef);
+                best_u = best_u.min(t.elapsed().as_secs_f64());
+            }
+            eprintln!("nx {nx}: Sᵀx {:.2} µs = {:.1} G madd/s; rank update {:.2} µs = {:.1} G madd/s", best * 1e6, (nx * dk * dv) as f64 / best / 1e9, best_u * 1e6, (nx * dk * dv) as f64 / best_u / 1e9);
+        }
     }
 }
