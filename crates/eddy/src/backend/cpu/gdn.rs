@@ -767,6 +767,37 @@ mod tests {
     }
 
     #[test]
+    fn gdn_state_products_match_reference_on_every_path() {
+        let mut rng = Rng(11);
+        for (dk, dv) in [(16usize, 24usize), (8, 16), (12, 64)] {
+            let st: Vec<f32> = (0..dk * dv).map(|_| rng.next()).collect();
+            for nx in [1usize, 3, 4, 9] {
+                let xs: Vec<f32> = (0..nx * dk).map(|_| rng.next()).collect();
+                let us: Vec<f32> = (0..nx * dv).map(|_| rng.next()).collect();
+                let coef: Vec<f32> = (0..nx).map(|_| rng.next()).collect();
+                let want: Vec<f32> = (0..nx * dv).map(|i| (0..dk).map(|m| xs[i / dv * dk + m] as f64 * st[m * dv + i % dv] as f64).sum::<f64>() as f32).collect();
+                let want_st: Vec<f32> = (0..dk * dv)
+                    .map(|i| (0.7 * st[i] as f64 + (0..nx).map(|p| coef[p] as f64 * xs[p * dk + i / dv] as f64 * us[p * dv + i % dv] as f64).sum::<f64>()) as f32)
+                    .collect();
+                let mut outs = [vec![0f32; nx * dv], vec![0f32; nx * dv], vec![0f32; nx * dv]];
+                state_t_times_body::<false>(&st, dk, dv, &xs, nx, &mut outs[0]);
+                state_t_times_body::<true>(&st, dk, dv, &xs, nx, &mut outs[1]);
+                state_t_times(&st, dk, dv, &xs, nx, &mut outs[2]);
+                for o in &outs {
+                    assert!(max_rel(o, &want) < 1e-5, "dk {dk} dv {dv} nx {nx}");
+                }
+                let mut sts = [st.clone(), st.clone(), st.clone()];
+                state_rank_update_body::<false>(&mut sts[0], dk, dv, 0.7, &xs, &us, &coef);
+                state_rank_update_body::<true>(&mut sts[1], dk, dv, 0.7, &xs, &us, &coef);
+                state_rank_update(&mut sts[2], dk, dv, 0.7, &xs, &us, &coef);
+                for s2 in &sts {
+                    assert!(max_rel(s2, &want_st) < 1e-5, "update dk {dk} dv {dv} nx {nx}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn gdn_gated_norm_and_prepare() {
         let o0 = [1.0f32, -2.0, 0.5, 3.0];
         let z = [0.3f32, -1.0, 2.0, 0.0];
