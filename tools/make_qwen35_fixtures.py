@@ -12,6 +12,9 @@ Writes crates/eddy/tests/fixtures/qwen35/:
   vl/            Qwen3_5ForConditionalGeneration (text model nested under model.language_model, a one-block
                  vision tower that eddy must skip), f32, untied lm_head, 4 layers [GDN, attention, GDN,
                  attention], GDN 4 key = 4 value heads (r = 1), attention 2/1 heads of 64
+  tiny/ also holds random `mtp.*` weights (one MTP head: norms, fc, a full-attention layer, norm; vLLM's
+                 layout), which transformers ignores; tiny.mtp.golden.json has the MTP head's logits for one
+                 sequence, computed here from transformers' modules (see add_mtp)
   <name>.golden.json   for 3 sequences (random ids; 40, 40 and 90 tokens, so transformers' 64-token chunked
                  GDN crosses a chunk boundary): the tokens, the argmax at every position and the full logits at
                  every position of the first sequence and the last 8 of the others, from
@@ -22,6 +25,7 @@ dt_bias N(0, 0.5), the depthwise conv N(0, 0.5): decays stay moderate so the rec
 The Rust test crates/eddy/tests/qwen35.rs compares eddy against the golden files.
 """
 
+import copy
 import json
 import os
 import shutil
@@ -93,6 +97,50 @@ def save(model, name):
             os.remove(p)
 
 
+def add_mtp(model, name, seed):
+    """Random `mtp.*` weights (vLLM's Qwen3.5 MTP layout) appended to <name>/model.safetensors, and the MTP
+    head's logits computed here with transformers' own modules: for a sequence x_0..x_{T-1}, step t (t < T-1)
+    feeds e_t = embed(x_{t+1}) and h_t = the final-normed hidden state at t through
+    norm_e(e) ++ norm_h(h) -> fc -> one full-attention decoder layer (own causal attention over t = 0..T-2,
+    positions 0..T-2) -> mtp.norm -> lm_head."""
+    from safetensors.torch import load_file, save_file
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5DecoderLayer, Qwen3_5RMSNorm,
+                                                             Qwen3_5TextRotaryEmbedding)
+    cfg = model.config.get_text_config()
+    h = cfg.hidden_size
+    mcfg = copy.deepcopy(cfg)
+    mcfg.num_hidden_layers, mcfg.layer_types = 1, ["full_attention"]
+    mcfg._attn_implementation = "eager"
+    mtp = torch.nn.ModuleDict({
+        "pre_fc_norm_embedding": Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps),
+        "pre_fc_norm_hidden": Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps),
+        "fc": torch.nn.Linear(2 * h, h, bias=False),
+        "layers": torch.nn.ModuleList([Qwen3_5DecoderLayer(mcfg, 0)]),
+        "norm": Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps),
+    }).float().eval()
+    randomize(mtp, seed)
+    path = os.path.join(OUT, name, "model.safetensors")
+    tensors = load_file(path)
+    tensors.update({f"mtp.{k}": v.contiguous() for k, v in mtp.state_dict().items()})
+    save_file(tensors, path, metadata={"format": "pt"})
+
+    gen = torch.Generator().manual_seed(4321)
+    ids = torch.randint(0, VOCAB, (1, 40), generator=gen)
+    with torch.no_grad():
+        base = model.model.language_model if hasattr(model.model, "language_model") else model.model
+        hidden = base(input_ids=ids).last_hidden_state[:, :-1]
+        emb = base.embed_tokens(ids[:, 1:])
+        z = mtp["fc"](torch.cat([mtp["pre_fc_norm_embedding"](emb), mtp["pre_fc_norm_hidden"](hidden)], dim=-1))
+        t = z.shape[1]
+        pos = torch.arange(t).view(1, 1, -1).expand(3, 1, -1)
+        cos_sin = Qwen3_5TextRotaryEmbedding(mcfg)(z, pos)
+        mask = torch.full((t, t), float("-inf")).triu(1).view(1, 1, t, t)
+        z = mtp["layers"][0](z, position_embeddings=cos_sin, attention_mask=mask, position_ids=pos[0])
+        logits = model.lm_head(mtp["norm"](z))[0].float()
+    return {"tokens": ids[0].tolist(), "argmax": logits.argmax(-1).tolist(), "first_logit_row": t - LAST,
+            "logits": [[round(v, 5) for v in row] for row in logits[-LAST:].tolist()]}
+
+
 def main():
     torch.manual_seed(0)
     os.makedirs(OUT, exist_ok=True)
@@ -105,6 +153,9 @@ def main():
     model.tie_weights()
     save(model, "tiny")
     golden(model, "tiny", "qwen3_5_text")
+    mtp = add_mtp(model, "tiny", 3)
+    with open(os.path.join(OUT, "tiny.mtp.golden.json"), "w") as f:
+        json.dump(mtp, f, separators=(",", ":"))
 
     text = text_kwargs([lin, full, lin, full], 2, 1, 4, 4, False)
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, patch_size=4,

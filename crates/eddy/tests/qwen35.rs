@@ -15,7 +15,7 @@ mod common;
 use eddy::backend::cpu::ThreadPool;
 use eddy::model_dir::Quant;
 use eddy::models::forward::Logits;
-use eddy::models::qwen35::{self, forward, forward_tree, Qwen35Model, Qwen35State, Qwen35Workspace};
+use eddy::models::qwen35::{self, forward, forward_tree, mtp_forward, MtpState, Qwen35Model, Qwen35State, Qwen35Workspace};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -172,6 +172,57 @@ fn gguf_export_gives_the_same_logits() {
         assert!(e < 1e-5, "{name}: {e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// The MTP head (tiny/ carries random `mtp.*` weights) against the reference computed with transformers'
+/// modules in tools/make_qwen35_fixtures.py: same tolerance as the main model. Also: step-by-step MTP equals
+/// the batch, the GGUF export keeps the head, and a model without one says so.
+#[test]
+fn mtp_head_matches_reference() {
+    let pool = pool();
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(fixtures().join("tiny.mtp.golden.json")).unwrap()).unwrap();
+    let tokens: Vec<u32> = v["tokens"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+    let first = v["first_logit_row"].as_u64().unwrap() as usize;
+    let dir = temp_path("mtp-gguf");
+    let gguf = dir.join("model.gguf");
+    qwen35::export_gguf(&fixtures().join("tiny"), &gguf).unwrap();
+    for m in [load("tiny"), Qwen35Model::from_gguf_path(&gguf).unwrap()] {
+        assert!(m.mtp.is_some());
+        let (vocab, d) = (m.config.vocab_size, m.config.d_model);
+        let mut ws = Qwen35Workspace::new(64);
+        let mut st = Qwen35State::new(&m.config, 64);
+        let mut out = Vec::new();
+        forward(&m, &pool, &mut ws, &mut st, &tokens, Logits::All, &mut out).unwrap();
+        let t = tokens.len() - 1;
+        let hidden = ws.hidden()[..t * d].to_vec();
+        let mut ms = MtpState::new(&m.config, 64);
+        let mut logits = Vec::new();
+        mtp_forward(&m, &pool, &mut ws, &mut ms, &tokens[1..], &hidden, &mut logits).unwrap();
+        let mut agree = 0;
+        for (i, want) in v["argmax"].as_array().unwrap().iter().enumerate() {
+            agree += (argmax(&logits[i * vocab..(i + 1) * vocab]) == want.as_u64().unwrap() as usize) as usize;
+        }
+        let mut worst = 0f32;
+        for (r, row) in v["logits"].as_array().unwrap().iter().enumerate() {
+            let want: Vec<f32> = row.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+            let i = first + r;
+            worst = worst.max(rel_err(&logits[i * vocab..(i + 1) * vocab], &want));
+        }
+        // Step by step (as when drafting) gives the same logits.
+        let mut ms2 = MtpState::new(&m.config, 64);
+        let mut one = Vec::new();
+        for i in 0..t {
+            mtp_forward(&m, &pool, &mut ws, &mut ms2, &tokens[i + 1..i + 2], &hidden[i * d..(i + 1) * d], &mut one).unwrap();
+            worst = worst.max(rel_err(&one, &logits[i * vocab..(i + 1) * vocab]));
+        }
+        eprintln!("MTP: max |Δlogit| / max |logit| = {worst:.2e}, argmax {agree}/{t}");
+        assert!(worst <= 1e-3 && agree * 100 >= t * 99, "{worst} {agree}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let vl = load("vl");
+    let mut ws = Qwen35Workspace::new(8);
+    let e = mtp_forward(&vl, &pool, &mut ws, &mut MtpState::new(&vl.config, 8), &[1], &[0.0; 32], &mut Vec::new()).unwrap_err();
+    assert!(e.to_string().contains("no MTP head"), "{e}");
 }
 
 struct Rng(u64);

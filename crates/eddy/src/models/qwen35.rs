@@ -185,6 +185,25 @@ pub struct Qwen35Model {
     pub output: Option<WeightMatrix>,
     /// RoPE of the attention layers.
     pub rope: Rope,
+    /// Multi-token-prediction head, when the checkpoint ships one (`mtp.*`).
+    pub mtp: Option<Mtp>,
+}
+
+/// The multi-token-prediction head of Qwen3.5 checkpoints (vLLM's `Qwen3_5MultiTokenPredictor`; algorithms.md
+/// §6): for the hidden state `h_t` (after the final norm) and the next token `x_{t+1}`,
+/// `z = fc([RMSNorm₁₊w(embed(x_{t+1})) ; RMSNorm₁₊w(h_t)])`, one full-attention decoder block with its own KV
+/// cache, `h' = RMSNorm₁₊w(z)`, logits for `x_{t+2}` = LM head(h'); chained by feeding `h'` as the next `h`.
+pub struct Mtp {
+    /// Norm of the token embedding (`d_model`, 1 + w).
+    pub emb_norm: Vec<f32>,
+    /// Norm of the hidden state (`d_model`, 1 + w).
+    pub hid_norm: Vec<f32>,
+    /// `d_model × 2·d_model`: embedding half first, then the hidden half.
+    pub fc: WeightMatrix,
+    /// The full-attention block.
+    pub layer: Qwen35Layer,
+    /// Final norm (1 + w).
+    pub norm: Vec<f32>,
 }
 
 impl Qwen35Model {
@@ -225,7 +244,7 @@ impl Qwen35Model {
     /// value heads tiled over key heads).
     pub fn from_gguf(g: &GgufFile) -> Result<Qwen35Model> {
         let config = config_from_gguf(g)?;
-        GgufLoader { g }.load(config.clone())
+        GgufLoader { g, n_layers: config.n_layers }.load(config.clone())
     }
 
     /// [`Qwen35Model::from_gguf`] on a path.
@@ -403,59 +422,80 @@ trait Source {
         Ok(w)
     }
 
-    fn load(&mut self, c: Qwen35Config) -> Result<Qwen35Model> {
+    /// Block `l` (or the MTP block, `l` = [`MTP_LAYER`]) with an attention or a GDN mixer.
+    fn layer(&mut self, c: &Qwen35Config, l: usize, attention: bool) -> Result<Qwen35Layer> {
         let (d, qd, kvd, hd, fd) = (c.d_model, c.q_dim(), c.kv_dim(), c.head_dim, c.ffn_dim);
         let s = c.gdn;
+        let attn_norm = self.norm(Role::AttnNorm, l, d)?;
+        let mixer = if attention {
+            Mixer::Attention(GatedAttention {
+                wq: self.matrix(&self.name(Role::Q, l), 2 * qd, d, false)?,
+                wk: self.matrix(&self.name(Role::K, l), kvd, d, false)?,
+                wv: self.matrix(&self.name(Role::V, l), kvd, d, false)?,
+                q_norm: self.norm(Role::QNorm, l, hd)?,
+                k_norm: self.norm(Role::KNorm, l, hd)?,
+                wo: self.matrix(&self.name(Role::O, l), d, qd, false)?,
+            })
+        } else {
+            let mut a = self.vector(&self.name(Role::ALog, l), s.n_v_heads)?;
+            if self.a_is_log() {
+                a.iter_mut().for_each(|v| *v = -v.exp());
+            }
+            Mixer::DeltaNet(DeltaNet {
+                w_qkv: self.matrix(&self.name(Role::Qkv, l), s.conv_dim(), d, false)?,
+                w_z: self.matrix(&self.name(Role::Z, l), s.value_dim(), d, false)?,
+                w_b: self.matrix(&self.name(Role::B, l), s.n_v_heads, d, false)?,
+                w_a: self.matrix(&self.name(Role::A, l), s.n_v_heads, d, false)?,
+                conv: self.vector(&self.name(Role::Conv, l), s.conv_dim() * s.kernel)?,
+                a_neg: a,
+                dt_bias: self.vector(&self.name(Role::DtBias, l), s.n_v_heads)?,
+                norm: self.vector(&self.name(Role::GdnNorm, l), s.d_v)?,
+                w_out: self.matrix(&self.name(Role::Out, l), d, s.value_dim(), false)?,
+            })
+        };
+        Ok(Qwen35Layer {
+            attn_norm,
+            mixer,
+            ffn_norm: self.norm(Role::FfnNorm, l, d)?,
+            w_gate: self.matrix(&self.name(Role::Gate, l), fd, d, false)?,
+            w_up: self.matrix(&self.name(Role::Up, l), fd, d, false)?,
+            w_down: self.matrix(&self.name(Role::Down, l), d, fd, false)?,
+        })
+    }
+
+    fn load(&mut self, c: Qwen35Config) -> Result<Qwen35Model> {
+        let d = c.d_model;
         let embed = self.matrix(&self.name(Role::Embed, 0), c.vocab_size, d, true)?;
-        let mut layers = Vec::with_capacity(c.n_layers);
-        for l in 0..c.n_layers {
-            let attn_norm = self.norm(Role::AttnNorm, l, d)?;
-            let mixer = if c.attention_layers[l] {
-                Mixer::Attention(GatedAttention {
-                    wq: self.matrix(&self.name(Role::Q, l), 2 * qd, d, false)?,
-                    wk: self.matrix(&self.name(Role::K, l), kvd, d, false)?,
-                    wv: self.matrix(&self.name(Role::V, l), kvd, d, false)?,
-                    q_norm: self.norm(Role::QNorm, l, hd)?,
-                    k_norm: self.norm(Role::KNorm, l, hd)?,
-                    wo: self.matrix(&self.name(Role::O, l), d, qd, false)?,
-                })
-            } else {
-                let mut a = self.vector(&self.name(Role::ALog, l), s.n_v_heads)?;
-                if self.a_is_log() {
-                    a.iter_mut().for_each(|v| *v = -v.exp());
-                }
-                Mixer::DeltaNet(DeltaNet {
-                    w_qkv: self.matrix(&self.name(Role::Qkv, l), s.conv_dim(), d, false)?,
-                    w_z: self.matrix(&self.name(Role::Z, l), s.value_dim(), d, false)?,
-                    w_b: self.matrix(&self.name(Role::B, l), s.n_v_heads, d, false)?,
-                    w_a: self.matrix(&self.name(Role::A, l), s.n_v_heads, d, false)?,
-                    conv: self.vector(&self.name(Role::Conv, l), s.conv_dim() * s.kernel)?,
-                    a_neg: a,
-                    dt_bias: self.vector(&self.name(Role::DtBias, l), s.n_v_heads)?,
-                    norm: self.vector(&self.name(Role::GdnNorm, l), s.d_v)?,
-                    w_out: self.matrix(&self.name(Role::Out, l), d, s.value_dim(), false)?,
-                })
-            };
-            layers.push(Qwen35Layer {
-                attn_norm,
-                mixer,
-                ffn_norm: self.norm(Role::FfnNorm, l, d)?,
-                w_gate: self.matrix(&self.name(Role::Gate, l), fd, d, false)?,
-                w_up: self.matrix(&self.name(Role::Up, l), fd, d, false)?,
-                w_down: self.matrix(&self.name(Role::Down, l), d, fd, false)?,
-            });
-        }
+        let layers = (0..c.n_layers).map(|l| self.layer(&c, l, c.attention_layers[l])).collect::<Result<Vec<_>>>()?;
         let output_norm = self.norm(Role::OutputNorm, 0, d)?;
         let head = self.name(Role::Head, 0);
         let output = if c.tie_embeddings && !self.has(&head) { None } else { Some(self.matrix(&head, c.vocab_size, d, true)?) };
+        let mtp = if self.has(&self.name(Role::MtpFc, 0)) {
+            Some(Mtp {
+                emb_norm: self.norm(Role::MtpEmbNorm, 0, d)?,
+                hid_norm: self.norm(Role::MtpHidNorm, 0, d)?,
+                fc: self.matrix(&self.name(Role::MtpFc, 0), d, 2 * d, false)?,
+                layer: self.layer(&c, MTP_LAYER, true)?,
+                norm: self.norm(Role::MtpNorm, 0, d)?,
+            })
+        } else {
+            None
+        };
         let rope = Rope::new(RopeMode::Neox, c.rope_dims, c.rope_theta, 1.0);
-        Ok(Qwen35Model { config: c, embed, layers, output_norm, output, rope })
+        Ok(Qwen35Model { config: c, embed, layers, output_norm, output, rope, mtp })
     }
 }
+
+/// Layer index that names the MTP block's tensors.
+const MTP_LAYER: usize = usize::MAX;
 
 /// Tensor roles, named per source by [`Source::name`].
 #[derive(Clone, Copy)]
 enum Role {
+    MtpEmbNorm,
+    MtpHidNorm,
+    MtpFc,
+    MtpNorm,
     Embed,
     Head,
     OutputNorm,
@@ -503,8 +543,12 @@ impl Source for HfLoader<'_> {
     }
     fn name(&self, role: Role, l: usize) -> String {
         let p = self.pre;
-        let lyr = |s: &str| format!("{p}layers.{l}.{s}");
+        let lyr = |s: &str| if l == MTP_LAYER { format!("mtp.layers.0.{s}") } else { format!("{p}layers.{l}.{s}") };
         match role {
+            Role::MtpEmbNorm => "mtp.pre_fc_norm_embedding.weight".into(),
+            Role::MtpHidNorm => "mtp.pre_fc_norm_hidden.weight".into(),
+            Role::MtpFc => "mtp.fc.weight".into(),
+            Role::MtpNorm => "mtp.norm.weight".into(),
             Role::Embed => format!("{p}embed_tokens.weight"),
             Role::Head => {
                 // ForCausalLM: lm_head.weight; ForConditionalGeneration: lm_head.weight at the top as well.
@@ -547,6 +591,8 @@ impl Source for HfLoader<'_> {
 
 struct GgufLoader<'a> {
     g: &'a GgufFile,
+    /// Decoder blocks (the MTP block, when present, is block `n_layers`).
+    n_layers: usize,
 }
 
 impl Source for GgufLoader<'_> {
@@ -568,7 +614,7 @@ impl Source for GgufLoader<'_> {
         self.g.tensor(name).is_some()
     }
     fn name(&self, role: Role, l: usize) -> String {
-        gguf_name(role, l)
+        gguf_name(role, if l == MTP_LAYER { self.n_layers } else { l }, self.n_layers)
     }
     fn norm_offset(&self) -> f32 {
         0.0
@@ -578,10 +624,16 @@ impl Source for GgufLoader<'_> {
     }
 }
 
-/// llama.cpp's name of a tensor.
-fn gguf_name(role: Role, l: usize) -> String {
+/// llama.cpp's name of a tensor (`n_layers`: where the MTP block sits, as `blk.{n_layers}.nextn.*` and the
+/// usual block tensors).
+fn gguf_name(role: Role, l: usize, n_layers: usize) -> String {
         let lyr = |s: &str| format!("blk.{l}.{s}");
+        let mtp = |s: &str| format!("blk.{n_layers}.nextn.{s}");
         match role {
+            Role::MtpEmbNorm => mtp("enorm.weight"),
+            Role::MtpHidNorm => mtp("hnorm.weight"),
+            Role::MtpFc => mtp("eh_proj.weight"),
+            Role::MtpNorm => mtp("shared_head_norm.weight"),
             Role::Embed => "token_embd.weight".into(),
             Role::Head => "output.weight".into(),
             Role::OutputNorm => "output_norm.weight".into(),
@@ -663,9 +715,14 @@ pub fn export_gguf(dir: &Path, out: &Path) -> Result<()> {
             roles.extend([Role::Qkv, Role::Z, Role::A, Role::B, Role::Conv, Role::ALog, Role::DtBias, Role::GdnNorm, Role::Out].map(|x| (x, l)));
         }
     }
+    let has_mtp = t.contains(&hf.name(Role::MtpFc, 0));
+    if has_mtp {
+        roles.extend([Role::MtpEmbNorm, Role::MtpHidNorm, Role::MtpFc, Role::MtpNorm].map(|x| (x, 0)));
+        roles.extend([Role::AttnNorm, Role::FfnNorm, Role::Gate, Role::Up, Role::Down, Role::Q, Role::K, Role::V, Role::O, Role::QNorm, Role::KNorm].map(|x| (x, MTP_LAYER)));
+    }
     for (role, l) in roles {
         let (shape, mut data) = read(role, l)?;
-        let norm_1p = matches!(role, Role::OutputNorm | Role::AttnNorm | Role::FfnNorm | Role::QNorm | Role::KNorm);
+        let norm_1p = matches!(role, Role::OutputNorm | Role::AttnNorm | Role::FfnNorm | Role::QNorm | Role::KNorm | Role::MtpEmbNorm | Role::MtpHidNorm | Role::MtpNorm);
         if norm_1p {
             data.iter_mut().for_each(|v| *v += 1.0);
         }
@@ -689,13 +746,14 @@ pub fn export_gguf(dir: &Path, out: &Path) -> Result<()> {
             Role::Conv => vec![s.kernel as u64, s.conv_dim() as u64],
             _ => shape.iter().rev().map(|&x| x as u64).collect(),
         };
-        add(gguf_name(role, l), dims, data);
+        add(gguf_name(role, if l == MTP_LAYER { c.n_layers } else { l }, c.n_layers), dims, data);
     }
     let p = |k: &str| format!("{GGUF_ARCH}.{k}");
     let mut md: BTreeMap<String, GgufValue> = BTreeMap::new();
     md.insert("general.architecture".into(), GgufValue::String(GGUF_ARCH.into()));
+    md.insert(p("nextn_predict_layers"), GgufValue::U32(has_mtp as u32));
     for (k, v) in [
-        ("block_count", c.n_layers),
+        ("block_count", c.n_layers + has_mtp as usize),
         ("context_length", c.train_ctx),
         ("embedding_length", c.d_model),
         ("feed_forward_length", c.ffn_dim),
@@ -864,6 +922,7 @@ pub struct Qwen35Workspace {
     h: Vec<f32>,
     a: Vec<f32>,
     b: Vec<f32>,
+    hidden: Vec<f32>,
     xq: QuantizedActivations,
 }
 
@@ -871,6 +930,12 @@ impl Qwen35Workspace {
     /// A workspace for chains of up to `max_batch` tokens per pass.
     pub fn new(max_batch: usize) -> Self {
         Qwen35Workspace { max_batch: max_batch.max(1), xq: QuantizedActivations::new(), ..Default::default() }
+    }
+
+    /// The final-normed hidden states (`d_model` each) of the rows whose logits the last [`forward`] /
+    /// [`forward_tree`] produced (the MTP outputs h' after [`mtp_forward`]), in the same order.
+    pub fn hidden(&self) -> &[f32] {
+        &self.hidden
     }
 }
 
@@ -891,6 +956,7 @@ pub fn forward(model: &Qwen35Model, pool: &ThreadPool, ws: &mut Qwen35Workspace,
     state.check_room(tokens.len())?;
     state.tree = None;
     logits.clear();
+    ws.hidden.clear();
     let n_chunks = tokens.len().div_ceil(ws.max_batch);
     for (ci, chunk) in tokens.chunks(ws.max_batch).enumerate() {
         let rows = match want {
@@ -917,6 +983,7 @@ pub fn forward_tree(model: &Qwen35Model, pool: &ThreadPool, ws: &mut Qwen35Works
     gdn::check_parents(parents).map_err(Error::Input)?;
     state.check_room(tokens.len())?;
     logits.clear();
+    ws.hidden.clear();
     state.tree = Some(TreeStash { tokens: tokens.to_vec(), parents: parents.to_vec(), gdn: vec![None; model.config.n_layers] });
     run(model, pool, ws, state, tokens, Some(parents), 0..tokens.len(), logits);
     Ok(())
@@ -942,7 +1009,7 @@ fn add_into(x: &mut [f32], y: &[f32]) {
 fn run(model: &Qwen35Model, pool: &ThreadPool, ws: &mut Qwen35Workspace, state: &mut Qwen35State, tokens: &[u32], tree: Option<&[usize]>, rows: std::ops::Range<usize>, logits: &mut Vec<f32>) {
     let c = &model.config;
     let t = tokens.len();
-    let (d, fd) = (c.d_model, c.ffn_dim);
+    let d = c.d_model;
     let n_past = state.n_past();
     let chain;
     let parents: &[usize] = match tree {
@@ -958,46 +1025,131 @@ fn run(model: &Qwen35Model, pool: &ThreadPool, ws: &mut Qwen35Workspace, state: 
     }
     let positions: Vec<usize> = depth.iter().map(|&dp| n_past + dp).collect();
     let pass = Pass { model, pool, t, positions: &positions, parents, tree: tree.is_some() };
-    let Qwen35Workspace { x, h, a, b, xq, .. } = ws;
+    let Qwen35Workspace { x, h, a, b, xq, hidden, .. } = ws;
     let x = grow(x, t * d);
     let scratch = grow(b, scratch_len(c, t));
     for (i, &tok) in tokens.iter().enumerate() {
         model.embed.dequant_row(tok as usize, &mut x[i * d..(i + 1) * d]);
     }
     for (l, layer) in model.layers.iter().enumerate() {
-        let hb = grow(h, t * d);
-        rms_norm(x, &layer.attn_norm, c.norm_eps, hb);
-        quantize_activations(pool, hb, t, d, xq);
-        let o = grow(a, t * d);
-        let io = Io { h: hb, xq: &mut *xq, bufs: Bump { rest: &mut *scratch }, out: &mut *o };
-        match &layer.mixer {
-            Mixer::Attention(at) => attention_layer(&pass, at, state, l, io),
-            Mixer::DeltaNet(g) => delta_net_layer(&pass, g, state, l, io),
-        }
-        add_into(x, o);
-
-        let hb = grow(h, t * d);
-        rms_norm(x, &layer.ffn_norm, c.norm_eps, hb);
-        quantize_activations(pool, hb, t, d, xq);
-        let mut bufs = Bump { rest: &mut *scratch };
-        let (gate, up) = (bufs.take(t * fd), bufs.take(t * fd));
-        matmul(pool, &layer.w_gate, hb, xq, t, gate);
-        matmul(pool, &layer.w_up, hb, xq, t, up);
-        crate::backend::cpu::activation::gated_act(crate::backend::cpu::activation::Activation::Silu, gate, up);
-        quantize_activations(pool, gate, t, fd, xq);
-        matmul(pool, &layer.w_down, gate, xq, t, o);
-        add_into(x, o);
+        block(&pass, layer, state, l, x, h, a, scratch, xq);
     }
-    let n = rows.len();
+    head(model, pool, &x[rows.start * d..rows.end * d], &model.output_norm, h, xq, logits, hidden);
+}
+
+/// One pre-norm block on the residual stream `x` (`t × d_model`): mixer, then SwiGLU MLP.
+#[allow(clippy::too_many_arguments)]
+fn block(p: &Pass, layer: &Qwen35Layer, state: &mut Qwen35State, l: usize, x: &mut [f32], h: &mut Vec<f32>, a: &mut Vec<f32>, scratch: &mut [f32], xq: &mut QuantizedActivations) {
+    let (c, pool, t) = (&p.model.config, p.pool, p.t);
+    let (d, fd) = (c.d_model, c.ffn_dim);
+    let hb = grow(h, t * d);
+    rms_norm(x, &layer.attn_norm, c.norm_eps, hb);
+    quantize_activations(pool, hb, t, d, xq);
+    let o = grow(a, t * d);
+    let io = Io { h: hb, xq: &mut *xq, bufs: Bump { rest: &mut *scratch }, out: &mut *o };
+    match &layer.mixer {
+        Mixer::Attention(at) => attention_layer(p, at, state, l, io),
+        Mixer::DeltaNet(g) => delta_net_layer(p, g, state, l, io),
+    }
+    add_into(x, o);
+
+    let hb = grow(h, t * d);
+    rms_norm(x, &layer.ffn_norm, c.norm_eps, hb);
+    quantize_activations(pool, hb, t, d, xq);
+    let mut bufs = Bump { rest: &mut *scratch };
+    let (gate, up) = (bufs.take(t * fd), bufs.take(t * fd));
+    matmul(pool, &layer.w_gate, hb, xq, t, gate);
+    matmul(pool, &layer.w_up, hb, xq, t, up);
+    crate::backend::cpu::activation::gated_act(crate::backend::cpu::activation::Activation::Silu, gate, up);
+    quantize_activations(pool, gate, t, fd, xq);
+    matmul(pool, &layer.w_down, gate, xq, t, o);
+    add_into(x, o);
+}
+
+/// Final norm of the rows `x` (`n × d_model`), appended to `hidden`, and their logits appended to `logits`.
+#[allow(clippy::too_many_arguments)]
+fn head(model: &Qwen35Model, pool: &ThreadPool, x: &[f32], norm: &[f32], h: &mut Vec<f32>, xq: &mut QuantizedActivations, logits: &mut Vec<f32>, hidden: &mut Vec<f32>) {
+    let c = &model.config;
+    let d = c.d_model;
+    let n = x.len() / d;
     if n == 0 {
         return;
     }
     let hs = grow(h, n * d);
-    rms_norm(&x[rows.start * d..rows.end * d], &model.output_norm, c.norm_eps, hs);
+    rms_norm(x, norm, c.norm_eps, hs);
+    hidden.extend_from_slice(hs);
     quantize_activations(pool, hs, n, d, xq);
     let start = logits.len();
     logits.resize(start + n * c.vocab_size, 0.0);
     matmul(pool, model.lm_head(), hs, xq, n, &mut logits[start..]);
+}
+
+/// KV cache of the MTP block (a one-layer [`Qwen35State`]); its positions advance with every
+/// [`mtp_forward`] row.
+#[derive(Clone)]
+pub struct MtpState(Qwen35State);
+
+impl MtpState {
+    /// Room for `ctx` MTP steps.
+    pub fn new(c: &Qwen35Config, ctx: usize) -> Self {
+        let mut one = c.clone();
+        one.n_layers = 1;
+        one.attention_layers = vec![true];
+        MtpState(Qwen35State::new(&one, ctx))
+    }
+    /// Rows in the cache.
+    pub fn n_past(&self) -> usize {
+        self.0.n_past()
+    }
+    /// Forget everything.
+    pub fn clear(&mut self) {
+        self.0.clear()
+    }
+    /// Keep only the first `n` rows (drop draft steps that were not accepted).
+    pub fn truncate(&mut self, n: usize) {
+        self.0.tokens.truncate(n)
+    }
+}
+
+/// Run the MTP head for `tokens.len()` steps: row i takes the next token `tokens[i]` and the hidden state
+/// `hidden[i]` (`d_model` values, after the final norm: [`Qwen35Workspace::hidden`] of the main model, or the
+/// previous MTP step's for chained drafting), at MTP positions `state.n_past()..`. Appends the rows to the
+/// MTP cache, writes `vocab` logits per row to `logits` (predictions two tokens ahead of the hidden state's
+/// position) and leaves the MTP outputs h' in [`Qwen35Workspace::hidden`].
+///
+/// Errors: no MTP head, a token outside the vocabulary, a hidden buffer of the wrong size, a full cache.
+#[allow(clippy::too_many_arguments)]
+pub fn mtp_forward(model: &Qwen35Model, pool: &ThreadPool, ws: &mut Qwen35Workspace, state: &mut MtpState, tokens: &[u32], hidden: &[f32], logits: &mut Vec<f32>) -> Result<()> {
+    let mtp = model.mtp.as_ref().ok_or_else(|| Error::Input("the model has no MTP head (no mtp.* / nextn tensors)".into()))?;
+    check_tokens(model, tokens)?;
+    let c = &model.config;
+    let (t, d) = (tokens.len(), c.d_model);
+    if hidden.len() != t * d {
+        return Err(Error::Input(format!("MTP: {} hidden values for {t} tokens of width {d}", hidden.len())));
+    }
+    state.0.check_room(t)?;
+    logits.clear();
+    let n_past = state.n_past();
+    let positions: Vec<usize> = (n_past..n_past + t).collect();
+    let parents = gdn::chain_parents(t);
+    let pass = Pass { model, pool, t, positions: &positions, parents: &parents, tree: false };
+    let Qwen35Workspace { x, h, a, b, xq, hidden: hid_out, .. } = ws;
+    let cat = grow(a, 2 * t * d);
+    let mut e = vec![0f32; d];
+    for i in 0..t {
+        model.embed.dequant_row(tokens[i] as usize, &mut e);
+        rms_norm(&e, &mtp.emb_norm, c.norm_eps, &mut cat[2 * i * d..(2 * i + 1) * d]);
+        rms_norm(&hidden[i * d..(i + 1) * d], &mtp.hid_norm, c.norm_eps, &mut cat[(2 * i + 1) * d..(2 * i + 2) * d]);
+    }
+    quantize_activations(pool, cat, t, 2 * d, xq);
+    let x = grow(x, t * d);
+    matmul(pool, &mtp.fc, cat, xq, t, x);
+    let scratch = grow(b, scratch_len(c, t));
+    block(&pass, &mtp.layer, &mut state.0, 0, x, h, a, scratch, xq);
+    hid_out.clear();
+    head(model, pool, x, &mtp.norm, h, xq, logits, hid_out);
+    state.0.tokens.extend_from_slice(tokens);
+    Ok(())
 }
 
 /// Hands out consecutive slices of one scratch vector.
