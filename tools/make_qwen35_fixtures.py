@@ -17,7 +17,8 @@ Writes crates/eddy/tests/fixtures/qwen35/:
                  sequence, computed here from transformers' modules (see add_mtp)
   <name>.golden.json   for 3 sequences (random ids; 40, 40 and 90 tokens, so transformers' 64-token chunked
                  GDN crosses a chunk boundary): the tokens, the argmax at every position and the full logits at
-                 every position of the first sequence and the last 8 of the others, from
+                 every position of the first sequence and the last 8 of the others, and under "quant" what
+                 eddy's --quant q8|q4 rounding costs when simulated in transformers (see quant_reference), from
                  transformers' float32 forward without cache (eager attention, chunked GDN).
 Every parameter is drawn from seeded normals with std 0.2 (initializer_range >= 0.1, so the logits are far
 from flat); zero-centred norms get N(0, 0.2) offsets, the gated GDN norm 1 + N(0, 0.2), A_log = log U(0.05, 1),
@@ -71,6 +72,46 @@ def randomize(model, seed):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
 
 
+def round_groups(w, kind):
+    """eddy's quantize_f32 rounding per group of 32 along rows: q8 symmetric int8, q4 asymmetric int4."""
+    r, c = w.shape
+    g = w.reshape(r, c // 32, 32)
+    if kind == "q8":
+        s = g.abs().amax(-1, keepdim=True) / 127
+        return (torch.round(g / s.clamp(min=1e-30)) * s).reshape(r, c)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    s = (hi - lo) / 15
+    return (torch.round((g - lo) / s.clamp(min=1e-30)).clamp(0, 15) * s + lo).reshape(r, c)
+
+
+def quant_reference(model, cases):
+    """What `--quant q8|q4` should cost on this model: transformers with every matrix rounded as eddy rounds
+    it (q4: projections int4, embedding/LM head int8) and every matrix input rounded to int8 per group of 32
+    (eddy's activations); mean KL(f32 || rounded) and argmax agreement over all positions."""
+    out = {}
+    ids = [torch.tensor([c["tokens"]]) for c in cases]
+    with torch.no_grad():
+        ref = [model(input_ids=i, use_cache=False).logits[0] for i in ids]
+    for kind in ("q8", "q4"):
+        m = copy.deepcopy(model)
+        hooks = []
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if p.ndim == 2 and p.shape[1] % 32 == 0 and "visual" not in n:
+                    vocab = "embed" in n or "lm_head" in n
+                    p.copy_(round_groups(p, "q8" if vocab else kind))
+        for mod in m.modules():
+            if isinstance(mod, torch.nn.Linear) and mod.in_features % 32 == 0:
+                hooks.append(mod.register_forward_pre_hook(lambda _m, a: (round_groups(a[0].reshape(-1, a[0].shape[-1]), "q8").reshape(a[0].shape),)))
+        with torch.no_grad():
+            got = [m(input_ids=i, use_cache=False).logits[0] for i in ids]
+        kl = sum(torch.nn.functional.kl_div(o.log_softmax(-1), r.log_softmax(-1), log_target=True, reduction="none").sum().item()
+                 for o, r in zip(got, ref)) / sum(r.shape[0] for r in ref)
+        agree = sum((o.argmax(-1) == r.argmax(-1)).sum().item() for o, r in zip(got, ref))
+        out[kind] = {"mean_kl": kl, "argmax_agree": agree, "positions": sum(r.shape[0] for r in ref)}
+    return out
+
+
 def golden(model, name, text_model_type):
     gen = torch.Generator().manual_seed(1234)
     cases = []
@@ -82,7 +123,8 @@ def golden(model, name, text_model_type):
         cases.append({"tokens": ids[0].tolist(), "argmax": logits.argmax(-1).tolist(), "first_logit_row": n - len(rows),
                       "logits": [[round(v, 5) for v in row] for row in rows.tolist()]})
     doc = {"generator": f"transformers {transformers.__version__}, torch {torch.__version__}", "model": name,
-           "text_model_type": text_model_type, "vocab_size": VOCAB, "cases": cases}
+           "text_model_type": text_model_type, "vocab_size": VOCAB, "cases": cases,
+           "quant": quant_reference(model, cases)}
     with open(os.path.join(OUT, f"{name}.golden.json"), "w") as f:
         json.dump(doc, f, separators=(",", ":"))
 
