@@ -591,3 +591,38 @@ fn real_qwen35_tokenizer_matches_the_package() {
         assert!(nfc_equal, "{back:?} vs {text:?}");
     }
 }
+
+/// The engine path: `model_dir::load_model` / `Model::from_gguf` wrap a Qwen3.5 model into the engine's
+/// `Model`, and the shared `models::forward` dispatches to it with the hybrid state kept inside `SeqState`
+/// (restarted when the engine clears the sequence).
+#[test]
+fn engine_forward_dispatches_to_qwen35() {
+    use eddy::models::forward::{forward as engine_forward, Workspace};
+    use eddy::state::SeqState;
+    let pool = pool();
+    let case = golden("tiny").remove(0);
+    let dir = temp_path("engine-gguf");
+    let gguf = dir.join("model.gguf");
+    qwen35::export_gguf(&fixtures().join("tiny"), &gguf).unwrap();
+    let from_dir = eddy::model_dir::load_model(&fixtures().join("tiny"), Quant::None, &mut |_, _| {}).unwrap();
+    let from_gguf = eddy::models::Model::from_gguf(&eddy::gguf::GgufFile::open(&gguf).unwrap(), &mut |_, _| {}).unwrap();
+    let direct = prefill_logits(&load("tiny"), &pool, &case.tokens);
+    let vocab = 256;
+    for m in [from_dir, from_gguf] {
+        assert_eq!((m.config.arch, m.config.n_layers, m.config.vocab_size), (eddy::models::Arch::Qwen35, 0, 256));
+        let mut ws = Workspace::new(&m, 64);
+        let mut st = SeqState::new(m.config.n_layers, 64, m.config.kv_dim());
+        let mut out = Vec::new();
+        for round in 0..2 {
+            st.clear();
+            engine_forward(&m, &pool, &mut ws, &mut st, &case.tokens[..30], Logits::Last, &mut out).unwrap();
+            assert!(rel_err(&out, &direct[29 * vocab..30 * vocab]) < 1e-5, "round {round}");
+            for i in 30..35 {
+                engine_forward(&m, &pool, &mut ws, &mut st, &case.tokens[i..i + 1], Logits::Last, &mut out).unwrap();
+                assert!(rel_err(&out, &direct[i * vocab..(i + 1) * vocab]) < 1e-4, "round {round} token {i}");
+            }
+            assert_eq!(st.tokens, case.tokens[..35]);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -80,6 +80,9 @@ pub fn forward(
     want: Logits,
     logits: &mut Vec<f32>,
 ) -> Result<()> {
+    if let Some(m) = &model.qwen35 {
+        return super::qwen35::forward_seq(m, pool, state, tokens, want, logits); // hybrid: its own forward
+    }
     let vocab = model.config.vocab_size;
     if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
         return Err(Error::Input(format!("token id {bad} is outside the vocabulary of {vocab}")));

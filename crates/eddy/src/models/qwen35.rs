@@ -253,6 +253,89 @@ impl Qwen35Model {
     }
 }
 
+impl Qwen35Model {
+    /// Wrap into the engine's [`crate::models::Model`] (placeholders plus this model in `qwen35`; see there).
+    pub fn into_model(self) -> crate::models::Model {
+        crate::models::Model {
+            config: summary_config(&self.config),
+            embed: WeightMatrix::F32 { rows: 0, cols: 0, data: Vec::new() },
+            layers: Vec::new(),
+            output_norm: Vec::new(),
+            output: None,
+            qwen35: Some(Box::new(self)),
+        }
+    }
+}
+
+/// The engine-facing summary of a Qwen3.5 config: the attention shape and sizes, `n_layers` 0 (the engine
+/// allocates no KV cache of its own; [`HybridSeq`] holds the state).
+pub fn summary_config(c: &Qwen35Config) -> crate::models::ModelConfig {
+    crate::models::ModelConfig {
+        arch: crate::models::Arch::Qwen35,
+        n_layers: 0,
+        d_model: c.d_model,
+        n_heads: c.n_heads,
+        n_kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+        ffn_dim: c.ffn_dim,
+        vocab_size: c.vocab_size,
+        train_ctx: c.train_ctx,
+        norm_eps: c.norm_eps,
+        rope_mode: RopeMode::Neox,
+        rope_dims: c.rope_dims,
+        rope_theta: c.rope_theta,
+        rope_scale: 1.0,
+        rope_theta_local: c.rope_theta,
+        attn_scale: 1.0 / (c.head_dim as f32).sqrt(),
+        sliding_window: None,
+        sliding_pattern: 0,
+        embed_scale: None,
+        activation: crate::backend::cpu::activation::Activation::Silu,
+        post_norms: false,
+        final_softcap: None,
+    }
+}
+
+/// [`summary_config`] of a GGUF file of architecture `qwen35`.
+pub fn summary_config_from_gguf(g: &GgufFile) -> Result<crate::models::ModelConfig> {
+    Ok(summary_config(&config_from_gguf(g)?))
+}
+
+/// [`summary_config`] of a Hugging Face folder's `config.json`.
+pub fn summary_config_from_dir(dir: &Path) -> Result<crate::models::ModelConfig> {
+    let cfg_path = dir.join(CONFIG_FILE);
+    let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::model(&cfg_path, format!("cannot read: {e}")))?;
+    let top: Value = serde_json::from_str(&text).map_err(|e| Error::model(&cfg_path, format!("malformed config: {e}")))?;
+    Ok(summary_config(&config_from_hf(&top).map_err(|m| Error::model(&cfg_path, m))?))
+}
+
+/// A sequence of a Qwen3.5 model inside the engine's [`crate::state::SeqState`]: state and scratch.
+pub struct HybridSeq {
+    /// Caches and recurrent states.
+    pub state: Qwen35State,
+    /// Scratch buffers.
+    pub ws: Qwen35Workspace,
+}
+
+/// The engine's entry point for Qwen3.5 (called by [`crate::models::forward()`]): runs `tokens` on the
+/// sequence's [`HybridSeq`] (created on first use with the sequence's context length) and appends them to
+/// `seq.tokens`. The GDN state cannot be rewound, so when the engine has cleared or changed the committed
+/// tokens the hybrid state restarts and re-runs them.
+pub fn forward_seq(model: &Qwen35Model, pool: &ThreadPool, seq: &mut crate::state::SeqState, tokens: &[u32], want: Logits, logits: &mut Vec<f32>) -> Result<()> {
+    let ctx = seq.kv.ctx;
+    let h = seq.qwen35.get_or_insert_with(|| Box::new(HybridSeq { state: Qwen35State::new(&model.config, ctx), ws: Qwen35Workspace::new(256) }));
+    if h.state.tokens != seq.tokens {
+        h.state.clear();
+        if !seq.tokens.is_empty() {
+            let mut scratch = Vec::new();
+            forward(model, pool, &mut h.ws, &mut h.state, &seq.tokens, Logits::None, &mut scratch)?;
+        }
+    }
+    forward(model, pool, &mut h.ws, &mut h.state, tokens, want, logits)?;
+    seq.tokens.extend_from_slice(tokens);
+    Ok(())
+}
+
 /// Whether a Hugging Face folder holds a Qwen3.5 model (`model_type` `qwen3_5` / `qwen3_5_text`).
 pub fn is_qwen35_dir(dir: &Path) -> bool {
     let Ok(text) = std::fs::read_to_string(dir.join(CONFIG_FILE)) else { return false };
