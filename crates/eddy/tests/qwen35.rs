@@ -626,3 +626,89 @@ fn engine_forward_dispatches_to_qwen35() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Speculative decoding through `forward_tree` + `commit` emits exactly the tokens of plain decoding, greedy
+/// and at temperature 0.8 (position-keyed sampling), on both tiny models. The drafter is an oracle that knows
+/// plain decoding's output but corrupts each draft token with probability ¼ and adds wrong siblings, so trees
+/// of every acceptance length are verified; the accept walk follows the target's own sample at each node.
+#[test]
+fn speculative_tree_decoding_equals_plain_decoding() {
+    use eddy::sampling::{Sampler, SamplerParams};
+    let pool = pool();
+    for name in ["tiny", "vl"] {
+        let m = load(name);
+        let vocab = m.config.vocab_size;
+        let prompt = golden(name).remove(1).tokens[..12].to_vec();
+        for temperature in [0.0f32, 0.8] {
+            let params = SamplerParams { temperature, seed: 7, ..Default::default() };
+            let n_gen = 40;
+            // Plain decoding.
+            let mut sampler = Sampler::default();
+            let mut ws = Qwen35Workspace::new(64);
+            let mut st = Qwen35State::new(&m.config, 128);
+            let mut lg = Vec::new();
+            forward(&m, &pool, &mut ws, &mut st, &prompt, Logits::Last, &mut lg).unwrap();
+            let mut hist = prompt.clone();
+            let mut plain = Vec::new();
+            while plain.len() < n_gen {
+                let tok = sampler.sample(&params, &mut lg, &hist, hist.len());
+                plain.push(tok);
+                hist.push(tok);
+                forward(&m, &pool, &mut ws, &mut st, &[tok], Logits::Last, &mut lg).unwrap();
+            }
+            // Speculative decoding.
+            let mut rng = Rng(temperature.to_bits() as u64 + 3);
+            let mut st = Qwen35State::new(&m.config, 128);
+            forward(&m, &pool, &mut ws, &mut st, &prompt[..prompt.len() - 1], Logits::None, &mut lg).unwrap();
+            let mut root = *prompt.last().unwrap();
+            let mut out: Vec<u32> = Vec::new();
+            let (mut rounds, mut accepted_drafts) = (0, 0);
+            while out.len() < n_gen {
+                let e = out.len();
+                let mut tokens = vec![root];
+                let mut parents = vec![usize::MAX];
+                let depth = 1 + rng.below(6);
+                for dpt in 0..depth {
+                    let truth = plain.get(e + dpt).copied().unwrap_or(0);
+                    let tok = if rng.below(4) == 0 { rng.below(vocab) as u32 } else { truth };
+                    parents.push(if dpt == 0 { 0 } else { tokens.len() - 1 });
+                    tokens.push(tok);
+                    if dpt < 2 {
+                        // A wrong sibling hanging off the same parent.
+                        parents.push(*parents.last().unwrap());
+                        tokens.push(rng.below(vocab) as u32);
+                        // Keep the chain going from the real draft, not the sibling.
+                        let (n, p) = (tokens.len(), parents.len());
+                        tokens.swap(n - 1, n - 2);
+                        parents.swap(p - 1, p - 2);
+                    }
+                }
+                forward_tree(&m, &pool, &mut ws, &mut st, &tokens, &parents, &mut lg).unwrap();
+                let mut node = 0;
+                let mut path = vec![0];
+                let mut ctx = st.tokens.clone();
+                ctx.push(root);
+                loop {
+                    let mut row = lg[node * vocab..(node + 1) * vocab].to_vec();
+                    let tok = sampler.sample(&params, &mut row, &ctx, ctx.len());
+                    out.push(tok);
+                    ctx.push(tok);
+                    match (0..tokens.len()).find(|&c| c > node && parents[c] == node && tokens[c] == tok) {
+                        Some(c) if out.len() < n_gen => {
+                            node = c;
+                            path.push(c);
+                            accepted_drafts += 1;
+                        }
+                        _ => break,
+                    }
+                }
+                st.commit(&pool, &path).unwrap();
+                root = *out.last().unwrap();
+                rounds += 1;
+            }
+            out.truncate(n_gen);
+            eprintln!("{name} T={temperature}: {n_gen} tokens in {rounds} verification rounds ({accepted_drafts} drafts accepted)");
+            assert_eq!(out, plain, "{name} T={temperature}");
+        }
+    }
+}
