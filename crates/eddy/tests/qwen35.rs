@@ -712,3 +712,15 @@ fn speculative_tree_decoding_equals_plain_decoding() {
         }
     }
 }
+
+/// Writes `$EDDY_MODELS/qwen35-0.8b-synthetic.gguf` (f32, with the real tokenizer when the folder holds
+/// tokenizer.json) for benchmarks against llama.cpp (ignored by default: 3 GB).
+#[test]
+#[ignore]
+fn export_08b_gguf() {
+    let dir = eddy::load::models_dir().join("qwen35-0.8b-synthetic");
+    let out = eddy::load::models_dir().join("qwen35-0.8b-synthetic.gguf");
+    let t0 = std::time::Instant::now();
+    qwen35::export_gguf(&dir, &out).unwrap();
+    eprintln!("wrote {} in {:.1} s", out.display(), t0.elapsed().as_secs_f64());
+}

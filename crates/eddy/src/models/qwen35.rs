@@ -134,7 +134,7 @@ pub struct DeltaNet {
     pub w_b: WeightMatrix,
     /// `n_v_heads × d_model` (`in_proj_a`).
     pub w_a: WeightMatrix,
-    /// Depthwise conv, `conv_dim × kernel`.
+    /// Depthwise conv, tap-major: `kernel × conv_dim` (see [`gdn::conv_taps`]).
     pub conv: Vec<f32>,
     /// `−exp(A_log)`, per value head.
     pub a_neg: Vec<f32>,
@@ -529,7 +529,7 @@ trait Source {
                 w_z: self.matrix(&self.name(Role::Z, l), s.value_dim(), d, false)?,
                 w_b: self.matrix(&self.name(Role::B, l), s.n_v_heads, d, false)?,
                 w_a: self.matrix(&self.name(Role::A, l), s.n_v_heads, d, false)?,
-                conv: self.vector(&self.name(Role::Conv, l), s.conv_dim() * s.kernel)?,
+                conv: gdn::conv_taps(&self.vector(&self.name(Role::Conv, l), s.conv_dim() * s.kernel)?, s.kernel),
                 a_neg: a,
                 dt_bias: self.vector(&self.name(Role::DtBias, l), s.n_v_heads)?,
                 norm: self.vector(&self.name(Role::GdnNorm, l), s.d_v)?,
@@ -750,8 +750,9 @@ fn gguf_name(role: Role, l: usize, n_layers: usize) -> String {
 /// llama.cpp's conventions (the ones transformers' GGUF loader undoes): `blk.N.*` names, zero-centred norms
 /// stored as `1 + w` (not `ssm_norm`), `ssm_a = −exp(A_log)`, the conv squeezed to `[conv_dim, K]`, and value
 /// heads reordered from grouped to tiled on every value-indexed tensor (rows of the v part of `attn_qkv` and
-/// `ssm_conv1d`, of `attn_gate`, `ssm_alpha`, `ssm_beta`, `ssm_a`, `ssm_dt`; columns of `ssm_out`). No tokenizer
-/// is written. Errors: what [`Qwen35Model::load_dir`] reports, layer types that no `full_attention_interval`
+/// `ssm_conv1d`, of `attn_gate`, `ssm_alpha`, `ssm_beta`, `ssm_a`, `ssm_dt`; columns of `ssm_out`); the MTP head
+/// as `blk.{n_layers}.*` when present; the folder's `tokenizer.json` (byte-level BPE) as `tokenizer.ggml.*`
+/// when present. Errors: what [`Qwen35Model::load_dir`] reports, layer types that no `full_attention_interval`
 /// describes, or an I/O failure.
 pub fn export_gguf(dir: &Path, out: &Path) -> Result<()> {
     let cfg_path = dir.join(CONFIG_FILE);
@@ -856,9 +857,79 @@ pub fn export_gguf(dir: &Path, out: &Path) -> Result<()> {
     }
     md.insert(p("attention.layer_norm_rms_epsilon"), GgufValue::F32(c.norm_eps));
     md.insert(p("rope.freq_base"), GgufValue::F32(c.rope_theta));
+    let text_cfg = top.get("text_config").unwrap_or(&top);
+    let mut sections: Vec<i32> = text_cfg
+        .pointer("/rope_parameters/mrope_section")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_i64).map(|x| x as i32).collect())
+        .unwrap_or_else(|| vec![11, 11, 10]);
+    sections.resize(4, 0);
+    md.insert(p("rope.dimension_sections"), GgufValue::Array(sections.into_iter().map(GgufValue::I32).collect()));
+    if dir.join(crate::model_dir::TOKENIZER_FILE).is_file() {
+        tokenizer_metadata(dir, c.vocab_size, &mut md)?;
+    }
     let bytes: Vec<Vec<u8>> = tensors.iter().map(|(_, _, d)| d.iter().flat_map(|v| v.to_le_bytes()).collect()).collect();
     let table: Vec<(String, Vec<u64>, u32, &[u8])> = tensors.iter().zip(&bytes).map(|((n, dims, _), b)| (n.clone(), dims.clone(), 0u32, b.as_slice())).collect();
     crate::gguf::write_gguf(out, &md, &table).map_err(|e| Error::Io { path: out.to_path_buf(), source: e })
+}
+
+/// llama.cpp's `tokenizer.ggml.*` metadata (byte-level BPE, pre-tokenizer `qwen35`) from the folder's
+/// `tokenizer.json` (and `tokenizer_config.json` for the EOS token): tokens by id, padded to `vocab` with
+/// unused `<|pad_N|>` entries; token types (1 normal, 3 control for special added tokens, 5 padding); merges.
+fn tokenizer_metadata(dir: &Path, vocab: usize, md: &mut BTreeMap<String, GgufValue>) -> Result<()> {
+    let path = dir.join(crate::model_dir::TOKENIZER_FILE);
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::model(&path, format!("cannot read: {e}")))?;
+    let j: Value = serde_json::from_str(&text).map_err(|e| Error::model(&path, format!("malformed JSON: {e}")))?;
+    let bad = |m: &str| Error::model(&path, m.to_string());
+    let mut tokens: Vec<Option<(String, i32)>> = vec![None; vocab];
+    let mut put = |id: u64, tok: &str, ty: i32| -> Result<()> {
+        let slot = tokens.get_mut(id as usize).ok_or_else(|| bad(&format!("token id {id} beyond the {vocab} embedding rows")))?;
+        *slot = Some((tok.to_string(), ty));
+        Ok(())
+    };
+    for (tok, id) in j.pointer("/model/vocab").and_then(Value::as_object).ok_or_else(|| bad("no model.vocab (not a BPE tokenizer)"))? {
+        put(id.as_u64().ok_or_else(|| bad("vocab id is not an integer"))?, tok, 1)?;
+    }
+    let mut eos = None;
+    let eos_name = std::fs::read_to_string(dir.join(crate::model_dir::TOKENIZER_CONFIG_FILE))
+        .ok()
+        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+        .and_then(|v| v.get("eos_token").and_then(Value::as_str).map(str::to_string));
+    for a in j.get("added_tokens").and_then(Value::as_array).into_iter().flatten() {
+        let (id, content) = (a["id"].as_u64().unwrap_or(u64::MAX), a["content"].as_str().unwrap_or(""));
+        put(id, content, if a["special"].as_bool() == Some(true) { 3 } else { 4 })?;
+        if eos_name.as_deref() == Some(content) {
+            eos = Some(id);
+        }
+    }
+    let merges: Vec<GgufValue> = j
+        .pointer("/model/merges")
+        .and_then(Value::as_array)
+        .ok_or_else(|| bad("no model.merges"))?
+        .iter()
+        .map(|m| match m {
+            Value::String(s) => Some(s.clone()),
+            Value::Array(p) => Some(format!("{} {}", p.first()?.as_str()?, p.get(1)?.as_str()?)),
+            _ => None,
+        })
+        .map(|m| m.map(GgufValue::String).ok_or_else(|| bad("a merge is neither \"a b\" nor [a, b]")))
+        .collect::<Result<_>>()?;
+    let (mut list, mut types) = (Vec::with_capacity(vocab), Vec::with_capacity(vocab));
+    for (i, t) in tokens.into_iter().enumerate() {
+        let (tok, ty) = t.unwrap_or_else(|| (format!("<|pad_{i}|>"), 5));
+        list.push(GgufValue::String(tok));
+        types.push(GgufValue::I32(ty));
+    }
+    md.insert("tokenizer.ggml.model".into(), GgufValue::String("gpt2".into()));
+    md.insert("tokenizer.ggml.pre".into(), GgufValue::String("qwen35".into()));
+    md.insert("tokenizer.ggml.tokens".into(), GgufValue::Array(list));
+    md.insert("tokenizer.ggml.token_type".into(), GgufValue::Array(types));
+    md.insert("tokenizer.ggml.merges".into(), GgufValue::Array(merges));
+    md.insert("tokenizer.ggml.add_bos_token".into(), GgufValue::Bool(false));
+    if let Some(e) = eos {
+        md.insert("tokenizer.ggml.eos_token_id".into(), GgufValue::U32(e as u32));
+    }
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------------------

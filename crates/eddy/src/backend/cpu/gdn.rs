@@ -121,9 +121,10 @@ pub fn chain_parents(n: usize) -> Vec<usize> {
 /// `c_i[ch] = silu(Σ_{m<K} w[ch][m] · in_{i,m}[ch])` with `in_{i,K−1} = x_i`, `in_{i,K−2} = x_parent(i)`, …,
 /// continuing into `conv_state` (its newest row first) once the ancestor chain passes the root.
 ///
-/// `w`: `conv_dim × K`; `conv_state`: `(K−1) × conv_dim` (read only); `x`, `out`: `n × conv_dim`.
-pub fn conv_silu(w: &[f32], kernel: usize, conv_state: &[f32], x: &[f32], parents: &[usize], out: &mut [f32]) {
-    let cd = w.len() / kernel;
+/// `w_taps`: the weights tap-major, `K × conv_dim` (`w_taps[m][ch] = w[ch][m]`, see [`conv_taps`]);
+/// `conv_state`: `(K−1) × conv_dim` (read only); `x`, `out`: `n × conv_dim`.
+pub fn conv_silu(w_taps: &[f32], kernel: usize, conv_state: &[f32], x: &[f32], parents: &[usize], out: &mut [f32]) {
+    let cd = w_taps.len() / kernel;
     let n = parents.len();
     assert!(x.len() >= n * cd && out.len() >= n * cd && conv_state.len() >= (kernel - 1) * cd);
     let mut srcs: Vec<&[f32]> = Vec::with_capacity(kernel);
@@ -141,15 +142,21 @@ pub fn conv_silu(w: &[f32], kernel: usize, conv_state: &[f32], x: &[f32], parent
         }
         srcs.reverse();
         let o = &mut out[i * cd..(i + 1) * cd];
-        for (ch, oc) in o.iter_mut().enumerate() {
-            let wr = &w[ch * kernel..(ch + 1) * kernel];
-            let mut s = 0f32;
-            for m in 0..kernel {
-                s += wr[m] * srcs[m][ch];
+        o.fill(0.0);
+        for (m, src) in srcs.iter().enumerate() {
+            for ((oc, &wv), &xv) in o.iter_mut().zip(&w_taps[m * cd..(m + 1) * cd]).zip(src.iter()) {
+                *oc += wv * xv;
             }
-            *oc = silu(s);
         }
+        o.iter_mut().for_each(|v| *v = silu(*v));
     }
+}
+
+/// Conv weights from channel-major (`conv_dim × K`, as stored by transformers and llama.cpp) to tap-major
+/// (`K × conv_dim`), the layout [`conv_silu`] reads.
+pub fn conv_taps(w: &[f32], kernel: usize) -> Vec<f32> {
+    let cd = w.len() / kernel;
+    (0..kernel * cd).map(|i| w[(i % cd) * kernel + i / cd]).collect()
 }
 
 /// The conv window after accepting `path` (node indices; a root path): the last `K−1` rows of
@@ -743,7 +750,7 @@ mod tests {
         let n = parents.len();
         let x: Vec<f32> = (0..n * cd).map(|_| rng.next()).collect();
         let mut out = vec![0f32; n * cd];
-        conv_silu(&w, k, &state, &x, &parents, &mut out);
+        conv_silu(&conv_taps(&w, k), k, &state, &x, &parents, &mut out);
         // Oracle: the full input stream along each node's path, then a plain causal conv.
         for i in 0..n {
             let mut path = vec![i];
