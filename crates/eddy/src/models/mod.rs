@@ -182,7 +182,7 @@ pub struct Model {
     /// Untied LM head, `vocab × d_model`.
     pub output: Option<WeightMatrix>,
     /// A Qwen3.5 hybrid model. When set, the fields above are placeholders (`config` summarises it with
-    /// `n_layers` 0, so the engine's own KV cache is empty) and [`forward`] runs [`qwen35::forward_seq`].
+    /// `n_layers` 0, so the engine's own KV cache is empty) and [`forward()`] runs [`qwen35::forward_seq`].
     pub qwen35: Option<Box<qwen35::Qwen35Model>>,
 }
 
