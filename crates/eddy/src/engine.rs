@@ -16,7 +16,7 @@
 use crate::backend::cpu::ThreadPool;
 use crate::error::{Error, Result};
 use crate::load::LoadedModel;
-use crate::models::forward::{forward, forward_tree, Logits, Workspace};
+use crate::models::forward::{commit_tree, forward, forward_tree, Logits, Workspace};
 use crate::sampling::{Sampler, SamplerParams};
 use crate::spec::{accept_walk, Budget, CostModel, DraftTree, ProposeCtx, Speculator};
 use crate::state::SeqState;
@@ -322,7 +322,7 @@ impl Engine {
             for d in 0..accepted {
                 stats.accepted_at_depth[d] += 1;
             }
-            self.state.commit_path(&tree.tokens, &walk.path);
+            commit_tree(&self.lm.model, &self.pool, &mut self.state, &tree.tokens, &walk.path)?;
             // Emit the accepted draft tokens (all but the last sample), then continue with the bonus.
             let mut stop = None;
             for &y in &walk.samples[..accepted] {

@@ -131,16 +131,23 @@ pub fn shard_files(index: &Path) -> Result<Vec<String>> {
 /// `model_type`, unsupported settings, missing weights, tensors that are missing, of the wrong shape or of
 /// an unsupported dtype, missing `tokenizer.json`, a tokenizer larger than the embedding.
 pub fn load_dir(dir: &Path, quant: Quant, progress: &mut dyn FnMut(usize, usize)) -> Result<LoadedModel> {
-    let hf = HfConfig::read(dir)?;
-    let plan = Plan::new(&hf, &dir.join(CONFIG_FILE))?;
     let tok_path = dir.join(TOKENIZER_FILE);
-    if !tok_path.is_file() {
-        return Err(Error::model(&tok_path, "missing: eddy needs the fast-tokenizer file tokenizer.json"));
-    }
-    let tensors = Tensors::open(dir)?;
     let tok_cfg = dir.join(TOKENIZER_CONFIG_FILE);
+    let model = if crate::models::qwen35::is_qwen35_dir(dir) {
+        if !tok_path.is_file() {
+            return Err(Error::model(&tok_path, "missing: eddy needs the fast-tokenizer file tokenizer.json"));
+        }
+        load_model(dir, quant, progress)?
+    } else {
+        let hf = HfConfig::read(dir)?;
+        let plan = Plan::new(&hf, &dir.join(CONFIG_FILE))?;
+        if !tok_path.is_file() {
+            return Err(Error::model(&tok_path, "missing: eddy needs the fast-tokenizer file tokenizer.json"));
+        }
+        let tensors = Tensors::open(dir)?;
+        DirLoader::new(&tensors, &plan, quant, progress)?.load()?
+    };
     let tokenizer = Tokenizer::from_file(&tok_path, tok_cfg.is_file().then_some(tok_cfg.as_path()))?;
-    let model = DirLoader::new(&tensors, &plan, quant, progress)?.load()?;
     if tokenizer.vocab_size() > model.config.vocab_size {
         return Err(Error::model(
             &tok_path,
@@ -153,6 +160,9 @@ pub fn load_dir(dir: &Path, quant: Quant, progress: &mut dyn FnMut(usize, usize)
 
 /// Load only the weights of a Hugging Face folder (no tokenizer); see [`load_dir`].
 pub fn load_model(dir: &Path, quant: Quant, progress: &mut dyn FnMut(usize, usize)) -> Result<Model> {
+    if crate::models::qwen35::is_qwen35_dir(dir) {
+        return Ok(crate::models::qwen35::Qwen35Model::load_dir(dir, quant)?.into_model());
+    }
     let hf = HfConfig::read(dir)?;
     let plan = Plan::new(&hf, &dir.join(CONFIG_FILE))?;
     let tensors = Tensors::open(dir)?;
@@ -161,6 +171,9 @@ pub fn load_model(dir: &Path, quant: Quant, progress: &mut dyn FnMut(usize, usiz
 
 /// The hyper-parameters of a Hugging Face folder's `config.json` as eddy's [`ModelConfig`].
 pub fn read_config(dir: &Path) -> Result<ModelConfig> {
+    if crate::models::qwen35::is_qwen35_dir(dir) {
+        return crate::models::qwen35::summary_config_from_dir(dir);
+    }
     let hf = HfConfig::read(dir)?;
     Ok(Plan::new(&hf, &dir.join(CONFIG_FILE))?.config)
 }
@@ -251,7 +264,8 @@ fn defaults(arch: Arch) -> Defaults {
             theta: 10_000.0,
             tie: false,
         },
-        Arch::Qwen2 | Arch::Qwen3 => Defaults {
+        // Qwen3.5 folders load through models::qwen35 and never reach the plan; its defaults are Qwen's.
+        Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen35 => Defaults {
             vocab: 151_936,
             hidden: 4096,
             ffn: 22016,
@@ -345,7 +359,7 @@ impl Plan {
         let act_name = c.hidden_activation.as_deref().or(c.hidden_act.as_deref());
         let activation = match (arch, act_name) {
             (Arch::Gemma3, None | Some("gelu_pytorch_tanh") | Some("gelu_tanh")) => Activation::GeluTanh,
-            (Arch::Llama | Arch::Qwen2 | Arch::Qwen3, None | Some("silu") | Some("swish")) => Activation::Silu,
+            (Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen35, None | Some("silu") | Some("swish")) => Activation::Silu,
             (_, Some(a)) => return Err(bad(format!("unsupported activation '{a}'"))),
         };
         if c.attn_logit_softcapping.is_some() {
@@ -381,7 +395,7 @@ impl Plan {
                 let first = c.max_window_layers.unwrap_or(QWEN_MAX_WINDOW_LAYERS);
                 (0..n_layers).map(|l| l >= first).collect()
             }
-            (None, Arch::Llama) => vec![false; n_layers],
+            (None, Arch::Llama | Arch::Qwen35) => vec![false; n_layers],
         };
         let window = match arch {
             Arch::Gemma3 => Some(c.sliding_window.unwrap_or(GEMMA3_SLIDING_WINDOW)),
@@ -564,16 +578,16 @@ impl Shard {
 }
 
 /// The tensors of a folder, over all its shards.
-struct Tensors {
+pub(crate) struct Tensors {
     shards: Vec<Shard>,
     /// Tensor name → shard.
     index: HashMap<String, usize>,
     /// The file named by "missing tensor" errors: model.safetensors or the index.
-    listing: PathBuf,
+    pub(crate) listing: PathBuf,
 }
 
 impl Tensors {
-    fn open(dir: &Path) -> Result<Tensors> {
+    pub(crate) fn open(dir: &Path) -> Result<Tensors> {
         let single = dir.join(WEIGHTS_FILE);
         let index_path = dir.join(WEIGHTS_INDEX_FILE);
         let (files, listing) = if single.is_file() {
@@ -608,8 +622,40 @@ impl Tensors {
         Some((shard, shard.meta.info(name)?))
     }
 
-    fn contains(&self, name: &str) -> bool {
+    pub(crate) fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
+    }
+
+    /// Shape of tensor `name`, if present.
+    pub(crate) fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.get(name).map(|(_, i)| i.shape.clone())
+    }
+
+    /// Tensor `name` as f32 (f32/f16/bf16 data), after checking its shape is `want`.
+    pub(crate) fn f32_tensor(&self, name: &str, want: &[usize]) -> Result<Vec<f32>> {
+        let (shard, info) = self.get(name).ok_or_else(|| Error::model(&self.listing, format!("missing tensor {name}")))?;
+        DirLoader::check_shape(shard, name, info, want)?;
+        to_f32(shard, name, info)
+    }
+
+    /// Matrix `name` (`rows × cols`), stored as [`DirLoader`] stores it under `quant` (`vocab`: embedding/LM head).
+    pub(crate) fn matrix(&self, name: &str, rows: usize, cols: usize, quant: Quant, vocab: bool) -> Result<WeightMatrix> {
+        let (shard, info) = self.get(name).ok_or_else(|| Error::model(&self.listing, format!("missing tensor {name}")))?;
+        DirLoader::check_shape(shard, name, info, &[rows, cols])?;
+        let kind = match (quant, vocab) {
+            (Quant::None, _) => None,
+            (Quant::Q8, _) | (Quant::Q4, true) => Some(QuantKind::Q8),
+            (Quant::Q4, false) => Some(QuantKind::Q4),
+        };
+        Ok(match (kind, info.dtype) {
+            (None, Dtype::BF16) => WeightMatrix::Bf16 {
+                rows,
+                cols,
+                data: shard.bytes(info).chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect(),
+            },
+            (None, _) => WeightMatrix::F32 { rows, cols, data: to_f32(shard, name, info)? },
+            (Some(k), _) => quantize_f32(rows, cols, &to_f32(shard, name, info)?, k),
+        })
     }
 }
 
@@ -684,22 +730,7 @@ impl<'a> DirLoader<'a> {
 
     /// A `rows × cols` matrix (out × in, as stored by PyTorch).
     fn matrix(&mut self, name: &str, rows: usize, cols: usize, role: Role) -> Result<WeightMatrix> {
-        let (shard, info) = self.find(name)?;
-        Self::check_shape(shard, name, info, &[rows, cols])?;
-        let kind = match (self.quant, role) {
-            (Quant::None, _) => None,
-            (Quant::Q8, _) | (Quant::Q4, Role::Vocab) => Some(QuantKind::Q8),
-            (Quant::Q4, Role::Projection) => Some(QuantKind::Q4),
-        };
-        let m = match (kind, info.dtype) {
-            (None, Dtype::BF16) => WeightMatrix::Bf16 {
-                rows,
-                cols,
-                data: shard.bytes(info).chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect(),
-            },
-            (None, _) => WeightMatrix::F32 { rows, cols, data: to_f32(shard, name, info)? },
-            (Some(k), _) => quantize_f32(rows, cols, &to_f32(shard, name, info)?, k),
-        };
+        let m = self.t.matrix(name, rows, cols, self.quant, role == Role::Vocab)?;
         self.tick();
         Ok(m)
     }
@@ -820,7 +851,7 @@ impl<'a> DirLoader<'a> {
                 })?;
             Some(self.matrix(name, c.vocab_size, d, Role::Vocab)?)
         };
-        Ok(Model { config: c, embed, layers, output_norm, output })
+        Ok(Model { config: c, embed, layers, output_norm, output, qwen35: None })
     }
 }
 

@@ -53,12 +53,14 @@ pub struct SeqState {
     pub kv: KvCache,
     /// Tokens whose K/V are in the cache, in order.
     pub tokens: Vec<u32>,
+    /// Qwen3.5 hybrid models keep their own state here (created by their forward pass).
+    pub qwen35: Option<Box<crate::models::qwen35::HybridSeq>>,
 }
 
 impl SeqState {
     /// New empty sequence with room for `ctx` tokens.
     pub fn new(n_layers: usize, ctx: usize, kv_dim: usize) -> Self {
-        SeqState { kv: KvCache::new(n_layers, ctx, kv_dim), tokens: Vec::with_capacity(ctx) }
+        SeqState { kv: KvCache::new(n_layers, ctx, kv_dim), tokens: Vec::with_capacity(ctx), qwen35: None }
     }
 
     /// Number of committed positions.

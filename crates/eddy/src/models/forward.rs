@@ -81,6 +81,9 @@ pub fn forward(
     want: Logits,
     logits: &mut Vec<f32>,
 ) -> Result<()> {
+    if let Some(m) = &model.qwen35 {
+        return super::qwen35::forward_seq(m, pool, state, tokens, want, logits); // hybrid: its own forward
+    }
     let vocab = model.config.vocab_size;
     if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
         return Err(Error::Input(format!("token id {bad} is outside the vocabulary of {vocab}")));
@@ -125,6 +128,14 @@ pub fn forward_tree(
     first: usize,
     logits: &mut Vec<f32>,
 ) -> Result<()> {
+    if let Some(m) = &model.qwen35 {
+        // Hybrid: its own tree verify (GDN layers by the ancestor-masked solve); whole trees only.
+        if first != 0 {
+            return Err(Error::Input("Qwen3.5 verifies whole token trees only (incremental drafting is not supported)".into()));
+        }
+        let parents: Vec<usize> = (0..paths.len()).map(|i| { let p = paths.path(i); if p.len() < 2 { crate::tree::NO_PARENT } else { p[p.len() - 2] as usize } }).collect();
+        return super::qwen35::forward_tree_seq(m, pool, state, tokens, &parents, logits);
+    }
     let vocab = model.config.vocab_size;
     if tokens.len() != paths.len() || first > tokens.len() {
         return Err(Error::Input(format!("token tree: {} tokens for {} nodes (from node {first})", tokens.len(), paths.len())));
@@ -142,6 +153,19 @@ pub fn forward_tree(
         forward_chunk(model, pool, ws, &mut state.kv, n_past, &tokens[start..end], rows, Logits::All, logits);
         start = end;
     }
+    Ok(())
+}
+
+/// Commit the accepted `path` (node indices, root first) of the last [`forward_tree`] on `state`: the
+/// dense models compact K/V rows ([`SeqState::commit_path`]); Qwen3.5 also applies the path to its
+/// recurrent states once.
+///
+/// Errors: a path that is not a root path of the verified tree (Qwen3.5).
+pub fn commit_tree(model: &Model, pool: &ThreadPool, state: &mut SeqState, tokens: &[u32], path: &[usize]) -> Result<()> {
+    if model.qwen35.is_some() {
+        return super::qwen35::commit_seq(pool, state, tokens, path);
+    }
+    state.commit_path(tokens, path);
     Ok(())
 }
 

@@ -12,6 +12,7 @@ pub mod gemma3;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
+pub mod qwen35;
 
 pub use forward::{forward, Workspace};
 
@@ -32,6 +33,9 @@ pub enum Arch {
     Qwen3,
     /// Gemma 3 text (1+w norms, pre/post norms, embedding scale, sliding-window layers, GeGLU).
     Gemma3,
+    /// Qwen3.5 hybrid (Gated DeltaNet + gated attention): weights, state and forward in [`qwen35`], reached
+    /// through [`Model::qwen35`].
+    Qwen35,
 }
 
 impl Arch {
@@ -42,6 +46,7 @@ impl Arch {
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
             "gemma3" => Arch::Gemma3,
+            qwen35::GGUF_ARCH => Arch::Qwen35,
             _ => return None,
         })
     }
@@ -176,6 +181,9 @@ pub struct Model {
     pub output_norm: Vec<f32>,
     /// Untied LM head, `vocab × d_model`.
     pub output: Option<WeightMatrix>,
+    /// A Qwen3.5 hybrid model. When set, the fields above are placeholders (`config` summarises it with
+    /// `n_layers` 0, so the engine's own KV cache is empty) and [`forward()`] runs [`qwen35::forward_seq`].
+    pub qwen35: Option<Box<qwen35::Qwen35Model>>,
 }
 
 impl Model {
@@ -186,6 +194,9 @@ impl Model {
 
     /// Bytes of weights streamed by one decode step (all matrices once, embedding row excluded unless tied).
     pub fn weight_bytes(&self) -> usize {
+        if let Some(m) = &self.qwen35 {
+            return m.weight_bytes();
+        }
         let mut n = self.lm_head().nbytes();
         for l in &self.layers {
             for w in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
@@ -198,6 +209,9 @@ impl Model {
     /// Load a GGUF model. `progress(done, total)` is called as tensors are imported.
     pub fn from_gguf(g: &GgufFile, progress: &mut dyn FnMut(usize, usize)) -> Result<Model> {
         let config = config_from_gguf(g)?;
+        if config.arch == Arch::Qwen35 {
+            return Ok(qwen35::Qwen35Model::from_gguf(g)?.into_model());
+        }
         let loader = GgufLoader { g, config: &config, done: 0, total: g.tensors.len(), progress };
         loader.load()
     }
@@ -292,7 +306,7 @@ impl GgufLoader<'_> {
         } else {
             None
         };
-        Ok(Model { config: c, embed, layers, output_norm, output })
+        Ok(Model { config: c, embed, layers, output_norm, output, qwen35: None })
     }
 }
 
@@ -300,13 +314,14 @@ impl GgufLoader<'_> {
 pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
     let arch_name = g.architecture()?;
     let arch = Arch::from_gguf_name(arch_name).ok_or_else(|| {
-        Error::model(&g.path, format!("unknown architecture '{arch_name}' (eddy supports llama, qwen2, qwen3, gemma3)"))
+        Error::model(&g.path, format!("unknown architecture '{arch_name}' (eddy supports llama, qwen2, qwen3, gemma3, qwen35)"))
     })?;
     match arch {
         Arch::Llama => llama::config(g),
         Arch::Qwen2 => qwen2::config(g),
         Arch::Qwen3 => qwen3::config(g),
         Arch::Gemma3 => gemma3::config(g),
+        Arch::Qwen35 => qwen35::summary_config_from_gguf(g),
     }
 }
 

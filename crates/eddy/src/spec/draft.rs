@@ -17,7 +17,7 @@ use super::{probs_of, top_k, Budget, CostModel, DraftTree, ProposeCtx, Ranked, S
 use crate::backend::cpu::ThreadPool;
 use crate::error::{Error, Result};
 use crate::load::LoadedModel;
-use crate::models::forward::{forward, forward_tree, Logits, Workspace};
+use crate::models::forward::{commit_tree, forward, forward_tree, Logits, Workspace};
 use crate::state::SeqState;
 use crate::tokenizer::Tokenizer;
 use crate::tree::{TreePaths, NO_PARENT};
@@ -129,7 +129,7 @@ impl DraftModel {
             debug_assert!(path.iter().enumerate().all(|(d, &i)| paths.depth(i) == d));
             if !path.is_empty() {
                 let toks = self.tokens.clone();
-                self.state.commit_path(&toks, &path);
+                commit_tree(&self.lm.model, pool, &mut self.state, &toks, &path)?;
             }
         }
         self.tokens.clear();

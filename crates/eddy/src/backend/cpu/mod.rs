@@ -34,6 +34,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod gdn;
 mod avx2;
 mod avx512;
 pub mod bandwidth;

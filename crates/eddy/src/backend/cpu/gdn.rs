@@ -1,0 +1,859 @@
+//! Gated DeltaNet (Yang, Kautz & Hatamizadeh 2024, "Gated Delta Networks"; the Qwen3.5 / Qwen3-Next linear
+//! attention layers): the causal depthwise conv, the q/k/g/β preparation, the recurrent (decode) form, the
+//! chunked WY/UT (prefill) form, its ancestor-masked generalisation to token trees, the state commit, and
+//! the gated RMSNorm. Math and notation: `../shared/research/algorithms.md` §1.5, §1.6, §2.4, §2.6;
+//! the reference is transformers' `modeling_qwen3_5.py` (`torch_recurrent_gated_delta_rule`,
+//! `torch_chunk_gated_delta_rule`, `causal_conv1d_*`, `Qwen3_5RMSNormGated`).
+//!
+//! Layouts (all f32, row-major):
+//! - pre-conv stream `x` and post-conv stream `c`: `n × conv_dim`, channels `[q (all key heads) | k (all key
+//!   heads) | v (all value heads)]`, each head contiguous;
+//! - conv weights `conv_dim × K`; conv state `(K−1) × conv_dim`, the last `K−1` *pre-conv* inputs, oldest first;
+//! - recurrent state `S`: `n_v_heads × d_k × d_v` (per value head, `S[m][j]`, row = key index), fp32;
+//! - per-node scalars `g`, `β`, `γ`: `n × n_v_heads`; outputs and `ũ`: `n × n_v_heads·d_v`.
+//!
+//! Per token and value head h (key head κ(h)): `S̄ = e^g·S`, `ũ = β(v − S̄ᵀk)`, `S ← S̄ + k ũᵀ`, `o = Sᵀq` (read
+//! after the write). Value head h uses key head `h / r` (transformers' `repeat_interleave`, "grouped") or
+//! `h mod n_k_heads` (llama.cpp GGUF files, "tiled"), see [`GdnShape::v_tiled`].
+//!
+//! The masked WY solve ([`wy_outputs`]) handles a chain (chunked prefill) and a tree (verification) alike:
+//! nodes in topological order with `parents[0] = usize::MAX` and `parents[i] < i`; with path-cumulative log
+//! decays `γ_i = g_i + γ_parent(i)`, for every node
+//! `ũ_i = β_i(v_i − e^{γ_i} S₀ᵀk_i) − Σ_{j≺i} β_i e^{γ_i−γ_j}(k_i·k_j) ũ_j` (forward substitution over proper
+//! ancestors j) and `o_i = e^{γ_i} S₀ᵀq_i + Σ_{j⪯i} e^{γ_i−γ_j}(q_i·k_j) ũ_j`; `S₀` is only read. Committing a
+//! root path P ending at node n ([`apply_path`]) is `S ← e^{γ_n} S₀ + Σ_{j∈P} e^{γ_n−γ_j} k_j ũ_jᵀ`. Every
+//! exponent is ≤ 0, so nothing overflows. A per-branch sequential recurrence ([`tree_reference`]) is the
+//! test oracle.
+
+use super::{SyncPtr, ThreadPool};
+use std::cell::RefCell;
+
+/// Shape of one Gated DeltaNet layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GdnShape {
+    /// Query/key heads (`linear_num_key_heads`).
+    pub n_k_heads: usize,
+    /// Value heads (`linear_num_value_heads`, a multiple of `n_k_heads`).
+    pub n_v_heads: usize,
+    /// Key head dimension (`linear_key_head_dim`).
+    pub d_k: usize,
+    /// Value head dimension (`linear_value_head_dim`).
+    pub d_v: usize,
+    /// Conv kernel width (`linear_conv_kernel_dim`, 4).
+    pub kernel: usize,
+    /// Value heads are tiled over key heads (llama.cpp order: head h uses key head `h mod n_k_heads`) instead
+    /// of grouped (transformers order: `h / (n_v_heads / n_k_heads)`).
+    pub v_tiled: bool,
+}
+
+impl GdnShape {
+    /// `n_k_heads · d_k`.
+    pub fn key_dim(&self) -> usize {
+        self.n_k_heads * self.d_k
+    }
+    /// `n_v_heads · d_v`.
+    pub fn value_dim(&self) -> usize {
+        self.n_v_heads * self.d_v
+    }
+    /// Channels of the conv stream: `2·key_dim + value_dim`.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+    /// f32 values of one recurrent state: `n_v_heads · d_k · d_v`.
+    pub fn state_len(&self) -> usize {
+        self.n_v_heads * self.d_k * self.d_v
+    }
+    /// f32 values of one conv state: `(kernel − 1) · conv_dim`.
+    pub fn conv_state_len(&self) -> usize {
+        (self.kernel - 1) * self.conv_dim()
+    }
+    /// The key head value head `h` reads.
+    pub fn key_head(&self, h: usize) -> usize {
+        if self.v_tiled {
+            h % self.n_k_heads
+        } else {
+            h / (self.n_v_heads / self.n_k_heads)
+        }
+    }
+    /// Problem with the shape, in words.
+    pub fn check(&self) -> Result<(), String> {
+        if self.n_k_heads == 0 || !self.n_v_heads.is_multiple_of(self.n_k_heads) || self.d_k == 0 || self.d_v == 0 || self.kernel < 1 {
+            return Err(format!(
+                "inconsistent Gated DeltaNet shape: {} key heads, {} value heads, d_k {}, d_v {}, conv kernel {}",
+                self.n_k_heads, self.n_v_heads, self.d_k, self.d_v, self.kernel
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The ancestors of `node` from its parent upwards (at most `max`), per the tree convention above.
+fn ancestors(parents: &[usize], node: usize, max: usize) -> impl Iterator<Item = usize> + '_ {
+    let mut cur = parents[node];
+    std::iter::from_fn(move || {
+        if cur == usize::MAX {
+            return None;
+        }
+        let n = cur;
+        cur = parents[n];
+        Some(n)
+    })
+    .take(max)
+}
+
+/// Whether `parents` is a valid tree in topological order (`parents[0] = usize::MAX`, `parents[i] < i`).
+pub fn check_parents(parents: &[usize]) -> Result<(), String> {
+    for (i, &p) in parents.iter().enumerate() {
+        let ok = if i == 0 { p == usize::MAX } else { p < i };
+        if !ok {
+            return Err(format!("bad tree: parents[{i}] = {p} (need parents[0] = usize::MAX and parents[i] < i)"));
+        }
+    }
+    Ok(())
+}
+
+/// Chain parents `[MAX, 0, 1, …, n−2]`.
+pub fn chain_parents(n: usize) -> Vec<usize> {
+    (0..n).map(|i| if i == 0 { usize::MAX } else { i - 1 }).collect()
+}
+
+/// Causal depthwise conv + SiLU over a tree (a chain is the tree `chain_parents(n)`):
+/// `c_i[ch] = silu(Σ_{m<K} w[ch][m] · in_{i,m}[ch])` with `in_{i,K−1} = x_i`, `in_{i,K−2} = x_parent(i)`, …,
+/// continuing into `conv_state` (its newest row first) once the ancestor chain passes the root.
+///
+/// `w_taps`: the weights tap-major, `K × conv_dim` (`w_taps[m][ch] = w[ch][m]`, see [`conv_taps`]);
+/// `conv_state`: `(K−1) × conv_dim` (read only); `x`, `out`: `n × conv_dim`.
+pub fn conv_silu(w_taps: &[f32], kernel: usize, conv_state: &[f32], x: &[f32], parents: &[usize], out: &mut [f32]) {
+    let cd = w_taps.len() / kernel;
+    let n = parents.len();
+    assert!(x.len() >= n * cd && out.len() >= n * cd && conv_state.len() >= (kernel - 1) * cd);
+    let mut srcs: Vec<&[f32]> = Vec::with_capacity(kernel);
+    for i in 0..n {
+        // srcs[m] feeds tap m (m = K−1 is the node itself).
+        srcs.clear();
+        srcs.push(&x[i * cd..(i + 1) * cd]);
+        for a in ancestors(parents, i, kernel - 1) {
+            srcs.push(&x[a * cd..(a + 1) * cd]);
+        }
+        let mut row = kernel - 1;
+        while srcs.len() < kernel {
+            row -= 1;
+            srcs.push(&conv_state[row * cd..(row + 1) * cd]);
+        }
+        srcs.reverse();
+        let o = &mut out[i * cd..(i + 1) * cd];
+        o.fill(0.0);
+        for (m, src) in srcs.iter().enumerate() {
+            for ((oc, &wv), &xv) in o.iter_mut().zip(&w_taps[m * cd..(m + 1) * cd]).zip(src.iter()) {
+                *oc += wv * xv;
+            }
+        }
+        o.iter_mut().for_each(|v| *v = silu(*v));
+    }
+}
+
+/// Conv weights from channel-major (`conv_dim × K`, as stored by transformers and llama.cpp) to tap-major
+/// (`K × conv_dim`), the layout [`conv_silu`] reads.
+pub fn conv_taps(w: &[f32], kernel: usize) -> Vec<f32> {
+    let cd = w.len() / kernel;
+    (0..kernel * cd).map(|i| w[(i % cd) * kernel + i / cd]).collect()
+}
+
+/// The conv window after accepting `path` (node indices; a root path): the last `K−1` rows of
+/// `conv_state ++ x[path]`, written back into `conv_state` (`(K−1) × conv_dim`).
+pub fn conv_commit(conv_state: &mut [f32], conv_dim: usize, kernel: usize, x: &[f32], path: &[usize]) {
+    let keep = kernel - 1;
+    if keep == 0 || path.is_empty() {
+        return;
+    }
+    let mut rows: Vec<Vec<f32>> = (0..keep).map(|r| conv_state[r * conv_dim..(r + 1) * conv_dim].to_vec()).collect();
+    for &p in path {
+        rows.push(x[p * conv_dim..(p + 1) * conv_dim].to_vec());
+    }
+    let start = rows.len() - keep;
+    for (r, src) in rows[start..].iter().enumerate() {
+        conv_state[r * conv_dim..(r + 1) * conv_dim].copy_from_slice(src);
+    }
+}
+
+#[inline]
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+#[inline]
+fn softplus(x: f32) -> f32 {
+    // PyTorch's softplus with β = 1, threshold 20.
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+#[inline]
+fn l2_normalize(x: &mut [f32], scale: f32) {
+    let s: f32 = x.iter().map(|v| v * v).sum();
+    let inv = scale / (s + 1e-6).sqrt();
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// In place on the post-conv stream `c` (`n × conv_dim`): L2-normalise every q and k head
+/// (`x·(Σx² + 1e-6)^−½`), then scale q by `d_k^−½`. And per node and value head: `a ← g = a_neg·softplus(a +
+/// dt_bias)` (`a_neg = −exp(A_log)`), `b ← β = σ(b)`; `a`, `b` are `n × n_v_heads`.
+pub fn prepare(s: &GdnShape, c: &mut [f32], a: &mut [f32], b: &mut [f32], a_neg: &[f32], dt_bias: &[f32], n: usize) {
+    let (cd, kd, dk, hv) = (s.conv_dim(), s.key_dim(), s.d_k, s.n_v_heads);
+    let q_scale = 1.0 / (dk as f32).sqrt();
+    for i in 0..n {
+        let row = &mut c[i * cd..(i + 1) * cd];
+        for (j, head) in row[..2 * kd].chunks_exact_mut(dk).enumerate() {
+            l2_normalize(head, if j < s.n_k_heads { q_scale } else { 1.0 });
+        }
+        for h in 0..hv {
+            let ai = &mut a[i * hv + h];
+            *ai = a_neg[h] * softplus(*ai + dt_bias[h]);
+            let bi = &mut b[i * hv + h];
+            *bi = 1.0 / (1.0 + (-*bi).exp());
+        }
+    }
+}
+
+/// Views of one node's q (`d_k`), k (`d_k`), v (`d_v`) for value head `h` in a post-conv row.
+#[inline]
+fn qkv<'a>(s: &GdnShape, row: &'a [f32], h: usize) -> (&'a [f32], &'a [f32], &'a [f32]) {
+    let (kd, dk, dv) = (s.key_dim(), s.d_k, s.d_v);
+    let kh = s.key_head(h);
+    (&row[kh * dk..(kh + 1) * dk], &row[kd + kh * dk..kd + (kh + 1) * dk], &row[2 * kd + h * dv..2 * kd + (h + 1) * dv])
+}
+
+/// Defines `$name` that runs `$body::<true>` (an `#[inline(always)]` fn generic over `const FMA: bool`)
+/// compiled for AVX-512 or AVX2+FMA when the CPU has them (fixed 16-lane loops then vectorize with wide
+/// registers and fused multiply-adds), else `$body::<false>` for the baseline target (separate mul and add,
+/// as `mul_add` without FMA hardware is a slow library call).
+macro_rules! multiversion {
+    ($(#[$m:meta])* $vis:vis fn $name:ident => $body:ident ($($arg:ident : $ty:ty),*)) => {
+        $(#[$m])*
+        #[allow(clippy::too_many_arguments)]
+        $vis fn $name($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    #[target_feature(enable = "avx512f,avx2,fma")]
+                    #[allow(clippy::too_many_arguments)]
+                    unsafe fn wide($($arg: $ty),*) {
+                        $body::<true>($($arg),*)
+                    }
+                    // SAFETY: the features were detected at run time.
+                    return unsafe { wide($($arg),*) };
+                }
+                if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                    #[target_feature(enable = "avx2,fma")]
+                    #[allow(clippy::too_many_arguments)]
+                    unsafe fn narrow($($arg: $ty),*) {
+                        $body::<true>($($arg),*)
+                    }
+                    // SAFETY: the features were detected at run time.
+                    return unsafe { narrow($($arg),*) };
+                }
+            }
+            $body::<false>($($arg),*)
+        }
+    };
+}
+
+/// Column block of the state processed in registers.
+const LANES: usize = 16;
+
+/// `acc + a·b`, fused where the hardware has FMA.
+#[inline(always)]
+fn madd<const FMA: bool>(acc: f32, a: f32, b: f32) -> f32 {
+    if FMA {
+        a.mul_add(b, acc)
+    } else {
+        acc + a * b
+    }
+}
+
+#[inline(always)]
+fn axpy_f<const FMA: bool>(y: &mut [f32], a: f32, x: &[f32]) {
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y = madd::<FMA>(*y, a, x);
+    }
+}
+
+#[inline(always)]
+fn dot_f<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..LANES {
+            acc[l] = madd::<FMA>(acc[l], x[l], y[l]);
+        }
+    }
+    let mut s: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
+    for v in acc {
+        s += v;
+    }
+    s
+}
+
+multiversion! {
+    /// `out[x] = Sᵀ xs[x]` for `nx` vectors: `st` is `dk × dv`, `xs` is `nx × dk`, `out` is `nx × dv`.
+    pub fn state_t_times => state_t_times_body(st: &[f32], dk: usize, dv: usize, xs: &[f32], nx: usize, out: &mut [f32])
+}
+
+#[inline(always)]
+fn state_t_times_body<const FMA: bool>(st: &[f32], dk: usize, dv: usize, xs: &[f32], nx: usize, out: &mut [f32]) {
+    assert!(st.len() >= dk * dv && xs.len() >= nx * dk && out.len() >= nx * dv);
+    if dv.is_multiple_of(2 * LANES) {
+        state_t_times_blocked::<FMA, 2>(st, dk, dv, xs, nx, out);
+    } else if dv.is_multiple_of(LANES) {
+        state_t_times_blocked::<FMA, 1>(st, dk, dv, xs, nx, out);
+    } else {
+        for x in 0..nx {
+            let o = &mut out[x * dv..(x + 1) * dv];
+            o.fill(0.0);
+            for m in 0..dk {
+                axpy_f::<FMA>(o, xs[x * dk + m], &st[m * dv..(m + 1) * dv]);
+            }
+        }
+    }
+}
+
+/// Groups of four vectors, then single ones, times `CH` column blocks of 16.
+#[inline(always)]
+fn state_t_times_blocked<const FMA: bool, const CH: usize>(st: &[f32], dk: usize, dv: usize, xs: &[f32], nx: usize, out: &mut [f32]) {
+    let four = nx / 4 * 4;
+    for x0 in (0..four).step_by(4) {
+        state_t_times_group::<FMA, CH, 4>(st, dk, dv, xs, x0, out);
+    }
+    for x0 in four..nx {
+        state_t_times_group::<FMA, CH, 1>(st, dk, dv, xs, x0, out);
+    }
+}
+
+/// Vectors `x0..x0+NV` × `CH` column blocks of 16 per step: `NV·CH` independent accumulators share each load.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+fn state_t_times_group<const FMA: bool, const CH: usize, const NV: usize>(st: &[f32], dk: usize, dv: usize, xs: &[f32], x0: usize, out: &mut [f32]) {
+    for jc in (0..dv).step_by(CH * LANES) {
+        let mut acc = [[[0f32; LANES]; CH]; NV];
+        for m in 0..dk {
+            let rows: [&[f32; LANES]; CH] = std::array::from_fn(|c| st[m * dv + jc + c * LANES..][..LANES].try_into().unwrap());
+            for v in 0..NV {
+                let cv = xs[(x0 + v) * dk + m];
+                for c in 0..CH {
+                    for l in 0..LANES {
+                        acc[v][c][l] = madd::<FMA>(acc[v][c][l], cv, rows[c][l]);
+                    }
+                }
+            }
+        }
+        for v in 0..NV {
+            for c in 0..CH {
+                let o = (x0 + v) * dv + jc + c * LANES;
+                out[o..o + LANES].copy_from_slice(&acc[v][c]);
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// `S ← alpha·S + Σ_p coef[p]·ks[p] us[p]ᵀ`: `st` is `dk × dv`, `ks` is `np × dk`, `us` is `np × dv`.
+    pub fn state_rank_update => state_rank_update_body(st: &mut [f32], dk: usize, dv: usize, alpha: f32, ks: &[f32], us: &[f32], coef: &[f32])
+}
+
+#[inline(always)]
+fn state_rank_update_body<const FMA: bool>(st: &mut [f32], dk: usize, dv: usize, alpha: f32, ks: &[f32], us: &[f32], coef: &[f32]) {
+    let np = coef.len();
+    assert!(st.len() >= dk * dv && ks.len() >= np * dk && us.len() >= np * dv);
+    // Row by row: the row (d_v values) stays in L1 while each rank-1 term is added with independent lanes.
+    for m in 0..dk {
+        let row = &mut st[m * dv..(m + 1) * dv];
+        row.iter_mut().for_each(|v| *v *= alpha);
+        for p in 0..np {
+            axpy_f::<FMA>(row, coef[p] * ks[p * dk + m], &us[p * dv..(p + 1) * dv]);
+        }
+    }
+}
+
+multiversion! {
+    /// One value head of [`wy_outputs`] on gathered, contiguous inputs: `xs` holds `k_i, q_i` for each node
+    /// (`2n × dk`), `vs` the values (`n × dv`), `gam`/`bet` the node's γ and β; writes `us` (ũ) and `os`
+    /// (outputs), `n × dv` each; `ksqs` is scratch (`2n × dv`).
+    fn wy_head => wy_head_body(st: &[f32], dk: usize, dv: usize, parents: &[usize], xs: &[f32], vs: &[f32], gam: &[f32], bet: &[f32], ksqs: &mut [f32], us: &mut [f32], os: &mut [f32])
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn wy_head_body<const FMA: bool>(st: &[f32], dk: usize, dv: usize, parents: &[usize], xs: &[f32], vs: &[f32], gam: &[f32], bet: &[f32], ksqs: &mut [f32], us: &mut [f32], os: &mut [f32]) {
+    let n = parents.len();
+    state_t_times_body::<FMA>(st, dk, dv, xs, 2 * n, ksqs);
+    let key = |i: usize| &xs[2 * i * dk..(2 * i + 1) * dk];
+    let query = |i: usize| &xs[(2 * i + 1) * dk..(2 * i + 2) * dk];
+    for i in 0..n {
+        let (gi, b) = (gam[i], bet[i]);
+        let egi = gi.exp();
+        let (done, rest) = us.split_at_mut(i * dv);
+        let ui = &mut rest[..dv];
+        let (ks, qs) = (&ksqs[2 * i * dv..(2 * i + 1) * dv], &ksqs[(2 * i + 1) * dv..(2 * i + 2) * dv]);
+        for j in 0..dv {
+            ui[j] = b * (vs[i * dv + j] - egi * ks[j]);
+        }
+        let oi = &mut os[i * dv..(i + 1) * dv];
+        for j in 0..dv {
+            oi[j] = egi * qs[j];
+        }
+        let mut a = parents[i];
+        while a != usize::MAX {
+            let decay = (gi - gam[a]).exp();
+            let ua = &done[a * dv..(a + 1) * dv];
+            axpy_f::<FMA>(ui, -b * decay * dot_f::<FMA>(key(i), key(a)), ua);
+            axpy_f::<FMA>(oi, decay * dot_f::<FMA>(query(i), key(a)), ua);
+            a = parents[a];
+        }
+        axpy_f::<FMA>(oi, dot_f::<FMA>(query(i), key(i)), ui);
+    }
+}
+
+/// Recurrent (decode) form over `n` consecutive tokens, updating `state` in place: per value head and token,
+/// `S̄ = e^g S`, `ũ = β(v − S̄ᵀk)`, `S = S̄ + k ũᵀ`, `out = Sᵀq`. `c`: prepared stream (`n × conv_dim`); `g`, `beta`:
+/// `n × n_v_heads`; `out`: `n × value_dim`. Parallel over value heads.
+#[allow(clippy::too_many_arguments)]
+pub fn recurrent(pool: &ThreadPool, s: &GdnShape, state: &mut [f32], c: &[f32], g: &[f32], beta: &[f32], n: usize, out: &mut [f32]) {
+    let (cd, dk, dv, hv, vd) = (s.conv_dim(), s.d_k, s.d_v, s.n_v_heads, s.value_dim());
+    assert!(state.len() >= s.state_len() && c.len() >= n * cd && out.len() >= n * vd);
+    let sp = SyncPtr(state.as_mut_ptr());
+    let op = SyncPtr(out.as_mut_ptr());
+    pool.parallel_for(hv, 1, |range| {
+        let mut kv = vec![0f32; dv];
+        for h in range {
+            // SAFETY: each head owns its state block and its `dv` slice of every output row.
+            let st = unsafe { std::slice::from_raw_parts_mut(sp.get().add(h * dk * dv), dk * dv) };
+            for t in 0..n {
+                let (q, k, v) = qkv(s, &c[t * cd..(t + 1) * cd], h);
+                let alpha = g[t * hv + h].exp();
+                let b = beta[t * hv + h];
+                state_t_times(st, dk, dv, k, 1, &mut kv);
+                for j in 0..dv {
+                    kv[j] = b * (v[j] - alpha * kv[j]);
+                }
+                state_rank_update(st, dk, dv, alpha, k, &kv, &[1.0]);
+                let o = unsafe { std::slice::from_raw_parts_mut(op.get().add(t * vd + h * dv), dv) };
+                state_t_times(st, dk, dv, q, 1, o);
+            }
+        }
+    });
+}
+
+thread_local! {
+    static WY_SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// The ancestor-masked WY solve: outputs of every node of a tree (or chain) from the committed state `state`
+/// (read only). Writes `gamma` (`n × n_v_heads`, path-cumulative log decays), `u` (`n × value_dim`, the
+/// per-node corrections `ũ`) and `out` (`n × value_dim`). `c`, `g`, `beta` as in [`recurrent`]. Parallel over
+/// value heads. See the module docs for the math.
+#[allow(clippy::too_many_arguments)]
+pub fn wy_outputs(
+    pool: &ThreadPool,
+    s: &GdnShape,
+    state: &[f32],
+    c: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    parents: &[usize],
+    gamma: &mut [f32],
+    u: &mut [f32],
+    out: &mut [f32],
+) {
+    let n = parents.len();
+    let (cd, dk, dv, hv, vd) = (s.conv_dim(), s.d_k, s.d_v, s.n_v_heads, s.value_dim());
+    assert!(state.len() >= s.state_len() && c.len() >= n * cd && out.len() >= n * vd && u.len() >= n * vd);
+    assert!(gamma.len() >= n * hv && g.len() >= n * hv && beta.len() >= n * hv);
+    for i in 0..n {
+        for h in 0..hv {
+            let up = if parents[i] == usize::MAX { 0.0 } else { gamma[parents[i] * hv + h] };
+            gamma[i * hv + h] = g[i * hv + h] + up;
+        }
+    }
+    let gamma: &[f32] = gamma;
+    let up = SyncPtr(u.as_mut_ptr());
+    let op = SyncPtr(out.as_mut_ptr());
+    pool.parallel_for(hv, 1, |range| {
+        WY_SCRATCH.with(|sc| {
+            let (xs, rest) = &mut *sc.borrow_mut();
+            xs.resize(2 * n * dk + n * dv + 2 * n, 0.0);
+            rest.resize(4 * n * dv, 0.0);
+            let (xs, tail) = xs.split_at_mut(2 * n * dk);
+            let (vs, tail) = tail.split_at_mut(n * dv);
+            let (gam, bet) = tail.split_at_mut(n);
+            let (ksqs, tail) = rest.split_at_mut(2 * n * dv);
+            let (us, os) = tail.split_at_mut(n * dv);
+            for h in range {
+                for i in 0..n {
+                    let (q, k, v) = qkv(s, &c[i * cd..(i + 1) * cd], h);
+                    xs[2 * i * dk..(2 * i + 1) * dk].copy_from_slice(k);
+                    xs[(2 * i + 1) * dk..(2 * i + 2) * dk].copy_from_slice(q);
+                    vs[i * dv..(i + 1) * dv].copy_from_slice(v);
+                    gam[i] = gamma[i * hv + h];
+                    bet[i] = beta[i * hv + h];
+                }
+                wy_head(&state[h * dk * dv..(h + 1) * dk * dv], dk, dv, parents, xs, vs, gam, bet, ksqs, us, os);
+                for i in 0..n {
+                    // SAFETY: head h owns the `dv` slices at column h·dv of every row of `u` and `out`.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(us[i * dv..].as_ptr(), up.get().add(i * vd + h * dv), dv);
+                        std::ptr::copy_nonoverlapping(os[i * dv..].as_ptr(), op.get().add(i * vd + h * dv), dv);
+                    }
+                }
+            }
+        })
+    });
+}
+
+/// Commit a root path `path` (node indices from 0, each the parent of the next) into `state`:
+/// `S ← e^{γ_n} S + Σ_{j∈P} e^{γ_n−γ_j} k_j ũ_jᵀ` with n the last node; `c`, `gamma`, `u` from [`wy_outputs`].
+/// Parallel over value heads.
+pub fn apply_path(pool: &ThreadPool, s: &GdnShape, state: &mut [f32], c: &[f32], gamma: &[f32], u: &[f32], path: &[usize]) {
+    let Some(&last) = path.last() else { return };
+    let (cd, dk, dv, hv, vd) = (s.conv_dim(), s.d_k, s.d_v, s.n_v_heads, s.value_dim());
+    let sp = SyncPtr(state.as_mut_ptr());
+    pool.parallel_for(hv, 1, |range| {
+        let mut coef = vec![0f32; path.len()];
+        let mut ks = vec![0f32; path.len() * dk];
+        let mut us = vec![0f32; path.len() * dv];
+        for h in range {
+            // SAFETY: each head owns its state block.
+            let st = unsafe { std::slice::from_raw_parts_mut(sp.get().add(h * dk * dv), dk * dv) };
+            let gl = gamma[last * hv + h];
+            for (p, &j) in path.iter().enumerate() {
+                coef[p] = (gl - gamma[j * hv + h]).exp();
+                ks[p * dk..(p + 1) * dk].copy_from_slice(qkv(s, &c[j * cd..(j + 1) * cd], h).1);
+                us[p * dv..(p + 1) * dv].copy_from_slice(&u[j * vd + h * dv..j * vd + (h + 1) * dv]);
+            }
+            state_rank_update(st, dk, dv, gl.exp(), &ks, &us, &coef);
+        }
+    });
+}
+
+/// Chunked (WY/UT) prefill of `n` consecutive tokens, updating `state`: chunks of `chunk` tokens, each a chain
+/// solved by [`wy_outputs`] and committed by [`apply_path`]. `gamma`/`u` are scratch (`chunk × n_v_heads`,
+/// `chunk × value_dim`). Agrees with [`recurrent`] up to rounding.
+#[allow(clippy::too_many_arguments)]
+pub fn chunked(
+    pool: &ThreadPool,
+    s: &GdnShape,
+    state: &mut [f32],
+    c: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    n: usize,
+    chunk: usize,
+    out: &mut [f32],
+) {
+    let (cd, hv, vd) = (s.conv_dim(), s.n_v_heads, s.value_dim());
+    let chunk = chunk.max(1).min(n.max(1));
+    let mut gamma = vec![0f32; chunk * hv];
+    let mut u = vec![0f32; chunk * vd];
+    let parents = chain_parents(chunk);
+    let path: Vec<usize> = (0..chunk).collect();
+    let mut t0 = 0;
+    while t0 < n {
+        let len = chunk.min(n - t0);
+        let (cs, gs, bs) = (&c[t0 * cd..(t0 + len) * cd], &g[t0 * hv..(t0 + len) * hv], &beta[t0 * hv..(t0 + len) * hv]);
+        wy_outputs(pool, s, state, cs, gs, bs, &parents[..len], &mut gamma, &mut u, &mut out[t0 * vd..(t0 + len) * vd]);
+        apply_path(pool, s, state, cs, &gamma, &u, &path[..len]);
+        t0 += len;
+    }
+}
+
+/// Test oracle for trees: a plain per-branch sequential recurrence (each node starts from a copy of its
+/// parent's post-state, the root from `state`, which is not modified). Same arguments as [`wy_outputs`].
+pub fn tree_reference(s: &GdnShape, state: &[f32], c: &[f32], g: &[f32], beta: &[f32], parents: &[usize], out: &mut [f32]) {
+    let n = parents.len();
+    let (cd, hv, vd) = (s.conv_dim(), s.n_v_heads, s.value_dim());
+    let pool = ThreadPool::new(1);
+    let mut states: Vec<Vec<f32>> = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut st = if parents[i] == usize::MAX { state[..s.state_len()].to_vec() } else { states[parents[i]].clone() };
+        recurrent(&pool, s, &mut st, &c[i * cd..(i + 1) * cd], &g[i * hv..(i + 1) * hv], &beta[i * hv..(i + 1) * hv], 1, &mut out[i * vd..(i + 1) * vd]);
+        states.push(st);
+    }
+}
+
+/// Gated RMSNorm per value head (norm before gate): `o ← w ⊙ o/√(mean(o²)+ε) ⊙ silu(z)`; `o`, `z` are rows of
+/// `d_v = w.len()` values.
+pub fn gated_rms_norm(o: &mut [f32], z: &[f32], w: &[f32], eps: f32) {
+    let d = w.len();
+    for (row, zr) in o.chunks_exact_mut(d).zip(z.chunks_exact(d)) {
+        let ms: f32 = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for ((x, &wz), &zz) in row.iter_mut().zip(w).zip(zr) {
+            *x = wz * (*x * inv) * silu(zz);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> f32 {
+            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        }
+        fn below(&mut self, n: usize) -> usize {
+            ((self.next() + 1.0) * 0.5 * n as f32) as usize % n.max(1)
+        }
+    }
+
+    /// d_v = 24 takes the generic loops, d_v = 32 the 16-lane blocked ones.
+    fn shape(v_tiled: bool) -> GdnShape {
+        GdnShape { n_k_heads: 2, n_v_heads: 4, d_k: 16, d_v: if v_tiled { 24 } else { 32 }, kernel: 4, v_tiled }
+    }
+
+    /// Random prepared inputs for n nodes: (c, g, beta, state).
+    fn inputs(s: &GdnShape, n: usize, rng: &mut Rng) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+        let mut c: Vec<f32> = (0..n * s.conv_dim()).map(|_| rng.next()).collect();
+        let mut a: Vec<f32> = (0..n * s.n_v_heads).map(|_| rng.next() * 2.0).collect();
+        let mut b: Vec<f32> = (0..n * s.n_v_heads).map(|_| rng.next() * 3.0).collect();
+        let a_neg: Vec<f32> = (0..s.n_v_heads).map(|h| -(0.05 + 0.3 * h as f32)).collect();
+        let dt: Vec<f32> = (0..s.n_v_heads).map(|_| rng.next()).collect();
+        prepare(s, &mut c, &mut a, &mut b, &a_neg, &dt, n);
+        let st: Vec<f32> = (0..s.state_len()).map(|_| rng.next() * 0.5).collect();
+        (c, a, b, st)
+    }
+
+    fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+        a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+    }
+
+    /// f64 scalar recurrence, straight from the definition, for one chain.
+    fn scalar_chain(s: &GdnShape, st0: &[f32], c: &[f32], g: &[f32], beta: &[f32], n: usize) -> (Vec<f32>, Vec<f32>) {
+        let (cd, dk, dv, hv, vd) = (s.conv_dim(), s.d_k, s.d_v, s.n_v_heads, s.value_dim());
+        let mut st: Vec<f64> = st0.iter().map(|&x| x as f64).collect();
+        let mut out = vec![0f32; n * vd];
+        for t in 0..n {
+            for h in 0..hv {
+                let (q, k, v) = qkv(s, &c[t * cd..(t + 1) * cd], h);
+                let a = (g[t * hv + h] as f64).exp();
+                let sh = &mut st[h * dk * dv..(h + 1) * dk * dv];
+                sh.iter_mut().for_each(|x| *x *= a);
+                for j in 0..dv {
+                    let mem: f64 = (0..dk).map(|m| sh[m * dv + j] * k[m] as f64).sum();
+                    let u = beta[t * hv + h] as f64 * (v[j] as f64 - mem);
+                    for m in 0..dk {
+                        sh[m * dv + j] += k[m] as f64 * u;
+                    }
+                }
+                for j in 0..dv {
+                    out[t * vd + h * dv + j] = (0..dk).map(|m| sh[m * dv + j] * q[m] as f64).sum::<f64>() as f32;
+                }
+            }
+        }
+        (out, st.iter().map(|&x| x as f32).collect())
+    }
+
+    #[test]
+    fn gdn_recurrent_and_chunked_match_scalar_reference() {
+        let pool = ThreadPool::new(2);
+        for v_tiled in [false, true] {
+            let s = shape(v_tiled);
+            let mut rng = Rng(7);
+            let n = 37;
+            let (c, g, beta, st0) = inputs(&s, n, &mut rng);
+            let (want, want_st) = scalar_chain(&s, &st0, &c, &g, &beta, n);
+            let mut st = st0.clone();
+            let mut out = vec![0f32; n * s.value_dim()];
+            recurrent(&pool, &s, &mut st, &c, &g, &beta, n, &mut out);
+            assert!(max_rel(&out, &want) < 1e-5, "recurrent {}", max_rel(&out, &want));
+            assert!(max_rel(&st, &want_st) < 1e-5);
+            for chunk in [1, 5, 16, 64] {
+                let mut st = st0.clone();
+                let mut out = vec![0f32; n * s.value_dim()];
+                chunked(&pool, &s, &mut st, &c, &g, &beta, n, chunk, &mut out);
+                assert!(max_rel(&out, &want) < 1e-5, "chunk {chunk}: {}", max_rel(&out, &want));
+                assert!(max_rel(&st, &want_st) < 1e-5, "chunk {chunk} state");
+            }
+        }
+    }
+
+    fn random_tree(kind: usize, n: usize, rng: &mut Rng) -> Vec<usize> {
+        (0..n)
+            .map(|i| match (i, kind) {
+                (0, _) => usize::MAX,
+                (_, 0) => i - 1,                                  // chain
+                (_, 1) => 0,                                      // wide: star
+                (_, 2) => if rng.below(4) == 0 { rng.below(i) } else { i - 1 }, // deep, few branches
+                _ => rng.below(i),                                // random
+            })
+            .collect()
+    }
+
+    #[test]
+    fn gdn_tree_matches_per_branch_oracle_and_commit_matches_chain() {
+        let pool = ThreadPool::new(2);
+        let mut rng = Rng(99);
+        let mut worst = 0f32;
+        for &n in &[1usize, 2, 3, 7, 16, 33, 64] {
+            for kind in 0..4 {
+                for v_tiled in [false, true] {
+                    let s = shape(v_tiled);
+                    let parents = random_tree(kind, n, &mut rng);
+                    check_parents(&parents).unwrap();
+                    let (c, g, beta, st0) = inputs(&s, n, &mut rng);
+                    let (hv, vd) = (s.n_v_heads, s.value_dim());
+                    let mut want = vec![0f32; n * vd];
+                    tree_reference(&s, &st0, &c, &g, &beta, &parents, &mut want);
+                    let (mut gamma, mut u, mut out) = (vec![0f32; n * hv], vec![0f32; n * vd], vec![0f32; n * vd]);
+                    let st_copy = st0.clone();
+                    wy_outputs(&pool, &s, &st0, &c, &g, &beta, &parents, &mut gamma, &mut u, &mut out);
+                    assert_eq!(st0, st_copy);
+                    let e = max_rel(&out, &want);
+                    worst = worst.max(e);
+                    assert!(e < 1e-4, "n {n} kind {kind}: {e}");
+                    // Commit the path to the deepest node; compare with the chain recurrence along it.
+                    let leaf = n - 1;
+                    let mut path = vec![leaf];
+                    while parents[*path.last().unwrap()] != usize::MAX {
+                        path.push(parents[*path.last().unwrap()]);
+                    }
+                    path.reverse();
+                    let mut st = st0.clone();
+                    apply_path(&pool, &s, &mut st, &c, &gamma, &u, &path);
+                    let cd = s.conv_dim();
+                    let cp: Vec<f32> = path.iter().flat_map(|&p| c[p * cd..(p + 1) * cd].to_vec()).collect();
+                    let gp: Vec<f32> = path.iter().flat_map(|&p| g[p * hv..(p + 1) * hv].to_vec()).collect();
+                    let bp: Vec<f32> = path.iter().flat_map(|&p| beta[p * hv..(p + 1) * hv].to_vec()).collect();
+                    let mut st_chain = st0.clone();
+                    let mut o = vec![0f32; path.len() * vd];
+                    recurrent(&pool, &s, &mut st_chain, &cp, &gp, &bp, path.len(), &mut o);
+                    assert!(max_rel(&st, &st_chain) < 1e-4, "commit n {n} kind {kind}");
+                }
+            }
+        }
+        eprintln!("worst tree relative error {worst:e}");
+    }
+
+    #[test]
+    fn gdn_conv_tree_windows_and_commit() {
+        let (cd, k) = (5, 4);
+        let mut rng = Rng(3);
+        let w: Vec<f32> = (0..cd * k).map(|_| rng.next()).collect();
+        let state: Vec<f32> = (0..(k - 1) * cd).map(|_| rng.next()).collect();
+        let parents = vec![usize::MAX, 0, 0, 1, 3, 2];
+        let n = parents.len();
+        let x: Vec<f32> = (0..n * cd).map(|_| rng.next()).collect();
+        let mut out = vec![0f32; n * cd];
+        conv_silu(&conv_taps(&w, k), k, &state, &x, &parents, &mut out);
+        // Oracle: the full input stream along each node's path, then a plain causal conv.
+        for i in 0..n {
+            let mut path = vec![i];
+            while parents[*path.last().unwrap()] != usize::MAX {
+                path.push(parents[*path.last().unwrap()]);
+            }
+            path.reverse();
+            let mut stream: Vec<&[f32]> = (0..k - 1).map(|r| &state[r * cd..(r + 1) * cd]).collect();
+            stream.extend(path.iter().map(|&p| &x[p * cd..(p + 1) * cd]));
+            let tail = &stream[stream.len() - k..];
+            for ch in 0..cd {
+                let s: f32 = (0..k).map(|m| w[ch * k + m] * tail[m][ch]).sum();
+                assert!((out[i * cd + ch] - silu(s)).abs() < 1e-6);
+            }
+            // Commit along the path: the window is the last K−1 of the stream.
+            let mut st = state.clone();
+            conv_commit(&mut st, cd, k, &x, &path);
+            let want: Vec<f32> = stream[stream.len() - (k - 1)..].iter().flat_map(|r| r.to_vec()).collect();
+            assert_eq!(st, want);
+        }
+    }
+
+    #[test]
+    fn gdn_state_products_match_reference_on_every_path() {
+        let mut rng = Rng(11);
+        for (dk, dv) in [(16usize, 24usize), (8, 16), (12, 64)] {
+            let st: Vec<f32> = (0..dk * dv).map(|_| rng.next()).collect();
+            for nx in [1usize, 3, 4, 9] {
+                let xs: Vec<f32> = (0..nx * dk).map(|_| rng.next()).collect();
+                let us: Vec<f32> = (0..nx * dv).map(|_| rng.next()).collect();
+                let coef: Vec<f32> = (0..nx).map(|_| rng.next()).collect();
+                let want: Vec<f32> = (0..nx * dv).map(|i| (0..dk).map(|m| xs[i / dv * dk + m] as f64 * st[m * dv + i % dv] as f64).sum::<f64>() as f32).collect();
+                let want_st: Vec<f32> = (0..dk * dv)
+                    .map(|i| (0.7 * st[i] as f64 + (0..nx).map(|p| coef[p] as f64 * xs[p * dk + i / dv] as f64 * us[p * dv + i % dv] as f64).sum::<f64>()) as f32)
+                    .collect();
+                let mut outs = [vec![0f32; nx * dv], vec![0f32; nx * dv], vec![0f32; nx * dv]];
+                state_t_times_body::<false>(&st, dk, dv, &xs, nx, &mut outs[0]);
+                state_t_times_body::<true>(&st, dk, dv, &xs, nx, &mut outs[1]);
+                state_t_times(&st, dk, dv, &xs, nx, &mut outs[2]);
+                for o in &outs {
+                    assert!(max_rel(o, &want) < 1e-5, "dk {dk} dv {dv} nx {nx}");
+                }
+                let mut sts = [st.clone(), st.clone(), st.clone()];
+                state_rank_update_body::<false>(&mut sts[0], dk, dv, 0.7, &xs, &us, &coef);
+                state_rank_update_body::<true>(&mut sts[1], dk, dv, 0.7, &xs, &us, &coef);
+                state_rank_update(&mut sts[2], dk, dv, 0.7, &xs, &us, &coef);
+                for s2 in &sts {
+                    assert!(max_rel(s2, &want_st) < 1e-5, "update dk {dk} dv {dv} nx {nx}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gdn_gated_norm_and_prepare() {
+        let o0 = [1.0f32, -2.0, 0.5, 3.0];
+        let z = [0.3f32, -1.0, 2.0, 0.0];
+        let w = [1.0f32, 0.5, 2.0, -1.0];
+        let mut o = o0;
+        gated_rms_norm(&mut o, &z, &w, 1e-6);
+        let ms = o0.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / 4.0;
+        for i in 0..4 {
+            let zz = z[i] as f64;
+            let want = w[i] as f64 * o0[i] as f64 / (ms + 1e-6).sqrt() * zz / (1.0 + (-zz).exp());
+            assert!((o[i] as f64 - want).abs() < 1e-6);
+        }
+        let s = GdnShape { n_k_heads: 1, n_v_heads: 1, d_k: 4, d_v: 4, kernel: 4, v_tiled: false };
+        let mut c = vec![3.0f32, 0.0, 4.0, 0.0, 0.0, 2.0, 0.0, 0.0, 9.0, 9.0, 9.0, 9.0];
+        let (mut a, mut b) = (vec![0.5f32], vec![0.0f32]);
+        prepare(&s, &mut c, &mut a, &mut b, &[-2.0], &[0.25], 1);
+        assert!((c[0] - 0.6 / 2.0).abs() < 1e-6 && (c[2] - 0.8 / 2.0).abs() < 1e-6);
+        assert!((c[5] - 1.0).abs() < 1e-6 && c[8] == 9.0);
+        assert!((a[0] - (-2.0 * (0.75f32.exp()).ln_1p())).abs() < 1e-6 && b[0] == 0.5);
+    }
+}
+
+#[cfg(test)]
+mod speed {
+    #[test]
+    #[ignore]
+    fn gdn_state_t_times_speed() {
+        let (dk, dv) = (128, 128);
+        let st: Vec<f32> = (0..dk * dv).map(|i| (i % 7) as f32 * 0.1).collect();
+        for nx in [1usize, 2, 8, 32] {
+            let xs: Vec<f32> = (0..nx * dk).map(|i| (i % 5) as f32 * 0.1).collect();
+            let mut out = vec![0f32; nx * dv];
+            let mut best = f64::INFINITY;
+            for _ in 0..200 {
+                let t = std::time::Instant::now();
+                super::state_t_times(&st, dk, dv, &xs, nx, &mut out);
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            let mut ks = vec![0f32; nx * dk];
+            ks.copy_from_slice(&xs);
+            let mut s2 = st.clone();
+            let coef = vec![0.5f32; nx];
+            let mut best_u = f64::INFINITY;
+            for _ in 0..200 {
+                let t = std::time::Instant::now();
+                super::state_rank_update(&mut s2, dk, dv, 0.9, &ks, &out, &coef);
+                best_u = best_u.min(t.elapsed().as_secs_f64());
+            }
+            eprintln!("nx {nx}: Sᵀx {:.2} µs = {:.1} G madd/s; rank update {:.2} µs = {:.1} G madd/s", best * 1e6, (nx * dk * dv) as f64 / best / 1e9, best_u * 1e6, (nx * dk * dv) as f64 / best_u / 1e9);
+        }
+    }
+}
