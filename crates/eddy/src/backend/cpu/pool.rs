@@ -3,17 +3,34 @@
 //! Workers are spawned once. Between jobs a worker spins for [`SPIN`] (so back-to-back decode kernels
 //! wake it within nanoseconds), then parks on a condition variable. A job is a borrowed closure; the
 //! caller runs index 0 itself and waits for the others before returning, so borrowing is sound.
+//!
+//! Late workers do not stall the caller: a worker must *enter* a job (set its bit in the job's entry
+//! word) before touching it, and the caller *closes* the job once its own share is done. Indices whose
+//! worker had not entered by then are run by the caller itself, and the caller waits only for the workers
+//! that entered. On a shared machine, where a worker can be descheduled for a whole time slice, a kernel
+//! therefore never waits for a thread that is not running (with dynamic chunking in
+//! [`ThreadPool::parallel_for`], the caller simply takes every chunk).
 
 use std::cell::UnsafeCell;
 use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, TryLockError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// How long an idle worker busy-waits for the next job before parking.
 const SPIN: Duration = Duration::from_micros(300);
+
+/// Set in the entry word once the caller has closed the job to late workers.
+const CLOSED: u64 = 1 << 31;
+/// Largest pool whose workers enter jobs through the entry word (bits 1..31); larger pools wait for all.
+const MAX_ENTRY_THREADS: usize = 31;
+
+/// The entry word's tag for generation `g`.
+fn entry_tag(g: usize) -> u64 {
+    (g as u32 as u64) << 32
+}
 
 /// A type-erased pointer to the current job (`&dyn Fn(thread_index, n_threads)`).
 #[derive(Clone, Copy)]
@@ -27,6 +44,8 @@ struct Shared {
     generation: Padded<AtomicUsize>,
     /// Workers that finished the current generation.
     done: Padded<AtomicUsize>,
+    /// Entry word of the current job: `(generation as u32) << 32 | CLOSED | bit i for each entered worker`.
+    entry: Padded<AtomicU64>,
     /// Written by the caller only while no worker can read it (between generations).
     job: UnsafeCell<Option<JobPtr>>,
     panicked: AtomicBool,
@@ -66,6 +85,7 @@ impl ThreadPool {
         let shared = Arc::new(Shared {
             generation: Padded(AtomicUsize::new(0)),
             done: Padded(AtomicUsize::new(0)),
+            entry: Padded(AtomicU64::new(0)),
             job: UnsafeCell::new(None),
             panicked: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
@@ -121,17 +141,47 @@ impl ThreadPool {
         };
         unsafe { *s.job.get() = Some(ptr) };
         s.done.0.store(0, Ordering::Relaxed);
-        s.generation.0.fetch_add(1, Ordering::SeqCst);
+        let g = s.generation.0.load(Ordering::Relaxed).wrapping_add(1);
+        let gated = n <= MAX_ENTRY_THREADS;
+        s.entry.0.store(entry_tag(g), Ordering::Release);
+        s.generation.0.store(g, Ordering::SeqCst);
         if s.sleepers.load(Ordering::SeqCst) > 0 {
             let _g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
             s.wake.notify_all();
         }
 
-        struct Wait<'a>(&'a Shared, usize);
+        /// Closes the job and waits for the workers that entered it (also on unwind).
+        struct Wait<'a> {
+            s: &'a Shared,
+            n: usize,
+            gated: bool,
+            entered: Option<u64>,
+        }
+        impl Wait<'_> {
+            /// Close the job to late workers; returns the mask of those that entered (ungated pools:
+            /// every worker counts as entered).
+            fn close(&mut self) -> u64 {
+                if let Some(m) = self.entered {
+                    return m;
+                }
+                let m = if self.gated { self.s.entry.0.fetch_or(CLOSED, Ordering::AcqRel) & (CLOSED - 1) } else { u64::MAX };
+                self.entered = Some(m);
+                m
+            }
+            /// Workers to wait for.
+            fn waiting_for(&mut self) -> usize {
+                if self.gated {
+                    self.close().count_ones() as usize
+                } else {
+                    self.n - 1
+                }
+            }
+        }
         impl Drop for Wait<'_> {
             fn drop(&mut self) {
+                let want = self.waiting_for();
                 let mut spins = 0u32;
-                while self.0.done.0.load(Ordering::Acquire) < self.1 {
+                while self.s.done.0.load(Ordering::Acquire) < want {
                     spins += 1;
                     if spins < 1 << 14 {
                         std::hint::spin_loop();
@@ -141,8 +191,15 @@ impl ThreadPool {
                 }
             }
         }
-        let wait = Wait(s, n - 1);
+        let mut wait = Wait { s, n, gated, entered: None };
         f(0, n);
+        let entered = wait.close();
+        // Indices whose worker did not show up in time run here.
+        for i in 1..n {
+            if gated && entered & (1 << i) == 0 {
+                f(i, n);
+            }
+        }
         drop(wait);
         if s.panicked.swap(false, Ordering::AcqRel) {
             panic!("an eddy worker thread panicked");
@@ -198,6 +255,22 @@ impl std::fmt::Debug for ThreadPool {
     }
 }
 
+/// Try to enter the job of generation `g` as worker `idx`: fails once the caller has closed it (or moved
+/// on to a later generation).
+fn enter(s: &Shared, g: usize, idx: usize) -> bool {
+    let tag = entry_tag(g);
+    let mut cur = s.entry.0.load(Ordering::Acquire);
+    loop {
+        if cur & !(CLOSED | (CLOSED - 1)) != tag || cur & CLOSED != 0 {
+            return false;
+        }
+        match s.entry.0.compare_exchange_weak(cur, cur | (1 << idx), Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return true,
+            Err(now) => cur = now,
+        }
+    }
+}
+
 fn worker(s: Arc<Shared>, idx: usize, n: usize) {
     let mut seen = 0usize;
     loop {
@@ -233,6 +306,10 @@ fn worker(s: Arc<Shared>, idx: usize, n: usize) {
         seen = g;
         if s.shutdown.load(Ordering::Acquire) {
             return;
+        }
+        if n <= MAX_ENTRY_THREADS && !enter(&s, g, idx) {
+            // Too late: the caller closed this job and runs our index itself.
+            continue;
         }
         // SAFETY: see `Shared`; the caller keeps the closure alive until we bump `done`.
         let job = unsafe { (*s.job.get()).expect("job set before generation bump") };

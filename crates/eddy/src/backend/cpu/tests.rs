@@ -251,6 +251,28 @@ fn pool_nested_calls_run_serially_and_panics_propagate() {
 }
 
 #[test]
+fn pool_late_workers_never_lose_or_repeat_work() {
+    // More workers than cores, and tiny jobs back to back: workers routinely arrive after the caller has
+    // closed a job (their indices then run on the caller). Every index and every chunk must run exactly once.
+    let pool = ThreadPool::new(5);
+    for round in 0..3000 {
+        let hits: Vec<AtomicUsize> = (0..5).map(|_| AtomicUsize::new(0)).collect();
+        pool.run(|i, n| {
+            assert_eq!(n, 5);
+            hits[i].fetch_add(1, Ordering::Relaxed);
+        });
+        assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "round {round}");
+        let seen: Vec<AtomicUsize> = (0..97).map(|_| AtomicUsize::new(0)).collect();
+        pool.parallel_for(97, 3, |r| {
+            for i in r {
+                seen[i].fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        assert!(seen.iter().all(|h| h.load(Ordering::Relaxed) == 1), "round {round}");
+    }
+}
+
+#[test]
 fn kernel_parse_and_availability() {
     assert_eq!(Kernel::parse("AVX512"), Some(Kernel::Avx512));
     assert_eq!(Kernel::parse("avx2"), Some(Kernel::Avx2));
