@@ -10,7 +10,7 @@
 //!
 //! (`S_g`, `M_g` formed as `QMatrix::scale_min` forms them) and the result is the fixed tree
 //! `((a0+a8)+(a4+a12))+((a2+a10)+(a6+a14)) + (same for odd c)`. Two kernels implement exactly this:
-//! * GEMV (`n < 6`, 8 for bits 4): rows stream through `vpdpbusd` in natural layout (5/6-bit codes: the
+//! * GEMV (`n < 6`, 12 for bits 4): rows stream through `vpdpbusd` in natural layout (5/6-bit codes: the
 //!   bit planes become byte masks with `vpshufbitqmb`, or `vpermw` + mask moves, and are added into the
 //!   nibbles); the i32 lanes of 16 groups are reduced exactly into one vector whose lane `c` is
 //!   `D_{16b+c}`, and the 16 chains are the 16 lanes of one accumulator (final reduction = the tree
@@ -112,7 +112,7 @@ mod imp {
         range: Range<usize>,
     ) {
         // Smallest batch that uses the repacking GEMM (measured crossover; both give identical bits).
-        let gemm_min_n = if B == 4 { 8 } else { 6 };
+        let gemm_min_n = if B == 4 { 12 } else { 6 };
         if n >= gemm_min_n {
             let gs = if G16 { 16 } else { 32 };
             let lines = ctx.cols / gs * (gs / 4 + 2);
@@ -323,7 +323,10 @@ mod imp {
     /// source holds u64 [`PLANE_Q`]`[q]` of the chunk's plane bytes. `[P − 1][p][h]`.
     const PLANE_SEL: [[[[u8; 64]; 2]; 2]; 2] = [
         [[plane_sel(1, 0, 0), plane_sel(1, 0, 1)], [[0; 64]; 2]],
-        [[plane_sel(2, 0, 0), plane_sel(2, 0, 1)], [plane_sel(2, 1, 0), plane_sel(2, 1, 1)]],
+        [
+            [plane_sel(2, 0, 0), plane_sel(2, 0, 1)],
+            [plane_sel(2, 1, 0), plane_sel(2, 1, 1)],
+        ],
     ];
     /// Source qword of 64-bit lane `q` (block `q / 2`) of the plane bytes: `[P − 1]`.
     const PLANE_Q: [[i64; 8]; 2] = [[0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 2, 2, 3, 3]];
@@ -403,10 +406,8 @@ mod imp {
                 if pf_hi {
                     _mm_prefetch::<_MM_HINT_T1>(ph.wrapping_add(PF_ROWS * hi_row) as *const i8);
                 }
-                let hb = _mm256_maskz_loadu_epi8(
-                    mask64(4 * p_n * nbk) as __mmask32,
-                    ph as *const i8,
-                );
+                let hb =
+                    _mm256_maskz_loadu_epi8(mask64(4 * p_n * nbk) as __mmask32, ph as *const i8);
                 if BITALG {
                     let src = _mm512_permutexvar_epi64(pq, _mm512_castsi256_si512(hb));
                     for p in 0..p_n {
@@ -442,7 +443,10 @@ mod imp {
     /// dots of block `c` (the second is unused); group 16: lane `c` of the first holds group `2c` of the
     /// chunk, of the second group `2c + 1`.
     #[inline(always)]
-    unsafe fn cdot<const B: u8, const G16: bool>(w: &[__m512i; 2], x: &[__m512i; 2]) -> [__m512i; 2] {
+    unsafe fn cdot<const B: u8, const G16: bool>(
+        w: &[__m512i; 2],
+        x: &[__m512i; 2],
+    ) -> [__m512i; 2] {
         let zero = _mm512_setzero_si512();
         if B == 8 {
             let da = _mm512_dpbusd_epi32(zero, w[0], x[0]);
@@ -514,7 +518,11 @@ mod imp {
         let mut idx = [0i32; 16];
         let mut g = 0;
         while g < 16 {
-            let (q, c) = if g16 { (2 * (g / 8) + g % 2, (g % 8) / 2) } else { (g / 4, g % 4) };
+            let (q, c) = if g16 {
+                (2 * (g / 8) + g % 2, (g % 8) / 2)
+            } else {
+                (g / 4, g % 4)
+            };
             idx[g] = (4 * c + (q & 1) + 16 * (q / 2)) as i32;
             g += 1;
         }
@@ -549,7 +557,13 @@ mod imp {
     /// once for the `T` tokens; every (row, token) pair runs the same integer and float operations as
     /// with `T = 1`.
     #[inline(always)]
-    unsafe fn gemv<const B: u8, const G16: bool, const R: usize, const T: usize, const BITALG: bool>(
+    unsafe fn gemv<
+        const B: u8,
+        const G16: bool,
+        const R: usize,
+        const T: usize,
+        const BITALG: bool,
+    >(
         ctx: &Ctx,
         m: &QMatrix,
         r0: usize,
