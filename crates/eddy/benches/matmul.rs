@@ -11,6 +11,7 @@
 //! * `gemv_cold_*`: like `gemv_*` at 8960×1536 but rotating through ≥ 384 MB of weight copies, so the
 //!   weights come from DRAM (the plain `gemv_*` sizes fit in L2/L3 and measure cache bandwidth).
 //! * `small_*`: n = 2..8 tokens at 1536×1536 (speculative decoding), GOP/s.
+//! * `small_cold_*`: n = 1..8 tokens at 8960×1536 from DRAM, 2 threads (verify passes).
 //!
 //! Activations are quantized once outside the timed loop.
 //! Run: `cargo bench -p eddy --bench matmul -- --warm-up-time 1 --measurement-time 3`.
@@ -139,6 +140,15 @@ fn bench(c: &mut Criterion) {
     }
 }
 
+/// Random `rows × cols` matrices of one format, ≥ 384 MB in all (far more than L3).
+fn dram_copies(make: Make, rows: usize, cols: usize, rng: &mut Rng) -> Vec<WeightMatrix> {
+    let first = make(rows, cols, rng);
+    let copies = (384 << 20) / first.nbytes() + 1;
+    std::iter::once(first)
+        .chain((1..copies).map(|_| make(rows, cols, rng)))
+        .collect()
+}
+
 /// Decode from DRAM: rotate through copies of an 8960×1536 matrix totalling ≥ 128 MB (> L3), so every
 /// call streams its weights from memory.
 fn cold(c: &mut Criterion) {
@@ -146,11 +156,7 @@ fn cold(c: &mut Criterion) {
     let pools = [ThreadPool::new(1), ThreadPool::new(2)];
     let (rows, cols) = (8960, 1536);
     for (name, make) in FORMATS {
-        let first = make(rows, cols, &mut rng);
-        let copies = (384 << 20) / first.nbytes() + 1;
-        let ws: Vec<WeightMatrix> = std::iter::once(first)
-            .chain((1..copies).map(|_| make(rows, cols, &mut rng)))
-            .collect();
+        let ws = dram_copies(make, rows, cols, &mut rng);
         let x: Vec<f32> = (0..cols).map(|_| rng.f() * 2.0 - 1.0).collect();
         let mut xq = QuantizedActivations::new();
         quantize_activations(&pools[0], &x, 1, cols, &mut xq);
@@ -194,5 +200,33 @@ fn small(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench, cold, small);
+/// Speculative verification from DRAM: n = 1..8 tokens at 8960×1536 rotating through ≥ 384 MB of weight
+/// copies (as `gemv_cold_*`), 2 threads; throughput = weight bytes per call, so the ratio to `n1` is the
+/// cost of the extra tokens.
+fn small_cold(c: &mut Criterion) {
+    let mut rng = Rng(11);
+    let pool = ThreadPool::new(2);
+    let (rows, cols) = (8960, 1536);
+    for (name, make) in FORMATS {
+        let ws = dram_copies(make, rows, cols, &mut rng);
+        let mut g = c.benchmark_group(format!("small_cold_{name}"));
+        g.throughput(Throughput::Bytes(ws[0].nbytes() as u64));
+        for n in [1usize, 2, 3, 4, 5, 6, 8] {
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.f() * 2.0 - 1.0).collect();
+            let mut xq = QuantizedActivations::new();
+            quantize_activations(&pool, &x, n, cols, &mut xq);
+            let mut out = vec![0f32; n * rows];
+            let mut i = 0;
+            g.bench_function(format!("{rows}x{cols}_n{n}/t2"), |b| {
+                b.iter(|| {
+                    i = (i + 1) % ws.len();
+                    matmul(&pool, black_box(&ws[i]), &[], &xq, n, &mut out)
+                })
+            });
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, bench, cold, small, small_cold);
 criterion_main!(benches);

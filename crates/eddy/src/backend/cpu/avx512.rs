@@ -10,10 +10,14 @@
 //!
 //! (`S_g`, `M_g` formed as `QMatrix::scale_min` forms them) and the result is the fixed tree
 //! `((a0+a8)+(a4+a12))+((a2+a10)+(a6+a14)) + (same for odd c)`. Two kernels implement exactly this:
-//! * GEMV (`n < 6`, 4 for bits 8): rows stream through `vpdpbusd` in natural layout (5/6-bit codes: the
-//!   bit planes become byte masks with `vpshufb` + `vptestmb` and are added into the nibbles); the i32
-//!   lanes of 16 groups are reduced exactly into one vector whose lane `c` is `D_{16b+c}`, and the 16
-//!   chains are the 16 lanes of one accumulator (final reduction = the tree above).
+//! * GEMV (`n < 6`, 12 for bits 4): rows stream through `vpdpbusd` in natural layout (5/6-bit codes: the
+//!   bit planes become byte masks with `vpshufbitqmb`, or `vpermw` + mask moves, and are added into the
+//!   nibbles); the i32 lanes of 16 groups are reduced exactly into one vector whose lane `c` is
+//!   `D_{16b+c}`, and the 16 chains are the 16 lanes of one accumulator (final reduction = the tree
+//!   above). Tiles of `R` rows × `T` tokens (`T` up to 2 for bits 4, 4 otherwise): each weight chunk is
+//!   loaded and unpacked once and dotted with the `T` tokens' activations, which are laid out once per
+//!   call in the chunk order (`fill_xperm`), so the extra tokens of a small batch ride on one weight
+//!   stream.
 //! * GEMM (larger `n`): 16 rows are repacked (16×16 transposes, codes expanded to bytes) so that lane
 //!   `r` of a vector holds 4 consecutive codes of row `r`; `vpdpbusd` with a broadcast 4-byte activation
 //!   quad accumulates `D_g` for 16 rows at once, and chain `acc[c]` is a vector over the 16 rows. Tokens
@@ -52,6 +56,16 @@ mod imp {
     const PF_ROWS: usize = 8;
     /// Rows per GEMM block (one vector lane per row).
     const GEMM_ROWS: usize = 16;
+    /// Most tokens per GEMV tile: each weight chunk is loaded and unpacked once for them (measured on
+    /// Zen 4: the 4-bit unpack is cheap enough that 2-token tiles, which keep every partial dot in
+    /// registers, win; the 5/6/8-bit ones gain from 4).
+    const fn gemv_tokens(b: u8) -> usize {
+        if b == 4 {
+            2
+        } else {
+            4
+        }
+    }
 
     #[repr(C, align(64))]
     #[derive(Clone, Copy)]
@@ -60,6 +74,8 @@ mod imp {
     thread_local! {
         /// Repacked weights of one 16-row block (GEMM); grows once per thread, then reused.
         static SCRATCH: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
+        /// GEMV activations in chunk layout ([`fill_xperm`]); grows once per thread, then reused.
+        static XPERM: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
     }
 
     /// Compute outputs for rows `range` and all `n` tokens.
@@ -96,7 +112,7 @@ mod imp {
         range: Range<usize>,
     ) {
         // Smallest batch that uses the repacking GEMM (measured crossover; both give identical bits).
-        let gemm_min_n = if B == 8 { 4 } else { 6 };
+        let gemm_min_n = if B == 4 { 12 } else { 6 };
         if n >= gemm_min_n {
             let gs = if G16 { 16 } else { 32 };
             let lines = ctx.cols / gs * (gs / 4 + 2);
@@ -115,24 +131,65 @@ mod imp {
             });
         } else {
             let bitalg = is_x86_feature_detected!("avx512bitalg");
-            let mut rb = range.start;
-            while rb < range.end {
-                let rb_end = (rb + ROW_BLOCK).min(range.end);
-                for t in 0..n {
-                    let mut r = rb;
-                    while r < rb_end {
-                        let four = rb_end - r >= 4;
-                        match (four, bitalg) {
-                            (true, true) => gemv_bitalg::<B, G16, 4>(ctx, m, r, t),
-                            (true, false) => gemv_plain::<B, G16, 4>(ctx, m, r, t),
-                            (false, true) => gemv_bitalg::<B, G16, 1>(ctx, m, r, t),
-                            (false, false) => gemv_plain::<B, G16, 1>(ctx, m, r, t),
-                        }
-                        r += if four { 4 } else { 1 };
-                    }
+            let lines = n * (ctx.cols / QK).div_ceil(4) * 2;
+            XPERM.with(|xb| {
+                let mut xb = xb.borrow_mut();
+                if xb.len() < lines {
+                    xb.resize(lines, Line([0; 64]));
                 }
-                rb = rb_end;
-            }
+                let xperm = xb.as_mut_ptr() as *mut __m512i;
+                fill_xperm::<B>(ctx, n, xperm);
+                let mut rb = range.start;
+                while rb < range.end {
+                    let rb_end = (rb + ROW_BLOCK).min(range.end);
+                    let mut t = 0;
+                    while t < n {
+                        let nt = (n - t).min(gemv_tokens(B));
+                        let mut r = rb;
+                        while r < rb_end {
+                            r += gemv_tile::<B, G16>(ctx, m, r, rb_end - r, t, nt, bitalg, xperm);
+                        }
+                        t += nt;
+                    }
+                    rb = rb_end;
+                }
+            });
+        }
+    }
+
+    /// Run one GEMV tile at rows `r..` (`left` rows left in the block) × tokens `t..t+nt`; returns the
+    /// rows done. Row tiles: 4 for one token, else 2 (measured: 1-row tiles are much slower, even at 4
+    /// tokens), 1 at a block's odd tail.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn gemv_tile<const B: u8, const G16: bool>(
+        ctx: &Ctx,
+        m: &QMatrix,
+        r: usize,
+        left: usize,
+        t: usize,
+        nt: usize,
+        bitalg: bool,
+        xperm: *const __m512i,
+    ) -> usize {
+        macro_rules! go {
+            ($r:literal, $t:literal) => {{
+                if bitalg {
+                    gemv_bitalg::<B, G16, $r, $t>(ctx, m, r, t, xperm)
+                } else {
+                    gemv_plain::<B, G16, $r, $t>(ctx, m, r, t, xperm)
+                }
+                $r
+            }};
+        }
+        match (nt, left) {
+            (1, 4..) => go!(4, 1),
+            (1, _) => go!(1, 1),
+            (2, 2..) => go!(2, 2),
+            (2, _) => go!(1, 2),
+            (3, 2..) => go!(2, 3),
+            (3, _) => go!(1, 3),
+            (_, 2..) => go!(2, 4),
+            _ => go!(1, 4),
         }
     }
 
@@ -266,7 +323,10 @@ mod imp {
     /// source holds u64 [`PLANE_Q`]`[q]` of the chunk's plane bytes. `[P − 1][p][h]`.
     const PLANE_SEL: [[[[u8; 64]; 2]; 2]; 2] = [
         [[plane_sel(1, 0, 0), plane_sel(1, 0, 1)], [[0; 64]; 2]],
-        [[plane_sel(2, 0, 0), plane_sel(2, 0, 1)], [plane_sel(2, 1, 0), plane_sel(2, 1, 1)]],
+        [
+            [plane_sel(2, 0, 0), plane_sel(2, 0, 1)],
+            [plane_sel(2, 1, 0), plane_sel(2, 1, 1)],
+        ],
     ];
     /// Source qword of 64-bit lane `q` (block `q / 2`) of the plane bytes: `[P − 1]`.
     const PLANE_Q: [[i64; 8]; 2] = [[0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 2, 2, 3, 3]];
@@ -291,16 +351,16 @@ mod imp {
     /// [`reduce_idx`] for group 32 and group 16.
     const REDUCE_IDX: [[i32; 16]; 2] = [reduce_idx(false), reduce_idx(true)];
 
-    /// One GEMV chunk: blocks `blk..blk+nbk` (`nbk <= 4`, `blk` row-relative) of rows `r0..r0+R` against
-    /// the activations of token pointer `xp`. Returns per row two i32 vectors. Group 32: the first has in
-    /// 128-bit lane `c` four partial dots of block `c` (the second is unused); group 16: lane `c` of the
-    /// first holds group `2c` of the chunk, of the second group `2c + 1`. Prefetches `PF_ROWS` rows ahead.
-    /// `BITALG`: build the plane masks with `vpshufbitqmb` (else `vpermw` and moves through GPRs); both
-    /// give the same bytes. Inlined into [`gemv_bitalg`] / [`gemv_plain`], which enable the features.
+    /// Weights of one GEMV chunk: blocks `blk..blk+nbk` (`nbk <= 4`, `blk` row-relative and a multiple of
+    /// 4) of rows `r0..r0+R`, zero-filled past `nbk`. Bits 4/5/6: per row the codes expanded to bytes,
+    /// elements `0..16` of block `c` in 128-bit lane `c` of the first vector and elements `16..32` in the
+    /// second (the activation layout of [`fill_xperm`]); bits 8: the 128 code bytes as they are. Prefetches
+    /// `PF_ROWS` rows ahead. `BITALG`: build the plane masks with `vpshufbitqmb` (else `vpermw` and moves
+    /// through GPRs); both give the same bytes. Inlined into [`gemv_bitalg`] / [`gemv_plain`], which enable
+    /// the features.
     #[inline(always)]
-    unsafe fn chunk<const B: u8, const G16: bool, const R: usize, const BITALG: bool>(
+    unsafe fn wchunk<const B: u8, const R: usize, const BITALG: bool>(
         m: &QMatrix,
-        xp: *const u8,
         r0: usize,
         blk: usize,
         nbk: usize,
@@ -310,37 +370,22 @@ mod imp {
         let zero = _mm512_setzero_si512();
         let mut v = [[zero; 2]; R];
         let e = blk * QK;
-        let x0 = load_bytes(xp.add(e), 32 * nbk);
-        let x1 = if nbk > 2 {
-            load_bytes(xp.add(e + 64), 32 * nbk - 64)
-        } else {
-            zero
-        };
         if B == 8 {
             for r in 0..R {
                 let w = m.lo.as_ptr().add((r0 + r) * cols + e);
                 _mm_prefetch::<_MM_HINT_T1>(w.wrapping_add(PF_ROWS * cols) as *const i8);
                 _mm_prefetch::<_MM_HINT_T1>(w.wrapping_add(PF_ROWS * cols + 64) as *const i8);
-                let da = _mm512_dpbusd_epi32(zero, load_bytes(w, 32 * nbk), x0);
-                let db = if nbk > 2 {
-                    _mm512_dpbusd_epi32(zero, load_bytes(w.add(64), 32 * nbk - 64), x1)
+                v[r][0] = load_bytes(w, 32 * nbk);
+                v[r][1] = if nbk > 2 {
+                    load_bytes(w.add(64), 32 * nbk - 64)
                 } else {
                     zero
                 };
-                v[r][0] = _mm512_add_epi32(
-                    _mm512_shuffle_i32x4::<0b10_00_10_00>(da, db),
-                    _mm512_shuffle_i32x4::<0b11_01_11_01>(da, db),
-                );
             }
             return v;
         }
         let p_n = planes(B);
-        // Split 128 activation bytes (4 blocks) into the low and high half of each block.
-        let idx_lo = _mm512_set_epi64(13, 12, 9, 8, 5, 4, 1, 0);
-        let idx_hi = _mm512_set_epi64(15, 14, 11, 10, 7, 6, 3, 2);
         let nib = _mm512_set1_epi8(0x0F);
-        let xl = _mm512_permutex2var_epi64(x0, idx_lo, x1);
-        let xh = _mm512_permutex2var_epi64(x0, idx_hi, x1);
         let pt = _mm256_loadu_si256(PLANE_T[p_n.max(1) - 1].as_ptr() as *const __m256i);
         let pq = _mm512_loadu_si512(PLANE_Q[p_n.max(1) - 1].as_ptr() as *const __m512i);
         let mut sel = [[zero; 2]; 2];
@@ -361,10 +406,8 @@ mod imp {
                 if pf_hi {
                     _mm_prefetch::<_MM_HINT_T1>(ph.wrapping_add(PF_ROWS * hi_row) as *const i8);
                 }
-                let hb = _mm256_maskz_loadu_epi8(
-                    mask64(4 * p_n * nbk) as __mmask32,
-                    ph as *const i8,
-                );
+                let hb =
+                    _mm256_maskz_loadu_epi8(mask64(4 * p_n * nbk) as __mmask32, ph as *const i8);
                 if BITALG {
                     let src = _mm512_permutexvar_epi64(pq, _mm512_castsi256_si512(hb));
                     for p in 0..p_n {
@@ -390,16 +433,82 @@ mod imp {
                     }
                 }
             }
-            if G16 {
-                v[r] = [
-                    _mm512_dpbusd_epi32(zero, lo, xl),
-                    _mm512_dpbusd_epi32(zero, hi, xh),
-                ];
-            } else {
-                v[r][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, xl), hi, xh);
-            }
+            v[r] = [lo, hi];
         }
         v
+    }
+
+    /// Exact i32 partial dots of one row's chunk weights `w` ([`wchunk`]) with one token's chunk
+    /// activations `x` ([`fill_xperm`]). Group 32: the first vector has in 128-bit lane `c` four partial
+    /// dots of block `c` (the second is unused); group 16: lane `c` of the first holds group `2c` of the
+    /// chunk, of the second group `2c + 1`.
+    #[inline(always)]
+    unsafe fn cdot<const B: u8, const G16: bool>(
+        w: &[__m512i; 2],
+        x: &[__m512i; 2],
+    ) -> [__m512i; 2] {
+        let zero = _mm512_setzero_si512();
+        if B == 8 {
+            let da = _mm512_dpbusd_epi32(zero, w[0], x[0]);
+            let db = _mm512_dpbusd_epi32(zero, w[1], x[1]);
+            [
+                _mm512_add_epi32(
+                    _mm512_shuffle_i32x4::<0b10_00_10_00>(da, db),
+                    _mm512_shuffle_i32x4::<0b11_01_11_01>(da, db),
+                ),
+                zero,
+            ]
+        } else if G16 {
+            [
+                _mm512_dpbusd_epi32(zero, w[0], x[0]),
+                _mm512_dpbusd_epi32(zero, w[1], x[1]),
+            ]
+        } else {
+            [
+                _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, w[0], x[0]), w[1], x[1]),
+                zero,
+            ]
+        }
+    }
+
+    /// Lay out the activation codes of tokens `0..n` for the GEMV: per token, per chunk of 4 blocks, two
+    /// vectors (zero-filled past the row end). Bits 4/5/6: the low halves (elements `0..16`) of the 4
+    /// blocks, then the high halves; bits 8: the 128 bytes as they are. `dst` holds
+    /// `n · ceil(cols/128) · 2` vectors.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    unsafe fn fill_xperm<const B: u8>(ctx: &Ctx, n: usize, dst: *mut __m512i) {
+        let cols = ctx.cols;
+        let nblk = cols / QK;
+        let zero = _mm512_setzero_si512();
+        let idx_lo = _mm512_set_epi64(13, 12, 9, 8, 5, 4, 1, 0);
+        let idx_hi = _mm512_set_epi64(15, 14, 11, 10, 7, 6, 3, 2);
+        let mut o = dst;
+        for t in 0..n {
+            let xp = (ctx.xq.q.as_ptr() as *const u8).add(t * cols);
+            let mut blk = 0;
+            while blk < nblk {
+                let nbk = (nblk - blk).min(4);
+                let e = blk * QK;
+                let x0 = load_bytes(xp.add(e), 32 * nbk);
+                let x1 = if nbk > 2 {
+                    load_bytes(xp.add(e + 64), 32 * nbk - 64)
+                } else {
+                    zero
+                };
+                let (a, b) = if B == 8 {
+                    (x0, x1)
+                } else {
+                    (
+                        _mm512_permutex2var_epi64(x0, idx_lo, x1),
+                        _mm512_permutex2var_epi64(x0, idx_hi, x1),
+                    )
+                };
+                _mm512_store_si512(o, a);
+                _mm512_store_si512(o.add(1), b);
+                o = o.add(2);
+                blk += nbk;
+            }
+        }
     }
 
     /// Lane permutation of the GEMV reduction: lane `g` (group `g` of a 16-group step) takes dword
@@ -409,57 +518,80 @@ mod imp {
         let mut idx = [0i32; 16];
         let mut g = 0;
         while g < 16 {
-            let (q, c) = if g16 { (2 * (g / 8) + g % 2, (g % 8) / 2) } else { (g / 4, g % 4) };
+            let (q, c) = if g16 {
+                (2 * (g / 8) + g % 2, (g % 8) / 2)
+            } else {
+                (g / 4, g % 4)
+            };
             idx[g] = (4 * c + (q & 1) + 16 * (q / 2)) as i32;
             g += 1;
         }
         idx
     }
 
-    /// GEMV: rows `r0..r0+R` × token `t`, natural weight layout.
+    /// GEMV: rows `r0..r0+R` × tokens `t0..t0+T`, natural weight layout; `xperm` from [`fill_xperm`].
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512bitalg,avx2,fma")]
-    unsafe fn gemv_bitalg<const B: u8, const G16: bool, const R: usize>(
+    unsafe fn gemv_bitalg<const B: u8, const G16: bool, const R: usize, const T: usize>(
         ctx: &Ctx,
         m: &QMatrix,
         r0: usize,
-        t: usize,
+        t0: usize,
+        xperm: *const __m512i,
     ) {
-        gemv::<B, G16, R, true>(ctx, m, r0, t)
+        gemv::<B, G16, R, T, true>(ctx, m, r0, t0, xperm)
     }
 
     /// [`gemv`] for CPUs without AVX512-BITALG.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    unsafe fn gemv_plain<const B: u8, const G16: bool, const R: usize>(
+    unsafe fn gemv_plain<const B: u8, const G16: bool, const R: usize, const T: usize>(
         ctx: &Ctx,
         m: &QMatrix,
         r0: usize,
-        t: usize,
+        t0: usize,
+        xperm: *const __m512i,
     ) {
-        gemv::<B, G16, R, false>(ctx, m, r0, t)
+        gemv::<B, G16, R, T, false>(ctx, m, r0, t0, xperm)
     }
 
-    /// GEMV body, inlined into [`gemv_bitalg`] / [`gemv_plain`].
+    /// GEMV body, inlined into [`gemv_bitalg`] / [`gemv_plain`]. Each weight chunk is loaded and unpacked
+    /// once for the `T` tokens; every (row, token) pair runs the same integer and float operations as
+    /// with `T = 1`.
     #[inline(always)]
-    unsafe fn gemv<const B: u8, const G16: bool, const R: usize, const BITALG: bool>(
+    unsafe fn gemv<
+        const B: u8,
+        const G16: bool,
+        const R: usize,
+        const T: usize,
+        const BITALG: bool,
+    >(
         ctx: &Ctx,
         m: &QMatrix,
         r0: usize,
-        t: usize,
+        t0: usize,
+        xperm: *const __m512i,
     ) {
         let cols = ctx.cols;
         let xq = ctx.xq;
         let gs = if G16 { 16 } else { 32 };
         let wgpr = cols / gs;
         let xgpr = cols / QK;
+        let nch = xgpr.div_ceil(4);
         let imp = m.implicit_min();
-        let xp = (xq.q.as_ptr() as *const u8).add(t * cols);
-        let xs = xq.scale.as_ptr().add(t * xgpr);
-        let xds = xq.dsum.as_ptr().add(t * xgpr);
-        let xsum = if G16 {
-            xq.sum16.as_ptr().add(t * cols / 16)
-        } else {
-            xq.sum.as_ptr().add(t * xgpr)
-        };
+        let mut xs = [xq.scale.as_ptr(); T];
+        let mut xds = [xq.dsum.as_ptr(); T];
+        let mut xsum = [xq.sum.as_ptr(); T];
+        let mut xc = [xperm; T];
+        for t in 0..T {
+            let tt = t0 + t;
+            xs[t] = xq.scale.as_ptr().add(tt * xgpr);
+            xds[t] = xq.dsum.as_ptr().add(tt * xgpr);
+            xsum[t] = if G16 {
+                xq.sum16.as_ptr().add(tt * cols / 16)
+            } else {
+                xq.sum.as_ptr().add(tt * xgpr)
+            };
+            xc[t] = xperm.add(tt * nch * 2);
+        }
 
         let zero = _mm512_setzero_si512();
         let idx_a = _mm512_loadu_si512(REDUCE_IDX[G16 as usize].as_ptr() as *const __m512i);
@@ -477,58 +609,71 @@ mod imp {
         };
         // Blocks per chunk line of the bit planes: prefetch them once per 64 bytes.
         let pf_every = if planes(B) == 2 { 2 } else { 4 };
-        let mut acc = [_mm512_setzero_ps(); R];
+        let mut acc = [[_mm512_setzero_ps(); T]; R];
         let mut g = 0;
         while g < wgpr {
             let nb = (wgpr - g).min(16);
             let bm = mask16(nb);
-            let d16 = if G16 {
-                _mm512_permutexvar_ps(dup, _mm512_maskz_loadu_ps(mask16(nb / 2), xs.add(g / 2)))
-            } else {
-                _mm512_maskz_loadu_ps(bm, xs.add(g))
-            };
-            let mut v = [[zero; R]; 4];
             let blk0 = g * gs / QK;
             let nblk = nb * gs / QK;
-            let nchunks = if G16 { 2 } else { 4 };
-            for k in 0..nchunks {
-                let nbk = nblk.saturating_sub(4 * k).min(4);
-                if nbk == 0 {
-                    continue;
+            // 128-bit lane c of chunk vector q holds 4 partials of slot 4q+c: reduce pairs of vectors
+            // (q = 2p, 2p + 1) as soon as both exist.
+            let mut pairs = [[[zero; T]; R]; 2];
+            for p in 0..2 {
+                let mut v = [[[zero; T]; R]; 2];
+                // Group 16: chunk p gives both vectors; group 32: chunk 2p + h gives vector h.
+                for h in 0..(if G16 { 1 } else { 2 }) {
+                    let k = if G16 { p } else { 2 * p + h };
+                    let nbk = nblk.saturating_sub(4 * k).min(4);
+                    if nbk == 0 {
+                        continue;
+                    }
+                    let blk = blk0 + 4 * k;
+                    let w = wchunk::<B, R, BITALG>(m, r0, blk, nbk, k % pf_every == 0);
+                    for t in 0..T {
+                        let xa = xc[t].add(2 * (blk / 4));
+                        let x = [_mm512_load_si512(xa), _mm512_load_si512(xa.add(1))];
+                        for r in 0..R {
+                            let c = cdot::<B, G16>(&w[r], &x);
+                            if G16 {
+                                v[0][r][t] = c[0];
+                                v[1][r][t] = c[1];
+                            } else {
+                                v[h][r][t] = c[0];
+                            }
+                        }
+                    }
                 }
-                let c = chunk::<B, G16, R, BITALG>(m, xp, r0, blk0 + 4 * k, nbk, k % pf_every == 0);
                 for r in 0..R {
-                    if G16 {
-                        v[2 * k][r] = c[r][0];
-                        v[2 * k + 1][r] = c[r][1];
-                    } else {
-                        v[k][r] = c[r][0];
+                    for t in 0..T {
+                        pairs[p][r][t] = _mm512_add_epi32(
+                            _mm512_unpacklo_epi32(v[0][r][t], v[1][r][t]),
+                            _mm512_unpackhi_epi32(v[0][r][t], v[1][r][t]),
+                        );
                     }
                 }
             }
-            // 128-bit lane c of vector q holds 4 partials of slot 4q+c: reduce pairs of vectors.
-            let mut pairs = [[zero; R]; 2];
-            for p in 0..2 {
-                for r in 0..R {
-                    pairs[p][r] = _mm512_add_epi32(
-                        _mm512_unpacklo_epi32(v[2 * p][r], v[2 * p + 1][r]),
-                        _mm512_unpackhi_epi32(v[2 * p][r], v[2 * p + 1][r]),
+            let mut d16 = [_mm512_setzero_ps(); T];
+            let mut corr = [zero; T];
+            let mut e16 = [_mm512_setzero_ps(); T];
+            for t in 0..T {
+                d16[t] = if G16 {
+                    _mm512_permutexvar_ps(
+                        dup,
+                        _mm512_maskz_loadu_ps(mask16(nb / 2), xs[t].add(g / 2)),
+                    )
+                } else {
+                    _mm512_maskz_loadu_ps(bm, xs[t].add(g))
+                };
+                if imp {
+                    corr[t] = _mm512_sllv_epi32(
+                        _mm512_maskz_loadu_epi32(bm, xsum[t].add(g)),
+                        _mm512_set1_epi32(B as i32 - 1),
                     );
+                } else {
+                    e16[t] = _mm512_maskz_loadu_ps(bm, xds[t].add(g));
                 }
             }
-            let corr = if imp {
-                _mm512_sllv_epi32(
-                    _mm512_maskz_loadu_epi32(bm, xsum.add(g)),
-                    _mm512_set1_epi32(B as i32 - 1),
-                )
-            } else {
-                zero
-            };
-            let e16 = if imp {
-                _mm512_setzero_ps()
-            } else {
-                _mm512_maskz_loadu_ps(bm, xds.add(g))
-            };
             for r in 0..R {
                 let gi = (r0 + r) * wgpr + g;
                 _mm_prefetch::<_MM_HINT_T1>(
@@ -539,23 +684,31 @@ mod imp {
                         mp.wrapping_add((gi + PF_ROWS * wgpr) * sbytes) as *const i8
                     );
                 }
-                let d = _mm512_sub_epi32(
-                    _mm512_add_epi32(
-                        _mm512_permutex2var_epi32(pairs[0][r], idx_a, pairs[1][r]),
-                        _mm512_permutex2var_epi32(pairs[0][r], idx_b, pairs[1][r]),
-                    ),
-                    corr,
-                );
                 let (s16, m16) = group_sm::<G16>(m, r0 + r, g, nb);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s16, d16), acc[r]);
-                if !imp {
-                    acc[r] = _mm512_fmadd_ps(m16, e16, acc[r]);
+                for t in 0..T {
+                    let d = _mm512_sub_epi32(
+                        _mm512_add_epi32(
+                            _mm512_permutex2var_epi32(pairs[0][r][t], idx_a, pairs[1][r][t]),
+                            _mm512_permutex2var_epi32(pairs[0][r][t], idx_b, pairs[1][r][t]),
+                        ),
+                        corr[t],
+                    );
+                    acc[r][t] = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(d),
+                        _mm512_mul_ps(s16, d16[t]),
+                        acc[r][t],
+                    );
+                    if !imp {
+                        acc[r][t] = _mm512_fmadd_ps(m16, e16[t], acc[r][t]);
+                    }
                 }
             }
             g += nb;
         }
-        for r in 0..R {
-            *ctx.out.0.add(t * ctx.rows + r0 + r) = hsum(acc[r]);
+        for t in 0..T {
+            for r in 0..R {
+                *ctx.out.0.add((t0 + t) * ctx.rows + r0 + r) = hsum(acc[r][t]);
+            }
         }
     }
 

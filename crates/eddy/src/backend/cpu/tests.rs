@@ -414,7 +414,7 @@ fn matmul_is_batch_and_thread_invariant_bitwise() {
                         &mut single[t * rows..(t + 1) * rows],
                     );
                 }
-                for &n in &[1usize, 2, 3, 5, 8, 17] {
+                for &n in &[1usize, 2, 3, 4, 5, 6, 7, 8, 12, 17] {
                     let xq = quantize(k, &x[..n * cols], n, cols);
                     for pool in &pools {
                         let mut got = vec![f32::NAN; n * rows];
