@@ -35,17 +35,7 @@ for r in rows:
     print(json.dumps({"prompt": "Complete this Python function:\n\n" + r["prompt"]}))
 PY
 
-server_pid=
-stop_server() { [ -z "$server_pid" ] || { kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; server_pid=; }; }
-trap stop_server EXIT
-wait_ready() {
-  for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && return 0
-    kill -0 "$server_pid" 2>/dev/null || { echo "the server exited; see $1" >&2; exit 1; }
-    sleep 0.5
-  done
-  echo "the server did not become ready; see $1" >&2; exit 1
-}
+. bench/server_ctl.sh
 bench() { # label
   $EDDY bench --endpoint "http://127.0.0.1:$PORT/v1" --dataset "$OUT/prompts.jsonl" --num "$NUM" \
     --max-tokens "$MAX_TOKENS" --warmup 1 --label "$1" --out "$OUT/$1.json" >&2

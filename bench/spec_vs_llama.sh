@@ -26,17 +26,7 @@ cargo build --release -q -p eddy-cli
 EDDY=target/release/eddy
 mkdir -p "$OUT"
 
-server_pid=
-stop_server() { [ -z "$server_pid" ] || { kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; server_pid=; }; }
-trap stop_server EXIT
-wait_ready() {
-  for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && return 0
-    kill -0 "$server_pid" 2>/dev/null || { echo "the server exited; see $1" >&2; exit 1; }
-    sleep 0.5
-  done
-  echo "the server did not become ready; see $1" >&2; exit 1
-}
+. bench/server_ctl.sh
 run_server() { # label, command...
   local label=$1; shift
   "$@" > "$OUT/$label.log" 2>&1 &
