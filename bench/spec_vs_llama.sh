@@ -2,11 +2,15 @@
 # Speculative decoding on this machine, one script, one run (issue 4). Target Qwen2.5-Coder-1.5B-Instruct
 # Q4_K_M, draft Qwen2.5-Coder-0.5B-Instruct; the first NUM HumanEval prompts and NUM ShareGPT first turns,
 # chat, temperature 0, MAX_TOKENS tokens; `eddy bench` is the client of every server:
-#   eddy serve plain | eddy serve --speculator auto (suffix + draft, auto budget) | llama-server plain |
-#   llama-server --spec-type draft-simple (n-max 4 and 8) | llama-server --spec-type ngram-mod
-# Then the verify-cost curve: one target pass over trees of 1..64 nodes vs that many decode steps.
+#   eddy serve plain | eddy serve --speculator suffix | eddy serve --speculator auto (suffix + draft) (both
+#   with the auto budget) | llama-server plain | llama-server --spec-type draft-simple (n-max 4 and 8) |
+#   llama-server --spec-type ngram-mod
+# Then eddy's acceptance profile by depth (from /metrics, per dataset) and the verify-cost curve: one
+# target pass over trees of 1..64 nodes vs that many decode steps.
 #
-# usage: bench/spec_vs_llama.sh          THREADS=2 NUM=20 MAX_TOKENS=256 PORT=8112 OUT=target/spec-bench
+# usage: bench/spec_vs_llama.sh   THREADS=2 NUM=20 MAX_TOKENS=256 PORT=8112 OUT=target/spec-bench
+#        CONFIGS="eddy-plain eddy-suffix ... verify" runs a subset (a quick look; ratios are against
+#        llama-plain when it ran, else against the first config).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 THREADS=${THREADS:-2}
@@ -27,41 +31,48 @@ EDDY=target/release/eddy
 mkdir -p "$OUT"
 
 . bench/server_ctl.sh
+CONFIGS=${CONFIGS:-eddy-plain eddy-suffix eddy-spec llama-plain llama-draft4 llama-draft8 llama-ngram verify}
 run_server() { # label, command...
   local label=$1; shift
+  case " $CONFIGS " in *" $label "*) ;; *) return 0 ;; esac
   "$@" > "$OUT/$label.log" 2>&1 &
   server_pid=$!
   wait_ready "$OUT/$label.log"
   for ds in humaneval sharegpt; do
     $EDDY bench --endpoint "http://127.0.0.1:$PORT/v1" --dataset $ds --num "$NUM" --max-tokens "$MAX_TOKENS" \
       --warmup 1 --label "$label" --out "$OUT/$label.$ds.json" >&2
+    # cumulative counters after this dataset (the warm-up request included)
+    curl -sf "http://127.0.0.1:$PORT/metrics" > "$OUT/$label.$ds.metrics" 2>/dev/null || true
   done
-  curl -sf "http://127.0.0.1:$PORT/metrics" > "$OUT/$label.metrics" 2>/dev/null || true
   stop_server
 }
 
 LS=("$LLAMA_BIN/llama-server" -m "$TARGET" -t "$THREADS" -c 4096 -np 1 --jinja --host 127.0.0.1 --port "$PORT")
 ES=($EDDY serve --model "$TARGET" --threads "$THREADS" --ctx 4096 --port "$PORT")
 run_server eddy-plain "${ES[@]}"
+run_server eddy-suffix "${ES[@]}" --speculator suffix --spec-budget auto
 run_server eddy-spec "${ES[@]}" --speculator auto --draft-model "$DRAFT" --spec-budget auto
 run_server llama-plain "${LS[@]}"
 run_server llama-draft4 "${LS[@]}" --spec-type draft-simple -md "$DRAFT" --spec-draft-n-max 4 -td "$THREADS"
 run_server llama-draft8 "${LS[@]}" --spec-type draft-simple -md "$DRAFT" --spec-draft-n-max 8 -td "$THREADS"
 run_server llama-ngram "${LS[@]}" --spec-type ngram-mod
 
-$EDDY speed --model "$TARGET" --threads "$THREADS" -p 256 -n 0 -r 5 --verify-sizes 1,2,3,4,6,8,12,16,24,32,48,64 > "$OUT/verify.jsonl"
+rm -f "$OUT/verify.jsonl"
+case " $CONFIGS " in *" verify "*) $EDDY speed --model "$TARGET" --threads "$THREADS" -p 256 -n 0 -r 5 --verify-sizes 1,2,3,4,6,8,12,16,24,32,48,64 > "$OUT/verify.jsonl" ;;
+esac
 
-python3 - "$OUT" "$NUM" "$MAX_TOKENS" "$THREADS" <<'PY'
-import json, sys
-out, num, max_tokens, threads = sys.argv[1:]
-labels = ["eddy-plain", "eddy-spec", "llama-plain", "llama-draft4", "llama-draft8", "llama-ngram"]
-names = {"eddy-plain": "eddy serve, no speculation", "eddy-spec": "eddy serve --speculator auto (suffix + 0.5B draft)",
+python3 - "$OUT" "$NUM" "$MAX_TOKENS" "$THREADS" "$CONFIGS" <<'PY'
+import json, os, re, sys
+out, num, max_tokens, threads, configs = sys.argv[1:]
+labels = [l for l in configs.split() if os.path.exists(f"{out}/{l}.humaneval.json")]
+names = {"eddy-plain": "eddy serve, no speculation", "eddy-suffix": "eddy serve --speculator suffix",
+         "eddy-spec": "eddy serve --speculator auto (suffix + 0.5B draft)",
          "llama-plain": "llama-server", "llama-draft4": "llama-server draft-simple 0.5B, n-max 4",
          "llama-draft8": "llama-server draft-simple 0.5B, n-max 8", "llama-ngram": "llama-server ngram-mod"}
 print(f"Qwen2.5-Coder-1.5B-Instruct Q4_K_M, {num} prompts per set, chat, temperature 0, max_tokens {max_tokens}, {threads} threads\n")
 for ds in ["humaneval", "sharegpt"]:
     R = {l: json.load(open(f"{out}/{l}.{ds}.json")) for l in labels}
-    base = R["llama-plain"]["summary"]["decode_tps"]["median"]
+    base = R["llama-plain" if "llama-plain" in R else labels[0]]["summary"]["decode_tps"]["median"]
     print(f"**{ds}**\n")
     print("| server | decode tok/s median (p10–p90) | vs llama-server plain | tokens/pass | TTFT s median |")
     print("|---|---|---|---|---|")
@@ -72,6 +83,34 @@ for ds in ["humaneval", "sharegpt"]:
         tpp = f"{tpp:.2f}" if tpp else "–"
         print(f"| {names[l]} | {d['median']:.1f} ({d['p10']:.1f}–{d['p90']:.1f}) | {d['median']/base:.2f}× | {tpp} | {s['ttft_s']['median']:.2f} |")
     print()
+def depth_counts(path):
+    acc, prop = {}, {}
+    if not os.path.exists(path):
+        return acc, prop
+    for line in open(path):
+        m = re.match(r'eddy_spec_(accepted|proposed)_at_depth_total\{depth="(\d+)"\} (\d+)', line)
+        if m:
+            (acc if m[1] == "accepted" else prop)[int(m[2])] = int(m[3])
+    return acc, prop
+spec = [l for l in labels if l.startswith("eddy-") and l != "eddy-plain"]
+if spec:
+    print("**eddy acceptance by depth** (verify passes whose tree reached depth d, and the share of them that accepted at least d draft tokens)\n")
+    print("| server | dataset | " + " | ".join(f"d={d}" for d in range(1, 9)) + " |")
+    print("|---|---|" + "---|" * 8)
+    for l in spec:
+        prev = ({}, {})
+        for ds in ["humaneval", "sharegpt"]:
+            acc, prop = depth_counts(f"{out}/{l}.{ds}.metrics")
+            cells = []
+            for d in range(1, 9):
+                p = prop.get(d, 0) - prev[1].get(d, 0)
+                a = acc.get(d, 0) - prev[0].get(d, 0)
+                cells.append(f"{a/p:.2f} ({p})" if p else "–")
+            print(f"| {l} | {ds} | " + " | ".join(cells) + " |")
+            prev = (acc, prop)
+    print()
+if not os.path.exists(f"{out}/verify.jsonl"):
+    sys.exit(0)
 print("**verify cost** (one target pass over a tree of n nodes after a 256-token prompt)\n")
 print("| nodes | ms | vs 1 node | vs n sequential decode steps |")
 print("|---|---|---|---|")

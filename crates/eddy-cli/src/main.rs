@@ -467,7 +467,7 @@ fn run(a: RunArgs) -> eddy::Result<()> {
 
     let energy = EnergyMeter::start();
     let mut e_first = None;
-    let params = GenerateParams { max_tokens: a.max_tokens, sampler, ignore_eos: false };
+    let params = GenerateParams { max_tokens: a.max_tokens, sampler, ignore_eos: false, logprobs: None };
     let tok = engine.lm.tokenizer.clone();
     let mut dec = StreamDecoder::new(&tok, true);
     let mut out = std::io::stdout().lock();
@@ -637,7 +637,7 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
             (lo + x % span) as u32
         })
         .collect();
-    let params = GenerateParams { max_tokens: a.gen_tokens.max(1), sampler: SamplerParams::default(), ignore_eos: true };
+    let params = GenerateParams { max_tokens: a.gen_tokens.max(1), sampler: SamplerParams::default(), ignore_eos: true, logprobs: None };
     let (mut pp, mut tg) = (Vec::new(), Vec::new());
     for _ in 0..a.repetitions {
         // Every repetition prefills the whole prompt (no prefix-cache reuse).

@@ -138,7 +138,13 @@ pub struct Common {
     pub stops: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// `logprobs` asked for: how many alternatives per token (`top_logprobs`, or the completions
+    /// endpoint's integer `logprobs`).
+    pub logprobs: Option<usize>,
 }
+
+/// Most alternatives per token `logprobs` / `top_logprobs` may ask for (OpenAI's limit).
+pub const MAX_LOGPROBS: usize = 20;
 
 /// Validates `model` against the served id and the shared sampling/streaming parameters; rejects the
 /// OpenAI features eddy does not implement yet.
@@ -224,13 +230,33 @@ pub fn parse_common(o: &Map<String, Value>, model_id: &str) -> R<Common> {
         Some(Value::String(c)) if c == "none" || c == "auto" => {}
         Some(_) => return Err(ApiError::unsupported("tool_choice", "tool_choice other than none/auto (tools are not supported)")),
     }
-    match get(o, "logprobs") {
-        None | Some(Value::Bool(false)) => {}
-        Some(_) => return Err(ApiError::unsupported("logprobs", "logprobs")),
-    }
-    if get(o, "top_logprobs").is_some() {
-        return Err(ApiError::unsupported("top_logprobs", "top_logprobs"));
-    }
+    // Chat: `logprobs: true` and `top_logprobs` 0..=20; completions: `logprobs` 0..=20 alternatives.
+    let logprobs = match get(o, "logprobs") {
+        None | Some(Value::Bool(false)) => None,
+        Some(Value::Bool(true)) => Some(0),
+        Some(v) => match v.as_u64() {
+            Some(k) if k <= MAX_LOGPROBS as u64 => Some(k as usize),
+            _ => {
+                return Err(ApiError::invalid(
+                    Some("logprobs"),
+                    format!("logprobs must be a boolean, or an integer from 0 to {MAX_LOGPROBS}, got {v}"),
+                ))
+            }
+        },
+    };
+    let logprobs = match (integer(o, "top_logprobs", 0)?, logprobs) {
+        (Some(k), _) if k > MAX_LOGPROBS as i64 => {
+            return Err(ApiError::invalid(
+                Some("top_logprobs"),
+                format!("top_logprobs must be at most {MAX_LOGPROBS}, got {k}"),
+            ))
+        }
+        (Some(k), Some(_)) => Some(k as usize),
+        (Some(k), None) if k > 0 => {
+            return Err(ApiError::invalid(Some("top_logprobs"), "top_logprobs needs logprobs: true"))
+        }
+        (_, l) => l,
+    };
     if boolean(o, "echo")? == Some(true) {
         return Err(ApiError::unsupported("echo", "echo"));
     }
@@ -330,6 +356,7 @@ pub fn parse_common(o: &Map<String, Value>, model_id: &str) -> R<Common> {
         stops,
         stream,
         include_usage,
+        logprobs,
     })
 }
 
@@ -353,15 +380,18 @@ pub fn parse_messages(o: &Map<String, Value>) -> R<Vec<ChatMessage>> {
             return Err(bad(format!("{at} must be an object")));
         };
         let role = match m.get("role").and_then(Value::as_str) {
-            Some(r @ ("system" | "user" | "assistant")) => r,
+            Some(r @ ("system" | "user" | "assistant" | "tool")) => r,
             Some("developer") => "system",
             Some(r) => {
                 return Err(bad(format!(
-                    "{at}.role `{r}` is not supported (system, developer, user, assistant)"
+                    "{at}.role `{r}` is not supported (system, developer, user, assistant, tool)"
                 )))
             }
             None => return Err(bad(format!("{at}.role must be a string"))),
         };
+        if m.get("tool_calls").is_some_and(|v| !v.is_null() && v.as_array().is_none_or(|a| !a.is_empty())) {
+            return Err(ApiError::unsupported(&format!("{at}.tool_calls"), "tool calls (tools are not supported)"));
+        }
         let content = match m.get("content") {
             None | Some(Value::Null) if role == "assistant" => String::new(),
             Some(Value::String(s)) => s.clone(),

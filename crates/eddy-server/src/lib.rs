@@ -41,7 +41,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
-use worker::{Event, Job};
+use worker::{Event, Job, Logprob};
 
 /// Server options.
 #[derive(Debug, Clone)]
@@ -241,9 +241,14 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
                     "the model has no chat template; use /v1/completions",
                 ));
             };
-            let text = t
-                .render(&messages, true, &kwargs)
-                .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
+            // An assistant message last is continued (the reply extends it), as vLLM's and
+            // llama-server's prefill of the assistant turn.
+            let text = if messages.last().is_some_and(|m| m.role == "assistant") {
+                t.render_continue(&messages, &kwargs)
+            } else {
+                t.render(&messages, true, &kwargs)
+            }
+            .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
             thinking = reasoning::thinking_mode(t, &messages, &kwargs, &text);
             encode_chat(&st.tokenizer, &text)
                 .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
@@ -306,6 +311,7 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
             max_tokens,
             sampler: common.sampler.clone(),
             ignore_eos: false,
+            logprobs: common.logprobs,
         },
         stops: common.stops.clone(),
         tx,
@@ -356,6 +362,7 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
         model: st.model_id.clone(),
         include_usage: common.include_usage,
         thinking,
+        logprobs: common.logprobs.is_some(),
     };
     if common.stream {
         Ok(stream_response(fmt, rx, st.keep_alive))
@@ -373,6 +380,8 @@ struct Formatter {
     include_usage: bool,
     /// Thinking mode of a chat request: `<think>` text goes to `reasoning_content`.
     thinking: Option<Start>,
+    /// The request asked for log-probabilities.
+    logprobs: bool,
 }
 
 /// The OpenAI `usage` object, with `prompt_tokens_details.cached_tokens` (prefix cache) and
@@ -410,6 +419,47 @@ fn timings(s: &GenerationStats, completion_tokens: usize) -> Value {
 }
 
 impl Formatter {
+    /// The `logprobs` of a choice holding the tokens `lps` (null when not asked for). Chat:
+    /// `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`; completions:
+    /// `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}` with offsets counted
+    /// from `*offset` (advanced past these tokens).
+    fn logprobs(&self, lps: &[Logprob], offset: &mut usize) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        match self.kind {
+            Kind::Chat => {
+                let entry = |t: &str, l: f32| json!({"token": t, "logprob": l, "bytes": t.as_bytes()});
+                let content: Vec<Value> = lps
+                    .iter()
+                    .map(|l| {
+                        let mut e = entry(&l.token, l.logprob);
+                        e["top_logprobs"] = l.top.iter().map(|(t, v)| entry(t, *v)).collect();
+                        e
+                    })
+                    .collect();
+                json!({ "content": content })
+            }
+            Kind::Text => {
+                let mut text_offset = Vec::with_capacity(lps.len());
+                for l in lps {
+                    text_offset.push(*offset);
+                    *offset += l.token.len();
+                }
+                let top: Vec<Value> = lps
+                    .iter()
+                    .map(|l| Value::Object(l.top.iter().map(|(t, v)| (t.clone(), json!(v))).collect()))
+                    .collect();
+                json!({
+                    "tokens": lps.iter().map(|l| l.token.as_str()).collect::<Vec<_>>(),
+                    "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+                    "top_logprobs": top,
+                    "text_offset": text_offset,
+                })
+            }
+        }
+    }
+
     fn object(&self, chunk: bool) -> &'static str {
         match (self.kind, chunk) {
             (Kind::Chat, false) => "chat.completion",
@@ -421,10 +471,12 @@ impl Formatter {
     fn whole(
         &self,
         text: String,
+        lps: &[Logprob],
         finish: &str,
         completion_tokens: usize,
         stats: &GenerationStats,
     ) -> Value {
+        let logprobs = self.logprobs(lps, &mut 0);
         let choice = match self.kind {
             Kind::Chat => {
                 let mut message = json!({"role": "assistant", "content": text});
@@ -437,10 +489,10 @@ impl Formatter {
                         message["reasoning_content"] = json!(r);
                     }
                 }
-                json!({"index": 0, "message": message, "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish})
             }
             Kind::Text => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
             }
         };
         json!({
@@ -494,15 +546,19 @@ async fn whole_response(
     _c: &Common,
 ) -> Result<Response, ApiError> {
     let mut text = String::new();
+    let mut lps = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
-            Event::Delta(t) => text.push_str(&t),
+            Event::Delta(t, l) => {
+                text.push_str(&t);
+                lps.extend(l);
+            }
             Event::Done {
                 finish,
                 completion_tokens,
                 stats,
             } => {
-                return Ok(Json(fmt.whole(text, finish, completion_tokens, &stats)).into_response());
+                return Ok(Json(fmt.whole(text, &lps, finish, completion_tokens, &stats)).into_response());
             }
             Event::Error(e) => return Err(server_error(e)),
         }
@@ -538,6 +594,8 @@ fn stream_response(
         queued,
         finished: false,
         keep_alive: keep_alive.map(|d| (d, Box::pin(tokio::time::sleep(d)))),
+        lp_pending: Vec::new(),
+        lp_offset: 0,
     };
     Response::builder()
         .status(StatusCode::OK)
@@ -558,36 +616,52 @@ struct SseBody {
     keep_alive: Option<(Duration, Pin<Box<tokio::time::Sleep>>)>,
     /// Thinking mode: splits the text into reasoning and content.
     splitter: Option<ReasoningSplitter>,
+    /// Log-probabilities not yet sent (their text is held back by the reasoning splitter).
+    lp_pending: Vec<Logprob>,
+    /// Completions: text offset of the next token.
+    lp_offset: usize,
 }
 
 const KEEP_ALIVE: &[u8] = b": keep-alive\n\n";
 
 impl SseBody {
-    fn push_split(&mut self, s: Split) {
+    fn split_chunks(&self, s: Split) -> Vec<Value> {
+        let mut out = Vec::new();
         if !s.reasoning.is_empty() {
-            let c = self.fmt.reasoning_chunk(&s.reasoning);
-            self.queued.push_back(sse(&c));
+            out.push(self.fmt.reasoning_chunk(&s.reasoning));
         }
         if !s.content.is_empty() {
-            let c = self.fmt.chunk(false, Some(&s.content), None);
-            self.queued.push_back(sse(&c));
+            out.push(self.fmt.chunk(false, Some(&s.content), None));
+        }
+        out
+    }
+
+    /// Queue `chunks`, the last one carrying the log-probabilities not yet sent.
+    fn queue(&mut self, mut chunks: Vec<Value>) {
+        if let Some(last) = chunks.last_mut() {
+            if self.fmt.logprobs {
+                let lps = std::mem::take(&mut self.lp_pending);
+                last["choices"][0]["logprobs"] = self.fmt.logprobs(&lps, &mut self.lp_offset);
+            }
+        }
+        for c in &chunks {
+            self.queued.push_back(sse(c));
         }
     }
 
     fn on_event(&mut self, ev: Option<Event>) {
         match ev {
-            Some(Event::Delta(t)) => {
+            Some(Event::Delta(t, lps)) => {
                 self.keep_alive = None;
-                match self.splitter.as_mut() {
+                self.lp_pending.extend(lps);
+                let chunks = match self.splitter.as_mut() {
                     Some(sp) => {
                         let s = sp.push(&t);
-                        self.push_split(s);
+                        self.split_chunks(s)
                     }
-                    None => {
-                        let c = self.fmt.chunk(false, Some(&t), None);
-                        self.queued.push_back(sse(&c));
-                    }
-                }
+                    None => vec![self.fmt.chunk(false, Some(&t), None)],
+                };
+                self.queue(chunks);
             }
             Some(Event::Done {
                 finish,
@@ -595,15 +669,20 @@ impl SseBody {
                 stats,
             }) => {
                 if let Some(s) = self.splitter.as_mut().map(ReasoningSplitter::finish) {
-                    self.push_split(s);
+                    let chunks = self.split_chunks(s);
+                    self.queue(chunks);
                 }
-                let f = &self.fmt;
-                let mut last = f.chunk(false, None, Some(finish));
-                if f.kind == Kind::Chat {
+                let mut last = self.fmt.chunk(false, None, Some(finish));
+                if self.fmt.kind == Kind::Chat {
                     last["choices"][0]["delta"] = json!({});
                 }
                 last["timings"] = timings(&stats, completion_tokens);
+                if !self.lp_pending.is_empty() {
+                    let lps = std::mem::take(&mut self.lp_pending);
+                    last["choices"][0]["logprobs"] = self.fmt.logprobs(&lps, &mut self.lp_offset);
+                }
                 self.queued.push_back(sse(&last));
+                let f = &self.fmt;
                 if f.include_usage {
                     self.queued
                         .push_back(sse(&f.usage_chunk(&stats, completion_tokens)));

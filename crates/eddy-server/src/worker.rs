@@ -2,7 +2,7 @@
 //! text deltas back over each job's channel. A job whose receiver is gone is skipped (still queued) or
 //! cancelled (at the next decode step).
 
-use eddy::engine::{Engine, GenerateParams};
+use eddy::engine::{Engine, GenerateParams, TokenLogprobs};
 use eddy::stats::{FinishReason, GenerationStats};
 use eddy::tokenizer::{StreamDecoder, Tokenizer};
 use crate::metrics::Metrics;
@@ -21,11 +21,32 @@ pub(crate) struct Job {
     pub queued_at: Instant,
 }
 
+/// A generated token's log-probability and its top alternatives, as text (the token decoded alone).
+#[derive(Debug, Clone)]
+pub(crate) struct Logprob {
+    pub token: String,
+    pub logprob: f32,
+    pub top: Vec<(String, f32)>,
+}
+
+impl Logprob {
+    fn new(tok: &Tokenizer, lp: &TokenLogprobs) -> Logprob {
+        let text = |id: u32| tok.decode(&[id], false).unwrap_or_default();
+        Logprob {
+            token: text(lp.id),
+            logprob: lp.logprob,
+            top: lp.top.iter().map(|&(id, l)| (text(id), l)).collect(),
+        }
+    }
+}
+
 /// What the engine thread sends back for a job.
 #[derive(Debug)]
 pub(crate) enum Event {
-    /// New text (valid UTF-8, never containing or ending in the start of a stop string).
-    Delta(String),
+    /// New text (valid UTF-8, never containing or ending in the start of a stop string), and the
+    /// log-probabilities (when asked for) of the tokens whose text it completes. A token cut by a stop
+    /// string is reported with the text before the stop string.
+    Delta(String, Vec<Logprob>),
     /// Generation ended normally.
     Done {
         finish: &'static str,
@@ -85,12 +106,14 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) ->
     let mut stop = StopMatcher::new(stops);
     let mut n = 0usize;
     let mut hit = false;
-    let send = |text: String| {
-        if !text.is_empty() {
-            let _ = tx.send(Event::Delta(text));
+    let want_lp = params.logprobs.is_some();
+    let mut lpq = LogprobQueue::default();
+    let send = |text: String, lps: Vec<Logprob>| {
+        if !text.is_empty() || !lps.is_empty() {
+            let _ = tx.send(Event::Delta(text, lps));
         }
     };
-    let r = engine.generate(&prompt, &params, &mut |id| {
+    let r = engine.generate_with_logprobs(&prompt, &params, &mut |id, lp| {
         if tx.is_closed() {
             return false;
         }
@@ -99,13 +122,21 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) ->
             metrics.token_latency(now - prev);
         }
         n += 1;
+        if let (true, Some(lp)) = (want_lp, lp) {
+            lpq.push(Logprob::new(tok, lp));
+        }
         if let Ok(Some(text)) = dec.push(id) {
+            lpq.decoded(&text);
             let (out, h) = stop.push(&text);
-            send(out);
             if h {
+                lpq.stop_after(out.len());
+                let lps = lpq.take(&out, true);
+                send(out, lps);
                 hit = true;
                 return false;
             }
+            let lps = lpq.take(&out, false);
+            send(out, lps);
         }
         true
     });
@@ -118,12 +149,19 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) ->
             }
             if !hit {
                 if let Ok(Some(text)) = dec.finish() {
+                    lpq.decoded(&text);
                     let (out, h) = stop.push(&text);
-                    send(out);
+                    if h {
+                        lpq.stop_after(out.len());
+                    }
+                    let lps = lpq.take(&out, h);
+                    send(out, lps);
                     hit = h;
                 }
                 if !hit {
-                    send(stop.flush());
+                    let out = stop.flush();
+                    let lps = lpq.take(&out, true);
+                    send(out, lps);
                 }
             }
             let finish = if hit || stats.finish == FinishReason::Stop {
@@ -137,6 +175,66 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) ->
                 stats,
             })
         }
+    }
+}
+
+/// Log-probabilities of generated tokens waiting for their text to be emitted: a token's entry goes out
+/// with the delta that completes its text (byte offsets in the decoded output).
+#[derive(Default)]
+struct LogprobQueue {
+    /// (end of the token's text, or `None` while its bytes are incomplete UTF-8; entry).
+    pending: std::collections::VecDeque<(Option<usize>, Logprob)>,
+    /// Bytes decoded so far.
+    decoded: usize,
+    /// Bytes emitted so far.
+    emitted: usize,
+    /// End of the last entry taken.
+    taken_end: usize,
+}
+
+impl LogprobQueue {
+    fn push(&mut self, lp: Logprob) {
+        self.pending.push_back((None, lp));
+    }
+
+    /// `text` was decoded: the tokens waiting for bytes end here.
+    fn decoded(&mut self, text: &str) {
+        self.decoded += text.len();
+        for p in self.pending.iter_mut().rev() {
+            if p.0.is_some() {
+                break;
+            }
+            p.0 = Some(self.decoded);
+        }
+    }
+
+    /// A stop string begins `out_len` bytes after what was emitted: keep only the tokens that start
+    /// before it.
+    fn stop_after(&mut self, out_len: usize) {
+        let kept = self.emitted + out_len;
+        let mut start = self.taken_end;
+        let mut i = 0;
+        while i < self.pending.len() && start < kept {
+            start = self.pending[i].0.unwrap_or(usize::MAX);
+            i += 1;
+        }
+        self.pending.truncate(i);
+    }
+
+    /// `out` is emitted: the entries whose text it completes (`all`: every entry left).
+    fn take(&mut self, out: &str, all: bool) -> Vec<Logprob> {
+        self.emitted += out.len();
+        let mut lps = Vec::new();
+        while let Some(&(end, _)) = self.pending.front() {
+            if !all && end.is_none_or(|e| e > self.emitted) {
+                break;
+            }
+            self.taken_end = end.unwrap_or(self.emitted);
+            if let Some((_, lp)) = self.pending.pop_front() {
+                lps.push(lp);
+            }
+        }
+        lps
     }
 }
 

@@ -219,6 +219,7 @@ fn chat_greedy_matches_engine_generate() {
         max_tokens: 24,
         sampler: SamplerParams::default(),
         ignore_eos: false,
+        logprobs: None,
     };
     let mut ids = Vec::new();
     let stats = e
@@ -314,6 +315,100 @@ fn completions_whole_and_streamed() {
     let (st, ev) = streamed(addr, "/v1/completions", sb);
     assert_eq!(st, text);
     assert_eq!(ev.last().unwrap()["choices"][0]["finish_reason"], "length");
+}
+
+#[test]
+fn final_assistant_message_is_continued() {
+    let addr = server_or_skip!();
+    let messages = json!([
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "Merge two sorted lists."},
+        {"role": "assistant", "content": "def merge_sorted(a, b):"}
+    ]);
+    let v = post(addr, "/v1/chat/completions", json!({"messages": messages, "max_tokens": 12, "temperature": 0})).json();
+    // The same text as a raw completion of the conversation cut after the assistant's words (no
+    // end-of-turn marker, no new assistant header).
+    let raw = "<|im_start|>system\nYou write Python.<|im_end|>\n<|im_start|>user\nMerge two sorted lists.<|im_end|>\n<|im_start|>assistant\ndef merge_sorted(a, b):";
+    let c = post(addr, "/v1/completions", json!({"prompt": raw, "max_tokens": 12, "temperature": 0})).json();
+    assert_eq!(v["usage"]["prompt_tokens"], c["usage"]["prompt_tokens"], "{v} {c}");
+    assert_eq!(v["choices"][0]["message"]["content"], c["choices"][0]["text"], "{v} {c}");
+    assert_eq!(v["usage"]["completion_tokens"], 12);
+    // A tool result is passed to the template; tool calls in an assistant message are refused.
+    let t = post(addr, "/v1/chat/completions", json!({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "a"}], "max_tokens": 2}));
+    assert_eq!(t.status, 200, "{}", t.body);
+    let r = post(addr, "/v1/chat/completions", json!({"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}));
+    assert_error(&r, 400, "tool calls");
+}
+
+#[test]
+fn logprobs_chat_and_completions_whole_and_streamed() {
+    let addr = server_or_skip!();
+    let body = chat_body("Count from one to ten.", json!({"max_tokens": 10, "logprobs": true, "top_logprobs": 3}));
+    let v = post(addr, "/v1/chat/completions", body.clone()).json();
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap_or_else(|| panic!("{v}")).clone();
+    assert_eq!(content.len() as u64, v["usage"]["completion_tokens"].as_u64().unwrap());
+    let mut joined = String::new();
+    for e in &content {
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        // Greedy: the token is the most likely one.
+        assert_eq!(top[0]["token"], e["token"], "{e}");
+        assert_eq!(top[0]["logprob"], e["logprob"], "{e}");
+        assert!(e["logprob"].as_f64().unwrap() <= 0.0);
+        let bytes: Vec<u8> = e["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8).collect();
+        assert_eq!(bytes, e["token"].as_str().unwrap().as_bytes());
+        joined.push_str(e["token"].as_str().unwrap());
+    }
+    assert_eq!(joined, v["choices"][0]["message"]["content"].as_str().unwrap());
+    // Streamed: the same entries, spread over the chunks.
+    let mut sb = body;
+    sb["stream"] = json!(true);
+    let (_, ev) = streamed(addr, "/v1/chat/completions", sb);
+    let streamed_lp: Vec<Value> = ev
+        .iter()
+        .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array().cloned())
+        .flatten()
+        .collect();
+    assert_eq!(streamed_lp, content);
+    // Without logprobs: null.
+    let v = post(addr, "/v1/chat/completions", chat_body("Hi", json!({"max_tokens": 2}))).json();
+    assert!(v["choices"][0]["logprobs"].is_null());
+
+    // Completions: the legacy shape; an integer logprobs = alternatives per token.
+    let c = post(addr, "/v1/completions", json!({"prompt": "One, two, three,", "max_tokens": 8, "temperature": 0, "logprobs": 2})).json();
+    let lp = &c["choices"][0]["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"].as_array().unwrap_or_else(|| panic!("{c}")).iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(tokens.concat(), c["choices"][0]["text"].as_str().unwrap());
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), tokens.len());
+    let offsets: Vec<u64> = lp["text_offset"].as_array().unwrap().iter().map(|o| o.as_u64().unwrap()).collect();
+    assert_eq!(offsets[0], 0);
+    for i in 1..tokens.len() {
+        assert_eq!(offsets[i], offsets[i - 1] + tokens[i - 1].len() as u64);
+    }
+    for (t, top) in tokens.iter().zip(lp["top_logprobs"].as_array().unwrap()) {
+        let top = top.as_object().unwrap();
+        assert!(!top.is_empty() && top.len() <= 2 && top.contains_key(*t), "{t:?} {top:?}");
+    }
+    // With a stop string, no entry is reported for the tokens after it.
+    let text = c["choices"][0]["text"].as_str().unwrap();
+    let stop = text.trim_start().chars().take(3).collect::<String>();
+    let cs = post(addr, "/v1/completions", json!({"prompt": "One, two, three,", "max_tokens": 8, "temperature": 0, "logprobs": 0, "stop": [stop]})).json();
+    let n_kept = cs["choices"][0]["logprobs"]["tokens"].as_array().unwrap().len();
+    assert!(n_kept <= 2 && n_kept < tokens.len(), "{cs}");
+
+    // Bad values.
+    for (b, needle) in [
+        (json!({"top_logprobs": 21, "logprobs": true}), "top_logprobs"),
+        (json!({"top_logprobs": 2}), "needs logprobs"),
+        (json!({"logprobs": "yes"}), "logprobs must be"),
+        (json!({"logprobs": 21}), "logprobs must be"),
+    ] {
+        let r = post(addr, "/v1/chat/completions", chat_body("Hi", b));
+        assert_error(&r, 400, needle);
+    }
 }
 
 #[test]
@@ -421,11 +516,6 @@ fn errors() {
             c,
             chat_body("hi", json!({"tools": [{"type": "function"}]})),
         ),
-        400,
-        "not supported yet",
-    );
-    assert_error(
-        &post(addr, c, chat_body("hi", json!({"logprobs": true}))),
         400,
         "not supported yet",
     );
@@ -1021,7 +1111,9 @@ mod fuzz {
             ]
             .boxed(),
             "n" | "best_of" => Just(json!(1)).boxed(),
-            "logprobs" | "echo" => Just(json!(false)).boxed(),
+            "logprobs" => prop_oneof![any::<bool>().prop_map(Value::from), (0u64..25).prop_map(Value::from)].boxed(),
+            "top_logprobs" => (0u64..25).prop_map(Value::from).boxed(),
+            "echo" => Just(json!(false)).boxed(),
             "stream" => any::<bool>().prop_map(Value::from).boxed(),
             "stream_options" => any::<bool>().prop_map(|b| json!({"include_usage": b})).boxed(),
             "chat_template_kwargs" => prop_oneof![Just(json!({})), any::<bool>().prop_map(|b| json!({"enable_thinking": b}))].boxed(),

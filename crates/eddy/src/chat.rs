@@ -161,6 +161,37 @@ impl ChatTemplate {
     }
 }
 
+impl ChatTemplate {
+    /// Renders `messages` so that the model continues the final (assistant) message, as transformers'
+    /// `apply_chat_template(messages, continue_final_message=True)`: the whole conversation is rendered
+    /// without a generation prompt and cut right after the final message's (whitespace-trimmed)
+    /// content, dropping the end-of-turn text the template writes after it. A final assistant message
+    /// with empty content starts a fresh reply instead (the other messages with the generation prompt).
+    ///
+    /// Errors ([`Error::Text`]): the last message is not `assistant`; the rendered text does not contain
+    /// the final message's content (the template rewrites it, so it cannot be continued); template errors.
+    pub fn render_continue(
+        &self,
+        messages: &[ChatMessage],
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
+        let Some(last) = messages.last().filter(|m| m.role == "assistant") else {
+            return Err(Error::Text("only a final assistant message can be continued".into()));
+        };
+        let tail = last.content.trim();
+        if tail.is_empty() {
+            return self.render(&messages[..messages.len() - 1], true, kwargs);
+        }
+        let full = self.render(messages, false, kwargs)?;
+        match full.rfind(tail) {
+            Some(at) => Ok(full[..at + tail.len()].to_string()),
+            None => Err(Error::Text(
+                "the chat template does not write the final assistant message as given, so it cannot be continued".into(),
+            )),
+        }
+    }
+}
+
 /// The prompt ids for a rendered chat, as transformers' `apply_chat_template(tokenize=True)`: templates
 /// write BOS themselves, so the text is encoded without adding special tokens.
 pub fn encode_chat(tok: &Tokenizer, rendered: &str) -> Result<Vec<u32>> {
@@ -530,6 +561,38 @@ fn python_formatter(out: &mut Output, state: &mut State, value: &Value) -> std::
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// ChatML, as Qwen2.5's template writes it (without its tool branches).
+    const CHATML: &str = "{% for m in messages %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    #[test]
+    fn continue_final_assistant_message() {
+        let t = ChatTemplate::new(CHATML, None, None).unwrap();
+        let kw = serde_json::Map::new();
+        let user = ChatMessage::new("user", "Merge two lists.");
+        let conv = [user.clone(), ChatMessage::new("assistant", "def merge(a, b):\n  ")];
+        // Cut after the trimmed content: the end-of-turn marker and the trailing spaces go.
+        assert_eq!(
+            t.render_continue(&conv, &kw).unwrap(),
+            "<|im_start|>user\nMerge two lists.<|im_end|>\n<|im_start|>assistant\ndef merge(a, b):"
+        );
+        // The content also appearing earlier: the last occurrence is the one continued.
+        let conv = [ChatMessage::new("user", "ok"), ChatMessage::new("assistant", "ok")];
+        assert_eq!(t.render_continue(&conv, &kw).unwrap(), "<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\nok");
+        // Empty content: a fresh reply (the generation prompt).
+        let conv = [user.clone(), ChatMessage::new("assistant", " ")];
+        assert_eq!(
+            t.render_continue(&conv, &kw).unwrap(),
+            "<|im_start|>user\nMerge two lists.<|im_end|>\n<|im_start|>assistant\n"
+        );
+        // Not an assistant message last.
+        assert!(t.render_continue(&[user.clone()], &kw).is_err());
+        // A template that rewrites the assistant content cannot be continued.
+        let upper = ChatTemplate::new("{% for m in messages %}{{ m.content | upper }}{% endfor %}", None, None).unwrap();
+        let conv = [user, ChatMessage::new("assistant", "abc")];
+        let e = upper.render_continue(&conv, &kw).unwrap_err().to_string();
+        assert!(e.contains("cannot be continued"), "{e}");
+    }
 
     #[test]
     fn float_repr_matches_python() {

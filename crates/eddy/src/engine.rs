@@ -65,6 +65,39 @@ pub struct GenerateParams {
     pub sampler: SamplerParams,
     /// Keep generating through end-of-generation tokens (benchmarks).
     pub ignore_eos: bool,
+    /// Report each generated token's log-probability and this many most likely alternatives
+    /// ([`TokenLogprobs`]); `None`: none (no cost).
+    pub logprobs: Option<usize>,
+}
+
+/// The log-probability of one generated token and the `k` most likely tokens at its position, under the
+/// target model's own distribution: log-softmax of the raw logits, before temperature, repetition
+/// penalty and top-k/top-p/min-p truncation (OpenAI's `logprobs`; vLLM's `raw_logprobs`). Identical with
+/// and without speculation (the tree's logits are bit-identical to plain decoding's).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The generated token.
+    pub id: u32,
+    /// Its log-probability (natural log, ≤ 0).
+    pub logprob: f32,
+    /// The `k` most likely tokens and their log-probabilities, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprobs {
+    /// From the raw logits `row` (one position, `vocab` values) and the token `id` generated there.
+    pub fn new(row: &[f32], id: u32, k: usize) -> TokenLogprobs {
+        let lse = log_sum_exp(row);
+        let lp = |v: f32| (v as f64 - lse) as f32;
+        TokenLogprobs {
+            id,
+            logprob: lp(row[id as usize]),
+            top: match k.min(row.len()) {
+                0 => Vec::new(),
+                k => crate::spec::top_k(row, k).into_iter().map(|(t, v)| (t, lp(v))).collect(),
+            },
+        }
+    }
 }
 
 /// A model ready to generate, with the state of its one sequence.
@@ -198,6 +231,17 @@ impl Engine {
         params: &GenerateParams,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<GenerationStats> {
+        self.generate_with_logprobs(prompt, params, &mut |id, _| on_token(id))
+    }
+
+    /// [`Engine::generate`], also handing `on_token` each token's [`TokenLogprobs`] when
+    /// `params.logprobs` asks for them (else `None`).
+    pub fn generate_with_logprobs(
+        &mut self,
+        prompt: &[u32],
+        params: &GenerateParams,
+        on_token: &mut dyn FnMut(u32, Option<&TokenLogprobs>) -> bool,
+    ) -> Result<GenerationStats> {
         params.sampler.validate().map_err(Error::Input)?;
         if prompt.is_empty() {
             return Err(Error::Input("prompt: empty (no tokens)".into()));
@@ -246,10 +290,18 @@ impl Engine {
         let mut t_first = None;
         let mut t_last = t0;
         stats.finish = FinishReason::Length;
+        // Raw logits of a row before sampling changes it (only when log-probabilities are wanted).
+        let mut raw: Vec<f32> = Vec::new();
+        let lp_k = params.logprobs;
         // The first token comes from the prefill logits.
+        if lp_k.is_some() {
+            raw = self.logits[..vocab].to_vec();
+        }
         let first = self.sampler.sample(&params.sampler, &mut self.logits[..vocab], &history, history.len());
+        let mut next_lp = lp_k.map(|k| TokenLogprobs::new(&raw, first, k));
         let mut next = Some(first);
         while let Some(tok) = next.take() {
+            let tok_lp = next_lp.take();
             // Emit `tok` (sampled at position history.len()).
             let now = Instant::now();
             if t_first.is_none() {
@@ -262,7 +314,7 @@ impl Engine {
                 stats.finish = FinishReason::Stop;
                 break;
             }
-            if !on_token(tok) {
+            if !on_token(tok, tok_lp.as_ref()) {
                 stats.finish = FinishReason::Cancelled;
                 break;
             }
@@ -300,11 +352,19 @@ impl Engine {
             let n_committed = self.state.n_past();
             let sampler = &mut self.sampler;
             let logits = &mut self.logits;
+            let mut walk_lp: Vec<TokenLogprobs> = Vec::new();
             let walk = accept_walk(&tree, |node| {
                 let row = &mut logits[node * vocab..(node + 1) * vocab];
                 let pos = path_hist.len();
                 debug_assert_eq!(pos, n_committed + paths.depth(node) + 1);
+                if lp_k.is_some() {
+                    raw.clear();
+                    raw.extend_from_slice(row);
+                }
                 let y = sampler.sample(&params.sampler, row, &path_hist, pos);
+                if let Some(k) = lp_k {
+                    walk_lp.push(TokenLogprobs::new(&raw, y, k));
+                }
                 path_hist.push(y);
                 Some(y)
             });
@@ -325,14 +385,14 @@ impl Engine {
             commit_tree(&self.lm.model, &self.pool, &mut self.state, &tree.tokens, &walk.path)?;
             // Emit the accepted draft tokens (all but the last sample), then continue with the bonus.
             let mut stop = None;
-            for &y in &walk.samples[..accepted] {
+            for (i, &y) in walk.samples[..accepted].iter().enumerate() {
                 t_last = Instant::now();
                 stats.generated_tokens += 1;
                 if !params.ignore_eos && self.lm.tokenizer.is_stop(y) {
                     stop = Some(FinishReason::Stop);
                     break;
                 }
-                if !on_token(y) {
+                if !on_token(y, walk_lp.get(i)) {
                     stop = Some(FinishReason::Cancelled);
                     break;
                 }
@@ -347,6 +407,7 @@ impl Engine {
                 break;
             }
             next = walk.samples.last().copied();
+            next_lp = walk_lp.pop().filter(|_| lp_k.is_some());
         }
         stats.decode_time = t_first.map(|f| t_last - f).unwrap_or_default();
         stats.duration = t0.elapsed();

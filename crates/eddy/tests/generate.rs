@@ -17,7 +17,7 @@ fn chat_prompt(engine: &eddy::engine::Engine, msg: &str) -> Vec<u32> {
 
 fn generate(engine: &mut eddy::engine::Engine, prompt: &[u32], sampler: SamplerParams, n: usize) -> Vec<u32> {
     let mut out = Vec::new();
-    engine.generate(prompt, &GenerateParams { max_tokens: n, sampler, ignore_eos: false }, &mut |t| {
+    engine.generate(prompt, &GenerateParams { max_tokens: n, sampler, ignore_eos: false, logprobs: None }, &mut |t| {
         out.push(t);
         true
     })
@@ -64,4 +64,48 @@ fn prefill_and_decode_logits_are_bit_identical() {
         let prefix = engine.score(&tokens[..cut]).unwrap();
         assert_eq!(prefix[..], all[..cut * vocab], "prefix of {cut} tokens");
     }
+}
+
+/// Token log-probabilities: the raw model distribution (greedy picks the most likely token, the top list
+/// is sorted and normalised), identical with suffix speculation (tree logits = plain decode logits) and at
+/// temperature 0.8 (logprobs are taken before temperature and truncation).
+#[test]
+fn logprobs_are_the_raw_distribution_and_speculation_keeps_them() {
+    use eddy::engine::TokenLogprobs;
+    use eddy::spec::{build_speculators, Budget, SpeculatorKind};
+    let Some(mut engine) = common::engine(DEFAULT, 1024) else { return };
+    // Repetitive text, so suffix drafts are accepted and tokens come from tree nodes.
+    let prompt = chat_prompt(&engine, "Repeat exactly, three times: the quick brown fox jumps over the lazy dog.");
+    let run = |engine: &mut eddy::engine::Engine, sampler: SamplerParams| {
+        let mut out: Vec<TokenLogprobs> = Vec::new();
+        let params = GenerateParams { max_tokens: 48, sampler, ignore_eos: false, logprobs: Some(5) };
+        let st = engine
+            .generate_with_logprobs(&prompt, &params, &mut |id, lp| {
+                let lp = lp.expect("logprobs asked for").clone();
+                assert_eq!(lp.id, id);
+                out.push(lp);
+                true
+            })
+            .unwrap();
+        (out, st)
+    };
+    let (plain, _) = run(&mut engine, SamplerParams::default());
+    assert!(plain.len() > 10);
+    for lp in &plain {
+        assert_eq!(lp.top.len(), 5);
+        assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1), "{lp:?}");
+        let mass: f64 = lp.top.iter().map(|t| (t.1 as f64).exp()).sum();
+        assert!(mass <= 1.0 + 1e-4 && mass > 0.0, "{lp:?}");
+        // Greedy: the generated token is the most likely one.
+        assert_eq!(lp.top[0], (lp.id, lp.logprob), "{lp:?}");
+        assert!(lp.logprob <= 0.0);
+    }
+    let hot = SamplerParams { temperature: 0.8, seed: 7, top_k: 40, ..SamplerParams::default() };
+    let (plain_hot, _) = run(&mut engine, hot.clone());
+    engine.set_speculation(build_speculators(SpeculatorKind::Suffix, None, &engine.lm.tokenizer, engine.ctx()).unwrap(), Budget::Fixed(8));
+    let (spec, st) = run(&mut engine, SamplerParams::default());
+    assert!(st.draft_accepted > 0, "no draft accepted: the test does not exercise tree logits");
+    assert_eq!(spec, plain);
+    let (spec_hot, _) = run(&mut engine, hot);
+    assert_eq!(spec_hot, plain_hot);
 }

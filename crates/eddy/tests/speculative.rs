@@ -34,7 +34,7 @@ fn sampler(temperature: f32) -> SamplerParams {
 }
 
 fn generate(engine: &mut Engine, prompt: &[u32], temperature: f32) -> (Vec<u32>, eddy::stats::GenerationStats) {
-    let params = GenerateParams { max_tokens: 128, sampler: sampler(temperature), ignore_eos: false };
+    let params = GenerateParams { max_tokens: 128, sampler: sampler(temperature), ignore_eos: false, logprobs: None };
     let mut out = Vec::new();
     let stats = engine
         .generate(prompt, &params, &mut |t| {
@@ -119,7 +119,7 @@ fn lossless_on_qwen35_tiny() {
     // A repetitive prompt, so the suffix automaton has something to propose.
     let prompt: Vec<u32> = (0..3).flat_map(|_| [5u32, 17, 42, 99, 7, 130, 64, 3, 250, 11]).chain([5, 17, 42]).collect();
     let run = |engine: &mut Engine, t: f32| {
-        let params = GenerateParams { max_tokens: 48, sampler: sampler(t), ignore_eos: true };
+        let params = GenerateParams { max_tokens: 48, sampler: sampler(t), ignore_eos: true, logprobs: None };
         let mut out = Vec::new();
         let st = engine.generate(&prompt, &params, &mut |x| {
             out.push(x);
