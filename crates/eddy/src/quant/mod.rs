@@ -323,6 +323,29 @@ impl QMatrix {
     }
 }
 
+/// [`QMatrix::prepack`] every quantized matrix of `ws` not packed yet, on up to
+/// `available_parallelism` threads.
+pub fn prepack_all(ws: Vec<&mut WeightMatrix>) {
+    let todo: Vec<std::sync::Mutex<&mut QMatrix>> = ws
+        .into_iter()
+        .filter_map(|w| match w {
+            WeightMatrix::Q(m) if m.packed.is_none() => Some(std::sync::Mutex::new(m)),
+            _ => None,
+        })
+        .collect();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(todo.len());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(m) = todo.get(i) else { break };
+                m.lock().unwrap_or_else(|e| e.into_inner()).prepack();
+            });
+        }
+    });
+}
+
 /// A 2-D weight in one of eddy's formats.
 #[derive(Debug, Clone)]
 pub enum WeightMatrix {
