@@ -1059,7 +1059,7 @@ mod imp {
         n: usize,
         range: Range<usize>,
     ) {
-        assert!(range.start % PACK_ROWS == 0, "packed rows start on a 16-row block");
+        assert!(range.start.is_multiple_of(PACK_ROWS), "packed rows start on a 16-row block");
         let mut r = range.start;
         while r < range.end {
             let nr = (range.end - r).min(PACK_ROWS);
@@ -1184,7 +1184,7 @@ mod imp {
                 let c = w & 15;
                 let gl = w * PACK_ROWS;
                 if sup {
-                    _mm_prefetch::<_MM_HINT_T1>(sc.wrapping_add(gl + 1024) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T1>(sc.wrapping_add(gl + 1024));
                 } else {
                     _mm_prefetch::<_MM_HINT_T1>(f16s.wrapping_add(2 * gl + 1024) as *const i8);
                 }
