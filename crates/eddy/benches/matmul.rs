@@ -11,7 +11,8 @@
 //! * `gemv_cold_*`: like `gemv_*` at 8960×1536 but rotating through ≥ 384 MB of weight copies, so the
 //!   weights come from DRAM (the plain `gemv_*` sizes fit in L2/L3 and measure cache bandwidth).
 //! * `small_*`: n = 2..8 tokens at 1536×1536 (speculative decoding), GOP/s.
-//! * `small_cold_*`: n = 1..8 tokens at 8960×1536 from DRAM, 2 threads (verify passes).
+//! * `small_cold_*`: n = 1..16 tokens at 8960×1536 from DRAM, 2 threads (verify passes), natural and
+//!   prepacked layout.
 //!
 //! Activations are quantized once outside the timed loop.
 //! Run: `cargo bench -p eddy --bench matmul -- --warm-up-time 1 --measurement-time 3`.
@@ -75,6 +76,7 @@ fn qm(bits: u8, rows: usize, cols: usize, rng: &mut Rng) -> WeightMatrix {
             .collect(),
         hi: (0..n / QK * 4 * planes).map(|_| rng.next() as u8).collect(),
         scales,
+        packed: None,
     })
 }
 fn q4(r: usize, c: usize, g: &mut Rng) -> WeightMatrix {
@@ -200,29 +202,40 @@ fn small(c: &mut Criterion) {
     }
 }
 
-/// Speculative verification from DRAM: n = 1..8 tokens at 8960×1536 rotating through ≥ 384 MB of weight
-/// copies (as `gemv_cold_*`), 2 threads; throughput = weight bytes per call, so the ratio to `n1` is the
-/// cost of the extra tokens.
+/// Speculative verification from DRAM: n = 1..16 tokens at 8960×1536 rotating through ≥ 384 MB of
+/// weight copies (as `gemv_cold_*`), 2 threads; throughput = weight bytes per call, so the ratio to `n1`
+/// is the cost of the extra tokens. `/t2`: natural layout only; `/t2_packed`: with the prepacked layout
+/// ([`QMatrix::prepack`], used on the AVX-512 path), same copies in the same run.
 fn small_cold(c: &mut Criterion) {
     let mut rng = Rng(11);
     let pool = ThreadPool::new(2);
     let (rows, cols) = (8960, 1536);
     for (name, make) in FORMATS {
-        let ws = dram_copies(make, rows, cols, &mut rng);
+        let mut ws = dram_copies(make, rows, cols, &mut rng);
         let mut g = c.benchmark_group(format!("small_cold_{name}"));
         g.throughput(Throughput::Bytes(ws[0].nbytes() as u64));
-        for n in [1usize, 2, 3, 4, 5, 6, 8] {
-            let x: Vec<f32> = (0..n * cols).map(|_| rng.f() * 2.0 - 1.0).collect();
-            let mut xq = QuantizedActivations::new();
-            quantize_activations(&pool, &x, n, cols, &mut xq);
-            let mut out = vec![0f32; n * rows];
-            let mut i = 0;
-            g.bench_function(format!("{rows}x{cols}_n{n}/t2"), |b| {
-                b.iter(|| {
-                    i = (i + 1) % ws.len();
-                    matmul(&pool, black_box(&ws[i]), &[], &xq, n, &mut out)
-                })
-            });
+        for packed in [false, true] {
+            if packed {
+                for w in &mut ws {
+                    if let WeightMatrix::Q(m) = w {
+                        m.prepack();
+                    }
+                }
+            }
+            let suffix = if packed { "_packed" } else { "" };
+            for n in [1usize, 2, 3, 4, 6, 8, 12, 16] {
+                let x: Vec<f32> = (0..n * cols).map(|_| rng.f() * 2.0 - 1.0).collect();
+                let mut xq = QuantizedActivations::new();
+                quantize_activations(&pool, &x, n, cols, &mut xq);
+                let mut out = vec![0f32; n * rows];
+                let mut i = 0;
+                g.bench_function(format!("{rows}x{cols}_n{n}/t2{suffix}"), |b| {
+                    b.iter(|| {
+                        i = (i + 1) % ws.len();
+                        matmul(&pool, black_box(&ws[i]), &[], &xq, n, &mut out)
+                    })
+                });
+            }
         }
         g.finish();
     }

@@ -851,7 +851,9 @@ impl<'a> DirLoader<'a> {
                 })?;
             Some(self.matrix(name, c.vocab_size, d, Role::Vocab)?)
         };
-        Ok(Model { config: c, embed, layers, output_norm, output, qwen35: None })
+        let mut m = Model { config: c, embed, layers, output_norm, output, qwen35: None };
+        m.prepack();
+        Ok(m)
     }
 }
 

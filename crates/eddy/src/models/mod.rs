@@ -206,6 +206,30 @@ impl Model {
         n
     }
 
+    /// Every matrix a forward pass multiplies by: the layers' projections and the LM head (the embedding
+    /// only when it is the tied head).
+    pub fn matmul_weights_mut(&mut self) -> Vec<&mut WeightMatrix> {
+        if let Some(m) = &mut self.qwen35 {
+            return m.matmul_weights_mut();
+        }
+        let mut v: Vec<&mut WeightMatrix> = vec![match &mut self.output {
+            Some(o) => o,
+            None => &mut self.embed,
+        }];
+        for l in &mut self.layers {
+            v.extend([&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.w_gate, &mut l.w_up, &mut l.w_down]);
+        }
+        v
+    }
+
+    /// Build the prepacked layout of every quantized matmul weight when
+    /// [`crate::backend::cpu::prepack_wanted`] (the loaders call this).
+    pub fn prepack(&mut self) {
+        if crate::backend::cpu::prepack_wanted() {
+            crate::quant::prepack_all(self.matmul_weights_mut());
+        }
+    }
+
     /// Load a GGUF model. `progress(done, total)` is called as tensors are imported.
     pub fn from_gguf(g: &GgufFile, progress: &mut dyn FnMut(usize, usize)) -> Result<Model> {
         let config = config_from_gguf(g)?;
@@ -306,7 +330,9 @@ impl GgufLoader<'_> {
         } else {
             None
         };
-        Ok(Model { config: c, embed, layers, output_norm, output, qwen35: None })
+        let mut m = Model { config: c, embed, layers, output_norm, output, qwen35: None };
+        m.prepack();
+        Ok(m)
     }
 }
 

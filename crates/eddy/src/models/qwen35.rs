@@ -226,6 +226,36 @@ impl Qwen35Model {
         n
     }
 
+    /// Every matrix a forward pass multiplies by (MTP head included; the embedding only as the tied head).
+    pub fn matmul_weights_mut(&mut self) -> Vec<&mut WeightMatrix> {
+        let mut v: Vec<&mut WeightMatrix> = vec![match &mut self.output {
+            Some(o) => o,
+            None => &mut self.embed,
+        }];
+        let mtp = self.mtp.as_mut().map(|m| {
+            v.push(&mut m.fc);
+            &mut m.layer
+        });
+        for l in self.layers.iter_mut().chain(mtp) {
+            v.extend([&mut l.w_gate, &mut l.w_up, &mut l.w_down]);
+            match &mut l.mixer {
+                Mixer::Attention(a) => v.extend([&mut a.wq, &mut a.wk, &mut a.wv, &mut a.wo]),
+                Mixer::DeltaNet(g) => {
+                    v.extend([&mut g.w_qkv, &mut g.w_z, &mut g.w_b, &mut g.w_a, &mut g.w_out])
+                }
+            }
+        }
+        v
+    }
+
+    /// Build the prepacked layout of every quantized matmul weight when
+    /// [`crate::backend::cpu::prepack_wanted`] (the loaders call this).
+    pub fn prepack(&mut self) {
+        if crate::backend::cpu::prepack_wanted() {
+            crate::quant::prepack_all(self.matmul_weights_mut());
+        }
+    }
+
     /// Load a Hugging Face folder (`config.json` + safetensors); matrices stored per `quant` like
     /// [`crate::model_dir::load_model`]. Errors name the file: unsupported config, missing tensor, wrong shape.
     pub fn load_dir(dir: &Path, quant: Quant) -> Result<Qwen35Model> {
@@ -592,7 +622,9 @@ trait Source {
             None
         };
         let rope = Rope::new(RopeMode::Neox, c.rope_dims, c.rope_theta, 1.0);
-        Ok(Qwen35Model { config: c, embed, layers, output_norm, output, rope, mtp })
+        let mut m = Qwen35Model { config: c, embed, layers, output_norm, output, rope, mtp };
+        m.prepack();
+        Ok(m)
     }
 }
 

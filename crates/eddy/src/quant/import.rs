@@ -477,6 +477,7 @@ fn import_legacy(t: u32, rows: usize, cols: usize, n: usize, bytes: &[u8]) -> QM
             scale,
             min: has_min.then_some(min),
         },
+        packed: None,
     }
 }
 
@@ -550,6 +551,7 @@ fn import_k(t: u32, rows: usize, cols: usize, n: usize, bytes: &[u8]) -> QMatrix
             d,
             dmin,
         },
+        packed: None,
     }
 }
 
@@ -626,6 +628,7 @@ pub fn quantize_f32(rows: usize, cols: usize, data: &[f32], kind: QuantKind) -> 
                 lo,
                 hi: Vec::new(),
                 scales: GroupScales::F16 { scale, min: None },
+                packed: None,
             })
         }
         QuantKind::Q4 => {
@@ -664,6 +667,7 @@ pub fn quantize_f32(rows: usize, cols: usize, data: &[f32], kind: QuantKind) -> 
                     scale,
                     min: Some(min),
                 },
+                packed: None,
             })
         }
     }

@@ -69,6 +69,77 @@ pub struct QMatrix {
     pub hi: Vec<u8>,
     /// Scales and offsets.
     pub scales: GroupScales,
+    /// Lane-per-row copy for the AVX-512 kernels ([`QMatrix::prepack`]), or `None`.
+    pub packed: Option<Box<Packed>>,
+}
+
+/// Rows per [`Packed`] block (one 32-bit vector lane per row).
+pub const PACK_ROWS: usize = 16;
+
+/// One 64-byte line of [`Packed`] codes (16 rows × 4 bytes).
+#[repr(C, align(64))]
+#[derive(Debug, Clone, Copy)]
+pub struct Line(pub [u8; 64]);
+
+/// A [`QMatrix`] in lane-per-row order, built once by [`QMatrix::prepack`] for the AVX-512 kernels:
+/// 16-row blocks (rows past `rows` are zero codes with zero scales), and in each 32-bit lane `r` of a
+/// 64-byte line the data of row `16·rb + r`. Per row block `rb` and code block `b` (32 values) the
+/// [`Packed::lines_per_block`] lines at `lines[(rb·cols/32 + b)·L..]`, codes kept at their stored width:
+/// * bits 4/5/6: 4 nibble lines; line `j` lane `r` byte `k` = code `8j + k` (low nibble) | code
+///   `8j + 4 + k` (high nibble), i.e. the low nibbles are quad `2j`, the high ones quad `2j + 1`.
+/// * bits 5: then one line, lane `r` byte `k` bit `i` = bit 4 of code `4i + k`.
+/// * bits 6: then two lines `h`, lane `r` byte `k` bits `2i..2i+2` = bits 4..6 of code `4(4h + i) + k`.
+/// * bits 8: 8 lines, line `j` lane `r` = codes `4j..4j+4`.
+///
+/// `scales` holds the same values as the matrix's, in lane order: per row block and group 16 entries
+/// (`[rb][g][r]`), and for [`GroupScales::SuperI8`] `d`/`dmin` per row block and super-block 16 entries
+/// (`[rb][sb][r]`). Same bytes per weight as the natural layout (plus the zero rows of a last partial
+/// block).
+#[derive(Debug, Clone)]
+pub struct Packed {
+    /// Code lines, see the type docs.
+    pub lines: Vec<Line>,
+    /// Scales and offsets in lane order.
+    pub scales: GroupScales,
+}
+
+impl Packed {
+    /// Lines per row block and code block of 32 values: 4 (bits 4), 5, 6, 8.
+    pub const fn lines_per_block(bits: u8) -> usize {
+        match bits {
+            4 => 4,
+            5 => 5,
+            6 => 6,
+            _ => 8,
+        }
+    }
+
+    /// Bytes held.
+    pub fn nbytes(&self) -> usize {
+        64 * self.lines.len() + scales_nbytes(&self.scales)
+    }
+}
+
+fn scales_nbytes(s: &GroupScales) -> usize {
+    match s {
+        GroupScales::F16 { scale, min } => 2 * scale.len() + min.as_ref().map_or(0, |m| 2 * m.len()),
+        GroupScales::SuperI8 { sc, mn, d, dmin } => {
+            sc.len() + mn.as_ref().map_or(0, |m| m.len()) + 4 * (d.len() + dmin.len())
+        }
+    }
+}
+
+/// `v[row][i]` (`per_row` entries a row) in lane order `[rb][i][r]`, zero for rows past `rows`.
+fn lane_order<T: Copy + Default>(v: &[T], rows: usize, per_row: usize) -> Vec<T> {
+    let nrb = rows.div_ceil(PACK_ROWS);
+    let mut out = vec![T::default(); nrb * per_row * PACK_ROWS];
+    for r in 0..rows {
+        let (rb, lane) = (r / PACK_ROWS, r % PACK_ROWS);
+        for i in 0..per_row {
+            out[(rb * per_row + i) * PACK_ROWS + lane] = v[r * per_row + i];
+        }
+    }
+    out
 }
 
 impl QMatrix {
@@ -143,18 +214,65 @@ impl QMatrix {
         }
     }
 
-    /// Bytes of codes plus scales.
+    /// Bytes of codes plus scales (of the natural layout; what one GEMV streams).
     pub fn nbytes(&self) -> usize {
-        self.lo.len()
-            + self.hi.len()
-            + match &self.scales {
-                GroupScales::F16 { scale, min } => {
-                    2 * scale.len() + min.as_ref().map_or(0, |m| 2 * m.len())
-                }
-                GroupScales::SuperI8 { sc, mn, d, dmin } => {
-                    sc.len() + mn.as_ref().map_or(0, |m| m.len()) + 4 * (d.len() + dmin.len())
+        self.lo.len() + self.hi.len() + scales_nbytes(&self.scales)
+    }
+
+    /// Build [`QMatrix::packed`] (replacing any), the lane-per-row copy the AVX-512 kernels use when
+    /// present. Panics if the matrix is inconsistent ([`QMatrix::check`]).
+    pub fn prepack(&mut self) {
+        self.check();
+        self.packed = None;
+        let (rows, cols) = (self.rows, self.cols);
+        let nblk = cols / QK;
+        let nrb = rows.div_ceil(PACK_ROWS);
+        let lpb = Packed::lines_per_block(self.bits);
+        let mut lines = vec![Line([0; 64]); nrb * nblk * lpb];
+        for r in 0..rows {
+            let (rb, lane) = (r / PACK_ROWS, r % PACK_ROWS);
+            for b in 0..nblk {
+                let q = self.decode_block(r * nblk + b);
+                let ls = &mut lines[(rb * nblk + b) * lpb..][..lpb];
+                for k in 0..4 {
+                    let at = 4 * lane + k;
+                    if self.bits == 8 {
+                        for j in 0..8 {
+                            ls[j].0[at] = q[4 * j + k];
+                        }
+                        continue;
+                    }
+                    for j in 0..4 {
+                        ls[j].0[at] = (q[8 * j + k] & 15) | (q[8 * j + 4 + k] & 15) << 4;
+                    }
+                    for i in 0..8 {
+                        let hb = q[4 * i + k] >> 4;
+                        if self.bits == 5 {
+                            ls[4].0[at] |= (hb & 1) << i;
+                        } else if self.bits == 6 {
+                            ls[4 + i / 4].0[at] |= (hb & 3) << (2 * (i % 4));
+                        }
+                    }
                 }
             }
+        }
+        let wgpr = cols / self.group;
+        let scales = match &self.scales {
+            GroupScales::F16 { scale, min } => GroupScales::F16 {
+                scale: lane_order(scale, rows, wgpr),
+                min: min.as_ref().map(|m| lane_order(m, rows, wgpr)),
+            },
+            GroupScales::SuperI8 { sc, mn, d, dmin } => {
+                let sbpr = cols / QK_SUPER;
+                GroupScales::SuperI8 {
+                    sc: lane_order(sc, rows, wgpr),
+                    mn: mn.as_ref().map(|m| lane_order(m, rows, wgpr)),
+                    d: lane_order(d, rows, sbpr),
+                    dmin: if mn.is_some() { lane_order(dmin, rows, sbpr) } else { Vec::new() },
+                }
+            }
+        };
+        self.packed = Some(Box::new(Packed { lines, scales }));
     }
 
     /// Panics unless the buffers and parameters are consistent with `rows × cols`.
@@ -203,6 +321,29 @@ impl QMatrix {
             }
         }
     }
+}
+
+/// [`QMatrix::prepack`] every quantized matrix of `ws` not packed yet, on up to
+/// `available_parallelism` threads.
+pub fn prepack_all(ws: Vec<&mut WeightMatrix>) {
+    let todo: Vec<std::sync::Mutex<&mut QMatrix>> = ws
+        .into_iter()
+        .filter_map(|w| match w {
+            WeightMatrix::Q(m) if m.packed.is_none() => Some(std::sync::Mutex::new(m)),
+            _ => None,
+        })
+        .collect();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(todo.len());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(m) = todo.get(i) else { break };
+                m.lock().unwrap_or_else(|e| e.into_inner()).prepack();
+            });
+        }
+    });
 }
 
 /// A 2-D weight in one of eddy's formats.

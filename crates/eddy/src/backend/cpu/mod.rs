@@ -3,8 +3,10 @@
 //! # Kernel paths
 //! Three implementations, chosen once per process by [`Kernel::active`]:
 //! * [`Kernel::Avx512`]: AVX-512 F/BW/VL + VNNI (`vpdpbusd`). Int weights: a streaming GEMV for small
-//!   batches and a repacking GEMM (16 rows per vector, 8 tokens per weight load) for larger ones; both
-//!   produce identical bits (see `avx512.rs`).
+//!   batches and a repacking GEMM (16 rows per vector, 8 tokens per weight load) for larger ones, or,
+//!   for matrices prepacked at load time ([`prepack_wanted`], [`crate::quant::QMatrix::prepack`]), the
+//!   GEMM's form on the prepacked layout for every batch size; all produce identical bits (see
+//!   `avx512.rs`).
 //! * [`Kernel::Avx2`]: AVX2 + FMA (`vpmaddubsw` + `vpmaddwd`), `R rows × T tokens` register tiles.
 //! * [`Kernel::Scalar`]: portable loops.
 //!
@@ -129,6 +131,16 @@ impl Kernel {
             }
         })
     }
+}
+
+/// Whether loaded models should build the prepacked weight layout ([`crate::quant::QMatrix::prepack`]):
+/// only the [`Kernel::Avx512`] path uses it, and `EDDY_PREPACK=0` turns it off (it costs a second copy
+/// of every quantized matmul weight). Decided once per process.
+pub fn prepack_wanted() -> bool {
+    static WANTED: OnceLock<bool> = OnceLock::new();
+    *WANTED.get_or_init(|| {
+        Kernel::active() == Kernel::Avx512 && std::env::var("EDDY_PREPACK").map_or(true, |v| v.trim() != "0")
+    })
 }
 
 /// A raw output pointer shared by workers that write disjoint elements.

@@ -116,6 +116,7 @@ fn rand_weights(kind: Kind, rows: usize, cols: usize, rng: &mut Rng) -> WeightMa
                 lo: (0..lo_len).map(|_| rng.next() as u8).collect(),
                 hi: (0..n / QK * 4 * planes).map(|_| rng.next() as u8).collect(),
                 scales,
+                packed: None,
             })
         }
         Kind::F32 => WeightMatrix::F32 {
@@ -470,6 +471,82 @@ fn quantized_matches_dequantized_dot() {
                     (g - exact).abs() <= 0.02 * mag,
                     "{kind:?} r={r} t={t}: {g} vs unquantized {exact}"
                 );
+            }
+        }
+    }
+}
+
+/// Every format the kernels take: bits × group × scales (explicit offsets need group 32 and bits ≠ 8;
+/// bits 8 has no group-16 kernel).
+fn all_q_kinds() -> Vec<Kind> {
+    let mut v = Vec::new();
+    for bits in [4u8, 5, 6, 8] {
+        for group in [32usize, 16] {
+            if bits == 8 && group == 16 {
+                continue;
+            }
+            for sc in [Sc::F16Implicit, Sc::F16Min, Sc::SuperImplicit, Sc::SuperMin] {
+                let explicit = matches!(sc, Sc::F16Min | Sc::SuperMin);
+                if !explicit || (group == 32 && bits != 8) {
+                    v.push(Kind::Q(bits, group, sc));
+                }
+            }
+        }
+    }
+    v
+}
+
+#[test]
+fn prepacked_matmul_is_bit_identical_to_unpacked() {
+    if !Kernel::Avx512.is_available() {
+        eprintln!("skipped: no AVX-512 VNNI");
+        return;
+    }
+    let mut rng = Rng(6);
+    let pools: Vec<ThreadPool> = (1..=2).map(ThreadPool::new).collect();
+    for kind in all_q_kinds() {
+        for &(rows, cols) in &[(37usize, 512usize), (100, 256), (37, 1536), (16, 96)] {
+            let cols = cols_for(kind, cols);
+            let w = rand_weights(kind, rows, cols, &mut rng);
+            let mut wp = w.clone();
+            let WeightMatrix::Q(m) = &mut wp else { unreachable!() };
+            m.prepack();
+            let p = m.packed.as_ref().unwrap();
+            let natural = m.nbytes();
+            // Same bytes per weight, up to the zero rows of the last 16-row block.
+            assert!(p.nbytes() <= natural * rows.next_multiple_of(16) / rows, "{kind:?}");
+            let nmax = 20;
+            let x = rand_x(nmax, cols, &mut rng);
+            let xq_all = quantize(Kernel::Avx512, &x, nmax, cols);
+            // One call per token, unpacked: the reference bits.
+            let mut single = vec![0f32; nmax * rows];
+            for t in 0..nmax {
+                let xt = &x[t * cols..(t + 1) * cols];
+                let xq = quantize(Kernel::Avx512, xt, 1, cols);
+                let out = &mut single[t * rows..(t + 1) * rows];
+                matmul_with(Kernel::Avx512, &pools[0], &w, xt, &xq, 1, out);
+            }
+            let mut want = vec![0f32; nmax * rows];
+            matmul_reference(&w, &x, &xq_all, nmax, &mut want);
+            for n in 1..=nmax {
+                let xq = quantize(Kernel::Avx512, &x[..n * cols], n, cols);
+                for pool in &pools {
+                    let mut unpacked = vec![f32::NAN; n * rows];
+                    matmul_with(Kernel::Avx512, pool, &w, &[], &xq, n, &mut unpacked);
+                    let mut packed = vec![f32::NAN; n * rows];
+                    matmul_with(Kernel::Avx512, pool, &wp, &[], &xq, n, &mut packed);
+                    for i in 0..n * rows {
+                        let (t, r) = (i / rows, i % rows);
+                        let what = format!(
+                            "{kind:?} {rows}x{cols} n={n} threads={} t={t} r={r}",
+                            pool.n_threads()
+                        );
+                        assert_eq!(packed[i].to_bits(), unpacked[i].to_bits(), "{what}");
+                        assert_eq!(packed[i].to_bits(), single[i].to_bits(), "{what} vs n=1");
+                        let tol = 1e-5 * magnitude(&w, &x, &xq, r, t) + 1e-30;
+                        assert!(((packed[i] - want[i]) as f64).abs() <= tol, "{what}: vs reference");
+                    }
+                }
             }
         }
     }
