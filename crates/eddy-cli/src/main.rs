@@ -160,8 +160,9 @@ struct RunArgs {
 #[derive(Args, Clone)]
 struct SpecArgs {
     /// Speculative decoding: none, suffix (lookup in the prompt and the text so far), draft (a smaller
-    /// model with the same tokenizer, --draft-model), or auto (suffix, plus the draft model if given).
-    #[arg(long, default_value = "none", value_name = "none|suffix|draft|auto")]
+    /// model with the same tokenizer, --draft-model), mtp (the model's own multi-token-prediction head,
+    /// Qwen3.5), or auto (suffix, plus the MTP head if the model has one, plus the draft model if given).
+    #[arg(long, default_value = "none", value_name = "none|suffix|draft|mtp|auto")]
     speculator: String,
     /// Draft model (GGUF file, Hugging Face folder or hub id) for --speculator draft|auto.
     #[arg(long, value_name = "PATH")]
@@ -191,7 +192,7 @@ fn attach_speculators(engine: &mut Engine, a: &SpecArgs, kind: SpeculatorKind, b
         Some(p) => Some(load_with_progress(Some(p), Quant::default())?),
         None => None,
     };
-    let specs = build_speculators(kind, draft, &engine.lm.tokenizer, engine.ctx())?;
+    let specs = build_speculators(kind, draft, &engine.lm, engine.ctx())?;
     engine.set_speculation(specs, budget);
     Ok(())
 }

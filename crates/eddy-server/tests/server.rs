@@ -1221,7 +1221,7 @@ mod fuzz {
 fn speculative_server_answers_as_plain_and_reports_drafts() {
     let Some(p) = model_path() else { return };
     let mut spec = engine(&p);
-    let specs = eddy::spec::build_speculators(eddy::spec::SpeculatorKind::Suffix, None, &spec.lm.tokenizer, spec.ctx()).unwrap();
+    let specs = eddy::spec::build_speculators(eddy::spec::SpeculatorKind::Suffix, None, &spec.lm, spec.ctx()).unwrap();
     spec.set_speculation(specs, eddy::spec::Budget::Fixed(8));
     let spec = start(spec, eddy_server::ServeOptions::default());
     let plain = server_or_skip!();

@@ -16,7 +16,7 @@
 use crate::backend::cpu::ThreadPool;
 use crate::error::{Error, Result};
 use crate::load::LoadedModel;
-use crate::models::forward::{commit_tree, forward, forward_tree, Logits, Workspace};
+use crate::models::forward::{commit_tree, forward, forward_tree, last_hidden, Logits, Workspace};
 use crate::sampling::{Sampler, SamplerParams};
 use crate::spec::{accept_walk, Budget, CostModel, DraftTree, ProposeCtx, Speculator};
 use crate::state::SeqState;
@@ -275,7 +275,9 @@ impl Engine {
         for s in self.speculators.iter_mut() {
             s.prefill(&self.pool, prompt)?;
         }
-        forward(
+        let want_hidden = self.speculators.iter().any(|s| s.wants_hidden());
+        self.state.want_hidden = want_hidden;
+        let prefilled = forward(
             &self.lm.model,
             &self.pool,
             &mut self.ws,
@@ -283,7 +285,16 @@ impl Engine {
             &prompt[keep..],
             Logits::Last,
             &mut self.logits,
-        )?;
+        );
+        self.state.want_hidden = false;
+        prefilled?;
+        if want_hidden {
+            if let Some(h) = last_hidden(&self.state) {
+                for s in self.speculators.iter_mut().filter(|s| s.wants_hidden()) {
+                    s.observe(prompt, keep, h)?;
+                }
+            }
+        }
         let vocab = self.lm.model.config.vocab_size;
         let mut history: Vec<u32> = Vec::with_capacity(self.ctx() + 1);
         history.extend_from_slice(prompt);
@@ -336,6 +347,7 @@ impl Engine {
                     max_nodes,
                     cost: &self.cost,
                     temperature: params.sampler.temperature,
+                    target: Some(&self.lm.model),
                 };
                 for s in self.speculators.iter_mut() {
                     draft_cost += s.propose(&ctx, &history, &mut tree)?;
@@ -381,6 +393,18 @@ impl Engine {
             }
             for d in 0..accepted {
                 stats.accepted_at_depth[d] += 1;
+            }
+            if want_hidden {
+                // The accepted path's hidden states (tree node order → position order), before the
+                // commit moves on.
+                if let Some(h) = last_hidden(&self.state) {
+                    let d = h.len() / tree.len();
+                    let path_h: Vec<f32> = walk.path.iter().flat_map(|&i| h[i * d..(i + 1) * d].iter().copied()).collect();
+                    let committed: Vec<u32> = history.iter().copied().chain(walk.path[1..].iter().map(|&i| tree.tokens[i])).collect();
+                    for s in self.speculators.iter_mut().filter(|s| s.wants_hidden()) {
+                        s.observe(&committed, n_committed, &path_h)?;
+                    }
+                }
             }
             commit_tree(&self.lm.model, &self.pool, &mut self.state, &tree.tokens, &walk.path)?;
             // Emit the accepted draft tokens (all but the last sample), then continue with the bonus.

@@ -55,12 +55,15 @@ pub struct SeqState {
     pub tokens: Vec<u32>,
     /// Qwen3.5 hybrid models keep their own state here (created by their forward pass).
     pub qwen35: Option<Box<crate::models::qwen35::HybridSeq>>,
+    /// Keep the final-normed hidden state of every prefilled row, for an MTP drafter
+    /// ([`crate::models::forward::last_hidden`]; Qwen3.5 only).
+    pub want_hidden: bool,
 }
 
 impl SeqState {
     /// New empty sequence with room for `ctx` tokens.
     pub fn new(n_layers: usize, ctx: usize, kv_dim: usize) -> Self {
-        SeqState { kv: KvCache::new(n_layers, ctx, kv_dim), tokens: Vec::with_capacity(ctx), qwen35: None }
+        SeqState { kv: KvCache::new(n_layers, ctx, kv_dim), tokens: Vec::with_capacity(ctx), qwen35: None, want_hidden: false }
     }
 
     /// Number of committed positions.

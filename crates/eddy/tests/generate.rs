@@ -102,7 +102,7 @@ fn logprobs_are_the_raw_distribution_and_speculation_keeps_them() {
     }
     let hot = SamplerParams { temperature: 0.8, seed: 7, top_k: 40, ..SamplerParams::default() };
     let (plain_hot, _) = run(&mut engine, hot.clone());
-    engine.set_speculation(build_speculators(SpeculatorKind::Suffix, None, &engine.lm.tokenizer, engine.ctx()).unwrap(), Budget::Fixed(8));
+    engine.set_speculation(build_speculators(SpeculatorKind::Suffix, None, &engine.lm, engine.ctx()).unwrap(), Budget::Fixed(8));
     let (spec, st) = run(&mut engine, SamplerParams::default());
     assert!(st.draft_accepted > 0, "no draft accepted: the test does not exercise tree logits");
     assert_eq!(spec, plain);

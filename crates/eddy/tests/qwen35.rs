@@ -724,3 +724,60 @@ fn export_08b_gguf() {
     qwen35::export_gguf(&dir, &out).unwrap();
     eprintln!("wrote {} in {:.1} s", out.display(), t0.elapsed().as_secs_f64());
 }
+
+/// The MTP speculator drafts what the MTP head computes from the target's hidden states: its depth-1 and
+/// depth-2 chain tokens equal the argmax of a from-scratch reference (a full target prefill for h, then
+/// `mtp_forward` over every row), after the first observation and after a second round that adds rows
+/// incrementally. Also: every row's hidden state with `all_hidden` equals the all-logits prefill's.
+#[test]
+fn mtp_speculator_drafts_the_reference_chain() {
+    use eddy::spec::mtp::MtpSpeculator;
+    use eddy::spec::{Budget, CostModel, DraftTree, ProposeCtx, Speculator};
+    let pool = pool();
+    let target = load("tiny").into_model();
+    let m = target.qwen35.as_deref().unwrap();
+    let (vocab, d) = (m.config.vocab_size, m.config.d_model);
+    let history: Vec<u32> = (0..30u32).map(|i| (i * 37 + 11) % vocab as u32).collect();
+    // Reference: hidden states h_0..h_{n-1} of the first n tokens, then the MTP rows (h_p, x_{p+1}).
+    let reference = |n: usize| {
+        let mut ws = Qwen35Workspace::new(256);
+        let mut st = Qwen35State::new(&m.config, 256);
+        forward(m, &pool, &mut ws, &mut st, &history[..n], Logits::All, &mut Vec::new()).unwrap();
+        let hidden = ws.hidden()[..n * d].to_vec();
+        // The same states from a Logits::Last prefill that keeps every row's.
+        let mut ws2 = Qwen35Workspace::new(256);
+        ws2.all_hidden = true;
+        let mut st2 = Qwen35State::new(&m.config, 256);
+        forward(m, &pool, &mut ws2, &mut st2, &history[..n], Logits::Last, &mut Vec::new()).unwrap();
+        assert_eq!(ws2.hidden(), &hidden[..]);
+        let mut ms = MtpState::new(&m.config, 256);
+        let mut logits = Vec::new();
+        mtp_forward(m, &pool, &mut ws, &mut ms, &history[1..=n], &hidden, &mut logits).unwrap();
+        let y1 = argmax(&logits[(n - 1) * vocab..n * vocab]) as u32;
+        let h1 = ws.hidden()[(n - 1) * d..n * d].to_vec();
+        mtp_forward(m, &pool, &mut ws, &mut ms, &[y1], &h1, &mut logits).unwrap();
+        let y2 = argmax(&logits[..vocab]) as u32;
+        (hidden, y1, y2)
+    };
+    let cost = CostModel::default();
+    let propose = |spec: &mut MtpSpeculator, n: usize| {
+        let ctx = ProposeCtx { pool: &pool, budget: Budget::Fixed(8), max_nodes: 8, cost: &cost, temperature: 0.0, target: Some(&target) };
+        let mut tree = DraftTree::new(history[n]);
+        spec.propose(&ctx, &history[..=n], &mut tree).unwrap();
+        tree
+    };
+    let mut spec = MtpSpeculator::new(&m.config, 256);
+    // Round 1: the prompt is history[..20], the root history[20].
+    let (hidden, y1, y2) = reference(20);
+    spec.observe(&history[..20], 0, &hidden).unwrap();
+    let tree = propose(&mut spec, 20);
+    let d1 = tree.child(0, y1).expect("depth-1 chain token");
+    assert!(tree.child(d1, y2).is_some(), "depth-2 chain token {y2} missing: {tree:?}");
+    // Round 2: the target accepted history[21..24] (root 20 + 3 drafts; bonus history[24]): it observes
+    // positions 20..24, and the next round adds those rows to the MTP cache.
+    let (hidden, y1, y2) = reference(24);
+    spec.observe(&history[..24], 20, &hidden[20 * d..24 * d]).unwrap();
+    let tree = propose(&mut spec, 24);
+    let d1 = tree.child(0, y1).expect("depth-1 chain token after an incremental round");
+    assert!(tree.child(d1, y2).is_some(), "depth-2 chain token {y2} missing: {tree:?}");
+}

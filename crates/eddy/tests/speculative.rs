@@ -67,7 +67,7 @@ fn check_target(target: &str, draft: &str) {
                 SpeculatorKind::Suffix => None,
                 _ => Some(eddy::load::load_gguf(&draft_path, &mut |_, _| {}).unwrap()),
             };
-            let specs = build_speculators(kind, d, &engine.lm.tokenizer, engine.ctx()).unwrap();
+            let specs = build_speculators(kind, d, &engine.lm, engine.ctx()).unwrap();
             engine.set_speculation(specs, budget);
             for (j, &t) in temps.iter().enumerate() {
                 let (out, st) = generate(&mut engine, p, t);
@@ -103,8 +103,8 @@ fn lossless_on_qwen15() {
 }
 
 /// The hybrid Qwen3.5 path (Gated DeltaNet layers verified rollback-free by the ancestor-masked solve):
-/// the tiny synthetic checkpoint through the engine, suffix lookup under a fixed and the automatic
-/// budget, identical to plain decoding greedy and at temperature 0.8.
+/// the tiny synthetic checkpoint through the engine, suffix lookup, its MTP head, and both (auto), under
+/// fixed and automatic budgets: identical to plain decoding greedy and at temperature 0.8.
 #[test]
 fn lossless_on_qwen35_tiny() {
     use eddy::engine::EngineOptions;
@@ -129,15 +129,17 @@ fn lossless_on_qwen35_tiny() {
     };
     for t in [0.0f32, 0.8] {
         let (plain, _) = run(&mut engine, t);
-        for budget in [Budget::Fixed(8), Budget::Auto] {
-            let specs = build_speculators(SpeculatorKind::Suffix, None, &engine.lm.tokenizer, engine.ctx()).unwrap();
-            engine.set_speculation(specs, budget);
-            let (out, st) = run(&mut engine, t);
-            assert_eq!(out, plain, "Qwen3.5 speculation ({budget:?}, T={t}) changed the output");
-            if budget == Budget::Fixed(8) {
-                assert!(st.draft_tokens > 0, "no drafts proposed");
+        for kind in [SpeculatorKind::Suffix, SpeculatorKind::Mtp, SpeculatorKind::Auto] {
+            for budget in [Budget::Fixed(4), Budget::Fixed(8), Budget::Auto] {
+                let specs = build_speculators(kind, None, &engine.lm, engine.ctx()).unwrap();
+                engine.set_speculation(specs, budget);
+                let (out, st) = run(&mut engine, t);
+                assert_eq!(out, plain, "Qwen3.5 speculation ({kind:?}, {budget:?}, T={t}) changed the output");
+                if budget != Budget::Auto {
+                    assert!(st.draft_tokens > 0, "no drafts proposed ({kind:?})");
+                }
+                engine.set_speculation(Vec::new(), Budget::Auto);
             }
-            engine.set_speculation(Vec::new(), Budget::Auto);
         }
     }
 }

@@ -156,6 +156,14 @@ pub fn forward_tree(
     Ok(())
 }
 
+/// The final-normed hidden states (`d_model` floats per row) of the last [`forward`] (its logit rows, or
+/// every row when [`SeqState::want_hidden`] is set) or [`forward_tree`] (every node), for drafters that
+/// run on the target's hidden states (Qwen3.5's MTP head). `None` for architectures without such a head
+/// or before the first pass.
+pub fn last_hidden(state: &SeqState) -> Option<&[f32]> {
+    state.qwen35.as_ref().map(|h| h.ws.hidden())
+}
+
 /// Commit the accepted `path` (node indices, root first) of the last [`forward_tree`] on `state`: the
 /// dense models compact K/V rows ([`SeqState::commit_path`]); Qwen3.5 also applies the path to its
 /// recurrent states once.

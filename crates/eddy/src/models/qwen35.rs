@@ -369,8 +369,12 @@ fn synced<'a>(model: &Qwen35Model, pool: &ThreadPool, seq: &'a mut crate::state:
 /// `seq.tokens`. The GDN state cannot be rewound, so when the engine has cleared or changed the committed
 /// tokens the hybrid state restarts and re-runs them.
 pub fn forward_seq(model: &Qwen35Model, pool: &ThreadPool, seq: &mut crate::state::SeqState, tokens: &[u32], want: Logits, logits: &mut Vec<f32>) -> Result<()> {
+    let want_hidden = seq.want_hidden;
     let h = synced(model, pool, seq)?;
-    forward(model, pool, &mut h.ws, &mut h.state, tokens, want, logits)?;
+    h.ws.all_hidden = want_hidden;
+    let r = forward(model, pool, &mut h.ws, &mut h.state, tokens, want, logits);
+    h.ws.all_hidden = false;
+    r?;
     seq.tokens.extend_from_slice(tokens);
     Ok(())
 }
@@ -1137,6 +1141,9 @@ pub struct Qwen35Workspace {
     b: Vec<f32>,
     hidden: Vec<f32>,
     xq: QuantizedActivations,
+    /// [`forward`] keeps the final-normed hidden state of every row, not only of the rows it computes
+    /// logits for (an MTP drafter needs the prompt's).
+    pub all_hidden: bool,
 }
 
 impl Qwen35Workspace {
@@ -1146,7 +1153,8 @@ impl Qwen35Workspace {
     }
 
     /// The final-normed hidden states (`d_model` each) of the rows whose logits the last [`forward`] /
-    /// [`forward_tree`] produced (the MTP outputs h' after [`mtp_forward`]), in the same order.
+    /// [`forward_tree`] produced — of every row with [`Qwen35Workspace::all_hidden`] — (the MTP outputs h'
+    /// after [`mtp_forward`]), in the same order.
     pub fn hidden(&self) -> &[f32] {
         &self.hidden
     }
@@ -1238,7 +1246,7 @@ fn run(model: &Qwen35Model, pool: &ThreadPool, ws: &mut Qwen35Workspace, state: 
     }
     let positions: Vec<usize> = depth.iter().map(|&dp| n_past + dp).collect();
     let pass = Pass { model, pool, t, positions: &positions, parents, tree: tree.is_some() };
-    let Qwen35Workspace { x, h, a, b, xq, hidden, .. } = ws;
+    let Qwen35Workspace { x, h, a, b, xq, hidden, all_hidden, .. } = ws;
     let x = grow(x, t * d);
     let scratch = grow(b, scratch_len(c, t));
     for (i, &tok) in tokens.iter().enumerate() {
@@ -1247,7 +1255,15 @@ fn run(model: &Qwen35Model, pool: &ThreadPool, ws: &mut Qwen35Workspace, state: 
     for (l, layer) in model.layers.iter().enumerate() {
         block(&pass, layer, state, l, x, h, a, scratch, xq);
     }
-    head(model, pool, &x[rows.start * d..rows.end * d], &model.output_norm, h, xq, logits, hidden);
+    if *all_hidden {
+        // Every row's final-normed state (the same values `head` forms for the logit rows).
+        let at = hidden.len();
+        hidden.resize(at + t * d, 0.0);
+        rms_norm(x, &model.output_norm, c.norm_eps, &mut hidden[at..]);
+        head(model, pool, &x[rows.start * d..rows.end * d], &model.output_norm, h, xq, logits, &mut Vec::new());
+    } else {
+        head(model, pool, &x[rows.start * d..rows.end * d], &model.output_norm, h, xq, logits, hidden);
+    }
 }
 
 /// One pre-norm block on the residual stream `x` (`t × d_model`): mixer, then SwiGLU MLP.

@@ -18,6 +18,7 @@
 //!   sample is the bonus token. The output is therefore identical to plain decoding at any temperature.
 
 pub mod draft;
+pub mod mtp;
 pub mod suffix;
 
 use crate::backend::cpu::ThreadPool;
@@ -239,6 +240,9 @@ pub struct ProposeCtx<'a> {
     /// Target sampling temperature (0 = greedy); draft probabilities are taken at this temperature (1 for
     /// greedy) as acceptance estimates.
     pub temperature: f32,
+    /// The target model (drafters that share its weights, like an MTP head, run on it); `None` in unit
+    /// tests of speculators that do not need it.
+    pub target: Option<&'a crate::models::Model>,
 }
 
 /// A source of draft tokens. Implementations keep whatever incremental state they need (a suffix
@@ -255,6 +259,19 @@ pub trait Speculator: Send {
     /// sequence `history` (prompt, every token generated so far, the root last). Returns the seconds
     /// spent, which count as this round's drafting cost.
     fn propose(&mut self, ctx: &ProposeCtx, history: &[u32], tree: &mut DraftTree) -> Result<f64>;
+
+    /// Whether this speculator drafts from the target's hidden states ([`Speculator::observe`] gets them).
+    fn wants_hidden(&self) -> bool {
+        false
+    }
+
+    /// The target committed positions `start..start + n` of `history` (its committed tokens) and computed
+    /// their final-normed hidden states `hidden` (`n × d_model`, position order). Called after the
+    /// prefill (the prefilled rows) and after every verify step (the accepted path), only when
+    /// [`Speculator::wants_hidden`].
+    fn observe(&mut self, _history: &[u32], _start: usize, _hidden: &[f32]) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Which speculators to run (`--speculator`).
@@ -266,44 +283,58 @@ pub enum SpeculatorKind {
     Suffix,
     /// A draft model (needs one).
     Draft,
-    /// Suffix lookup, plus the draft model when one is given.
+    /// The target's own multi-token-prediction head (Qwen3.5 checkpoints with `mtp.*`).
+    Mtp,
+    /// Suffix lookup, plus the MTP head when the target has one, plus the draft model when one is given.
     Auto,
 }
 
 impl SpeculatorKind {
-    /// Parse `none|suffix|draft|auto`.
+    /// Parse `none|suffix|draft|mtp|auto`.
     pub fn parse(s: &str) -> std::result::Result<SpeculatorKind, String> {
         Ok(match s {
             "none" => SpeculatorKind::None,
             "suffix" => SpeculatorKind::Suffix,
             "draft" => SpeculatorKind::Draft,
+            "mtp" => SpeculatorKind::Mtp,
             "auto" => SpeculatorKind::Auto,
-            _ => return Err(format!("speculator must be none, suffix, draft or auto, got `{s}`")),
+            _ => return Err(format!("speculator must be none, suffix, draft, mtp or auto, got `{s}`")),
         })
     }
 }
 
-/// Build the speculators of `kind` for a target with tokenizer `target` and context `ctx`.
+/// Build the speculators of `kind` for the target `target` with a context of `ctx` tokens.
 ///
-/// Errors: `Draft` without a draft model, a draft model given to `None`/`Suffix`, or a draft model whose
-/// tokenizer differs from the target's.
+/// Errors: `Draft` without a draft model, a draft model given to `None`/`Suffix`/`Mtp`, a draft model
+/// whose tokenizer differs from the target's, `Mtp` for a target without an MTP head.
 pub fn build_speculators(
     kind: SpeculatorKind,
     draft: Option<crate::load::LoadedModel>,
-    target: &crate::tokenizer::Tokenizer,
+    target: &crate::load::LoadedModel,
     ctx: usize,
 ) -> Result<Vec<Box<dyn Speculator>>> {
     use crate::error::Error;
+    let tok = &target.tokenizer;
+    let mtp = || -> Option<Box<dyn Speculator>> {
+        let m = target.model.qwen35.as_deref()?;
+        m.mtp.as_ref()?;
+        Some(Box::new(mtp::MtpSpeculator::new(&m.config, ctx)))
+    };
     let mut out: Vec<Box<dyn Speculator>> = Vec::new();
     match (kind, draft) {
         (SpeculatorKind::None, None) => {}
         (SpeculatorKind::Suffix, None) => out.push(Box::new(suffix::SuffixSpeculator::default())),
-        (SpeculatorKind::Auto, None) => out.push(Box::new(suffix::SuffixSpeculator::default())),
-        (SpeculatorKind::Draft, Some(d)) => out.push(Box::new(draft::DraftModel::new(d, target, ctx)?)),
-        (SpeculatorKind::Auto, Some(d)) => {
+        (SpeculatorKind::Mtp, None) => out.push(mtp().ok_or_else(|| {
+            Error::Input("speculator `mtp` needs a model with a multi-token-prediction head (Qwen3.5 with mtp.* weights)".into())
+        })?),
+        (SpeculatorKind::Auto, d) => {
             out.push(Box::new(suffix::SuffixSpeculator::default()));
-            out.push(Box::new(draft::DraftModel::new(d, target, ctx)?));
+            out.extend(mtp());
+            if let Some(d) = d {
+                out.push(Box::new(draft::DraftModel::new(d, tok, ctx)?));
+            }
         }
+        (SpeculatorKind::Draft, Some(d)) => out.push(Box::new(draft::DraftModel::new(d, tok, ctx)?)),
         (SpeculatorKind::Draft, None) => {
             return Err(Error::Input("speculator `draft` needs a draft model (--draft-model PATH)".into()))
         }

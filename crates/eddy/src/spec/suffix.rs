@@ -303,7 +303,7 @@ mod tests {
     fn proposes_a_tree_and_learns_hit_rates() {
         let pool = ThreadPool::new(1);
         let cost = CostModel::default();
-        let ctx = ProposeCtx { pool: &pool, budget: Budget::Fixed(8), max_nodes: 8, cost: &cost, temperature: 0.0 };
+        let ctx = ProposeCtx { pool: &pool, budget: Budget::Fixed(8), max_nodes: 8, cost: &cost, temperature: 0.0, target: None };
         let mut s = SuffixSpeculator::default();
         let mut hist: Vec<u32> = vec![5, 6, 7, 8, 9, 1, 2, 3, 5, 6];
         s.prefill(&pool, &hist[..4]).unwrap();

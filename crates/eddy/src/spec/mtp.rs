@@ -1,0 +1,247 @@
+//! MTP speculator: Qwen3.5's multi-token-prediction head drafts from the target's own hidden states
+//! (`algorithms.md` §6; DeepSeek-V3 §2.2 and Qwen3-Next ship the same block).
+//!
+//! Notation: the target at position `p` (token `x_p`) gives the final-normed hidden state `h_p`, whose
+//! logits predict `x_{p+1}`. MTP row `p` takes `(h_p, x_{p+1})` through one attention block with its own
+//! KV cache ([`MtpState`], one row per position) and predicts `x_{p+2}`; its output state `h'_{p+1}`
+//! stands in for the target's when chaining further (`(h'_{p+1}, x̂_{p+2})` predicts `x_{p+3}`, …).
+//!
+//! Per round, with history `x_0..x_n` (the root `x_n` last): rows `p < n` whose inputs are committed
+//! facts are added to the MTP cache for good (the target's hidden states arrive through
+//! [`Speculator::observe`] after the prefill and after every verify step); the last of them, `(h_{n-1},
+//! x_n)`, gives the depth-1 distribution. The draft then follows its top-1 token as a chain, one MTP step
+//! per depth, with the top-k alternatives of every chain step as leaves; chain rows are dropped at the
+//! next round. The committed state of the target is never touched, so the output stays lossless.
+
+use super::{probs_of, top_k, Budget, CostModel, DraftTree, ProposeCtx, Speculator};
+use crate::backend::cpu::ThreadPool;
+use crate::error::{Error, Result};
+use crate::models::qwen35::{mtp_forward, MtpState, Qwen35Config, Qwen35Workspace};
+use std::time::Instant;
+
+/// Alternatives added as leaves at every chain step.
+const TOP_K: usize = 3;
+/// Deepest chain step below the root.
+const MAX_DEPTH: usize = 8;
+
+/// The MTP head of the target as a drafter (needs a Qwen3.5 target whose checkpoint has `mtp.*`).
+pub struct MtpSpeculator {
+    d_model: usize,
+    state: MtpState,
+    ws: Qwen35Workspace,
+    logits: Vec<f32>,
+    /// Position of MTP cache row 0 (rows cover positions `base..base + rows`).
+    base: usize,
+    /// Committed MTP rows (later rows are last round's chain).
+    rows: usize,
+    /// The token `x_{p+1}` each committed row took, to check it against the history.
+    row_tokens: Vec<u32>,
+    /// Target hidden states of positions `hid_start..` not yet fed as rows (`d_model` each).
+    hid_start: usize,
+    hid: Vec<f32>,
+    /// Seconds per MTP step (moving average).
+    step_cost: Option<f64>,
+    /// Top-1 hit rate of the chain: (hits, trials), and the last chain to score.
+    hits: (u32, u32),
+    pending_chain: Option<(usize, Vec<u32>)>,
+    rounds: u64,
+}
+
+impl MtpSpeculator {
+    /// A drafter for a target of configuration `c` and context `ctx` tokens.
+    pub fn new(c: &Qwen35Config, ctx: usize) -> MtpSpeculator {
+        MtpSpeculator {
+            d_model: c.d_model,
+            state: MtpState::new(c, ctx + MAX_DEPTH + 1),
+            ws: Qwen35Workspace::new(256),
+            logits: Vec::new(),
+            base: 0,
+            rows: 0,
+            row_tokens: Vec::new(),
+            hid_start: 0,
+            hid: Vec::new(),
+            step_cost: None,
+            hits: (0, 0),
+            pending_chain: None,
+            rounds: 0,
+        }
+    }
+
+    /// Hit rate of the chain's top-1 token (Beta(1, 1) prior).
+    pub fn hit_rate(&self) -> f64 {
+        (self.hits.0 as f64 + 1.0) / (self.hits.1 as f64 + 2.0)
+    }
+
+    fn reset(&mut self, base: usize) {
+        self.state.clear();
+        self.base = base;
+        self.rows = 0;
+        self.row_tokens.clear();
+    }
+
+    fn record_step(&mut self, secs: f64) {
+        self.step_cost = Some(match self.step_cost {
+            Some(o) => 0.8 * o + 0.2 * secs,
+            None => secs,
+        });
+    }
+
+    fn score_last_chain(&mut self, history: &[u32]) {
+        if let Some((start, chain)) = self.pending_chain.take() {
+            for (i, &t) in chain.iter().enumerate() {
+                let Some(&a) = history.get(start + i) else { break };
+                self.hits.1 += 1;
+                if a != t {
+                    break;
+                }
+                self.hits.0 += 1;
+            }
+        }
+    }
+}
+
+impl Speculator for MtpSpeculator {
+    fn name(&self) -> &'static str {
+        "mtp"
+    }
+
+    fn prefill(&mut self, _pool: &ThreadPool, _prompt: &[u32]) -> Result<()> {
+        self.pending_chain = None;
+        Ok(())
+    }
+
+    fn wants_hidden(&self) -> bool {
+        true
+    }
+
+    fn observe(&mut self, history: &[u32], start: usize, hidden: &[f32]) -> Result<()> {
+        let d = self.d_model;
+        if hidden.len() % d != 0 {
+            return Err(Error::Input(format!("MTP: {} hidden values are not rows of {d}", hidden.len())));
+        }
+        // Keep the committed rows that still describe `history` and end before `start`.
+        self.state.truncate(self.rows);
+        let mut keep = 0;
+        while keep < self.rows {
+            let p = self.base + keep;
+            if p >= start || history.get(p + 1) != Some(&self.row_tokens[keep]) {
+                break;
+            }
+            keep += 1;
+        }
+        // Hidden states not yet fed: extend the pending run when `start` continues (or overlaps) it.
+        let end = self.hid_start + self.hid.len() / d;
+        if (self.hid_start..=end).contains(&start) {
+            self.hid.truncate((start - self.hid_start) * d);
+        } else {
+            self.hid_start = start;
+            self.hid.clear();
+        }
+        self.hid.extend_from_slice(hidden);
+        if self.base + keep < self.hid_start {
+            // A gap (prefix cache, restart): the MTP context starts over at the first known state.
+            self.reset(self.hid_start);
+        } else {
+            self.rows = keep;
+            self.row_tokens.truncate(keep);
+            self.state.truncate(keep);
+        }
+        Ok(())
+    }
+
+    fn propose(&mut self, ctx: &ProposeCtx, history: &[u32], tree: &mut DraftTree) -> Result<f64> {
+        let t0 = Instant::now();
+        self.score_last_chain(history);
+        let Some(model) = ctx.target.and_then(|t| t.qwen35.as_deref()) else { return Ok(0.0) };
+        let d = self.d_model;
+        let n = history.len() - 1;
+        let want = ctx.max_nodes.min(ctx.budget.max_nodes());
+        // Rows to add: positions base+rows .. n-1, each with its target hidden state.
+        let from = self.base + self.rows;
+        let have = self.hid_start + self.hid.len() / d;
+        if want == 0 || from < self.hid_start || have < n || from >= n {
+            return Ok(0.0);
+        }
+        let vocab = model.config.vocab_size;
+        if history.iter().any(|&t| t as usize >= vocab) {
+            return Ok(0.0);
+        }
+        let auto = ctx.budget == Budget::Auto;
+        let hit = self.hit_rate();
+        let cost = ctx.cost;
+        let c_step = self.step_cost.unwrap_or(0.0);
+        self.rounds += 1;
+        // Does even one MTP step pay? (Explore every 16th round so the hit rate can recover; the
+        // committed rows wait and go in one batch next time.)
+        if auto && self.step_cost.is_some() && self.rounds % 16 != 0 && !CostModel::pays(1.0, cost.verify_cost(1), hit, c_step + cost.verify_cost(2) - cost.verify_cost(1)) {
+            return Ok(0.0);
+        }
+        self.state.truncate(self.rows);
+        let toks = &history[from + 1..=n];
+        let hs = &self.hid[(from - self.hid_start) * d..(n - self.hid_start) * d];
+        let ts = Instant::now();
+        mtp_forward(model, ctx.pool, &mut self.ws, &mut self.state, toks, hs, &mut self.logits)?;
+        if toks.len() == 1 {
+            self.record_step(ts.elapsed().as_secs_f64());
+        }
+        self.rows += toks.len();
+        self.row_tokens.extend_from_slice(toks);
+        let consumed = n - self.hid_start;
+        self.hid.drain(..consumed * d);
+        self.hid_start = n;
+
+        let temp = if ctx.temperature > 0.0 { ctx.temperature } else { 1.0 };
+        let mut row = self.logits[(toks.len() - 1) * vocab..toks.len() * vocab].to_vec();
+        let mut h_prev = self.ws.hidden()[(toks.len() - 1) * d..toks.len() * d].to_vec();
+        let (mut parent, mut score, mut added, mut expected) = (0usize, 1.0f32, 0usize, 1.0f64);
+        let mut chain = Vec::new();
+        let mut spent = t0.elapsed().as_secs_f64();
+        for depth in 1..=MAX_DEPTH {
+            let top = top_k(&row, TOP_K);
+            let probs = probs_of(&row, &top, temp);
+            // The chain's next node (top-1, scaled by the measured hit rate) and its alternatives.
+            let mut next = None;
+            for (i, (&(tok, _), &p)) in top.iter().zip(&probs).enumerate() {
+                if added >= want {
+                    break;
+                }
+                let s = score * p;
+                if s < 1e-4 {
+                    continue;
+                }
+                if auto {
+                    let (cb, cn) = (spent + cost.verify_cost(added + 1), spent + cost.verify_cost(added + 2));
+                    if !CostModel::pays(expected, cb, s as f64, cn - cb) {
+                        continue;
+                    }
+                }
+                let node = tree.add(parent, tok, s);
+                added += 1;
+                expected += s as f64;
+                if i == 0 {
+                    next = Some((node, tok, s));
+                }
+            }
+            let Some((node, tok, s)) = next else { break };
+            chain.push(tok);
+            if depth == MAX_DEPTH || added >= want {
+                break;
+            }
+            // Another MTP step pays if the chain's next node is likely enough.
+            let gain = s as f64 * hit;
+            if auto && !CostModel::pays(expected, spent + cost.verify_cost(added + 1), gain, c_step + cost.verify_cost(added + 2) - cost.verify_cost(added + 1)) {
+                break;
+            }
+            let ts = Instant::now();
+            mtp_forward(model, ctx.pool, &mut self.ws, &mut self.state, &[tok], &h_prev, &mut self.logits)?;
+            self.record_step(ts.elapsed().as_secs_f64());
+            row.copy_from_slice(&self.logits[..vocab]);
+            h_prev.copy_from_slice(&self.ws.hidden()[..d]);
+            parent = node;
+            score = s;
+            spent = t0.elapsed().as_secs_f64();
+        }
+        self.pending_chain = Some((history.len(), chain));
+        Ok(t0.elapsed().as_secs_f64())
+    }
+}
