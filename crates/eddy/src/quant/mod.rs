@@ -164,6 +164,9 @@ impl QMatrix {
     #[inline]
     pub fn decode_block(&self, blk: usize) -> [u8; QK] {
         let mut q = [0u8; QK];
+        if !self.has_natural() {
+            return self.decode_packed_block(blk);
+        }
         if self.bits == 8 {
             q.copy_from_slice(&self.lo[blk * QK..][..QK]);
             return q;
@@ -214,9 +217,63 @@ impl QMatrix {
         }
     }
 
-    /// Bytes of codes plus scales (of the natural layout; what one GEMV streams).
+    /// Bytes of codes plus scales that one product streams (the packed copy's once the natural codes
+    /// are dropped; both layouts have the same size).
     pub fn nbytes(&self) -> usize {
-        self.lo.len() + self.hi.len() + scales_nbytes(&self.scales)
+        match &self.packed {
+            Some(p) if !self.has_natural() => p.nbytes(),
+            _ => self.lo.len() + self.hi.len() + scales_nbytes(&self.scales),
+        }
+    }
+
+    /// Whether the natural-layout codes (`lo`/`hi`) are held; false after [`QMatrix::drop_natural`].
+    pub fn has_natural(&self) -> bool {
+        !self.lo.is_empty() || self.rows * self.cols == 0
+    }
+
+    /// Free the natural-layout codes of a prepacked matrix (the scales stay: they are small and
+    /// [`QMatrix::scale_min`] reads them): the AVX-512 kernels run on the packed copy for every batch
+    /// size and [`QMatrix::decode_block`] (embedding rows) reads it too, so memory is not doubled. The
+    /// scalar and AVX2 kernels need the natural codes and refuse such a matrix.
+    ///
+    /// Panics if the matrix is not prepacked.
+    pub fn drop_natural(&mut self) {
+        assert!(self.packed.is_some(), "drop_natural needs a prepacked matrix");
+        self.lo = Vec::new();
+        self.hi = Vec::new();
+    }
+
+    /// [`QMatrix::decode_block`] from the packed copy (inverse of [`QMatrix::prepack`]'s layout).
+    fn decode_packed_block(&self, blk: usize) -> [u8; QK] {
+        let p = self.packed.as_ref().expect("QMatrix without codes");
+        let nblk = self.cols / QK;
+        let (r, b) = (blk / nblk, blk % nblk);
+        let (rb, lane) = (r / PACK_ROWS, r % PACK_ROWS);
+        let lpb = Packed::lines_per_block(self.bits);
+        let ls = &p.lines[(rb * nblk + b) * lpb..][..lpb];
+        let mut q = [0u8; QK];
+        for k in 0..4 {
+            let at = 4 * lane + k;
+            if self.bits == 8 {
+                for j in 0..8 {
+                    q[4 * j + k] = ls[j].0[at];
+                }
+                continue;
+            }
+            for j in 0..4 {
+                q[8 * j + k] = ls[j].0[at] & 15;
+                q[8 * j + 4 + k] = ls[j].0[at] >> 4;
+            }
+            for i in 0..8 {
+                let hb = match self.bits {
+                    5 => (ls[4].0[at] >> i) & 1,
+                    6 => (ls[4 + i / 4].0[at] >> (2 * (i % 4))) & 3,
+                    _ => 0,
+                };
+                q[4 * i + k] |= hb << 4;
+            }
+        }
+        q
     }
 
     /// Build [`QMatrix::packed`] (replacing any), the lane-per-row copy the AVX-512 kernels use when
@@ -292,10 +349,18 @@ impl QMatrix {
             "QMatrix: explicit offsets need group 32 and bits 4/5/6"
         );
         let lo = if self.bits == 8 { n } else { n / 2 };
-        assert!(
-            self.lo.len() >= lo && self.hi.len() >= n / QK * 4 * self.planes(),
-            "QMatrix codes too short"
-        );
+        if self.has_natural() {
+            assert!(
+                self.lo.len() >= lo && self.hi.len() >= n / QK * 4 * self.planes(),
+                "QMatrix codes too short"
+            );
+        } else {
+            let lines = self.rows.div_ceil(PACK_ROWS) * (self.cols / QK) * Packed::lines_per_block(self.bits);
+            assert!(
+                self.packed.as_ref().is_some_and(|p| p.lines.len() >= lines),
+                "QMatrix without natural codes needs its packed copy"
+            );
+        }
         let ng = n / self.group;
         match &self.scales {
             GroupScales::F16 { scale, min } => {
@@ -323,8 +388,8 @@ impl QMatrix {
     }
 }
 
-/// [`QMatrix::prepack`] every quantized matrix of `ws` not packed yet, on up to
-/// `available_parallelism` threads.
+/// [`QMatrix::prepack`] every quantized matrix of `ws` not packed yet and drop its natural codes
+/// ([`QMatrix::drop_natural`]), on up to `available_parallelism` threads.
 pub fn prepack_all(ws: Vec<&mut WeightMatrix>) {
     let todo: Vec<std::sync::Mutex<&mut QMatrix>> = ws
         .into_iter()
@@ -340,10 +405,25 @@ pub fn prepack_all(ws: Vec<&mut WeightMatrix>) {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let Some(m) = todo.get(i) else { break };
-                m.lock().unwrap_or_else(|e| e.into_inner()).prepack();
+                let mut m = m.lock().unwrap_or_else(|e| e.into_inner());
+                m.prepack();
+                m.drop_natural();
+                drop(m);
+                release_free_memory();
             });
         }
     });
+}
+
+/// Hand free heap pages back to the OS. The natural codes freed by [`prepack_all`] sit in the middle
+/// of the allocator's heaps (allocated at import, between other buffers), so without this resident
+/// memory would stay at both copies; done after every matrix, the peak stays near one copy.
+fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free heap memory; no Rust object is affected.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// A 2-D weight in one of eddy's formats.

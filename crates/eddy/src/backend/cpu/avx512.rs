@@ -118,7 +118,7 @@ mod imp {
         range: Range<usize>,
     ) {
         if let Some(pk) = &m.packed {
-            if n >= PACKED_MIN_N {
+            if n >= PACKED_MIN_N || !m.has_natural() {
                 return packed_rows::<B, G16>(ctx, m, pk, n, range);
             }
         }

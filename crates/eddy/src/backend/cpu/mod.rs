@@ -206,6 +206,12 @@ pub fn matmul_with(
     let (rows, cols) = (w.rows(), w.cols());
     assert_eq!(out.len(), n * rows, "out must hold n*rows values");
     check_weights(w);
+    if let WeightMatrix::Q(m) = w {
+        assert!(
+            m.has_natural() || kernel == Kernel::Avx512,
+            "weights prepacked for AVX-512 without their natural codes need the AVX-512 kernel, not {kernel:?}"
+        );
+    }
     match w {
         WeightMatrix::F32 { .. } | WeightMatrix::Bf16 { .. } => {
             assert!(x.len() >= n * cols, "x must hold n*cols values");

@@ -515,6 +515,21 @@ fn prepacked_matmul_is_bit_identical_to_unpacked() {
             let natural = m.nbytes();
             // Same bytes per weight, up to the zero rows of the last 16-row block.
             assert!(p.nbytes() <= natural * rows.next_multiple_of(16) / rows, "{kind:?}");
+            // Without its natural codes the matrix decodes the same blocks and rows from the packed copy.
+            let mut wd = wp.clone();
+            let WeightMatrix::Q(md) = &mut wd else { unreachable!() };
+            md.drop_natural();
+            assert!(!md.has_natural() && md.lo.is_empty());
+            for blk in 0..rows * cols / 32 {
+                let WeightMatrix::Q(m0) = &w else { unreachable!() };
+                assert_eq!(md.decode_block(blk), m0.decode_block(blk), "{kind:?} block {blk}");
+            }
+            let (mut a, mut b) = (vec![0f32; cols], vec![0f32; cols]);
+            for r in [0, rows / 2, rows - 1] {
+                w.dequant_row(r, &mut a);
+                wd.dequant_row(r, &mut b);
+                assert_eq!(a, b, "{kind:?} row {r}");
+            }
             let nmax = 20;
             let x = rand_x(nmax, cols, &mut rng);
             let xq_all = quantize(Kernel::Avx512, &x, nmax, cols);
@@ -535,7 +550,10 @@ fn prepacked_matmul_is_bit_identical_to_unpacked() {
                     matmul_with(Kernel::Avx512, pool, &w, &[], &xq, n, &mut unpacked);
                     let mut packed = vec![f32::NAN; n * rows];
                     matmul_with(Kernel::Avx512, pool, &wp, &[], &xq, n, &mut packed);
+                    let mut dropped = vec![f32::NAN; n * rows];
+                    matmul_with(Kernel::Avx512, pool, &wd, &[], &xq, n, &mut dropped);
                     for i in 0..n * rows {
+                        assert_eq!(dropped[i].to_bits(), packed[i].to_bits());
                         let (t, r) = (i / rows, i % rows);
                         let what = format!(
                             "{kind:?} {rows}x{cols} n={n} threads={} t={t} r={r}",
