@@ -80,12 +80,21 @@ pub fn attention(
         }
     };
     assert!(k_cache.len() >= rows_used * kv_stride && v_cache.len() >= rows_used * kv_stride);
-    pool.parallel_for(t * s.n_heads, 1, |range| {
+    // One work item per (query, KV head, slice of its query heads): the query heads sharing a KV head
+    // read each K and V row once (GQA) instead of once per head; the heads are split further only when
+    // there are fewer (query, KV head) pairs than threads. Each head's operations and their order are
+    // the same as computing it alone, so the split never changes a bit.
+    let pairs = t * s.n_kv_heads;
+    let per_item = group.div_ceil(pool.n_threads().div_ceil(pairs).min(group));
+    let slices = group.div_ceil(per_item);
+    pool.parallel_for(pairs * slices, 1, |range| {
         SCORES.with(|sc| {
             let mut scores = sc.borrow_mut();
             for item in range {
-                let (i, h) = (item / s.n_heads, item % s.n_heads);
-                let kvh = h / group;
+                let (pair, slice) = (item / slices, item % slices);
+                let (i, kvh) = (pair / s.n_kv_heads, pair % s.n_kv_heads);
+                let g0 = slice * per_item;
+                let group = per_item.min(group - g0);
                 let (pos, path): (usize, &[u32]) = match vis {
                     Visibility::Causal => (n_past + i, &[]),
                     Visibility::Tree { first, paths } => {
@@ -100,34 +109,45 @@ pub fn attention(
                     None => 0,
                 };
                 let n = pos + 1 - lo;
-                if scores.len() < n {
-                    scores.resize(n, 0.0);
+                // Scores of head g at scores[g·n..], then the per-head max and 1/sum.
+                let need = group * (n + 2);
+                if scores.len() < need {
+                    scores.resize(need, 0.0);
                 }
-                let qh = &q[(i * s.n_heads + h) * hd..][..hd];
-                let mut max = f32::NEG_INFINITY;
-                for (j, sc) in scores[..n].iter_mut().enumerate() {
+                let (sc, stats) = scores.split_at_mut(group * n);
+                let (max, inv) = stats[..2 * group].split_at_mut(group);
+                max.fill(f32::NEG_INFINITY);
+                let q0 = (i * s.n_heads + kvh * (s.n_heads / s.n_kv_heads) + g0) * hd;
+                let qg = &q[q0..q0 + group * hd];
+                for j in 0..n {
                     let kr = &k_cache[row(lo + j) * kv_stride + kvh * hd..][..hd];
-                    let mut v = dot(qh, kr) * s.scale;
-                    if let Some(c) = s.softcap {
-                        v = c * (v / c).tanh();
+                    for g in 0..group {
+                        let mut v = dot(&qg[g * hd..(g + 1) * hd], kr) * s.scale;
+                        if let Some(c) = s.softcap {
+                            v = c * (v / c).tanh();
+                        }
+                        sc[g * n + j] = v;
+                        max[g] = max[g].max(v);
                     }
-                    *sc = v;
-                    max = max.max(v);
                 }
-                let mut sum = 0f32;
-                for sc in scores[..n].iter_mut() {
-                    *sc = (*sc - max).exp();
-                    sum += *sc;
+                for g in 0..group {
+                    let mut sum = 0f32;
+                    for x in sc[g * n..(g + 1) * n].iter_mut() {
+                        *x = (*x - max[g]).exp();
+                        sum += *x;
+                    }
+                    inv[g] = 1.0 / sum;
                 }
-                let inv = 1.0 / sum;
-                // SAFETY: each (i, h) item writes its own disjoint `hd` slice of `out`.
-                let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add((i * s.n_heads + h) * hd), hd) };
+                // SAFETY: each item writes its own disjoint `group·hd` slice of `out` (its heads of query i).
+                let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(q0), group * hd) };
                 o.fill(0.0);
-                for (j, &p) in scores[..n].iter().enumerate() {
+                for j in 0..n {
                     let vr = &v_cache[row(lo + j) * kv_stride + kvh * hd..][..hd];
-                    let w = p * inv;
-                    for (a, &b) in o.iter_mut().zip(vr) {
-                        *a += w * b;
+                    for g in 0..group {
+                        let w = sc[g * n + j] * inv[g];
+                        for (a, &b) in o[g * hd..(g + 1) * hd].iter_mut().zip(vr) {
+                            *a += w * b;
+                        }
                     }
                 }
             }
@@ -221,10 +241,17 @@ mod tests {
             for (a, b) in out.iter().zip(&want) {
                 assert!((*a as f64 - b).abs() < 1e-5, "{a} vs {b}");
             }
-            // The last query alone (as in decode) gives bit-identical output.
-            let mut one = vec![0f32; 120];
-            attention(&pool, &s, &q[3 * 120..], &k, &v, n_past + 3, 1, Visibility::Causal, &mut one);
-            assert_eq!(one, out[3 * 120..]);
+            // The last query alone (as in decode) gives bit-identical output, on any thread count (the
+            // query heads of a KV head are split across threads when there are few queries).
+            for threads in 1..=4 {
+                let p = ThreadPool::new(threads);
+                let mut one = vec![0f32; 120];
+                attention(&p, &s, &q[3 * 120..], &k, &v, n_past + 3, 1, Visibility::Causal, &mut one);
+                assert_eq!(one, out[3 * 120..], "{threads} threads");
+                let mut all = vec![0f32; t * 120];
+                attention(&p, &s, &q, &k, &v, n_past, t, Visibility::Causal, &mut all);
+                assert_eq!(all, out, "{threads} threads");
+            }
         }
     }
 }
