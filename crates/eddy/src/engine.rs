@@ -359,27 +359,29 @@ impl Engine {
             forward_tree(&self.lm.model, &self.pool, &mut self.ws, &mut self.state, &tree.tokens, &paths, 0, &mut self.logits)?;
             self.cost.record_verify(tree.len(), tv.elapsed().as_secs_f64());
             stats.decode_passes += 1;
-            // Walk with the target's samples; every sample but the bonus is emitted inside the walk.
-            let mut path_hist = history.clone();
+            // Walk with the target's samples (the walk's samples join `history` for the penalties, and
+            // leave it again below); every sample but the bonus is emitted after the commit.
+            let base = history.len();
             let n_committed = self.state.n_past();
             let sampler = &mut self.sampler;
             let logits = &mut self.logits;
             let mut walk_lp: Vec<TokenLogprobs> = Vec::new();
             let walk = accept_walk(&tree, |node| {
                 let row = &mut logits[node * vocab..(node + 1) * vocab];
-                let pos = path_hist.len();
+                let pos = history.len();
                 debug_assert_eq!(pos, n_committed + paths.depth(node) + 1);
                 if lp_k.is_some() {
                     raw.clear();
                     raw.extend_from_slice(row);
                 }
-                let y = sampler.sample(&params.sampler, row, &path_hist, pos);
+                let y = sampler.sample(&params.sampler, row, &history, pos);
                 if let Some(k) = lp_k {
                     walk_lp.push(TokenLogprobs::new(&raw, y, k));
                 }
-                path_hist.push(y);
+                history.push(y);
                 Some(y)
             });
+            history.truncate(base);
             let accepted = walk.path.len() - 1;
             stats.draft_tokens += tree.len() - 1;
             stats.draft_accepted += accepted;
@@ -400,9 +402,8 @@ impl Engine {
                 if let Some(h) = last_hidden(&self.state) {
                     let d = h.len() / tree.len();
                     let path_h: Vec<f32> = walk.path.iter().flat_map(|&i| h[i * d..(i + 1) * d].iter().copied()).collect();
-                    let committed: Vec<u32> = history.iter().copied().chain(walk.path[1..].iter().map(|&i| tree.tokens[i])).collect();
                     for s in self.speculators.iter_mut().filter(|s| s.wants_hidden()) {
-                        s.observe(&committed, n_committed, &path_h)?;
+                        s.observe(&history, n_committed, &path_h)?;
                     }
                 }
             }
@@ -431,7 +432,7 @@ impl Engine {
                 break;
             }
             next = walk.samples.last().copied();
-            next_lp = walk_lp.pop().filter(|_| lp_k.is_some());
+            next_lp = walk_lp.pop();
         }
         stats.decode_time = t_first.map(|f| t_last - f).unwrap_or_default();
         stats.duration = t0.elapsed();

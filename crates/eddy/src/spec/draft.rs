@@ -13,7 +13,7 @@
 //! proposal as leaves. The draft's committed state is never changed by drafting itself, so it stays in
 //! step with what the target accepted.
 
-use super::{probs_of, top_k, Budget, CostModel, DraftTree, ProposeCtx, Ranked, Speculator};
+use super::{probs_of, top_k, Budget, CostModel, DraftTree, DrafterStats, ProposeCtx, Ranked, Speculator};
 use crate::backend::cpu::ThreadPool;
 use crate::error::{Error, Result};
 use crate::load::LoadedModel;
@@ -40,12 +40,8 @@ pub struct DraftModel {
     /// Nodes run through the draft this round (hanging off its committed sequence): tokens, parents.
     tokens: Vec<u32>,
     parents: Vec<usize>,
-    /// Seconds per draft pass (moving average).
-    pass_cost: Option<f64>,
-    /// Hit rate of the draft's top-1 continuation: (hits, trials), and the last top chain to score.
-    hits: (u32, u32),
-    pending_chain: Option<(usize, Vec<u32>)>,
-    rounds: u64,
+    /// Pass cost and top-1 hit rate.
+    stats: DrafterStats,
 }
 
 /// Error unless `draft` tokenizes exactly as `target`: same vocabulary size and the same string for
@@ -86,24 +82,9 @@ impl DraftModel {
             logits: Vec::new(),
             tokens: Vec::new(),
             parents: Vec::new(),
-            pass_cost: None,
-            hits: (0, 0),
-            pending_chain: None,
-            rounds: 0,
+            stats: DrafterStats::default(),
             lm,
         })
-    }
-
-    /// Hit rate of the draft's top-1 token (Beta(1, 1) prior).
-    pub fn hit_rate(&self) -> f64 {
-        (self.hits.0 as f64 + 1.0) / (self.hits.1 as f64 + 2.0)
-    }
-
-    fn record_pass(&mut self, secs: f64) {
-        self.pass_cost = Some(match self.pass_cost {
-            Some(o) => 0.8 * o + 0.2 * secs,
-            None => secs,
-        });
     }
 
     /// Bring the draft's committed sequence to `history` and leave the logits after its last token in
@@ -140,27 +121,9 @@ impl DraftModel {
         let t0 = Instant::now();
         forward(&self.lm.model, pool, &mut self.ws, &mut self.state, &history[keep..], Logits::Last, &mut self.logits)?;
         if history.len() - keep <= WIDTH {
-            self.record_pass(t0.elapsed().as_secs_f64());
+            self.stats.record_pass(t0.elapsed().as_secs_f64());
         }
         Ok(())
-    }
-
-    fn score_last_chain(&mut self, history: &[u32]) {
-        if let Some((start, chain)) = self.pending_chain.take() {
-            for (i, &t) in chain.iter().enumerate() {
-                match history.get(start + i) {
-                    Some(&a) => {
-                        self.hits.1 += 1;
-                        if a == t {
-                            self.hits.0 += 1;
-                        } else {
-                            break;
-                        }
-                    }
-                    None => break,
-                }
-            }
-        }
     }
 }
 
@@ -184,7 +147,7 @@ impl Speculator for DraftModel {
     fn prefill(&mut self, pool: &ThreadPool, prompt: &[u32]) -> Result<()> {
         self.tokens.clear();
         self.parents.clear();
-        self.pending_chain = None;
+        self.stats.clear_chain();
         if prompt.len() < 2 {
             return Ok(());
         }
@@ -197,26 +160,19 @@ impl Speculator for DraftModel {
 
     fn propose(&mut self, ctx: &ProposeCtx, history: &[u32], tree: &mut DraftTree) -> Result<f64> {
         let t0 = Instant::now();
-        self.score_last_chain(history);
-        self.rounds += 1;
+        self.stats.score_chain(history);
+        // Tokens the draft has not run yet must be in its vocabulary (the committed ones were run).
         let vocab = self.lm.model.config.vocab_size;
-        if history.iter().any(|&t| t as usize >= vocab) {
+        if history[self.state.tokens.len().min(history.len())..].iter().any(|&t| t as usize >= vocab) {
             return Ok(0.0);
         }
         let want = ctx.max_nodes.min(ctx.budget.max_nodes());
         let auto = ctx.budget == Budget::Auto;
-        let hit = self.hit_rate();
+        let hit = self.stats.hit_rate();
         let cost = ctx.cost;
-        let c_pass = self.pass_cost.unwrap_or(0.0);
-        if want == 0 {
+        let c_pass = self.stats.pass_cost();
+        if want == 0 || !self.stats.worth_a_pass(auto, cost) {
             return Ok(0.0);
-        }
-        // Does even one draft pass pay? (Explore every 16th round so the hit rate can recover.)
-        if auto && self.pass_cost.is_some() && self.rounds % 16 != 0 {
-            let c1 = cost.verify_cost(1);
-            if !CostModel::pays(1.0, c1, hit, c_pass + cost.verify_cost(2) - c1) {
-                return Ok(0.0);
-            }
         }
         if self.state.kv.ctx < history.len() + 1 {
             return Ok(0.0);
@@ -272,7 +228,7 @@ impl Speculator for DraftModel {
                     let paths = TreePaths::new(&self.parents)?;
                     let tp = Instant::now();
                     forward_tree(&self.lm.model, ctx.pool, &mut self.ws, &mut self.state, &self.tokens, &paths, first, &mut self.logits)?;
-                    self.record_pass(tp.elapsed().as_secs_f64());
+                    self.stats.record_pass(tp.elapsed().as_secs_f64());
                     for (j, (c, node)) in frontier.iter().enumerate() {
                         let row = self.logits[j * vocab..(j + 1) * vocab].to_vec();
                         if c.item.draft_parent == chain_tail && chain.last() == Some(&c.item.token) {
@@ -305,7 +261,7 @@ impl Speculator for DraftModel {
             expected += c.score as f64;
             unexpanded.push((c, node));
         }
-        self.pending_chain = Some((history.len(), chain));
+        self.stats.set_chain(history.len(), chain);
         Ok(t0.elapsed().as_secs_f64())
     }
 }

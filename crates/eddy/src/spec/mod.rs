@@ -265,12 +265,79 @@ pub trait Speculator: Send {
         false
     }
 
-    /// The target committed positions `start..start + n` of `history` (its committed tokens) and computed
-    /// their final-normed hidden states `hidden` (`n × d_model`, position order). Called after the
-    /// prefill (the prefilled rows) and after every verify step (the accepted path), only when
-    /// [`Speculator::wants_hidden`].
+    /// The target committed positions `start..start + n` and computed their final-normed hidden states
+    /// `hidden` (`n × d_model`, position order); `history` holds the sequence's tokens through position
+    /// `start` at least. Called after the prefill (the prefilled rows) and after every verify step (the
+    /// accepted path), only when [`Speculator::wants_hidden`].
     fn observe(&mut self, _history: &[u32], _start: usize, _hidden: &[f32]) -> Result<()> {
         Ok(())
+    }
+}
+
+/// What a model drafter (draft model, MTP head) learns online: seconds per forward pass (moving average)
+/// and the hit rate of its top-1 chain, scored against the tokens the target went on to commit.
+#[derive(Debug, Default)]
+pub(crate) struct DrafterStats {
+    pass_cost: Option<f64>,
+    /// (hits, trials) of the top-1 chain.
+    hits: (u32, u32),
+    /// The last round's top-1 chain and the history position of its first token.
+    pending_chain: Option<(usize, Vec<u32>)>,
+    rounds: u64,
+}
+
+impl DrafterStats {
+    /// Add one measured pass of `secs` seconds to the moving average.
+    pub(crate) fn record_pass(&mut self, secs: f64) {
+        self.pass_cost = Some(match self.pass_cost {
+            Some(o) => 0.8 * o + 0.2 * secs,
+            None => secs,
+        });
+    }
+
+    /// Seconds per pass (0 before the first).
+    pub(crate) fn pass_cost(&self) -> f64 {
+        self.pass_cost.unwrap_or(0.0)
+    }
+
+    /// Hit rate of the top-1 chain (Beta(1, 1) prior).
+    pub(crate) fn hit_rate(&self) -> f64 {
+        (self.hits.0 as f64 + 1.0) / (self.hits.1 as f64 + 2.0)
+    }
+
+    /// Remember this round's top-1 chain, whose first token would sit at `history[start]`.
+    pub(crate) fn set_chain(&mut self, start: usize, chain: Vec<u32>) {
+        self.pending_chain = Some((start, chain));
+    }
+
+    /// Forget the pending chain (a new sequence).
+    pub(crate) fn clear_chain(&mut self) {
+        self.pending_chain = None;
+    }
+
+    /// Score the last round's chain against `history` (up to its first miss).
+    pub(crate) fn score_chain(&mut self, history: &[u32]) {
+        let Some((start, chain)) = self.pending_chain.take() else { return };
+        for (i, &t) in chain.iter().enumerate() {
+            let Some(&a) = history.get(start + i) else { break };
+            self.hits.1 += 1;
+            if a != t {
+                break;
+            }
+            self.hits.0 += 1;
+        }
+    }
+
+    /// Whether this round should draft at all: always for a fixed budget; with the automatic one, while
+    /// one pass is expected to raise tokens per second (`s·C(1) > E(1)·ΔC` for a single node at the hit
+    /// rate), and every 16th round regardless so that the hit rate can recover.
+    pub(crate) fn worth_a_pass(&mut self, auto: bool, cost: &CostModel) -> bool {
+        self.rounds += 1;
+        if !auto || self.pass_cost.is_none() || self.rounds % 16 == 0 {
+            return true;
+        }
+        let c1 = cost.verify_cost(1);
+        CostModel::pays(1.0, c1, self.hit_rate(), self.pass_cost() + cost.verify_cost(2) - c1)
     }
 }
 

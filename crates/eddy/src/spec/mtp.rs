@@ -13,7 +13,7 @@
 //! per depth, with the top-k alternatives of every chain step as leaves; chain rows are dropped at the
 //! next round. The committed state of the target is never touched, so the output stays lossless.
 
-use super::{probs_of, top_k, Budget, CostModel, DraftTree, ProposeCtx, Speculator};
+use super::{probs_of, top_k, Budget, CostModel, DraftTree, DrafterStats, ProposeCtx, Speculator};
 use crate::backend::cpu::ThreadPool;
 use crate::error::{Error, Result};
 use crate::models::qwen35::{mtp_forward, MtpState, Qwen35Config, Qwen35Workspace};
@@ -39,12 +39,8 @@ pub struct MtpSpeculator {
     /// Target hidden states of positions `hid_start..` not yet fed as rows (`d_model` each).
     hid_start: usize,
     hid: Vec<f32>,
-    /// Seconds per MTP step (moving average).
-    step_cost: Option<f64>,
-    /// Top-1 hit rate of the chain: (hits, trials), and the last chain to score.
-    hits: (u32, u32),
-    pending_chain: Option<(usize, Vec<u32>)>,
-    rounds: u64,
+    /// Seconds per MTP step and the chain's top-1 hit rate.
+    stats: DrafterStats,
 }
 
 impl MtpSpeculator {
@@ -60,16 +56,8 @@ impl MtpSpeculator {
             row_tokens: Vec::new(),
             hid_start: 0,
             hid: Vec::new(),
-            step_cost: None,
-            hits: (0, 0),
-            pending_chain: None,
-            rounds: 0,
+            stats: DrafterStats::default(),
         }
-    }
-
-    /// Hit rate of the chain's top-1 token (Beta(1, 1) prior).
-    pub fn hit_rate(&self) -> f64 {
-        (self.hits.0 as f64 + 1.0) / (self.hits.1 as f64 + 2.0)
     }
 
     fn reset(&mut self, base: usize) {
@@ -77,26 +65,6 @@ impl MtpSpeculator {
         self.base = base;
         self.rows = 0;
         self.row_tokens.clear();
-    }
-
-    fn record_step(&mut self, secs: f64) {
-        self.step_cost = Some(match self.step_cost {
-            Some(o) => 0.8 * o + 0.2 * secs,
-            None => secs,
-        });
-    }
-
-    fn score_last_chain(&mut self, history: &[u32]) {
-        if let Some((start, chain)) = self.pending_chain.take() {
-            for (i, &t) in chain.iter().enumerate() {
-                let Some(&a) = history.get(start + i) else { break };
-                self.hits.1 += 1;
-                if a != t {
-                    break;
-                }
-                self.hits.0 += 1;
-            }
-        }
     }
 }
 
@@ -106,7 +74,7 @@ impl Speculator for MtpSpeculator {
     }
 
     fn prefill(&mut self, _pool: &ThreadPool, _prompt: &[u32]) -> Result<()> {
-        self.pending_chain = None;
+        self.stats.clear_chain();
         Ok(())
     }
 
@@ -119,9 +87,10 @@ impl Speculator for MtpSpeculator {
         if hidden.len() % d != 0 {
             return Err(Error::Input(format!("MTP: {} hidden values are not rows of {d}", hidden.len())));
         }
-        // Keep the committed rows that still describe `history` and end before `start`.
+        // Keep the committed rows that still describe `history` and end before `start`. Rows only go
+        // stale when the sequence was rewound (a new prompt): after a verify step `start` continues them.
         self.state.truncate(self.rows);
-        let mut keep = 0;
+        let mut keep = if start >= self.base + self.rows { self.rows } else { 0 };
         while keep < self.rows {
             let p = self.base + keep;
             if p >= start || history.get(p + 1) != Some(&self.row_tokens[keep]) {
@@ -151,7 +120,7 @@ impl Speculator for MtpSpeculator {
 
     fn propose(&mut self, ctx: &ProposeCtx, history: &[u32], tree: &mut DraftTree) -> Result<f64> {
         let t0 = Instant::now();
-        self.score_last_chain(history);
+        self.stats.score_chain(history);
         let Some(model) = ctx.target.and_then(|t| t.qwen35.as_deref()) else { return Ok(0.0) };
         let d = self.d_model;
         let n = history.len() - 1;
@@ -162,18 +131,14 @@ impl Speculator for MtpSpeculator {
         if want == 0 || from < self.hid_start || have < n || from >= n {
             return Ok(0.0);
         }
+        // (Every history token came from the target's own vocabulary: no range check needed.)
         let vocab = model.config.vocab_size;
-        if history.iter().any(|&t| t as usize >= vocab) {
-            return Ok(0.0);
-        }
         let auto = ctx.budget == Budget::Auto;
-        let hit = self.hit_rate();
+        let hit = self.stats.hit_rate();
         let cost = ctx.cost;
-        let c_step = self.step_cost.unwrap_or(0.0);
-        self.rounds += 1;
-        // Does even one MTP step pay? (Explore every 16th round so the hit rate can recover; the
-        // committed rows wait and go in one batch next time.)
-        if auto && self.step_cost.is_some() && self.rounds % 16 != 0 && !CostModel::pays(1.0, cost.verify_cost(1), hit, c_step + cost.verify_cost(2) - cost.verify_cost(1)) {
+        let c_step = self.stats.pass_cost();
+        // When not even one MTP step pays, the committed rows wait and go in one batch next time.
+        if !self.stats.worth_a_pass(auto, cost) {
             return Ok(0.0);
         }
         self.state.truncate(self.rows);
@@ -182,7 +147,7 @@ impl Speculator for MtpSpeculator {
         let ts = Instant::now();
         mtp_forward(model, ctx.pool, &mut self.ws, &mut self.state, toks, hs, &mut self.logits)?;
         if toks.len() == 1 {
-            self.record_step(ts.elapsed().as_secs_f64());
+            self.stats.record_pass(ts.elapsed().as_secs_f64());
         }
         self.rows += toks.len();
         self.row_tokens.extend_from_slice(toks);
@@ -234,14 +199,14 @@ impl Speculator for MtpSpeculator {
             }
             let ts = Instant::now();
             mtp_forward(model, ctx.pool, &mut self.ws, &mut self.state, &[tok], &h_prev, &mut self.logits)?;
-            self.record_step(ts.elapsed().as_secs_f64());
+            self.stats.record_pass(ts.elapsed().as_secs_f64());
             row.copy_from_slice(&self.logits[..vocab]);
             h_prev.copy_from_slice(&self.ws.hidden()[..d]);
             parent = node;
             score = s;
             spent = t0.elapsed().as_secs_f64();
         }
-        self.pending_chain = Some((history.len(), chain));
+        self.stats.set_chain(history.len(), chain);
         Ok(t0.elapsed().as_secs_f64())
     }
 }
