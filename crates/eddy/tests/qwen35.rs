@@ -50,6 +50,20 @@ fn golden(name: &str) -> Vec<Case> {
         .collect()
 }
 
+/// `$EDDY_MODELS/<name>` when `<file>` is in it. A missing artifact fails the test (`tools/fetch_models.sh
+/// qwen35` builds it) unless `EDDY_SKIP_MODEL_TESTS=1`, which skips with a message.
+fn artifact(name: &str, file: &str) -> Option<std::path::PathBuf> {
+    let dir = eddy::load::models_dir().join(name);
+    if dir.join(file).is_file() {
+        return Some(dir);
+    }
+    if std::env::var("EDDY_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
+        eprintln!("skipping: {} missing (EDDY_SKIP_MODEL_TESTS=1)", dir.join(file).display());
+        return None;
+    }
+    panic!("{} is missing: run `tools/fetch_models.sh qwen35` (or set EDDY_SKIP_MODEL_TESTS=1)", dir.join(file).display());
+}
+
 fn pool() -> ThreadPool {
     ThreadPool::new(common::threads())
 }
@@ -395,17 +409,13 @@ fn bad_input_gives_errors() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The 0.8B-shape synthetic model (tools/make_qwen35_08b.py; not committed: 1.5 GB). The test runs only when
-/// `$EDDY_MODELS/qwen35-0.8b-synthetic/model.safetensors` exists. Weights bf16, eddy computes in f32 like
+/// The 0.8B-shape synthetic model (tools/make_qwen35_08b.py via `tools/fetch_models.sh qwen35`; not committed:
+/// 1.5 GB, in `$EDDY_MODELS/qwen35-0.8b-synthetic/`). Weights bf16, eddy computes in f32 like
 /// transformers (float32 on the same bf16 values). Required: eddy's logit at each golden top-16 id within
 /// 1e-2 · max |logit| of transformers', same argmax at ≥ 99 % of the 64 positions.
 #[test]
 fn shape_08b_matches_transformers() {
-    let dir = eddy::load::models_dir().join("qwen35-0.8b-synthetic");
-    if !dir.join("model.safetensors").is_file() {
-        eprintln!("skipping: {} missing (python3 tools/make_qwen35_08b.py makes it in about a minute)", dir.display());
-        return;
-    }
+    let Some(dir) = artifact("qwen35-0.8b-synthetic", "model.safetensors") else { return };
     let gpath = fixtures().join("08b.golden.json");
     let g: Value = serde_json::from_str(&std::fs::read_to_string(&gpath).unwrap()).unwrap();
     let m = Qwen35Model::load_dir(&dir, Quant::None).unwrap_or_else(|e| panic!("{e}"));
@@ -469,11 +479,7 @@ fn shape_08b_matches_transformers() {
 fn bench_08b() {
     use eddy::backend::cpu::gdn;
     use std::time::Instant;
-    let dir = eddy::load::models_dir().join("qwen35-0.8b-synthetic");
-    if !dir.join("model.safetensors").is_file() {
-        eprintln!("skipping: {} missing", dir.display());
-        return;
-    }
+    let Some(dir) = artifact("qwen35-0.8b-synthetic", "model.safetensors") else { return };
     let pool = pool();
     let bw = eddy::backend::cpu::bandwidth::measure_read_bandwidth(&pool, 1 << 30, 3);
     eprintln!("threads {}, read bandwidth {bw:.1} GB/s", pool.n_threads());
@@ -571,11 +577,7 @@ fn bench_gdn_layer() {
 /// checked 71 source and Markdown files (277k tokens) against the package with no mismatch.
 #[test]
 fn real_qwen35_tokenizer_matches_the_package() {
-    let dir = eddy::load::models_dir().join("qwen35-tokenizer");
-    if !dir.join("tokenizer.json").is_file() {
-        eprintln!("skipping: {} missing (python3 tools/make_qwen35_tokenizer.py makes it)", dir.display());
-        return;
-    }
+    let Some(dir) = artifact("qwen35-tokenizer", "tokenizer.json") else { return };
     let tok = eddy::tokenizer::Tokenizer::from_file(&dir.join("tokenizer.json"), Some(&dir.join("tokenizer_config.json"))).unwrap();
     assert_eq!(tok.vocab_size(), 248_077);
     assert_eq!(tok.token_id("<|im_end|>"), Some(248_046));
