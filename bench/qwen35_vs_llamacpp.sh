@@ -33,28 +33,9 @@ echo "| file | test | llama.cpp t/s | eddy t/s | eddy / llama.cpp | eddy weight 
 echo "|---|---|---|---|---|---|---|"
 row() { # label file p n reps
   local lj ej
-  if [ "$4" -gt 0 ]; then
-    lj=$("$LLAMA_BIN/llama-bench" -m "$2" -t "$THREADS" -p "$3" -n "$4" -r "$5" -o json 2>/dev/null)
-  else
-    lj=$("$LLAMA_BIN/llama-bench" -m "$2" -t "$THREADS" -p "$3" -n 0 -r "$5" -o json 2>/dev/null)
-  fi
+  lj=$("$LLAMA_BIN/llama-bench" -m "$2" -t "$THREADS" -p "$3" -n "$4" -r "$5" -o json 2>/dev/null)
   ej=$($EDDY speed --model "$2" --threads "$THREADS" --ctx $(($3 + $4 + 8)) -p "$3" -n "$4" -r "$5")
-  python3 - "$1" "$BW" "$lj" "$ej" <<'PY'
-import json, sys
-m, bw, lj, ej = sys.argv[1], float(sys.argv[2]), json.loads(sys.argv[3]), [json.loads(l) for l in sys.argv[4].splitlines() if l.strip()]
-ll = {("pp%d" % r["n_prompt"] if r["n_prompt"] else "tg%d" % r["n_gen"]): r["avg_ts"] for r in lj}
-for e in ej:
-    t = e["test"]
-    if t not in ll:
-        continue
-    if t.startswith("tg"):
-        wb = e["weight_bytes"]
-        limit = bw * 1e9 / wb
-        extra = f"{wb/1e6:.0f} MB | {100*e['avg_ts']/limit:.0f}% (limit {limit:.1f} t/s)"
-    else:
-        extra = "| "
-    print(f"| {m} | {t} | {ll[t]:.1f} | {e['avg_ts']:.1f} | {e['avg_ts']/ll[t]:.2f} | {extra} |")
-PY
+  python3 bench/speed_rows.py "$1" "$BW" "$lj" "$ej"
 }
 for q in Q4_K_M Q8_0; do
   row "$q" "$MODELS_DIR/qwen35-0.8b-synthetic-$q.gguf" 128 32 "$REPS"

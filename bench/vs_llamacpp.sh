@@ -31,22 +31,5 @@ for m in "$@"; do
   f="$MODELS_DIR/${FILE[$m]}"
   lj=$("$BIN/llama-bench" -m "$f" -t "$THREADS" -p 128 -n 64 -r "$REPS" -o json 2>/dev/null)
   ej=$($EDDY speed --model "$f" --threads "$THREADS" -p 128 -n 64 -r "$REPS")
-  python3 - "$m" "$BW" "$lj" "$ej" <<'PY'
-import json, sys
-m, bw, lj, ej = sys.argv[1], float(sys.argv[2]), json.loads(sys.argv[3]), [json.loads(l) for l in sys.argv[4].splitlines() if l.strip()]
-ll = {}
-for r in lj:
-    key = "pp%d" % r["n_prompt"] if r["n_prompt"] else "tg%d" % r["n_gen"]
-    ll[key] = r["avg_ts"]
-for e in ej:
-    t = e["test"]
-    ratio = e["avg_ts"] / ll[t]
-    if t.startswith("tg"):
-        wb = e["weight_bytes"]
-        limit = bw * 1e9 / wb
-        extra = f"{wb/1e6:.0f} MB | {100*e['avg_ts']/limit:.0f}% (limit {limit:.1f} t/s)"
-    else:
-        extra = "| "
-    print(f"| {m} | {t} | {ll[t]:.1f} | {e['avg_ts']:.1f} | {ratio:.2f} | {extra} |")
-PY
+  python3 bench/speed_rows.py "$m" "$BW" "$lj" "$ej"
 done
