@@ -341,8 +341,8 @@ impl QMatrix {
         );
         assert!(self.cols % QK == 0, "QMatrix cols must be a multiple of 32");
         assert!(
-            self.group == 32 || self.group == 16,
-            "QMatrix group must be 32 or 16"
+            self.group == 32 || (self.group == 16 && self.bits != 8),
+            "QMatrix group must be 32, or 16 with bits 4/5/6"
         );
         assert!(
             self.implicit_min() || (self.group == 32 && self.bits != 8),
@@ -500,5 +500,36 @@ impl WeightMatrix {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn matrix(bits: u8, group: usize) -> QMatrix {
+        let (rows, cols) = (2, 32);
+        let n = rows * cols;
+        QMatrix {
+            rows,
+            cols,
+            bits,
+            group,
+            lo: vec![0x5a; if bits == 8 { n } else { n / 2 }],
+            hi: Vec::new(),
+            scales: GroupScales::F16 { scale: vec![half::f16::from_f32(0.5); n / group], min: None },
+            packed: None,
+        }
+    }
+
+    /// `check` accepts exactly the (bits, group) pairs the kernels implement: group 32 with bits 4/5/6/8,
+    /// group 16 with bits 4/5/6.
+    #[test]
+    fn check_rejects_what_the_kernels_cannot_run() {
+        matrix(4, 16).check();
+        matrix(8, 32).check();
+        matrix(4, 32).check();
+        let bad = std::panic::catch_unwind(|| matrix(8, 16).check());
+        assert!(bad.is_err(), "bits 8 with group 16 must be rejected");
     }
 }
