@@ -16,7 +16,7 @@
 use crate::backend::cpu::ThreadPool;
 use crate::error::{Error, Result};
 use crate::load::LoadedModel;
-use crate::models::forward::{commit_tree, forward, forward_tree, last_hidden, Logits, Workspace};
+use crate::models::forward::{commit_tree, forward, forward_tree, last_hidden, reusable_prefix, Logits, Workspace};
 use crate::sampling::{Sampler, SamplerParams};
 use crate::spec::{accept_walk, Budget, CostModel, DraftTree, ProposeCtx, Speculator};
 use crate::state::SeqState;
@@ -73,7 +73,8 @@ pub struct GenerateParams {
 /// The log-probability of one generated token and the `k` most likely tokens at its position, under the
 /// target model's own distribution: log-softmax of the raw logits, before temperature, repetition
 /// penalty and top-k/top-p/min-p truncation (OpenAI's `logprobs`; vLLM's `raw_logprobs`). Identical with
-/// and without speculation (the tree's logits are bit-identical to plain decoding's).
+/// and without speculation (the tree's logits are plain decoding's: bit-identical for attention layers, up
+/// to rounding through Gated DeltaNet layers).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenLogprobs {
     /// The generated token.
@@ -242,6 +243,20 @@ impl Engine {
         params: &GenerateParams,
         on_token: &mut dyn FnMut(u32, Option<&TokenLogprobs>) -> bool,
     ) -> Result<GenerationStats> {
+        self.generate_cancellable(prompt, params, &|| false, on_token)
+    }
+
+    /// [`Engine::generate_with_logprobs`] that also stops a long prefill: `cancelled()` is polled before
+    /// each prefill piece ([`EngineOptions::max_batch`] tokens rounded up to a multiple of 64); once it returns true
+    /// the generation ends with [`FinishReason::Cancelled`] and no token (the pieces already computed stay
+    /// in the prefix cache). While decoding, `on_token` returning `false` stops it as before.
+    pub fn generate_cancellable(
+        &mut self,
+        prompt: &[u32],
+        params: &GenerateParams,
+        cancelled: &dyn Fn() -> bool,
+        on_token: &mut dyn FnMut(u32, Option<&TokenLogprobs>) -> bool,
+    ) -> Result<GenerationStats> {
         params.sampler.validate().map_err(Error::Input)?;
         if prompt.is_empty() {
             return Err(Error::Input("prompt: empty (no tokens)".into()));
@@ -260,12 +275,7 @@ impl Engine {
         };
         // Prefix cache: keep the committed rows shared with this prompt (at least one token is prefilled,
         // for its logits).
-        let keep = if self.prefix_cache {
-            let common = self.state.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
-            common.min(prompt.len() - 1)
-        } else {
-            0
-        };
+        let keep = if self.prefix_cache { reusable_prefix(&self.lm.model, &self.state, prompt) } else { 0 };
         self.state.truncate(keep);
         stats.cached_tokens = keep;
         if !self.speculators.is_empty() && !self.cost.is_calibrated() {
@@ -276,24 +286,30 @@ impl Engine {
             s.prefill(&self.pool, prompt)?;
         }
         let want_hidden = self.speculators.iter().any(|s| s.wants_hidden());
-        self.state.want_hidden = want_hidden;
-        let prefilled = forward(
-            &self.lm.model,
-            &self.pool,
-            &mut self.ws,
-            &mut self.state,
-            &prompt[keep..],
-            Logits::Last,
-            &mut self.logits,
-        );
-        self.state.want_hidden = false;
-        prefilled?;
-        if want_hidden {
-            if let Some(h) = last_hidden(&self.state) {
-                for s in self.speculators.iter_mut().filter(|s| s.wants_hidden()) {
-                    s.observe(prompt, keep, h)?;
+        // Prefill in pieces of `max_batch` tokens rounded up to a multiple of the Gated DeltaNet chunk, ending
+        // at multiples of that many positions (so a prefix-cache hit cuts the prompt where a cold prefill does:
+        // hybrid models need that to compute the same values), checking for cancellation before each.
+        let piece = self.ws.max_batch.next_multiple_of(crate::models::qwen35::GDN_CHUNK);
+        let mut at = keep;
+        while at < prompt.len() {
+            if cancelled() {
+                stats.finish = FinishReason::Cancelled;
+                return Ok(stats);
+            }
+            let end = ((at / piece + 1) * piece).min(prompt.len());
+            let want = if end == prompt.len() { Logits::Last } else { Logits::None };
+            self.state.want_hidden = want_hidden;
+            let prefilled = forward(&self.lm.model, &self.pool, &mut self.ws, &mut self.state, &prompt[at..end], want, &mut self.logits);
+            self.state.want_hidden = false;
+            prefilled?;
+            if want_hidden {
+                if let Some(h) = last_hidden(&self.state) {
+                    for s in self.speculators.iter_mut().filter(|s| s.wants_hidden()) {
+                        s.observe(prompt, at, h)?;
+                    }
                 }
             }
+            at = end;
         }
         let vocab = self.lm.model.config.vocab_size;
         let mut history: Vec<u32> = Vec::with_capacity(self.ctx() + 1);

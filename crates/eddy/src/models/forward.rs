@@ -105,6 +105,20 @@ pub fn forward(
     Ok(())
 }
 
+/// How many leading tokens of `prompt` the committed sequence in `state` can keep (prefix cache): the
+/// longest shared prefix, at most `prompt.len() − 1` (one token is always run, for the logits); for a hybrid
+/// model (Qwen3.5), the longest shared prefix its GDN state can resume from exactly
+/// ([`super::qwen35::Qwen35State::reusable_prefix`]). Prefilling the rest gives what a cold prefill gives.
+pub fn reusable_prefix(model: &Model, state: &SeqState, prompt: &[u32]) -> usize {
+    let limit = prompt.len().saturating_sub(1);
+    let common = state.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(limit);
+    match (&model.qwen35, &state.qwen35) {
+        (Some(_), Some(h)) => h.state.reusable_prefix(prompt, common),
+        (Some(_), None) => 0,
+        _ => common,
+    }
+}
+
 /// Verify pass over a token tree: run nodes `first..n` of the tree (`tokens[i]` is node `i`'s token,
 /// `paths` its topology, see [`crate::tree`]) against the committed sequence in `state`, and append every
 /// computed node's logits (`vocab` floats each, in node order) to `logits`.

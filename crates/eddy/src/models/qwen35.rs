@@ -18,8 +18,17 @@
 //!   dt_bias)`, `β = σ(in_proj_b(h))`; delta rule on an fp32 state per value head (see
 //!   [`crate::backend::cpu::gdn`]); gated RMSNorm with `silu(in_proj_z(h))`; `out_proj`.
 //!
-//! Prefill runs the GDN layers in the chunked WY form (chunks of [`GDN_CHUNK`] tokens), decode (one token)
-//! in the recurrent form. Activations are quantized to int8 for quantized weights, as in the other models.
+//! Prefill runs the GDN layers in the chunked WY form, in chunks of [`GDN_CHUNK`] tokens whose boundaries sit
+//! at absolute multiples of `GDN_CHUNK` (so a prefill computes the same values however the prompt was split
+//! into calls); decode is a one-node tree ([`forward_tree`]). Activations are quantized to int8 for quantized
+//! weights, as in the other models.
+//!
+//! Prefix cache: a GDN state cannot be rewound, so a prefill that starts from an exact state (empty, or a
+//! snapshot) also saves the GDN states at its last chunk boundary before its last token
+//! ([`Qwen35State`] keeps [`MAX_SNAPSHOTS`]). A later request sharing that prefix restores the snapshot and
+//! prefills only the rest, computing exactly what a cold prefill computes (same chunk boundaries, same
+//! kernels); states reached by decoding are never reused, as a cold prefill would compute them differently
+//! (up to rounding).
 //!
 //! Tree verification: nodes `0..n` in topological order, `parents[0] = usize::MAX` (node 0 = the first token
 //! not yet in the state), `parents[i] < i`; node i sits at position `n_past + depth(i)`. [`forward_tree`]
@@ -46,6 +55,9 @@ use std::path::Path;
 
 /// Tokens per chunk of the chunked GDN prefill (transformers uses 64 too).
 pub const GDN_CHUNK: usize = 64;
+/// GDN state snapshots kept per sequence for the prefix cache (each `Σ (state + conv window)` of the GDN
+/// layers: 19 MiB for the 0.8B shape).
+pub const MAX_SNAPSHOTS: usize = 4;
 /// GGUF architecture name.
 pub const GGUF_ARCH: &str = "qwen35";
 
@@ -350,15 +362,16 @@ pub struct HybridSeq {
 
 /// The sequence's [`HybridSeq`] (created on first use with the sequence's context length), holding exactly
 /// the committed tokens: the GDN state cannot be rewound, so when the engine has cleared or changed them the
-/// hybrid state restarts and re-runs them.
+/// hybrid state restores its longest valid prefix snapshot ([`Qwen35State::restore_prefix`]) and re-runs
+/// the tokens after it.
 fn synced<'a>(model: &Qwen35Model, pool: &ThreadPool, seq: &'a mut crate::state::SeqState) -> Result<&'a mut HybridSeq> {
     let ctx = seq.kv.ctx;
     let h = seq.qwen35.get_or_insert_with(|| Box::new(HybridSeq { state: Qwen35State::new(&model.config, ctx), ws: Qwen35Workspace::new(256) }));
     if h.state.tokens != seq.tokens {
-        h.state.clear();
-        if !seq.tokens.is_empty() {
+        let have = h.state.restore_prefix(&seq.tokens);
+        if have < seq.tokens.len() {
             let mut scratch = Vec::new();
-            forward(model, pool, &mut h.ws, &mut h.state, &seq.tokens, Logits::None, &mut scratch)?;
+            forward(model, pool, &mut h.ws, &mut h.state, &seq.tokens[have..], Logits::None, &mut scratch)?;
         }
     }
     Ok(h)
@@ -367,7 +380,7 @@ fn synced<'a>(model: &Qwen35Model, pool: &ThreadPool, seq: &'a mut crate::state:
 /// The engine's entry point for Qwen3.5 (called by [`crate::models::forward()`]): runs `tokens` on the
 /// sequence's [`HybridSeq`] (created on first use with the sequence's context length) and appends them to
 /// `seq.tokens`. The GDN state cannot be rewound, so when the engine has cleared or changed the committed
-/// tokens the hybrid state restarts and re-runs them.
+/// tokens the hybrid state restores a snapshot (or restarts) and re-runs the tokens after it.
 pub fn forward_seq(model: &Qwen35Model, pool: &ThreadPool, seq: &mut crate::state::SeqState, tokens: &[u32], want: Logits, logits: &mut Vec<f32>) -> Result<()> {
     let want_hidden = seq.want_hidden;
     let h = synced(model, pool, seq)?;
@@ -1007,6 +1020,15 @@ struct TreeStash {
     gdn: Vec<Option<GdnStash>>,
 }
 
+/// The GDN states (conv window and recurrent state of every layer, empty for attention layers) after the
+/// first `tokens.len()` tokens of a sequence, as an aligned chunked prefill from the start computes them.
+#[derive(Clone)]
+struct GdnSnapshot {
+    tokens: Vec<u32>,
+    conv: Vec<Vec<f32>>,
+    rec: Vec<Vec<f32>>,
+}
+
 #[derive(Clone)]
 struct GdnStash {
     x: Vec<f32>,
@@ -1033,6 +1055,13 @@ pub struct Qwen35State {
     /// Per layer: recurrent state (GDN layers) or empty.
     rec: Vec<Vec<f32>>,
     tree: Option<TreeStash>,
+    /// The GDN states equal those an aligned chunked prefill of `tokens` from the start computes (true after
+    /// [`Qwen35State::clear`] and a snapshot restore, kept by prefills ending on a chunk boundary).
+    exact: bool,
+    /// Prefix-cache snapshots, oldest first.
+    snapshots: Vec<GdnSnapshot>,
+    /// Snapshot being filled by the current prefill: (absolute position, per-layer conv, per-layer state).
+    capture: Option<(usize, Vec<Vec<f32>>, Vec<Vec<f32>>)>,
 }
 
 impl Qwen35State {
@@ -1050,6 +1079,9 @@ impl Qwen35State {
             conv: c.attention_layers.iter().map(|&a| per(a, 0, s.conv_state_len())).collect(),
             rec: c.attention_layers.iter().map(|&a| per(a, 0, s.state_len())).collect(),
             tree: None,
+            exact: true,
+            snapshots: Vec::new(),
+            capture: None,
         }
     }
 
@@ -1058,12 +1090,56 @@ impl Qwen35State {
         self.tokens.len()
     }
 
-    /// Forget everything (memory kept).
+    /// Forget everything, prefix-cache snapshots included (memory kept).
     pub fn clear(&mut self) {
         self.tokens.clear();
+        self.snapshots.clear();
         self.conv.iter_mut().for_each(|v| v.fill(0.0));
         self.rec.iter_mut().for_each(|v| v.fill(0.0));
         self.tree = None;
+        self.exact = true;
+        self.capture = None;
+    }
+
+    /// Longest prefix of `prompt`, at most `limit` tokens and shared with the committed tokens, from which
+    /// a prefill computes exactly what a cold prefill computes: a snapshot's length, or the committed length
+    /// when the state is exact; 0 when none.
+    pub fn reusable_prefix(&self, prompt: &[u32], limit: usize) -> usize {
+        let common = self.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        let limit = limit.min(common);
+        let live = if self.exact && self.tokens.len() <= limit { self.tokens.len() } else { 0 };
+        self.snapshots.iter().filter(|s| s.tokens.len() <= limit && s.tokens[..] == prompt[..s.tokens.len()]).map(|s| s.tokens.len()).fold(live, usize::max)
+    }
+
+    /// Make the committed tokens `tokens` (usually a prefix of the current ones) without a cold restart when
+    /// possible: drop the snapshots the K/V rows no longer back (longer than the prefix shared with the
+    /// current tokens, or of other tokens), restore the longest remaining one (or clear) and return how many
+    /// leading tokens of `tokens` are now committed; the caller prefills the rest.
+    pub fn restore_prefix(&mut self, tokens: &[u32]) -> usize {
+        let common = self.tokens.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+        self.snapshots.retain(|s| s.tokens.len() <= common && s.tokens[..] == tokens[..s.tokens.len()]);
+        self.tree = None;
+        self.capture = None;
+        if self.exact && self.tokens.len() == common {
+            return common; // already a prefix of `tokens`, exact
+        }
+        let best = self.snapshots.iter().enumerate().max_by_key(|(_, s)| s.tokens.len()).map(|(i, _)| i);
+        match best {
+            Some(i) => {
+                let snap = &self.snapshots[i];
+                for (d, s) in self.conv.iter_mut().zip(&snap.conv) {
+                    d.copy_from_slice(s);
+                }
+                for (d, s) in self.rec.iter_mut().zip(&snap.rec) {
+                    d.copy_from_slice(s);
+                }
+                self.tokens.clear();
+                self.tokens.extend_from_slice(&snap.tokens);
+                self.exact = true;
+            }
+            None => self.clear(),
+        }
+        self.tokens.len()
     }
 
     /// Bytes held by the caches and states.
@@ -1123,6 +1199,8 @@ impl Qwen35State {
             }
         }
         self.tokens.extend(path.iter().map(|&p| tree.tokens[p]));
+        // A decoded state differs (by rounding) from what a prefill of the same tokens computes.
+        self.exact = false;
         Ok(())
     }
 }
@@ -1167,9 +1245,10 @@ fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
     &mut v[..n]
 }
 
-/// Run `tokens` at positions `n_past..` (prefill or decode), append them to the state and write logits
-/// (`vocab` floats per requested row, batch order) into `logits`. GDN layers use the chunked form for
-/// more than one token and the recurrent form for one. Drops any pending tree.
+/// Run `tokens` at positions `n_past..` (prefill), append them to the state and write logits (`vocab`
+/// floats per requested row, batch order) into `logits`. GDN layers use the chunked form with chunk
+/// boundaries at absolute multiples of [`GDN_CHUNK`]; from an exact state a prefix-cache snapshot is taken
+/// (see the module docs). Drops any pending tree.
 ///
 /// Errors: a token outside the vocabulary, or more tokens than the context holds.
 pub fn forward(model: &Qwen35Model, pool: &ThreadPool, ws: &mut Qwen35Workspace, state: &mut Qwen35State, tokens: &[u32], want: Logits, logits: &mut Vec<f32>) -> Result<()> {
@@ -1178,15 +1257,39 @@ pub fn forward(model: &Qwen35Model, pool: &ThreadPool, ws: &mut Qwen35Workspace,
     state.tree = None;
     logits.clear();
     ws.hidden.clear();
-    let n_chunks = tokens.len().div_ceil(ws.max_batch);
-    for (ci, chunk) in tokens.chunks(ws.max_batch).enumerate() {
+    // From an exact state, snapshot the GDN states at the last chunk boundary before the last token (the
+    // prefix cache reuses at most all but the last prompt token).
+    let (start, end) = (state.n_past(), state.n_past() + tokens.len());
+    let at = (end.saturating_sub(1) / GDN_CHUNK) * GDN_CHUNK;
+    let known = state.snapshots.iter().any(|s| s.tokens.len() == at && s.tokens[..] == state.tokens[..at.min(start)]);
+    state.capture = None;
+    if state.exact && at > 0 && at >= start && !(known && at == start) {
+        // At `start` the snapshot is the current state; past it, the GDN layers fill it in at `at`.
+        let (conv, rec) = if at == start { (state.conv.clone(), state.rec.clone()) } else { (vec![Vec::new(); state.conv.len()], vec![Vec::new(); state.rec.len()]) };
+        state.capture = Some((at, conv, rec));
+    }
+    // Runs end at multiples of `max_batch` positions: the same cuts whatever the prefill's start.
+    let mut at = 0;
+    while at < tokens.len() {
+        let end = (((start + at) / ws.max_batch + 1) * ws.max_batch - start).min(tokens.len());
+        let chunk = &tokens[at..end];
         let rows = match want {
             Logits::All => 0..chunk.len(),
-            Logits::Last if ci + 1 == n_chunks => chunk.len() - 1..chunk.len(),
+            Logits::Last if end == tokens.len() => chunk.len() - 1..chunk.len(),
             _ => 0..0,
         };
         run(model, pool, ws, state, chunk, None, rows, logits);
         state.tokens.extend_from_slice(chunk);
+        at = end;
+    }
+    state.exact = state.exact && end % GDN_CHUNK == 0;
+    if let Some((at, conv, rec)) = state.capture.take() {
+        let tokens = state.tokens[..at].to_vec();
+        state.snapshots.retain(|s| s.tokens != tokens);
+        if state.snapshots.len() >= MAX_SNAPSHOTS {
+            state.snapshots.remove(0);
+        }
+        state.snapshots.push(GdnSnapshot { tokens, conv, rec });
     }
     Ok(())
 }
@@ -1491,10 +1594,25 @@ fn delta_net_layer(p: &Pass, w: &DeltaNet, state: &mut Qwen35State, l: usize, io
             tr.gdn[l] = Some(GdnStash { x: x.to_vec(), c: cc.to_vec(), gamma, u });
         }
     } else {
-        if t == 1 {
-            gdn::recurrent(pool, &s, &mut state.rec[l], cc, a, b, 1, o);
-        } else {
-            gdn::chunked(pool, &s, &mut state.rec[l], cc, a, b, t, GDN_CHUNK, o);
+        // Chunk boundaries at absolute multiples of GDN_CHUNK, cut also where a snapshot is due.
+        let n_past = p.positions[0];
+        let cap = state.capture.as_ref().map(|c| c.0).filter(|&at| at > n_past && at <= n_past + t).map(|at| at - n_past);
+        let lead = (GDN_CHUNK - n_past % GDN_CHUNK) % GDN_CHUNK;
+        let mut cuts = vec![0, t];
+        cuts.extend([lead, cap.unwrap_or(0)].into_iter().filter(|&c| c > 0 && c < t));
+        cuts.sort_unstable();
+        cuts.dedup();
+        for w in cuts.windows(2) {
+            let (u, v) = (w[0], w[1]);
+            let (cs, gs, bs) = (&cc[u * cd..v * cd], &a[u * hv..v * hv], &b[u * hv..v * hv]);
+            gdn::chunked(pool, &s, &mut state.rec[l], cs, gs, bs, v - u, GDN_CHUNK, &mut o[u * vd..v * vd]);
+            if Some(v) == cap {
+                let mut conv = state.conv[l].clone();
+                gdn::conv_commit(&mut conv, cd, s.kernel, x, &(0..v).collect::<Vec<_>>());
+                let rec = state.rec[l].clone();
+                let c = state.capture.as_mut().expect("capture checked above");
+                (c.1[l], c.2[l]) = (conv, rec);
+            }
         }
         let path: Vec<usize> = (0..t).collect();
         gdn::conv_commit(&mut state.conv[l], cd, s.kernel, x, &path);

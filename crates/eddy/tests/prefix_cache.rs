@@ -1,0 +1,146 @@
+//! The engine's prefix cache on the hybrid Qwen3.5 model (tiny synthetic checkpoint): a request that shares a
+//! prefix with the previous one resumes from a saved Gated DeltaNet state and gives exactly (bit for bit:
+//! every token and every log-probability) what a cold engine gives; `cached_tokens` reports the reuse.
+//! Also: prefilling in pieces of any size gives the same result, and a cancelled prefill stops early and
+//! leaves the engine correct.
+
+mod common;
+
+use eddy::engine::{Engine, EngineOptions, GenerateParams, TokenLogprobs};
+use eddy::sampling::SamplerParams;
+use eddy::stats::{FinishReason, GenerationStats};
+
+fn engine(max_batch: usize, prefix_cache: bool) -> Engine {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let dir = root.join("qwen35/tiny");
+    let model = eddy::models::qwen35::Qwen35Model::load_dir(&dir, eddy::model_dir::Quant::None).unwrap().into_model();
+    // The checkpoint has no tokenizer; the engine only needs one for end-of-generation ids (ignored here).
+    let tok = root.join("hf/llama");
+    let tokenizer = eddy::tokenizer::Tokenizer::from_file(&tok.join("tokenizer.json"), Some(&tok.join("tokenizer_config.json"))).unwrap();
+    let lm = eddy::load::LoadedModel { model, tokenizer, template: None, source: dir };
+    Engine::new(lm, &EngineOptions { threads: common::threads(), ctx: 512, max_batch, prefix_cache })
+}
+
+/// Tokens below the tiny model's vocabulary of 256, from a seed.
+fn tokens(n: usize, seed: u32) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(2654435761).wrapping_add(12345);
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(1664525).wrapping_add(1013904223);
+            (x >> 16) % 256
+        })
+        .collect()
+}
+
+/// Greedy, 24 tokens, with log-probabilities (compared exactly).
+fn run(e: &mut Engine, prompt: &[u32]) -> (Vec<TokenLogprobs>, GenerationStats) {
+    let params = GenerateParams { max_tokens: 24, sampler: SamplerParams { temperature: 0.0, ..Default::default() }, ignore_eos: true, logprobs: Some(3) };
+    let mut out = Vec::new();
+    let st = e
+        .generate_with_logprobs(prompt, &params, &mut |_, lp| {
+            out.push(lp.expect("logprobs asked for").clone());
+            true
+        })
+        .unwrap();
+    (out, st)
+}
+
+fn cold(prompt: &[u32]) -> Vec<TokenLogprobs> {
+    run(&mut engine(256, false), prompt).0
+}
+
+#[test]
+fn hybrid_prefix_cache_equals_cold_runs() {
+    let a = tokens(150, 1);
+    let mut e = engine(256, true);
+    let (first, st) = run(&mut e, &a);
+    assert_eq!(first, cold(&a));
+    assert_eq!(st.cached_tokens, 0);
+
+    // The same prompt again: resumes at the last chunk boundary before its last token (128).
+    let (again, st) = run(&mut e, &a);
+    assert_eq!(st.cached_tokens, 128);
+    assert_eq!(again, first);
+
+    // The next turn: the prompt, the reply, more text. The reply was decoded, so it is prefilled again.
+    let mut next: Vec<u32> = a.clone();
+    next.extend(again.iter().map(|t| t.id));
+    next.extend(tokens(30, 2));
+    let (turn2, st) = run(&mut e, &next);
+    assert_eq!(st.cached_tokens, 128);
+    assert_eq!(turn2, cold(&next));
+
+    // A strict prefix of the first prompt.
+    let c = a[..140].to_vec();
+    let (pre, st) = run(&mut e, &c);
+    assert_eq!(st.cached_tokens, 128);
+    assert_eq!(pre, cold(&c));
+
+    // A-B-A: B leaves A after 100 tokens, before any snapshot of A, so nothing is reused; the snapshots of A
+    // are dropped with the rows B overwrites; A again starts cold, then resumes.
+    let mut b = a[..100].to_vec();
+    b.extend(tokens(60, 3));
+    let (rb, st) = run(&mut e, &b);
+    assert_eq!(st.cached_tokens, 0);
+    assert_eq!(rb, cold(&b));
+    let (ra, st) = run(&mut e, &a);
+    assert_eq!(st.cached_tokens, 0);
+    assert_eq!(ra, first);
+    let (ra, st) = run(&mut e, &a);
+    assert_eq!(st.cached_tokens, 128);
+    assert_eq!(ra, first);
+
+    // Off: nothing reused, same output.
+    let mut off = engine(256, false);
+    run(&mut off, &a);
+    let (ra, st) = run(&mut off, &a);
+    assert_eq!(st.cached_tokens, 0);
+    assert_eq!(ra, first);
+}
+
+/// The engine prefills in pieces ending at multiples of 64 positions (`max_batch` rounded up) and the Gated
+/// DeltaNet chunks end at multiples of 64 too, so every `max_batch` computes the same values, cold or
+/// resuming from a snapshot.
+#[test]
+fn hybrid_prefill_cuts_at_absolute_positions() {
+    let a = tokens(150, 4);
+    let want = cold(&a);
+    for max_batch in [7, 48, 64, 128] {
+        let mut e = engine(max_batch, true);
+        assert_eq!(run(&mut e, &a).0, want, "max_batch {max_batch}");
+        let (again, st) = run(&mut e, &a);
+        assert_eq!(st.cached_tokens, 128);
+        assert_eq!(again, want, "max_batch {max_batch}, warm");
+    }
+}
+
+/// A prefill cancelled before its second piece ends the request with no token; the next request is
+/// answered as a cold engine answers it, reusing the piece already computed (64 tokens from an empty
+/// state end on a chunk boundary, so that state is exactly a cold prefill's).
+#[test]
+fn cancelled_prefill_stops_early() {
+    let a = tokens(200, 5);
+    let mut e = engine(64, true);
+    let params = GenerateParams { max_tokens: 24, sampler: SamplerParams::default(), ignore_eos: true, logprobs: None };
+    let polls = std::cell::Cell::new(0);
+    let mut n = 0;
+    let st = e
+        .generate_cancellable(
+            &a,
+            &params,
+            &|| {
+                polls.set(polls.get() + 1);
+                polls.get() > 1
+            },
+            &mut |_, _| {
+                n += 1;
+                true
+            },
+        )
+        .unwrap();
+    assert_eq!(st.finish, FinishReason::Cancelled);
+    assert_eq!((n, polls.get()), (0, 2));
+    let (ra, st) = run(&mut e, &a);
+    assert_eq!(st.cached_tokens, 64);
+    assert_eq!(ra, cold(&a));
+}
