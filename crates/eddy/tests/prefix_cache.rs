@@ -11,14 +11,7 @@ use eddy::sampling::SamplerParams;
 use eddy::stats::{FinishReason, GenerationStats};
 
 fn engine(max_batch: usize, prefix_cache: bool) -> Engine {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    let dir = root.join("qwen35/tiny");
-    let model = eddy::models::qwen35::Qwen35Model::load_dir(&dir, eddy::model_dir::Quant::None).unwrap().into_model();
-    // The checkpoint has no tokenizer; the engine only needs one for end-of-generation ids (ignored here).
-    let tok = root.join("hf/llama");
-    let tokenizer = eddy::tokenizer::Tokenizer::from_file(&tok.join("tokenizer.json"), Some(&tok.join("tokenizer_config.json"))).unwrap();
-    let lm = eddy::load::LoadedModel { model, tokenizer, template: None, source: dir };
-    Engine::new(lm, &EngineOptions { threads: common::threads(), ctx: 512, max_batch, prefix_cache })
+    common::qwen35_tiny_engine(&EngineOptions { threads: common::threads(), ctx: 512, max_batch, prefix_cache })
 }
 
 /// Tokens below the tiny model's vocabulary of 256, from a seed.

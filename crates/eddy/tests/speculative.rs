@@ -109,14 +109,7 @@ fn lossless_on_qwen15() {
 #[test]
 fn lossless_on_qwen35_tiny() {
     use eddy::engine::EngineOptions;
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    let dir = root.join("qwen35/tiny");
-    let model = eddy::models::qwen35::Qwen35Model::load_dir(&dir, eddy::model_dir::Quant::None).unwrap().into_model();
-    // The checkpoint has no tokenizer; the engine only needs one for end-of-generation ids (ignored here).
-    let tok = root.join("hf/llama");
-    let tokenizer = eddy::tokenizer::Tokenizer::from_file(&tok.join("tokenizer.json"), Some(&tok.join("tokenizer_config.json"))).unwrap();
-    let lm = eddy::load::LoadedModel { model, tokenizer, template: None, source: dir };
-    let mut engine = Engine::new(lm, &EngineOptions { threads: common::threads(), ctx: 256, ..Default::default() });
+    let mut engine = common::qwen35_tiny_engine(&EngineOptions { threads: common::threads(), ctx: 256, ..Default::default() });
     // A repetitive prompt, so the suffix automaton has something to propose.
     let prompt: Vec<u32> = (0..3).flat_map(|_| [5u32, 17, 42, 99, 7, 130, 64, 3, 250, 11]).chain([5, 17, 42]).collect();
     let run = |engine: &mut Engine, t: f32| {

@@ -42,3 +42,15 @@ pub fn engine(file: &str, ctx: usize) -> Option<eddy::engine::Engine> {
     };
     Some(eddy::engine::Engine::new(lm, &opts))
 }
+
+/// The tiny synthetic Qwen3.5 checkpoint (tests/fixtures/qwen35/tiny, vocabulary 256) in an engine. It has no
+/// tokenizer; the engine only needs one for end-of-generation ids, so the Llama fixture's stands in.
+pub fn qwen35_tiny_engine(opts: &eddy::engine::EngineOptions) -> eddy::engine::Engine {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let dir = root.join("qwen35/tiny");
+    let model = eddy::models::qwen35::Qwen35Model::load_dir(&dir, eddy::model_dir::Quant::None).unwrap().into_model();
+    let tok = root.join("hf/llama");
+    let tokenizer = eddy::tokenizer::Tokenizer::from_file(&tok.join("tokenizer.json"), Some(&tok.join("tokenizer_config.json"))).unwrap();
+    let lm = eddy::load::LoadedModel { model, tokenizer, template: None, source: dir };
+    eddy::engine::Engine::new(lm, opts)
+}
