@@ -1458,7 +1458,8 @@ fn queued_client_that_leaves_frees_its_place() {
     let addr = start(eng, eddy_server::ServeOptions { max_queue: 1, ..Default::default() });
     // A job of thousands of tokens keeps the engine busy for the whole test.
     let long = json!({"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 4000, "temperature": 0, "stream": true}).to_string();
-    let first = running_stream(addr, &long);
+    // Held open (not read) to the end: the engine stays busy with it.
+    let _first = running_stream(addr, &long);
     let queued = send(addr, "POST", "/v1/completions", &json!({"prompt": "Hi", "max_tokens": 4}).to_string());
     std::thread::sleep(std::time::Duration::from_millis(200));
     assert_error(&post(addr, "/v1/completions", json!({"prompt": "Hi", "max_tokens": 1})), 503, "queue is full");
