@@ -411,6 +411,7 @@ fn sampler_params(a: &RunArgs) -> eddy::Result<SamplerParams> {
         repetition_penalty: a.repetition_penalty,
         repeat_last_n: 64,
         seed: a.seed.unwrap_or_else(random_seed),
+        ..SamplerParams::default()
     };
     sampler.validate().map_err(|e| bad("sampling", e))?;
     Ok(sampler)

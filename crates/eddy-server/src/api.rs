@@ -36,6 +36,7 @@ impl ApiError {
         e
     }
 
+    /// The same error with another status, type and code.
     pub fn with_status(
         mut self,
         status: StatusCode,
@@ -48,14 +49,21 @@ impl ApiError {
         self
     }
 
+    /// The JSON error object.
     pub fn body(&self) -> Value {
         json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
     }
 }
 
 impl IntoResponse for ApiError {
+    /// The error object with its status; a 503 (queue full) carries `Retry-After: 1`.
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+        let mut r = (self.status, axum::Json(self.body())).into_response();
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            r.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+        }
+        r
     }
 }
 
@@ -80,16 +88,18 @@ fn get<'a>(o: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
     o.get(k).filter(|v| !v.is_null())
 }
 
+/// A float field, checked after its conversion to f32 (the type the sampler uses): a value that
+/// overflows to infinity or underflows to 0 is judged as such.
 fn number(
     o: &Map<String, Value>,
     k: &str,
-    ok: impl Fn(f64) -> bool,
+    ok: impl Fn(f32) -> bool,
     range: &str,
-) -> R<Option<f64>> {
+) -> R<Option<f32>> {
     match get(o, k) {
         None => Ok(None),
         Some(v) => match v.as_f64() {
-            Some(x) if ok(x) => Ok(Some(x)),
+            Some(x) if (x as f32).is_finite() && ok(x as f32) => Ok(Some(x as f32)),
             Some(x) => Err(ApiError::invalid(
                 Some(k),
                 format!("{k} must be {range}, got {x}"),
@@ -110,6 +120,10 @@ fn integer(o: &Map<String, Value>, k: &str, min: i64) -> R<Option<i64>> {
             Some(x) => Err(ApiError::invalid(
                 Some(k),
                 format!("{k} must be at least {min}, got {x}"),
+            )),
+            None if v.is_u64() => Err(ApiError::invalid(
+                Some(k),
+                format!("{k} is out of range, got {v} (at most {})", i64::MAX),
             )),
             None => Err(ApiError::invalid(
                 Some(k),
@@ -147,8 +161,9 @@ pub struct Common {
 pub const MAX_LOGPROBS: usize = 20;
 
 /// Validates `model` against the served id and the shared sampling/streaming parameters; rejects the
-/// OpenAI features eddy does not implement yet.
-pub fn parse_common(o: &Map<String, Value>, model_id: &str) -> R<Common> {
+/// OpenAI features eddy does not implement yet. `chat`: the chat endpoint (`logprobs` is a boolean
+/// there, an integer in text completions).
+pub fn parse_common(o: &Map<String, Value>, model_id: &str, chat: bool) -> R<Common> {
     match get(o, "model") {
         None => {}
         Some(Value::String(m)) if m == model_id => {}
@@ -189,19 +204,9 @@ pub fn parse_common(o: &Map<String, Value>, model_id: &str) -> R<Common> {
             }
         }
     }
-    for k in ["tools", "functions"] {
-        if let Some(v) = get(o, k) {
-            if v.as_array().is_none_or(|a| !a.is_empty()) {
-                return Err(ApiError::unsupported(k, k));
-            }
-        }
-    }
-    // Penalties eddy does not implement: 0 (their no-op value) is accepted, anything else refused.
-    for k in ["presence_penalty", "frequency_penalty"] {
-        if let Some(x) = number(o, k, |x| (-2.0..=2.0).contains(&x), "in [-2, 2]")? {
-            if x != 0.0 {
-                return Err(ApiError::unsupported(k, &format!("{k} other than 0")));
-            }
+    if let Some(v) = get(o, "tools") {
+        if v.as_array().is_none_or(|a| !a.is_empty()) {
+            return Err(ApiError::unsupported("tools", "tools"));
         }
     }
     match get(o, "logit_bias") {
@@ -215,7 +220,7 @@ pub fn parse_common(o: &Map<String, Value>, model_id: &str) -> R<Common> {
             ))
         }
     }
-    for k in ["audio", "prediction", "web_search_options"] {
+    for k in ["audio", "prediction", "web_search_options", "functions", "function_call", "reasoning_effort"] {
         if get(o, k).is_some() {
             return Err(ApiError::unsupported(k, k));
         }
@@ -234,6 +239,12 @@ pub fn parse_common(o: &Map<String, Value>, model_id: &str) -> R<Common> {
     let logprobs = match get(o, "logprobs") {
         None | Some(Value::Bool(false)) => None,
         Some(Value::Bool(true)) => Some(0),
+        Some(v) if chat => {
+            return Err(ApiError::invalid(
+                Some("logprobs"),
+                format!("logprobs must be a boolean, got {v} (top_logprobs sets the alternatives)"),
+            ))
+        }
         Some(v) => match v.as_u64() {
             Some(k) if k <= MAX_LOGPROBS as u64 => Some(k as usize),
             _ => {
@@ -289,19 +300,32 @@ pub fn parse_common(o: &Map<String, Value>, model_id: &str) -> R<Common> {
         ..SamplerParams::default()
     };
     if let Some(t) = number(o, "temperature", |x| (0.0..=2.0).contains(&x), "in [0, 2]")? {
-        s.temperature = t as f32;
+        s.temperature = t;
     }
     if let Some(p) = number(o, "top_p", |x| x > 0.0 && x <= 1.0, "in (0, 1]")? {
-        s.top_p = p as f32;
+        s.top_p = p;
     }
     if let Some(k) = integer(o, "top_k", 0)? {
         s.top_k = k as usize;
     }
     if let Some(p) = number(o, "min_p", |x| (0.0..=1.0).contains(&x), "in [0, 1]")? {
-        s.min_p = p as f32;
+        s.min_p = p;
     }
-    if let Some(p) = number(o, "repetition_penalty", |x| x > 0.0 && x.is_finite(), "> 0")? {
-        s.repetition_penalty = p as f32;
+    if let Some(p) = number(o, "repetition_penalty", |x| x > 0.0, "a finite number > 0")? {
+        s.repetition_penalty = p;
+    }
+    // OpenAI's penalties over the generated tokens (the server sets `prompt_len` once it has the prompt).
+    let penalty = |k| number(o, k, |x| (-2.0..=2.0).contains(&x), "in [-2, 2]");
+    if let Some(p) = penalty("presence_penalty")? {
+        s.presence_penalty = p;
+    }
+    if let Some(p) = penalty("frequency_penalty")? {
+        s.frequency_penalty = p;
+    }
+    // Whatever the sampler would refuse is a 400 here, not an engine error later.
+    if let Err(e) = s.validate() {
+        let param = e.split_whitespace().next().map(str::to_string);
+        return Err(ApiError::invalid(param.as_deref(), e));
     }
     match get(o, "seed") {
         None => {}
@@ -337,6 +361,12 @@ pub fn parse_common(o: &Map<String, Value>, model_id: &str) -> R<Common> {
     let stream = boolean(o, "stream")?.unwrap_or(false);
     let include_usage = match get(o, "stream_options") {
         None => false,
+        Some(_) if !stream => {
+            return Err(ApiError::invalid(
+                Some("stream_options"),
+                "stream_options is only allowed when stream is true",
+            ))
+        }
         Some(Value::Object(so)) => boolean(so, "include_usage")
             .map_err(|mut e| {
                 e.param = Some("stream_options.include_usage".into());
@@ -441,17 +471,57 @@ pub fn parse_kwargs(o: &Map<String, Value>) -> R<Map<String, Value>> {
     }
 }
 
-/// `prompt` of a text completion (a string).
-pub fn parse_prompt(o: &Map<String, Value>) -> R<String> {
-    match get(o, "prompt") {
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(_)) => Err(ApiError::unsupported("prompt", "a list or token-id prompt")),
-        Some(v) => Err(ApiError::invalid(
-            Some("prompt"),
-            format!("prompt must be a string, got {v}"),
+/// The prompt of a text completion.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// Text, tokenized by the server (BOS added when the model wants it).
+    Text(String),
+    /// Token ids, used as given.
+    Tokens(Vec<u32>),
+}
+
+/// `prompt` of a text completion: a string, an array of token ids, or a one-element array of either.
+/// Token ids must be below `vocab`. Several prompts (a batch) are refused, like `n` ≠ 1.
+pub fn parse_prompt(o: &Map<String, Value>, vocab: usize) -> R<Prompt> {
+    let p = Some("prompt");
+    let shape = "prompt must be a string, an array of token ids, or a one-element array of either";
+    let list = match get(o, "prompt") {
+        None => return Err(ApiError::invalid(p, "prompt is required")),
+        Some(Value::String(s)) => return Ok(Prompt::Text(s.clone())),
+        Some(Value::Array(a)) => a,
+        Some(v) => return Err(ApiError::invalid(p, format!("{shape}, got {v}"))),
+    };
+    match list.first() {
+        None => Err(ApiError::invalid(p, "prompt must not be an empty array")),
+        Some(Value::String(_) | Value::Array(_)) if list.len() > 1 => Err(ApiError::invalid(
+            p,
+            format!("only one prompt per request is supported, got {}", list.len()),
         )),
-        None => Err(ApiError::invalid(Some("prompt"), "prompt is required")),
+        Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
+        Some(Value::Array(ids)) if ids.is_empty() => {
+            Err(ApiError::invalid(p, "prompt[0] must not be an empty array"))
+        }
+        Some(Value::Array(ids)) => token_ids(ids, "prompt[0]", vocab).map(Prompt::Tokens),
+        Some(_) => token_ids(list, "prompt", vocab).map(Prompt::Tokens),
     }
+}
+
+/// An array of token ids, each an integer below `vocab`; errors name the first bad element.
+fn token_ids(a: &[Value], at: &str, vocab: usize) -> R<Vec<u32>> {
+    a.iter()
+        .enumerate()
+        .map(|(i, v)| match v.as_u64() {
+            Some(id) if id < vocab as u64 => Ok(id as u32),
+            Some(id) => Err(ApiError::invalid(
+                Some("prompt"),
+                format!("{at}[{i}]: token id {id} is out of range (the vocabulary has {vocab} tokens)"),
+            )),
+            None => Err(ApiError::invalid(
+                Some("prompt"),
+                format!("{at}[{i}] must be a token id (an integer from 0 to {}), got {v}", vocab.saturating_sub(1)),
+            )),
+        })
+        .collect()
 }
 
 fn random_seed() -> u64 {

@@ -1,10 +1,13 @@
 //! `eddy serve`: an OpenAI-compatible HTTP server (axum).
 //!
 //! The server knows HTTP and the OpenAI wire formats only. Requests are validated, templated and tokenized
-//! on the async side; generation runs on one dedicated engine thread ([`worker`]) that owns the
-//! [`Engine`] and takes jobs from a bounded FIFO queue (full → 503). Each job streams its text back over
-//! its own channel; a client that goes away closes that channel, which cancels the job at the next decode
-//! step (or skips it while still queued).
+//! on Tokio's blocking pool (so that large bodies never stall the async workers); generation runs on one dedicated engine thread ([`worker`]) that owns the
+//! [`Engine`] and takes jobs from a bounded FIFO queue (full → 503 with `Retry-After`). Each job streams its
+//! text back over its own channel; a client that goes away closes that channel, which cancels the job at
+//! the next decode step (or skips it while still queued, its place in the queue given back at once).
+//!
+//! Every error, those axum produces included (body over [`ServeOptions::max_body_bytes`], bad
+//! requests), is an OpenAI error object.
 //!
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
 //! `GET /metrics` (Prometheus text).
@@ -20,7 +23,7 @@ pub mod worker;
 
 use api::{ApiError, Common};
 use axum::body::{Body, Bytes};
-use axum::extract::{Request, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, Method, StatusCode, Uri};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -41,7 +44,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
-use worker::{Event, Job, Logprob};
+use worker::{Event, Job, Logprob, Queue, SlotGuard, TokenText};
 
 /// Server options.
 #[derive(Debug, Clone)]
@@ -53,7 +56,12 @@ pub struct ServeOptions {
     /// Period of the `: keep-alive` SSE comments sent while a streaming request waits for its first
     /// token; `None` sends none.
     pub keep_alive: Option<Duration>,
+    /// Largest request body accepted; larger ones get a 413.
+    pub max_body_bytes: usize,
 }
+
+/// Default [`ServeOptions::max_body_bytes`]: 32 MiB (clients send long histories).
+pub const MAX_BODY_BYTES: usize = 32 << 20;
 
 impl Default for ServeOptions {
     fn default() -> Self {
@@ -61,6 +69,7 @@ impl Default for ServeOptions {
             model_id: None,
             max_queue: 16,
             keep_alive: Some(Duration::from_secs(5)),
+            max_body_bytes: MAX_BODY_BYTES,
         }
     }
 }
@@ -82,7 +91,11 @@ struct AppState {
     tokenizer: Tokenizer,
     template: Option<ChatTemplate>,
     ctx: usize,
-    jobs: std::sync::mpsc::SyncSender<Job>,
+    /// Token ids a prompt may hold: below the vocabulary of both the tokenizer and the model.
+    vocab: usize,
+    jobs: std::sync::mpsc::Sender<Job>,
+    queue: Arc<Queue>,
+    max_body_bytes: usize,
     created: u64,
     next_id: AtomicU64,
     metrics: Arc<Metrics>,
@@ -130,20 +143,24 @@ pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router>
         .model_id
         .clone()
         .unwrap_or_else(|| model_id_for(&engine));
-    let (tx, rx) = std::sync::mpsc::sync_channel(opts.max_queue);
+    let (tx, rx) = std::sync::mpsc::channel();
     let metrics = Arc::new(Metrics::default());
+    let queue = Queue::new(opts.max_queue, metrics.clone());
     let state = Arc::new(AppState {
         model_id,
         tokenizer: engine.lm.tokenizer.clone(),
         template: engine.lm.template.take(),
         ctx: engine.ctx(),
+        vocab: engine.lm.tokenizer.vocab_size().min(engine.lm.model.config.vocab_size),
         jobs: tx,
+        queue: queue.clone(),
+        max_body_bytes: opts.max_body_bytes,
         created: unix_now(),
         next_id: AtomicU64::new(1),
         metrics: metrics.clone(),
         keep_alive: opts.keep_alive.filter(|d| !d.is_zero()),
     });
-    worker::spawn(engine, rx, metrics)?;
+    worker::spawn(engine, rx, queue, metrics)?;
     Ok(Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
@@ -152,6 +169,8 @@ pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router>
         .route("/metrics", get(prometheus))
         .fallback(not_found)
         .method_not_allowed_fallback(not_allowed)
+        .layer(DefaultBodyLimit::max(opts.max_body_bytes))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), json_errors))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             count_requests,
@@ -165,6 +184,31 @@ async fn count_requests(State(st): State<Arc<AppState>>, req: Request, next: Nex
     let resp = next.run(req).await;
     st.metrics.request(endpoint, resp.status().as_u16());
     resp
+}
+
+/// Turns every error response that is not JSON (axum's own rejections: body too large, unreadable body)
+/// into an OpenAI error object with the same status.
+async fn json_errors(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let resp = next.run(req).await;
+    let status = resp.status();
+    let json = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if json || !(status.is_client_error() || status.is_server_error()) {
+        return resp;
+    }
+    let (message, code) = if status == StatusCode::PAYLOAD_TOO_LARGE {
+        let limit = st.max_body_bytes;
+        (format!("the request body is larger than this server's limit of {limit} bytes"), Some("request_too_large"))
+    } else {
+        let body = axum::body::to_bytes(resp.into_body(), 64 << 10).await.unwrap_or_default();
+        let text = String::from_utf8_lossy(&body).trim().to_string();
+        let reason = status.canonical_reason().unwrap_or("error");
+        (if text.is_empty() { reason.to_string() } else { text }, None)
+    };
+    let kind = if status.is_server_error() { "server_error" } else { "invalid_request_error" };
+    ApiError::invalid(None, message).with_status(status, kind, code).into_response()
 }
 
 async fn prometheus(State(st): State<Arc<AppState>>) -> Response {
@@ -226,10 +270,11 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-/// Validate, tokenize, queue, and answer (whole or streamed).
-async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, ApiError> {
-    let o = api::parse_object(&body)?;
-    let common = api::parse_common(&o, &st.model_id)?;
+/// Parses and validates a request body, renders the chat template and tokenizes the prompt: the
+/// CPU-heavy part of a request, run off the async workers.
+fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError> {
+    let o = api::parse_object(body)?;
+    let mut common = api::parse_common(&o, &st.model_id, kind == Kind::Chat)?;
     let mut thinking = None;
     let prompt = match kind {
         Kind::Chat => {
@@ -253,12 +298,13 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
             encode_chat(&st.tokenizer, &text)
                 .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
         }
-        Kind::Text => {
-            let text = api::parse_prompt(&o)?;
-            st.tokenizer
+        Kind::Text => match api::parse_prompt(&o, st.vocab)? {
+            api::Prompt::Tokens(ids) => ids,
+            api::Prompt::Text(text) => st
+                .tokenizer
                 .encode(&text, true)
-                .map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?
-        }
+                .map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?,
+        },
     };
     let what = if kind == Kind::Chat {
         "messages"
@@ -303,7 +349,38 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
         )
         .with_status(StatusCode::BAD_REQUEST, "invalid_request_error", Some("context_length_exceeded")));
     }
+    // Presence and frequency penalties count the generated tokens only.
+    common.sampler.prompt_len = prompt.len();
+    Ok(Prepared { common, prompt, thinking, max_tokens })
+}
 
+/// A validated request, its prompt tokenized.
+struct Prepared {
+    common: Common,
+    prompt: Vec<u32>,
+    thinking: Option<Start>,
+    max_tokens: usize,
+}
+
+/// Validate, tokenize (on the blocking pool), queue, and answer (whole or streamed).
+async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, ApiError> {
+    let s = st.clone();
+    let Prepared { common, prompt, thinking, max_tokens } =
+        tokio::task::spawn_blocking(move || prepare(&s, kind, &body))
+            .await
+            .map_err(|e| server_error(format!("preparing the request failed: {e}")))??;
+    let Some(slot) = st.queue.admit() else {
+        return Err(ApiError::invalid(
+            None,
+            "the server is busy: the request queue is full; retry later",
+        )
+        .with_status(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            Some("queue_full"),
+        ));
+    };
+    let guard = SlotGuard(slot.clone());
     let (tx, rx) = mpsc::unbounded_channel();
     let job = Job {
         prompt,
@@ -316,35 +393,14 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
         stops: common.stops.clone(),
         tx,
         queued_at: Instant::now(),
+        slot,
     };
-    st.metrics.queue_delta(1);
-    let sent = st.jobs.try_send(job);
-    if sent.is_err() {
-        st.metrics.queue_delta(-1);
+    if st.jobs.send(job).is_err() {
+        return Err(server_error("the engine thread has stopped".into()));
     }
-    match sent {
-        Ok(()) => {}
-        Err(std::sync::mpsc::TrySendError::Full(_)) => {
-            return Err(ApiError::invalid(
-                None,
-                "the server is busy: the request queue is full; retry later",
-            )
-            .with_status(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "server_error",
-                Some("queue_full"),
-            ))
-        }
-        Err(std::sync::mpsc::TrySendError::Disconnected(_)) => {
-            return Err(
-                ApiError::invalid(None, "the engine thread has stopped").with_status(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "server_error",
-                    None,
-                ),
-            )
-        }
-    }
+    // The reply's receiver travels with the guard: a client that leaves drops both, which frees a
+    // queued job's place at once and cancels a running one.
+    let rx = Reply { rx, _slot: guard };
     let n = st.next_id.fetch_add(1, Ordering::Relaxed);
     let fmt = Formatter {
         kind,
@@ -369,6 +425,13 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
     } else {
         whole_response(fmt, rx, &common).await
     }
+}
+
+/// The engine's events for one request, and the request's place in the queue (given back when this is
+/// dropped, if the engine thread has not taken the job yet).
+struct Reply {
+    rx: mpsc::UnboundedReceiver<Event>,
+    _slot: SlotGuard,
 }
 
 /// Builds the OpenAI JSON objects of one request.
@@ -421,15 +484,16 @@ fn timings(s: &GenerationStats, completion_tokens: usize) -> Value {
 impl Formatter {
     /// The `logprobs` of a choice holding the tokens `lps` (null when not asked for). Chat:
     /// `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`; completions:
-    /// `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}` with offsets counted
-    /// from `*offset` (advanced past these tokens).
-    fn logprobs(&self, lps: &[Logprob], offset: &mut usize) -> Value {
+    /// `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}` (offsets in characters
+    /// of the completion text). `bytes` are the token's raw bytes; a token that is not valid UTF-8 alone
+    /// reads `bytes:\xf0\x9f` ([`TokenText`]).
+    fn logprobs(&self, lps: &[Logprob]) -> Value {
         if !self.logprobs {
             return Value::Null;
         }
         match self.kind {
             Kind::Chat => {
-                let entry = |t: &str, l: f32| json!({"token": t, "logprob": l, "bytes": t.as_bytes()});
+                let entry = |t: &TokenText, l: f32| json!({"token": t.text, "logprob": l, "bytes": t.bytes});
                 let content: Vec<Value> = lps
                     .iter()
                     .map(|l| {
@@ -441,17 +505,13 @@ impl Formatter {
                 json!({ "content": content })
             }
             Kind::Text => {
-                let mut text_offset = Vec::with_capacity(lps.len());
-                for l in lps {
-                    text_offset.push(*offset);
-                    *offset += l.token.len();
-                }
+                let text_offset: Vec<usize> = lps.iter().map(|l| l.offset).collect();
                 let top: Vec<Value> = lps
                     .iter()
-                    .map(|l| Value::Object(l.top.iter().map(|(t, v)| (t.clone(), json!(v))).collect()))
+                    .map(|l| Value::Object(l.top.iter().map(|(t, v)| (t.text.clone(), json!(v))).collect()))
                     .collect();
                 json!({
-                    "tokens": lps.iter().map(|l| l.token.as_str()).collect::<Vec<_>>(),
+                    "tokens": lps.iter().map(|l| l.token.text.as_str()).collect::<Vec<_>>(),
                     "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
                     "top_logprobs": top,
                     "text_offset": text_offset,
@@ -476,7 +536,7 @@ impl Formatter {
         completion_tokens: usize,
         stats: &GenerationStats,
     ) -> Value {
-        let logprobs = self.logprobs(lps, &mut 0);
+        let logprobs = self.logprobs(lps);
         let choice = match self.kind {
             Kind::Chat => {
                 let mut message = json!({"role": "assistant", "content": text});
@@ -542,12 +602,12 @@ impl Formatter {
 
 async fn whole_response(
     fmt: Formatter,
-    mut rx: mpsc::UnboundedReceiver<Event>,
+    mut rx: Reply,
     _c: &Common,
 ) -> Result<Response, ApiError> {
     let mut text = String::new();
     let mut lps = Vec::new();
-    while let Some(ev) = rx.recv().await {
+    while let Some(ev) = rx.rx.recv().await {
         match ev {
             Event::Delta(t, l) => {
                 text.push_str(&t);
@@ -580,7 +640,7 @@ fn sse(v: &Value) -> Bytes {
 
 fn stream_response(
     fmt: Formatter,
-    rx: mpsc::UnboundedReceiver<Event>,
+    rx: Reply,
     keep_alive: Option<Duration>,
 ) -> Response {
     let mut queued = VecDeque::new();
@@ -595,7 +655,6 @@ fn stream_response(
         finished: false,
         keep_alive: keep_alive.map(|d| (d, Box::pin(tokio::time::sleep(d)))),
         lp_pending: Vec::new(),
-        lp_offset: 0,
     };
     Response::builder()
         .status(StatusCode::OK)
@@ -609,7 +668,7 @@ fn stream_response(
 /// which cancels the job on the engine thread.
 struct SseBody {
     fmt: Formatter,
-    rx: mpsc::UnboundedReceiver<Event>,
+    rx: Reply,
     queued: VecDeque<Bytes>,
     finished: bool,
     /// Period and timer of the keep-alive comments; dropped at the first text.
@@ -618,8 +677,6 @@ struct SseBody {
     splitter: Option<ReasoningSplitter>,
     /// Log-probabilities not yet sent (their text is held back by the reasoning splitter).
     lp_pending: Vec<Logprob>,
-    /// Completions: text offset of the next token.
-    lp_offset: usize,
 }
 
 const KEEP_ALIVE: &[u8] = b": keep-alive\n\n";
@@ -641,7 +698,7 @@ impl SseBody {
         if let Some(last) = chunks.last_mut() {
             if self.fmt.logprobs {
                 let lps = std::mem::take(&mut self.lp_pending);
-                last["choices"][0]["logprobs"] = self.fmt.logprobs(&lps, &mut self.lp_offset);
+                last["choices"][0]["logprobs"] = self.fmt.logprobs(&lps);
             }
         }
         for c in &chunks {
@@ -679,7 +736,7 @@ impl SseBody {
                 last["timings"] = timings(&stats, completion_tokens);
                 if !self.lp_pending.is_empty() {
                     let lps = std::mem::take(&mut self.lp_pending);
-                    last["choices"][0]["logprobs"] = self.fmt.logprobs(&lps, &mut self.lp_offset);
+                    last["choices"][0]["logprobs"] = self.fmt.logprobs(&lps);
                 }
                 self.queued.push_back(sse(&last));
                 let f = &self.fmt;
@@ -721,7 +778,7 @@ impl futures_core::Stream for SseBody {
             if this.finished {
                 return Poll::Ready(None);
             }
-            match this.rx.poll_recv(cx) {
+            match this.rx.rx.poll_recv(cx) {
                 Poll::Ready(ev) => this.on_event(ev),
                 Poll::Pending => {
                     if let Some((period, timer)) = this.keep_alive.as_mut() {

@@ -7,6 +7,7 @@ use eddy::stats::{FinishReason, GenerationStats};
 use eddy::tokenizer::{StreamDecoder, Tokenizer};
 use crate::metrics::Metrics;
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
@@ -19,23 +20,139 @@ pub(crate) struct Job {
     pub tx: UnboundedSender<Event>,
     /// When the job entered the queue.
     pub queued_at: Instant,
+    /// Its place in the queue, given back when the engine thread takes the job.
+    pub slot: Slot,
 }
 
-/// A generated token's log-probability and its top alternatives, as text (the token decoded alone).
+/// Admission to the engine thread's queue: at most `max` jobs wait at a time. A job holds its place
+/// from admission until the engine thread takes it or its client leaves, whichever comes first, so a
+/// client that gives up while queued frees its place at once.
+pub(crate) struct Queue {
+    waiting: AtomicUsize,
+    max: usize,
+    /// The engine thread is generating (a queue of 0 admits a job only while it is idle).
+    busy: AtomicBool,
+    metrics: Arc<Metrics>,
+}
+
+impl Queue {
+    /// A queue of `max` places, counted in `metrics`' queue depth.
+    pub fn new(max: usize, metrics: Arc<Metrics>) -> Arc<Queue> {
+        Arc::new(Queue { waiting: AtomicUsize::new(0), max, busy: AtomicBool::new(false), metrics })
+    }
+
+    /// A place for one more job, or `None` when the queue is full.
+    pub fn admit(self: &Arc<Self>) -> Option<Slot> {
+        let limit = if self.max == 0 && !self.busy.load(Ordering::Acquire) { 1 } else { self.max };
+        self.waiting
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < limit).then_some(n + 1))
+            .ok()?;
+        self.metrics.queue_delta(1);
+        Some(Slot(Arc::new(SlotState { queue: self.clone(), held: AtomicBool::new(true) })))
+    }
+}
+
+struct SlotState {
+    queue: Arc<Queue>,
+    held: AtomicBool,
+}
+
+/// One job's place in the [`Queue`]; clones share it, and it is given back once.
+#[derive(Clone)]
+pub(crate) struct Slot(Arc<SlotState>);
+
+impl Slot {
+    /// Gives the place back (the first call only).
+    pub fn release(&self) {
+        if self.0.held.swap(false, Ordering::AcqRel) {
+            self.0.queue.waiting.fetch_sub(1, Ordering::AcqRel);
+            self.0.queue.metrics.queue_delta(-1);
+        }
+    }
+}
+
+/// Held by the request handler: dropping it (the answer is complete, or the client left while the job
+/// was queued) gives the job's place back.
+pub(crate) struct SlotGuard(pub Slot);
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        self.0.release();
+    }
+}
+
+/// A token as log-probabilities show it: its raw bytes, and its text (the bytes when they are valid
+/// UTF-8, else OpenAI's `bytes:\xf0\x9f` spelling).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct TokenText {
+    pub text: String,
+    pub bytes: Vec<u8>,
+}
+
+impl TokenText {
+    /// Token `id` alone. Its bytes are those of its text unless the text is incomplete UTF-8 (a byte
+    /// fallback token, or a byte-level token that cuts a character), where they come from the
+    /// vocabulary entry: `<0xHH>`, or the GPT-2 byte alphabet.
+    pub fn new(tok: &Tokenizer, id: u32) -> TokenText {
+        let text = tok.decode(&[id], false).unwrap_or_default();
+        if !text.contains('\u{FFFD}') {
+            return TokenText { bytes: text.clone().into_bytes(), text };
+        }
+        let Some(bytes) = tok.token_str(id).as_deref().and_then(vocab_entry_bytes) else {
+            return TokenText { bytes: text.clone().into_bytes(), text };
+        };
+        let text = match std::str::from_utf8(&bytes) {
+            Ok(t) => t.to_string(),
+            Err(_) => {
+                let mut t = String::from("bytes:");
+                for b in &bytes {
+                    t.push_str(&format!("\\x{b:02x}"));
+                }
+                t
+            }
+        };
+        TokenText { text, bytes }
+    }
+}
+
+/// The bytes a vocabulary entry stands for: a SentencePiece byte-fallback entry `<0xHH>`, or an entry
+/// written in the GPT-2 byte alphabet (byte-level BPE); `None` for anything else.
+fn vocab_entry_bytes(entry: &str) -> Option<Vec<u8>> {
+    if let Some(h) = entry.strip_prefix("<0x").and_then(|e| e.strip_suffix('>')) {
+        return (h.len() == 2).then(|| u8::from_str_radix(h, 16).ok().map(|b| vec![b]))?;
+    }
+    entry.chars().map(byte_alphabet_byte).collect()
+}
+
+/// The byte that a character of the GPT-2 byte alphabet stands for: printable Latin-1 bytes as
+/// themselves, the other 68 bytes, in order, as U+0100 and on.
+fn byte_alphabet_byte(c: char) -> Option<u8> {
+    let printable = |b: u8| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || b >= 0xae;
+    let c = c as u32;
+    if c < 256 {
+        return printable(c as u8).then_some(c as u8);
+    }
+    (0..=255u8).filter(|&b| !printable(b)).nth((c - 256) as usize)
+}
+
+/// A generated token's log-probability and its top alternatives, and where its text begins in the
+/// completion (in characters; a token that completes a character begun by earlier tokens begins where
+/// that character does).
 #[derive(Debug, Clone)]
 pub(crate) struct Logprob {
-    pub token: String,
+    pub token: TokenText,
     pub logprob: f32,
-    pub top: Vec<(String, f32)>,
+    pub top: Vec<(TokenText, f32)>,
+    pub offset: usize,
 }
 
 impl Logprob {
-    fn new(tok: &Tokenizer, lp: &TokenLogprobs) -> Logprob {
-        let text = |id: u32| tok.decode(&[id], false).unwrap_or_default();
+    fn new(tok: &Tokenizer, lp: &TokenLogprobs, offset: usize) -> Logprob {
         Logprob {
-            token: text(lp.id),
+            token: TokenText::new(tok, lp.id),
             logprob: lp.logprob,
-            top: lp.top.iter().map(|&(id, l)| (text(id), l)).collect(),
+            top: lp.top.iter().map(|&(id, l)| (TokenText::new(tok, id), l)).collect(),
+            offset,
         }
     }
 }
@@ -58,10 +175,11 @@ pub(crate) enum Event {
 }
 
 /// Start the engine thread; jobs are read from `rx` until every sender is dropped. Every job taken from
-/// the queue is counted out of `metrics`' queue depth.
+/// the queue gives its place in `queue` back.
 pub(crate) fn spawn(
     mut engine: Engine,
     rx: std::sync::mpsc::Receiver<Job>,
+    queue: Arc<Queue>,
     metrics: Arc<Metrics>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new()
@@ -69,10 +187,11 @@ pub(crate) fn spawn(
         .spawn(move || {
             let tok = engine.lm.tokenizer.clone();
             while let Ok(job) = rx.recv() {
-                metrics.queue_delta(-1);
+                job.slot.release();
                 if job.tx.is_closed() {
                     continue; // the client left while the job was queued
                 }
+                queue.busy.store(true, Ordering::Release);
                 metrics.queue_time(job.queued_at.elapsed());
                 let tx = job.tx.clone();
                 metrics.running_delta(1);
@@ -82,6 +201,7 @@ pub(crate) fn spawn(
                 // Counted out before the last event goes: a client that scrapes /metrics right after its
                 // answer sees the job finished.
                 metrics.running_delta(-1);
+                queue.busy.store(false, Ordering::Release);
                 let last = r.unwrap_or_else(|_| {
                     Some(Event::Error("the engine panicked while generating".into()))
                 });
@@ -123,7 +243,7 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) ->
         }
         n += 1;
         if let (true, Some(lp)) = (want_lp, lp) {
-            lpq.push(Logprob::new(tok, lp));
+            lpq.push(Logprob::new(tok, lp, lpq.decoded_chars));
         }
         if let Ok(Some(text)) = dec.push(id) {
             lpq.decoded(&text);
@@ -186,6 +306,8 @@ struct LogprobQueue {
     pending: std::collections::VecDeque<(Option<usize>, Logprob)>,
     /// Bytes decoded so far.
     decoded: usize,
+    /// Characters decoded so far.
+    decoded_chars: usize,
     /// Bytes emitted so far.
     emitted: usize,
     /// End of the last entry taken.
@@ -200,6 +322,7 @@ impl LogprobQueue {
     /// `text` was decoded: the tokens waiting for bytes end here.
     fn decoded(&mut self, text: &str) {
         self.decoded += text.len();
+        self.decoded_chars += text.chars().count();
         for p in self.pending.iter_mut().rev() {
             if p.0.is_some() {
                 break;

@@ -386,7 +386,8 @@ fn logprobs_chat_and_completions_whole_and_streamed() {
     let offsets: Vec<u64> = lp["text_offset"].as_array().unwrap().iter().map(|o| o.as_u64().unwrap()).collect();
     assert_eq!(offsets[0], 0);
     for i in 1..tokens.len() {
-        assert_eq!(offsets[i], offsets[i - 1] + tokens[i - 1].len() as u64);
+        // Characters, not bytes.
+        assert_eq!(offsets[i], offsets[i - 1] + tokens[i - 1].chars().count() as u64);
     }
     for (t, top) in tokens.iter().zip(lp["top_logprobs"].as_array().unwrap()) {
         let top = top.as_object().unwrap();
@@ -405,6 +406,8 @@ fn logprobs_chat_and_completions_whole_and_streamed() {
         (json!({"top_logprobs": 2}), "needs logprobs"),
         (json!({"logprobs": "yes"}), "logprobs must be"),
         (json!({"logprobs": 21}), "logprobs must be"),
+        // Chat's logprobs is a boolean (the integer form is the completions endpoint's).
+        (json!({"logprobs": 2}), "logprobs must be a boolean"),
     ] {
         let r = post(addr, "/v1/chat/completions", chat_body("Hi", b));
         assert_error(&r, 400, needle);
@@ -520,8 +523,6 @@ fn errors() {
         "not supported yet",
     );
     for (k, v) in [
-        ("presence_penalty", json!(0.5)),
-        ("frequency_penalty", json!(-1)),
         ("logit_bias", json!({"42": 5})),
         ("tool_choice", json!("required")),
         ("prediction", json!({"type": "content", "content": "x"})),
@@ -662,6 +663,18 @@ fn python_stdlib_streaming_client() {
     );
 }
 
+/// Sends a streaming completion `body` and reads until its first `data:` line (the job is running);
+/// returns the open connection.
+fn running_stream(addr: SocketAddr, body: &str) -> BufReader<TcpStream> {
+    let mut r = BufReader::new(send(addr, "POST", "/v1/completions", body));
+    let mut line = String::new();
+    while !line.starts_with("data: ") {
+        line.clear();
+        assert!(r.read_line(&mut line).unwrap() > 0);
+    }
+    r
+}
+
 /// A server of its own with --max-queue 1: one job running, one queued, the third is refused with 503.
 #[test]
 fn full_queue_answers_503() {
@@ -675,12 +688,7 @@ fn full_queue_answers_503() {
     );
     let long = json!({"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 400, "temperature": 0, "stream": true}).to_string();
     // Wait until the first job is running (its first text chunk arrives), then queue a second.
-    let mut first = BufReader::new(send(addr, "POST", "/v1/completions", &long));
-    let mut line = String::new();
-    while !line.starts_with("data: ") {
-        line.clear();
-        assert!(first.read_line(&mut line).unwrap() > 0);
-    }
+    let first = running_stream(addr, &long);
     let second = send(addr, "POST", "/v1/completions", &long);
     std::thread::sleep(std::time::Duration::from_millis(100));
     let r = post(
@@ -689,6 +697,7 @@ fn full_queue_answers_503() {
         json!({"prompt": "Hi", "max_tokens": 1}),
     );
     assert_error(&r, 503, "queue is full");
+    assert!(r.headers.to_ascii_lowercase().contains("\r\nretry-after: 1"), "{}", r.headers);
     drop(first);
     drop(second);
     // Both abandoned jobs are cancelled or skipped (within a decode step or two): the server answers again.
@@ -1238,4 +1247,265 @@ fn speculative_server_answers_as_plain_and_reports_drafts() {
     let m = request(spec, "GET", "/metrics", "").body;
     assert!(metric(&m, "eddy_spec_draft_tokens_total") > 0.0);
     assert!(metric(&m, "eddy_spec_draft_tokens_accepted_total") > 0.0);
+}
+
+/// The tokenizer of the test model (loaded once).
+fn tokenizer() -> &'static eddy::tokenizer::Tokenizer {
+    static TOK: OnceLock<eddy::tokenizer::Tokenizer> = OnceLock::new();
+    TOK.get_or_init(|| {
+        let lm = eddy::load::load_gguf(&model_path().unwrap(), &mut |_, _| {}).expect("load model");
+        lm.tokenizer
+    })
+}
+
+/// `prompt` as a string, an array of token ids, a one-element array of either: the same completion.
+/// Batches, empty arrays and ids outside the vocabulary are 400s naming the problem.
+#[test]
+fn completion_prompt_as_token_ids_or_one_element_array() {
+    let addr = server_or_skip!();
+    let text = "The capital of France is";
+    let ids = tokenizer().encode(text, true).unwrap();
+    let c = "/v1/completions";
+    let ask = |prompt: Value| {
+        let r = post(addr, c, json!({"prompt": prompt, "max_tokens": 8, "temperature": 0}));
+        assert_eq!(r.status, 200, "{prompt}: {}", r.body);
+        let v = r.json();
+        (v["choices"][0]["text"].as_str().unwrap().to_string(), v["usage"]["prompt_tokens"].clone())
+    };
+    let want = ask(json!(text));
+    assert_eq!(want.1, ids.len());
+    assert_eq!(ask(json!(ids)), want);
+    assert_eq!(ask(json!([ids])), want);
+    assert_eq!(ask(json!([text])), want);
+    let (streamed_text, _) = streamed(addr, c, json!({"prompt": ids, "max_tokens": 8, "temperature": 0, "stream": true}));
+    assert_eq!(streamed_text, want.0);
+    let vocab = tokenizer().vocab_size();
+    for (prompt, needle) in [
+        (json!([1, vocab]), format!("token id {vocab} is out of range")),
+        (json!([[1, 2, 4_000_000_000u64]]), "token id 4000000000".to_string()),
+        (json!([1, -2]), "prompt[1] must be a token id".to_string()),
+        (json!([1, 2.5]), "prompt[1] must be a token id".to_string()),
+        (json!([]), "empty".to_string()),
+        (json!([[]]), "empty".to_string()),
+        (json!(["a", "b"]), "only one prompt".to_string()),
+        (json!([[1], [2]]), "only one prompt".to_string()),
+        (json!([1, "a"]), "prompt[1] must be a token id".to_string()),
+    ] {
+        let v = assert_error(&post(addr, c, json!({"prompt": prompt, "max_tokens": 2})), 400, &needle);
+        assert_eq!(v["error"]["param"], "prompt", "{prompt}");
+    }
+}
+
+/// Float fields are checked as the f32 the sampler uses: overflow to infinity or underflow to 0 is a
+/// 400 naming the field, streaming or not (before the stream starts).
+#[test]
+fn float_fields_are_checked_after_conversion_to_f32() {
+    let addr = server_or_skip!();
+    for (k, v) in [
+        ("repetition_penalty", json!(1e308)),
+        ("repetition_penalty", json!(1e39)),
+        ("repetition_penalty", json!(1e-50)),
+        ("top_p", json!(1e-50)),
+        ("presence_penalty", json!(1e39)),
+    ] {
+        for stream in [false, true] {
+            let r = post(addr, "/v1/chat/completions", chat_body("hi", json!({k: v, "stream": stream})));
+            let e = assert_error(&r, 400, k);
+            assert_eq!(e["error"]["param"], k);
+        }
+    }
+    // A temperature that underflows to 0 is greedy, not an error.
+    let r = post(addr, "/v1/chat/completions", chat_body("hi", json!({"temperature": 1e-50, "max_tokens": 2})));
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+/// presence_penalty / frequency_penalty: OpenAI's semantics over the generated tokens, exactly as the
+/// engine applies them with the same parameters; out of [-2, 2] is a 400.
+#[test]
+fn presence_and_frequency_penalties() {
+    let addr = server_or_skip!();
+    let prompt = "1, 2, 3, 4, 5, 6, 7, 8,";
+    let body = |presence: f64, frequency: f64| {
+        json!({"prompt": prompt, "max_tokens": 24, "temperature": 0,
+               "presence_penalty": presence, "frequency_penalty": frequency})
+    };
+    let text = |v: Value| v["choices"][0]["text"].as_str().unwrap().to_string();
+    let plain = text(post(addr, "/v1/completions", body(0.0, 0.0)).json());
+    let penalized = text(post(addr, "/v1/completions", body(0.5, 1.5)).json());
+    assert_ne!(penalized, plain, "the penalties changed nothing");
+    // Reference: the engine, penalties counted over the generated tokens (after the prompt).
+    let mut e = engine(&model_path().unwrap());
+    let ids = e.lm.tokenizer.encode(prompt, true).unwrap();
+    let params = GenerateParams {
+        max_tokens: 24,
+        sampler: SamplerParams { presence_penalty: 0.5, frequency_penalty: 1.5, prompt_len: ids.len(), ..Default::default() },
+        ignore_eos: false,
+        logprobs: None,
+    };
+    let mut out = Vec::new();
+    e.generate(&ids, &params, &mut |id| {
+        out.push(id);
+        true
+    })
+    .unwrap();
+    assert_eq!(penalized, e.lm.tokenizer.decode(&out, true).unwrap());
+    for k in ["presence_penalty", "frequency_penalty"] {
+        let v = assert_error(&post(addr, "/v1/completions", json!({"prompt": "Hi", k: 2.5})), 400, "[-2, 2]");
+        assert_eq!(v["error"]["param"], k);
+    }
+}
+
+/// Bodies above axum's old 2 MB default are accepted; tokenizing several at once leaves /health
+/// answering at once (the work runs on the blocking pool, not the async workers).
+#[test]
+fn large_bodies_are_accepted_and_do_not_stall_health() {
+    let addr = server_or_skip!();
+    let body = json!({"prompt": "lorem ipsum dolor sit amet ".repeat(120_000), "max_tokens": 1}).to_string();
+    assert!(body.len() > 3_000_000);
+    let heavy: Vec<_> = (0..3)
+        .map(|_| {
+            let b = body.clone();
+            std::thread::spawn(move || {
+                let t = std::time::Instant::now();
+                let r = request(addr, "POST", "/v1/completions", &b);
+                (r, t.elapsed())
+            })
+        })
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let t = std::time::Instant::now();
+    assert_eq!(request(addr, "GET", "/health", "").status, 200);
+    let health = t.elapsed();
+    for h in heavy {
+        let (r, took) = h.join().unwrap();
+        // The prompt is far longer than the context.
+        assert_error(&r, 400, "maximum context length");
+        assert!(took > health * 4, "a heavy request took {took:?}, /health {health:?}");
+    }
+    assert!(health < std::time::Duration::from_millis(500), "/health took {health:?}");
+}
+
+/// Every rejection axum produces is an OpenAI error object: a body over the limit (413), an empty
+/// body; the content type is not checked (the body is read as JSON whatever it says).
+#[test]
+fn axum_rejections_are_openai_errors() {
+    let Some(p) = model_path() else { return };
+    let addr = start(engine(&p), eddy_server::ServeOptions { max_body_bytes: 64 << 10, ..Default::default() });
+    let big = json!({"prompt": "x".repeat(100 << 10)}).to_string();
+    let v = assert_error(&request(addr, "POST", "/v1/completions", &big), 413, "limit of 65536 bytes");
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    let v = assert_error(&request(addr, "POST", "/v1/completions", ""), 400, "invalid JSON");
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    assert_error(&request(addr, "PUT", "/v1/completions", "{}"), 405, "not allowed");
+    let mut s = TcpStream::connect(addr).unwrap();
+    let b = json!({"prompt": "Hi", "max_tokens": 1}).to_string();
+    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{b}", b.len()).unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    assert!(raw.starts_with("HTTP/1.1 200"), "{raw}");
+    assert_eq!(eddy_server::ServeOptions::default().max_body_bytes, 32 << 20);
+}
+
+/// Log-probabilities of tokens that are not whole characters (emoji): `bytes` are the raw bytes, the
+/// token reads `bytes:\x..` when they are not UTF-8 alone, the bytes add up to the text, and text_offset
+/// stays inside the text (in characters).
+#[test]
+fn logprobs_of_partial_utf8_tokens() {
+    let addr = server_or_skip!();
+    let prompt = "😀🎉🚀😀🎉🚀😀🎉🚀😀🎉🚀";
+    let v = post(addr, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 12, "temperature": 0, "logprobs": true, "top_logprobs": 3})).json();
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap();
+    let entries = v["choices"][0]["logprobs"]["content"].as_array().unwrap_or_else(|| panic!("{v}"));
+    let as_bytes = |e: &Value| -> Vec<u8> { e["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8).collect() };
+    let mut all = Vec::new();
+    let mut partial = 0;
+    for e in entries.iter().chain(entries.iter().flat_map(|e| e["top_logprobs"].as_array().unwrap())) {
+        let b = as_bytes(e);
+        let t = e["token"].as_str().unwrap();
+        assert!(!t.contains('\u{FFFD}'), "{e}");
+        match std::str::from_utf8(&b) {
+            Ok(s) => assert_eq!(t, s),
+            Err(_) => {
+                partial += 1;
+                let want: String = b.iter().map(|x| format!("\\x{x:02x}")).collect();
+                assert_eq!(t, format!("bytes:{want}"));
+            }
+        }
+    }
+    for e in entries {
+        all.extend(as_bytes(e));
+    }
+    assert!(partial > 0, "no partial UTF-8 token in {v}");
+    assert_eq!(String::from_utf8_lossy(&all), content);
+    // Completions: offsets in characters, inside the text, never decreasing.
+    let c = post(addr, "/v1/completions", json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 1})).json();
+    let text = c["choices"][0]["text"].as_str().unwrap();
+    let n = text.chars().count() as u64;
+    let offsets: Vec<u64> = c["choices"][0]["logprobs"]["text_offset"].as_array().unwrap().iter().map(|o| o.as_u64().unwrap()).collect();
+    assert_eq!(offsets[0], 0);
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]) && offsets.iter().all(|&o| o <= n), "{offsets:?} for {n} characters: {c}");
+    assert!(offsets.iter().any(|&o| o > 0), "{c}");
+}
+
+/// A client that leaves while its request is queued gives its place back at once: with --max-queue 1
+/// and a long job running, a new request is accepted right after the queued client disconnects.
+#[test]
+fn queued_client_that_leaves_frees_its_place() {
+    let Some(p) = model_path() else { return };
+    let lm = eddy::load::load_gguf(&p, &mut |_, _| {}).expect("load model");
+    let eng = Engine::new(lm, &EngineOptions { threads: 2, ctx: 4096, max_batch: 256, prefix_cache: true });
+    let addr = start(eng, eddy_server::ServeOptions { max_queue: 1, ..Default::default() });
+    // A job of thousands of tokens keeps the engine busy for the whole test.
+    let long = json!({"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 4000, "temperature": 0, "stream": true}).to_string();
+    // Held open (not read) to the end: the engine stays busy with it.
+    let _first = running_stream(addr, &long);
+    let queued = send(addr, "POST", "/v1/completions", &json!({"prompt": "Hi", "max_tokens": 4}).to_string());
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert_error(&post(addr, "/v1/completions", json!({"prompt": "Hi", "max_tokens": 1})), 503, "queue is full");
+    drop(queued);
+    let t = std::time::Instant::now();
+    loop {
+        // A streaming request answers 200 as soon as it is queued.
+        let mut s = BufReader::new(send(addr, "POST", "/v1/completions", &long));
+        let mut status = String::new();
+        s.read_line(&mut status).unwrap();
+        if status.starts_with("HTTP/1.1 200") {
+            break;
+        }
+        assert!(status.starts_with("HTTP/1.1 503"), "{status}");
+        assert!(t.elapsed().as_secs() < 2, "the queued client's place was not given back");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let m = request(addr, "GET", "/metrics", "").body;
+    assert_eq!(metric(&m, "eddy_requests_running"), 1.0);
+}
+
+/// Fields that change the meaning of a request and that eddy does not implement are refused (null is
+/// accepted); stream_options needs stream; integers beyond i64 are out of range, not "not integers".
+#[test]
+fn unsupported_and_out_of_range_fields() {
+    let addr = server_or_skip!();
+    let c = "/v1/chat/completions";
+    for (k, v) in [
+        ("reasoning_effort", json!("low")),
+        ("functions", json!([{"name": "f", "parameters": {}}])),
+        ("functions", json!([])),
+        ("function_call", json!("auto")),
+    ] {
+        let e = assert_error(&post(addr, c, chat_body("hi", json!({k: v}))), 400, k);
+        assert_eq!(e["error"]["param"], k);
+        let r = post(addr, c, chat_body("hi", json!({k: null, "max_tokens": 1})));
+        assert_eq!(r.status, 200, "{k}: null: {}", r.body);
+    }
+    let e = assert_error(
+        &post(addr, c, chat_body("hi", json!({"stream_options": {"include_usage": true}}))),
+        400,
+        "stream",
+    );
+    assert_eq!(e["error"]["param"], "stream_options");
+    for k in ["max_tokens", "top_k"] {
+        let e = assert_error(&post(addr, c, chat_body("hi", json!({k: u64::MAX}))), 400, "out of range");
+        assert_eq!(e["error"]["param"], k);
+    }
 }

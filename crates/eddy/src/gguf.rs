@@ -183,6 +183,19 @@ pub struct GgufFile {
     data_offset: usize,
 }
 
+/// A string read from a file, fit for an error message: at most [`SHOWN_CHARS`] characters (`…` marks a
+/// cut), quoted and escaped as Rust's `{:?}` writes it, so that control characters and terminal escape
+/// sequences in a corrupted file are printed as text.
+pub fn shown(s: &str) -> String {
+    match s.char_indices().nth(SHOWN_CHARS) {
+        Some((i, _)) => format!("{:?}…", &s[..i]),
+        None => format!("{s:?}"),
+    }
+}
+
+/// Most characters of a file's string that [`shown`] prints.
+pub const SHOWN_CHARS: usize = 64;
+
 struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
@@ -273,28 +286,30 @@ impl GgufFile {
         let mut metadata = BTreeMap::new();
         for i in 0..n_kv {
             let key = r.string(&format!("metadata key #{i}"))?;
-            let ty = r.u32(&key)?;
-            let v = r.value(ty, &key, 0)?;
+            let what = format!("metadata {}", shown(&key));
+            let ty = r.u32(&what)?;
+            let v = r.value(ty, &what, 0)?;
             metadata.insert(key, v);
         }
         let mut tensors = Vec::with_capacity(n_tensors as usize);
         for i in 0..n_tensors {
             let name = r.string(&format!("tensor name #{i}"))?;
-            let n_dims = r.u32(&name)?;
+            let what = format!("tensor {}", shown(&name));
+            let n_dims = r.u32(&what)?;
             if n_dims == 0 || n_dims > 4 {
-                return Err(Error::model(path, format!("corrupt tensor {name}: {n_dims} dimensions")));
+                return Err(Error::model(path, format!("corrupt {what}: {n_dims} dimensions")));
             }
             let mut dims = Vec::with_capacity(n_dims as usize);
             for _ in 0..n_dims {
-                dims.push(r.u64(&name)?);
+                dims.push(r.u64(&what)?);
             }
-            let ggml_type = r.u32(&name)?;
-            let offset = r.u64(&name)?;
+            let ggml_type = r.u32(&what)?;
+            let offset = r.u64(&what)?;
             let n: u64 = dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).unwrap_or(u64::MAX);
             let nbytes = match ggml_type::block_size(ggml_type) {
                 Some((bv, bb)) => {
                     if n % bv as u64 != 0 {
-                        return Err(Error::model(path, format!("corrupt tensor {name}: {n} values is not a whole number of {} blocks", ggml_type::name(ggml_type))));
+                        return Err(Error::model(path, format!("corrupt {what}: {n} values is not a whole number of {} blocks", ggml_type::name(ggml_type))));
                     }
                     (n / bv as u64).saturating_mul(bb as u64)
                 }
@@ -312,7 +327,7 @@ impl GgufFile {
             if t.offset.checked_add(t.nbytes).is_none_or(|end| end > data_len) {
                 return Err(Error::model(
                     path,
-                    format!("truncated GGUF file: tensor {} needs bytes up to {} of the data section, which has {data_len}", t.name, t.offset.saturating_add(t.nbytes)),
+                    format!("truncated GGUF file: tensor {} needs bytes up to {} of the data section, which has {data_len}", shown(&t.name), t.offset.saturating_add(t.nbytes)),
                 ));
             }
         }
@@ -341,9 +356,16 @@ impl GgufFile {
 
     /// `general.architecture`.
     pub fn architecture(&self) -> Result<&str> {
-        self.require("general.architecture")?
+        let arch = self
+            .require("general.architecture")?
             .as_str()
-            .ok_or_else(|| Error::model(&self.path, "general.architecture is not a string"))
+            .ok_or_else(|| Error::model(&self.path, "general.architecture is not a string"))?;
+        // Architecture names are short identifiers; anything else is corruption (and would be printed raw
+        // by the unknown-architecture message).
+        if arch.is_empty() || arch.len() > SHOWN_CHARS || !arch.chars().all(|c| c.is_ascii_graphic()) {
+            return Err(Error::model(&self.path, format!("corrupt GGUF file: general.architecture {} is not a name", shown(arch))));
+        }
+        Ok(arch)
     }
 
     /// Tensor info by name.
@@ -354,7 +376,7 @@ impl GgufFile {
     /// The raw bytes of a tensor (bounds were checked at open).
     pub fn tensor_data(&self, t: &TensorInfo) -> Result<&[u8]> {
         if ggml_type::block_size(t.ggml_type).is_none() {
-            return Err(Error::model(&self.path, format!("tensor {} has unsupported type {}", t.name, ggml_type::name(t.ggml_type))));
+            return Err(Error::model(&self.path, format!("tensor {} has unsupported type {}", shown(&t.name), ggml_type::name(t.ggml_type))));
         }
         let start = self.data_offset + t.offset as usize;
         Ok(&self.mmap[start..start + t.nbytes as usize])
@@ -482,7 +504,10 @@ mod tests {
     }
 
     fn open_bytes(bytes: &[u8]) -> Result<GgufFile> {
-        let dir = std::env::temp_dir().join(format!("eddy-gguf-test-{}-{}", std::process::id(), bytes.len()));
+        // A file of its own per call: tests run in parallel, several with files of the same length.
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("eddy-gguf-test-{}-{n}", std::process::id()));
         std::fs::write(&dir, bytes).unwrap();
         let r = GgufFile::open(&dir);
         std::fs::remove_file(&dir).ok();
@@ -533,5 +558,22 @@ mod tests {
     fn missing_file() {
         let e = GgufFile::open(Path::new("/nonexistent/model.gguf")).err().unwrap().to_string();
         assert!(e.starts_with("/nonexistent/model.gguf: cannot open"), "{e}");
+    }
+
+    #[test]
+    fn file_strings_in_errors_are_escaped_and_truncated() {
+        // A tensor name of control bytes and 200 characters, with an impossible dimension count.
+        let mut b = tiny_gguf();
+        let name = format!("\x1b[31m{}", "a".repeat(200));
+        let at = b.windows(8).position(|w| w == b"x.weight").unwrap();
+        b.splice(at - 8..at + 8, (name.len() as u64).to_le_bytes().into_iter().chain(name.bytes()));
+        let dims_at = at - 8 + 8 + name.len();
+        b[dims_at..dims_at + 4].copy_from_slice(&9u32.to_le_bytes());
+        let msg = open_bytes(&b).err().unwrap().to_string();
+        assert!(msg.contains("9 dimensions"), "{msg}");
+        assert!(!msg.contains('\x1b') && msg.contains("\\u{1b}[31m"), "{msg}");
+        assert!(!msg.contains(&"a".repeat(65)) && msg.contains(&"a".repeat(50)), "{msg}");
+        assert_eq!(shown("ab\n"), "\"ab\\n\"");
+        assert_eq!(shown(&"é".repeat(70)), format!("{:?}…", "é".repeat(64)));
     }
 }

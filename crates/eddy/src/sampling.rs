@@ -5,8 +5,8 @@
 //! nothing but the seed and the position. Plain decoding and speculative verification of any tree therefore
 //! draw the same sample at the same position: the accept walk only has to follow the target's own samples.
 //!
-//! Pipeline (as llama.cpp / transformers order it): repetition penalty → temperature → top-k → top-p →
-//! min-p → inverse-CDF draw. Temperature 0 is greedy (argmax, lowest id on ties).
+//! Pipeline (as llama.cpp / transformers order it): repetition penalty → presence and frequency
+//! penalties → temperature → top-k → top-p → min-p → inverse-CDF draw. Temperature 0 is greedy (argmax, lowest id on ties).
 
 /// Sampling parameters of one request.
 #[derive(Debug, Clone, PartialEq)]
@@ -24,6 +24,15 @@ pub struct SamplerParams {
     pub repetition_penalty: f32,
     /// Window of previous tokens the repetition penalty looks at.
     pub repeat_last_n: usize,
+    /// OpenAI's presence penalty, in [-2, 2]: subtracted once from the logit of every token that occurs
+    /// among the generated tokens (0 = off).
+    pub presence_penalty: f32,
+    /// OpenAI's frequency penalty, in [-2, 2]: subtracted from a token's logit once per occurrence among
+    /// the generated tokens (0 = off).
+    pub frequency_penalty: f32,
+    /// Number of prompt tokens at the start of the history given to [`Sampler::sample`]: the presence
+    /// and frequency penalties count only the tokens after them (those generated in this request).
+    pub prompt_len: usize,
     /// Seed of the position-keyed generator.
     pub seed: u64,
 }
@@ -37,6 +46,9 @@ impl Default for SamplerParams {
             min_p: 0.0,
             repetition_penalty: 1.0,
             repeat_last_n: 64,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            prompt_len: 0,
             seed: 0,
         }
     }
@@ -62,6 +74,11 @@ impl SamplerParams {
                 "repetition_penalty must be > 0, got {}",
                 self.repetition_penalty
             ));
+        }
+        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(format!("{name} must be in [-2, 2], got {v}"));
+            }
         }
         Ok(())
     }
@@ -111,15 +128,18 @@ pub fn argmax(x: &[f32]) -> u32 {
     best as u32
 }
 
-/// Reusable sampler state (candidate buffer, so sampling allocates nothing per token once warm).
+/// Reusable sampler state (candidate and token-count buffers, so sampling allocates nothing per token
+/// once warm).
 #[derive(Default)]
 pub struct Sampler {
     cand: Vec<(f32, u32)>,
+    generated: Vec<u32>,
 }
 
 impl Sampler {
-    /// Sample the token at absolute position `pos` from `logits` (modified in place by the penalty),
-    /// given `history` (all tokens before `pos`, prompt included).
+    /// Sample the token at absolute position `pos` from `logits` (modified in place by the penalties),
+    /// given `history` (all tokens before `pos`, prompt included; its first `p.prompt_len` are the
+    /// prompt).
     pub fn sample(
         &mut self,
         p: &SamplerParams,
@@ -143,6 +163,9 @@ impl Sampler {
                     };
                 }
             }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            self.presence_frequency(p, logits, history);
         }
         if p.temperature == 0.0 {
             return argmax(logits);
@@ -206,6 +229,20 @@ impl Sampler {
             }
         }
         c[c.len() - 1].1
+    }
+
+    /// OpenAI's penalties: `logit[t] -= presence·[count_t > 0] + frequency·count_t`, with `count_t` the
+    /// occurrences of `t` in `history` after the prompt.
+    fn presence_frequency(&mut self, p: &SamplerParams, logits: &mut [f32], history: &[u32]) {
+        let g = &mut self.generated;
+        g.clear();
+        g.extend_from_slice(history.get(p.prompt_len..).unwrap_or(&[]));
+        g.sort_unstable();
+        for run in g.chunk_by(|a, b| a == b) {
+            if let Some(l) = logits.get_mut(run[0] as usize) {
+                *l -= p.presence_penalty + p.frequency_penalty * run.len() as f32;
+            }
+        }
     }
 }
 
@@ -326,5 +363,42 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(s.sample(&p, &mut l, &[0], 1), 1);
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_count_generated_tokens_only() {
+        // Vocabulary of 5; prompt [4, 1], generated [2, 3, 2, 2].
+        let history = [4u32, 1, 2, 3, 2, 2];
+        let p = SamplerParams {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            prompt_len: 2,
+            ..Default::default()
+        };
+        let mut s = Sampler::default();
+        let mut l = vec![1.0f32, 1.0, 3.0, 2.0, 1.5];
+        s.sample(&p, &mut l, &history, history.len());
+        // 0, 1 (prompt only) and 4 (prompt only): unchanged; 2: 3 − (0.5 + 3·0.25) = 1.75;
+        // 3: 2 − (0.5 + 0.25) = 1.25.
+        assert_eq!(l, vec![1.0, 1.0, 1.75, 1.25, 1.5]);
+        // Negative values raise the logits; presence alone is per distinct token.
+        let p = SamplerParams { presence_penalty: -1.0, prompt_len: 2, ..Default::default() };
+        let mut l = vec![0.0f32; 5];
+        assert_eq!(s.sample(&p, &mut l, &history, history.len()), 2);
+        assert_eq!(l, vec![0.0, 0.0, 1.0, 1.0, 0.0]);
+        // Frequency alone, with the repetition penalty applied first (it sees the prompt too).
+        let p = SamplerParams {
+            frequency_penalty: 2.0,
+            repetition_penalty: 2.0,
+            prompt_len: 2,
+            ..Default::default()
+        };
+        let mut l = vec![1.0f32, 4.0, 8.0, -1.0, 6.0];
+        // 1: 4/2 = 2; 2: 8/2 − 3·2 = −2; 3: −1·2 − 2 = −4; 4: 6/2 = 3.
+        assert_eq!(s.sample(&p, &mut l, &history, history.len()), 4);
+        assert_eq!(l, vec![1.0, 2.0, -2.0, -4.0, 3.0]);
+        // Out of range values are refused.
+        let bad = SamplerParams { frequency_penalty: 2.5, ..Default::default() };
+        assert!(bad.validate().unwrap_err().contains("frequency_penalty"));
     }
 }
