@@ -432,34 +432,49 @@ multiversion! {
     /// `S₀ᵀk_i, S₀ᵀq_i` (`2n × dv`), `gram` holds `k_i·k_j, q_i·k_j` for all j (`2n × n`), `vs` the values
     /// (`n × dv`), `gam`/`eg`/`bet` the node's γ, e^g and β. Forward substitution over each node's ancestors
     /// (decays `e^{γ_i−γ_j}` as running products of e^g up the path, no exp per pair); writes `us` (ũ) and
-    /// `os` (outputs), `n × dv` each.
-    fn wy_solve => wy_solve_body(dv: usize, parents: &[usize], kqs: &[f32], gram: &[f32], vs: &[f32], gam: &[f32], eg: &[f32], bet: &[f32], us: &mut [f32], os: &mut [f32])
+    /// `os` (outputs), `n × dv` each; `coef` is scratch (`2n`).
+    fn wy_solve => wy_solve_body(kernel: Kernel, dv: usize, parents: &[usize], kqs: &[f32], gram: &[f32], vs: &[f32], gam: &[f32], eg: &[f32], bet: &[f32], us: &mut [f32], os: &mut [f32], coef: &mut [f32])
 }
 
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn wy_solve_body<const FMA: bool>(dv: usize, parents: &[usize], kqs: &[f32], gram: &[f32], vs: &[f32], gam: &[f32], eg: &[f32], bet: &[f32], us: &mut [f32], os: &mut [f32]) {
+fn wy_solve_body<const FMA: bool>(kernel: Kernel, dv: usize, parents: &[usize], kqs: &[f32], gram: &[f32], vs: &[f32], gam: &[f32], eg: &[f32], bet: &[f32], us: &mut [f32], os: &mut [f32], coef: &mut [f32]) {
     let n = parents.len();
+    let (cu, co) = coef[..2 * n].split_at_mut(n);
     for i in 0..n {
         let (b, egi) = (bet[i], gam[i].exp());
+        let (kk, qk) = (&gram[2 * i * n..(2 * i + 1) * n], &gram[(2 * i + 1) * n..(2 * i + 2) * n]);
+        // Coefficients of the ancestors in walk order (parent first): ũ_i −= β_i·decay·(k_i·k_a)·ũ_a and
+        // o_i += decay·(q_i·k_a)·ũ_a, decay = e^{γ_i − γ_a}: e^{g_i} for the parent, times e^{g_a} per step further
+        // up; the walk stops where it underflows.
+        let (mut a, mut decay, mut na) = (parents[i], eg[i], 0);
+        while a != usize::MAX && decay >= f32::MIN_POSITIVE {
+            (cu[na], co[na]) = (-b * decay * kk[a], decay * qk[a]);
+            na += 1;
+            decay *= eg[a];
+            a = parents[a];
+        }
+        let (sk, sq) = (&kqs[2 * i * dv..(2 * i + 1) * dv], &kqs[(2 * i + 1) * dv..(2 * i + 2) * dv]);
+        let oi = &mut os[i * dv..(i + 1) * dv];
+        #[cfg(target_arch = "x86_64")]
+        if kernel == Kernel::Avx512 {
+            // SAFETY: the caller checked that the path is available (avx512f).
+            unsafe { simd::solve_node(dv, parents, i, na, &cu[..na], &co[..na], b, egi, qk[i], &vs[i * dv..(i + 1) * dv], sk, sq, us, oi) };
+            continue;
+        }
+        let _ = kernel;
         let (done, rest) = us.split_at_mut(i * dv);
         let ui = &mut rest[..dv];
-        let oi = &mut os[i * dv..(i + 1) * dv];
-        let (sk, sq) = (&kqs[2 * i * dv..(2 * i + 1) * dv], &kqs[(2 * i + 1) * dv..(2 * i + 2) * dv]);
         for j in 0..dv {
             ui[j] = b * (vs[i * dv + j] - egi * sk[j]);
             oi[j] = egi * sq[j];
         }
-        let (kk, qk) = (&gram[2 * i * n..(2 * i + 1) * n], &gram[(2 * i + 1) * n..(2 * i + 2) * n]);
-        // decay = e^{γ_i − γ_a}: e^{g_i} for the parent, times e^{g_a} per step further up.
-        let (mut a, mut decay) = (parents[i], eg[i]);
-        while a != usize::MAX && decay >= f32::MIN_POSITIVE {
-            let (cu, co) = (-b * decay * kk[a], decay * qk[a]);
+        let mut a = parents[i];
+        for t in 0..na {
             for ((u, o), &ua) in ui.iter_mut().zip(oi.iter_mut()).zip(&done[a * dv..(a + 1) * dv]) {
-                *u = madd::<FMA>(*u, cu, ua);
-                *o = madd::<FMA>(*o, co, ua);
+                *u = madd::<FMA>(*u, cu[t], ua);
+                *o = madd::<FMA>(*o, co[t], ua);
             }
-            decay *= eg[a];
             a = parents[a];
         }
         axpy_f::<FMA>(oi, qk[i], ui);
@@ -553,8 +568,8 @@ pub fn wy_outputs_with(
     let up = SyncPtr(u.as_mut_ptr());
     let op = SyncPtr(out.as_mut_ptr());
     // Scratch per head: X (2n × dk), Kᵀ (dk × n), values (n × dv), γ, e^g, β (n each), X·S₀ (2n × dv),
-    // X·Kᵀ (2n × n), ũ and outputs (n × dv each).
-    let len = 2 * n * dk + dk * n + n * dv + 3 * n + 2 * n * dv + 2 * n * n + 2 * n * dv;
+    // X·Kᵀ (2n × n), ũ and outputs (n × dv each), the solve's coefficients (2n).
+    let len = 2 * n * dk + dk * n + n * dv + 3 * n + 2 * n * dv + 2 * n * n + 2 * n * dv + 2 * n;
     pool.parallel_for(hv, 1, |range| {
         with_scratch(len, |sc| {
             let (xs, sc) = sc.split_at_mut(2 * n * dk);
@@ -565,7 +580,8 @@ pub fn wy_outputs_with(
             let (bet, sc) = sc.split_at_mut(n);
             let (kqs, sc) = sc.split_at_mut(2 * n * dv);
             let (gram, sc) = sc.split_at_mut(2 * n * n);
-            let (us, os) = sc.split_at_mut(n * dv);
+            let (us, sc) = sc.split_at_mut(n * dv);
+            let (os, coef) = sc.split_at_mut(n * dv);
             for h in range {
                 for i in 0..n {
                     let (q, k, v) = qkv(s, &c[i * cd..(i + 1) * cd], h);
@@ -581,7 +597,7 @@ pub fn wy_outputs_with(
                 }
                 gemm(kernel, &state[h * dk * dv..(h + 1) * dk * dv], dk, dv, xs, 2 * n, kqs);
                 gemm(kernel, kt, dk, n, xs, 2 * n, gram);
-                wy_solve(dv, parents, kqs, gram, vs, gam, eg, bet, us, os);
+                wy_solve(kernel, dv, parents, kqs, gram, vs, gam, eg, bet, us, os, coef);
                 for i in 0..n {
                     // SAFETY: head h owns the `dv` slices at column h·dv of every row of `u` and `out`.
                     unsafe {
@@ -806,6 +822,50 @@ mod simd {
                 _mm512_mask_storeu_ps(row.add(c * W), mk[c], _mm512_fmadd_ps(kb, u[c], _mm512_mul_ps(va, x)));
             }
             row = row.add(dv);
+        }
+    }
+
+    /// One node `i` of the ancestor solve, columns in chunks of 128 held in registers: `ũ_i = β(v − e^γ·S₀ᵀk_i) +
+    /// Σ_t cu[t]·ũ_{a_t}` and `o_i = e^γ·S₀ᵀq_i + Σ_t co[t]·ũ_{a_t} + (q_i·k_i)·ũ_i` over the first `na` ancestors
+    /// `a_t` of `i` (parent first); `us` holds ũ (`n × dv`, rows `< i` done, row `i` written here).
+    ///
+    /// # Safety
+    /// The CPU must have `avx512f`.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+    pub unsafe fn solve_node(dv: usize, parents: &[usize], i: usize, na: usize, cu: &[f32], co: &[f32], b: f32, egi: f32, qkii: f32, v: &[f32], sk: &[f32], sq: &[f32], us: &mut [f32], oi: &mut [f32]) {
+        assert!(cu.len() >= na && co.len() >= na && v.len() >= dv && sk.len() >= dv && sq.len() >= dv && oi.len() >= dv);
+        assert!(us.len() >= (i + 1) * dv && i < parents.len());
+        let (vb, ve, vqk) = (_mm512_set1_ps(b), _mm512_set1_ps(egi), _mm512_set1_ps(qkii));
+        let up = us.as_mut_ptr();
+        let mut j0 = 0;
+        while j0 < dv {
+            let mk = masks::<8>(dv, j0);
+            let (mut u, mut o) = ([_mm512_setzero_ps(); 8], [_mm512_setzero_ps(); 8]);
+            for c in 0..8 {
+                let j = j0 + c * W;
+                let (vv, kk) = (_mm512_maskz_loadu_ps(mk[c], v.as_ptr().add(j)), _mm512_maskz_loadu_ps(mk[c], sk.as_ptr().add(j)));
+                u[c] = _mm512_mul_ps(vb, _mm512_fnmadd_ps(ve, kk, vv));
+                o[c] = _mm512_mul_ps(ve, _mm512_maskz_loadu_ps(mk[c], sq.as_ptr().add(j)));
+            }
+            let mut a = parents[i];
+            for t in 0..na {
+                debug_assert!(a < i);
+                let (cut, cot) = (_mm512_set1_ps(cu[t]), _mm512_set1_ps(co[t]));
+                let ua = up.add(a * dv + j0);
+                for c in 0..8 {
+                    let x = _mm512_maskz_loadu_ps(mk[c], ua.add(c * W));
+                    u[c] = _mm512_fmadd_ps(cut, x, u[c]);
+                    o[c] = _mm512_fmadd_ps(cot, x, o[c]);
+                }
+                a = parents[a];
+            }
+            for c in 0..8 {
+                let j = j0 + c * W;
+                _mm512_mask_storeu_ps(up.add(i * dv + j), mk[c], u[c]);
+                _mm512_mask_storeu_ps(oi.as_mut_ptr().add(j), mk[c], _mm512_fmadd_ps(vqk, u[c], o[c]));
+            }
+            j0 += 8 * W;
         }
     }
 
@@ -1184,6 +1244,39 @@ mod tests {
 
 #[cfg(test)]
 mod speed {
+    /// The parts of one value head of the tree verify (0.8B shape, chain of `n` nodes), hot in cache.
+    #[test]
+    #[ignore]
+    fn gdn_wy_parts_speed() {
+        use super::Kernel;
+        let (dk, dv) = (128, 128);
+        let kernel = Kernel::active();
+        let st: Vec<f32> = (0..dk * dv).map(|i| (i % 7) as f32 * 0.01).collect();
+        let time = |f: &mut dyn FnMut()| (0..200).map(|_| { let t = std::time::Instant::now(); f(); t.elapsed().as_secs_f64() }).fold(f64::INFINITY, f64::min);
+        for n in [4usize, 16, 64] {
+            let xs: Vec<f32> = (0..2 * n * dk).map(|i| (i % 5) as f32 * 0.01).collect();
+            let kt: Vec<f32> = (0..dk * n).map(|i| (i % 3) as f32 * 0.01).collect();
+            let mut kqs = vec![0f32; 2 * n * dv];
+            let mut gram = vec![0f32; 2 * n * n];
+            let main = time(&mut || super::gemm(kernel, &st, dk, dv, &xs, 2 * n, &mut kqs));
+            let g = time(&mut || super::gemm(kernel, &kt, dk, n, &xs, 2 * n, &mut gram));
+            let parents = super::chain_parents(n);
+            let vs = vec![0.1f32; n * dv];
+            let (gam, eg, bet) = (vec![-0.1f32; n], vec![0.9f32; n], vec![0.5f32; n]);
+            let (mut us, mut os, mut coef) = (vec![0f32; n * dv], vec![0f32; n * dv], vec![0f32; 2 * n]);
+            let solve = time(&mut || super::wy_solve(kernel, dv, &parents, &kqs, &gram, &vs, &gam, &eg, &bet, &mut us, &mut os, &mut coef));
+            let gm = |macs: usize, t: f64| macs as f64 / t / 1e9;
+            eprintln!(
+                "{kernel:?} n {n}: X·S₀ {:.2} µs ({:.1} GMAC/s), Gram {:.2} µs ({:.1} GMAC/s), solve {:.2} µs",
+                main * 1e6,
+                gm(2 * n * dk * dv, main),
+                g * 1e6,
+                gm(2 * n * n * dk, g),
+                solve * 1e6
+            );
+        }
+    }
+
     #[test]
     #[ignore]
     fn gdn_state_t_times_speed() {
