@@ -25,7 +25,7 @@
 //! exponent is ≤ 0, so nothing overflows. A per-branch sequential recurrence ([`tree_reference`]) is the
 //! test oracle.
 
-use super::{SyncPtr, ThreadPool};
+use super::{Kernel, SyncPtr, ThreadPool};
 use std::cell::RefCell;
 
 /// Shape of one Gated DeltaNet layer.
@@ -360,103 +360,188 @@ fn state_t_times_group<const FMA: bool, const CH: usize, const NV: usize>(st: &[
 }
 
 multiversion! {
-    /// `S ← alpha·S + Σ_p coef[p]·ks[p] us[p]ᵀ`: `st` is `dk × dv`, `ks` is `np × dk`, `us` is `np × dv`.
-    pub fn state_rank_update => state_rank_update_body(st: &mut [f32], dk: usize, dv: usize, alpha: f32, ks: &[f32], us: &[f32], coef: &[f32])
+    /// `S ← alpha·S + Σ_p ks[p] us[p]ᵀ` (coefficients folded into `ks`): `st` is `dk × dv`, `ks` is `np × dk`,
+    /// `us` is `np × dv`.
+    pub fn state_rank_update => state_rank_update_body(st: &mut [f32], dk: usize, dv: usize, alpha: f32, ks: &[f32], us: &[f32], np: usize)
 }
 
 #[inline(always)]
-fn state_rank_update_body<const FMA: bool>(st: &mut [f32], dk: usize, dv: usize, alpha: f32, ks: &[f32], us: &[f32], coef: &[f32]) {
-    let np = coef.len();
+fn state_rank_update_body<const FMA: bool>(st: &mut [f32], dk: usize, dv: usize, alpha: f32, ks: &[f32], us: &[f32], np: usize) {
     assert!(st.len() >= dk * dv && ks.len() >= np * dk && us.len() >= np * dv);
     // Row by row: the row (d_v values) stays in L1 while each rank-1 term is added with independent lanes.
     for m in 0..dk {
         let row = &mut st[m * dv..(m + 1) * dv];
         row.iter_mut().for_each(|v| *v *= alpha);
         for p in 0..np {
-            axpy_f::<FMA>(row, coef[p] * ks[p * dk + m], &us[p * dv..(p + 1) * dv]);
+            axpy_f::<FMA>(row, ks[p * dk + m], &us[p * dv..(p + 1) * dv]);
         }
     }
 }
 
+/// `out = xs·b` ([`state_t_times`]'s contract: `b` is `dk × nc`, `xs` is `nx × dk`, `out` is `nx × nc`) on
+/// `kernel`'s path.
+#[allow(clippy::too_many_arguments)]
+fn gemm(kernel: Kernel, b: &[f32], dk: usize, nc: usize, xs: &[f32], nx: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx512 {
+        // SAFETY: the caller checked that the path is available (avx512f).
+        return unsafe { simd::gemm(b, dk, nc, xs, nx, out) };
+    }
+    let _ = kernel;
+    state_t_times(b, dk, nc, xs, nx, out)
+}
+
+/// [`state_rank_update`] on `kernel`'s path.
+#[allow(clippy::too_many_arguments)]
+fn rank_update(kernel: Kernel, st: &mut [f32], dk: usize, dv: usize, alpha: f32, ks: &[f32], us: &[f32], np: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx512 {
+        // SAFETY: the caller checked that the path is available (avx512f).
+        return unsafe { simd::rank_update(st, dk, dv, alpha, ks, us, np) };
+    }
+    let _ = kernel;
+    state_rank_update(st, dk, dv, alpha, ks, us, np)
+}
+
+/// One decode step of one value head, in place (`S₀` = `st` before the call): `ũ = β(v − α·S₀ᵀk)`,
+/// `S ← α·S₀ + k ũᵀ` and `o = S_newᵀq`, computed as `α·S₀ᵀq + (q·k)·ũ` so that one read pass yields both
+/// products (§1.5 rearranged). `scratch`: `2·dk + 3·dv` values (portable path only).
+#[allow(clippy::too_many_arguments)]
+fn decode_head(kernel: Kernel, st: &mut [f32], dk: usize, dv: usize, q: &[f32], k: &[f32], v: &[f32], alpha: f32, beta: f32, out: &mut [f32], scratch: &mut [f32]) {
+    let qk = dot_f::<false>(q, k);
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx512 {
+        // SAFETY: the caller checked that the path is available (avx512f).
+        return unsafe { simd::decode_head(st, dk, dv, q, k, v, alpha, beta, qk, out) };
+    }
+    let (xs, rest) = scratch.split_at_mut(2 * dk);
+    let (kq, rest) = rest.split_at_mut(2 * dv);
+    let u = &mut rest[..dv];
+    xs[..dk].copy_from_slice(k);
+    xs[dk..].copy_from_slice(q);
+    gemm(kernel, st, dk, dv, xs, 2, kq);
+    for j in 0..dv {
+        u[j] = beta * (v[j] - alpha * kq[j]);
+        out[j] = alpha * kq[dv + j] + qk * u[j];
+    }
+    rank_update(kernel, st, dk, dv, alpha, k, u, 1);
+}
+
 multiversion! {
-    /// One value head of [`wy_outputs`] on gathered, contiguous inputs: `xs` holds `k_i, q_i` for each node
-    /// (`2n × dk`), `vs` the values (`n × dv`), `gam`/`bet` the node's γ and β; writes `us` (ũ) and `os`
-    /// (outputs), `n × dv` each; `ksqs` is scratch (`2n × dv`).
-    fn wy_head => wy_head_body(st: &[f32], dk: usize, dv: usize, parents: &[usize], xs: &[f32], vs: &[f32], gam: &[f32], bet: &[f32], ksqs: &mut [f32], us: &mut [f32], os: &mut [f32])
+    /// The ancestor phase of one value head of [`wy_outputs`], given the state products: `kqs` holds
+    /// `S₀ᵀk_i, S₀ᵀq_i` (`2n × dv`), `gram` holds `k_i·k_j, q_i·k_j` for all j (`2n × n`), `vs` the values
+    /// (`n × dv`), `gam`/`eg`/`bet` the node's γ, e^g and β. Forward substitution over each node's ancestors
+    /// (decays `e^{γ_i−γ_j}` as running products of e^g up the path, no exp per pair); writes `us` (ũ) and
+    /// `os` (outputs), `n × dv` each; `coef` is scratch (`2n`).
+    fn wy_solve => wy_solve_body(kernel: Kernel, dv: usize, parents: &[usize], kqs: &[f32], gram: &[f32], vs: &[f32], gam: &[f32], eg: &[f32], bet: &[f32], us: &mut [f32], os: &mut [f32], coef: &mut [f32])
 }
 
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn wy_head_body<const FMA: bool>(st: &[f32], dk: usize, dv: usize, parents: &[usize], xs: &[f32], vs: &[f32], gam: &[f32], bet: &[f32], ksqs: &mut [f32], us: &mut [f32], os: &mut [f32]) {
+fn wy_solve_body<const FMA: bool>(kernel: Kernel, dv: usize, parents: &[usize], kqs: &[f32], gram: &[f32], vs: &[f32], gam: &[f32], eg: &[f32], bet: &[f32], us: &mut [f32], os: &mut [f32], coef: &mut [f32]) {
     let n = parents.len();
-    state_t_times_body::<FMA>(st, dk, dv, xs, 2 * n, ksqs);
-    let key = |i: usize| &xs[2 * i * dk..(2 * i + 1) * dk];
-    let query = |i: usize| &xs[(2 * i + 1) * dk..(2 * i + 2) * dk];
+    let (cu, co) = coef[..2 * n].split_at_mut(n);
     for i in 0..n {
-        let (gi, b) = (gam[i], bet[i]);
-        let egi = gi.exp();
-        let (done, rest) = us.split_at_mut(i * dv);
-        let ui = &mut rest[..dv];
-        let (ks, qs) = (&ksqs[2 * i * dv..(2 * i + 1) * dv], &ksqs[(2 * i + 1) * dv..(2 * i + 2) * dv]);
-        for j in 0..dv {
-            ui[j] = b * (vs[i * dv + j] - egi * ks[j]);
-        }
-        let oi = &mut os[i * dv..(i + 1) * dv];
-        for j in 0..dv {
-            oi[j] = egi * qs[j];
-        }
-        let mut a = parents[i];
-        while a != usize::MAX {
-            let decay = (gi - gam[a]).exp();
-            let ua = &done[a * dv..(a + 1) * dv];
-            axpy_f::<FMA>(ui, -b * decay * dot_f::<FMA>(key(i), key(a)), ua);
-            axpy_f::<FMA>(oi, decay * dot_f::<FMA>(query(i), key(a)), ua);
+        let (b, egi) = (bet[i], gam[i].exp());
+        let (kk, qk) = (&gram[2 * i * n..(2 * i + 1) * n], &gram[(2 * i + 1) * n..(2 * i + 2) * n]);
+        // Coefficients of the ancestors in walk order (parent first): ũ_i −= β_i·decay·(k_i·k_a)·ũ_a and
+        // o_i += decay·(q_i·k_a)·ũ_a, decay = e^{γ_i − γ_a}: e^{g_i} for the parent, times e^{g_a} per step further
+        // up; the walk stops where it underflows.
+        let (mut a, mut decay, mut na) = (parents[i], eg[i], 0);
+        while a != usize::MAX && decay >= f32::MIN_POSITIVE {
+            (cu[na], co[na]) = (-b * decay * kk[a], decay * qk[a]);
+            na += 1;
+            decay *= eg[a];
             a = parents[a];
         }
-        axpy_f::<FMA>(oi, dot_f::<FMA>(query(i), key(i)), ui);
+        let (sk, sq) = (&kqs[2 * i * dv..(2 * i + 1) * dv], &kqs[(2 * i + 1) * dv..(2 * i + 2) * dv]);
+        let oi = &mut os[i * dv..(i + 1) * dv];
+        #[cfg(target_arch = "x86_64")]
+        if kernel == Kernel::Avx512 {
+            // SAFETY: the caller checked that the path is available (avx512f).
+            unsafe { simd::solve_node(dv, parents, i, na, &cu[..na], &co[..na], b, egi, qk[i], &vs[i * dv..(i + 1) * dv], sk, sq, us, oi) };
+            continue;
+        }
+        let _ = kernel;
+        let (done, rest) = us.split_at_mut(i * dv);
+        let ui = &mut rest[..dv];
+        for j in 0..dv {
+            ui[j] = b * (vs[i * dv + j] - egi * sk[j]);
+            oi[j] = egi * sq[j];
+        }
+        let mut a = parents[i];
+        for t in 0..na {
+            for ((u, o), &ua) in ui.iter_mut().zip(oi.iter_mut()).zip(&done[a * dv..(a + 1) * dv]) {
+                *u = madd::<FMA>(*u, cu[t], ua);
+                *o = madd::<FMA>(*o, co[t], ua);
+            }
+            a = parents[a];
+        }
+        axpy_f::<FMA>(oi, qk[i], ui);
     }
+}
+
+/// Per-thread scratch of the GDN kernels (grown, never shrunk: no allocation per call once warm).
+fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    thread_local! {
+        static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    }
+    SCRATCH.with(|sc| {
+        let mut sc = sc.borrow_mut();
+        if sc.len() < len {
+            sc.resize(len, 0.0);
+        }
+        f(&mut sc[..len])
+    })
 }
 
 /// Recurrent (decode) form over `n` consecutive tokens, updating `state` in place: per value head and token,
 /// `S̄ = e^g S`, `ũ = β(v − S̄ᵀk)`, `S = S̄ + k ũᵀ`, `out = Sᵀq`. `c`: prepared stream (`n × conv_dim`); `g`, `beta`:
-/// `n × n_v_heads`; `out`: `n × value_dim`. Parallel over value heads.
+/// `n × n_v_heads`; `out`: `n × value_dim`. Parallel over value heads; each step reads the head's state once
+/// and writes it once (see `decode_head`).
 #[allow(clippy::too_many_arguments)]
 pub fn recurrent(pool: &ThreadPool, s: &GdnShape, state: &mut [f32], c: &[f32], g: &[f32], beta: &[f32], n: usize, out: &mut [f32]) {
+    recurrent_with(Kernel::active(), pool, s, state, c, g, beta, n, out)
+}
+
+/// [`recurrent`] on a given kernel path (which must be available on this CPU).
+#[allow(clippy::too_many_arguments)]
+pub fn recurrent_with(kernel: Kernel, pool: &ThreadPool, s: &GdnShape, state: &mut [f32], c: &[f32], g: &[f32], beta: &[f32], n: usize, out: &mut [f32]) {
     let (cd, dk, dv, hv, vd) = (s.conv_dim(), s.d_k, s.d_v, s.n_v_heads, s.value_dim());
     assert!(state.len() >= s.state_len() && c.len() >= n * cd && out.len() >= n * vd);
+    assert!(kernel.is_available(), "{kernel:?} kernels are not available on this CPU");
     let sp = SyncPtr(state.as_mut_ptr());
     let op = SyncPtr(out.as_mut_ptr());
     pool.parallel_for(hv, 1, |range| {
-        let mut kv = vec![0f32; dv];
-        for h in range {
-            // SAFETY: each head owns its state block and its `dv` slice of every output row.
-            let st = unsafe { std::slice::from_raw_parts_mut(sp.get().add(h * dk * dv), dk * dv) };
-            for t in 0..n {
-                let (q, k, v) = qkv(s, &c[t * cd..(t + 1) * cd], h);
-                let alpha = g[t * hv + h].exp();
-                let b = beta[t * hv + h];
-                state_t_times(st, dk, dv, k, 1, &mut kv);
-                for j in 0..dv {
-                    kv[j] = b * (v[j] - alpha * kv[j]);
+        with_scratch(2 * dk + 3 * dv, |scratch| {
+            for h in range {
+                // SAFETY: each head owns its state block and its `dv` slice of every output row.
+                let st = unsafe { std::slice::from_raw_parts_mut(sp.get().add(h * dk * dv), dk * dv) };
+                for t in 0..n {
+                    let (q, k, v) = qkv(s, &c[t * cd..(t + 1) * cd], h);
+                    let o = unsafe { std::slice::from_raw_parts_mut(op.get().add(t * vd + h * dv), dv) };
+                    decode_head(kernel, st, dk, dv, q, k, v, g[t * hv + h].exp(), beta[t * hv + h], o, scratch);
                 }
-                state_rank_update(st, dk, dv, alpha, k, &kv, &[1.0]);
-                let o = unsafe { std::slice::from_raw_parts_mut(op.get().add(t * vd + h * dv), dv) };
-                state_t_times(st, dk, dv, q, 1, o);
             }
-        }
+        })
     });
-}
-
-thread_local! {
-    static WY_SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// The ancestor-masked WY solve: outputs of every node of a tree (or chain) from the committed state `state`
 /// (read only). Writes `gamma` (`n × n_v_heads`, path-cumulative log decays), `u` (`n × value_dim`, the
 /// per-node corrections `ũ`) and `out` (`n × value_dim`). `c`, `g`, `beta` as in [`recurrent`]. Parallel over
-/// value heads. See the module docs for the math.
+/// value heads. See the module docs for the math. Per head: `[S₀ᵀk_i; S₀ᵀq_i] = X·S₀` with `X = [k_i; q_i]`
+/// (`2n × d_k`) and the Gram products `X·Kᵀ` (`2n × n`) as register-blocked GEMMs, then the ancestor-masked
+/// forward substitution ([`wy_solve`]).
 #[allow(clippy::too_many_arguments)]
-pub fn wy_outputs(
+pub fn wy_outputs(pool: &ThreadPool, s: &GdnShape, state: &[f32], c: &[f32], g: &[f32], beta: &[f32], parents: &[usize], gamma: &mut [f32], u: &mut [f32], out: &mut [f32]) {
+    wy_outputs_with(Kernel::active(), pool, s, state, c, g, beta, parents, gamma, u, out)
+}
+
+/// [`wy_outputs`] on a given kernel path (which must be available on this CPU).
+#[allow(clippy::too_many_arguments)]
+pub fn wy_outputs_with(
+    kernel: Kernel,
     pool: &ThreadPool,
     s: &GdnShape,
     state: &[f32],
@@ -472,6 +557,7 @@ pub fn wy_outputs(
     let (cd, dk, dv, hv, vd) = (s.conv_dim(), s.d_k, s.d_v, s.n_v_heads, s.value_dim());
     assert!(state.len() >= s.state_len() && c.len() >= n * cd && out.len() >= n * vd && u.len() >= n * vd);
     assert!(gamma.len() >= n * hv && g.len() >= n * hv && beta.len() >= n * hv);
+    assert!(kernel.is_available(), "{kernel:?} kernels are not available on this CPU");
     for i in 0..n {
         for h in 0..hv {
             let up = if parents[i] == usize::MAX { 0.0 } else { gamma[parents[i] * hv + h] };
@@ -481,26 +567,37 @@ pub fn wy_outputs(
     let gamma: &[f32] = gamma;
     let up = SyncPtr(u.as_mut_ptr());
     let op = SyncPtr(out.as_mut_ptr());
+    // Scratch per head: X (2n × dk), Kᵀ (dk × n), values (n × dv), γ, e^g, β (n each), X·S₀ (2n × dv),
+    // X·Kᵀ (2n × n), ũ and outputs (n × dv each), the solve's coefficients (2n).
+    let len = 2 * n * dk + dk * n + n * dv + 3 * n + 2 * n * dv + 2 * n * n + 2 * n * dv + 2 * n;
     pool.parallel_for(hv, 1, |range| {
-        WY_SCRATCH.with(|sc| {
-            let (xs, rest) = &mut *sc.borrow_mut();
-            xs.resize(2 * n * dk + n * dv + 2 * n, 0.0);
-            rest.resize(4 * n * dv, 0.0);
-            let (xs, tail) = xs.split_at_mut(2 * n * dk);
-            let (vs, tail) = tail.split_at_mut(n * dv);
-            let (gam, bet) = tail.split_at_mut(n);
-            let (ksqs, tail) = rest.split_at_mut(2 * n * dv);
-            let (us, os) = tail.split_at_mut(n * dv);
+        with_scratch(len, |sc| {
+            let (xs, sc) = sc.split_at_mut(2 * n * dk);
+            let (kt, sc) = sc.split_at_mut(dk * n);
+            let (vs, sc) = sc.split_at_mut(n * dv);
+            let (gam, sc) = sc.split_at_mut(n);
+            let (eg, sc) = sc.split_at_mut(n);
+            let (bet, sc) = sc.split_at_mut(n);
+            let (kqs, sc) = sc.split_at_mut(2 * n * dv);
+            let (gram, sc) = sc.split_at_mut(2 * n * n);
+            let (us, sc) = sc.split_at_mut(n * dv);
+            let (os, coef) = sc.split_at_mut(n * dv);
             for h in range {
                 for i in 0..n {
                     let (q, k, v) = qkv(s, &c[i * cd..(i + 1) * cd], h);
                     xs[2 * i * dk..(2 * i + 1) * dk].copy_from_slice(k);
                     xs[(2 * i + 1) * dk..(2 * i + 2) * dk].copy_from_slice(q);
+                    for (m, &km) in k.iter().enumerate() {
+                        kt[m * n + i] = km;
+                    }
                     vs[i * dv..(i + 1) * dv].copy_from_slice(v);
                     gam[i] = gamma[i * hv + h];
+                    eg[i] = g[i * hv + h].exp();
                     bet[i] = beta[i * hv + h];
                 }
-                wy_head(&state[h * dk * dv..(h + 1) * dk * dv], dk, dv, parents, xs, vs, gam, bet, ksqs, us, os);
+                gemm(kernel, &state[h * dk * dv..(h + 1) * dk * dv], dk, dv, xs, 2 * n, kqs);
+                gemm(kernel, kt, dk, n, xs, 2 * n, gram);
+                wy_solve(kernel, dv, parents, kqs, gram, vs, gam, eg, bet, us, os, coef);
                 for i in 0..n {
                     // SAFETY: head h owns the `dv` slices at column h·dv of every row of `u` and `out`.
                     unsafe {
@@ -515,44 +612,348 @@ pub fn wy_outputs(
 
 /// Commit a root path `path` (node indices from 0, each the parent of the next) into `state`:
 /// `S ← e^{γ_n} S + Σ_{j∈P} e^{γ_n−γ_j} k_j ũ_jᵀ` with n the last node; `c`, `gamma`, `u` from [`wy_outputs`].
-/// Parallel over value heads.
+/// Parallel over value heads; a rank-|P| update that loads and stores each state element once.
 pub fn apply_path(pool: &ThreadPool, s: &GdnShape, state: &mut [f32], c: &[f32], gamma: &[f32], u: &[f32], path: &[usize]) {
+    apply_path_with(Kernel::active(), pool, s, state, c, gamma, u, path)
+}
+
+/// [`apply_path`] on a given kernel path (which must be available on this CPU).
+#[allow(clippy::too_many_arguments)]
+pub fn apply_path_with(kernel: Kernel, pool: &ThreadPool, s: &GdnShape, state: &mut [f32], c: &[f32], gamma: &[f32], u: &[f32], path: &[usize]) {
     let Some(&last) = path.last() else { return };
     let (cd, dk, dv, hv, vd) = (s.conv_dim(), s.d_k, s.d_v, s.n_v_heads, s.value_dim());
+    assert!(kernel.is_available(), "{kernel:?} kernels are not available on this CPU");
+    let np = path.len();
     let sp = SyncPtr(state.as_mut_ptr());
     pool.parallel_for(hv, 1, |range| {
-        let mut coef = vec![0f32; path.len()];
-        let mut ks = vec![0f32; path.len() * dk];
-        let mut us = vec![0f32; path.len() * dv];
-        for h in range {
-            // SAFETY: each head owns its state block.
-            let st = unsafe { std::slice::from_raw_parts_mut(sp.get().add(h * dk * dv), dk * dv) };
-            let gl = gamma[last * hv + h];
-            for (p, &j) in path.iter().enumerate() {
-                coef[p] = (gl - gamma[j * hv + h]).exp();
-                ks[p * dk..(p + 1) * dk].copy_from_slice(qkv(s, &c[j * cd..(j + 1) * cd], h).1);
-                us[p * dv..(p + 1) * dv].copy_from_slice(&u[j * vd + h * dv..j * vd + (h + 1) * dv]);
+        with_scratch(np * (dk + dv), |sc| {
+            let (ks, us) = sc.split_at_mut(np * dk);
+            for h in range {
+                // SAFETY: each head owns its state block.
+                let st = unsafe { std::slice::from_raw_parts_mut(sp.get().add(h * dk * dv), dk * dv) };
+                let gl = gamma[last * hv + h];
+                for (p, &j) in path.iter().enumerate() {
+                    let coef = (gl - gamma[j * hv + h]).exp();
+                    let k = qkv(s, &c[j * cd..(j + 1) * cd], h).1;
+                    ks[p * dk..(p + 1) * dk].iter_mut().zip(k).for_each(|(d, &x)| *d = coef * x);
+                    us[p * dv..(p + 1) * dv].copy_from_slice(&u[j * vd + h * dv..j * vd + (h + 1) * dv]);
+                }
+                rank_update(kernel, st, dk, dv, gl.exp(), ks, us, np);
             }
-            state_rank_update(st, dk, dv, gl.exp(), &ks, &us, &coef);
-        }
+        })
     });
+}
+
+/// AVX-512 (`avx512f`) kernels of the state products: register tiles of zmm accumulators that share every
+/// load, with masked loads and stores for a partial last column block, so any `d_k`, `d_v` (and any `T` in
+/// the Gram products) take them. Callers check [`Kernel::Avx512`] first.
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    /// f32 lanes of a zmm register.
+    const W: usize = 16;
+    /// Rows of the state ahead that the first pass over it prefetches.
+    const PF_ROWS: usize = 8;
+
+    /// Lanes of the column block starting `rem` columns before the end (all 16 when `rem ≥ 16`).
+    #[inline(always)]
+    fn mask(rem: usize) -> __mmask16 {
+        if rem >= W {
+            0xFFFF
+        } else {
+            ((1u32 << rem) - 1) as __mmask16
+        }
+    }
+
+    /// Masks of `CB` column blocks starting at column `j0` of `nc` (blocks past the end get mask 0).
+    #[inline(always)]
+    fn masks<const CB: usize>(nc: usize, j0: usize) -> [__mmask16; CB] {
+        let mut mk = [0; CB];
+        for (c, m) in mk.iter_mut().enumerate() {
+            *m = mask(nc.saturating_sub(j0 + c * W));
+        }
+        mk
+    }
+
+    /// `out[x][j] = Σ_m xs[x][m]·b[m][j]`: `b` is `dk × nc`, `xs` is `nx × dk`, `out` is `nx × nc` (all
+    /// row-major, contiguous). When `b` is wider than 64 columns, the first two vectors pass over whole rows
+    /// (2 × 8 blocks, prefetching ahead), so `b` streams in once in order; the rest in tiles of 4 vectors × up to
+    /// 4 column blocks (16 accumulators; per row of `b`, ≤ 4 block loads and 4 broadcasts feed 16 FMAs; 8
+    /// vectors when the chunk is ≤ 2 blocks wide), column chunk outermost so a chunk of `b` stays in cache while
+    /// every vector group passes over it.
+    ///
+    /// # Safety
+    /// The CPU must have `avx512f`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn gemm(b: &[f32], dk: usize, nc: usize, xs: &[f32], nx: usize, out: &mut [f32]) {
+        assert!(b.len() >= dk * nc && xs.len() >= nx * dk && out.len() >= nx * nc);
+        let (b, xs, mut out) = (b.as_ptr(), xs.as_ptr(), out.as_mut_ptr());
+        let (mut xs, mut nx) = (xs, nx);
+        if nc > 4 * W && nx >= 2 {
+            // The first two vectors stream whole rows (8 column blocks): a cold `b` then arrives from memory in
+            // order, as in the decode step, instead of in strided half rows.
+            let mut j0 = 0;
+            while j0 < nc {
+                gemm_tile::<2, 8>(b, dk, nc, j0, masks::<8>(nc, j0), xs, 0, out);
+                j0 += 8 * W;
+            }
+            (xs, out, nx) = (xs.add(2 * dk), out.add(2 * nc), nx - 2);
+        }
+        let mut j0 = 0;
+        while j0 < nc {
+            let blocks = (nc - j0).div_ceil(W).min(4);
+            match blocks {
+                1 => gemm_cols::<1>(b, dk, nc, j0, xs, nx, out),
+                2 => gemm_cols::<2>(b, dk, nc, j0, xs, nx, out),
+                3 => gemm_cols::<3>(b, dk, nc, j0, xs, nx, out),
+                _ => gemm_cols::<4>(b, dk, nc, j0, xs, nx, out),
+            }
+            j0 += blocks * W;
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn gemm_cols<const CB: usize>(b: *const f32, dk: usize, nc: usize, j0: usize, xs: *const f32, nx: usize, out: *mut f32) {
+        let mk = masks::<CB>(nc, j0);
+        let mut x0 = 0;
+        // Narrow chunks (the Gram products) take 8 vectors per tile to keep ≥ 8 FMA chains in flight.
+        if CB <= 2 {
+            while x0 + 8 <= nx {
+                gemm_tile::<8, CB>(b, dk, nc, j0, mk, xs, x0, out);
+                x0 += 8;
+            }
+        }
+        while x0 + 4 <= nx {
+            gemm_tile::<4, CB>(b, dk, nc, j0, mk, xs, x0, out);
+            x0 += 4;
+        }
+        match nx - x0 {
+            3 => gemm_tile::<3, CB>(b, dk, nc, j0, mk, xs, x0, out),
+            2 => gemm_tile::<2, CB>(b, dk, nc, j0, mk, xs, x0, out),
+            1 => gemm_tile::<1, CB>(b, dk, nc, j0, mk, xs, x0, out),
+            _ => {}
+        }
+    }
+
+    /// Vectors `x0..x0+NV` × column blocks `j0..j0+16·CB`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+    unsafe fn gemm_tile<const NV: usize, const CB: usize>(b: *const f32, dk: usize, nc: usize, j0: usize, mk: [__mmask16; CB], xs: *const f32, x0: usize, out: *mut f32) {
+        let mut acc = [[_mm512_setzero_ps(); CB]; NV];
+        let xr = xs.add(x0 * dk);
+        let mut row = b.add(j0);
+        for m in 0..dk {
+            let mut bv = [_mm512_setzero_ps(); CB];
+            for c in 0..CB {
+                bv[c] = _mm512_maskz_loadu_ps(mk[c], row.add(c * W));
+            }
+            if x0 == 0 && m + PF_ROWS < dk {
+                // The first vector group brings the chunk in (from DRAM in a real decode step): ask for the
+                // rows PF_ROWS ahead (prefetches never fault).
+                for c in 0..CB {
+                    _mm_prefetch::<_MM_HINT_T0>(row.add(PF_ROWS * nc + c * W) as *const i8);
+                }
+            }
+            for v in 0..NV {
+                let a = _mm512_set1_ps(*xr.add(v * dk + m));
+                for c in 0..CB {
+                    acc[v][c] = _mm512_fmadd_ps(a, bv[c], acc[v][c]);
+                }
+            }
+            row = row.add(nc);
+        }
+        for v in 0..NV {
+            for c in 0..CB {
+                _mm512_mask_storeu_ps(out.add((x0 + v) * nc + j0 + c * W), mk[c], acc[v][c]);
+            }
+        }
+    }
+
+    /// One value head of one decode step, in place, in two passes over the state: the first computes `S₀ᵀk`
+    /// and `S₀ᵀq` together (each row loaded once), then `ũ = β(v − α·S₀ᵀk)` and `o = α·S₀ᵀq + (q·k)·ũ`
+    /// (which is `S_newᵀq`), the second writes `S ← α·S₀ + k ũᵀ`. `st` is `dk × dv`; `qk = q·k`. Columns are
+    /// independent, so each chunk of 128 does both passes before the next.
+    ///
+    /// # Safety
+    /// The CPU must have `avx512f`.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn decode_head(st: &mut [f32], dk: usize, dv: usize, q: &[f32], k: &[f32], v: &[f32], alpha: f32, beta: f32, qk: f32, out: &mut [f32]) {
+        assert!(st.len() >= dk * dv && q.len() >= dk && k.len() >= dk && v.len() >= dv && out.len() >= dv);
+        let mut j0 = 0;
+        while j0 < dv {
+            decode_cols(st.as_mut_ptr(), dk, dv, j0, q.as_ptr(), k.as_ptr(), v.as_ptr(), alpha, beta, qk, out.as_mut_ptr());
+            j0 += 8 * W;
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+    unsafe fn decode_cols(s: *mut f32, dk: usize, dv: usize, j0: usize, q: *const f32, k: *const f32, v: *const f32, alpha: f32, beta: f32, qk: f32, out: *mut f32) {
+        let mk = masks::<8>(dv, j0);
+        let (mut ak, mut aq) = ([_mm512_setzero_ps(); 8], [_mm512_setzero_ps(); 8]);
+        let mut row = s.add(j0);
+        for m in 0..dk {
+            let (kb, qb) = (_mm512_set1_ps(*k.add(m)), _mm512_set1_ps(*q.add(m)));
+            for c in 0..8 {
+                let x = _mm512_maskz_loadu_ps(mk[c], row.add(c * W));
+                ak[c] = _mm512_fmadd_ps(kb, x, ak[c]);
+                aq[c] = _mm512_fmadd_ps(qb, x, aq[c]);
+            }
+            row = row.add(dv);
+        }
+        let (va, vb, vqk) = (_mm512_set1_ps(alpha), _mm512_set1_ps(beta), _mm512_set1_ps(qk));
+        let mut u = [_mm512_setzero_ps(); 8];
+        for c in 0..8 {
+            let vv = _mm512_maskz_loadu_ps(mk[c], v.add(j0 + c * W));
+            u[c] = _mm512_mul_ps(vb, _mm512_fnmadd_ps(va, ak[c], vv));
+            let o = _mm512_fmadd_ps(vqk, u[c], _mm512_mul_ps(va, aq[c]));
+            _mm512_mask_storeu_ps(out.add(j0 + c * W), mk[c], o);
+        }
+        let mut row = s.add(j0);
+        for m in 0..dk {
+            let kb = _mm512_set1_ps(*k.add(m));
+            for c in 0..8 {
+                let x = _mm512_maskz_loadu_ps(mk[c], row.add(c * W));
+                _mm512_mask_storeu_ps(row.add(c * W), mk[c], _mm512_fmadd_ps(kb, u[c], _mm512_mul_ps(va, x)));
+            }
+            row = row.add(dv);
+        }
+    }
+
+    /// One node `i` of the ancestor solve, columns in chunks of 128 held in registers: `ũ_i = β(v − e^γ·S₀ᵀk_i) +
+    /// Σ_t cu[t]·ũ_{a_t}` and `o_i = e^γ·S₀ᵀq_i + Σ_t co[t]·ũ_{a_t} + (q_i·k_i)·ũ_i` over the first `na` ancestors
+    /// `a_t` of `i` (parent first); `us` holds ũ (`n × dv`, rows `< i` done, row `i` written here).
+    ///
+    /// # Safety
+    /// The CPU must have `avx512f`.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+    pub unsafe fn solve_node(dv: usize, parents: &[usize], i: usize, na: usize, cu: &[f32], co: &[f32], b: f32, egi: f32, qkii: f32, v: &[f32], sk: &[f32], sq: &[f32], us: &mut [f32], oi: &mut [f32]) {
+        assert!(cu.len() >= na && co.len() >= na && v.len() >= dv && sk.len() >= dv && sq.len() >= dv && oi.len() >= dv);
+        assert!(us.len() >= (i + 1) * dv && i < parents.len());
+        let (vb, ve, vqk) = (_mm512_set1_ps(b), _mm512_set1_ps(egi), _mm512_set1_ps(qkii));
+        let up = us.as_mut_ptr();
+        let mut j0 = 0;
+        while j0 < dv {
+            let mk = masks::<8>(dv, j0);
+            let (mut u, mut o) = ([_mm512_setzero_ps(); 8], [_mm512_setzero_ps(); 8]);
+            for c in 0..8 {
+                let j = j0 + c * W;
+                let (vv, kk) = (_mm512_maskz_loadu_ps(mk[c], v.as_ptr().add(j)), _mm512_maskz_loadu_ps(mk[c], sk.as_ptr().add(j)));
+                u[c] = _mm512_mul_ps(vb, _mm512_fnmadd_ps(ve, kk, vv));
+                o[c] = _mm512_mul_ps(ve, _mm512_maskz_loadu_ps(mk[c], sq.as_ptr().add(j)));
+            }
+            let mut a = parents[i];
+            for t in 0..na {
+                debug_assert!(a < i);
+                let (cut, cot) = (_mm512_set1_ps(cu[t]), _mm512_set1_ps(co[t]));
+                let ua = up.add(a * dv + j0);
+                for c in 0..8 {
+                    let x = _mm512_maskz_loadu_ps(mk[c], ua.add(c * W));
+                    u[c] = _mm512_fmadd_ps(cut, x, u[c]);
+                    o[c] = _mm512_fmadd_ps(cot, x, o[c]);
+                }
+                a = parents[a];
+            }
+            for c in 0..8 {
+                let j = j0 + c * W;
+                _mm512_mask_storeu_ps(up.add(i * dv + j), mk[c], u[c]);
+                _mm512_mask_storeu_ps(oi.as_mut_ptr().add(j), mk[c], _mm512_fmadd_ps(vqk, u[c], o[c]));
+            }
+            j0 += 8 * W;
+        }
+    }
+
+    /// `S ← α·S + Σ_p ks[p] us[p]ᵀ`: `st` is `dk × dv`, `ks` is `np × dk` (coefficients folded in), `us` is
+    /// `np × dv`. Tiles of 4 state rows × up to 4 column blocks held in registers while all `np` terms are
+    /// added, so every state element is loaded and stored once.
+    ///
+    /// # Safety
+    /// The CPU must have `avx512f`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn rank_update(st: &mut [f32], dk: usize, dv: usize, alpha: f32, ks: &[f32], us: &[f32], np: usize) {
+        assert!(st.len() >= dk * dv && ks.len() >= np * dk && us.len() >= np * dv);
+        let (s, ks, us) = (st.as_mut_ptr(), ks.as_ptr(), us.as_ptr());
+        let mut m0 = 0;
+        while m0 < dk {
+            let rb = (dk - m0).min(4);
+            match rb {
+                1 => rank_rows::<1>(s, dk, dv, m0, alpha, ks, us, np),
+                2 => rank_rows::<2>(s, dk, dv, m0, alpha, ks, us, np),
+                3 => rank_rows::<3>(s, dk, dv, m0, alpha, ks, us, np),
+                _ => rank_rows::<4>(s, dk, dv, m0, alpha, ks, us, np),
+            }
+            m0 += rb;
+        }
+    }
+
+    /// State rows `m0..m0+RB`, all columns (the state streams through once, in order; the `np × dv` terms
+    /// stay in L1).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn rank_rows<const RB: usize>(s: *mut f32, dk: usize, dv: usize, m0: usize, alpha: f32, ks: *const f32, us: *const f32, np: usize) {
+        let mut j0 = 0;
+        while j0 < dv {
+            let blocks = (dv - j0).div_ceil(W).min(4);
+            match blocks {
+                1 => rank_tile::<RB, 1>(s, dk, dv, m0, j0, masks::<1>(dv, j0), alpha, ks, us, np),
+                2 => rank_tile::<RB, 2>(s, dk, dv, m0, j0, masks::<2>(dv, j0), alpha, ks, us, np),
+                3 => rank_tile::<RB, 3>(s, dk, dv, m0, j0, masks::<3>(dv, j0), alpha, ks, us, np),
+                _ => rank_tile::<RB, 4>(s, dk, dv, m0, j0, masks::<4>(dv, j0), alpha, ks, us, np),
+            }
+            j0 += blocks * W;
+        }
+    }
+
+    /// State rows `m0..m0+RB` × column blocks `j0..j0+16·CB`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+    unsafe fn rank_tile<const RB: usize, const CB: usize>(s: *mut f32, dk: usize, dv: usize, m0: usize, j0: usize, mk: [__mmask16; CB], alpha: f32, ks: *const f32, us: *const f32, np: usize) {
+        let va = _mm512_set1_ps(alpha);
+        let mut acc = [[_mm512_setzero_ps(); CB]; RB];
+        for r in 0..RB {
+            for c in 0..CB {
+                acc[r][c] = _mm512_mul_ps(va, _mm512_maskz_loadu_ps(mk[c], s.add((m0 + r) * dv + j0 + c * W)));
+            }
+        }
+        for p in 0..np {
+            let mut ub = [_mm512_setzero_ps(); CB];
+            for c in 0..CB {
+                ub[c] = _mm512_maskz_loadu_ps(mk[c], us.add(p * dv + j0 + c * W));
+            }
+            for r in 0..RB {
+                let a = _mm512_set1_ps(*ks.add(p * dk + m0 + r));
+                for c in 0..CB {
+                    acc[r][c] = _mm512_fmadd_ps(a, ub[c], acc[r][c]);
+                }
+            }
+        }
+        for r in 0..RB {
+            for c in 0..CB {
+                _mm512_mask_storeu_ps(s.add((m0 + r) * dv + j0 + c * W), mk[c], acc[r][c]);
+            }
+        }
+    }
 }
 
 /// Chunked (WY/UT) prefill of `n` consecutive tokens, updating `state`: chunks of `chunk` tokens, each a chain
 /// solved by [`wy_outputs`] and committed by [`apply_path`]. `gamma`/`u` are scratch (`chunk × n_v_heads`,
 /// `chunk × value_dim`). Agrees with [`recurrent`] up to rounding.
 #[allow(clippy::too_many_arguments)]
-pub fn chunked(
-    pool: &ThreadPool,
-    s: &GdnShape,
-    state: &mut [f32],
-    c: &[f32],
-    g: &[f32],
-    beta: &[f32],
-    n: usize,
-    chunk: usize,
-    out: &mut [f32],
-) {
+pub fn chunked(pool: &ThreadPool, s: &GdnShape, state: &mut [f32], c: &[f32], g: &[f32], beta: &[f32], n: usize, chunk: usize, out: &mut [f32]) {
+    chunked_with(Kernel::active(), pool, s, state, c, g, beta, n, chunk, out)
+}
+
+/// [`chunked`] on a given kernel path (which must be available on this CPU).
+#[allow(clippy::too_many_arguments)]
+pub fn chunked_with(kernel: Kernel, pool: &ThreadPool, s: &GdnShape, state: &mut [f32], c: &[f32], g: &[f32], beta: &[f32], n: usize, chunk: usize, out: &mut [f32]) {
     let (cd, hv, vd) = (s.conv_dim(), s.n_v_heads, s.value_dim());
     let chunk = chunk.max(1).min(n.max(1));
     let mut gamma = vec![0f32; chunk * hv];
@@ -563,14 +964,15 @@ pub fn chunked(
     while t0 < n {
         let len = chunk.min(n - t0);
         let (cs, gs, bs) = (&c[t0 * cd..(t0 + len) * cd], &g[t0 * hv..(t0 + len) * hv], &beta[t0 * hv..(t0 + len) * hv]);
-        wy_outputs(pool, s, state, cs, gs, bs, &parents[..len], &mut gamma, &mut u, &mut out[t0 * vd..(t0 + len) * vd]);
-        apply_path(pool, s, state, cs, &gamma, &u, &path[..len]);
+        wy_outputs_with(kernel, pool, s, state, cs, gs, bs, &parents[..len], &mut gamma, &mut u, &mut out[t0 * vd..(t0 + len) * vd]);
+        apply_path_with(kernel, pool, s, state, cs, &gamma, &u, &path[..len]);
         t0 += len;
     }
 }
 
 /// Test oracle for trees: a plain per-branch sequential recurrence (each node starts from a copy of its
-/// parent's post-state, the root from `state`, which is not modified). Same arguments as [`wy_outputs`].
+/// parent's post-state, the root from `state`, which is not modified), on the portable path. Same arguments as
+/// [`wy_outputs`].
 pub fn tree_reference(s: &GdnShape, state: &[f32], c: &[f32], g: &[f32], beta: &[f32], parents: &[usize], out: &mut [f32]) {
     let n = parents.len();
     let (cd, hv, vd) = (s.conv_dim(), s.n_v_heads, s.value_dim());
@@ -578,7 +980,7 @@ pub fn tree_reference(s: &GdnShape, state: &[f32], c: &[f32], g: &[f32], beta: &
     let mut states: Vec<Vec<f32>> = Vec::with_capacity(n);
     for i in 0..n {
         let mut st = if parents[i] == usize::MAX { state[..s.state_len()].to_vec() } else { states[parents[i]].clone() };
-        recurrent(&pool, s, &mut st, &c[i * cd..(i + 1) * cd], &g[i * hv..(i + 1) * hv], &beta[i * hv..(i + 1) * hv], 1, &mut out[i * vd..(i + 1) * vd]);
+        recurrent_with(Kernel::Scalar, &pool, s, &mut st, &c[i * cd..(i + 1) * cd], &g[i * hv..(i + 1) * hv], &beta[i * hv..(i + 1) * hv], 1, &mut out[i * vd..(i + 1) * vd]);
         states.push(st);
     }
 }
@@ -611,9 +1013,15 @@ mod tests {
         }
     }
 
-    /// d_v = 24 takes the generic loops, d_v = 32 the 16-lane blocked ones.
-    fn shape(v_tiled: bool) -> GdnShape {
-        GdnShape { n_k_heads: 2, n_v_heads: 4, d_k: 16, d_v: if v_tiled { 24 } else { 32 }, kernel: 4, v_tiled }
+    /// Shapes for the path tests: d_v = 32 (whole 16-lane blocks), 24, 40 and 130 (partial blocks, more than
+    /// one 128-column decode chunk), d_k not a multiple of 4 or 16; grouped and tiled value heads.
+    fn shapes() -> [GdnShape; 4] {
+        [
+            GdnShape { n_k_heads: 2, n_v_heads: 4, d_k: 16, d_v: 32, kernel: 4, v_tiled: false },
+            GdnShape { n_k_heads: 2, n_v_heads: 4, d_k: 16, d_v: 24, kernel: 4, v_tiled: true },
+            GdnShape { n_k_heads: 1, n_v_heads: 2, d_k: 20, d_v: 40, kernel: 4, v_tiled: false },
+            GdnShape { n_k_heads: 1, n_v_heads: 1, d_k: 13, d_v: 130, kernel: 4, v_tiled: true },
+        ]
     }
 
     /// Random prepared inputs for n nodes: (c, g, beta, state).
@@ -662,23 +1070,24 @@ mod tests {
     #[test]
     fn gdn_recurrent_and_chunked_match_scalar_reference() {
         let pool = ThreadPool::new(2);
-        for v_tiled in [false, true] {
-            let s = shape(v_tiled);
+        for s in shapes() {
             let mut rng = Rng(7);
             let n = 37;
             let (c, g, beta, st0) = inputs(&s, n, &mut rng);
             let (want, want_st) = scalar_chain(&s, &st0, &c, &g, &beta, n);
-            let mut st = st0.clone();
-            let mut out = vec![0f32; n * s.value_dim()];
-            recurrent(&pool, &s, &mut st, &c, &g, &beta, n, &mut out);
-            assert!(max_rel(&out, &want) < 1e-5, "recurrent {}", max_rel(&out, &want));
-            assert!(max_rel(&st, &want_st) < 1e-5);
-            for chunk in [1, 5, 16, 64] {
+            for kernel in Kernel::available() {
                 let mut st = st0.clone();
                 let mut out = vec![0f32; n * s.value_dim()];
-                chunked(&pool, &s, &mut st, &c, &g, &beta, n, chunk, &mut out);
-                assert!(max_rel(&out, &want) < 1e-5, "chunk {chunk}: {}", max_rel(&out, &want));
-                assert!(max_rel(&st, &want_st) < 1e-5, "chunk {chunk} state");
+                recurrent_with(kernel, &pool, &s, &mut st, &c, &g, &beta, n, &mut out);
+                assert!(max_rel(&out, &want) < 1e-5, "{kernel:?} {s:?} recurrent {}", max_rel(&out, &want));
+                assert!(max_rel(&st, &want_st) < 1e-5, "{kernel:?} {s:?} recurrent state");
+                for chunk in [1, 5, 16, 64] {
+                    let mut st = st0.clone();
+                    let mut out = vec![0f32; n * s.value_dim()];
+                    chunked_with(kernel, &pool, &s, &mut st, &c, &g, &beta, n, chunk, &mut out);
+                    assert!(max_rel(&out, &want) < 1e-5, "{kernel:?} {s:?} chunk {chunk}: {}", max_rel(&out, &want));
+                    assert!(max_rel(&st, &want_st) < 1e-5, "{kernel:?} {s:?} chunk {chunk} state");
+                }
             }
         }
     }
@@ -700,23 +1109,15 @@ mod tests {
         let pool = ThreadPool::new(2);
         let mut rng = Rng(99);
         let mut worst = 0f32;
-        for &n in &[1usize, 2, 3, 7, 16, 33, 64] {
+        for &n in &[1usize, 2, 3, 5, 7, 16, 17, 33, 64, 70] {
             for kind in 0..4 {
-                for v_tiled in [false, true] {
-                    let s = shape(v_tiled);
+                for s in shapes() {
                     let parents = random_tree(kind, n, &mut rng);
                     check_parents(&parents).unwrap();
                     let (c, g, beta, st0) = inputs(&s, n, &mut rng);
                     let (hv, vd) = (s.n_v_heads, s.value_dim());
                     let mut want = vec![0f32; n * vd];
                     tree_reference(&s, &st0, &c, &g, &beta, &parents, &mut want);
-                    let (mut gamma, mut u, mut out) = (vec![0f32; n * hv], vec![0f32; n * vd], vec![0f32; n * vd]);
-                    let st_copy = st0.clone();
-                    wy_outputs(&pool, &s, &st0, &c, &g, &beta, &parents, &mut gamma, &mut u, &mut out);
-                    assert_eq!(st0, st_copy);
-                    let e = max_rel(&out, &want);
-                    worst = worst.max(e);
-                    assert!(e < 1e-4, "n {n} kind {kind}: {e}");
                     // Commit the path to the deepest node; compare with the chain recurrence along it.
                     let leaf = n - 1;
                     let mut path = vec![leaf];
@@ -724,16 +1125,25 @@ mod tests {
                         path.push(parents[*path.last().unwrap()]);
                     }
                     path.reverse();
-                    let mut st = st0.clone();
-                    apply_path(&pool, &s, &mut st, &c, &gamma, &u, &path);
                     let cd = s.conv_dim();
                     let cp: Vec<f32> = path.iter().flat_map(|&p| c[p * cd..(p + 1) * cd].to_vec()).collect();
                     let gp: Vec<f32> = path.iter().flat_map(|&p| g[p * hv..(p + 1) * hv].to_vec()).collect();
                     let bp: Vec<f32> = path.iter().flat_map(|&p| beta[p * hv..(p + 1) * hv].to_vec()).collect();
                     let mut st_chain = st0.clone();
                     let mut o = vec![0f32; path.len() * vd];
-                    recurrent(&pool, &s, &mut st_chain, &cp, &gp, &bp, path.len(), &mut o);
-                    assert!(max_rel(&st, &st_chain) < 1e-4, "commit n {n} kind {kind}");
+                    recurrent_with(Kernel::Scalar, &pool, &s, &mut st_chain, &cp, &gp, &bp, path.len(), &mut o);
+                    for kernel in Kernel::available() {
+                        let (mut gamma, mut u, mut out) = (vec![0f32; n * hv], vec![0f32; n * vd], vec![0f32; n * vd]);
+                        let st_copy = st0.clone();
+                        wy_outputs_with(kernel, &pool, &s, &st0, &c, &g, &beta, &parents, &mut gamma, &mut u, &mut out);
+                        assert_eq!(st0, st_copy);
+                        let e = max_rel(&out, &want);
+                        worst = worst.max(e);
+                        assert!(e < 1e-4, "{kernel:?} {s:?} n {n} kind {kind}: {e}");
+                        let mut st = st0.clone();
+                        apply_path_with(kernel, &pool, &s, &mut st, &c, &gamma, &u, &path);
+                        assert!(max_rel(&st, &st_chain) < 1e-4, "{kernel:?} {s:?} commit n {n} kind {kind}");
+                    }
                 }
             }
         }
@@ -776,27 +1186,32 @@ mod tests {
     #[test]
     fn gdn_state_products_match_reference_on_every_path() {
         let mut rng = Rng(11);
-        for (dk, dv) in [(16usize, 24usize), (8, 16), (12, 64)] {
+        for (dk, dv) in [(16usize, 24usize), (8, 16), (12, 64), (1, 5), (7, 33), (13, 130), (128, 128)] {
             let st: Vec<f32> = (0..dk * dv).map(|_| rng.next()).collect();
-            for nx in [1usize, 3, 4, 9] {
+            for nx in [0usize, 1, 2, 3, 4, 5, 9, 33] {
                 let xs: Vec<f32> = (0..nx * dk).map(|_| rng.next()).collect();
                 let us: Vec<f32> = (0..nx * dv).map(|_| rng.next()).collect();
-                let coef: Vec<f32> = (0..nx).map(|_| rng.next()).collect();
                 let want: Vec<f32> = (0..nx * dv).map(|i| (0..dk).map(|m| xs[i / dv * dk + m] as f64 * st[m * dv + i % dv] as f64).sum::<f64>() as f32).collect();
                 let want_st: Vec<f32> = (0..dk * dv)
-                    .map(|i| (0.7 * st[i] as f64 + (0..nx).map(|p| coef[p] as f64 * xs[p * dk + i / dv] as f64 * us[p * dv + i % dv] as f64).sum::<f64>()) as f32)
+                    .map(|i| (0.7 * st[i] as f64 + (0..nx).map(|p| xs[p * dk + i / dv] as f64 * us[p * dv + i % dv] as f64).sum::<f64>()) as f32)
                     .collect();
-                let mut outs = [vec![0f32; nx * dv], vec![0f32; nx * dv], vec![0f32; nx * dv]];
+                let mut outs = vec![vec![0f32; nx * dv]; 2];
                 state_t_times_body::<false>(&st, dk, dv, &xs, nx, &mut outs[0]);
                 state_t_times_body::<true>(&st, dk, dv, &xs, nx, &mut outs[1]);
-                state_t_times(&st, dk, dv, &xs, nx, &mut outs[2]);
+                let mut sts = vec![st.clone(), st.clone()];
+                state_rank_update_body::<false>(&mut sts[0], dk, dv, 0.7, &xs, &us, nx);
+                state_rank_update_body::<true>(&mut sts[1], dk, dv, 0.7, &xs, &us, nx);
+                for kernel in Kernel::available() {
+                    let mut o = vec![0f32; nx * dv];
+                    gemm(kernel, &st, dk, dv, &xs, nx, &mut o);
+                    outs.push(o);
+                    let mut s2 = st.clone();
+                    rank_update(kernel, &mut s2, dk, dv, 0.7, &xs, &us, nx);
+                    sts.push(s2);
+                }
                 for o in &outs {
                     assert!(max_rel(o, &want) < 1e-5, "dk {dk} dv {dv} nx {nx}");
                 }
-                let mut sts = [st.clone(), st.clone(), st.clone()];
-                state_rank_update_body::<false>(&mut sts[0], dk, dv, 0.7, &xs, &us, &coef);
-                state_rank_update_body::<true>(&mut sts[1], dk, dv, 0.7, &xs, &us, &coef);
-                state_rank_update(&mut sts[2], dk, dv, 0.7, &xs, &us, &coef);
                 for s2 in &sts {
                     assert!(max_rel(s2, &want_st) < 1e-5, "update dk {dk} dv {dv} nx {nx}");
                 }
@@ -829,6 +1244,39 @@ mod tests {
 
 #[cfg(test)]
 mod speed {
+    /// The parts of one value head of the tree verify (0.8B shape, chain of `n` nodes), hot in cache.
+    #[test]
+    #[ignore]
+    fn gdn_wy_parts_speed() {
+        use super::Kernel;
+        let (dk, dv) = (128, 128);
+        let kernel = Kernel::active();
+        let st: Vec<f32> = (0..dk * dv).map(|i| (i % 7) as f32 * 0.01).collect();
+        let time = |f: &mut dyn FnMut()| (0..200).map(|_| { let t = std::time::Instant::now(); f(); t.elapsed().as_secs_f64() }).fold(f64::INFINITY, f64::min);
+        for n in [4usize, 16, 64] {
+            let xs: Vec<f32> = (0..2 * n * dk).map(|i| (i % 5) as f32 * 0.01).collect();
+            let kt: Vec<f32> = (0..dk * n).map(|i| (i % 3) as f32 * 0.01).collect();
+            let mut kqs = vec![0f32; 2 * n * dv];
+            let mut gram = vec![0f32; 2 * n * n];
+            let main = time(&mut || super::gemm(kernel, &st, dk, dv, &xs, 2 * n, &mut kqs));
+            let g = time(&mut || super::gemm(kernel, &kt, dk, n, &xs, 2 * n, &mut gram));
+            let parents = super::chain_parents(n);
+            let vs = vec![0.1f32; n * dv];
+            let (gam, eg, bet) = (vec![-0.1f32; n], vec![0.9f32; n], vec![0.5f32; n]);
+            let (mut us, mut os, mut coef) = (vec![0f32; n * dv], vec![0f32; n * dv], vec![0f32; 2 * n]);
+            let solve = time(&mut || super::wy_solve(kernel, dv, &parents, &kqs, &gram, &vs, &gam, &eg, &bet, &mut us, &mut os, &mut coef));
+            let gm = |macs: usize, t: f64| macs as f64 / t / 1e9;
+            eprintln!(
+                "{kernel:?} n {n}: X·S₀ {:.2} µs ({:.1} GMAC/s), Gram {:.2} µs ({:.1} GMAC/s), solve {:.2} µs",
+                main * 1e6,
+                gm(2 * n * dk * dv, main),
+                g * 1e6,
+                gm(2 * n * n * dk, g),
+                solve * 1e6
+            );
+        }
+    }
+
     #[test]
     #[ignore]
     fn gdn_state_t_times_speed() {
@@ -846,11 +1294,10 @@ mod speed {
             let mut ks = vec![0f32; nx * dk];
             ks.copy_from_slice(&xs);
             let mut s2 = st.clone();
-            let coef = vec![0.5f32; nx];
             let mut best_u = f64::INFINITY;
             for _ in 0..200 {
                 let t = std::time::Instant::now();
-                super::state_rank_update(&mut s2, dk, dv, 0.9, &ks, &out, &coef);
+                super::state_rank_update(&mut s2, dk, dv, 0.9, &ks, &out, nx);
                 best_u = best_u.min(t.elapsed().as_secs_f64());
             }
             eprintln!("nx {nx}: Sᵀx {:.2} µs = {:.1} G madd/s; rank update {:.2} µs = {:.1} G madd/s", best * 1e6, (nx * dk * dv) as f64 / best / 1e9, best_u * 1e6, (nx * dk * dv) as f64 / best_u / 1e9);
