@@ -1,6 +1,6 @@
 //! The engine thread: owns the [`Engine`], takes jobs from a bounded FIFO queue one at a time, and streams
 //! text deltas back over each job's channel. A job whose receiver is gone is skipped (still queued) or
-//! cancelled (at the next decode step).
+//! cancelled (at the next decode step, or at the next prefill piece while its prompt is prefilled).
 
 use eddy::engine::{Engine, GenerateParams, TokenLogprobs};
 use eddy::stats::{FinishReason, GenerationStats};
@@ -233,7 +233,9 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) ->
             let _ = tx.send(Event::Delta(text, lps));
         }
     };
-    let r = engine.generate_with_logprobs(&prompt, &params, &mut |id, lp| {
+    // A client that leaves during the prefill stops it at the next prefill piece.
+    let left = || tx.is_closed();
+    let r = engine.generate_cancellable(&prompt, &params, &left, &mut |id, lp| {
         if tx.is_closed() {
             return false;
         }

@@ -1509,3 +1509,31 @@ fn unsupported_and_out_of_range_fields() {
         assert_eq!(e["error"]["param"], k);
     }
 }
+
+/// A client that leaves while its prompt is being prefilled stops the prefill at the next piece (`max_batch`
+/// tokens): the same prompt sent again finds only the pieces computed before the disconnect in the prefix
+/// cache, not the whole prompt.
+#[test]
+fn client_leaving_during_prefill_stops_it() {
+    let Some(p) = model_path() else { return };
+    let lm = eddy::load::load_gguf(&p, &mut |_, _| {}).expect("load model");
+    let eng = Engine::new(lm, &EngineOptions { threads: 2, ctx: 4096, max_batch: 64, prefix_cache: true });
+    let opts = eddy_server::ServeOptions { keep_alive: Some(std::time::Duration::from_millis(20)), ..Default::default() };
+    let addr = start(eng, opts);
+    // About 3,300 tokens: dozens of prefill pieces.
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(330);
+    let body = json!({"prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": true}).to_string();
+    let mut r = BufReader::new(send(addr, "POST", "/v1/completions", &body));
+    let mut line = String::new();
+    while !line.starts_with(": keep-alive") {
+        line.clear();
+        assert!(r.read_line(&mut line).unwrap() > 0, "stream ended before its first keep-alive");
+    }
+    drop(r); // the prefill is running: leave
+    let v = post(addr, "/v1/completions", json!({"prompt": prompt, "max_tokens": 1, "temperature": 0})).json();
+    let n = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    assert!(n > 3000, "{n} prompt tokens");
+    assert!(cached + 1 < n, "the abandoned prefill ran to the end ({cached} of {n} tokens cached)");
+    assert_eq!(cached % 64, 0, "a prefill stops between pieces");
+}
