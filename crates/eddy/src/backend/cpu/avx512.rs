@@ -40,7 +40,7 @@
 #![allow(clippy::needless_range_loop)] // SIMD tiles index several parallel arrays
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use imp::rows;
+pub(crate) use imp::{hsum, rows};
 
 /// Unreachable on non-x86 targets (the path is never available there).
 #[cfg(not(target_arch = "x86_64"))]
@@ -207,7 +207,7 @@ mod imp {
     /// Horizontal sum with the fixed tree (c + c+8, then + c+4, then + c+2, then lane 0 + lane 1).
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma")]
-    fn hsum(v: __m512) -> f32 {
+    pub(crate) fn hsum(v: __m512) -> f32 {
         let lo = _mm512_castps512_ps256(v);
         let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
         let s = _mm256_add_ps(lo, hi);
