@@ -85,13 +85,11 @@ enum Kernel {
 }
 
 impl Kernel {
-    /// The best kernel this CPU runs.
+    /// The kernel for the backend's selected path ([`super::Kernel::active`]: runtime detection, capped by
+    /// `EDDY_KERNEL`), so one switch picks the attention kernels with the matmul ones.
     fn detect() -> Kernel {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-        {
+        if super::Kernel::active() == super::Kernel::Avx512 && std::arch::is_x86_feature_detected!("fma") {
             return Kernel::Avx512;
         }
         Kernel::Portable
