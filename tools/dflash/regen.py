@@ -36,7 +36,7 @@ def post(url, body, timeout=600):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", required=True)
+    ap.add_argument("--url", required=True, help="one or more llama-server URLs, comma-separated")
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--heldout")
@@ -47,7 +47,10 @@ def main():
     ap.add_argument("--seconds", type=float, default=600)
     ap.add_argument("--stop-file", default="")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--start", type=int, default=0, help="skip the first N training prompts (another client "
+                    "took them)")
     args = ap.parse_args()
+    urls = args.url.split(",")
     rng = random.Random(args.seed)
     t_end = time.time() + args.seconds
 
@@ -56,9 +59,11 @@ def main():
         for line in open(args.heldout):
             o = json.loads(line)
             jobs.put((o, "greedy", args.heldout_out))
-    for line in open(args.prompts):
+    for k, line in enumerate(open(args.prompts)):
         o = json.loads(line)
-        jobs.put((o, "sampled" if rng.random() < args.sampled_frac else "greedy", args.out))
+        mode = "sampled" if rng.random() < args.sampled_frac else "greedy"
+        if k >= args.start:
+            jobs.put((o, mode, args.out))
 
     lock = threading.Lock()
     files = {}
@@ -81,7 +86,7 @@ def main():
             else:
                 body.update(temperature=0.7, top_p=0.8, top_k=20, min_p=0.0)
             try:
-                r = post(args.url + "/completion", body)
+                r = post(urls[k % len(urls)] + "/completion", body)
             except Exception as e:  # a failed request is retried once, then loses one prompt, not the run
                 with lock:
                     stats["errors"] += 1
@@ -92,7 +97,7 @@ def main():
                 continue
             toks = list(r.get("tokens") or [])
             if not toks and r.get("content"):
-                toks = post(args.url + "/tokenize", {"content": r["content"]}).get("tokens", [])
+                toks = post(urls[k % len(urls)] + "/tokenize", {"content": r["content"]}).get("tokens", [])
             while toks and toks[-1] in EOG:
                 toks.pop()
             stop = r.get("stop_type") or ("eos" if r.get("stopped_eos") else "limit")
@@ -101,10 +106,10 @@ def main():
             line = json.dumps({"id": o["id"], "src": o.get("src", ""), "mode": mode, "prompt_ids": o["ids"],
                                "response_ids": toks, "stop": stop}, separators=(",", ":")) + "\n"
             with lock:
+                # one O_APPEND write per line: several clients may append to the same file
                 if out not in files:
-                    files[out] = open(out, "a")
-                files[out].write(line)
-                files[out].flush()
+                    files[out] = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                os.write(files[out], line.encode())
                 stats["done"] += 1
                 stats["tokens"] += len(toks)
                 if stats["done"] % 500 == 0:
@@ -117,8 +122,8 @@ def main():
         t.start()
     for t in threads:
         t.join()
-    for f in files.values():
-        f.close()
+    for fd in files.values():
+        os.close(fd)
     dt = time.time() - t0
     print(f"regen finished: {stats['done']} responses, {stats['tokens']} tokens in {dt:.0f} s "
           f"({stats['tokens'] / max(dt, 1e-9):.0f} tok/s), {stats['errors']} errors", flush=True)

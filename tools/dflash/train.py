@@ -489,7 +489,7 @@ def main():
     ap.add_argument("--max-steps", type=int, default=0)
     ap.add_argument("--min-seqs", type=int, default=256, help="wait for this many sequences before training")
     ap.add_argument("--lr", type=float, default=6e-4)
-    ap.add_argument("--warmup", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--gamma", type=float, default=7.0)
     ap.add_argument("--anchors", type=int, default=128)
     ap.add_argument("--token-budget", type=int, default=32768)
@@ -500,7 +500,10 @@ def main():
     ap.add_argument("--eval-batch", type=int, default=4)
     ap.add_argument("--eval-anchors", type=int, default=256)
     ap.add_argument("--stop-file", default="", help="created when training ends (tells regen to stop)")
-    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt (weights, optimizer, "
+                    "step, trained seconds)")
+    ap.add_argument("--init-from", default="", help="start from an exported drafter folder (its config must "
+                    "match); the optimizer starts fresh")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
@@ -517,10 +520,26 @@ def main():
         args.intermediate_size = tcfg.intermediate_size
     cfg = drafter_config(tcfg, args)
     drafter = DFlashDrafter(cfg).to(args.device)
+    # the drafter's output plays the target's last hidden state: start its final norm at the target's
+    # (Qwen2.5's final norm weights are far from 1; from 1, AdamW needs thousands of steps to get there)
+    with torch.no_grad():
+        drafter.norm.weight.copy_(target.model.model.norm.weight.float())
     nparam = sum(p.numel() for p in drafter.parameters())
     log(f"drafter: {args.draft_layers} layer(s), target layers {probe_ids}, intermediate "
         f"{args.intermediate_size}, {nparam / 1e6:.1f} M parameters")
 
+    if args.init_from:
+        from safetensors.torch import load_file
+        with open(os.path.join(args.init_from, "config.json")) as f:
+            old = json.load(f)
+        keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "dflash_config")
+        if any(old.get(k) != cfg.get(k) for k in keys):
+            raise SystemExit(f"--init-from {args.init_from}: its config differs from this run's in "
+                             f"{[k for k in keys if old.get(k) != cfg.get(k)]}")
+        sd = load_file(os.path.join(args.init_from, "model.safetensors"))
+        drafter.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
+        log(f"initialized from {args.init_from}")
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     step, trained_s = 0, 0.0
     ckpt_path = os.path.join(args.out, "ckpt.pt")
