@@ -1,0 +1,639 @@
+#!/usr/bin/env python3
+"""Train a DFlash block drafter (arXiv 2602.06036) against a frozen target, export it in the z-lab/SpecForge
+Hugging Face format, and measure its offline acceptance.
+
+The drafter (one or more Qwen3-style decoder layers) reads the target's residual stream after the decoder
+layers `target_layer_ids` (hidden_states[id + 1] in transformers' numbering), concatenated over those layers:
+
+    ctx   = hidden_norm(fc(features))                       [T, H]      one row per context token
+    h     = embed([anchor, MASK x 15])                      [16, H]     the target's embedding table
+    layer:  x = input_layernorm(h)
+            q = q_norm(q_proj(x))                           block rows only
+            k = k_norm(k_proj([ctx ; x]))   v = v_proj([ctx ; x])       ctx is NOT layer-normed
+            RoPE at absolute positions: context token j at j, block slot i at anchor_pos + i
+            a = softmax(q k^T / sqrt(hd)) v   over context tokens strictly before the anchor + the whole
+                                              block (non-causal inside the block)
+            h = h + o_proj(a);  h = h + down(silu(gate(y)) * up(y)),  y = post_attention_layernorm(h)
+    logits = lm_head(norm(h))[1:]       slot k (1..15) predicts the token at anchor_pos + k
+
+Training (SpecForge's DFlash recipe): random anchors in the response part of each self-distilled sequence,
+cross-entropy on slots 1..15 weighted by exp(-(k-1)/gamma), AdamW with warm-up and a cosine decay over a
+wall-clock budget, gradient clipping 1.0. The target (embedding, LM head, layers) stays frozen.
+
+Offline acceptance: on held-out sequences the target generated greedily, every response position with 15
+tokens after it is an anchor; the accepted length there is the number of leading slots whose argmax equals
+the sequence's next tokens, and tau = 1 + its mean (the target's bonus token included), as a greedy
+speculative step with this drafter would accept.
+
+Inputs: --data, a JSONL file that may still be growing (regen.py's output: prompt_ids, response_ids);
+--heldout, the same format. The target comes from a GGUF file (--gguf, dequantized by transformers) or a
+transformers folder (--hf-dir, for tests with a tiny random model).
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+BLOCK = 16
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 (Qwen3RMSNorm's arithmetic)."""
+
+    def __init__(self, n, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def rope_cos_sin(pos, head_dim, theta):
+    """cos, sin [..., head_dim] (float32) for integer positions `pos` (NeoX half-split layout)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim))
+    f = pos.float()[..., None] * inv
+    emb = torch.cat([f, f], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x, cos, sin):
+    """x [B, heads, N, hd]; cos/sin [B, N, hd]."""
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    h = x.shape[-1] // 2
+    rot = torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+    return x * cos + rot * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        H, nh, nkv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        self.nh, self.nkv, self.hd = nh, nkv, hd
+        self.q_proj = nn.Linear(H, nh * hd, bias=False)
+        self.k_proj = nn.Linear(H, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(H, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, H, bias=False)
+        self.q_norm = RMSNorm(hd, c["rms_norm_eps"])
+        self.k_norm = RMSNorm(hd, c["rms_norm_eps"])
+
+    def forward(self, x, ctx, rope_q, rope_k, mask):
+        B, Q, _ = x.shape
+        T = ctx.shape[1]
+        q = self.q_norm(self.q_proj(x).view(B, Q, self.nh, self.hd)).transpose(1, 2)
+        k = torch.cat([self.k_proj(ctx), self.k_proj(x)], dim=1).view(B, T + Q, self.nkv, self.hd)
+        k = self.k_norm(k).transpose(1, 2)
+        v = torch.cat([self.v_proj(ctx), self.v_proj(x)], dim=1).view(B, T + Q, self.nkv, self.hd)
+        v = v.transpose(1, 2)
+        q = apply_rope(q, *rope_q)
+        k = apply_rope(k, *rope_k)
+        rep = self.nh // self.nkv
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+        a = F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, attn_mask=mask)
+        return self.o_proj(a.transpose(1, 2).reshape(B, Q, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        H, I = c["hidden_size"], c["intermediate_size"]
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.mlp = MLP(c)
+
+    def forward(self, h, ctx, rope_q, rope_k, mask):
+        h = h + self.self_attn(self.input_layernorm(h), ctx, rope_q, rope_k, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    """Parameter names are the exported tensor names (fc.weight, layers.0.self_attn.q_proj.weight, ...)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.c = c
+        n_sel = len(c["dflash_config"]["target_layer_ids"])
+        self.fc = nn.Linear(n_sel * c["hidden_size"], c["hidden_size"], bias=False)
+        self.hidden_norm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.layers = nn.ModuleList([Layer(c) for _ in range(c["num_hidden_layers"])])
+        self.norm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, feats, block_emb, block_pos, mask):
+        """feats [B, T, n_sel*H] target features of the context tokens (positions 0..T-1);
+        block_emb [B, Q, H] embeddings of the blocks' tokens; block_pos [B, Q] their absolute positions;
+        mask [B, 1, Q, T+Q] bool, True where a block row may attend to a key. Returns norm(h) [B, Q, H]."""
+        B, T, _ = feats.shape
+        ctx = self.hidden_norm(self.fc(feats))
+        hd, theta = self.c["head_dim"], self.c["rope_theta"]
+        ctx_pos = torch.arange(T, device=feats.device)[None].expand(B, T)
+        rope_q = rope_cos_sin(block_pos, hd, theta)
+        rope_k = rope_cos_sin(torch.cat([ctx_pos, block_pos], dim=1), hd, theta)
+        h = block_emb
+        for layer in self.layers:
+            h = layer(h, ctx, rope_q, rope_k, mask)
+        return self.norm(h)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# target
+
+
+class Target:
+    """Frozen target: embedding table, LM head, and the residual stream after chosen decoder layers."""
+
+    def __init__(self, args, layer_ids, device):
+        from transformers import AutoModelForCausalLM
+        t0 = time.time()
+        if args.gguf:
+            d, f = os.path.dirname(args.gguf), os.path.basename(args.gguf)
+            m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.bfloat16)
+        else:
+            m = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.bfloat16)
+        self.model = m.to(device).eval().requires_grad_(False)
+        self.config = m.config
+        L = m.config.num_hidden_layers
+        # default: 5 layers spread from 1 to L-3 (z-lab's build_target_layer_ids for 5 draft layers)
+        self.layer_ids = layer_ids or [int(round(1 + i * (L - 4) / 4)) for i in range(5)]
+        if not all(0 <= i < L for i in self.layer_ids):
+            raise SystemExit(f"target layer ids {self.layer_ids} out of range for {L} layers")
+        self.embed = m.model.embed_tokens
+        self.lm_head_w = m.lm_head.weight  # [V, H]
+        self.captured = {}
+        self.last = max(self.layer_ids)
+        for i in self.layer_ids:
+            m.model.layers[i].register_forward_hook(self._hook(i))
+        log(f"target loaded in {time.time() - t0:.0f} s: {m.config.num_hidden_layers} layers, "
+            f"hidden {m.config.hidden_size}, vocab {m.config.vocab_size}")
+
+    class _Stop(Exception):
+        pass
+
+    def _hook(self, i):
+        def hook(_mod, _inp, out):
+            self.captured[i] = out[0] if isinstance(out, tuple) else out
+            if i == self.last:
+                raise Target._Stop()  # later layers are not needed
+        return hook
+
+    @torch.no_grad()
+    def features(self, ids):
+        """ids [B, T] right-padded (causal attention: padding never reaches real tokens) ->
+        [B, T, len(layer_ids) * H] bf16."""
+        self.captured = {}
+        try:
+            self.model.model(input_ids=ids, use_cache=False)
+        except Target._Stop:
+            pass
+        return torch.cat([self.captured[i] for i in self.layer_ids], dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# data
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class GrowingData:
+    """Sequences from a JSONL file that another process appends to (complete lines only)."""
+
+    def __init__(self, path, max_len):
+        self.path, self.max_len = path, max_len
+        self.offset = 0
+        self.seqs = []  # (ids list, prompt_len)
+        self.token_counts = {}
+
+    def refresh(self):
+        if not os.path.exists(self.path):
+            return 0
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return 0
+        self.offset += end + 1
+        n = 0
+        for line in chunk[: end + 1].splitlines():
+            try:
+                o = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            p, r = o["prompt_ids"], o["response_ids"]
+            for t in r:
+                self.token_counts[t] = self.token_counts.get(t, 0) + 1
+            if len(r) < 4:
+                continue
+            ids = (p + r)[: self.max_len]
+            if len(ids) - len(p) < 4:
+                continue
+            self.seqs.append((ids, len(p)))
+            n += 1
+        return n
+
+    def batch(self, rng, token_budget, max_batch):
+        """Sequences of similar length whose padded size fits the token budget."""
+        order = sorted(range(len(self.seqs)), key=lambda i: len(self.seqs[i][0]) + rng.random() * 96)
+        start = rng.randrange(len(order))
+        picked, longest = [], 0
+        for j in range(start, start + len(order)):
+            i = order[j % len(order)]
+            L = len(self.seqs[i][0])
+            if picked and (max(longest, L) * (len(picked) + 1) > token_budget or len(picked) >= max_batch):
+                break
+            picked.append(i)
+            longest = max(longest, L)
+        return [self.seqs[i] for i in picked]
+
+
+def load_jsonl(path):
+    out = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                out.append(json.loads(line))
+    return out
+
+
+def make_blocks(seqs, anchors_per_seq, mask_id, rng, device, all_anchors=False, pad_id=0):
+    """Pack sequences and their anchors. Returns ids [B,T], block_ids [B,A*16], block_pos [B,A*16],
+    labels [B,A,15] (-100 = none), mask [B,1,A*16,T+A*16] bool."""
+    B = len(seqs)
+    T = -(-max(len(s[0]) for s in seqs) // 16) * 16  # a multiple of 16 keeps the fused attention kernels
+    anchors = []
+    for ids, pl in seqs:
+        last = len(ids) - 2  # an anchor needs at least one label after it
+        if all_anchors:
+            cand = list(range(pl, len(ids) - BLOCK))  # full 15-token label windows only
+        else:
+            cand = list(range(pl, last + 1))
+        if len(cand) > anchors_per_seq:
+            cand = sorted(rng.sample(cand, anchors_per_seq))
+        anchors.append(cand)
+    A = max(1, max(len(a) for a in anchors))
+    ids_t = torch.full((B, T), pad_id, dtype=torch.long)
+    apos = torch.zeros((B, A), dtype=torch.long)
+    valid = torch.zeros((B, A), dtype=torch.bool)
+    labels = torch.full((B, A, BLOCK - 1), -100, dtype=torch.long)
+    for b, ((ids, _pl), an) in enumerate(zip(seqs, anchors)):
+        t = torch.tensor(ids, dtype=torch.long)
+        ids_t[b, : len(ids)] = t
+        if not an:
+            continue
+        a = torch.tensor(an, dtype=torch.long)
+        apos[b, : len(an)] = a
+        valid[b, : len(an)] = True
+        idx = a[:, None] + torch.arange(1, BLOCK)[None]  # [n, 15]
+        ok = idx < len(ids)
+        labels[b, : len(an)] = torch.where(ok, t[idx.clamp(max=len(ids) - 1)], torch.tensor(-100))
+    block_ids = torch.full((B, A, BLOCK), mask_id, dtype=torch.long)
+    block_ids[:, :, 0] = torch.gather(ids_t, 1, apos)
+    block_pos = apos[:, :, None] + torch.arange(BLOCK)[None, None]
+    ids_t, block_ids, block_pos, labels = (x.to(device) for x in (ids_t, block_ids, block_pos, labels))
+    apos, valid = apos.to(device), valid.to(device)
+    Q = A * BLOCK
+    # context keys strictly before the anchor (an invalid anchor has anchor 0: it sees only its own block)
+    q_anchor = (apos * valid).repeat_interleave(BLOCK, dim=1)  # [B, Q]
+    m_ctx = torch.arange(T, device=device)[None, None, :] < q_anchor[:, :, None]  # [B, Q, T]
+    blk = torch.arange(Q, device=device) // BLOCK
+    m_blk = (blk[:, None] == blk[None, :])[None].expand(B, Q, Q)
+    mask = torch.cat([m_ctx, m_blk], dim=-1)[:, None]
+    return ids_t, block_ids.view(B, Q), block_pos.view(B, Q), labels, mask
+
+
+def chunked_ce(h, w_head, labels, weights, chunk_rows):
+    """h [N, H], labels [N] -> (weighted loss sum, weight sum, argmax [N]); logits are recomputed in the
+    backward pass chunk by chunk (never all [N, V] at once)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def part(hc, lc):
+        logits = (hc @ w_head.t()).float()
+        ce = F.cross_entropy(logits, lc, ignore_index=-100, reduction="none")
+        return ce, logits.argmax(-1)
+
+    tot, preds = h.new_zeros((), dtype=torch.float32), []
+    for s in range(0, h.shape[0], chunk_rows):
+        hc, lc, wc = h[s: s + chunk_rows], labels[s: s + chunk_rows], weights[s: s + chunk_rows]
+        if torch.is_grad_enabled():
+            ce, pr = checkpoint(part, hc, lc, use_reentrant=False)
+        else:
+            ce, pr = part(hc, lc)
+        tot = tot + (ce * wc).sum()
+        preds.append(pr)
+    return tot, torch.cat(preds)
+
+
+def run_blocks(drafter, target, seqs, args, rng, all_anchors=False, anchors=None):
+    ids, block_ids, block_pos, labels, mask = make_blocks(
+        seqs, anchors or args.anchors, args.mask_id, rng, args.device, all_anchors=all_anchors)
+    feats = target.features(ids)
+    with torch.no_grad():
+        emb = target.embed(block_ids)
+    with torch.autocast("cuda" if args.device.startswith("cuda") else "cpu", dtype=torch.bfloat16):
+        out = drafter(feats, emb, block_pos, mask)
+    B, Q, H = out.shape
+    h = out.view(B, Q // BLOCK, BLOCK, H)[:, :, 1:].reshape(-1, H).to(torch.bfloat16)
+    return h, labels.reshape(-1)
+
+
+def accept_stats(pred, labels):
+    """pred/labels [M, 15] -> accepted length per anchor (leading matches), for anchors with all labels."""
+    full = (labels != -100).all(-1)
+    match = (pred == labels) & (labels != -100)
+    acc = match.long().cumprod(-1).sum(-1)
+    return acc[full]
+
+
+@torch.no_grad()
+def evaluate(drafter, target, heldout, args):
+    """Offline acceptance on held-out sequences: tau and per-depth acceptance, overall and per source."""
+    drafter.eval()
+    rng = random.Random(0)
+    by_src = {}
+    for i in range(0, len(heldout), args.eval_batch):
+        grp = heldout[i: i + args.eval_batch]
+        seqs = [(s["prompt_ids"] + s["response_ids"], len(s["prompt_ids"])) for s in grp]
+        # one forward per sequence group; anchors limited to keep the block rows bounded
+        h, labels = run_blocks(drafter, target, seqs, args, rng, all_anchors=True, anchors=args.eval_anchors)
+        _, pred = chunked_ce(h, target.lm_head_w, labels, torch.ones_like(labels, dtype=torch.float32),
+                             args.chunk_rows)
+        B = len(seqs)
+        pred, labels = pred.view(B, -1, BLOCK - 1), labels.view(B, -1, BLOCK - 1)
+        for b, s in enumerate(grp):
+            acc = accept_stats(pred[b], labels[b])
+            by_src.setdefault(s.get("src", "all"), []).append(acc.cpu())
+    drafter.train()
+    res = {}
+    allacc = []
+    for src, accs in sorted(by_src.items()):
+        a = torch.cat(accs)
+        allacc.append(a)
+        res[src] = summarize(a)
+    res["all"] = summarize(torch.cat(allacc)) if allacc else {}
+    return res
+
+
+def summarize(a):
+    if a.numel() == 0:
+        return {"anchors": 0}
+    a = a.float()
+    reach = [(a >= k).float().mean().item() for k in range(0, BLOCK)]  # reach[k] = P(accepted >= k)
+    cond = [reach[k] / reach[k - 1] if reach[k - 1] > 0 else 0.0 for k in range(1, BLOCK)]
+    return {"anchors": int(a.numel()), "tau": 1.0 + a.mean().item(),
+            "p_accept_ge_k": [round(x, 4) for x in reach[1:]],
+            "p_accept_k_given_k_minus_1": [round(x, 4) for x in cond]}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# export
+
+
+def drafter_config(tcfg, args):
+    H = tcfg.hidden_size
+    nh = tcfg.num_attention_heads
+    hd = getattr(tcfg, "head_dim", None) or H // nh
+    rope = getattr(tcfg, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    theta = theta or getattr(tcfg, "rope_theta", 10000.0)
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": H,
+        "num_hidden_layers": args.draft_layers,
+        "num_attention_heads": nh,
+        "num_key_value_heads": tcfg.num_key_value_heads,
+        "head_dim": hd,
+        "intermediate_size": args.intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": float(tcfg.rms_norm_eps),
+        "rope_theta": float(theta),
+        "rope_scaling": None,
+        "max_position_embeddings": int(tcfg.max_position_embeddings),
+        "vocab_size": int(tcfg.vocab_size),
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "layer_types": ["full_attention"] * args.draft_layers,
+        "initializer_range": 0.02,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+        "block_size": BLOCK,
+        "num_target_layers": int(tcfg.num_hidden_layers),
+        "dflash_config": {"mask_token_id": args.mask_id, "target_layer_ids": args.layer_ids},
+    }
+
+
+def export(drafter, out_dir, extra=None):
+    from safetensors.torch import save_file
+    tmp = out_dir + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    state = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in drafter.state_dict().items()}
+    save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(drafter.c, f, indent=2)
+    for name, obj in (extra or {}).items():
+        with open(os.path.join(tmp, name), "w") as f:
+            json.dump(obj, f, indent=1)
+    if os.path.exists(out_dir):
+        shutil.rmtree(out_dir)
+    os.rename(tmp, out_dir)
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf")
+    ap.add_argument("--hf-dir")
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--heldout")
+    ap.add_argument("--out", required=True, help="folder: hf/ (the drafter), ckpt.pt, metrics.json")
+    ap.add_argument("--layer-ids", default="", help="comma list; default: 5 spread from 1 to L-3")
+    ap.add_argument("--draft-layers", type=int, default=1)
+    ap.add_argument("--intermediate-size", type=int, default=0, help="default: the target's")
+    ap.add_argument("--mask-id", type=int, default=151669)
+    ap.add_argument("--train-seconds", type=float, default=600)
+    ap.add_argument("--max-steps", type=int, default=0)
+    ap.add_argument("--min-seqs", type=int, default=256, help="wait for this many sequences before training")
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--gamma", type=float, default=7.0)
+    ap.add_argument("--anchors", type=int, default=128)
+    ap.add_argument("--token-budget", type=int, default=32768)
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--max-len", type=int, default=1280)
+    ap.add_argument("--chunk-rows", type=int, default=8192)
+    ap.add_argument("--export-every", type=float, default=240, help="seconds between exports")
+    ap.add_argument("--eval-batch", type=int, default=4)
+    ap.add_argument("--eval-anchors", type=int, default=256)
+    ap.add_argument("--stop-file", default="", help="created when training ends (tells regen to stop)")
+    ap.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt (weights, optimizer, "
+                    "step, trained seconds)")
+    ap.add_argument("--init-from", default="", help="start from an exported drafter folder (its config must "
+                    "match); the optimizer starts fresh")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    os.makedirs(args.out, exist_ok=True)
+
+    ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else None
+    target = Target(args, ids, args.device)
+    probe_ids = target.layer_ids
+    args.layer_ids = probe_ids
+    tcfg = target.config
+    if not args.intermediate_size:
+        args.intermediate_size = tcfg.intermediate_size
+    cfg = drafter_config(tcfg, args)
+    drafter = DFlashDrafter(cfg).to(args.device)
+    # the drafter's output plays the target's last hidden state: start its final norm at the target's
+    # (Qwen2.5's final norm weights are far from 1; from 1, AdamW needs thousands of steps to get there)
+    with torch.no_grad():
+        drafter.norm.weight.copy_(target.model.model.norm.weight.float())
+    nparam = sum(p.numel() for p in drafter.parameters())
+    log(f"drafter: {args.draft_layers} layer(s), target layers {probe_ids}, intermediate "
+        f"{args.intermediate_size}, {nparam / 1e6:.1f} M parameters")
+
+    if args.init_from:
+        from safetensors.torch import load_file
+        with open(os.path.join(args.init_from, "config.json")) as f:
+            old = json.load(f)
+        keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "dflash_config")
+        if any(old.get(k) != cfg.get(k) for k in keys):
+            raise SystemExit(f"--init-from {args.init_from}: its config differs from this run's in "
+                             f"{[k for k in keys if old.get(k) != cfg.get(k)]}")
+        sd = load_file(os.path.join(args.init_from, "model.safetensors"))
+        drafter.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
+        log(f"initialized from {args.init_from}")
+    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    step, trained_s = 0, 0.0
+    ckpt_path = os.path.join(args.out, "ckpt.pt")
+    history = []
+    if args.resume and os.path.exists(ckpt_path):
+        ck = torch.load(ckpt_path, map_location=args.device)
+        drafter.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        step, trained_s, history = ck["step"], ck["trained_s"], ck.get("history", [])
+        log(f"resumed at step {step} ({trained_s:.0f} s trained)")
+
+    heldout = load_jsonl(args.heldout) if args.heldout and os.path.exists(args.heldout) else []
+    data = GrowingData(args.data, args.max_len)
+    while True:
+        data.refresh()
+        if len(data.seqs) >= args.min_seqs:
+            break
+        log(f"waiting for data: {len(data.seqs)} sequences")
+        time.sleep(10)
+
+    w = torch.exp(-(torch.arange(1, BLOCK, dtype=torch.float32) - 1) / args.gamma).to(args.device)
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
+
+    def lr_at(step, frac):
+        if step < args.warmup:
+            return args.lr * (step + 1) / args.warmup
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+    def save_all(final):
+        nonlocal heldout
+        if args.heldout and os.path.exists(args.heldout):
+            heldout = load_jsonl(args.heldout)
+        ev = evaluate(drafter, target, heldout, args) if heldout else {}
+        metrics = {"step": step, "trained_s": round(trained_s, 1), "sequences": len(data.seqs),
+                   "tokens_seen_responses": sum(data.token_counts.values()), "eval": ev,
+                   "history": history, "params": nparam, "args": vars(args)}
+        torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "step": step,
+                    "trained_s": trained_s, "history": history}, ckpt_path + ".tmp")
+        os.replace(ckpt_path + ".tmp", ckpt_path)
+        vocab = sorted(data.token_counts, key=lambda t: -data.token_counts[t])[:32768]
+        export(drafter, os.path.join(args.out, "hf"), {"metrics.json": metrics, "draft_vocab.json": vocab})
+        e = ev.get("all", {})
+        log(f"export at step {step}{' (final)' if final else ''}: held-out tau {e.get('tau', float('nan')):.3f} "
+            f"over {e.get('anchors', 0)} anchors; " +
+            " ".join(f"{k}={v.get('tau', 0):.3f}" for k, v in ev.items() if k != "all"))
+
+    t_last_export = time.time()
+    t_last_refresh = time.time()
+    win = []
+    drafter.train()
+    while not stop["now"]:
+        if (args.max_steps and step >= args.max_steps) or trained_s >= args.train_seconds:
+            break
+        t0 = time.time()
+        if t0 - t_last_refresh > 20:
+            data.refresh()
+            t_last_refresh = t0
+        seqs = data.batch(rng, args.token_budget, args.max_batch)
+        lr = lr_at(step, trained_s / args.train_seconds)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        h, labels = run_blocks(drafter, target, seqs, args, rng)
+        weights = w.repeat(labels.numel() // (BLOCK - 1)) * (labels != -100)
+        tot, pred = chunked_ce(h, target.lm_head_w, labels, weights, args.chunk_rows)
+        loss = tot / weights.sum().clamp(min=1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        step += 1
+        acc = accept_stats(pred.view(-1, BLOCK - 1), labels.view(-1, BLOCK - 1))
+        win.append((loss.item(), (1 + acc.float().mean().item()) if acc.numel() else float("nan"),
+                    (pred.view(-1, BLOCK - 1)[:, 0] == labels.view(-1, BLOCK - 1)[:, 0]).float().mean().item()))
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        trained_s += time.time() - t0
+        if step % 25 == 0 or step == 1:
+            l, tau, a1 = (sum(x[i] for x in win) / len(win) for i in range(3))
+            history.append({"step": step, "s": round(trained_s, 1), "loss": round(l, 4),
+                            "train_tau": round(tau, 3), "acc1": round(a1, 4), "lr": lr,
+                            "seqs": len(data.seqs)})
+            log(f"step {step} {trained_s:.0f}s loss {l:.4f} train-tau {tau:.3f} acc@1 {a1:.3f} lr {lr:.2e} "
+                f"gn {gn.item():.2f} batch {len(seqs)}x{max(len(s[0]) for s in seqs)} data {len(data.seqs)}")
+            win = []
+        if time.time() - t_last_export > args.export_every:
+            save_all(False)
+            t_last_export = time.time()
+    if args.stop_file:
+        open(args.stop_file, "w").close()
+    data.refresh()
+    save_all(True)
+    log("done")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
