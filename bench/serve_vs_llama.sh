@@ -48,7 +48,7 @@ wait_ready "$OUT/llama-server.log"
 bench llama-server
 stop_server
 
-$EDDY serve --model "$f" --threads "$THREADS" --ctx 4096 --port "$PORT" > "$OUT/eddy-serve.log" 2>&1 &
+$EDDY serve --model "$f" --speculator none --threads "$THREADS" --ctx 4096 --port "$PORT" > "$OUT/eddy-serve.log" 2>&1 &
 server_pid=$!
 wait_ready "$OUT/eddy-serve.log"
 bench eddy-serve
@@ -59,7 +59,7 @@ python3 - "$OUT/prompts.jsonl" > "$OUT/eddy-run.jsonl" <<PY
 import json, subprocess, sys
 for line in open(sys.argv[1]):
     p = json.loads(line)["prompt"]
-    r = subprocess.run(["$EDDY", "run", "--model", "$f", "--threads", "$THREADS", "--ctx", "4096",
+    r = subprocess.run(["$EDDY", "run", "--model", "$f", "--speculator", "none", "--threads", "$THREADS", "--ctx", "4096",
                         "--temperature", "0", "-n", "$MAX_TOKENS", "--json", "-m", p],
                        capture_output=True, text=True, check=True)
     print(r.stderr.strip().splitlines()[-1])

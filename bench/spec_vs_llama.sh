@@ -4,7 +4,10 @@
 # chat, temperature 0, MAX_TOKENS tokens; `eddy bench` is the client of every server:
 #   eddy serve plain | eddy serve --speculator suffix | eddy serve --speculator auto (suffix + draft) (both
 #   with the auto budget) | llama-server plain | llama-server --spec-type draft-simple (n-max 4 and 8) |
-#   llama-server --spec-type ngram-mod
+#   llama-server --spec-type ngram-mod | with a DFlash drafter (DFLASH, default the trained one in the models
+#   folder): eddy serve --speculator dflash (best-first tree) / dflash-chain / auto (suffix + dflash, what
+#   eddy serve does by default when the drafter sits next to the model) | llama-server --spec-type
+#   draft-dflash with the same drafter converted by llama.cpp's own converter (bench/llama_dflash_convert.sh)
 # Then eddy's acceptance profile by depth (from /metrics, per dataset) and the verify-cost curve: one
 # target pass over trees of 1..64 nodes vs that many decode steps.
 #
@@ -21,6 +24,7 @@ OUT=${OUT:-target/spec-bench}
 MODELS_DIR=${EDDY_MODELS:-$HOME/.cache/eddy/models}
 TARGET="$MODELS_DIR/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 DRAFT="$MODELS_DIR/qwen2.5-coder-0.5b-instruct.gguf"
+DFLASH=${DFLASH:-$MODELS_DIR/dflash-qwen2.5-coder-1.5b}
 
 . bench/llama_cpp_env.sh
 tools/fetch_models.sh qwen05 >&2
@@ -31,7 +35,10 @@ EDDY=target/release/eddy
 mkdir -p "$OUT"
 
 . bench/server_ctl.sh
-CONFIGS=${CONFIGS:-eddy-plain eddy-suffix eddy-spec llama-plain llama-draft4 llama-draft8 llama-ngram verify}
+CONFIGS=${CONFIGS:-eddy-plain eddy-suffix eddy-spec eddy-dflash eddy-dflash-chain eddy-dflash-auto llama-plain llama-draft4 llama-draft8 llama-ngram llama-dflash verify}
+case " $CONFIGS " in *" eddy-dflash"* | *" llama-dflash "*)
+  [ -f "$DFLASH/config.json" ] || { echo "DFlash drafter $DFLASH missing (set DFLASH or drop the dflash configs)" >&2; exit 1; } ;;
+esac
 run_server() { # label, command...
   local label=$1; shift
   case " $CONFIGS " in *" $label "*) ;; *) return 0 ;; esac
@@ -49,16 +56,28 @@ run_server() { # label, command...
 
 LS=("$LLAMA_BIN/llama-server" -m "$TARGET" -t "$THREADS" -c 4096 -np 1 --jinja --host 127.0.0.1 --port "$PORT")
 ES=($EDDY serve --model "$TARGET" --threads "$THREADS" --ctx 4096 --port "$PORT")
-run_server eddy-plain "${ES[@]}"
+# Explicitly plain: eddy serve speculates by default when a DFlash drafter sits next to the model.
+run_server eddy-plain "${ES[@]}" --speculator none
 run_server eddy-suffix "${ES[@]}" --speculator suffix --spec-budget auto
 run_server eddy-spec "${ES[@]}" --speculator auto --draft-model "$DRAFT" --spec-budget auto
 run_server llama-plain "${LS[@]}"
 run_server llama-draft4 "${LS[@]}" --spec-type draft-simple -md "$DRAFT" --spec-draft-n-max 4 -td "$THREADS"
 run_server llama-draft8 "${LS[@]}" --spec-type draft-simple -md "$DRAFT" --spec-draft-n-max 8 -td "$THREADS"
 run_server llama-ngram "${LS[@]}" --spec-type ngram-mod
+run_server eddy-dflash "${ES[@]}" --speculator dflash --draft-model "$DFLASH" --spec-budget auto
+run_server eddy-dflash-chain "${ES[@]}" --speculator dflash-chain --draft-model "$DFLASH" --spec-budget auto
+run_server eddy-dflash-auto "${ES[@]}" --speculator auto --draft-model "$DFLASH" --spec-budget auto
+case " $CONFIGS " in *" llama-dflash "*)
+  DFLASH_GGUF="$OUT/dflash-drafter.gguf"
+  [ -f "$DFLASH_GGUF" ] || bench/llama_dflash_convert.sh "$DFLASH" "$TARGET" "$DFLASH_GGUF" >&2 ;;
+esac
+run_server llama-dflash "${LS[@]}" --spec-type draft-dflash -md "${DFLASH_GGUF:-}" --spec-draft-n-max 15 -td "$THREADS"
 
 rm -f "$OUT/verify.jsonl"
-case " $CONFIGS " in *" verify "*) $EDDY speed --model "$TARGET" --threads "$THREADS" -p 256 -n 0 -r 5 --verify-sizes 1,2,3,4,6,8,12,16,24,32,48,64 > "$OUT/verify.jsonl" ;;
+case " $CONFIGS " in *" verify "*)
+  # -n 16: a decode step to set the DFlash pass against (the dflash_pass line, when the drafter exists).
+  dflash_arg=(); [ -f "$DFLASH/config.json" ] && dflash_arg=(--draft-model "$DFLASH")
+  $EDDY speed --model "$TARGET" --threads "$THREADS" -p 256 -n 16 -r 3 --verify-sizes 1,2,3,4,6,8,12,16,24,32,48,64 "${dflash_arg[@]}" > "$OUT/verify.jsonl" ;;
 esac
 
 python3 - "$OUT" "$NUM" "$MAX_TOKENS" "$THREADS" "$CONFIGS" <<'PY'
@@ -68,20 +87,24 @@ labels = [l for l in configs.split() if os.path.exists(f"{out}/{l}.humaneval.jso
 names = {"eddy-plain": "eddy serve, no speculation", "eddy-suffix": "eddy serve --speculator suffix",
          "eddy-spec": "eddy serve --speculator auto (suffix + 0.5B draft)",
          "llama-plain": "llama-server", "llama-draft4": "llama-server draft-simple 0.5B, n-max 4",
-         "llama-draft8": "llama-server draft-simple 0.5B, n-max 8", "llama-ngram": "llama-server ngram-mod"}
+         "llama-draft8": "llama-server draft-simple 0.5B, n-max 8", "llama-ngram": "llama-server ngram-mod",
+         "eddy-dflash": "eddy serve --speculator dflash (best-first tree)", "eddy-dflash-chain": "eddy serve --speculator dflash-chain",
+         "eddy-dflash-auto": "eddy serve --speculator auto (suffix + dflash tree)", "llama-dflash": "llama-server draft-dflash, n-max 15"}
 print(f"Qwen2.5-Coder-1.5B-Instruct Q4_K_M, {num} prompts per set, chat, temperature 0, max_tokens {max_tokens}, {threads} threads\n")
 for ds in ["humaneval", "sharegpt"]:
     R = {l: json.load(open(f"{out}/{l}.{ds}.json")) for l in labels}
     base = R["llama-plain" if "llama-plain" in R else labels[0]]["summary"]["decode_tps"]["median"]
+    eplain = R["eddy-plain"]["summary"]["decode_tps"]["median"] if "eddy-plain" in R else None
     print(f"**{ds}**\n")
-    print("| server | decode tok/s median (p10–p90) | vs llama-server plain | tokens/pass | TTFT s median |")
-    print("|---|---|---|---|---|")
+    print("| server | decode tok/s median (p10–p90) | vs llama-server plain | vs eddy plain | tokens/pass | TTFT s median |")
+    print("|---|---|---|---|---|---|")
     for l in labels:
         s = R[l]["summary"]
         d = s["decode_tps"]
         tpp = s.get("tokens_per_pass", {}).get("median") if isinstance(s.get("tokens_per_pass"), dict) else None
         tpp = f"{tpp:.2f}" if tpp else "–"
-        print(f"| {names[l]} | {d['median']:.1f} ({d['p10']:.1f}–{d['p90']:.1f}) | {d['median']/base:.2f}× | {tpp} | {s['ttft_s']['median']:.2f} |")
+        vs_e = f"{d['median']/eplain:.2f}×" if eplain else "–"
+        print(f"| {names[l]} | {d['median']:.1f} ({d['p10']:.1f}–{d['p90']:.1f}) | {d['median']/base:.2f}× | {vs_e} | {tpp} | {s['ttft_s']['median']:.2f} |")
     print()
 def depth_counts(path):
     acc, prop = {}, {}
@@ -95,14 +118,14 @@ def depth_counts(path):
 spec = [l for l in labels if l.startswith("eddy-") and l != "eddy-plain"]
 if spec:
     print("**eddy acceptance by depth** (verify passes whose tree reached depth d, and the share of them that accepted at least d draft tokens)\n")
-    print("| server | dataset | " + " | ".join(f"d={d}" for d in range(1, 9)) + " |")
-    print("|---|---|" + "---|" * 8)
+    print("| server | dataset | " + " | ".join(f"d={d}" for d in range(1, 16)) + " |")
+    print("|---|---|" + "---|" * 15)
     for l in spec:
         prev = ({}, {})
         for ds in ["humaneval", "sharegpt"]:
             acc, prop = depth_counts(f"{out}/{l}.{ds}.metrics")
             cells = []
-            for d in range(1, 9):
+            for d in range(1, 16):
                 p = prop.get(d, 0) - prev[1].get(d, 0)
                 a = acc.get(d, 0) - prev[0].get(d, 0)
                 cells.append(f"{a/p:.2f} ({p})" if p else "–")
@@ -114,8 +137,13 @@ if not os.path.exists(f"{out}/verify.jsonl"):
 print("**verify cost** (one target pass over a tree of n nodes after a 256-token prompt)\n")
 print("| nodes | ms | vs 1 node | vs n sequential decode steps |")
 print("|---|---|---|---|")
+dflash = None
 for line in open(f"{out}/verify.jsonl"):
     j = json.loads(line)
     if j.get("test", "").startswith("verify"):
         print(f"| {j['nodes']} | {j['ms']:.1f} | {j['vs_one_node']:.2f} | {j['vs_sequential_decode']:.2f} |")
+    elif j.get("test") == "dflash_pass":
+        dflash = j
+if dflash:
+    print(f"\n**DFlash draft pass** (context 256): {dflash['ms']:.1f} ms = {dflash.get('vs_decode_step', float('nan')):.2f} of a decode step")
 PY

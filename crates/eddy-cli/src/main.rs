@@ -7,7 +7,8 @@ mod bench;
 use clap::{Args, Parser, Subcommand};
 use eddy::chat::{encode_chat, ChatMessage};
 use eddy::engine::{default_threads, Engine, EngineOptions, GenerateParams};
-use eddy::spec::{build_speculators, Budget, SpeculatorKind};
+use eddy::spec::dflash::{find_next_to, is_dflash_dir, DFlashDrafter, DFlashSeq};
+use eddy::spec::{build_speculators, Budget, Drafter, SpeculatorKind};
 use eddy::load::{load, LoadedModel};
 use eddy::model_dir::Quant;
 use eddy::sampling::SamplerParams;
@@ -87,6 +88,10 @@ struct SpeedArgs {
     /// 1,2,4,8,16,32,64) after the -p prompt: the cost curve speculative decoding trades against.
     #[arg(long, value_name = "N,N,...", value_delimiter = ',')]
     verify_sizes: Vec<usize>,
+    /// DFlash drafter folder whose block pass to time after the -p prompt (a `dflash_pass` line; default:
+    /// a drafter found next to the model, as `eddy run` finds it).
+    #[arg(long, value_name = "DIR")]
+    draft_model: Option<std::path::PathBuf>,
 }
 
 #[derive(Args)]
@@ -161,10 +166,16 @@ struct RunArgs {
 struct SpecArgs {
     /// Speculative decoding: none, suffix (lookup in the prompt and the text so far), draft (a smaller
     /// model with the same tokenizer, --draft-model), mtp (the model's own multi-token-prediction head,
-    /// Qwen3.5), or auto (suffix, plus the MTP head if the model has one, plus the draft model if given).
-    #[arg(long, default_value = "none", value_name = "none|suffix|draft|mtp|auto")]
-    speculator: String,
-    /// Draft model (GGUF file, Hugging Face folder or hub id) for --speculator draft|auto.
+    /// Qwen3.5), dflash / dflash-chain (a DFlash block drafter: the best-first tree of its marginals / its
+    /// argmax chain), or auto (suffix, plus the MTP head if the model has one, plus the drafter if given or
+    /// found). Default: auto when a DFlash drafter is found next to the model (or --draft-model is given),
+    /// else none.
+    #[arg(long, value_name = "none|suffix|draft|mtp|dflash|dflash-chain|auto")]
+    speculator: Option<String>,
+    /// Drafter for --speculator draft|dflash|auto: a draft model (GGUF file, Hugging Face folder or hub id)
+    /// or a DFlash drafter folder (config.json naming DFlashDraftModel; loaded as int8). Without it, a
+    /// DFlash drafter next to the model is used: `<model stem>.dflash/` or `dflash-<prefix of the model's
+    /// file name>/`.
     #[arg(long, value_name = "PATH")]
     draft_model: Option<String>,
     /// Draft tokens verified per target forward pass: a node count, or auto (chosen each step from the
@@ -173,25 +184,66 @@ struct SpecArgs {
     spec_budget: String,
 }
 
-/// Parse the speculation flags (before any model is loaded).
-fn spec_options(a: &SpecArgs) -> eddy::Result<(SpeculatorKind, Budget)> {
-    let kind = SpeculatorKind::parse(&a.speculator).map_err(|e| bad("--speculator", e))?;
+/// Parse the speculation flags (before any model is loaded); the kind is `None` when not given (auto
+/// if a drafter turns up, else none).
+fn spec_options(a: &SpecArgs) -> eddy::Result<(Option<SpeculatorKind>, Budget)> {
+    let kind = a.speculator.as_deref().map(SpeculatorKind::parse).transpose().map_err(|e| bad("--speculator", e))?;
     let budget = Budget::parse(&a.spec_budget).map_err(|e| bad("--spec-budget", e))?;
-    if kind == SpeculatorKind::Draft && a.draft_model.is_none() {
+    if kind == Some(SpeculatorKind::Draft) && a.draft_model.is_none() {
         return Err(bad("--speculator", "draft needs --draft-model PATH"));
     }
-    if a.draft_model.is_some() && matches!(kind, SpeculatorKind::None | SpeculatorKind::Suffix) {
-        return Err(bad("--draft-model", "is only used with --speculator draft or auto"));
+    if a.draft_model.is_some() && kind.is_some_and(|k| !k.uses_drafter()) {
+        return Err(bad("--draft-model", "is only used with --speculator draft, dflash, dflash-chain or auto"));
     }
     Ok((kind, budget))
 }
 
-/// Load the draft model (if any) and attach the speculators to `engine`.
-fn attach_speculators(engine: &mut Engine, a: &SpecArgs, kind: SpeculatorKind, budget: Budget) -> eddy::Result<()> {
-    let draft = match &a.draft_model {
-        Some(p) => Some(load_with_progress(Some(p), Quant::default())?),
-        None => None,
-    };
+/// Median milliseconds of one DFlash block pass of the drafter in `dir` (int8) over a context of `context`
+/// rows (synthetic features: the cost does not depend on their values), over `reps` passes.
+fn dflash_pass_ms(engine: &Engine, dir: &std::path::Path, context: usize, reps: usize) -> eddy::Result<f64> {
+    let mut d = DFlashDrafter::load(dir, Quant::Q8)?;
+    d.bind(&engine.lm.model)?;
+    let pool = engine.pool();
+    let mut seq = DFlashSeq::new(&d, context);
+    let features: Vec<f32> = (0..context * d.config.feature_dim()).map(|i| ((i % 97) as f32 - 48.0) / 16.0).collect();
+    seq.add_context(&d, pool, &features);
+    let m = &engine.lm.model;
+    let mut logits = Vec::new();
+    let mut times = Vec::new();
+    for i in 0..reps + 1 {
+        let t = std::time::Instant::now();
+        seq.draft(&d, pool, &m.embed, m.config.embed_scale, d.head(m.lm_head()), ((1000 + i) % m.config.vocab_size) as u32, &mut logits)?;
+        if i > 0 {
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(times[times.len() / 2])
+}
+
+/// The drafter to use: `--draft-model`, else (for kinds that run one) a DFlash drafter next to the model.
+fn find_drafter(engine: &Engine, a: &SpecArgs, kind: Option<SpeculatorKind>) -> eddy::Result<Option<Drafter>> {
+    if let Some(p) = &a.draft_model {
+        let dir = std::path::Path::new(p);
+        return Ok(Some(if is_dflash_dir(dir) {
+            Drafter::DFlash(Box::new(DFlashDrafter::load(dir, Quant::Q8)?))
+        } else {
+            Drafter::Model(Box::new(load_with_progress(Some(p), Quant::default())?))
+        }));
+    }
+    if !kind.is_none_or(|k| k.uses_drafter()) {
+        return Ok(None);
+    }
+    match find_next_to(&engine.lm.source) {
+        Some(dir) => Ok(Some(Drafter::DFlash(Box::new(DFlashDrafter::load(&dir, Quant::Q8)?)))),
+        None => Ok(None),
+    }
+}
+
+/// Load the drafter (if any) and attach the speculators to `engine`.
+fn attach_speculators(engine: &mut Engine, a: &SpecArgs, kind: Option<SpeculatorKind>, budget: Budget) -> eddy::Result<()> {
+    let draft = find_drafter(engine, a, kind)?;
+    let kind = kind.unwrap_or(if draft.is_some() { SpeculatorKind::Auto } else { SpeculatorKind::None });
     let specs = build_speculators(kind, draft, &engine.lm, engine.ctx())?;
     engine.set_speculation(specs, budget);
     Ok(())
@@ -666,6 +718,17 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
                 "weight_bytes": engine.lm.model.weight_bytes()})
             .to_string(),
         )?;
+    }
+    let dflash = a.draft_model.clone().or_else(|| find_next_to(&engine.lm.source));
+    if let Some(dir) = dflash {
+        let step = if tm > 0.0 { Some(1.0 / tm) } else { None };
+        let ms = dflash_pass_ms(&engine, &dir, a.prompt_tokens, a.repetitions.max(5))?;
+        let mut j = serde_json::json!({"model": model, "test": "dflash_pass", "drafter": dir.display().to_string(), "threads": threads,
+            "context": a.prompt_tokens, "ms": ms});
+        if let Some(step) = step {
+            j["vs_decode_step"] = serde_json::json!(ms / (step * 1e3));
+        }
+        print_line(&j.to_string())?;
     }
     if !a.verify_sizes.is_empty() {
         if a.verify_sizes.contains(&0) || a.verify_sizes.iter().any(|&n| n > 1024) {

@@ -140,13 +140,26 @@ impl Engine {
     /// Speculate with `speculators` (merged into one tree per step) under `budget`; an empty list is
     /// plain decoding.
     pub fn set_speculation(&mut self, speculators: Vec<Box<dyn Speculator>>, budget: Budget) {
+        // The target captures the features of the first speculator that reads its intermediate layers.
+        self.state.capture.layers = speculators.iter().map(|s| s.feature_layers()).find(|l| !l.is_empty()).unwrap_or(&[]).to_vec();
+        self.state.capture.rows.clear();
+        if !self.state.capture.layers.is_empty() {
+            // A new feature drafter has seen none of the cached rows: prefill from scratch next time.
+            self.state.clear();
+        }
         self.speculators = speculators;
         self.budget = budget;
     }
 
+
     /// Names of the active speculators.
     pub fn speculator_names(&self) -> Vec<&'static str> {
         self.speculators.iter().map(|s| s.name()).collect()
+    }
+
+    /// The engine's worker threads.
+    pub fn pool(&self) -> &ThreadPool {
+        &self.pool
     }
 
     /// The measured verify-cost model.
@@ -286,6 +299,8 @@ impl Engine {
             s.prefill(&self.pool, prompt)?;
         }
         let want_hidden = self.speculators.iter().any(|s| s.wants_hidden());
+        let layers = self.state.capture.layers.clone();
+        let want_features = !layers.is_empty();
         // Prefill in pieces of `max_batch` tokens rounded up to a multiple of the Gated DeltaNet chunk, ending
         // at multiples of that many positions (so a prefix-cache hit cuts the prompt where a cold prefill does:
         // hybrid models need that to compute the same values), checking for cancellation before each.
@@ -305,8 +320,14 @@ impl Engine {
             if want_hidden {
                 if let Some(h) = last_hidden(&self.state) {
                     for s in self.speculators.iter_mut().filter(|s| s.wants_hidden()) {
-                        s.observe(prompt, at, h)?;
+                        s.observe(&self.pool, prompt, at, h)?;
                     }
+                }
+            }
+            if want_features {
+                let rows = &self.state.capture.rows;
+                for s in self.speculators.iter_mut().filter(|s| s.feature_layers() == layers) {
+                    s.observe(&self.pool, prompt, at, rows)?;
                 }
             }
             at = end;
@@ -419,8 +440,17 @@ impl Engine {
                     let d = h.len() / tree.len();
                     let path_h: Vec<f32> = walk.path.iter().flat_map(|&i| h[i * d..(i + 1) * d].iter().copied()).collect();
                     for s in self.speculators.iter_mut().filter(|s| s.wants_hidden()) {
-                        s.observe(&history, n_committed, &path_h)?;
+                        s.observe(&self.pool, &history, n_committed, &path_h)?;
                     }
+                }
+            }
+            if want_features {
+                // The accepted path's feature rows (tree node order → position order).
+                let rows = &self.state.capture.rows;
+                let f = rows.len() / tree.len();
+                let path_f: Vec<f32> = walk.path.iter().flat_map(|&i| rows[i * f..(i + 1) * f].iter().copied()).collect();
+                for s in self.speculators.iter_mut().filter(|s| s.feature_layers() == layers) {
+                    s.observe(&self.pool, &history, n_committed, &path_f)?;
                 }
             }
             commit_tree(&self.lm.model, &self.pool, &mut self.state, &tree.tokens, &walk.path)?;

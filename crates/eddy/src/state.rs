@@ -47,6 +47,47 @@ impl KvCache {
     }
 }
 
+/// Residual-stream rows captured after chosen decoder layers of the last forward pass, for drafters that
+/// read the target's intermediate features (DFlash: the outputs of its `target_layer_ids`, Hugging Face's
+/// `hidden_states[id + 1]`). Dense models only; empty `layers` captures nothing.
+#[derive(Debug, Clone, Default)]
+pub struct FeatureCapture {
+    /// Decoder layers (0-based) whose outputs are captured, in feature order.
+    pub layers: Vec<usize>,
+    /// `rows × (layers.len() · d_model)` f32: one row per token of the last [`crate::models::forward::forward`]
+    /// (batch order) or per computed node of the last `forward_tree` (node order), holding the outputs of
+    /// `layers` concatenated in that order.
+    pub rows: Vec<f32>,
+}
+
+impl FeatureCapture {
+    /// Values per captured row (`layers.len() × d_model`).
+    pub fn row_len(&self, d_model: usize) -> usize {
+        self.layers.len() * d_model
+    }
+
+    /// Append `t` rows (a chunk of the forward pass is about to run); nothing when no layer is captured.
+    pub(crate) fn grow(&mut self, t: usize, d_model: usize) {
+        if !self.layers.is_empty() {
+            let n = self.rows.len() + t * self.row_len(d_model);
+            self.rows.resize(n, 0.0);
+        }
+    }
+
+    /// Copy the residual rows `x` (`t × d_model`, the output of decoder layer `layer`) into the last `t`
+    /// rows wherever `layer` is captured.
+    pub(crate) fn record(&mut self, layer: usize, x: &[f32], d_model: usize) {
+        let stride = self.row_len(d_model);
+        let t = x.len() / d_model;
+        for (j, _) in self.layers.iter().enumerate().filter(|(_, &l)| l == layer) {
+            let base = self.rows.len() - t * stride + j * d_model;
+            for (i, src) in x.chunks_exact(d_model).enumerate() {
+                self.rows[base + i * stride..][..d_model].copy_from_slice(src);
+            }
+        }
+    }
+}
+
 /// The committed state of one sequence.
 pub struct SeqState {
     /// KV cache; rows `0..tokens.len()` are valid.
@@ -58,12 +99,14 @@ pub struct SeqState {
     /// Keep the final-normed hidden state of every prefilled row, for an MTP drafter
     /// ([`crate::models::forward::last_hidden`]; Qwen3.5 only).
     pub want_hidden: bool,
+    /// Intermediate features captured by every forward pass (dense models), for a DFlash drafter.
+    pub capture: FeatureCapture,
 }
 
 impl SeqState {
     /// New empty sequence with room for `ctx` tokens.
     pub fn new(n_layers: usize, ctx: usize, kv_dim: usize) -> Self {
-        SeqState { kv: KvCache::new(n_layers, ctx, kv_dim), tokens: Vec::with_capacity(ctx), qwen35: None, want_hidden: false }
+        SeqState { kv: KvCache::new(n_layers, ctx, kv_dim), tokens: Vec::with_capacity(ctx), qwen35: None, want_hidden: false, capture: FeatureCapture::default() }
     }
 
     /// Number of committed positions.

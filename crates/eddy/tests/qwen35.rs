@@ -850,14 +850,14 @@ fn mtp_speculator_drafts_the_reference_chain() {
     let mut spec = MtpSpeculator::new(&m.config, 256);
     // Round 1: the prompt is history[..20], the root history[20].
     let (hidden, y1, y2) = reference(20);
-    spec.observe(&history[..20], 0, &hidden).unwrap();
+    spec.observe(&pool, &history[..20], 0, &hidden).unwrap();
     let tree = propose(&mut spec, 20);
     let d1 = tree.child(0, y1).expect("depth-1 chain token");
     assert!(tree.child(d1, y2).is_some(), "depth-2 chain token {y2} missing: {tree:?}");
     // Round 2: the target accepted history[21..24] (root 20 + 3 drafts; bonus history[24]): it observes
     // positions 20..24, and the next round adds those rows to the MTP cache.
     let (hidden, y1, y2) = reference(24);
-    spec.observe(&history[..24], 20, &hidden[20 * d..24 * d]).unwrap();
+    spec.observe(&pool, &history[..24], 20, &hidden[20 * d..24 * d]).unwrap();
     let tree = propose(&mut spec, 24);
     let d1 = tree.child(0, y1).expect("depth-1 chain token after an incremental round");
     assert!(tree.child(d1, y2).is_some(), "depth-2 chain token {y2} missing: {tree:?}");

@@ -86,7 +86,7 @@ fn check_target(target: &str, draft: &str) {
                 }
                 let d = match kind {
                     SpeculatorKind::Suffix => None,
-                    _ => Some(eddy::load::load_gguf(&draft_path, &mut |_, _| {}).unwrap()),
+                    _ => Some(eddy::spec::Drafter::Model(Box::new(eddy::load::load_gguf(&draft_path, &mut |_, _| {}).unwrap()))),
                 };
                 let specs = build_speculators(kind, d, &engine.lm, engine.ctx()).unwrap();
                 engine.set_speculation(specs, budget);

@@ -17,7 +17,7 @@ use crate::backend::cpu::attention::{attention, AttnShape, Visibility};
 use crate::backend::cpu::norm::{rms_norm, rms_norm_inplace};
 use crate::backend::cpu::{matmul, quantize_activations, QuantizedActivations, ThreadPool};
 use crate::error::{Error, Result};
-use crate::state::{KvCache, SeqState};
+use crate::state::{FeatureCapture, KvCache, SeqState};
 use crate::tree::TreePaths;
 
 /// Which rows of the batch get logits.
@@ -90,6 +90,7 @@ pub fn forward(
     }
     state.check_room(tokens.len())?;
     logits.clear();
+    state.capture.rows.clear();
     let n_chunks = tokens.len().div_ceil(ws.max_batch);
     for (ci, chunk) in tokens.chunks(ws.max_batch).enumerate() {
         let last_chunk = ci + 1 == n_chunks;
@@ -99,7 +100,7 @@ pub fn forward(
             _ => Logits::None,
         };
         let n_past = state.n_past();
-        forward_chunk(model, pool, ws, &mut state.kv, n_past, chunk, Rows::Chain, chunk_want, logits);
+        forward_chunk(model, pool, ws, &mut state.kv, &mut state.capture, n_past, chunk, Rows::Chain, chunk_want, logits);
         state.tokens.extend_from_slice(chunk);
     }
     Ok(())
@@ -159,12 +160,13 @@ pub fn forward_tree(
     }
     state.check_room(tokens.len())?;
     logits.clear();
+    state.capture.rows.clear();
     let n_past = state.n_past();
     let mut start = first;
     while start < tokens.len() {
         let end = (start + ws.max_batch).min(tokens.len());
         let rows = Rows::Tree { first: start, paths };
-        forward_chunk(model, pool, ws, &mut state.kv, n_past, &tokens[start..end], rows, Logits::All, logits);
+        forward_chunk(model, pool, ws, &mut state.kv, &mut state.capture, n_past, &tokens[start..end], rows, Logits::All, logits);
         start = end;
     }
     Ok(())
@@ -220,6 +222,7 @@ fn forward_chunk(
     pool: &ThreadPool,
     ws: &mut Workspace,
     kv: &mut KvCache,
+    capture: &mut FeatureCapture,
     n_past: usize,
     tokens: &[u32],
     rows: Rows,
@@ -242,6 +245,7 @@ fn forward_chunk(
     let (x, h, q, k, v) = (&mut x[..t * d], &mut h[..t * d], &mut q[..t * qd], &mut k[..t * kvd], &mut v[..t * kvd]);
     let (att, o, gate, up) = (&mut att[..t * qd], &mut o[..t * d], &mut gate[..t * fd], &mut up[..t * fd]);
 
+    capture.grow(t, d);
     for (i, &tok) in tokens.iter().enumerate() {
         let row = &mut x[i * d..(i + 1) * d];
         model.embed.dequant_row(tok as usize, row);
@@ -301,6 +305,7 @@ fn forward_chunk(
             rms_norm_inplace(o, w, c.norm_eps);
         }
         add_into(x, o);
+        capture.record(l, x, d);
     }
 
     let rows = match want {

@@ -17,6 +17,7 @@
 //!   seed and absolute position); if a child carries that token the walk moves there, otherwise the
 //!   sample is the bonus token. The output is therefore identical to plain decoding at any temperature.
 
+pub mod dflash;
 pub mod draft;
 pub mod mtp;
 pub mod suffix;
@@ -260,16 +261,25 @@ pub trait Speculator: Send {
     /// spent, which count as this round's drafting cost.
     fn propose(&mut self, ctx: &ProposeCtx, history: &[u32], tree: &mut DraftTree) -> Result<f64>;
 
-    /// Whether this speculator drafts from the target's hidden states ([`Speculator::observe`] gets them).
+    /// Whether this speculator drafts from the target's final-normed hidden states
+    /// ([`Speculator::observe`] gets them).
     fn wants_hidden(&self) -> bool {
         false
     }
 
-    /// The target committed positions `start..start + n` and computed their final-normed hidden states
-    /// `hidden` (`n × d_model`, position order); `history` holds the sequence's tokens through position
-    /// `start` at least. Called after the prefill (the prefilled rows) and after every verify step (the
-    /// accepted path), only when [`Speculator::wants_hidden`].
-    fn observe(&mut self, _history: &[u32], _start: usize, _hidden: &[f32]) -> Result<()> {
+    /// Decoder layers of the target whose outputs (the residual stream after them) this speculator
+    /// drafts from, in the order it concatenates them ([`Speculator::observe`] gets those rows); empty
+    /// for none. Only one layer set per engine: the first speculator's that asks.
+    fn feature_layers(&self) -> &[usize] {
+        &[]
+    }
+
+    /// The target committed positions `start..start + n` and computed their hidden states `hidden`
+    /// (position order): the final-normed states (`n × d_model`) when [`Speculator::wants_hidden`], or
+    /// the outputs of [`Speculator::feature_layers`] concatenated (`n × layers·d_model`). `history` holds
+    /// the sequence's tokens through position `start` at least. Called after each prefill piece (its
+    /// rows) and after every verify step (the accepted path), only for speculators that want either.
+    fn observe(&mut self, _pool: &ThreadPool, _history: &[u32], _start: usize, _hidden: &[f32]) -> Result<()> {
         Ok(())
     }
 }
@@ -333,7 +343,7 @@ impl DrafterStats {
     /// rate), and every 16th round regardless so that the hit rate can recover.
     pub(crate) fn worth_a_pass(&mut self, auto: bool, cost: &CostModel) -> bool {
         self.rounds += 1;
-        if !auto || self.pass_cost.is_none() || self.rounds % 16 == 0 {
+        if !auto || self.pass_cost.is_none() || self.rounds.is_multiple_of(16) {
             return true;
         }
         let c1 = cost.verify_cost(1);
@@ -352,31 +362,53 @@ pub enum SpeculatorKind {
     Draft,
     /// The target's own multi-token-prediction head (Qwen3.5 checkpoints with `mtp.*`).
     Mtp,
-    /// Suffix lookup, plus the MTP head when the target has one, plus the draft model when one is given.
+    /// A DFlash block drafter (needs one), drafting the best-first tree of its marginals.
+    DFlash,
+    /// A DFlash block drafter drafting only its argmax chain.
+    DFlashChain,
+    /// Suffix lookup, plus the MTP head when the target has one, plus the draft model or DFlash drafter
+    /// when one is given.
     Auto,
 }
 
 impl SpeculatorKind {
-    /// Parse `none|suffix|draft|mtp|auto`.
+    /// Parse `none|suffix|draft|mtp|dflash|dflash-chain|auto`.
     pub fn parse(s: &str) -> std::result::Result<SpeculatorKind, String> {
         Ok(match s {
             "none" => SpeculatorKind::None,
             "suffix" => SpeculatorKind::Suffix,
             "draft" => SpeculatorKind::Draft,
             "mtp" => SpeculatorKind::Mtp,
+            "dflash" => SpeculatorKind::DFlash,
+            "dflash-chain" => SpeculatorKind::DFlashChain,
             "auto" => SpeculatorKind::Auto,
-            _ => return Err(format!("speculator must be none, suffix, draft, mtp or auto, got `{s}`")),
+            _ => return Err(format!("speculator must be none, suffix, draft, mtp, dflash, dflash-chain or auto, got `{s}`")),
         })
     }
+
+    /// Whether this kind runs a drafter given with `--draft-model` (or found next to the model).
+    pub fn uses_drafter(self) -> bool {
+        matches!(self, SpeculatorKind::Draft | SpeculatorKind::DFlash | SpeculatorKind::DFlashChain | SpeculatorKind::Auto)
+    }
+}
+
+/// A separate drafter for [`build_speculators`].
+pub enum Drafter {
+    /// A smaller model with the target's tokenizer.
+    Model(Box<crate::load::LoadedModel>),
+    /// A DFlash block drafter (not yet bound to the target).
+    DFlash(Box<dflash::DFlashDrafter>),
 }
 
 /// Build the speculators of `kind` for the target `target` with a context of `ctx` tokens.
 ///
-/// Errors: `Draft` without a draft model, a draft model given to `None`/`Suffix`/`Mtp`, a draft model
-/// whose tokenizer differs from the target's, `Mtp` for a target without an MTP head.
+/// Errors: `Draft`/`DFlash` without a drafter (or with the other kind of drafter: a DFlash folder is
+/// only run by `Draft`, `DFlash`, `DFlashChain` and `Auto`), a drafter given to `None`/`Suffix`/`Mtp`,
+/// a draft model whose tokenizer differs from the target's, a DFlash drafter that does not fit the target
+/// ([`dflash::DFlashDrafter::bind`]), `Mtp` for a target without an MTP head.
 pub fn build_speculators(
     kind: SpeculatorKind,
-    draft: Option<crate::load::LoadedModel>,
+    draft: Option<Drafter>,
     target: &crate::load::LoadedModel,
     ctx: usize,
 ) -> Result<Vec<Box<dyn Speculator>>> {
@@ -386,6 +418,10 @@ pub fn build_speculators(
         let m = target.model.qwen35.as_deref()?;
         m.mtp.as_ref()?;
         Some(Box::new(mtp::MtpSpeculator::new(&m.config, ctx)))
+    };
+    let dflash = |mut d: Box<dflash::DFlashDrafter>, shape| -> Result<Box<dyn Speculator>> {
+        d.bind(&target.model)?;
+        Ok(Box::new(dflash::DFlashSpeculator::new(*d, ctx, shape)))
     };
     let mut out: Vec<Box<dyn Speculator>> = Vec::new();
     match (kind, draft) {
@@ -397,17 +433,29 @@ pub fn build_speculators(
         (SpeculatorKind::Auto, d) => {
             out.push(Box::new(suffix::SuffixSpeculator::default()));
             out.extend(mtp());
-            if let Some(d) = d {
-                out.push(Box::new(draft::DraftModel::new(d, tok, ctx)?));
+            match d {
+                Some(Drafter::Model(d)) => out.push(Box::new(draft::DraftModel::new(*d, tok, ctx)?)),
+                Some(Drafter::DFlash(d)) => out.push(dflash(d, dflash::TreeShape::Best)?),
+                None => {}
             }
         }
-        (SpeculatorKind::Draft, Some(d)) => out.push(Box::new(draft::DraftModel::new(d, tok, ctx)?)),
+        (SpeculatorKind::Draft, Some(Drafter::Model(d))) => out.push(Box::new(draft::DraftModel::new(*d, tok, ctx)?)),
+        (SpeculatorKind::Draft | SpeculatorKind::DFlash, Some(Drafter::DFlash(d))) => out.push(dflash(d, dflash::TreeShape::Best)?),
+        (SpeculatorKind::DFlashChain, Some(Drafter::DFlash(d))) => out.push(dflash(d, dflash::TreeShape::Chain)?),
         (SpeculatorKind::Draft, None) => {
             return Err(Error::Input("speculator `draft` needs a draft model (--draft-model PATH)".into()))
         }
+        (SpeculatorKind::DFlash | SpeculatorKind::DFlashChain, None) => {
+            return Err(Error::Input(
+                "speculator `dflash` needs a DFlash drafter (--draft-model DIR, or a drafter folder next to the model)".into(),
+            ))
+        }
+        (SpeculatorKind::DFlash | SpeculatorKind::DFlashChain, Some(Drafter::Model(m))) => {
+            return Err(Error::model(&m.source, "not a DFlash drafter (config.json must name DFlashDraftModel); use --speculator draft"))
+        }
         (k, Some(_)) => {
             return Err(Error::Input(format!(
-                "a draft model was given but the speculator is {k:?}; use --speculator draft or auto"
+                "a drafter was given but the speculator is {k:?}; use --speculator draft, dflash or auto"
             )))
         }
     }

@@ -82,9 +82,9 @@ impl Speculator for MtpSpeculator {
         true
     }
 
-    fn observe(&mut self, history: &[u32], start: usize, hidden: &[f32]) -> Result<()> {
+    fn observe(&mut self, _pool: &ThreadPool, history: &[u32], start: usize, hidden: &[f32]) -> Result<()> {
         let d = self.d_model;
-        if hidden.len() % d != 0 {
+        if !hidden.len().is_multiple_of(d) {
             return Err(Error::Input(format!("MTP: {} hidden values are not rows of {d}", hidden.len())));
         }
         // Keep the committed rows that still describe `history` and end before `start`. Rows only go

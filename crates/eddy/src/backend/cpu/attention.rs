@@ -63,6 +63,13 @@ pub enum Visibility<'a> {
         /// Root-to-node paths of the whole tree.
         paths: &'a TreePaths,
     },
+    /// Every query sees cache rows `0..rows` (a block attending to a context and to itself in both
+    /// directions, as DFlash's draft block does); `n_past` is unused. The keys are visited in row order,
+    /// so query `i` gives exactly what a single [`Visibility::Causal`] query at position `rows − 1` gives.
+    Block {
+        /// Rows every query sees.
+        rows: usize,
+    },
 }
 
 /// Most queries in one work item.
@@ -273,6 +280,7 @@ impl<'a> Query<'a> {
                 let p = paths.path(first + i);
                 (n_past + p.len() - 1, p)
             }
+            Visibility::Block { rows } => (rows - 1, &[]),
         };
         let lo = s.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         Query { pos, lo, n_past, path }
@@ -314,6 +322,10 @@ fn attention_with(
         Visibility::Tree { first, paths } => {
             assert!(first + t <= paths.len());
             n_past + first + t
+        }
+        Visibility::Block { rows } => {
+            assert!(rows > 0, "a block query must see at least one row");
+            rows
         }
     };
     assert!(k_cache.len() >= rows_used * kv_stride && v_cache.len() >= rows_used * kv_stride);
@@ -877,6 +889,33 @@ mod tests {
                             i += len;
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// A block of queries that all see the same rows (DFlash's draft block): close to f64 with those rows,
+    /// and each query bit-identical to one causal query at the last visible position, on 1–4 threads.
+    #[test]
+    fn block_queries_see_every_row() {
+        let pools: Vec<ThreadPool> = (1..=4).map(ThreadPool::new).collect();
+        let mut seed = 5u32;
+        for kernel in kernels() {
+            let s = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: 32, scale: 0.2, window: None, softcap: None };
+            let (qs, kvs) = (4 * 32, 2 * 32);
+            for (rows, t) in [(16, 16), (53, 16), (7, 3)] {
+                let q = random(t * qs, &mut seed);
+                let k = random(rows * kvs, &mut seed);
+                let v = random(rows * kvs, &mut seed);
+                let mut all = vec![0f32; t * qs];
+                attention_with(kernel, &pools[1], &s, &q, &k, &v, 0, t, Visibility::Block { rows }, &mut all);
+                let want_rows: Vec<Vec<usize>> = (0..t).map(|_| (0..rows).collect()).collect();
+                assert_close(&all, &reference_rows(&s, &q, &k, &v, &want_rows), &format!("{kernel:?} block {rows}/{t}"));
+                for i in 0..t {
+                    let mut one = vec![0f32; qs];
+                    let qi = &q[i * qs..(i + 1) * qs];
+                    attention_with(kernel, &pools[i % 4], &s, qi, &k, &v, rows - 1, 1, Visibility::Causal, &mut one);
+                    assert!(one == all[i * qs..(i + 1) * qs], "{kernel:?}: block query {i} vs a causal query");
                 }
             }
         }

@@ -1,0 +1,1153 @@
+//! DFlash block drafter (Chen et al., arXiv 2602.06036; the math follows z-lab's reference
+//! `dflash/model.py`, summarised in `docs/dflash.md`): a few Qwen3-style decoder layers that read the
+//! target's own intermediate features and propose the next `block_size − 1` tokens in **one** pass.
+//!
+//! Notation: the target's feature row of a committed position `p` is the concatenation of the residual
+//! stream after its decoder layers `target_layer_ids` (Hugging Face's `hidden_states[id + 1]`);
+//! `c_p = hidden_norm(fc · features_p)`. With the root (the last sampled token, not yet in the target's
+//! cache) at position `n`, the block is the target's embeddings of `[root, MASK × (B − 1)]` at positions
+//! `n..n + B`. Every draft layer computes
+//!
+//! ```text
+//! h = input_layernorm(x);  q = q_norm(Wq·h)  (block rows only)
+//! K = k_norm(Wk·[c_0..c_{n−1} ; h]),  V = Wv·[c ; h]      (context rows are not normed by input_layernorm)
+//! q, K = rope(q, K) at absolute positions;  x += Wo·attention(q, K, V)   (every block row sees every row)
+//! x += Wdown·(silu(Wgate·h') ⊙ Wup·h'),  h' = post_attention_layernorm(x)
+//! ```
+//!
+//! then `norm`, and the target's LM head gives the logits of block slots `1..B`: slot `k` predicts the
+//! token at position `n + k`. The context rows' K/V depend only on the target's features, so they are
+//! cached per draft layer and appended as tokens are committed ([`DFlashSeq`]); the block's K/V go to
+//! scratch rows after them and are overwritten next round.
+//!
+//! Drafts ([`DFlashSpeculator`]): the per-depth top-k of the marginals ([`Marginals`], probabilities at
+//! the target's temperature as acceptance estimates) become either the argmax chain or the DDTree
+//! best-first tree (`algorithms.md` §3.2: path score = product of the marginals along it; a child never
+//! outscores its parent, so every prefix of the pop order is a prefix-closed subtree), which
+//! [`super::DraftTree::select`] then prunes under the measured cost model like any other proposal.
+//!
+//! A reduced draft vocabulary (`draft_vocab.json` next to the drafter: a JSON array of token ids, or an
+//! object with such an array under `token_ids`) runs the LM head only over those rows: a sub-matrix
+//! gathered from the target's head once, when the drafter is bound to the target ([`DFlashDrafter::bind`]).
+
+use super::{probs_of, top_k, Budget, DraftTree, DrafterStats, ProposeCtx, Ranked, Speculator};
+use crate::backend::cpu::activation::{gated_act, Activation};
+use crate::backend::cpu::attention::{attention, AttnShape, Visibility};
+use crate::backend::cpu::norm::{rms_norm, rms_norm_inplace};
+use crate::backend::cpu::rope::{Rope, RopeMode};
+use crate::backend::cpu::{matmul, quantize_activations, QuantizedActivations, ThreadPool};
+use crate::error::{Error, Result};
+use crate::model_dir::{Quant, Tensors};
+use crate::models::Model;
+use crate::quant::import::{quantize_f32, QuantKind};
+use crate::quant::WeightMatrix;
+use serde_json::Value;
+use std::collections::BinaryHeap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// `architectures` entry of a DFlash drafter's `config.json`.
+pub const ARCHITECTURE: &str = "DFlashDraftModel";
+/// File of the optional reduced draft vocabulary, next to `config.json`.
+pub const DRAFT_VOCAB_FILE: &str = "draft_vocab.json";
+/// Candidates kept per depth from the marginals.
+pub const TOP_K: usize = 8;
+
+/// Whether `path` is a folder holding a DFlash drafter (`config.json` whose `architectures` names
+/// [`ARCHITECTURE`]).
+pub fn is_dflash_dir(path: &Path) -> bool {
+    let Ok(text) = std::fs::read_to_string(path.join("config.json")) else {
+        return false;
+    };
+    let Ok(v) = serde_json::from_str::<Value>(&text) else {
+        return false;
+    };
+    v.get("architectures")
+        .and_then(Value::as_array)
+        .is_some_and(|a| a.iter().any(|x| x.as_str() == Some(ARCHITECTURE)))
+}
+
+/// A DFlash drafter stored next to the model file `model`: the folder `<stem>.dflash/`, else the folder
+/// `dflash-<name>/` with the longest `<name>` that begins the model's file name (case-insensitive), e.g.
+/// `dflash-qwen2.5-coder-1.5b/` for `qwen2.5-coder-1.5b-instruct-q4_k_m.gguf`. Only folders that
+/// [`is_dflash_dir`] are considered.
+pub fn find_next_to(model: &Path) -> Option<PathBuf> {
+    let dir = model.parent()?;
+    let file = model.file_name()?.to_str()?.to_lowercase();
+    let stem = model.file_stem()?.to_str()?;
+    let own = dir.join(format!("{stem}.dflash"));
+    if is_dflash_dir(&own) {
+        return Some(own);
+    }
+    let mut best: Option<(usize, PathBuf)> = None;
+    for e in std::fs::read_dir(dir).ok()?.flatten() {
+        let name = e.file_name().to_string_lossy().to_lowercase();
+        let Some(prefix) = name.strip_prefix("dflash-") else {
+            continue;
+        };
+        if !prefix.is_empty()
+            && file.starts_with(prefix)
+            && best.as_ref().is_none_or(|b| prefix.len() > b.0)
+            && is_dflash_dir(&e.path())
+        {
+            best = Some((prefix.len(), e.path()));
+        }
+    }
+    best.map(|b| b.1)
+}
+
+/// z-lab's default choice of target layers when the config names none: one per draft layer, evenly
+/// spaced from layer 1 to `n_target − 3` (the middle layer for a one-layer drafter).
+pub fn default_target_layers(n_target: usize, n_draft: usize) -> Vec<usize> {
+    if n_draft == 1 {
+        return vec![n_target / 2];
+    }
+    let (start, end) = (1.0f64, n_target as f64 - 3.0);
+    (0..n_draft)
+        .map(|i| (start + i as f64 * (end - start) / (n_draft - 1) as f64).round() as usize)
+        .collect()
+}
+
+/// Hyper-parameters of a DFlash drafter (`config.json`, a Qwen3 config with DFlash fields).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DFlashConfig {
+    /// Residual width (must equal the target's).
+    pub d_model: usize,
+    /// Draft decoder layers.
+    pub n_layers: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads.
+    pub n_kv_heads: usize,
+    /// Dimension per head.
+    pub head_dim: usize,
+    /// MLP inner width.
+    pub ffn_dim: usize,
+    /// Vocabulary of the target it was trained for.
+    pub vocab_size: usize,
+    /// RMSNorm epsilon.
+    pub norm_eps: f32,
+    /// RoPE base.
+    pub rope_theta: f32,
+    /// Block length `B` (root plus `B − 1` drafted positions).
+    pub block_size: usize,
+    /// Token id of the MASK placeholder.
+    pub mask_token_id: u32,
+    /// Target decoder layers (0-based) whose outputs form the features, in `fc`'s input order.
+    pub target_layer_ids: Vec<usize>,
+    /// Decoder layers of the target it was trained for, when the config says.
+    pub num_target_layers: Option<usize>,
+}
+
+impl DFlashConfig {
+    /// Parse `config.json` of `dir`.
+    ///
+    /// Errors: unreadable or malformed JSON, not a DFlash config, missing or inconsistent fields,
+    /// features this loader does not implement (attention biases, an activation other than SiLU, RoPE
+    /// scaling).
+    pub fn read(dir: &Path) -> Result<DFlashConfig> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| Error::model(&path, format!("cannot read: {e}")))?;
+        let v: Value = serde_json::from_str(&text)
+            .map_err(|e| Error::model(&path, format!("malformed JSON: {e}")))?;
+        let bad = |m: String| Error::model(&path, m);
+        let archs = v.get("architectures").and_then(Value::as_array);
+        if !archs.is_some_and(|a| a.iter().any(|x| x.as_str() == Some(ARCHITECTURE))) {
+            return Err(bad(format!(
+                "not a DFlash drafter (architectures must name {ARCHITECTURE})"
+            )));
+        }
+        let num = |k: &str| -> Result<usize> {
+            v.get(k)
+                .and_then(Value::as_u64)
+                .map(|x| x as usize)
+                .ok_or_else(|| bad(format!("missing or invalid integer field `{k}`")))
+        };
+        let d_model = num("hidden_size")?;
+        let n_heads = num("num_attention_heads")?;
+        let n_kv_heads = match v.get("num_key_value_heads") {
+            Some(_) => num("num_key_value_heads")?,
+            None => n_heads,
+        };
+        let head_dim = match v.get("head_dim") {
+            Some(x) if !x.is_null() => num("head_dim")?,
+            _ => d_model / n_heads.max(1),
+        };
+        if v.get("attention_bias").and_then(Value::as_bool) == Some(true) {
+            return Err(bad(
+                "attention biases (attention_bias: true) are not supported in a DFlash drafter"
+                    .into(),
+            ));
+        }
+        if let Some(act) = v.get("hidden_act").and_then(Value::as_str) {
+            if act != "silu" {
+                return Err(bad(format!(
+                    "hidden_act `{act}` is not supported (DFlash drafters use silu)"
+                )));
+            }
+        }
+        let rope_params = v
+            .get("rope_parameters")
+            .or_else(|| v.get("rope_scaling"))
+            .filter(|x| !x.is_null());
+        if let Some(p) = rope_params {
+            let kind = p
+                .get("rope_type")
+                .or_else(|| p.get("type"))
+                .and_then(Value::as_str)
+                .unwrap_or("default");
+            if kind != "default" {
+                return Err(bad(format!(
+                    "RoPE scaling `{kind}` is not supported in a DFlash drafter"
+                )));
+            }
+        }
+        let rope_theta = v
+            .get("rope_theta")
+            .or_else(|| rope_params.and_then(|p| p.get("rope_theta")))
+            .and_then(Value::as_f64)
+            .unwrap_or(10000.0) as f32;
+        let norm_eps = v
+            .get("rms_norm_eps")
+            .and_then(Value::as_f64)
+            .unwrap_or(1e-6) as f32;
+        let n_layers = num("num_hidden_layers")?;
+        let num_target_layers = v
+            .get("num_target_layers")
+            .and_then(Value::as_u64)
+            .map(|x| x as usize);
+        let dc = v
+            .get("dflash_config")
+            .ok_or_else(|| bad("missing `dflash_config`".into()))?;
+        let mask_token_id = dc
+            .get("mask_token_id")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| bad("missing or invalid `dflash_config.mask_token_id`".into()))?
+            as u32;
+        let target_layer_ids = match dc.get("target_layer_ids").filter(|x| !x.is_null()) {
+            Some(ids) => ids
+                .as_array()
+                .and_then(|a| {
+                    a.iter()
+                        .map(|x| x.as_u64().map(|x| x as usize))
+                        .collect::<Option<Vec<_>>>()
+                })
+                .ok_or_else(|| {
+                    bad("`dflash_config.target_layer_ids` must be a list of layer indices".into())
+                })?,
+            None => {
+                let n = num_target_layers.ok_or_else(|| {
+                    bad("needs `dflash_config.target_layer_ids` or `num_target_layers`".into())
+                })?;
+                if n < 4 && n_layers > 1 {
+                    return Err(bad(format!(
+                        "num_target_layers {n} is too small for the default target layers"
+                    )));
+                }
+                default_target_layers(n, n_layers)
+            }
+        };
+        let c = DFlashConfig {
+            d_model,
+            n_layers,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            ffn_dim: num("intermediate_size")?,
+            vocab_size: num("vocab_size")?,
+            norm_eps,
+            rope_theta,
+            block_size: num("block_size")?,
+            mask_token_id,
+            target_layer_ids,
+            num_target_layers,
+        };
+        if c.n_layers == 0 || c.target_layer_ids.is_empty() {
+            return Err(bad(
+                "a DFlash drafter needs at least one layer and one target layer".into(),
+            ));
+        }
+        if c.block_size < 2 {
+            return Err(bad(format!(
+                "block_size {} must be at least 2",
+                c.block_size
+            )));
+        }
+        if c.n_heads == 0
+            || c.n_kv_heads == 0
+            || !c.n_heads.is_multiple_of(c.n_kv_heads)
+            || !c.head_dim.is_multiple_of(2)
+        {
+            return Err(bad(format!(
+                "inconsistent attention shape: {} heads, {} kv heads, head_dim {}",
+                c.n_heads, c.n_kv_heads, c.head_dim
+            )));
+        }
+        if !c.d_model.is_multiple_of(32)
+            || !c.ffn_dim.is_multiple_of(32)
+            || !(c.n_heads * c.head_dim).is_multiple_of(32)
+        {
+            return Err(bad(format!(
+                "unsupported shape: hidden_size {} / intermediate_size {} / heads × head_dim {} must be multiples of 32",
+                c.d_model,
+                c.ffn_dim,
+                c.n_heads * c.head_dim
+            )));
+        }
+        if c.mask_token_id as usize >= c.vocab_size {
+            return Err(bad(format!(
+                "mask_token_id {} is outside the vocabulary of {}",
+                c.mask_token_id, c.vocab_size
+            )));
+        }
+        Ok(c)
+    }
+
+    /// `n_heads × head_dim`.
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
+    /// `n_kv_heads × head_dim`.
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+
+    /// Values per feature row: `target_layer_ids.len() × d_model`.
+    pub fn feature_dim(&self) -> usize {
+        self.target_layer_ids.len() * self.d_model
+    }
+}
+
+/// Weights of one draft layer.
+struct DLayer {
+    in_norm: Vec<f32>,
+    post_norm: Vec<f32>,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+    wq: WeightMatrix,
+    wk: WeightMatrix,
+    wv: WeightMatrix,
+    wo: WeightMatrix,
+    w_gate: WeightMatrix,
+    w_up: WeightMatrix,
+    w_down: WeightMatrix,
+}
+
+/// A loaded DFlash drafter: configuration, weights in eddy's formats, the optional reduced draft
+/// vocabulary. The embedding and the LM head are the target's.
+pub struct DFlashDrafter {
+    /// Hyper-parameters.
+    pub config: DFlashConfig,
+    /// Folder it was loaded from.
+    pub source: PathBuf,
+    fc: WeightMatrix,
+    hidden_norm: Vec<f32>,
+    norm: Vec<f32>,
+    layers: Vec<DLayer>,
+    rope: Rope,
+    /// Token ids of the reduced draft vocabulary (`None`: the full vocabulary).
+    vocab_ids: Option<Vec<u32>>,
+    /// The target LM head's rows of `vocab_ids` (built by [`DFlashDrafter::bind`]).
+    head: Option<WeightMatrix>,
+}
+
+impl DFlashDrafter {
+    /// Load the drafter in `dir` (`config.json`, `model.safetensors` or an index with shards, optional
+    /// [`DRAFT_VOCAB_FILE`]); matrices are stored as `quant` says ([`Quant::Q8`]: eddy's int8 format,
+    /// prepacked for the AVX-512 kernels where they run).
+    ///
+    /// Errors: see [`DFlashConfig::read`]; missing tensors or tensors of the wrong shape (the message names
+    /// the tensor and both shapes); a malformed draft vocabulary or one with ids outside the vocabulary.
+    pub fn load(dir: &Path, quant: Quant) -> Result<DFlashDrafter> {
+        let c = DFlashConfig::read(dir)?;
+        let t = Tensors::open(dir)?;
+        let (d, qd, kvd, hd) = (c.d_model, c.q_dim(), c.kv_dim(), c.head_dim);
+        let m = |name: &str, rows: usize, cols: usize| t.matrix(name, rows, cols, quant, false);
+        let v = |name: &str, n: usize| t.f32_tensor(name, &[n]);
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for l in 0..c.n_layers {
+            let p = |s: &str| format!("layers.{l}.{s}");
+            layers.push(DLayer {
+                in_norm: v(&p("input_layernorm.weight"), d)?,
+                post_norm: v(&p("post_attention_layernorm.weight"), d)?,
+                q_norm: v(&p("self_attn.q_norm.weight"), hd)?,
+                k_norm: v(&p("self_attn.k_norm.weight"), hd)?,
+                wq: m(&p("self_attn.q_proj.weight"), qd, d)?,
+                wk: m(&p("self_attn.k_proj.weight"), kvd, d)?,
+                wv: m(&p("self_attn.v_proj.weight"), kvd, d)?,
+                wo: m(&p("self_attn.o_proj.weight"), d, qd)?,
+                w_gate: m(&p("mlp.gate_proj.weight"), c.ffn_dim, d)?,
+                w_up: m(&p("mlp.up_proj.weight"), c.ffn_dim, d)?,
+                w_down: m(&p("mlp.down_proj.weight"), d, c.ffn_dim)?,
+            });
+        }
+        let mut drafter = DFlashDrafter {
+            fc: m("fc.weight", d, c.feature_dim())?,
+            hidden_norm: v("hidden_norm.weight", d)?,
+            norm: v("norm.weight", d)?,
+            layers,
+            rope: Rope::new(RopeMode::Neox, hd, c.rope_theta, 1.0),
+            vocab_ids: read_draft_vocab(dir, c.vocab_size)?,
+            head: None,
+            source: dir.to_path_buf(),
+            config: c,
+        };
+        if crate::backend::cpu::prepack_wanted() {
+            let mut ws: Vec<&mut WeightMatrix> = vec![&mut drafter.fc];
+            for l in &mut drafter.layers {
+                ws.extend([
+                    &mut l.wq,
+                    &mut l.wk,
+                    &mut l.wv,
+                    &mut l.wo,
+                    &mut l.w_gate,
+                    &mut l.w_up,
+                    &mut l.w_down,
+                ]);
+            }
+            crate::quant::prepack_all(ws);
+        }
+        Ok(drafter)
+    }
+
+    /// Error unless the drafter fits a target of `d_model` residual width, `n_layers` decoder layers and
+    /// `vocab` tokens: same width, every target layer id below `n_layers` (and `num_target_layers`, when
+    /// given, equal to it), same vocabulary size.
+    pub fn check_target(&self, d_model: usize, n_layers: usize, vocab: usize) -> Result<()> {
+        let c = &self.config;
+        let bad = |m: String| Err(Error::model(&self.source, m));
+        if c.d_model != d_model {
+            return bad(format!(
+                "DFlash drafter has hidden_size {} but the target's is {d_model}",
+                c.d_model
+            ));
+        }
+        if let Some(&l) = c.target_layer_ids.iter().find(|&&l| l >= n_layers) {
+            return bad(format!("DFlash drafter reads target layer {l} but the target has {n_layers} layers (0..{n_layers})"));
+        }
+        if let Some(n) = c.num_target_layers.filter(|&n| n != n_layers) {
+            return bad(format!(
+                "DFlash drafter was trained for a target of {n} layers, this one has {n_layers}"
+            ));
+        }
+        if c.vocab_size != vocab {
+            return bad(format!(
+                "DFlash drafter has a vocabulary of {} tokens but the target's has {vocab}",
+                c.vocab_size
+            ));
+        }
+        Ok(())
+    }
+
+    /// Check the drafter against the target `target` ([`DFlashDrafter::check_target`]; dense models only)
+    /// and build the draft-vocabulary LM head from its head ([`DFlashDrafter::bind_head`]).
+    pub fn bind(&mut self, target: &Model) -> Result<()> {
+        if target.qwen35.is_some() {
+            return Err(Error::model(
+                &self.source,
+                "DFlash drafters run with dense targets only (not Qwen3.5)",
+            ));
+        }
+        let c = &target.config;
+        self.check_target(c.d_model, c.n_layers, c.vocab_size)?;
+        self.bind_head(target.lm_head());
+        Ok(())
+    }
+
+    /// With a reduced draft vocabulary, gather its rows of the target's LM head `lm_head` once: kept
+    /// exactly for f32/bf16 heads, re-quantized to int8 (group 32) for quantized ones. Nothing to do with
+    /// the full vocabulary.
+    pub fn bind_head(&mut self, lm_head: &WeightMatrix) {
+        let Some(ids) = &self.vocab_ids else { return };
+        let d = lm_head.cols();
+        let mut data = vec![0f32; ids.len() * d];
+        for (row, &id) in data.chunks_exact_mut(d).zip(ids) {
+            lm_head.dequant_row(id as usize, row);
+        }
+        let mut head = match lm_head {
+            WeightMatrix::F32 { .. } | WeightMatrix::Bf16 { .. } => WeightMatrix::F32 {
+                rows: ids.len(),
+                cols: d,
+                data,
+            },
+            WeightMatrix::Q(_) => quantize_f32(ids.len(), d, &data, QuantKind::Q8),
+        };
+        if crate::backend::cpu::prepack_wanted() {
+            crate::quant::prepack_all(vec![&mut head]);
+        }
+        self.head = Some(head);
+    }
+
+    /// Token ids of the draft vocabulary (`None`: all of them).
+    pub fn vocab_ids(&self) -> Option<&[u32]> {
+        self.vocab_ids.as_deref()
+    }
+
+    /// The LM head the block pass multiplies by: the gathered draft-vocabulary head, else `target_head`.
+    pub fn head<'a>(&'a self, target_head: &'a WeightMatrix) -> &'a WeightMatrix {
+        self.head.as_ref().unwrap_or(target_head)
+    }
+
+    /// Bytes of the drafter's own weights (what one block pass streams besides the LM head).
+    pub fn weight_bytes(&self) -> usize {
+        let mut n = 0;
+        for l in &self.layers {
+            for w in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
+                n += w.nbytes();
+            }
+        }
+        n
+    }
+}
+
+/// Read the optional draft vocabulary of `dir`.
+fn read_draft_vocab(dir: &Path, vocab: usize) -> Result<Option<Vec<u32>>> {
+    let path = dir.join(DRAFT_VOCAB_FILE);
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| Error::model(&path, format!("cannot read: {e}")))?;
+    let v: Value = serde_json::from_str(&text)
+        .map_err(|e| Error::model(&path, format!("malformed JSON: {e}")))?;
+    let list = v
+        .as_array()
+        .or_else(|| v.get("token_ids").and_then(Value::as_array));
+    let ids = list
+        .and_then(|a| a.iter().map(|x| x.as_u64()).collect::<Option<Vec<u64>>>())
+        .ok_or_else(|| {
+            Error::model(
+                &path,
+                "expected a JSON array of token ids (or {\"token_ids\": [...]})",
+            )
+        })?;
+    if ids.is_empty() {
+        return Err(Error::model(&path, "the draft vocabulary is empty"));
+    }
+    if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+        return Err(Error::model(
+            &path,
+            format!("token id {bad} is outside the vocabulary of {vocab}"),
+        ));
+    }
+    Ok(Some(ids.into_iter().map(|i| i as u32).collect()))
+}
+
+/// Per-sequence state of a drafter: the cached context K/V of every draft layer and scratch buffers.
+///
+/// Context rows cover positions `base..base + rows` (cache row `r` is position `base + r`); the block's
+/// `B` rows follow them.
+pub struct DFlashSeq {
+    /// Rows per layer (context plus one block).
+    cap: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// First position with a context row.
+    pub base: usize,
+    /// Context rows held.
+    pub rows: usize,
+    // Scratch (grown to the largest batch once).
+    x: Vec<f32>,
+    h: Vec<f32>,
+    q: Vec<f32>,
+    kb: Vec<f32>,
+    vb: Vec<f32>,
+    att: Vec<f32>,
+    o: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    xq: QuantizedActivations,
+}
+
+fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
+}
+
+impl DFlashSeq {
+    /// State for `d` with room for `ctx` context positions.
+    pub fn new(d: &DFlashDrafter, ctx: usize) -> DFlashSeq {
+        let c = &d.config;
+        let cap = ctx + c.block_size;
+        let n = c.n_layers * cap * c.kv_dim();
+        DFlashSeq {
+            cap,
+            k: vec![0.0; n],
+            v: vec![0.0; n],
+            base: 0,
+            rows: 0,
+            x: Vec::new(),
+            h: Vec::new(),
+            q: Vec::new(),
+            kb: Vec::new(),
+            vb: Vec::new(),
+            att: Vec::new(),
+            o: Vec::new(),
+            gate: Vec::new(),
+            up: Vec::new(),
+            xq: QuantizedActivations::new(),
+        }
+    }
+
+    /// Forget every context row; the next one will be at position `base`.
+    pub fn reset(&mut self, base: usize) {
+        self.base = base;
+        self.rows = 0;
+    }
+
+    /// Keep only the first `rows` context rows.
+    pub fn truncate(&mut self, rows: usize) {
+        self.rows = self.rows.min(rows);
+    }
+
+    /// Context rows that still fit (the block's rows are reserved).
+    pub fn room(&self, block: usize) -> usize {
+        self.cap - block - self.rows
+    }
+
+    /// Append the context rows of `m = features.len() / feature_dim` committed positions
+    /// `base + rows ..` from their target features (`m × feature_dim`, position order): `hidden_norm(fc·f)`
+    /// projected by every layer's `k_proj` (then `k_norm`, RoPE) and `v_proj`.
+    ///
+    /// Panics if the rows do not fit ([`DFlashSeq::room`]) or `features` is not whole rows (callers check).
+    pub fn add_context(&mut self, d: &DFlashDrafter, pool: &ThreadPool, features: &[f32]) {
+        let c = &d.config;
+        let (dm, kvd, fd) = (c.d_model, c.kv_dim(), c.feature_dim());
+        assert!(
+            features.len().is_multiple_of(fd),
+            "features must be whole rows of {fd}"
+        );
+        let m = features.len() / fd;
+        assert!(
+            m <= self.room(c.block_size),
+            "context rows beyond the drafter's room"
+        );
+        if m == 0 {
+            return;
+        }
+        let ctx = grow(&mut self.h, m * dm);
+        quantize_activations(pool, features, m, fd, &mut self.xq);
+        matmul(pool, &d.fc, features, &self.xq, m, ctx);
+        rms_norm_inplace(ctx, &d.hidden_norm, c.norm_eps);
+        quantize_activations(pool, ctx, m, dm, &mut self.xq);
+        let kb = grow(&mut self.kb, m * kvd);
+        let vb = grow(&mut self.vb, m * kvd);
+        let r0 = self.rows;
+        for (l, layer) in d.layers.iter().enumerate() {
+            matmul(pool, &layer.wk, ctx, &self.xq, m, kb);
+            matmul(pool, &layer.wv, ctx, &self.xq, m, vb);
+            rms_norm_inplace(kb, &layer.k_norm, c.norm_eps);
+            for (i, row) in kb.chunks_exact_mut(kvd).enumerate() {
+                d.rope.apply(row, c.head_dim, self.base + r0 + i);
+            }
+            let at = (l * self.cap + r0) * kvd;
+            self.k[at..at + m * kvd].copy_from_slice(kb);
+            self.v[at..at + m * kvd].copy_from_slice(vb);
+        }
+        self.rows += m;
+    }
+
+    /// One block pass: the root `root` at position `base + rows` followed by `B − 1` MASK tokens, over
+    /// every context row; the logits of slots `1..B` (`(B − 1) × head.rows()` f32, slot order) are
+    /// written to `logits`. `embed` is the target's token embedding (rows scaled by `embed_scale` when
+    /// set), `head` the LM head ([`DFlashDrafter::head`]). The context is not changed.
+    ///
+    /// Errors: `root` or the mask token outside the embedding.
+    #[allow(clippy::too_many_arguments)]
+    pub fn draft(
+        &mut self,
+        d: &DFlashDrafter,
+        pool: &ThreadPool,
+        embed: &WeightMatrix,
+        embed_scale: Option<f32>,
+        head: &WeightMatrix,
+        root: u32,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        let c = &d.config;
+        let (dm, qd, kvd, hd, fd) = (c.d_model, c.q_dim(), c.kv_dim(), c.head_dim, c.ffn_dim);
+        let b = c.block_size;
+        for tok in [root, c.mask_token_id] {
+            if tok as usize >= embed.rows() {
+                return Err(Error::Input(format!(
+                    "DFlash: token id {tok} is outside the vocabulary of {}",
+                    embed.rows()
+                )));
+            }
+        }
+        assert!(self.rows + b <= self.cap, "no room for the block");
+        let n = self.base + self.rows;
+        let x = grow(&mut self.x, b * dm);
+        for (i, row) in x.chunks_exact_mut(dm).enumerate() {
+            embed.dequant_row(if i == 0 { root } else { c.mask_token_id } as usize, row);
+            if let Some(s) = embed_scale {
+                row.iter_mut().for_each(|e| *e *= s);
+            }
+        }
+        let h = grow(&mut self.h, b * dm);
+        let q = grow(&mut self.q, b * qd);
+        let kb = grow(&mut self.kb, b * kvd);
+        let vb = grow(&mut self.vb, b * kvd);
+        let att = grow(&mut self.att, b * qd);
+        let o = grow(&mut self.o, b * dm);
+        let gate = grow(&mut self.gate, b * fd);
+        let up = grow(&mut self.up, b * fd);
+        let shape = AttnShape {
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+            window: None,
+            softcap: None,
+        };
+        let seen = self.rows + b;
+        for (l, layer) in d.layers.iter().enumerate() {
+            rms_norm(x, &layer.in_norm, c.norm_eps, h);
+            quantize_activations(pool, h, b, dm, &mut self.xq);
+            matmul(pool, &layer.wq, h, &self.xq, b, q);
+            matmul(pool, &layer.wk, h, &self.xq, b, kb);
+            matmul(pool, &layer.wv, h, &self.xq, b, vb);
+            rms_norm_inplace(q, &layer.q_norm, c.norm_eps);
+            rms_norm_inplace(kb, &layer.k_norm, c.norm_eps);
+            for i in 0..b {
+                let (qi, ki) = (
+                    &mut q[i * qd..(i + 1) * qd],
+                    &mut kb[i * kvd..(i + 1) * kvd],
+                );
+                d.rope.apply_all(&mut [qi, ki], hd, n + i);
+            }
+            let lk = &mut self.k[l * self.cap * kvd..(l + 1) * self.cap * kvd];
+            lk[self.rows * kvd..seen * kvd].copy_from_slice(kb);
+            let lv = &mut self.v[l * self.cap * kvd..(l + 1) * self.cap * kvd];
+            lv[self.rows * kvd..seen * kvd].copy_from_slice(vb);
+            attention(
+                pool,
+                &shape,
+                q,
+                lk,
+                lv,
+                0,
+                b,
+                Visibility::Block { rows: seen },
+                att,
+            );
+            quantize_activations(pool, att, b, qd, &mut self.xq);
+            matmul(pool, &layer.wo, att, &self.xq, b, o);
+            add_into(x, o);
+            rms_norm(x, &layer.post_norm, c.norm_eps, h);
+            quantize_activations(pool, h, b, dm, &mut self.xq);
+            matmul(pool, &layer.w_gate, h, &self.xq, b, gate);
+            matmul(pool, &layer.w_up, h, &self.xq, b, up);
+            gated_act(Activation::Silu, gate, up);
+            quantize_activations(pool, gate, b, fd, &mut self.xq);
+            matmul(pool, &layer.w_down, gate, &self.xq, b, o);
+            add_into(x, o);
+        }
+        let rows = b - 1;
+        let hs = &mut h[..rows * dm];
+        rms_norm(&x[dm..], &d.norm, c.norm_eps, hs);
+        quantize_activations(pool, hs, rows, dm, &mut self.xq);
+        logits.clear();
+        logits.resize(rows * head.rows(), 0.0);
+        matmul(pool, head, hs, &self.xq, rows, logits);
+        Ok(())
+    }
+
+    /// Bytes of the context K/V cache.
+    pub fn nbytes(&self) -> usize {
+        (self.k.len() + self.v.len()) * 4
+    }
+}
+
+fn add_into(x: &mut [f32], y: &[f32]) {
+    for (a, &b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// The per-depth candidates of one block pass: for depth `1..=depth` (block slot `k` = depth `k`), the
+/// `k` most likely tokens, most likely first, with their probabilities at the target's temperature.
+#[derive(Debug, Clone, Default)]
+pub struct Marginals {
+    /// Depths (block slots 1..B).
+    pub depth: usize,
+    /// Candidates per depth.
+    pub k: usize,
+    /// `depth × k` token ids, row-major.
+    pub tokens: Vec<u32>,
+    /// `depth × k` probabilities, non-increasing along each row.
+    pub probs: Vec<f32>,
+}
+
+impl Marginals {
+    /// Fill from `logits` (`depth × row` f32, the block pass's output over the draft vocabulary `ids`,
+    /// or the full vocabulary when `None`), keeping `k` candidates per depth with probabilities
+    /// `softmax(logits / temperature)` (temperature 1 for greedy decoding).
+    pub fn fill(
+        &mut self,
+        logits: &[f32],
+        row: usize,
+        ids: Option<&[u32]>,
+        k: usize,
+        temperature: f32,
+    ) {
+        let temp = if temperature > 0.0 { temperature } else { 1.0 };
+        self.depth = logits.len() / row;
+        self.k = k.min(row);
+        self.tokens.clear();
+        self.probs.clear();
+        for r in logits.chunks_exact(row) {
+            let top = top_k(r, self.k);
+            self.probs.extend(probs_of(r, &top, temp));
+            self.tokens.extend(
+                top.iter()
+                    .map(|&(i, _)| ids.map_or(i, |ids| ids[i as usize])),
+            );
+        }
+    }
+
+    /// Token and probability of candidate `rank` at depth `depth` (1-based).
+    pub fn at(&self, depth: usize, rank: usize) -> (u32, f32) {
+        let i = (depth - 1) * self.k + rank;
+        (self.tokens[i], self.probs[i])
+    }
+}
+
+/// How a DFlash speculator shapes its drafts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TreeShape {
+    /// The argmax chain (the reference DFlash loop).
+    Chain,
+    /// DDTree's best-first tree over the per-depth candidates.
+    Best,
+}
+
+/// Add up to `max_nodes` draft nodes below the root of `tree` from the marginals `m`, shaped as `shape`
+/// says, with path scores = products of the marginals along each path (nodes below 1e-4 are not added).
+/// Returns the number of nodes added.
+pub fn grow_tree(m: &Marginals, shape: TreeShape, max_nodes: usize, tree: &mut DraftTree) -> usize {
+    const MIN_SCORE: f32 = 1e-4;
+    let mut added = 0;
+    if m.depth == 0 || m.k == 0 {
+        return 0;
+    }
+    match shape {
+        TreeShape::Chain => {
+            let (mut parent, mut score) = (0, 1.0f32);
+            for depth in 1..=m.depth {
+                let (tok, p) = m.at(depth, 0);
+                score *= p;
+                if added >= max_nodes || score < MIN_SCORE {
+                    break;
+                }
+                parent = tree.add(parent, tok, score);
+                added += 1;
+            }
+        }
+        TreeShape::Best => {
+            // Heap entries: (parent node, its score, depth, rank); score = parent score × p(depth, rank).
+            let mut heap = BinaryHeap::new();
+            let mut seq = 0;
+            heap.push(Ranked {
+                score: m.at(1, 0).1,
+                seq,
+                item: (0usize, 1.0f32, 1usize, 0usize),
+            });
+            while let Some(Ranked {
+                score,
+                item: (parent, ps, depth, rank),
+                ..
+            }) = heap.pop()
+            {
+                if added >= max_nodes || score < MIN_SCORE {
+                    break;
+                }
+                let node = tree.add(parent, m.at(depth, rank).0, score);
+                added += 1;
+                if rank + 1 < m.k {
+                    seq += 1;
+                    heap.push(Ranked {
+                        score: ps * m.at(depth, rank + 1).1,
+                        seq,
+                        item: (parent, ps, depth, rank + 1),
+                    });
+                }
+                if depth < m.depth {
+                    seq += 1;
+                    heap.push(Ranked {
+                        score: score * m.at(depth + 1, 0).1,
+                        seq,
+                        item: (node, score, depth + 1, 0),
+                    });
+                }
+            }
+        }
+    }
+    added
+}
+
+/// A DFlash drafter as a [`Speculator`]: keeps its context rows in step with the committed sequence from
+/// the target's features ([`Speculator::observe`]), runs one block pass per round and proposes the chain
+/// or the best-first tree of its marginals.
+pub struct DFlashSpeculator {
+    drafter: DFlashDrafter,
+    seq: DFlashSeq,
+    shape: TreeShape,
+    /// The last sequence seen (`history` of the last call): the context rows of positions below its
+    /// length were computed for these tokens.
+    seen: Vec<u32>,
+    logits: Vec<f32>,
+    marginals: Marginals,
+    stats: DrafterStats,
+}
+
+impl DFlashSpeculator {
+    /// Wrap `drafter` (already bound to the target with [`DFlashDrafter::bind`]) for a context of `ctx`
+    /// tokens.
+    pub fn new(drafter: DFlashDrafter, ctx: usize, shape: TreeShape) -> DFlashSpeculator {
+        DFlashSpeculator {
+            seq: DFlashSeq::new(&drafter, ctx),
+            drafter,
+            shape,
+            seen: Vec::new(),
+            logits: Vec::new(),
+            marginals: Marginals::default(),
+            stats: DrafterStats::default(),
+        }
+    }
+
+    /// The drafter.
+    pub fn drafter(&self) -> &DFlashDrafter {
+        &self.drafter
+    }
+
+    /// Seconds per block pass (moving average; 0 before the first).
+    pub fn pass_cost(&self) -> f64 {
+        self.stats.pass_cost()
+    }
+
+    /// Run one block pass for the sequence `history` (root last) and return its marginals, or `None`
+    /// when the context rows do not reach the root (features missing) or there is no room.
+    ///
+    /// Errors: a token outside the target's vocabulary.
+    pub fn marginals(
+        &mut self,
+        pool: &ThreadPool,
+        target: &Model,
+        history: &[u32],
+        temperature: f32,
+    ) -> Result<Option<&Marginals>> {
+        let n = history.len() - 1;
+        self.note_tokens(history);
+        let b = self.drafter.config.block_size;
+        if self.seq.base + self.seq.rows != n || self.seq.rows + b > self.seq.cap {
+            return Ok(None);
+        }
+        let t = Instant::now();
+        let head = self.drafter.head(target.lm_head());
+        self.seq.draft(
+            &self.drafter,
+            pool,
+            &target.embed,
+            target.config.embed_scale,
+            head,
+            history[n],
+            &mut self.logits,
+        )?;
+        self.stats.record_pass(t.elapsed().as_secs_f64());
+        self.marginals.fill(
+            &self.logits,
+            head.rows(),
+            self.drafter.vocab_ids(),
+            TOP_K,
+            temperature,
+        );
+        Ok(Some(&self.marginals))
+    }
+
+    /// Record `history` as the sequence the context rows belong to.
+    fn note_tokens(&mut self, history: &[u32]) {
+        let common = common_prefix(&self.seen, history);
+        self.seen.truncate(common);
+        self.seen.extend_from_slice(&history[common..]);
+    }
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl Speculator for DFlashSpeculator {
+    fn name(&self) -> &'static str {
+        "dflash"
+    }
+
+    fn prefill(&mut self, _pool: &ThreadPool, _prompt: &[u32]) -> Result<()> {
+        self.stats.clear_chain();
+        Ok(())
+    }
+
+    fn feature_layers(&self) -> &[usize] {
+        &self.drafter.config.target_layer_ids
+    }
+
+    fn observe(
+        &mut self,
+        pool: &ThreadPool,
+        history: &[u32],
+        start: usize,
+        features: &[f32],
+    ) -> Result<()> {
+        let fd = self.drafter.config.feature_dim();
+        if !features.len().is_multiple_of(fd) {
+            return Err(Error::Input(format!(
+                "DFlash: {} feature values are not rows of {fd}",
+                features.len()
+            )));
+        }
+        // Rows stay valid while their positions precede `start` and the tokens they were computed for
+        // (every token up to their position) are still the sequence's.
+        let valid_end = start.min(common_prefix(&self.seen, history));
+        if valid_end < self.seq.base {
+            self.seq.reset(start);
+        } else {
+            self.seq.truncate(valid_end - self.seq.base);
+            if self.seq.base + self.seq.rows < start {
+                // A gap (features of earlier positions were never seen): start the context over here.
+                self.seq.reset(start);
+            }
+        }
+        self.note_tokens(history);
+        let m = (features.len() / fd).min(self.seq.room(self.drafter.config.block_size));
+        self.seq
+            .add_context(&self.drafter, pool, &features[..m * fd]);
+        Ok(())
+    }
+
+    fn propose(&mut self, ctx: &ProposeCtx, history: &[u32], tree: &mut DraftTree) -> Result<f64> {
+        let t0 = Instant::now();
+        self.stats.score_chain(history);
+        self.note_tokens(history);
+        let want = ctx.max_nodes.min(ctx.budget.max_nodes());
+        let Some(target) = ctx.target else {
+            return Ok(0.0);
+        };
+        if want == 0
+            || !self
+                .stats
+                .worth_a_pass(ctx.budget == Budget::Auto, ctx.cost)
+        {
+            return Ok(t0.elapsed().as_secs_f64());
+        }
+        let shape = self.shape;
+        let Some(m) = self.marginals(ctx.pool, target, history, ctx.temperature)? else {
+            return Ok(t0.elapsed().as_secs_f64());
+        };
+        grow_tree(m, shape, want, tree);
+        let chain: Vec<u32> = (1..=m.depth).map(|d| m.at(d, 0).0).collect();
+        self.stats.set_chain(history.len(), chain);
+        Ok(t0.elapsed().as_secs_f64())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn marginals(rows: &[&[(u32, f32)]]) -> Marginals {
+        let k = rows[0].len();
+        Marginals {
+            depth: rows.len(),
+            k,
+            tokens: rows.iter().flat_map(|r| r.iter().map(|e| e.0)).collect(),
+            probs: rows.iter().flat_map(|r| r.iter().map(|e| e.1)).collect(),
+        }
+    }
+
+    #[test]
+    fn default_target_layers_follow_the_reference() {
+        // z-lab's build_target_layer_ids: 64-layer target, 5 draft layers → [1, 16, 31, 46, 61].
+        assert_eq!(default_target_layers(64, 5), vec![1, 16, 31, 46, 61]);
+        assert_eq!(default_target_layers(28, 1), vec![14]);
+        assert_eq!(default_target_layers(28, 2), vec![1, 25]);
+        assert_eq!(default_target_layers(28, 3), vec![1, 13, 25]);
+    }
+
+    #[test]
+    fn chain_follows_the_argmax_with_product_scores() {
+        let m = marginals(&[
+            &[(5, 0.9), (6, 0.05)],
+            &[(7, 0.5), (8, 0.4)],
+            &[(9, 0.1), (1, 0.1)],
+        ]);
+        let mut t = DraftTree::new(3);
+        assert_eq!(grow_tree(&m, TreeShape::Chain, 10, &mut t), 3);
+        assert_eq!(t.tokens, vec![3, 5, 7, 9]);
+        assert_eq!(t.parents[1..], [0, 1, 2]);
+        assert!((t.scores[3] - 0.9 * 0.5 * 0.1).abs() < 1e-7);
+        let mut t = DraftTree::new(3);
+        assert_eq!(
+            grow_tree(&m, TreeShape::Chain, 2, &mut t),
+            2,
+            "the node cap holds"
+        );
+    }
+
+    /// The best-first tree pops nodes in non-increasing path score and is exactly the set of the
+    /// `budget` most probable prefixes (checked against brute-force enumeration).
+    #[test]
+    fn best_first_tree_is_the_top_paths() {
+        let m = marginals(&[
+            &[(10, 0.6), (11, 0.3), (12, 0.05)],
+            &[(20, 0.7), (21, 0.2), (22, 0.1)],
+            &[(30, 0.5), (31, 0.45), (32, 0.05)],
+        ]);
+        // Every prefix path and its score.
+        let mut all: Vec<(Vec<usize>, f32)> = Vec::new();
+        for a in 0..3 {
+            all.push((vec![a], m.at(1, a).1));
+            for b in 0..3 {
+                all.push((vec![a, b], m.at(1, a).1 * m.at(2, b).1));
+                for c in 0..3 {
+                    all.push((vec![a, b, c], m.at(1, a).1 * m.at(2, b).1 * m.at(3, c).1));
+                }
+            }
+        }
+        all.sort_by(|x, y| y.1.total_cmp(&x.1));
+        for budget in [1, 4, 9, 20] {
+            let mut t = DraftTree::new(0);
+            let n = grow_tree(&m, TreeShape::Best, budget, &mut t);
+            assert_eq!(n, budget);
+            let mut got: Vec<f32> = t.scores[1..].to_vec();
+            got.sort_by(|x, y| y.total_cmp(x));
+            for (g, w) in got.iter().zip(&all) {
+                assert!((g - w.1).abs() < 1e-6, "budget {budget}: {got:?}");
+            }
+            for i in 1..t.len() {
+                assert!(t.parents[i] < i && t.scores[i] <= t.scores[t.parents[i]]);
+                assert_eq!(
+                    t.tokens[i] / 10,
+                    t.depth(i) as u32,
+                    "depth {} holds a depth-{} token",
+                    t.depth(i),
+                    t.tokens[i] / 10
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn marginals_map_draft_vocabulary_ids() {
+        let logits = [0.0f32, 2.0, 1.0, 5.0, 0.0, 0.0];
+        let mut m = Marginals::default();
+        m.fill(&logits, 3, Some(&[100, 200, 300]), 2, 0.0);
+        assert_eq!((m.depth, m.k), (2, 2));
+        assert_eq!(m.tokens, vec![200, 300, 100, 200]);
+        let z: f32 = [0.0f32, 2.0, 1.0].iter().map(|v| v.exp()).sum();
+        assert!((m.probs[0] - 2f32.exp() / z).abs() < 1e-6);
+    }
+}
