@@ -54,6 +54,12 @@ pub struct BenchArgs {
     /// With --compare: draw TTFT and decode speed of the runs side by side into this SVG file.
     #[arg(long, requires = "compare")]
     plot: Option<PathBuf>,
+    /// Let the server reuse its prefix cache. By default each request asks for a cold prefill
+    /// (`cache_prompt: false`, which eddy serve and llama-server honour), so that repeated prompts measure
+    /// the time to first token of a cold prompt; requests the server still reports cached tokens for are
+    /// counted apart, as prefix-cache hits.
+    #[arg(long)]
+    warm: bool,
     /// Seconds one request may take before it counts as failed.
     #[arg(long, default_value_t = 600)]
     timeout: u64,
@@ -129,7 +135,7 @@ pub fn run(a: BenchArgs) -> R<()> {
     let label = a.label.clone().unwrap_or_else(|| {
         base.split("//").nth(1).unwrap_or(base).split('/').next().unwrap_or(base).to_string()
     });
-    let send = |p: &str| request(&agent, base, &model, p, a.max_tokens, a.temperature);
+    let send = |p: &str| request(&agent, base, &model, p, a.max_tokens, a.temperature, a.warm);
     for i in 0..a.warmup {
         send(&prompts[0]).map_err(|e| format!("warm-up request {}: {e}", i + 1))?;
     }
@@ -138,10 +144,14 @@ pub fn run(a: BenchArgs) -> R<()> {
     for (i, p) in prompts.iter().enumerate() {
         let s = send(p).map_err(|e| format!("request {}: {e}", i + 1))?;
         eprintln!(
-            "  {:>3}/{}: ttft {:.3} s, {} tokens, decode {}",
+            "  {:>3}/{}: ttft {:.3} s{}, {} tokens, decode {}",
             i + 1,
             prompts.len(),
             s.ttft_s,
+            match s.cached_tokens {
+                Some(c) if c > 0 => format!(" (prefix-cache hit: {c} tokens)"),
+                _ => String::new(),
+            },
             s.completion_tokens,
             s.decode_tps.map(|t| format!("{t:.2} tok/s")).unwrap_or_else(|| "n/a".into())
         );
@@ -150,7 +160,7 @@ pub fn run(a: BenchArgs) -> R<()> {
     let run = json!({
         "eddy_bench": 1,
         "label": label, "endpoint": base, "model": model, "dataset": dataset,
-        "max_tokens": a.max_tokens, "temperature": a.temperature, "warmup": a.warmup,
+        "max_tokens": a.max_tokens, "temperature": a.temperature, "warmup": a.warmup, "warm": a.warm,
         "requests": samples.iter().map(Sample::to_json).collect::<Vec<_>>(),
         "summary": summary(&samples),
     });
@@ -176,12 +186,13 @@ fn first_model(agent: &ureq::Agent, base: &str) -> R<String> {
 }
 
 /// One streamed chat completion, timed.
-fn request(agent: &ureq::Agent, base: &str, model: &str, prompt: &str, max_tokens: usize, temperature: f64) -> R<Sample> {
+fn request(agent: &ureq::Agent, base: &str, model: &str, prompt: &str, max_tokens: usize, temperature: f64, warm: bool) -> R<Sample> {
     let url = format!("{base}/chat/completions");
     let body = json!({
         "model": model, "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens, "temperature": temperature,
         "stream": true, "stream_options": {"include_usage": true},
+        "cache_prompt": warm,
     });
     let t0 = Instant::now();
     let resp = agent
@@ -275,10 +286,19 @@ fn stats(v: impl Iterator<Item = Option<f64>>) -> Value {
     })
 }
 
+/// Whether the server reported reusing prompt tokens from its prefix cache for this request.
+fn cache_hit(x: &Sample) -> bool {
+    x.cached_tokens.is_some_and(|c| c > 0)
+}
+
+/// `ttft_s` is the time to first token of the requests prefilled cold (no cached tokens reported);
+/// `ttft_cache_hit_s` that of the prefix-cache hits, counted in `cache_hits`.
 fn summary(s: &[Sample]) -> Value {
     json!({
         "requests": s.len(),
-        "ttft_s": stats(s.iter().map(|x| Some(x.ttft_s))),
+        "cache_hits": s.iter().filter(|x| cache_hit(x)).count(),
+        "ttft_s": stats(s.iter().map(|x| (!cache_hit(x)).then_some(x.ttft_s))),
+        "ttft_cache_hit_s": stats(s.iter().map(|x| cache_hit(x).then_some(x.ttft_s))),
         "decode_tps": stats(s.iter().map(|x| x.decode_tps)),
         "e2e_s": stats(s.iter().map(|x| Some(x.e2e_s))),
         "completion_tokens": stats(s.iter().map(|x| Some(x.completion_tokens as f64))),
@@ -291,6 +311,7 @@ fn summary(s: &[Sample]) -> Value {
 /// The metrics of a summary: JSON key, row title, decimals.
 const METRICS: &[(&str, &str, usize)] = &[
     ("ttft_s", "time to first token (s)", 3),
+    ("ttft_cache_hit_s", "TTFT, prefix-cache hit (s)", 3),
     ("decode_tps", "decode speed (tok/s)", 2),
     ("tokens_per_pass", "tokens per pass", 2),
     ("server_decode_tps", "server-reported decode", 2),

@@ -3,6 +3,7 @@
 //! `eddy bench` (a streaming benchmark client for any OpenAI-compatible endpoint).
 
 mod bench;
+mod fetch;
 
 use clap::{Args, Parser, Subcommand};
 use eddy::chat::{encode_chat, ChatMessage};
@@ -53,6 +54,14 @@ enum Cmd {
         /// one reuses their KV and prefills only the rest; output is identical either way).
         #[arg(long)]
         no_prefix_cache: bool,
+        /// A name `/v1/models` lists for the model (repeatable, the first is the one responses carry);
+        /// default: the model file's name. Requests naming any model are answered by the one served.
+        #[arg(long = "alias", value_name = "NAME")]
+        aliases: Vec<String>,
+        /// An origin browsers may call the API from, e.g. http://localhost:3000 (repeatable; `*` = any):
+        /// answers CORS preflight requests and adds the CORS headers.
+        #[arg(long = "cors-origin", value_name = "ORIGIN")]
+        cors_origins: Vec<String>,
         #[command(flatten)]
         spec: SpecArgs,
     },
@@ -278,7 +287,10 @@ fn main() -> ExitCode {
         Cmd::Run(a) => run(a),
         Cmd::Perplexity(a) => perplexity(a),
         Cmd::Speed(a) => speed(a),
-        Cmd::Serve { model, host, port, max_queue, no_prefix_cache, spec } => serve(model, &host, port, max_queue, !no_prefix_cache, &spec),
+        Cmd::Serve { model, host, port, max_queue, no_prefix_cache, aliases, cors_origins, spec } => {
+            let opts = eddy_server::ServeOptions { max_queue, aliases, cors_origins, ..Default::default() };
+            serve(model, &host, port, opts, !no_prefix_cache, &spec)
+        }
         Cmd::Bandwidth { threads } => bandwidth(threads),
         Cmd::Bench(a) => bench::run(a).map_err(eddy::Error::Input),
     };
@@ -292,11 +304,10 @@ fn main() -> ExitCode {
     }
 }
 
-fn serve(model: ModelArgs, host: &str, port: u16, max_queue: usize, prefix_cache: bool, spec: &SpecArgs) -> eddy::Result<()> {
+fn serve(model: ModelArgs, host: &str, port: u16, opts: eddy_server::ServeOptions, prefix_cache: bool, spec: &SpecArgs) -> eddy::Result<()> {
     let (spec_kind, spec_budget) = spec_options(spec)?;
     let (mut engine, _) = engine_with(&model, model.ctx.unwrap_or(DEFAULT_CTX), prefix_cache)?;
     attach_speculators(&mut engine, spec, spec_kind, spec_budget)?;
-    let opts = eddy_server::ServeOptions { max_queue, ..Default::default() };
     eddy_server::run_blocking(host, port, engine, opts).map_err(|e| eddy::Error::Input(format!("server: {e}")))
 }
 
@@ -404,6 +415,17 @@ fn bandwidth(threads: Option<usize>) -> eddy::Result<()> {
 }
 
 fn load_with_progress(spec: Option<&str>, quant: Quant) -> eddy::Result<LoadedModel> {
+    if spec.is_none() && eddy::load::default_model_path().is_err() {
+        // First use: download the default model into the models folder (unless offline).
+        let dir = eddy::load::models_dir();
+        if fetch::offline() {
+            return Err(eddy::Error::model(
+                dir.join(fetch::DEFAULT_MODEL.file),
+                "default model not found and downloads are off (EDDY_OFFLINE/HF_HUB_OFFLINE); fetch it with `tools/fetch_models.sh qwen05` or pass --model",
+            ));
+        }
+        fetch::fetch(&fetch::DEFAULT_MODEL, &dir).map_err(|e| eddy::Error::Input(format!("downloading the default model: {e}")))?;
+    }
     let bar = indicatif::ProgressBar::with_draw_target(None, indicatif::ProgressDrawTarget::stderr());
     bar.set_style(
         indicatif::ProgressStyle::with_template("loading {bar:40} {pos}/{len} tensors {elapsed}").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),

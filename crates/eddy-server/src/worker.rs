@@ -3,6 +3,7 @@
 //! cancelled (at the next decode step, or at the next prefill piece while its prompt is prefilled).
 
 use eddy::engine::{Engine, GenerateParams, TokenLogprobs};
+use eddy::sampling::LogitMask;
 use eddy::stats::{FinishReason, GenerationStats};
 use eddy::tokenizer::{StreamDecoder, Tokenizer};
 use crate::metrics::Metrics;
@@ -22,6 +23,12 @@ pub(crate) struct Job {
     pub queued_at: Instant,
     /// Its place in the queue, given back when the engine thread takes the job.
     pub slot: Slot,
+    /// The constraint on the output (a JSON schema, a tool call), if any.
+    pub mask: Option<Box<dyn LogitMask>>,
+    /// Decode special tokens into the text (a tool-call marker that is a control token).
+    pub keep_special: bool,
+    /// Reuse the prefix cache (`false`: the prompt is prefilled cold).
+    pub cache_prompt: bool,
 }
 
 /// Admission to the engine thread's queue: at most `max` jobs wait at a time. A job holds its place
@@ -219,10 +226,18 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) ->
         params,
         stops,
         tx,
+        mut mask,
+        keep_special,
+        cache_prompt,
         ..
     } = job;
+    if !cache_prompt {
+        engine.clear_cache();
+    }
     let mut last_token: Option<Instant> = None;
-    let mut dec = StreamDecoder::new(tok, true);
+    let mut dec = StreamDecoder::new(tok, !keep_special);
+    // Tokens whose text the decoder still holds (an incomplete character), for the cut at the end.
+    let mut held: Vec<u32> = Vec::new();
     let mut stop = StopMatcher::new(stops);
     let mut n = 0usize;
     let mut hit = false;
@@ -235,7 +250,8 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) ->
     };
     // A client that leaves during the prefill stops it at the next prefill piece.
     let left = || tx.is_closed();
-    let r = engine.generate_cancellable(&prompt, &params, &left, &mut |id, lp| {
+    let mask = mask.as_mut().map(|m| m.as_mut() as &mut dyn LogitMask);
+    let r = engine.generate_masked(&prompt, &params, &left, mask, &mut |id, lp| {
         if tx.is_closed() {
             return false;
         }
@@ -247,7 +263,9 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) ->
         if let (true, Some(lp)) = (want_lp, lp) {
             lpq.push(Logprob::new(tok, lp, lpq.decoded_chars));
         }
+        held.push(id);
         if let Ok(Some(text)) = dec.push(id) {
+            held.clear();
             lpq.decoded(&text);
             let (out, h) = stop.push(&text);
             if h {
@@ -270,7 +288,13 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) ->
                 return None; // client gone
             }
             if !hit {
-                if let Ok(Some(text)) = dec.finish() {
+                if let Ok(Some(mut text)) = dec.finish() {
+                    // A reply cut inside a character: its incomplete bytes are withheld, not sent as U+FFFD.
+                    if incomplete_utf8_tail(tok, &held) {
+                        while text.ends_with('\u{FFFD}') {
+                            text.pop();
+                        }
+                    }
                     lpq.decoded(&text);
                     let (out, h) = stop.push(&text);
                     if h {
@@ -298,6 +322,12 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) ->
             })
         }
     }
+}
+
+/// Whether the raw bytes of `ids` end inside a UTF-8 character (a token sequence cut mid-character).
+fn incomplete_utf8_tail(tok: &Tokenizer, ids: &[u32]) -> bool {
+    let bytes: Vec<u8> = ids.iter().flat_map(|&id| TokenText::new(tok, id).bytes).collect();
+    matches!(std::str::from_utf8(&bytes), Err(e) if e.error_len().is_none())
 }
 
 /// Log-probabilities of generated tokens waiting for their text to be emitted: a token's entry goes out

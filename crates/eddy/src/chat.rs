@@ -37,6 +37,7 @@ impl ChatMessage {
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos_token: Option<String>,
     eos_token: Option<String>,
 }
@@ -69,7 +70,7 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(|e| Error::Text(format!("chat template does not compile: {}", describe(&e))))?;
-        Ok(ChatTemplate { env, bos_token, eos_token })
+        Ok(ChatTemplate { env, source: source.to_string(), bos_token, eos_token })
     }
 
     /// The template in GGUF metadata `tokenizer.chat_template`, with the tokenizer's BOS/EOS names;
@@ -121,6 +122,11 @@ impl ChatTemplate {
         Self::new(source, name(tok.bos_id), name(tok.eos_id))
     }
 
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
     /// Renders `messages` as transformers' `apply_chat_template(messages, tokenize=False,
     /// add_generation_prompt=..., **kwargs)`. A template that raises, or fails, is an [`Error::Text`].
     pub fn render(
@@ -129,15 +135,19 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String> {
-        let msgs: Vec<Value> = messages
-            .iter()
-            .map(|m| {
-                OrderedMap::value(vec![
-                    ("role".to_string(), Value::from(m.role.as_str())),
-                    ("content".to_string(), Value::from(m.content.as_str())),
-                ])
-            })
-            .collect();
+        self.render_json(&messages_json(messages), add_generation_prompt, kwargs)
+    }
+
+    /// [`render`](Self::render) of messages given as JSON objects, passed to the template as they are (key
+    /// order kept): `role`, `content`, and whatever else the template reads, e.g. an assistant message's
+    /// `tool_calls` or a tool message's `tool_call_id`. Tools go in `kwargs` under `tools`.
+    pub fn render_json(
+        &self,
+        messages: &[serde_json::Value],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
+        let msgs: Vec<Value> = messages.iter().map(json_to_value).collect();
         let mut ctx: Vec<(String, Value)> = Vec::new();
         let mut set = |k: &str, v: Value| match ctx.iter_mut().find(|(key, _)| key == k) {
             Some(slot) => slot.1 = v,
@@ -175,14 +185,24 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String> {
-        let Some(last) = messages.last().filter(|m| m.role == "assistant") else {
+        self.render_continue_json(&messages_json(messages), kwargs)
+    }
+
+    /// [`render_continue`](Self::render_continue) of messages given as JSON objects (see
+    /// [`render_json`](Self::render_json)).
+    pub fn render_continue_json(
+        &self,
+        messages: &[serde_json::Value],
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
+        let Some(last) = messages.last().filter(|m| m["role"] == "assistant") else {
             return Err(Error::Text("only a final assistant message can be continued".into()));
         };
-        let tail = last.content.trim();
+        let tail = last["content"].as_str().unwrap_or("").trim();
         if tail.is_empty() {
-            return self.render(&messages[..messages.len() - 1], true, kwargs);
+            return self.render_json(&messages[..messages.len() - 1], true, kwargs);
         }
-        let full = self.render(messages, false, kwargs)?;
+        let full = self.render_json(messages, false, kwargs)?;
         match full.rfind(tail) {
             Some(at) => Ok(full[..at + tail.len()].to_string()),
             None => Err(Error::Text(
@@ -192,10 +212,78 @@ impl ChatTemplate {
     }
 }
 
+/// Messages as the JSON objects [`ChatTemplate::render_json`] takes.
+fn messages_json(messages: &[ChatMessage]) -> Vec<serde_json::Value> {
+    messages.iter().map(|m| serde_json::json!({"role": m.role, "content": m.content})).collect()
+}
+
 /// The prompt ids for a rendered chat, as transformers' `apply_chat_template(tokenize=True)`: templates
 /// write BOS themselves, so the text is encoded without adding special tokens.
 pub fn encode_chat(tok: &Tokenizer, rendered: &str) -> Result<Vec<u32>> {
     tok.encode(rendered, false)
+}
+
+/// [`encode_chat`] that reads special-token text written inside `untrusted` strings (message contents,
+/// tool arguments and descriptions: what users and tools wrote) as plain text, and only the template's own
+/// markup as special tokens, so that a user cannot open a turn of another role by writing `<|im_start|>`.
+///
+/// Each untrusted string that holds a special token's text is looked up in `rendered` (as written, trimmed,
+/// or as a JSON string body, the way `tojson` writes it); the special tokens inside those occurrences are
+/// encoded as text, every other one as itself. Without such strings this is [`encode_chat`], token for
+/// token. Errors ([`Error::Text`]): an untrusted string with special-token text that the template rewrote
+/// (it cannot be told apart from the markup), tokenizer errors.
+pub fn encode_chat_guarded(tok: &Tokenizer, rendered: &str, untrusted: &[&str]) -> Result<Vec<u32>> {
+    let specials = tok.special_token_texts();
+    let has_special = |s: &str| specials.iter().any(|t| s.contains(t.as_str()));
+    // Byte ranges of `rendered` that are untrusted text.
+    let mut plain: Vec<(usize, usize)> = Vec::new();
+    for &u in untrusted.iter().filter(|u| has_special(u)) {
+        let quoted = serde_json::to_string(u).unwrap_or_default();
+        let forms = [u, u.trim(), quoted.get(1..quoted.len().saturating_sub(1)).unwrap_or("")];
+        let mut found = false;
+        for f in forms.iter().filter(|f| !f.is_empty() && has_special(f)) {
+            for (at, _) in rendered.match_indices(f) {
+                plain.push((at, at + f.len()));
+                found = true;
+            }
+        }
+        if !found {
+            return Err(Error::Text(
+                "a message holds special-token text that the chat template rewrites, so it cannot be kept apart from the template's markup".into(),
+            ));
+        }
+    }
+    if plain.is_empty() {
+        return encode_chat(tok, rendered);
+    }
+    // The markup's special tokens: occurrences outside the untrusted ranges.
+    let mut marks: Vec<(usize, usize)> = Vec::new();
+    for t in &specials {
+        for (at, _) in rendered.match_indices(t.as_str()) {
+            let end = at + t.len();
+            if !plain.iter().any(|&(a, b)| at < b && end > a) {
+                marks.push((at, end));
+            }
+        }
+    }
+    // Longest first at a position, then drop overlaps.
+    marks.sort_by_key(|&(a, b)| (a, std::cmp::Reverse(b)));
+    let mut ids = Vec::new();
+    let mut at = 0;
+    for (a, b) in marks {
+        if a < at {
+            continue;
+        }
+        if a > at {
+            ids.extend(tok.encode_plain(&rendered[at..a])?);
+        }
+        ids.extend(tok.encode(&rendered[a..b], false)?);
+        at = b;
+    }
+    if at < rendered.len() {
+        ids.extend(tok.encode_plain(&rendered[at..])?);
+    }
+    Ok(ids)
 }
 
 /// One-line description of a minijinja error (with the template's message for `raise_exception`).

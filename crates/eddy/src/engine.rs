@@ -17,7 +17,7 @@ use crate::backend::cpu::ThreadPool;
 use crate::error::{Error, Result};
 use crate::load::LoadedModel;
 use crate::models::forward::{commit_tree, forward, forward_tree, last_hidden, reusable_prefix, Logits, Workspace};
-use crate::sampling::{Sampler, SamplerParams};
+use crate::sampling::{LogitMask, Sampler, SamplerParams};
 use crate::spec::{accept_walk, Budget, CostModel, DraftTree, ProposeCtx, Speculator};
 use crate::state::SeqState;
 use crate::stats::{FinishReason, GenerationStats};
@@ -270,6 +270,21 @@ impl Engine {
         cancelled: &dyn Fn() -> bool,
         on_token: &mut dyn FnMut(u32, Option<&TokenLogprobs>) -> bool,
     ) -> Result<GenerationStats> {
+        self.generate_masked(prompt, params, cancelled, None, on_token)
+    }
+
+    /// [`Engine::generate_cancellable`] under a constraint: `mask` ([`LogitMask`]) is applied to the logits
+    /// of every sampled position, and with speculation the draft branches it rejects are pruned before
+    /// verification, so the tokens are those of plain constrained decoding. When the mask allows no token
+    /// the generation ends with [`FinishReason::Stop`].
+    pub fn generate_masked(
+        &mut self,
+        prompt: &[u32],
+        params: &GenerateParams,
+        cancelled: &dyn Fn() -> bool,
+        mut mask: Option<&mut dyn LogitMask>,
+        on_token: &mut dyn FnMut(u32, Option<&TokenLogprobs>) -> bool,
+    ) -> Result<GenerationStats> {
         params.sampler.validate().map_err(Error::Input)?;
         if prompt.is_empty() {
             return Err(Error::Input("prompt: empty (no tokens)".into()));
@@ -345,9 +360,22 @@ impl Engine {
         if lp_k.is_some() {
             raw = self.logits[..vocab].to_vec();
         }
+        if let Some(m) = mask.as_deref_mut() {
+            if !m.apply(&mut self.logits[..vocab]) {
+                stats.finish = FinishReason::Stop;
+                stats.duration = t0.elapsed();
+                stats.ttft = stats.duration;
+                return Ok(stats);
+            }
+        }
         let first = self.sampler.sample(&params.sampler, &mut self.logits[..vocab], &history, history.len());
+        if let Some(m) = mask.as_deref_mut() {
+            m.consume(first);
+        }
         let mut next_lp = lp_k.map(|k| TokenLogprobs::new(&raw, first, k));
         let mut next = Some(first);
+        // The constraint allowed no token at some position of the last walk.
+        let mut dead_end = false;
         while let Some(tok) = next.take() {
             let tok_lp = next_lp.take();
             // Emit `tok` (sampled at position history.len()).
@@ -390,6 +418,11 @@ impl Engine {
                     draft_cost += s.propose(&ctx, &history, &mut tree)?;
                 }
             }
+            if let Some(m) = mask.as_deref_mut() {
+                if tree.len() > 1 {
+                    tree = tree.prune(|branch| m.accepted_prefix(branch) == branch.len());
+                }
+            }
             let tree = tree.select(self.budget, max_nodes, &self.cost, draft_cost);
             let paths = TreePaths::new(&tree.parents)?;
             let tv = Instant::now();
@@ -411,7 +444,16 @@ impl Engine {
                     raw.clear();
                     raw.extend_from_slice(row);
                 }
+                if let Some(m) = mask.as_deref_mut() {
+                    if !m.apply(row) {
+                        dead_end = true;
+                        return None;
+                    }
+                }
                 let y = sampler.sample(&params.sampler, row, &history, pos);
+                if let Some(m) = mask.as_deref_mut() {
+                    m.consume(y);
+                }
                 if let Some(k) = lp_k {
                     walk_lp.push(TokenLogprobs::new(&raw, y, k));
                 }
@@ -475,6 +517,11 @@ impl Engine {
             }
             if let Some(f) = stop {
                 stats.finish = f;
+                break;
+            }
+            if dead_end && walk.samples.len() == accepted {
+                // The walk ended where the constraint allows nothing: no bonus token to continue with.
+                stats.finish = FinishReason::Stop;
                 break;
             }
             next = walk.samples.last().copied();

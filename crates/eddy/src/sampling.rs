@@ -84,6 +84,25 @@ impl SamplerParams {
     }
 }
 
+/// A constraint on the tokens that may be generated (a grammar: JSON schema, tool-call syntax), applied to
+/// the logits of every sampled position before the sampler sees them.
+///
+/// The engine calls [`apply`](Self::apply) on a position's logits, samples, then [`consume`](Self::consume)s
+/// the sample, so the mask always describes the position after the tokens consumed so far. With
+/// speculation the engine also asks [`accepted_prefix`](Self::accepted_prefix) about each draft branch and
+/// drops the nodes the constraint rejects before verifying; the walk samples each node under the mask as
+/// plain decoding does, so the output is plain constrained decoding's token for token.
+pub trait LogitMask: Send {
+    /// Sets the logits of tokens not allowed next to `-inf` (`logits`: one position, the model's vocabulary
+    /// size). Returns `false` when no token is allowed (the constraint cannot continue: generation ends).
+    fn apply(&mut self, logits: &mut [f32]) -> bool;
+    /// Advances past `token` (sampled under the mask).
+    fn consume(&mut self, token: u32);
+    /// How many leading tokens of `tokens`, continuing what was consumed, the constraint allows (its state
+    /// unchanged).
+    fn accepted_prefix(&mut self, tokens: &[u32]) -> usize;
+}
+
 /// Philox4x32-10: 4×32-bit counter, 2×32-bit key, 10 rounds. Returns 4 random words.
 pub fn philox4x32(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
     const M0: u64 = 0xD251_1F53;

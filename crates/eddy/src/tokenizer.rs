@@ -111,6 +111,8 @@ pub struct Tokenizer {
     /// Ids that end generation: EOS plus those of `<|im_end|>`, `<|endoftext|>`, `<end_of_turn>`, `<|eot_id|>`,
     /// `<|end_of_text|>`, `<|end|>`, `<|eom_id|>`, `<|return|>` that exist as added tokens.
     pub stop_ids: Vec<u32>,
+    /// `inner` set to encode special-token text as plain text (built on first use, shared by clones).
+    plain: std::sync::Arc<std::sync::OnceLock<tk::Tokenizer>>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -344,7 +346,7 @@ impl Tokenizer {
                 }
             }
         }
-        Tokenizer { inner, source, n_vocab, cleanup_spaces, bos_id, eos_id, add_bos, stop_ids }
+        Tokenizer { inner, source, n_vocab, cleanup_spaces, bos_id, eos_id, add_bos, stop_ids, plain: Default::default() }
     }
 
     /// Encodes `text`. With `add_special` the model's special tokens are added around it (BOS when
@@ -356,6 +358,31 @@ impl Tokenizer {
             .encode_fast(text, add_special)
             .map_err(|e| Error::Text(format!("cannot tokenize text ({}): {e}", self.source.display())))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Encodes `text` with special-token text read as plain text (transformers'
+    /// `split_special_tokens=True`): `<|im_start|>` written in a message becomes the tokens of those
+    /// characters, not the control token. No special tokens are added.
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        let plain = self.plain.get_or_init(|| {
+            let mut t = self.inner.clone();
+            t.set_encode_special_tokens(true);
+            t
+        });
+        let enc = plain
+            .encode_fast(text, false)
+            .map_err(|e| Error::Text(format!("cannot tokenize text ({}): {e}", self.source.display())))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// The texts of the special (control) added tokens, e.g. `<|im_start|>`.
+    pub fn special_token_texts(&self) -> Vec<String> {
+        self.inner.get_added_tokens_decoder().into_values().filter(|t| t.special).map(|t| t.content).collect()
+    }
+
+    /// Whether the vocabulary is byte-level BPE (entries written in the GPT-2 byte alphabet).
+    pub fn is_byte_level(&self) -> bool {
+        matches!(self.inner.get_decoder(), Some(tk::DecoderWrapper::ByteLevel(_)))
     }
 
     /// Decodes ids to text (transformers' `decode`); with `skip_special` special tokens are left out. Ids

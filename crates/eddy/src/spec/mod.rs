@@ -109,6 +109,33 @@ impl DraftTree {
         self.len() - 1
     }
 
+    /// The nodes whose branch (the tokens from below the root down to the node) `allowed` accepts, with
+    /// their scores; a node whose parent is dropped is dropped too (a constraint on the output prunes the
+    /// drafts it rejects before they are verified).
+    pub fn prune(&self, mut allowed: impl FnMut(&[u32]) -> bool) -> DraftTree {
+        let mut out = DraftTree::new(self.tokens[0]);
+        let mut kept = vec![NO_PARENT; self.len()];
+        kept[0] = 0;
+        let mut branch = Vec::new();
+        for i in 1..self.len() {
+            let parent = kept[self.parents[i]];
+            if parent == NO_PARENT {
+                continue;
+            }
+            branch.clear();
+            let mut j = i;
+            while j != 0 {
+                branch.push(self.tokens[j]);
+                j = self.parents[j];
+            }
+            branch.reverse();
+            if allowed(&branch) {
+                kept[i] = out.add(parent, self.tokens[i], self.scores[i]);
+            }
+        }
+        out
+    }
+
     /// Depth of node `i` (root 0).
     pub fn depth(&self, mut i: usize) -> usize {
         let mut d = 0;
