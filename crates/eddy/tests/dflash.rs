@@ -620,6 +620,56 @@ fn lossless_on_qwen15_with_a_draft_vocabulary() {
     );
 }
 
+/// The trained drafter for the 1.5B (`dflash-qwen2.5-coder-1.5b/` in the models folder, where present:
+/// it is not fetched by `tools/fetch_models.sh` yet): lossless on the reference prompt, greedy and at 0.8, as the
+/// best-first tree, the chain and merged with suffix drafts under the automatic budget; its drafts are
+/// accepted.
+#[test]
+fn lossless_with_the_trained_drafter() {
+    let dir = eddy::load::models_dir().join("dflash-qwen2.5-coder-1.5b");
+    if !dir.join("config.json").is_file() {
+        eprintln!("skipping: no trained drafter at {}", dir.display());
+        return;
+    }
+    let Some(mut engine) = common::engine(QWEN15, 512) else {
+        return;
+    };
+    let mut accepted = 0;
+    for msg in [
+        PROMPT,
+        "Explain the difference between a process and a thread.",
+    ] {
+        let prompt = chat(&engine, msg);
+        for t in [0.0f32, 0.8] {
+            engine.set_speculation(Vec::new(), Budget::Auto);
+            let (plain, _) = generate(&mut engine, &prompt, t, 32);
+            for (kind, budget) in [
+                (SpeculatorKind::DFlash, Budget::Fixed(16)),
+                (SpeculatorKind::DFlashChain, Budget::Fixed(15)),
+                (SpeculatorKind::Auto, Budget::Auto),
+            ] {
+                let d = DFlashDrafter::load(&dir, Quant::Q8).unwrap();
+                let specs = build_speculators(
+                    kind,
+                    Some(Drafter::DFlash(Box::new(d))),
+                    &engine.lm,
+                    engine.ctx(),
+                )
+                .unwrap();
+                engine.set_speculation(specs, budget);
+                let (out, st) = generate(&mut engine, &prompt, t, 32);
+                assert_eq!(out, plain, "trained drafter, {kind:?} {budget:?} at temperature {t} changed the output of {msg:?}");
+                accepted += st.draft_accepted;
+            }
+        }
+    }
+    engine.set_speculation(Vec::new(), Budget::Auto);
+    assert!(
+        accepted > 0,
+        "the trained drafter's drafts were never accepted"
+    );
+}
+
 /// A drafter that does not fit the target is refused when the speculators are built.
 #[test]
 fn mismatched_drafter_is_refused_for_a_real_target() {
