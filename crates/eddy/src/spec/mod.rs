@@ -619,6 +619,24 @@ mod tests {
     }
 
     #[test]
+    fn prune_keeps_allowed_branches_and_drops_subtrees() {
+        let t = sample_tree();
+        // Branches: [10], [11], [10,12], [10,12,13], [11,14], [10,15]. Refuse every branch through 12, and 11.
+        let mut asked = Vec::new();
+        let p = t.prune(|b| {
+            asked.push(b.to_vec());
+            !b.contains(&12) && b != [11]
+        });
+        assert_eq!(p.tokens, vec![7, 10, 15]);
+        assert_eq!(p.parents, vec![NO_PARENT, 0, 1]);
+        assert_eq!(p.scores, vec![1.0, 0.9, 0.1]);
+        // The children of a dropped node are never asked about.
+        assert!(!asked.contains(&vec![10, 12, 13]) && !asked.contains(&vec![11, 14]), "{asked:?}");
+        assert_eq!(t.prune(|_| true).tokens, t.tokens);
+        assert_eq!(t.prune(|_| false).len(), 1);
+    }
+
+    #[test]
     fn accept_walk_follows_samples_and_stops_at_bonus() {
         let t = sample_tree();
         // Target samples 10, 12, 99: accepts nodes 1 and 3, bonus 99.
