@@ -7,7 +7,7 @@
 #   llama-server --spec-type ngram-mod | with a DFlash drafter (DFLASH, default the trained one in the models
 #   folder): eddy serve --speculator dflash (best-first tree) / dflash-chain / auto (suffix + dflash, what
 #   eddy serve does by default when the drafter sits next to the model) | llama-server --spec-type
-#   draft-dflash with the same drafter converted by llama.cpp's own converter (bench/llama_dflash_convert.sh)
+#   draft-dflash with the same drafter converted by llama.cpp's own converter (tools/dflash/to_llama_gguf.sh)
 # Then eddy's acceptance profile by depth (from /metrics, per dataset) and the verify-cost curve: one
 # target pass over trees of 1..64 nodes vs that many decode steps.
 #
@@ -69,7 +69,7 @@ run_server eddy-dflash-chain "${ES[@]}" --speculator dflash-chain --draft-model 
 run_server eddy-dflash-auto "${ES[@]}" --speculator auto --draft-model "$DFLASH" --spec-budget auto
 case " $CONFIGS " in *" llama-dflash "*)
   DFLASH_GGUF="$OUT/dflash-drafter.gguf"
-  [ -f "$DFLASH_GGUF" ] || bench/llama_dflash_convert.sh "$DFLASH" "$TARGET" "$DFLASH_GGUF" >&2 ;;
+  [ -f "$DFLASH_GGUF" ] || tools/dflash/to_llama_gguf.sh "$DFLASH" "$TARGET" "$DFLASH_GGUF" >&2 ;;
 esac
 run_server llama-dflash "${LS[@]}" --spec-type draft-dflash -md "${DFLASH_GGUF:-}" --spec-draft-n-max 15 -td "$THREADS"
 
