@@ -135,19 +135,39 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String> {
-        self.render_json(&messages_json(messages), add_generation_prompt, kwargs)
+        // Built directly (not through serde_json, whose maps sort their keys unless its `preserve_order`
+        // feature is on): role first, then content, as Python dicts keep them.
+        let msgs: Vec<Value> = messages
+            .iter()
+            .map(|m| {
+                OrderedMap::value(vec![
+                    ("role".to_string(), Value::from(m.role.as_str())),
+                    ("content".to_string(), Value::from(m.content.as_str())),
+                ])
+            })
+            .collect();
+        self.render_values(msgs, add_generation_prompt, kwargs)
     }
 
     /// [`render`](Self::render) of messages given as JSON objects, passed to the template as they are (key
     /// order kept): `role`, `content`, and whatever else the template reads, e.g. an assistant message's
-    /// `tool_calls` or a tool message's `tool_call_id`. Tools go in `kwargs` under `tools`.
+    /// `tool_calls` or a tool message's `tool_call_id`. Tools go in `kwargs` under `tools`. Keys keep the
+    /// order of `serde_json::Map` (insertion order when serde_json's `preserve_order` feature is on).
     pub fn render_json(
         &self,
         messages: &[serde_json::Value],
         add_generation_prompt: bool,
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String> {
-        let msgs: Vec<Value> = messages.iter().map(json_to_value).collect();
+        self.render_values(messages.iter().map(json_to_value).collect(), add_generation_prompt, kwargs)
+    }
+
+    fn render_values(
+        &self,
+        msgs: Vec<Value>,
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
         let mut ctx: Vec<(String, Value)> = Vec::new();
         let mut set = |k: &str, v: Value| match ctx.iter_mut().find(|(key, _)| key == k) {
             Some(slot) => slot.1 = v,
@@ -185,7 +205,15 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String> {
-        self.render_continue_json(&messages_json(messages), kwargs)
+        let Some(last) = messages.last().filter(|m| m.role == "assistant") else {
+            return Err(Error::Text("only a final assistant message can be continued".into()));
+        };
+        let tail = last.content.trim();
+        if tail.is_empty() {
+            return self.render(&messages[..messages.len() - 1], true, kwargs);
+        }
+        let full = self.render(messages, false, kwargs)?;
+        cut_after(full, tail)
     }
 
     /// [`render_continue`](Self::render_continue) of messages given as JSON objects (see
@@ -203,18 +231,18 @@ impl ChatTemplate {
             return self.render_json(&messages[..messages.len() - 1], true, kwargs);
         }
         let full = self.render_json(messages, false, kwargs)?;
-        match full.rfind(tail) {
-            Some(at) => Ok(full[..at + tail.len()].to_string()),
-            None => Err(Error::Text(
-                "the chat template does not write the final assistant message as given, so it cannot be continued".into(),
-            )),
-        }
+        cut_after(full, tail)
     }
 }
 
-/// Messages as the JSON objects [`ChatTemplate::render_json`] takes.
-fn messages_json(messages: &[ChatMessage]) -> Vec<serde_json::Value> {
-    messages.iter().map(|m| serde_json::json!({"role": m.role, "content": m.content})).collect()
+/// `full` cut right after the last occurrence of `tail` (the continued message's content).
+fn cut_after(full: String, tail: &str) -> Result<String> {
+    match full.rfind(tail) {
+        Some(at) => Ok(full[..at + tail.len()].to_string()),
+        None => Err(Error::Text(
+            "the chat template does not write the final assistant message as given, so it cannot be continued".into(),
+        )),
+    }
 }
 
 /// The prompt ids for a rendered chat, as transformers' `apply_chat_template(tokenize=True)`: templates
