@@ -65,25 +65,15 @@ pub const MAX_BODY_BYTES: usize = 32 << 20;
 
 impl Default for ServeOptions {
     fn default() -> Self {
-        ServeOptions {
-            model_id: None,
-            max_queue: 16,
-            keep_alive: Some(Duration::from_secs(5)),
-            max_body_bytes: MAX_BODY_BYTES,
-        }
+        ServeOptions { model_id: None, max_queue: 16, keep_alive: Some(Duration::from_secs(5)), max_body_bytes: MAX_BODY_BYTES }
     }
 }
 
 /// The id a model is served under: the file (or folder) name without `.gguf`.
 pub fn model_id_for(engine: &Engine) -> String {
     let src = &engine.lm.source;
-    let name = src
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| src.display().to_string());
-    name.strip_suffix(".gguf")
-        .map(str::to_string)
-        .unwrap_or(name)
+    let name = src.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| src.display().to_string());
+    name.strip_suffix(".gguf").map(str::to_string).unwrap_or(name)
 }
 
 struct AppState {
@@ -103,46 +93,24 @@ struct AppState {
 }
 
 /// Serves the OpenAI API on `listener` until the listener fails. The engine moves to its own thread.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    engine: Engine,
-    opts: ServeOptions,
-) -> std::io::Result<()> {
+pub async fn serve(listener: tokio::net::TcpListener, engine: Engine, opts: ServeOptions) -> std::io::Result<()> {
     axum::serve(listener, router(engine, opts)?).await
 }
 
 /// Blocking entry point for the CLI: binds `host:port`, builds a Tokio runtime and serves.
-pub fn run_blocking(
-    host: &str,
-    port: u16,
-    engine: Engine,
-    opts: ServeOptions,
-) -> std::io::Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+pub fn run_blocking(host: &str, port: u16, engine: Engine, opts: ServeOptions) -> std::io::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind((host, port)).await?;
-        let id = opts
-            .model_id
-            .clone()
-            .unwrap_or_else(|| model_id_for(&engine));
-        eprintln!(
-            "eddy serve: model `{id}`, context {} tokens, listening on http://{}",
-            engine.ctx(),
-            listener.local_addr()?
-        );
+        let id = opts.model_id.clone().unwrap_or_else(|| model_id_for(&engine));
+        eprintln!("eddy serve: model `{id}`, context {} tokens, listening on http://{}", engine.ctx(), listener.local_addr()?);
         serve(listener, engine, opts).await
     })
 }
 
 /// The axum router with the engine thread started behind it.
 pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router> {
-    let model_id = opts
-        .model_id
-        .clone()
-        .unwrap_or_else(|| model_id_for(&engine));
+    let model_id = opts.model_id.clone().unwrap_or_else(|| model_id_for(&engine));
     let (tx, rx) = std::sync::mpsc::channel();
     let metrics = Arc::new(Metrics::default());
     let queue = Queue::new(opts.max_queue, metrics.clone());
@@ -171,10 +139,7 @@ pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router>
         .method_not_allowed_fallback(not_allowed)
         .layer(DefaultBodyLimit::max(opts.max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(state.clone(), json_errors))
-        .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            count_requests,
-        ))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), count_requests))
         .with_state(state))
 }
 
@@ -191,10 +156,7 @@ async fn count_requests(State(st): State<Arc<AppState>>, req: Request, next: Nex
 async fn json_errors(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let resp = next.run(req).await;
     let status = resp.status();
-    let json = resp
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    let json = resp.headers().get(header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
     if json || !(status.is_client_error() || status.is_server_error()) {
         return resp;
     }
@@ -212,18 +174,11 @@ async fn json_errors(State(st): State<Arc<AppState>>, req: Request, next: Next) 
 }
 
 async fn prometheus(State(st): State<Arc<AppState>>) -> Response {
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
-        st.metrics.render(),
-    )
-        .into_response()
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], st.metrics.render()).into_response()
 }
 
 fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
 async fn not_found(method: Method, uri: Uri) -> ApiError {
@@ -247,9 +202,7 @@ async fn health() -> Json<Value> {
 }
 
 async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
-    Json(
-        json!({"object": "list", "data": [{"id": st.model_id, "object": "model", "created": st.created, "owned_by": "eddy"}]}),
-    )
+    Json(json!({"object": "list", "data": [{"id": st.model_id, "object": "model", "created": st.created, "owned_by": "eddy"}]}))
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -259,15 +212,11 @@ enum Kind {
 }
 
 async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    handle(st, Kind::Chat, body)
-        .await
-        .unwrap_or_else(IntoResponse::into_response)
+    handle(st, Kind::Chat, body).await.unwrap_or_else(IntoResponse::into_response)
 }
 
 async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    handle(st, Kind::Text, body)
-        .await
-        .unwrap_or_else(IntoResponse::into_response)
+    handle(st, Kind::Text, body).await.unwrap_or_else(IntoResponse::into_response)
 }
 
 /// Parses and validates a request body, renders the chat template and tokenizes the prompt: the
@@ -281,10 +230,7 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
             let messages = api::parse_messages(&o)?;
             let kwargs = api::parse_kwargs(&o)?;
             let Some(t) = &st.template else {
-                return Err(ApiError::invalid(
-                    None,
-                    "the model has no chat template; use /v1/completions",
-                ));
+                return Err(ApiError::invalid(None, "the model has no chat template; use /v1/completions"));
             };
             // An assistant message last is continued (the reply extends it), as vLLM's and
             // llama-server's prefill of the assistant turn.
@@ -295,27 +241,16 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
             }
             .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
             thinking = reasoning::thinking_mode(t, &messages, &kwargs, &text);
-            encode_chat(&st.tokenizer, &text)
-                .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
+            encode_chat(&st.tokenizer, &text).map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
         }
         Kind::Text => match api::parse_prompt(&o, st.vocab)? {
             api::Prompt::Tokens(ids) => ids,
-            api::Prompt::Text(text) => st
-                .tokenizer
-                .encode(&text, true)
-                .map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?,
+            api::Prompt::Text(text) => st.tokenizer.encode(&text, true).map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?,
         },
     };
-    let what = if kind == Kind::Chat {
-        "messages"
-    } else {
-        "prompt"
-    };
+    let what = if kind == Kind::Chat { "messages" } else { "prompt" };
     if prompt.is_empty() {
-        return Err(ApiError::invalid(
-            Some(what),
-            format!("the {what} is empty"),
-        ));
+        return Err(ApiError::invalid(Some(what), format!("the {what} is empty")));
     }
     let room = st.ctx.saturating_sub(prompt.len());
     let max_tokens = match common.max_tokens {
@@ -365,16 +300,11 @@ struct Prepared {
 /// Validate, tokenize (on the blocking pool), queue, and answer (whole or streamed).
 async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, ApiError> {
     let s = st.clone();
-    let Prepared { common, prompt, thinking, max_tokens } =
-        tokio::task::spawn_blocking(move || prepare(&s, kind, &body))
-            .await
-            .map_err(|e| server_error(format!("preparing the request failed: {e}")))??;
+    let Prepared { common, prompt, thinking, max_tokens } = tokio::task::spawn_blocking(move || prepare(&s, kind, &body))
+        .await
+        .map_err(|e| server_error(format!("preparing the request failed: {e}")))??;
     let Some(slot) = st.queue.admit() else {
-        return Err(ApiError::invalid(
-            None,
-            "the server is busy: the request queue is full; retry later",
-        )
-        .with_status(
+        return Err(ApiError::invalid(None, "the server is busy: the request queue is full; retry later").with_status(
             StatusCode::SERVICE_UNAVAILABLE,
             "server_error",
             Some("queue_full"),
@@ -384,12 +314,7 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
     let (tx, rx) = mpsc::unbounded_channel();
     let job = Job {
         prompt,
-        params: GenerateParams {
-            max_tokens,
-            sampler: common.sampler.clone(),
-            ignore_eos: false,
-            logprobs: common.logprobs,
-        },
+        params: GenerateParams { max_tokens, sampler: common.sampler.clone(), ignore_eos: false, logprobs: common.logprobs },
         stops: common.stops.clone(),
         tx,
         queued_at: Instant::now(),
@@ -404,16 +329,7 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
     let n = st.next_id.fetch_add(1, Ordering::Relaxed);
     let fmt = Formatter {
         kind,
-        id: format!(
-            "{}-{:x}{:06x}",
-            if kind == Kind::Chat {
-                "chatcmpl"
-            } else {
-                "cmpl"
-            },
-            unix_now(),
-            n
-        ),
+        id: format!("{}-{:x}{:06x}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, unix_now(), n),
         created: unix_now(),
         model: st.model_id.clone(),
         include_usage: common.include_usage,
@@ -506,10 +422,8 @@ impl Formatter {
             }
             Kind::Text => {
                 let text_offset: Vec<usize> = lps.iter().map(|l| l.offset).collect();
-                let top: Vec<Value> = lps
-                    .iter()
-                    .map(|l| Value::Object(l.top.iter().map(|(t, v)| (t.text.clone(), json!(v))).collect()))
-                    .collect();
+                let top: Vec<Value> =
+                    lps.iter().map(|l| Value::Object(l.top.iter().map(|(t, v)| (t.text.clone(), json!(v))).collect())).collect();
                 json!({
                     "tokens": lps.iter().map(|l| l.token.text.as_str()).collect::<Vec<_>>(),
                     "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
@@ -528,14 +442,7 @@ impl Formatter {
         }
     }
 
-    fn whole(
-        &self,
-        text: String,
-        lps: &[Logprob],
-        finish: &str,
-        completion_tokens: usize,
-        stats: &GenerationStats,
-    ) -> Value {
+    fn whole(&self, text: String, lps: &[Logprob], finish: &str, completion_tokens: usize, stats: &GenerationStats) -> Value {
         let logprobs = self.logprobs(lps);
         let choice = match self.kind {
             Kind::Chat => {
@@ -600,11 +507,7 @@ impl Formatter {
     }
 }
 
-async fn whole_response(
-    fmt: Formatter,
-    mut rx: Reply,
-    _c: &Common,
-) -> Result<Response, ApiError> {
+async fn whole_response(fmt: Formatter, mut rx: Reply, _c: &Common) -> Result<Response, ApiError> {
     let mut text = String::new();
     let mut lps = Vec::new();
     while let Some(ev) = rx.rx.recv().await {
@@ -613,11 +516,7 @@ async fn whole_response(
                 text.push_str(&t);
                 lps.extend(l);
             }
-            Event::Done {
-                finish,
-                completion_tokens,
-                stats,
-            } => {
+            Event::Done { finish, completion_tokens, stats } => {
                 return Ok(Json(fmt.whole(text, &lps, finish, completion_tokens, &stats)).into_response());
             }
             Event::Error(e) => return Err(server_error(e)),
@@ -627,22 +526,14 @@ async fn whole_response(
 }
 
 fn server_error(msg: String) -> ApiError {
-    ApiError::invalid(None, msg).with_status(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "server_error",
-        None,
-    )
+    ApiError::invalid(None, msg).with_status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", None)
 }
 
 fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
-fn stream_response(
-    fmt: Formatter,
-    rx: Reply,
-    keep_alive: Option<Duration>,
-) -> Response {
+fn stream_response(fmt: Formatter, rx: Reply, keep_alive: Option<Duration>) -> Response {
     let mut queued = VecDeque::new();
     if fmt.kind == Kind::Chat {
         queued.push_back(sse(&fmt.chunk(true, Some(""), None)));
@@ -720,11 +611,7 @@ impl SseBody {
                 };
                 self.queue(chunks);
             }
-            Some(Event::Done {
-                finish,
-                completion_tokens,
-                stats,
-            }) => {
+            Some(Event::Done { finish, completion_tokens, stats }) => {
                 if let Some(s) = self.splitter.as_mut().map(ReasoningSplitter::finish) {
                     let chunks = self.split_chunks(s);
                     self.queue(chunks);
@@ -741,8 +628,7 @@ impl SseBody {
                 self.queued.push_back(sse(&last));
                 let f = &self.fmt;
                 if f.include_usage {
-                    self.queued
-                        .push_back(sse(&f.usage_chunk(&stats, completion_tokens)));
+                    self.queued.push_back(sse(&f.usage_chunk(&stats, completion_tokens)));
                 }
                 self.finish();
             }
@@ -751,17 +637,14 @@ impl SseBody {
                 self.finish();
             }
             None => {
-                self.queued.push_back(sse(
-                    &server_error("the engine dropped the request".into()).body()
-                ));
+                self.queued.push_back(sse(&server_error("the engine dropped the request".into()).body()));
                 self.finish();
             }
         }
     }
 
     fn finish(&mut self) {
-        self.queued
-            .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+        self.queued.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
         self.finished = true;
     }
 }

@@ -402,13 +402,9 @@ pub fn build_speculators(
             }
         }
         (SpeculatorKind::Draft, Some(d)) => out.push(Box::new(draft::DraftModel::new(d, tok, ctx)?)),
-        (SpeculatorKind::Draft, None) => {
-            return Err(Error::Input("speculator `draft` needs a draft model (--draft-model PATH)".into()))
-        }
+        (SpeculatorKind::Draft, None) => return Err(Error::Input("speculator `draft` needs a draft model (--draft-model PATH)".into())),
         (k, Some(_)) => {
-            return Err(Error::Input(format!(
-                "a draft model was given but the speculator is {k:?}; use --speculator draft or auto"
-            )))
+            return Err(Error::Input(format!("a draft model was given but the speculator is {k:?}; use --speculator draft or auto")))
         }
     }
     Ok(out)
