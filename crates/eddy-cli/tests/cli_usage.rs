@@ -298,7 +298,10 @@ fn context_limits() {
     let Some(smol) = smol() else { return };
     let s = smol.to_str().unwrap();
     for ctx in ["2", "8"] {
-        expect_error(&["run", "--model", s, "--threads", "1", "--ctx", ctx, "-m", "hi"], &format!("prompt: 31 tokens but the context holds {ctx}"));
+        expect_error(
+            &["run", "--model", s, "--threads", "1", "--ctx", ctx, "-m", "hi"],
+            &format!("prompt: 31 tokens but the context holds {ctx}"),
+        );
     }
     // --raw "hi" is one token: a context of 2 still generates.
     let out = run_smol(&smol, &["--ctx", "2", "--raw", "-n", "5", "--temperature", "0", "-m", "hi"]);
@@ -348,7 +351,10 @@ fn perplexity_inputs() {
 fn speed_inputs() {
     let Some(smol) = smol() else { return };
     let s = smol.to_str().unwrap();
-    expect_error(&["speed", "--model", s, "--threads", "1", "-p", "4", "-n", "100", "--ctx", "16"], "--ctx: -p 4 + -n 100 tokens do not fit");
+    expect_error(
+        &["speed", "--model", s, "--threads", "1", "-p", "4", "-n", "100", "--ctx", "16"],
+        "--ctx: -p 4 + -n 100 tokens do not fit",
+    );
     let out = eddy(&["speed", "--model", s, "--threads", "1", "-p", "4", "-n", "0", "-r", "1"]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8(out.stdout).unwrap();

@@ -26,10 +26,7 @@ use std::hint::black_box;
 struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         self.0 >> 33
     }
     fn f(&mut self) -> f32 {
@@ -39,18 +36,12 @@ impl Rng {
 
 fn qm(bits: u8, rows: usize, cols: usize, rng: &mut Rng) -> WeightMatrix {
     let n = rows * cols;
-    let planes = if bits == 5 || bits == 6 {
-        bits as usize - 4
-    } else {
-        0
-    };
+    let planes = if bits == 5 || bits == 6 { bits as usize - 4 } else { 0 };
     let group = if bits == 6 { 16 } else { QK };
     let ng = n / group;
     let scales = match bits {
         4 => GroupScales::F16 {
-            scale: (0..ng)
-                .map(|_| f16::from_f32(0.001 + 0.01 * rng.f()))
-                .collect(),
+            scale: (0..ng).map(|_| f16::from_f32(0.001 + 0.01 * rng.f())).collect(),
             min: Some((0..ng).map(|_| f16::from_f32(-0.05 * rng.f())).collect()),
         },
         6 => GroupScales::SuperI8 {
@@ -59,21 +50,14 @@ fn qm(bits: u8, rows: usize, cols: usize, rng: &mut Rng) -> WeightMatrix {
             d: (0..n / 256).map(|_| 0.0001 * rng.f()).collect(),
             dmin: vec![],
         },
-        _ => GroupScales::F16 {
-            scale: (0..ng)
-                .map(|_| f16::from_f32(0.001 + 0.01 * rng.f()))
-                .collect(),
-            min: None,
-        },
+        _ => GroupScales::F16 { scale: (0..ng).map(|_| f16::from_f32(0.001 + 0.01 * rng.f())).collect(), min: None },
     };
     WeightMatrix::Q(QMatrix {
         rows,
         cols,
         bits,
         group,
-        lo: (0..if bits == 8 { n } else { n / 2 })
-            .map(|_| rng.next() as u8)
-            .collect(),
+        lo: (0..if bits == 8 { n } else { n / 2 }).map(|_| rng.next() as u8).collect(),
         hi: (0..n / QK * 4 * planes).map(|_| rng.next() as u8).collect(),
         scales,
         packed: None,
@@ -109,11 +93,8 @@ fn bench(c: &mut Criterion) {
             let mut out = vec![0f32; rows];
             g.throughput(Throughput::Bytes(w.nbytes() as u64));
             for pool in &pools {
-                let id =
-                    BenchmarkId::new(format!("{rows}x{cols}"), format!("t{}", pool.n_threads()));
-                g.bench_function(id, |b| {
-                    b.iter(|| matmul(pool, black_box(&w), &[], &xq, 1, &mut out))
-                });
+                let id = BenchmarkId::new(format!("{rows}x{cols}"), format!("t{}", pool.n_threads()));
+                g.bench_function(id, |b| b.iter(|| matmul(pool, black_box(&w), &[], &xq, 1, &mut out)));
             }
         }
         g.finish();
@@ -129,13 +110,8 @@ fn bench(c: &mut Criterion) {
             let mut out = vec![0f32; n * rows];
             g.throughput(Throughput::Elements((2 * rows * cols * n) as u64));
             for pool in &pools {
-                let id = BenchmarkId::new(
-                    format!("{rows}x{cols}_n{n}"),
-                    format!("t{}", pool.n_threads()),
-                );
-                g.bench_function(id, |b| {
-                    b.iter(|| matmul(pool, black_box(&w), &[], &xq, n, &mut out))
-                });
+                let id = BenchmarkId::new(format!("{rows}x{cols}_n{n}"), format!("t{}", pool.n_threads()));
+                g.bench_function(id, |b| b.iter(|| matmul(pool, black_box(&w), &[], &xq, n, &mut out)));
             }
         }
         g.finish();
@@ -146,9 +122,7 @@ fn bench(c: &mut Criterion) {
 fn dram_copies(make: Make, rows: usize, cols: usize, rng: &mut Rng) -> Vec<WeightMatrix> {
     let first = make(rows, cols, rng);
     let copies = (384 << 20) / first.nbytes() + 1;
-    std::iter::once(first)
-        .chain((1..copies).map(|_| make(rows, cols, rng)))
-        .collect()
+    std::iter::once(first).chain((1..copies).map(|_| make(rows, cols, rng))).collect()
 }
 
 /// Decode from DRAM: rotate through copies of an 8960×1536 matrix totalling ≥ 128 MB (> L3), so every
@@ -194,9 +168,7 @@ fn small(c: &mut Criterion) {
             quantize_activations(&pool, &x, n, cols, &mut xq);
             let mut out = vec![0f32; n * rows];
             g.throughput(Throughput::Elements((2 * rows * cols * n) as u64));
-            g.bench_function(format!("{rows}x{cols}_n{n}/t1"), |b| {
-                b.iter(|| matmul(&pool, black_box(&w), &[], &xq, n, &mut out))
-            });
+            g.bench_function(format!("{rows}x{cols}_n{n}/t1"), |b| b.iter(|| matmul(&pool, black_box(&w), &[], &xq, n, &mut out)));
         }
         g.finish();
     }

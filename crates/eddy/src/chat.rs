@@ -77,9 +77,7 @@ impl ChatTemplate {
     /// `None` when the file has none (base models). A non-string value is an [`Error::Model`].
     pub fn from_gguf(g: &GgufFile, tok: &Tokenizer) -> Result<Option<Self>> {
         let Some(v) = g.get("tokenizer.chat_template") else { return Ok(None) };
-        let source = v
-            .as_str()
-            .ok_or_else(|| Error::model(&g.path, "metadata tokenizer.chat_template is not a string"))?;
+        let source = v.as_str().ok_or_else(|| Error::model(&g.path, "metadata tokenizer.chat_template is not a string"))?;
         Self::with_tokenizer(source, tok).map(Some).map_err(|e| Error::model(&g.path, e.to_string()))
     }
 
@@ -98,8 +96,7 @@ impl ChatTemplate {
                 continue;
             }
             let text = std::fs::read_to_string(&path).map_err(|e| Error::model(&path, format!("cannot read: {e}")))?;
-            let json: serde_json::Value =
-                serde_json::from_str(&text).map_err(|e| Error::model(&path, format!("malformed JSON: {e}")))?;
+            let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::model(&path, format!("malformed JSON: {e}")))?;
             let source = match json.get("chat_template") {
                 None | Some(serde_json::Value::Null) => continue,
                 Some(serde_json::Value::String(s)) => s.clone(),
@@ -200,11 +197,7 @@ impl ChatTemplate {
     ///
     /// Errors ([`Error::Text`]): the last message is not `assistant`; the rendered text does not contain
     /// the final message's content (the template rewrites it, so it cannot be continued); template errors.
-    pub fn render_continue(
-        &self,
-        messages: &[ChatMessage],
-        kwargs: &serde_json::Map<String, serde_json::Value>,
-    ) -> Result<String> {
+    pub fn render_continue(&self, messages: &[ChatMessage], kwargs: &serde_json::Map<String, serde_json::Value>) -> Result<String> {
         let Some(last) = messages.last().filter(|m| m.role == "assistant") else {
             return Err(Error::Text("only a final assistant message can be continued".into()));
         };
@@ -697,10 +690,7 @@ mod tests {
         assert_eq!(t.render_continue(&conv, &kw).unwrap(), "<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\nok");
         // Empty content: a fresh reply (the generation prompt).
         let conv = [user.clone(), ChatMessage::new("assistant", " ")];
-        assert_eq!(
-            t.render_continue(&conv, &kw).unwrap(),
-            "<|im_start|>user\nMerge two lists.<|im_end|>\n<|im_start|>assistant\n"
-        );
+        assert_eq!(t.render_continue(&conv, &kw).unwrap(), "<|im_start|>user\nMerge two lists.<|im_end|>\n<|im_start|>assistant\n");
         // Not an assistant message last.
         assert!(t.render_continue(&[user.clone()], &kw).is_err());
         // A template that rewrites the assistant content cannot be continued.

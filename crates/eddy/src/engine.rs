@@ -40,20 +40,13 @@ pub struct EngineOptions {
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions {
-            threads: default_threads(),
-            ctx: 4096,
-            max_batch: 256,
-            prefix_cache: true,
-        }
+        EngineOptions { threads: default_threads(), ctx: 4096, max_batch: 256, prefix_cache: true }
     }
 }
 
 /// Physical cores available to this process (at least 1).
 pub fn default_threads() -> usize {
-    std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
 
 /// What to generate.
@@ -239,12 +232,7 @@ impl Engine {
     /// sampled token, end-of-generation tokens excluded; returning `false` stops generation.
     ///
     /// Errors: empty prompt, prompt that does not fit in the context, invalid sampling parameters.
-    pub fn generate(
-        &mut self,
-        prompt: &[u32],
-        params: &GenerateParams,
-        on_token: &mut dyn FnMut(u32) -> bool,
-    ) -> Result<GenerationStats> {
+    pub fn generate(&mut self, prompt: &[u32], params: &GenerateParams, on_token: &mut dyn FnMut(u32) -> bool) -> Result<GenerationStats> {
         self.generate_with_logprobs(prompt, params, &mut |id, _| on_token(id))
     }
 
@@ -297,10 +285,7 @@ impl Engine {
             )));
         }
         let t0 = Instant::now();
-        let mut stats = GenerationStats {
-            prompt_tokens: prompt.len(),
-            ..Default::default()
-        };
+        let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };
         // Prefix cache: keep the committed rows shared with this prompt (at least one token is prefilled,
         // for its logits).
         let keep = if self.prefix_cache { reusable_prefix(&self.lm.model, &self.state, prompt) } else { 0 };
@@ -541,15 +526,7 @@ impl Engine {
     pub fn score(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         self.state.clear();
         let mut out = Vec::new();
-        forward(
-            &self.lm.model,
-            &self.pool,
-            &mut self.ws,
-            &mut self.state,
-            tokens,
-            Logits::All,
-            &mut out,
-        )?;
+        forward(&self.lm.model, &self.pool, &mut self.ws, &mut self.state, tokens, Logits::All, &mut out)?;
         Ok(out)
     }
 
@@ -558,15 +535,10 @@ impl Engine {
     /// stride). Returns (perplexity, scored tokens). A last window shorter than 2 tokens is dropped.
     pub fn perplexity(&mut self, tokens: &[u32], window: usize) -> Result<(f64, usize)> {
         if window < 2 {
-            return Err(Error::Input(
-                "perplexity window must be at least 2 tokens".into(),
-            ));
+            return Err(Error::Input("perplexity window must be at least 2 tokens".into()));
         }
         if window > self.ctx() {
-            return Err(Error::Input(format!(
-                "perplexity window of {window} tokens exceeds the context of {}",
-                self.ctx()
-            )));
+            return Err(Error::Input(format!("perplexity window of {window} tokens exceeds the context of {}", self.ctx())));
         }
         let vocab = self.lm.model.config.vocab_size;
         let (mut nll, mut n) = (0f64, 0usize);
@@ -582,9 +554,7 @@ impl Engine {
             }
         }
         if n == 0 {
-            return Err(Error::Input(
-                "the text has fewer than 2 tokens: nothing to score".into(),
-            ));
+            return Err(Error::Input("the text has fewer than 2 tokens: nothing to score".into()));
         }
         Ok(((nll / n as f64).exp(), n))
     }

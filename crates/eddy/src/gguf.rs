@@ -224,8 +224,7 @@ impl<'a> Reader<'a> {
             return Err(self.truncated(what));
         }
         let b = self.bytes(n as usize, what)?;
-        String::from_utf8(b.to_vec())
-            .map_err(|_| Error::model(self.path, format!("corrupt GGUF file: {what} is not UTF-8")))
+        String::from_utf8(b.to_vec()).map_err(|_| Error::model(self.path, format!("corrupt GGUF file: {what} is not UTF-8")))
     }
     fn value(&mut self, ty: u32, what: &str, depth: u32) -> Result<GgufValue> {
         Ok(match ty {
@@ -254,9 +253,7 @@ impl<'a> Reader<'a> {
             10 => GgufValue::U64(self.u64(what)?),
             11 => GgufValue::I64(self.u64(what)? as i64),
             12 => GgufValue::F64(f64::from_bits(self.u64(what)?)),
-            _ => {
-                return Err(Error::model(self.path, format!("corrupt GGUF file: unknown value type {ty} in {what}")))
-            }
+            _ => return Err(Error::model(self.path, format!("corrupt GGUF file: unknown value type {ty} in {what}"))),
         })
     }
 }
@@ -309,7 +306,10 @@ impl GgufFile {
             let nbytes = match ggml_type::block_size(ggml_type) {
                 Some((bv, bb)) => {
                     if n % bv as u64 != 0 {
-                        return Err(Error::model(path, format!("corrupt {what}: {n} values is not a whole number of {} blocks", ggml_type::name(ggml_type))));
+                        return Err(Error::model(
+                            path,
+                            format!("corrupt {what}: {n} values is not a whole number of {} blocks", ggml_type::name(ggml_type)),
+                        ));
                     }
                     (n / bv as u64).saturating_mul(bb as u64)
                 }
@@ -327,7 +327,11 @@ impl GgufFile {
             if t.offset.checked_add(t.nbytes).is_none_or(|end| end > data_len) {
                 return Err(Error::model(
                     path,
-                    format!("truncated GGUF file: tensor {} needs bytes up to {} of the data section, which has {data_len}", shown(&t.name), t.offset.saturating_add(t.nbytes)),
+                    format!(
+                        "truncated GGUF file: tensor {} needs bytes up to {} of the data section, which has {data_len}",
+                        shown(&t.name),
+                        t.offset.saturating_add(t.nbytes)
+                    ),
                 ));
             }
         }
@@ -376,7 +380,10 @@ impl GgufFile {
     /// The raw bytes of a tensor (bounds were checked at open).
     pub fn tensor_data(&self, t: &TensorInfo) -> Result<&[u8]> {
         if ggml_type::block_size(t.ggml_type).is_none() {
-            return Err(Error::model(&self.path, format!("tensor {} has unsupported type {}", shown(&t.name), ggml_type::name(t.ggml_type))));
+            return Err(Error::model(
+                &self.path,
+                format!("tensor {} has unsupported type {}", shown(&t.name), ggml_type::name(t.ggml_type)),
+            ));
         }
         let start = self.data_offset + t.offset as usize;
         Ok(&self.mmap[start..start + t.nbytes as usize])

@@ -23,9 +23,7 @@ pub fn models_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("EDDY_MODELS") {
         return PathBuf::from(d);
     }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("."));
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
     home.join(".cache/eddy/models")
 }
 
@@ -55,11 +53,7 @@ pub struct LoadedModel {
 ///
 /// `quant` applies to safetensors folders (see [`Quant`]); GGUF files are used as they are quantized, and
 /// asking to quantize one is an [`Error::Input`].
-pub fn load(
-    spec: Option<&str>,
-    quant: Quant,
-    progress: &mut dyn FnMut(usize, usize),
-) -> Result<LoadedModel> {
+pub fn load(spec: Option<&str>, quant: Quant, progress: &mut dyn FnMut(usize, usize)) -> Result<LoadedModel> {
     let path = match spec {
         None => default_model_path()?,
         Some(s) => resolve(s)?,
@@ -100,9 +94,7 @@ pub fn load(
 fn resolve(spec: &str) -> Result<PathBuf> {
     let p = Path::new(spec);
     if spec.trim().is_empty() {
-        return Err(Error::Input(
-            "--model: empty (give a GGUF file, a model folder or a hub id org/name)".into(),
-        ));
+        return Err(Error::Input("--model: empty (give a GGUF file, a model folder or a hub id org/name)".into()));
     }
     if p.exists() {
         return Ok(p.to_path_buf());
@@ -123,67 +115,40 @@ fn resolve(spec: &str) -> Result<PathBuf> {
 /// A cached copy is used without touching the network.
 fn hub_download(repo_id: &str) -> Result<PathBuf> {
     let cache = hf_hub::Cache::from_env();
-    let repo_dir = cache
-        .path()
-        .join(format!("models--{}", repo_id.replace('/', "--")));
+    let repo_dir = cache.path().join(format!("models--{}", repo_id.replace('/', "--")));
     if let Some(p) = cached_gguf(&repo_dir) {
         return Ok(p);
     }
     if let Some(p) = cached_folder(&repo_dir) {
         return Ok(p);
     }
-    let offline = std::env::var("HF_HUB_OFFLINE")
-        .map(|v| v == "1" || v.eq_ignore_ascii_case("true"))
-        .unwrap_or(false);
+    let offline = std::env::var("HF_HUB_OFFLINE").map(|v| v == "1" || v.eq_ignore_ascii_case("true")).unwrap_or(false);
     if offline {
         return Err(Error::model(
             repo_id,
-            format!(
-                "HF_HUB_OFFLINE is set and the model is not in the Hugging Face cache ({})",
-                cache.path().display()
-            ),
+            format!("HF_HUB_OFFLINE is set and the model is not in the Hugging Face cache ({})", cache.path().display()),
         ));
     }
     let api = hf_hub::api::sync::ApiBuilder::from_cache(cache)
         .build()
         .map_err(|e| Error::model(repo_id, format!("cannot start the hub client: {e}")))?;
     let repo = api.model(repo_id.to_string());
-    let info = repo
-        .info()
-        .map_err(|e| Error::model(repo_id, format!("cannot reach the Hugging Face hub: {e}")))?;
+    let info = repo.info().map_err(|e| Error::model(repo_id, format!("cannot reach the Hugging Face hub: {e}")))?;
     let files: Vec<String> = info.siblings.iter().map(|s| s.rfilename.clone()).collect();
-    let get = |f: &str| {
-        repo.get(f)
-            .map_err(|e| Error::model(repo_id, format!("download of {f} failed: {e}")))
-    };
-    if let Some(gguf) = files
-        .iter()
-        .filter(|f| f.ends_with(".gguf"))
-        .min_by_key(|f| (!f.to_lowercase().contains("q4_k_m"), f.len()))
-    {
+    let get = |f: &str| repo.get(f).map_err(|e| Error::model(repo_id, format!("download of {f} failed: {e}")));
+    if let Some(gguf) = files.iter().filter(|f| f.ends_with(".gguf")).min_by_key(|f| (!f.to_lowercase().contains("q4_k_m"), f.len())) {
         return get(gguf);
     }
     let has = |f: &str| files.iter().any(|x| x == f);
     if !has(model_dir::CONFIG_FILE) {
-        return Err(Error::model(
-            repo_id,
-            "the repository has neither a .gguf file nor a config.json (not a model repository?)",
-        ));
+        return Err(Error::model(repo_id, "the repository has neither a .gguf file nor a config.json (not a model repository?)"));
     }
     if !has(model_dir::TOKENIZER_FILE) {
-        return Err(Error::model(
-            repo_id,
-            "the repository has no tokenizer.json (eddy needs the fast-tokenizer file)",
-        ));
+        return Err(Error::model(repo_id, "the repository has no tokenizer.json (eddy needs the fast-tokenizer file)"));
     }
     let config = get(model_dir::CONFIG_FILE)?;
     let dir = config.parent().map(Path::to_path_buf).unwrap_or_default();
-    for f in [
-        model_dir::TOKENIZER_FILE,
-        model_dir::TOKENIZER_CONFIG_FILE,
-        "chat_template.jinja",
-        "chat_template.json",
-    ] {
+    for f in [model_dir::TOKENIZER_FILE, model_dir::TOKENIZER_CONFIG_FILE, "chat_template.jinja", "chat_template.json"] {
         if has(f) {
             get(f)?;
         }
@@ -196,10 +161,7 @@ fn hub_download(repo_id: &str) -> Result<PathBuf> {
             get(&shard)?;
         }
     } else {
-        return Err(Error::model(
-            repo_id,
-            "the repository has no .gguf file and no model.safetensors (or its index)",
-        ));
+        return Err(Error::model(repo_id, "the repository has no .gguf file and no model.safetensors (or its index)"));
     }
     Ok(dir)
 }
@@ -209,12 +171,7 @@ fn cached_gguf(repo_dir: &Path) -> Option<PathBuf> {
     let mut found: Vec<PathBuf> = std::fs::read_dir(repo_dir.join("snapshots"))
         .ok()?
         .flatten()
-        .flat_map(|snap| {
-            std::fs::read_dir(snap.path())
-                .into_iter()
-                .flatten()
-                .flatten()
-        })
+        .flat_map(|snap| std::fs::read_dir(snap.path()).into_iter().flatten().flatten())
         .map(|e| e.path())
         .filter(|p| p.extension().is_some_and(|e| e == "gguf"))
         .collect();
@@ -232,11 +189,7 @@ fn cached_folder(repo_dir: &Path) -> Option<PathBuf> {
             return Some(p);
         }
     }
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&snapshots)
-        .ok()?
-        .flatten()
-        .map(|e| e.path())
-        .collect();
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&snapshots).ok()?.flatten().map(|e| e.path()).collect();
     dirs.sort();
     dirs.into_iter().find(|d| model_dir::is_complete_dir(d))
 }
@@ -250,18 +203,9 @@ pub fn load_gguf(path: &Path, progress: &mut dyn FnMut(usize, usize)) -> Result<
     if tokenizer.vocab_size() > model.config.vocab_size {
         return Err(Error::model(
             path,
-            format!(
-                "tokenizer has {} tokens but the embedding only {} rows",
-                tokenizer.vocab_size(),
-                model.config.vocab_size
-            ),
+            format!("tokenizer has {} tokens but the embedding only {} rows", tokenizer.vocab_size(), model.config.vocab_size),
         ));
     }
     let template = ChatTemplate::from_gguf(&g, &tokenizer)?;
-    Ok(LoadedModel {
-        model,
-        tokenizer,
-        template,
-        source: path.to_path_buf(),
-    })
+    Ok(LoadedModel { model, tokenizer, template, source: path.to_path_buf() })
 }

@@ -107,10 +107,7 @@ pub fn is_complete_dir(dir: &Path) -> bool {
 pub fn shard_files(index: &Path) -> Result<Vec<String>> {
     let text = std::fs::read_to_string(index).map_err(|e| Error::model(index, format!("cannot read: {e}")))?;
     let json: Value = serde_json::from_str(&text).map_err(|e| Error::model(index, format!("malformed JSON: {e}")))?;
-    let map = json
-        .get("weight_map")
-        .and_then(Value::as_object)
-        .ok_or_else(|| Error::model(index, "no \"weight_map\" object"))?;
+    let map = json.get("weight_map").and_then(Value::as_object).ok_or_else(|| Error::model(index, "no \"weight_map\" object"))?;
     let mut files = Vec::new();
     for (name, file) in map {
         let f = file.as_str().ok_or_else(|| Error::model(index, format!("weight_map entry {name} is not a file name")))?;
@@ -328,9 +325,7 @@ fn rope_from_params(p: &Value, default_theta: f64, path: &Path, what: &str) -> R
             .and_then(Value::as_f64)
             .filter(|f| *f > 0.0)
             .ok_or_else(|| Error::model(path, format!("{what}: linear RoPE scaling without a positive factor")))?,
-        other => {
-            return Err(Error::model(path, format!("{what}: unsupported RoPE type '{other}' (eddy supports default and linear)")))
-        }
+        other => return Err(Error::model(path, format!("{what}: unsupported RoPE type '{other}' (eddy supports default and linear)"))),
     };
     Ok((theta, scale, obj.get("partial_rotary_factor").and_then(Value::as_f64)))
 }
@@ -437,11 +432,7 @@ impl Plan {
                     }
                     _ => (theta, 1.0, None),
                 };
-                let local = if arch == Arch::Gemma3 {
-                    (c.rope_local_base_freq.unwrap_or(GEMMA3_LOCAL_THETA), 1.0, None)
-                } else {
-                    global
-                };
+                let local = if arch == Arch::Gemma3 { (c.rope_local_base_freq.unwrap_or(GEMMA3_LOCAL_THETA), 1.0, None) } else { global };
                 (global, local)
             }
         };
@@ -543,9 +534,7 @@ impl Plan {
 /// [`ModelConfig::is_sliding`]), or 0 when no such `p` exists (the per-layer windows in [`Layer::window`]
 /// are authoritative either way).
 fn sliding_pattern(sliding: &[bool]) -> usize {
-    (1..=sliding.len() + 1)
-        .find(|&p| sliding.iter().enumerate().all(|(l, &s)| s == ((l + 1) % p != 0)))
-        .unwrap_or(0)
+    (1..=sliding.len() + 1).find(|&p| sliding.iter().enumerate().all(|(l, &s)| s == ((l + 1) % p != 0))).unwrap_or(0)
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -840,15 +829,12 @@ impl<'a> DirLoader<'a> {
         let output = if plan.tie {
             None
         } else {
-            let name = ["lm_head.weight", "language_model.lm_head.weight"]
-                .into_iter()
-                .find(|n| self.t.contains(n))
-                .ok_or_else(|| {
-                    Error::model(
-                        &self.t.listing,
-                        format!("missing tensor lm_head.weight ({} says tie_word_embeddings is false)", plan.config_path.display()),
-                    )
-                })?;
+            let name = ["lm_head.weight", "language_model.lm_head.weight"].into_iter().find(|n| self.t.contains(n)).ok_or_else(|| {
+                Error::model(
+                    &self.t.listing,
+                    format!("missing tensor lm_head.weight ({} says tie_word_embeddings is false)", plan.config_path.display()),
+                )
+            })?;
             Some(self.matrix(name, c.vocab_size, d, Role::Vocab)?)
         };
         let mut m = Model { config: c, embed, layers, output_norm, output, qwen35: None };

@@ -58,10 +58,7 @@ impl SamplerParams {
     /// Check ranges; returns a one-line description of the first bad value.
     pub fn validate(&self) -> Result<(), String> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(format!(
-                "temperature must be >= 0, got {}",
-                self.temperature
-            ));
+            return Err(format!("temperature must be >= 0, got {}", self.temperature));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
@@ -70,10 +67,7 @@ impl SamplerParams {
             return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
-            return Err(format!(
-                "repetition_penalty must be > 0, got {}",
-                self.repetition_penalty
-            ));
+            return Err(format!("repetition_penalty must be > 0, got {}", self.repetition_penalty));
         }
         for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
             if !(-2.0..=2.0).contains(&v) {
@@ -113,12 +107,7 @@ pub fn philox4x32(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
     for _ in 0..10 {
         let p0 = M0 * c[0] as u64;
         let p1 = M1 * c[2] as u64;
-        c = [
-            (p1 >> 32) as u32 ^ c[1] ^ k[0],
-            p1 as u32,
-            (p0 >> 32) as u32 ^ c[3] ^ k[1],
-            p0 as u32,
-        ];
+        c = [(p1 >> 32) as u32 ^ c[1] ^ k[0], p1 as u32, (p0 >> 32) as u32 ^ c[3] ^ k[1], p0 as u32];
         k = [k[0].wrapping_add(W0), k[1].wrapping_add(W1)];
     }
     c
@@ -126,10 +115,7 @@ pub fn philox4x32(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
 
 /// The uniform number in [0, 1) used at absolute position `pos` under `seed` (53 random bits).
 pub fn position_uniform(seed: u64, pos: u64) -> f64 {
-    let r = philox4x32(
-        [pos as u32, (pos >> 32) as u32, 0, 0],
-        [seed as u32, (seed >> 32) as u32],
-    );
+    let r = philox4x32([pos as u32, (pos >> 32) as u32, 0, 0], [seed as u32, (seed >> 32) as u32]);
     let bits = (((r[0] as u64) << 32) | r[1] as u64) >> 11;
     bits as f64 / (1u64 << 53) as f64
 }
@@ -159,13 +145,7 @@ impl Sampler {
     /// Sample the token at absolute position `pos` from `logits` (modified in place by the penalties),
     /// given `history` (all tokens before `pos`, prompt included; its first `p.prompt_len` are the
     /// prompt).
-    pub fn sample(
-        &mut self,
-        p: &SamplerParams,
-        logits: &mut [f32],
-        history: &[u32],
-        pos: usize,
-    ) -> u32 {
+    pub fn sample(&mut self, p: &SamplerParams, logits: &mut [f32], history: &[u32], pos: usize) -> u32 {
         if p.repetition_penalty != 1.0 {
             let start = history.len().saturating_sub(p.repeat_last_n);
             // Each distinct token is penalized once, as in transformers and llama.cpp.
@@ -175,11 +155,7 @@ impl Sampler {
                     continue;
                 }
                 if let Some(l) = logits.get_mut(t as usize) {
-                    *l = if *l > 0.0 {
-                        *l / p.repetition_penalty
-                    } else {
-                        *l * p.repetition_penalty
-                    };
+                    *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
                 }
             }
         }
@@ -196,13 +172,7 @@ impl Sampler {
         }
         let c = &mut self.cand;
         c.clear();
-        c.extend(
-            logits
-                .iter()
-                .enumerate()
-                .filter(|(_, l)| l.is_finite())
-                .map(|(i, &l)| (l * inv_t, i as u32)),
-        );
+        c.extend(logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (l * inv_t, i as u32)));
         // A tiny temperature can overflow a scaled logit to +inf (then exp(inf - inf) = NaN would pick the
         // least likely candidate): that is greedy in the limit.
         if c.is_empty() || c.iter().any(|e| e.0 == f32::INFINITY) {
@@ -272,19 +242,10 @@ mod tests {
     #[test]
     fn philox_known_answer() {
         // Known-answer vectors from the Random123 distribution (kat_vectors, philox4x32_10).
+        assert_eq!(philox4x32([0, 0, 0, 0], [0, 0]), [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]);
+        assert_eq!(philox4x32([0xffffffff; 4], [0xffffffff; 2]), [0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd]);
         assert_eq!(
-            philox4x32([0, 0, 0, 0], [0, 0]),
-            [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]
-        );
-        assert_eq!(
-            philox4x32([0xffffffff; 4], [0xffffffff; 2]),
-            [0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd]
-        );
-        assert_eq!(
-            philox4x32(
-                [0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344],
-                [0xa4093822, 0x299f31d0]
-            ),
+            philox4x32([0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344], [0xa4093822, 0x299f31d0]),
             [0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1]
         );
     }
@@ -299,11 +260,7 @@ mod tests {
     #[test]
     fn same_seed_and_position_same_token_and_distribution_is_right() {
         let mut s = Sampler::default();
-        let p = SamplerParams {
-            temperature: 1.0,
-            seed: 7,
-            ..Default::default()
-        };
+        let p = SamplerParams { temperature: 1.0, seed: 7, ..Default::default() };
         let logits = vec![0.0f32, (2.0f32).ln(), (3.0f32).ln(), f32::NEG_INFINITY];
         let mut counts = [0usize; 4];
         for pos in 0..12000 {
@@ -324,63 +281,23 @@ mod tests {
         let mut s = Sampler::default();
         let logits = vec![3.0f32, 2.9, 0.0, -5.0];
         for pos in 0..200 {
-            let t = s.sample(
-                &SamplerParams {
-                    temperature: 1.0,
-                    top_k: 1,
-                    seed: 1,
-                    ..Default::default()
-                },
-                &mut logits.clone(),
-                &[],
-                pos,
-            );
+            let t = s.sample(&SamplerParams { temperature: 1.0, top_k: 1, seed: 1, ..Default::default() }, &mut logits.clone(), &[], pos);
             assert_eq!(t, 0);
-            let t = s.sample(
-                &SamplerParams {
-                    temperature: 1.0,
-                    top_p: 0.5,
-                    seed: 1,
-                    ..Default::default()
-                },
-                &mut logits.clone(),
-                &[],
-                pos,
-            );
+            let t = s.sample(&SamplerParams { temperature: 1.0, top_p: 0.5, seed: 1, ..Default::default() }, &mut logits.clone(), &[], pos);
             assert!(t <= 1);
-            let t = s.sample(
-                &SamplerParams {
-                    temperature: 1.0,
-                    min_p: 0.5,
-                    seed: 1,
-                    ..Default::default()
-                },
-                &mut logits.clone(),
-                &[],
-                pos,
-            );
+            let t = s.sample(&SamplerParams { temperature: 1.0, min_p: 0.5, seed: 1, ..Default::default() }, &mut logits.clone(), &[], pos);
             assert!(t <= 1);
         }
         // A temperature so small that logit / temperature overflows is greedy, not the least likely token.
         for t in [1e-38f32, 1e-45] {
-            let p = SamplerParams {
-                temperature: t,
-                seed: 3,
-                ..Default::default()
-            };
+            let p = SamplerParams { temperature: t, seed: 3, ..Default::default() };
             for pos in 0..20 {
-                assert_eq!(
-                    s.sample(&p, &mut vec![10.0f32, 30.0, -20.0, 29.0], &[], pos),
-                    1
-                );
+                assert_eq!(s.sample(&p, &mut vec![10.0f32, 30.0, -20.0, 29.0], &[], pos), 1);
             }
         }
         // Repetition penalty flips a near tie.
         let mut l = vec![1.0f32, 0.9];
-        let p = SamplerParams {
-            repetition_penalty: 1.5,
-            ..Default::default()
-        };
+        let p = SamplerParams { repetition_penalty: 1.5, ..Default::default() };
         assert_eq!(s.sample(&p, &mut l, &[0], 1), 1);
     }
 
@@ -388,12 +305,7 @@ mod tests {
     fn presence_and_frequency_penalties_count_generated_tokens_only() {
         // Vocabulary of 5; prompt [4, 1], generated [2, 3, 2, 2].
         let history = [4u32, 1, 2, 3, 2, 2];
-        let p = SamplerParams {
-            presence_penalty: 0.5,
-            frequency_penalty: 0.25,
-            prompt_len: 2,
-            ..Default::default()
-        };
+        let p = SamplerParams { presence_penalty: 0.5, frequency_penalty: 0.25, prompt_len: 2, ..Default::default() };
         let mut s = Sampler::default();
         let mut l = vec![1.0f32, 1.0, 3.0, 2.0, 1.5];
         s.sample(&p, &mut l, &history, history.len());
@@ -406,12 +318,7 @@ mod tests {
         assert_eq!(s.sample(&p, &mut l, &history, history.len()), 2);
         assert_eq!(l, vec![0.0, 0.0, 1.0, 1.0, 0.0]);
         // Frequency alone, with the repetition penalty applied first (it sees the prompt too).
-        let p = SamplerParams {
-            frequency_penalty: 2.0,
-            repetition_penalty: 2.0,
-            prompt_len: 2,
-            ..Default::default()
-        };
+        let p = SamplerParams { frequency_penalty: 2.0, repetition_penalty: 2.0, prompt_len: 2, ..Default::default() };
         let mut l = vec![1.0f32, 4.0, 8.0, -1.0, 6.0];
         // 1: 4/2 = 2; 2: 8/2 − 3·2 = −2; 3: −1·2 − 2 = −4; 4: 6/2 = 3.
         assert_eq!(s.sample(&p, &mut l, &history, history.len()), 4);

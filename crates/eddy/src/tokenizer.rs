@@ -41,28 +41,22 @@ use tokenizers::processors::PostProcessorWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 /// Names of end-of-generation tokens: when present as added tokens they join [`Tokenizer::stop_ids`].
-const STOP_TOKEN_NAMES: &[&str] = &[
-    "<|im_end|>",
-    "<|endoftext|>",
-    "<end_of_turn>",
-    "<|eot_id|>",
-    "<|end_of_text|>",
-    "<|end|>",
-    "<|eom_id|>",
-    "<|return|>",
-];
+const STOP_TOKEN_NAMES: &[&str] =
+    &["<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "<|eom_id|>", "<|return|>"];
 
 /// Split regexes transformers applies for `tokenizer.ggml.pre` values (followed by `ByteLevel` without regex).
-const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const LLAMA3_SPLIT: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const TEKKEN_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const GPT4O_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-const QWEN35_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN35_SPLIT: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 fn split_regex_for(pre: &str) -> Option<&'static str> {
     Some(match pre {
-        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0" | "lfm2" | "jina-v5-nano"
-        | "dbrx" | "smaug-bpe" => LLAMA3_SPLIT,
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0" | "lfm2" | "jina-v5-nano" | "dbrx"
+        | "smaug-bpe" => LLAMA3_SPLIT,
         "tekken" => TEKKEN_SPLIT,
         "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" => QWEN2_SPLIT,
         "qwen35" => QWEN35_SPLIT,
@@ -227,11 +221,7 @@ impl Tokenizer {
             "llama" if arch == "phi3" => (build_sentencepiece(&t, SpFlavor::Phi3).map_err(bad)?, LLAMA_DEFAULTS, false),
             "llama" => (build_sentencepiece(&t, SpFlavor::Llama).map_err(bad)?, LLAMA_DEFAULTS, false),
             "gemma4" => (build_sentencepiece(&t, SpFlavor::Gemma4).map_err(bad)?, GEMMA_DEFAULTS, false),
-            other => {
-                return Err(bad(format!(
-                    "unsupported tokenizer model {other:?} (eddy supports gpt2, llama and gemma4 tokenizers)"
-                )))
-            }
+            other => return Err(bad(format!("unsupported tokenizer model {other:?} (eddy supports gpt2, llama and gemma4 tokenizers)"))),
         };
 
         // Added tokens, in the order transformers adds them: the tokenizer class's own special-token
@@ -240,9 +230,8 @@ impl Tokenizer {
         let mut to_add: Vec<(&str, bool)> = Vec::new();
         to_add.extend(class_specials.iter().map(|&s| (s, true)));
         if let Some(types) = &t.token_types {
-            let control = t.tokens.iter().zip(types).filter(|&(tok, &ty)| {
-                ty == 3 && (!byte_level || tok.chars().all(|c| alphabet.contains(&c)))
-            });
+            let control =
+                t.tokens.iter().zip(types).filter(|&(tok, &ty)| ty == 3 && (!byte_level || tok.chars().all(|c| alphabet.contains(&c))));
             to_add.extend(control.map(|(&tok, _)| (tok, true)));
             let user = t.tokens.iter().zip(types).filter(|&(_, &ty)| ty == 4);
             to_add.extend(user.map(|(&tok, _)| (tok, false)));
@@ -258,8 +247,7 @@ impl Tokenizer {
         to_add.retain(|&(tok, _)| inner.token_to_id(tok).is_some() && seen.insert(tok));
         for run in to_add.chunk_by(|a, b| a.1 == b.1) {
             let special = run[0].1;
-            let toks: Vec<AddedToken> =
-                run.iter().map(|&(tok, _)| AddedToken::from(tok.to_string(), special).normalized(false)).collect();
+            let toks: Vec<AddedToken> = run.iter().map(|&(tok, _)| AddedToken::from(tok.to_string(), special).normalized(false)).collect();
             let r = if special { inner.add_special_tokens(toks) } else { inner.add_tokens(toks) };
             r.map_err(|e| bad(format!("cannot register added tokens: {e}")))?;
         }
@@ -276,8 +264,7 @@ impl Tokenizer {
 
         let bos = bos_id.map(|id| (t.tokens[id as usize].to_string(), id));
         let eos = eos_id.map(|id| (t.tokens[id as usize].to_string(), id));
-        let pp = template_processor(add_bos.then_some(bos.as_ref()).flatten(), add_eos.then_some(eos.as_ref()).flatten())
-            .map_err(bad)?;
+        let pp = template_processor(add_bos.then_some(bos.as_ref()).flatten(), add_eos.then_some(eos.as_ref()).flatten()).map_err(bad)?;
         inner.with_post_processor(Some(pp));
 
         Ok(Self::finish(inner, path.to_path_buf(), n, false, bos_id, eos_id, add_bos))
@@ -289,8 +276,8 @@ impl Tokenizer {
     /// A missing or malformed file is an [`Error::Model`] naming it.
     pub fn from_file(tokenizer_json: &Path, tokenizer_config: Option<&Path>) -> Result<Self> {
         let bytes = std::fs::read(tokenizer_json).map_err(|e| Error::model(tokenizer_json, format!("cannot read: {e}")))?;
-        let inner = tk::Tokenizer::from_bytes(&bytes)
-            .map_err(|e| Error::model(tokenizer_json, format!("malformed tokenizer.json: {e}")))?;
+        let inner =
+            tk::Tokenizer::from_bytes(&bytes).map_err(|e| Error::model(tokenizer_json, format!("malformed tokenizer.json: {e}")))?;
         let config: serde_json::Map<String, serde_json::Value> = match tokenizer_config {
             None => serde_json::Map::new(),
             Some(p) => {
@@ -317,9 +304,8 @@ impl Tokenizer {
         let eos_id = eos.as_ref().map(|e| e.1);
         // What the post-processor puts first; without a configured BOS, a special token there is the BOS.
         let first = inner.encode_fast("", true).ok().and_then(|e| e.get_ids().first().copied());
-        let bos_id = bos.as_ref().map(|b| b.1).or_else(|| {
-            first.filter(|id| inner.get_added_tokens_decoder().get(id).is_some_and(|t| t.special))
-        });
+        let bos_id =
+            bos.as_ref().map(|b| b.1).or_else(|| first.filter(|id| inner.get_added_tokens_decoder().get(id).is_some_and(|t| t.special)));
         let add_bos = bos_id.is_some() && first == bos_id;
         let is_bpe = matches!(inner.get_model(), tk::ModelWrapper::BPE(_));
         let cleanup = !is_bpe && cfg_flag("clean_up_tokenization_spaces").unwrap_or(false);
@@ -561,8 +547,7 @@ fn build_sentencepiece(t: &GgufTok, flavor: SpFlavor) -> std::result::Result<tk:
     ];
     match flavor {
         SpFlavor::Gemma | SpFlavor::Gemma4 => {
-            tok.with_normalizer(Some(NormalizerWrapper::Replace(replace(" ", "\u{2581}")?)))
-                .map_err(|e| format!("{e}"))?;
+            tok.with_normalizer(Some(NormalizerWrapper::Replace(replace(" ", "\u{2581}")?))).map_err(|e| format!("{e}"))?;
             let split = Split::new(SplitPattern::String(" ".into()), SplitDelimiterBehavior::MergedWithPrevious, false)
                 .map_err(|e| format!("{e}"))?;
             tok.with_pre_tokenizer(Some(PreTokenizerWrapper::Split(split)));
@@ -611,9 +596,7 @@ fn generate_merges(tokens: &[std::borrow::Cow<str>], vocab: &Vocab, scores: &[f6
         merges.extend(local.iter().map(|&(_, _, nl, nr, l, r)| (score, nl, nr, l, r)));
     }
     // Stable sort, descending on (score, len(left), len(right)), like Python's sorted(..., reverse=True).
-    merges.sort_by(|a, b| {
-        b.0.partial_cmp(&a.0).unwrap_or(std::cmp::Ordering::Equal).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2))
-    });
+    merges.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or(std::cmp::Ordering::Equal).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)));
     merges.into_iter().map(|(_, _, _, l, r)| (l.to_string(), r.to_string())).collect()
 }
 
@@ -667,10 +650,9 @@ impl<'a> StreamDecoder<'a> {
     fn take_delta(&self, text: String) -> Result<String> {
         match text.strip_prefix(self.context_text.as_str()) {
             Some(rest) => Ok(rest.to_string()),
-            None => Err(Error::Text(format!(
-                "streaming decode: text {text:?} does not continue the previous text {:?}",
-                self.context_text
-            ))),
+            None => {
+                Err(Error::Text(format!("streaming decode: text {text:?} does not continue the previous text {:?}", self.context_text)))
+            }
         }
     }
 }

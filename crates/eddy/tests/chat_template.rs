@@ -34,11 +34,7 @@ fn model_file(name: &str) -> Option<PathBuf> {
 }
 
 fn messages(v: &Value) -> Vec<ChatMessage> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|m| ChatMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
-        .collect()
+    v.as_array().unwrap().iter().map(|m| ChatMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap())).collect()
 }
 
 fn kwargs(v: &Value) -> Map<String, Value> {

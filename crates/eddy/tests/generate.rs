@@ -17,11 +17,12 @@ fn chat_prompt(engine: &eddy::engine::Engine, msg: &str) -> Vec<u32> {
 
 fn generate(engine: &mut eddy::engine::Engine, prompt: &[u32], sampler: SamplerParams, n: usize) -> Vec<u32> {
     let mut out = Vec::new();
-    engine.generate(prompt, &GenerateParams { max_tokens: n, sampler, ignore_eos: false, logprobs: None }, &mut |t| {
-        out.push(t);
-        true
-    })
-    .unwrap();
+    engine
+        .generate(prompt, &GenerateParams { max_tokens: n, sampler, ignore_eos: false, logprobs: None }, &mut |t| {
+            out.push(t);
+            true
+        })
+        .unwrap();
     out
 }
 
@@ -33,11 +34,20 @@ fn reference_prompt_gives_python_code() {
     let text = engine.lm.tokenizer.decode(&ids, true).unwrap();
     eprintln!("{text}");
     // The first ```python block must parse as Python, define a function, and merge two sorted lists.
-    let code = text.split("```python").nth(1).and_then(|rest| rest.split("```").next()).unwrap_or_else(|| panic!("no python code block in: {text}"));
+    let code = text
+        .split("```python")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .unwrap_or_else(|| panic!("no python code block in: {text}"));
     let name = code.split("def ").nth(1).and_then(|r| r.split('(').next()).unwrap_or_else(|| panic!("no function in: {code}"));
     let check = format!("{code}\nassert {name}([1, 4, 9], [2, 3, 10]) == [1, 2, 3, 4, 9, 10]\nprint('ok')\n");
     let out = std::process::Command::new("python3").args(["-c", &check]).output().expect("python3 is needed to check the generated code");
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ok", "generated code failed: {}\n{code}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "ok",
+        "generated code failed: {}\n{code}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]

@@ -26,12 +26,21 @@ fn fixture(name: &str) -> (Value, Vec<Case>) {
         .iter()
         .map(|c| {
             let ids = |k: &str| -> Vec<Vec<u32>> {
-                c[k].as_array().unwrap().iter().map(|r| r.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()).collect()
+                c[k].as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|r| r.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect())
+                    .collect()
             };
             Case {
                 tokens: c["tokens"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect(),
                 top_ids: ids("top_ids"),
-                top_logits: c["top_logits"].as_array().unwrap().iter().map(|r| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()).collect(),
+                top_logits: c["top_logits"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|r| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect())
+                    .collect(),
                 lse: c["lse"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect(),
             }
         })

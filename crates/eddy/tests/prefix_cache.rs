@@ -27,7 +27,12 @@ fn tokens(n: usize, seed: u32) -> Vec<u32> {
 
 /// Greedy, 24 tokens, with log-probabilities (compared exactly).
 fn run(e: &mut Engine, prompt: &[u32]) -> (Vec<TokenLogprobs>, GenerationStats) {
-    let params = GenerateParams { max_tokens: 24, sampler: SamplerParams { temperature: 0.0, ..Default::default() }, ignore_eos: true, logprobs: Some(3) };
+    let params = GenerateParams {
+        max_tokens: 24,
+        sampler: SamplerParams { temperature: 0.0, ..Default::default() },
+        ignore_eos: true,
+        logprobs: Some(3),
+    };
     let mut out = Vec::new();
     let st = e
         .generate_with_logprobs(prompt, &params, &mut |_, lp| {

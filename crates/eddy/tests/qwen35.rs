@@ -420,7 +420,10 @@ fn shape_08b_matches_transformers() {
     let g: Value = serde_json::from_str(&std::fs::read_to_string(&gpath).unwrap()).unwrap();
     let m = Qwen35Model::load_dir(&dir, Quant::None).unwrap_or_else(|e| panic!("{e}"));
     let c = &m.config;
-    assert_eq!((c.n_layers, c.d_model, c.ffn_dim, c.vocab_size, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dims), (24, 1024, 3584, 248_320, 8, 2, 256, 64));
+    assert_eq!(
+        (c.n_layers, c.d_model, c.ffn_dim, c.vocab_size, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dims),
+        (24, 1024, 3584, 248_320, 8, 2, 256, 64)
+    );
     assert_eq!((c.gdn.n_k_heads, c.gdn.n_v_heads, c.gdn.d_k, c.gdn.d_v), (16, 16, 128, 128));
     // The weights must be the ones the golden file was made from.
     for f in g["fingerprint"].as_array().unwrap() {
@@ -442,7 +445,11 @@ fn shape_08b_matches_transformers() {
             },
             other => panic!("unknown fingerprint tensor {other}"),
         };
-        assert!((got - want).abs() <= 1e-6 * want.abs().max(1.0), "{} was regenerated differently ({name}[{idx}] = {got}, golden {want}): rerun tools/make_qwen35_08b.py with the pinned numpy", dir.display());
+        assert!(
+            (got - want).abs() <= 1e-6 * want.abs().max(1.0),
+            "{} was regenerated differently ({name}[{idx}] = {got}, golden {want}): rerun tools/make_qwen35_08b.py with the pinned numpy",
+            dir.display()
+        );
     }
     let pool = pool();
     let vocab = c.vocab_size;
@@ -499,14 +506,34 @@ fn bench_08b() {
         }
         let tg = n as f64 / t0.elapsed().as_secs_f64();
         let gb = m.weight_bytes() as f64 / 1e9;
-        eprintln!("{quant}: weights {gb:.3} GB/token, pp512 {pp:.1} t/s, tg {tg:.2} t/s, bandwidth limit {:.2} t/s ({:.0} %)", bw / gb, 100.0 * tg * gb / bw);
+        eprintln!(
+            "{quant}: weights {gb:.3} GB/token, pp512 {pp:.1} t/s, tg {tg:.2} t/s, bandwidth limit {:.2} t/s ({:.0} %)",
+            bw / gb,
+            100.0 * tg * gb / bw
+        );
         // Whole-model tree verification: a 16-node chain and a 16-node two-level tree against one decode step.
         let t0 = Instant::now();
         for i in 0..8 {
             forward(&m, &pool, &mut ws, &mut st, &[(i * 17) as u32], Logits::Last, &mut out).unwrap();
         }
         let step = t0.elapsed().as_secs_f64() / 8.0;
-        for (what, parents) in [("chain", gdn::chain_parents(16)), ("4x4 tree", (0..16).map(|i| if i == 0 { usize::MAX } else if i < 4 { 0 } else { (i - 4) / 3 + 1 }).collect::<Vec<_>>())] {
+        for (what, parents) in [
+            ("chain", gdn::chain_parents(16)),
+            (
+                "4x4 tree",
+                (0..16)
+                    .map(|i| {
+                        if i == 0 {
+                            usize::MAX
+                        } else if i < 4 {
+                            0
+                        } else {
+                            (i - 4) / 3 + 1
+                        }
+                    })
+                    .collect::<Vec<_>>(),
+            ),
+        ] {
             let tokens: Vec<u32> = (0..16).map(|i| i * 101).collect();
             let t0 = Instant::now();
             for _ in 0..3 {
@@ -551,7 +578,11 @@ fn bench_gdn_layer() {
     let peak = fma_peak_gmacs();
     eprintln!("FMA peak measured on one core: {peak:.1} GMAC/s (f32; the stated 16 MACs/cycle × 3.7 GHz = 59.2)");
     let stream = best(5, &|| {}, &mut || evict());
-    eprintln!("one-core DRAM read (the 64 MiB flush): {:.1} GB/s, so one layer's 1 MiB state takes ≥ {:.1} µs to read", (64 << 20) as f64 / stream / 1e9, stream / 64.0 * 1e6);
+    eprintln!(
+        "one-core DRAM read (the 64 MiB flush): {:.1} GB/s, so one layer's 1 MiB state takes ≥ {:.1} µs to read",
+        (64 << 20) as f64 / stream / 1e9,
+        stream / 64.0 * 1e6
+    );
     let s = gdn::GdnShape { n_k_heads: 16, n_v_heads: 16, d_k: 128, d_v: 128, kernel: 4, v_tiled: false };
     let mut seed = 9u64;
     let mut rnd = || {

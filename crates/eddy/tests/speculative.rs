@@ -93,7 +93,8 @@ fn check_target(target: &str, draft: &str) {
                 for (j, &t) in temps.iter().enumerate() {
                     let (out, st) = generate(&mut engine, p, t);
                     assert_eq!(
-                        out, plain[i * 2 + j],
+                        out,
+                        plain[i * 2 + j],
                         "{target}: {kind:?} speculation with budget {budget:?} at temperature {t} changed the output of prompt {i}"
                     );
                     accepted += st.draft_accepted;

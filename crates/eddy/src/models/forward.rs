@@ -82,7 +82,8 @@ pub fn forward(
     logits: &mut Vec<f32>,
 ) -> Result<()> {
     if let Some(m) = &model.qwen35 {
-        return super::qwen35::forward_seq(m, pool, state, tokens, want, logits); // hybrid: its own forward
+        return super::qwen35::forward_seq(m, pool, state, tokens, want, logits);
+        // hybrid: its own forward
     }
     let vocab = model.config.vocab_size;
     if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
@@ -148,7 +149,16 @@ pub fn forward_tree(
         if first != 0 {
             return Err(Error::Input("Qwen3.5 verifies whole token trees only (incremental drafting is not supported)".into()));
         }
-        let parents: Vec<usize> = (0..paths.len()).map(|i| { let p = paths.path(i); if p.len() < 2 { crate::tree::NO_PARENT } else { p[p.len() - 2] as usize } }).collect();
+        let parents: Vec<usize> = (0..paths.len())
+            .map(|i| {
+                let p = paths.path(i);
+                if p.len() < 2 {
+                    crate::tree::NO_PARENT
+                } else {
+                    p[p.len() - 2] as usize
+                }
+            })
+            .collect();
         return super::qwen35::forward_tree_seq(m, pool, state, tokens, &parents, logits);
     }
     let vocab = model.config.vocab_size;

@@ -120,10 +120,18 @@ impl ModelConfig {
     pub fn check_shapes(&self) -> std::result::Result<(), String> {
         let c = self;
         if c.n_heads == 0 || c.n_kv_heads == 0 || c.n_heads % c.n_kv_heads != 0 || c.rope_dims > c.head_dim || c.rope_dims % 2 != 0 {
-            return Err(format!("inconsistent attention shape: {} heads, {} kv heads, head_dim {}, rope dims {}", c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dims));
+            return Err(format!(
+                "inconsistent attention shape: {} heads, {} kv heads, head_dim {}, rope dims {}",
+                c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dims
+            ));
         }
         if c.d_model % 32 != 0 || c.ffn_dim % 32 != 0 || c.q_dim() % 32 != 0 {
-            return Err(format!("unsupported shape: d_model {} / ffn {} / q_dim {} must be multiples of 32", c.d_model, c.ffn_dim, c.q_dim()));
+            return Err(format!(
+                "unsupported shape: d_model {} / ffn {} / q_dim {} must be multiples of 32",
+                c.d_model,
+                c.ffn_dim,
+                c.q_dim()
+            ));
         }
         Ok(())
     }
@@ -325,11 +333,7 @@ impl GgufLoader<'_> {
             });
         }
         let output_norm = self.vector("output_norm.weight", d)?;
-        let output = if self.g.tensor("output.weight").is_some() {
-            Some(self.matrix("output.weight", c.vocab_size, d)?)
-        } else {
-            None
-        };
+        let output = if self.g.tensor("output.weight").is_some() { Some(self.matrix("output.weight", c.vocab_size, d)?) } else { None };
         let mut m = Model { config: c, embed, layers, output_norm, output, qwen35: None };
         m.prepack();
         Ok(m)

@@ -39,7 +39,6 @@
 //! from the path, the accepted K/V rows compacted to `n_past..n_past+|path|`.
 
 use crate::backend::cpu::attention::{attention, AttnShape, Visibility};
-use crate::tree::TreePaths;
 use crate::backend::cpu::gdn::{self, GdnShape};
 use crate::backend::cpu::norm::{rms_norm, rms_norm_inplace};
 use crate::backend::cpu::rope::{Rope, RopeMode};
@@ -49,6 +48,7 @@ use crate::gguf::{GgufFile, GgufValue};
 use crate::model_dir::{Quant, Tensors, CONFIG_FILE};
 use crate::models::forward::Logits;
 use crate::quant::{import, WeightMatrix};
+use crate::tree::TreePaths;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -106,13 +106,27 @@ impl Qwen35Config {
 
     fn check(&self) -> std::result::Result<(), String> {
         self.gdn.check()?;
-        if self.n_heads == 0 || self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) || self.rope_dims > self.head_dim || !self.rope_dims.is_multiple_of(2) || self.rope_dims > 512 {
-            return Err(format!("inconsistent attention shape: {} heads, {} kv heads, head_dim {}, rope dims {}", self.n_heads, self.n_kv_heads, self.head_dim, self.rope_dims));
+        if self.n_heads == 0
+            || self.n_kv_heads == 0
+            || !self.n_heads.is_multiple_of(self.n_kv_heads)
+            || self.rope_dims > self.head_dim
+            || !self.rope_dims.is_multiple_of(2)
+            || self.rope_dims > 512
+        {
+            return Err(format!(
+                "inconsistent attention shape: {} heads, {} kv heads, head_dim {}, rope dims {}",
+                self.n_heads, self.n_kv_heads, self.head_dim, self.rope_dims
+            ));
         }
         if self.attention_layers.len() != self.n_layers || self.n_layers == 0 || self.vocab_size == 0 {
             return Err(format!("{} layer types for {} layers (vocab {})", self.attention_layers.len(), self.n_layers, self.vocab_size));
         }
-        for (what, v) in [("hidden_size", self.d_model), ("intermediate_size", self.ffn_dim), ("q dim", self.q_dim()), ("GDN value dim", self.gdn.value_dim())] {
+        for (what, v) in [
+            ("hidden_size", self.d_model),
+            ("intermediate_size", self.ffn_dim),
+            ("q dim", self.q_dim()),
+            ("GDN value dim", self.gdn.value_dim()),
+        ] {
             if v == 0 || v % 32 != 0 {
                 return Err(format!("unsupported shape: {what} {v} must be a positive multiple of 32"));
             }
@@ -252,9 +266,7 @@ impl Qwen35Model {
             v.extend([&mut l.w_gate, &mut l.w_up, &mut l.w_down]);
             match &mut l.mixer {
                 Mixer::Attention(a) => v.extend([&mut a.wq, &mut a.wk, &mut a.wv, &mut a.wo]),
-                Mixer::DeltaNet(g) => {
-                    v.extend([&mut g.w_qkv, &mut g.w_z, &mut g.w_b, &mut g.w_a, &mut g.w_out])
-                }
+                Mixer::DeltaNet(g) => v.extend([&mut g.w_qkv, &mut g.w_z, &mut g.w_b, &mut g.w_a, &mut g.w_out]),
             }
         }
         v
@@ -366,7 +378,9 @@ pub struct HybridSeq {
 /// the tokens after it.
 fn synced<'a>(model: &Qwen35Model, pool: &ThreadPool, seq: &'a mut crate::state::SeqState) -> Result<&'a mut HybridSeq> {
     let ctx = seq.kv.ctx;
-    let h = seq.qwen35.get_or_insert_with(|| Box::new(HybridSeq { state: Qwen35State::new(&model.config, ctx), ws: Qwen35Workspace::new(256) }));
+    let h = seq
+        .qwen35
+        .get_or_insert_with(|| Box::new(HybridSeq { state: Qwen35State::new(&model.config, ctx), ws: Qwen35Workspace::new(256) }));
     if h.state.tokens != seq.tokens {
         let have = h.state.restore_prefix(&seq.tokens);
         if have < seq.tokens.len() {
@@ -381,7 +395,14 @@ fn synced<'a>(model: &Qwen35Model, pool: &ThreadPool, seq: &'a mut crate::state:
 /// sequence's [`HybridSeq`] (created on first use with the sequence's context length) and appends them to
 /// `seq.tokens`. The GDN state cannot be rewound, so when the engine has cleared or changed the committed
 /// tokens the hybrid state restores a snapshot (or restarts) and re-runs the tokens after it.
-pub fn forward_seq(model: &Qwen35Model, pool: &ThreadPool, seq: &mut crate::state::SeqState, tokens: &[u32], want: Logits, logits: &mut Vec<f32>) -> Result<()> {
+pub fn forward_seq(
+    model: &Qwen35Model,
+    pool: &ThreadPool,
+    seq: &mut crate::state::SeqState,
+    tokens: &[u32],
+    want: Logits,
+    logits: &mut Vec<f32>,
+) -> Result<()> {
     let want_hidden = seq.want_hidden;
     let h = synced(model, pool, seq)?;
     h.ws.all_hidden = want_hidden;
@@ -394,7 +415,14 @@ pub fn forward_seq(model: &Qwen35Model, pool: &ThreadPool, seq: &mut crate::stat
 
 /// The engine's tree verify for Qwen3.5 ([`crate::models::forward::forward_tree`] hands off here): syncs the
 /// sequence's [`HybridSeq`] with the committed tokens like [`forward_seq`], then runs [`forward_tree`].
-pub fn forward_tree_seq(model: &Qwen35Model, pool: &ThreadPool, seq: &mut crate::state::SeqState, tokens: &[u32], parents: &[usize], logits: &mut Vec<f32>) -> Result<()> {
+pub fn forward_tree_seq(
+    model: &Qwen35Model,
+    pool: &ThreadPool,
+    seq: &mut crate::state::SeqState,
+    tokens: &[u32],
+    parents: &[usize],
+    logits: &mut Vec<f32>,
+) -> Result<()> {
     let h = synced(model, pool, seq)?;
     forward_tree(model, pool, &mut h.ws, &mut h.state, tokens, parents, logits)
 }
@@ -422,7 +450,8 @@ pub fn is_qwen35_dir(dir: &Path) -> bool {
 
 fn config_from_hf(top: &Value) -> std::result::Result<Qwen35Config, String> {
     let mt = top.get("model_type").and_then(Value::as_str).unwrap_or("");
-    let classes: Vec<&str> = top.get("architectures").and_then(Value::as_array).map(|a| a.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
+    let classes: Vec<&str> =
+        top.get("architectures").and_then(Value::as_array).map(|a| a.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
     let nested = match mt {
         "qwen3_5" => true,
         "qwen3_5_text" => false,
@@ -786,37 +815,37 @@ impl Source for GgufLoader<'_> {
 /// llama.cpp's name of a tensor (`n_layers`: where the MTP block sits, as `blk.{n_layers}.nextn.*` and the
 /// usual block tensors).
 fn gguf_name(role: Role, l: usize, n_layers: usize) -> String {
-        let lyr = |s: &str| format!("blk.{l}.{s}");
-        let mtp = |s: &str| format!("blk.{n_layers}.nextn.{s}");
-        match role {
-            Role::MtpEmbNorm => mtp("enorm.weight"),
-            Role::MtpHidNorm => mtp("hnorm.weight"),
-            Role::MtpFc => mtp("eh_proj.weight"),
-            Role::MtpNorm => mtp("shared_head_norm.weight"),
-            Role::Embed => "token_embd.weight".into(),
-            Role::Head => "output.weight".into(),
-            Role::OutputNorm => "output_norm.weight".into(),
-            Role::AttnNorm => lyr("attn_norm.weight"),
-            Role::FfnNorm => lyr("post_attention_norm.weight"),
-            Role::Q => lyr("attn_q.weight"),
-            Role::K => lyr("attn_k.weight"),
-            Role::V => lyr("attn_v.weight"),
-            Role::O => lyr("attn_output.weight"),
-            Role::QNorm => lyr("attn_q_norm.weight"),
-            Role::KNorm => lyr("attn_k_norm.weight"),
-            Role::Qkv => lyr("attn_qkv.weight"),
-            Role::Z => lyr("attn_gate.weight"),
-            Role::A => lyr("ssm_alpha.weight"),
-            Role::B => lyr("ssm_beta.weight"),
-            Role::Conv => lyr("ssm_conv1d.weight"),
-            Role::ALog => lyr("ssm_a"),
-            Role::DtBias => lyr("ssm_dt.bias"),
-            Role::GdnNorm => lyr("ssm_norm.weight"),
-            Role::Out => lyr("ssm_out.weight"),
-            Role::Gate => lyr("ffn_gate.weight"),
-            Role::Up => lyr("ffn_up.weight"),
-            Role::Down => lyr("ffn_down.weight"),
-        }
+    let lyr = |s: &str| format!("blk.{l}.{s}");
+    let mtp = |s: &str| format!("blk.{n_layers}.nextn.{s}");
+    match role {
+        Role::MtpEmbNorm => mtp("enorm.weight"),
+        Role::MtpHidNorm => mtp("hnorm.weight"),
+        Role::MtpFc => mtp("eh_proj.weight"),
+        Role::MtpNorm => mtp("shared_head_norm.weight"),
+        Role::Embed => "token_embd.weight".into(),
+        Role::Head => "output.weight".into(),
+        Role::OutputNorm => "output_norm.weight".into(),
+        Role::AttnNorm => lyr("attn_norm.weight"),
+        Role::FfnNorm => lyr("post_attention_norm.weight"),
+        Role::Q => lyr("attn_q.weight"),
+        Role::K => lyr("attn_k.weight"),
+        Role::V => lyr("attn_v.weight"),
+        Role::O => lyr("attn_output.weight"),
+        Role::QNorm => lyr("attn_q_norm.weight"),
+        Role::KNorm => lyr("attn_k_norm.weight"),
+        Role::Qkv => lyr("attn_qkv.weight"),
+        Role::Z => lyr("attn_gate.weight"),
+        Role::A => lyr("ssm_alpha.weight"),
+        Role::B => lyr("ssm_beta.weight"),
+        Role::Conv => lyr("ssm_conv1d.weight"),
+        Role::ALog => lyr("ssm_a"),
+        Role::DtBias => lyr("ssm_dt.bias"),
+        Role::GdnNorm => lyr("ssm_norm.weight"),
+        Role::Out => lyr("ssm_out.weight"),
+        Role::Gate => lyr("ffn_gate.weight"),
+        Role::Up => lyr("ffn_up.weight"),
+        Role::Down => lyr("ffn_down.weight"),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -872,17 +901,32 @@ pub fn export_gguf(dir: &Path, out: &Path) -> Result<()> {
         if c.attention_layers[l] {
             roles.extend([Role::Q, Role::K, Role::V, Role::O, Role::QNorm, Role::KNorm].map(|x| (x, l)));
         } else {
-            roles.extend([Role::Qkv, Role::Z, Role::A, Role::B, Role::Conv, Role::ALog, Role::DtBias, Role::GdnNorm, Role::Out].map(|x| (x, l)));
+            roles.extend(
+                [Role::Qkv, Role::Z, Role::A, Role::B, Role::Conv, Role::ALog, Role::DtBias, Role::GdnNorm, Role::Out].map(|x| (x, l)),
+            );
         }
     }
     let has_mtp = t.contains(&hf.name(Role::MtpFc, 0));
     if has_mtp {
         roles.extend([Role::MtpEmbNorm, Role::MtpHidNorm, Role::MtpFc, Role::MtpNorm].map(|x| (x, 0)));
-        roles.extend([Role::AttnNorm, Role::FfnNorm, Role::Gate, Role::Up, Role::Down, Role::Q, Role::K, Role::V, Role::O, Role::QNorm, Role::KNorm].map(|x| (x, MTP_LAYER)));
+        roles.extend(
+            [Role::AttnNorm, Role::FfnNorm, Role::Gate, Role::Up, Role::Down, Role::Q, Role::K, Role::V, Role::O, Role::QNorm, Role::KNorm]
+                .map(|x| (x, MTP_LAYER)),
+        );
     }
     for (role, l) in roles {
         let (shape, mut data) = read(role, l)?;
-        let norm_1p = matches!(role, Role::OutputNorm | Role::AttnNorm | Role::FfnNorm | Role::QNorm | Role::KNorm | Role::MtpEmbNorm | Role::MtpHidNorm | Role::MtpNorm);
+        let norm_1p = matches!(
+            role,
+            Role::OutputNorm
+                | Role::AttnNorm
+                | Role::FfnNorm
+                | Role::QNorm
+                | Role::KNorm
+                | Role::MtpEmbNorm
+                | Role::MtpHidNorm
+                | Role::MtpNorm
+        );
         if norm_1p {
             data.iter_mut().for_each(|v| *v += 1.0);
         }
@@ -945,7 +989,8 @@ pub fn export_gguf(dir: &Path, out: &Path) -> Result<()> {
         tokenizer_metadata(dir, c.vocab_size, &mut md)?;
     }
     let bytes: Vec<Vec<u8>> = tensors.iter().map(|(_, _, d)| d.iter().flat_map(|v| v.to_le_bytes()).collect()).collect();
-    let table: Vec<(String, Vec<u64>, u32, &[u8])> = tensors.iter().zip(&bytes).map(|((n, dims, _), b)| (n.clone(), dims.clone(), 0u32, b.as_slice())).collect();
+    let table: Vec<(String, Vec<u64>, u32, &[u8])> =
+        tensors.iter().zip(&bytes).map(|((n, dims, _), b)| (n.clone(), dims.clone(), 0u32, b.as_slice())).collect();
     crate::gguf::write_gguf(out, &md, &table).map_err(|e| Error::Io { path: out.to_path_buf(), source: e })
 }
 
@@ -1108,7 +1153,11 @@ impl Qwen35State {
         let common = self.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
         let limit = limit.min(common);
         let live = if self.exact && self.tokens.len() <= limit { self.tokens.len() } else { 0 };
-        self.snapshots.iter().filter(|s| s.tokens.len() <= limit && s.tokens[..] == prompt[..s.tokens.len()]).map(|s| s.tokens.len()).fold(live, usize::max)
+        self.snapshots
+            .iter()
+            .filter(|s| s.tokens.len() <= limit && s.tokens[..] == prompt[..s.tokens.len()])
+            .map(|s| s.tokens.len())
+            .fold(live, usize::max)
     }
 
     /// Make the committed tokens `tokens` (usually a prefix of the current ones) without a cold restart when
@@ -1144,7 +1193,9 @@ impl Qwen35State {
 
     /// Bytes held by the caches and states.
     pub fn nbytes(&self) -> usize {
-        4 * (self.kv.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>() + self.conv.iter().map(Vec::len).sum::<usize>() + self.rec.iter().map(Vec::len).sum::<usize>())
+        4 * (self.kv.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>()
+            + self.conv.iter().map(Vec::len).sum::<usize>()
+            + self.rec.iter().map(Vec::len).sum::<usize>())
     }
 
     /// The recurrent state of layer `l` (empty for attention layers), `n_v_heads × d_k × d_v`.
@@ -1159,7 +1210,11 @@ impl Qwen35State {
 
     fn check_room(&self, extra: usize) -> Result<()> {
         if self.n_past() + extra > self.ctx {
-            return Err(Error::Input(format!("sequence of {} tokens exceeds the context length of {} tokens", self.n_past() + extra, self.ctx)));
+            return Err(Error::Input(format!(
+                "sequence of {} tokens exceeds the context length of {} tokens",
+                self.n_past() + extra,
+                self.ctx
+            )));
         }
         Ok(())
     }
@@ -1251,7 +1306,15 @@ fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
 /// (see the module docs). Drops any pending tree.
 ///
 /// Errors: a token outside the vocabulary, or more tokens than the context holds.
-pub fn forward(model: &Qwen35Model, pool: &ThreadPool, ws: &mut Qwen35Workspace, state: &mut Qwen35State, tokens: &[u32], want: Logits, logits: &mut Vec<f32>) -> Result<()> {
+pub fn forward(
+    model: &Qwen35Model,
+    pool: &ThreadPool,
+    ws: &mut Qwen35Workspace,
+    state: &mut Qwen35State,
+    tokens: &[u32],
+    want: Logits,
+    logits: &mut Vec<f32>,
+) -> Result<()> {
     check_tokens(model, tokens)?;
     state.check_room(tokens.len())?;
     state.tree = None;
@@ -1265,7 +1328,11 @@ pub fn forward(model: &Qwen35Model, pool: &ThreadPool, ws: &mut Qwen35Workspace,
     state.capture = None;
     if state.exact && at > 0 && at >= start && !(known && at == start) {
         // At `start` the snapshot is the current state; past it, the GDN layers fill it in at `at`.
-        let (conv, rec) = if at == start { (state.conv.clone(), state.rec.clone()) } else { (vec![Vec::new(); state.conv.len()], vec![Vec::new(); state.rec.len()]) };
+        let (conv, rec) = if at == start {
+            (state.conv.clone(), state.rec.clone())
+        } else {
+            (vec![Vec::new(); state.conv.len()], vec![Vec::new(); state.rec.len()])
+        };
         state.capture = Some((at, conv, rec));
     }
     // Runs end at multiples of `max_batch` positions: the same cuts whatever the prefill's start.
@@ -1299,7 +1366,15 @@ pub fn forward(model: &Qwen35Model, pool: &ThreadPool, ws: &mut Qwen35Workspace,
 /// [`Qwen35State::commit`]); `logits` receives `vocab` floats for every node, in node order.
 ///
 /// Errors: a token outside the vocabulary, a malformed tree, or a tree that does not fit the context.
-pub fn forward_tree(model: &Qwen35Model, pool: &ThreadPool, ws: &mut Qwen35Workspace, state: &mut Qwen35State, tokens: &[u32], parents: &[usize], logits: &mut Vec<f32>) -> Result<()> {
+pub fn forward_tree(
+    model: &Qwen35Model,
+    pool: &ThreadPool,
+    ws: &mut Qwen35Workspace,
+    state: &mut Qwen35State,
+    tokens: &[u32],
+    parents: &[usize],
+    logits: &mut Vec<f32>,
+) -> Result<()> {
     check_tokens(model, tokens)?;
     if tokens.len() != parents.len() || tokens.is_empty() {
         return Err(Error::Input(format!("tree of {} tokens with {} parents", tokens.len(), parents.len())));
@@ -1330,7 +1405,16 @@ fn add_into(x: &mut [f32], y: &[f32]) {
 /// One pass over the blocks for `tokens` (a chain continuing the committed state when `tree` is None, else a
 /// tree); logits for batch rows `rows` are appended to `logits`.
 #[allow(clippy::too_many_arguments)]
-fn run(model: &Qwen35Model, pool: &ThreadPool, ws: &mut Qwen35Workspace, state: &mut Qwen35State, tokens: &[u32], tree: Option<&[usize]>, rows: std::ops::Range<usize>, logits: &mut Vec<f32>) {
+fn run(
+    model: &Qwen35Model,
+    pool: &ThreadPool,
+    ws: &mut Qwen35Workspace,
+    state: &mut Qwen35State,
+    tokens: &[u32],
+    tree: Option<&[usize]>,
+    rows: std::ops::Range<usize>,
+    logits: &mut Vec<f32>,
+) {
     let c = &model.config;
     let t = tokens.len();
     let d = c.d_model;
@@ -1371,7 +1455,17 @@ fn run(model: &Qwen35Model, pool: &ThreadPool, ws: &mut Qwen35Workspace, state: 
 
 /// One pre-norm block on the residual stream `x` (`t × d_model`): mixer, then SwiGLU MLP.
 #[allow(clippy::too_many_arguments)]
-fn block(p: &Pass, layer: &Qwen35Layer, state: &mut Qwen35State, l: usize, x: &mut [f32], h: &mut Vec<f32>, a: &mut Vec<f32>, scratch: &mut [f32], xq: &mut QuantizedActivations) {
+fn block(
+    p: &Pass,
+    layer: &Qwen35Layer,
+    state: &mut Qwen35State,
+    l: usize,
+    x: &mut [f32],
+    h: &mut Vec<f32>,
+    a: &mut Vec<f32>,
+    scratch: &mut [f32],
+    xq: &mut QuantizedActivations,
+) {
     let (c, pool, t) = (&p.model.config, p.pool, p.t);
     let (d, fd) = (c.d_model, c.ffn_dim);
     let hb = grow(h, t * d);
@@ -1400,7 +1494,16 @@ fn block(p: &Pass, layer: &Qwen35Layer, state: &mut Qwen35State, l: usize, x: &m
 
 /// Final norm of the rows `x` (`n × d_model`), appended to `hidden`, and their logits appended to `logits`.
 #[allow(clippy::too_many_arguments)]
-fn head(model: &Qwen35Model, pool: &ThreadPool, x: &[f32], norm: &[f32], h: &mut Vec<f32>, xq: &mut QuantizedActivations, logits: &mut Vec<f32>, hidden: &mut Vec<f32>) {
+fn head(
+    model: &Qwen35Model,
+    pool: &ThreadPool,
+    x: &[f32],
+    norm: &[f32],
+    h: &mut Vec<f32>,
+    xq: &mut QuantizedActivations,
+    logits: &mut Vec<f32>,
+    hidden: &mut Vec<f32>,
+) {
     let c = &model.config;
     let d = c.d_model;
     let n = x.len() / d;
@@ -1451,7 +1554,15 @@ impl MtpState {
 ///
 /// Errors: no MTP head, a token outside the vocabulary, a hidden buffer of the wrong size, a full cache.
 #[allow(clippy::too_many_arguments)]
-pub fn mtp_forward(model: &Qwen35Model, pool: &ThreadPool, ws: &mut Qwen35Workspace, state: &mut MtpState, tokens: &[u32], hidden: &[f32], logits: &mut Vec<f32>) -> Result<()> {
+pub fn mtp_forward(
+    model: &Qwen35Model,
+    pool: &ThreadPool,
+    ws: &mut Qwen35Workspace,
+    state: &mut MtpState,
+    tokens: &[u32],
+    hidden: &[f32],
+    logits: &mut Vec<f32>,
+) -> Result<()> {
     let mtp = model.mtp.as_ref().ok_or_else(|| Error::Input("the model has no MTP head (no mtp.* / nextn tensors)".into()))?;
     check_tokens(model, tokens)?;
     let c = &model.config;
@@ -1556,7 +1667,14 @@ fn attention_layer(p: &Pass, w: &GatedAttention, state: &mut Qwen35State, l: usi
     let (kc, vc) = &mut state.kv[l];
     kc[n_past * kvd..(n_past + t) * kvd].copy_from_slice(k);
     vc[n_past * kvd..(n_past + t) * kvd].copy_from_slice(v);
-    let shape = AttnShape { n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), window: None, softcap: None };
+    let shape = AttnShape {
+        n_heads: c.n_heads,
+        n_kv_heads: c.n_kv_heads,
+        head_dim: hd,
+        scale: 1.0 / (hd as f32).sqrt(),
+        window: None,
+        softcap: None,
+    };
     if p.tree {
         let paths = TreePaths::new(p.parents).expect("tree validated by forward_tree");
         attention(pool, &shape, q, kc, vc, n_past, t, Visibility::Tree { first: 0, paths: &paths }, att);
@@ -1569,7 +1687,6 @@ fn attention_layer(p: &Pass, w: &GatedAttention, state: &mut Qwen35State, l: usi
     quantize_activations(pool, att, t, qd, xq);
     matmul(pool, &w.wo, att, xq, t, out);
 }
-
 
 fn delta_net_layer(p: &Pass, w: &DeltaNet, state: &mut Qwen35State, l: usize, io: Io) {
     let Io { h, xq, mut bufs, out } = io;

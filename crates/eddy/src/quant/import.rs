@@ -53,19 +53,8 @@ use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use std::path::Path;
 
 /// The ggml types eddy imports.
-pub const SUPPORTED_TYPES: [u32; 11] = [
-    gt::F32,
-    gt::F16,
-    gt::BF16,
-    gt::Q4_0,
-    gt::Q4_1,
-    gt::Q5_0,
-    gt::Q5_1,
-    gt::Q8_0,
-    gt::Q4_K,
-    gt::Q5_K,
-    gt::Q6_K,
-];
+pub const SUPPORTED_TYPES: [u32; 11] =
+    [gt::F32, gt::F16, gt::BF16, gt::Q4_0, gt::Q4_1, gt::Q5_0, gt::Q5_1, gt::Q8_0, gt::Q4_K, gt::Q5_K, gt::Q6_K];
 
 /// Whether [`import_matrix`] / [`dequantize`] accept tensors of this ggml type.
 pub fn is_supported(ggml_type: u32) -> bool {
@@ -179,20 +168,14 @@ fn dequant_block(ggml_type: u32, blk: &[u8], out: &mut [f32]) {
         }
         gt::Q5_0 => {
             let d = f16_at(blk, 0);
-            let q = q5_codes(
-                u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]),
-                &blk[6..22],
-            );
+            let q = q5_codes(u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]), &blk[6..22]);
             for (o, &q) in out.iter_mut().zip(&q) {
                 *o = d * (q as i32 - 16) as f32;
             }
         }
         gt::Q5_1 => {
             let (d, m) = (f16_at(blk, 0), f16_at(blk, 2));
-            let q = q5_codes(
-                u32::from_le_bytes([blk[4], blk[5], blk[6], blk[7]]),
-                &blk[8..24],
-            );
+            let q = q5_codes(u32::from_le_bytes([blk[4], blk[5], blk[6], blk[7]]), &blk[8..24]);
             for (o, &q) in out.iter_mut().zip(&q) {
                 *o = d * q as f32 + m;
             }
@@ -206,11 +189,7 @@ fn dequant_block(ggml_type: u32, blk: &[u8], out: &mut [f32]) {
         gt::Q4_K | gt::Q5_K => {
             let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
             let (sc, m) = k_scale_min(&blk[4..16]);
-            let q5 = if ggml_type == gt::Q5_K {
-                q5k_codes(&blk[16..48], &blk[48..176])
-            } else {
-                [0; 256]
-            };
+            let q5 = if ggml_type == gt::Q5_K { q5k_codes(&blk[16..48], &blk[48..176]) } else { [0; 256] };
             for s in 0..8 {
                 let d1 = d * sc[s] as f32;
                 let m1 = dmin * m[s] as f32;
@@ -283,30 +262,17 @@ fn f16_bytes_to_f32(bytes: &[u8], out: &mut [f32]) {
         for (t, b) in tmp[..k].iter_mut().zip(src.chunks_exact(2)) {
             *t = u16::from_le_bytes([b[0], b[1]]);
         }
-        tmp[..k]
-            .reinterpret_cast::<half::f16>()
-            .convert_to_f32_slice(dst);
+        tmp[..k].reinterpret_cast::<half::f16>().convert_to_f32_slice(dst);
     }
 }
 
 /// (rows, cols, n) of a tensor: `cols = dims[0]`, `rows` the product of the other dims (1 for a vector).
 fn shape(path: &Path, info: &TensorInfo) -> Result<(usize, usize, usize)> {
-    let bad = || {
-        Error::model(
-            path,
-            format!(
-                "tensor {} has impossible dimensions {:?}",
-                info.name, info.dims
-            ),
-        )
-    };
+    let bad = || Error::model(path, format!("tensor {} has impossible dimensions {:?}", info.name, info.dims));
     let cols = usize::try_from(*info.dims.first().ok_or_else(bad)?).map_err(|_| bad())?;
     let mut rows = 1usize;
     for &d in info.dims.iter().skip(1) {
-        rows = usize::try_from(d)
-            .ok()
-            .and_then(|d| rows.checked_mul(d))
-            .ok_or_else(bad)?;
+        rows = usize::try_from(d).ok().and_then(|d| rows.checked_mul(d)).ok_or_else(bad)?;
     }
     let n = rows.checked_mul(cols).ok_or_else(bad)?;
     Ok((rows, cols, n))
@@ -319,12 +285,7 @@ fn validate(path: &Path, info: &TensorInfo, bytes: &[u8]) -> Result<(usize, usiz
         let names: Vec<String> = SUPPORTED_TYPES.iter().map(|&t| gt::name(t)).collect();
         return Err(Error::model(
             path,
-            format!(
-                "tensor {} has type {}, which eddy does not import (supported: {})",
-                info.name,
-                gt::name(t),
-                names.join(", ")
-            ),
+            format!("tensor {} has type {}, which eddy does not import (supported: {})", info.name, gt::name(t), names.join(", ")),
         ));
     }
     let (rows, cols, n) = shape(path, info)?;
@@ -332,24 +293,13 @@ fn validate(path: &Path, info: &TensorInfo, bytes: &[u8]) -> Result<(usize, usiz
         let bv = gt::block_size(t).map_or(1, |b| b.0);
         return Err(Error::model(
             path,
-            format!(
-                "tensor {} ({}, dims {:?}): {n} values is not a whole number of {bv}-value blocks",
-                info.name,
-                gt::name(t),
-                info.dims
-            ),
+            format!("tensor {} ({}, dims {:?}): {n} values is not a whole number of {bv}-value blocks", info.name, gt::name(t), info.dims),
         ));
     };
     if bytes.len() != want {
         return Err(Error::model(
             path,
-            format!(
-                "tensor {} ({}, dims {:?}) should have {want} bytes of data, got {}",
-                info.name,
-                gt::name(t),
-                info.dims,
-                bytes.len()
-            ),
+            format!("tensor {} ({}, dims {:?}) should have {want} bytes of data, got {}", info.name, gt::name(t), info.dims, bytes.len()),
         ));
     }
     Ok((rows, cols, n))
@@ -362,8 +312,7 @@ fn validate(path: &Path, info: &TensorInfo, bytes: &[u8]) -> Result<(usize, usiz
 pub fn dequantize(path: &Path, info: &TensorInfo, bytes: &[u8]) -> Result<Vec<f32>> {
     let (_, _, n) = validate(path, info, bytes)?;
     // validate() checked everything dequantize_blocks checks.
-    dequantize_blocks(info.ggml_type, bytes, n)
-        .ok_or_else(|| Error::model(path, format!("tensor {}: cannot dequantize", info.name)))
+    dequantize_blocks(info.ggml_type, bytes, n).ok_or_else(|| Error::model(path, format!("tensor {}: cannot dequantize", info.name)))
 }
 
 /// Convert a GGUF tensor (raw block bytes) into eddy's format; see the module docs for the mapping.
@@ -376,27 +325,10 @@ pub fn import_matrix(path: &Path, info: &TensorInfo, bytes: &[u8]) -> Result<Wei
     let bv = gt::block_size(t).map_or(1, |b| b.0);
     let grouped = cols % QK == 0 && cols % bv == 0;
     Ok(match t {
-        gt::F32 | gt::F16 => WeightMatrix::F32 {
-            rows,
-            cols,
-            data: dequantize(path, info, bytes)?,
-        },
-        gt::BF16 => WeightMatrix::Bf16 {
-            rows,
-            cols,
-            data: bytes
-                .chunks_exact(2)
-                .map(|b| u16::from_le_bytes([b[0], b[1]]))
-                .collect(),
-        },
-        _ if !grouped => WeightMatrix::F32 {
-            rows,
-            cols,
-            data: dequantize(path, info, bytes)?,
-        },
-        gt::Q4_0 | gt::Q4_1 | gt::Q5_0 | gt::Q5_1 | gt::Q8_0 => {
-            WeightMatrix::Q(import_legacy(t, rows, cols, n, bytes))
-        }
+        gt::F32 | gt::F16 => WeightMatrix::F32 { rows, cols, data: dequantize(path, info, bytes)? },
+        gt::BF16 => WeightMatrix::Bf16 { rows, cols, data: bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect() },
+        _ if !grouped => WeightMatrix::F32 { rows, cols, data: dequantize(path, info, bytes)? },
+        gt::Q4_0 | gt::Q4_1 | gt::Q5_0 | gt::Q5_1 | gt::Q8_0 => WeightMatrix::Q(import_legacy(t, rows, cols, n, bytes)),
         gt::Q4_K | gt::Q5_K | gt::Q6_K => WeightMatrix::Q(import_k(t, rows, cols, n, bytes)),
         _ => unreachable!("validate() accepts only supported types"),
     })
@@ -444,11 +376,7 @@ fn import_legacy(t: u32, rows: usize, cols: usize, n: usize, bytes: &[u8]) -> QM
     let mut scale = Vec::with_capacity(nb);
     let mut min = Vec::with_capacity(if has_min { nb } else { 0 });
     let at = if has_min { 4 } else { 2 };
-    for (i, (blk, lo_b)) in bytes
-        .chunks_exact(bb)
-        .zip(lo.chunks_exact_mut(lo_len))
-        .enumerate()
-    {
+    for (i, (blk, lo_b)) in bytes.chunks_exact(bb).zip(lo.chunks_exact_mut(lo_len)).enumerate() {
         scale.push(f16_bits_at(blk, 0));
         if has_min {
             min.push(f16_bits_at(blk, 2));
@@ -466,19 +394,7 @@ fn import_legacy(t: u32, rows: usize, cols: usize, n: usize, bytes: &[u8]) -> QM
             }
         }
     }
-    QMatrix {
-        rows,
-        cols,
-        bits,
-        group: QK,
-        lo,
-        hi,
-        scales: GroupScales::F16 {
-            scale,
-            min: has_min.then_some(min),
-        },
-        packed: None,
-    }
+    QMatrix { rows, cols, bits, group: QK, lo, hi, scales: GroupScales::F16 { scale, min: has_min.then_some(min) }, packed: None }
 }
 
 /// Q4_K, Q5_K (group 32, scale and offset multipliers) and Q6_K (group 16, implicit offset).
@@ -530,29 +446,10 @@ fn import_k(t: u32, rows: usize, cols: usize, n: usize, bytes: &[u8]) -> QMatrix
         }
         for b in 0..8 {
             let blk_i = 8 * s + b;
-            pack_block(
-                bits,
-                &q[32 * b..][..32],
-                &mut lo[16 * blk_i..][..16],
-                &mut hi[4 * planes * blk_i..][..4 * planes],
-            );
+            pack_block(bits, &q[32 * b..][..32], &mut lo[16 * blk_i..][..16], &mut hi[4 * planes * blk_i..][..4 * planes]);
         }
     }
-    QMatrix {
-        rows,
-        cols,
-        bits,
-        group,
-        lo,
-        hi,
-        scales: GroupScales::SuperI8 {
-            sc,
-            mn: (!q6).then_some(mn),
-            d,
-            dmin,
-        },
-        packed: None,
-    }
+    QMatrix { rows, cols, bits, group, lo, hi, scales: GroupScales::SuperI8 { sc, mn: (!q6).then_some(mn), d, dmin }, packed: None }
 }
 
 /// The f16 nearest to `x` on its side: `≥ x` if `up`, else `≤ x` (finite `x` within f16 range).
@@ -588,18 +485,10 @@ fn f16_toward(x: f32, up: bool) -> f16 {
 /// # Panics
 /// If `data.len() != rows * cols`.
 pub fn quantize_f32(rows: usize, cols: usize, data: &[f32], kind: QuantKind) -> WeightMatrix {
-    assert_eq!(
-        Some(data.len()),
-        rows.checked_mul(cols),
-        "quantize_f32: data is not rows × cols"
-    );
+    assert_eq!(Some(data.len()), rows.checked_mul(cols), "quantize_f32: data is not rows × cols");
     let n = data.len();
     if cols % QK != 0 {
-        return WeightMatrix::F32 {
-            rows,
-            cols,
-            data: data.to_vec(),
-        };
+        return WeightMatrix::F32 { rows, cols, data: data.to_vec() };
     }
     let groups = n / QK;
     let mut scale = Vec::with_capacity(groups);
@@ -635,11 +524,7 @@ pub fn quantize_f32(rows: usize, cols: usize, data: &[f32], kind: QuantKind) -> 
             let mut lo = vec![0u8; n / 2];
             let mut min = Vec::with_capacity(groups);
             for (w, p) in data.chunks_exact(QK).zip(lo.chunks_exact_mut(QK / 2)) {
-                let (l, h) = w
-                    .iter()
-                    .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &x| {
-                        (lo.min(x), hi.max(x))
-                    });
+                let (l, h) = w.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &x| (lo.min(x), hi.max(x)));
                 let m16 = f16_toward(l, false);
                 let m = m16.to_f32();
                 let s16 = f16_toward((h - m) / 15.0, true);
@@ -663,10 +548,7 @@ pub fn quantize_f32(rows: usize, cols: usize, data: &[f32], kind: QuantKind) -> 
                 group: QK,
                 lo,
                 hi: Vec::new(),
-                scales: GroupScales::F16 {
-                    scale,
-                    min: Some(min),
-                },
+                scales: GroupScales::F16 { scale, min: Some(min) },
                 packed: None,
             })
         }
@@ -678,21 +560,13 @@ mod tests {
     use super::*;
 
     fn info(name: &str, dims: Vec<u64>, ggml_type: u32) -> TensorInfo {
-        TensorInfo {
-            name: name.into(),
-            dims,
-            ggml_type,
-            offset: 0,
-            nbytes: 0,
-        }
+        TensorInfo { name: name.into(), dims, ggml_type, offset: 0, nbytes: 0 }
     }
 
     #[test]
     fn quantize_f32_round_trip_error_is_bounded() {
         let (rows, cols) = (3, 64);
-        let data: Vec<f32> = (0..rows * cols)
-            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
-            .collect();
+        let data: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013).collect();
         for kind in [QuantKind::Q8, QuantKind::Q4] {
             let m = quantize_f32(rows, cols, &data, kind);
             let mut row = vec![0f32; cols];
@@ -700,12 +574,8 @@ mod tests {
                 m.dequant_row(r, &mut row);
                 for g in 0..cols / QK {
                     let w = &data[r * cols + g * QK..][..QK];
-                    let (lo, hi) = w
-                        .iter()
-                        .fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
-                    let WeightMatrix::Q(q) = &m else {
-                        panic!("{kind:?}: not quantized")
-                    };
+                    let (lo, hi) = w.iter().fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+                    let WeightMatrix::Q(q) = &m else { panic!("{kind:?}: not quantized") };
                     // Half a step of the stored (f16) scale; the stored scale is at most one f16 ulp
                     // above the ideal one.
                     let step = q.scale_min(r, g).0;
@@ -713,27 +583,15 @@ mod tests {
                         QuantKind::Q8 => lo.abs().max(hi.abs()) / 127.0,
                         QuantKind::Q4 => (hi - lo) / 15.0,
                     };
-                    assert!(
-                        step >= ideal && step <= ideal * 1.002 + 1e-7,
-                        "{kind:?}: scale {step} vs {ideal}"
-                    );
+                    assert!(step >= ideal && step <= ideal * 1.002 + 1e-7, "{kind:?}: scale {step} vs {ideal}");
                     for (a, b) in row[g * QK..][..QK].iter().zip(w) {
-                        assert!(
-                            (a - b).abs() <= step * 0.5001 + 1e-7,
-                            "{kind:?}: {a} vs {b}"
-                        );
+                        assert!((a - b).abs() <= step * 0.5001 + 1e-7, "{kind:?}: {a} vs {b}");
                     }
                 }
             }
         }
-        assert!(matches!(
-            quantize_f32(1, 31, &[0.5; 31], QuantKind::Q4),
-            WeightMatrix::F32 { .. }
-        ));
-        assert!(matches!(
-            quantize_f32(2, 32, &[0.0; 64], QuantKind::Q8),
-            WeightMatrix::Q(QMatrix { bits: 8, .. })
-        ));
+        assert!(matches!(quantize_f32(1, 31, &[0.5; 31], QuantKind::Q4), WeightMatrix::F32 { .. }));
+        assert!(matches!(quantize_f32(2, 32, &[0.0; 64], QuantKind::Q8), WeightMatrix::Q(QMatrix { bits: 8, .. })));
     }
 
     #[test]
@@ -746,14 +604,7 @@ mod tests {
         }
         let i = info("t", vec![16, 2], gt::Q4_0);
         let m = import_matrix(Path::new("m.gguf"), &i, &blk).unwrap();
-        let WeightMatrix::F32 {
-            rows: 2,
-            cols: 16,
-            data,
-        } = m
-        else {
-            panic!("expected F32")
-        };
+        let WeightMatrix::F32 { rows: 2, cols: 16, data } = m else { panic!("expected F32") };
         assert_eq!(data, dequantize_blocks(gt::Q4_0, &blk, 32).unwrap());
     }
 
@@ -765,9 +616,7 @@ mod tests {
             let nb = 8 * 32 / bv.clamp(1, 32);
             let bytes: Vec<u8> = (0..bb * nb)
                 .map(|_| {
-                    x = x
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                     (x >> 56) as u8
                 })
                 .collect();

@@ -123,9 +123,7 @@ impl Packed {
 fn scales_nbytes(s: &GroupScales) -> usize {
     match s {
         GroupScales::F16 { scale, min } => 2 * scale.len() + min.as_ref().map_or(0, |m| 2 * m.len()),
-        GroupScales::SuperI8 { sc, mn, d, dmin } => {
-            sc.len() + mn.as_ref().map_or(0, |m| m.len()) + 4 * (d.len() + dmin.len())
-        }
+        GroupScales::SuperI8 { sc, mn, d, dmin } => sc.len() + mn.as_ref().map_or(0, |m| m.len()) + 4 * (d.len() + dmin.len()),
     }
 }
 
@@ -179,12 +177,7 @@ impl QMatrix {
         let p = self.planes();
         for k in 0..p {
             let at = 4 * (p * blk + k);
-            let w = u32::from_le_bytes([
-                self.hi[at],
-                self.hi[at + 1],
-                self.hi[at + 2],
-                self.hi[at + 3],
-            ]);
+            let w = u32::from_le_bytes([self.hi[at], self.hi[at + 1], self.hi[at + 2], self.hi[at + 3]]);
             for (j, q) in q.iter_mut().enumerate() {
                 *q |= (((w >> j) & 1) as u8) << (4 + k);
             }
@@ -204,15 +197,10 @@ impl QMatrix {
     pub fn scale_min(&self, r: usize, g: usize) -> (f32, Option<f32>) {
         let gi = r * (self.cols / self.group) + g;
         match &self.scales {
-            GroupScales::F16 { scale, min } => {
-                (scale[gi].to_f32(), min.as_ref().map(|m| m[gi].to_f32()))
-            }
+            GroupScales::F16 { scale, min } => (scale[gi].to_f32(), min.as_ref().map(|m| m[gi].to_f32())),
             GroupScales::SuperI8 { sc, mn, d, dmin } => {
                 let sb = (r * self.cols + g * self.group) / QK_SUPER;
-                (
-                    d[sb] * sc[gi] as f32,
-                    mn.as_ref().map(|mn| dmin[sb] * mn[gi] as f32),
-                )
+                (d[sb] * sc[gi] as f32, mn.as_ref().map(|mn| dmin[sb] * mn[gi] as f32))
             }
         }
     }
@@ -315,10 +303,9 @@ impl QMatrix {
         }
         let wgpr = cols / self.group;
         let scales = match &self.scales {
-            GroupScales::F16 { scale, min } => GroupScales::F16 {
-                scale: lane_order(scale, rows, wgpr),
-                min: min.as_ref().map(|m| lane_order(m, rows, wgpr)),
-            },
+            GroupScales::F16 { scale, min } => {
+                GroupScales::F16 { scale: lane_order(scale, rows, wgpr), min: min.as_ref().map(|m| lane_order(m, rows, wgpr)) }
+            }
             GroupScales::SuperI8 { sc, mn, d, dmin } => {
                 let sbpr = cols / QK_SUPER;
                 GroupScales::SuperI8 {
@@ -335,54 +322,26 @@ impl QMatrix {
     /// Panics unless the buffers and parameters are consistent with `rows × cols`.
     pub fn check(&self) {
         let n = self.rows * self.cols;
-        assert!(
-            matches!(self.bits, 4 | 5 | 6 | 8),
-            "QMatrix bits must be 4, 5, 6 or 8"
-        );
+        assert!(matches!(self.bits, 4 | 5 | 6 | 8), "QMatrix bits must be 4, 5, 6 or 8");
         assert!(self.cols % QK == 0, "QMatrix cols must be a multiple of 32");
-        assert!(
-            self.group == 32 || (self.group == 16 && self.bits != 8),
-            "QMatrix group must be 32, or 16 with bits 4/5/6"
-        );
-        assert!(
-            self.implicit_min() || (self.group == 32 && self.bits != 8),
-            "QMatrix: explicit offsets need group 32 and bits 4/5/6"
-        );
+        assert!(self.group == 32 || (self.group == 16 && self.bits != 8), "QMatrix group must be 32, or 16 with bits 4/5/6");
+        assert!(self.implicit_min() || (self.group == 32 && self.bits != 8), "QMatrix: explicit offsets need group 32 and bits 4/5/6");
         let lo = if self.bits == 8 { n } else { n / 2 };
         if self.has_natural() {
-            assert!(
-                self.lo.len() >= lo && self.hi.len() >= n / QK * 4 * self.planes(),
-                "QMatrix codes too short"
-            );
+            assert!(self.lo.len() >= lo && self.hi.len() >= n / QK * 4 * self.planes(), "QMatrix codes too short");
         } else {
             let lines = self.rows.div_ceil(PACK_ROWS) * (self.cols / QK) * Packed::lines_per_block(self.bits);
-            assert!(
-                self.packed.as_ref().is_some_and(|p| p.lines.len() >= lines),
-                "QMatrix without natural codes needs its packed copy"
-            );
+            assert!(self.packed.as_ref().is_some_and(|p| p.lines.len() >= lines), "QMatrix without natural codes needs its packed copy");
         }
         let ng = n / self.group;
         match &self.scales {
             GroupScales::F16 { scale, min } => {
-                assert!(
-                    scale.len() >= ng && min.as_ref().is_none_or(|m| m.len() >= ng),
-                    "QMatrix scales too short"
-                )
+                assert!(scale.len() >= ng && min.as_ref().is_none_or(|m| m.len() >= ng), "QMatrix scales too short")
             }
             GroupScales::SuperI8 { sc, mn, d, dmin } => {
-                assert!(
-                    self.cols % QK_SUPER == 0,
-                    "SuperI8 scales need cols % 256 == 0"
-                );
-                assert!(
-                    sc.len() >= ng && d.len() >= n / QK_SUPER,
-                    "QMatrix scales too short"
-                );
-                assert!(
-                    mn.as_ref()
-                        .is_none_or(|m| m.len() >= ng && dmin.len() >= n / QK_SUPER),
-                    "QMatrix offsets too short"
-                );
+                assert!(self.cols % QK_SUPER == 0, "SuperI8 scales need cols % 256 == 0");
+                assert!(sc.len() >= ng && d.len() >= n / QK_SUPER, "QMatrix scales too short");
+                assert!(mn.as_ref().is_none_or(|m| m.len() >= ng && dmin.len() >= n / QK_SUPER), "QMatrix offsets too short");
             }
         }
     }
@@ -430,17 +389,9 @@ fn release_free_memory() {
 #[derive(Debug, Clone)]
 pub enum WeightMatrix {
     /// `rows × cols` f32, row-major.
-    F32 {
-        rows: usize,
-        cols: usize,
-        data: Vec<f32>,
-    },
+    F32 { rows: usize, cols: usize, data: Vec<f32> },
     /// `rows × cols` bf16 bit patterns, row-major.
-    Bf16 {
-        rows: usize,
-        cols: usize,
-        data: Vec<u16>,
-    },
+    Bf16 { rows: usize, cols: usize, data: Vec<u16> },
     /// See [`QMatrix`].
     Q(QMatrix),
 }

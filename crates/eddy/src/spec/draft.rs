@@ -76,15 +76,7 @@ impl DraftModel {
         let ctx = ctx.min(c.train_ctx).max(1);
         let state = SeqState::new(c.n_layers, ctx, c.kv_dim());
         let ws = Workspace::new(&lm.model, 256);
-        Ok(DraftModel {
-            ws,
-            state,
-            logits: Vec::new(),
-            tokens: Vec::new(),
-            parents: Vec::new(),
-            stats: DrafterStats::default(),
-            lm,
-        })
+        Ok(DraftModel { ws, state, logits: Vec::new(), tokens: Vec::new(), parents: Vec::new(), stats: DrafterStats::default(), lm })
     }
 
     /// Bring the draft's committed sequence to `history` and leave the logits after its last token in
@@ -183,7 +175,13 @@ impl Speculator for DraftModel {
         let temp = if ctx.temperature > 0.0 { ctx.temperature } else { 1.0 };
         let mut heap = BinaryHeap::new();
         let mut seq = 0usize;
-        let push_children = |heap: &mut BinaryHeap<Scored>, seq: &mut usize, row: &[f32], score: f32, tree_parent: usize, draft_parent: usize, depth: usize| {
+        let push_children = |heap: &mut BinaryHeap<Scored>,
+                             seq: &mut usize,
+                             row: &[f32],
+                             score: f32,
+                             tree_parent: usize,
+                             draft_parent: usize,
+                             depth: usize| {
             let top = top_k(row, TOP_K);
             let probs = probs_of(row, &top, temp);
             for (&(tok, _), &p) in top.iter().zip(&probs) {
@@ -207,11 +205,8 @@ impl Speculator for DraftModel {
             // draft's top-1 hit rate) beats every candidate already known.
             let best_known = heap.peek().map_or(0.0, |c| c.score as f64);
             unexpanded.sort_by(|x, y| y.0.score.total_cmp(&x.0.score));
-            let n_expand = unexpanded
-                .iter()
-                .take(WIDTH)
-                .take_while(|(c, _)| c.score as f64 * hit > best_known && c.item.depth < MAX_DEPTH)
-                .count();
+            let n_expand =
+                unexpanded.iter().take(WIDTH).take_while(|(c, _)| c.score as f64 * hit > best_known && c.item.depth < MAX_DEPTH).count();
             if n_expand > 0 && self.tokens.len() + n_expand <= room {
                 let frontier: Vec<(Scored, usize)> = unexpanded.drain(..n_expand).collect();
                 let go = !auto || {

@@ -194,7 +194,14 @@ impl Speculator for MtpSpeculator {
             }
             // Another MTP step pays if the chain's next node is likely enough.
             let gain = s as f64 * hit;
-            if auto && !CostModel::pays(expected, spent + cost.verify_cost(added + 1), gain, c_step + cost.verify_cost(added + 2) - cost.verify_cost(added + 1)) {
+            if auto
+                && !CostModel::pays(
+                    expected,
+                    spent + cost.verify_cost(added + 1),
+                    gain,
+                    c_step + cost.verify_cost(added + 2) - cost.verify_cost(added + 1),
+                )
+            {
                 break;
             }
             let ts = Instant::now();

@@ -121,7 +121,8 @@ impl SuffixAutomaton {
 
     /// Continuations of state `s`: (token, next state, occurrence count), most frequent first.
     pub fn continuations(&self, s: u32) -> Vec<(u32, u32, u32)> {
-        let mut v: Vec<(u32, u32, u32)> = self.states[s as usize].next.iter().map(|&(c, t)| (c, t, self.states[t as usize].cnt.max(1))).collect();
+        let mut v: Vec<(u32, u32, u32)> =
+            self.states[s as usize].next.iter().map(|&(c, t)| (c, t, self.states[t as usize].cnt.max(1))).collect();
         v.sort_by(|a, b| b.2.cmp(&a.2).then(a.0.cmp(&b.0)));
         v
     }

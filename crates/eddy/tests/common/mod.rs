@@ -11,35 +11,22 @@ pub fn model_path(file: &str) -> Option<PathBuf> {
         return Some(p);
     }
     if std::env::var("EDDY_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        eprintln!(
-            "skipping: {} missing and EDDY_SKIP_MODEL_TESTS=1",
-            p.display()
-        );
+        eprintln!("skipping: {} missing and EDDY_SKIP_MODEL_TESTS=1", p.display());
         return None;
     }
-    panic!(
-        "{} is missing: run `tools/fetch_models.sh all` (or set EDDY_SKIP_MODEL_TESTS=1)",
-        p.display()
-    );
+    panic!("{} is missing: run `tools/fetch_models.sh all` (or set EDDY_SKIP_MODEL_TESTS=1)", p.display());
 }
 
 /// Threads for tests (the CI machine has 2 cores).
 pub fn threads() -> usize {
-    std::thread::available_parallelism()
-        .map(|n| n.get().min(2))
-        .unwrap_or(1)
+    std::thread::available_parallelism().map(|n| n.get().min(2)).unwrap_or(1)
 }
 
 /// Load a model file into an engine.
 pub fn engine(file: &str, ctx: usize) -> Option<eddy::engine::Engine> {
     let p = model_path(file)?;
     let lm = eddy::load::load_gguf(&p, &mut |_, _| {}).unwrap_or_else(|e| panic!("{e}"));
-    let opts = eddy::engine::EngineOptions {
-        threads: threads(),
-        ctx,
-        max_batch: 256,
-        ..Default::default()
-    };
+    let opts = eddy::engine::EngineOptions { threads: threads(), ctx, max_batch: 256, ..Default::default() };
     Some(eddy::engine::Engine::new(lm, &opts))
 }
 

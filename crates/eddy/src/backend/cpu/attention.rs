@@ -356,8 +356,7 @@ fn attention_with(
                 let b = n_blocks - 1 - item / per_block;
                 let (kvh, slice) = ((item % per_block) / slices, item % slices);
                 let g0 = slice * per_item;
-                let item =
-                    Item { kvh, h0: kvh * group + g0, gn: per_item.min(group - g0), queries: b * qb..(b * qb + qb).min(t) };
+                let item = Item { kvh, h0: kvh * group + g0, gn: per_item.min(group - g0), queries: b * qb..(b * qb + qb).min(t) };
                 // SAFETY: each item writes only the `gn·hd` outputs of its heads for its queries, disjoint
                 // from every other item's.
                 unsafe { run_item(kernel, s, q, k_cache, v_cache, n_past, vis, &item, kb, out_ptr, scores, offs) };
@@ -753,8 +752,7 @@ mod tests {
     /// Error of `got` in units in the last place of the f32 nearest `want` (subnormal ulp below 2^−126).
     fn ulps(got: f32, want: f64) -> f64 {
         let w = want as f32;
-        let ulp =
-            if w == 0.0 || w.abs() < f32::MIN_POSITIVE { 2f64.powi(-149) } else { 2f64.powi(w.abs().log2().floor() as i32 - 23) };
+        let ulp = if w == 0.0 || w.abs() < f32::MIN_POSITIVE { 2f64.powi(-149) } else { 2f64.powi(w.abs().log2().floor() as i32 - 23) };
         (got as f64 - want).abs() / ulp
     }
 
@@ -968,18 +966,7 @@ mod tests {
                         let qi = &q[i * qs..(i + 1) * qs];
                         let pool = &pools[i % 4];
                         let mut one = vec![0f32; qs];
-                        attention_with(
-                            kernel,
-                            pool,
-                            &s,
-                            qi,
-                            &k,
-                            &v,
-                            n_past,
-                            1,
-                            Visibility::Tree { first: i, paths: &paths },
-                            &mut one,
-                        );
+                        attention_with(kernel, pool, &s, qi, &k, &v, n_past, 1, Visibility::Tree { first: i, paths: &paths }, &mut one);
                         assert!(one == full[i * qs..(i + 1) * qs], "{what}: node {i} alone");
                         // The same node decoded as a chain: its ancestors' K/V at consecutive rows.
                         let p = paths.path(i);

@@ -79,20 +79,12 @@ mod imp {
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     fn lanes(n: usize) -> __m256i {
-        _mm256_cmpgt_epi32(
-            _mm256_set1_epi32(n as i32),
-            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-        )
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn store<const R: usize, const T: usize>(
-        ctx: &Ctx,
-        r0: usize,
-        t0: usize,
-        acc: &[[__m256; T]; R],
-    ) {
+    unsafe fn store<const R: usize, const T: usize>(ctx: &Ctx, r0: usize, t0: usize, acc: &[[__m256; T]; R]) {
         for t in 0..T {
             for r in 0..R {
                 *ctx.out.0.add((t0 + t) * ctx.rows + r0 + r) = hsum(acc[r][t]);
@@ -109,16 +101,10 @@ mod imp {
         }
         let nib = _mm_set1_epi8(0x0F);
         let raw = _mm_loadu_si128(m.lo.as_ptr().add(blk * 16) as *const __m128i);
-        let mut v = _mm256_set_m128i(
-            _mm_and_si128(_mm_srli_epi16::<4>(raw), nib),
-            _mm_and_si128(raw, nib),
-        );
+        let mut v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(raw), nib), _mm_and_si128(raw, nib));
         if p_n > 0 {
             // Byte j ← byte j/8 of the plane word; select bit j%8.
-            let ctl = _mm256_setr_epi8(
-                0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3,
-                3, 3, 3, 3,
-            );
+            let ctl = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
             let sel = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
             for p in 0..p_n {
                 let w = (m.hi.as_ptr().add(4 * (p_n * blk + p)) as *const i32).read_unaligned();
@@ -132,12 +118,7 @@ mod imp {
 
     /// Quantized weights (group 32, or 16 if `G16`) × int8 activations, one block of 32 per step.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn qtile<const R: usize, const T: usize, const G16: bool>(
-        m: &QMatrix,
-        ctx: &Ctx,
-        r0: usize,
-        t0: usize,
-    ) {
+    unsafe fn qtile<const R: usize, const T: usize, const G16: bool>(m: &QMatrix, ctx: &Ctx, r0: usize, t0: usize) {
         let cols = ctx.cols;
         let nblk = cols / QK;
         let xq = ctx.xq;
@@ -166,28 +147,18 @@ mod imp {
                     wv[r] = q;
                 }
                 sm[r] = if G16 {
-                    (
-                        m.scale_min(r0 + r, 2 * k).0,
-                        m.scale_min(r0 + r, 2 * k + 1).0,
-                        0.0,
-                    )
+                    (m.scale_min(r0 + r, 2 * k).0, m.scale_min(r0 + r, 2 * k + 1).0, 0.0)
                 } else {
                     let (s, mn) = m.scale_min(r0 + r, k);
                     (s, s, mn.unwrap_or(0.0))
                 };
             }
             for t in 0..T {
-                let xv = _mm256_loadu_si256(
-                    xq.q.as_ptr().add((t0 + t) * cols + k * QK) as *const __m256i
-                );
+                let xv = _mm256_loadu_si256(xq.q.as_ptr().add((t0 + t) * cols + k * QK) as *const __m256i);
                 let xi = (t0 + t) * nblk + k;
                 let dx = xq.scale[xi];
                 for r in 0..R {
-                    let p = if imp {
-                        _mm256_maddubs_epi16(aw[r], _mm256_sign_epi8(xv, wv[r]))
-                    } else {
-                        _mm256_maddubs_epi16(wv[r], xv)
-                    };
+                    let p = if imp { _mm256_maddubs_epi16(aw[r], _mm256_sign_epi8(xv, wv[r])) } else { _mm256_maddubs_epi16(wv[r], xv) };
                     let d = _mm256_madd_epi16(p, ones);
                     let (s0, s1, mn) = sm[r];
                     let (a, b) = (s0 * dx, s1 * dx);
@@ -229,12 +200,7 @@ mod imp {
 
     /// F32 (or bf16 if `BF16`) weights × f32 activations, 8 columns per step, masked tail.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn float<const R: usize, const T: usize, const BF16: bool>(
-        data: *const u8,
-        ctx: &Ctx,
-        r0: usize,
-        t0: usize,
-    ) {
+    unsafe fn float<const R: usize, const T: usize, const BF16: bool>(data: *const u8, ctx: &Ctx, r0: usize, t0: usize) {
         let cols = ctx.cols;
         let x = ctx.x.as_ptr();
         let mut acc = [[_mm256_setzero_ps(); T]; R];
@@ -247,11 +213,7 @@ mod imp {
             }
             for t in 0..T {
                 let p = x.add((t0 + t) * cols + c);
-                let xv = if n == 8 {
-                    _mm256_loadu_ps(p)
-                } else {
-                    _mm256_maskload_ps(p, lanes(n))
-                };
+                let xv = if n == 8 { _mm256_loadu_ps(p) } else { _mm256_maskload_ps(p, lanes(n)) };
                 for r in 0..R {
                     acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
                 }

@@ -92,9 +92,7 @@ mod imp {
     pub(crate) unsafe fn rows(ctx: &Ctx, n: usize, range: Range<usize>) {
         let m = match ctx.w {
             WeightMatrix::Q(m) => m,
-            WeightMatrix::F32 { .. } | WeightMatrix::Bf16 { .. } => {
-                return float_rows(ctx, n, range)
-            }
+            WeightMatrix::F32 { .. } | WeightMatrix::Bf16 { .. } => return float_rows(ctx, n, range),
         };
         match (m.bits, m.group == 16) {
             (4, false) => q_rows::<4, false>(ctx, m, n, range),
@@ -104,19 +102,11 @@ mod imp {
             (4, true) => q_rows::<4, true>(ctx, m, n, range),
             (5, true) => q_rows::<5, true>(ctx, m, n, range),
             (6, true) => q_rows::<6, true>(ctx, m, n, range),
-            _ => unreachable!(
-                "QMatrix bits {} group {} (check() rejects it)",
-                m.bits, m.group
-            ),
+            _ => unreachable!("QMatrix bits {} group {} (check() rejects it)", m.bits, m.group),
         }
     }
 
-    unsafe fn q_rows<const B: u8, const G16: bool>(
-        ctx: &Ctx,
-        m: &QMatrix,
-        n: usize,
-        range: Range<usize>,
-    ) {
+    unsafe fn q_rows<const B: u8, const G16: bool>(ctx: &Ctx, m: &QMatrix, n: usize, range: Range<usize>) {
         if let Some(pk) = &m.packed {
             if n >= PACKED_MIN_N || !m.has_natural() {
                 return packed_rows::<B, G16>(ctx, m, pk, n, range);
@@ -258,26 +248,15 @@ mod imp {
     /// implicit offset.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-    unsafe fn group_sm<const G16: bool>(
-        m: &QMatrix,
-        row: usize,
-        g: usize,
-        nb: usize,
-    ) -> (__m512, __m512) {
+    unsafe fn group_sm<const G16: bool>(m: &QMatrix, row: usize, g: usize, nb: usize) -> (__m512, __m512) {
         let gs = if G16 { 16 } else { 32 };
         let gi = row * (m.cols / gs) + g;
         let bm = mask16(nb);
         match &m.scales {
             GroupScales::F16 { scale, min } => {
-                let s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
-                    bm,
-                    scale.as_ptr().add(gi) as *const i16,
-                ));
+                let s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, scale.as_ptr().add(gi) as *const i16));
                 let mn = match min {
-                    Some(min) => _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
-                        bm,
-                        min.as_ptr().add(gi) as *const i16,
-                    )),
+                    Some(min) => _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, min.as_ptr().add(gi) as *const i16)),
                     None => _mm512_setzero_ps(),
                 };
                 (s, mn)
@@ -289,16 +268,10 @@ mod imp {
                     if G16 || nb <= 8 {
                         _mm512_set1_ps(v[sb])
                     } else {
-                        _mm512_mask_blend_ps(
-                            0xFF00,
-                            _mm512_set1_ps(v[sb]),
-                            _mm512_set1_ps(v[sb + 1]),
-                        )
+                        _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(v[sb]), _mm512_set1_ps(v[sb + 1]))
                     }
                 };
-                let i8v = |p: *const i8| {
-                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(bm, p)))
-                };
+                let i8v = |p: *const i8| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(bm, p)));
                 let s = _mm512_mul_ps(two(d), i8v(sc.as_ptr().add(gi)));
                 let mnv = match mn {
                     Some(mn) => _mm512_mul_ps(two(dmin), i8v(mn.as_ptr().add(gi))),
@@ -334,10 +307,7 @@ mod imp {
     /// source holds u64 [`PLANE_Q`]`[q]` of the chunk's plane bytes. `[P − 1][p][h]`.
     const PLANE_SEL: [[[[u8; 64]; 2]; 2]; 2] = [
         [[plane_sel(1, 0, 0), plane_sel(1, 0, 1)], [[0; 64]; 2]],
-        [
-            [plane_sel(2, 0, 0), plane_sel(2, 0, 1)],
-            [plane_sel(2, 1, 0), plane_sel(2, 1, 1)],
-        ],
+        [[plane_sel(2, 0, 0), plane_sel(2, 0, 1)], [plane_sel(2, 1, 0), plane_sel(2, 1, 1)]],
     ];
     /// Source qword of 64-bit lane `q` (block `q / 2`) of the plane bytes: `[P − 1]`.
     const PLANE_Q: [[i64; 8]; 2] = [[0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 2, 2, 3, 3]];
@@ -387,11 +357,7 @@ mod imp {
                 _mm_prefetch::<_MM_HINT_T1>(w.wrapping_add(PF_ROWS * cols) as *const i8);
                 _mm_prefetch::<_MM_HINT_T1>(w.wrapping_add(PF_ROWS * cols + 64) as *const i8);
                 v[r][0] = load_bytes(w, 32 * nbk);
-                v[r][1] = if nbk > 2 {
-                    load_bytes(w.add(64), 32 * nbk - 64)
-                } else {
-                    zero
-                };
+                v[r][1] = if nbk > 2 { load_bytes(w.add(64), 32 * nbk - 64) } else { zero };
             }
             return v;
         }
@@ -417,8 +383,7 @@ mod imp {
                 if pf_hi {
                     _mm_prefetch::<_MM_HINT_T1>(ph.wrapping_add(PF_ROWS * hi_row) as *const i8);
                 }
-                let hb =
-                    _mm256_maskz_loadu_epi8(mask64(4 * p_n * nbk) as __mmask32, ph as *const i8);
+                let hb = _mm256_maskz_loadu_epi8(mask64(4 * p_n * nbk) as __mmask32, ph as *const i8);
                 if BITALG {
                     let src = _mm512_permutexvar_epi64(pq, _mm512_castsi256_si512(hb));
                     for p in 0..p_n {
@@ -454,31 +419,16 @@ mod imp {
     /// dots of block `c` (the second is unused); group 16: lane `c` of the first holds group `2c` of the
     /// chunk, of the second group `2c + 1`.
     #[inline(always)]
-    unsafe fn cdot<const B: u8, const G16: bool>(
-        w: &[__m512i; 2],
-        x: &[__m512i; 2],
-    ) -> [__m512i; 2] {
+    unsafe fn cdot<const B: u8, const G16: bool>(w: &[__m512i; 2], x: &[__m512i; 2]) -> [__m512i; 2] {
         let zero = _mm512_setzero_si512();
         if B == 8 {
             let da = _mm512_dpbusd_epi32(zero, w[0], x[0]);
             let db = _mm512_dpbusd_epi32(zero, w[1], x[1]);
-            [
-                _mm512_add_epi32(
-                    _mm512_shuffle_i32x4::<0b10_00_10_00>(da, db),
-                    _mm512_shuffle_i32x4::<0b11_01_11_01>(da, db),
-                ),
-                zero,
-            ]
+            [_mm512_add_epi32(_mm512_shuffle_i32x4::<0b10_00_10_00>(da, db), _mm512_shuffle_i32x4::<0b11_01_11_01>(da, db)), zero]
         } else if G16 {
-            [
-                _mm512_dpbusd_epi32(zero, w[0], x[0]),
-                _mm512_dpbusd_epi32(zero, w[1], x[1]),
-            ]
+            [_mm512_dpbusd_epi32(zero, w[0], x[0]), _mm512_dpbusd_epi32(zero, w[1], x[1])]
         } else {
-            [
-                _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, w[0], x[0]), w[1], x[1]),
-                zero,
-            ]
+            [_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, w[0], x[0]), w[1], x[1]), zero]
         }
     }
 
@@ -501,19 +451,9 @@ mod imp {
                 let nbk = (nblk - blk).min(4);
                 let e = blk * QK;
                 let x0 = load_bytes(xp.add(e), 32 * nbk);
-                let x1 = if nbk > 2 {
-                    load_bytes(xp.add(e + 64), 32 * nbk - 64)
-                } else {
-                    zero
-                };
-                let (a, b) = if B == 8 {
-                    (x0, x1)
-                } else {
-                    (
-                        _mm512_permutex2var_epi64(x0, idx_lo, x1),
-                        _mm512_permutex2var_epi64(x0, idx_hi, x1),
-                    )
-                };
+                let x1 = if nbk > 2 { load_bytes(xp.add(e + 64), 32 * nbk - 64) } else { zero };
+                let (a, b) =
+                    if B == 8 { (x0, x1) } else { (_mm512_permutex2var_epi64(x0, idx_lo, x1), _mm512_permutex2var_epi64(x0, idx_hi, x1)) };
                 _mm512_store_si512(o, a);
                 _mm512_store_si512(o.add(1), b);
                 o = o.add(2);
@@ -529,11 +469,7 @@ mod imp {
         let mut idx = [0i32; 16];
         let mut g = 0;
         while g < 16 {
-            let (q, c) = if g16 {
-                (2 * (g / 8) + g % 2, (g % 8) / 2)
-            } else {
-                (g / 4, g % 4)
-            };
+            let (q, c) = if g16 { (2 * (g / 8) + g % 2, (g % 8) / 2) } else { (g / 4, g % 4) };
             idx[g] = (4 * c + (q & 1) + 16 * (q / 2)) as i32;
             g += 1;
         }
@@ -568,13 +504,7 @@ mod imp {
     /// once for the `T` tokens; every (row, token) pair runs the same integer and float operations as
     /// with `T = 1`.
     #[inline(always)]
-    unsafe fn gemv<
-        const B: u8,
-        const G16: bool,
-        const R: usize,
-        const T: usize,
-        const BITALG: bool,
-    >(
+    unsafe fn gemv<const B: u8, const G16: bool, const R: usize, const T: usize, const BITALG: bool>(
         ctx: &Ctx,
         m: &QMatrix,
         r0: usize,
@@ -596,11 +526,7 @@ mod imp {
             let tt = t0 + t;
             xs[t] = xq.scale.as_ptr().add(tt * xgpr);
             xds[t] = xq.dsum.as_ptr().add(tt * xgpr);
-            xsum[t] = if G16 {
-                xq.sum16.as_ptr().add(tt * cols / 16)
-            } else {
-                xq.sum.as_ptr().add(tt * xgpr)
-            };
+            xsum[t] = if G16 { xq.sum16.as_ptr().add(tt * cols / 16) } else { xq.sum.as_ptr().add(tt * xgpr) };
             xc[t] = xperm.add(tt * nch * 2);
         }
 
@@ -657,10 +583,8 @@ mod imp {
                 }
                 for r in 0..R {
                     for t in 0..T {
-                        pairs[p][r][t] = _mm512_add_epi32(
-                            _mm512_unpacklo_epi32(v[0][r][t], v[1][r][t]),
-                            _mm512_unpackhi_epi32(v[0][r][t], v[1][r][t]),
-                        );
+                        pairs[p][r][t] =
+                            _mm512_add_epi32(_mm512_unpacklo_epi32(v[0][r][t], v[1][r][t]), _mm512_unpackhi_epi32(v[0][r][t], v[1][r][t]));
                     }
                 }
             }
@@ -669,31 +593,21 @@ mod imp {
             let mut e16 = [_mm512_setzero_ps(); T];
             for t in 0..T {
                 d16[t] = if G16 {
-                    _mm512_permutexvar_ps(
-                        dup,
-                        _mm512_maskz_loadu_ps(mask16(nb / 2), xs[t].add(g / 2)),
-                    )
+                    _mm512_permutexvar_ps(dup, _mm512_maskz_loadu_ps(mask16(nb / 2), xs[t].add(g / 2)))
                 } else {
                     _mm512_maskz_loadu_ps(bm, xs[t].add(g))
                 };
                 if imp {
-                    corr[t] = _mm512_sllv_epi32(
-                        _mm512_maskz_loadu_epi32(bm, xsum[t].add(g)),
-                        _mm512_set1_epi32(B as i32 - 1),
-                    );
+                    corr[t] = _mm512_sllv_epi32(_mm512_maskz_loadu_epi32(bm, xsum[t].add(g)), _mm512_set1_epi32(B as i32 - 1));
                 } else {
                     e16[t] = _mm512_maskz_loadu_ps(bm, xds[t].add(g));
                 }
             }
             for r in 0..R {
                 let gi = (r0 + r) * wgpr + g;
-                _mm_prefetch::<_MM_HINT_T1>(
-                    sp.wrapping_add((gi + PF_ROWS * wgpr) * sbytes) as *const i8
-                );
+                _mm_prefetch::<_MM_HINT_T1>(sp.wrapping_add((gi + PF_ROWS * wgpr) * sbytes) as *const i8);
                 if !imp {
-                    _mm_prefetch::<_MM_HINT_T1>(
-                        mp.wrapping_add((gi + PF_ROWS * wgpr) * sbytes) as *const i8
-                    );
+                    _mm_prefetch::<_MM_HINT_T1>(mp.wrapping_add((gi + PF_ROWS * wgpr) * sbytes) as *const i8);
                 }
                 let (s16, m16) = group_sm::<G16>(m, r0 + r, g, nb);
                 for t in 0..T {
@@ -704,11 +618,7 @@ mod imp {
                         ),
                         corr[t],
                     );
-                    acc[r][t] = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(d),
-                        _mm512_mul_ps(s16, d16[t]),
-                        acc[r][t],
-                    );
+                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s16, d16[t]), acc[r][t]);
                     if !imp {
                         acc[r][t] = _mm512_fmadd_ps(m16, e16[t], acc[r][t]);
                     }
@@ -725,14 +635,7 @@ mod imp {
 
     /// GEMM for rows `r0..r0+nr` (`nr <= 16`) and all `n` tokens: repack, then token tiles of 8.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    unsafe fn gemm_block<const B: u8, const G16: bool>(
-        ctx: &Ctx,
-        m: &QMatrix,
-        n: usize,
-        r0: usize,
-        nr: usize,
-        scratch: *mut __m512i,
-    ) {
+    unsafe fn gemm_block<const B: u8, const G16: bool>(ctx: &Ctx, m: &QMatrix, n: usize, r0: usize, nr: usize, scratch: *mut __m512i) {
         repack::<B, G16>(m, r0, nr, scratch);
         let mut t = 0;
         while t < n {
@@ -788,12 +691,7 @@ mod imp {
     /// `M` (zero for the implicit offset). Missing rows are zero. Done with 16×16 transposes of 64-byte
     /// row slices.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    unsafe fn repack<const B: u8, const G16: bool>(
-        m: &QMatrix,
-        r0: usize,
-        nr: usize,
-        scratch: *mut __m512i,
-    ) {
+    unsafe fn repack<const B: u8, const G16: bool>(m: &QMatrix, r0: usize, nr: usize, scratch: *mut __m512i) {
         let cols = m.cols;
         let gs = if G16 { 16 } else { 32 };
         let qj = gs / 4;
@@ -810,11 +708,7 @@ mod imp {
             while b < nblk {
                 let nbk = (nblk - b).min(2);
                 for r in 0..16 {
-                    a[r] = if r < nr {
-                        load_bytes(m.lo.as_ptr().add((r0 + r) * cols + b * QK), 32 * nbk)
-                    } else {
-                        zero
-                    };
+                    a[r] = if r < nr { load_bytes(m.lo.as_ptr().add((r0 + r) * cols + b * QK), 32 * nbk) } else { zero };
                 }
                 transpose16(&mut a);
                 for c in 0..nbk {
@@ -828,10 +722,7 @@ mod imp {
             let hi_row = nblk * 4 * p_n;
             let mut hv = [zero; 32];
             // Byte j/2 of each dword to all 4 bytes; bit 4(j%2)+k selects element 4j+k.
-            let sel = [
-                _mm512_set1_epi32(0x0804_0201),
-                _mm512_set1_epi32(0x8040_2010u32 as i32),
-            ];
+            let sel = [_mm512_set1_epi32(0x0804_0201), _mm512_set1_epi32(0x8040_2010u32 as i32)];
             let mut ctl = [zero; 4];
             for (h, c) in ctl.iter_mut().enumerate() {
                 let mut v = [0u8; 64];
@@ -850,14 +741,7 @@ mod imp {
                         continue;
                     }
                     for r in 0..16 {
-                        a[r] = if r < nr {
-                            load_bytes(
-                                m.hi.as_ptr().add((r0 + r) * hi_row + b0 * 4 * p_n + 64 * s),
-                                nbytes,
-                            )
-                        } else {
-                            zero
-                        };
+                        a[r] = if r < nr { load_bytes(m.hi.as_ptr().add((r0 + r) * hi_row + b0 * 4 * p_n + 64 * s), nbytes) } else { zero };
                     }
                     transpose16(&mut a);
                     hv[16 * s..16 * s + 16].copy_from_slice(&a);
@@ -866,14 +750,7 @@ mod imp {
                 while b < nb16 {
                     let nbk = (nb16 - b).min(4);
                     for r in 0..16 {
-                        a[r] = if r < nr {
-                            load_bytes(
-                                m.lo.as_ptr().add(((r0 + r) * cols + (b0 + b) * QK) / 2),
-                                16 * nbk,
-                            )
-                        } else {
-                            zero
-                        };
+                        a[r] = if r < nr { load_bytes(m.lo.as_ptr().add(((r0 + r) * cols + (b0 + b) * QK) / 2), 16 * nbk) } else { zero };
                     }
                     transpose16(&mut a);
                     for c in 0..nbk {
@@ -885,14 +762,8 @@ mod imp {
                             for p in 0..p_n {
                                 let w = hv[p_n * bi + p];
                                 let add = _mm512_set1_epi8((16 << p) as i8);
-                                let kl = _mm512_test_epi8_mask(
-                                    _mm512_shuffle_epi8(w, ctl[j / 2]),
-                                    sel[j % 2],
-                                );
-                                let kh = _mm512_test_epi8_mask(
-                                    _mm512_shuffle_epi8(w, ctl[2 + j / 2]),
-                                    sel[j % 2],
-                                );
+                                let kl = _mm512_test_epi8_mask(_mm512_shuffle_epi8(w, ctl[j / 2]), sel[j % 2]);
+                                let kh = _mm512_test_epi8_mask(_mm512_shuffle_epi8(w, ctl[2 + j / 2]), sel[j % 2]);
                                 lo = _mm512_mask_add_epi8(lo, kl, lo, add);
                                 hi = _mm512_mask_add_epi8(hi, kh, hi, add);
                             }
@@ -952,11 +823,7 @@ mod imp {
             xp[t] = xbase.add((t0 + t) * cols);
             xs[t] = xs[t].add((t0 + t) * xgpr);
             xds[t] = xds[t].add((t0 + t) * xgpr);
-            xsum[t] = if G16 {
-                xq.sum16.as_ptr().add((t0 + t) * cols / 16)
-            } else {
-                xsum[t].add((t0 + t) * xgpr)
-            };
+            xsum[t] = if G16 { xq.sum16.as_ptr().add((t0 + t) * cols / 16) } else { xsum[t].add((t0 + t) * xgpr) };
         }
         (xp, xs, xds, xsum)
     }
@@ -991,9 +858,7 @@ mod imp {
             for j in 0..qj {
                 let wv = _mm512_load_si512(blk.add(j));
                 for t in 0..T {
-                    let xb = _mm512_set1_epi32(
-                        (xp[t].add(w * gs + 4 * j) as *const i32).read_unaligned(),
-                    );
+                    let xb = _mm512_set1_epi32((xp[t].add(w * gs + 4 * j) as *const i32).read_unaligned());
                     d[t] = _mm512_dpbusd_epi32(d[t], wv, xb);
                 }
             }
@@ -1001,20 +866,9 @@ mod imp {
             let xg = w * gs / QK;
             for t in 0..T {
                 let dg = *xs[t].add(xg);
-                let a = _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(d[t]),
-                    _mm512_mul_ps(s, _mm512_set1_ps(dg)),
-                    acc[t][c],
-                );
-                acc[t][c] = if imp {
-                    a
-                } else {
-                    _mm512_fmadd_ps(
-                        _mm512_load_ps(blk.add(qj + 1) as *const f32),
-                        _mm512_set1_ps(*xds[t].add(w)),
-                        a,
-                    )
-                };
+                let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[t]), _mm512_mul_ps(s, _mm512_set1_ps(dg)), acc[t][c]);
+                acc[t][c] =
+                    if imp { a } else { _mm512_fmadd_ps(_mm512_load_ps(blk.add(qj + 1) as *const f32), _mm512_set1_ps(*xds[t].add(w)), a) };
             }
         }
         for t in 0..T {
@@ -1031,12 +885,7 @@ mod imp {
         for c in 0..8 {
             s8[c] = _mm512_add_ps(a[c], a[c + 8]);
         }
-        let s4 = [
-            _mm512_add_ps(s8[0], s8[4]),
-            _mm512_add_ps(s8[1], s8[5]),
-            _mm512_add_ps(s8[2], s8[6]),
-            _mm512_add_ps(s8[3], s8[7]),
-        ];
+        let s4 = [_mm512_add_ps(s8[0], s8[4]), _mm512_add_ps(s8[1], s8[5]), _mm512_add_ps(s8[2], s8[6]), _mm512_add_ps(s8[3], s8[7])];
         let s2 = [_mm512_add_ps(s4[0], s4[2]), _mm512_add_ps(s4[1], s4[3])];
         let v = _mm512_add_ps(s2[0], s2[1]);
         _mm512_mask_storeu_ps(ctx.out.0.add(t * ctx.rows + r0), mask16(nr), v);
@@ -1052,13 +901,7 @@ mod imp {
 
     /// Prepacked kernel: the 16-row blocks of `range` (`range.start % 16 == 0`) × all `n` tokens, token
     /// tiles of up to [`PACKED_TOKENS`]; the same operations per (row, token) as [`gemm_tile`].
-    unsafe fn packed_rows<const B: u8, const G16: bool>(
-        ctx: &Ctx,
-        m: &QMatrix,
-        pk: &Packed,
-        n: usize,
-        range: Range<usize>,
-    ) {
+    unsafe fn packed_rows<const B: u8, const G16: bool>(ctx: &Ctx, m: &QMatrix, pk: &Packed, n: usize, range: Range<usize>) {
         assert!(range.start.is_multiple_of(PACK_ROWS), "packed rows start on a 16-row block");
         let mut r = range.start;
         while r < range.end {
@@ -1142,9 +985,7 @@ mod imp {
             ),
         };
         let sup = f16s.is_null();
-        let i8v = |p: *const i8| {
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)))
-        };
+        let i8v = |p: *const i8| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)));
         let nib = _mm512_set1_epi8(0x0F);
         let zero = _mm512_setzero_si512();
         let mut acc = [[_mm512_setzero_ps(); 16]; T];
@@ -1191,39 +1032,21 @@ mod imp {
                 let (s, mv) = if sup {
                     let sl = (w * gs / QK_SUPER) * PACK_ROWS;
                     let s = _mm512_mul_ps(_mm512_loadu_ps(dd.add(sl)), i8v(sc.add(gl)));
-                    let mv = if imp {
-                        _mm512_setzero_ps()
-                    } else {
-                        _mm512_mul_ps(_mm512_loadu_ps(dm.add(sl)), i8v(mn.add(gl)))
-                    };
+                    let mv = if imp { _mm512_setzero_ps() } else { _mm512_mul_ps(_mm512_loadu_ps(dm.add(sl)), i8v(mn.add(gl))) };
                     (s, mv)
                 } else {
-                    let h16 = |p: *const u8| {
-                        _mm512_cvtph_ps(_mm256_loadu_si256(p.add(2 * gl) as *const __m256i))
-                    };
+                    let h16 = |p: *const u8| _mm512_cvtph_ps(_mm256_loadu_si256(p.add(2 * gl) as *const __m256i));
                     (h16(f16s), if imp { _mm512_setzero_ps() } else { h16(f16m) })
                 };
                 for t in 0..T {
-                    let mut d = if imp {
-                        _mm512_set1_epi32(-(*xsum[t].add(w) << (B - 1)))
-                    } else {
-                        zero
-                    };
+                    let mut d = if imp { _mm512_set1_epi32(-(*xsum[t].add(w) << (B - 1))) } else { zero };
                     for j in 0..qpg {
                         let e = b * QK + 4 * (hg * qpg + j);
                         let xb = _mm512_set1_epi32((xp[t].add(e) as *const i32).read_unaligned());
                         d = _mm512_dpbusd_epi32(d, q[hg * qpg + j], xb);
                     }
-                    let a = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(d),
-                        _mm512_mul_ps(s, _mm512_set1_ps(*xs[t].add(b))),
-                        acc[t][c],
-                    );
-                    acc[t][c] = if imp {
-                        a
-                    } else {
-                        _mm512_fmadd_ps(mv, _mm512_set1_ps(*xds[t].add(w)), a)
-                    };
+                    let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, _mm512_set1_ps(*xs[t].add(b))), acc[t][c]);
+                    acc[t][c] = if imp { a } else { _mm512_fmadd_ps(mv, _mm512_set1_ps(*xds[t].add(w)), a) };
                 }
             }
         }
@@ -1278,12 +1101,7 @@ mod imp {
 
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma")]
-    unsafe fn store<const R: usize, const T: usize>(
-        ctx: &Ctx,
-        r0: usize,
-        t0: usize,
-        acc: &[[__m512; T]; R],
-    ) {
+    unsafe fn store<const R: usize, const T: usize>(ctx: &Ctx, r0: usize, t0: usize, acc: &[[__m512; T]; R]) {
         for t in 0..T {
             for r in 0..R {
                 *ctx.out.0.add((t0 + t) * ctx.rows + r0 + r) = hsum(acc[r][t]);
@@ -1293,12 +1111,7 @@ mod imp {
 
     /// F32 (or bf16 if `BF16`) weights × f32 activations, 16 columns per step, masked tail.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-    unsafe fn float<const R: usize, const T: usize, const BF16: bool>(
-        data: *const u8,
-        ctx: &Ctx,
-        r0: usize,
-        t0: usize,
-    ) {
+    unsafe fn float<const R: usize, const T: usize, const BF16: bool>(data: *const u8, ctx: &Ctx, r0: usize, t0: usize) {
         let cols = ctx.cols;
         let x = ctx.x.as_ptr();
         let mut acc = [[_mm512_setzero_ps(); T]; R];
@@ -1328,11 +1141,7 @@ mod imp {
                 }
                 for t in 0..T {
                     let p = x.add((t0 + t) * cols + c);
-                    let xv = if k == 0xFFFF {
-                        _mm512_loadu_ps(p)
-                    } else {
-                        _mm512_maskz_loadu_ps(k, p)
-                    };
+                    let xv = if k == 0xFFFF { _mm512_loadu_ps(p) } else { _mm512_maskz_loadu_ps(k, p) };
                     for r in 0..R {
                         acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
                     }

@@ -336,7 +336,14 @@ fn state_t_times_blocked<const FMA: bool, const CH: usize>(st: &[f32], dk: usize
 /// Vectors `x0..x0+NV` × `CH` column blocks of 16 per step: `NV·CH` independent accumulators share each load.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)]
-fn state_t_times_group<const FMA: bool, const CH: usize, const NV: usize>(st: &[f32], dk: usize, dv: usize, xs: &[f32], x0: usize, out: &mut [f32]) {
+fn state_t_times_group<const FMA: bool, const CH: usize, const NV: usize>(
+    st: &[f32],
+    dk: usize,
+    dv: usize,
+    xs: &[f32],
+    x0: usize,
+    out: &mut [f32],
+) {
     for jc in (0..dv).step_by(CH * LANES) {
         let mut acc = [[[0f32; LANES]; CH]; NV];
         for m in 0..dk {
@@ -407,7 +414,19 @@ fn rank_update(kernel: Kernel, st: &mut [f32], dk: usize, dv: usize, alpha: f32,
 /// `S ← α·S₀ + k ũᵀ` and `o = S_newᵀq`, computed as `α·S₀ᵀq + (q·k)·ũ` so that one read pass yields both
 /// products (§1.5 rearranged). `scratch`: `2·dk + 3·dv` values (portable path only).
 #[allow(clippy::too_many_arguments)]
-fn decode_head(kernel: Kernel, st: &mut [f32], dk: usize, dv: usize, q: &[f32], k: &[f32], v: &[f32], alpha: f32, beta: f32, out: &mut [f32], scratch: &mut [f32]) {
+fn decode_head(
+    kernel: Kernel,
+    st: &mut [f32],
+    dk: usize,
+    dv: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    alpha: f32,
+    beta: f32,
+    out: &mut [f32],
+    scratch: &mut [f32],
+) {
     let qk = dot_f::<false>(q, k);
     #[cfg(target_arch = "x86_64")]
     if kernel == Kernel::Avx512 {
@@ -438,7 +457,20 @@ multiversion! {
 
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn wy_solve_body<const FMA: bool>(kernel: Kernel, dv: usize, parents: &[usize], kqs: &[f32], gram: &[f32], vs: &[f32], gam: &[f32], eg: &[f32], bet: &[f32], us: &mut [f32], os: &mut [f32], coef: &mut [f32]) {
+fn wy_solve_body<const FMA: bool>(
+    kernel: Kernel,
+    dv: usize,
+    parents: &[usize],
+    kqs: &[f32],
+    gram: &[f32],
+    vs: &[f32],
+    gam: &[f32],
+    eg: &[f32],
+    bet: &[f32],
+    us: &mut [f32],
+    os: &mut [f32],
+    coef: &mut [f32],
+) {
     let n = parents.len();
     let (cu, co) = coef[..2 * n].split_at_mut(n);
     for i in 0..n {
@@ -506,7 +538,17 @@ pub fn recurrent(pool: &ThreadPool, s: &GdnShape, state: &mut [f32], c: &[f32], 
 
 /// [`recurrent`] on a given kernel path (which must be available on this CPU).
 #[allow(clippy::too_many_arguments)]
-pub fn recurrent_with(kernel: Kernel, pool: &ThreadPool, s: &GdnShape, state: &mut [f32], c: &[f32], g: &[f32], beta: &[f32], n: usize, out: &mut [f32]) {
+pub fn recurrent_with(
+    kernel: Kernel,
+    pool: &ThreadPool,
+    s: &GdnShape,
+    state: &mut [f32],
+    c: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
     let (cd, dk, dv, hv, vd) = (s.conv_dim(), s.d_k, s.d_v, s.n_v_heads, s.value_dim());
     assert!(state.len() >= s.state_len() && c.len() >= n * cd && out.len() >= n * vd);
     assert!(kernel.is_available(), "{kernel:?} kernels are not available on this CPU");
@@ -534,7 +576,18 @@ pub fn recurrent_with(kernel: Kernel, pool: &ThreadPool, s: &GdnShape, state: &m
 /// (`2n × d_k`) and the Gram products `X·Kᵀ` (`2n × n`) as register-blocked GEMMs, then the ancestor-masked
 /// forward substitution ([`wy_solve`]).
 #[allow(clippy::too_many_arguments)]
-pub fn wy_outputs(pool: &ThreadPool, s: &GdnShape, state: &[f32], c: &[f32], g: &[f32], beta: &[f32], parents: &[usize], gamma: &mut [f32], u: &mut [f32], out: &mut [f32]) {
+pub fn wy_outputs(
+    pool: &ThreadPool,
+    s: &GdnShape,
+    state: &[f32],
+    c: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    parents: &[usize],
+    gamma: &mut [f32],
+    u: &mut [f32],
+    out: &mut [f32],
+) {
     wy_outputs_with(Kernel::active(), pool, s, state, c, g, beta, parents, gamma, u, out)
 }
 
@@ -619,7 +672,16 @@ pub fn apply_path(pool: &ThreadPool, s: &GdnShape, state: &mut [f32], c: &[f32],
 
 /// [`apply_path`] on a given kernel path (which must be available on this CPU).
 #[allow(clippy::too_many_arguments)]
-pub fn apply_path_with(kernel: Kernel, pool: &ThreadPool, s: &GdnShape, state: &mut [f32], c: &[f32], gamma: &[f32], u: &[f32], path: &[usize]) {
+pub fn apply_path_with(
+    kernel: Kernel,
+    pool: &ThreadPool,
+    s: &GdnShape,
+    state: &mut [f32],
+    c: &[f32],
+    gamma: &[f32],
+    u: &[f32],
+    path: &[usize],
+) {
     let Some(&last) = path.last() else { return };
     let (cd, dk, dv, hv, vd) = (s.conv_dim(), s.d_k, s.d_v, s.n_v_heads, s.value_dim());
     assert!(kernel.is_available(), "{kernel:?} kernels are not available on this CPU");
@@ -741,7 +803,16 @@ mod simd {
     #[target_feature(enable = "avx512f")]
     #[inline]
     #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-    unsafe fn gemm_tile<const NV: usize, const CB: usize>(b: *const f32, dk: usize, nc: usize, j0: usize, mk: [__mmask16; CB], xs: *const f32, x0: usize, out: *mut f32) {
+    unsafe fn gemm_tile<const NV: usize, const CB: usize>(
+        b: *const f32,
+        dk: usize,
+        nc: usize,
+        j0: usize,
+        mk: [__mmask16; CB],
+        xs: *const f32,
+        x0: usize,
+        out: *mut f32,
+    ) {
         let mut acc = [[_mm512_setzero_ps(); CB]; NV];
         let xr = xs.add(x0 * dk);
         let mut row = b.add(j0);
@@ -781,7 +852,18 @@ mod simd {
     /// The CPU must have `avx512f`.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn decode_head(st: &mut [f32], dk: usize, dv: usize, q: &[f32], k: &[f32], v: &[f32], alpha: f32, beta: f32, qk: f32, out: &mut [f32]) {
+    pub unsafe fn decode_head(
+        st: &mut [f32],
+        dk: usize,
+        dv: usize,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        alpha: f32,
+        beta: f32,
+        qk: f32,
+        out: &mut [f32],
+    ) {
         assert!(st.len() >= dk * dv && q.len() >= dk && k.len() >= dk && v.len() >= dv && out.len() >= dv);
         let mut j0 = 0;
         while j0 < dv {
@@ -793,7 +875,19 @@ mod simd {
     #[target_feature(enable = "avx512f")]
     #[inline]
     #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-    unsafe fn decode_cols(s: *mut f32, dk: usize, dv: usize, j0: usize, q: *const f32, k: *const f32, v: *const f32, alpha: f32, beta: f32, qk: f32, out: *mut f32) {
+    unsafe fn decode_cols(
+        s: *mut f32,
+        dk: usize,
+        dv: usize,
+        j0: usize,
+        q: *const f32,
+        k: *const f32,
+        v: *const f32,
+        alpha: f32,
+        beta: f32,
+        qk: f32,
+        out: *mut f32,
+    ) {
         let mk = masks::<8>(dv, j0);
         let (mut ak, mut aq) = ([_mm512_setzero_ps(); 8], [_mm512_setzero_ps(); 8]);
         let mut row = s.add(j0);
@@ -833,7 +927,22 @@ mod simd {
     /// The CPU must have `avx512f`.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-    pub unsafe fn solve_node(dv: usize, parents: &[usize], i: usize, na: usize, cu: &[f32], co: &[f32], b: f32, egi: f32, qkii: f32, v: &[f32], sk: &[f32], sq: &[f32], us: &mut [f32], oi: &mut [f32]) {
+    pub unsafe fn solve_node(
+        dv: usize,
+        parents: &[usize],
+        i: usize,
+        na: usize,
+        cu: &[f32],
+        co: &[f32],
+        b: f32,
+        egi: f32,
+        qkii: f32,
+        v: &[f32],
+        sk: &[f32],
+        sq: &[f32],
+        us: &mut [f32],
+        oi: &mut [f32],
+    ) {
         assert!(cu.len() >= na && co.len() >= na && v.len() >= dv && sk.len() >= dv && sq.len() >= dv && oi.len() >= dv);
         assert!(us.len() >= (i + 1) * dv && i < parents.len());
         let (vb, ve, vqk) = (_mm512_set1_ps(b), _mm512_set1_ps(egi), _mm512_set1_ps(qkii));
@@ -897,7 +1006,16 @@ mod simd {
     #[target_feature(enable = "avx512f")]
     #[inline]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn rank_rows<const RB: usize>(s: *mut f32, dk: usize, dv: usize, m0: usize, alpha: f32, ks: *const f32, us: *const f32, np: usize) {
+    unsafe fn rank_rows<const RB: usize>(
+        s: *mut f32,
+        dk: usize,
+        dv: usize,
+        m0: usize,
+        alpha: f32,
+        ks: *const f32,
+        us: *const f32,
+        np: usize,
+    ) {
         let mut j0 = 0;
         while j0 < dv {
             let blocks = (dv - j0).div_ceil(W).min(4);
@@ -915,7 +1033,18 @@ mod simd {
     #[target_feature(enable = "avx512f")]
     #[inline]
     #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-    unsafe fn rank_tile<const RB: usize, const CB: usize>(s: *mut f32, dk: usize, dv: usize, m0: usize, j0: usize, mk: [__mmask16; CB], alpha: f32, ks: *const f32, us: *const f32, np: usize) {
+    unsafe fn rank_tile<const RB: usize, const CB: usize>(
+        s: *mut f32,
+        dk: usize,
+        dv: usize,
+        m0: usize,
+        j0: usize,
+        mk: [__mmask16; CB],
+        alpha: f32,
+        ks: *const f32,
+        us: *const f32,
+        np: usize,
+    ) {
         let va = _mm512_set1_ps(alpha);
         let mut acc = [[_mm512_setzero_ps(); CB]; RB];
         for r in 0..RB {
@@ -947,13 +1076,34 @@ mod simd {
 /// solved by [`wy_outputs`] and committed by [`apply_path`]. `gamma`/`u` are scratch (`chunk × n_v_heads`,
 /// `chunk × value_dim`). Agrees with [`recurrent`] up to rounding.
 #[allow(clippy::too_many_arguments)]
-pub fn chunked(pool: &ThreadPool, s: &GdnShape, state: &mut [f32], c: &[f32], g: &[f32], beta: &[f32], n: usize, chunk: usize, out: &mut [f32]) {
+pub fn chunked(
+    pool: &ThreadPool,
+    s: &GdnShape,
+    state: &mut [f32],
+    c: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    n: usize,
+    chunk: usize,
+    out: &mut [f32],
+) {
     chunked_with(Kernel::active(), pool, s, state, c, g, beta, n, chunk, out)
 }
 
 /// [`chunked`] on a given kernel path (which must be available on this CPU).
 #[allow(clippy::too_many_arguments)]
-pub fn chunked_with(kernel: Kernel, pool: &ThreadPool, s: &GdnShape, state: &mut [f32], c: &[f32], g: &[f32], beta: &[f32], n: usize, chunk: usize, out: &mut [f32]) {
+pub fn chunked_with(
+    kernel: Kernel,
+    pool: &ThreadPool,
+    s: &GdnShape,
+    state: &mut [f32],
+    c: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    n: usize,
+    chunk: usize,
+    out: &mut [f32],
+) {
     let (cd, hv, vd) = (s.conv_dim(), s.n_v_heads, s.value_dim());
     let chunk = chunk.max(1).min(n.max(1));
     let mut gamma = vec![0f32; chunk * hv];
@@ -980,7 +1130,17 @@ pub fn tree_reference(s: &GdnShape, state: &[f32], c: &[f32], g: &[f32], beta: &
     let mut states: Vec<Vec<f32>> = Vec::with_capacity(n);
     for i in 0..n {
         let mut st = if parents[i] == usize::MAX { state[..s.state_len()].to_vec() } else { states[parents[i]].clone() };
-        recurrent_with(Kernel::Scalar, &pool, s, &mut st, &c[i * cd..(i + 1) * cd], &g[i * hv..(i + 1) * hv], &beta[i * hv..(i + 1) * hv], 1, &mut out[i * vd..(i + 1) * vd]);
+        recurrent_with(
+            Kernel::Scalar,
+            &pool,
+            s,
+            &mut st,
+            &c[i * cd..(i + 1) * cd],
+            &g[i * hv..(i + 1) * hv],
+            &beta[i * hv..(i + 1) * hv],
+            1,
+            &mut out[i * vd..(i + 1) * vd],
+        );
         states.push(st);
     }
 }
@@ -1096,10 +1256,16 @@ mod tests {
         (0..n)
             .map(|i| match (i, kind) {
                 (0, _) => usize::MAX,
-                (_, 0) => i - 1,                                  // chain
-                (_, 1) => 0,                                      // wide: star
-                (_, 2) => if rng.below(4) == 0 { rng.below(i) } else { i - 1 }, // deep, few branches
-                _ => rng.below(i),                                // random
+                (_, 0) => i - 1, // chain
+                (_, 1) => 0,     // wide: star
+                (_, 2) => {
+                    if rng.below(4) == 0 {
+                        rng.below(i)
+                    } else {
+                        i - 1
+                    }
+                } // deep, few branches
+                _ => rng.below(i), // random
             })
             .collect()
     }
@@ -1191,9 +1357,13 @@ mod tests {
             for nx in [0usize, 1, 2, 3, 4, 5, 9, 33] {
                 let xs: Vec<f32> = (0..nx * dk).map(|_| rng.next()).collect();
                 let us: Vec<f32> = (0..nx * dv).map(|_| rng.next()).collect();
-                let want: Vec<f32> = (0..nx * dv).map(|i| (0..dk).map(|m| xs[i / dv * dk + m] as f64 * st[m * dv + i % dv] as f64).sum::<f64>() as f32).collect();
+                let want: Vec<f32> = (0..nx * dv)
+                    .map(|i| (0..dk).map(|m| xs[i / dv * dk + m] as f64 * st[m * dv + i % dv] as f64).sum::<f64>() as f32)
+                    .collect();
                 let want_st: Vec<f32> = (0..dk * dv)
-                    .map(|i| (0.7 * st[i] as f64 + (0..nx).map(|p| xs[p * dk + i / dv] as f64 * us[p * dv + i % dv] as f64).sum::<f64>()) as f32)
+                    .map(|i| {
+                        (0.7 * st[i] as f64 + (0..nx).map(|p| xs[p * dk + i / dv] as f64 * us[p * dv + i % dv] as f64).sum::<f64>()) as f32
+                    })
                     .collect();
                 let mut outs = vec![vec![0f32; nx * dv]; 2];
                 state_t_times_body::<false>(&st, dk, dv, &xs, nx, &mut outs[0]);
@@ -1252,7 +1422,15 @@ mod speed {
         let (dk, dv) = (128, 128);
         let kernel = Kernel::active();
         let st: Vec<f32> = (0..dk * dv).map(|i| (i % 7) as f32 * 0.01).collect();
-        let time = |f: &mut dyn FnMut()| (0..200).map(|_| { let t = std::time::Instant::now(); f(); t.elapsed().as_secs_f64() }).fold(f64::INFINITY, f64::min);
+        let time = |f: &mut dyn FnMut()| {
+            (0..200)
+                .map(|_| {
+                    let t = std::time::Instant::now();
+                    f();
+                    t.elapsed().as_secs_f64()
+                })
+                .fold(f64::INFINITY, f64::min)
+        };
         for n in [4usize, 16, 64] {
             let xs: Vec<f32> = (0..2 * n * dk).map(|i| (i % 5) as f32 * 0.01).collect();
             let kt: Vec<f32> = (0..dk * n).map(|i| (i % 3) as f32 * 0.01).collect();
@@ -1300,7 +1478,13 @@ mod speed {
                 super::state_rank_update(&mut s2, dk, dv, 0.9, &ks, &out, nx);
                 best_u = best_u.min(t.elapsed().as_secs_f64());
             }
-            eprintln!("nx {nx}: Sᵀx {:.2} µs = {:.1} G madd/s; rank update {:.2} µs = {:.1} G madd/s", best * 1e6, (nx * dk * dv) as f64 / best / 1e9, best_u * 1e6, (nx * dk * dv) as f64 / best_u / 1e9);
+            eprintln!(
+                "nx {nx}: Sᵀx {:.2} µs = {:.1} G madd/s; rank update {:.2} µs = {:.1} G madd/s",
+                best * 1e6,
+                (nx * dk * dv) as f64 / best / 1e9,
+                best_u * 1e6,
+                (nx * dk * dv) as f64 / best_u / 1e9
+            );
         }
     }
 }

@@ -36,10 +36,10 @@
 
 pub mod activation;
 pub mod attention;
-pub mod gdn;
 mod avx2;
 mod avx512;
 pub mod bandwidth;
+pub mod gdn;
 pub mod norm;
 mod pool;
 mod quantize;
@@ -97,10 +97,7 @@ impl Kernel {
 
     /// Every path available on this CPU, lowest first.
     pub fn available() -> Vec<Kernel> {
-        [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512]
-            .into_iter()
-            .filter(|k| k.is_available())
-            .collect()
+        [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512].into_iter().filter(|k| k.is_available()).collect()
     }
 
     /// Parse `scalar`, `avx2` or `avx512` (case-insensitive).
@@ -138,9 +135,7 @@ impl Kernel {
 /// of every quantized matmul weight). Decided once per process.
 pub fn prepack_wanted() -> bool {
     static WANTED: OnceLock<bool> = OnceLock::new();
-    *WANTED.get_or_init(|| {
-        Kernel::active() == Kernel::Avx512 && std::env::var("EDDY_PREPACK").map_or(true, |v| v.trim() != "0")
-    })
+    *WANTED.get_or_init(|| Kernel::active() == Kernel::Avx512 && std::env::var("EDDY_PREPACK").map_or(true, |v| v.trim() != "0"))
 }
 
 /// A raw output pointer shared by workers that write disjoint elements.
@@ -178,31 +173,13 @@ pub(crate) struct Ctx<'a> {
 ///
 /// Nothing is allocated. Results are bit-identical for a token regardless of `n` and of the thread
 /// count (see the module docs).
-pub fn matmul(
-    pool: &ThreadPool,
-    w: &WeightMatrix,
-    x: &[f32],
-    xq: &QuantizedActivations,
-    n: usize,
-    out: &mut [f32],
-) {
+pub fn matmul(pool: &ThreadPool, w: &WeightMatrix, x: &[f32], xq: &QuantizedActivations, n: usize, out: &mut [f32]) {
     matmul_with(Kernel::active(), pool, w, x, xq, n, out)
 }
 
 /// [`matmul`] on an explicitly chosen path. Panics if `kernel` is not available on this CPU.
-pub fn matmul_with(
-    kernel: Kernel,
-    pool: &ThreadPool,
-    w: &WeightMatrix,
-    x: &[f32],
-    xq: &QuantizedActivations,
-    n: usize,
-    out: &mut [f32],
-) {
-    assert!(
-        kernel.is_available(),
-        "kernel path {kernel:?} is not supported by this CPU"
-    );
+pub fn matmul_with(kernel: Kernel, pool: &ThreadPool, w: &WeightMatrix, x: &[f32], xq: &QuantizedActivations, n: usize, out: &mut [f32]) {
+    assert!(kernel.is_available(), "kernel path {kernel:?} is not supported by this CPU");
     let (rows, cols) = (w.rows(), w.cols());
     assert_eq!(out.len(), n * rows, "out must hold n*rows values");
     check_weights(w);
@@ -218,10 +195,7 @@ pub fn matmul_with(
         }
         WeightMatrix::Q(_) => {
             assert_eq!(cols % QK, 0, "quantized weights need cols % 32 == 0");
-            assert!(
-                xq.n >= n && xq.cols == cols,
-                "xq must hold n tokens of cols values (quantize_activations)"
-            );
+            assert!(xq.n >= n && xq.cols == cols, "xq must hold n tokens of cols values (quantize_activations)");
             assert!(
                 xq.q.len() >= n * cols
                     && xq.sum16.len() >= n * cols / 16
@@ -236,26 +210,15 @@ pub fn matmul_with(
     if n == 0 || rows == 0 {
         return;
     }
-    let ctx = Ctx {
-        w,
-        x,
-        xq,
-        rows,
-        cols,
-        out: SyncPtr(out.as_mut_ptr()),
-    };
+    let ctx = Ctx { w, x, xq, rows, cols, out: SyncPtr(out.as_mut_ptr()) };
     // Rows per claimed chunk: a multiple of the 16-row GEMM block, and at least ~64 K multiply-adds.
-    let min_chunk = (65536 / (cols * n).max(1))
-        .clamp(16, 256)
-        .next_multiple_of(16);
+    let min_chunk = (65536 / (cols * n).max(1)).clamp(16, 256).next_multiple_of(16);
     if pool.n_threads() == 1 || rows * cols * n < 1 << 17 {
         // SAFETY: shapes checked above; the whole output is ours.
         unsafe { process_rows(kernel, &ctx, n, 0..rows) };
     } else {
         // SAFETY: chunks are disjoint row ranges, so workers write disjoint outputs.
-        pool.parallel_for(rows, min_chunk, |range| unsafe {
-            process_rows(kernel, &ctx, n, range)
-        });
+        pool.parallel_for(rows, min_chunk, |range| unsafe { process_rows(kernel, &ctx, n, range) });
     }
 }
 

@@ -134,10 +134,7 @@ impl ThreadPool {
         // SAFETY: the lifetime is erased only for the duration of this call: `Wait` below blocks
         // (even on unwind) until every worker has finished with the pointer.
         let ptr: JobPtr = unsafe {
-            JobPtr(std::mem::transmute::<
-                *const (dyn Fn(usize, usize) + Sync + '_),
-                *const (dyn Fn(usize, usize) + Sync + 'static),
-            >(fref))
+            JobPtr(std::mem::transmute::<*const (dyn Fn(usize, usize) + Sync + '_), *const (dyn Fn(usize, usize) + Sync + 'static)>(fref))
         };
         unsafe { *s.job.get() = Some(ptr) };
         s.done.0.store(0, Ordering::Relaxed);

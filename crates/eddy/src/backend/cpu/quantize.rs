@@ -63,29 +63,13 @@ impl QuantizedActivations {
 /// nearest with **ties to even**, clamped to `[-127, 127]`. All paths produce bit-identical output
 /// (for finite inputs; NaN/inf inputs give unspecified codes). Large batches are split across `pool`
 /// by tokens.
-pub fn quantize_activations(
-    pool: &ThreadPool,
-    x: &[f32],
-    n: usize,
-    cols: usize,
-    out: &mut QuantizedActivations,
-) {
+pub fn quantize_activations(pool: &ThreadPool, x: &[f32], n: usize, cols: usize, out: &mut QuantizedActivations) {
     quantize_activations_with(Kernel::active(), pool, x, n, cols, out)
 }
 
 /// [`quantize_activations`] on an explicitly chosen path. Panics if `kernel` is not available.
-pub fn quantize_activations_with(
-    kernel: Kernel,
-    pool: &ThreadPool,
-    x: &[f32],
-    n: usize,
-    cols: usize,
-    out: &mut QuantizedActivations,
-) {
-    assert!(
-        kernel.is_available(),
-        "kernel path {kernel:?} is not supported by this CPU"
-    );
+pub fn quantize_activations_with(kernel: Kernel, pool: &ThreadPool, x: &[f32], n: usize, cols: usize, out: &mut QuantizedActivations) {
+    assert!(kernel.is_available(), "kernel path {kernel:?} is not supported by this CPU");
     assert_eq!(cols % QK, 0, "cols must be a multiple of 32");
     assert!(x.len() >= n * cols, "x must hold n*cols values");
     out.resize(n, cols);
@@ -174,17 +158,11 @@ mod simd {
             let vi = _mm512_set1_ps(inv);
             const R: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
             let ia = _mm512_max_epi32(
-                _mm512_min_epi32(
-                    _mm512_cvt_roundps_epi32::<R>(_mm512_mul_ps(a, vi)),
-                    _mm512_set1_epi32(127),
-                ),
+                _mm512_min_epi32(_mm512_cvt_roundps_epi32::<R>(_mm512_mul_ps(a, vi)), _mm512_set1_epi32(127)),
                 _mm512_set1_epi32(-127),
             );
             let ib = _mm512_max_epi32(
-                _mm512_min_epi32(
-                    _mm512_cvt_roundps_epi32::<R>(_mm512_mul_ps(b, vi)),
-                    _mm512_set1_epi32(127),
-                ),
+                _mm512_min_epi32(_mm512_cvt_roundps_epi32::<R>(_mm512_mul_ps(b, vi)), _mm512_set1_epi32(127)),
                 _mm512_set1_epi32(-127),
             );
             let qa = _mm512_cvtepi32_epi8(ia);
@@ -205,12 +183,7 @@ mod simd {
         let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
         for g in 0..sc.len() {
             let p = x.as_ptr().add(g * QK);
-            let v = [
-                _mm256_loadu_ps(p),
-                _mm256_loadu_ps(p.add(8)),
-                _mm256_loadu_ps(p.add(16)),
-                _mm256_loadu_ps(p.add(24)),
-            ];
+            let v = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
             let m = _mm256_max_ps(
                 _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
                 _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])),
@@ -231,10 +204,7 @@ mod simd {
             let p23 = _mm256_packs_epi32(iv[2], iv[3]);
             let b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), perm);
             _mm256_storeu_si256(q.as_mut_ptr().add(g * QK) as *mut __m256i, b);
-            let s = _mm256_add_epi32(
-                _mm256_add_epi32(iv[0], iv[1]),
-                _mm256_add_epi32(iv[2], iv[3]),
-            );
+            let s = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
             let s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
             let s4 = _mm_add_epi32(s4, _mm_shuffle_epi32::<0b01_00_11_10>(s4));
             let s4 = _mm_add_epi32(s4, _mm_shuffle_epi32::<0b10_11_00_01>(s4));

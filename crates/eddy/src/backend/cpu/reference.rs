@@ -12,27 +12,16 @@ use crate::quant::{WeightMatrix, QK};
 ///   offset is `M = −2^(bits−1)·S`).
 ///
 /// Integer dots are exact; only the f64 sum of group terms rounds.
-pub fn matmul_reference(
-    w: &WeightMatrix,
-    x: &[f32],
-    xq: &QuantizedActivations,
-    n: usize,
-    out: &mut [f32],
-) {
+pub fn matmul_reference(w: &WeightMatrix, x: &[f32], xq: &QuantizedActivations, n: usize, out: &mut [f32]) {
     let (rows, cols) = (w.rows(), w.cols());
     assert_eq!(out.len(), n * rows);
     for t in 0..n {
         for r in 0..rows {
             let v: f64 = match w {
-                WeightMatrix::F32 { data, .. } => (0..cols)
-                    .map(|c| data[r * cols + c] as f64 * x[t * cols + c] as f64)
-                    .sum(),
-                WeightMatrix::Bf16 { data, .. } => (0..cols)
-                    .map(|c| {
-                        f32::from_bits((data[r * cols + c] as u32) << 16) as f64
-                            * x[t * cols + c] as f64
-                    })
-                    .sum(),
+                WeightMatrix::F32 { data, .. } => (0..cols).map(|c| data[r * cols + c] as f64 * x[t * cols + c] as f64).sum(),
+                WeightMatrix::Bf16 { data, .. } => {
+                    (0..cols).map(|c| f32::from_bits((data[r * cols + c] as u32) << 16) as f64 * x[t * cols + c] as f64).sum()
+                }
                 WeightMatrix::Q(m) => {
                     let gs = m.group;
                     let mut acc = 0f64;
@@ -50,8 +39,7 @@ pub fn matmul_reference(
                         }
                         let d = xq.scale[t * (cols / QK) + c0 / QK] as f64;
                         let (s, mn) = m.scale_min(r, g);
-                        let mn =
-                            mn.map_or(-((1i64 << (m.bits - 1)) as f64) * s as f64, |v| v as f64);
+                        let mn = mn.map_or(-((1i64 << (m.bits - 1)) as f64) * s as f64, |v| v as f64);
                         acc += s as f64 * d * dot as f64 + mn * d * sx as f64;
                     }
                     acc

@@ -28,9 +28,8 @@ pub struct Rope {
 impl Rope {
     /// Build for `rot_dims` rotated dims, base `theta`, linear scaling factor `scale` (1 = none).
     pub fn new(mode: RopeMode, rot_dims: usize, theta: f32, scale: f32) -> Self {
-        let inv_freq = (0..rot_dims / 2)
-            .map(|i| (1.0 / (theta as f64).powf(2.0 * i as f64 / rot_dims as f64) / scale as f64) as f32)
-            .collect();
+        let inv_freq =
+            (0..rot_dims / 2).map(|i| (1.0 / (theta as f64).powf(2.0 * i as f64 / rot_dims as f64) / scale as f64) as f32).collect();
         Rope { mode, rot_dims, inv_freq }
     }
 

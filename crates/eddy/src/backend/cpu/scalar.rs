@@ -59,11 +59,7 @@ fn dot(ctx: &Ctx, r: usize, t: usize) -> f32 {
                 let d = xq.scale[xi];
                 match m.scale_min(r, g) {
                     (s, None) => {
-                        let sx = if gs == 16 {
-                            xq.sum16[t * cols / 16 + g]
-                        } else {
-                            xq.sum[xi]
-                        };
+                        let sx = if gs == 16 { xq.sum16[t * cols / 16 + g] } else { xq.sum[xi] };
                         acc += (s * d) * (dot - half * sx) as f32;
                     }
                     (s, Some(mn)) => {

@@ -82,30 +82,19 @@ fn rand_weights(kind: Kind, rows: usize, cols: usize, rng: &mut Rng) -> WeightMa
     match kind {
         Kind::Q(bits, group, sc) => {
             let n = rows * cols;
-            let planes = if bits == 5 || bits == 6 {
-                bits as usize - 4
-            } else {
-                0
-            };
+            let planes = if bits == 5 || bits == 6 { bits as usize - 4 } else { 0 };
             let lo_len = if bits == 8 { n } else { n / 2 };
             let ng = n / group;
             let scales = match sc {
                 Sc::F16Implicit | Sc::F16Min => GroupScales::F16 {
-                    scale: (0..ng)
-                        .map(|_| f16::from_f32(rng.nz(0.002, 0.02)))
-                        .collect(),
-                    min: (sc == Sc::F16Min)
-                        .then(|| (0..ng).map(|_| f16::from_f32(rng.nz(0.01, 0.2))).collect()),
+                    scale: (0..ng).map(|_| f16::from_f32(rng.nz(0.002, 0.02))).collect(),
+                    min: (sc == Sc::F16Min).then(|| (0..ng).map(|_| f16::from_f32(rng.nz(0.01, 0.2))).collect()),
                 },
                 Sc::SuperMin | Sc::SuperImplicit => GroupScales::SuperI8 {
                     sc: (0..ng).map(|_| rng.next() as i8).collect(),
                     mn: (sc == Sc::SuperMin).then(|| (0..ng).map(|_| rng.next() as i8).collect()),
                     d: (0..n / 256).map(|_| rng.nz(0.00002, 0.0002)).collect(),
-                    dmin: if sc == Sc::SuperMin {
-                        (0..n / 256).map(|_| rng.nz(0.0001, 0.002)).collect()
-                    } else {
-                        vec![]
-                    },
+                    dmin: if sc == Sc::SuperMin { (0..n / 256).map(|_| rng.nz(0.0001, 0.002)).collect() } else { vec![] },
                 },
             };
             WeightMatrix::Q(QMatrix {
@@ -119,32 +108,16 @@ fn rand_weights(kind: Kind, rows: usize, cols: usize, rng: &mut Rng) -> WeightMa
                 packed: None,
             })
         }
-        Kind::F32 => WeightMatrix::F32 {
-            rows,
-            cols,
-            data: (0..rows * cols).map(|_| rng.nz(0.001, 0.1)).collect(),
-        },
-        Kind::Bf16 => WeightMatrix::Bf16 {
-            rows,
-            cols,
-            data: (0..rows * cols)
-                .map(|_| (rng.nz(0.001, 0.1).to_bits() >> 16) as u16)
-                .collect(),
-        },
+        Kind::F32 => WeightMatrix::F32 { rows, cols, data: (0..rows * cols).map(|_| rng.nz(0.001, 0.1)).collect() },
+        Kind::Bf16 => {
+            WeightMatrix::Bf16 { rows, cols, data: (0..rows * cols).map(|_| (rng.nz(0.001, 0.1).to_bits() >> 16) as u16).collect() }
+        }
     }
 }
 
 /// Activations in ±[0.01, 1) with occasional outliers; never zero.
 fn rand_x(n: usize, cols: usize, rng: &mut Rng) -> Vec<f32> {
-    (0..n * cols)
-        .map(|_| {
-            if rng.next() % 50 == 7 {
-                rng.nz(2.0, 20.0)
-            } else {
-                rng.nz(0.01, 1.0)
-            }
-        })
-        .collect()
+    (0..n * cols).map(|_| if rng.next() % 50 == 7 { rng.nz(2.0, 20.0) } else { rng.nz(0.01, 1.0) }).collect()
 }
 
 /// Σ of absolute values of every term the product is made of (the scale for tolerances).
@@ -164,9 +137,7 @@ fn magnitude(w: &WeightMatrix, x: &[f32], xq: &QuantizedActivations, r: usize, t
         _ => {
             let mut row = vec![0f32; cols];
             w.dequant_row(r, &mut row);
-            (0..cols)
-                .map(|c| (row[c] as f64 * x[t * cols + c] as f64).abs())
-                .sum()
+            (0..cols).map(|c| (row[c] as f64 * x[t * cols + c] as f64).abs()).sum()
         }
     }
 }
@@ -189,10 +160,7 @@ fn pool_run_visits_every_index_once() {
                 assert_eq!(nt, n);
                 hits[i].fetch_add(1, Ordering::Relaxed);
             });
-            assert!(
-                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
-                "iteration {iter}"
-            );
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "iteration {iter}");
             if iter % 500 == 499 {
                 // Let workers park, then wake them again.
                 std::thread::sleep(std::time::Duration::from_millis(2));
@@ -210,10 +178,7 @@ fn pool_parallel_for_covers_range_exactly_once() {
         let min_chunk = rng.int(1, 64) as usize;
         let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
         pool.parallel_for(n, min_chunk, |range| {
-            assert!(
-                range.start % min_chunk == 0,
-                "chunks start at multiples of min_chunk"
-            );
+            assert!(range.start % min_chunk == 0, "chunks start at multiples of min_chunk");
             for i in range {
                 hits[i].fetch_add(1, Ordering::Relaxed);
             }
@@ -244,11 +209,7 @@ fn pool_nested_calls_run_serially_and_panics_propagate() {
     pool.run(|_, _| {
         count.fetch_add(1, Ordering::Relaxed);
     });
-    assert_eq!(
-        count.load(Ordering::Relaxed),
-        2,
-        "pool still usable after a panic"
-    );
+    assert_eq!(count.load(Ordering::Relaxed), 2, "pool still usable after a panic");
 }
 
 #[test]
@@ -320,10 +281,7 @@ fn quantize_simd_matches_scalar_exactly() {
                     let q = want.q[i] as i32;
                     assert!((-127..=127).contains(&q));
                     s += q;
-                    assert!(
-                        (x[i] - d * q as f32).abs() <= d * 0.5001 + 1e-30,
-                        "group {g}"
-                    );
+                    assert!((x[i] - d * q as f32).abs() <= d * 0.5001 + 1e-30, "group {g}");
                 }
                 assert_eq!(s, want.sum[g]);
                 let h: i32 = want.q[g * QK..g * QK + 16].iter().map(|&v| v as i32).sum();
@@ -405,15 +363,7 @@ fn matmul_is_batch_and_thread_invariant_bitwise() {
                     let xt = &x[t * cols..(t + 1) * cols];
                     let xq = quantize(k, xt, 1, cols);
                     assert_eq!(xq.q[..], xq_all.q[t * cols..(t + 1) * cols]);
-                    matmul_with(
-                        k,
-                        &pools[0],
-                        &w,
-                        xt,
-                        &xq,
-                        1,
-                        &mut single[t * rows..(t + 1) * rows],
-                    );
+                    matmul_with(k, &pools[0], &w, xt, &xq, 1, &mut single[t * rows..(t + 1) * rows]);
                 }
                 for &n in &[1usize, 2, 3, 4, 5, 6, 7, 8, 12, 17] {
                     let xq = quantize(k, &x[..n * cols], n, cols);
@@ -455,22 +405,12 @@ fn quantized_matches_dequantized_dot() {
             for r in 0..rows {
                 w.dequant_row(r, &mut wrow);
                 let exact_q: f64 = (0..cols).map(|c| wrow[c] as f64 * xrow[c] as f64).sum();
-                let exact: f64 = (0..cols)
-                    .map(|c| wrow[c] as f64 * x[t * cols + c] as f64)
-                    .sum();
-                let mag: f64 = (0..cols)
-                    .map(|c| (wrow[c] as f64 * x[t * cols + c] as f64).abs())
-                    .sum();
+                let exact: f64 = (0..cols).map(|c| wrow[c] as f64 * x[t * cols + c] as f64).sum();
+                let mag: f64 = (0..cols).map(|c| (wrow[c] as f64 * x[t * cols + c] as f64).abs()).sum();
                 let g = got[t * rows + r] as f64;
-                assert!(
-                    (g - exact_q).abs() <= 1e-5 * magnitude(&w, &x, &xq, r, t),
-                    "{kind:?} r={r} t={t}: {g} vs {exact_q}"
-                );
+                assert!((g - exact_q).abs() <= 1e-5 * magnitude(&w, &x, &xq, r, t), "{kind:?} r={r} t={t}: {g} vs {exact_q}");
                 // Activation quantization error: |Δx| ≤ d/2 per value, ~1% of the magnitude at most.
-                assert!(
-                    (g - exact).abs() <= 0.02 * mag,
-                    "{kind:?} r={r} t={t}: {g} vs unquantized {exact}"
-                );
+                assert!((g - exact).abs() <= 0.02 * mag, "{kind:?} r={r} t={t}: {g} vs unquantized {exact}");
             }
         }
     }
@@ -555,10 +495,7 @@ fn prepacked_matmul_is_bit_identical_to_unpacked() {
                     for i in 0..n * rows {
                         assert_eq!(dropped[i].to_bits(), packed[i].to_bits());
                         let (t, r) = (i / rows, i % rows);
-                        let what = format!(
-                            "{kind:?} {rows}x{cols} n={n} threads={} t={t} r={r}",
-                            pool.n_threads()
-                        );
+                        let what = format!("{kind:?} {rows}x{cols} n={n} threads={} t={t} r={r}", pool.n_threads());
                         assert_eq!(packed[i].to_bits(), unpacked[i].to_bits(), "{what}");
                         assert_eq!(packed[i].to_bits(), single[i].to_bits(), "{what} vs n=1");
                         let tol = 1e-5 * magnitude(&w, &x, &xq, r, t) + 1e-30;
