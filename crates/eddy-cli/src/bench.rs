@@ -132,9 +132,7 @@ pub fn run(a: BenchArgs) -> R<()> {
         Some(m) => m.clone(),
         None => first_model(&agent, base)?,
     };
-    let label = a.label.clone().unwrap_or_else(|| {
-        base.split("//").nth(1).unwrap_or(base).split('/').next().unwrap_or(base).to_string()
-    });
+    let label = a.label.clone().unwrap_or_else(|| base.split("//").nth(1).unwrap_or(base).split('/').next().unwrap_or(base).to_string());
     let send = |p: &str| request(&agent, base, &model, p, a.max_tokens, a.temperature, a.warm);
     for i in 0..a.warmup {
         send(&prompts[0]).map_err(|e| format!("warm-up request {}: {e}", i + 1))?;

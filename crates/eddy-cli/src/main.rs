@@ -8,11 +8,11 @@ mod fetch;
 use clap::{Args, Parser, Subcommand};
 use eddy::chat::{encode_chat, ChatMessage};
 use eddy::engine::{default_threads, Engine, EngineOptions, GenerateParams};
-use eddy::spec::dflash::{find_next_to, is_dflash_dir, DFlashDrafter, DFlashSeq};
-use eddy::spec::{build_speculators, Budget, Drafter, SpeculatorKind};
 use eddy::load::{load, LoadedModel};
 use eddy::model_dir::Quant;
 use eddy::sampling::SamplerParams;
+use eddy::spec::dflash::{find_next_to, is_dflash_dir, DFlashDrafter, DFlashSeq};
+use eddy::spec::{build_speculators, Budget, Drafter, SpeculatorKind};
 use eddy::spec::{build_speculators, Budget, SpeculatorKind};
 use eddy::stats::{peak_rss_bytes, EnergyMeter, GenerationStats};
 use eddy::tokenizer::StreamDecoder;
@@ -305,7 +305,14 @@ fn main() -> ExitCode {
     }
 }
 
-fn serve(model: ModelArgs, host: &str, port: u16, opts: eddy_server::ServeOptions, prefix_cache: bool, spec: &SpecArgs) -> eddy::Result<()> {
+fn serve(
+    model: ModelArgs,
+    host: &str,
+    port: u16,
+    opts: eddy_server::ServeOptions,
+    prefix_cache: bool,
+    spec: &SpecArgs,
+) -> eddy::Result<()> {
     let (spec_kind, spec_budget) = spec_options(spec)?;
     let (mut engine, _) = engine_with(&model, model.ctx.unwrap_or(DEFAULT_CTX), prefix_cache)?;
     attach_speculators(&mut engine, spec, spec_kind, spec_budget)?;

@@ -114,8 +114,20 @@ fn bench_measures_an_eddy_server_and_compares_runs() {
     // --warm lets the server reuse its cache; the hits are counted and their TTFT reported apart.
     let out_w = common::tmp("bench", "w.json");
     let o = eddy(&[
-        "bench", "--endpoint", &endpoint, "--prompt", "Say hi.", "--num", "2", "--max-tokens", "4", "--warmup", "1",
-        "--warm", "--out", out_w.to_str().unwrap(),
+        "bench",
+        "--endpoint",
+        &endpoint,
+        "--prompt",
+        "Say hi.",
+        "--num",
+        "2",
+        "--max-tokens",
+        "4",
+        "--warmup",
+        "1",
+        "--warm",
+        "--out",
+        out_w.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let w: Value = serde_json::from_str(&std::fs::read_to_string(&out_w).unwrap()).unwrap();

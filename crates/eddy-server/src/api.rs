@@ -134,12 +134,7 @@ pub fn parse_common(o: &Map<String, Value>, chat: bool) -> R<Common> {
     // A server of one model answers whatever model a request names (clients often send a fixed name).
     match get(o, "model") {
         None | Some(Value::String(_)) => {}
-        Some(v) => {
-            return Err(ApiError::invalid(
-                Some("model"),
-                format!("model must be a string, got {v}"),
-            ))
-        }
+        Some(v) => return Err(ApiError::invalid(Some("model"), format!("model must be a string, got {v}"))),
         Some(v) => return Err(ApiError::invalid(Some("model"), format!("model must be a string, got {v}"))),
     }
     // Features not implemented: refuse rather than silently ignore.
@@ -333,17 +328,8 @@ pub fn parse_messages(o: &Map<String, Value>) -> R<Vec<Value>> {
                 for part in parts {
                     match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
                         (Some("text"), Some(t)) => s.push_str(t),
-                        (Some(t), _) if t != "text" => {
-                            return Err(ApiError::unsupported(
-                                &at,
-                                &format!("content part type `{t}`"),
-                            ))
-                        }
-                        _ => {
-                            return Err(bad(format!(
-                                "{at}.content parts must be {{\"type\": \"text\", \"text\": string}}"
-                            )))
-                        }
+                        (Some(t), _) if t != "text" => return Err(ApiError::unsupported(&at, &format!("content part type `{t}`"))),
+                        _ => return Err(bad(format!("{at}.content parts must be {{\"type\": \"text\", \"text\": string}}"))),
                     }
                 }
                 s
@@ -377,9 +363,7 @@ fn template_tool_call(c: &Value) -> Result<Value, String> {
     let name = f.get("name").and_then(Value::as_str).ok_or("function.name must be a string")?;
     let args = match f.get("arguments") {
         None | Some(Value::Null) => json!({}),
-        Some(Value::String(s)) => {
-            serde_json::from_str::<Value>(s).map_err(|e| format!("function.arguments is not JSON: {e}"))?
-        }
+        Some(Value::String(s)) => serde_json::from_str::<Value>(s).map_err(|e| format!("function.arguments is not JSON: {e}"))?,
         Some(v @ Value::Object(_)) => v.clone(),
         Some(_) => return Err("function.arguments must be a JSON string".into()),
     };
@@ -433,8 +417,7 @@ pub struct Tools {
     pub parallel: bool,
 }
 
-const TOOL_CHOICE_FORMS: &str =
-    "tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}";
+const TOOL_CHOICE_FORMS: &str = "tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}";
 
 /// `tools`, `tool_choice`, `parallel_tool_calls`; `None` when no tools are given (or an empty list). A
 /// `tool_choice` of `required` or a function without tools is a 400, as a named tool that is not in `tools`.
@@ -488,10 +471,7 @@ pub fn parse_tools(o: &Map<String, Value>) -> R<Option<Tools>> {
     }
     if let ToolChoice::Named(n) = &choice {
         if !tools.iter().any(|t| &t.name == n) {
-            return Err(ApiError::invalid(
-                Some("tool_choice"),
-                format!("tool_choice names the function `{n}`, which is not in tools"),
-            ));
+            return Err(ApiError::invalid(Some("tool_choice"), format!("tool_choice names the function `{n}`, which is not in tools")));
         }
     }
     let parallel = boolean(o, "parallel_tool_calls")?.unwrap_or(true);
@@ -522,10 +502,7 @@ pub fn parse_response_format(o: &Map<String, Value>) -> R<Option<Value>> {
                 Some(_) => Err(ApiError::invalid(p, "response_format.json_schema.schema must be a JSON schema object")),
             }
         }
-        Some(t) => Err(ApiError::invalid(
-            p,
-            format!("response_format type `{t}` is not supported (text, json_object, json_schema)"),
-        )),
+        Some(t) => Err(ApiError::invalid(p, format!("response_format type `{t}` is not supported (text, json_object, json_schema)"))),
         None => Err(ApiError::invalid(p, "response_format must be an object with a type")),
     }
 }

@@ -42,7 +42,6 @@ use eddy::stats::GenerationStats;
 use eddy::tokenizer::Tokenizer;
 use metrics::Metrics;
 use reasoning::{ReasoningSplitter, Split, Start};
-use tools::CallStreamer;
 use serde_json::{json, Value};
 use std::collections::VecDeque;
 use std::future::Future;
@@ -52,6 +51,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
+use tools::CallStreamer;
 use worker::{Event, Job, Logprob, Queue, SlotGuard, TokenText};
 
 /// Server options.
@@ -126,11 +126,7 @@ pub fn run_blocking(host: &str, port: u16, engine: Engine, opts: ServeOptions) -
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind((host, port)).await?;
         let id = opts.aliases.first().cloned().unwrap_or_else(|| model_id_for(&engine));
-        eprintln!(
-            "eddy serve: model `{id}`, context {} tokens, listening on http://{}",
-            engine.ctx(),
-            listener.local_addr()?
-        );
+        eprintln!("eddy serve: model `{id}`, context {} tokens, listening on http://{}", engine.ctx(), listener.local_addr()?);
         serve(listener, engine, opts).await
     })
 }
@@ -170,10 +166,7 @@ pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router>
         .method_not_allowed_fallback(not_allowed)
         .layer(DefaultBodyLimit::max(opts.max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(state.clone(), json_errors))
-        .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            count_requests,
-        ))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), count_requests))
         .with_state(state);
     // Outermost, so that preflight requests are answered before routing.
     Ok(match cors {
@@ -195,9 +188,8 @@ fn cors_layer(origins: &[String]) -> std::io::Result<Option<tower_http::cors::Co
         let list = origins
             .iter()
             .map(|o| {
-                axum::http::HeaderValue::from_str(o.trim_end_matches('/')).map_err(|_| {
-                    std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("--cors-origin: invalid origin `{o}`"))
-                })
+                axum::http::HeaderValue::from_str(o.trim_end_matches('/'))
+                    .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("--cors-origin: invalid origin `{o}`")))
             })
             .collect::<std::io::Result<Vec<_>>>()?;
         AllowOrigin::list(list)
@@ -336,9 +328,8 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
                 }
                 kwargs.insert("tools".into(), tools.json.clone());
                 if matches!(tools.choice, api::ToolChoice::Required | api::ToolChoice::Named(_)) {
-                    let g = family
-                        .call_grammar(tools, |name| st.tokenizer.token_id(name))
-                        .map_err(|e| ApiError::invalid(Some("tools"), e))?;
+                    let g =
+                        family.call_grammar(tools, |name| st.tokenizer.token_id(name)).map_err(|e| ApiError::invalid(Some("tools"), e))?;
                     grammar = Some(("tools", g));
                 }
                 calls = Some(Calls { family, parallel: tools.parallel, names: tools.tools.iter().map(|t| t.name.clone()).collect() });
@@ -362,8 +353,7 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
             if let Some(tools) = kwargs.get("tools") {
                 api::string_leaves(tools, &mut untrusted);
             }
-            encode_chat_guarded(&st.tokenizer, &text, &untrusted)
-                .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
+            encode_chat_guarded(&st.tokenizer, &text, &untrusted).map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
         }
         Kind::Text => match api::parse_prompt(&o, st.vocab)? {
             api::Prompt::Tokens(ids) => ids,
@@ -412,8 +402,7 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
 fn schema_grammar(schema: &Value) -> Result<String, ApiError> {
     let mut s = schema.clone();
     if let Some(o) = s.as_object_mut() {
-        o.entry("x-guidance")
-            .or_insert(json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}));
+        o.entry("x-guidance").or_insert(json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}));
     }
     let text = serde_json::to_string(&s).map_err(|e| ApiError::invalid(Some("response_format"), e.to_string()))?;
     Ok(format!("start: body\nbody: %json {text}\n"))
@@ -441,10 +430,9 @@ struct Prepared {
 /// Validate, tokenize (on the blocking pool), queue, and answer (whole or streamed).
 async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, ApiError> {
     let s = st.clone();
-    let Prepared { common, prompt, thinking, max_tokens, calls, mask } =
-        tokio::task::spawn_blocking(move || prepare(&s, kind, &body))
-            .await
-            .map_err(|e| server_error(format!("preparing the request failed: {e}")))??;
+    let Prepared { common, prompt, thinking, max_tokens, calls, mask } = tokio::task::spawn_blocking(move || prepare(&s, kind, &body))
+        .await
+        .map_err(|e| server_error(format!("preparing the request failed: {e}")))??;
     let Some(slot) = st.queue.admit() else {
         return Err(ApiError::invalid(None, "the server is busy: the request queue is full; retry later").with_status(
             StatusCode::SERVICE_UNAVAILABLE,

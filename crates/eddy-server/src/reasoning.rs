@@ -15,12 +15,7 @@ const CLOSE: &str = "</think>";
 /// Thinking is on when the generation prompt ends inside an open `<think>`, when `chat_template_kwargs`
 /// has `enable_thinking: true`, or when it does not say and the template renders differently with
 /// `enable_thinking: false` (a template whose default is to think, as Qwen3's).
-pub fn thinking_mode(
-    t: &ChatTemplate,
-    messages: &[Value],
-    kwargs: &Map<String, Value>,
-    rendered: &str,
-) -> Option<Start> {
+pub fn thinking_mode(t: &ChatTemplate, messages: &[Value], kwargs: &Map<String, Value>, rendered: &str) -> Option<Start> {
     if let Ok(without) = t.render_json(messages, false, kwargs) {
         if let Some(gen) = rendered.strip_prefix(without.as_str()) {
             if let Some(i) = gen.rfind(OPEN) {

@@ -35,9 +35,7 @@ impl Family {
             Some(Family::Hermes)
         } else if source.contains(MISTRAL) {
             Some(Family::Mistral)
-        } else if source.contains(PYTHON_TAG)
-            || (source.contains("tools") && source.contains("\"parameters\""))
-        {
+        } else if source.contains(PYTHON_TAG) || (source.contains("tools") && source.contains("\"parameters\"")) {
             Some(Family::Llama3)
         } else {
             None
@@ -53,20 +51,12 @@ impl Family {
     /// A llguidance Lark grammar of the reply that `tools.choice` requires: one call (or, with
     /// `parallel`, one or more) of the allowed tools, arguments valid under each tool's schema.
     /// `special_id(text)` gives the id of a control token (Mistral's marker).
-    pub fn call_grammar(
-        self,
-        tools: &Tools,
-        special_id: impl Fn(&str) -> Option<u32>,
-    ) -> Result<String, String> {
+    pub fn call_grammar(self, tools: &Tools, special_id: impl Fn(&str) -> Option<u32>) -> Result<String, String> {
         let allowed: Vec<&Tool> = match &tools.choice {
             ToolChoice::Named(n) => tools.tools.iter().filter(|t| &t.name == n).collect(),
             _ => tools.tools.iter().collect(),
         };
-        let args_key = if self == Family::Llama3 {
-            "parameters"
-        } else {
-            "arguments"
-        };
+        let args_key = if self == Family::Llama3 { "parameters" } else { "arguments" };
         let one: Vec<Value> = allowed
             .iter()
             .map(|t| {
@@ -74,16 +64,14 @@ impl Family {
                        "required": ["name", args_key], "additionalProperties": false})
             })
             .collect();
-        let compact =
-            json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
+        let compact = json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
         let call = json!({"anyOf": one, "x-guidance": compact});
         let text = |v: &Value| serde_json::to_string(v).map_err(|e| e.to_string());
         let more = if tools.parallel { "*" } else { "" };
         Ok(match self {
-            Family::Hermes => format!(
-                "start: call (\"\\n\" call){more}\ncall: \"{OPEN}\\n\" body \"\\n{CLOSE}\"\nbody: %json {}\n",
-                text(&call)?
-            ),
+            Family::Hermes => {
+                format!("start: call (\"\\n\" call){more}\ncall: \"{OPEN}\\n\" body \"\\n{CLOSE}\"\nbody: %json {}\n", text(&call)?)
+            }
             Family::Mistral => {
                 let id = special_id(MISTRAL).ok_or("the tokenizer has no [TOOL_CALLS] token")?;
                 let mut list = json!({"type": "array", "minItems": 1, "items": {"anyOf": one}, "x-guidance": compact});
@@ -141,11 +129,8 @@ impl Family {
             },
             Family::Llama3 => {
                 let body = text.trim().trim_start_matches(PYTHON_TAG).trim();
-                let parsed: Option<Vec<_>> = if body.starts_with('{') {
-                    body.split(';').map(|b| call_of(b.trim())).collect()
-                } else {
-                    None
-                };
+                let parsed: Option<Vec<_>> =
+                    if body.starts_with('{') { body.split(';').map(|b| call_of(b.trim())).collect() } else { None };
                 match parsed {
                     Some(p) if !p.is_empty() => calls = p,
                     _ => content.push_str(text),
@@ -225,15 +210,7 @@ pub struct CallStreamer {
 
 impl CallStreamer {
     pub fn new(family: Family, names: Vec<String>) -> Self {
-        CallStreamer {
-            family,
-            names,
-            bare: false,
-            started: false,
-            buf: String::new(),
-            in_call: false,
-            content_mode: false,
-        }
+        CallStreamer { family, names, bare: false, started: false, buf: String::new(), in_call: false, content_mode: false }
     }
 
     /// Adds `text`; returns the pieces now complete.
@@ -286,11 +263,7 @@ impl CallStreamer {
                 } else if !self.in_call {
                     let t = self.buf.trim_start();
                     if !t.is_empty() {
-                        let marker = if self.family == Family::Mistral {
-                            MISTRAL
-                        } else {
-                            PYTHON_TAG
-                        };
+                        let marker = if self.family == Family::Mistral { MISTRAL } else { PYTHON_TAG };
                         let looks_like_call = marker.starts_with(&t[..t.len().min(marker.len())])
                             || t.starts_with(marker)
                             || (self.family == Family::Llama3 && t.starts_with('{'));
@@ -363,18 +336,8 @@ pub fn call_id() -> String {
     use std::hash::{BuildHasher, Hasher};
     const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
-    let (mut a, mut b) = (
-        h.finish(),
-        std::collections::hash_map::RandomState::new()
-            .build_hasher()
-            .finish(),
-    );
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
+    let (mut a, mut b) = (h.finish(), std::collections::hash_map::RandomState::new().build_hasher().finish());
     let mut id = String::from("call_");
     for i in 0..24 {
         let x = if i < 12 { &mut a } else { &mut b };
@@ -393,13 +356,7 @@ mod tests {
         let text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>";
         let (content, calls) = Family::Hermes.parse(text);
         assert_eq!(content.as_deref(), Some("Let me check."));
-        assert_eq!(
-            calls,
-            vec![
-                ("get_weather".into(), "{\"city\":\"Paris\"}".into()),
-                ("get_time".into(), "{}".into())
-            ]
-        );
+        assert_eq!(calls, vec![("get_weather".into(), "{\"city\":\"Paris\"}".into()), ("get_time".into(), "{}".into())]);
         for step in 1..8 {
             let mut s = CallStreamer::new(Family::Hermes, vec![]);
             let mut pieces = Vec::new();
@@ -408,26 +365,10 @@ mod tests {
                 pieces.extend(s.push(&chunk.iter().collect::<String>()));
             }
             pieces.extend(s.finish());
-            let got_calls: Vec<_> = pieces
-                .iter()
-                .filter_map(|p| {
-                    if let Piece::Call(n, a) = p {
-                        Some((n.clone(), a.clone()))
-                    } else {
-                        None
-                    }
-                })
-                .collect();
-            let got_content: String = pieces
-                .iter()
-                .filter_map(|p| {
-                    if let Piece::Content(c) = p {
-                        Some(c.as_str())
-                    } else {
-                        None
-                    }
-                })
-                .collect();
+            let got_calls: Vec<_> =
+                pieces.iter().filter_map(|p| if let Piece::Call(n, a) = p { Some((n.clone(), a.clone())) } else { None }).collect();
+            let got_content: String =
+                pieces.iter().filter_map(|p| if let Piece::Content(c) = p { Some(c.as_str()) } else { None }).collect();
             assert_eq!(got_calls, calls, "step {step}");
             assert_eq!(got_content.trim(), "Let me check.", "step {step}");
         }
@@ -435,41 +376,24 @@ mod tests {
 
     #[test]
     fn text_without_calls_and_broken_calls_stay_content() {
-        assert_eq!(
-            Family::Hermes.parse("Hello <tool"),
-            (Some("Hello <tool".into()), vec![])
-        );
+        assert_eq!(Family::Hermes.parse("Hello <tool"), (Some("Hello <tool".into()), vec![]));
         let broken = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\n</tool_call>";
         assert_eq!(Family::Hermes.parse(broken), (Some(broken.into()), vec![]));
         let mut s = CallStreamer::new(Family::Hermes, vec![]);
         let mut out = s.push("a <tool");
         out.extend(s.push("box> b"));
         out.extend(s.finish());
-        let text: String = out
-            .iter()
-            .map(|p| {
-                if let Piece::Content(c) = p {
-                    c.clone()
-                } else {
-                    panic!()
-                }
-            })
-            .collect();
+        let text: String = out.iter().map(|p| if let Piece::Content(c) = p { c.clone() } else { panic!() }).collect();
         assert_eq!(text, "a <toolbox> b");
     }
 
     #[test]
     fn mistral_and_llama3() {
-        let (c, calls) =
-            Family::Mistral.parse("[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {\"x\": 1}}]");
+        let (c, calls) = Family::Mistral.parse("[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {\"x\": 1}}]");
         assert_eq!((c, calls), (None, vec![("f".into(), "{\"x\":1}".into())]));
-        let (c, calls) =
-            Family::Llama3.parse("<|python_tag|>{\"name\": \"f\", \"parameters\": {\"x\": 1}}");
+        let (c, calls) = Family::Llama3.parse("<|python_tag|>{\"name\": \"f\", \"parameters\": {\"x\": 1}}");
         assert_eq!((c, calls), (None, vec![("f".into(), "{\"x\":1}".into())]));
-        assert_eq!(
-            Family::Llama3.parse("Paris."),
-            (Some("Paris.".into()), vec![])
-        );
+        assert_eq!(Family::Llama3.parse("Paris."), (Some("Paris.".into()), vec![]));
         let mut s = CallStreamer::new(Family::Llama3, vec![]);
         let mut out = s.push("{\"name\": \"f\", ");
         out.extend(s.push("\"parameters\": {}}"));
@@ -481,16 +405,10 @@ mod tests {
     fn bare_calls_name_a_tool() {
         let names = vec!["get_weather".to_string()];
         let fenced = "```json\n{\n  \"name\": \"get_weather\",\n  \"arguments\": {\"city\": \"Paris\"}\n}\n```";
-        assert_eq!(
-            bare_calls(fenced, &names),
-            Some(vec![("get_weather".into(), "{\"city\":\"Paris\"}".into())])
-        );
+        assert_eq!(bare_calls(fenced, &names), Some(vec![("get_weather".into(), "{\"city\":\"Paris\"}".into())]));
         let two = "{\"name\": \"get_weather\", \"arguments\": {}}\n{\"name\": \"get_weather\", \"arguments\": {\"x\": 1}}";
         assert_eq!(bare_calls(two, &names).map(|c| c.len()), Some(2));
-        assert_eq!(
-            bare_calls("{\"name\": \"other\", \"arguments\": {}}", &names),
-            None
-        );
+        assert_eq!(bare_calls("{\"name\": \"other\", \"arguments\": {}}", &names), None);
         assert_eq!(bare_calls("{\"a\": 1}", &names), None);
         assert_eq!(bare_calls("The weather is fine.", &names), None);
         // Streamed: held until the end, then the calls; JSON that is no call comes out as content.
@@ -511,14 +429,8 @@ mod tests {
 
     #[test]
     fn families_of_templates() {
-        assert_eq!(
-            Family::of_template("{{ '<tool_call>' }}"),
-            Some(Family::Hermes)
-        );
-        assert_eq!(
-            Family::of_template("[TOOL_CALLS] {{ x }}"),
-            Some(Family::Mistral)
-        );
+        assert_eq!(Family::of_template("{{ '<tool_call>' }}"), Some(Family::Hermes));
+        assert_eq!(Family::of_template("[TOOL_CALLS] {{ x }}"), Some(Family::Mistral));
         assert_eq!(Family::of_template("<|python_tag|>"), Some(Family::Llama3));
         assert_eq!(Family::of_template("{{ messages }}"), None);
         let ids: std::collections::HashSet<String> = (0..50).map(|_| call_id()).collect();

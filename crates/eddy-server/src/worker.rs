@@ -209,16 +209,7 @@ pub(crate) fn spawn(
 
 /// Generates one job, sending its text deltas; returns the last event to send (none when the client left).
 fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) -> Option<Event> {
-    let Job {
-        prompt,
-        params,
-        stops,
-        tx,
-        mut mask,
-        keep_special,
-        cache_prompt,
-        ..
-    } = job;
+    let Job { prompt, params, stops, tx, mut mask, keep_special, cache_prompt, .. } = job;
     if !cache_prompt {
         engine.clear_cache();
     }

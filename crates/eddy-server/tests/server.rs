@@ -258,13 +258,19 @@ fn final_assistant_message_is_continued() {
     assert_eq!(v["usage"]["completion_tokens"], 12);
     // A tool result and an assistant message's tool calls are passed to the template; malformed tool
     // calls are 400s naming the message.
-    let t = post(addr, "/v1/chat/completions", json!({"messages": [
-        {"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "a"}], "max_tokens": 2}));
+    let t = post(
+        addr,
+        "/v1/chat/completions",
+        json!({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "a"}], "max_tokens": 2}),
+    );
     assert_eq!(t.status, 200, "{}", t.body);
-    let call = |args: Value| json!({"messages": [
+    let call = |args: Value| {
+        json!({"messages": [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": null, "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": args}}]},
-        {"role": "tool", "content": "42", "tool_call_id": "a"}], "max_tokens": 2});
+        {"role": "tool", "content": "42", "tool_call_id": "a"}], "max_tokens": 2})
+    };
     let r = post(addr, "/v1/chat/completions", call(json!("{}")));
     assert_eq!(r.status, 200, "{}", r.body);
     let v = assert_error(&post(addr, "/v1/chat/completions", call(json!("{not json"))), 400, "not JSON");
@@ -385,52 +391,18 @@ fn errors() {
     assert_error(&post(addr, c, json!({"messages": "hi"})), 400, "messages");
     assert_error(&post(addr, c, json!({"messages": [{"role": "robot", "content": "hi"}]})), 400, "robot");
     assert_error(&post(addr, c, chat_body("hi", json!({"n": 2}))), 400, "n=2");
-    assert_error(
-        &post(
-            addr,
-            c,
-            chat_body("hi", json!({"response_format": {"type": "yaml"}})),
-        ),
-        400,
-        "yaml",
-    );
-    assert_error(
-        &post(
-            addr,
-            c,
-            chat_body("hi", json!({"tools": [{"type": "function"}]})),
-        ),
-        400,
-        "tools[0].function",
-    );
+    assert_error(&post(addr, c, chat_body("hi", json!({"response_format": {"type": "yaml"}}))), 400, "yaml");
+    assert_error(&post(addr, c, chat_body("hi", json!({"tools": [{"type": "function"}]}))), 400, "tools[0].function");
     assert_error(&post(addr, c, chat_body("hi", json!({"tool_choice": "required"}))), 400, "no tools");
-    for (k, v) in [
-        ("logit_bias", json!({"42": 5})),
-        ("prediction", json!({"type": "content", "content": "x"})),
-    ] {
-        let v = assert_error(
-            &post(addr, c, chat_body("hi", json!({k: v}))),
-            400,
-            "not supported yet",
-        );
+    for (k, v) in [("logit_bias", json!({"42": 5})), ("prediction", json!({"type": "content", "content": "x"}))] {
+        let v = assert_error(&post(addr, c, chat_body("hi", json!({k: v}))), 400, "not supported yet");
         assert_eq!(v["error"]["param"], k);
     }
-    assert_eq!(
-        post(addr, c, chat_body("hi", json!({"presence_penalty": 0, "max_tokens": 1}))).status,
-        200
-    );
-    assert_error(
-        &post(addr, "/v1/completions", json!({"prompt": 5})),
-        400,
-        "prompt",
-    );
+    assert_eq!(post(addr, c, chat_body("hi", json!({"presence_penalty": 0, "max_tokens": 1}))).status, 200);
+    assert_error(&post(addr, "/v1/completions", json!({"prompt": 5})), 400, "prompt");
     // A prompt that does not fit: the error names the prompt (max_tokens is clamped, never at fault).
     let long = "word ".repeat(600);
-    let r = post(
-        addr,
-        "/v1/completions",
-        json!({"prompt": long, "max_tokens": 400}),
-    );
+    let r = post(addr, "/v1/completions", json!({"prompt": long, "max_tokens": 400}));
     let v = assert_error(&r, 400, &format!("{CTX}"));
     assert_eq!(v["error"]["param"], "prompt");
     let v = assert_error(&post(addr, c, chat_body(&long, json!({"max_tokens": 4}))), 400, "messages");
@@ -711,19 +683,14 @@ fn openai_python() -> PathBuf {
         assert!(py.status.success());
         let venv = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
         let python = venv.join("bin/python");
-        let ready = std::process::Command::new(&python)
-            .args(["-c", "import openai, pydantic"])
-            .output()
-            .is_ok_and(|o| o.status.success());
+        let ready = std::process::Command::new(&python).args(["-c", "import openai, pydantic"]).output().is_ok_and(|o| o.status.success());
         if !ready {
             let run = |cmd: &mut std::process::Command| {
                 let o = cmd.output().unwrap();
                 assert!(o.status.success(), "{cmd:?}: {}", String::from_utf8_lossy(&o.stderr));
             };
             run(std::process::Command::new("python3").arg("-m").arg("venv").arg(&venv));
-            run(std::process::Command::new(&python).args([
-                "-m", "pip", "install", "-q", "--disable-pip-version-check", "openai==3.57.0",
-            ]));
+            run(std::process::Command::new(&python).args(["-m", "pip", "install", "-q", "--disable-pip-version-check", "openai==3.57.0"]));
         }
         python
     })
@@ -1428,9 +1395,17 @@ fn cut_inside_a_character_withholds_the_bytes() {
         let (streamed_text, _) = streamed(addr, "/v1/chat/completions", sb);
         assert_eq!(streamed_text, text, "max_tokens {max_tokens}");
         // The same tokens decoded whole: the reply is their text without the incomplete tail.
-        let lp = post(addr, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0, "logprobs": true})).json();
-        let bytes: Vec<u8> = lp["choices"][0]["logprobs"]["content"].as_array().unwrap().iter()
+        let lp = post(
+            addr,
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0, "logprobs": true}),
+        )
+        .json();
+        let bytes: Vec<u8> = lp["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .iter()
             .flat_map(|e| e["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8).collect::<Vec<_>>())
             .collect();
         let valid = match std::str::from_utf8(&bytes) {
@@ -1509,7 +1484,8 @@ fn cors_preflight_and_headers() {
 fn structured_outputs_follow_the_schema() {
     let addr = server_or_skip!();
     let c = "/v1/chat/completions";
-    let v = post(addr, c, chat_body("Describe a cat as JSON.", json!({"max_tokens": 64, "response_format": {"type": "json_object"}}))).json();
+    let v =
+        post(addr, c, chat_body("Describe a cat as JSON.", json!({"max_tokens": 64, "response_format": {"type": "json_object"}}))).json();
     let text = v["choices"][0]["message"]["content"].as_str().unwrap();
     if v["choices"][0]["finish_reason"] == "stop" {
         assert!(serde_json::from_str::<Value>(text).unwrap_or_else(|e| panic!("{e}: {text}")).is_object());
@@ -1551,8 +1527,16 @@ fn structured_outputs_follow_the_schema() {
         assert_eq!(v["error"]["param"], "response_format", "{v}");
     }
     // A schema that admits nothing but a fixed value: the reply is that value, and ends cleanly.
-    let v = post(addr, c, chat_body("hi", json!({"max_tokens": 30, "response_format": {"type": "json_schema",
-        "json_schema": {"name": "c", "schema": {"const": "done"}}}}))).json();
+    let v = post(
+        addr,
+        c,
+        chat_body(
+            "hi",
+            json!({"max_tokens": 30, "response_format": {"type": "json_schema",
+        "json_schema": {"name": "c", "schema": {"const": "done"}}}}),
+        ),
+    )
+    .json();
     assert_eq!(v["choices"][0]["message"]["content"], "\"done\"", "{v}");
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
 }
@@ -1577,7 +1561,9 @@ fn constrained_decoding_with_speculation_is_lossless() {
             "temperature": temperature, "seed": 3, "response_format": rf, "logprobs": true});
         let a = post(spec, "/v1/chat/completions", body.clone()).json();
         let b = post(plain, "/v1/chat/completions", body).json();
-        let ids = |v: &Value| -> Vec<Value> { v["choices"][0]["logprobs"]["content"].as_array().unwrap().iter().map(|e| e["bytes"].clone()).collect() };
+        let ids = |v: &Value| -> Vec<Value> {
+            v["choices"][0]["logprobs"]["content"].as_array().unwrap().iter().map(|e| e["bytes"].clone()).collect()
+        };
         assert_eq!(ids(&a), ids(&b), "speculation changed the constrained tokens at T={temperature}");
         assert_eq!(a["choices"][0]["message"], b["choices"][0]["message"]);
         assert!(a["timings"]["draft_n"].as_u64().unwrap() > 0, "{a}");
@@ -1596,7 +1582,11 @@ fn tools_on_a_template_without_tool_syntax() {
     assert_eq!(v["error"]["param"], "tools");
     let r = post(addr, "/v1/chat/completions", chat_body("hi", json!({"tools": tools, "tool_choice": "none", "max_tokens": 2})));
     assert_eq!(r.status, 200, "{}", r.body);
-    let r = post(addr, "/v1/chat/completions", chat_body("hi", json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "g"}}})));
+    let r = post(
+        addr,
+        "/v1/chat/completions",
+        chat_body("hi", json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "g"}}})),
+    );
     assert_error(&r, 400, "`g`");
 }
 
@@ -1686,7 +1676,12 @@ fn tool_calls_whole_and_streamed_on_qwen() {
     let history = json!([{"role": "user", "content": "What is 2 + 40? Use the tool."},
         {"role": "assistant", "content": null, "tool_calls": [{"id": call["id"], "type": "function", "function": call["function"]}]},
         {"role": "tool", "tool_call_id": call["id"], "content": "42"}]);
-    let a = post(addr, "/v1/chat/completions", json!({"messages": history, "tools": tools, "tool_choice": "none", "temperature": 0, "max_tokens": 20})).json();
+    let a = post(
+        addr,
+        "/v1/chat/completions",
+        json!({"messages": history, "tools": tools, "tool_choice": "none", "temperature": 0, "max_tokens": 20}),
+    )
+    .json();
     assert_eq!(a["choices"][0]["finish_reason"], "stop", "{a}");
     assert!(a["choices"][0]["message"]["content"].as_str().is_some_and(|t| !t.trim().is_empty()), "{a}");
     assert!(a["choices"][0]["message"].get("tool_calls").is_none(), "{a}");

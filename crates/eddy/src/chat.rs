@@ -232,9 +232,7 @@ impl ChatTemplate {
 fn cut_after(full: String, tail: &str) -> Result<String> {
     match full.rfind(tail) {
         Some(at) => Ok(full[..at + tail.len()].to_string()),
-        None => Err(Error::Text(
-            "the chat template does not write the final assistant message as given, so it cannot be continued".into(),
-        )),
+        None => Err(Error::Text("the chat template does not write the final assistant message as given, so it cannot be continued".into())),
     }
 }
 
@@ -270,7 +268,8 @@ pub fn encode_chat_guarded(tok: &Tokenizer, rendered: &str, untrusted: &[&str]) 
         }
         if !found {
             return Err(Error::Text(
-                "a message holds special-token text that the chat template rewrites, so it cannot be kept apart from the template's markup".into(),
+                "a message holds special-token text that the chat template rewrites, so it cannot be kept apart from the template's markup"
+                    .into(),
             ));
         }
     }

@@ -144,7 +144,6 @@ impl Engine {
         self.budget = budget;
     }
 
-
     /// Names of the active speculators.
     pub fn speculator_names(&self) -> Vec<&'static str> {
         self.speculators.iter().map(|s| s.name()).collect()

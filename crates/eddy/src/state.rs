@@ -106,7 +106,13 @@ pub struct SeqState {
 impl SeqState {
     /// New empty sequence with room for `ctx` tokens.
     pub fn new(n_layers: usize, ctx: usize, kv_dim: usize) -> Self {
-        SeqState { kv: KvCache::new(n_layers, ctx, kv_dim), tokens: Vec::with_capacity(ctx), qwen35: None, want_hidden: false, capture: FeatureCapture::default() }
+        SeqState {
+            kv: KvCache::new(n_layers, ctx, kv_dim),
+            tokens: Vec::with_capacity(ctx),
+            qwen35: None,
+            want_hidden: false,
+            capture: FeatureCapture::default(),
+        }
     }
 
     /// Number of committed positions.

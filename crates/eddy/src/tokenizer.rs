@@ -355,9 +355,8 @@ impl Tokenizer {
             t.set_encode_special_tokens(true);
             t
         });
-        let enc = plain
-            .encode_fast(text, false)
-            .map_err(|e| Error::Text(format!("cannot tokenize text ({}): {e}", self.source.display())))?;
+        let enc =
+            plain.encode_fast(text, false).map_err(|e| Error::Text(format!("cannot tokenize text ({}): {e}", self.source.display())))?;
         Ok(enc.get_ids().to_vec())
     }
 

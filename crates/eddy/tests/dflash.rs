@@ -22,9 +22,7 @@ use eddy::model_dir::Quant;
 use eddy::quant::WeightMatrix;
 use eddy::sampling::SamplerParams;
 use eddy::spec::dflash::{grow_tree, DFlashDrafter, DFlashSeq, DFlashSpeculator, TreeShape};
-use eddy::spec::{
-    build_speculators, Budget, DraftTree, Drafter, ProposeCtx, Speculator, SpeculatorKind,
-};
+use eddy::spec::{build_speculators, Budget, DraftTree, Drafter, ProposeCtx, Speculator, SpeculatorKind};
 use std::path::{Path, PathBuf};
 
 fn fixture_dir() -> PathBuf {
@@ -39,16 +37,8 @@ fn reference() -> std::collections::HashMap<String, (Vec<usize>, Vec<f32>)> {
         .into_iter()
         .map(|(name, t)| {
             let vals: Vec<f32> = match t.dtype() {
-                safetensors::Dtype::F32 => t
-                    .data()
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-                safetensors::Dtype::I32 => t
-                    .data()
-                    .chunks_exact(4)
-                    .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32)
-                    .collect(),
+                safetensors::Dtype::F32 => t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+                safetensors::Dtype::I32 => t.data().chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32).collect(),
                 d => panic!("unexpected dtype {d:?}"),
             };
             (name, (t.shape().to_vec(), vals))
@@ -57,11 +47,7 @@ fn reference() -> std::collections::HashMap<String, (Vec<usize>, Vec<f32>)> {
 }
 
 fn f32_matrix(shape: &[usize], data: &[f32]) -> WeightMatrix {
-    WeightMatrix::F32 {
-        rows: shape[0],
-        cols: shape[1],
-        data: data.to_vec(),
-    }
+    WeightMatrix::F32 { rows: shape[0], cols: shape[1], data: data.to_vec() }
 }
 
 /// Run the fixture's two rounds through `d`; returns the two logit blocks (15 × head rows each).
@@ -74,52 +60,22 @@ fn run_rounds(d: &DFlashDrafter) -> (Vec<f32>, Vec<f32>) {
     let mut seq = DFlashSeq::new(d, 64);
     let (mut l1, mut l2) = (Vec::new(), Vec::new());
     seq.add_context(d, &pool, &r["features1"].1);
-    seq.draft(
-        d,
-        &pool,
-        &embed,
-        None,
-        d.head(&lm),
-        roots[0] as u32,
-        &mut l1,
-    )
-    .unwrap();
+    seq.draft(d, &pool, &embed, None, d.head(&lm), roots[0] as u32, &mut l1).unwrap();
     seq.add_context(d, &pool, &r["features2"].1);
     assert_eq!((seq.base, seq.rows), (0, 12));
-    seq.draft(
-        d,
-        &pool,
-        &embed,
-        None,
-        d.head(&lm),
-        roots[1] as u32,
-        &mut l2,
-    )
-    .unwrap();
+    seq.draft(d, &pool, &embed, None, d.head(&lm), roots[1] as u32, &mut l2).unwrap();
     (l1, l2)
 }
 
 fn argmax(x: &[f32]) -> usize {
-    x.iter()
-        .enumerate()
-        .max_by(|a, b| a.1.total_cmp(b.1))
-        .map(|e| e.0)
-        .unwrap()
+    x.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|e| e.0).unwrap()
 }
 
 /// Largest absolute difference and the number of rows (of `vocab`) whose argmax agrees.
 fn compare(got: &[f32], want: &[f32], vocab: usize) -> (f32, usize) {
     assert_eq!(got.len(), want.len());
-    let err = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
-    let agree = got
-        .chunks_exact(vocab)
-        .zip(want.chunks_exact(vocab))
-        .filter(|(a, b)| argmax(a) == argmax(b))
-        .count();
+    let err = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    let agree = got.chunks_exact(vocab).zip(want.chunks_exact(vocab)).filter(|(a, b)| argmax(a) == argmax(b)).count();
     (err, agree)
 }
 
@@ -133,9 +89,7 @@ fn forward_matches_numpy_reference_f32() {
         let want = &r[name].1;
         let scale = want.iter().fold(0f32, |a, &b| a.max(b.abs()));
         let (err, agree) = compare(got, want, 256);
-        eprintln!(
-            "f32 {name}: max |err| {err:.2e} (logits up to {scale:.1}), top-1 agreement {agree}/15"
-        );
+        eprintln!("f32 {name}: max |err| {err:.2e} (logits up to {scale:.1}), top-1 agreement {agree}/15");
         assert!(scale > 1.0, "the reference logits are not trivial");
         assert!(err < 1e-4, "{name}: max error {err}");
         assert_eq!(agree, 15);
@@ -153,34 +107,21 @@ fn forward_matches_numpy_reference_int8() {
         eprintln!("int8 {name}: max |err| {err:.3}, top-1 agreement {agree}/15");
         assert!(err < 0.25, "{name}: max error {err}");
         // Where the top-1 differs, eddy's choice is a near-tie in the reference (within twice the bound).
-        for (row, (g, w)) in got
-            .chunks_exact(256)
-            .zip(want.chunks_exact(256))
-            .enumerate()
-        {
+        for (row, (g, w)) in got.chunks_exact(256).zip(want.chunks_exact(256)).enumerate() {
             let best = w.iter().fold(f32::MIN, |a, &b| a.max(b));
-            assert!(
-                w[argmax(g)] >= best - 0.5,
-                "{name} row {row}: eddy's top-1 is {} below the reference's",
-                best - w[argmax(g)]
-            );
+            assert!(w[argmax(g)] >= best - 0.5, "{name} row {row}: eddy's top-1 is {} below the reference's", best - w[argmax(g)]);
         }
         assert!(agree >= 10, "{name}: top-1 agrees in only {agree}/15 rows");
     }
 }
 
 /// A scratch copy of the tiny drafter, with `edit` applied to its config and extra files written.
-fn variant(
-    name: &str,
-    edit: impl FnOnce(&mut serde_json::Value),
-    files: &[(&str, &str)],
-) -> PathBuf {
+fn variant(name: &str, edit: impl FnOnce(&mut serde_json::Value), files: &[(&str, &str)]) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("eddy-dflash-{}-{name}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let src = fixture_dir().join("tiny");
     std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
-    let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     edit(&mut cfg);
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     for (f, text) in files {
@@ -192,11 +133,7 @@ fn variant(
 #[test]
 fn draft_vocabulary_gives_the_full_heads_logits_at_its_ids() {
     let ids: Vec<u32> = (0..256).filter(|i| i % 3 == 1).collect();
-    let dir = variant(
-        "vocab",
-        |_| {},
-        &[("draft_vocab.json", &serde_json::to_string(&ids).unwrap())],
-    );
+    let dir = variant("vocab", |_| {}, &[("draft_vocab.json", &serde_json::to_string(&ids).unwrap())]);
     let full = DFlashDrafter::load(&fixture_dir().join("tiny"), Quant::None).unwrap();
     let mut sub = DFlashDrafter::load(&dir, Quant::None).unwrap();
     assert_eq!(sub.vocab_ids(), Some(&ids[..]));
@@ -207,40 +144,19 @@ fn draft_vocabulary_gives_the_full_heads_logits_at_its_ids() {
     assert_eq!(s1.len(), 15 * ids.len());
     for (row_f, row_s) in f1.chunks_exact(256).zip(s1.chunks_exact(ids.len())) {
         for (j, &id) in ids.iter().enumerate() {
-            assert!(
-                (row_s[j] - row_f[id as usize]).abs() < 1e-5,
-                "id {id}: {} vs {}",
-                row_s[j],
-                row_f[id as usize]
-            );
+            assert!((row_s[j] - row_f[id as usize]).abs() < 1e-5, "id {id}: {} vs {}", row_s[j], row_f[id as usize]);
         }
     }
     // The object form is read too; ids outside the vocabulary are refused.
-    let dir = variant(
-        "vocab-obj",
-        |_| {},
-        &[("draft_vocab.json", "{\"token_ids\": [1, 2, 3]}")],
-    );
-    assert_eq!(
-        DFlashDrafter::load(&dir, Quant::None).unwrap().vocab_ids(),
-        Some(&[1u32, 2, 3][..])
-    );
+    let dir = variant("vocab-obj", |_| {}, &[("draft_vocab.json", "{\"token_ids\": [1, 2, 3]}")]);
+    assert_eq!(DFlashDrafter::load(&dir, Quant::None).unwrap().vocab_ids(), Some(&[1u32, 2, 3][..]));
     let dir = variant("vocab-bad", |_| {}, &[("draft_vocab.json", "[1, 2, 999]")]);
-    let e = DFlashDrafter::load(&dir, Quant::None)
-        .err()
-        .expect("id 999 must be refused")
-        .to_string();
-    assert!(
-        e.contains("999") && e.contains("outside the vocabulary"),
-        "{e}"
-    );
+    let e = DFlashDrafter::load(&dir, Quant::None).err().expect("id 999 must be refused").to_string();
+    assert!(e.contains("999") && e.contains("outside the vocabulary"), "{e}");
 }
 
 fn load_err(dir: &Path) -> String {
-    DFlashDrafter::load(dir, Quant::Q8)
-        .err()
-        .expect("the drafter must be refused")
-        .to_string()
+    DFlashDrafter::load(dir, Quant::Q8).err().expect("the drafter must be refused").to_string()
 }
 
 #[test]
@@ -250,66 +166,32 @@ fn bad_drafters_get_clear_errors() {
     let e = d.check_target(128, 5, 256).unwrap_err().to_string();
     assert!(e.contains("hidden_size 64") && e.contains("128"), "{e}");
     let e = d.check_target(64, 3, 256).unwrap_err().to_string();
-    assert!(
-        e.contains("target layer 3") && e.contains("3 layers"),
-        "{e}"
-    );
+    assert!(e.contains("target layer 3") && e.contains("3 layers"), "{e}");
     let e = d.check_target(64, 6, 256).unwrap_err().to_string();
     assert!(e.contains("trained for a target of 5 layers"), "{e}");
     let e = d.check_target(64, 5, 300).unwrap_err().to_string();
     assert!(e.contains("vocabulary of 256") && e.contains("300"), "{e}");
     // Head shapes that do not match the weights.
-    let e = load_err(&variant(
-        "heads",
-        |c| c["num_attention_heads"] = 8.into(),
-        &[],
-    ));
+    let e = load_err(&variant("heads", |c| c["num_attention_heads"] = 8.into(), &[]));
     assert!(e.contains("q_proj") && e.contains("shape"), "{e}");
-    let e = load_err(&variant(
-        "ffn",
-        |c| c["intermediate_size"] = 128.into(),
-        &[],
-    ));
+    let e = load_err(&variant("ffn", |c| c["intermediate_size"] = 128.into(), &[]));
     assert!(e.contains("gate_proj") && e.contains("shape"), "{e}");
     // Feature width: three target layers need an fc of 3·64 inputs.
-    let e = load_err(&variant(
-        "layers",
-        |c| c["dflash_config"]["target_layer_ids"] = serde_json::json!([0, 1, 2]),
-        &[],
-    ));
+    let e = load_err(&variant("layers", |c| c["dflash_config"]["target_layer_ids"] = serde_json::json!([0, 1, 2]), &[]));
     assert!(e.contains("fc.weight") && e.contains("shape"), "{e}");
     // Config fields.
-    let e = load_err(&variant(
-        "arch",
-        |c| c["architectures"] = serde_json::json!(["Qwen3ForCausalLM"]),
-        &[],
-    ));
+    let e = load_err(&variant("arch", |c| c["architectures"] = serde_json::json!(["Qwen3ForCausalLM"]), &[]));
     assert!(e.contains("not a DFlash drafter"), "{e}");
-    let e = load_err(&variant(
-        "mask",
-        |c| c["dflash_config"] = serde_json::json!({"target_layer_ids": [1, 3]}),
-        &[],
-    ));
+    let e = load_err(&variant("mask", |c| c["dflash_config"] = serde_json::json!({"target_layer_ids": [1, 3]}), &[]));
     assert!(e.contains("mask_token_id"), "{e}");
-    let e = load_err(&variant(
-        "mask-range",
-        |c| c["dflash_config"]["mask_token_id"] = 256.into(),
-        &[],
-    ));
-    assert!(
-        e.contains("mask_token_id 256") && e.contains("outside"),
-        "{e}"
-    );
+    let e = load_err(&variant("mask-range", |c| c["dflash_config"]["mask_token_id"] = 256.into(), &[]));
+    assert!(e.contains("mask_token_id 256") && e.contains("outside"), "{e}");
     let e = load_err(&variant("bias", |c| c["attention_bias"] = true.into(), &[]));
     assert!(e.contains("attention bias"), "{e}");
     let e = load_err(&variant("block", |c| c["block_size"] = 1.into(), &[]));
     assert!(e.contains("block_size"), "{e}");
     // Default target layers come from num_target_layers when the config names none.
-    let dir = variant(
-        "default-layers",
-        |c| c["dflash_config"] = serde_json::json!({"mask_token_id": 255}),
-        &[],
-    );
+    let dir = variant("default-layers", |c| c["dflash_config"] = serde_json::json!({"mask_token_id": 255}), &[]);
     let dd = DFlashDrafter::load(&dir, Quant::Q8).unwrap();
     assert_eq!(dd.config.target_layer_ids, vec![1, 2]);
     // A truncated weights file.
@@ -328,13 +210,7 @@ const QWEN15: &str = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf";
 
 /// Write a random (seeded) DFlash drafter for a target of width `d`, `n_target` layers and `vocab`
 /// tokens into a scratch folder (one draft layer, 4 heads of 64, f32), with an optional draft vocabulary.
-fn random_drafter(
-    name: &str,
-    d: usize,
-    n_target: usize,
-    vocab: usize,
-    draft_vocab: Option<usize>,
-) -> PathBuf {
+fn random_drafter(name: &str, d: usize, n_target: usize, vocab: usize, draft_vocab: Option<usize>) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("eddy-dflash-{}-{name}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (nh, nkv, hd, ffn) = (4usize, 2usize, 64usize, 256usize);
@@ -358,13 +234,8 @@ fn random_drafter(
             .collect()
     };
     let mut t: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
-    let mut mat = |t: &mut Vec<_>, name: &str, r: usize, c: usize| {
-        t.push((
-            name.to_string(),
-            vec![r, c],
-            rnd(r * c, 1.7 / (c as f32).sqrt()),
-        ))
-    };
+    let mut mat =
+        |t: &mut Vec<_>, name: &str, r: usize, c: usize| t.push((name.to_string(), vec![r, c], rnd(r * c, 1.7 / (c as f32).sqrt())));
     mat(&mut t, "fc.weight", d, layers.len() * d);
     for (name, r, c) in [
         ("layers.0.self_attn.q_proj.weight", nh * hd, d),
@@ -406,11 +277,7 @@ fn random_drafter(
     std::fs::write(dir.join("model.safetensors"), file).unwrap();
     if let Some(n) = draft_vocab {
         let ids: Vec<u32> = (0..n as u32).collect();
-        std::fs::write(
-            dir.join("draft_vocab.json"),
-            serde_json::to_string(&ids).unwrap(),
-        )
-        .unwrap();
+        std::fs::write(dir.join("draft_vocab.json"), serde_json::to_string(&ids).unwrap()).unwrap();
     }
     dir
 }
@@ -419,37 +286,13 @@ const PROMPT: &str = "Write a python function to merge two sorted lists.";
 
 fn chat(engine: &Engine, msg: &str) -> Vec<u32> {
     let t = engine.lm.template.as_ref().expect("chat template");
-    let msgs = vec![eddy::chat::ChatMessage {
-        role: "user".into(),
-        content: msg.into(),
-    }];
-    eddy::chat::encode_chat(
-        &engine.lm.tokenizer,
-        &t.render(&msgs, true, &Default::default()).unwrap(),
-    )
-    .unwrap()
+    let msgs = vec![eddy::chat::ChatMessage { role: "user".into(), content: msg.into() }];
+    eddy::chat::encode_chat(&engine.lm.tokenizer, &t.render(&msgs, true, &Default::default()).unwrap()).unwrap()
 }
 
-fn generate(
-    engine: &mut Engine,
-    prompt: &[u32],
-    temperature: f32,
-    max_tokens: usize,
-) -> (Vec<u32>, eddy::stats::GenerationStats) {
-    let sampler = SamplerParams {
-        temperature,
-        top_k: 40,
-        top_p: 0.95,
-        min_p: 0.05,
-        seed: 1234,
-        ..Default::default()
-    };
-    let params = GenerateParams {
-        max_tokens,
-        sampler,
-        ignore_eos: false,
-        logprobs: None,
-    };
+fn generate(engine: &mut Engine, prompt: &[u32], temperature: f32, max_tokens: usize) -> (Vec<u32>, eddy::stats::GenerationStats) {
+    let sampler = SamplerParams { temperature, top_k: 40, top_p: 0.95, min_p: 0.05, seed: 1234, ..Default::default() };
+    let params = GenerateParams { max_tokens, sampler, ignore_eos: false, logprobs: None };
     let mut out = Vec::new();
     let st = engine
         .generate(prompt, &params, &mut |t| {
@@ -478,31 +321,13 @@ impl Speculator for Oracle {
     fn feature_layers(&self) -> &[usize] {
         self.inner.feature_layers()
     }
-    fn observe(
-        &mut self,
-        pool: &ThreadPool,
-        history: &[u32],
-        start: usize,
-        hidden: &[f32],
-    ) -> eddy::Result<()> {
+    fn observe(&mut self, pool: &ThreadPool, history: &[u32], start: usize, hidden: &[f32]) -> eddy::Result<()> {
         self.inner.observe(pool, history, start, hidden)
     }
-    fn propose(
-        &mut self,
-        ctx: &ProposeCtx,
-        history: &[u32],
-        tree: &mut DraftTree,
-    ) -> eddy::Result<f64> {
+    fn propose(&mut self, ctx: &ProposeCtx, history: &[u32], tree: &mut DraftTree) -> eddy::Result<f64> {
         let n = history.len() - 1;
-        assert_eq!(
-            history,
-            &self.truth[..=n],
-            "the history left the plain output"
-        );
-        let Some(m) =
-            self.inner
-                .marginals(ctx.pool, ctx.target.unwrap(), history, ctx.temperature)?
-        else {
+        assert_eq!(history, &self.truth[..=n], "the history left the plain output");
+        let Some(m) = self.inner.marginals(ctx.pool, ctx.target.unwrap(), history, ctx.temperature)? else {
             panic!("the drafter's context does not reach the root at {n}")
         };
         let mut m = m.clone();
@@ -510,35 +335,20 @@ impl Speculator for Oracle {
             let Some(&t) = self.truth.get(n + depth) else {
                 break;
             };
-            let rank = if self.shape == TreeShape::Chain {
-                0
-            } else {
-                depth % 3
-            };
+            let rank = if self.shape == TreeShape::Chain { 0 } else { depth % 3 };
             let row = (depth - 1) * m.k;
             m.tokens[row + rank] = t;
             let probs = [0.9f32, 0.8, 0.7, 0.01, 0.01, 0.01, 0.01, 0.01];
             m.probs[row..row + m.k].copy_from_slice(&probs[..m.k]);
         }
-        grow_tree(
-            &m,
-            self.shape,
-            ctx.max_nodes.min(ctx.budget.max_nodes()),
-            tree,
-        );
+        grow_tree(&m, self.shape, ctx.max_nodes.min(ctx.budget.max_nodes()), tree);
         Ok(0.0)
     }
 }
 
 /// Plain decoding vs DFlash speculation (`kinds` with their budgets, then the oracle with `shapes`) on
 /// the first `prompts` prompts, greedy and at temperature 0.8, `max_tokens` each.
-fn check_target(
-    target: &str,
-    draft_vocab: Option<usize>,
-    max_tokens: usize,
-    kinds: &[(SpeculatorKind, Budget)],
-    shapes: &[TreeShape],
-) {
+fn check_target(target: &str, draft_vocab: Option<usize>, max_tokens: usize, kinds: &[(SpeculatorKind, Budget)], shapes: &[TreeShape]) {
     let Some(mut engine) = common::engine(target, 512) else {
         return;
     };
@@ -553,13 +363,7 @@ fn check_target(
         let (plain, _) = generate(&mut engine, &prompt, t, max_tokens);
         let truth: Vec<u32> = prompt.iter().chain(&plain).copied().collect();
         for &(kind, budget) in kinds {
-            let specs = build_speculators(
-                kind,
-                Some(Drafter::DFlash(Box::new(load()))),
-                &engine.lm,
-                engine.ctx(),
-            )
-            .unwrap();
+            let specs = build_speculators(kind, Some(Drafter::DFlash(Box::new(load()))), &engine.lm, engine.ctx()).unwrap();
             engine.set_speculation(specs, budget);
             let (out, st) = generate(&mut engine, &prompt, t, max_tokens);
             assert_eq!(out, plain, "{target}: {kind:?} with budget {budget:?} at temperature {t} changed the output of {msg:?}");
@@ -568,17 +372,10 @@ fn check_target(
         for &shape in shapes {
             let mut d = load();
             d.bind(&engine.lm.model).unwrap();
-            let oracle = Oracle {
-                inner: DFlashSpeculator::new(d, engine.ctx(), shape),
-                truth: truth.clone(),
-                shape,
-            };
+            let oracle = Oracle { inner: DFlashSpeculator::new(d, engine.ctx(), shape), truth: truth.clone(), shape };
             engine.set_speculation(vec![Box::new(oracle)], Budget::Fixed(16));
             let (out, st) = generate(&mut engine, &prompt, t, max_tokens);
-            assert_eq!(
-                out, plain,
-                "{target}: oracle {shape:?} at temperature {t} changed the output of {msg:?}"
-            );
+            assert_eq!(out, plain, "{target}: oracle {shape:?} at temperature {t} changed the output of {msg:?}");
             assert!(st.draft_accepted > 0, "oracle {shape:?}: no draft accepted");
             accepted += st.draft_accepted;
             passes += st.decode_passes;
@@ -587,10 +384,7 @@ fn check_target(
     }
     engine.set_speculation(Vec::new(), Budget::Auto);
     eprintln!("{target}: oracle drafts: {generated} tokens in {passes} verify passes, {accepted} drafts accepted");
-    assert!(
-        passes * 3 < generated * 2,
-        "the oracle's true paths should be accepted: {generated} tokens in {passes} passes"
-    );
+    assert!(passes * 3 < generated * 2, "the oracle's true paths should be accepted: {generated} tokens in {passes} passes");
 }
 
 #[test]
@@ -600,24 +394,12 @@ fn lossless_on_qwen05() {
         (SpeculatorKind::DFlashChain, Budget::Fixed(15)),
         (SpeculatorKind::Auto, Budget::Fixed(8)),
     ];
-    check_target(
-        QWEN05,
-        None,
-        24,
-        &kinds,
-        &[TreeShape::Best, TreeShape::Chain],
-    );
+    check_target(QWEN05, None, 24, &kinds, &[TreeShape::Best, TreeShape::Chain]);
 }
 
 #[test]
 fn lossless_on_qwen15_with_a_draft_vocabulary() {
-    check_target(
-        QWEN15,
-        Some(4096),
-        16,
-        &[(SpeculatorKind::DFlash, Budget::Fixed(12))],
-        &[TreeShape::Best],
-    );
+    check_target(QWEN15, Some(4096), 16, &[(SpeculatorKind::DFlash, Budget::Fixed(12))], &[TreeShape::Best]);
 }
 
 /// The trained drafter for the 1.5B (`dflash-qwen2.5-coder-1.5b/` in the models folder, where present:
@@ -635,10 +417,7 @@ fn lossless_with_the_trained_drafter() {
         return;
     };
     let mut accepted = 0;
-    for msg in [
-        PROMPT,
-        "Explain the difference between a process and a thread.",
-    ] {
+    for msg in [PROMPT, "Explain the difference between a process and a thread."] {
         let prompt = chat(&engine, msg);
         for t in [0.0f32, 0.8] {
             engine.set_speculation(Vec::new(), Budget::Auto);
@@ -649,13 +428,7 @@ fn lossless_with_the_trained_drafter() {
                 (SpeculatorKind::Auto, Budget::Auto),
             ] {
                 let d = DFlashDrafter::load(&dir, Quant::Q8).unwrap();
-                let specs = build_speculators(
-                    kind,
-                    Some(Drafter::DFlash(Box::new(d))),
-                    &engine.lm,
-                    engine.ctx(),
-                )
-                .unwrap();
+                let specs = build_speculators(kind, Some(Drafter::DFlash(Box::new(d))), &engine.lm, engine.ctx()).unwrap();
                 engine.set_speculation(specs, budget);
                 let (out, st) = generate(&mut engine, &prompt, t, 32);
                 assert_eq!(out, plain, "trained drafter, {kind:?} {budget:?} at temperature {t} changed the output of {msg:?}");
@@ -664,10 +437,7 @@ fn lossless_with_the_trained_drafter() {
         }
     }
     engine.set_speculation(Vec::new(), Budget::Auto);
-    assert!(
-        accepted > 0,
-        "the trained drafter's drafts were never accepted"
-    );
+    assert!(accepted > 0, "the trained drafter's drafts were never accepted");
 }
 
 /// A drafter that does not fit the target is refused when the speculators are built.
@@ -677,21 +447,8 @@ fn mismatched_drafter_is_refused_for_a_real_target() {
         return;
     };
     let d = DFlashDrafter::load(&fixture_dir().join("tiny"), Quant::Q8).unwrap();
-    let e = build_speculators(
-        SpeculatorKind::DFlash,
-        Some(Drafter::DFlash(Box::new(d))),
-        &engine.lm,
-        engine.ctx(),
-    )
-    .err()
-    .expect("refused");
-    assert!(
-        e.to_string().contains("hidden_size 64") && e.to_string().contains("896"),
-        "{e}"
-    );
-    let e = build_speculators(SpeculatorKind::DFlash, None, &engine.lm, engine.ctx())
-        .err()
-        .expect("refused")
-        .to_string();
+    let e = build_speculators(SpeculatorKind::DFlash, Some(Drafter::DFlash(Box::new(d))), &engine.lm, engine.ctx()).err().expect("refused");
+    assert!(e.to_string().contains("hidden_size 64") && e.to_string().contains("896"), "{e}");
+    let e = build_speculators(SpeculatorKind::DFlash, None, &engine.lm, engine.ctx()).err().expect("refused").to_string();
     assert!(e.contains("needs a DFlash drafter"), "{e}");
 }

@@ -62,9 +62,7 @@ pub fn is_dflash_dir(path: &Path) -> bool {
     let Ok(v) = serde_json::from_str::<Value>(&text) else {
         return false;
     };
-    v.get("architectures")
-        .and_then(Value::as_array)
-        .is_some_and(|a| a.iter().any(|x| x.as_str() == Some(ARCHITECTURE)))
+    v.get("architectures").and_then(Value::as_array).is_some_and(|a| a.iter().any(|x| x.as_str() == Some(ARCHITECTURE)))
 }
 
 /// A DFlash drafter stored next to the model file `model`: the folder `<stem>.dflash/`, else the folder
@@ -85,11 +83,7 @@ pub fn find_next_to(model: &Path) -> Option<PathBuf> {
         let Some(prefix) = name.strip_prefix("dflash-") else {
             continue;
         };
-        if !prefix.is_empty()
-            && file.starts_with(prefix)
-            && best.as_ref().is_none_or(|b| prefix.len() > b.0)
-            && is_dflash_dir(&e.path())
-        {
+        if !prefix.is_empty() && file.starts_with(prefix) && best.as_ref().is_none_or(|b| prefix.len() > b.0) && is_dflash_dir(&e.path()) {
             best = Some((prefix.len(), e.path()));
         }
     }
@@ -103,9 +97,7 @@ pub fn default_target_layers(n_target: usize, n_draft: usize) -> Vec<usize> {
         return vec![n_target / 2];
     }
     let (start, end) = (1.0f64, n_target as f64 - 3.0);
-    (0..n_draft)
-        .map(|i| (start + i as f64 * (end - start) / (n_draft - 1) as f64).round() as usize)
-        .collect()
+    (0..n_draft).map(|i| (start + i as f64 * (end - start) / (n_draft - 1) as f64).round() as usize).collect()
 }
 
 /// Hyper-parameters of a DFlash drafter (`config.json`, a Qwen3 config with DFlash fields).
@@ -147,22 +139,15 @@ impl DFlashConfig {
     /// scaling).
     pub fn read(dir: &Path) -> Result<DFlashConfig> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| Error::model(&path, format!("cannot read: {e}")))?;
-        let v: Value = serde_json::from_str(&text)
-            .map_err(|e| Error::model(&path, format!("malformed JSON: {e}")))?;
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::model(&path, format!("cannot read: {e}")))?;
+        let v: Value = serde_json::from_str(&text).map_err(|e| Error::model(&path, format!("malformed JSON: {e}")))?;
         let bad = |m: String| Error::model(&path, m);
         let archs = v.get("architectures").and_then(Value::as_array);
         if !archs.is_some_and(|a| a.iter().any(|x| x.as_str() == Some(ARCHITECTURE))) {
-            return Err(bad(format!(
-                "not a DFlash drafter (architectures must name {ARCHITECTURE})"
-            )));
+            return Err(bad(format!("not a DFlash drafter (architectures must name {ARCHITECTURE})")));
         }
         let num = |k: &str| -> Result<usize> {
-            v.get(k)
-                .and_then(Value::as_u64)
-                .map(|x| x as usize)
-                .ok_or_else(|| bad(format!("missing or invalid integer field `{k}`")))
+            v.get(k).and_then(Value::as_u64).map(|x| x as usize).ok_or_else(|| bad(format!("missing or invalid integer field `{k}`")))
         };
         let d_model = num("hidden_size")?;
         let n_heads = num("num_attention_heads")?;
@@ -175,75 +160,38 @@ impl DFlashConfig {
             _ => d_model / n_heads.max(1),
         };
         if v.get("attention_bias").and_then(Value::as_bool) == Some(true) {
-            return Err(bad(
-                "attention biases (attention_bias: true) are not supported in a DFlash drafter"
-                    .into(),
-            ));
+            return Err(bad("attention biases (attention_bias: true) are not supported in a DFlash drafter".into()));
         }
         if let Some(act) = v.get("hidden_act").and_then(Value::as_str) {
             if act != "silu" {
-                return Err(bad(format!(
-                    "hidden_act `{act}` is not supported (DFlash drafters use silu)"
-                )));
+                return Err(bad(format!("hidden_act `{act}` is not supported (DFlash drafters use silu)")));
             }
         }
-        let rope_params = v
-            .get("rope_parameters")
-            .or_else(|| v.get("rope_scaling"))
-            .filter(|x| !x.is_null());
+        let rope_params = v.get("rope_parameters").or_else(|| v.get("rope_scaling")).filter(|x| !x.is_null());
         if let Some(p) = rope_params {
-            let kind = p
-                .get("rope_type")
-                .or_else(|| p.get("type"))
-                .and_then(Value::as_str)
-                .unwrap_or("default");
+            let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str).unwrap_or("default");
             if kind != "default" {
-                return Err(bad(format!(
-                    "RoPE scaling `{kind}` is not supported in a DFlash drafter"
-                )));
+                return Err(bad(format!("RoPE scaling `{kind}` is not supported in a DFlash drafter")));
             }
         }
-        let rope_theta = v
-            .get("rope_theta")
-            .or_else(|| rope_params.and_then(|p| p.get("rope_theta")))
-            .and_then(Value::as_f64)
-            .unwrap_or(10000.0) as f32;
-        let norm_eps = v
-            .get("rms_norm_eps")
-            .and_then(Value::as_f64)
-            .unwrap_or(1e-6) as f32;
+        let rope_theta =
+            v.get("rope_theta").or_else(|| rope_params.and_then(|p| p.get("rope_theta"))).and_then(Value::as_f64).unwrap_or(10000.0) as f32;
+        let norm_eps = v.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6) as f32;
         let n_layers = num("num_hidden_layers")?;
-        let num_target_layers = v
-            .get("num_target_layers")
-            .and_then(Value::as_u64)
-            .map(|x| x as usize);
-        let dc = v
-            .get("dflash_config")
-            .ok_or_else(|| bad("missing `dflash_config`".into()))?;
-        let mask_token_id = dc
-            .get("mask_token_id")
-            .and_then(Value::as_u64)
-            .ok_or_else(|| bad("missing or invalid `dflash_config.mask_token_id`".into()))?
-            as u32;
+        let num_target_layers = v.get("num_target_layers").and_then(Value::as_u64).map(|x| x as usize);
+        let dc = v.get("dflash_config").ok_or_else(|| bad("missing `dflash_config`".into()))?;
+        let mask_token_id =
+            dc.get("mask_token_id").and_then(Value::as_u64).ok_or_else(|| bad("missing or invalid `dflash_config.mask_token_id`".into()))?
+                as u32;
         let target_layer_ids = match dc.get("target_layer_ids").filter(|x| !x.is_null()) {
             Some(ids) => ids
                 .as_array()
-                .and_then(|a| {
-                    a.iter()
-                        .map(|x| x.as_u64().map(|x| x as usize))
-                        .collect::<Option<Vec<_>>>()
-                })
-                .ok_or_else(|| {
-                    bad("`dflash_config.target_layer_ids` must be a list of layer indices".into())
-                })?,
+                .and_then(|a| a.iter().map(|x| x.as_u64().map(|x| x as usize)).collect::<Option<Vec<_>>>())
+                .ok_or_else(|| bad("`dflash_config.target_layer_ids` must be a list of layer indices".into()))?,
             None => {
-                let n = num_target_layers.ok_or_else(|| {
-                    bad("needs `dflash_config.target_layer_ids` or `num_target_layers`".into())
-                })?;
+                let n = num_target_layers.ok_or_else(|| bad("needs `dflash_config.target_layer_ids` or `num_target_layers`".into()))?;
                 if n < 4 && n_layers > 1 {
-                    return Err(bad(format!(
-                        "num_target_layers {n} is too small for the default target layers"
-                    )));
+                    return Err(bad(format!("num_target_layers {n} is too small for the default target layers")));
                 }
                 default_target_layers(n, n_layers)
             }
@@ -264,30 +212,18 @@ impl DFlashConfig {
             num_target_layers,
         };
         if c.n_layers == 0 || c.target_layer_ids.is_empty() {
-            return Err(bad(
-                "a DFlash drafter needs at least one layer and one target layer".into(),
-            ));
+            return Err(bad("a DFlash drafter needs at least one layer and one target layer".into()));
         }
         if c.block_size < 2 {
-            return Err(bad(format!(
-                "block_size {} must be at least 2",
-                c.block_size
-            )));
+            return Err(bad(format!("block_size {} must be at least 2", c.block_size)));
         }
-        if c.n_heads == 0
-            || c.n_kv_heads == 0
-            || !c.n_heads.is_multiple_of(c.n_kv_heads)
-            || !c.head_dim.is_multiple_of(2)
-        {
+        if c.n_heads == 0 || c.n_kv_heads == 0 || !c.n_heads.is_multiple_of(c.n_kv_heads) || !c.head_dim.is_multiple_of(2) {
             return Err(bad(format!(
                 "inconsistent attention shape: {} heads, {} kv heads, head_dim {}",
                 c.n_heads, c.n_kv_heads, c.head_dim
             )));
         }
-        if !c.d_model.is_multiple_of(32)
-            || !c.ffn_dim.is_multiple_of(32)
-            || !(c.n_heads * c.head_dim).is_multiple_of(32)
-        {
+        if !c.d_model.is_multiple_of(32) || !c.ffn_dim.is_multiple_of(32) || !(c.n_heads * c.head_dim).is_multiple_of(32) {
             return Err(bad(format!(
                 "unsupported shape: hidden_size {} / intermediate_size {} / heads × head_dim {} must be multiples of 32",
                 c.d_model,
@@ -296,10 +232,7 @@ impl DFlashConfig {
             )));
         }
         if c.mask_token_id as usize >= c.vocab_size {
-            return Err(bad(format!(
-                "mask_token_id {} is outside the vocabulary of {}",
-                c.mask_token_id, c.vocab_size
-            )));
+            return Err(bad(format!("mask_token_id {} is outside the vocabulary of {}", c.mask_token_id, c.vocab_size)));
         }
         Ok(c)
     }
@@ -397,15 +330,7 @@ impl DFlashDrafter {
         if crate::backend::cpu::prepack_wanted() {
             let mut ws: Vec<&mut WeightMatrix> = vec![&mut drafter.fc];
             for l in &mut drafter.layers {
-                ws.extend([
-                    &mut l.wq,
-                    &mut l.wk,
-                    &mut l.wv,
-                    &mut l.wo,
-                    &mut l.w_gate,
-                    &mut l.w_up,
-                    &mut l.w_down,
-                ]);
+                ws.extend([&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.w_gate, &mut l.w_up, &mut l.w_down]);
             }
             crate::quant::prepack_all(ws);
         }
@@ -419,24 +344,16 @@ impl DFlashDrafter {
         let c = &self.config;
         let bad = |m: String| Err(Error::model(&self.source, m));
         if c.d_model != d_model {
-            return bad(format!(
-                "DFlash drafter has hidden_size {} but the target's is {d_model}",
-                c.d_model
-            ));
+            return bad(format!("DFlash drafter has hidden_size {} but the target's is {d_model}", c.d_model));
         }
         if let Some(&l) = c.target_layer_ids.iter().find(|&&l| l >= n_layers) {
             return bad(format!("DFlash drafter reads target layer {l} but the target has {n_layers} layers (0..{n_layers})"));
         }
         if let Some(n) = c.num_target_layers.filter(|&n| n != n_layers) {
-            return bad(format!(
-                "DFlash drafter was trained for a target of {n} layers, this one has {n_layers}"
-            ));
+            return bad(format!("DFlash drafter was trained for a target of {n} layers, this one has {n_layers}"));
         }
         if c.vocab_size != vocab {
-            return bad(format!(
-                "DFlash drafter has a vocabulary of {} tokens but the target's has {vocab}",
-                c.vocab_size
-            ));
+            return bad(format!("DFlash drafter has a vocabulary of {} tokens but the target's has {vocab}", c.vocab_size));
         }
         Ok(())
     }
@@ -445,10 +362,7 @@ impl DFlashDrafter {
     /// and build the draft-vocabulary LM head from its head ([`DFlashDrafter::bind_head`]).
     pub fn bind(&mut self, target: &Model) -> Result<()> {
         if target.qwen35.is_some() {
-            return Err(Error::model(
-                &self.source,
-                "DFlash drafters run with dense targets only (not Qwen3.5)",
-            ));
+            return Err(Error::model(&self.source, "DFlash drafters run with dense targets only (not Qwen3.5)"));
         }
         let c = &target.config;
         self.check_target(c.d_model, c.n_layers, c.vocab_size)?;
@@ -467,11 +381,7 @@ impl DFlashDrafter {
             lm_head.dequant_row(id as usize, row);
         }
         let mut head = match lm_head {
-            WeightMatrix::F32 { .. } | WeightMatrix::Bf16 { .. } => WeightMatrix::F32 {
-                rows: ids.len(),
-                cols: d,
-                data,
-            },
+            WeightMatrix::F32 { .. } | WeightMatrix::Bf16 { .. } => WeightMatrix::F32 { rows: ids.len(), cols: d, data },
             WeightMatrix::Q(_) => quantize_f32(ids.len(), d, &data, QuantKind::Q8),
         };
         if crate::backend::cpu::prepack_wanted() {
@@ -508,29 +418,17 @@ fn read_draft_vocab(dir: &Path, vocab: usize) -> Result<Option<Vec<u32>>> {
     if !path.is_file() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| Error::model(&path, format!("cannot read: {e}")))?;
-    let v: Value = serde_json::from_str(&text)
-        .map_err(|e| Error::model(&path, format!("malformed JSON: {e}")))?;
-    let list = v
-        .as_array()
-        .or_else(|| v.get("token_ids").and_then(Value::as_array));
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::model(&path, format!("cannot read: {e}")))?;
+    let v: Value = serde_json::from_str(&text).map_err(|e| Error::model(&path, format!("malformed JSON: {e}")))?;
+    let list = v.as_array().or_else(|| v.get("token_ids").and_then(Value::as_array));
     let ids = list
         .and_then(|a| a.iter().map(|x| x.as_u64()).collect::<Option<Vec<u64>>>())
-        .ok_or_else(|| {
-            Error::model(
-                &path,
-                "expected a JSON array of token ids (or {\"token_ids\": [...]})",
-            )
-        })?;
+        .ok_or_else(|| Error::model(&path, "expected a JSON array of token ids (or {\"token_ids\": [...]})"))?;
     if ids.is_empty() {
         return Err(Error::model(&path, "the draft vocabulary is empty"));
     }
     if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-        return Err(Error::model(
-            &path,
-            format!("token id {bad} is outside the vocabulary of {vocab}"),
-        ));
+        return Err(Error::model(&path, format!("token id {bad} is outside the vocabulary of {vocab}")));
     }
     Ok(Some(ids.into_iter().map(|i| i as u32).collect()))
 }
@@ -617,15 +515,9 @@ impl DFlashSeq {
     pub fn add_context(&mut self, d: &DFlashDrafter, pool: &ThreadPool, features: &[f32]) {
         let c = &d.config;
         let (dm, kvd, fd) = (c.d_model, c.kv_dim(), c.feature_dim());
-        assert!(
-            features.len().is_multiple_of(fd),
-            "features must be whole rows of {fd}"
-        );
+        assert!(features.len().is_multiple_of(fd), "features must be whole rows of {fd}");
         let m = features.len() / fd;
-        assert!(
-            m <= self.room(c.block_size),
-            "context rows beyond the drafter's room"
-        );
+        assert!(m <= self.room(c.block_size), "context rows beyond the drafter's room");
         if m == 0 {
             return;
         }
@@ -673,10 +565,7 @@ impl DFlashSeq {
         let b = c.block_size;
         for tok in [root, c.mask_token_id] {
             if tok as usize >= embed.rows() {
-                return Err(Error::Input(format!(
-                    "DFlash: token id {tok} is outside the vocabulary of {}",
-                    embed.rows()
-                )));
+                return Err(Error::Input(format!("DFlash: token id {tok} is outside the vocabulary of {}", embed.rows())));
             }
         }
         assert!(self.rows + b <= self.cap, "no room for the block");
@@ -714,27 +603,14 @@ impl DFlashSeq {
             rms_norm_inplace(q, &layer.q_norm, c.norm_eps);
             rms_norm_inplace(kb, &layer.k_norm, c.norm_eps);
             for i in 0..b {
-                let (qi, ki) = (
-                    &mut q[i * qd..(i + 1) * qd],
-                    &mut kb[i * kvd..(i + 1) * kvd],
-                );
+                let (qi, ki) = (&mut q[i * qd..(i + 1) * qd], &mut kb[i * kvd..(i + 1) * kvd]);
                 d.rope.apply_all(&mut [qi, ki], hd, n + i);
             }
             let lk = &mut self.k[l * self.cap * kvd..(l + 1) * self.cap * kvd];
             lk[self.rows * kvd..seen * kvd].copy_from_slice(kb);
             let lv = &mut self.v[l * self.cap * kvd..(l + 1) * self.cap * kvd];
             lv[self.rows * kvd..seen * kvd].copy_from_slice(vb);
-            attention(
-                pool,
-                &shape,
-                q,
-                lk,
-                lv,
-                0,
-                b,
-                Visibility::Block { rows: seen },
-                att,
-            );
+            attention(pool, &shape, q, lk, lv, 0, b, Visibility::Block { rows: seen }, att);
             quantize_activations(pool, att, b, qd, &mut self.xq);
             matmul(pool, &layer.wo, att, &self.xq, b, o);
             add_into(x, o);
@@ -787,14 +663,7 @@ impl Marginals {
     /// Fill from `logits` (`depth × row` f32, the block pass's output over the draft vocabulary `ids`,
     /// or the full vocabulary when `None`), keeping `k` candidates per depth with probabilities
     /// `softmax(logits / temperature)` (temperature 1 for greedy decoding).
-    pub fn fill(
-        &mut self,
-        logits: &[f32],
-        row: usize,
-        ids: Option<&[u32]>,
-        k: usize,
-        temperature: f32,
-    ) {
+    pub fn fill(&mut self, logits: &[f32], row: usize, ids: Option<&[u32]>, k: usize, temperature: f32) {
         let temp = if temperature > 0.0 { temperature } else { 1.0 };
         self.depth = logits.len() / row;
         self.k = k.min(row);
@@ -803,10 +672,7 @@ impl Marginals {
         for r in logits.chunks_exact(row) {
             let top = top_k(r, self.k);
             self.probs.extend(probs_of(r, &top, temp));
-            self.tokens.extend(
-                top.iter()
-                    .map(|&(i, _)| ids.map_or(i, |ids| ids[i as usize])),
-            );
+            self.tokens.extend(top.iter().map(|&(i, _)| ids.map_or(i, |ids| ids[i as usize])));
         }
     }
 
@@ -852,17 +718,8 @@ pub fn grow_tree(m: &Marginals, shape: TreeShape, max_nodes: usize, tree: &mut D
             // Heap entries: (parent node, its score, depth, rank); score = parent score × p(depth, rank).
             let mut heap = BinaryHeap::new();
             let mut seq = 0;
-            heap.push(Ranked {
-                score: m.at(1, 0).1,
-                seq,
-                item: (0usize, 1.0f32, 1usize, 0usize),
-            });
-            while let Some(Ranked {
-                score,
-                item: (parent, ps, depth, rank),
-                ..
-            }) = heap.pop()
-            {
+            heap.push(Ranked { score: m.at(1, 0).1, seq, item: (0usize, 1.0f32, 1usize, 0usize) });
+            while let Some(Ranked { score, item: (parent, ps, depth, rank), .. }) = heap.pop() {
                 if added >= max_nodes || score < MIN_SCORE {
                     break;
                 }
@@ -870,19 +727,11 @@ pub fn grow_tree(m: &Marginals, shape: TreeShape, max_nodes: usize, tree: &mut D
                 added += 1;
                 if rank + 1 < m.k {
                     seq += 1;
-                    heap.push(Ranked {
-                        score: ps * m.at(depth, rank + 1).1,
-                        seq,
-                        item: (parent, ps, depth, rank + 1),
-                    });
+                    heap.push(Ranked { score: ps * m.at(depth, rank + 1).1, seq, item: (parent, ps, depth, rank + 1) });
                 }
                 if depth < m.depth {
                     seq += 1;
-                    heap.push(Ranked {
-                        score: score * m.at(depth + 1, 0).1,
-                        seq,
-                        item: (node, score, depth + 1, 0),
-                    });
+                    heap.push(Ranked { score: score * m.at(depth + 1, 0).1, seq, item: (node, score, depth + 1, 0) });
                 }
             }
         }
@@ -954,10 +803,7 @@ impl Calibration {
 
     /// Scale factor of depth `depth` (1-based).
     pub fn factor(&self, depth: usize) -> f32 {
-        let (h, p) = (
-            self.hits.get(depth - 1).copied().unwrap_or(0.0),
-            self.predicted.get(depth - 1).copied().unwrap_or(0.0),
-        );
+        let (h, p) = (self.hits.get(depth - 1).copied().unwrap_or(0.0), self.predicted.get(depth - 1).copied().unwrap_or(0.0));
         (((h + 1.0) / (p + 1.0)) as f32).clamp(0.1, 10.0)
     }
 
@@ -1007,13 +853,7 @@ impl DFlashSpeculator {
     /// when the context rows do not reach the root (features missing) or there is no room.
     ///
     /// Errors: a token outside the target's vocabulary.
-    pub fn marginals(
-        &mut self,
-        pool: &ThreadPool,
-        target: &Model,
-        history: &[u32],
-        temperature: f32,
-    ) -> Result<Option<&Marginals>> {
+    pub fn marginals(&mut self, pool: &ThreadPool, target: &Model, history: &[u32], temperature: f32) -> Result<Option<&Marginals>> {
         let n = history.len() - 1;
         self.note_tokens(history);
         let b = self.drafter.config.block_size;
@@ -1022,23 +862,9 @@ impl DFlashSpeculator {
         }
         let t = Instant::now();
         let head = self.drafter.head(target.lm_head());
-        self.seq.draft(
-            &self.drafter,
-            pool,
-            &target.embed,
-            target.config.embed_scale,
-            head,
-            history[n],
-            &mut self.logits,
-        )?;
+        self.seq.draft(&self.drafter, pool, &target.embed, target.config.embed_scale, head, history[n], &mut self.logits)?;
         self.stats.record_pass(t.elapsed().as_secs_f64());
-        self.marginals.fill(
-            &self.logits,
-            head.rows(),
-            self.drafter.vocab_ids(),
-            TOP_K,
-            temperature,
-        );
+        self.marginals.fill(&self.logits, head.rows(), self.drafter.vocab_ids(), TOP_K, temperature);
         Ok(Some(&self.marginals))
     }
 
@@ -1068,19 +894,10 @@ impl Speculator for DFlashSpeculator {
         &self.drafter.config.target_layer_ids
     }
 
-    fn observe(
-        &mut self,
-        pool: &ThreadPool,
-        history: &[u32],
-        start: usize,
-        features: &[f32],
-    ) -> Result<()> {
+    fn observe(&mut self, pool: &ThreadPool, history: &[u32], start: usize, features: &[f32]) -> Result<()> {
         let fd = self.drafter.config.feature_dim();
         if !features.len().is_multiple_of(fd) {
-            return Err(Error::Input(format!(
-                "DFlash: {} feature values are not rows of {fd}",
-                features.len()
-            )));
+            return Err(Error::Input(format!("DFlash: {} feature values are not rows of {fd}", features.len())));
         }
         // Rows stay valid while their positions precede `start` and the tokens they were computed for
         // (every token up to their position) are still the sequence's.
@@ -1096,8 +913,7 @@ impl Speculator for DFlashSpeculator {
         }
         self.note_tokens(history);
         let m = (features.len() / fd).min(self.seq.room(self.drafter.config.block_size));
-        self.seq
-            .add_context(&self.drafter, pool, &features[..m * fd]);
+        self.seq.add_context(&self.drafter, pool, &features[..m * fd]);
         Ok(())
     }
 
@@ -1110,18 +926,11 @@ impl Speculator for DFlashSpeculator {
         let Some(target) = ctx.target else {
             return Ok(0.0);
         };
-        if want == 0
-            || !self
-                .stats
-                .worth_a_pass(ctx.budget == Budget::Auto, ctx.cost)
-        {
+        if want == 0 || !self.stats.worth_a_pass(ctx.budget == Budget::Auto, ctx.cost) {
             return Ok(t0.elapsed().as_secs_f64());
         }
         let shape = self.shape;
-        if self
-            .marginals(ctx.pool, target, history, ctx.temperature)?
-            .is_none()
-        {
+        if self.marginals(ctx.pool, target, history, ctx.temperature)?.is_none() {
             return Ok(t0.elapsed().as_secs_f64());
         }
         let m = &mut self.marginals;
@@ -1154,11 +963,7 @@ mod tests {
     fn calibration_scales_each_depth_by_its_hit_rate() {
         let m = marginals(&[&[(5, 0.2), (6, 0.1)], &[(7, 0.2), (8, 0.1)]]);
         let mut c = Calibration::default();
-        assert_eq!(
-            (c.factor(1), c.factor(2)),
-            (1.0, 1.0),
-            "no evidence: unchanged"
-        );
+        assert_eq!((c.factor(1), c.factor(2)), (1.0, 1.0), "no evidence: unchanged");
         // Ten rounds: depth 1 always right (predicted 0.2), depth 2 always wrong.
         for _ in 0..10 {
             c.remember(3, &m);
@@ -1168,17 +973,12 @@ mod tests {
         assert!((c.factor(2) - 1.0 / 3.0).abs() < 1e-5, "{}", c.factor(2));
         let mut mm = m.clone();
         c.apply(&mut mm);
-        assert!(
-            (mm.probs[0] - 0.2 * 11.0 / 3.0).abs() < 1e-5 && (mm.probs[2] - 0.2 / 3.0).abs() < 1e-6
-        );
+        assert!((mm.probs[0] - 0.2 * 11.0 / 3.0).abs() < 1e-5 && (mm.probs[2] - 0.2 / 3.0).abs() < 1e-6);
         // A miss at depth 1 stops the scoring there.
         c.remember(3, &m);
         c.score(&[0, 0, 0, 6, 7]);
         assert_eq!(c.hits[1], 0.0);
-        assert!(
-            (c.predicted[1] - 2.0).abs() < 1e-6,
-            "depth 2 was not reached"
-        );
+        assert!((c.predicted[1] - 2.0).abs() < 1e-6, "depth 2 was not reached");
     }
 
     #[test]
@@ -1192,33 +992,21 @@ mod tests {
 
     #[test]
     fn chain_follows_the_argmax_with_product_scores() {
-        let m = marginals(&[
-            &[(5, 0.9), (6, 0.05)],
-            &[(7, 0.5), (8, 0.4)],
-            &[(9, 0.1), (1, 0.1)],
-        ]);
+        let m = marginals(&[&[(5, 0.9), (6, 0.05)], &[(7, 0.5), (8, 0.4)], &[(9, 0.1), (1, 0.1)]]);
         let mut t = DraftTree::new(3);
         assert_eq!(grow_tree(&m, TreeShape::Chain, 10, &mut t), 3);
         assert_eq!(t.tokens, vec![3, 5, 7, 9]);
         assert_eq!(t.parents[1..], [0, 1, 2]);
         assert!((t.scores[3] - 0.9 * 0.5 * 0.1).abs() < 1e-7);
         let mut t = DraftTree::new(3);
-        assert_eq!(
-            grow_tree(&m, TreeShape::Chain, 2, &mut t),
-            2,
-            "the node cap holds"
-        );
+        assert_eq!(grow_tree(&m, TreeShape::Chain, 2, &mut t), 2, "the node cap holds");
     }
 
     /// The best-first tree pops nodes in non-increasing path score and is exactly the set of the
     /// `budget` most probable prefixes (checked against brute-force enumeration).
     #[test]
     fn best_first_tree_is_the_top_paths() {
-        let m = marginals(&[
-            &[(10, 0.6), (11, 0.3), (12, 0.05)],
-            &[(20, 0.7), (21, 0.2), (22, 0.1)],
-            &[(30, 0.5), (31, 0.45), (32, 0.05)],
-        ]);
+        let m = marginals(&[&[(10, 0.6), (11, 0.3), (12, 0.05)], &[(20, 0.7), (21, 0.2), (22, 0.1)], &[(30, 0.5), (31, 0.45), (32, 0.05)]]);
         // Every prefix path and its score.
         let mut all: Vec<(Vec<usize>, f32)> = Vec::new();
         for a in 0..3 {
@@ -1242,13 +1030,7 @@ mod tests {
             }
             for i in 1..t.len() {
                 assert!(t.parents[i] < i && t.scores[i] <= t.scores[t.parents[i]]);
-                assert_eq!(
-                    t.tokens[i] / 10,
-                    t.depth(i) as u32,
-                    "depth {} holds a depth-{} token",
-                    t.depth(i),
-                    t.tokens[i] / 10
-                );
+                assert_eq!(t.tokens[i] / 10, t.depth(i) as u32, "depth {} holds a depth-{} token", t.depth(i), t.tokens[i] / 10);
             }
         }
     }

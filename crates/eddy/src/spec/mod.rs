@@ -469,9 +469,7 @@ pub fn build_speculators(
         (SpeculatorKind::Draft, Some(Drafter::Model(d))) => out.push(Box::new(draft::DraftModel::new(*d, tok, ctx)?)),
         (SpeculatorKind::Draft | SpeculatorKind::DFlash, Some(Drafter::DFlash(d))) => out.push(dflash(d, dflash::TreeShape::Best)?),
         (SpeculatorKind::DFlashChain, Some(Drafter::DFlash(d))) => out.push(dflash(d, dflash::TreeShape::Chain)?),
-        (SpeculatorKind::Draft, None) => {
-            return Err(Error::Input("speculator `draft` needs a draft model (--draft-model PATH)".into()))
-        }
+        (SpeculatorKind::Draft, None) => return Err(Error::Input("speculator `draft` needs a draft model (--draft-model PATH)".into())),
         (SpeculatorKind::DFlash | SpeculatorKind::DFlashChain, None) => {
             return Err(Error::Input(
                 "speculator `dflash` needs a DFlash drafter (--draft-model DIR, or a drafter folder next to the model)".into(),
@@ -481,9 +479,7 @@ pub fn build_speculators(
             return Err(Error::model(&m.source, "not a DFlash drafter (config.json must name DFlashDraftModel); use --speculator draft"))
         }
         (k, Some(_)) => {
-            return Err(Error::Input(format!(
-                "a drafter was given but the speculator is {k:?}; use --speculator draft, dflash or auto"
-            )))
+            return Err(Error::Input(format!("a drafter was given but the speculator is {k:?}; use --speculator draft, dflash or auto")))
         }
     }
     Ok(out)
