@@ -9,6 +9,7 @@ pub mod backend;
 pub mod chat;
 pub mod engine;
 pub mod error;
+pub mod export;
 pub mod gguf;
 pub mod load;
 pub mod model_dir;
