@@ -45,15 +45,12 @@ pub struct Workspace<B: Backend = Cpu> {
     v: B::Buf,
     att: B::Buf,
     o: B::Buf,
+    /// FFN gate and up rows; the mixers reuse them (the FFN runs after the mixer): the gated attention's
+    /// `wq` output (`2·q_dim`) and gate (`q_dim`), the Gated DeltaNet's pre-conv and post-conv streams
+    /// (`conv_dim`). One set of buffers keeps a prefill's working set small (as the old bump scratch did).
     gate: B::Buf,
     up: B::Buf,
-    /// Gated attention: `wq`'s output (`2·q_dim` per row) and the gate (`q_dim` per row).
-    qg: B::Buf,
-    attn_gate: B::Buf,
-    /// Gated DeltaNet: pre-conv and post-conv streams (`conv_dim`), z and outputs (`value_dim`), g and β
-    /// (`n_v_heads`).
-    gx: B::Buf,
-    gc: B::Buf,
+    /// Gated DeltaNet: z and outputs (`value_dim`), g and β (`n_v_heads`).
     gz: B::Buf,
     go: B::Buf,
     ga: B::Buf,
@@ -86,12 +83,8 @@ impl<B: Backend> Workspace<B> {
             v: z(c.kv_dim()),
             att: z(c.q_dim()),
             o: z(c.d_model),
-            gate: z(c.ffn_dim),
-            up: z(c.ffn_dim),
-            qg: z(if gated { 2 * c.q_dim() } else { 0 }),
-            attn_gate: z(if gated { c.q_dim() } else { 0 }),
-            gx: z(s.conv_dim()),
-            gc: z(s.conv_dim()),
+            gate: z(c.ffn_dim.max(s.conv_dim()).max(if gated { 2 * c.q_dim() } else { 0 })),
+            up: z(c.ffn_dim.max(s.conv_dim()).max(if gated { c.q_dim() } else { 0 })),
             gz: z(s.value_dim()),
             go: z(s.value_dim()),
             ga: z(s.n_v_heads),
@@ -486,7 +479,7 @@ fn ffn<B: Backend>(be: &B, c: &ModelConfig, layer: &Layer<B>, ws: &mut Workspace
 fn attention_mixer<B: Backend>(be: &B, p: &Pass, a: &Attention<B>, kc: &mut B::Buf, vc: &mut B::Buf, ws: &mut Workspace<B>) {
     let (c, t) = (p.c, p.t);
     let (qd, kvd, hd) = (c.q_dim(), c.kv_dim(), c.head_dim);
-    let Workspace { h, q, k, v, att, o, qg, attn_gate, xq, positions, .. } = ws;
+    let Workspace { h, q, k, v, att, o, gate: qg, up: attn_gate, xq, positions, .. } = ws;
     if a.gated {
         be.matmul(&a.wq, h, xq, t, qg);
     } else {
@@ -538,7 +531,7 @@ fn delta_net_mixer<B: Backend>(
     let (c, t) = (p.c, p.t);
     let s = c.gdn.expect("a GDN layer needs ModelConfig::gdn");
     let (cd, vd, hv) = (s.conv_dim(), s.value_dim(), s.n_v_heads);
-    let Workspace { h, gx, gc, gz, go, ga, gb, xq, o, parents, iota, .. } = ws;
+    let Workspace { h, gate: gx, up: gc, gz, go, ga, gb, xq, o, parents, iota, .. } = ws;
     be.matmul(&w.w_qkv, h, xq, t, gx);
     be.matmul(&w.w_z, h, xq, t, gz);
     be.matmul(&w.w_b, h, xq, t, gb);

@@ -1,11 +1,13 @@
-//! Decoder-only transformer models.
+//! Decoder-only models: dense transformers and hybrids with Gated DeltaNet layers.
 //!
-//! Each supported architecture has one file ([`llama`], [`qwen2`], [`qwen3`], [`gemma3`]) that reads its
-//! hyper-parameters into a [`ModelConfig`] and states how it differs from the common pre-norm decoder (biases,
-//! q/k norms, extra norms, embedding scale, activation, sliding-window layers, RoPE pairing). The weights
-//! ([`Model`]) and the one forward pass ([`forward`]) are shared: prefill, decode and (later) tree
-//! verification all run through [`forward`]. GGUF files are read here ([`Model::from_gguf`]); Hugging Face
-//! safetensors folders by [`crate::model_dir`], which converts their conventions to the same [`Model`].
+//! Each supported architecture has one file ([`llama`], [`qwen2`], [`qwen3`], [`gemma3`], [`qwen35`]) that
+//! reads its hyper-parameters into a [`ModelConfig`], names its tensors and states how it differs from the
+//! common pre-norm decoder (biases, q/k norms, extra norms, embedding scale, activation, sliding-window
+//! layers, RoPE pairing, output gate, Gated DeltaNet layers, MTP head). The weights ([`Model`]: a [`Layer`] is
+//! a token [`Mixer`] plus the FFN) and the one forward pass ([`forward`]) are shared: prefill, decode and tree
+//! verification all run through it, generic over the [`crate::backend::Backend`]. GGUF files are read here
+//! ([`Model::from_gguf`]); Hugging Face folders by [`hf`] (dense `model_type`s) and [`qwen35`], which convert
+//! their conventions to the same [`Model`].
 
 pub mod forward;
 pub mod gemma3;
