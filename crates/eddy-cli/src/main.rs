@@ -13,7 +13,6 @@ use eddy::model_dir::Quant;
 use eddy::sampling::SamplerParams;
 use eddy::spec::dflash::{find_next_to, is_dflash_dir, DFlashDrafter, DFlashSeq};
 use eddy::spec::{build_speculators, Budget, Drafter, SpeculatorKind};
-use eddy::spec::{build_speculators, Budget, SpeculatorKind};
 use eddy::stats::{peak_rss_bytes, EnergyMeter, GenerationStats};
 use eddy::tokenizer::StreamDecoder;
 use std::io::{Read, Write};
@@ -213,7 +212,7 @@ fn spec_options(a: &SpecArgs) -> eddy::Result<(Option<SpeculatorKind>, Budget)> 
 fn dflash_pass_ms(engine: &Engine, dir: &std::path::Path, context: usize, reps: usize) -> eddy::Result<f64> {
     let mut d = DFlashDrafter::load(dir, Quant::Q8)?;
     d.bind(&engine.lm.model)?;
-    let pool = engine.pool();
+    let pool = engine.backend().pool();
     let mut seq = DFlashSeq::new(&d, context);
     let features: Vec<f32> = (0..context * d.config.feature_dim()).map(|i| ((i % 97) as f32 - 48.0) / 16.0).collect();
     seq.add_context(&d, pool, &features);

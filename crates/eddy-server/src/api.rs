@@ -135,7 +135,6 @@ pub fn parse_common(o: &Map<String, Value>, chat: bool) -> R<Common> {
     match get(o, "model") {
         None | Some(Value::String(_)) => {}
         Some(v) => return Err(ApiError::invalid(Some("model"), format!("model must be a string, got {v}"))),
-        Some(v) => return Err(ApiError::invalid(Some("model"), format!("model must be a string, got {v}"))),
     }
     // Features not implemented: refuse rather than silently ignore.
     if !chat {

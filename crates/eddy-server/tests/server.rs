@@ -7,7 +7,7 @@ use eddy::sampling::SamplerParams;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 const CTX: usize = 512;
@@ -21,11 +21,11 @@ fn model_path() -> Option<PathBuf> {
     Some(p)
 }
 
-fn engine(p: &PathBuf) -> Engine {
+fn engine(p: &Path) -> Engine {
     engine_with(p, true)
 }
 
-fn engine_with(p: &PathBuf, prefix_cache: bool) -> Engine {
+fn engine_with(p: &Path, prefix_cache: bool) -> Engine {
     let lm = eddy::load::load_gguf(p, &mut |_, _| {}).expect("load model");
     Engine::new(lm, &EngineOptions { threads: 2, ctx: CTX, max_batch: 256, prefix_cache })
 }

@@ -691,7 +691,7 @@ mod tests {
         let conv = [user.clone(), ChatMessage::new("assistant", " ")];
         assert_eq!(t.render_continue(&conv, &kw).unwrap(), "<|im_start|>user\nMerge two lists.<|im_end|>\n<|im_start|>assistant\n");
         // Not an assistant message last.
-        assert!(t.render_continue(&[user.clone()], &kw).is_err());
+        assert!(t.render_continue(std::slice::from_ref(&user), &kw).is_err());
         // A template that rewrites the assistant content cannot be continued.
         let upper = ChatTemplate::new("{% for m in messages %}{{ m.content | upper }}{% endfor %}", None, None).unwrap();
         let conv = [user, ChatMessage::new("assistant", "abc")];

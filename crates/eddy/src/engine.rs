@@ -13,7 +13,7 @@
 //! part of it reuses those KV rows and prefills only the rest (batch-invariant kernels make the result
 //! identical to a cold prefill).
 
-use crate::backend::cpu::ThreadPool;
+use crate::backend::Cpu;
 use crate::error::{Error, Result};
 use crate::load::LoadedModel;
 use crate::models::forward::{commit_tree, forward, forward_tree, last_hidden, reusable_prefix, Logits, Workspace};
@@ -94,11 +94,67 @@ impl TokenLogprobs {
     }
 }
 
+/// Where the tokens of [`Engine::generate_to`] go.
+pub trait TokenSink {
+    /// A generated token (end-of-generation tokens are not passed on) and its log-probabilities when
+    /// [`GenerateParams::logprobs`] asks for them; `false` stops the generation ([`FinishReason::Cancelled`]).
+    fn token(&mut self, id: u32, logprobs: Option<&TokenLogprobs>) -> bool;
+
+    /// Polled before each prefill piece; `true` ends the generation with [`FinishReason::Cancelled`] and no
+    /// token.
+    fn cancelled(&self) -> bool {
+        false
+    }
+}
+
+/// The emitting side of one generation: the sequence so far, the statistics and the sink.
+struct Emit<'a, 'm> {
+    stats: GenerationStats,
+    t0: Instant,
+    t_first: Option<Instant>,
+    t_last: Instant,
+    /// Prompt and every emitted token (the sampler's penalty history).
+    history: Vec<u32>,
+    params: &'a GenerateParams,
+    sink: &'a mut dyn TokenSink,
+    /// The constraint on every sampled token ([`Engine::generate_masked`]), if any.
+    mask: Option<&'m mut dyn LogitMask>,
+}
+
+impl Emit<'_, '_> {
+    fn stats_mut(&mut self) -> &mut GenerationStats {
+        &mut self.stats
+    }
+
+    /// Emit token `y` (`stop`: an end-of-generation token; `full`: the context has no room for another):
+    /// the one place where generation ends for a stop token, the sink, `max_tokens` or a full context.
+    fn emit(&mut self, y: u32, lp: Option<&TokenLogprobs>, stop: bool, full: bool) -> Option<FinishReason> {
+        let now = Instant::now();
+        if self.t_first.is_none() {
+            self.t_first = Some(now);
+            self.stats.ttft = now - self.t0;
+        }
+        self.t_last = now;
+        self.stats.generated_tokens += 1;
+        if !self.params.ignore_eos && stop {
+            return Some(FinishReason::Stop);
+        }
+        if !self.sink.token(y, lp) {
+            return Some(FinishReason::Cancelled);
+        }
+        self.history.push(y);
+        if self.stats.generated_tokens >= self.params.max_tokens || full {
+            return Some(FinishReason::Length);
+        }
+        None
+    }
+}
+
 /// A model ready to generate, with the state of its one sequence.
 pub struct Engine {
     /// The model, tokenizer and template.
     pub lm: LoadedModel,
-    pool: ThreadPool,
+    backend: Cpu,
     ws: Workspace,
     state: SeqState,
     sampler: Sampler,
@@ -114,10 +170,11 @@ impl Engine {
     pub fn new(lm: LoadedModel, opts: &EngineOptions) -> Self {
         let c = &lm.model.config;
         let ctx = opts.ctx.min(c.train_ctx).max(1);
-        let state = SeqState::new(c.n_layers, ctx, c.kv_dim());
-        let ws = Workspace::new(&lm.model, opts.max_batch.max(1));
+        let backend = Cpu::new(opts.threads.max(1));
+        let state = lm.model.new_state(&backend, ctx);
+        let ws = Workspace::new(&backend, &lm.model, opts.max_batch.max(1));
         Engine {
-            pool: ThreadPool::new(opts.threads.max(1)),
+            backend,
             ws,
             state,
             sampler: Sampler::default(),
@@ -134,12 +191,13 @@ impl Engine {
     /// plain decoding.
     pub fn set_speculation(&mut self, speculators: Vec<Box<dyn Speculator>>, budget: Budget) {
         // The target captures the features of the first speculator that reads its intermediate layers.
-        self.state.capture.layers = speculators.iter().map(|s| s.feature_layers()).find(|l| !l.is_empty()).unwrap_or(&[]).to_vec();
-        self.state.capture.rows.clear();
-        if !self.state.capture.layers.is_empty() {
+        let layers = speculators.iter().map(|s| s.feature_layers()).find(|l| !l.is_empty()).unwrap_or(&[]).to_vec();
+        self.state.features.rows.clear();
+        if !layers.is_empty() {
             // A new feature drafter has seen none of the cached rows: prefill from scratch next time.
             self.state.clear();
         }
+        self.state.features.layers = layers;
         self.speculators = speculators;
         self.budget = budget;
     }
@@ -149,9 +207,9 @@ impl Engine {
         self.speculators.iter().map(|s| s.name()).collect()
     }
 
-    /// The engine's worker threads.
-    pub fn pool(&self) -> &ThreadPool {
-        &self.pool
+    /// The engine's backend (its worker threads).
+    pub fn backend(&self) -> &Cpu {
+        &self.backend
     }
 
     /// The measured verify-cost model.
@@ -174,7 +232,7 @@ impl Engine {
             )));
         }
         self.state.clear();
-        forward(&self.lm.model, &self.pool, &mut self.ws, &mut self.state, prompt, Logits::None, &mut self.logits)?;
+        forward(&self.lm.model, &self.backend, &mut self.ws, &mut self.state, prompt, Logits::None, &mut self.logits)?;
         let mut out = Vec::new();
         for &n in sizes {
             let tokens: Vec<u32> = prompt.iter().cycle().take(n).copied().collect();
@@ -182,7 +240,7 @@ impl Engine {
             let mut times = Vec::new();
             for _ in 0..reps.max(1) {
                 let t = Instant::now();
-                forward_tree(&self.lm.model, &self.pool, &mut self.ws, &mut self.state, &tokens, &paths, 0, &mut self.logits)?;
+                forward_tree(&self.lm.model, &self.backend, &mut self.ws, &mut self.state, &tokens, &paths, 0, &mut self.logits)?;
                 times.push(t.elapsed().as_secs_f64());
             }
             times.sort_by(|a, b| a.total_cmp(b));
@@ -211,7 +269,7 @@ impl Engine {
             let tokens = vec![token; n];
             let paths = TreePaths::chain(n);
             let t = Instant::now();
-            forward_tree(&self.lm.model, &self.pool, &mut self.ws, &mut self.state, &tokens, &paths, 0, &mut self.logits)?;
+            forward_tree(&self.lm.model, &self.backend, &mut self.ws, &mut self.state, &tokens, &paths, 0, &mut self.logits)?;
             self.cost.record_verify(n, t.elapsed().as_secs_f64());
         }
         Ok(())
@@ -219,12 +277,12 @@ impl Engine {
 
     /// Context length in tokens.
     pub fn ctx(&self) -> usize {
-        self.state.kv.ctx
+        self.state.ctx
     }
 
     /// Bytes of the KV cache.
     pub fn kv_bytes(&self) -> usize {
-        self.state.kv.nbytes()
+        self.state.nbytes()
     }
 
     /// Generate from `prompt` (token ids, template already applied). `on_token(id)` is called for every
@@ -269,8 +327,45 @@ impl Engine {
         prompt: &[u32],
         params: &GenerateParams,
         cancelled: &dyn Fn() -> bool,
-        mut mask: Option<&mut dyn LogitMask>,
+        mask: Option<&mut dyn LogitMask>,
         on_token: &mut dyn FnMut(u32, Option<&TokenLogprobs>) -> bool,
+    ) -> Result<GenerationStats> {
+        struct Closures<'a> {
+            cancelled: &'a dyn Fn() -> bool,
+            on_token: &'a mut dyn FnMut(u32, Option<&TokenLogprobs>) -> bool,
+        }
+        impl TokenSink for Closures<'_> {
+            fn token(&mut self, id: u32, logprobs: Option<&TokenLogprobs>) -> bool {
+                (self.on_token)(id, logprobs)
+            }
+            fn cancelled(&self) -> bool {
+                (self.cancelled)()
+            }
+        }
+        self.generate_constrained(prompt, params, mask, &mut Closures { cancelled, on_token })
+    }
+
+    /// The generate loop, the one entry point the others wrap: prefill the prompt ([`Engine::prefill`]),
+    /// sample the first token from its logits, then one decode step per round ([`Engine::decode_step`]:
+    /// tree, verify, accept walk, commit), every sampled token going to `sink` through one emit (stop,
+    /// cancel and length checks). Stops at an end-of-generation token (unless `params.ignore_eos`),
+    /// `params.max_tokens`, a full context, or when `sink` asks.
+    ///
+    /// Errors: empty prompt, prompt that does not fit in the context, invalid sampling parameters.
+    pub fn generate_to(&mut self, prompt: &[u32], params: &GenerateParams, sink: &mut dyn TokenSink) -> Result<GenerationStats> {
+        self.generate_constrained(prompt, params, None, sink)
+    }
+
+    /// [`Engine::generate_to`] with every sampled token constrained by `mask` (see
+    /// [`Engine::generate_masked`]).
+    ///
+    /// Errors: as [`Engine::generate_to`].
+    pub fn generate_constrained(
+        &mut self,
+        prompt: &[u32],
+        params: &GenerateParams,
+        mask: Option<&mut dyn LogitMask>,
+        sink: &mut dyn TokenSink,
     ) -> Result<GenerationStats> {
         params.sampler.validate().map_err(Error::Input)?;
         if prompt.is_empty() {
@@ -285,6 +380,57 @@ impl Engine {
         }
         let t0 = Instant::now();
         let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };
+        if !self.prefill(prompt, &mut stats, &*sink)? {
+            stats.finish = FinishReason::Cancelled;
+            return Ok(stats);
+        }
+        let vocab = self.lm.model.config.vocab_size;
+        let mut history: Vec<u32> = Vec::with_capacity(self.ctx() + 1);
+        history.extend_from_slice(prompt);
+        let mut out = Emit { stats, t0, t_first: None, t_last: t0, history, params, sink, mask };
+        out.stats.finish = FinishReason::Length;
+        // Raw logits of a row before sampling changes it (only when log-probabilities are wanted).
+        let mut raw: Vec<f32> = Vec::new();
+        // The first token comes from the prefill logits.
+        if params.logprobs.is_some() {
+            raw = self.logits[..vocab].to_vec();
+        }
+        let mut next = None;
+        if out.mask.as_deref_mut().is_none_or(|m| m.apply(&mut self.logits[..vocab])) {
+            let first = self.sampler.sample(&params.sampler, &mut self.logits[..vocab], &out.history, out.history.len());
+            if let Some(m) = out.mask.as_deref_mut() {
+                m.consume(first);
+            }
+            next = Some((first, params.logprobs.map(|k| TokenLogprobs::new(&raw, first, k))));
+        } else {
+            // The constraint allows no first token.
+            out.stats.finish = FinishReason::Stop;
+        }
+        while let Some((tok, tok_lp)) = next.take() {
+            // Emit `tok` (sampled at position history.len()), then one decode step below it.
+            let full = self.state.n_past() >= self.ctx();
+            if let Some(f) = out.emit(tok, tok_lp.as_ref(), self.lm.tokenizer.is_stop(tok), full) {
+                out.stats.finish = f;
+                break;
+            }
+            next = self.decode_step(tok, &mut out, &mut raw)?;
+        }
+        let mut stats = out.stats;
+        stats.decode_time = out.t_first.map(|f| out.t_last - f).unwrap_or_default();
+        stats.duration = t0.elapsed();
+        if out.t_first.is_none() {
+            // max_tokens = 0: only the prefill ran; keep prefill speed meaningful (not prompt ÷ 0).
+            stats.ttft = stats.duration;
+        }
+        Ok(stats)
+    }
+
+    /// Prefill `prompt` after the longest prefix the prefix cache can keep, in pieces of `max_batch` tokens
+    /// rounded up to a multiple of the Gated DeltaNet chunk, ending at multiples of that many positions (so a
+    /// prefix-cache hit cuts the prompt where a cold prefill does: hybrid models need that to compute the same
+    /// values), checking `sink.cancelled()` before each; the speculators see the prompt (and the hidden states
+    /// when they want them). Leaves the last position's logits in `self.logits`; false when cancelled.
+    fn prefill(&mut self, prompt: &[u32], stats: &mut GenerationStats, sink: &dyn TokenSink) -> Result<bool> {
         // Prefix cache: keep the committed rows shared with this prompt (at least one token is prefilled,
         // for its logits).
         let keep = if self.prefix_cache { reusable_prefix(&self.lm.model, &self.state, prompt) } else { 0 };
@@ -295,229 +441,166 @@ impl Engine {
             self.calibrate(prompt[0])?;
         }
         for s in self.speculators.iter_mut() {
-            s.prefill(&self.pool, prompt)?;
+            s.prefill(&self.backend, prompt)?;
         }
         let want_hidden = self.speculators.iter().any(|s| s.wants_hidden());
-        let layers = self.state.capture.layers.clone();
-        let want_features = !layers.is_empty();
-        // Prefill in pieces of `max_batch` tokens rounded up to a multiple of the Gated DeltaNet chunk, ending
-        // at multiples of that many positions (so a prefix-cache hit cuts the prompt where a cold prefill does:
-        // hybrid models need that to compute the same values), checking for cancellation before each.
-        let piece = self.ws.max_batch.next_multiple_of(crate::models::qwen35::GDN_CHUNK);
+        let want_features = !self.state.features.layers.is_empty();
+        let piece = self.ws.max_batch.next_multiple_of(crate::state::GDN_CHUNK);
         let mut at = keep;
         while at < prompt.len() {
-            if cancelled() {
-                stats.finish = FinishReason::Cancelled;
-                return Ok(stats);
+            if sink.cancelled() {
+                return Ok(false);
             }
             let end = ((at / piece + 1) * piece).min(prompt.len());
             let want = if end == prompt.len() { Logits::Last } else { Logits::None };
             self.state.want_hidden = want_hidden;
-            let prefilled = forward(&self.lm.model, &self.pool, &mut self.ws, &mut self.state, &prompt[at..end], want, &mut self.logits);
+            let prefilled = forward(&self.lm.model, &self.backend, &mut self.ws, &mut self.state, &prompt[at..end], want, &mut self.logits);
             self.state.want_hidden = false;
             prefilled?;
             if want_hidden {
                 if let Some(h) = last_hidden(&self.state) {
                     for s in self.speculators.iter_mut().filter(|s| s.wants_hidden()) {
-                        s.observe(&self.pool, prompt, at, h)?;
+                        s.observe(&self.backend, prompt, at, h)?;
                     }
                 }
             }
             if want_features {
-                let rows = &self.state.capture.rows;
-                for s in self.speculators.iter_mut().filter(|s| s.feature_layers() == layers) {
-                    s.observe(&self.pool, prompt, at, rows)?;
+                let f = &self.state.features;
+                for s in self.speculators.iter_mut().filter(|s| s.feature_layers() == f.layers) {
+                    s.observe(&self.backend, prompt, at, &f.rows)?;
                 }
             }
             at = end;
         }
+        Ok(true)
+    }
+
+    /// One decode step below the last emitted token `tok`: the speculators' tree (just the root without
+    /// them), one verify pass, the accept walk with the target's own samples, the commit of the accepted
+    /// path, and the emission of the accepted draft tokens. Returns the bonus token (and its
+    /// log-probabilities) to emit next, or `None` when the generation ended (`out.stats.finish` says why).
+    fn decode_step(&mut self, tok: u32, out: &mut Emit, raw: &mut Vec<f32>) -> Result<Option<(u32, Option<TokenLogprobs>)>> {
+        let params = out.params;
         let vocab = self.lm.model.config.vocab_size;
-        let mut history: Vec<u32> = Vec::with_capacity(self.ctx() + 1);
-        history.extend_from_slice(prompt);
-        let mut t_first = None;
-        let mut t_last = t0;
-        stats.finish = FinishReason::Length;
-        // Raw logits of a row before sampling changes it (only when log-probabilities are wanted).
-        let mut raw: Vec<f32> = Vec::new();
         let lp_k = params.logprobs;
-        // The first token comes from the prefill logits.
-        if lp_k.is_some() {
-            raw = self.logits[..vocab].to_vec();
-        }
-        if let Some(m) = mask.as_deref_mut() {
-            if !m.apply(&mut self.logits[..vocab]) {
-                stats.finish = FinishReason::Stop;
-                stats.duration = t0.elapsed();
-                stats.ttft = stats.duration;
-                return Ok(stats);
+        let want_hidden = self.speculators.iter().any(|s| s.wants_hidden());
+        let want_features = !self.state.features.layers.is_empty();
+        let room = self.ctx() - self.state.n_past();
+        let left = params.max_tokens - out.stats.generated_tokens;
+        let max_nodes = (room - 1).min(left.saturating_sub(1));
+        let mut tree = DraftTree::new(tok);
+        let mut draft_cost = 0.0;
+        if !self.speculators.is_empty() && max_nodes > 0 {
+            let ctx = ProposeCtx {
+                backend: &self.backend,
+                budget: self.budget,
+                max_nodes,
+                cost: &self.cost,
+                temperature: params.sampler.temperature,
+                target: Some(&self.lm.model),
+            };
+            for s in self.speculators.iter_mut() {
+                draft_cost += s.propose(&ctx, &out.history, &mut tree)?;
             }
         }
-        let first = self.sampler.sample(&params.sampler, &mut self.logits[..vocab], &history, history.len());
-        if let Some(m) = mask.as_deref_mut() {
-            m.consume(first);
+        if let Some(m) = out.mask.as_deref_mut() {
+            if tree.len() > 1 {
+                // Drafts the constraint rejects cannot be accepted: prune them before the verify pass.
+                tree = tree.prune(|branch| m.accepted_prefix(branch) == branch.len());
+            }
         }
-        let mut next_lp = lp_k.map(|k| TokenLogprobs::new(&raw, first, k));
-        let mut next = Some(first);
-        // The constraint allowed no token at some position of the last walk.
+        let tree = tree.select(self.budget, max_nodes, &self.cost, draft_cost);
+        let paths = TreePaths::new(&tree.parents)?;
+        let tv = Instant::now();
+        forward_tree(&self.lm.model, &self.backend, &mut self.ws, &mut self.state, &tree.tokens, &paths, 0, &mut self.logits)?;
+        self.cost.record_verify(tree.len(), tv.elapsed().as_secs_f64());
+        let stats = &mut *out.stats_mut();
+        stats.decode_passes += 1;
+        // Walk with the target's samples (the walk's samples join `history` for the penalties, and
+        // leave it again below); every sample but the bonus is emitted after the commit.
+        let history = &mut out.history;
+        let mut mask = out.mask.as_deref_mut();
+        // The constraint allowed no token at some node of the walk.
         let mut dead_end = false;
-        while let Some(tok) = next.take() {
-            let tok_lp = next_lp.take();
-            // Emit `tok` (sampled at position history.len()).
-            let now = Instant::now();
-            if t_first.is_none() {
-                t_first = Some(now);
-                stats.ttft = now - t0;
-            }
-            t_last = now;
-            stats.generated_tokens += 1;
-            if !params.ignore_eos && self.lm.tokenizer.is_stop(tok) {
-                stats.finish = FinishReason::Stop;
-                break;
-            }
-            if !on_token(tok, tok_lp.as_ref()) {
-                stats.finish = FinishReason::Cancelled;
-                break;
-            }
-            history.push(tok);
-            if stats.generated_tokens >= params.max_tokens || self.state.n_past() >= self.ctx() {
-                stats.finish = FinishReason::Length;
-                break;
-            }
-            // One decode step: tree below `tok`, verify, walk, commit.
-            let room = self.ctx() - self.state.n_past();
-            let left = params.max_tokens - stats.generated_tokens;
-            let max_nodes = (room - 1).min(left.saturating_sub(1));
-            let mut tree = DraftTree::new(tok);
-            let mut draft_cost = 0.0;
-            if !self.speculators.is_empty() && max_nodes > 0 {
-                let ctx = ProposeCtx {
-                    pool: &self.pool,
-                    budget: self.budget,
-                    max_nodes,
-                    cost: &self.cost,
-                    temperature: params.sampler.temperature,
-                    target: Some(&self.lm.model),
-                };
-                for s in self.speculators.iter_mut() {
-                    draft_cost += s.propose(&ctx, &history, &mut tree)?;
-                }
+        let base = history.len();
+        let n_committed = self.state.n_past();
+        let sampler = &mut self.sampler;
+        let logits = &mut self.logits;
+        let mut walk_lp: Vec<TokenLogprobs> = Vec::new();
+        let walk = accept_walk(&tree, |node| {
+            let row = &mut logits[node * vocab..(node + 1) * vocab];
+            let pos = history.len();
+            debug_assert_eq!(pos, n_committed + paths.depth(node) + 1);
+            if lp_k.is_some() {
+                raw.clear();
+                raw.extend_from_slice(row);
             }
             if let Some(m) = mask.as_deref_mut() {
-                if tree.len() > 1 {
-                    tree = tree.prune(|branch| m.accepted_prefix(branch) == branch.len());
+                if !m.apply(row) {
+                    dead_end = true;
+                    return None;
                 }
             }
-            let tree = tree.select(self.budget, max_nodes, &self.cost, draft_cost);
-            let paths = TreePaths::new(&tree.parents)?;
-            let tv = Instant::now();
-            forward_tree(&self.lm.model, &self.pool, &mut self.ws, &mut self.state, &tree.tokens, &paths, 0, &mut self.logits)?;
-            self.cost.record_verify(tree.len(), tv.elapsed().as_secs_f64());
-            stats.decode_passes += 1;
-            // Walk with the target's samples (the walk's samples join `history` for the penalties, and
-            // leave it again below); every sample but the bonus is emitted after the commit.
-            let base = history.len();
-            let n_committed = self.state.n_past();
-            let sampler = &mut self.sampler;
-            let logits = &mut self.logits;
-            let mut walk_lp: Vec<TokenLogprobs> = Vec::new();
-            let walk = accept_walk(&tree, |node| {
-                let row = &mut logits[node * vocab..(node + 1) * vocab];
-                let pos = history.len();
-                debug_assert_eq!(pos, n_committed + paths.depth(node) + 1);
-                if lp_k.is_some() {
-                    raw.clear();
-                    raw.extend_from_slice(row);
-                }
-                if let Some(m) = mask.as_deref_mut() {
-                    if !m.apply(row) {
-                        dead_end = true;
-                        return None;
-                    }
-                }
-                let y = sampler.sample(&params.sampler, row, &history, pos);
-                if let Some(m) = mask.as_deref_mut() {
-                    m.consume(y);
-                }
-                if let Some(k) = lp_k {
-                    walk_lp.push(TokenLogprobs::new(&raw, y, k));
-                }
-                history.push(y);
-                Some(y)
-            });
-            history.truncate(base);
-            let accepted = walk.path.len() - 1;
-            stats.draft_tokens += tree.len() - 1;
-            stats.draft_accepted += accepted;
-            let depth = (1..tree.len()).map(|i| paths.depth(i)).max().unwrap_or(0);
-            if stats.proposed_at_depth.len() < depth {
-                stats.proposed_at_depth.resize(depth, 0);
-                stats.accepted_at_depth.resize(depth, 0);
+            let y = sampler.sample(&params.sampler, row, history, pos);
+            if let Some(m) = mask.as_deref_mut() {
+                m.consume(y);
             }
-            for d in 0..depth {
-                stats.proposed_at_depth[d] += 1;
+            if let Some(k) = lp_k {
+                walk_lp.push(TokenLogprobs::new(raw, y, k));
             }
-            for d in 0..accepted {
-                stats.accepted_at_depth[d] += 1;
-            }
-            if want_hidden {
-                // The accepted path's hidden states (tree node order → position order), before the
-                // commit moves on.
-                if let Some(h) = last_hidden(&self.state) {
-                    let d = h.len() / tree.len();
-                    let path_h: Vec<f32> = walk.path.iter().flat_map(|&i| h[i * d..(i + 1) * d].iter().copied()).collect();
-                    for s in self.speculators.iter_mut().filter(|s| s.wants_hidden()) {
-                        s.observe(&self.pool, &history, n_committed, &path_h)?;
-                    }
-                }
-            }
-            if want_features {
-                // The accepted path's feature rows (tree node order → position order).
-                let rows = &self.state.capture.rows;
-                let f = rows.len() / tree.len();
-                let path_f: Vec<f32> = walk.path.iter().flat_map(|&i| rows[i * f..(i + 1) * f].iter().copied()).collect();
-                for s in self.speculators.iter_mut().filter(|s| s.feature_layers() == layers) {
-                    s.observe(&self.pool, &history, n_committed, &path_f)?;
-                }
-            }
-            commit_tree(&self.lm.model, &self.pool, &mut self.state, &tree.tokens, &walk.path)?;
-            // Emit the accepted draft tokens (all but the last sample), then continue with the bonus.
-            let mut stop = None;
-            for (i, &y) in walk.samples[..accepted].iter().enumerate() {
-                t_last = Instant::now();
-                stats.generated_tokens += 1;
-                if !params.ignore_eos && self.lm.tokenizer.is_stop(y) {
-                    stop = Some(FinishReason::Stop);
-                    break;
-                }
-                if !on_token(y, walk_lp.get(i)) {
-                    stop = Some(FinishReason::Cancelled);
-                    break;
-                }
-                history.push(y);
-                if stats.generated_tokens >= params.max_tokens {
-                    stop = Some(FinishReason::Length);
-                    break;
-                }
-            }
-            if let Some(f) = stop {
-                stats.finish = f;
-                break;
-            }
-            if dead_end && walk.samples.len() == accepted {
-                // The walk ended where the constraint allows nothing: no bonus token to continue with.
-                stats.finish = FinishReason::Stop;
-                break;
-            }
-            next = walk.samples.last().copied();
-            next_lp = walk_lp.pop();
+            history.push(y);
+            Some(y)
+        });
+        history.truncate(base);
+        let accepted = walk.path.len() - 1;
+        let stats = &mut out.stats;
+        stats.draft_tokens += tree.len() - 1;
+        stats.draft_accepted += accepted;
+        let depth = (1..tree.len()).map(|i| paths.depth(i)).max().unwrap_or(0);
+        if stats.proposed_at_depth.len() < depth {
+            stats.proposed_at_depth.resize(depth, 0);
+            stats.accepted_at_depth.resize(depth, 0);
         }
-        stats.decode_time = t_first.map(|f| t_last - f).unwrap_or_default();
-        stats.duration = t0.elapsed();
-        if t_first.is_none() {
-            // max_tokens = 0: only the prefill ran; keep prefill speed meaningful (not prompt ÷ 0).
-            stats.ttft = stats.duration;
+        for d in 0..depth {
+            stats.proposed_at_depth[d] += 1;
         }
-        Ok(stats)
+        for d in 0..accepted {
+            stats.accepted_at_depth[d] += 1;
+        }
+        if want_hidden {
+            // The accepted path's hidden states (tree node order → position order), before the
+            // commit moves on.
+            if let Some(h) = last_hidden(&self.state) {
+                let d = h.len() / tree.len();
+                let path_h: Vec<f32> = walk.path.iter().flat_map(|&i| h[i * d..(i + 1) * d].iter().copied()).collect();
+                for s in self.speculators.iter_mut().filter(|s| s.wants_hidden()) {
+                    s.observe(&self.backend, &out.history, n_committed, &path_h)?;
+                }
+            }
+        }
+        if want_features {
+            // The accepted path's feature rows (tree node order → position order).
+            let f = &self.state.features;
+            let w = f.rows.len() / tree.len();
+            let path_f: Vec<f32> = walk.path.iter().flat_map(|&i| f.rows[i * w..(i + 1) * w].iter().copied()).collect();
+            for s in self.speculators.iter_mut().filter(|s| s.feature_layers() == f.layers) {
+                s.observe(&self.backend, &out.history, n_committed, &path_f)?;
+            }
+        }
+        commit_tree(&self.lm.model, &self.backend, &mut self.state, &tree.tokens, &walk.path)?;
+        // Emit the accepted draft tokens (all but the last sample), then continue with the bonus.
+        for (i, &y) in walk.samples[..accepted].iter().enumerate() {
+            if let Some(f) = out.emit(y, walk_lp.get(i), self.lm.tokenizer.is_stop(y), false) {
+                out.stats.finish = f;
+                return Ok(None);
+            }
+        }
+        if dead_end && walk.samples.len() == accepted {
+            // The walk ended where the constraint allows nothing: no bonus token to continue with.
+            out.stats.finish = FinishReason::Stop;
+            return Ok(None);
+        }
+        Ok(walk.samples.last().map(|&y| (y, walk_lp.pop())))
     }
 
     /// Teacher-forced logits for every position of `tokens` (`tokens.len() × vocab`, row i predicts token
@@ -525,7 +608,7 @@ impl Engine {
     pub fn score(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         self.state.clear();
         let mut out = Vec::new();
-        forward(&self.lm.model, &self.pool, &mut self.ws, &mut self.state, tokens, Logits::All, &mut out)?;
+        forward(&self.lm.model, &self.backend, &mut self.ws, &mut self.state, tokens, Logits::All, &mut out)?;
         Ok(out)
     }
 

@@ -305,7 +305,7 @@ impl GgufFile {
             let n: u64 = dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).unwrap_or(u64::MAX);
             let nbytes = match ggml_type::block_size(ggml_type) {
                 Some((bv, bb)) => {
-                    if n % bv as u64 != 0 {
+                    if !n.is_multiple_of(bv as u64) {
                         return Err(Error::model(
                             path,
                             format!("corrupt {what}: {n} values is not a whole number of {} blocks", ggml_type::name(ggml_type)),
@@ -501,7 +501,7 @@ mod tests {
         b.extend(32u64.to_le_bytes());
         b.extend(ggml_type::F32.to_le_bytes());
         b.extend(0u64.to_le_bytes());
-        while b.len() % 32 != 0 {
+        while !b.len().is_multiple_of(32) {
             b.push(0);
         }
         for i in 0..32 {

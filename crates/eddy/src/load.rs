@@ -79,7 +79,7 @@ pub fn load(spec: Option<&str>, quant: Quant, progress: &mut dyn FnMut(usize, us
                 ));
             }
         }
-        return model_dir::load_dir(&path, quant, progress);
+        return load_dir(&path, quant, progress);
     }
     if quant != Quant::None {
         return Err(Error::Input(format!(
@@ -208,4 +208,32 @@ pub fn load_gguf(path: &Path, progress: &mut dyn FnMut(usize, usize)) -> Result<
     }
     let template = ChatTemplate::from_gguf(&g, &tokenizer)?;
     Ok(LoadedModel { model, tokenizer, template, source: path.to_path_buf() })
+}
+
+/// Load model, tokenizer and chat template from a Hugging Face folder; `progress(done, total)` is called
+/// as tensors are imported.
+///
+/// Errors ([`Error::Model`] naming the file at fault): missing or malformed `config.json`, unknown
+/// `model_type`, unsupported settings, missing weights, tensors that are missing, of the wrong shape or of
+/// an unsupported dtype, missing `tokenizer.json`, a tokenizer larger than the embedding.
+pub fn load_dir(dir: &Path, quant: Quant, progress: &mut dyn FnMut(usize, usize)) -> Result<LoadedModel> {
+    let tok_path = dir.join(model_dir::TOKENIZER_FILE);
+    let tok_cfg = dir.join(model_dir::TOKENIZER_CONFIG_FILE);
+    if !crate::models::qwen35::is_qwen35_dir(dir) {
+        // A bad config.json is reported before a missing tokenizer.
+        crate::models::hf::read_config(dir)?;
+    }
+    if !tok_path.is_file() {
+        return Err(Error::model(&tok_path, "missing: eddy needs the fast-tokenizer file tokenizer.json"));
+    }
+    let model = crate::models::hf::load_model(dir, quant, progress)?;
+    let tokenizer = Tokenizer::from_file(&tok_path, tok_cfg.is_file().then_some(tok_cfg.as_path()))?;
+    if tokenizer.vocab_size() > model.config.vocab_size {
+        return Err(Error::model(
+            &tok_path,
+            format!("tokenizer has {} tokens but the embedding only {} rows", tokenizer.vocab_size(), model.config.vocab_size),
+        ));
+    }
+    let template = ChatTemplate::from_dir(dir, &tokenizer)?;
+    Ok(LoadedModel { model, tokenizer, template, source: dir.to_path_buf() })
 }

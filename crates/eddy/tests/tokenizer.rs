@@ -212,23 +212,13 @@ fn stream_decoder_holds_split_emoji() {
     }
 }
 
-/// Loading the 151k-token Qwen tokenizer from GGUF metadata must be fast.
+/// The 151k-token Qwen tokenizer loads from GGUF metadata (its load time: `cargo bench -p eddy --bench load`).
 #[test]
-fn qwen_tokenizer_loads_fast() {
+fn qwen_tokenizer_loads() {
     let Some(path) = model_file("qwen2.5-coder-0.5b-instruct.gguf") else { return };
-    let t0 = Instant::now();
     let g = GgufFile::open(&path).unwrap();
-    eprintln!("qwen 0.5b: GgufFile::open (all metadata) took {:.3} s", t0.elapsed().as_secs_f64());
-    let mut best = f64::MAX;
-    for _ in 0..3 {
-        let t0 = Instant::now();
-        let tok = Tokenizer::from_gguf(&g).unwrap();
-        best = best.min(t0.elapsed().as_secs_f64());
-        assert_eq!(tok.vocab_size(), 151936);
-    }
-    eprintln!("qwen 0.5b: Tokenizer::from_gguf best of 3: {best:.3} s");
-    // The target is < 0.5 s; the bound leaves room for a loaded test machine.
-    assert!(best < 1.5, "loading the Qwen tokenizer took {best:.3} s");
+    let tok = Tokenizer::from_gguf(&g).unwrap();
+    assert_eq!(tok.vocab_size(), 151936);
 }
 
 #[test]

@@ -1,1 +1,170 @@
+//! The seam between the models and the hardware: the [`Backend`] trait lists every operation a forward
+//! pass needs, on buffers the backend owns; [`cpu::Cpu`] implements it with eddy's CPU kernels.
+//!
+//! A model is written once against [`Backend`]: its weights are "uploaded" into the backend's own layout
+//! (for the CPU that is the prepacking of quantized matrices at load, [`cpu::prepack_wanted`]), its
+//! activations, KV cache and recurrent states are [`Backend::Buf`]s, and only logits and hidden states come
+//! back to the host ([`Backend::matmul_to_host`], [`Backend::read`]). The backend owns its threads, its
+//! kernel choice and its scratch; model code never sees them.
+//!
+//! Buffers are flat `f32` arrays with row-major `rows × width` contents. Operations take whole buffers
+//! with a row count (the first `n` rows are used) and explicit row offsets where a pass reads or writes
+//! elsewhere (KV rows, logit rows), so a device backend needs no views into its allocations.
+//!
+//! The scalar reference of each operation ([`reference`]) is the test oracle: [`parity`] checks any
+//! backend against it on random inputs (run for the CPU by `cargo test -p eddy --lib parity`).
+//!
+//! Adding a backend: implement [`Backend`] (and an upload of [`crate::quant::WeightMatrix`] into
+//! [`Backend::Weights`]), run [`parity::check_all`] on it, and instantiate the models with it.
+
 pub mod cpu;
+pub mod parity;
+pub mod reference;
+
+pub use cpu::activation::Activation;
+pub use cpu::attention::{AttnShape, Visibility};
+pub use cpu::gdn::GdnShape;
+pub use cpu::rope::{Rope, RopeMode};
+pub use cpu::Cpu;
+
+/// The operations of a forward pass, on buffers owned by the implementation.
+///
+/// Shapes are in rows of `width` values; `n` is the number of rows an operation reads/writes from the
+/// start of its buffers unless a row offset says otherwise. Every operation must be batch invariant: a
+/// row's result does not depend on `n` or on the other rows (speculative decoding relies on it to be
+/// lossless), and deterministic for a given backend.
+pub trait Backend: Send + Sync {
+    /// A buffer of `f32` values in the backend's memory.
+    type Buf: Send + Sync;
+    /// A weight matrix (`rows × cols`, HF orientation: out × in) in the backend's layout.
+    type Weights: Send + Sync;
+    /// Activations quantized to int8 per token and group of 32 (the input of [`Backend::matmul`] for
+    /// quantized weights).
+    type QAct: Send + Sync;
+
+    /// A zeroed buffer of `len` values.
+    fn alloc(&self, len: usize) -> Self::Buf;
+    /// A buffer holding `host`.
+    fn upload(&self, host: &[f32]) -> Self::Buf;
+    /// A weight matrix moved into the backend's layout (the CPU prepacks quantized matrices for its
+    /// AVX-512 kernels).
+    fn upload_weights(&self, w: crate::quant::WeightMatrix) -> Self::Weights;
+    /// Empty quantized-activation scratch (grows on use).
+    fn new_qact(&self) -> Self::QAct;
+
+    /// `x[i] = scale · embedding row tokens[i]` (`d_model` each; `scale` None = 1).
+    fn embed(&self, table: &Self::Weights, tokens: &[u32], scale: Option<f32>, x: &mut Self::Buf);
+    /// Quantize rows `0..n` of `x` (`cols` each) to int8 into `xq`.
+    fn quantize(&self, x: &Self::Buf, n: usize, cols: usize, xq: &mut Self::QAct);
+    /// `out[t][r] = Σ_c W[r][c] · x[t][c]` for `t < n`; quantized weights read `xq` (from
+    /// [`Backend::quantize`] of `x`), float weights read `x`.
+    fn matmul(&self, w: &Self::Weights, x: &Self::Buf, xq: &Self::QAct, n: usize, out: &mut Self::Buf);
+    /// [`Backend::matmul`] whose output (`n × rows`) lands in host memory: the logits readout.
+    fn matmul_to_host(&self, w: &Self::Weights, x: &Self::Buf, xq: &Self::QAct, n: usize, out: &mut [f32]);
+
+    /// RMSNorm of rows `row0..row0 + n` of `x` (width `w`'s length) into rows `0..n` of `out`:
+    /// `out = x / sqrt(mean(x²) + eps) · w`.
+    fn rms_norm(&self, x: &Self::Buf, row0: usize, n: usize, w: &Self::Buf, eps: f32, out: &mut Self::Buf);
+    /// In-place RMSNorm of the first `len` values of `x`, in rows of `w`'s length (per-head q/k norms).
+    fn rms_norm_inplace(&self, x: &mut Self::Buf, len: usize, w: &Self::Buf, eps: f32);
+    /// `x[t] += b` for rows `t < n` (width `b`'s length).
+    fn add_bias(&self, x: &mut Self::Buf, n: usize, b: &Self::Buf);
+    /// `x[i] += y[i]` for `i < len` (the residual add).
+    fn add(&self, x: &mut Self::Buf, y: &Self::Buf, len: usize);
+    /// `gate[i] = act(gate[i]) · up[i]` for `i < len` (SwiGLU, GeGLU).
+    fn gated_act(&self, act: Activation, gate: &mut Self::Buf, up: &Self::Buf, len: usize);
+    /// RoPE at `positions[t]` on rows `t < positions.len()` of `q` (`q_width` each) and `k` (`k_width`
+    /// each), heads of `head_dim`.
+    #[allow(clippy::too_many_arguments)]
+    fn rope(&self, rope: &Rope, q: &mut Self::Buf, q_width: usize, k: &mut Self::Buf, k_width: usize, head_dim: usize, positions: &[usize]);
+
+    /// Copy rows `0..n` of `src` (`width` each) to rows `dst_row..dst_row + n` of `dst` (KV cache writes).
+    fn store_rows(&self, src: &Self::Buf, n: usize, width: usize, dst: &mut Self::Buf, dst_row: usize);
+    /// Within `buf`: copy row `src_row` to row `dst_row` (`width` each; commit of an accepted tree node).
+    fn copy_row(&self, buf: &mut Self::Buf, width: usize, src_row: usize, dst_row: usize);
+    /// Attention of `t` queries (`q`: `t × n_heads·head_dim`) against the cache rows `k`, `v` (`kv_dim`
+    /// each) they see (`vis`: causal at `n_past..`, or tree nodes with an ancestor mask) into `out`
+    /// (`t × n_heads·head_dim`).
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        s: &AttnShape,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        n_past: usize,
+        t: usize,
+        vis: Visibility,
+        out: &mut Self::Buf,
+    );
+
+    /// Copy rows `row0..row0 + n` of `buf` (`width` each) to the end of `out` (hidden-state readout).
+    fn read(&self, buf: &Self::Buf, row0: usize, n: usize, width: usize, out: &mut Vec<f32>);
+    /// `dst[..len] = src[..len]` (state snapshots).
+    fn copy(&self, src: &Self::Buf, dst: &mut Self::Buf, len: usize);
+    /// Copy `host` to the start of `dst`.
+    fn write(&self, host: &[f32], dst: &mut Self::Buf);
+    /// `out[t] = [a[t] ; b[t]]` for rows `t < n` (`width` values each from `a` and `b`).
+    fn concat_rows(&self, a: &Self::Buf, b: &Self::Buf, n: usize, width: usize, out: &mut Self::Buf);
+
+    /// Gated attention: rows `t < n` of `qg` hold per head `[q_h, gate_h]` (`2·head_dim` each); write the
+    /// q halves to `q` and the gate halves to `gate` (`n_heads·head_dim` per row each).
+    fn split_gate(&self, qg: &Self::Buf, n: usize, n_heads: usize, head_dim: usize, q: &mut Self::Buf, gate: &mut Self::Buf);
+    /// `x[i] *= σ(gate[i])` for `i < len` (the gated attention's output gate).
+    fn mul_sigmoid(&self, x: &mut Self::Buf, gate: &Self::Buf, len: usize);
+
+    /// Gated DeltaNet causal depthwise conv + SiLU of the pre-conv rows `x` (`conv_dim` each) of a tree or
+    /// chain (`parents`, one per row; see [`crate::tree`]) into `out`, windows continuing into
+    /// `conv_state` (`(K−1) × conv_dim`, read only); `taps`: the weights tap-major (`K × conv_dim`).
+    fn gdn_conv(&self, s: &GdnShape, taps: &Self::Buf, conv_state: &Self::Buf, x: &Self::Buf, parents: &[usize], out: &mut Self::Buf);
+    /// In place on `n` rows: L2-normalised q, k heads of `c` (q also scaled by `d_k^−½`);
+    /// `g ← a_neg·softplus(g + dt_bias)`, `beta ← σ(beta)` (`n × n_v_heads` each).
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_prepare(
+        &self,
+        s: &GdnShape,
+        c: &mut Self::Buf,
+        g: &mut Self::Buf,
+        beta: &mut Self::Buf,
+        a_neg: &Self::Buf,
+        dt_bias: &Self::Buf,
+        n: usize,
+    );
+    /// Chunked (WY) prefill of rows `rows` of the prepared stream, updating `state`
+    /// (`n_v_heads × d_k × d_v`), chunks of `chunk` rows from `rows.start`; outputs to the same rows of
+    /// `out` (`value_dim` each).
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_chunked(
+        &self,
+        s: &GdnShape,
+        state: &mut Self::Buf,
+        c: &Self::Buf,
+        g: &Self::Buf,
+        beta: &Self::Buf,
+        rows: std::ops::Range<usize>,
+        chunk: usize,
+        out: &mut Self::Buf,
+    );
+    /// Tree verification: outputs of every node (`parents`) from the committed `state` (read only), and
+    /// the path-cumulative log decays `gamma` and corrections `u` that [`Backend::gdn_commit`] needs.
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_tree(
+        &self,
+        s: &GdnShape,
+        state: &Self::Buf,
+        c: &Self::Buf,
+        g: &Self::Buf,
+        beta: &Self::Buf,
+        parents: &[usize],
+        gamma: &mut Self::Buf,
+        u: &mut Self::Buf,
+        out: &mut Self::Buf,
+    );
+    /// Apply the accepted root `path` of the last [`Backend::gdn_tree`] to `state` (one rank-|path|
+    /// update).
+    fn gdn_commit(&self, s: &GdnShape, state: &mut Self::Buf, c: &Self::Buf, gamma: &Self::Buf, u: &Self::Buf, path: &[usize]);
+    /// The conv window after accepting `path`: the last `K−1` rows of `conv_state ++ x[path]`.
+    fn gdn_conv_commit(&self, s: &GdnShape, conv_state: &mut Self::Buf, x: &Self::Buf, path: &[usize]);
+    /// Gated RMSNorm per value head on the first `len` values: `o ← w ⊙ o/√(mean(o²)+ε) ⊙ silu(z)`.
+    fn gdn_gated_norm(&self, o: &mut Self::Buf, z: &Self::Buf, w: &Self::Buf, eps: f32, len: usize);
+}

@@ -1,24 +1,26 @@
-//! The forward pass shared by every decoder architecture.
+//! The forward pass shared by every architecture, written against [`Backend`].
 //!
-//! One function serves prefill (many tokens) and decode (one token): the batch is a run of tokens at
-//! positions `n_past..n_past+T`. Per block (pre-norm, Xiong et al. 2020):
+//! One path serves prefill (many tokens), decode (one token) and tree verification (a chain is a tree):
+//! the batch is a run of tokens at positions `n_past..` (or tree nodes at `n_past + depth`). Per block
+//! (pre-norm, Xiong et al. 2020):
 //!
 //! ```text
-//! h = norm(x);  q,k,v = Wq·h (+b), Wk·h (+b), Wv·h (+b);  q,k = qk_norm(q,k);  q,k = rope(q,k)
-//! cache[n_past..] = k,v;  a = attention(q, cache);  o = Wo·a;  x += post_norm(o)
-//! h = norm(x);  f = Wdown·(act(Wgate·h) ⊙ Wup·h);  x += post_norm(f)
+//! h = norm(x);  x += post_norm(mixer(h));  h = norm(x);  x += post_norm(Wdown·(act(Wgate·h) ⊙ Wup·h))
+//! attention mixer:   q,k,v = Wq·h (+b), Wk·h (+b), Wv·h (+b);  [q, gate = split per head];  q,k = qk_norm(q,k)
+//!                    q,k = rope(q,k);  cache[row0..] = k,v;  a = attention(q, cache) [⊙ σ(gate)];  Wo·a
+//! Gated DeltaNet:    conv + SiLU of Wqkv·h, q/k L2 norms, g and β, the delta rule on the recurrent state
+//!                    (chunked for a chain, the ancestor-masked solve for a tree), gated norm, Wout·o
 //! ```
-//! then `logits = W_lm · norm(x)` for the rows asked for. Activations are quantized to int8 once per
-//! input (shared by q/k/v and by gate/up). All buffers live in a [`Workspace`] allocated once.
+//! then `logits = W_lm · norm(x)` for the rows asked for (Gated DeltaNet math: `docs/qwen35.md`,
+//! `docs/gated-deltanet.md`). Activations are quantized to int8 once per input (shared by q/k/v and by
+//! gate/up). All buffers live in a [`Workspace`] allocated once; the sequence's per-layer state in
+//! [`SeqState`].
 
-use super::Model;
-use crate::backend::cpu::activation::gated_act;
-use crate::backend::cpu::attention::{attention, AttnShape, Visibility};
-use crate::backend::cpu::norm::{rms_norm, rms_norm_inplace};
-use crate::backend::cpu::{matmul, quantize_activations, QuantizedActivations, ThreadPool};
+use super::{Attention, DeltaNet, Layer, Mixer, Model, ModelConfig};
+use crate::backend::{AttnShape, Backend, Cpu, GdnShape, Visibility};
 use crate::error::{Error, Result};
-use crate::state::{FeatureCapture, KvCache, SeqState};
-use crate::tree::TreePaths;
+use crate::state::{Capture, GdnTree, LayerKind, LayerState, SeqState, GDN_CHUNK};
+use crate::tree::{TreePaths, NO_PARENT};
 
 /// Which rows of the batch get logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,27 +33,49 @@ pub enum Logits {
     All,
 }
 
-/// Scratch buffers for a batch of up to `max_batch` tokens.
-pub struct Workspace {
-    /// Largest batch processed at once; longer inputs are split into chunks of this size.
+/// Scratch buffers (in the backend's memory) for a batch of up to `max_batch` tokens.
+pub struct Workspace<B: Backend = Cpu> {
+    /// Largest batch processed at once; longer inputs are split into runs ending at multiples of it
+    /// (rounded up to a multiple of [`GDN_CHUNK`] for hybrid models).
     pub max_batch: usize,
-    x: Vec<f32>,
-    h: Vec<f32>,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    att: Vec<f32>,
-    o: Vec<f32>,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    xq: QuantizedActivations,
+    x: B::Buf,
+    h: B::Buf,
+    q: B::Buf,
+    k: B::Buf,
+    v: B::Buf,
+    att: B::Buf,
+    o: B::Buf,
+    /// FFN gate and up rows; the mixers reuse them (the FFN runs after the mixer): the gated attention's
+    /// `wq` output (`2·q_dim`) and gate (`q_dim`), the Gated DeltaNet's pre-conv and post-conv streams
+    /// (`conv_dim`). One set of buffers keeps a prefill's working set small (as the old bump scratch did).
+    gate: B::Buf,
+    up: B::Buf,
+    /// Gated DeltaNet: z and outputs (`value_dim`), g and β (`n_v_heads`).
+    gz: B::Buf,
+    go: B::Buf,
+    ga: B::Buf,
+    gb: B::Buf,
+    /// MTP: the normed hidden rows (`d_model`) and `[norm(embed) ; norm(hidden)]` rows (`2·d_model`).
+    h2: B::Buf,
+    cat: B::Buf,
+    xq: B::QAct,
+    /// Host: RoPE position and tree parent of each row, and `0..max_batch` (chain paths).
+    positions: Vec<usize>,
+    parents: Vec<usize>,
+    iota: Vec<usize>,
+    /// Host copy of captured residual rows (feature capture for DFlash; grows to `max_batch·d_model`).
+    host: Vec<f32>,
 }
 
-impl Workspace {
+impl<B: Backend> Workspace<B> {
     /// Allocate for `model` and batches of up to `max_batch` tokens.
-    pub fn new(model: &Model, max_batch: usize) -> Self {
+    pub fn new(be: &B, model: &Model<B>, max_batch: usize) -> Self {
         let c = &model.config;
-        let z = |n: usize| vec![0f32; n * max_batch];
+        let max_batch = if c.gdn.is_some() { max_batch.max(1).next_multiple_of(GDN_CHUNK) } else { max_batch.max(1) };
+        let z = |n: usize| be.alloc(n * max_batch);
+        let mixers = || model.layers.iter().chain(model.mtp.as_ref().map(|m| &m.layer)).map(|l| &l.mixer);
+        let gated = mixers().any(|m| matches!(m, Mixer::Attention(Attention { gated: true, .. })));
+        let s = c.gdn.unwrap_or(GdnShape { n_k_heads: 0, n_v_heads: 0, d_k: 0, d_v: 0, kernel: 1, v_tiled: false });
         Workspace {
             max_batch,
             x: z(c.d_model),
@@ -61,64 +85,175 @@ impl Workspace {
             v: z(c.kv_dim()),
             att: z(c.q_dim()),
             o: z(c.d_model),
-            gate: z(c.ffn_dim),
-            up: z(c.ffn_dim),
-            xq: QuantizedActivations::new(),
+            gate: z(c.ffn_dim.max(s.conv_dim()).max(if gated { 2 * c.q_dim() } else { 0 })),
+            up: z(c.ffn_dim.max(s.conv_dim()).max(if gated { c.q_dim() } else { 0 })),
+            gz: z(s.value_dim()),
+            go: z(s.value_dim()),
+            ga: z(s.n_v_heads),
+            gb: z(s.n_v_heads),
+            h2: z(if model.mtp.is_some() { c.d_model } else { 0 }),
+            cat: z(if model.mtp.is_some() { 2 * c.d_model } else { 0 }),
+            xq: be.new_qact(),
+            positions: Vec::with_capacity(max_batch),
+            parents: Vec::with_capacity(max_batch),
+            iota: (0..max_batch).collect(),
+            host: Vec::new(),
         }
     }
 }
 
-/// Run `tokens` through the model at positions `state.n_past()..`, append their K/V and the tokens to
-/// `state`, and write logits (`vocab` floats per requested row, in batch order) into `logits`.
+impl<B: Backend> Model<B> {
+    /// The state kind of every layer.
+    pub fn layer_kinds(&self) -> Vec<LayerKind> {
+        self.layers
+            .iter()
+            .map(|l| match l.mixer {
+                Mixer::Attention(_) => LayerKind::Attention,
+                Mixer::DeltaNet(_) => LayerKind::DeltaNet,
+            })
+            .collect()
+    }
+
+    /// An empty sequence state for this model with room for `ctx` tokens.
+    pub fn new_state(&self, be: &B, ctx: usize) -> SeqState<B> {
+        SeqState::with_layers(be, &self.layer_kinds(), ctx, self.config.kv_dim(), self.config.gdn)
+    }
+}
+
+/// Error unless `state` was made for `model` ([`Model::new_state`]): one entry per layer, of its kind.
+fn check_state<B: Backend>(model: &Model<B>, state: &SeqState<B>) -> Result<()> {
+    let fits = state.layers.len() == model.layers.len()
+        && model.layers.iter().zip(&state.layers).all(|(l, s)| {
+            matches!((&l.mixer, s), (Mixer::Attention(_), LayerState::Kv { .. }) | (Mixer::DeltaNet(_), LayerState::Gdn { .. }))
+        });
+    if fits {
+        Ok(())
+    } else {
+        Err(Error::Input(format!(
+            "sequence state of {} layers does not fit this model's {} layers (make it with Model::new_state)",
+            state.layers.len(),
+            model.layers.len()
+        )))
+    }
+}
+
+fn check_tokens<B: Backend>(model: &Model<B>, tokens: &[u32]) -> Result<()> {
+    let vocab = model.config.vocab_size;
+    match tokens.iter().find(|&&t| t as usize >= vocab) {
+        Some(&bad) => Err(Error::Input(format!("token id {bad} is outside the vocabulary of {vocab}"))),
+        None => Ok(()),
+    }
+}
+
+/// Run `tokens` through the model at positions `state.n_past()..`, append their K/V (and advance the
+/// recurrent states) and the tokens to `state`, and write logits (`vocab` floats per requested row, in
+/// batch order) into `logits`. Runs end at multiples of [`Workspace::max_batch`] positions and Gated
+/// DeltaNet chunks at multiples of [`GDN_CHUNK`], so a prefill computes the same values however it was
+/// split; from an exact hybrid state a prefix-cache snapshot is taken (see [`crate::state`]). Drops any
+/// pending tree.
 ///
-/// Errors: a token id outside the vocabulary, or a sequence longer than the KV cache.
-pub fn forward(
-    model: &Model,
-    pool: &ThreadPool,
-    ws: &mut Workspace,
-    state: &mut SeqState,
+/// Errors: a token id outside the vocabulary, or a sequence longer than the context.
+pub fn forward<B: Backend>(
+    model: &Model<B>,
+    be: &B,
+    ws: &mut Workspace<B>,
+    state: &mut SeqState<B>,
     tokens: &[u32],
     want: Logits,
     logits: &mut Vec<f32>,
 ) -> Result<()> {
-    if let Some(m) = &model.qwen35 {
-        return super::qwen35::forward_seq(m, pool, state, tokens, want, logits);
-        // hybrid: its own forward
+    check_tokens(model, tokens)?;
+    check_state(model, state)?;
+    sync(model, be, ws, state)?;
+    prefill(model, be, ws, state, tokens, want, logits)
+}
+
+/// After a truncation of a hybrid sequence: restore the GDN states from the best snapshot and re-run the
+/// committed tokens after it.
+fn sync<B: Backend>(model: &Model<B>, be: &B, ws: &mut Workspace<B>, state: &mut SeqState<B>) -> Result<()> {
+    if !state.is_hybrid() {
+        return Ok(());
     }
-    let vocab = model.config.vocab_size;
-    if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-        return Err(Error::Input(format!("token id {bad} is outside the vocabulary of {vocab}")));
-    }
-    state.check_room(tokens.len())?;
-    logits.clear();
-    state.capture.rows.clear();
-    let n_chunks = tokens.len().div_ceil(ws.max_batch);
-    for (ci, chunk) in tokens.chunks(ws.max_batch).enumerate() {
-        let last_chunk = ci + 1 == n_chunks;
-        let chunk_want = match want {
-            Logits::All => Logits::All,
-            Logits::Last if last_chunk => Logits::Last,
-            _ => Logits::None,
-        };
-        let n_past = state.n_past();
-        forward_chunk(model, pool, ws, &mut state.kv, &mut state.capture, n_past, chunk, Rows::Chain, chunk_want, logits);
-        state.tokens.extend_from_slice(chunk);
+    state.restore(be);
+    if state.gdn_len < state.tokens.len() {
+        let rest = state.tokens[state.gdn_len..].to_vec();
+        state.tokens.truncate(state.gdn_len);
+        let want_hidden = std::mem::replace(&mut state.want_hidden, false);
+        let r = prefill(model, be, ws, state, &rest, Logits::None, &mut Vec::new());
+        state.want_hidden = want_hidden;
+        r?;
     }
     Ok(())
 }
 
-/// How many leading tokens of `prompt` the committed sequence in `state` can keep (prefix cache): the
-/// longest shared prefix, at most `prompt.len() − 1` (one token is always run, for the logits); for a hybrid
-/// model (Qwen3.5), the longest shared prefix its GDN state can resume from exactly
-/// ([`super::qwen35::Qwen35State::reusable_prefix`]). Prefilling the rest gives what a cold prefill gives.
-pub fn reusable_prefix(model: &Model, state: &SeqState, prompt: &[u32]) -> usize {
-    let limit = prompt.len().saturating_sub(1);
-    let common = state.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(limit);
-    match (&model.qwen35, &state.qwen35) {
-        (Some(_), Some(h)) => h.state.reusable_prefix(prompt, common),
-        (Some(_), None) => 0,
-        _ => common,
+fn prefill<B: Backend>(
+    model: &Model<B>,
+    be: &B,
+    ws: &mut Workspace<B>,
+    state: &mut SeqState<B>,
+    tokens: &[u32],
+    want: Logits,
+    logits: &mut Vec<f32>,
+) -> Result<()> {
+    state.check_room(tokens.len())?;
+    state.tree = None;
+    logits.clear();
+    state.hidden.clear();
+    state.features.rows.clear();
+    let (start, end) = (state.n_past(), state.n_past() + tokens.len());
+    if let Some(s) = state.gdn_shape() {
+        // From an exact state, snapshot the GDN states at the last chunk boundary before the last token (the
+        // prefix cache reuses at most all but the last prompt token).
+        let at = (end.saturating_sub(1) / GDN_CHUNK) * GDN_CHUNK;
+        let known = at <= start && state.has_snapshot(at, &state.tokens);
+        state.capture = None;
+        if state.exact && at > 0 && at >= start && !(known && at == start) {
+            // At `start` the snapshot is the current state; past it, the GDN layers fill it in at `at`.
+            let layers = state
+                .layers
+                .iter()
+                .map(|l| match l {
+                    LayerState::Gdn { conv, rec, .. } => {
+                        let (mut c, mut r) = (be.alloc(s.conv_state_len()), be.alloc(s.state_len()));
+                        if at == start {
+                            be.copy(conv, &mut c, s.conv_state_len());
+                            be.copy(rec, &mut r, s.state_len());
+                        }
+                        Some((c, r))
+                    }
+                    LayerState::Kv { .. } => None,
+                })
+                .collect();
+            state.capture = Some(Capture { at, layers });
+        }
     }
+    // Runs end at multiples of `max_batch` positions: the same cuts whatever the prefill's start.
+    let mb = ws.max_batch;
+    let mut at = 0;
+    while at < tokens.len() {
+        let run_end = (((start + at) / mb + 1) * mb - start).min(tokens.len());
+        let chunk = &tokens[at..run_end];
+        let rows = match want {
+            Logits::All => 0..chunk.len(),
+            Logits::Last if run_end == tokens.len() => chunk.len() - 1..chunk.len(),
+            _ => 0..0,
+        };
+        pass(model, be, ws, state, chunk, Rows::Chain, rows, logits);
+        state.tokens.extend_from_slice(chunk);
+        at = run_end;
+    }
+    if state.is_hybrid() {
+        state.gdn_len = state.tokens.len();
+        state.exact = state.exact && end.is_multiple_of(GDN_CHUNK);
+        state.save_capture();
+    }
+    Ok(())
+}
+
+/// How many leading tokens of `prompt` the committed sequence in `state` can keep (prefix cache; see
+/// [`SeqState::reusable_prefix`]). Prefilling the rest gives what a cold prefill gives.
+pub fn reusable_prefix<B: Backend>(_model: &Model<B>, state: &SeqState<B>, prompt: &[u32]) -> usize {
+    state.reusable_prefix(prompt)
 }
 
 /// Verify pass over a token tree: run nodes `first..n` of the tree (`tokens[i]` is node `i`'s token,
@@ -126,81 +261,82 @@ pub fn reusable_prefix(model: &Model, state: &SeqState, prompt: &[u32]) -> usize
 /// computed node's logits (`vocab` floats each, in node order) to `logits`.
 ///
 /// Node `i` is at position `n_past + depth(i)` and its K/V go to the scratch row `n_past + i`, beyond the
-/// committed rows: the committed state is only read. Nodes `0..first` must have been computed by an
-/// earlier call on the same committed state (incremental drafting). After acceptance,
-/// [`SeqState::commit_path`] moves the accepted nodes' K/V into place. Each node's logits are
-/// bit-identical to those plain decoding computes at the same position (batch-invariant kernels).
+/// committed rows; Gated DeltaNet layers solve all nodes at once with the ancestor-masked WY form and keep
+/// what the commit needs: the committed state is only read. Nodes `0..first` must have been computed by
+/// an earlier call on the same committed state (incremental drafting; attention-only models). After
+/// acceptance, [`commit_tree`] applies the accepted path. For attention layers each node's logits are
+/// bit-identical to those plain decoding computes at the same position (batch-invariant kernels); through
+/// Gated DeltaNet layers they agree up to rounding.
 ///
-/// Errors: a token id outside the vocabulary, `tokens.len() != paths.len()`, or a tree that does not fit
-/// in the KV cache after the committed rows.
+/// Errors: a token id outside the vocabulary, `tokens.len() != paths.len()`, a tree that does not fit in
+/// the context after the committed rows, or (hybrid models) `first != 0`, an empty tree or one larger than
+/// [`Workspace::max_batch`].
 #[allow(clippy::too_many_arguments)]
-pub fn forward_tree(
-    model: &Model,
-    pool: &ThreadPool,
-    ws: &mut Workspace,
-    state: &mut SeqState,
+pub fn forward_tree<B: Backend>(
+    model: &Model<B>,
+    be: &B,
+    ws: &mut Workspace<B>,
+    state: &mut SeqState<B>,
     tokens: &[u32],
     paths: &TreePaths,
     first: usize,
     logits: &mut Vec<f32>,
 ) -> Result<()> {
-    if let Some(m) = &model.qwen35 {
-        // Hybrid: its own tree verify (GDN layers by the ancestor-masked solve); whole trees only.
-        if first != 0 {
-            return Err(Error::Input("Qwen3.5 verifies whole token trees only (incremental drafting is not supported)".into()));
-        }
-        let parents: Vec<usize> = (0..paths.len())
-            .map(|i| {
-                let p = paths.path(i);
-                if p.len() < 2 {
-                    crate::tree::NO_PARENT
-                } else {
-                    p[p.len() - 2] as usize
-                }
-            })
-            .collect();
-        return super::qwen35::forward_tree_seq(m, pool, state, tokens, &parents, logits);
-    }
-    let vocab = model.config.vocab_size;
     if tokens.len() != paths.len() || first > tokens.len() {
         return Err(Error::Input(format!("token tree: {} tokens for {} nodes (from node {first})", tokens.len(), paths.len())));
     }
-    if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-        return Err(Error::Input(format!("token id {bad} is outside the vocabulary of {vocab}")));
+    check_tokens(model, tokens)?;
+    check_state(model, state)?;
+    if state.is_hybrid() {
+        if first != 0 {
+            return Err(Error::Input("hybrid models verify whole token trees only (incremental drafting is not supported)".into()));
+        }
+        if tokens.is_empty() || tokens.len() > ws.max_batch {
+            return Err(Error::Input(format!("tree of {} nodes: hybrid models verify 1 to {} nodes at once", tokens.len(), ws.max_batch)));
+        }
     }
+    sync(model, be, ws, state)?;
     state.check_room(tokens.len())?;
     logits.clear();
-    state.capture.rows.clear();
-    let n_past = state.n_past();
+    state.hidden.clear();
+    state.features.rows.clear();
+    if state.is_hybrid() {
+        state.tree = Some((0..paths.len()).map(|i| parent_of(paths, i)).collect());
+    }
     let mut start = first;
     while start < tokens.len() {
         let end = (start + ws.max_batch).min(tokens.len());
-        let rows = Rows::Tree { first: start, paths };
-        forward_chunk(model, pool, ws, &mut state.kv, &mut state.capture, n_past, &tokens[start..end], rows, Logits::All, logits);
+        let n = end - start;
+        pass(model, be, ws, state, &tokens[start..end], Rows::Tree { first: start, paths }, 0..n, logits);
         start = end;
     }
     Ok(())
 }
 
-/// The final-normed hidden states (`d_model` floats per row) of the last [`forward`] (its logit rows, or
-/// every row when [`SeqState::want_hidden`] is set) or [`forward_tree`] (every node), for drafters that
-/// run on the target's hidden states (Qwen3.5's MTP head). `None` for architectures without such a head
-/// or before the first pass.
-pub fn last_hidden(state: &SeqState) -> Option<&[f32]> {
-    state.qwen35.as_ref().map(|h| h.ws.hidden())
+/// Node `i`'s parent in `paths`, [`NO_PARENT`] for a root.
+fn parent_of(paths: &TreePaths, i: usize) -> usize {
+    let p = paths.path(i);
+    if p.len() < 2 {
+        NO_PARENT
+    } else {
+        p[p.len() - 2] as usize
+    }
 }
 
-/// Commit the accepted `path` (node indices, root first) of the last [`forward_tree`] on `state`: the
-/// dense models compact K/V rows ([`SeqState::commit_path`]); Qwen3.5 also applies the path to its
-/// recurrent states once.
+/// The final-normed hidden states (`d_model` floats per row) of the last [`forward`] (its logit rows, or
+/// every row when [`SeqState::want_hidden`] is set) or [`forward_tree`] (every node), for drafters that
+/// run on the target's hidden states (Qwen3.5's MTP head): kept for models with an MTP head (or when
+/// asked); `None` otherwise.
+pub fn last_hidden<B: Backend>(state: &SeqState<B>) -> Option<&[f32]> {
+    (!state.hidden.is_empty() || state.is_hybrid()).then_some(&state.hidden[..])
+}
+
+/// Commit the accepted `path` (node indices, root first) of the last [`forward_tree`] on `state`
+/// ([`SeqState::commit_path`]: K/V rows compacted, recurrent states updated once).
 ///
-/// Errors: a path that is not a root path of the verified tree (Qwen3.5).
-pub fn commit_tree(model: &Model, pool: &ThreadPool, state: &mut SeqState, tokens: &[u32], path: &[usize]) -> Result<()> {
-    if model.qwen35.is_some() {
-        return super::qwen35::commit_seq(pool, state, tokens, path);
-    }
-    state.commit_path(tokens, path);
-    Ok(())
+/// Errors: a path that is not a root path of the verified tree.
+pub fn commit_tree<B: Backend>(_model: &Model<B>, be: &B, state: &mut SeqState<B>, tokens: &[u32], path: &[usize]) -> Result<()> {
+    state.commit_path(be, tokens, path)
 }
 
 /// Where a batch's rows sit: a chain at `n_past..`, or tree nodes `first..` (scratch rows `n_past + node`).
@@ -210,128 +346,291 @@ enum Rows<'a> {
     Tree { first: usize, paths: &'a TreePaths },
 }
 
-fn add_bias(x: &mut [f32], b: &Option<Vec<f32>>) {
-    if let Some(b) = b {
-        for row in x.chunks_exact_mut(b.len()) {
-            for (v, &bb) in row.iter_mut().zip(b) {
-                *v += bb;
-            }
-        }
-    }
-}
+/// A GDN layer's part of the snapshot the current prefill takes: (absolute position, its conv window and
+/// recurrent state to fill), when the snapshot falls in this pass.
+type SnapshotSlot<'a, B> = Option<(usize, &'a mut (<B as Backend>::Buf, <B as Backend>::Buf))>;
 
-fn add_into(x: &mut [f32], y: &[f32]) {
-    for (a, &b) in x.iter_mut().zip(y) {
-        *a += b;
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn forward_chunk(
-    model: &Model,
-    pool: &ThreadPool,
-    ws: &mut Workspace,
-    kv: &mut KvCache,
-    capture: &mut FeatureCapture,
+/// What every layer of one pass shares.
+struct Pass<'a> {
+    c: &'a ModelConfig,
+    /// Rows in the pass.
+    t: usize,
+    /// Committed positions.
     n_past: usize,
+    /// First cache row written (`n_past + first` for a tree).
+    row0: usize,
+    /// What the attention sees.
+    vis: Visibility<'a>,
+    /// Tree verification (read-only state) rather than a chain that advances it.
+    tree: bool,
+}
+
+/// One pass of the decoder blocks over a batch of `tokens` (a chain at `n_past..` or tree nodes); logits
+/// of the batch rows `logit_rows` appended to `logits`.
+#[allow(clippy::too_many_arguments)]
+fn pass<B: Backend>(
+    model: &Model<B>,
+    be: &B,
+    ws: &mut Workspace<B>,
+    state: &mut SeqState<B>,
     tokens: &[u32],
     rows: Rows,
-    want: Logits,
+    logit_rows: std::ops::Range<usize>,
     logits: &mut Vec<f32>,
 ) {
     let c = &model.config;
     let t = tokens.len();
-    let (d, qd, kvd, hd, fd) = (c.d_model, c.q_dim(), c.kv_dim(), c.head_dim, c.ffn_dim);
-    // First cache row written, RoPE position of each row, and what the attention sees.
+    let n_past = state.n_past();
     let (row0, vis) = match rows {
         Rows::Chain => (n_past, Visibility::Causal),
         Rows::Tree { first, paths } => (n_past + first, Visibility::Tree { first, paths }),
     };
-    let position = |i: usize| match rows {
-        Rows::Chain => n_past + i,
-        Rows::Tree { first, paths } => n_past + paths.depth(first + i),
-    };
-    let Workspace { x, h, q, k, v, att, o, gate, up, xq, .. } = ws;
-    let (x, h, q, k, v) = (&mut x[..t * d], &mut h[..t * d], &mut q[..t * qd], &mut k[..t * kvd], &mut v[..t * kvd]);
-    let (att, o, gate, up) = (&mut att[..t * qd], &mut o[..t * d], &mut gate[..t * fd], &mut up[..t * fd]);
-
-    capture.grow(t, d);
-    for (i, &tok) in tokens.iter().enumerate() {
-        let row = &mut x[i * d..(i + 1) * d];
-        model.embed.dequant_row(tok as usize, row);
-        if let Some(s) = c.embed_scale {
-            row.iter_mut().for_each(|e| *e *= s);
+    ws.positions.clear();
+    ws.parents.clear();
+    match rows {
+        Rows::Chain => {
+            ws.positions.extend(n_past..n_past + t);
+            ws.parents.extend((0..t).map(|i| i.checked_sub(1).unwrap_or(NO_PARENT)));
+        }
+        Rows::Tree { first, paths } => {
+            ws.positions.extend((first..first + t).map(|i| n_past + paths.depth(i)));
+            ws.parents.extend((first..first + t).map(|i| parent_of(paths, i)));
         }
     }
-
-    for (l, layer) in model.layers.iter().enumerate() {
-        // Attention.
-        rms_norm(x, &layer.attn_norm, c.norm_eps, h);
-        quantize_activations(pool, h, t, d, xq);
-        matmul(pool, &layer.wq, h, xq, t, q);
-        matmul(pool, &layer.wk, h, xq, t, k);
-        matmul(pool, &layer.wv, h, xq, t, v);
-        add_bias(q, &layer.bq);
-        add_bias(k, &layer.bk);
-        add_bias(v, &layer.bv);
-        if let Some(w) = &layer.q_norm {
-            rms_norm_inplace(q, w, c.norm_eps);
+    let p = Pass { c, t, n_past, row0, vis, tree: matches!(rows, Rows::Tree { .. }) };
+    be.embed(&model.embed, tokens, c.embed_scale, &mut ws.x);
+    let SeqState { layers, capture, features, .. } = state;
+    features.grow(t, c.d_model);
+    for (l, (layer, st)) in model.layers.iter().zip(layers.iter_mut()).enumerate() {
+        let slot = capture.as_mut().and_then(|cap| cap.layers[l].as_mut().map(|s| (cap.at, s)));
+        block(be, &p, layer, st, slot, ws);
+        if features.captures(l) {
+            // The residual stream after layer `l`, for a feature-reading drafter (DFlash).
+            ws.host.clear();
+            be.read(&ws.x, 0, t, c.d_model, &mut ws.host);
+            features.record(l, &ws.host, c.d_model);
         }
-        if let Some(w) = &layer.k_norm {
-            rms_norm_inplace(k, w, c.norm_eps);
-        }
-        for i in 0..t {
-            let (qi, ki) = (&mut q[i * qd..(i + 1) * qd], &mut k[i * kvd..(i + 1) * kvd]);
-            layer.rope.apply_all(&mut [qi, ki], hd, position(i));
-        }
-        let (kc, vc) = kv.layer_mut(l);
-        kc[row0 * kvd..(row0 + t) * kvd].copy_from_slice(k);
-        vc[row0 * kvd..(row0 + t) * kvd].copy_from_slice(v);
-        let shape = AttnShape {
-            n_heads: c.n_heads,
-            n_kv_heads: c.n_kv_heads,
-            head_dim: hd,
-            scale: c.attn_scale,
-            window: layer.window,
-            softcap: None,
-        };
-        attention(pool, &shape, q, kc, vc, n_past, t, vis, att);
-        quantize_activations(pool, att, t, qd, xq);
-        matmul(pool, &layer.wo, att, xq, t, o);
-        if let Some(w) = &layer.post_attn_norm {
-            rms_norm_inplace(o, w, c.norm_eps);
-        }
-        add_into(x, o);
-
-        // Feed-forward.
-        rms_norm(x, &layer.ffn_norm, c.norm_eps, h);
-        quantize_activations(pool, h, t, d, xq);
-        matmul(pool, &layer.w_gate, h, xq, t, gate);
-        matmul(pool, &layer.w_up, h, xq, t, up);
-        gated_act(c.activation, gate, up);
-        quantize_activations(pool, gate, t, fd, xq);
-        matmul(pool, &layer.w_down, gate, xq, t, o);
-        if let Some(w) = &layer.post_ffn_norm {
-            rms_norm_inplace(o, w, c.norm_eps);
-        }
-        add_into(x, o);
-        capture.record(l, x, d);
     }
+    head(model, be, ws, state, &model.output_norm, t, logit_rows, logits);
+}
 
-    let rows = match want {
-        Logits::None => return,
-        Logits::Last => t - 1..t,
-        Logits::All => 0..t,
-    };
+/// Final norm of the batch rows `rows` and their logits appended to `logits`; the normed rows kept in
+/// `state.hidden` for models with an MTP head (every row of the batch with `state.want_hidden`).
+#[allow(clippy::too_many_arguments)]
+fn head<B: Backend>(
+    model: &Model<B>,
+    be: &B,
+    ws: &mut Workspace<B>,
+    state: &mut SeqState<B>,
+    norm: &B::Buf,
+    t: usize,
+    rows: std::ops::Range<usize>,
+    logits: &mut Vec<f32>,
+) {
+    let c = &model.config;
+    let d = c.d_model;
+    let keep_hidden = model.mtp.is_some() || state.want_hidden;
+    if state.want_hidden {
+        be.rms_norm(&ws.x, 0, t, norm, c.norm_eps, &mut ws.h);
+        be.read(&ws.h, 0, t, d, &mut state.hidden);
+    }
     let n = rows.len();
-    let hs = &mut h[..n * d];
-    rms_norm(&x[rows.start * d..rows.end * d], &model.output_norm, c.norm_eps, hs);
-    quantize_activations(pool, hs, n, d, xq);
+    if n == 0 {
+        return;
+    }
+    be.rms_norm(&ws.x, rows.start, n, norm, c.norm_eps, &mut ws.h);
+    if keep_hidden && !state.want_hidden {
+        be.read(&ws.h, 0, n, d, &mut state.hidden);
+    }
+    be.quantize(&ws.h, n, d, &mut ws.xq);
     let start = logits.len();
     logits.resize(start + n * c.vocab_size, 0.0);
     let out = &mut logits[start..];
-    matmul(pool, model.lm_head(), hs, xq, n, out);
+    be.matmul_to_host(model.lm_head(), &ws.h, &ws.xq, n, out);
     if let Some(cap) = c.final_softcap {
         out.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
     }
+}
+
+/// One block on the residual stream `ws.x`: `x += post_norm(mixer(norm(x)))`, then the FFN.
+fn block<B: Backend>(be: &B, p: &Pass, layer: &Layer<B>, st: &mut LayerState<B>, capture: SnapshotSlot<B>, ws: &mut Workspace<B>) {
+    let (c, t, d) = (p.c, p.t, p.c.d_model);
+    be.rms_norm(&ws.x, 0, t, &layer.attn_norm, c.norm_eps, &mut ws.h);
+    be.quantize(&ws.h, t, d, &mut ws.xq);
+    match (&layer.mixer, st) {
+        (Mixer::Attention(a), LayerState::Kv { k, v }) => attention_mixer(be, p, a, k, v, ws),
+        (Mixer::DeltaNet(g), LayerState::Gdn { conv, rec, tree }) => delta_net_mixer(be, p, g, conv, rec, tree, capture, ws),
+        _ => panic!("layer state does not match the layer's mixer (state made for another model)"),
+    }
+    if let Some(w) = &layer.post_attn_norm {
+        be.rms_norm_inplace(&mut ws.o, t * d, w, c.norm_eps);
+    }
+    be.add(&mut ws.x, &ws.o, t * d);
+    ffn(be, c, layer, ws, t);
+}
+
+/// `x += post_norm(Wdown · (act(Wgate·h) ⊙ Wup·h))` with `h = norm(x)`.
+fn ffn<B: Backend>(be: &B, c: &ModelConfig, layer: &Layer<B>, ws: &mut Workspace<B>, t: usize) {
+    let (d, fd) = (c.d_model, c.ffn_dim);
+    let Workspace { x, h, o, gate, up, xq, .. } = ws;
+    be.rms_norm(x, 0, t, &layer.ffn_norm, c.norm_eps, h);
+    be.quantize(h, t, d, xq);
+    be.matmul(&layer.w_gate, h, xq, t, gate);
+    be.matmul(&layer.w_up, h, xq, t, up);
+    be.gated_act(c.activation, gate, up, t * fd);
+    be.quantize(gate, t, fd, xq);
+    be.matmul(&layer.w_down, gate, xq, t, o);
+    if let Some(w) = &layer.post_ffn_norm {
+        be.rms_norm_inplace(o, t * d, w, c.norm_eps);
+    }
+    be.add(x, o, t * d);
+}
+
+/// `o = Wo · attention(rope(qk_norm(Wq·h + b)), cache) [⊙ σ(gate)]` (`h`, `xq` hold the normed input),
+/// the batch's K/V stored at cache rows `row0..`.
+fn attention_mixer<B: Backend>(be: &B, p: &Pass, a: &Attention<B>, kc: &mut B::Buf, vc: &mut B::Buf, ws: &mut Workspace<B>) {
+    let (c, t) = (p.c, p.t);
+    let (qd, kvd, hd) = (c.q_dim(), c.kv_dim(), c.head_dim);
+    let Workspace { h, q, k, v, att, o, gate: qg, up: attn_gate, xq, positions, .. } = ws;
+    if a.gated {
+        be.matmul(&a.wq, h, xq, t, qg);
+    } else {
+        be.matmul(&a.wq, h, xq, t, q);
+    }
+    be.matmul(&a.wk, h, xq, t, k);
+    be.matmul(&a.wv, h, xq, t, v);
+    if a.gated {
+        be.split_gate(qg, t, c.n_heads, hd, q, attn_gate);
+    }
+    for (buf, b) in [(&mut *q, &a.bq), (&mut *k, &a.bk), (&mut *v, &a.bv)] {
+        if let Some(b) = b {
+            be.add_bias(buf, t, b);
+        }
+    }
+    if let Some(w) = &a.q_norm {
+        be.rms_norm_inplace(q, t * qd, w, c.norm_eps);
+    }
+    if let Some(w) = &a.k_norm {
+        be.rms_norm_inplace(k, t * kvd, w, c.norm_eps);
+    }
+    be.rope(&a.rope, q, qd, k, kvd, hd, positions);
+    be.store_rows(k, t, kvd, kc, p.row0);
+    be.store_rows(v, t, kvd, vc, p.row0);
+    let shape =
+        AttnShape { n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: hd, scale: c.attn_scale, window: a.window, softcap: None };
+    be.attention(&shape, q, kc, vc, p.n_past, t, p.vis, att);
+    if a.gated {
+        be.mul_sigmoid(att, attn_gate, t * qd);
+    }
+    be.quantize(att, t, qd, xq);
+    be.matmul(&a.wo, att, xq, t, o);
+}
+
+/// `o = Wout · GatedNorm(delta rule(conv(Wqkv·h)), silu(Wz·h))` over the batch: a chain advances the
+/// state (chunked form, chunk boundaries at absolute multiples of [`GDN_CHUNK`], cut also where the
+/// prefill's snapshot `capture` is due); a tree reads it and keeps its per-node values in `tree`.
+#[allow(clippy::too_many_arguments)]
+fn delta_net_mixer<B: Backend>(
+    be: &B,
+    p: &Pass,
+    w: &DeltaNet<B>,
+    conv: &mut B::Buf,
+    rec: &mut B::Buf,
+    tree: &mut GdnTree<B>,
+    mut capture: SnapshotSlot<B>,
+    ws: &mut Workspace<B>,
+) {
+    let (c, t) = (p.c, p.t);
+    let s = c.gdn.expect("a GDN layer needs ModelConfig::gdn");
+    let (cd, vd, hv) = (s.conv_dim(), s.value_dim(), s.n_v_heads);
+    let Workspace { h, gate: gx, up: gc, gz, go, ga, gb, xq, o, parents, iota, .. } = ws;
+    be.matmul(&w.w_qkv, h, xq, t, gx);
+    be.matmul(&w.w_z, h, xq, t, gz);
+    be.matmul(&w.w_b, h, xq, t, gb);
+    be.matmul(&w.w_a, h, xq, t, ga);
+    be.gdn_conv(&s, &w.conv, conv, gx, parents, gc);
+    be.gdn_prepare(&s, gc, ga, gb, &w.a_neg, &w.dt_bias, t);
+    if p.tree {
+        if tree.rows < t {
+            *tree = GdnTree { x: be.alloc(t * cd), c: be.alloc(t * cd), gamma: be.alloc(t * hv), u: be.alloc(t * vd), rows: t };
+        }
+        be.gdn_tree(&s, rec, gc, ga, gb, parents, &mut tree.gamma, &mut tree.u, go);
+        be.copy(gx, &mut tree.x, t * cd);
+        be.copy(gc, &mut tree.c, t * cd);
+    } else {
+        // Chunk boundaries at absolute multiples of GDN_CHUNK, cut also where a snapshot is due.
+        let n_past = p.n_past;
+        let cap = capture.as_ref().map(|c| c.0).filter(|&at| at > n_past && at <= n_past + t).map(|at| at - n_past);
+        let lead = (GDN_CHUNK - n_past % GDN_CHUNK) % GDN_CHUNK;
+        let mut cuts = [0, t, lead, cap.unwrap_or(0)];
+        cuts.sort_unstable();
+        let mut prev = 0;
+        for &cut in cuts.iter().filter(|&&x| x > 0 && x <= t) {
+            if cut == prev {
+                continue;
+            }
+            be.gdn_chunked(&s, rec, gc, ga, gb, prev..cut, GDN_CHUNK, go);
+            if Some(cut) == cap {
+                let (_, (snap_conv, snap_rec)) = capture.as_mut().expect("capture checked above");
+                be.copy(conv, snap_conv, s.conv_state_len());
+                be.gdn_conv_commit(&s, snap_conv, gx, &iota[..cut]);
+                be.copy(rec, snap_rec, s.state_len());
+            }
+            prev = cut;
+        }
+        be.gdn_conv_commit(&s, conv, gx, &iota[..t]);
+    }
+    be.gdn_gated_norm(go, gz, &w.norm, c.norm_eps, t * vd);
+    be.quantize(go, t, vd, xq);
+    be.matmul(&w.w_out, go, xq, t, o);
+}
+
+/// Run the MTP head for `tokens.len()` steps: row i takes the next token `tokens[i]` and the hidden state
+/// `hidden[i]` (`d_model` values, after the final norm: [`last_hidden`] of the main model, or the previous
+/// MTP step's for chained drafting), at MTP positions `state.n_past()..` of the MTP block's own state (one
+/// attention layer: [`SeqState::new`] with 1 layer). Appends the rows to that state, writes `vocab` logits
+/// per row to `logits` (predictions two tokens ahead of the hidden state's position) and leaves the MTP
+/// outputs h' in `state.hidden`.
+///
+/// Errors: no MTP head, a token outside the vocabulary, a hidden buffer of the wrong size, a full cache.
+pub fn mtp_forward<B: Backend>(
+    model: &Model<B>,
+    be: &B,
+    ws: &mut Workspace<B>,
+    state: &mut SeqState<B>,
+    tokens: &[u32],
+    hidden: &[f32],
+    logits: &mut Vec<f32>,
+) -> Result<()> {
+    let mtp = model.mtp.as_ref().ok_or_else(|| Error::Input("the model has no MTP head (no mtp.* / nextn tensors)".into()))?;
+    check_tokens(model, tokens)?;
+    let c = &model.config;
+    let (t, d) = (tokens.len(), c.d_model);
+    if hidden.len() != t * d {
+        return Err(Error::Input(format!("MTP: {} hidden values for {t} tokens of width {d}", hidden.len())));
+    }
+    if !matches!(state.layers.as_slice(), [LayerState::Kv { .. }]) {
+        return Err(Error::Input("MTP: the state must be one attention layer (SeqState::new with 1 layer)".into()));
+    }
+    state.check_room(t)?;
+    logits.clear();
+    state.hidden.clear();
+    for (toks, hs) in tokens.chunks(ws.max_batch).zip(hidden.chunks(ws.max_batch * d)) {
+        let n = toks.len();
+        let n_past = state.n_past();
+        be.embed(&model.embed, toks, None, &mut ws.x);
+        be.rms_norm(&ws.x, 0, n, &mtp.emb_norm, c.norm_eps, &mut ws.o);
+        be.write(hs, &mut ws.h);
+        be.rms_norm(&ws.h, 0, n, &mtp.hid_norm, c.norm_eps, &mut ws.h2);
+        be.concat_rows(&ws.o, &ws.h2, n, d, &mut ws.cat);
+        be.quantize(&ws.cat, n, 2 * d, &mut ws.xq);
+        be.matmul(&mtp.fc, &ws.cat, &ws.xq, n, &mut ws.x);
+        ws.positions.clear();
+        ws.positions.extend(n_past..n_past + n);
+        let p = Pass { c, t: n, n_past, row0: n_past, vis: Visibility::Causal, tree: false };
+        block(be, &p, &mtp.layer, &mut state.layers[0], None, ws);
+        head(model, be, ws, state, &mtp.norm, n, 0..n, logits);
+        state.tokens.extend_from_slice(toks);
+    }
+    Ok(())
 }

@@ -1,14 +1,17 @@
-//! Decoder-only transformer models.
+//! Decoder-only models: dense transformers and hybrids with Gated DeltaNet layers.
 //!
-//! Each supported architecture has one file ([`llama`], [`qwen2`], [`qwen3`], [`gemma3`]) that reads its
-//! hyper-parameters into a [`ModelConfig`] and states how it differs from the common pre-norm decoder (biases,
-//! q/k norms, extra norms, embedding scale, activation, sliding-window layers, RoPE pairing). The weights
-//! ([`Model`]) and the one forward pass ([`forward`]) are shared: prefill, decode and (later) tree
-//! verification all run through [`forward`]. GGUF files are read here ([`Model::from_gguf`]); Hugging Face
-//! safetensors folders by [`crate::model_dir`], which converts their conventions to the same [`Model`].
+//! Each supported architecture has one file ([`llama`], [`qwen2`], [`qwen3`], [`gemma3`], [`qwen35`]) that
+//! reads its hyper-parameters into a [`ModelConfig`], names its tensors and states how it differs from the
+//! common pre-norm decoder (biases, q/k norms, extra norms, embedding scale, activation, sliding-window
+//! layers, RoPE pairing, output gate, Gated DeltaNet layers, MTP head). The weights ([`Model`]: a [`Layer`] is
+//! a token [`Mixer`] plus the FFN) and the one forward pass ([`forward`]) are shared: prefill, decode and tree
+//! verification all run through it, generic over the [`crate::backend::Backend`]. GGUF files are read here
+//! ([`Model::from_gguf`]); Hugging Face folders by [`hf`] (dense `model_type`s) and [`qwen35`], which convert
+//! their conventions to the same [`Model`].
 
 pub mod forward;
 pub mod gemma3;
+pub mod hf;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
@@ -16,8 +19,7 @@ pub mod qwen35;
 
 pub use forward::{forward, Workspace};
 
-use crate::backend::cpu::activation::Activation;
-use crate::backend::cpu::rope::{Rope, RopeMode};
+use crate::backend::{Activation, Backend, Cpu, GdnShape, Rope, RopeMode};
 use crate::error::{Error, Result};
 use crate::gguf::{GgufFile, TensorInfo};
 use crate::quant::{import, WeightMatrix};
@@ -33,8 +35,7 @@ pub enum Arch {
     Qwen3,
     /// Gemma 3 text (1+w norms, pre/post norms, embedding scale, sliding-window layers, GeGLU).
     Gemma3,
-    /// Qwen3.5 hybrid (Gated DeltaNet + gated attention): weights, state and forward in [`qwen35`], reached
-    /// through [`Model::qwen35`].
+    /// Qwen3.5 hybrid: Gated DeltaNet and gated-attention layers, MTP head ([`qwen35`]).
     Qwen35,
 }
 
@@ -99,12 +100,14 @@ pub struct ModelConfig {
     pub post_norms: bool,
     /// Final logit soft-capping.
     pub final_softcap: Option<f32>,
+    /// Shape of the Gated DeltaNet layers of a hybrid model (Qwen3.5), `None` when every layer is attention.
+    pub gdn: Option<GdnShape>,
 }
 
 impl ModelConfig {
     /// Whether layer `l` uses the sliding window.
     pub fn is_sliding(&self, l: usize) -> bool {
-        self.sliding_window.is_some() && self.sliding_pattern > 0 && (l + 1) % self.sliding_pattern != 0
+        self.sliding_window.is_some() && self.sliding_pattern > 0 && !(l + 1).is_multiple_of(self.sliding_pattern)
     }
     /// `n_kv_heads × head_dim`.
     pub fn kv_dim(&self) -> usize {
@@ -119,13 +122,18 @@ impl ModelConfig {
     /// 32); the problem in words otherwise.
     pub fn check_shapes(&self) -> std::result::Result<(), String> {
         let c = self;
-        if c.n_heads == 0 || c.n_kv_heads == 0 || c.n_heads % c.n_kv_heads != 0 || c.rope_dims > c.head_dim || c.rope_dims % 2 != 0 {
+        if c.n_heads == 0
+            || c.n_kv_heads == 0
+            || !c.n_heads.is_multiple_of(c.n_kv_heads)
+            || c.rope_dims > c.head_dim
+            || !c.rope_dims.is_multiple_of(2)
+        {
             return Err(format!(
                 "inconsistent attention shape: {} heads, {} kv heads, head_dim {}, rope dims {}",
                 c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dims
             ));
         }
-        if c.d_model % 32 != 0 || c.ffn_dim % 32 != 0 || c.q_dim() % 32 != 0 {
+        if !c.d_model.is_multiple_of(32) || !c.ffn_dim.is_multiple_of(32) || !c.q_dim().is_multiple_of(32) {
             return Err(format!(
                 "unsupported shape: d_model {} / ffn {} / q_dim {} must be multiples of 32",
                 c.d_model,
@@ -137,112 +145,194 @@ impl ModelConfig {
     }
 }
 
-/// Weights of one decoder block.
-pub struct Layer {
-    /// RMSNorm before attention (`d_model`).
-    pub attn_norm: Vec<f32>,
-    /// Query projection, `q_dim × d_model`.
-    pub wq: WeightMatrix,
+/// The token mixer of a decoder block: softmax attention (optionally with Qwen3.5's output gate) or a
+/// Gated DeltaNet (linear attention with a recurrent state).
+#[allow(clippy::large_enum_variant)]
+pub enum Mixer<B: Backend = Cpu> {
+    /// Softmax attention over the KV cache.
+    Attention(Attention<B>),
+    /// Gated DeltaNet ([`crate::backend::GdnShape`] in [`ModelConfig::gdn`]).
+    DeltaNet(DeltaNet<B>),
+}
+
+/// Weights of an attention mixer.
+pub struct Attention<B: Backend = Cpu> {
+    /// Query projection, `q_dim × d_model` (`2·q_dim × d_model` when `gated`: rows per head `[q_h, gate_h]`).
+    pub wq: B::Weights,
     /// Key projection, `kv_dim × d_model`.
-    pub wk: WeightMatrix,
+    pub wk: B::Weights,
     /// Value projection, `kv_dim × d_model`.
-    pub wv: WeightMatrix,
+    pub wv: B::Weights,
     /// Optional biases of q, k, v.
-    pub bq: Option<Vec<f32>>,
+    pub bq: Option<B::Buf>,
     /// See `bq`.
-    pub bk: Option<Vec<f32>>,
+    pub bk: Option<B::Buf>,
     /// See `bq`.
-    pub bv: Option<Vec<f32>>,
-    /// Per-head RMSNorm of q and k (`head_dim`), Qwen3/Gemma3.
-    pub q_norm: Option<Vec<f32>>,
+    pub bv: Option<B::Buf>,
+    /// Per-head RMSNorm of q and k (`head_dim`), Qwen3/Gemma3/Qwen3.5.
+    pub q_norm: Option<B::Buf>,
     /// See `q_norm`.
-    pub k_norm: Option<Vec<f32>>,
+    pub k_norm: Option<B::Buf>,
     /// Output projection, `d_model × q_dim`.
-    pub wo: WeightMatrix,
-    /// Norm applied to the attention output before the residual add (Gemma).
-    pub post_attn_norm: Option<Vec<f32>>,
-    /// RMSNorm before the FFN.
-    pub ffn_norm: Vec<f32>,
-    /// Gate projection, `ffn_dim × d_model`.
-    pub w_gate: WeightMatrix,
-    /// Up projection, `ffn_dim × d_model`.
-    pub w_up: WeightMatrix,
-    /// Down projection, `d_model × ffn_dim`.
-    pub w_down: WeightMatrix,
-    /// Norm applied to the FFN output before the residual add (Gemma).
-    pub post_ffn_norm: Option<Vec<f32>>,
+    pub wo: B::Weights,
+    /// Output gate (Qwen3.5): `o ⊙ σ(gate)` before `wo`, the gate from the second half of each head's `wq` rows.
+    pub gated: bool,
     /// RoPE of this layer.
     pub rope: Rope,
     /// Sliding window of this layer.
     pub window: Option<usize>,
 }
 
-/// A loaded model: configuration and weights in eddy's formats.
-pub struct Model {
+/// Weights of a Gated DeltaNet mixer (`docs/qwen35.md`).
+pub struct DeltaNet<B: Backend = Cpu> {
+    /// `conv_dim × d_model` (`in_proj_qkv`).
+    pub w_qkv: B::Weights,
+    /// `value_dim × d_model` (`in_proj_z`).
+    pub w_z: B::Weights,
+    /// `n_v_heads × d_model` (`in_proj_b`).
+    pub w_b: B::Weights,
+    /// `n_v_heads × d_model` (`in_proj_a`).
+    pub w_a: B::Weights,
+    /// Depthwise conv, tap-major: `kernel × conv_dim` (see [`crate::backend::cpu::gdn::conv_taps`]).
+    pub conv: B::Buf,
+    /// `−exp(A_log)`, per value head.
+    pub a_neg: B::Buf,
+    /// `dt_bias`, per value head.
+    pub dt_bias: B::Buf,
+    /// Gated RMSNorm weight (`d_v`, plain w).
+    pub norm: B::Buf,
+    /// `d_model × value_dim` (`out_proj`).
+    pub w_out: B::Weights,
+}
+
+/// One decoder block: `x += post_norm(mixer(norm(x)))`, `x += post_norm(FFN(norm(x)))`.
+pub struct Layer<B: Backend = Cpu> {
+    /// RMSNorm before the mixer (`d_model`).
+    pub attn_norm: B::Buf,
+    /// The token mixer.
+    pub mixer: Mixer<B>,
+    /// Norm applied to the mixer output before the residual add (Gemma).
+    pub post_attn_norm: Option<B::Buf>,
+    /// RMSNorm before the FFN.
+    pub ffn_norm: B::Buf,
+    /// Gate projection, `ffn_dim × d_model`.
+    pub w_gate: B::Weights,
+    /// Up projection, `ffn_dim × d_model`.
+    pub w_up: B::Weights,
+    /// Down projection, `d_model × ffn_dim`.
+    pub w_down: B::Weights,
+    /// Norm applied to the FFN output before the residual add (Gemma).
+    pub post_ffn_norm: Option<B::Buf>,
+}
+
+/// The multi-token-prediction head of Qwen3.5 checkpoints (vLLM's `Qwen3_5MultiTokenPredictor`;
+/// `docs/qwen35.md`): for the hidden state `h_t` (after the final norm) and the next token `x_{t+1}`,
+/// `z = fc([RMSNorm₁₊w(embed(x_{t+1})) ; RMSNorm₁₊w(h_t)])`, one attention decoder block with its own KV
+/// cache, `h' = RMSNorm₁₊w(z)`, logits for `x_{t+2}` = LM head(h'); chained by feeding `h'` as the next `h`.
+pub struct Mtp<B: Backend = Cpu> {
+    /// Norm of the token embedding (`d_model`, 1 + w).
+    pub emb_norm: B::Buf,
+    /// Norm of the hidden state (`d_model`, 1 + w).
+    pub hid_norm: B::Buf,
+    /// `d_model × 2·d_model`: embedding half first, then the hidden half.
+    pub fc: B::Weights,
+    /// The attention block.
+    pub layer: Layer<B>,
+    /// Final norm (1 + w).
+    pub norm: B::Buf,
+}
+
+/// A loaded model: configuration and weights in the backend's layout (the CPU's by default).
+pub struct Model<B: Backend = Cpu> {
     /// Hyper-parameters.
     pub config: ModelConfig,
     /// Token embedding, `vocab × d_model` (also the LM head when tied).
-    pub embed: WeightMatrix,
+    pub embed: B::Weights,
     /// Decoder blocks.
-    pub layers: Vec<Layer>,
+    pub layers: Vec<Layer<B>>,
     /// Final RMSNorm.
-    pub output_norm: Vec<f32>,
+    pub output_norm: B::Buf,
     /// Untied LM head, `vocab × d_model`.
-    pub output: Option<WeightMatrix>,
-    /// A Qwen3.5 hybrid model. When set, the fields above are placeholders (`config` summarises it with
-    /// `n_layers` 0, so the engine's own KV cache is empty) and [`forward()`] runs [`qwen35::forward_seq`].
-    pub qwen35: Option<Box<qwen35::Qwen35Model>>,
+    pub output: Option<B::Weights>,
+    /// Multi-token-prediction head, when the checkpoint ships one (Qwen3.5 `mtp.*`).
+    pub mtp: Option<Mtp<B>>,
 }
 
-impl Model {
+impl<B: Backend> Model<B> {
     /// The LM head (the embedding when tied).
-    pub fn lm_head(&self) -> &WeightMatrix {
+    pub fn lm_head(&self) -> &B::Weights {
         self.output.as_ref().unwrap_or(&self.embed)
     }
 
-    /// Bytes of weights streamed by one decode step (all matrices once, embedding row excluded unless tied).
-    pub fn weight_bytes(&self) -> usize {
-        if let Some(m) = &self.qwen35 {
-            return m.weight_bytes();
+    /// Whether any layer is a Gated DeltaNet (its state cannot be rewound: see [`crate::state`]).
+    pub fn is_hybrid(&self) -> bool {
+        self.config.gdn.is_some()
+    }
+}
+
+impl<B: Backend> Layer<B> {
+    /// The attention mixer of this block, `None` for a Gated DeltaNet block.
+    pub fn attention(&self) -> Option<&Attention<B>> {
+        match &self.mixer {
+            Mixer::Attention(a) => Some(a),
+            Mixer::DeltaNet(_) => None,
         }
+    }
+
+    /// The matrices of this block, mixer first.
+    fn matrices_mut(&mut self) -> Vec<&mut B::Weights> {
+        let mut v: Vec<&mut B::Weights> = match &mut self.mixer {
+            Mixer::Attention(a) => vec![&mut a.wq, &mut a.wk, &mut a.wv, &mut a.wo],
+            Mixer::DeltaNet(g) => vec![&mut g.w_qkv, &mut g.w_z, &mut g.w_b, &mut g.w_a, &mut g.w_out],
+        };
+        v.extend([&mut self.w_gate, &mut self.w_up, &mut self.w_down]);
+        v
+    }
+}
+
+impl Model {
+    /// Bytes of weights streamed by one decode step (all matrices once, embedding row excluded unless tied;
+    /// the MTP head excluded).
+    pub fn weight_bytes(&self) -> usize {
         let mut n = self.lm_head().nbytes();
         for l in &self.layers {
-            for w in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
-                n += w.nbytes();
-            }
+            n += l.w_gate.nbytes() + l.w_up.nbytes() + l.w_down.nbytes();
+            n += match &l.mixer {
+                Mixer::Attention(a) => a.wq.nbytes() + a.wk.nbytes() + a.wv.nbytes() + a.wo.nbytes(),
+                Mixer::DeltaNet(g) => g.w_qkv.nbytes() + g.w_z.nbytes() + g.w_a.nbytes() + g.w_b.nbytes() + g.w_out.nbytes(),
+            };
         }
         n
     }
 
-    /// Every matrix a forward pass multiplies by: the layers' projections and the LM head (the embedding
-    /// only when it is the tied head).
+    /// Every matrix a forward pass multiplies by: the layers' projections, the MTP head's, and the LM head
+    /// (the embedding only when it is the tied head).
     pub fn matmul_weights_mut(&mut self) -> Vec<&mut WeightMatrix> {
-        if let Some(m) = &mut self.qwen35 {
-            return m.matmul_weights_mut();
-        }
         let mut v: Vec<&mut WeightMatrix> = vec![match &mut self.output {
             Some(o) => o,
             None => &mut self.embed,
         }];
+        if let Some(m) = &mut self.mtp {
+            v.push(&mut m.fc);
+            v.extend(m.layer.matrices_mut());
+        }
         for l in &mut self.layers {
-            v.extend([&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.w_gate, &mut l.w_up, &mut l.w_down]);
+            v.extend(l.matrices_mut());
         }
         v
     }
 
-    /// Build the prepacked layout of every quantized matmul weight when
-    /// [`crate::backend::cpu::prepack_wanted`] (the loaders call this).
+    /// Upload every matmul weight to the CPU backend: build the prepacked layout of the quantized ones
+    /// when [`crate::backend::cpu::prepack_wanted`] (the loaders call this).
     pub fn prepack(&mut self) {
-        if crate::backend::cpu::prepack_wanted() {
-            crate::quant::prepack_all(self.matmul_weights_mut());
-        }
+        Cpu::upload_all(self.matmul_weights_mut());
     }
 
     /// Load a GGUF model. `progress(done, total)` is called as tensors are imported.
     pub fn from_gguf(g: &GgufFile, progress: &mut dyn FnMut(usize, usize)) -> Result<Model> {
         let config = config_from_gguf(g)?;
         if config.arch == Arch::Qwen35 {
-            return Ok(qwen35::Qwen35Model::from_gguf(g)?.into_model());
+            return qwen35::load_gguf(g);
         }
         let loader = GgufLoader { g, config: &config, done: 0, total: g.tensors.len(), progress };
         loader.load()
@@ -313,28 +403,31 @@ impl GgufLoader<'_> {
             let post = c.post_norms;
             layers.push(Layer {
                 attn_norm: self.vector(&p("attn_norm.weight"), d)?,
-                wq: self.matrix(&p("attn_q.weight"), qd, d)?,
-                wk: self.matrix(&p("attn_k.weight"), kvd, d)?,
-                wv: self.matrix(&p("attn_v.weight"), kvd, d)?,
-                bq: self.opt_vector(&p("attn_q.bias"), qd)?,
-                bk: self.opt_vector(&p("attn_k.bias"), kvd)?,
-                bv: self.opt_vector(&p("attn_v.bias"), kvd)?,
-                q_norm: self.opt_vector(&p("attn_q_norm.weight"), hd)?,
-                k_norm: self.opt_vector(&p("attn_k_norm.weight"), hd)?,
-                wo: self.matrix(&p("attn_output.weight"), d, qd)?,
+                mixer: Mixer::Attention(Attention {
+                    wq: self.matrix(&p("attn_q.weight"), qd, d)?,
+                    wk: self.matrix(&p("attn_k.weight"), kvd, d)?,
+                    wv: self.matrix(&p("attn_v.weight"), kvd, d)?,
+                    bq: self.opt_vector(&p("attn_q.bias"), qd)?,
+                    bk: self.opt_vector(&p("attn_k.bias"), kvd)?,
+                    bv: self.opt_vector(&p("attn_v.bias"), kvd)?,
+                    q_norm: self.opt_vector(&p("attn_q_norm.weight"), hd)?,
+                    k_norm: self.opt_vector(&p("attn_k_norm.weight"), hd)?,
+                    wo: self.matrix(&p("attn_output.weight"), d, qd)?,
+                    gated: false,
+                    rope,
+                    window: if sliding { c.sliding_window } else { None },
+                }),
                 post_attn_norm: if post { Some(self.vector(&p("post_attention_norm.weight"), d)?) } else { None },
                 ffn_norm: self.vector(&p("ffn_norm.weight"), d)?,
                 w_gate: self.matrix(&p("ffn_gate.weight"), c.ffn_dim, d)?,
                 w_up: self.matrix(&p("ffn_up.weight"), c.ffn_dim, d)?,
                 w_down: self.matrix(&p("ffn_down.weight"), d, c.ffn_dim)?,
                 post_ffn_norm: if post { Some(self.vector(&p("post_ffw_norm.weight"), d)?) } else { None },
-                rope,
-                window: if sliding { c.sliding_window } else { None },
             });
         }
         let output_norm = self.vector("output_norm.weight", d)?;
         let output = if self.g.tensor("output.weight").is_some() { Some(self.matrix("output.weight", c.vocab_size, d)?) } else { None };
-        let mut m = Model { config: c, embed, layers, output_norm, output, qwen35: None };
+        let mut m = Model { config: c, embed, layers, output_norm, output, mtp: None };
         m.prepack();
         Ok(m)
     }
@@ -351,7 +444,7 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         Arch::Qwen2 => qwen2::config(g),
         Arch::Qwen3 => qwen3::config(g),
         Arch::Gemma3 => gemma3::config(g),
-        Arch::Qwen35 => qwen35::summary_config_from_gguf(g),
+        Arch::Qwen35 => qwen35::config_from_gguf_file(g),
     }
 }
 
@@ -416,6 +509,7 @@ pub(crate) fn common_config(g: &GgufFile, arch: Arch, name: &str) -> Result<Mode
         activation: Activation::Silu,
         post_norms: false,
         final_softcap: None,
+        gdn: None,
     };
     c.check_shapes().map_err(|m| Error::model(&g.path, m))?;
     Ok(c)

@@ -323,7 +323,7 @@ impl QMatrix {
     pub fn check(&self) {
         let n = self.rows * self.cols;
         assert!(matches!(self.bits, 4 | 5 | 6 | 8), "QMatrix bits must be 4, 5, 6 or 8");
-        assert!(self.cols % QK == 0, "QMatrix cols must be a multiple of 32");
+        assert!(self.cols.is_multiple_of(QK), "QMatrix cols must be a multiple of 32");
         assert!(self.group == 32 || (self.group == 16 && self.bits != 8), "QMatrix group must be 32, or 16 with bits 4/5/6");
         assert!(self.implicit_min() || (self.group == 32 && self.bits != 8), "QMatrix: explicit offsets need group 32 and bits 4/5/6");
         let lo = if self.bits == 8 { n } else { n / 2 };
@@ -339,7 +339,7 @@ impl QMatrix {
                 assert!(scale.len() >= ng && min.as_ref().is_none_or(|m| m.len() >= ng), "QMatrix scales too short")
             }
             GroupScales::SuperI8 { sc, mn, d, dmin } => {
-                assert!(self.cols % QK_SUPER == 0, "SuperI8 scales need cols % 256 == 0");
+                assert!(self.cols.is_multiple_of(QK_SUPER), "SuperI8 scales need cols % 256 == 0");
                 assert!(sc.len() >= ng && d.len() >= n / QK_SUPER, "QMatrix scales too short");
                 assert!(mn.as_ref().is_none_or(|m| m.len() >= ng && dmin.len() >= n / QK_SUPER), "QMatrix offsets too short");
             }

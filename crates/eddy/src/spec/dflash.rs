@@ -36,6 +36,7 @@ use crate::backend::cpu::attention::{attention, AttnShape, Visibility};
 use crate::backend::cpu::norm::{rms_norm, rms_norm_inplace};
 use crate::backend::cpu::rope::{Rope, RopeMode};
 use crate::backend::cpu::{matmul, quantize_activations, QuantizedActivations, ThreadPool};
+use crate::backend::Cpu;
 use crate::error::{Error, Result};
 use crate::model_dir::{Quant, Tensors};
 use crate::models::Model;
@@ -361,7 +362,7 @@ impl DFlashDrafter {
     /// Check the drafter against the target `target` ([`DFlashDrafter::check_target`]; dense models only)
     /// and build the draft-vocabulary LM head from its head ([`DFlashDrafter::bind_head`]).
     pub fn bind(&mut self, target: &Model) -> Result<()> {
-        if target.qwen35.is_some() {
+        if target.config.gdn.is_some() {
             return Err(Error::model(&self.source, "DFlash drafters run with dense targets only (not Qwen3.5)"));
         }
         let c = &target.config;
@@ -885,7 +886,7 @@ impl Speculator for DFlashSpeculator {
         "dflash"
     }
 
-    fn prefill(&mut self, _pool: &ThreadPool, _prompt: &[u32]) -> Result<()> {
+    fn prefill(&mut self, _backend: &Cpu, _prompt: &[u32]) -> Result<()> {
         self.stats.clear_chain();
         Ok(())
     }
@@ -894,7 +895,7 @@ impl Speculator for DFlashSpeculator {
         &self.drafter.config.target_layer_ids
     }
 
-    fn observe(&mut self, pool: &ThreadPool, history: &[u32], start: usize, features: &[f32]) -> Result<()> {
+    fn observe(&mut self, backend: &Cpu, history: &[u32], start: usize, features: &[f32]) -> Result<()> {
         let fd = self.drafter.config.feature_dim();
         if !features.len().is_multiple_of(fd) {
             return Err(Error::Input(format!("DFlash: {} feature values are not rows of {fd}", features.len())));
@@ -913,7 +914,7 @@ impl Speculator for DFlashSpeculator {
         }
         self.note_tokens(history);
         let m = (features.len() / fd).min(self.seq.room(self.drafter.config.block_size));
-        self.seq.add_context(&self.drafter, pool, &features[..m * fd]);
+        self.seq.add_context(&self.drafter, backend.pool(), &features[..m * fd]);
         Ok(())
     }
 
@@ -930,7 +931,7 @@ impl Speculator for DFlashSpeculator {
             return Ok(t0.elapsed().as_secs_f64());
         }
         let shape = self.shape;
-        if self.marginals(ctx.pool, target, history, ctx.temperature)?.is_none() {
+        if self.marginals(ctx.backend.pool(), target, history, ctx.temperature)?.is_none() {
             return Ok(t0.elapsed().as_secs_f64());
         }
         let m = &mut self.marginals;

@@ -1,5 +1,5 @@
 //! Draft-model speculator: a smaller model with the same tokenizer proposes a tree best-first from its
-//! per-node top-k probabilities (the DDTree heap of `algorithms.md` §3.2, expanded with an autoregressive
+//! per-node top-k probabilities (the DDTree heap of `docs/speculation.md`, expanded with an autoregressive
 //! draft: every expansion step is one draft forward over the frontier it picked, as a token tree through
 //! [`forward_tree`]).
 //!
@@ -14,7 +14,7 @@
 //! step with what the target accepted.
 
 use super::{probs_of, top_k, Budget, CostModel, DraftTree, DrafterStats, ProposeCtx, Ranked, Speculator};
-use crate::backend::cpu::ThreadPool;
+use crate::backend::Cpu;
 use crate::error::{Error, Result};
 use crate::load::LoadedModel;
 use crate::models::forward::{commit_tree, forward, forward_tree, Logits, Workspace};
@@ -74,14 +74,16 @@ impl DraftModel {
         check_same_vocab(target, &lm.tokenizer)?;
         let c = &lm.model.config;
         let ctx = ctx.min(c.train_ctx).max(1);
-        let state = SeqState::new(c.n_layers, ctx, c.kv_dim());
-        let ws = Workspace::new(&lm.model, 256);
+        // The CPU backend allocates host memory: a handle without worker threads serves for the buffers.
+        let host = Cpu::new(1);
+        let state = lm.model.new_state(&host, ctx);
+        let ws = Workspace::new(&host, &lm.model, 256);
         Ok(DraftModel { ws, state, logits: Vec::new(), tokens: Vec::new(), parents: Vec::new(), stats: DrafterStats::default(), lm })
     }
 
     /// Bring the draft's committed sequence to `history` and leave the logits after its last token in
     /// `self.logits`.
-    fn catch_up(&mut self, pool: &ThreadPool, history: &[u32]) -> Result<()> {
+    fn catch_up(&mut self, backend: &Cpu, history: &[u32]) -> Result<()> {
         let committed = &self.state.tokens;
         if history.len() > committed.len() && history.starts_with(committed) && !self.tokens.is_empty() {
             // Compact the accepted nodes that were already run.
@@ -102,7 +104,7 @@ impl DraftModel {
             debug_assert!(path.iter().enumerate().all(|(d, &i)| paths.depth(i) == d));
             if !path.is_empty() {
                 let toks = self.tokens.clone();
-                commit_tree(&self.lm.model, pool, &mut self.state, &toks, &path)?;
+                commit_tree(&self.lm.model, backend, &mut self.state, &toks, &path)?;
             }
         }
         self.tokens.clear();
@@ -111,7 +113,7 @@ impl DraftModel {
         let keep = common.min(history.len() - 1);
         self.state.truncate(keep);
         let t0 = Instant::now();
-        forward(&self.lm.model, pool, &mut self.ws, &mut self.state, &history[keep..], Logits::Last, &mut self.logits)?;
+        forward(&self.lm.model, backend, &mut self.ws, &mut self.state, &history[keep..], Logits::Last, &mut self.logits)?;
         if history.len() - keep <= WIDTH {
             self.stats.record_pass(t0.elapsed().as_secs_f64());
         }
@@ -136,7 +138,7 @@ impl Speculator for DraftModel {
         "draft"
     }
 
-    fn prefill(&mut self, pool: &ThreadPool, prompt: &[u32]) -> Result<()> {
+    fn prefill(&mut self, backend: &Cpu, prompt: &[u32]) -> Result<()> {
         self.tokens.clear();
         self.parents.clear();
         self.stats.clear_chain();
@@ -147,7 +149,7 @@ impl Speculator for DraftModel {
         let body = &prompt[..prompt.len() - 1];
         let common = self.state.tokens.iter().zip(body).take_while(|(a, b)| a == b).count();
         self.state.truncate(common);
-        forward(&self.lm.model, pool, &mut self.ws, &mut self.state, &body[common..], Logits::None, &mut self.logits)
+        forward(&self.lm.model, backend, &mut self.ws, &mut self.state, &body[common..], Logits::None, &mut self.logits)
     }
 
     fn propose(&mut self, ctx: &ProposeCtx, history: &[u32], tree: &mut DraftTree) -> Result<f64> {
@@ -166,12 +168,12 @@ impl Speculator for DraftModel {
         if want == 0 || !self.stats.worth_a_pass(auto, cost) {
             return Ok(0.0);
         }
-        if self.state.kv.ctx < history.len() + 1 {
+        if self.state.ctx < history.len() + 1 {
             return Ok(0.0);
         }
-        self.catch_up(ctx.pool, history)?;
+        self.catch_up(ctx.backend, history)?;
         let n_past = self.state.n_past();
-        let room = self.state.kv.ctx - n_past;
+        let room = self.state.ctx - n_past;
         let temp = if ctx.temperature > 0.0 { ctx.temperature } else { 1.0 };
         let mut heap = BinaryHeap::new();
         let mut seq = 0usize;
@@ -222,7 +224,16 @@ impl Speculator for DraftModel {
                     }
                     let paths = TreePaths::new(&self.parents)?;
                     let tp = Instant::now();
-                    forward_tree(&self.lm.model, ctx.pool, &mut self.ws, &mut self.state, &self.tokens, &paths, first, &mut self.logits)?;
+                    forward_tree(
+                        &self.lm.model,
+                        ctx.backend,
+                        &mut self.ws,
+                        &mut self.state,
+                        &self.tokens,
+                        &paths,
+                        first,
+                        &mut self.logits,
+                    )?;
                     self.stats.record_pass(tp.elapsed().as_secs_f64());
                     for (j, (c, node)) in frontier.iter().enumerate() {
                         let row = self.logits[j * vocab..(j + 1) * vocab].to_vec();

@@ -7,12 +7,12 @@
 //!   several speculators merge into one node (the higher score wins), so suffix lookup and a draft model
 //!   share one tree.
 //! * Budget: [`DraftTree::select`] keeps the best nodes, best-first by score (a child never outscores its
-//!   parent, so every prefix of that order is a prefix-closed subtree: DDTree's heap, `algorithms.md`
-//!   §3.2). With a fixed budget it keeps that many; with [`Budget::Auto`] it adds a node only while it
-//!   raises expected tokens per second under the measured [`CostModel`] (CaDDTree, `algorithms.md` §3.5):
+//!   parent, so every prefix of that order is a prefix-closed subtree: DDTree's heap,
+//!   `docs/speculation.md`). With a fixed budget it keeps that many; with [`Budget::Auto`] it adds a node only while it
+//!   raises expected tokens per second under the measured [`CostModel`] (CaDDTree, `docs/speculation.md`):
 //!   with `E(B) = 1 + Σ_{i≤B} s_i` and round cost `C(B) = c_draft + c_verify(B + 1)`, node `B + 1` is
 //!   added iff `s_{B+1} · C(B) > E(B) · (C(B+1) − C(B))`. A tree of the root alone is plain decoding.
-//! * Acceptance ([`accept_walk`]): sample-and-match (`algorithms.md` §4.3). At each node the target's
+//! * Acceptance ([`accept_walk`]): sample-and-match (`docs/speculation.md`). At each node the target's
 //!   sample is drawn exactly as plain decoding draws it (same processed distribution, randomness keyed by
 //!   seed and absolute position); if a child carries that token the walk moves there, otherwise the
 //!   sample is the bonus token. The output is therefore identical to plain decoding at any temperature.
@@ -22,7 +22,7 @@ pub mod draft;
 pub mod mtp;
 pub mod suffix;
 
-use crate::backend::cpu::ThreadPool;
+use crate::backend::Cpu;
 use crate::error::Result;
 use crate::tree::NO_PARENT;
 
@@ -257,8 +257,8 @@ impl CostModel {
 
 /// What a speculator may use while proposing.
 pub struct ProposeCtx<'a> {
-    /// The engine's worker threads (draft models run on them).
-    pub pool: &'a ThreadPool,
+    /// The engine's backend (draft models run on it).
+    pub backend: &'a Cpu,
     /// Node budget of this step.
     pub budget: Budget,
     /// Hard cap on nodes below the root (KV room, tokens left).
@@ -281,7 +281,7 @@ pub trait Speculator: Send {
 
     /// A new sequence starts with `prompt` (prefill time): build state for it. The next
     /// [`Speculator::propose`] call's history starts with `prompt`.
-    fn prefill(&mut self, pool: &ThreadPool, prompt: &[u32]) -> Result<()>;
+    fn prefill(&mut self, backend: &Cpu, prompt: &[u32]) -> Result<()>;
 
     /// Add candidate nodes below the root of `tree` (node 0, whose token is `history`'s last) for the
     /// sequence `history` (prompt, every token generated so far, the root last). Returns the seconds
@@ -306,7 +306,7 @@ pub trait Speculator: Send {
     /// the outputs of [`Speculator::feature_layers`] concatenated (`n × layers·d_model`). `history` holds
     /// the sequence's tokens through position `start` at least. Called after each prefill piece (its
     /// rows) and after every verify step (the accepted path), only for speculators that want either.
-    fn observe(&mut self, _pool: &ThreadPool, _history: &[u32], _start: usize, _hidden: &[f32]) -> Result<()> {
+    fn observe(&mut self, _backend: &Cpu, _history: &[u32], _start: usize, _hidden: &[f32]) -> Result<()> {
         Ok(())
     }
 }
@@ -442,9 +442,8 @@ pub fn build_speculators(
     use crate::error::Error;
     let tok = &target.tokenizer;
     let mtp = || -> Option<Box<dyn Speculator>> {
-        let m = target.model.qwen35.as_deref()?;
-        m.mtp.as_ref()?;
-        Some(Box::new(mtp::MtpSpeculator::new(&m.config, ctx)))
+        target.model.mtp.as_ref()?;
+        Some(Box::new(mtp::MtpSpeculator::new(&target.model.config, ctx)))
     };
     let dflash = |mut d: Box<dflash::DFlashDrafter>, shape| -> Result<Box<dyn Speculator>> {
         d.bind(&target.model)?;

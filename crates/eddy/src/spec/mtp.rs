@@ -1,5 +1,5 @@
 //! MTP speculator: Qwen3.5's multi-token-prediction head drafts from the target's own hidden states
-//! (`algorithms.md` §6; DeepSeek-V3 §2.2 and Qwen3-Next ship the same block).
+//! (`docs/qwen35.md`; DeepSeek-V3 §2.2 and Qwen3-Next ship the same block).
 //!
 //! Notation: the target at position `p` (token `x_p`) gives the final-normed hidden state `h_p`, whose
 //! logits predict `x_{p+1}`. MTP row `p` takes `(h_p, x_{p+1})` through one attention block with its own
@@ -14,9 +14,11 @@
 //! next round. The committed state of the target is never touched, so the output stays lossless.
 
 use super::{probs_of, top_k, Budget, CostModel, DraftTree, DrafterStats, ProposeCtx, Speculator};
-use crate::backend::cpu::ThreadPool;
+use crate::backend::Cpu;
 use crate::error::{Error, Result};
-use crate::models::qwen35::{mtp_forward, MtpState, Qwen35Config, Qwen35Workspace};
+use crate::models::forward::{mtp_forward, Workspace};
+use crate::models::ModelConfig;
+use crate::state::SeqState;
 use std::time::Instant;
 
 /// Alternatives added as leaves at every chain step.
@@ -27,8 +29,10 @@ const MAX_DEPTH: usize = 8;
 /// The MTP head of the target as a drafter (needs a Qwen3.5 target whose checkpoint has `mtp.*`).
 pub struct MtpSpeculator {
     d_model: usize,
-    state: MtpState,
-    ws: Qwen35Workspace,
+    /// The MTP block's KV cache (one attention layer), its rows one per position.
+    state: SeqState,
+    /// Scratch, made on the first proposal (it needs the target model).
+    ws: Option<Workspace>,
     logits: Vec<f32>,
     /// Position of MTP cache row 0 (rows cover positions `base..base + rows`).
     base: usize,
@@ -45,11 +49,13 @@ pub struct MtpSpeculator {
 
 impl MtpSpeculator {
     /// A drafter for a target of configuration `c` and context `ctx` tokens.
-    pub fn new(c: &Qwen35Config, ctx: usize) -> MtpSpeculator {
+    pub fn new(c: &ModelConfig, ctx: usize) -> MtpSpeculator {
+        // The CPU backend allocates host memory: a handle without worker threads serves for the buffers.
+        let host = Cpu::new(1);
         MtpSpeculator {
             d_model: c.d_model,
-            state: MtpState::new(c, ctx + MAX_DEPTH + 1),
-            ws: Qwen35Workspace::new(256),
+            state: SeqState::new(&host, 1, ctx + MAX_DEPTH + 1, c.kv_dim()),
+            ws: None,
             logits: Vec::new(),
             base: 0,
             rows: 0,
@@ -73,7 +79,7 @@ impl Speculator for MtpSpeculator {
         "mtp"
     }
 
-    fn prefill(&mut self, _pool: &ThreadPool, _prompt: &[u32]) -> Result<()> {
+    fn prefill(&mut self, _backend: &Cpu, _prompt: &[u32]) -> Result<()> {
         self.stats.clear_chain();
         Ok(())
     }
@@ -82,7 +88,7 @@ impl Speculator for MtpSpeculator {
         true
     }
 
-    fn observe(&mut self, _pool: &ThreadPool, history: &[u32], start: usize, hidden: &[f32]) -> Result<()> {
+    fn observe(&mut self, _backend: &Cpu, history: &[u32], start: usize, hidden: &[f32]) -> Result<()> {
         let d = self.d_model;
         if !hidden.len().is_multiple_of(d) {
             return Err(Error::Input(format!("MTP: {} hidden values are not rows of {d}", hidden.len())));
@@ -121,7 +127,7 @@ impl Speculator for MtpSpeculator {
     fn propose(&mut self, ctx: &ProposeCtx, history: &[u32], tree: &mut DraftTree) -> Result<f64> {
         let t0 = Instant::now();
         self.stats.score_chain(history);
-        let Some(model) = ctx.target.and_then(|t| t.qwen35.as_deref()) else { return Ok(0.0) };
+        let Some(model) = ctx.target.filter(|t| t.mtp.is_some()) else { return Ok(0.0) };
         let d = self.d_model;
         let n = history.len() - 1;
         let want = ctx.max_nodes.min(ctx.budget.max_nodes());
@@ -145,7 +151,8 @@ impl Speculator for MtpSpeculator {
         let toks = &history[from + 1..=n];
         let hs = &self.hid[(from - self.hid_start) * d..(n - self.hid_start) * d];
         let ts = Instant::now();
-        mtp_forward(model, ctx.pool, &mut self.ws, &mut self.state, toks, hs, &mut self.logits)?;
+        let ws = self.ws.get_or_insert_with(|| Workspace::new(ctx.backend, model, 256));
+        mtp_forward(model, ctx.backend, ws, &mut self.state, toks, hs, &mut self.logits)?;
         if toks.len() == 1 {
             self.stats.record_pass(ts.elapsed().as_secs_f64());
         }
@@ -157,7 +164,7 @@ impl Speculator for MtpSpeculator {
 
         let temp = if ctx.temperature > 0.0 { ctx.temperature } else { 1.0 };
         let mut row = self.logits[(toks.len() - 1) * vocab..toks.len() * vocab].to_vec();
-        let mut h_prev = self.ws.hidden()[(toks.len() - 1) * d..toks.len() * d].to_vec();
+        let mut h_prev = self.state.hidden[(toks.len() - 1) * d..toks.len() * d].to_vec();
         let (mut parent, mut score, mut added, mut expected) = (0usize, 1.0f32, 0usize, 1.0f64);
         let mut chain = Vec::new();
         let mut spent = t0.elapsed().as_secs_f64();
@@ -205,10 +212,11 @@ impl Speculator for MtpSpeculator {
                 break;
             }
             let ts = Instant::now();
-            mtp_forward(model, ctx.pool, &mut self.ws, &mut self.state, &[tok], &h_prev, &mut self.logits)?;
+            let ws = self.ws.as_mut().expect("made above");
+            mtp_forward(model, ctx.backend, ws, &mut self.state, &[tok], &h_prev, &mut self.logits)?;
             self.stats.record_pass(ts.elapsed().as_secs_f64());
             row.copy_from_slice(&self.logits[..vocab]);
-            h_prev.copy_from_slice(&self.ws.hidden()[..d]);
+            h_prev.copy_from_slice(&self.state.hidden[..d]);
             parent = node;
             score = s;
             spent = t0.elapsed().as_secs_f64();

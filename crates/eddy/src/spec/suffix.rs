@@ -1,6 +1,6 @@
 //! Suffix lookup: propose what followed earlier occurrences of the longest recent suffix of the sequence
 //! (prompt plus everything generated), as prompt-lookup decoding and SuffixDecoding do
-//! (`algorithms.md` §5), from a suffix automaton (Blumer et al. 1985) extended one token at a time.
+//! (`docs/speculation.md`), from a suffix automaton (Blumer et al. 1985) extended one token at a time.
 //!
 //! In the automaton of a text `S`, the states on the suffix-link path from the state of all of `S` are
 //! exactly the classes of suffixes of `S`; the first of them with outgoing transitions holds the longest
@@ -16,7 +16,7 @@
 //! actually produced).
 
 use super::{DraftTree, ProposeCtx, Ranked, Speculator};
-use crate::backend::cpu::ThreadPool;
+use crate::backend::Cpu;
 use crate::error::Result;
 use std::collections::BinaryHeap;
 use std::time::Instant;
@@ -199,7 +199,7 @@ impl Speculator for SuffixSpeculator {
         "suffix"
     }
 
-    fn prefill(&mut self, _pool: &ThreadPool, prompt: &[u32]) -> Result<()> {
+    fn prefill(&mut self, _backend: &Cpu, prompt: &[u32]) -> Result<()> {
         self.sync(prompt);
         Ok(())
     }
@@ -302,12 +302,12 @@ mod tests {
 
     #[test]
     fn proposes_a_tree_and_learns_hit_rates() {
-        let pool = ThreadPool::new(1);
+        let backend = Cpu::new(1);
         let cost = CostModel::default();
-        let ctx = ProposeCtx { pool: &pool, budget: Budget::Fixed(8), max_nodes: 8, cost: &cost, temperature: 0.0, target: None };
+        let ctx = ProposeCtx { backend: &backend, budget: Budget::Fixed(8), max_nodes: 8, cost: &cost, temperature: 0.0, target: None };
         let mut s = SuffixSpeculator::default();
         let mut hist: Vec<u32> = vec![5, 6, 7, 8, 9, 1, 2, 3, 5, 6];
-        s.prefill(&pool, &hist[..4]).unwrap();
+        s.prefill(&backend, &hist[..4]).unwrap();
         let mut tree = DraftTree::new(6);
         s.propose(&ctx, &hist, &mut tree).unwrap();
         // "5 6" occurred before, followed by 7 8 9 1 …: a chain 7 → 8 → 9 ….

@@ -35,7 +35,7 @@ pub fn engine(file: &str, ctx: usize) -> Option<eddy::engine::Engine> {
 pub fn qwen35_tiny_engine(opts: &eddy::engine::EngineOptions) -> eddy::engine::Engine {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     let dir = root.join("qwen35/tiny");
-    let model = eddy::models::qwen35::Qwen35Model::load_dir(&dir, eddy::model_dir::Quant::None).unwrap().into_model();
+    let model = eddy::models::qwen35::load_dir(&dir, eddy::model_dir::Quant::None).unwrap();
     let tok = root.join("hf/llama");
     let tokenizer = eddy::tokenizer::Tokenizer::from_file(&tok.join("tokenizer.json"), Some(&tok.join("tokenizer_config.json"))).unwrap();
     let lm = eddy::load::LoadedModel { model, tokenizer, template: None, source: dir };

@@ -1,7 +1,7 @@
 //! Gated DeltaNet (Yang, Kautz & Hatamizadeh 2024, "Gated Delta Networks"; the Qwen3.5 / Qwen3-Next linear
 //! attention layers): the causal depthwise conv, the q/k/g/β preparation, the recurrent (decode) form, the
 //! chunked WY/UT (prefill) form, its ancestor-masked generalisation to token trees, the state commit, and
-//! the gated RMSNorm. Math and notation: `../shared/research/algorithms.md` §1.5, §1.6, §2.4, §2.6;
+//! the gated RMSNorm. Math and notation: `docs/qwen35.md` and `docs/gated-deltanet.md`;
 //! the reference is transformers' `modeling_qwen3_5.py` (`torch_recurrent_gated_delta_rule`,
 //! `torch_chunk_gated_delta_rule`, `causal_conv1d_*`, `Qwen3_5RMSNormGated`).
 //!

@@ -41,6 +41,7 @@ mod avx512;
 pub mod bandwidth;
 pub mod gdn;
 pub mod norm;
+mod ops;
 mod pool;
 mod quantize;
 mod reference;
@@ -54,6 +55,7 @@ use std::sync::OnceLock;
 
 use crate::quant::{WeightMatrix, QK};
 
+pub use ops::Cpu;
 pub use pool::ThreadPool;
 pub use quantize::{quantize_activations, quantize_activations_with, QuantizedActivations};
 pub use reference::matmul_reference;

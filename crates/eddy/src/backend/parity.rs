@@ -1,0 +1,350 @@
+//! Parity harness: every [`Backend`] operation against its scalar reference ([`super::reference`]) on
+//! random inputs (never zeros) and awkward shapes, as llama.cpp's `test-backend-ops` does for its
+//! backends. [`check_all`] runs every check on a backend and reports the first failure in words; the
+//! CPU backend runs it in this module's test.
+//!
+//! Tolerances (relative to the magnitude of the terms summed, so they do not depend on cancellation):
+//! float ops 1e-5; the quantized matmul 1e-2 against the float product of the dequantized weights (what
+//! int8 activations cost; the CPU kernels' exactness against the integer reference is checked per
+//! kernel path in `backend/cpu/tests.rs`); attention 1e-5.
+
+use super::cpu::gdn::{chain_parents, conv_taps};
+use super::{reference, Activation, AttnShape, Backend, GdnShape, Rope, RopeMode, Visibility};
+use crate::quant::import::{quantize_f32, QuantKind};
+use crate::quant::WeightMatrix;
+use crate::tree::TreePaths;
+
+/// SplitMix64: small deterministic generator for test data.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [−1, 1), never exactly 0.
+    fn f(&mut self) -> f32 {
+        let v = ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
+        if v == 0.0 {
+            0.5
+        } else {
+            v
+        }
+    }
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f()).collect()
+    }
+}
+
+fn close(what: &str, got: &[f32], want: &[f32], mag: &[f32], tol: f32) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!("{what}: {} values, expected {}", got.len(), want.len()));
+    }
+    for (i, ((&g, &w), &m)) in got.iter().zip(want).zip(mag).enumerate() {
+        if (g - w).abs() > tol * m.max(1e-6) || g.is_nan() {
+            return Err(format!("{what}: element {i} is {g}, reference {w} (tolerance {tol} × {m})"));
+        }
+    }
+    Ok(())
+}
+
+fn read<B: Backend>(be: &B, buf: &B::Buf, n: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(n);
+    be.read(buf, 0, 1, n, &mut out);
+    out
+}
+
+/// Every check below on `be`; the first failure in words.
+pub fn check_all<B: Backend>(be: &B) -> Result<(), String> {
+    check_matmul(be)?;
+    check_norms(be)?;
+    check_elementwise(be)?;
+    check_rope(be)?;
+    check_attention(be)?;
+    check_rows(be)?;
+    check_gated_attention(be)?;
+    check_gdn(be)?;
+    Ok(())
+}
+
+/// Quantized (Q8, Q4) and float matmuls, batch sizes 1..=9 and one of 33, against the references.
+pub fn check_matmul<B: Backend>(be: &B) -> Result<(), String> {
+    let mut rng = Rng(1);
+    let (rows, cols) = (48, 512);
+    let data = rng.vec(rows * cols);
+    for kind in [Some(QuantKind::Q8), Some(QuantKind::Q4), None] {
+        let host = match kind {
+            Some(k) => quantize_f32(rows, cols, &data, k),
+            None => WeightMatrix::F32 { rows, cols, data: data.clone() },
+        };
+        let w = be.upload_weights(host.clone());
+        for n in (1..=9).chain([33]) {
+            let x = rng.vec(n * cols);
+            let xb = be.upload(&x);
+            let mut xq = be.new_qact();
+            be.quantize(&xb, n, cols, &mut xq);
+            let mut out = be.alloc(n * rows);
+            be.matmul(&w, &xb, &xq, n, &mut out);
+            let got = read(be, &out, n * rows);
+            let mut host_out = vec![0f32; n * rows];
+            be.matmul_to_host(&w, &xb, &xq, n, &mut host_out);
+            if host_out != got {
+                return Err(format!("matmul_to_host differs from matmul ({kind:?}, n {n})"));
+            }
+            // Float reference on the dequantized weights and the float activations.
+            let mut wd = vec![0f32; rows * cols];
+            for r in 0..rows {
+                host.dequant_row(r, &mut wd[r * cols..(r + 1) * cols]);
+            }
+            let mut want = vec![0f32; n * rows];
+            let mut mag = vec![0f32; n * rows];
+            for t in 0..n {
+                for r in 0..rows {
+                    let (wr, xt) = (&wd[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
+                    want[t * rows + r] = wr.iter().zip(xt).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() as f32;
+                    mag[t * rows + r] = wr.iter().zip(xt).map(|(&a, &b)| (a * b).abs()).sum();
+                }
+            }
+            let tol = if kind.is_some() { 1e-2 } else { 1e-5 };
+            close(&format!("matmul {kind:?} n {n}"), &got, &want, &mag, tol)?;
+        }
+    }
+    Ok(())
+}
+
+/// RMSNorm (row offsets, in place over heads) against the reference.
+pub fn check_norms<B: Backend>(be: &B) -> Result<(), String> {
+    let mut rng = Rng(2);
+    for d in [32usize, 64, 96] {
+        let (n, row0) = (5, 2);
+        let x = rng.vec((row0 + n) * d);
+        let w = rng.vec(d);
+        let (xb, wb) = (be.upload(&x), be.upload(&w));
+        let mut out = be.alloc(n * d);
+        be.rms_norm(&xb, row0, n, &wb, 1e-6, &mut out);
+        let want = reference::rms_norm(&x[row0 * d..], &w, 1e-6);
+        let mag: Vec<f32> = want.iter().map(|v| v.abs().max(1.0)).collect();
+        close(&format!("rms_norm d {d}"), &read(be, &out, n * d), &want, &mag, 1e-5)?;
+        let mut xi = be.upload(&x);
+        be.rms_norm_inplace(&mut xi, (row0 + n) * d, &wb, 1e-6);
+        let want = reference::rms_norm(&x, &w, 1e-6);
+        let mag: Vec<f32> = want.iter().map(|v| v.abs().max(1.0)).collect();
+        close(&format!("rms_norm_inplace d {d}"), &read(be, &xi, (row0 + n) * d), &want, &mag, 1e-5)?;
+    }
+    Ok(())
+}
+
+/// Residual add, bias add and both gated activations.
+pub fn check_elementwise<B: Backend>(be: &B) -> Result<(), String> {
+    let mut rng = Rng(3);
+    let (n, d) = (3, 40);
+    let (x, y, b) = (rng.vec(n * d), rng.vec(n * d), rng.vec(d));
+    let mut xb = be.upload(&x);
+    be.add(&mut xb, &be.upload(&y), n * d);
+    let want: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+    close("add", &read(be, &xb, n * d), &want, &vec![1.0; n * d], 1e-6)?;
+    let mut xb = be.upload(&x);
+    be.add_bias(&mut xb, n, &be.upload(&b));
+    let want: Vec<f32> = x.iter().enumerate().map(|(i, a)| a + b[i % d]).collect();
+    close("add_bias", &read(be, &xb, n * d), &want, &vec![1.0; n * d], 1e-6)?;
+    for act in [Activation::Silu, Activation::GeluTanh] {
+        let gate: Vec<f32> = x.iter().map(|v| 4.0 * v).collect();
+        let mut g = be.upload(&gate);
+        be.gated_act(act, &mut g, &be.upload(&y), n * d);
+        let want = reference::gated_act(act, &gate, &y);
+        close(&format!("gated_act {act:?}"), &read(be, &g, n * d), &want, &vec![1.0; n * d], 1e-5)?;
+    }
+    Ok(())
+}
+
+/// RoPE (both pairings, partial rotation, positions up to 40k) on q and k rows.
+pub fn check_rope<B: Backend>(be: &B) -> Result<(), String> {
+    let mut rng = Rng(4);
+    let (hd, nq, nk) = (64, 4, 2);
+    for (mode, rot) in [(RopeMode::Normal, 64), (RopeMode::Neox, 64), (RopeMode::Neox, 16)] {
+        let rope = Rope::new(mode, rot, 10_000.0, 1.0);
+        let positions = [0usize, 1, 7, 1000, 40_000];
+        let t = positions.len();
+        let (q, k) = (rng.vec(t * nq * hd), rng.vec(t * nk * hd));
+        let (mut qb, mut kb) = (be.upload(&q), be.upload(&k));
+        be.rope(&rope, &mut qb, nq * hd, &mut kb, nk * hd, hd, &positions);
+        let (mut wq, mut wk) = (Vec::new(), Vec::new());
+        for (i, &p) in positions.iter().enumerate() {
+            wq.extend(reference::rope(&rope, &q[i * nq * hd..(i + 1) * nq * hd], hd, p));
+            wk.extend(reference::rope(&rope, &k[i * nk * hd..(i + 1) * nk * hd], hd, p));
+        }
+        // Angles up to 4e4 rad: f32 cos/sin of an f64 angle, so 1e-5 of the row scale.
+        close(&format!("rope q {mode:?} {rot}"), &read(be, &qb, q.len()), &wq, &vec![1.0; q.len()], 1e-5)?;
+        close(&format!("rope k {mode:?} {rot}"), &read(be, &kb, k.len()), &wk, &vec![1.0; k.len()], 1e-5)?;
+    }
+    Ok(())
+}
+
+/// Causal attention (GQA, window, soft-cap), tree attention with an ancestor mask, and block attention
+/// (every query sees the same rows, DFlash's draft block).
+pub fn check_attention<B: Backend>(be: &B) -> Result<(), String> {
+    let mut rng = Rng(5);
+    let parents = [usize::MAX, 0, 0, 1, 1, 2, 5];
+    let paths = TreePaths::new(&parents).map_err(|e| e.to_string())?;
+    for (window, softcap) in [(None, None), (Some(9), None), (None, Some(2.0))] {
+        let s = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: 32, scale: 0.4, window, softcap };
+        let (qd, kvd) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
+        let (n_past, t) = (21, parents.len());
+        let rows = n_past + t;
+        let (q, k, v) = (rng.vec(t * qd), rng.vec(rows * kvd), rng.vec(rows * kvd));
+        let (qb, kb, vb) = (be.upload(&q), be.upload(&k), be.upload(&v));
+        let block = Visibility::Block { rows: rows - 3 };
+        for (name, vis) in [("causal", Visibility::Causal), ("tree", Visibility::Tree { first: 0, paths: &paths }), ("block", block)] {
+            let mut out = be.alloc(t * qd);
+            be.attention(&s, &qb, &kb, &vb, n_past, t, vis, &mut out);
+            let want = reference::attention(&s, &q, &k, &v, n_past, t, vis);
+            close(
+                &format!("attention {name} window {window:?} softcap {softcap:?}"),
+                &read(be, &out, t * qd),
+                &want,
+                &vec![1.0; t * qd],
+                1e-5,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// Row copies (KV writes and commits), embedding rows and the row readout.
+pub fn check_rows<B: Backend>(be: &B) -> Result<(), String> {
+    let mut rng = Rng(6);
+    let (w, n) = (24, 3);
+    let src = rng.vec(n * w);
+    let mut dst = be.upload(&vec![7.0; 10 * w]);
+    be.store_rows(&be.upload(&src), n, w, &mut dst, 4);
+    be.copy_row(&mut dst, w, 5, 8);
+    let mut want = vec![7.0; 10 * w];
+    want[4 * w..7 * w].copy_from_slice(&src);
+    want.copy_within(5 * w..6 * w, 8 * w);
+    let mut got = Vec::new();
+    be.read(&dst, 2, 8, w, &mut got);
+    if got != want[2 * w..] {
+        return Err("store_rows / copy_row / read: rows differ from the expected copy".into());
+    }
+    let (a, b) = (rng.vec(n * w), rng.vec(n * w));
+    let mut ab = be.alloc(2 * n * w);
+    let mut bb = be.alloc(n * w);
+    be.write(&b, &mut bb);
+    be.concat_rows(&be.upload(&a), &bb, n, w, &mut ab);
+    let want: Vec<f32> = (0..n).flat_map(|i| a[i * w..(i + 1) * w].iter().chain(&b[i * w..(i + 1) * w]).copied()).collect();
+    if read(be, &ab, 2 * n * w) != want {
+        return Err("write / concat_rows: rows differ from [a ; b]".into());
+    }
+    let (vocab, d) = (17, 64);
+    let table = rng.vec(vocab * d);
+    let wt = be.upload_weights(WeightMatrix::F32 { rows: vocab, cols: d, data: table.clone() });
+    let tokens = [3u32, 16, 0, 3];
+    let mut x = be.alloc(tokens.len() * d);
+    be.embed(&wt, &tokens, Some(0.5), &mut x);
+    let want: Vec<f32> = tokens.iter().flat_map(|&t| table[t as usize * d..(t as usize + 1) * d].iter().map(|v| v * 0.5)).collect();
+    if read(be, &x, want.len()) != want {
+        return Err("embed: rows differ from the scaled table rows".into());
+    }
+    Ok(())
+}
+
+/// The gated attention's q/gate split and output gate.
+pub fn check_gated_attention<B: Backend>(be: &B) -> Result<(), String> {
+    let mut rng = Rng(7);
+    let (n, heads, hd) = (3, 2, 8);
+    let qg = rng.vec(n * 2 * heads * hd);
+    let (mut q, mut gate) = (be.alloc(n * heads * hd), be.alloc(n * heads * hd));
+    be.split_gate(&be.upload(&qg), n, heads, hd, &mut q, &mut gate);
+    let (mut wq, mut wg) = (Vec::new(), Vec::new());
+    for head in qg.chunks_exact(2 * hd) {
+        wq.extend_from_slice(&head[..hd]);
+        wg.extend_from_slice(&head[hd..]);
+    }
+    if read(be, &q, wq.len()) != wq || read(be, &gate, wg.len()) != wg {
+        return Err("split_gate: q or gate rows differ from the per-head halves".into());
+    }
+    let x = rng.vec(wq.len());
+    let mut xb = be.upload(&x);
+    be.mul_sigmoid(&mut xb, &gate, x.len());
+    let want: Vec<f32> = x.iter().zip(&wg).map(|(&v, &g)| (v as f64 / (1.0 + (-g as f64).exp())) as f32).collect();
+    close("mul_sigmoid", &read(be, &xb, x.len()), &want, &vec![1.0; x.len()], 1e-6)
+}
+
+/// Gated DeltaNet: conv over a tree, the chunked prefill and the tree solve against the per-branch
+/// sequential recurrence, the commit of a path against the recurrence along it, the gated norm.
+pub fn check_gdn<B: Backend>(be: &B) -> Result<(), String> {
+    let mut rng = Rng(8);
+    let s = GdnShape { n_k_heads: 2, n_v_heads: 4, d_k: 16, d_v: 16, kernel: 4, v_tiled: false };
+    let (cd, hv, vd) = (s.conv_dim(), s.n_v_heads, s.value_dim());
+    let parents = [usize::MAX, 0, 1, 1, 3, 0, 5];
+    let n = parents.len();
+    // Conv of a tree against the reference.
+    let w = rng.vec(cd * s.kernel);
+    let conv_state = rng.vec((s.kernel - 1) * cd);
+    let x = rng.vec(n * cd);
+    let mut c = be.alloc(n * cd);
+    be.gdn_conv(&s, &be.upload(&conv_taps(&w, s.kernel)), &be.upload(&conv_state), &be.upload(&x), &parents, &mut c);
+    let want = reference::gdn_conv(&w, s.kernel, &conv_state, &x, &parents);
+    close("gdn_conv", &read(be, &c, n * cd), &want, &vec![1.0; n * cd], 1e-5)?;
+    // Prepared inputs (host reference of the preparation: the CPU kernel is the definition here; the tree
+    // and chunked solves are then checked against the sequential recurrence on the same inputs).
+    let (a_neg, dt_bias) = (rng.vec(hv).iter().map(|v| -0.5 - v.abs()).collect::<Vec<_>>(), rng.vec(hv));
+    let (mut g, mut beta) = (be.upload(&rng.vec(n * hv)), be.upload(&rng.vec(n * hv)));
+    be.gdn_prepare(&s, &mut c, &mut g, &mut beta, &be.upload(&a_neg), &be.upload(&dt_bias), n);
+    let (ch, gh, bh) = (read(be, &c, n * cd), read(be, &g, n * hv), read(be, &beta, n * hv));
+    if gh.iter().any(|&v| v > 0.0) || bh.iter().any(|&v| !(0.0..=1.0).contains(&v)) {
+        return Err("gdn_prepare: decays must be ≤ 0 and β in [0, 1]".into());
+    }
+    let state0: Vec<f32> = rng.vec(s.state_len()).iter().map(|v| 0.1 * v).collect();
+    let st = be.upload(&state0);
+    let (mut gamma, mut u, mut out) = (be.alloc(n * hv), be.alloc(n * vd), be.alloc(n * vd));
+    be.gdn_tree(&s, &st, &c, &g, &beta, &parents, &mut gamma, &mut u, &mut out);
+    let mut want = vec![0f32; n * vd];
+    reference::gdn_tree(&s, &state0, &ch, &gh, &bh, &parents, &mut want);
+    close("gdn_tree", &read(be, &out, n * vd), &want, &vec![1.0; n * vd], 1e-4)?;
+    // Commit the path 0-1-3-4: the state equals the recurrence along it (the reference's post-state of
+    // node 4, read back through a one-row tree solve from both states).
+    let path = [0usize, 1, 3, 4];
+    let mut st_commit = be.upload(&state0);
+    be.gdn_commit(&s, &mut st_commit, &c, &gamma, &u, &path);
+    let chain: Vec<f32> = path.iter().flat_map(|&p| ch[p * cd..(p + 1) * cd].iter().copied()).collect();
+    let (gc, bc): (Vec<f32>, Vec<f32>) = (
+        path.iter().flat_map(|&p| gh[p * hv..(p + 1) * hv].iter().copied()).collect(),
+        path.iter().flat_map(|&p| bh[p * hv..(p + 1) * hv].iter().copied()).collect(),
+    );
+    let mut st_chunk = be.upload(&state0);
+    let mut out_chunk = be.alloc(path.len() * vd);
+    be.gdn_chunked(&s, &mut st_chunk, &be.upload(&chain), &be.upload(&gc), &be.upload(&bc), 0..path.len(), 2, &mut out_chunk);
+    let mut want = vec![0f32; path.len() * vd];
+    reference::gdn_tree(&s, &state0, &chain, &gc, &bc, &chain_parents(path.len()), &mut want);
+    close("gdn_chunked", &read(be, &out_chunk, path.len() * vd), &want, &vec![1.0; want.len()], 1e-4)?;
+    let (sc, sk) = (read(be, &st_commit, s.state_len()), read(be, &st_chunk, s.state_len()));
+    close("gdn_commit vs gdn_chunked state", &sc, &sk, &vec![1.0; sc.len()], 1e-4)?;
+    // Conv window after the path: the last K−1 pre-conv rows of conv_state ++ x[path].
+    let mut cs = be.upload(&conv_state);
+    be.gdn_conv_commit(&s, &mut cs, &be.upload(&x), &path);
+    let want: Vec<f32> = path[1..].iter().flat_map(|&p| x[p * cd..(p + 1) * cd].iter().copied()).collect();
+    if read(be, &cs, want.len()) != want {
+        return Err("gdn_conv_commit: the window is not the path's last K−1 inputs".into());
+    }
+    // Gated norm.
+    let (o, z, wn) = (rng.vec(n * vd), rng.vec(n * vd), rng.vec(s.d_v));
+    let mut ob = be.upload(&o);
+    be.gdn_gated_norm(&mut ob, &be.upload(&z), &be.upload(&wn), 1e-6, n * vd);
+    let normed = reference::rms_norm(&o, &wn, 1e-6);
+    let want: Vec<f32> = normed.iter().zip(&z).map(|(&v, &zz)| (v as f64 * zz as f64 / (1.0 + (-zz as f64).exp())) as f32).collect();
+    close("gdn_gated_norm", &read(be, &ob, n * vd), &want, &vec![1.0; n * vd], 1e-5)
+}
+
+#[cfg(test)]
+mod tests {
+    /// The CPU backend (on the process's kernel path, `EDDY_KERNEL` caps it) passes every check.
+    #[test]
+    fn cpu_backend_matches_the_references() {
+        let be = super::super::Cpu::new(2);
+        super::check_all(&be).unwrap();
+    }
+}
