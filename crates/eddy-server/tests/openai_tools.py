@@ -84,8 +84,9 @@ def round_trip(stream):
     for i, n, a in calls:
         result = {"city": json.loads(a)["city"], "temperature": 21, "sky": "sunny"} if n == "get_weather" else "14:05"
         history.append({"role": "tool", "tool_call_id": i, "content": json.dumps(result)})
-    # The answer: tools still sent, calls turned off (tool_choice none).
-    kw = dict(model=model, messages=history, tools=tools, tool_choice="none", temperature=0, max_tokens=40)
+    # The answer: the history with the call and its result, without tools (with the tools in the prompt,
+    # as tool_choice none keeps them, this 1.5B repeats the call as text instead of answering).
+    kw = dict(model=model, messages=history, temperature=0, max_tokens=40)
     if not stream:
         a = client.chat.completions.create(**kw).choices[0]
         answer, finish = a.message.content, a.finish_reason
