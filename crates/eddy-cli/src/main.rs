@@ -8,11 +8,11 @@ mod fetch;
 use clap::{Args, Parser, Subcommand};
 use eddy::chat::{encode_chat, ChatMessage};
 use eddy::engine::{default_threads, Engine, EngineOptions, GenerateParams};
-use eddy::spec::dflash::{find_next_to, is_dflash_dir, DFlashDrafter, DFlashSeq};
-use eddy::spec::{build_speculators, Budget, Drafter, SpeculatorKind};
 use eddy::load::{load, LoadedModel};
 use eddy::model_dir::Quant;
 use eddy::sampling::SamplerParams;
+use eddy::spec::dflash::{find_next_to, is_dflash_dir, DFlashDrafter, DFlashSeq};
+use eddy::spec::{build_speculators, Budget, Drafter, SpeculatorKind};
 use eddy::stats::{peak_rss_bytes, EnergyMeter, GenerationStats};
 use eddy::tokenizer::StreamDecoder;
 use std::io::{Read, Write};
@@ -304,7 +304,14 @@ fn main() -> ExitCode {
     }
 }
 
-fn serve(model: ModelArgs, host: &str, port: u16, opts: eddy_server::ServeOptions, prefix_cache: bool, spec: &SpecArgs) -> eddy::Result<()> {
+fn serve(
+    model: ModelArgs,
+    host: &str,
+    port: u16,
+    opts: eddy_server::ServeOptions,
+    prefix_cache: bool,
+    spec: &SpecArgs,
+) -> eddy::Result<()> {
     let (spec_kind, spec_budget) = spec_options(spec)?;
     let (mut engine, _) = engine_with(&model, model.ctx.unwrap_or(DEFAULT_CTX), prefix_cache)?;
     attach_speculators(&mut engine, spec, spec_kind, spec_budget)?;
@@ -428,7 +435,8 @@ fn load_with_progress(spec: Option<&str>, quant: Quant) -> eddy::Result<LoadedMo
     }
     let bar = indicatif::ProgressBar::with_draw_target(None, indicatif::ProgressDrawTarget::stderr());
     bar.set_style(
-        indicatif::ProgressStyle::with_template("loading {bar:40} {pos}/{len} tensors {elapsed}").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        indicatif::ProgressStyle::with_template("loading {bar:40} {pos}/{len} tensors {elapsed}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     let r = load(spec, quant, &mut |done, total| {
         bar.set_length(total as u64);
@@ -501,8 +509,15 @@ fn run(a: RunArgs) -> eddy::Result<()> {
         None => serde_json::Map::new(),
         Some(s) => match serde_json::from_str::<serde_json::Value>(s) {
             Ok(serde_json::Value::Object(m)) => m,
-            Ok(v) => return Err(bad("--chat-template-kwargs", format!("must be a JSON object like '{{\"enable_thinking\": false}}', got {v}"))),
-            Err(e) => return Err(bad("--chat-template-kwargs", format!("invalid JSON ({e}); expected an object like '{{\"enable_thinking\": false}}'"))),
+            Ok(v) => {
+                return Err(bad("--chat-template-kwargs", format!("must be a JSON object like '{{\"enable_thinking\": false}}', got {v}")))
+            }
+            Err(e) => {
+                return Err(bad(
+                    "--chat-template-kwargs",
+                    format!("invalid JSON ({e}); expected an object like '{{\"enable_thinking\": false}}'"),
+                ))
+            }
         },
     };
     let (message, source) = if a.message == "-" {
@@ -646,8 +661,13 @@ fn print_stats(s: &GenerationStats, energy_err: Option<&String>, total_j: Option
     let _ = writeln!(err, "output energy per token: {}", e_out.map(|j| format!("{j:.2} J/tok")).unwrap_or_else(|| na(why)));
     let _ = writeln!(err, "duration: {:.2} s", s.duration.as_secs_f64());
     if s.draft_tokens > 0 {
-        let by_depth: Vec<String> =
-            s.accepted_at_depth.iter().zip(&s.proposed_at_depth).take(8).map(|(a, p)| format!("{:.2}", *a as f64 / (*p).max(1) as f64)).collect();
+        let by_depth: Vec<String> = s
+            .accepted_at_depth
+            .iter()
+            .zip(&s.proposed_at_depth)
+            .take(8)
+            .map(|(a, p)| format!("{:.2}", *a as f64 / (*p).max(1) as f64))
+            .collect();
         let _ = writeln!(
             err,
             "draft tokens accepted: {}/{} ({:.0} %); acceptance by depth: {}",
@@ -688,7 +708,10 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
         return Err(bad("-p/--prompt-tokens", "must be at least 1"));
     }
     if a.gen_tokens == 1 {
-        return Err(bad("-n/--gen-tokens", "1 token gives no decode measurement (the first comes from the prefill): use 0 for prefill only or at least 2"));
+        return Err(bad(
+            "-n/--gen-tokens",
+            "1 token gives no decode measurement (the first comes from the prefill): use 0 for prefill only or at least 2",
+        ));
     }
     if a.repetitions == 0 {
         return Err(bad("-r/--repetitions", "must be at least 1"));
@@ -733,7 +756,10 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
     let (pm, ps) = summary(&pp);
     let (tm, ts) = summary(&tg);
     let model = engine.lm.source.display().to_string();
-    print_line(&serde_json::json!({"model": model, "test": format!("pp{}", a.prompt_tokens), "threads": threads, "avg_ts": pm, "stddev_ts": ps}).to_string())?;
+    print_line(
+        &serde_json::json!({"model": model, "test": format!("pp{}", a.prompt_tokens), "threads": threads, "avg_ts": pm, "stddev_ts": ps})
+            .to_string(),
+    )?;
     if a.gen_tokens > 1 {
         print_line(
             &serde_json::json!({"model": model, "test": format!("tg{}", a.gen_tokens), "threads": threads, "avg_ts": tm, "stddev_ts": ts,

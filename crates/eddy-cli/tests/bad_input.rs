@@ -30,7 +30,10 @@ fn expect_error(model: &Path, extra: &[&str], needle: &str) -> String {
 }
 
 /// Rewrite the SmolLM2 file with `edit` applied to its metadata and tensor list.
-fn modified(name: &str, edit: impl FnOnce(&mut std::collections::BTreeMap<String, GgufValue>, &mut Vec<(String, Vec<u64>, u32, Vec<u8>)>)) -> Option<PathBuf> {
+fn modified(
+    name: &str,
+    edit: impl FnOnce(&mut std::collections::BTreeMap<String, GgufValue>, &mut Vec<(String, Vec<u64>, u32, Vec<u8>)>),
+) -> Option<PathBuf> {
     let src = smol()?;
     let g = GgufFile::open(&src).unwrap();
     let mut meta = g.metadata.clone();

@@ -37,8 +37,21 @@ fn bench_measures_an_eddy_server_and_compares_runs() {
     std::fs::write(&data, "{\"prompt\": \"Count from one to twenty in words.\"}\n\"Name the planets of the solar system.\"\n").unwrap();
     let out_a = common::tmp("bench", "a.json");
     let o = eddy(&[
-        "bench", "--endpoint", &endpoint, "--dataset", data.to_str().unwrap(), "--num", "2", "--max-tokens", "16",
-        "--warmup", "1", "--out", out_a.to_str().unwrap(), "--label", "smol-a",
+        "bench",
+        "--endpoint",
+        &endpoint,
+        "--dataset",
+        data.to_str().unwrap(),
+        "--num",
+        "2",
+        "--max-tokens",
+        "16",
+        "--warmup",
+        "1",
+        "--out",
+        out_a.to_str().unwrap(),
+        "--label",
+        "smol-a",
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let text = String::from_utf8(o.stdout).unwrap();
@@ -72,8 +85,21 @@ fn bench_measures_an_eddy_server_and_compares_runs() {
     // The same prompt twice, greedy: the completion lengths agree with the server's own count.
     let out_b = common::tmp("bench", "b.json");
     let o = eddy(&[
-        "bench", "--endpoint", &endpoint, "--model", "SmolLM2-135M-Instruct.Q4_1", "--prompt", "Say hi.",
-        "--num", "2", "--max-tokens", "8", "--warmup", "0", "--out", out_b.to_str().unwrap(),
+        "bench",
+        "--endpoint",
+        &endpoint,
+        "--model",
+        "SmolLM2-135M-Instruct.Q4_1",
+        "--prompt",
+        "Say hi.",
+        "--num",
+        "2",
+        "--max-tokens",
+        "8",
+        "--warmup",
+        "0",
+        "--out",
+        out_b.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let b: Value = serde_json::from_str(&std::fs::read_to_string(&out_b).unwrap()).unwrap();
@@ -88,8 +114,20 @@ fn bench_measures_an_eddy_server_and_compares_runs() {
     // --warm lets the server reuse its cache; the hits are counted and their TTFT reported apart.
     let out_w = common::tmp("bench", "w.json");
     let o = eddy(&[
-        "bench", "--endpoint", &endpoint, "--prompt", "Say hi.", "--num", "2", "--max-tokens", "4", "--warmup", "1",
-        "--warm", "--out", out_w.to_str().unwrap(),
+        "bench",
+        "--endpoint",
+        &endpoint,
+        "--prompt",
+        "Say hi.",
+        "--num",
+        "2",
+        "--max-tokens",
+        "4",
+        "--warmup",
+        "1",
+        "--warm",
+        "--out",
+        out_w.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let w: Value = serde_json::from_str(&std::fs::read_to_string(&out_w).unwrap()).unwrap();
@@ -153,8 +191,19 @@ fn serve_binary_with_no_prefix_cache_is_benchmarked() {
     };
     let out = common::tmp("bench", "serve.json");
     let o = eddy(&[
-        "bench", "--endpoint", &format!("http://{addr}/v1"), "--prompt", "Say hi.", "--num", "2", "--max-tokens", "4",
-        "--warmup", "0", "--out", out.to_str().unwrap(),
+        "bench",
+        "--endpoint",
+        &format!("http://{addr}/v1"),
+        "--prompt",
+        "Say hi.",
+        "--num",
+        "2",
+        "--max-tokens",
+        "4",
+        "--warmup",
+        "0",
+        "--out",
+        out.to_str().unwrap(),
     ]);
     let _ = child.kill();
     let _ = child.wait();

@@ -98,7 +98,10 @@ fn bad_option_values_are_named_before_the_model_loads() {
     expect_error(&run_args(&["--chat-template-kwargs", "{bad"]), "--chat-template-kwargs: invalid JSON");
     expect_error(&run_args(&["--chat-template-kwargs", "[1]"]), "--chat-template-kwargs: must be a JSON object");
     expect_error(&run_args(&["--chat-template-kwargs", ""]), "--chat-template-kwargs:");
-    expect_error(&run_args(&["--speculator", "flash"]), "--speculator: speculator must be none, suffix, draft, mtp, dflash, dflash-chain or auto");
+    expect_error(
+        &run_args(&["--speculator", "flash"]),
+        "--speculator: speculator must be none, suffix, draft, mtp, dflash, dflash-chain or auto",
+    );
     expect_error(&run_args(&["--speculator", "none", "--draft-model", "x"]), "--draft-model: is only used with --speculator draft, dflash");
     expect_error(&run_args(&["--speculator", "draft"]), "--speculator: draft needs --draft-model PATH");
     expect_error(&["run", "--model", NO_MODEL, "-m", ""], "--message: the message is empty");
@@ -298,7 +301,10 @@ fn context_limits() {
     let Some(smol) = smol() else { return };
     let s = smol.to_str().unwrap();
     for ctx in ["2", "8"] {
-        expect_error(&["run", "--model", s, "--threads", "1", "--ctx", ctx, "-m", "hi"], &format!("prompt: 31 tokens but the context holds {ctx}"));
+        expect_error(
+            &["run", "--model", s, "--threads", "1", "--ctx", ctx, "-m", "hi"],
+            &format!("prompt: 31 tokens but the context holds {ctx}"),
+        );
     }
     // --raw "hi" is one token: a context of 2 still generates.
     let out = run_smol(&smol, &["--ctx", "2", "--raw", "-n", "5", "--temperature", "0", "-m", "hi"]);
@@ -348,7 +354,10 @@ fn perplexity_inputs() {
 fn speed_inputs() {
     let Some(smol) = smol() else { return };
     let s = smol.to_str().unwrap();
-    expect_error(&["speed", "--model", s, "--threads", "1", "-p", "4", "-n", "100", "--ctx", "16"], "--ctx: -p 4 + -n 100 tokens do not fit");
+    expect_error(
+        &["speed", "--model", s, "--threads", "1", "-p", "4", "-n", "100", "--ctx", "16"],
+        "--ctx: -p 4 + -n 100 tokens do not fit",
+    );
     let out = eddy(&["speed", "--model", s, "--threads", "1", "-p", "4", "-n", "0", "-r", "1"]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8(out.stdout).unwrap();

@@ -36,12 +36,7 @@ impl ApiError {
     }
 
     /// The same error with another status, type and code.
-    pub fn with_status(
-        mut self,
-        status: StatusCode,
-        kind: &'static str,
-        code: Option<&'static str>,
-    ) -> Self {
+    pub fn with_status(mut self, status: StatusCode, kind: &'static str, code: Option<&'static str>) -> Self {
         self.status = status;
         self.kind = kind;
         self.code = code;
@@ -59,8 +54,7 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut r = (self.status, axum::Json(self.body())).into_response();
         if self.status == StatusCode::SERVICE_UNAVAILABLE {
-            r.headers_mut()
-                .insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+            r.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
         }
         r
     }
@@ -72,14 +66,8 @@ type R<T> = Result<T, ApiError>;
 pub fn parse_object(body: &[u8]) -> R<Map<String, Value>> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(m)) => Ok(m),
-        Ok(_) => Err(ApiError::invalid(
-            None,
-            "the request body must be a JSON object",
-        )),
-        Err(e) => Err(ApiError::invalid(
-            None,
-            format!("invalid JSON in the request body: {e}"),
-        )),
+        Ok(_) => Err(ApiError::invalid(None, "the request body must be a JSON object")),
+        Err(e) => Err(ApiError::invalid(None, format!("invalid JSON in the request body: {e}"))),
     }
 }
 
@@ -89,24 +77,13 @@ fn get<'a>(o: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
 
 /// A float field, checked after its conversion to f32 (the type the sampler uses): a value that
 /// overflows to infinity or underflows to 0 is judged as such.
-fn number(
-    o: &Map<String, Value>,
-    k: &str,
-    ok: impl Fn(f32) -> bool,
-    range: &str,
-) -> R<Option<f32>> {
+fn number(o: &Map<String, Value>, k: &str, ok: impl Fn(f32) -> bool, range: &str) -> R<Option<f32>> {
     match get(o, k) {
         None => Ok(None),
         Some(v) => match v.as_f64() {
             Some(x) if (x as f32).is_finite() && ok(x as f32) => Ok(Some(x as f32)),
-            Some(x) => Err(ApiError::invalid(
-                Some(k),
-                format!("{k} must be {range}, got {x}"),
-            )),
-            None => Err(ApiError::invalid(
-                Some(k),
-                format!("{k} must be a number, got {v}"),
-            )),
+            Some(x) => Err(ApiError::invalid(Some(k), format!("{k} must be {range}, got {x}"))),
+            None => Err(ApiError::invalid(Some(k), format!("{k} must be a number, got {v}"))),
         },
     }
 }
@@ -116,18 +93,9 @@ fn integer(o: &Map<String, Value>, k: &str, min: i64) -> R<Option<i64>> {
         None => Ok(None),
         Some(v) => match v.as_i64() {
             Some(x) if x >= min => Ok(Some(x)),
-            Some(x) => Err(ApiError::invalid(
-                Some(k),
-                format!("{k} must be at least {min}, got {x}"),
-            )),
-            None if v.is_u64() => Err(ApiError::invalid(
-                Some(k),
-                format!("{k} is out of range, got {v} (at most {})", i64::MAX),
-            )),
-            None => Err(ApiError::invalid(
-                Some(k),
-                format!("{k} must be an integer, got {v}"),
-            )),
+            Some(x) => Err(ApiError::invalid(Some(k), format!("{k} must be at least {min}, got {x}"))),
+            None if v.is_u64() => Err(ApiError::invalid(Some(k), format!("{k} is out of range, got {v} (at most {})", i64::MAX))),
+            None => Err(ApiError::invalid(Some(k), format!("{k} must be an integer, got {v}"))),
         },
     }
 }
@@ -136,10 +104,7 @@ fn boolean(o: &Map<String, Value>, k: &str) -> R<Option<bool>> {
     match get(o, k) {
         None => Ok(None),
         Some(Value::Bool(b)) => Ok(Some(*b)),
-        Some(v) => Err(ApiError::invalid(
-            Some(k),
-            format!("{k} must be a boolean, got {v}"),
-        )),
+        Some(v) => Err(ApiError::invalid(Some(k), format!("{k} must be a boolean, got {v}"))),
     }
 }
 
@@ -169,12 +134,7 @@ pub fn parse_common(o: &Map<String, Value>, chat: bool) -> R<Common> {
     // A server of one model answers whatever model a request names (clients often send a fixed name).
     match get(o, "model") {
         None | Some(Value::String(_)) => {}
-        Some(v) => {
-            return Err(ApiError::invalid(
-                Some("model"),
-                format!("model must be a string, got {v}"),
-            ))
-        }
+        Some(v) => return Err(ApiError::invalid(Some("model"), format!("model must be a string, got {v}"))),
     }
     // Features not implemented: refuse rather than silently ignore.
     if !chat {
@@ -188,12 +148,7 @@ pub fn parse_common(o: &Map<String, Value>, chat: bool) -> R<Common> {
         None => {}
         Some(Value::Object(m)) if m.is_empty() => {}
         Some(Value::Object(_)) => return Err(ApiError::unsupported("logit_bias", "logit_bias")),
-        Some(_) => {
-            return Err(ApiError::invalid(
-                Some("logit_bias"),
-                "logit_bias must be an object",
-            ))
-        }
+        Some(_) => return Err(ApiError::invalid(Some("logit_bias"), "logit_bias must be an object")),
     }
     for k in ["audio", "prediction", "web_search_options", "functions", "function_call", "reasoning_effort"] {
         if get(o, k).is_some() {
@@ -227,15 +182,10 @@ pub fn parse_common(o: &Map<String, Value>, chat: bool) -> R<Common> {
     };
     let logprobs = match (integer(o, "top_logprobs", 0)?, logprobs) {
         (Some(k), _) if k > MAX_LOGPROBS as i64 => {
-            return Err(ApiError::invalid(
-                Some("top_logprobs"),
-                format!("top_logprobs must be at most {MAX_LOGPROBS}, got {k}"),
-            ))
+            return Err(ApiError::invalid(Some("top_logprobs"), format!("top_logprobs must be at most {MAX_LOGPROBS}, got {k}")))
         }
         (Some(k), Some(_)) => Some(k as usize),
-        (Some(k), None) if k > 0 => {
-            return Err(ApiError::invalid(Some("top_logprobs"), "top_logprobs needs logprobs: true"))
-        }
+        (Some(k), None) if k > 0 => return Err(ApiError::invalid(Some("top_logprobs"), "top_logprobs needs logprobs: true")),
         (_, l) => l,
     };
     if boolean(o, "echo")? == Some(true) {
@@ -246,29 +196,19 @@ pub fn parse_common(o: &Map<String, Value>, chat: bool) -> R<Common> {
     }
     if let Some(n) = integer(o, "n", 1)? {
         if n != 1 {
-            return Err(ApiError::invalid(
-                Some("n"),
-                format!("only n=1 is supported, got n={n}"),
-            ));
+            return Err(ApiError::invalid(Some("n"), format!("only n=1 is supported, got n={n}")));
         }
     }
     if let Some(n) = integer(o, "best_of", 1)? {
         if n != 1 {
-            return Err(ApiError::invalid(
-                Some("best_of"),
-                format!("only best_of=1 is supported, got {n}"),
-            ));
+            return Err(ApiError::invalid(Some("best_of"), format!("only best_of=1 is supported, got {n}")));
         }
     }
     let mut max_tokens = integer(o, "max_tokens", 1)?;
     if let Some(m) = integer(o, "max_completion_tokens", 1)? {
         max_tokens = Some(m);
     }
-    let mut s = SamplerParams {
-        temperature: 1.0,
-        seed: random_seed(),
-        ..SamplerParams::default()
-    };
+    let mut s = SamplerParams { temperature: 1.0, seed: random_seed(), ..SamplerParams::default() };
     if let Some(t) = number(o, "temperature", |x| (0.0..=2.0).contains(&x), "in [0, 2]")? {
         s.temperature = t;
     }
@@ -302,12 +242,7 @@ pub fn parse_common(o: &Map<String, Value>, chat: bool) -> R<Common> {
         Some(v) => match (v.as_u64(), v.as_i64()) {
             (Some(x), _) => s.seed = x,
             (None, Some(x)) => s.seed = x as u64,
-            _ => {
-                return Err(ApiError::invalid(
-                    Some("seed"),
-                    format!("seed must be an integer, got {v}"),
-                ))
-            }
+            _ => return Err(ApiError::invalid(Some("seed"), format!("seed must be an integer, got {v}"))),
         },
     }
     let stops = match get(o, "stop") {
@@ -316,39 +251,22 @@ pub fn parse_common(o: &Map<String, Value>, chat: bool) -> R<Common> {
         Some(Value::Array(a)) => a
             .iter()
             .map(|v| {
-                v.as_str().map(str::to_string).ok_or_else(|| {
-                    ApiError::invalid(Some("stop"), "stop must be a string or a list of strings")
-                })
+                v.as_str().map(str::to_string).ok_or_else(|| ApiError::invalid(Some("stop"), "stop must be a string or a list of strings"))
             })
             .collect::<R<Vec<_>>>()?,
-        Some(_) => {
-            return Err(ApiError::invalid(
-                Some("stop"),
-                "stop must be a string or a list of strings",
-            ))
-        }
+        Some(_) => return Err(ApiError::invalid(Some("stop"), "stop must be a string or a list of strings")),
     };
     let stream = boolean(o, "stream")?.unwrap_or(false);
     let include_usage = match get(o, "stream_options") {
         None => false,
-        Some(_) if !stream => {
-            return Err(ApiError::invalid(
-                Some("stream_options"),
-                "stream_options is only allowed when stream is true",
-            ))
-        }
+        Some(_) if !stream => return Err(ApiError::invalid(Some("stream_options"), "stream_options is only allowed when stream is true")),
         Some(Value::Object(so)) => boolean(so, "include_usage")
             .map_err(|mut e| {
                 e.param = Some("stream_options.include_usage".into());
                 e
             })?
             .unwrap_or(false),
-        Some(_) => {
-            return Err(ApiError::invalid(
-                Some("stream_options"),
-                "stream_options must be an object",
-            ))
-        }
+        Some(_) => return Err(ApiError::invalid(Some("stream_options"), "stream_options must be an object")),
     };
     Ok(Common {
         max_tokens: max_tokens.map(|m| m as usize),
@@ -386,11 +304,7 @@ pub fn parse_messages(o: &Map<String, Value>) -> R<Vec<Value>> {
         let role = match m.get("role").and_then(Value::as_str) {
             Some(r @ ("system" | "user" | "assistant" | "tool")) => r,
             Some("developer") => "system",
-            Some(r) => {
-                return Err(bad(format!(
-                    "{at}.role `{r}` is not supported (system, developer, user, assistant, tool)"
-                )))
-            }
+            Some(r) => return Err(bad(format!("{at}.role `{r}` is not supported (system, developer, user, assistant, tool)"))),
             None => return Err(bad(format!("{at}.role must be a string"))),
         };
         let calls = match m.get("tool_calls") {
@@ -411,31 +325,15 @@ pub fn parse_messages(o: &Map<String, Value>) -> R<Vec<Value>> {
             Some(Value::Array(parts)) => {
                 let mut s = String::new();
                 for part in parts {
-                    match (
-                        part.get("type").and_then(Value::as_str),
-                        part.get("text").and_then(Value::as_str),
-                    ) {
+                    match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
                         (Some("text"), Some(t)) => s.push_str(t),
-                        (Some(t), _) if t != "text" => {
-                            return Err(ApiError::unsupported(
-                                &at,
-                                &format!("content part type `{t}`"),
-                            ))
-                        }
-                        _ => {
-                            return Err(bad(format!(
-                                "{at}.content parts must be {{\"type\": \"text\", \"text\": string}}"
-                            )))
-                        }
+                        (Some(t), _) if t != "text" => return Err(ApiError::unsupported(&at, &format!("content part type `{t}`"))),
+                        _ => return Err(bad(format!("{at}.content parts must be {{\"type\": \"text\", \"text\": string}}"))),
                     }
                 }
                 s
             }
-            _ => {
-                return Err(bad(format!(
-                    "{at}.content must be a string or an array of text parts"
-                )))
-            }
+            _ => return Err(bad(format!("{at}.content must be a string or an array of text parts"))),
         };
         let mut msg = Map::new();
         msg.insert("role".into(), json!(role));
@@ -464,9 +362,7 @@ fn template_tool_call(c: &Value) -> Result<Value, String> {
     let name = f.get("name").and_then(Value::as_str).ok_or("function.name must be a string")?;
     let args = match f.get("arguments") {
         None | Some(Value::Null) => json!({}),
-        Some(Value::String(s)) => {
-            serde_json::from_str::<Value>(s).map_err(|e| format!("function.arguments is not JSON: {e}"))?
-        }
+        Some(Value::String(s)) => serde_json::from_str::<Value>(s).map_err(|e| format!("function.arguments is not JSON: {e}"))?,
         Some(v @ Value::Object(_)) => v.clone(),
         Some(_) => return Err("function.arguments must be a JSON string".into()),
     };
@@ -520,8 +416,7 @@ pub struct Tools {
     pub parallel: bool,
 }
 
-const TOOL_CHOICE_FORMS: &str =
-    "tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}";
+const TOOL_CHOICE_FORMS: &str = "tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}";
 
 /// `tools`, `tool_choice`, `parallel_tool_calls`; `None` when no tools are given (or an empty list). A
 /// `tool_choice` of `required` or a function without tools is a 400, as a named tool that is not in `tools`.
@@ -575,10 +470,7 @@ pub fn parse_tools(o: &Map<String, Value>) -> R<Option<Tools>> {
     }
     if let ToolChoice::Named(n) = &choice {
         if !tools.iter().any(|t| &t.name == n) {
-            return Err(ApiError::invalid(
-                Some("tool_choice"),
-                format!("tool_choice names the function `{n}`, which is not in tools"),
-            ));
+            return Err(ApiError::invalid(Some("tool_choice"), format!("tool_choice names the function `{n}`, which is not in tools")));
         }
     }
     let parallel = boolean(o, "parallel_tool_calls")?.unwrap_or(true);
@@ -609,10 +501,7 @@ pub fn parse_response_format(o: &Map<String, Value>) -> R<Option<Value>> {
                 Some(_) => Err(ApiError::invalid(p, "response_format.json_schema.schema must be a JSON schema object")),
             }
         }
-        Some(t) => Err(ApiError::invalid(
-            p,
-            format!("response_format type `{t}` is not supported (text, json_object, json_schema)"),
-        )),
+        Some(t) => Err(ApiError::invalid(p, format!("response_format type `{t}` is not supported (text, json_object, json_schema)"))),
         None => Err(ApiError::invalid(p, "response_format must be an object with a type")),
     }
 }
@@ -622,10 +511,7 @@ pub fn parse_kwargs(o: &Map<String, Value>) -> R<Map<String, Value>> {
     match get(o, "chat_template_kwargs") {
         None => Ok(Map::new()),
         Some(Value::Object(m)) => Ok(m.clone()),
-        Some(_) => Err(ApiError::invalid(
-            Some("chat_template_kwargs"),
-            "chat_template_kwargs must be an object",
-        )),
+        Some(_) => Err(ApiError::invalid(Some("chat_template_kwargs"), "chat_template_kwargs must be an object")),
     }
 }
 
@@ -651,14 +537,11 @@ pub fn parse_prompt(o: &Map<String, Value>, vocab: usize) -> R<Prompt> {
     };
     match list.first() {
         None => Err(ApiError::invalid(p, "prompt must not be an empty array")),
-        Some(Value::String(_) | Value::Array(_)) if list.len() > 1 => Err(ApiError::invalid(
-            p,
-            format!("only one prompt per request is supported, got {}", list.len()),
-        )),
-        Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
-        Some(Value::Array(ids)) if ids.is_empty() => {
-            Err(ApiError::invalid(p, "prompt[0] must not be an empty array"))
+        Some(Value::String(_) | Value::Array(_)) if list.len() > 1 => {
+            Err(ApiError::invalid(p, format!("only one prompt per request is supported, got {}", list.len())))
         }
+        Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
+        Some(Value::Array(ids)) if ids.is_empty() => Err(ApiError::invalid(p, "prompt[0] must not be an empty array")),
         Some(Value::Array(ids)) => token_ids(ids, "prompt[0]", vocab).map(Prompt::Tokens),
         Some(_) => token_ids(list, "prompt", vocab).map(Prompt::Tokens),
     }
@@ -687,11 +570,6 @@ fn token_ids(a: &[Value], at: &str, vocab: usize) -> R<Vec<u32>> {
 pub(crate) fn random_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
     h.finish()
 }

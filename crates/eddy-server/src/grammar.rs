@@ -50,31 +50,17 @@ impl Grammars {
         Grammars::from_vocab(
             words,
             &tok.stop_ids.clone(),
-            Box::new(move |s| {
-                tok.encode_plain(&String::from_utf8_lossy(s))
-                    .unwrap_or_default()
-            }),
+            Box::new(move |s| tok.encode_plain(&String::from_utf8_lossy(s)).unwrap_or_default()),
         )
     }
 
     /// For a vocabulary given as each token id's bytes (special tokens as `0xFF` + their text), its
     /// end-of-sequence ids `stops` (the first is the main one) and its plain-text tokenizer.
-    pub(crate) fn from_vocab(
-        words: Vec<Vec<u8>>,
-        stops: &[u32],
-        tokenize: Tokenize,
-    ) -> Result<Grammars, String> {
+    pub(crate) fn from_vocab(words: Vec<Vec<u8>>, stops: &[u32], tokenize: Tokenize) -> Result<Grammars, String> {
         let n_vocab = words.len();
-        let stops: Vec<TokenId> = stops
-            .iter()
-            .copied()
-            .filter(|&t| (t as usize) < n_vocab)
-            .collect();
+        let stops: Vec<TokenId> = stops.iter().copied().filter(|&t| (t as usize) < n_vocab).collect();
         let Some(&eos) = stops.first() else {
-            return Err(
-                "the tokenizer has no end-of-sequence token, so a constrained reply could not end"
-                    .into(),
-            );
+            return Err("the tokenizer has no end-of-sequence token, so a constrained reply could not end".into());
         };
         let info = TokRxInfo::new(n_vocab as u32, eos);
         let mut trie = TokTrie::from(&info, &words);
@@ -82,8 +68,7 @@ impl Grammars {
             trie = trie.with_eos_tokens(&stops);
         }
         let env: TokEnv = Arc::new(Env { trie, tokenize });
-        let mut factory =
-            ParserFactory::new_simple(&env).map_err(|e| format!("llguidance: {e}"))?;
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| format!("llguidance: {e}"))?;
         factory.quiet();
         Ok(Grammars { factory, n_vocab })
     }
@@ -105,10 +90,7 @@ impl Grammars {
         if let Some(e) = m.get_error() {
             return Err(e);
         }
-        Ok(Constraint {
-            m,
-            n_vocab: self.n_vocab,
-        })
+        Ok(Constraint { m, n_vocab: self.n_vocab })
     }
 }
 
@@ -167,29 +149,15 @@ fn token_bytes(tok: &Tokenizer, n_vocab: usize) -> Vec<Vec<u8>> {
                 b
             };
             if let Some(t) = added.get(&id) {
-                return if t.special {
-                    special(&t.content)
-                } else {
-                    t.content.clone().into_bytes()
-                };
+                return if t.special { special(&t.content) } else { t.content.clone().into_bytes() };
             }
             let Some(entry) = tok.token_str(id) else {
                 return special(&format!("<[{id}]>"));
             };
             if byte_level {
-                entry
-                    .chars()
-                    .map(|c| alphabet.get(&c).copied())
-                    .collect::<Option<Vec<u8>>>()
-                    .unwrap_or_else(|| special(&entry))
-            } else if let Some(h) = entry
-                .strip_prefix("<0x")
-                .and_then(|e| e.strip_suffix('>'))
-                .filter(|h| h.len() == 2)
-            {
-                u8::from_str_radix(h, 16)
-                    .map(|b| vec![b])
-                    .unwrap_or_else(|_| special(&entry))
+                entry.chars().map(|c| alphabet.get(&c).copied()).collect::<Option<Vec<u8>>>().unwrap_or_else(|| special(&entry))
+            } else if let Some(h) = entry.strip_prefix("<0x").and_then(|e| e.strip_suffix('>')).filter(|h| h.len() == 2) {
+                u8::from_str_radix(h, 16).map(|b| vec![b]).unwrap_or_else(|_| special(&entry))
             } else {
                 entry.replace('\u{2581}', " ").into_bytes()
             }

@@ -42,7 +42,6 @@ use eddy::stats::GenerationStats;
 use eddy::tokenizer::Tokenizer;
 use metrics::Metrics;
 use reasoning::{ReasoningSplitter, Split, Start};
-use tools::CallStreamer;
 use serde_json::{json, Value};
 use std::collections::VecDeque;
 use std::future::Future;
@@ -52,6 +51,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
+use tools::CallStreamer;
 use worker::{Event, Job, Logprob, Queue, SlotGuard, TokenText};
 
 /// Server options.
@@ -90,13 +90,8 @@ impl Default for ServeOptions {
 /// The id a model is served under: the file (or folder) name without `.gguf`.
 pub fn model_id_for(engine: &Engine) -> String {
     let src = &engine.lm.source;
-    let name = src
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| src.display().to_string());
-    name.strip_suffix(".gguf")
-        .map(str::to_string)
-        .unwrap_or(name)
+    let name = src.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| src.display().to_string());
+    name.strip_suffix(".gguf").map(str::to_string).unwrap_or(name)
 }
 
 struct AppState {
@@ -121,33 +116,17 @@ struct AppState {
 }
 
 /// Serves the OpenAI API on `listener` until the listener fails. The engine moves to its own thread.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    engine: Engine,
-    opts: ServeOptions,
-) -> std::io::Result<()> {
+pub async fn serve(listener: tokio::net::TcpListener, engine: Engine, opts: ServeOptions) -> std::io::Result<()> {
     axum::serve(listener, router(engine, opts)?).await
 }
 
 /// Blocking entry point for the CLI: binds `host:port`, builds a Tokio runtime and serves.
-pub fn run_blocking(
-    host: &str,
-    port: u16,
-    engine: Engine,
-    opts: ServeOptions,
-) -> std::io::Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+pub fn run_blocking(host: &str, port: u16, engine: Engine, opts: ServeOptions) -> std::io::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind((host, port)).await?;
         let id = opts.aliases.first().cloned().unwrap_or_else(|| model_id_for(&engine));
-        eprintln!(
-            "eddy serve: model `{id}`, context {} tokens, listening on http://{}",
-            engine.ctx(),
-            listener.local_addr()?
-        );
+        eprintln!("eddy serve: model `{id}`, context {} tokens, listening on http://{}", engine.ctx(), listener.local_addr()?);
         serve(listener, engine, opts).await
     })
 }
@@ -187,10 +166,7 @@ pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router>
         .method_not_allowed_fallback(not_allowed)
         .layer(DefaultBodyLimit::max(opts.max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(state.clone(), json_errors))
-        .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            count_requests,
-        ))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), count_requests))
         .with_state(state);
     // Outermost, so that preflight requests are answered before routing.
     Ok(match cors {
@@ -212,9 +188,8 @@ fn cors_layer(origins: &[String]) -> std::io::Result<Option<tower_http::cors::Co
         let list = origins
             .iter()
             .map(|o| {
-                axum::http::HeaderValue::from_str(o.trim_end_matches('/')).map_err(|_| {
-                    std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("--cors-origin: invalid origin `{o}`"))
-                })
+                axum::http::HeaderValue::from_str(o.trim_end_matches('/'))
+                    .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("--cors-origin: invalid origin `{o}`")))
             })
             .collect::<std::io::Result<Vec<_>>>()?;
         AllowOrigin::list(list)
@@ -241,10 +216,7 @@ async fn count_requests(State(st): State<Arc<AppState>>, req: Request, next: Nex
 async fn json_errors(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let resp = next.run(req).await;
     let status = resp.status();
-    let json = resp
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    let json = resp.headers().get(header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
     if json || !(status.is_client_error() || status.is_server_error()) {
         return resp;
     }
@@ -262,18 +234,11 @@ async fn json_errors(State(st): State<Arc<AppState>>, req: Request, next: Next) 
 }
 
 async fn prometheus(State(st): State<Arc<AppState>>) -> Response {
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
-        st.metrics.render(),
-    )
-        .into_response()
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], st.metrics.render()).into_response()
 }
 
 fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
 async fn not_found(method: Method, uri: Uri) -> ApiError {
@@ -324,15 +289,11 @@ enum Kind {
 }
 
 async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    handle(st, Kind::Chat, body)
-        .await
-        .unwrap_or_else(IntoResponse::into_response)
+    handle(st, Kind::Chat, body).await.unwrap_or_else(IntoResponse::into_response)
 }
 
 async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    handle(st, Kind::Text, body)
-        .await
-        .unwrap_or_else(IntoResponse::into_response)
+    handle(st, Kind::Text, body).await.unwrap_or_else(IntoResponse::into_response)
 }
 
 /// Parses and validates a request body, renders the chat template and tokenizes the prompt, and compiles
@@ -356,10 +317,7 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
             }
             let tools = tools.filter(|t| t.choice != api::ToolChoice::None);
             let Some(t) = &st.template else {
-                return Err(ApiError::invalid(
-                    None,
-                    "the model has no chat template; use /v1/completions",
-                ));
+                return Err(ApiError::invalid(None, "the model has no chat template; use /v1/completions"));
             };
             if let Some(tools) = &tools {
                 let Some(family) = tools::Family::of_template(t.source()) else {
@@ -375,9 +333,8 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
                     ));
                 }
                 if matches!(tools.choice, api::ToolChoice::Required | api::ToolChoice::Named(_)) {
-                    let g = family
-                        .call_grammar(tools, |name| st.tokenizer.token_id(name))
-                        .map_err(|e| ApiError::invalid(Some("tools"), e))?;
+                    let g =
+                        family.call_grammar(tools, |name| st.tokenizer.token_id(name)).map_err(|e| ApiError::invalid(Some("tools"), e))?;
                     grammar = Some(("tools", g));
                 }
                 calls = Some(Calls { family, parallel: tools.parallel, names: tools.tools.iter().map(|t| t.name.clone()).collect() });
@@ -401,27 +358,16 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
             if let Some(tools) = kwargs.get("tools") {
                 api::string_leaves(tools, &mut untrusted);
             }
-            encode_chat_guarded(&st.tokenizer, &text, &untrusted)
-                .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
+            encode_chat_guarded(&st.tokenizer, &text, &untrusted).map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
         }
         Kind::Text => match api::parse_prompt(&o, st.vocab)? {
             api::Prompt::Tokens(ids) => ids,
-            api::Prompt::Text(text) => st
-                .tokenizer
-                .encode(&text, true)
-                .map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?,
+            api::Prompt::Text(text) => st.tokenizer.encode(&text, true).map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?,
         },
     };
-    let what = if kind == Kind::Chat {
-        "messages"
-    } else {
-        "prompt"
-    };
+    let what = if kind == Kind::Chat { "messages" } else { "prompt" };
     if prompt.is_empty() {
-        return Err(ApiError::invalid(
-            Some(what),
-            format!("the {what} is empty"),
-        ));
+        return Err(ApiError::invalid(Some(what), format!("the {what} is empty")));
     }
     // The engine needs the prompt strictly shorter than the context; `max_tokens` beyond the room left
     // is clamped to it (the reply then ends with finish_reason `length`), as llama-server does.
@@ -461,8 +407,7 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
 fn schema_grammar(schema: &Value) -> Result<String, ApiError> {
     let mut s = schema.clone();
     if let Some(o) = s.as_object_mut() {
-        o.entry("x-guidance")
-            .or_insert(json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}));
+        o.entry("x-guidance").or_insert(json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}));
     }
     let text = serde_json::to_string(&s).map_err(|e| ApiError::invalid(Some("response_format"), e.to_string()))?;
     Ok(format!("start: body\nbody: %json {text}\n"))
@@ -490,16 +435,11 @@ struct Prepared {
 /// Validate, tokenize (on the blocking pool), queue, and answer (whole or streamed).
 async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, ApiError> {
     let s = st.clone();
-    let Prepared { common, prompt, thinking, max_tokens, calls, mask } =
-        tokio::task::spawn_blocking(move || prepare(&s, kind, &body))
-            .await
-            .map_err(|e| server_error(format!("preparing the request failed: {e}")))??;
+    let Prepared { common, prompt, thinking, max_tokens, calls, mask } = tokio::task::spawn_blocking(move || prepare(&s, kind, &body))
+        .await
+        .map_err(|e| server_error(format!("preparing the request failed: {e}")))??;
     let Some(slot) = st.queue.admit() else {
-        return Err(ApiError::invalid(
-            None,
-            "the server is busy: the request queue is full; retry later",
-        )
-        .with_status(
+        return Err(ApiError::invalid(None, "the server is busy: the request queue is full; retry later").with_status(
             StatusCode::SERVICE_UNAVAILABLE,
             "server_error",
             Some("queue_full"),
@@ -509,12 +449,7 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
     let (tx, rx) = mpsc::unbounded_channel();
     let job = Job {
         prompt,
-        params: GenerateParams {
-            max_tokens,
-            sampler: common.sampler.clone(),
-            ignore_eos: false,
-            logprobs: common.logprobs,
-        },
+        params: GenerateParams { max_tokens, sampler: common.sampler.clone(), ignore_eos: false, logprobs: common.logprobs },
         stops: common.stops.clone(),
         tx,
         queued_at: Instant::now(),
@@ -532,16 +467,7 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
     let n = st.next_id.fetch_add(1, Ordering::Relaxed);
     let fmt = Formatter {
         kind,
-        id: format!(
-            "{}-{:x}{:06x}",
-            if kind == Kind::Chat {
-                "chatcmpl"
-            } else {
-                "cmpl"
-            },
-            unix_now(),
-            n
-        ),
+        id: format!("{}-{:x}{:06x}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, unix_now(), n),
         created: unix_now(),
         model: st.names[0].clone(),
         include_usage: common.include_usage,
@@ -637,10 +563,8 @@ impl Formatter {
             }
             Kind::Text => {
                 let text_offset: Vec<usize> = lps.iter().map(|l| l.offset).collect();
-                let top: Vec<Value> = lps
-                    .iter()
-                    .map(|l| Value::Object(l.top.iter().map(|(t, v)| (t.text.clone(), json!(v))).collect()))
-                    .collect();
+                let top: Vec<Value> =
+                    lps.iter().map(|l| Value::Object(l.top.iter().map(|(t, v)| (t.text.clone(), json!(v))).collect())).collect();
                 json!({
                     "tokens": lps.iter().map(|l| l.token.text.as_str()).collect::<Vec<_>>(),
                     "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
@@ -659,14 +583,7 @@ impl Formatter {
         }
     }
 
-    fn whole(
-        &self,
-        text: String,
-        lps: &[Logprob],
-        finish: &str,
-        completion_tokens: usize,
-        stats: &GenerationStats,
-    ) -> Value {
+    fn whole(&self, text: String, lps: &[Logprob], finish: &str, completion_tokens: usize, stats: &GenerationStats) -> Value {
         let logprobs = self.logprobs(lps);
         let choice = match self.kind {
             Kind::Chat => {
@@ -750,11 +667,7 @@ impl Formatter {
     }
 }
 
-async fn whole_response(
-    fmt: Formatter,
-    mut rx: Reply,
-    _c: &Common,
-) -> Result<Response, ApiError> {
+async fn whole_response(fmt: Formatter, mut rx: Reply, _c: &Common) -> Result<Response, ApiError> {
     let mut text = String::new();
     let mut lps = Vec::new();
     while let Some(ev) = rx.rx.recv().await {
@@ -763,11 +676,7 @@ async fn whole_response(
                 text.push_str(&t);
                 lps.extend(l);
             }
-            Event::Done {
-                finish,
-                completion_tokens,
-                stats,
-            } => {
+            Event::Done { finish, completion_tokens, stats } => {
                 return Ok(Json(fmt.whole(text, &lps, finish, completion_tokens, &stats)).into_response());
             }
             Event::Error(e) => return Err(server_error(e)),
@@ -777,22 +686,14 @@ async fn whole_response(
 }
 
 fn server_error(msg: String) -> ApiError {
-    ApiError::invalid(None, msg).with_status(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "server_error",
-        None,
-    )
+    ApiError::invalid(None, msg).with_status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", None)
 }
 
 fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
-fn stream_response(
-    fmt: Formatter,
-    rx: Reply,
-    keep_alive: Option<Duration>,
-) -> Response {
+fn stream_response(fmt: Formatter, rx: Reply, keep_alive: Option<Duration>) -> Response {
     let mut queued = VecDeque::new();
     if fmt.kind == Kind::Chat {
         queued.push_back(sse(&fmt.chunk(true, Some(""), None)));
@@ -922,11 +823,7 @@ impl SseBody {
                 };
                 self.queue(chunks);
             }
-            Some(Event::Done {
-                finish,
-                completion_tokens,
-                stats,
-            }) => {
+            Some(Event::Done { finish, completion_tokens, stats }) => {
                 if let Some(s) = self.splitter.as_mut().map(ReasoningSplitter::finish) {
                     let chunks = self.split_chunks(s);
                     self.queue(chunks);
@@ -948,8 +845,7 @@ impl SseBody {
                 self.queued.push_back(sse(&last));
                 let f = &self.fmt;
                 if f.include_usage {
-                    self.queued
-                        .push_back(sse(&f.usage_chunk(&stats, completion_tokens)));
+                    self.queued.push_back(sse(&f.usage_chunk(&stats, completion_tokens)));
                 }
                 self.finish();
             }
@@ -958,17 +854,14 @@ impl SseBody {
                 self.finish();
             }
             None => {
-                self.queued.push_back(sse(
-                    &server_error("the engine dropped the request".into()).body()
-                ));
+                self.queued.push_back(sse(&server_error("the engine dropped the request".into()).body()));
                 self.finish();
             }
         }
     }
 
     fn finish(&mut self) {
-        self.queued
-            .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+        self.queued.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
         self.finished = true;
     }
 }

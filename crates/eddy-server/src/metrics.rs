@@ -12,13 +12,9 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 /// Bucket upper bounds (seconds) of the time-to-first-token and queue-time histograms.
-const TTFT_BUCKETS: &[f64] = &[
-    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0,
-];
+const TTFT_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0];
 /// Bucket upper bounds (seconds) of the per-token latency histogram.
-const TOKEN_BUCKETS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
-];
+const TOKEN_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0];
 /// Deepest speculation depth tracked (deeper levels are folded into the last one).
 const MAX_DEPTH: usize = 32;
 
@@ -31,19 +27,11 @@ struct Histogram {
 
 impl Histogram {
     fn new(bounds: &'static [f64]) -> Self {
-        Histogram {
-            bounds,
-            counts: vec![0; bounds.len() + 1],
-            sum: 0.0,
-        }
+        Histogram { bounds, counts: vec![0; bounds.len() + 1], sum: 0.0 }
     }
 
     fn observe(&mut self, x: f64) {
-        let i = self
-            .bounds
-            .iter()
-            .position(|&b| x <= b)
-            .unwrap_or(self.bounds.len());
+        let i = self.bounds.iter().position(|&b| x <= b).unwrap_or(self.bounds.len());
         self.counts[i] += 1;
         self.sum += x;
     }
@@ -148,14 +136,10 @@ impl Metrics {
 
     /// A generation finished (or was cancelled): its token counts, TTFT and speculation counters.
     pub fn generation(&self, s: &GenerationStats, completion_tokens: usize) {
-        self.prompt_tokens
-            .fetch_add(s.prompt_tokens as u64, Ordering::Relaxed);
-        self.cached_tokens
-            .fetch_add(s.cached_tokens as u64, Ordering::Relaxed);
-        self.generated_tokens
-            .fetch_add(completion_tokens as u64, Ordering::Relaxed);
-        self.decode_passes
-            .fetch_add(s.decode_passes as u64, Ordering::Relaxed);
+        self.prompt_tokens.fetch_add(s.prompt_tokens as u64, Ordering::Relaxed);
+        self.cached_tokens.fetch_add(s.cached_tokens as u64, Ordering::Relaxed);
+        self.generated_tokens.fetch_add(completion_tokens as u64, Ordering::Relaxed);
+        self.decode_passes.fetch_add(s.decode_passes as u64, Ordering::Relaxed);
         if s.generated_tokens > 0 {
             lock(&self.ttft).observe(s.ttft.as_secs_f64());
         }
@@ -172,45 +156,33 @@ impl Metrics {
         let counter = |o: &mut String, name: &str, help: &str, v: u64| {
             let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
         };
-        let _ = writeln!(o, "# HELP eddy_requests_total HTTP requests answered, by endpoint and status code.\n# TYPE eddy_requests_total counter");
+        let _ = writeln!(
+            o,
+            "# HELP eddy_requests_total HTTP requests answered, by endpoint and status code.\n# TYPE eddy_requests_total counter"
+        );
         for ((ep, st), n) in lock(&self.requests).iter() {
-            let _ = writeln!(
-                o,
-                "eddy_requests_total{{endpoint=\"{ep}\",status=\"{st}\"}} {n}"
-            );
+            let _ = writeln!(o, "eddy_requests_total{{endpoint=\"{ep}\",status=\"{st}\"}} {n}");
         }
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         for (name, help, v) in [
             ("eddy_prompt_tokens_total", "Prompt tokens of finished generations (cached ones included).", &self.prompt_tokens),
-            ("eddy_prompt_tokens_cached_total", "Prompt tokens whose KV came from the prefix cache instead of a prefill.", &self.cached_tokens),
+            (
+                "eddy_prompt_tokens_cached_total",
+                "Prompt tokens whose KV came from the prefix cache instead of a prefill.",
+                &self.cached_tokens,
+            ),
             ("eddy_generation_tokens_total", "Completion tokens generated.", &self.generated_tokens),
             ("eddy_decode_passes_total", "Target forward passes while decoding (spec_verify_ct summed).", &self.decode_passes),
         ] {
             counter(&mut o, name, help, get(v));
         }
         for (name, help, v) in [
-            (
-                "eddy_queue_depth",
-                "Requests waiting for the engine thread.",
-                &self.queued,
-            ),
-            (
-                "eddy_requests_running",
-                "Requests the engine thread is generating.",
-                &self.running,
-            ),
+            ("eddy_queue_depth", "Requests waiting for the engine thread.", &self.queued),
+            ("eddy_requests_running", "Requests the engine thread is generating.", &self.running),
         ] {
-            let _ = writeln!(
-                o,
-                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {}",
-                v.load(Ordering::Relaxed).max(0)
-            );
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {}", v.load(Ordering::Relaxed).max(0));
         }
-        lock(&self.ttft).render(
-            &mut o,
-            "eddy_time_to_first_token_seconds",
-            "From the start of prefill to the first sampled token.",
-        );
+        lock(&self.ttft).render(&mut o, "eddy_time_to_first_token_seconds", "From the start of prefill to the first sampled token.");
         lock(&self.token_latency).render(
             &mut o,
             "eddy_time_per_output_token_seconds",
@@ -240,18 +212,10 @@ impl Metrics {
         let passes = sp.proposed_at_depth.first().copied().unwrap_or(0);
         for k in 0..sp.accepted_at_depth.len() {
             let at_least_more = sp.accepted_at_depth.get(k).copied().unwrap_or(0);
-            let _ = writeln!(
-                o,
-                "{name}_bucket{{le=\"{k}\"}} {}",
-                passes.saturating_sub(at_least_more)
-            );
+            let _ = writeln!(o, "{name}_bucket{{le=\"{k}\"}} {}", passes.saturating_sub(at_least_more));
         }
         let _ = writeln!(o, "{name}_bucket{{le=\"+Inf\"}} {passes}");
-        let _ = writeln!(
-            o,
-            "{name}_sum {}\n{name}_count {passes}",
-            sp.accepted_at_depth.iter().sum::<u64>()
-        );
+        let _ = writeln!(o, "{name}_sum {}\n{name}_count {passes}", sp.accepted_at_depth.iter().sum::<u64>());
         o
     }
 }

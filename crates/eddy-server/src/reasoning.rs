@@ -15,12 +15,7 @@ const CLOSE: &str = "</think>";
 /// Thinking is on when the generation prompt ends inside an open `<think>`, when `chat_template_kwargs`
 /// has `enable_thinking: true`, or when it does not say and the template renders differently with
 /// `enable_thinking: false` (a template whose default is to think, as Qwen3's).
-pub fn thinking_mode(
-    t: &ChatTemplate,
-    messages: &[Value],
-    kwargs: &Map<String, Value>,
-    rendered: &str,
-) -> Option<Start> {
+pub fn thinking_mode(t: &ChatTemplate, messages: &[Value], kwargs: &Map<String, Value>, rendered: &str) -> Option<Start> {
     if let Ok(without) = t.render_json(messages, false, kwargs) {
         if let Some(gen) = rendered.strip_prefix(without.as_str()) {
             if let Some(i) = gen.rfind(OPEN) {
@@ -138,22 +133,9 @@ impl ReasoningSplitter {
     pub fn finish(&mut self) -> Split {
         let held = std::mem::take(&mut self.held);
         match self.state {
-            State::Reasoning { .. } => Split {
-                reasoning: held,
-                content: String::new(),
-            },
-            State::Start => Split {
-                reasoning: String::new(),
-                content: held,
-            },
-            State::Content { .. } => Split {
-                reasoning: String::new(),
-                content: if held.trim().is_empty() {
-                    String::new()
-                } else {
-                    held
-                },
-            },
+            State::Reasoning { .. } => Split { reasoning: held, content: String::new() },
+            State::Start => Split { reasoning: String::new(), content: held },
+            State::Content { .. } => Split { reasoning: String::new(), content: if held.trim().is_empty() { String::new() } else { held } },
         }
     }
 }
@@ -167,10 +149,7 @@ fn drop_leading_blanks(s: &mut String) -> bool {
 
 /// Length of the longest suffix of `s` that is a proper prefix of `tag`.
 fn partial_tag_suffix(s: &str, tag: &str) -> usize {
-    (1..tag.len().min(s.len() + 1))
-        .rev()
-        .find(|&n| s.is_char_boundary(s.len() - n) && tag.starts_with(&s[s.len() - n..]))
-        .unwrap_or(0)
+    (1..tag.len().min(s.len() + 1)).rev().find(|&n| s.is_char_boundary(s.len() - n) && tag.starts_with(&s[s.len() - n..])).unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -192,10 +171,7 @@ mod tests {
     #[test]
     fn tags_split_anywhere_give_the_same_result() {
         let text = "<think>\nLet me see: 2+2 < 5, é.\n</think>\n\nThe answer is 4.";
-        let want = Split {
-            reasoning: "Let me see: 2+2 < 5, é.\n".into(),
-            content: "The answer is 4.".into(),
-        };
+        let want = Split { reasoning: "Let me see: 2+2 < 5, é.\n".into(), content: "The answer is 4.".into() };
         assert_eq!(split_all(Start::Expect, &[text]), want);
         let cuts: Vec<usize> = (0..=text.len()).filter(|&i| text.is_char_boundary(i)).collect();
         for &i in &cuts {

@@ -56,9 +56,7 @@ impl Family {
             Some(Family::MistralArgs)
         } else if source.contains(MISTRAL) {
             Some(Family::Mistral)
-        } else if source.contains(PYTHON_TAG)
-            || (source.contains("tools") && source.contains("\"parameters\""))
-        {
+        } else if source.contains(PYTHON_TAG) || (source.contains("tools") && source.contains("\"parameters\"")) {
             Some(Family::Llama3)
         } else {
             None
@@ -79,11 +77,7 @@ impl Family {
     /// conversation otherwise), the others get OpenAI's form, `call_` and 24 letters and digits.
     pub fn call_id(self) -> String {
         const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
-        let (prefix, n) = if self.is_mistral() {
-            ("", 9)
-        } else {
-            ("call_", 24)
-        };
+        let (prefix, n) = if self.is_mistral() { ("", 9) } else { ("call_", 24) };
         let mut id = String::from(prefix);
         let mut x = crate::api::random_seed();
         for i in 0..n {
@@ -100,22 +94,13 @@ impl Family {
     /// `parallel`, one or more) of the allowed tools, written as the template writes calls, arguments
     /// valid under each tool's schema. `special_id(text)` gives the id of a control token (Mistral's
     /// markers).
-    pub fn call_grammar(
-        self,
-        tools: &Tools,
-        special_id: impl Fn(&str) -> Option<u32>,
-    ) -> Result<String, String> {
+    pub fn call_grammar(self, tools: &Tools, special_id: impl Fn(&str) -> Option<u32>) -> Result<String, String> {
         let allowed: Vec<&Tool> = match &tools.choice {
             ToolChoice::Named(n) => tools.tools.iter().filter(|t| &t.name == n).collect(),
             _ => tools.tools.iter().collect(),
         };
-        let args_key = if self == Family::Llama3 {
-            "parameters"
-        } else {
-            "arguments"
-        };
-        let compact =
-            json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
+        let args_key = if self == Family::Llama3 { "parameters" } else { "arguments" };
+        let compact = json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
         let one: Vec<Value> = allowed
             .iter()
             .map(|t| {
@@ -125,17 +110,11 @@ impl Family {
             .collect();
         let call = json!({"anyOf": one, "x-guidance": compact});
         let text = |v: &Value| serde_json::to_string(v).map_err(|e| e.to_string());
-        let special = |name: &str| {
-            special_id(name).ok_or_else(|| format!("the tokenizer has no {name} token"))
-        };
+        let special = |name: &str| special_id(name).ok_or_else(|| format!("the tokenizer has no {name} token"));
         Ok(match self {
             Family::Hermes => format!(
                 "start: call{}\ncall: \"{OPEN}\\n\" body \"\\n{CLOSE}\"\nbody: %json {}\n",
-                if tools.parallel {
-                    " (\"\\n\" call)*"
-                } else {
-                    ""
-                },
+                if tools.parallel { " (\"\\n\" call)*" } else { "" },
                 text(&call)?
             ),
             Family::Mistral => {
@@ -145,8 +124,7 @@ impl Family {
                     .iter()
                     .map(|o| {
                         let mut o = o.clone();
-                        o["properties"]["id"] =
-                            json!({"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"});
+                        o["properties"]["id"] = json!({"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"});
                         o
                     })
                     .collect();
@@ -154,28 +132,18 @@ impl Family {
                 if !tools.parallel {
                     list["maxItems"] = json!(1);
                 }
-                format!(
-                    "start: <[{id}]> \" \"? body\nbody: %json {}\n",
-                    text(&list)?
-                )
+                format!("start: <[{id}]> \" \"? body\nbody: %json {}\n", text(&list)?)
             }
             Family::MistralArgs => {
                 let (tc, args) = (special(MISTRAL)?, special(ARGS)?);
                 let mut g = format!(
                     "start: call{}\ncall: <[{tc}]> ({})\n",
                     if tools.parallel { "+" } else { "" },
-                    (0..allowed.len())
-                        .map(|i| format!("fn{i}"))
-                        .collect::<Vec<_>>()
-                        .join(" | ")
+                    (0..allowed.len()).map(|i| format!("fn{i}")).collect::<Vec<_>>().join(" | ")
                 );
                 for (i, t) in allowed.iter().enumerate() {
                     let schema = json!({"allOf": [t.parameters], "x-guidance": compact});
-                    g.push_str(&format!(
-                        "fn{i}: {} <[{args}]> args{i}\nargs{i}: %json {}\n",
-                        text(&json!(t.name))?,
-                        text(&schema)?
-                    ));
+                    g.push_str(&format!("fn{i}: {} <[{args}]> args{i}\nargs{i}: %json {}\n", text(&json!(t.name))?, text(&schema)?));
                 }
                 g
             }
@@ -203,14 +171,9 @@ impl Family {
                 }
             }
         }
-        let valid = calls
-            .iter()
-            .all(|(_, a)| serde_json::from_str::<Value>(a).is_ok_and(|v| v.is_object()));
+        let valid = calls.iter().all(|(_, a)| serde_json::from_str::<Value>(a).is_ok_and(|v| v.is_object()));
         if !valid {
-            return (
-                Some(text.trim().to_string()).filter(|t| !t.is_empty()),
-                Vec::new(),
-            );
+            return (Some(text.trim().to_string()).filter(|t| !t.is_empty()), Vec::new());
         }
         let content = (!content.trim().is_empty()).then(|| content.trim().to_string());
         (content, calls)
@@ -435,14 +398,7 @@ pub struct CallStreamer {
 
 impl CallStreamer {
     pub fn new(family: Family, names: Vec<String>) -> Self {
-        CallStreamer {
-            family,
-            names,
-            state: State::Text { start: true },
-            list: false,
-            after_call: false,
-            buf: String::new(),
-        }
+        CallStreamer { family, names, state: State::Text { start: true }, list: false, after_call: false, buf: String::new() }
     }
 
     /// Adds `text`; returns the pieces now complete.
@@ -488,9 +444,7 @@ impl CallStreamer {
                             if self.buf.starts_with(PYTHON_TAG) {
                                 self.take(PYTHON_TAG.len());
                             }
-                            self.state = if self.buf.trim_start().starts_with('{')
-                                || self.buf.trim_start().is_empty()
-                            {
+                            self.state = if self.buf.trim_start().starts_with('{') || self.buf.trim_start().is_empty() {
                                 State::Head
                             } else {
                                 State::Content
@@ -512,11 +466,7 @@ impl CallStreamer {
                     let before = self.take(i);
                     out.push(Piece::Content(before));
                     self.take(marker.len());
-                    self.state = if f == Family::Hermes {
-                        State::Head
-                    } else {
-                        State::Marker
-                    };
+                    self.state = if f == Family::Hermes { State::Head } else { State::Marker };
                     true
                 } else {
                     let keep = partial_suffix(&self.buf, marker);
@@ -567,9 +517,7 @@ impl CallStreamer {
                 // Hermes: a `</tool_call>` ends the call even if its arguments never closed.
                 let (limit, closed) = match (f, self.buf.find(CLOSE)) {
                     (Family::Hermes, Some(j)) => (j, true),
-                    (Family::Hermes, None) => {
-                        (self.buf.len() - partial_suffix(&self.buf, CLOSE), false)
-                    }
+                    (Family::Hermes, None) => (self.buf.len() - partial_suffix(&self.buf, CLOSE), false),
                     _ => (self.buf.len(), false),
                 };
                 match v.feed(&self.buf[..limit]) {
@@ -579,21 +527,14 @@ impl CallStreamer {
                         self.state = if f == Family::MistralArgs {
                             State::Between
                         } else {
-                            State::ObjectTail(ValueEnd {
-                                depth: 1,
-                                ..ValueEnd::default()
-                            })
+                            State::ObjectTail(ValueEnd { depth: 1, ..ValueEnd::default() })
                         };
                         true
                     }
                     None => {
                         let a = self.take(limit);
                         out.push(Piece::Args(a));
-                        self.state = if closed {
-                            State::Between
-                        } else {
-                            State::Args(v)
-                        };
+                        self.state = if closed { State::Between } else { State::Args(v) };
                         closed
                     }
                 }
@@ -720,9 +661,8 @@ impl CallStreamer {
                 None => out.push(Piece::Content(rest)),
             },
             State::Head | State::Whole => {
-                let found = json_values(&rest)
-                    .and_then(|vs| vs.iter().map(call_of_value).collect::<Option<Vec<_>>>())
-                    .filter(|c| !c.is_empty());
+                let found =
+                    json_values(&rest).and_then(|vs| vs.iter().map(call_of_value).collect::<Option<Vec<_>>>()).filter(|c| !c.is_empty());
                 match found {
                     Some(c) => calls(&mut out, c),
                     None => {
@@ -792,16 +732,9 @@ mod tests {
 
     /// Whole and streamed at every cut agree, and give `content` and `calls`.
     fn check(f: Family, text: &str, content: Option<&str>, calls: &[(&str, &str)]) {
-        let want: Vec<(String, String)> = calls
-            .iter()
-            .map(|(n, a)| (n.to_string(), a.to_string()))
-            .collect();
+        let want: Vec<(String, String)> = calls.iter().map(|(n, a)| (n.to_string(), a.to_string())).collect();
         let whole = f.parse(text, &[]);
-        assert_eq!(
-            whole,
-            (content.map(String::from), want.clone()),
-            "{f:?} whole: {text}"
-        );
+        assert_eq!(whole, (content.map(String::from), want.clone()), "{f:?} whole: {text}");
         for step in 1..9 {
             let (c, got) = gather(&streamed(f, text, step, &[]));
             assert_eq!(got, want, "{f:?} step {step}: {text}");
@@ -812,93 +745,40 @@ mod tests {
     #[test]
     fn hermes_whole_and_streamed_agree_at_every_cut() {
         let text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>";
-        check(
-            Family::Hermes,
-            text,
-            Some("Let me check."),
-            &[("get_weather", "{\"city\": \"Paris\"}"), ("get_time", "{}")],
-        );
+        check(Family::Hermes, text, Some("Let me check."), &[("get_weather", "{\"city\": \"Paris\"}"), ("get_time", "{}")]);
         // Keys in another order: recognised at the call's end.
-        check(
-            Family::Hermes,
-            "<tool_call>\n{\"arguments\": {\"x\": 1}, \"name\": \"f\"}\n</tool_call>",
-            None,
-            &[("f", "{\"x\":1}")],
-        );
+        check(Family::Hermes, "<tool_call>\n{\"arguments\": {\"x\": 1}, \"name\": \"f\"}\n</tool_call>", None, &[("f", "{\"x\":1}")]);
     }
 
     #[test]
     fn long_arguments_stream_in_many_fragments() {
-        let args = format!(
-            "{{\"path\": \"a.rs\", \"text\": \"{}\", \"n\": [1, {{\"k\": \"}}]\"}}]}}",
-            "x y ".repeat(40)
-        );
+        let args = format!("{{\"path\": \"a.rs\", \"text\": \"{}\", \"n\": [1, {{\"k\": \"}}]\"}}]}}", "x y ".repeat(40));
         for (f, text) in [
-            (
-                Family::Hermes,
-                format!(
-                    "<tool_call>\n{{\"name\": \"write\", \"arguments\": {args}}}\n</tool_call>"
-                ),
-            ),
-            (
-                Family::Mistral,
-                format!("[TOOL_CALLS][{{\"name\": \"write\", \"arguments\": {args}}}]"),
-            ),
-            (
-                Family::MistralArgs,
-                format!("[TOOL_CALLS]write[ARGS]{args}"),
-            ),
-            (
-                Family::Llama3,
-                format!("{{\"name\": \"write\", \"parameters\": {args}}}"),
-            ),
+            (Family::Hermes, format!("<tool_call>\n{{\"name\": \"write\", \"arguments\": {args}}}\n</tool_call>")),
+            (Family::Mistral, format!("[TOOL_CALLS][{{\"name\": \"write\", \"arguments\": {args}}}]")),
+            (Family::MistralArgs, format!("[TOOL_CALLS]write[ARGS]{args}")),
+            (Family::Llama3, format!("{{\"name\": \"write\", \"parameters\": {args}}}")),
         ] {
             let pieces = streamed(f, &text, 3, &[]);
             // The name comes first, before any argument text; then many fragments.
             assert_eq!(pieces[0], Piece::Call("write".into()), "{f:?}");
-            let fragments = pieces
-                .iter()
-                .filter(|p| matches!(p, Piece::Args(_)))
-                .count();
+            let fragments = pieces.iter().filter(|p| matches!(p, Piece::Args(_))).count();
             assert!(fragments > 20, "{f:?}: {fragments} fragments");
-            assert_eq!(
-                gather(&pieces).1,
-                vec![("write".to_string(), args.clone())],
-                "{f:?}"
-            );
-            assert_eq!(
-                f.parse(&text, &[]),
-                (None, vec![("write".to_string(), args.clone())]),
-                "{f:?}"
-            );
+            assert_eq!(gather(&pieces).1, vec![("write".to_string(), args.clone())], "{f:?}");
+            assert_eq!(f.parse(&text, &[]), (None, vec![("write".to_string(), args.clone())]), "{f:?}");
         }
     }
 
     #[test]
     fn text_without_calls_and_broken_calls_stay_content() {
-        assert_eq!(
-            Family::Hermes.parse("Hello <tool", &[]),
-            (Some("Hello <tool".into()), vec![])
-        );
+        assert_eq!(Family::Hermes.parse("Hello <tool", &[]), (Some("Hello <tool".into()), vec![]));
         let broken = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\n</tool_call>";
-        assert_eq!(
-            Family::Hermes.parse(broken, &[]),
-            (Some(broken.into()), vec![])
-        );
+        assert_eq!(Family::Hermes.parse(broken, &[]), (Some(broken.into()), vec![]));
         let (text, calls) = gather(&streamed(Family::Hermes, "a <toolbox> b", 2, &[]));
         assert_eq!((text.as_str(), calls), ("a <toolbox> b", vec![]));
-        assert_eq!(
-            Family::Llama3.parse("Paris.", &[]),
-            (Some("Paris.".into()), vec![])
-        );
-        assert_eq!(
-            Family::Llama3.parse("{\"a\": 1}", &[]),
-            (Some("{\"a\": 1}".into()), vec![])
-        );
-        assert_eq!(
-            Family::Mistral.parse("No tools needed.", &[]),
-            (Some("No tools needed.".into()), vec![])
-        );
+        assert_eq!(Family::Llama3.parse("Paris.", &[]), (Some("Paris.".into()), vec![]));
+        assert_eq!(Family::Llama3.parse("{\"a\": 1}", &[]), (Some("{\"a\": 1}".into()), vec![]));
+        assert_eq!(Family::Mistral.parse("No tools needed.", &[]), (Some("No tools needed.".into()), vec![]));
     }
 
     #[test]
@@ -906,18 +786,8 @@ mod tests {
         let call = [("f", "{\"x\": 1}")];
         // As the Nemo template writes it (no space), as SentencePiece tokenizers decode it (a space), and
         // with the id the template adds.
-        check(
-            Family::Mistral,
-            "[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {\"x\": 1}}]",
-            None,
-            &call,
-        );
-        check(
-            Family::Mistral,
-            "[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {\"x\": 1}}]",
-            None,
-            &call,
-        );
+        check(Family::Mistral, "[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {\"x\": 1}}]", None, &call);
+        check(Family::Mistral, "[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {\"x\": 1}}]", None, &call);
         check(
             Family::Mistral,
             "[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {\"x\": 1}, \"id\": \"abcDEF123\"}, {\"name\": \"g\", \"arguments\": {}}]",
@@ -925,12 +795,7 @@ mod tests {
             &[("f", "{\"x\": 1}"), ("g", "{}")],
         );
         // Mistral Small 3.2 / Devstral / Ministral 3: name[ARGS]{…}, one marker per call, [CALL_ID] skipped.
-        check(
-            Family::MistralArgs,
-            "[TOOL_CALLS]f[ARGS]{\"x\": 1}",
-            None,
-            &call,
-        );
+        check(Family::MistralArgs, "[TOOL_CALLS]f[ARGS]{\"x\": 1}", None, &call);
         check(
             Family::MistralArgs,
             "Sure.[TOOL_CALLS]f[CALL_ID]abcDEF123[ARGS]{\"x\": 1}[TOOL_CALLS]g[ARGS]{}",
@@ -942,24 +807,9 @@ mod tests {
     #[test]
     fn llama3_calls() {
         let call = [("f", "{\"x\": 1}")];
-        check(
-            Family::Llama3,
-            "{\"name\": \"f\", \"parameters\": {\"x\": 1}}",
-            None,
-            &call,
-        );
-        check(
-            Family::Llama3,
-            "<|python_tag|>{\"name\": \"f\", \"parameters\": {\"x\": 1}}",
-            None,
-            &call,
-        );
-        check(
-            Family::Llama3,
-            "{\"name\": \"f\", \"arguments\": {\"x\": 1}}",
-            None,
-            &call,
-        );
+        check(Family::Llama3, "{\"name\": \"f\", \"parameters\": {\"x\": 1}}", None, &call);
+        check(Family::Llama3, "<|python_tag|>{\"name\": \"f\", \"parameters\": {\"x\": 1}}", None, &call);
+        check(Family::Llama3, "{\"name\": \"f\", \"arguments\": {\"x\": 1}}", None, &call);
         // A `;` inside an argument is text, `;` between objects separates calls.
         check(
             Family::Llama3,
@@ -973,16 +823,10 @@ mod tests {
     fn bare_calls_name_a_tool() {
         let names = vec!["get_weather".to_string()];
         let fenced = "```json\n{\n  \"name\": \"get_weather\",\n  \"arguments\": {\"city\": \"Paris\"}\n}\n```";
-        assert_eq!(
-            bare_calls(fenced, &names),
-            Some(vec![("get_weather".into(), "{\"city\":\"Paris\"}".into())])
-        );
+        assert_eq!(bare_calls(fenced, &names), Some(vec![("get_weather".into(), "{\"city\":\"Paris\"}".into())]));
         let two = "{\"name\": \"get_weather\", \"arguments\": {}}\n{\"name\": \"get_weather\", \"arguments\": {\"x\": 1}}";
         assert_eq!(bare_calls(two, &names).map(|c| c.len()), Some(2));
-        assert_eq!(
-            bare_calls("{\"name\": \"other\", \"arguments\": {}}", &names),
-            None
-        );
+        assert_eq!(bare_calls("{\"name\": \"other\", \"arguments\": {}}", &names), None);
         assert_eq!(bare_calls("{\"a\": 1}", &names), None);
         assert_eq!(bare_calls("The weather is fine.", &names), None);
         // Streamed: held until the end, then the calls; JSON that is no call comes out as content.
@@ -997,46 +841,21 @@ mod tests {
 
     #[test]
     fn families_of_templates_and_call_ids() {
-        assert_eq!(
-            Family::of_template("{{ '<tool_call>' }}"),
-            Some(Family::Hermes)
-        );
-        assert_eq!(
-            Family::of_template("[TOOL_CALLS] {{ x }}"),
-            Some(Family::Mistral)
-        );
-        assert_eq!(
-            Family::of_template("{{ '[TOOL_CALLS]' + n + '[ARGS]' }}"),
-            Some(Family::MistralArgs)
-        );
+        assert_eq!(Family::of_template("{{ '<tool_call>' }}"), Some(Family::Hermes));
+        assert_eq!(Family::of_template("[TOOL_CALLS] {{ x }}"), Some(Family::Mistral));
+        assert_eq!(Family::of_template("{{ '[TOOL_CALLS]' + n + '[ARGS]' }}"), Some(Family::MistralArgs));
         assert_eq!(Family::of_template("<|python_tag|>"), Some(Family::Llama3));
         assert_eq!(Family::of_template("{{ messages }}"), None);
-        let ids: std::collections::HashSet<String> =
-            (0..50).map(|_| Family::Hermes.call_id()).collect();
+        let ids: std::collections::HashSet<String> = (0..50).map(|_| Family::Hermes.call_id()).collect();
         assert_eq!(ids.len(), 50);
-        assert!(
-            ids.iter().all(|i| i.len() == 29 && i.starts_with("call_")),
-            "{ids:?}"
-        );
-        let ids: std::collections::HashSet<String> =
-            (0..50).map(|_| Family::MistralArgs.call_id()).collect();
+        assert!(ids.iter().all(|i| i.len() == 29 && i.starts_with("call_")), "{ids:?}");
+        let ids: std::collections::HashSet<String> = (0..50).map(|_| Family::MistralArgs.call_id()).collect();
         assert_eq!(ids.len(), 50);
-        assert!(
-            ids.iter()
-                .all(|i| i.len() == 9 && i.chars().all(|c| c.is_ascii_alphanumeric())),
-            "{ids:?}"
-        );
+        assert!(ids.iter().all(|i| i.len() == 9 && i.chars().all(|c| c.is_ascii_alphanumeric())), "{ids:?}");
     }
 
     /// Special tokens of the test vocabulary (after the 256 bytes); the last is end-of-sequence.
-    const SPECIALS: [&str; 6] = [
-        "[TOOL_CALLS]",
-        "[ARGS]",
-        "[CALL_ID]",
-        "<|python_tag|>",
-        "<|eot_id|>",
-        "</s>",
-    ];
+    const SPECIALS: [&str; 6] = ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>", "<|eot_id|>", "</s>"];
 
     /// A vocabulary of the 256 bytes and `SPECIALS`, its grammars, and `text` as its token ids.
     fn byte_grammars() -> Grammars {
@@ -1047,22 +866,13 @@ mod tests {
             words.push(w);
         }
         let eos = 256 + SPECIALS.len() as u32 - 1;
-        Grammars::from_vocab(
-            words,
-            &[eos],
-            Box::new(|s| s.iter().map(|&b| b as u32).collect()),
-        )
-        .unwrap()
+        Grammars::from_vocab(words, &[eos], Box::new(|s| s.iter().map(|&b| b as u32).collect())).unwrap()
     }
 
     fn byte_tokens(mut text: &str) -> Vec<u32> {
         let mut ids = Vec::new();
         while !text.is_empty() {
-            if let Some((i, s)) = SPECIALS
-                .iter()
-                .enumerate()
-                .find(|(_, s)| text.starts_with(*s))
-            {
+            if let Some((i, s)) = SPECIALS.iter().enumerate().find(|(_, s)| text.starts_with(*s)) {
                 ids.push(256 + i as u32);
                 text = &text[s.len()..];
             } else {
@@ -1076,12 +886,7 @@ mod tests {
     /// Whether the call grammar of `f` for `tools` allows exactly `text` (each token under the mask, then
     /// the end).
     fn grammar_allows(g: &Grammars, f: Family, tools: &Tools, text: &str) -> Result<(), String> {
-        let special = |name: &str| {
-            SPECIALS
-                .iter()
-                .position(|s| *s == name)
-                .map(|i| 256 + i as u32)
-        };
+        let special = |name: &str| SPECIALS.iter().position(|s| *s == name).map(|i| 256 + i as u32);
         let mut c = g.lark(f.call_grammar(tools, special)?)?;
         let n = 256 + SPECIALS.len();
         for (k, id) in byte_tokens(text).into_iter().enumerate() {
@@ -1101,19 +906,14 @@ mod tests {
     }
 
     fn test_tools(choice: ToolChoice, parallel: bool) -> Tools {
-        let params = json!({"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]});
+        let params =
+            json!({"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]});
         let json = json!([{"type": "function", "function": {"name": "get_weather", "description": "The forecast.", "parameters": params}},
                           {"type": "function", "function": {"name": "get_time", "description": "The time.", "parameters": {"type": "object", "properties": {}}}}]);
         Tools {
             tools: vec![
-                Tool {
-                    name: "get_weather".into(),
-                    parameters: params,
-                },
-                Tool {
-                    name: "get_time".into(),
-                    parameters: json!({"type": "object", "properties": {}}),
-                },
+                Tool { name: "get_weather".into(), parameters: params },
+                Tool { name: "get_time".into(), parameters: json!({"type": "object", "properties": {}}) },
             ],
             json,
             choice,
@@ -1124,8 +924,7 @@ mod tests {
     /// The assistant turn with one call of get_weather(city="Paris", days=3) as `template` renders it
     /// (between the generation prompt and the end-of-turn text `end`), with the end-of-turn text cut.
     fn rendered_call(template: &str, f: Family, bos: &str, end: &str) -> String {
-        let t =
-            eddy::chat::ChatTemplate::new(template, Some(bos.into()), Some(end.into())).unwrap();
+        let t = eddy::chat::ChatTemplate::new(template, Some(bos.into()), Some(end.into())).unwrap();
         let tools = test_tools(ToolChoice::Auto, true);
         let mut kwargs = serde_json::Map::new();
         kwargs.insert("tools".into(), tools.json.clone());
@@ -1134,16 +933,10 @@ mod tests {
         let user = json!({"role": "user", "content": "Weather in Paris for 3 days?"});
         let call = json!({"role": "assistant", "content": null, "tool_calls": [{"id": f.call_id(), "type": "function",
             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"days\": 3}"}}]});
-        let msgs = |m: Value| {
-            crate::api::parse_messages(json!({"messages": m}).as_object().unwrap()).unwrap()
-        };
+        let msgs = |m: Value| crate::api::parse_messages(json!({"messages": m}).as_object().unwrap()).unwrap();
         let prompt = t.render_json(&msgs(json!([user])), true, &kwargs).unwrap();
-        let full = t
-            .render_json(&msgs(json!([user, call])), false, &kwargs)
-            .unwrap();
-        let turn = full
-            .strip_prefix(prompt.as_str())
-            .unwrap_or_else(|| panic!("{full:?} does not extend {prompt:?}"));
+        let full = t.render_json(&msgs(json!([user, call])), false, &kwargs).unwrap();
+        let turn = full.strip_prefix(prompt.as_str()).unwrap_or_else(|| panic!("{full:?} does not extend {prompt:?}"));
         let turn = turn.trim_end();
         turn.strip_suffix(end).unwrap_or(turn).to_string()
     }
@@ -1159,32 +952,20 @@ mod tests {
         assert_eq!(content, None, "{text:?}");
         assert_eq!(calls.len(), 1, "{text:?}");
         assert_eq!(calls[0].0, "get_weather");
-        assert_eq!(
-            serde_json::from_str::<Value>(&calls[0].1).unwrap(),
-            json!({"city": "Paris", "days": 3})
-        );
+        assert_eq!(serde_json::from_str::<Value>(&calls[0].1).unwrap(), json!({"city": "Paris", "days": 3}));
         let g = byte_grammars();
         let text = match text.find(CALL_ID) {
             Some(i) => format!("{}{}", &text[..i], &text[text.find(ARGS).unwrap()..]),
             None => text,
         };
-        for choice in [
-            ToolChoice::Required,
-            ToolChoice::Named("get_weather".into()),
-        ] {
+        for choice in [ToolChoice::Required, ToolChoice::Named("get_weather".into())] {
             for parallel in [false, true] {
                 grammar_allows(&g, want, &test_tools(choice.clone(), parallel), &text)
                     .unwrap_or_else(|e| panic!("{want:?} {choice:?}: {e}"));
             }
         }
         // And refuses a call of another tool when one is named.
-        assert!(grammar_allows(
-            &g,
-            want,
-            &test_tools(ToolChoice::Named("get_time".into()), true),
-            &text
-        )
-        .is_err());
+        assert!(grammar_allows(&g, want, &test_tools(ToolChoice::Named("get_time".into()), true), &text).is_err());
     }
 
     /// Short templates written for these tests, each writing a call in its family's syntax as the real
@@ -1192,7 +973,8 @@ mod tests {
     /// Mistral Small 3.2: `[TOOL_CALLS]name[CALL_ID]id[ARGS]{…}`; Qwen2.5: `<tool_call>`).
     #[test]
     fn template_reader_and_grammar_agree() {
-        let head = "{%- for m in messages %}{%- if m.role == 'user' %}[U]{{ m.content }}{%- if tools %}{{ tools | tojson }}{%- endif %}[/U]";
+        let head =
+            "{%- for m in messages %}{%- if m.role == 'user' %}[U]{{ m.content }}{%- if tools %}{{ tools | tojson }}{%- endif %}[/U]";
         let tail = "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}[A]{%- endif %}";
         let llama = format!("{head}{{%- elif m.tool_calls %}}[A]{{%- set c = m.tool_calls[0].function %}}{{{{ '{{\"name\": \"' + c.name + '\", ' }}}}{{{{ '\"parameters\": ' }}}}{{{{ c.arguments | tojson }}}}{{{{ '}}' }}}}<|eot_id|>{tail}");
         check_template(&llama, Family::Llama3, "", "<|eot_id|>");
@@ -1214,64 +996,18 @@ mod tests {
         };
         let dir = std::path::Path::new(&dir);
         for (file, f, bos, end) in [
-            (
-                "meta-llama-Llama-3.1-8B-Instruct.jinja",
-                Family::Llama3,
-                "<|begin_of_text|>",
-                "<|eot_id|>",
-            ),
-            (
-                "meta-llama-Llama-3.2-3B-Instruct.jinja",
-                Family::Llama3,
-                "<|begin_of_text|>",
-                "<|eot_id|>",
-            ),
-            (
-                "meta-llama-Llama-3.3-70B-Instruct.jinja",
-                Family::Llama3,
-                "<|begin_of_text|>",
-                "<|eot_id|>",
-            ),
-            (
-                "mistralai-Mistral-Nemo-Instruct-2407.jinja",
-                Family::Mistral,
-                "<s>",
-                "</s>",
-            ),
-            (
-                "Mistral-Small-3.2-24B-Instruct-2506.jinja",
-                Family::MistralArgs,
-                "<s>",
-                "</s>",
-            ),
-            (
-                "unsloth-mistral-Devstral-Small-2507.jinja",
-                Family::MistralArgs,
-                "<s>",
-                "</s>",
-            ),
-            (
-                "mistralai-Ministral-3-14B-Reasoning-2512.jinja",
-                Family::MistralArgs,
-                "<s>",
-                "</s>",
-            ),
-            (
-                "Qwen-Qwen2.5-7B-Instruct.jinja",
-                Family::Hermes,
-                "",
-                "<|im_end|>",
-            ),
-            (
-                "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja",
-                Family::Hermes,
-                "<|begin_of_text|>",
-                "<|im_end|>",
-            ),
+            ("meta-llama-Llama-3.1-8B-Instruct.jinja", Family::Llama3, "<|begin_of_text|>", "<|eot_id|>"),
+            ("meta-llama-Llama-3.2-3B-Instruct.jinja", Family::Llama3, "<|begin_of_text|>", "<|eot_id|>"),
+            ("meta-llama-Llama-3.3-70B-Instruct.jinja", Family::Llama3, "<|begin_of_text|>", "<|eot_id|>"),
+            ("mistralai-Mistral-Nemo-Instruct-2407.jinja", Family::Mistral, "<s>", "</s>"),
+            ("Mistral-Small-3.2-24B-Instruct-2506.jinja", Family::MistralArgs, "<s>", "</s>"),
+            ("unsloth-mistral-Devstral-Small-2507.jinja", Family::MistralArgs, "<s>", "</s>"),
+            ("mistralai-Ministral-3-14B-Reasoning-2512.jinja", Family::MistralArgs, "<s>", "</s>"),
+            ("Qwen-Qwen2.5-7B-Instruct.jinja", Family::Hermes, "", "<|im_end|>"),
+            ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", Family::Hermes, "<|begin_of_text|>", "<|im_end|>"),
         ] {
             let p = dir.join(file);
-            let src =
-                std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            let src = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
             check_template(&src, f, bos, end);
         }
     }

@@ -2,11 +2,11 @@
 //! text deltas back over each job's channel. A job whose receiver is gone is skipped (still queued) or
 //! cancelled (at the next decode step, or at the next prefill piece while its prompt is prefilled).
 
+use crate::metrics::Metrics;
 use eddy::engine::{Engine, GenerateParams, TokenLogprobs};
 use eddy::sampling::LogitMask;
 use eddy::stats::{FinishReason, GenerationStats};
 use eddy::tokenizer::{StreamDecoder, Tokenizer};
-use crate::metrics::Metrics;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -51,9 +51,7 @@ impl Queue {
     /// A place for one more job, or `None` when the queue is full.
     pub fn admit(self: &Arc<Self>) -> Option<Slot> {
         let limit = if self.max == 0 && !self.busy.load(Ordering::Acquire) { 1 } else { self.max };
-        self.waiting
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < limit).then_some(n + 1))
-            .ok()?;
+        self.waiting.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < limit).then_some(n + 1)).ok()?;
         self.metrics.queue_delta(1);
         Some(Slot(Arc::new(SlotState { queue: self.clone(), held: AtomicBool::new(true) })))
     }
@@ -172,11 +170,7 @@ pub(crate) enum Event {
     /// string is reported with the text before the stop string.
     Delta(String, Vec<Logprob>),
     /// Generation ended normally.
-    Done {
-        finish: &'static str,
-        completion_tokens: usize,
-        stats: GenerationStats,
-    },
+    Done { finish: &'static str, completion_tokens: usize, stats: GenerationStats },
     /// The engine failed.
     Error(String),
 }
@@ -189,48 +183,33 @@ pub(crate) fn spawn(
     queue: Arc<Queue>,
     metrics: Arc<Metrics>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
-    std::thread::Builder::new()
-        .name("eddy-engine".into())
-        .spawn(move || {
-            let tok = engine.lm.tokenizer.clone();
-            while let Ok(job) = rx.recv() {
-                job.slot.release();
-                if job.tx.is_closed() {
-                    continue; // the client left while the job was queued
-                }
-                queue.busy.store(true, Ordering::Release);
-                metrics.queue_time(job.queued_at.elapsed());
-                let tx = job.tx.clone();
-                metrics.running_delta(1);
-                let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                    run_job(&mut engine, &tok, job, &metrics)
-                }));
-                // Counted out before the last event goes: a client that scrapes /metrics right after its
-                // answer sees the job finished.
-                metrics.running_delta(-1);
-                queue.busy.store(false, Ordering::Release);
-                let last = r.unwrap_or_else(|_| {
-                    Some(Event::Error("the engine panicked while generating".into()))
-                });
-                if let Some(ev) = last {
-                    let _ = tx.send(ev);
-                }
+    std::thread::Builder::new().name("eddy-engine".into()).spawn(move || {
+        let tok = engine.lm.tokenizer.clone();
+        while let Ok(job) = rx.recv() {
+            job.slot.release();
+            if job.tx.is_closed() {
+                continue; // the client left while the job was queued
             }
-        })
+            queue.busy.store(true, Ordering::Release);
+            metrics.queue_time(job.queued_at.elapsed());
+            let tx = job.tx.clone();
+            metrics.running_delta(1);
+            let r = std::panic::catch_unwind(AssertUnwindSafe(|| run_job(&mut engine, &tok, job, &metrics)));
+            // Counted out before the last event goes: a client that scrapes /metrics right after its
+            // answer sees the job finished.
+            metrics.running_delta(-1);
+            queue.busy.store(false, Ordering::Release);
+            let last = r.unwrap_or_else(|_| Some(Event::Error("the engine panicked while generating".into())));
+            if let Some(ev) = last {
+                let _ = tx.send(ev);
+            }
+        }
+    })
 }
 
 /// Generates one job, sending its text deltas; returns the last event to send (none when the client left).
 fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) -> Option<Event> {
-    let Job {
-        prompt,
-        params,
-        stops,
-        tx,
-        mut mask,
-        keep_special,
-        cache_prompt,
-        ..
-    } = job;
+    let Job { prompt, params, stops, tx, mut mask, keep_special, cache_prompt, .. } = job;
     if !cache_prompt {
         engine.clear_cache();
     }
@@ -310,16 +289,8 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) ->
                     send(out, lps);
                 }
             }
-            let finish = if hit || stats.finish == FinishReason::Stop {
-                "stop"
-            } else {
-                "length"
-            };
-            Some(Event::Done {
-                finish,
-                completion_tokens: n,
-                stats,
-            })
+            let finish = if hit || stats.finish == FinishReason::Stop { "stop" } else { "length" };
+            Some(Event::Done { finish, completion_tokens: n, stats })
         }
     }
 }
@@ -403,22 +374,14 @@ pub struct StopMatcher {
 impl StopMatcher {
     /// A matcher for `stops` (empty strings are ignored).
     pub fn new(stops: Vec<String>) -> Self {
-        StopMatcher {
-            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
-            pending: String::new(),
-        }
+        StopMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), pending: String::new() }
     }
 
     /// Adds `text`; returns the text that is safe to emit, and whether a stop string was found (then the
     /// returned text is everything before it and the rest is dropped).
     pub fn push(&mut self, text: &str) -> (String, bool) {
         self.pending.push_str(text);
-        if let Some(i) = self
-            .stops
-            .iter()
-            .filter_map(|s| self.pending.find(s.as_str()))
-            .min()
-        {
+        if let Some(i) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
             let out = self.pending[..i].to_string();
             self.pending.clear();
             return (out, true);
@@ -436,10 +399,7 @@ impl StopMatcher {
     /// Length of the longest suffix of `pending` that is a prefix of some stop string.
     fn holdback(&self) -> usize {
         let p = &self.pending;
-        p.char_indices()
-            .map(|(i, _)| i)
-            .find(|&i| self.stops.iter().any(|s| s.starts_with(&p[i..])))
-            .map_or(0, |i| p.len() - i)
+        p.char_indices().map(|(i, _)| i).find(|&i| self.stops.iter().any(|s| s.starts_with(&p[i..]))).map_or(0, |i| p.len() - i)
     }
 }
 

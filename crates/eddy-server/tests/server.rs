@@ -17,11 +17,7 @@ fn model_path() -> Option<PathBuf> {
         return None;
     }
     let p = eddy::load::models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        p.is_file(),
-        "{} is missing: run tools/fetch_models.sh smollm2 (or set EDDY_SKIP_MODEL_TESTS=1)",
-        p.display()
-    );
+    assert!(p.is_file(), "{} is missing: run tools/fetch_models.sh smollm2 (or set EDDY_SKIP_MODEL_TESTS=1)", p.display());
     Some(p)
 }
 
@@ -31,26 +27,14 @@ fn engine(p: &std::path::Path) -> Engine {
 
 fn engine_with(p: &std::path::Path, prefix_cache: bool) -> Engine {
     let lm = eddy::load::load_gguf(p, &mut |_, _| {}).expect("load model");
-    Engine::new(
-        lm,
-        &EngineOptions {
-            threads: 2,
-            ctx: CTX,
-            max_batch: 256,
-            prefix_cache,
-        },
-    )
+    Engine::new(lm, &EngineOptions { threads: 2, ctx: CTX, max_batch: 256, prefix_cache })
 }
 
 /// Serves `eng` on an ephemeral loopback port from a thread of its own; returns the address.
 fn start(eng: Engine, opts: eddy_server::ServeOptions) -> SocketAddr {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         rt.block_on(async move {
             let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             tx.send(l.local_addr().unwrap()).unwrap();
@@ -106,24 +90,14 @@ fn request(addr: SocketAddr, method: &str, path: &str, body: &str) -> Resp {
     let mut s = send(addr, method, path, body);
     let mut raw = Vec::new();
     s.read_to_end(&mut raw).unwrap();
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .expect("no header end");
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").expect("no header end");
     let headers = String::from_utf8(raw[..split].to_vec()).unwrap();
     let mut body = raw[split + 4..].to_vec();
-    if headers
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
+    if headers.to_ascii_lowercase().contains("transfer-encoding: chunked") {
         body = dechunk(&body);
     }
     let status = headers.split(' ').nth(1).unwrap().parse().unwrap();
-    Resp {
-        status,
-        headers,
-        body: String::from_utf8(body).expect("body is not UTF-8"),
-    }
+    Resp { status, headers, body: String::from_utf8(body).expect("body is not UTF-8") }
 }
 
 fn dechunk(mut b: &[u8]) -> Vec<u8> {
@@ -147,17 +121,12 @@ fn post(addr: SocketAddr, path: &str, body: Value) -> Resp {
 fn sse_events(body: &str) -> Vec<String> {
     body.split("\n\n")
         .filter(|e| !e.is_empty() && !e.starts_with(':'))
-        .map(|e| {
-            e.strip_prefix("data: ")
-                .expect("SSE event without data")
-                .to_string()
-        })
+        .map(|e| e.strip_prefix("data: ").expect("SSE event without data").to_string())
         .collect()
 }
 
 fn chat_body(msg: &str, extra: Value) -> Value {
-    let mut b =
-        json!({"messages": [{"role": "user", "content": msg}], "temperature": 0, "max_tokens": 24});
+    let mut b = json!({"messages": [{"role": "user", "content": msg}], "temperature": 0, "max_tokens": 24});
     for (k, v) in extra.as_object().unwrap() {
         b[k] = v.clone();
     }
@@ -171,20 +140,11 @@ fn streamed(addr: SocketAddr, path: &str, body: Value) -> (String, Vec<Value>) {
     assert!(r.headers.to_ascii_lowercase().contains("text/event-stream"));
     let mut ev = sse_events(&r.body);
     assert_eq!(ev.pop().as_deref(), Some("[DONE]"));
-    let ev: Vec<Value> = ev
-        .iter()
-        .map(|e| serde_json::from_str(e).unwrap())
-        .collect();
+    let ev: Vec<Value> = ev.iter().map(|e| serde_json::from_str(e).unwrap()).collect();
     let text = ev
         .iter()
         .filter_map(|e| e["choices"].get(0))
-        .map(|c| {
-            c["delta"]["content"]
-                .as_str()
-                .or(c["text"].as_str())
-                .unwrap_or("")
-                .to_string()
-        })
+        .map(|c| c["delta"]["content"].as_str().or(c["text"].as_str()).unwrap_or("").to_string())
         .collect();
     (text, ev)
 }
@@ -207,20 +167,9 @@ fn chat_greedy_matches_engine_generate() {
     // Reference: the engine directly, same template, greedy.
     let mut e = engine(&model_path().unwrap());
     let t = e.lm.template.as_ref().unwrap();
-    let text = t
-        .render(
-            &[ChatMessage::new("user", Q)],
-            true,
-            &serde_json::Map::new(),
-        )
-        .unwrap();
+    let text = t.render(&[ChatMessage::new("user", Q)], true, &serde_json::Map::new()).unwrap();
     let prompt = encode_chat(&e.lm.tokenizer, &text).unwrap();
-    let params = GenerateParams {
-        max_tokens: 24,
-        sampler: SamplerParams::default(),
-        ignore_eos: false,
-        logprobs: None,
-    };
+    let params = GenerateParams { max_tokens: 24, sampler: SamplerParams::default(), ignore_eos: false, logprobs: None };
     let mut ids = Vec::new();
     let stats = e
         .generate(&prompt, &params, &mut |id| {
@@ -242,24 +191,10 @@ fn chat_greedy_matches_engine_generate() {
     assert_eq!(v["usage"]["prompt_tokens"], prompt.len());
     assert_eq!(v["usage"]["completion_tokens"], ids.len());
     assert_eq!(v["usage"]["total_tokens"], prompt.len() + ids.len());
-    let finish = if stats.finish == eddy::stats::FinishReason::Stop {
-        "stop"
-    } else {
-        "length"
-    };
+    let finish = if stats.finish == eddy::stats::FinishReason::Stop { "stop" } else { "length" };
     assert_eq!(v["choices"][0]["finish_reason"], finish);
-    for k in [
-        "prompt_n",
-        "prompt_ms",
-        "predicted_n",
-        "predicted_ms",
-        "predicted_per_second",
-    ] {
-        assert!(
-            v["timings"][k].is_number(),
-            "timings.{k} missing: {}",
-            v["timings"]
-        );
+    for k in ["prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second"] {
+        assert!(v["timings"][k].is_number(), "timings.{k} missing: {}", v["timings"]);
     }
 }
 
@@ -267,18 +202,9 @@ fn chat_greedy_matches_engine_generate() {
 fn streamed_chat_equals_whole_with_usage_and_done() {
     let addr = server_or_skip!();
     let whole = post(addr, "/v1/chat/completions", chat_body(Q, json!({}))).json();
-    let (text, ev) = streamed(
-        addr,
-        "/v1/chat/completions",
-        chat_body(
-            Q,
-            json!({"stream": true, "stream_options": {"include_usage": true}}),
-        ),
-    );
-    assert_eq!(
-        text,
-        whole["choices"][0]["message"]["content"].as_str().unwrap()
-    );
+    let (text, ev) =
+        streamed(addr, "/v1/chat/completions", chat_body(Q, json!({"stream": true, "stream_options": {"include_usage": true}})));
+    assert_eq!(text, whole["choices"][0]["message"]["content"].as_str().unwrap());
     assert_eq!(ev[0]["choices"][0]["delta"]["role"], "assistant");
     assert!(ev.iter().all(|e| e["object"] == "chat.completion.chunk"));
     let n = ev.len();
@@ -287,10 +213,7 @@ fn streamed_chat_equals_whole_with_usage_and_done() {
         assert!(e["choices"][0]["finish_reason"].is_null(), "{e}");
         assert!(e["usage"].is_null());
     }
-    assert_eq!(
-        ev[n - 2]["choices"][0]["finish_reason"],
-        whole["choices"][0]["finish_reason"]
-    );
+    assert_eq!(ev[n - 2]["choices"][0]["finish_reason"], whole["choices"][0]["finish_reason"]);
     assert!(ev[n - 2]["timings"]["predicted_n"].is_number());
     assert_eq!(ev[n - 1]["choices"], json!([]));
     // cached_tokens depends on which request the shared server (tests run in parallel) served last.
@@ -335,13 +258,19 @@ fn final_assistant_message_is_continued() {
     assert_eq!(v["usage"]["completion_tokens"], 12);
     // A tool result and an assistant message's tool calls are passed to the template; malformed tool
     // calls are 400s naming the message.
-    let t = post(addr, "/v1/chat/completions", json!({"messages": [
-        {"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "a"}], "max_tokens": 2}));
+    let t = post(
+        addr,
+        "/v1/chat/completions",
+        json!({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "a"}], "max_tokens": 2}),
+    );
     assert_eq!(t.status, 200, "{}", t.body);
-    let call = |args: Value| json!({"messages": [
+    let call = |args: Value| {
+        json!({"messages": [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": null, "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": args}}]},
-        {"role": "tool", "content": "42", "tool_call_id": "a"}], "max_tokens": 2});
+        {"role": "tool", "content": "42", "tool_call_id": "a"}], "max_tokens": 2})
+    };
     let r = post(addr, "/v1/chat/completions", call(json!("{}")));
     assert_eq!(r.status, 200, "{}", r.body);
     let v = assert_error(&post(addr, "/v1/chat/completions", call(json!("{not json"))), 400, "not JSON");
@@ -372,11 +301,7 @@ fn logprobs_chat_and_completions_whole_and_streamed() {
     let mut sb = body;
     sb["stream"] = json!(true);
     let (_, ev) = streamed(addr, "/v1/chat/completions", sb);
-    let streamed_lp: Vec<Value> = ev
-        .iter()
-        .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array().cloned())
-        .flatten()
-        .collect();
+    let streamed_lp: Vec<Value> = ev.iter().filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array().cloned()).flatten().collect();
     assert_eq!(streamed_lp, content);
     // Without logprobs: null.
     let v = post(addr, "/v1/chat/completions", chat_body("Hi", json!({"max_tokens": 2}))).json();
@@ -401,7 +326,12 @@ fn logprobs_chat_and_completions_whole_and_streamed() {
     // With a stop string, no entry is reported for the tokens after it.
     let text = c["choices"][0]["text"].as_str().unwrap();
     let stop = text.trim_start().chars().take(3).collect::<String>();
-    let cs = post(addr, "/v1/completions", json!({"prompt": "One, two, three,", "max_tokens": 8, "temperature": 0, "logprobs": 0, "stop": [stop]})).json();
+    let cs = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": "One, two, three,", "max_tokens": 8, "temperature": 0, "logprobs": 0, "stop": [stop]}),
+    )
+    .json();
     let n_kept = cs["choices"][0]["logprobs"]["tokens"].as_array().unwrap().len();
     assert!(n_kept <= 2 && n_kept < tokens.len(), "{cs}");
 
@@ -422,38 +352,18 @@ fn logprobs_chat_and_completions_whole_and_streamed() {
 #[test]
 fn stop_string_across_tokens_is_not_emitted() {
     let addr = server_or_skip!();
-    let whole = post(
-        addr,
-        "/v1/chat/completions",
-        chat_body(Q, json!({"max_tokens": 40})),
-    )
-    .json();
-    let full = whole["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let whole = post(addr, "/v1/chat/completions", chat_body(Q, json!({"max_tokens": 40}))).json();
+    let full = whole["choices"][0]["message"]["content"].as_str().unwrap().to_string();
     // A stop string made of the middle two words (contains a space, so it spans tokens).
     let words: Vec<&str> = full.split(' ').collect();
     assert!(words.len() >= 5, "reply too short: {full:?}");
     let stop = format!("{} {}", words[2], words[3]);
     let at = full.find(&stop).unwrap();
     let want = &full[..at];
-    let v = post(
-        addr,
-        "/v1/chat/completions",
-        chat_body(
-            Q,
-            json!({"max_tokens": 40, "stop": [stop.clone(), "\u{1}never"]}),
-        ),
-    )
-    .json();
+    let v = post(addr, "/v1/chat/completions", chat_body(Q, json!({"max_tokens": 40, "stop": [stop.clone(), "\u{1}never"]}))).json();
     assert_eq!(v["choices"][0]["message"]["content"], want);
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
-    let (text, ev) = streamed(
-        addr,
-        "/v1/chat/completions",
-        chat_body(Q, json!({"max_tokens": 40, "stop": stop, "stream": true})),
-    );
+    let (text, ev) = streamed(addr, "/v1/chat/completions", chat_body(Q, json!({"max_tokens": 40, "stop": stop, "stream": true})));
     assert_eq!(text, want);
     assert_eq!(ev.last().unwrap()["choices"][0]["finish_reason"], "stop");
 }
@@ -462,11 +372,7 @@ fn assert_error(r: &Resp, status: u16, needle: &str) -> Value {
     assert_eq!(r.status, status, "{}", r.body);
     let v = r.json();
     let e = &v["error"];
-    assert!(
-        e["message"].as_str().unwrap().contains(needle),
-        "{:?} lacks {needle:?}",
-        e["message"]
-    );
+    assert!(e["message"].as_str().unwrap().contains(needle), "{:?} lacks {needle:?}", e["message"]);
     assert!(e["type"].is_string());
     assert!(e.get("param").is_some() && e.get("code").is_some());
     v
@@ -476,85 +382,27 @@ fn assert_error(r: &Resp, status: u16, needle: &str) -> Value {
 fn errors() {
     let addr = server_or_skip!();
     let c = "/v1/chat/completions";
-    assert_error(
-        &request(addr, "POST", c, "{\"messages\": ["),
-        400,
-        "invalid JSON",
-    );
-    let v = assert_error(
-        &post(addr, c, chat_body("hi", json!({"temperature": "hot"}))),
-        400,
-        "temperature",
-    );
+    assert_error(&request(addr, "POST", c, "{\"messages\": ["), 400, "invalid JSON");
+    let v = assert_error(&post(addr, c, chat_body("hi", json!({"temperature": "hot"}))), 400, "temperature");
     assert_eq!(v["error"]["type"], "invalid_request_error");
     assert_eq!(v["error"]["param"], "temperature");
-    assert_error(
-        &post(addr, c, chat_body("hi", json!({"temperature": 7}))),
-        400,
-        "temperature",
-    );
-    assert_error(
-        &post(addr, c, chat_body("hi", json!({"max_tokens": -1}))),
-        400,
-        "max_tokens",
-    );
+    assert_error(&post(addr, c, chat_body("hi", json!({"temperature": 7}))), 400, "temperature");
+    assert_error(&post(addr, c, chat_body("hi", json!({"max_tokens": -1}))), 400, "max_tokens");
     assert_error(&post(addr, c, json!({"messages": "hi"})), 400, "messages");
-    assert_error(
-        &post(
-            addr,
-            c,
-            json!({"messages": [{"role": "robot", "content": "hi"}]}),
-        ),
-        400,
-        "robot",
-    );
+    assert_error(&post(addr, c, json!({"messages": [{"role": "robot", "content": "hi"}]})), 400, "robot");
     assert_error(&post(addr, c, chat_body("hi", json!({"n": 2}))), 400, "n=2");
-    assert_error(
-        &post(
-            addr,
-            c,
-            chat_body("hi", json!({"response_format": {"type": "yaml"}})),
-        ),
-        400,
-        "yaml",
-    );
-    assert_error(
-        &post(
-            addr,
-            c,
-            chat_body("hi", json!({"tools": [{"type": "function"}]})),
-        ),
-        400,
-        "tools[0].function",
-    );
+    assert_error(&post(addr, c, chat_body("hi", json!({"response_format": {"type": "yaml"}}))), 400, "yaml");
+    assert_error(&post(addr, c, chat_body("hi", json!({"tools": [{"type": "function"}]}))), 400, "tools[0].function");
     assert_error(&post(addr, c, chat_body("hi", json!({"tool_choice": "required"}))), 400, "no tools");
-    for (k, v) in [
-        ("logit_bias", json!({"42": 5})),
-        ("prediction", json!({"type": "content", "content": "x"})),
-    ] {
-        let v = assert_error(
-            &post(addr, c, chat_body("hi", json!({k: v}))),
-            400,
-            "not supported yet",
-        );
+    for (k, v) in [("logit_bias", json!({"42": 5})), ("prediction", json!({"type": "content", "content": "x"}))] {
+        let v = assert_error(&post(addr, c, chat_body("hi", json!({k: v}))), 400, "not supported yet");
         assert_eq!(v["error"]["param"], k);
     }
-    assert_eq!(
-        post(addr, c, chat_body("hi", json!({"presence_penalty": 0, "max_tokens": 1}))).status,
-        200
-    );
-    assert_error(
-        &post(addr, "/v1/completions", json!({"prompt": 5})),
-        400,
-        "prompt",
-    );
+    assert_eq!(post(addr, c, chat_body("hi", json!({"presence_penalty": 0, "max_tokens": 1}))).status, 200);
+    assert_error(&post(addr, "/v1/completions", json!({"prompt": 5})), 400, "prompt");
     // A prompt that does not fit: the error names the prompt (max_tokens is clamped, never at fault).
     let long = "word ".repeat(600);
-    let r = post(
-        addr,
-        "/v1/completions",
-        json!({"prompt": long, "max_tokens": 400}),
-    );
+    let r = post(addr, "/v1/completions", json!({"prompt": long, "max_tokens": 400}));
     let v = assert_error(&r, 400, &format!("{CTX}"));
     assert_eq!(v["error"]["param"], "prompt");
     let v = assert_error(&post(addr, c, chat_body(&long, json!({"max_tokens": 4}))), 400, "messages");
@@ -590,25 +438,11 @@ fn models_and_health() {
 #[test]
 fn concurrent_requests_both_answered() {
     let addr = server_or_skip!();
-    let a = std::thread::spawn(move || {
-        post(addr, "/v1/chat/completions", chat_body(Q, json!({}))).json()
-    });
-    let b = std::thread::spawn(move || {
-        post(
-            addr,
-            "/v1/chat/completions",
-            chat_body("What is 2+2?", json!({})),
-        )
-        .json()
-    });
+    let a = std::thread::spawn(move || post(addr, "/v1/chat/completions", chat_body(Q, json!({}))).json());
+    let b = std::thread::spawn(move || post(addr, "/v1/chat/completions", chat_body("What is 2+2?", json!({}))).json());
     let (a, b) = (a.join().unwrap(), b.join().unwrap());
     let a2 = post(addr, "/v1/chat/completions", chat_body(Q, json!({}))).json();
-    let b2 = post(
-        addr,
-        "/v1/chat/completions",
-        chat_body("What is 2+2?", json!({})),
-    )
-    .json();
+    let b2 = post(addr, "/v1/chat/completions", chat_body("What is 2+2?", json!({}))).json();
     assert_eq!(a["choices"][0]["message"], a2["choices"][0]["message"]);
     assert_eq!(b["choices"][0]["message"], b2["choices"][0]["message"]);
 }
@@ -620,11 +454,7 @@ fn client_disconnect_mid_stream_does_not_block_the_next_request() {
         addr,
         "POST",
         "/v1/chat/completions",
-        &chat_body(
-            "Write a long story about a dragon.",
-            json!({"max_tokens": 400, "stream": true}),
-        )
-        .to_string(),
+        &chat_body("Write a long story about a dragon.", json!({"max_tokens": 400, "stream": true})).to_string(),
     );
     let mut r = BufReader::new(s);
     let mut seen = 0;
@@ -638,12 +468,7 @@ fn client_disconnect_mid_stream_does_not_block_the_next_request() {
     }
     drop(r); // disconnect mid-stream
     let t = std::time::Instant::now();
-    let v = post(
-        addr,
-        "/v1/chat/completions",
-        chat_body("Hi", json!({"max_tokens": 4})),
-    )
-    .json();
+    let v = post(addr, "/v1/chat/completions", chat_body("Hi", json!({"max_tokens": 4}))).json();
     assert!(v["choices"][0]["message"]["content"].is_string());
     // 400 tokens of the abandoned story would take far longer than this on any machine eddy runs on.
     assert!(t.elapsed().as_secs() < 60);
@@ -658,16 +483,9 @@ fn python_stdlib_streaming_client() {
         .arg(addr.to_string())
         .output()
         .expect("python3 is needed for the stdlib streaming client (the model scripts need it too)");
-    assert!(
-        out.status.success(),
-        "python client failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "python client failed: {}", String::from_utf8_lossy(&out.stderr));
     let whole = post(addr, "/v1/chat/completions", chat_body(Q, json!({}))).json();
-    assert_eq!(
-        String::from_utf8(out.stdout).unwrap(),
-        whole["choices"][0]["message"]["content"].as_str().unwrap()
-    );
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), whole["choices"][0]["message"]["content"].as_str().unwrap());
 }
 
 /// Sends a streaming completion `body` and reads until its first `data:` line (the job is running);
@@ -686,23 +504,13 @@ fn running_stream(addr: SocketAddr, body: &str) -> BufReader<TcpStream> {
 #[test]
 fn full_queue_answers_503() {
     let Some(p) = model_path() else { return };
-    let addr = start(
-        engine(&p),
-        eddy_server::ServeOptions {
-            max_queue: 1,
-            ..Default::default()
-        },
-    );
+    let addr = start(engine(&p), eddy_server::ServeOptions { max_queue: 1, ..Default::default() });
     let long = json!({"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 400, "temperature": 0, "stream": true}).to_string();
     // Wait until the first job is running (its first text chunk arrives), then queue a second.
     let first = running_stream(addr, &long);
     let second = send(addr, "POST", "/v1/completions", &long);
     std::thread::sleep(std::time::Duration::from_millis(100));
-    let r = post(
-        addr,
-        "/v1/completions",
-        json!({"prompt": "Hi", "max_tokens": 1}),
-    );
+    let r = post(addr, "/v1/completions", json!({"prompt": "Hi", "max_tokens": 1}));
     assert_error(&r, 503, "queue is full");
     assert!(r.headers.to_ascii_lowercase().contains("\r\nretry-after: 1"), "{}", r.headers);
     drop(first);
@@ -710,20 +518,13 @@ fn full_queue_answers_503() {
     // Both abandoned jobs are cancelled or skipped (within a decode step or two): the server answers again.
     let t = std::time::Instant::now();
     loop {
-        let r = post(
-            addr,
-            "/v1/completions",
-            json!({"prompt": "Hi", "max_tokens": 1}),
-        );
+        let r = post(addr, "/v1/completions", json!({"prompt": "Hi", "max_tokens": 1}));
         if r.status == 200 {
             assert_eq!(r.json()["usage"]["completion_tokens"], 1);
             break;
         }
         assert_error(&r, 503, "queue is full");
-        assert!(
-            t.elapsed().as_secs() < 5,
-            "the abandoned jobs still hold the queue after 5 s"
-        );
+        assert!(t.elapsed().as_secs() < 5, "the abandoned jobs still hold the queue after 5 s");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     eprintln!("queue free again after {:?}", t.elapsed());
@@ -731,9 +532,7 @@ fn full_queue_answers_503() {
 
 /// The value of the Prometheus sample line `name` (labels included); 0 when absent.
 fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
+    text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap_or(0.0)
 }
 
 /// A server of its own, so that its counters hold exactly the requests this test sends.
@@ -777,15 +576,8 @@ fn metrics_count_requests_tokens_and_latencies() {
     assert_eq!(metric(&t, "eddy_request_queue_time_seconds_count"), 2.0);
     assert_eq!(metric(&t, "eddy_queue_depth"), 0.0);
     assert_eq!(metric(&t, "eddy_requests_running"), 0.0);
-    assert_eq!(
-        metric(&t, "eddy_decode_passes_total"),
-        n(&a["usage"]["spec_verify_ct"]) + n(&b["spec_verify_ct"])
-    );
-    for name in [
-        "eddy_spec_draft_tokens_total",
-        "eddy_spec_draft_tokens_accepted_total",
-        "eddy_spec_accepted_length_count",
-    ] {
+    assert_eq!(metric(&t, "eddy_decode_passes_total"), n(&a["usage"]["spec_verify_ct"]) + n(&b["spec_verify_ct"]));
+    for name in ["eddy_spec_draft_tokens_total", "eddy_spec_draft_tokens_accepted_total", "eddy_spec_accepted_length_count"] {
         assert!(t.contains(&format!("\n{name} ")), "{name} missing");
     }
 }
@@ -800,9 +592,7 @@ fn think_server() -> Option<SocketAddr> {
     *ADDR.get_or_init(|| {
         let p = model_path()?;
         let mut eng = engine(&p);
-        eng.lm.template = Some(
-            eddy::chat::ChatTemplate::new(THINK_TEMPLATE, None, Some("<|im_end|>".into())).unwrap(),
-        );
+        eng.lm.template = Some(eddy::chat::ChatTemplate::new(THINK_TEMPLATE, None, Some("<|im_end|>".into())).unwrap());
         let opts = eddy_server::ServeOptions {
             keep_alive: Some(std::time::Duration::from_millis(20)),
             aliases: vec!["think".into()],
@@ -817,31 +607,15 @@ fn keep_alive_comments_until_the_first_token() {
     let Some(addr) = think_server() else { return };
     // A long prompt: its prefill takes far longer than the 20 ms keep-alive period.
     let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(40);
-    let r = post(
-        addr,
-        "/v1/completions",
-        json!({"prompt": prompt, "max_tokens": 3, "temperature": 0, "stream": true}),
-    );
+    let r = post(addr, "/v1/completions", json!({"prompt": prompt, "max_tokens": 3, "temperature": 0, "stream": true}));
     assert_eq!(r.status, 200, "{}", r.body);
     let blocks: Vec<&str> = r.body.split("\n\n").filter(|b| !b.is_empty()).collect();
     let first_data = blocks.iter().position(|b| b.starts_with("data: ")).unwrap();
     assert!(first_data >= 1, "no keep-alive before the first token: {}", r.body);
     assert!(blocks[..first_data].iter().all(|b| *b == ": keep-alive"), "{blocks:?}");
-    assert!(
-        blocks[first_data..].iter().all(|b| b.starts_with("data: ")),
-        "keep-alive after the first token: {blocks:?}"
-    );
-    let (text, _) = streamed(
-        addr,
-        "/v1/completions",
-        json!({"prompt": prompt, "max_tokens": 3, "temperature": 0, "stream": true}),
-    );
-    let whole = post(
-        addr,
-        "/v1/completions",
-        json!({"prompt": prompt, "max_tokens": 3, "temperature": 0}),
-    )
-    .json();
+    assert!(blocks[first_data..].iter().all(|b| b.starts_with("data: ")), "keep-alive after the first token: {blocks:?}");
+    let (text, _) = streamed(addr, "/v1/completions", json!({"prompt": prompt, "max_tokens": 3, "temperature": 0, "stream": true}));
+    let whole = post(addr, "/v1/completions", json!({"prompt": prompt, "max_tokens": 3, "temperature": 0})).json();
     assert_eq!(text, whole["choices"][0]["text"].as_str().unwrap());
 }
 
@@ -879,10 +653,7 @@ fn reasoning_content_when_the_template_opens_think() {
     let mut sb = body;
     sb["stream"] = json!(true);
     let (streamed_content, ev) = streamed(addr, "/v1/chat/completions", sb);
-    let streamed_reasoning: String = ev
-        .iter()
-        .filter_map(|e| e["choices"].get(0)?["delta"]["reasoning_content"].as_str())
-        .collect();
+    let streamed_reasoning: String = ev.iter().filter_map(|e| e["choices"].get(0)?["delta"]["reasoning_content"].as_str()).collect();
     assert_eq!(streamed_reasoning, reasoning);
     assert_eq!(streamed_content, content);
     for e in &ev {
@@ -895,12 +666,7 @@ fn reasoning_content_when_the_template_opens_think() {
 fn enable_thinking_on_a_template_without_think_leaves_content_alone() {
     let addr = server_or_skip!();
     let plain = post(addr, "/v1/chat/completions", chat_body(Q, json!({}))).json();
-    let v = post(
-        addr,
-        "/v1/chat/completions",
-        chat_body(Q, json!({"chat_template_kwargs": {"enable_thinking": true}})),
-    )
-    .json();
+    let v = post(addr, "/v1/chat/completions", chat_body(Q, json!({"chat_template_kwargs": {"enable_thinking": true}}))).json();
     assert_eq!(v["choices"][0]["message"], plain["choices"][0]["message"]);
     assert!(v["choices"][0]["message"].get("reasoning_content").is_none());
 }
@@ -917,19 +683,14 @@ fn openai_python() -> PathBuf {
         assert!(py.status.success());
         let venv = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
         let python = venv.join("bin/python");
-        let ready = std::process::Command::new(&python)
-            .args(["-c", "import openai, pydantic"])
-            .output()
-            .is_ok_and(|o| o.status.success());
+        let ready = std::process::Command::new(&python).args(["-c", "import openai, pydantic"]).output().is_ok_and(|o| o.status.success());
         if !ready {
             let run = |cmd: &mut std::process::Command| {
                 let o = cmd.output().unwrap();
                 assert!(o.status.success(), "{cmd:?}: {}", String::from_utf8_lossy(&o.stderr));
             };
             run(std::process::Command::new("python3").arg("-m").arg("venv").arg(&venv));
-            run(std::process::Command::new(&python).args([
-                "-m", "pip", "install", "-q", "--disable-pip-version-check", "openai==3.57.0",
-            ]));
+            run(std::process::Command::new(&python).args(["-m", "pip", "install", "-q", "--disable-pip-version-check", "openai==3.57.0"]));
         }
         python
     })
@@ -962,12 +723,7 @@ fn openai_python_sdk() {
         }
         assert!(v[k]["usage"]["prompt_tokens_details"]["cached_tokens"].is_u64(), "{k}");
     }
-    let text = post(
-        addr,
-        "/v1/completions",
-        json!({"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}),
-    )
-    .json();
+    let text = post(addr, "/v1/completions", json!({"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0})).json();
     for k in ["completion", "completion_stream"] {
         assert_eq!(v[k]["text"], text["choices"][0]["text"], "{k}");
         assert_eq!(v[k]["finish_reason"], "length", "{k}");
@@ -1060,11 +816,37 @@ mod fuzz {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     const FIELDS: &[&str] = &[
-        "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-        "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
-        "n", "best_of", "logprobs", "top_logprobs", "stream", "stream_options", "chat_template_kwargs",
-        "response_format", "tools", "tool_choice", "functions", "echo", "suffix", "logit_bias",
-        "modalities", "user", "frobnicate",
+        "model",
+        "messages",
+        "prompt",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "seed",
+        "stop",
+        "n",
+        "best_of",
+        "logprobs",
+        "top_logprobs",
+        "stream",
+        "stream_options",
+        "chat_template_kwargs",
+        "response_format",
+        "tools",
+        "tool_choice",
+        "functions",
+        "echo",
+        "suffix",
+        "logit_bias",
+        "modalities",
+        "user",
+        "frobnicate",
     ];
 
     fn any_json() -> impl Strategy<Value = Value> {
@@ -1085,9 +867,14 @@ mod fuzz {
             prop_oneof![
                 prop::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
                 prop::collection::btree_map(
-                    prop_oneof![Just("role".to_string()), Just("content".to_string()),
-                                Just("type".to_string()), Just("text".to_string()),
-                                Just("include_usage".to_string()), ".{0,6}"],
+                    prop_oneof![
+                        Just("role".to_string()),
+                        Just("content".to_string()),
+                        Just("type".to_string()),
+                        Just("text".to_string()),
+                        Just("include_usage".to_string()),
+                        ".{0,6}"
+                    ],
                     inner,
                     0..4
                 )
@@ -1125,11 +912,7 @@ mod fuzz {
             "presence_penalty" | "frequency_penalty" => Just(json!(0)).boxed(),
             "repetition_penalty" => f(0.5, 2.0),
             "seed" => any::<i64>().prop_map(Value::from).boxed(),
-            "stop" => prop_oneof![
-                ".{0,4}".prop_map(Value::from),
-                prop::collection::vec(".{0,4}", 0..3).prop_map(Value::from),
-            ]
-            .boxed(),
+            "stop" => prop_oneof![".{0,4}".prop_map(Value::from), prop::collection::vec(".{0,4}", 0..3).prop_map(Value::from),].boxed(),
             "n" | "best_of" => Just(json!(1)).boxed(),
             "logprobs" => prop_oneof![any::<bool>().prop_map(Value::from), (0u64..25).prop_map(Value::from)].boxed(),
             "top_logprobs" => (0u64..25).prop_map(Value::from).boxed(),
@@ -1154,9 +937,8 @@ mod fuzz {
         } else {
             json!({"prompt": "Hi", "max_tokens": 3})
         };
-        let field = prop::sample::select(FIELDS).prop_flat_map(|k| {
-            (Just(k), prop_oneof![3 => valid_value(k).prop_map(Some), 2 => any_json().prop_map(Some), 1 => Just(None)])
-        });
+        let field = prop::sample::select(FIELDS)
+            .prop_flat_map(|k| (Just(k), prop_oneof![3 => valid_value(k).prop_map(Some), 2 => any_json().prop_map(Some), 1 => Just(None)]));
         prop::collection::vec(field, 0..6).prop_map(move |fields| {
             let mut o = base.as_object().unwrap().clone();
             for (k, v) in fields {
@@ -1178,12 +960,7 @@ mod fuzz {
 
     fn check(addr: SocketAddr, path: &str, raw: &str) {
         let r = request(addr, "POST", path, raw);
-        assert!(
-            (200..300).contains(&r.status) || (400..500).contains(&r.status),
-            "{path} answered {} to {raw}: {}",
-            r.status,
-            r.body
-        );
+        assert!((200..300).contains(&r.status) || (400..500).contains(&r.status), "{path} answered {} to {raw}: {}", r.status, r.body);
         let n = if r.status >= 400 { &REFUSED } else { &OK };
         n.fetch_add(1, Ordering::Relaxed);
         if r.status >= 400 {
@@ -1227,11 +1004,7 @@ mod fuzz {
             check(addr, "/v1/completions", &json!({"prompt": "\u{0}", "max_tokens": 1}).to_string());
         }
         assert_eq!(request(addr, "GET", "/health", "").status, 200);
-        eprintln!(
-            "fuzzed bodies so far: {} answered, {} refused",
-            OK.load(Ordering::Relaxed),
-            REFUSED.load(Ordering::Relaxed)
-        );
+        eprintln!("fuzzed bodies so far: {} answered, {} refused", OK.load(Ordering::Relaxed), REFUSED.load(Ordering::Relaxed));
     }
 }
 
@@ -1425,7 +1198,12 @@ fn axum_rejections_are_openai_errors() {
     assert_error(&request(addr, "PUT", "/v1/completions", "{}"), 405, "not allowed");
     let mut s = TcpStream::connect(addr).unwrap();
     let b = json!({"prompt": "Hi", "max_tokens": 1}).to_string();
-    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{b}", b.len()).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{b}",
+        b.len()
+    )
+    .unwrap();
     let mut raw = String::new();
     s.read_to_string(&mut raw).unwrap();
     assert!(raw.starts_with("HTTP/1.1 200"), "{raw}");
@@ -1439,8 +1217,13 @@ fn axum_rejections_are_openai_errors() {
 fn logprobs_of_partial_utf8_tokens() {
     let addr = server_or_skip!();
     let prompt = "😀🎉🚀😀🎉🚀😀🎉🚀😀🎉🚀";
-    let v = post(addr, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": prompt}],
-        "max_tokens": 12, "temperature": 0, "logprobs": true, "top_logprobs": 3})).json();
+    let v = post(
+        addr,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 12, "temperature": 0, "logprobs": true, "top_logprobs": 3}),
+    )
+    .json();
     let content = v["choices"][0]["message"]["content"].as_str().unwrap();
     let entries = v["choices"][0]["logprobs"]["content"].as_array().unwrap_or_else(|| panic!("{v}"));
     let as_bytes = |e: &Value| -> Vec<u8> { e["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8).collect() };
@@ -1524,11 +1307,7 @@ fn unsupported_and_out_of_range_fields() {
         let r = post(addr, c, chat_body("hi", json!({k: null, "max_tokens": 1})));
         assert_eq!(r.status, 200, "{k}: null: {}", r.body);
     }
-    let e = assert_error(
-        &post(addr, c, chat_body("hi", json!({"stream_options": {"include_usage": true}}))),
-        400,
-        "stream",
-    );
+    let e = assert_error(&post(addr, c, chat_body("hi", json!({"stream_options": {"include_usage": true}}))), 400, "stream");
     assert_eq!(e["error"]["param"], "stream_options");
     for k in ["max_tokens", "top_k"] {
         let e = assert_error(&post(addr, c, chat_body("hi", json!({k: u64::MAX}))), 400, "out of range");
@@ -1625,9 +1404,17 @@ fn cut_inside_a_character_withholds_the_bytes() {
         let (streamed_text, _) = streamed(addr, "/v1/chat/completions", sb);
         assert_eq!(streamed_text, text, "max_tokens {max_tokens}");
         // The same tokens decoded whole: the reply is their text without the incomplete tail.
-        let lp = post(addr, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0, "logprobs": true})).json();
-        let bytes: Vec<u8> = lp["choices"][0]["logprobs"]["content"].as_array().unwrap().iter()
+        let lp = post(
+            addr,
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0, "logprobs": true}),
+        )
+        .json();
+        let bytes: Vec<u8> = lp["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .iter()
             .flat_map(|e| e["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8).collect::<Vec<_>>())
             .collect();
         let valid = match std::str::from_utf8(&bytes) {
@@ -1706,7 +1493,8 @@ fn cors_preflight_and_headers() {
 fn structured_outputs_follow_the_schema() {
     let addr = server_or_skip!();
     let c = "/v1/chat/completions";
-    let v = post(addr, c, chat_body("Describe a cat as JSON.", json!({"max_tokens": 64, "response_format": {"type": "json_object"}}))).json();
+    let v =
+        post(addr, c, chat_body("Describe a cat as JSON.", json!({"max_tokens": 64, "response_format": {"type": "json_object"}}))).json();
     let text = v["choices"][0]["message"]["content"].as_str().unwrap();
     if v["choices"][0]["finish_reason"] == "stop" {
         assert!(serde_json::from_str::<Value>(text).unwrap_or_else(|e| panic!("{e}: {text}")).is_object());
@@ -1748,8 +1536,16 @@ fn structured_outputs_follow_the_schema() {
         assert_eq!(v["error"]["param"], "response_format", "{v}");
     }
     // A schema that admits nothing but a fixed value: the reply is that value, and ends cleanly.
-    let v = post(addr, c, chat_body("hi", json!({"max_tokens": 30, "response_format": {"type": "json_schema",
-        "json_schema": {"name": "c", "schema": {"const": "done"}}}}))).json();
+    let v = post(
+        addr,
+        c,
+        chat_body(
+            "hi",
+            json!({"max_tokens": 30, "response_format": {"type": "json_schema",
+        "json_schema": {"name": "c", "schema": {"const": "done"}}}}),
+        ),
+    )
+    .json();
     assert_eq!(v["choices"][0]["message"]["content"], "\"done\"", "{v}");
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
 }
@@ -1770,7 +1566,9 @@ fn constrained_decoding_with_speculation_is_lossless() {
             "temperature": temperature, "seed": 3, "response_format": rf, "logprobs": true});
         let a = post(spec, "/v1/chat/completions", body.clone()).json();
         let b = post(plain, "/v1/chat/completions", body).json();
-        let ids = |v: &Value| -> Vec<Value> { v["choices"][0]["logprobs"]["content"].as_array().unwrap().iter().map(|e| e["bytes"].clone()).collect() };
+        let ids = |v: &Value| -> Vec<Value> {
+            v["choices"][0]["logprobs"]["content"].as_array().unwrap().iter().map(|e| e["bytes"].clone()).collect()
+        };
         assert_eq!(ids(&a), ids(&b), "speculation changed the constrained tokens at T={temperature}");
         assert_eq!(a["choices"][0]["message"], b["choices"][0]["message"]);
         assert!(a["timings"]["draft_n"].as_u64().unwrap() > 0, "{a}");
@@ -1789,7 +1587,11 @@ fn tools_on_a_template_without_tool_syntax() {
     assert_eq!(v["error"]["param"], "tools");
     let r = post(addr, "/v1/chat/completions", chat_body("hi", json!({"tools": tools, "tool_choice": "none", "max_tokens": 2})));
     assert_eq!(r.status, 200, "{}", r.body);
-    let r = post(addr, "/v1/chat/completions", chat_body("hi", json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "g"}}})));
+    let r = post(
+        addr,
+        "/v1/chat/completions",
+        chat_body("hi", json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "g"}}})),
+    );
     assert_error(&r, 400, "`g`");
 }
 
@@ -1876,7 +1678,10 @@ fn tool_calls_whole_and_streamed_on_qwen() {
     assert_eq!(deltas[0][0]["type"], "function");
     assert_eq!(deltas[0][0]["function"]["name"], "add");
     assert_eq!(deltas[0][0]["function"]["arguments"], "");
-    assert!(deltas[1..].iter().all(|d| d[0]["index"] == 0 && d[0].get("id").is_none() && d[0]["function"].get("name").is_none()), "{deltas:?}");
+    assert!(
+        deltas[1..].iter().all(|d| d[0]["index"] == 0 && d[0].get("id").is_none() && d[0]["function"].get("name").is_none()),
+        "{deltas:?}"
+    );
     let streamed_args: String = deltas.iter().map(|d| d[0]["function"]["arguments"].as_str().unwrap_or("")).collect();
     assert_eq!(streamed_args, call["function"]["arguments"].as_str().unwrap());
     assert_eq!(ev.iter().rev().find_map(|e| e["choices"][0]["finish_reason"].as_str()), Some("tool_calls"));
