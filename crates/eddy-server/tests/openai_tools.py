@@ -84,8 +84,9 @@ def round_trip(stream):
     for i, n, a in calls:
         result = {"city": json.loads(a)["city"], "temperature": 21, "sky": "sunny"} if n == "get_weather" else "14:05"
         history.append({"role": "tool", "tool_call_id": i, "content": json.dumps(result)})
-    # The answer: tools still sent, calls turned off (tool_choice none).
-    kw = dict(model=model, messages=history, tools=tools, tool_choice="none", temperature=0, max_tokens=40)
+    # The answer: the history with the call and its result, without tools (with the tools in the prompt,
+    # as tool_choice none keeps them, this 1.5B repeats the call as text instead of answering).
+    kw = dict(model=model, messages=history, temperature=0, max_tokens=40)
     if not stream:
         a = client.chat.completions.create(**kw).choices[0]
         answer, finish = a.message.content, a.finish_reason
@@ -105,6 +106,23 @@ def round_trip(stream):
 
 out["round_trip"] = round_trip(False)
 out["round_trip_stream"] = round_trip(True)
+
+# The SDK's own stream accumulation (chat.completions.stream): the arguments arrive in several fragments
+# (one per generated piece) and accumulate to the arguments of the same request answered whole.
+kw = dict(model=model, messages=question, tools=tools, tool_choice="required", parallel_tool_calls=False,
+          temperature=0, max_tokens=60)
+whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+fragments = 0
+with client.chat.completions.stream(**kw) as s:
+    for ev in s:
+        if ev.type == "tool_calls.function.arguments.delta":
+            fragments += 1
+    final = s.get_final_completion()
+got = final.choices[0].message.tool_calls
+assert final.choices[0].finish_reason == "tool_calls", final
+assert [(t.function.name, t.function.arguments) for t in got] == [(t.function.name, t.function.arguments) for t in whole], (got, whole)
+assert fragments > 1, fragments
+out["stream_accumulated"] = {"fragments": fragments, "name": got[0].function.name}
 
 # A named function, one call only.
 r = client.chat.completions.create(

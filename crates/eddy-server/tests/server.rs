@@ -7,7 +7,7 @@ use eddy::sampling::SamplerParams;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::OnceLock;
 
 const CTX: usize = 512;
@@ -21,11 +21,11 @@ fn model_path() -> Option<PathBuf> {
     Some(p)
 }
 
-fn engine(p: &Path) -> Engine {
+fn engine(p: &std::path::Path) -> Engine {
     engine_with(p, true)
 }
 
-fn engine_with(p: &Path, prefix_cache: bool) -> Engine {
+fn engine_with(p: &std::path::Path, prefix_cache: bool) -> Engine {
     let lm = eddy::load::load_gguf(p, &mut |_, _| {}).expect("load model");
     Engine::new(lm, &EngineOptions { threads: 2, ctx: CTX, max_batch: 256, prefix_cache })
 }
@@ -1008,15 +1008,24 @@ mod fuzz {
     }
 }
 
+/// A second server on the test model, speculating with suffix lookup (8 draft tokens per verify pass),
+/// started on first use (None when model tests are skipped).
+fn spec_server() -> Option<SocketAddr> {
+    static ADDR: OnceLock<Option<SocketAddr>> = OnceLock::new();
+    *ADDR.get_or_init(|| {
+        let p = model_path()?;
+        let mut eng = engine(&p);
+        let specs = eddy::spec::build_speculators(eddy::spec::SpeculatorKind::Suffix, None, &eng.lm, eng.ctx()).unwrap();
+        eng.set_speculation(specs, eddy::spec::Budget::Fixed(8));
+        Some(start(eng, eddy_server::ServeOptions::default()))
+    })
+}
+
 /// A server speculating with suffix lookup answers exactly as the plain one, and reports the drafts:
 /// `usage.spec_verify_ct` below the completion tokens, `timings.draft_n(_accepted)`, and /metrics counters.
 #[test]
 fn speculative_server_answers_as_plain_and_reports_drafts() {
-    let Some(p) = model_path() else { return };
-    let mut spec = engine(&p);
-    let specs = eddy::spec::build_speculators(eddy::spec::SpeculatorKind::Suffix, None, &spec.lm, spec.ctx()).unwrap();
-    spec.set_speculation(specs, eddy::spec::Budget::Fixed(8));
-    let spec = start(spec, eddy_server::ServeOptions::default());
+    let Some(spec) = spec_server() else { return };
     let plain = server_or_skip!();
     let text = "one two three four five six seven eight nine ten";
     let msg = format!("Repeat this line three times: {text}");
@@ -1545,11 +1554,7 @@ fn structured_outputs_follow_the_schema() {
 /// mask) gives the tokens of constrained decoding without it, greedy and sampled.
 #[test]
 fn constrained_decoding_with_speculation_is_lossless() {
-    let Some(p) = model_path() else { return };
-    let mut spec = engine(&p);
-    let specs = eddy::spec::build_speculators(eddy::spec::SpeculatorKind::Suffix, None, &spec.lm, spec.ctx()).unwrap();
-    spec.set_speculation(specs, eddy::spec::Budget::Fixed(8));
-    let spec = start(spec, eddy_server::ServeOptions::default());
+    let Some(spec) = spec_server() else { return };
     let plain = server_or_skip!();
     let schema = json!({"type": "object", "properties": {"items": {"type": "array", "items": {"type": "object",
         "properties": {"id": {"type": "integer"}, "label": {"enum": ["red", "green", "blue"]}}, "required": ["id", "label"]},
@@ -1665,10 +1670,18 @@ fn tool_calls_whole_and_streamed_on_qwen() {
     let (text, ev) = streamed(addr, "/v1/chat/completions", sb);
     assert!(text.trim().is_empty(), "{text:?}");
     let deltas: Vec<&Value> = ev.iter().filter_map(|e| e["choices"][0]["delta"].get("tool_calls")).collect();
-    assert!(deltas.len() >= 2, "{ev:?}");
+    // OpenAI's order: index, id, type and name with empty arguments first, then the argument fragments
+    // as they are generated (several for this call), none repeating the id or name.
+    assert!(deltas.len() >= 4, "{ev:?}");
     assert_eq!(deltas[0][0]["index"], 0);
     assert!(deltas[0][0]["id"].as_str().unwrap().starts_with("call_"));
+    assert_eq!(deltas[0][0]["type"], "function");
     assert_eq!(deltas[0][0]["function"]["name"], "add");
+    assert_eq!(deltas[0][0]["function"]["arguments"], "");
+    assert!(
+        deltas[1..].iter().all(|d| d[0]["index"] == 0 && d[0].get("id").is_none() && d[0]["function"].get("name").is_none()),
+        "{deltas:?}"
+    );
     let streamed_args: String = deltas.iter().map(|d| d[0]["function"]["arguments"].as_str().unwrap_or("")).collect();
     assert_eq!(streamed_args, call["function"]["arguments"].as_str().unwrap());
     assert_eq!(ev.iter().rev().find_map(|e| e["choices"][0]["finish_reason"].as_str()), Some("tool_calls"));
@@ -1676,15 +1689,71 @@ fn tool_calls_whole_and_streamed_on_qwen() {
     let history = json!([{"role": "user", "content": "What is 2 + 40? Use the tool."},
         {"role": "assistant", "content": null, "tool_calls": [{"id": call["id"], "type": "function", "function": call["function"]}]},
         {"role": "tool", "tool_call_id": call["id"], "content": "42"}]);
-    let a = post(
-        addr,
-        "/v1/chat/completions",
-        json!({"messages": history, "tools": tools, "tool_choice": "none", "temperature": 0, "max_tokens": 20}),
-    )
-    .json();
+    // (Without tools: with them in the prompt, as tool_choice none keeps them, this 1.5B repeats the call
+    // as text instead of answering.)
+    let a = post(addr, "/v1/chat/completions", json!({"messages": history, "temperature": 0, "max_tokens": 20})).json();
     assert_eq!(a["choices"][0]["finish_reason"], "stop", "{a}");
     assert!(a["choices"][0]["message"]["content"].as_str().is_some_and(|t| !t.trim().is_empty()), "{a}");
     assert!(a["choices"][0]["message"].get("tool_calls").is_none(), "{a}");
     // The call and its result are in the prompt (the template renders them).
     assert!(a["usage"]["prompt_tokens"].as_u64().unwrap() > plain["usage"]["prompt_tokens"].as_u64().unwrap() + 20, "{a}");
+}
+
+/// A long call's arguments stream in many fragments (raw SSE), which add up to the arguments of the same
+/// request answered whole.
+#[test]
+fn long_tool_call_arguments_stream_in_fragments() {
+    let Some(addr) = qwen05_server() else { return };
+    let tools = json!([{"type": "function", "function": {"name": "write_file", "description": "Write a text file.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "text": {"type": "string", "maxLength": 300}},
+        "required": ["path", "text"]}}}]);
+    let body = json!({"messages": [{"role": "user", "content": "Write a four-line poem about the sea into sea.txt."}],
+        "tools": tools, "tool_choice": {"type": "function", "function": {"name": "write_file"}}, "temperature": 0, "max_tokens": 160, "stream": true});
+    let r = post(addr, "/v1/chat/completions", body.clone());
+    assert_eq!(r.status, 200, "{}", r.body);
+    let mut fragments = Vec::new();
+    for e in sse_events(&r.body) {
+        if e == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(&e).unwrap();
+        if let Some(a) = v["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"].as_str() {
+            fragments.push(a.to_string());
+        }
+    }
+    assert_eq!(fragments[0], "", "the first tool-call chunk carries the name, not arguments");
+    assert!(fragments.len() > 10, "{} fragments: {fragments:?}", fragments.len());
+    let mut whole = body.clone();
+    whole["stream"] = json!(false);
+    let w = post(addr, "/v1/chat/completions", whole).json();
+    let args = w["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"].as_str().unwrap_or_else(|| panic!("{w}"));
+    assert_eq!(fragments.concat(), args);
+    let v: Value = serde_json::from_str(args).unwrap();
+    assert!(v["text"].as_str().unwrap().len() >= 40, "{v}");
+}
+
+/// tool_choice "none": the tools still reach the prompt (the model knows them and answers in text), and
+/// the reply never carries tool_calls, whole or streamed.
+#[test]
+fn tool_choice_none_keeps_the_tools_in_the_prompt() {
+    let Some(addr) = qwen05_server() else { return };
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+    let msgs = json!([{"role": "user", "content": "What is the weather in Paris?"}]);
+    let plain = post(addr, "/v1/chat/completions", json!({"messages": msgs, "max_tokens": 1})).json();
+    let auto = post(addr, "/v1/chat/completions", json!({"messages": msgs, "tools": tools, "max_tokens": 1})).json();
+    let body = json!({"messages": msgs, "tools": tools, "tool_choice": "none", "temperature": 0, "max_tokens": 40});
+    let none = post(addr, "/v1/chat/completions", body.clone()).json();
+    let n = none["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(n > plain["usage"]["prompt_tokens"].as_u64().unwrap() + 20, "tools not in the prompt: {none}");
+    assert_eq!(n, auto["usage"]["prompt_tokens"].as_u64().unwrap(), "{none}");
+    let c = &none["choices"][0];
+    assert!(c["message"].get("tool_calls").is_none(), "{none}");
+    assert_ne!(c["finish_reason"], "tool_calls");
+    assert!(c["message"]["content"].as_str().is_some_and(|t| !t.is_empty()), "{none}");
+    let mut sb = body;
+    sb["stream"] = json!(true);
+    let (text, ev) = streamed(addr, "/v1/chat/completions", sb);
+    assert!(ev.iter().all(|e| e["choices"][0]["delta"].get("tool_calls").is_none()), "{ev:?}");
+    assert_eq!(text, c["message"]["content"].as_str().unwrap());
 }
