@@ -5,7 +5,7 @@
 #   tools/dflash/train_stage.sh REPO PROMPTS_DIR INIT_DRAFTER DRAFT_VOCAB [PIECE_BYTES]
 #
 #   p00        gen.py, train.py, train_pipeline.sh, collect_train.sh, the gguf wheel, the training prompts,
-#              the ids of the prompts already answered (tools/dflash/data/1.5b-regen.jsonl.gz), the draft
+#              the committed responses (tools/dflash/data/1.5b-*.jsonl.gz) and their prompt ids, the draft
 #              vocabulary, the starting drafter (config.json; its weights start the piece stream)
 #   p01 .. pN  the rest of the starting drafter's model.safetensors, then the 1.5B GGUF
 # Device calls, back to back (the machine is given back 30 s after a call):
@@ -29,14 +29,16 @@ echo "checkout $tree bytes; pieces of $piece bytes"
 cp "$HERE"/gen.py "$HERE"/train.py "$HERE"/train_pipeline.sh "$HERE"/collect_train.sh "$D/p00/"
 cp "$DEV"/wheels/gguf-*.whl "$D/p00/"
 gzip -c "$PROMPTS/prompts_train.jsonl" > "$D/p00/prompts_train.jsonl.gz"
-zcat "$HERE/data/1.5b-regen.jsonl.gz" | python3 -c 'import json,sys; [print(json.loads(l)["id"]) for l in sys.stdin]' > "$D/p00/used_ids.txt"
+# every committed set of regenerated responses (tools/dflash/data/1.5b-*.jsonl.gz) travels; gen.py answers
+# the prompts none of them answered first
+zcat "$HERE"/data/1.5b-*.jsonl.gz | python3 -c 'import json,sys; [print(json.loads(l)["id"]) for l in sys.stdin]' > "$D/p00/used_ids.txt"
 python3 - "$HERE/heldout_1.5b.json" "$D/p00/heldout.jsonl" <<'PY'
 import json, sys
 with open(sys.argv[2], "w") as f:
     for r in json.load(open(sys.argv[1])):
         f.write(json.dumps(r, separators=(",", ":")) + "\n")
 PY
-cp "$HERE/data/1.5b-regen.jsonl.gz" "$D/p00/"
+mkdir -p "$D/p00/data" && cp "$HERE"/data/1.5b-*.jsonl.gz "$D/p00/data/"
 cp "$VOCAB" "$D/p00/draft_vocab.json"
 cp "$INIT/config.json" "$D/p00/init-config.json"
 cat > "$D/p00/join.sh" <<'J'
