@@ -728,13 +728,16 @@ def main():
         pred_t, lab = readout.tokens(pred).view(-1, BLOCK - 1), labels.view(-1, BLOCK - 1)
         acc = accept_stats(pred_t, lab)
         has1 = lab[:, 0] != -100
-        win.append((loss.item(), (1 + acc.float().mean().item()) if acc.numel() else float("nan"),
-                    (pred_t[:, 0] == lab[:, 0])[has1].float().mean().item(), len(seqs), acc.numel()))
-        if args.device.startswith("cuda"):
-            torch.cuda.synchronize()
+        # kept on the device (no per-step synchronisation: the host builds the next batch while the GPU
+        # runs this one); read back every 25 steps
+        hit1 = ((pred_t[:, 0] == lab[:, 0]) & has1).sum() / has1.sum()
+        tau_t = (1 + acc.float().mean()) if acc.numel() else torch.tensor(float("nan"))
+        win.append((loss.detach(), tau_t, hit1, len(seqs), acc.numel()))
         trained_s += time.time() - t0
         if step % 25 == 0 or step == 1:
-            l, tau, a1 = (sum(x[i] for x in win) / len(win) for i in range(3))
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            l, tau, a1 = (sum(float(x[i]) for x in win) / len(win) for i in range(3))
             history.append({"step": step, "s": round(trained_s, 1), "wall": round(time.time() - t_train0, 1),
                             "loss": round(l, 4), "train_tau": round(tau, 3), "acc1": round(a1, 4), "lr": lr,
                             "seqs": len(data.seqs)})

@@ -26,17 +26,21 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 mkdir -p $W/init && cp $S/init-model.safetensors $W/init/model.safetensors && cp $S/init-config.json $W/init/config.json
 gunzip -c $S/prompts_train.jsonl.gz > $W/prompts_train.jsonl
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-python3 $S/gen.py --gguf $GGUF --prompts $W/prompts_train.jsonl --skip-ids $S/used_ids.txt --out $W/gen.jsonl \
-  --seconds "$GEN_S" --stop-file $W/genstop > $W/gen.log 2>&1 &
-GEN=$!
 DATA=$(ls $S/data/*.jsonl.gz | paste -sd, -)
-python3 $S/train.py --gguf $GGUF --data "$DATA,$W/gen.jsonl" --heldout $S/heldout.jsonl \
+GEN=
+if [ "$GEN_S" -gt 0 ]; then  # GEN_S=0: train on the committed responses alone
+  python3 $S/gen.py --gguf $GGUF --prompts $W/prompts_train.jsonl --skip-ids $S/used_ids.txt --out $W/gen.jsonl \
+    --seconds "$GEN_S" --stop-file $W/genstop > $W/gen.log 2>&1 &
+  GEN=$!
+  DATA="$DATA,$W/gen.jsonl"
+fi
+python3 $S/${TRAIN_PY:-train.py} --gguf $GGUF --data "$DATA" --heldout $S/heldout.jsonl \
   --out $W/out --intermediate-size 4096 --init-from $W/init --draft-vocab $S/draft_vocab.json --eval-first \
-  --train-seconds "$TRAIN_S" --export-every "$EXPORT_S" --schedule wsd --decay-frac 0.35 --min-lr 0.05 \
+  --train-seconds "$TRAIN_S" --export-every "$EXPORT_S" --schedule wsd --decay-frac "${DECAY:-0.35}" --min-lr 0.05 \
   --lr "$LR" --warmup "$WARMUP" --anchors 512 --token-budget 16384 --block-budget 6144 --max-batch 48 \
   --chunk-rows 16384 --halt-file $W/halt > $W/train.log 2>&1
 echo "[$(date +%T)] train exit $?"
 touch $W/genstop
-wait $GEN
+[ -z "$GEN" ] || wait $GEN
 bash $S/collect_train.sh
 echo "[$(date +%T)] pipeline done"
