@@ -89,21 +89,42 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, c["rms_norm_eps"])
         self.k_norm = RMSNorm(hd, c["rms_norm_eps"])
 
-    def forward(self, x, ctx, rope_q, rope_k, mask):
+    def forward(self, x, ctx, rope_q, rope_k, ctx_mask):
+        """x [B, Q, H] block rows (Q = A blocks x 16), ctx [B, T, H]; ctx_mask [B, Q, T] bool, True where a
+        block row may see a context key. Every row also sees the 16 rows of its own block (non-causal).
+
+        The softmax runs over [context keys ; own block's keys] only (never the other blocks' rows), in
+        float32: scores of the two parts are concatenated before the softmax, so this equals attention over
+        [ctx ; all block rows] with the block-diagonal mask, at a fraction of the cost."""
         B, Q, _ = x.shape
         T = ctx.shape[1]
-        q = self.q_norm(self.q_proj(x).view(B, Q, self.nh, self.hd)).transpose(1, 2)
-        k = torch.cat([self.k_proj(ctx), self.k_proj(x)], dim=1).view(B, T + Q, self.nkv, self.hd)
+        A = Q // BLOCK
+        nkv, rep, hd = self.nkv, self.nh // self.nkv, self.hd
+        q = self.q_norm(self.q_proj(x).view(B, Q, self.nh, hd)).transpose(1, 2)
+        k = torch.cat([self.k_proj(ctx), self.k_proj(x)], dim=1).view(B, T + Q, nkv, hd)
         k = self.k_norm(k).transpose(1, 2)
-        v = torch.cat([self.v_proj(ctx), self.v_proj(x)], dim=1).view(B, T + Q, self.nkv, self.hd)
+        v = torch.cat([self.v_proj(ctx), self.v_proj(x)], dim=1).view(B, T + Q, nkv, hd)
         v = v.transpose(1, 2)
         q = apply_rope(q, *rope_q)
         k = apply_rope(k, *rope_k)
-        rep = self.nh // self.nkv
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-        a = F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, attn_mask=mask)
-        return self.o_proj(a.transpose(1, 2).reshape(B, Q, self.nh * self.hd))
+        dt = v.dtype
+        q, k = q.to(dt), k.to(dt)
+        qg = q.reshape(B, nkv, rep * Q, hd) * (1.0 / math.sqrt(hd))  # head h uses KV head h // rep
+        kc, kb = k[:, :, :T], k[:, :, T:]
+        vc, vb = v[:, :, :T], v[:, :, T:]
+        sdt = torch.promote_types(dt, torch.float32)  # softmax precision: float32 (float64 in the checks)
+        s_c = (qg @ kc.transpose(-1, -2)).to(sdt).view(B, nkv, rep, Q, T)
+        s_c.masked_fill_(~ctx_mask[:, None, None], -float("inf"))  # s_c is saved by nothing: in place
+        qb = qg.view(B, nkv, rep, A, BLOCK, hd)
+        s_b = torch.einsum("bgrasd,bgatd->bgrast", qb, kb.reshape(B, nkv, A, BLOCK, hd)).to(sdt)
+        s = torch.cat([s_c, s_b.reshape(B, nkv, rep, Q, BLOCK)], dim=-1)
+        del s_c
+        p = torch.softmax(s, dim=-1).to(dt)
+        o = (p[..., :T].reshape(B, nkv, rep * Q, T) @ vc).view(B, nkv, rep, Q, hd)
+        o = o + torch.einsum("bgrast,bgatd->bgrasd", p[..., T:].reshape(B, nkv, rep, A, BLOCK, BLOCK),
+                             vb.reshape(B, nkv, A, BLOCK, hd)).reshape(B, nkv, rep, Q, hd)
+        o = o.reshape(B, self.nh, Q, hd).transpose(1, 2).reshape(B, Q, self.nh * hd)
+        return self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -126,8 +147,8 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
         self.mlp = MLP(c)
 
-    def forward(self, h, ctx, rope_q, rope_k, mask):
-        h = h + self.self_attn(self.input_layernorm(h), ctx, rope_q, rope_k, mask)
+    def forward(self, h, ctx, rope_q, rope_k, ctx_mask):
+        h = h + self.self_attn(self.input_layernorm(h), ctx, rope_q, rope_k, ctx_mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -146,10 +167,11 @@ class DFlashDrafter(nn.Module):
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, feats, block_emb, block_pos, mask):
+    def forward(self, feats, block_emb, block_pos, ctx_mask):
         """feats [B, T, n_sel*H] target features of the context tokens (positions 0..T-1);
-        block_emb [B, Q, H] embeddings of the blocks' tokens; block_pos [B, Q] their absolute positions;
-        mask [B, 1, Q, T+Q] bool, True where a block row may attend to a key. Returns norm(h) [B, Q, H]."""
+        block_emb [B, Q, H] embeddings of the blocks' tokens (Q = A x 16); block_pos [B, Q] their absolute
+        positions; ctx_mask [B, Q, T] bool, True where a block row may see a context token (those strictly
+        before its anchor). Returns norm(h) [B, Q, H]."""
         B, T, _ = feats.shape
         ctx = self.hidden_norm(self.fc(feats))
         hd, theta = self.c["head_dim"], self.c["rope_theta"]
@@ -158,7 +180,7 @@ class DFlashDrafter(nn.Module):
         rope_k = rope_cos_sin(torch.cat([ctx_pos, block_pos], dim=1), hd, theta)
         h = block_emb
         for layer in self.layers:
-            h = layer(h, ctx, rope_q, rope_k, mask)
+            h = layer(h, ctx, rope_q, rope_k, ctx_mask)
         return self.norm(h)
 
 
@@ -224,54 +246,73 @@ def log(msg):
 
 
 class GrowingData:
-    """Sequences from a JSONL file that another process appends to (complete lines only)."""
+    """Sequences from JSONL files (gzip when the name ends in .gz) that other processes may still append to
+    (complete lines only)."""
 
-    def __init__(self, path, max_len):
-        self.path, self.max_len = path, max_len
-        self.offset = 0
+    def __init__(self, paths, max_len):
+        self.paths, self.max_len = paths, max_len
+        self.offsets = {p: 0 for p in paths}
         self.seqs = []  # (ids list, prompt_len)
         self.token_counts = {}
+        self.order = []
 
-    def refresh(self):
-        if not os.path.exists(self.path):
-            return 0
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            chunk = f.read()
-        end = chunk.rfind(b"\n")
-        if end < 0:
-            return 0
-        self.offset += end + 1
+    def refresh(self, rng=None):
         n = 0
-        for line in chunk[: end + 1].splitlines():
-            try:
-                o = json.loads(line)
-            except json.JSONDecodeError:
+        for path in self.paths:
+            if not os.path.exists(path):
                 continue
-            p, r = o["prompt_ids"], o["response_ids"]
-            for t in r:
-                self.token_counts[t] = self.token_counts.get(t, 0) + 1
-            if len(r) < 4:
-                continue
-            ids = (p + r)[: self.max_len]
-            if len(ids) - len(p) < 4:
-                continue
-            self.seqs.append((ids, len(p)))
-            n += 1
+            if path.endswith(".gz"):
+                if self.offsets[path]:
+                    continue
+                import gzip
+                with gzip.open(path, "rb") as f:
+                    chunk = f.read()
+                self.offsets[path] = 1
+            else:
+                with open(path, "rb") as f:
+                    f.seek(self.offsets[path])
+                    chunk = f.read()
+                end = chunk.rfind(b"\n")
+                if end < 0:
+                    continue
+                chunk = chunk[: end + 1]
+                self.offsets[path] += end + 1
+            for line in chunk.splitlines():
+                try:
+                    o = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                p, r = o["prompt_ids"], o["response_ids"]
+                for t in r:
+                    self.token_counts[t] = self.token_counts.get(t, 0) + 1
+                if len(r) < 4:
+                    continue
+                ids = (p + r)[: self.max_len]
+                if len(ids) - len(p) < 4:
+                    continue
+                self.seqs.append((ids, len(p)))
+                n += 1
+        if n or not self.order:
+            r = rng or random.Random(0)
+            # similar lengths side by side (jittered, so that batches differ between refreshes)
+            self.order = sorted(range(len(self.seqs)), key=lambda i: len(self.seqs[i][0]) + r.random() * 96)
         return n
 
-    def batch(self, rng, token_budget, max_batch):
-        """Sequences of similar length whose padded size fits the token budget."""
-        order = sorted(range(len(self.seqs)), key=lambda i: len(self.seqs[i][0]) + rng.random() * 96)
+    def batch(self, rng, token_budget, max_batch, block_budget, anchors):
+        """Consecutive sequences of similar length from a random start, while the padded size fits the
+        token budget and their anchors (min(response - 1, anchors) each) the block budget."""
+        order = self.order
         start = rng.randrange(len(order))
-        picked, longest = [], 0
+        picked, longest, blocks = [], 0, 0
         for j in range(start, start + len(order)):
             i = order[j % len(order)]
-            L = len(self.seqs[i][0])
-            if picked and (max(longest, L) * (len(picked) + 1) > token_budget or len(picked) >= max_batch):
+            ids, pl = self.seqs[i]
+            L, nb = len(ids), min(len(ids) - pl - 1, anchors)
+            if picked and (max(longest, L) * (len(picked) + 1) > token_budget or len(picked) >= max_batch
+                           or blocks + nb > block_budget):
                 break
             picked.append(i)
-            longest = max(longest, L)
+            longest, blocks = max(longest, L), blocks + nb
         return [self.seqs[i] for i in picked]
 
 
@@ -286,7 +327,7 @@ def load_jsonl(path):
 
 def make_blocks(seqs, anchors_per_seq, mask_id, rng, device, all_anchors=False, pad_id=0):
     """Pack sequences and their anchors. Returns ids [B,T], block_ids [B,A*16], block_pos [B,A*16],
-    labels [B,A,15] (-100 = none), mask [B,1,A*16,T+A*16] bool."""
+    labels [B,A,15] (-100 = none), ctx_mask [B,A*16,T] bool (context tokens strictly before the anchor)."""
     B = len(seqs)
     T = -(-max(len(s[0]) for s in seqs) // 16) * 16  # a multiple of 16 keeps the fused attention kernels
     anchors = []
@@ -320,14 +361,10 @@ def make_blocks(seqs, anchors_per_seq, mask_id, rng, device, all_anchors=False, 
     block_pos = apos[:, :, None] + torch.arange(BLOCK)[None, None]
     ids_t, block_ids, block_pos, labels = (x.to(device) for x in (ids_t, block_ids, block_pos, labels))
     apos, valid = apos.to(device), valid.to(device)
-    Q = A * BLOCK
     # context keys strictly before the anchor (an invalid anchor has anchor 0: it sees only its own block)
     q_anchor = (apos * valid).repeat_interleave(BLOCK, dim=1)  # [B, Q]
-    m_ctx = torch.arange(T, device=device)[None, None, :] < q_anchor[:, :, None]  # [B, Q, T]
-    blk = torch.arange(Q, device=device) // BLOCK
-    m_blk = (blk[:, None] == blk[None, :])[None].expand(B, Q, Q)
-    mask = torch.cat([m_ctx, m_blk], dim=-1)[:, None]
-    return ids_t, block_ids.view(B, Q), block_pos.view(B, Q), labels, mask
+    ctx_mask = torch.arange(T, device=device)[None, None, :] < q_anchor[:, :, None]  # [B, Q, T]
+    return ids_t, block_ids.view(B, A * BLOCK), block_pos.view(B, A * BLOCK), labels, ctx_mask
 
 
 def chunked_ce(h, w_head, labels, weights, chunk_rows):
@@ -352,14 +389,41 @@ def chunked_ce(h, w_head, labels, weights, chunk_rows):
     return tot, torch.cat(preds)
 
 
+class Readout:
+    """The LM-head rows the drafter is trained and measured with: the target's whole head, or only the rows
+    of a reduced draft vocabulary (`draft_vocab.json`, as eddy reads it at inference). `to_rows` maps a
+    token id to its row (-100 outside: such labels carry no loss and always count as a miss), `ids` maps a
+    row back to its token id."""
+
+    def __init__(self, w_full, vocab_ids=None):
+        V = w_full.shape[0]
+        if vocab_ids is None:
+            self.w, self.ids, self.to_rows = w_full, None, None
+            return
+        ids = torch.tensor(vocab_ids, dtype=torch.long, device=w_full.device)
+        if ids.numel() == 0 or ids.min() < 0 or ids.max() >= V or ids.unique().numel() != ids.numel():
+            raise SystemExit(f"draft vocabulary: {ids.numel()} ids, must be distinct and in [0, {V})")
+        self.w, self.ids = w_full[ids].contiguous(), ids
+        self.to_rows = torch.full((V,), -100, dtype=torch.long, device=w_full.device)
+        self.to_rows[ids] = torch.arange(ids.numel(), device=w_full.device)
+
+    def rows(self, labels):
+        if self.to_rows is None:
+            return labels
+        return torch.where(labels >= 0, self.to_rows[labels.clamp(min=0)], labels)
+
+    def tokens(self, rows):
+        return rows if self.ids is None else self.ids[rows]
+
+
 def run_blocks(drafter, target, seqs, args, rng, all_anchors=False, anchors=None):
-    ids, block_ids, block_pos, labels, mask = make_blocks(
+    ids, block_ids, block_pos, labels, ctx_mask = make_blocks(
         seqs, anchors or args.anchors, args.mask_id, rng, args.device, all_anchors=all_anchors)
     feats = target.features(ids)
     with torch.no_grad():
         emb = target.embed(block_ids)
     with torch.autocast("cuda" if args.device.startswith("cuda") else "cpu", dtype=torch.bfloat16):
-        out = drafter(feats, emb, block_pos, mask)
+        out = drafter(feats, emb, block_pos, ctx_mask)
     B, Q, H = out.shape
     h = out.view(B, Q // BLOCK, BLOCK, H)[:, :, 1:].reshape(-1, H).to(torch.bfloat16)
     return h, labels.reshape(-1)
@@ -374,32 +438,35 @@ def accept_stats(pred, labels):
 
 
 @torch.no_grad()
-def evaluate(drafter, target, heldout, args):
-    """Offline acceptance on held-out sequences: tau and per-depth acceptance, overall and per source."""
+def evaluate(drafter, target, heldout, args, readouts):
+    """Offline acceptance on held-out sequences, for each readout in `readouts` ({name: Readout}): tau and
+    per-depth acceptance, overall and per source."""
     drafter.eval()
     rng = random.Random(0)
-    by_src = {}
+    by = {name: {} for name in readouts}
     for i in range(0, len(heldout), args.eval_batch):
         grp = heldout[i: i + args.eval_batch]
         seqs = [(s["prompt_ids"] + s["response_ids"], len(s["prompt_ids"])) for s in grp]
         # one forward per sequence group; anchors limited to keep the block rows bounded
         h, labels = run_blocks(drafter, target, seqs, args, rng, all_anchors=True, anchors=args.eval_anchors)
-        _, pred = chunked_ce(h, target.lm_head_w, labels, torch.ones_like(labels, dtype=torch.float32),
-                             args.chunk_rows)
         B = len(seqs)
-        pred, labels = pred.view(B, -1, BLOCK - 1), labels.view(B, -1, BLOCK - 1)
-        for b, s in enumerate(grp):
-            acc = accept_stats(pred[b], labels[b])
-            by_src.setdefault(s.get("src", "all"), []).append(acc.cpu())
+        for name, ro in readouts.items():
+            rl = ro.rows(labels)
+            _, pred = chunked_ce(h, ro.w, rl, torch.ones_like(rl, dtype=torch.float32), args.chunk_rows)
+            pred, lab = ro.tokens(pred).view(B, -1, BLOCK - 1), labels.view(B, -1, BLOCK - 1)
+            for b, s in enumerate(grp):
+                by[name].setdefault(s.get("src", "all"), []).append(accept_stats(pred[b], lab[b]).cpu())
     drafter.train()
-    res = {}
-    allacc = []
-    for src, accs in sorted(by_src.items()):
-        a = torch.cat(accs)
-        allacc.append(a)
-        res[src] = summarize(a)
-    res["all"] = summarize(torch.cat(allacc)) if allacc else {}
-    return res
+    out = {}
+    for name, by_src in by.items():
+        res, allacc = {}, []
+        for src, accs in sorted(by_src.items()):
+            a = torch.cat(accs)
+            allacc.append(a)
+            res[src] = summarize(a)
+        res["all"] = summarize(torch.cat(allacc)) if allacc else {}
+        out[name] = res
+    return out
 
 
 def summarize(a):
@@ -478,28 +545,40 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf")
     ap.add_argument("--hf-dir")
-    ap.add_argument("--data", required=True)
+    ap.add_argument("--data", required=True, help="comma-separated JSONL files (.gz: read once; others may "
+                    "still grow)")
     ap.add_argument("--heldout")
     ap.add_argument("--out", required=True, help="folder: hf/ (the drafter), ckpt.pt, metrics.json")
     ap.add_argument("--layer-ids", default="", help="comma list; default: 5 spread from 1 to L-3")
     ap.add_argument("--draft-layers", type=int, default=1)
     ap.add_argument("--intermediate-size", type=int, default=0, help="default: the target's")
     ap.add_argument("--mask-id", type=int, default=151669)
-    ap.add_argument("--train-seconds", type=float, default=600)
+    ap.add_argument("--draft-vocab", default="", help="JSON array of token ids: train and measure the readout "
+                    "over these LM-head rows only (as eddy drafts with draft_vocab.json); exported as is")
+    ap.add_argument("--train-seconds", type=float, default=600, help="wall-clock budget of the training loop "
+                    "(periodic evaluations and exports included); the lr schedule runs over it")
     ap.add_argument("--max-steps", type=int, default=0)
     ap.add_argument("--min-seqs", type=int, default=256, help="wait for this many sequences before training")
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--schedule", choices=("cosine", "wsd"), default="cosine",
+                    help="cosine: to --min-lr over the budget; wsd: constant, then cosine to --min-lr over the "
+                    "last --decay-frac of the budget")
+    ap.add_argument("--decay-frac", type=float, default=0.3)
+    ap.add_argument("--min-lr", type=float, default=0.1, help="final lr as a fraction of --lr")
     ap.add_argument("--gamma", type=float, default=7.0)
-    ap.add_argument("--anchors", type=int, default=128)
-    ap.add_argument("--token-budget", type=int, default=32768)
+    ap.add_argument("--anchors", type=int, default=128, help="random anchors per sequence (at most)")
+    ap.add_argument("--token-budget", type=int, default=32768, help="padded target tokens per step")
+    ap.add_argument("--block-budget", type=int, default=1 << 30, help="blocks (anchors) per step")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=1280)
     ap.add_argument("--chunk-rows", type=int, default=8192)
     ap.add_argument("--export-every", type=float, default=240, help="seconds between exports")
     ap.add_argument("--eval-batch", type=int, default=4)
     ap.add_argument("--eval-anchors", type=int, default=256)
+    ap.add_argument("--eval-first", action="store_true", help="measure the starting drafter before training")
     ap.add_argument("--stop-file", default="", help="created when training ends (tells regen to stop)")
+    ap.add_argument("--halt-file", default="", help="training stops (and exports) once this file exists")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt (weights, optimizer, "
                     "step, trained seconds)")
     ap.add_argument("--init-from", default="", help="start from an exported drafter folder (its config must "
@@ -527,6 +606,16 @@ def main():
     nparam = sum(p.numel() for p in drafter.parameters())
     log(f"drafter: {args.draft_layers} layer(s), target layers {probe_ids}, intermediate "
         f"{args.intermediate_size}, {nparam / 1e6:.1f} M parameters")
+    vocab_ids = None
+    if args.draft_vocab:
+        with open(args.draft_vocab) as f:
+            vocab_ids = json.load(f)
+        if isinstance(vocab_ids, dict):
+            vocab_ids = vocab_ids["token_ids"]
+    readout = Readout(target.lm_head_w, vocab_ids)
+    readouts = {"draft": readout, "full": Readout(target.lm_head_w)} if vocab_ids else {"full": readout}
+    if vocab_ids:
+        log(f"readout: {len(vocab_ids)} draft-vocabulary rows of the LM head")
 
     if args.init_from:
         from safetensors.torch import load_file
@@ -552,9 +641,20 @@ def main():
         log(f"resumed at step {step} ({trained_s:.0f} s trained)")
 
     heldout = load_jsonl(args.heldout) if args.heldout and os.path.exists(args.heldout) else []
-    data = GrowingData(args.data, args.max_len)
+
+    def eval_line(ev):
+        return "; ".join(f"{name}: tau {r.get('all', {}).get('tau', float('nan')):.3f} (" +
+                         " ".join(f"{k}={v.get('tau', 0):.3f}" for k, v in r.items() if k != "all") + ")"
+                         for name, r in ev.items())
+
+    eval_initial = {}
+    if args.eval_first and heldout:
+        eval_initial = evaluate(drafter, target, heldout, args, readouts)
+        log(f"starting drafter on the held-out set: {eval_line(eval_initial)}")
+
+    data = GrowingData([p for p in args.data.split(",") if p], args.max_len)
     while True:
-        data.refresh()
+        data.refresh(rng)
         if len(data.seqs) >= args.min_seqs:
             break
         log(f"waiting for data: {len(data.seqs)} sequences")
@@ -567,70 +667,90 @@ def main():
     def lr_at(step, frac):
         if step < args.warmup:
             return args.lr * (step + 1) / args.warmup
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+        frac = min(1.0, frac)
+        if args.schedule == "wsd":
+            d0 = 1.0 - args.decay_frac
+            if frac < d0:
+                return args.lr
+            frac = (frac - d0) / max(args.decay_frac, 1e-9)
+        return args.lr * (args.min_lr + (1 - args.min_lr) * 0.5 * (1 + math.cos(math.pi * frac)))
 
     def save_all(final):
         nonlocal heldout
         if args.heldout and os.path.exists(args.heldout):
             heldout = load_jsonl(args.heldout)
-        ev = evaluate(drafter, target, heldout, args) if heldout else {}
+        ev = evaluate(drafter, target, heldout, args, readouts) if heldout else {}
+        main_ev = ev.get("draft", ev.get("full", {}))
         metrics = {"step": step, "trained_s": round(trained_s, 1), "sequences": len(data.seqs),
-                   "tokens_seen_responses": sum(data.token_counts.values()), "eval": ev,
+                   "tokens_seen_responses": sum(data.token_counts.values()), "eval": main_ev,
+                   "eval_readouts": ev, "eval_initial": eval_initial,
                    "history": history, "params": nparam, "args": vars(args)}
         torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "step": step,
                     "trained_s": trained_s, "history": history}, ckpt_path + ".tmp")
         os.replace(ckpt_path + ".tmp", ckpt_path)
-        vocab = sorted(data.token_counts, key=lambda t: -data.token_counts[t])[:32768]
+        if vocab_ids is not None:
+            vocab = vocab_ids
+        else:
+            vocab = sorted(data.token_counts, key=lambda t: -data.token_counts[t])[:32768]
         export(drafter, os.path.join(args.out, "hf"), {"metrics.json": metrics, "draft_vocab.json": vocab})
-        e = ev.get("all", {})
-        log(f"export at step {step}{' (final)' if final else ''}: held-out tau {e.get('tau', float('nan')):.3f} "
-            f"over {e.get('anchors', 0)} anchors; " +
-            " ".join(f"{k}={v.get('tau', 0):.3f}" for k, v in ev.items() if k != "all"))
+        log(f"export at step {step}{' (final)' if final else ''}: {eval_line(ev)}")
 
+    t_train0 = time.time()
     t_last_export = time.time()
     t_last_refresh = time.time()
     win = []
     drafter.train()
     while not stop["now"]:
-        if (args.max_steps and step >= args.max_steps) or trained_s >= args.train_seconds:
+        elapsed = time.time() - t_train0
+        if (args.max_steps and step >= args.max_steps) or elapsed >= args.train_seconds:
+            break
+        if args.halt_file and os.path.exists(args.halt_file):
+            log("halt file found")
             break
         t0 = time.time()
         if t0 - t_last_refresh > 20:
-            data.refresh()
+            data.refresh(rng)
             t_last_refresh = t0
-        seqs = data.batch(rng, args.token_budget, args.max_batch)
-        lr = lr_at(step, trained_s / args.train_seconds)
+        seqs = data.batch(rng, args.token_budget, args.max_batch, args.block_budget, args.anchors)
+        lr = lr_at(step, elapsed / args.train_seconds)
         for g in opt.param_groups:
             g["lr"] = lr
         h, labels = run_blocks(drafter, target, seqs, args, rng)
-        weights = w.repeat(labels.numel() // (BLOCK - 1)) * (labels != -100)
-        tot, pred = chunked_ce(h, target.lm_head_w, labels, weights, args.chunk_rows)
+        rows = readout.rows(labels)
+        weights = w.repeat(labels.numel() // (BLOCK - 1)) * (rows != -100)
+        tot, pred = chunked_ce(h, readout.w, rows, weights, args.chunk_rows)
         loss = tot / weights.sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
         step += 1
-        acc = accept_stats(pred.view(-1, BLOCK - 1), labels.view(-1, BLOCK - 1))
-        win.append((loss.item(), (1 + acc.float().mean().item()) if acc.numel() else float("nan"),
-                    (pred.view(-1, BLOCK - 1)[:, 0] == labels.view(-1, BLOCK - 1)[:, 0]).float().mean().item()))
-        if args.device.startswith("cuda"):
-            torch.cuda.synchronize()
+        pred_t, lab = readout.tokens(pred).view(-1, BLOCK - 1), labels.view(-1, BLOCK - 1)
+        acc = accept_stats(pred_t, lab)
+        has1 = lab[:, 0] != -100
+        # kept on the device (no per-step synchronisation: the host builds the next batch while the GPU
+        # runs this one); read back every 25 steps
+        hit1 = ((pred_t[:, 0] == lab[:, 0]) & has1).sum() / has1.sum()
+        tau_t = (1 + acc.float().mean()) if acc.numel() else torch.tensor(float("nan"))
+        win.append((loss.detach(), tau_t, hit1, len(seqs), acc.numel()))
         trained_s += time.time() - t0
         if step % 25 == 0 or step == 1:
-            l, tau, a1 = (sum(x[i] for x in win) / len(win) for i in range(3))
-            history.append({"step": step, "s": round(trained_s, 1), "loss": round(l, 4),
-                            "train_tau": round(tau, 3), "acc1": round(a1, 4), "lr": lr,
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            l, tau, a1 = (sum(float(x[i]) for x in win) / len(win) for i in range(3))
+            history.append({"step": step, "s": round(trained_s, 1), "wall": round(time.time() - t_train0, 1),
+                            "loss": round(l, 4), "train_tau": round(tau, 3), "acc1": round(a1, 4), "lr": lr,
                             "seqs": len(data.seqs)})
             log(f"step {step} {trained_s:.0f}s loss {l:.4f} train-tau {tau:.3f} acc@1 {a1:.3f} lr {lr:.2e} "
-                f"gn {gn.item():.2f} batch {len(seqs)}x{max(len(s[0]) for s in seqs)} data {len(data.seqs)}")
+                f"gn {gn.item():.2f} batch {len(seqs)}x{max(len(s[0]) for s in seqs)} "
+                f"anchors {sum(x[4] for x in win) // len(win)} data {len(data.seqs)}")
             win = []
         if time.time() - t_last_export > args.export_every:
             save_all(False)
             t_last_export = time.time()
     if args.stop_file:
         open(args.stop_file, "w").close()
-    data.refresh()
+    data.refresh(rng)
     save_all(True)
     log("done")
 
