@@ -53,7 +53,7 @@ enum Kind {
 }
 /// Every bits × scales combination the imports produce (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 /// and the `--quant` formats), plus a few more the format allows.
-const KINDS: [Kind; 14] = [
+const KINDS: [Kind; 18] = [
     Kind::Q(4, 32, Sc::F16Implicit),
     Kind::Q(4, 32, Sc::F16Min),
     Kind::Q(4, 32, Sc::SuperMin),
@@ -66,6 +66,11 @@ const KINDS: [Kind; 14] = [
     Kind::Q(8, 32, Sc::SuperImplicit),
     Kind::Q(4, 16, Sc::SuperImplicit),
     Kind::Q(5, 16, Sc::F16Implicit),
+    // eddy's M and L formats (`quant::rtn`): groups of 64 and 128.
+    Kind::Q(4, 64, Sc::F16Min),
+    Kind::Q(4, 128, Sc::F16Min),
+    Kind::Q(8, 64, Sc::F16Implicit),
+    Kind::Q(8, 128, Sc::F16Implicit),
     Kind::F32,
     Kind::Bf16,
 ];
@@ -74,6 +79,7 @@ const KINDS: [Kind; 14] = [
 fn cols_for(kind: Kind, cols: usize) -> usize {
     match kind {
         Kind::Q(_, _, Sc::SuperMin | Sc::SuperImplicit) => cols.next_multiple_of(256),
+        Kind::Q(_, group, _) => cols.next_multiple_of(group),
         _ => cols,
     }
 }
@@ -106,6 +112,7 @@ fn rand_weights(kind: Kind, rows: usize, cols: usize, rng: &mut Rng) -> WeightMa
                 hi: (0..n / QK * 4 * planes).map(|_| rng.next() as u8).collect(),
                 scales,
                 packed: None,
+                rotation: Default::default(),
             })
         }
         Kind::F32 => WeightMatrix::F32 { rows, cols, data: (0..rows * cols).map(|_| rng.nz(0.001, 0.1)).collect() },
