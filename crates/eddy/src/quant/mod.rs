@@ -435,11 +435,39 @@ impl WeightMatrix {
             WeightMatrix::Q(m) => m.nbytes(),
         }
     }
-    /// Dequantize row `r` into `out` (`cols` values). Used for embedding lookup and as the reference.
+    /// Row `r` of the matrix the weights stand for, into `out` (`cols` values): the embedding lookup and
+    /// the reference. For a rotated [`QMatrix`] ([`QMatrix::rotation`]) that is a row of
+    /// `W = D_out·H·W′·H·D_in`: the stored row of `W′` ([`WeightMatrix::stored_row`]) transformed by
+    /// `D_in·H` (the output side mixes the stored rows of `r`'s Hadamard block, decoded into a temporary).
+    pub fn dequant_row(&self, r: usize, out: &mut [f32]) {
+        let WeightMatrix::Q(m) = self else { return self.stored_row(r, out) };
+        match &m.rotation.output {
+            None => self.stored_row(r, out),
+            Some(signs) => {
+                let (s, n) = rotation::blocks(m.rows).find(|&(s, n)| r < s + n).expect("row inside the matrix");
+                let mut tmp = vec![0f32; m.cols];
+                out.fill(0.0);
+                let norm = 1.0 / (n as f32).sqrt();
+                for j in 0..n {
+                    self.stored_row(s + j, &mut tmp);
+                    // H[i][j] of a Sylvester block: (−1)^popcount(i & j) / √n.
+                    let h = if ((r - s) & j).count_ones().is_multiple_of(2) { norm } else { -norm };
+                    out.iter_mut().zip(&tmp).for_each(|(o, &v)| *o += h * v);
+                }
+                out.iter_mut().for_each(|o| *o *= signs.v[r]);
+            }
+        }
+        if let Some(signs) = &m.rotation.input {
+            rotation::hadamard(out);
+            out.iter_mut().zip(&signs.v).for_each(|(o, s)| *o *= s);
+        }
+    }
+
+    /// Dequantize stored row `r` into `out` (`cols` values), without undoing any rotation.
     ///
     /// [`QMatrix`]: `S·q + M` with an explicit offset; `S·(q − 2^(bits−1))` (one f32 product of an exact
     /// integer) with the implicit one.
-    pub fn dequant_row(&self, r: usize, out: &mut [f32]) {
+    pub fn stored_row(&self, r: usize, out: &mut [f32]) {
         let cols = self.cols();
         assert_eq!(out.len(), cols);
         match self {

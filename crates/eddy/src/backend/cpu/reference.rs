@@ -11,7 +11,9 @@ use crate::quant::{WeightMatrix, QK};
 ///   activation codes and scales of `xq` (`d_g` of the 32-group containing the weight group; a weight
 ///   group of 64 or 128 is summed per 32-group of activations; the implicit offset is `M = −2^(bits−1)·S`).
 ///
-/// Integer dots are exact; only the f64 sum of group terms rounds.
+/// A rotated matrix's output side is applied per token ([`crate::quant::rotation::Rotation::rotate_output`]);
+/// `xq` must already hold the rotated activations. Integer dots are exact; only the f64 sum of group
+/// terms rounds.
 pub fn matmul_reference(w: &WeightMatrix, x: &[f32], xq: &QuantizedActivations, n: usize, out: &mut [f32]) {
     let (rows, cols) = (w.rows(), w.cols());
     assert_eq!(out.len(), n * rows);
@@ -46,6 +48,9 @@ pub fn matmul_reference(w: &WeightMatrix, x: &[f32], xq: &QuantizedActivations, 
                 }
             };
             out[t * rows + r] = v as f32;
+        }
+        if let WeightMatrix::Q(m) = w {
+            m.rotation.rotate_output(&mut out[t * rows..(t + 1) * rows]);
         }
     }
 }
