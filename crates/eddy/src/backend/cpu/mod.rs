@@ -276,8 +276,9 @@ pub(crate) const ROW_BLOCK: usize = 32;
 /// Scalar/AVX2: row blocks of [`ROW_BLOCK`], token tiles of 4, row tiles of 4 (1 at a row tail).
 /// AVX-512 has its own blocking (see `avx512.rs`).
 unsafe fn process_rows(kernel: Kernel, ctx: &Ctx, n: usize, range: Range<usize>) {
-    // Weight groups of 64/128 (eddy's M/L formats) run on the scalar tile until the SIMD kernels take them.
-    let kernel = if matches!(ctx.w, WeightMatrix::Q(m) if m.group > QK) { Kernel::Scalar } else { kernel };
+    // Weight groups of 64/128 (eddy's M/L formats): the AVX-512 packed kernel (unpacked: the scalar tile,
+    // see avx512.rs); the AVX2 path hands them to the scalar tile.
+    let kernel = if kernel == Kernel::Avx2 && matches!(ctx.w, WeightMatrix::Q(m) if m.group > QK) { Kernel::Scalar } else { kernel };
     if kernel == Kernel::Avx512 {
         return avx512::rows(ctx, n, range);
     }

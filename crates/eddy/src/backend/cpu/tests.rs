@@ -565,8 +565,9 @@ fn quantize_rotated_matches_explicit_rotation_exactly() {
 }
 
 /// Rotated M/L products (input rotation fused into the quantizer, output rotation in the epilogue) on
-/// every path, prepacked or not, against the reference, and bit-identical for any batch size and thread
-/// count; odd rows (tail Hadamard blocks), partial 16-row blocks, several groups per row.
+/// every path — unpacked, prepacked, and prepacked without natural codes (what the CPU backend runs) —
+/// against the reference, and bit-identical for any batch size and thread count; odd rows (tail Hadamard
+/// blocks), partial 16-row blocks, several groups per row.
 #[test]
 fn rotated_matmul_matches_reference_and_is_batch_invariant() {
     use crate::quant::rtn::Format;
@@ -579,6 +580,10 @@ fn rotated_matmul_matches_reference_and_is_batch_invariant() {
             if let WeightMatrix::Q(m) = &mut wp {
                 m.prepack();
             }
+            let mut wd = wp.clone();
+            if let WeightMatrix::Q(m) = &mut wd {
+                m.drop_natural();
+            }
             let signs = input_signs(&w);
             let nmax = 13;
             let x = rand_x(nmax, cols, &mut rng);
@@ -590,34 +595,33 @@ fn rotated_matmul_matches_reference_and_is_batch_invariant() {
             let mut want = vec![0f32; nmax * rows];
             matmul_reference(&w, &x, &xq_all, nmax, &mut want);
             for k in Kernel::available() {
-                let mut single = vec![0f32; nmax * rows];
-                for t in 0..nmax {
-                    let mut xq = QuantizedActivations::new();
-                    quantize_rotated_with(k, &pools[0], &x[t * cols..(t + 1) * cols], 1, cols, Some(signs), &mut xq);
-                    matmul_with(k, &pools[0], &w, &[], &xq, 1, &mut single[t * rows..(t + 1) * rows]);
-                }
-                for t in 0..nmax {
-                    // Output rotation mixes the rows of a block: tolerance from the block's largest term sum.
-                    let mags: Vec<f64> = (0..rows).map(|r| magnitude(&w, &x, &xq_all, r, t)).collect();
-                    for r in 0..rows {
-                        let blk = r / 32 * 32;
-                        let m = mags[blk..(blk + 32).min(rows)].iter().fold(0f64, |a, &b| a.max(b));
-                        let (g, e) = (single[t * rows + r], want[t * rows + r]);
-                        assert!(
-                            ((g - e) as f64).abs() <= 1e-5 * m * 6.0,
-                            "{format:?} g{group} {k:?} {rows}x{cols} t={t} r={r}: {g} vs {e}"
-                        );
+                let variants: Vec<&WeightMatrix> = if k == Kernel::Avx512 { vec![&w, &wp, &wd] } else { vec![&w] };
+                for (v, ww) in variants.into_iter().enumerate() {
+                    let what = format!("{format:?} g{group} {k:?} variant {v} {rows}x{cols}");
+                    let mut single = vec![0f32; nmax * rows];
+                    for t in 0..nmax {
+                        let mut xq = QuantizedActivations::new();
+                        quantize_rotated_with(k, &pools[0], &x[t * cols..(t + 1) * cols], 1, cols, Some(signs), &mut xq);
+                        matmul_with(k, &pools[0], ww, &[], &xq, 1, &mut single[t * rows..(t + 1) * rows]);
                     }
-                }
-                for &n in &[2usize, 5, 8, 13] {
-                    let mut xq = QuantizedActivations::new();
-                    quantize_rotated_with(k, &pools[1], &x[..n * cols], n, cols, Some(signs), &mut xq);
-                    for pool in &pools {
-                        for ww in [&w, &wp] {
+                    for t in 0..nmax {
+                        // Output rotation mixes the rows of a block: tolerance from the block's largest term sum.
+                        let mags: Vec<f64> = (0..rows).map(|r| magnitude(&w, &x, &xq_all, r, t)).collect();
+                        for r in 0..rows {
+                            let blk = r / 32 * 32;
+                            let m = mags[blk..(blk + 32).min(rows)].iter().fold(0f64, |a, &b| a.max(b));
+                            let (g, e) = (single[t * rows + r], want[t * rows + r]);
+                            assert!(((g - e) as f64).abs() <= 1e-5 * m * 6.0, "{what} t={t} r={r}: {g} vs {e}");
+                        }
+                    }
+                    for &n in &[2usize, 5, 8, 13] {
+                        let mut xq = QuantizedActivations::new();
+                        quantize_rotated_with(k, &pools[1], &x[..n * cols], n, cols, Some(signs), &mut xq);
+                        for pool in &pools {
                             let mut got = vec![f32::NAN; n * rows];
                             matmul_with(k, pool, ww, &[], &xq, n, &mut got);
                             for i in 0..n * rows {
-                                assert_eq!(got[i].to_bits(), single[i].to_bits(), "{format:?} g{group} {k:?} {rows}x{cols} n={n} i={i}");
+                                assert_eq!(got[i].to_bits(), single[i].to_bits(), "{what} n={n} threads={} i={i}", pool.n_threads());
                             }
                         }
                     }
