@@ -204,9 +204,15 @@ struct PplArgs {
     /// Text file to score.
     #[arg(long, short = 'f')]
     file: std::path::PathBuf,
-    /// Print the result as one JSON object (perplexity, scored_tokens, window).
+    /// Print the result as one JSON object (perplexity, scored_tokens, window; with --kl-base also
+    /// base_perplexity, kl_mean, kl_mean_se, kl_median, kl_p99, kl_max, top1_agreement).
     #[arg(long)]
     json: bool,
+    /// A base model (GGUF file, model folder or hub id) to compare against on the same text: KL
+    /// divergence of the model's next-token distributions from the base's (mean, median, p99, max, in
+    /// nats) and top-1 agreement, like llama-perplexity's --kl-divergence. Same tokenizer required.
+    #[arg(long, value_name = "BASE")]
+    kl_base: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -613,6 +619,40 @@ fn perplexity(a: PplArgs) -> eddy::Result<()> {
     let tokens = engine.lm.tokenizer.encode(&text, true)?;
     if tokens.len() < 2 {
         return Err(bad(&file, format!("{} token(s): nothing to score (at least 2 are needed)", tokens.len())));
+    }
+    if let Some(base) = &a.kl_base {
+        let lm = load_with_progress(Some(base), Quant::default())?;
+        let base_tokens = lm.tokenizer.encode(&text, true)?;
+        if base_tokens != tokens {
+            return Err(bad("--kl-base", "the base model tokenizes the text differently (a model with the same tokenizer is needed)"));
+        }
+        let opts = EngineOptions { threads: threads_for(a.model.threads)?, ctx: window, ..Default::default() };
+        let mut base_engine = Engine::new(lm, &opts);
+        let r = engine.kl_divergence(&mut base_engine, &tokens, window).map_err(|e| match e {
+            eddy::Error::Input(m) => bad("--kl-base", m),
+            e => e,
+        })?;
+        return if a.json {
+            print_line(
+                &serde_json::json!({"perplexity": r.perplexity, "scored_tokens": r.n, "window": window,
+                    "base_perplexity": r.base_perplexity, "kl_mean": r.kl_mean, "kl_mean_se": r.kl_mean_se,
+                    "kl_median": r.kl_median, "kl_p99": r.kl_p99, "kl_max": r.kl_max, "top1_agreement": r.top1})
+                .to_string(),
+            )
+        } else {
+            print_line(&format!(
+                "perplexity: {:.4}\nbase perplexity: {:.4}\nscored tokens: {}\nKL divergence: mean {:.6} ± {:.6}, median {:.6}, p99 {:.6}, max {:.6}\ntop-1 agreement: {:.2} %",
+                r.perplexity,
+                r.base_perplexity,
+                r.n,
+                r.kl_mean,
+                r.kl_mean_se,
+                r.kl_median,
+                r.kl_p99,
+                r.kl_max,
+                100.0 * r.top1
+            ))
+        };
     }
     let (ppl, n) = engine.perplexity(&tokens, window)?;
     if a.json {

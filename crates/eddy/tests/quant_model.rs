@@ -73,3 +73,33 @@ fn requantized_smollm2_tracks_its_source() {
         assert!(kl <= max_kl && top1 >= min_top1, "{format:?} g{group} rotation {rotate}: KL {kl} top-1 {top1}");
     }
 }
+
+/// `Engine::kl_divergence` (what `eddy perplexity --kl-base` prints) against this file's own KL: the same
+/// mean and top-1 on the same windows; zero against the model itself; mismatched vocabularies refused.
+#[test]
+fn kl_divergence_report_matches_a_direct_computation() {
+    let Some((mut base, _)) = engine(None) else { return };
+    let opts = QuantizeOptions { format: Format::M, group: 64, rotate: true, seed: 3 };
+    let (mut q, _) = engine(Some(opts)).unwrap();
+    let vocab = base.lm.model.config.vocab_size;
+    let tokens: Vec<u32> = prompts().concat();
+    let window = 64;
+    let rep = q.kl_divergence(&mut base, &tokens, window).unwrap();
+    let (mut want, mut got) = (Vec::new(), Vec::new());
+    for w in tokens.chunks(window).filter(|w| w.len() >= 2) {
+        let n = (w.len() - 1) * vocab;
+        want.extend_from_slice(&base.score(w).unwrap()[..n]);
+        got.extend_from_slice(&q.score(w).unwrap()[..n]);
+    }
+    let (kl, p99, top1) = compare(&want, &got, vocab);
+    eprintln!("{rep:?}");
+    assert_eq!(rep.n, want.len() / vocab);
+    assert!(
+        (rep.kl_mean - kl).abs() <= 1e-9 * kl.max(1.0) && (rep.kl_p99 - p99).abs() <= 1e-9 && rep.top1 == top1,
+        "{rep:?} vs {kl} {p99} {top1}"
+    );
+    assert!(rep.kl_mean > 0.01 && rep.kl_max >= rep.kl_p99 && rep.kl_p99 >= rep.kl_median && rep.perplexity > rep.base_perplexity);
+    let (mut same, _) = engine(None).unwrap();
+    let zero = same.kl_divergence(&mut base, &tokens, window).unwrap();
+    assert!(zero.kl_max < 1e-9 && zero.top1 == 1.0 && zero.perplexity == zero.base_perplexity, "{zero:?}");
+}
