@@ -178,3 +178,50 @@ fn rotation_on_a_grid_free_source() {
         assert!(kl[&(true, g, true)] < 1.0 && kl[&(true, g, false)] < 1.0, "M g{g}: {kl:?}");
     }
 }
+
+/// `write_folder` of the tiny Llama fixture (a Hugging Face folder), loaded back by `eddy::load::load_dir`:
+/// logits bit-identical to the in-memory re-quantized model's (same codes, scales, signs), close to the
+/// source's; nothing left behind on error; a corrupt or tokenizer-less folder is refused with an error.
+#[test]
+fn eddy_folder_round_trip() {
+    use eddy::model_dir::Quant;
+    use eddy::models::quantize::write_folder;
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama");
+    let tmp = std::env::temp_dir().join(format!("eddy-quant-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+    let opts = eddy::engine::EngineOptions { threads: 1, ctx: 64, max_batch: 64, ..Default::default() };
+    let tokens: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 200).collect();
+    let score = |lm: eddy::load::LoadedModel| eddy::engine::Engine::new(lm, &opts).score(&tokens).unwrap();
+    let base = score(eddy::load::load_dir(&src, Quant::None, &mut |_, _| {}).unwrap());
+    for (format, group, rotate) in [(Format::M, 64, true), (Format::L, 32, true), (Format::M, 32, false)] {
+        let q = QuantizeOptions { format, group, rotate, seed: 5 };
+        let mut lm = eddy::load::load_dir(&src, Quant::None, &mut |_, _| {}).unwrap();
+        quantize_model(&mut lm.model, &q, &mut |_, _| {});
+        let out = tmp.join(format!("{format:?}-{group}-{rotate}"));
+        write_folder(&src, &lm.model, &q, &out).unwrap();
+        assert!(write_folder(&src, &lm.model, &q, &out).is_err(), "an existing folder was overwritten");
+        let want = score(lm);
+        let got = score(eddy::load::load_dir(&out, Quant::None, &mut |_, _| {}).unwrap());
+        assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{q:?}");
+        let (kl, _, top1) = compare(&base, &got, base.len() / tokens.len());
+        eprintln!("tiny llama {format:?} g{group} rotation {rotate}: KL {kl:.5} top-1 {top1:.3}");
+        // The fixture's weights are random (initializer_range 0.2): int4 costs it much more than a trained
+        // model's; the bounds only catch a broken path.
+        let (max_kl, min_top1) = if format == Format::L { (0.01, 0.8) } else { (0.6, 0.4) };
+        assert!(kl < max_kl && top1 > min_top1, "{q:?}: KL {kl} top-1 {top1}");
+    }
+    // Only the finished folders are there: no temporaries.
+    let names: Vec<String> = std::fs::read_dir(&tmp).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(names.len(), 3, "{names:?}");
+    // Corrupt weights, missing tokenizer: errors, not panics.
+    let bad = tmp.join("M-64-true");
+    std::fs::remove_file(bad.join("tokenizer.json")).unwrap();
+    assert!(eddy::load::load_dir(&bad, Quant::None, &mut |_, _| {}).is_err());
+    let w = bad.join("model.safetensors");
+    let bytes = std::fs::read(&w).unwrap();
+    std::fs::write(&w, &bytes[..bytes.len() / 2]).unwrap();
+    std::fs::copy(src.join("tokenizer.json"), bad.join("tokenizer.json")).unwrap();
+    assert!(eddy::load::load_dir(&bad, Quant::None, &mut |_, _| {}).is_err());
+    let _ = std::fs::remove_dir_all(&tmp);
+}

@@ -122,3 +122,152 @@ pub fn quantize_model(model: &mut Model, opts: &QuantizeOptions, progress: &mut 
     Cpu::upload_all(model.matmul_weights_mut());
     bits / weights
 }
+
+/// The matrices of `model` under their Hugging Face tensor names (`pre`: the folder's prefix, e.g.
+/// `model.`), for the dense architectures.
+fn named_matrices<'a>(model: &'a Model, pre: &str, lm_head: &str) -> crate::error::Result<Vec<(String, &'a WeightMatrix)>> {
+    let mut v = vec![(format!("{pre}embed_tokens.weight"), &model.embed)];
+    if let Some(o) = &model.output {
+        v.push((lm_head.to_string(), o));
+    }
+    for (l, layer) in model.layers.iter().enumerate() {
+        let Mixer::Attention(a) = &layer.mixer else {
+            return Err(crate::error::Error::Input("eddy quantize: hybrid (Gated DeltaNet) models cannot be written yet".into()));
+        };
+        let p = |s: &str| format!("{pre}layers.{l}.{s}");
+        v.extend([
+            (p("self_attn.q_proj.weight"), &a.wq),
+            (p("self_attn.k_proj.weight"), &a.wk),
+            (p("self_attn.v_proj.weight"), &a.wv),
+            (p("self_attn.o_proj.weight"), &a.wo),
+            (p("mlp.gate_proj.weight"), &layer.w_gate),
+            (p("mlp.up_proj.weight"), &layer.w_up),
+            (p("mlp.down_proj.weight"), &layer.w_down),
+        ]);
+    }
+    Ok(v)
+}
+
+/// The tensors that store one matrix in an eddy model folder (`docs/quant-formats.md`, "Model folder"):
+/// `(name, dtype, shape, bytes)`.
+fn matrix_tensors(name: &str, w: &WeightMatrix) -> Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> {
+    use safetensors::Dtype;
+    let (rows, cols) = (w.rows(), w.cols());
+    let m = match w {
+        WeightMatrix::Q(m) => m,
+        _ => {
+            let mut data = vec![0f32; cols];
+            let mut bytes = Vec::with_capacity(rows * cols * 4);
+            for r in 0..rows {
+                w.stored_row(r, &mut data);
+                bytes.extend(data.iter().flat_map(|v| v.to_le_bytes()));
+            }
+            return vec![(name.to_string(), Dtype::F32, vec![rows, cols], bytes)];
+        }
+    };
+    let nblk = rows * cols / crate::quant::QK;
+    let mut codes = Vec::with_capacity(if m.bits == 8 { rows * cols } else { rows * cols / 2 });
+    for b in 0..nblk {
+        let q = m.decode_block(b);
+        if m.bits == 8 {
+            codes.extend_from_slice(&q);
+        } else {
+            codes.extend((0..16).map(|j| q[j] | (q[j + 16] << 4)));
+        }
+    }
+    let ccols = if m.bits == 8 { cols } else { cols / 2 };
+    let mut out = vec![(name.to_string(), Dtype::U8, vec![rows, ccols], codes)];
+    let crate::quant::GroupScales::F16 { scale, min } = &m.scales else { unreachable!("M/L matrices have f16 scales") };
+    let f16b = |v: &[half::f16]| v[..rows * cols / m.group].iter().flat_map(|h| h.to_bits().to_le_bytes()).collect::<Vec<u8>>();
+    out.push((format!("{name}.scales"), Dtype::F16, vec![rows, cols / m.group], f16b(scale)));
+    if let Some(min) = min {
+        out.push((format!("{name}.zero_points"), Dtype::F16, vec![rows, cols / m.group], f16b(min)));
+    }
+    let signs = |s: &Signs| s.v.iter().map(|&x| if x < 0.0 { 0xFFu8 } else { 1 }).collect::<Vec<u8>>();
+    if let Some(s) = &m.rotation.input {
+        out.push((format!("{name}.input_signs"), Dtype::I8, vec![cols], signs(s)));
+    }
+    if let Some(s) = &m.rotation.output {
+        out.push((format!("{name}.output_signs"), Dtype::I8, vec![rows], signs(s)));
+    }
+    out
+}
+
+/// Write `model` — loaded from the Hugging Face folder `src` and re-quantized by [`quantize_model`] with
+/// `opts` — as an eddy model folder `out` (`docs/quant-formats.md`, "Model folder"): every file of `src`
+/// but its weights, `config.json` with a `quantization_config` added, and `model.safetensors` with the
+/// re-quantized matrices and the other tensors copied as stored. Written into a temporary folder next to
+/// `out` and renamed into place at the end: on any error nothing is left at `out` (nor the temporary).
+///
+/// Errors: `out` exists, a hybrid model, an I/O failure, what reading `src` reports.
+pub fn write_folder(src: &std::path::Path, model: &Model, opts: &QuantizeOptions, out: &std::path::Path) -> crate::error::Result<()> {
+    use crate::error::Error;
+    if out.exists() {
+        return Err(Error::model(out, "already exists (eddy quantize never overwrites; remove it or pick another -o)"));
+    }
+    let file_name = out.file_name().ok_or_else(|| Error::model(out, "not a folder name"))?.to_string_lossy().into_owned();
+    let tmp = out.with_file_name(format!(".{file_name}.tmp-{}", std::process::id()));
+    let result = write_into(src, model, opts, &tmp)
+        .and_then(|()| std::fs::rename(&tmp, out).map_err(|e| Error::Io { path: out.to_path_buf(), source: e }));
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    result
+}
+
+fn write_into(src: &std::path::Path, model: &Model, opts: &QuantizeOptions, tmp: &std::path::Path) -> crate::error::Result<()> {
+    use crate::error::Error;
+    use crate::model_dir::{Tensors, CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
+    let io = |p: &std::path::Path| {
+        let p = p.to_path_buf();
+        move |e: std::io::Error| Error::Io { path: p, source: e }
+    };
+    std::fs::create_dir_all(tmp).map_err(io(tmp))?;
+    for entry in std::fs::read_dir(src).map_err(io(src))? {
+        let entry = entry.map_err(io(src))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !entry.path().is_file() || name.ends_with(".safetensors") || name == WEIGHTS_INDEX_FILE || name == CONFIG_FILE {
+            continue;
+        }
+        std::fs::copy(entry.path(), tmp.join(&name)).map_err(io(&entry.path()))?;
+    }
+    let cfg_path = src.join(CONFIG_FILE);
+    let text = std::fs::read_to_string(&cfg_path).map_err(io(&cfg_path))?;
+    let mut cfg: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::model(&cfg_path, format!("malformed config: {e}")))?;
+    let fmt = match opts.format {
+        Format::M => "m",
+        Format::L => "l",
+    };
+    cfg["quantization_config"] = serde_json::json!({
+        "quant_method": "eddy", "format": fmt, "group_size": opts.group, "rotation": opts.rotate, "seed": opts.seed,
+        "layout": "docs/quant-formats.md of eddy"
+    });
+    let out_cfg = tmp.join(CONFIG_FILE);
+    std::fs::write(&out_cfg, serde_json::to_string_pretty(&cfg).unwrap_or_default()).map_err(io(&out_cfg))?;
+    let t = Tensors::open(src)?;
+    let pre = ["model.language_model.", "language_model.model.", "model."]
+        .into_iter()
+        .find(|p| t.contains(&format!("{p}embed_tokens.weight")))
+        .ok_or_else(|| Error::model(&t.listing, "missing tensor model.embed_tokens.weight"))?;
+    let lm_head = ["lm_head.weight", "language_model.lm_head.weight"].into_iter().find(|n| t.contains(n)).unwrap_or("lm_head.weight");
+    let matrices: std::collections::HashMap<String, &WeightMatrix> = named_matrices(model, pre, lm_head)?.into_iter().collect();
+    let mut tensors = Vec::new();
+    for name in t.names() {
+        if let Some(w) = matrices.get(name) {
+            tensors.extend(matrix_tensors(name, w));
+        } else if let Some((dtype, shape, bytes)) = t.raw(name) {
+            tensors.push((name.clone(), dtype, shape.to_vec(), bytes.to_vec()));
+        }
+    }
+    if let Some(name) = matrices.keys().find(|n| !t.contains(n)) {
+        return Err(Error::model(&t.listing, format!("matrix {name} of the model is not in the folder")));
+    }
+    let views = tensors
+        .iter()
+        .map(|(n, d, s, b)| safetensors::tensor::TensorView::new(*d, s.clone(), b).map(|v| (n.clone(), v)))
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| Error::model(tmp, format!("cannot lay out the tensors: {e}")))?;
+    let out_w = tmp.join(WEIGHTS_FILE);
+    safetensors::serialize_to_file(views, None, &out_w).map_err(|e| Error::model(&out_w, format!("cannot write: {e}")))?;
+    Ok(())
+}
