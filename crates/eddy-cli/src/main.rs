@@ -33,6 +33,9 @@ enum Cmd {
     /// Perplexity of a text file: non-overlapping windows of --ctx tokens, tokens 1..n-1 of each scored.
     #[command(allow_negative_numbers = true)]
     Perplexity(PplArgs),
+    /// Re-quantize a Hugging Face model folder into eddy's M (int4) or L (int8) format with the block
+    /// Hadamard rotation, written as an eddy model folder (docs/quant-formats.md) that --model loads.
+    Quantize(QuantizeArgs),
     /// Raw model speed like llama-bench: prefill of -p tokens and decode of -n tokens (synthetic token
     /// ids, end-of-generation ignored), repeated -r times; prints the mean and spread as JSON lines.
     #[command(allow_negative_numbers = true)]
@@ -259,15 +262,43 @@ fn attach_speculators(engine: &mut Engine, a: &SpecArgs, kind: Option<Speculator
 }
 
 #[derive(Args)]
+struct QuantizeArgs {
+    /// Source model: a Hugging Face safetensors folder (llama, qwen2, qwen3, gemma3).
+    #[arg(long)]
+    model: String,
+    /// m: 4-bit codes with an f16 scale and offset per group; l: 8-bit symmetric codes.
+    #[arg(long, value_name = "m|l")]
+    format: String,
+    /// Values per scale: 32, 64 or 128 (a row length it does not divide takes 64 or 32).
+    #[arg(long, default_value_t = 64)]
+    group: usize,
+    /// Quantize the weights as they are, without the block Hadamard rotation.
+    #[arg(long)]
+    no_rotation: bool,
+    /// Seed of the rotation's random signs.
+    #[arg(long, default_value_t = 14)]
+    seed: u64,
+    /// Output folder (must not exist; written atomically).
+    #[arg(short = 'o', long = "out")]
+    out: std::path::PathBuf,
+}
+
+#[derive(Args)]
 struct PplArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// Text file to score.
     #[arg(long, short = 'f')]
     file: std::path::PathBuf,
-    /// Print the result as one JSON object (perplexity, scored_tokens, window).
+    /// Print the result as one JSON object (perplexity, scored_tokens, window; with --kl-base also
+    /// base_perplexity, kl_mean, kl_mean_se, kl_median, kl_p99, kl_max, top1_agreement).
     #[arg(long)]
     json: bool,
+    /// A base model (GGUF file, model folder or hub id) to compare against on the same text: KL
+    /// divergence of the model's next-token distributions from the base's (mean, median, p99, max, in
+    /// nats) and top-1 agreement, like llama-perplexity's --kl-divergence. Same tokenizer required.
+    #[arg(long, value_name = "BASE")]
+    kl_base: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -286,6 +317,7 @@ fn main() -> ExitCode {
     let r = match cli.cmd {
         Cmd::Run(a) => run(a),
         Cmd::Perplexity(a) => perplexity(a),
+        Cmd::Quantize(a) => quantize(a),
         Cmd::Speed(a) => speed(a),
         Cmd::Serve { model, host, port, max_queue, no_prefix_cache, aliases, cors_origins, spec } => {
             let opts = eddy_server::ServeOptions { max_queue, aliases, cors_origins, ..Default::default() };
@@ -343,7 +375,7 @@ fn clap_error_line(e: &clap::Error) -> String {
         .or_else(|| get(ContextKind::SuggestedSubcommand))
         .map(|s| format!("; did you mean '{s}'?"))
         .unwrap_or_default();
-    const COMMANDS: &str = "run, serve, bench, perplexity, speed or bandwidth";
+    const COMMANDS: &str = "run, serve, bench, perplexity, quantize, speed or bandwidth";
     let specific = match e.kind() {
         ErrorKind::InvalidValue | ErrorKind::ValueValidation => get(ContextKind::InvalidArg).map(|arg| {
             let val = get(ContextKind::InvalidValue).unwrap_or_default();
@@ -695,12 +727,90 @@ fn perplexity(a: PplArgs) -> eddy::Result<()> {
     if tokens.len() < 2 {
         return Err(bad(&file, format!("{} token(s): nothing to score (at least 2 are needed)", tokens.len())));
     }
+    if let Some(base) = &a.kl_base {
+        let lm = load_with_progress(Some(base), Quant::default())?;
+        let base_tokens = lm.tokenizer.encode(&text, true)?;
+        if base_tokens != tokens {
+            return Err(bad("--kl-base", "the base model tokenizes the text differently (a model with the same tokenizer is needed)"));
+        }
+        let opts = EngineOptions { threads: threads_for(a.model.threads)?, ctx: window, ..Default::default() };
+        let mut base_engine = Engine::new(lm, &opts);
+        let r = engine.kl_divergence(&mut base_engine, &tokens, window).map_err(|e| match e {
+            eddy::Error::Input(m) => bad("--kl-base", m),
+            e => e,
+        })?;
+        return if a.json {
+            print_line(
+                &serde_json::json!({"perplexity": r.perplexity, "scored_tokens": r.n, "window": window,
+                    "base_perplexity": r.base_perplexity, "kl_mean": r.kl_mean, "kl_mean_se": r.kl_mean_se,
+                    "kl_median": r.kl_median, "kl_p99": r.kl_p99, "kl_max": r.kl_max, "top1_agreement": r.top1})
+                .to_string(),
+            )
+        } else {
+            print_line(&format!(
+                "perplexity: {:.4}\nbase perplexity: {:.4}\nscored tokens: {}\nKL divergence: mean {:.6} ± {:.6}, median {:.6}, p99 {:.6}, max {:.6}\ntop-1 agreement: {:.2} %",
+                r.perplexity,
+                r.base_perplexity,
+                r.n,
+                r.kl_mean,
+                r.kl_mean_se,
+                r.kl_median,
+                r.kl_p99,
+                r.kl_max,
+                100.0 * r.top1
+            ))
+        };
+    }
     let (ppl, n) = engine.perplexity(&tokens, window)?;
     if a.json {
         print_line(&serde_json::json!({"perplexity": ppl, "scored_tokens": n, "window": window}).to_string())
     } else {
         print_line(&format!("perplexity: {ppl:.4}\nscored tokens: {n}"))
     }
+}
+
+fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
+    use eddy::models::quantize::{quantize_model, write_folder, QuantizeOptions};
+    use eddy::quant::rtn::{Format, GROUPS};
+    let format = match a.format.to_ascii_lowercase().as_str() {
+        "m" => Format::M,
+        "l" => Format::L,
+        other => return Err(bad("--format", format!("unknown format '{other}' (expected m or l)"))),
+    };
+    if !GROUPS.contains(&a.group) {
+        return Err(bad("--group", format!("must be 32, 64 or 128, got {}", a.group)));
+    }
+    if a.out.exists() {
+        return Err(bad(&a.out.display().to_string(), "already exists (eddy quantize never overwrites)"));
+    }
+    let src = std::path::Path::new(&a.model);
+    if !src.is_dir() {
+        let what = if src.extension().is_some_and(|e| e == "gguf") {
+            "GGUF sources are not supported yet: give a Hugging Face safetensors folder"
+        } else if src.exists() {
+            "unknown source type: give a Hugging Face safetensors folder (config.json, model.safetensors, tokenizer.json)"
+        } else {
+            "no such folder"
+        };
+        return Err(bad(&a.model, what));
+    }
+    if eddy::models::qwen35::is_qwen35_dir(src) {
+        return Err(bad(&a.model, "hybrid (Qwen3.5) models cannot be written as eddy folders yet"));
+    }
+    let mut lm = load_with_progress(Some(&a.model), Quant::None)?;
+    let opts = QuantizeOptions { format, group: a.group, rotate: !a.no_rotation, seed: a.seed };
+    let bar = indicatif::ProgressBar::with_draw_target(None, indicatif::ProgressDrawTarget::stderr());
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("quantizing {bar:40} {pos}/{len} matrices {elapsed}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let bpw = quantize_model(&mut lm.model, &opts, &mut |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    });
+    bar.finish_and_clear();
+    write_folder(src, &lm.model, &opts, &a.out)?;
+    print_line(&format!("wrote {} ({:.3} bits per weight over the matrices)", a.out.display(), bpw))
 }
 
 fn speed(a: SpeedArgs) -> eddy::Result<()> {

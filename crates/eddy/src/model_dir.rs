@@ -202,6 +202,9 @@ impl Tensors {
     /// head, int8 even under [`Quant::Q4`]).
     pub(crate) fn matrix(&self, name: &str, rows: usize, cols: usize, quant: Quant, vocab: bool) -> Result<WeightMatrix> {
         let (shard, info) = self.get(name).ok_or_else(|| Error::model(&self.listing, format!("missing tensor {name}")))?;
+        if info.dtype == Dtype::U8 {
+            return self.eddy_matrix(name, rows, cols, shard, info);
+        }
         check_shape(shard, name, info, &[rows, cols])?;
         let kind = match (quant, vocab) {
             (Quant::None, _) => None,
@@ -217,6 +220,73 @@ impl Tensors {
             (None, _) => WeightMatrix::F32 { rows, cols, data: to_f32(shard, name, info)? },
             (Some(k), _) => quantize_f32(rows, cols, &to_f32(shard, name, info)?, k),
         })
+    }
+}
+
+impl Tensors {
+    /// Tensor `name` as stored: dtype, shape and bytes.
+    pub(crate) fn raw(&self, name: &str) -> Option<(Dtype, &[usize], &[u8])> {
+        self.get(name).map(|(s, i)| (i.dtype, &i.shape[..], s.bytes(i)))
+    }
+
+    /// An eddy M/L matrix (`docs/quant-formats.md`, "Model folder"): U8 codes `name` (`[rows, cols/2]` for
+    /// 4 bits, `[rows, cols]` for 8), F16 `name.scales` `[rows, cols/group]`, F16 `name.zero_points` (4
+    /// bits only, same shape), optional I8 `name.input_signs` `[cols]` / `name.output_signs` `[rows]`
+    /// (±1). Errors name the file and the tensor at fault.
+    fn eddy_matrix(&self, name: &str, rows: usize, cols: usize, shard: &Shard, info: &TensorInfo) -> Result<WeightMatrix> {
+        use crate::quant::rotation::{Rotation, Signs};
+        use crate::quant::{rtn, GroupScales, QMatrix};
+        let bad = |m: String| Error::model(&shard.path, format!("tensor {name}: {m}"));
+        let bits = match info.shape[..] {
+            [r, c] if r == rows && c == cols => 8,
+            [r, c] if r == rows && 2 * c == cols => 4,
+            _ => return Err(bad(format!("U8 codes of shape {:?} for a {rows} × {cols} matrix", info.shape))),
+        };
+        let half = |suffix: &str| -> Result<Option<(Vec<half::f16>, Vec<usize>)>> {
+            let n = format!("{name}.{suffix}");
+            match self.get(&n) {
+                None => Ok(None),
+                Some((s, i)) if i.dtype == Dtype::F16 => Ok(Some((
+                    s.bytes(i).chunks_exact(2).map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect(),
+                    i.shape.clone(),
+                ))),
+                Some((_, i)) => Err(bad(format!("{suffix} has dtype {}, expected F16", dtype_name(i.dtype)))),
+            }
+        };
+        let (scale, shape) = half("scales")?.ok_or_else(|| bad("codes without their .scales".into()))?;
+        let group = match shape[..] {
+            [r, g] if r == rows && g > 0 && cols.is_multiple_of(g) && rtn::GROUPS.contains(&(cols / g)) => cols / g,
+            _ => return Err(bad(format!("scales of shape {:?} for a {rows} × {cols} matrix (groups of 32, 64 or 128)", shape))),
+        };
+        let min = match half("zero_points")? {
+            Some((m, s)) if s == shape && bits == 4 => Some(m),
+            None if bits == 8 => None,
+            Some((_, s)) if bits == 4 => return Err(bad(format!("zero_points of shape {s:?}, expected {shape:?}"))),
+            _ => return Err(bad(format!("{bits}-bit codes {} zero_points", if bits == 4 { "need" } else { "take no" }))),
+        };
+        let signs = |suffix: &str, n: usize| -> Result<Option<std::sync::Arc<Signs>>> {
+            let t = format!("{name}.{suffix}");
+            match self.get(&t) {
+                None => Ok(None),
+                Some((s, i)) if i.dtype == Dtype::I8 && i.shape == [n] && s.bytes(i).iter().all(|&b| b == 1 || b == 0xFF) => {
+                    Ok(Some(std::sync::Arc::new(Signs::new(s.bytes(i).iter().map(|&b| if b == 1 { 1.0 } else { -1.0 }).collect()))))
+                }
+                Some(_) => Err(bad(format!("{suffix} must be I8 [{n}] of ±1"))),
+            }
+        };
+        let rotation = Rotation { input: signs("input_signs", cols)?, output: signs("output_signs", rows)? };
+        let m = QMatrix {
+            rows,
+            cols,
+            bits,
+            group,
+            lo: shard.bytes(info).to_vec(),
+            hi: Vec::new(),
+            scales: GroupScales::F16 { scale, min },
+            packed: None,
+            rotation,
+        };
+        Ok(WeightMatrix::Q(m))
     }
 }
 

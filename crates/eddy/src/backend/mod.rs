@@ -54,8 +54,10 @@ pub trait Backend: Send + Sync {
 
     /// `x[i] = scale · embedding row tokens[i]` (`d_model` each; `scale` None = 1).
     fn embed(&self, table: &Self::Weights, tokens: &[u32], scale: Option<f32>, x: &mut Self::Buf);
-    /// Quantize rows `0..n` of `x` (`cols` each) to int8 into `xq`.
-    fn quantize(&self, x: &Self::Buf, n: usize, cols: usize, xq: &mut Self::QAct);
+    /// Quantize rows `0..n` of `x` (`cols` each) to int8 into `xq`, as the input of products with `w` (and
+    /// with every matrix that shares `w`'s input rotation, `docs/quant-formats.md`): a rotated `w`'s input
+    /// side `x̃ = H·(D_in ⊙ x)` is applied first, fused into the quantization.
+    fn quantize(&self, x: &Self::Buf, n: usize, cols: usize, w: &Self::Weights, xq: &mut Self::QAct);
     /// `out[t][r] = Σ_c W[r][c] · x[t][c]` for `t < n`; quantized weights read `xq` (from
     /// [`Backend::quantize`] of `x`), float weights read `x`.
     fn matmul(&self, w: &Self::Weights, x: &Self::Buf, xq: &Self::QAct, n: usize, out: &mut Self::Buf);

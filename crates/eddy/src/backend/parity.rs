@@ -11,8 +11,10 @@
 use super::cpu::gdn::{chain_parents, conv_taps};
 use super::{reference, Activation, AttnShape, Backend, GdnShape, Rope, RopeMode, Visibility};
 use crate::quant::import::{quantize_f32, QuantKind};
-use crate::quant::WeightMatrix;
+use crate::quant::rotation::{Rotation, Signs};
+use crate::quant::{rtn, WeightMatrix};
 use crate::tree::TreePaths;
+use std::sync::Arc;
 
 /// SplitMix64: small deterministic generator for test data.
 struct Rng(u64);
@@ -70,29 +72,34 @@ pub fn check_all<B: Backend>(be: &B) -> Result<(), String> {
     Ok(())
 }
 
-/// Quantized (Q8, Q4) and float matmuls, batch sizes 1..=9 and one of 33, against the references.
+/// Quantized (Q8, Q4, rotated M and L) and float matmuls, batch sizes 1..=9 and one of 33, against the references.
 pub fn check_matmul<B: Backend>(be: &B) -> Result<(), String> {
     let mut rng = Rng(1);
     let (rows, cols) = (48, 512);
     let data = rng.vec(rows * cols);
-    for kind in [Some(QuantKind::Q8), Some(QuantKind::Q4), None] {
-        let host = match kind {
-            Some(k) => quantize_f32(rows, cols, &data, k),
-            None => WeightMatrix::F32 { rows, cols, data: data.clone() },
-        };
+    // eddy's M/L formats rotated on both sides (48 rows: a tail Hadamard block of 16 on the output side).
+    let rot = || Rotation { input: Some(Arc::new(Signs::random(cols, 1))), output: Some(Arc::new(Signs::random(rows, 2))) };
+    let hosts = [
+        ("Q8", quantize_f32(rows, cols, &data, QuantKind::Q8)),
+        ("Q4", quantize_f32(rows, cols, &data, QuantKind::Q4)),
+        ("M g64 rotated", rtn::quantize(rows, cols, &data, rtn::Format::M, 64, rot())),
+        ("L g128 rotated", rtn::quantize(rows, cols, &data, rtn::Format::L, 128, rot())),
+        ("F32", WeightMatrix::F32 { rows, cols, data: data.clone() }),
+    ];
+    for (kind, host) in hosts {
         let w = be.upload_weights(host.clone());
         for n in (1..=9).chain([33]) {
             let x = rng.vec(n * cols);
             let xb = be.upload(&x);
             let mut xq = be.new_qact();
-            be.quantize(&xb, n, cols, &mut xq);
+            be.quantize(&xb, n, cols, &w, &mut xq);
             let mut out = be.alloc(n * rows);
             be.matmul(&w, &xb, &xq, n, &mut out);
             let got = read(be, &out, n * rows);
             let mut host_out = vec![0f32; n * rows];
             be.matmul_to_host(&w, &xb, &xq, n, &mut host_out);
             if host_out != got {
-                return Err(format!("matmul_to_host differs from matmul ({kind:?}, n {n})"));
+                return Err(format!("matmul_to_host differs from matmul ({kind}, n {n})"));
             }
             // Float reference on the dequantized weights and the float activations.
             let mut wd = vec![0f32; rows * cols];
@@ -108,8 +115,8 @@ pub fn check_matmul<B: Backend>(be: &B) -> Result<(), String> {
                     mag[t * rows + r] = wr.iter().zip(xt).map(|(&a, &b)| (a * b).abs()).sum();
                 }
             }
-            let tol = if kind.is_some() { 1e-2 } else { 1e-5 };
-            close(&format!("matmul {kind:?} n {n}"), &got, &want, &mag, tol)?;
+            let tol = if matches!(host, WeightMatrix::Q(_)) { 1e-2 } else { 1e-5 };
+            close(&format!("matmul {kind} n {n}"), &got, &want, &mag, tol)?;
         }
     }
     Ok(())

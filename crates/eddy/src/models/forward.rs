@@ -442,7 +442,7 @@ fn head<B: Backend>(
     if keep_hidden && !state.want_hidden {
         be.read(&ws.h, 0, n, d, &mut state.hidden);
     }
-    be.quantize(&ws.h, n, d, &mut ws.xq);
+    be.quantize(&ws.h, n, d, model.lm_head(), &mut ws.xq);
     let start = logits.len();
     logits.resize(start + n * c.vocab_size, 0.0);
     let out = &mut logits[start..];
@@ -456,7 +456,11 @@ fn head<B: Backend>(
 fn block<B: Backend>(be: &B, p: &Pass, layer: &Layer<B>, st: &mut LayerState<B>, capture: SnapshotSlot<B>, ws: &mut Workspace<B>) {
     let (c, t, d) = (p.c, p.t, p.c.d_model);
     be.rms_norm(&ws.x, 0, t, &layer.attn_norm, c.norm_eps, &mut ws.h);
-    be.quantize(&ws.h, t, d, &mut ws.xq);
+    let mixer_in = match &layer.mixer {
+        Mixer::Attention(a) => &a.wq,
+        Mixer::DeltaNet(g) => &g.w_qkv,
+    };
+    be.quantize(&ws.h, t, d, mixer_in, &mut ws.xq);
     match (&layer.mixer, st) {
         (Mixer::Attention(a), LayerState::Kv { k, v }) => attention_mixer(be, p, a, k, v, ws),
         (Mixer::DeltaNet(g), LayerState::Gdn { conv, rec, tree }) => delta_net_mixer(be, p, g, conv, rec, tree, capture, ws),
@@ -474,11 +478,11 @@ fn ffn<B: Backend>(be: &B, c: &ModelConfig, layer: &Layer<B>, ws: &mut Workspace
     let (d, fd) = (c.d_model, c.ffn_dim);
     let Workspace { x, h, o, gate, up, xq, .. } = ws;
     be.rms_norm(x, 0, t, &layer.ffn_norm, c.norm_eps, h);
-    be.quantize(h, t, d, xq);
+    be.quantize(h, t, d, &layer.w_gate, xq);
     be.matmul(&layer.w_gate, h, xq, t, gate);
     be.matmul(&layer.w_up, h, xq, t, up);
     be.gated_act(c.activation, gate, up, t * fd);
-    be.quantize(gate, t, fd, xq);
+    be.quantize(gate, t, fd, &layer.w_down, xq);
     be.matmul(&layer.w_down, gate, xq, t, o);
     if let Some(w) = &layer.post_ffn_norm {
         be.rms_norm_inplace(o, t * d, w, c.norm_eps);
@@ -522,7 +526,7 @@ fn attention_mixer<B: Backend>(be: &B, p: &Pass, a: &Attention<B>, kc: &mut B::B
     if a.gated {
         be.mul_sigmoid(att, attn_gate, t * qd);
     }
-    be.quantize(att, t, qd, xq);
+    be.quantize(att, t, qd, &a.wo, xq);
     be.matmul(&a.wo, att, xq, t, o);
 }
 
@@ -581,7 +585,7 @@ fn delta_net_mixer<B: Backend>(
         be.gdn_conv_commit(&s, conv, gx, &iota[..t]);
     }
     be.gdn_gated_norm(go, gz, &w.norm, c.norm_eps, t * vd);
-    be.quantize(go, t, vd, xq);
+    be.quantize(go, t, vd, &w.w_out, xq);
     be.matmul(&w.w_out, go, xq, t, o);
 }
 
@@ -623,7 +627,7 @@ pub fn mtp_forward<B: Backend>(
         be.write(hs, &mut ws.h);
         be.rms_norm(&ws.h, 0, n, &mtp.hid_norm, c.norm_eps, &mut ws.h2);
         be.concat_rows(&ws.o, &ws.h2, n, d, &mut ws.cat);
-        be.quantize(&ws.cat, n, 2 * d, &mut ws.xq);
+        be.quantize(&ws.cat, n, 2 * d, &mtp.fc, &mut ws.xq);
         be.matmul(&mtp.fc, &ws.cat, &ws.xq, n, &mut ws.x);
         ws.positions.clear();
         ws.positions.extend(n_past..n_past + n);

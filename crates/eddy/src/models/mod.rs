@@ -13,6 +13,7 @@ pub mod forward;
 pub mod gemma3;
 pub mod hf;
 pub mod llama;
+pub mod quantize;
 pub mod qwen2;
 pub mod qwen3;
 pub mod qwen35;

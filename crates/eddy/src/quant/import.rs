@@ -394,7 +394,17 @@ fn import_legacy(t: u32, rows: usize, cols: usize, n: usize, bytes: &[u8]) -> QM
             }
         }
     }
-    QMatrix { rows, cols, bits, group: QK, lo, hi, scales: GroupScales::F16 { scale, min: has_min.then_some(min) }, packed: None }
+    QMatrix {
+        rows,
+        cols,
+        bits,
+        group: QK,
+        lo,
+        hi,
+        scales: GroupScales::F16 { scale, min: has_min.then_some(min) },
+        packed: None,
+        rotation: Default::default(),
+    }
 }
 
 /// Q4_K, Q5_K (group 32, scale and offset multipliers) and Q6_K (group 16, implicit offset).
@@ -449,31 +459,21 @@ fn import_k(t: u32, rows: usize, cols: usize, n: usize, bytes: &[u8]) -> QMatrix
             pack_block(bits, &q[32 * b..][..32], &mut lo[16 * blk_i..][..16], &mut hi[4 * planes * blk_i..][..4 * planes]);
         }
     }
-    QMatrix { rows, cols, bits, group, lo, hi, scales: GroupScales::SuperI8 { sc, mn: (!q6).then_some(mn), d, dmin }, packed: None }
-}
-
-/// The f16 nearest to `x` on its side: `≥ x` if `up`, else `≤ x` (finite `x` within f16 range).
-fn f16_toward(x: f32, up: bool) -> f16 {
-    let h = f16::from_f32(x);
-    let v = h.to_f32();
-    if !v.is_finite() || (up && v >= x) || (!up && v <= x) {
-        return h;
+    QMatrix {
+        rows,
+        cols,
+        bits,
+        group,
+        lo,
+        hi,
+        scales: GroupScales::SuperI8 { sc, mn: (!q6).then_some(mn), d, dmin },
+        packed: None,
+        rotation: Default::default(),
     }
-    let b = h.to_bits();
-    f16::from_bits(if v == 0.0 {
-        if up {
-            0x0001
-        } else {
-            0x8001
-        }
-    } else if (v > 0.0) == up {
-        b + 1
-    } else {
-        b - 1
-    })
 }
 
-/// Quantize a row-major `rows × cols` f32 matrix (e.g. from safetensors, for `--quant q8|q4`).
+/// Quantize a row-major `rows × cols` f32 matrix (e.g. from safetensors, for `--quant q8|q4`): group 32,
+/// no rotation, by [`super::rtn::quantize`].
 ///
 /// [`QuantKind::Q8`]: [`QMatrix`] bits 8, group 32, implicit offset, f16 scale `S ≥ max|w|/127` (the f16
 /// at or above), codes `round(w/S) + 128` (error ≤ `S/2`).
@@ -485,74 +485,11 @@ fn f16_toward(x: f32, up: bool) -> f16 {
 /// # Panics
 /// If `data.len() != rows * cols`.
 pub fn quantize_f32(rows: usize, cols: usize, data: &[f32], kind: QuantKind) -> WeightMatrix {
-    assert_eq!(Some(data.len()), rows.checked_mul(cols), "quantize_f32: data is not rows × cols");
-    let n = data.len();
-    if cols % QK != 0 {
-        return WeightMatrix::F32 { rows, cols, data: data.to_vec() };
-    }
-    let groups = n / QK;
-    let mut scale = Vec::with_capacity(groups);
-    match kind {
-        QuantKind::Q8 => {
-            let mut lo = vec![0u8; n];
-            for (w, qo) in data.chunks_exact(QK).zip(lo.chunks_exact_mut(QK)) {
-                let amax = w.iter().fold(0f32, |a, &x| a.max(x.abs()));
-                let s16 = f16_toward(amax / 127.0, true);
-                let s = s16.to_f32();
-                if s == 0.0 || !s.is_finite() {
-                    scale.push(if s.is_finite() { s16 } else { f16::ZERO });
-                    qo.fill(128);
-                    continue;
-                }
-                scale.push(s16);
-                for (o, &x) in qo.iter_mut().zip(w) {
-                    *o = ((x / s).round().clamp(-127.0, 127.0) as i32 + 128) as u8;
-                }
-            }
-            WeightMatrix::Q(QMatrix {
-                rows,
-                cols,
-                bits: 8,
-                group: QK,
-                lo,
-                hi: Vec::new(),
-                scales: GroupScales::F16 { scale, min: None },
-                packed: None,
-            })
-        }
-        QuantKind::Q4 => {
-            let mut lo = vec![0u8; n / 2];
-            let mut min = Vec::with_capacity(groups);
-            for (w, p) in data.chunks_exact(QK).zip(lo.chunks_exact_mut(QK / 2)) {
-                let (l, h) = w.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &x| (lo.min(x), hi.max(x)));
-                let m16 = f16_toward(l, false);
-                let m = m16.to_f32();
-                let s16 = f16_toward((h - m) / 15.0, true);
-                let s = s16.to_f32();
-                min.push(m16);
-                if s == 0.0 || !s.is_finite() || !m.is_finite() {
-                    scale.push(f16::ZERO);
-                    p.fill(0);
-                    continue;
-                }
-                scale.push(s16);
-                let code = |x: f32| ((x - m) / s).round().clamp(0.0, 15.0) as u8;
-                for k in 0..QK / 2 {
-                    p[k] = code(w[k]) | (code(w[k + 16]) << 4);
-                }
-            }
-            WeightMatrix::Q(QMatrix {
-                rows,
-                cols,
-                bits: 4,
-                group: QK,
-                lo,
-                hi: Vec::new(),
-                scales: GroupScales::F16 { scale, min: Some(min) },
-                packed: None,
-            })
-        }
-    }
+    let format = match kind {
+        QuantKind::Q8 => super::rtn::Format::L,
+        QuantKind::Q4 => super::rtn::Format::M,
+    };
+    super::rtn::quantize(rows, cols, data, format, QK, Default::default())
 }
 
 #[cfg(test)]

@@ -4,16 +4,21 @@
 //! quantized along `cols` (groups never straddle rows):
 //!
 //! * [`QMatrix`]: unsigned `bits`-bit codes (`bits` ∈ {4, 5, 6, 8}) in blocks of 32 values, with a scale
-//!   `S` and an offset `M` per group of `group` values (32, or 16): `w = S·q + M`. The scales are f16
+//!   `S` and an offset `M` per group of `group` values (16, 32, 64 or 128): `w = S·q + M`. The scales are f16
 //!   per group ([`GroupScales::F16`]) or the k-quant two-level form ([`GroupScales::SuperI8`]); the offset
 //!   is explicit or the implicit `M = −2^(bits−1)·S` (symmetric codes). Every GGUF block type eddy reads
-//!   is imported into it exactly and at (nearly) its original size, see [`import`].
+//!   is imported into it exactly and at (nearly) its original size, see [`import`]; eddy's own M/L formats
+//!   ([`rtn`]) are QMatrix too, optionally with a block Hadamard [`rotation`] (`docs/quant-formats.md`).
 //! * `F32` / `Bf16`: small or unquantized tensors.
 //!
 //! Products against these run with int8 activations ([`crate::backend::cpu::QuantizedActivations`]),
 //! see `backend::cpu::matmul`.
 
 pub mod import;
+pub mod rotation;
+pub mod rtn;
+
+use rotation::Rotation;
 
 /// Values per code block, and per activation scale.
 pub const QK: usize = 32;
@@ -61,7 +66,8 @@ pub struct QMatrix {
     pub cols: usize,
     /// Code width: 4, 5, 6 or 8; codes are `0 ≤ q < 2^bits`.
     pub bits: u8,
-    /// Values per scale along a row: 32, or 16 (only with an implicit offset).
+    /// Values per scale along a row: 32; 16 (only with an implicit offset); 64 or 128 (only with
+    /// [`GroupScales::F16`]).
     pub group: usize,
     /// Low 4 bits (bits 4/5/6) or whole codes (bits 8); see the type docs.
     pub lo: Vec<u8>,
@@ -71,6 +77,9 @@ pub struct QMatrix {
     pub scales: GroupScales,
     /// Lane-per-row copy for the AVX-512 kernels ([`QMatrix::prepack`]), or `None`.
     pub packed: Option<Box<Packed>>,
+    /// The codes hold `W′ = H·D_out·W·D_in·H` of the matrix `W` they stand for ([`Rotation`]; the default
+    /// is no rotation on either side).
+    pub rotation: Rotation,
 }
 
 /// Rows per [`Packed`] block (one 32-bit vector lane per row).
@@ -324,8 +333,15 @@ impl QMatrix {
         let n = self.rows * self.cols;
         assert!(matches!(self.bits, 4 | 5 | 6 | 8), "QMatrix bits must be 4, 5, 6 or 8");
         assert!(self.cols.is_multiple_of(QK), "QMatrix cols must be a multiple of 32");
-        assert!(self.group == 32 || (self.group == 16 && self.bits != 8), "QMatrix group must be 32, or 16 with bits 4/5/6");
-        assert!(self.implicit_min() || (self.group == 32 && self.bits != 8), "QMatrix: explicit offsets need group 32 and bits 4/5/6");
+        let f16 = matches!(self.scales, GroupScales::F16 { .. });
+        assert!(
+            self.group == 32 || (self.group == 16 && self.bits != 8) || (matches!(self.group, 64 | 128) && f16),
+            "QMatrix group must be 32, 16 with bits 4/5/6, or 64/128 with f16 scales"
+        );
+        assert!(self.cols.is_multiple_of(self.group), "QMatrix cols must be a multiple of the group");
+        assert!(self.implicit_min() || (self.group >= 32 && self.bits != 8), "QMatrix: explicit offsets need group ≥ 32 and bits 4/5/6");
+        assert!(self.rotation.input.as_ref().is_none_or(|s| s.len() == self.cols), "QMatrix: input signs must number cols");
+        assert!(self.rotation.output.as_ref().is_none_or(|s| s.len() == self.rows), "QMatrix: output signs must number rows");
         let lo = if self.bits == 8 { n } else { n / 2 };
         if self.has_natural() {
             assert!(self.lo.len() >= lo && self.hi.len() >= n / QK * 4 * self.planes(), "QMatrix codes too short");
@@ -419,11 +435,39 @@ impl WeightMatrix {
             WeightMatrix::Q(m) => m.nbytes(),
         }
     }
-    /// Dequantize row `r` into `out` (`cols` values). Used for embedding lookup and as the reference.
+    /// Row `r` of the matrix the weights stand for, into `out` (`cols` values): the embedding lookup and
+    /// the reference. For a rotated [`QMatrix`] ([`QMatrix::rotation`]) that is a row of
+    /// `W = D_out·H·W′·H·D_in`: the stored row of `W′` ([`WeightMatrix::stored_row`]) transformed by
+    /// `D_in·H` (the output side mixes the stored rows of `r`'s Hadamard block, decoded into a temporary).
+    pub fn dequant_row(&self, r: usize, out: &mut [f32]) {
+        let WeightMatrix::Q(m) = self else { return self.stored_row(r, out) };
+        match &m.rotation.output {
+            None => self.stored_row(r, out),
+            Some(signs) => {
+                let (s, n) = rotation::blocks(m.rows).find(|&(s, n)| r < s + n).expect("row inside the matrix");
+                let mut tmp = vec![0f32; m.cols];
+                out.fill(0.0);
+                let norm = 1.0 / (n as f32).sqrt();
+                for j in 0..n {
+                    self.stored_row(s + j, &mut tmp);
+                    // H[i][j] of a Sylvester block: (−1)^popcount(i & j) / √n.
+                    let h = if ((r - s) & j).count_ones().is_multiple_of(2) { norm } else { -norm };
+                    out.iter_mut().zip(&tmp).for_each(|(o, &v)| *o += h * v);
+                }
+                out.iter_mut().for_each(|o| *o *= signs.v[r]);
+            }
+        }
+        if let Some(signs) = &m.rotation.input {
+            rotation::hadamard(out);
+            out.iter_mut().zip(&signs.v).for_each(|(o, s)| *o *= s);
+        }
+    }
+
+    /// Dequantize stored row `r` into `out` (`cols` values), without undoing any rotation.
     ///
     /// [`QMatrix`]: `S·q + M` with an explicit offset; `S·(q − 2^(bits−1))` (one f32 product of an exact
     /// integer) with the implicit one.
-    pub fn dequant_row(&self, r: usize, out: &mut [f32]) {
+    pub fn stored_row(&self, r: usize, out: &mut [f32]) {
         let cols = self.cols();
         assert_eq!(out.len(), cols);
         match self {
@@ -470,6 +514,7 @@ mod tests {
             hi: Vec::new(),
             scales: GroupScales::F16 { scale: vec![half::f16::from_f32(0.5); n / group], min: None },
             packed: None,
+            rotation: Rotation::default(),
         }
     }
 

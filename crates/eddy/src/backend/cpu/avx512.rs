@@ -29,6 +29,10 @@
 //!   up to 8 per row block. Measured faster than both kernels above at every `n` on Zen 4 (also `n = 1`:
 //!   no horizontal reductions), so it is used whenever present.
 //!
+//! Weight groups of 64 or 128 values (eddy's M/L formats, F16 scales) run on the packed kernel only: the
+//! order above with `g` counting units of 32 values (one activation scale each), each unit using the
+//! `S`/`M` of the weight group containing it. Unpacked they run on the scalar tile.
+//!
 //! Integer parts are exact and the float operations per pair are identical in all kernels, so a
 //! token's output is bit-identical for any `n`, tile, or thread count. (An untouched chain equals one
 //! updated with `fma(0, 0, acc)`, since chains can never be −0.)
@@ -111,6 +115,11 @@ mod imp {
             if n >= PACKED_MIN_N || !m.has_natural() {
                 return packed_rows::<B, G16>(ctx, m, pk, n, range);
             }
+        }
+        if m.group > QK {
+            // Groups of 64/128 (eddy's M/L formats) have only the packed kernel; unpacked (EDDY_PREPACK=0)
+            // they run on the scalar tile, for every n (so still batch invariant).
+            return super::super::scalar::tile(ctx, range.start, range.len(), 0, n);
         }
         // Smallest batch that uses the repacking GEMM (measured crossover; both give identical bits).
         let gemm_min_n = if B == 4 { 12 } else { 6 };
@@ -955,7 +964,6 @@ mod imp {
         let gs = if G16 { 16 } else { 32 };
         let gpb = QK / gs;
         let qpg = gs / 4;
-        let wgpr = cols / gs;
         let nblk = cols / QK;
         let sbpr = cols / QK_SUPER;
         let lpb = Packed::lines_per_block(B);
@@ -964,7 +972,10 @@ mod imp {
         let (xp, xs, xds, xsum) = token_ptrs::<G16, T>(ctx, t0);
         let lines = pk.lines.as_ptr().add(rb * nblk * lpb) as *const __m512i;
         // Scale streams of this row block: per group 16 lanes; `d`/`dmin` per super-block.
-        let g0 = rb * wgpr * PACK_ROWS;
+        let g0 = rb * (cols / m.group) * PACK_ROWS;
+        // Units of `gs` values per weight group (1, or 2/4 for groups of 64/128: the scale index is the
+        // unit's >> sh; the chains still run per unit of 32, as in the module docs' order with `g` = unit).
+        let sh = (m.group / gs).trailing_zeros();
         let s0 = rb * sbpr * PACK_ROWS;
         let (f16s, f16m, sc, mn, dd, dm) = match &pk.scales {
             GroupScales::F16 { scale, min } => (
@@ -1023,7 +1034,7 @@ mod imp {
             for hg in 0..gpb {
                 let w = b * gpb + hg;
                 let c = w & 15;
-                let gl = w * PACK_ROWS;
+                let gl = (w >> sh) * PACK_ROWS;
                 if sup {
                     _mm_prefetch::<_MM_HINT_T1>(sc.wrapping_add(gl + 1024));
                 } else {

@@ -57,7 +57,7 @@ use crate::quant::{WeightMatrix, QK};
 
 pub use ops::Cpu;
 pub use pool::ThreadPool;
-pub use quantize::{quantize_activations, quantize_activations_with, QuantizedActivations};
+pub use quantize::{quantize_activations, quantize_activations_with, quantize_rotated_with, QuantizedActivations};
 pub use reference::matmul_reference;
 
 /// A kernel implementation path. Ordered from least to most capable.
@@ -209,18 +209,53 @@ pub fn matmul_with(kernel: Kernel, pool: &ThreadPool, w: &WeightMatrix, x: &[f32
             debug_assert!(x.is_empty() || x.len() >= n * cols);
         }
     }
+    let out_signs = match w {
+        WeightMatrix::Q(m) => {
+            let want = m.rotation.input.as_ref().map_or(0, |s| s.id);
+            assert_eq!(xq.rotation, want, "activations quantized for another input rotation than these weights' (quantize_rotated_with)");
+            m.rotation.output.as_deref()
+        }
+        _ => None,
+    };
     if n == 0 || rows == 0 {
         return;
     }
     let ctx = Ctx { w, x, xq, rows, cols, out: SyncPtr(out.as_mut_ptr()) };
-    // Rows per claimed chunk: a multiple of the 16-row GEMM block, and at least ~64 K multiply-adds.
-    let min_chunk = (65536 / (cols * n).max(1)).clamp(16, 256).next_multiple_of(16);
+    // Rows per claimed chunk: a multiple of the 16-row GEMM block (of the 32-row Hadamard block with an
+    // output rotation, so that every block lies in one chunk), and at least ~64 K multiply-adds.
+    let align = if out_signs.is_some() { 32 } else { 16 };
+    let min_chunk = (65536 / (cols * n).max(1)).clamp(16, 256).next_multiple_of(align);
+    // SAFETY (both arms): shapes checked above; chunks are disjoint row ranges, so workers write disjoint
+    // outputs, and the epilogue reads and writes only its chunk's rows.
+    let chunk = |range: Range<usize>| unsafe {
+        process_rows(kernel, &ctx, n, range.clone());
+        if let Some(signs) = out_signs {
+            rotate_output_rows(&ctx, n, range, signs);
+        }
+    };
     if pool.n_threads() == 1 || rows * cols * n < 1 << 17 {
-        // SAFETY: shapes checked above; the whole output is ours.
-        unsafe { process_rows(kernel, &ctx, n, 0..rows) };
+        chunk(0..rows);
     } else {
-        // SAFETY: chunks are disjoint row ranges, so workers write disjoint outputs.
-        pool.parallel_for(rows, min_chunk, |range| unsafe { process_rows(kernel, &ctx, n, range) });
+        pool.parallel_for(rows, min_chunk, chunk);
+    }
+}
+
+/// Epilogue of a product with an output rotation: `y ← D_out ⊙ (H·y)` on the Hadamard blocks of rows
+/// `range` (whole blocks: `range` starts on a multiple of 32 and ends on one or at `rows`) of every token,
+/// right after the worker computed them.
+///
+/// # Safety
+/// `range` must be this worker's rows of `ctx.out` (`n × rows`), already computed.
+unsafe fn rotate_output_rows(ctx: &Ctx, n: usize, range: Range<usize>, signs: &crate::quant::rotation::Signs) {
+    use crate::quant::rotation::{blocks, fwht};
+    for t in 0..n {
+        let row = std::slice::from_raw_parts_mut(ctx.out.get().add(t * ctx.rows), ctx.rows);
+        for (s, len) in blocks(ctx.rows).filter(|&(s, _)| range.contains(&s)) {
+            debug_assert!(s + len <= range.end);
+            let y = &mut row[s..s + len];
+            fwht(y);
+            y.iter_mut().zip(&signs.v[s..s + len]).for_each(|(y, s)| *y *= s);
+        }
     }
 }
 
@@ -241,6 +276,9 @@ pub(crate) const ROW_BLOCK: usize = 32;
 /// Scalar/AVX2: row blocks of [`ROW_BLOCK`], token tiles of 4, row tiles of 4 (1 at a row tail).
 /// AVX-512 has its own blocking (see `avx512.rs`).
 unsafe fn process_rows(kernel: Kernel, ctx: &Ctx, n: usize, range: Range<usize>) {
+    // Weight groups of 64/128 (eddy's M/L formats): the AVX-512 packed kernel (unpacked: the scalar tile,
+    // see avx512.rs); the AVX2 path hands them to the scalar tile.
+    let kernel = if kernel == Kernel::Avx2 && matches!(ctx.w, WeightMatrix::Q(m) if m.group > QK) { Kernel::Scalar } else { kernel };
     if kernel == Kernel::Avx512 {
         return avx512::rows(ctx, n, range);
     }

@@ -7,7 +7,7 @@ use super::attention::{attention, AttnShape, Visibility};
 use super::gdn::{self, GdnShape};
 use super::norm::{rms_norm, rms_norm_inplace};
 use super::rope::Rope;
-use super::{matmul, quantize_activations, QuantizedActivations, ThreadPool};
+use super::{matmul, quantize_rotated_with, Kernel, QuantizedActivations, ThreadPool};
 use crate::backend::Backend;
 use crate::quant::WeightMatrix;
 
@@ -74,8 +74,12 @@ impl Backend for Cpu {
         }
     }
 
-    fn quantize(&self, x: &Vec<f32>, n: usize, cols: usize, xq: &mut QuantizedActivations) {
-        quantize_activations(&self.pool, &x[..n * cols], n, cols, xq);
+    fn quantize(&self, x: &Vec<f32>, n: usize, cols: usize, w: &WeightMatrix, xq: &mut QuantizedActivations) {
+        let signs = match w {
+            WeightMatrix::Q(m) => m.rotation.input.as_deref(),
+            _ => None,
+        };
+        quantize_rotated_with(Kernel::active(), &self.pool, &x[..n * cols], n, cols, signs, xq);
     }
 
     fn matmul(&self, w: &WeightMatrix, x: &Vec<f32>, xq: &QuantizedActivations, n: usize, out: &mut Vec<f32>) {

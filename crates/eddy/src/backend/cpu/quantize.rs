@@ -1,6 +1,8 @@
-//! Per-token, per-32-group int8 quantization of activations.
+//! Per-token, per-32-group int8 quantization of activations, with the input side of a weight rotation
+//! (`x̃ = H·(D_in ⊙ x)`, `crate::quant::rotation`) fused in.
 
 use super::{Kernel, SyncPtr, ThreadPool};
+use crate::quant::rotation::Signs;
 use crate::quant::QK;
 
 /// Activations quantized to int8 per token (row of `x`) and per group of [`QK`] = 32 values.
@@ -28,6 +30,9 @@ pub struct QuantizedActivations {
     pub dsum: Vec<f32>,
     /// `n * cols / 16` sums of the codes per 16 values.
     pub sum16: Vec<i32>,
+    /// [`Signs::id`] of the input rotation applied before quantizing (0: none); a product checks it
+    /// against its weights' input signs.
+    pub rotation: u64,
 }
 
 impl QuantizedActivations {
@@ -69,10 +74,35 @@ pub fn quantize_activations(pool: &ThreadPool, x: &[f32], n: usize, cols: usize,
 
 /// [`quantize_activations`] on an explicitly chosen path. Panics if `kernel` is not available.
 pub fn quantize_activations_with(kernel: Kernel, pool: &ThreadPool, x: &[f32], n: usize, cols: usize, out: &mut QuantizedActivations) {
+    quantize_rotated_with(kernel, pool, x, n, cols, None, out)
+}
+
+/// Values rotated per step of the fused rotation (8 groups of 32, a 1 KiB stack buffer).
+const ROT_GROUPS: usize = 8;
+
+/// [`quantize_activations_with`] of `H·(D_in ⊙ x)` per token, `D_in` = `signs` (`cols` of them; `None` =
+/// no rotation): the rotation of every group of 32 is done in registers / a stack buffer right before the
+/// group is quantized (no pass over the activations of its own). `out.rotation` records the signs' id.
+/// The rotated values are bit-identical on every path (same butterfly order, see
+/// [`crate::quant::rotation::fwht`]), so the codes are too.
+///
+/// Panics if `kernel` is not available, `cols % 32 != 0`, `x` is short, or `signs` does not number `cols`.
+pub fn quantize_rotated_with(
+    kernel: Kernel,
+    pool: &ThreadPool,
+    x: &[f32],
+    n: usize,
+    cols: usize,
+    signs: Option<&Signs>,
+    out: &mut QuantizedActivations,
+) {
     assert!(kernel.is_available(), "kernel path {kernel:?} is not supported by this CPU");
     assert_eq!(cols % QK, 0, "cols must be a multiple of 32");
     assert!(x.len() >= n * cols, "x must hold n*cols values");
+    assert!(signs.is_none_or(|s| s.len() == cols), "input rotation: {cols} values per token for {} signs", signs.map_or(0, |s| s.len()));
     out.resize(n, cols);
+    out.rotation = signs.map_or(0, |s| s.id);
+    let gpr = cols / QK;
     let q = SyncPtr(out.q.as_mut_ptr());
     let s16 = SyncPtr(out.sum16.as_mut_ptr());
     let sc = SyncPtr(out.scale.as_mut_ptr());
@@ -88,7 +118,23 @@ pub fn quantize_activations_with(kernel: Kernel, pool: &ThreadPool, x: &[f32], n
             let q = std::slice::from_raw_parts_mut(q.get().add(g0 * QK), ng * QK);
             let sc = std::slice::from_raw_parts_mut(sc.get().add(g0), ng);
             let sm = std::slice::from_raw_parts_mut(sm.get().add(g0), ng);
-            quantize_groups(kernel, xs, q, sc, sm);
+            match signs {
+                None => quantize_groups(kernel, xs, q, sc, sm),
+                Some(signs) => {
+                    let mut buf = [0f32; ROT_GROUPS * QK];
+                    let mut g = 0;
+                    while g < ng {
+                        let k = (ng - g).min(ROT_GROUPS);
+                        for i in 0..k {
+                            let sg = &signs.v[(g0 + g + i) % gpr * QK..][..QK];
+                            rotate_group(kernel, &xs[(g + i) * QK..][..QK], sg, &mut buf[i * QK..][..QK]);
+                        }
+                        let (qs, scs, sms) = (&mut q[g * QK..(g + k) * QK], &mut sc[g..g + k], &mut sm[g..g + k]);
+                        quantize_groups(kernel, &buf[..k * QK], qs, scs, sms);
+                        g += k;
+                    }
+                }
+            }
             let ds = std::slice::from_raw_parts_mut(ds.get().add(g0), ng);
             let s16 = std::slice::from_raw_parts_mut(s16.get().add(2 * g0), 2 * ng);
             for g in 0..ng {
@@ -104,6 +150,22 @@ pub fn quantize_activations_with(kernel: Kernel, pool: &ThreadPool, x: &[f32], n
     } else {
         pool.parallel_for(groups, 1024, body);
     }
+}
+
+/// `out = H₃₂·(signs ⊙ x)` for one group of 32 ([`crate::quant::rotation::fwht`]'s operation order on every
+/// path).
+#[inline]
+fn rotate_group(kernel: Kernel, x: &[f32], signs: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx512 {
+        // SAFETY: the AVX-512 path was checked to be available; all slices hold 32 values.
+        return unsafe { simd::rotate_avx512(x, signs, out) };
+    }
+    let _ = kernel;
+    for ((o, &v), &s) in out.iter_mut().zip(x).zip(signs) {
+        *o = v * s;
+    }
+    crate::quant::rotation::fwht(out);
 }
 
 /// Scale, inverse scale for a group with maximum magnitude `amax`.
@@ -146,6 +208,27 @@ fn quantize_scalar(x: &[f32], q: &mut [i8], sc: &mut [f32], sm: &mut [i32]) {
 mod simd {
     use super::{group_scale, QK};
     use std::arch::x86_64::*;
+
+    /// `out = H₃₂·(signs ⊙ x)`: strides 1, 2, 4, 8 inside each 16-lane half (partner lane `i ^ h` by a
+    /// permute; lanes with bit `h` set take `partner − self`, the others `self + partner`), stride 16
+    /// across the halves, then `× 1/√32`: the scalar butterfly's operations, so bit-identical.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn rotate_avx512(x: &[f32], signs: &[f32], out: &mut [f32]) {
+        debug_assert!(x.len() >= QK && signs.len() >= QK && out.len() >= QK);
+        let mut a = _mm512_mul_ps(_mm512_loadu_ps(x.as_ptr()), _mm512_loadu_ps(signs.as_ptr()));
+        let mut b = _mm512_mul_ps(_mm512_loadu_ps(x.as_ptr().add(16)), _mm512_loadu_ps(signs.as_ptr().add(16)));
+        let lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        for (h, hi) in [(1, 0xAAAAu16), (2, 0xCCCC), (4, 0xF0F0), (8, 0xFF00)] {
+            let idx = _mm512_xor_si512(lane, _mm512_set1_epi32(h));
+            let pa = _mm512_permutexvar_ps(idx, a);
+            a = _mm512_mask_sub_ps(_mm512_add_ps(a, pa), hi, pa, a);
+            let pb = _mm512_permutexvar_ps(idx, b);
+            b = _mm512_mask_sub_ps(_mm512_add_ps(b, pb), hi, pb, b);
+        }
+        let s = _mm512_set1_ps(1.0 / (QK as f32).sqrt());
+        _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(_mm512_add_ps(a, b), s));
+        _mm512_storeu_ps(out.as_mut_ptr().add(16), _mm512_mul_ps(_mm512_sub_ps(a, b), s));
+    }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
     pub(super) unsafe fn quantize_avx512(x: &[f32], q: &mut [i8], sc: &mut [f32], sm: &mut [i32]) {

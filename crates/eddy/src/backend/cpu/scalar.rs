@@ -39,27 +39,29 @@ fn dot(ctx: &Ctx, r: usize, t: usize) -> f32 {
             acc
         }
         WeightMatrix::Q(m) => {
+            // Units of min(group, 32) values: one activation scale and one weight scale each.
             let gs = m.group;
+            let u = gs.min(QK);
             let xgpr = cols / QK;
             let xq = ctx.xq;
             let xs = &xq.q[t * cols..(t + 1) * cols];
             let half = 1i32 << (m.bits - 1);
             let mut q = [0u8; QK];
             let mut acc = 0f32;
-            for g in 0..cols / gs {
-                let c0 = g * gs;
+            for k in 0..cols / u {
+                let c0 = k * u;
                 if c0 % QK == 0 {
                     q = m.decode_block((r * cols + c0) / QK);
                 }
                 let mut dot = 0i32;
-                for j in 0..gs {
+                for j in 0..u {
                     dot += q[c0 % QK + j] as i32 * xs[c0 + j] as i32;
                 }
                 let xi = t * xgpr + c0 / QK;
                 let d = xq.scale[xi];
-                match m.scale_min(r, g) {
+                match m.scale_min(r, c0 / gs) {
                     (s, None) => {
-                        let sx = if gs == 16 { xq.sum16[t * cols / 16 + g] } else { xq.sum[xi] };
+                        let sx = if u == 16 { xq.sum16[t * cols / 16 + k] } else { xq.sum[xi] };
                         acc += (s * d) * (dot - half * sx) as f32;
                     }
                     (s, Some(mn)) => {

@@ -53,7 +53,7 @@ enum Kind {
 }
 /// Every bits × scales combination the imports produce (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 /// and the `--quant` formats), plus a few more the format allows.
-const KINDS: [Kind; 14] = [
+const KINDS: [Kind; 18] = [
     Kind::Q(4, 32, Sc::F16Implicit),
     Kind::Q(4, 32, Sc::F16Min),
     Kind::Q(4, 32, Sc::SuperMin),
@@ -66,6 +66,11 @@ const KINDS: [Kind; 14] = [
     Kind::Q(8, 32, Sc::SuperImplicit),
     Kind::Q(4, 16, Sc::SuperImplicit),
     Kind::Q(5, 16, Sc::F16Implicit),
+    // eddy's M and L formats (`quant::rtn`): groups of 64 and 128.
+    Kind::Q(4, 64, Sc::F16Min),
+    Kind::Q(4, 128, Sc::F16Min),
+    Kind::Q(8, 64, Sc::F16Implicit),
+    Kind::Q(8, 128, Sc::F16Implicit),
     Kind::F32,
     Kind::Bf16,
 ];
@@ -74,6 +79,7 @@ const KINDS: [Kind; 14] = [
 fn cols_for(kind: Kind, cols: usize) -> usize {
     match kind {
         Kind::Q(_, _, Sc::SuperMin | Sc::SuperImplicit) => cols.next_multiple_of(256),
+        Kind::Q(_, group, _) => cols.next_multiple_of(group),
         _ => cols,
     }
 }
@@ -106,6 +112,7 @@ fn rand_weights(kind: Kind, rows: usize, cols: usize, rng: &mut Rng) -> WeightMa
                 hi: (0..n / QK * 4 * planes).map(|_| rng.next() as u8).collect(),
                 scales,
                 packed: None,
+                rotation: Default::default(),
             })
         }
         Kind::F32 => WeightMatrix::F32 { rows, cols, data: (0..rows * cols).map(|_| rng.nz(0.001, 0.1)).collect() },
@@ -505,4 +512,133 @@ fn prepacked_matmul_is_bit_identical_to_unpacked() {
             }
         }
     }
+}
+
+/// Rotated M/L matrices of heavy-tailed random weights (`quant::rtn`), both sides rotated.
+fn rotated_matrix(format: crate::quant::rtn::Format, group: usize, rows: usize, cols: usize, rng: &mut Rng) -> WeightMatrix {
+    use crate::quant::rotation::{Rotation, Signs};
+    use std::sync::Arc;
+    let data: Vec<f32> =
+        (0..rows * cols).map(|_| if rng.next().is_multiple_of(64) { rng.nz(0.1, 1.0) } else { rng.nz(0.001, 0.03) }).collect();
+    let rot = Rotation { input: Some(Arc::new(Signs::random(cols, rng.next()))), output: Some(Arc::new(Signs::random(rows, rng.next()))) };
+    crate::quant::rtn::quantize(rows, cols, &data, format, group, rot)
+}
+
+fn input_signs(w: &WeightMatrix) -> &crate::quant::rotation::Signs {
+    let WeightMatrix::Q(m) = w else { panic!("not quantized") };
+    m.rotation.input.as_deref().expect("input rotation")
+}
+
+/// The fused rotate-and-quantize is bit-identical on every path and equals quantizing the explicitly
+/// rotated activations (`Rotation::rotate_input` per token), split across threads or not.
+#[test]
+fn quantize_rotated_matches_explicit_rotation_exactly() {
+    use crate::quant::rotation::{Rotation, Signs};
+    use std::sync::Arc;
+    let mut rng = Rng(21);
+    let pools: Vec<ThreadPool> = (1..=2).map(ThreadPool::new).collect();
+    for &cols in &[32usize, 96, 576, 928] {
+        let signs = Arc::new(Signs::random(cols, cols as u64));
+        let rot = Rotation { input: Some(signs.clone()), output: None };
+        for &n in &[1usize, 3, 150] {
+            let x = rand_x(n, cols, &mut rng);
+            let mut xr = x.clone();
+            xr.chunks_exact_mut(cols).for_each(|row| rot.rotate_input(row));
+            let want = quantize(Kernel::Scalar, &xr, n, cols);
+            for k in Kernel::available() {
+                for pool in &pools {
+                    let mut got = QuantizedActivations::new();
+                    quantize_rotated_with(k, pool, &x, n, cols, Some(&signs), &mut got);
+                    let what = format!("{k:?} cols {cols} n {n} threads {}", pool.n_threads());
+                    assert_eq!(got.rotation, signs.id, "{what}");
+                    assert_eq!(got.q, want.q, "{what}");
+                    assert_eq!(
+                        got.scale.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        want.scale.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                    );
+                    assert_eq!((&got.sum, &got.sum16), (&want.sum, &want.sum16), "{what}");
+                    assert_ne!(got.q, quantize(Kernel::Scalar, &x, n, cols).q, "{what}: rotation changed nothing");
+                }
+            }
+        }
+    }
+}
+
+/// Rotated M/L products (input rotation fused into the quantizer, output rotation in the epilogue) on
+/// every path — unpacked, prepacked, and prepacked without natural codes (what the CPU backend runs) —
+/// against the reference, and bit-identical for any batch size and thread count; odd rows (tail Hadamard
+/// blocks), partial 16-row blocks, several groups per row.
+#[test]
+fn rotated_matmul_matches_reference_and_is_batch_invariant() {
+    use crate::quant::rtn::Format;
+    let mut rng = Rng(22);
+    let pools: Vec<ThreadPool> = (1..=3).map(ThreadPool::new).collect();
+    for (format, group) in [(Format::M, 32), (Format::M, 64), (Format::M, 128), (Format::L, 32), (Format::L, 128)] {
+        for &(rows, cols) in &[(1usize, 128usize), (7, 256), (45, 384), (100, 640), (203, 1024)] {
+            let w = rotated_matrix(format, group, rows, cols, &mut rng);
+            let mut wp = w.clone();
+            if let WeightMatrix::Q(m) = &mut wp {
+                m.prepack();
+            }
+            let mut wd = wp.clone();
+            if let WeightMatrix::Q(m) = &mut wd {
+                m.drop_natural();
+            }
+            let signs = input_signs(&w);
+            let nmax = 13;
+            let x = rand_x(nmax, cols, &mut rng);
+            let xq_all = {
+                let mut q = QuantizedActivations::new();
+                quantize_rotated_with(Kernel::Scalar, &pools[0], &x, nmax, cols, Some(signs), &mut q);
+                q
+            };
+            let mut want = vec![0f32; nmax * rows];
+            matmul_reference(&w, &x, &xq_all, nmax, &mut want);
+            for k in Kernel::available() {
+                let variants: Vec<&WeightMatrix> = if k == Kernel::Avx512 { vec![&w, &wp, &wd] } else { vec![&w] };
+                for (v, ww) in variants.into_iter().enumerate() {
+                    let what = format!("{format:?} g{group} {k:?} variant {v} {rows}x{cols}");
+                    let mut single = vec![0f32; nmax * rows];
+                    for t in 0..nmax {
+                        let mut xq = QuantizedActivations::new();
+                        quantize_rotated_with(k, &pools[0], &x[t * cols..(t + 1) * cols], 1, cols, Some(signs), &mut xq);
+                        matmul_with(k, &pools[0], ww, &[], &xq, 1, &mut single[t * rows..(t + 1) * rows]);
+                    }
+                    for t in 0..nmax {
+                        // Output rotation mixes the rows of a block: tolerance from the block's largest term sum.
+                        let mags: Vec<f64> = (0..rows).map(|r| magnitude(&w, &x, &xq_all, r, t)).collect();
+                        for r in 0..rows {
+                            let blk = r / 32 * 32;
+                            let m = mags[blk..(blk + 32).min(rows)].iter().fold(0f64, |a, &b| a.max(b));
+                            let (g, e) = (single[t * rows + r], want[t * rows + r]);
+                            assert!(((g - e) as f64).abs() <= 1e-5 * m * 6.0, "{what} t={t} r={r}: {g} vs {e}");
+                        }
+                    }
+                    for &n in &[2usize, 5, 8, 13] {
+                        let mut xq = QuantizedActivations::new();
+                        quantize_rotated_with(k, &pools[1], &x[..n * cols], n, cols, Some(signs), &mut xq);
+                        for pool in &pools {
+                            let mut got = vec![f32::NAN; n * rows];
+                            matmul_with(k, pool, ww, &[], &xq, n, &mut got);
+                            for i in 0..n * rows {
+                                assert_eq!(got[i].to_bits(), single[i].to_bits(), "{what} n={n} threads={} i={i}", pool.n_threads());
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Activations quantized without (or with other) input signs are refused by a rotated matrix.
+#[test]
+fn rotated_matmul_refuses_unrotated_activations() {
+    let mut rng = Rng(23);
+    let pool = ThreadPool::new(1);
+    let w = rotated_matrix(crate::quant::rtn::Format::M, 64, 32, 128, &mut rng);
+    let x = rand_x(1, 128, &mut rng);
+    let xq = quantize(Kernel::Scalar, &x, 1, 128);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| matmul_with(Kernel::Scalar, &pool, &w, &[], &xq, 1, &mut [0f32; 32])));
+    assert!(r.is_err(), "unrotated activations were accepted");
 }

@@ -1,0 +1,273 @@
+//! A loaded model re-quantized into eddy's own M/L formats (`docs/quant-formats.md`): every matrix a
+//! forward pass multiplies by (and the token embedding) is dequantized to f32 (undoing any rotation it
+//! carries), rotated and rounded to nearest by [`crate::quant::rtn::quantize`].
+//!
+//! Signs: matrices that read the same quantized activations must share their input signs (one activation
+//! quantization serves them: q/k/v, gate/up, the Gated DeltaNet input projections); every input site gets
+//! its own signs, and every matrix its own output signs, all drawn from one seed. The embedding and the
+//! LM head are rotated on the input side only (an embedding lookup then undoes the rotation of one row:
+//! `D_in·H·row`), and are stored in L (int8) under either format (llama.cpp's 4-bit types likewise keep
+//! the output matrix at 6-8 bits; requantizing SmolLM2-135M's tied embedding to 4 bits alone costs
+//! several times the KL of all the other matrices).
+//!
+//! Group: a matrix whose row length is not a multiple of the asked group (e.g. width 576 at group 128)
+//! takes the largest of 64, 32 that divides it; a row length that is not a multiple of 32 stays f32.
+
+use super::{Mixer, Model};
+use crate::backend::Cpu;
+use crate::quant::rotation::{splitmix64, Rotation, Signs};
+use crate::quant::rtn::{self, Format};
+use crate::quant::WeightMatrix;
+use std::sync::Arc;
+
+/// How [`quantize_model`] stores the matrices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuantizeOptions {
+    /// M (int4) or L (int8).
+    pub format: Format,
+    /// Values per scale: 32, 64 or 128.
+    pub group: usize,
+    /// Apply the block Hadamard rotation (both sides; input side only for the embedding / LM head).
+    pub rotate: bool,
+    /// Seed of the random signs.
+    pub seed: u64,
+}
+
+/// What one input site is: its signs are drawn from `(seed, site)`.
+fn site_signs(opts: &QuantizeOptions, site: u64, n: usize) -> Arc<Signs> {
+    let mut s = opts.seed ^ site.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    Arc::new(Signs::random(n, splitmix64(&mut s)))
+}
+
+/// One matrix to convert: where it is, its input site, whether its output side is rotated.
+struct Job<'a> {
+    w: &'a mut WeightMatrix,
+    site: u64,
+    output: bool,
+}
+
+/// Re-quantize every matrix of `model` to `opts` (see the module docs), then upload them to the CPU
+/// backend (prepack). `progress(done, total)` is called after each matrix. Returns the bits per weight
+/// of the converted matrices (codes, scales and offsets over their weights; f32 leftovers count 32).
+pub fn quantize_model(model: &mut Model, opts: &QuantizeOptions, progress: &mut dyn FnMut(usize, usize)) -> f64 {
+    assert!(rtn::GROUPS.contains(&opts.group), "group {} (expected 32, 64 or 128)", opts.group);
+    const HEAD: u64 = u64::MAX;
+    let n_layers = model.layers.len() as u64;
+    let mut jobs: Vec<Job> = Vec::new();
+    jobs.push(Job { w: &mut model.embed, site: HEAD, output: false });
+    if let Some(o) = &mut model.output {
+        jobs.push(Job { w: o, site: HEAD, output: false });
+    }
+    let mtp = model.mtp.as_mut().map(|m| (&mut m.fc, &mut m.layer));
+    let layers = model.layers.iter_mut().enumerate().map(|(l, layer)| (l as u64, layer));
+    let mut all_layers: Vec<(u64, &mut super::Layer)> = layers.collect();
+    if let Some((fc, layer)) = mtp {
+        jobs.push(Job { w: fc, site: 4 * (n_layers + 1), output: true });
+        all_layers.push((n_layers, layer));
+    }
+    for (l, layer) in all_layers {
+        let (a_in, a_out, f_in, f_down) = (4 * l, 4 * l + 1, 4 * l + 2, 4 * l + 3);
+        match &mut layer.mixer {
+            Mixer::Attention(a) => {
+                for w in [&mut a.wq, &mut a.wk, &mut a.wv] {
+                    jobs.push(Job { w, site: a_in, output: true });
+                }
+                jobs.push(Job { w: &mut a.wo, site: a_out, output: true });
+            }
+            Mixer::DeltaNet(g) => {
+                for w in [&mut g.w_qkv, &mut g.w_z, &mut g.w_b, &mut g.w_a] {
+                    jobs.push(Job { w, site: a_in, output: true });
+                }
+                jobs.push(Job { w: &mut g.w_out, site: a_out, output: true });
+            }
+        }
+        jobs.push(Job { w: &mut layer.w_gate, site: f_in, output: true });
+        jobs.push(Job { w: &mut layer.w_up, site: f_in, output: true });
+        jobs.push(Job { w: &mut layer.w_down, site: f_down, output: true });
+    }
+    let total = jobs.len();
+    let (mut bits, mut weights) = (0f64, 0f64);
+    for (i, job) in jobs.into_iter().enumerate() {
+        let (rows, cols) = (job.w.rows(), job.w.cols());
+        let mut data = vec![0f32; rows * cols];
+        for (r, row) in data.chunks_exact_mut(cols).enumerate() {
+            job.w.dequant_row(r, row);
+        }
+        let group = [opts.group, 64, 32].into_iter().find(|&g| g <= opts.group && cols.is_multiple_of(g));
+        // The vocabulary matrices (embedding, LM head) stay at 8 bits: the most sensitive matrix, as
+        // llama.cpp keeps its output at 6-8 bits in every 4-bit type.
+        let format = if job.site == HEAD { Format::L } else { opts.format };
+        let new = match group {
+            Some(group) => {
+                let rotation = if opts.rotate {
+                    Rotation {
+                        input: Some(site_signs(opts, job.site, cols)),
+                        output: job.output.then(|| site_signs(opts, (1u64 << 40) + i as u64, rows)),
+                    }
+                } else {
+                    Rotation::default()
+                };
+                rtn::quantize(rows, cols, &data, format, group, rotation)
+            }
+            None => WeightMatrix::F32 { rows, cols, data },
+        };
+        bits += match (&new, group) {
+            (WeightMatrix::Q(_), Some(g)) => format.bits_per_weight(g),
+            _ => 32.0,
+        } * (rows * cols) as f64;
+        weights += (rows * cols) as f64;
+        *job.w = new;
+        progress(i + 1, total);
+    }
+    Cpu::upload_all(model.matmul_weights_mut());
+    bits / weights
+}
+
+/// The matrices of `model` under their Hugging Face tensor names (`pre`: the folder's prefix, e.g.
+/// `model.`), for the dense architectures.
+fn named_matrices<'a>(model: &'a Model, pre: &str, lm_head: &str) -> crate::error::Result<Vec<(String, &'a WeightMatrix)>> {
+    let mut v = vec![(format!("{pre}embed_tokens.weight"), &model.embed)];
+    if let Some(o) = &model.output {
+        v.push((lm_head.to_string(), o));
+    }
+    for (l, layer) in model.layers.iter().enumerate() {
+        let Mixer::Attention(a) = &layer.mixer else {
+            return Err(crate::error::Error::Input("eddy quantize: hybrid (Gated DeltaNet) models cannot be written yet".into()));
+        };
+        let p = |s: &str| format!("{pre}layers.{l}.{s}");
+        v.extend([
+            (p("self_attn.q_proj.weight"), &a.wq),
+            (p("self_attn.k_proj.weight"), &a.wk),
+            (p("self_attn.v_proj.weight"), &a.wv),
+            (p("self_attn.o_proj.weight"), &a.wo),
+            (p("mlp.gate_proj.weight"), &layer.w_gate),
+            (p("mlp.up_proj.weight"), &layer.w_up),
+            (p("mlp.down_proj.weight"), &layer.w_down),
+        ]);
+    }
+    Ok(v)
+}
+
+/// The tensors that store one matrix in an eddy model folder (`docs/quant-formats.md`, "Model folder"):
+/// `(name, dtype, shape, bytes)`.
+fn matrix_tensors(name: &str, w: &WeightMatrix) -> Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> {
+    use safetensors::Dtype;
+    let (rows, cols) = (w.rows(), w.cols());
+    let m = match w {
+        WeightMatrix::Q(m) => m,
+        _ => {
+            let mut data = vec![0f32; cols];
+            let mut bytes = Vec::with_capacity(rows * cols * 4);
+            for r in 0..rows {
+                w.stored_row(r, &mut data);
+                bytes.extend(data.iter().flat_map(|v| v.to_le_bytes()));
+            }
+            return vec![(name.to_string(), Dtype::F32, vec![rows, cols], bytes)];
+        }
+    };
+    let nblk = rows * cols / crate::quant::QK;
+    let mut codes = Vec::with_capacity(if m.bits == 8 { rows * cols } else { rows * cols / 2 });
+    for b in 0..nblk {
+        let q = m.decode_block(b);
+        if m.bits == 8 {
+            codes.extend_from_slice(&q);
+        } else {
+            codes.extend((0..16).map(|j| q[j] | (q[j + 16] << 4)));
+        }
+    }
+    let ccols = if m.bits == 8 { cols } else { cols / 2 };
+    let mut out = vec![(name.to_string(), Dtype::U8, vec![rows, ccols], codes)];
+    let crate::quant::GroupScales::F16 { scale, min } = &m.scales else { unreachable!("M/L matrices have f16 scales") };
+    let f16b = |v: &[half::f16]| v[..rows * cols / m.group].iter().flat_map(|h| h.to_bits().to_le_bytes()).collect::<Vec<u8>>();
+    out.push((format!("{name}.scales"), Dtype::F16, vec![rows, cols / m.group], f16b(scale)));
+    if let Some(min) = min {
+        out.push((format!("{name}.zero_points"), Dtype::F16, vec![rows, cols / m.group], f16b(min)));
+    }
+    let signs = |s: &Signs| s.v.iter().map(|&x| if x < 0.0 { 0xFFu8 } else { 1 }).collect::<Vec<u8>>();
+    if let Some(s) = &m.rotation.input {
+        out.push((format!("{name}.input_signs"), Dtype::I8, vec![cols], signs(s)));
+    }
+    if let Some(s) = &m.rotation.output {
+        out.push((format!("{name}.output_signs"), Dtype::I8, vec![rows], signs(s)));
+    }
+    out
+}
+
+/// Write `model` — loaded from the Hugging Face folder `src` and re-quantized by [`quantize_model`] with
+/// `opts` — as an eddy model folder `out` (`docs/quant-formats.md`, "Model folder"): every file of `src`
+/// but its weights, `config.json` with a `quantization_config` added, and `model.safetensors` with the
+/// re-quantized matrices and the other tensors copied as stored. Written into a temporary folder next to
+/// `out` and renamed into place at the end: on any error nothing is left at `out` (nor the temporary).
+///
+/// Errors: `out` exists, a hybrid model, an I/O failure, what reading `src` reports.
+pub fn write_folder(src: &std::path::Path, model: &Model, opts: &QuantizeOptions, out: &std::path::Path) -> crate::error::Result<()> {
+    use crate::error::Error;
+    if out.exists() {
+        return Err(Error::model(out, "already exists (eddy quantize never overwrites; remove it or pick another -o)"));
+    }
+    let file_name = out.file_name().ok_or_else(|| Error::model(out, "not a folder name"))?.to_string_lossy().into_owned();
+    let tmp = out.with_file_name(format!(".{file_name}.tmp-{}", std::process::id()));
+    let result = write_into(src, model, opts, &tmp)
+        .and_then(|()| std::fs::rename(&tmp, out).map_err(|e| Error::Io { path: out.to_path_buf(), source: e }));
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    result
+}
+
+fn write_into(src: &std::path::Path, model: &Model, opts: &QuantizeOptions, tmp: &std::path::Path) -> crate::error::Result<()> {
+    use crate::error::Error;
+    use crate::model_dir::{Tensors, CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
+    let io = |p: &std::path::Path| {
+        let p = p.to_path_buf();
+        move |e: std::io::Error| Error::Io { path: p, source: e }
+    };
+    std::fs::create_dir_all(tmp).map_err(io(tmp))?;
+    for entry in std::fs::read_dir(src).map_err(io(src))? {
+        let entry = entry.map_err(io(src))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !entry.path().is_file() || name.ends_with(".safetensors") || name == WEIGHTS_INDEX_FILE || name == CONFIG_FILE {
+            continue;
+        }
+        std::fs::copy(entry.path(), tmp.join(&name)).map_err(io(&entry.path()))?;
+    }
+    let cfg_path = src.join(CONFIG_FILE);
+    let text = std::fs::read_to_string(&cfg_path).map_err(io(&cfg_path))?;
+    let mut cfg: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::model(&cfg_path, format!("malformed config: {e}")))?;
+    let fmt = match opts.format {
+        Format::M => "m",
+        Format::L => "l",
+    };
+    cfg["quantization_config"] = serde_json::json!({
+        "quant_method": "eddy", "format": fmt, "group_size": opts.group, "rotation": opts.rotate, "seed": opts.seed,
+        "layout": "docs/quant-formats.md of eddy"
+    });
+    let out_cfg = tmp.join(CONFIG_FILE);
+    std::fs::write(&out_cfg, serde_json::to_string_pretty(&cfg).unwrap_or_default()).map_err(io(&out_cfg))?;
+    let t = Tensors::open(src)?;
+    let pre = ["model.language_model.", "language_model.model.", "model."]
+        .into_iter()
+        .find(|p| t.contains(&format!("{p}embed_tokens.weight")))
+        .ok_or_else(|| Error::model(&t.listing, "missing tensor model.embed_tokens.weight"))?;
+    let lm_head = ["lm_head.weight", "language_model.lm_head.weight"].into_iter().find(|n| t.contains(n)).unwrap_or("lm_head.weight");
+    let matrices: std::collections::HashMap<String, &WeightMatrix> = named_matrices(model, pre, lm_head)?.into_iter().collect();
+    let mut tensors = Vec::new();
+    for name in t.names() {
+        if let Some(w) = matrices.get(name) {
+            tensors.extend(matrix_tensors(name, w));
+        } else if let Some((dtype, shape, bytes)) = t.raw(name) {
+            tensors.push((name.clone(), dtype, shape.to_vec(), bytes.to_vec()));
+        }
+    }
+    if let Some(name) = matrices.keys().find(|n| !t.contains(n)) {
+        return Err(Error::model(&t.listing, format!("matrix {name} of the model is not in the folder")));
+    }
+    let views = tensors
+        .iter()
+        .map(|(n, d, s, b)| safetensors::tensor::TensorView::new(*d, s.clone(), b).map(|v| (n.clone(), v)))
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| Error::model(tmp, format!("cannot lay out the tensors: {e}")))?;
+    let out_w = tmp.join(WEIGHTS_FILE);
+    safetensors::serialize_to_file(views, None, &out_w).map_err(|e| Error::model(&out_w, format!("cannot write: {e}")))?;
+    Ok(())
+}
