@@ -269,7 +269,7 @@ fn random_drafter(name: &str, d: usize, n_target: usize, vocab: usize, draft_voc
         header.insert(name.clone(), serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [start, data.len()]}));
     }
     let mut h = serde_json::Value::Object(header).to_string().into_bytes();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut file = (h.len() as u64).to_le_bytes().to_vec();
