@@ -5,7 +5,7 @@
 # what this measures; run it on a quiet machine for a verdict within a few percent.
 #
 # usage: bench/old_vs_new.sh OLD_EDDY NEW_EDDY MODEL [MODEL ...]
-#        (THREADS=2 ROUNDS=5 P=128 N=64 REPS=2)
+#        (THREADS=2 ROUNDS=5 P=128 N=64 REPS=2; EXTRA="--quant q4" adds arguments to every `eddy speed`)
 set -euo pipefail
 [ $# -ge 3 ] || { echo "usage: $0 OLD_EDDY NEW_EDDY MODEL [MODEL ...]" >&2; exit 2; }
 OLD=$1 NEW=$2
@@ -22,14 +22,14 @@ for model in "$@"; do
     for which in old new; do
       bin=$OLD
       [ "$which" = new ] && bin=$NEW
-      "$bin" speed --model "$model" --threads "$THREADS" --ctx $((P + N + 8)) -p "$P" -n "$N" -r "$REPS" |
+      "$bin" speed --model "$model" ${EXTRA:-} --threads "$THREADS" --ctx $((P + N + 8)) -p "$P" -n "$N" -r "$REPS" |
         sed "s|^{|{\"build\":\"$which\",\"round\":$r,|" >>"$out"
     done
   done
 done
 python3 - "$out" <<'EOF'
 import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+rows = [r for r in (json.loads(l) for l in open(sys.argv[1]) if l.strip()) if "avg_ts" in r]
 print("| model | test | old t/s (median) | new t/s (median) | new / old | per-round new/old (min–max) |")
 print("|---|---|---|---|---|---|")
 keys = sorted({(r["model"], r["test"]) for r in rows}, key=lambda k: (k[0], k[1][:2] != "pp", k[1]))
