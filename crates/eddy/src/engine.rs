@@ -13,13 +13,14 @@
 //! part of it reuses those KV rows and prefills only the rest (batch-invariant kernels make the result
 //! identical to a cold prefill).
 
-use crate::backend::Cpu;
+use crate::backend::{Backend, Cpu};
 use crate::error::{Error, Result};
 use crate::load::LoadedModel;
 use crate::models::forward::{commit_tree, decode, forward, forward_tree, last_hidden, reusable_prefix, Logits, Workspace};
+use crate::models::Model;
 use crate::sampling::{LogitMask, Sampler, SamplerParams};
 use crate::spec::{accept_walk_into, Budget, CostModel, DraftTree, ProposeCtx, SelectScratch, Speculator, Walk};
-use crate::state::SeqState;
+use crate::state::{FeatureCapture, SeqState};
 use crate::stats::{FinishReason, GenerationStats};
 use crate::tree::TreePaths;
 use std::time::Instant;
@@ -150,13 +151,93 @@ impl Emit<'_, '_> {
     }
 }
 
+/// A backend with the workspace and sequence state of the engine's one sequence.
+struct Core<B: Backend> {
+    be: B,
+    ws: Workspace<B>,
+    state: SeqState<B>,
+}
+
+impl<B: Backend> Core<B> {
+    fn new(be: B, model: &Model<B>, ctx: usize, max_batch: usize) -> Self {
+        let state = model.new_state(&be, ctx);
+        let ws = Workspace::new(&be, model, max_batch);
+        Core { be, ws, state }
+    }
+}
+
+/// Where the model runs: the CPU runs the host model itself ([`Engine::lm`]'s); a device backend would
+/// hold its own copy of the weights next to a CPU pool for host-side drafting. One variant per backend;
+/// the engine's code is written once, generic over the backend, through [`on_device!`] / [`on_core!`].
+enum Exec {
+    Cpu(Core<Cpu>),
+}
+
+/// `$body` with `$c` the active [`Core`] and `$m` the model it runs (for the CPU, `$host`).
+macro_rules! on_device {
+    ($exec:expr, $host:expr, |$c:ident, $m:ident| $body:expr) => {
+        match $exec {
+            Exec::Cpu($c) => {
+                let $m = $host;
+                $body
+            }
+        }
+    };
+}
+
+/// `$body` with `$c` the active [`Core`].
+macro_rules! on_core {
+    ($exec:expr, |$c:ident| $body:expr) => {
+        match $exec {
+            Exec::Cpu($c) => $body,
+        }
+    };
+}
+
+impl Exec {
+    /// The CPU pool host-side work runs on (drafters that run on the CPU).
+    fn host(&self) -> &Cpu {
+        match self {
+            Exec::Cpu(c) => &c.be,
+        }
+    }
+    fn n_past(&self) -> usize {
+        on_core!(self, |c| c.state.n_past())
+    }
+    fn ctx(&self) -> usize {
+        on_core!(self, |c| c.state.ctx)
+    }
+    fn kv_bytes(&self) -> usize {
+        on_core!(self, |c| c.state.nbytes())
+    }
+    fn max_batch(&self) -> usize {
+        on_core!(self, |c| c.ws.max_batch)
+    }
+    fn clear(&mut self) {
+        on_core!(self, |c| c.state.clear())
+    }
+    fn truncate(&mut self, n: usize) {
+        on_core!(self, |c| c.state.truncate(n))
+    }
+    fn features(&self) -> &FeatureCapture {
+        on_core!(self, |c| &c.state.features)
+    }
+    fn features_mut(&mut self) -> &mut FeatureCapture {
+        on_core!(self, |c| &mut c.state.features)
+    }
+    fn set_want_hidden(&mut self, on: bool) {
+        on_core!(self, |c| c.state.want_hidden = on)
+    }
+    fn last_hidden(&self) -> Option<&[f32]> {
+        on_core!(self, |c| last_hidden(&c.state))
+    }
+}
+
 /// A model ready to generate, with the state of its one sequence.
 pub struct Engine {
     /// The model, tokenizer and template.
     pub lm: LoadedModel,
-    backend: Cpu,
-    ws: Workspace,
-    state: SeqState,
+    exec: Exec,
     sampler: Sampler,
     logits: Vec<f32>,
     prefix_cache: bool,
@@ -183,13 +264,9 @@ impl Engine {
     pub fn new(lm: LoadedModel, opts: &EngineOptions) -> Self {
         let c = &lm.model.config;
         let ctx = opts.ctx.min(c.train_ctx).max(1);
-        let backend = Cpu::new(opts.threads.max(1));
-        let state = lm.model.new_state(&backend, ctx);
-        let ws = Workspace::new(&backend, &lm.model, opts.max_batch.max(1));
+        let core = Core::new(Cpu::new(opts.threads.max(1)), &lm.model, ctx, opts.max_batch.max(1));
         Engine {
-            backend,
-            ws,
-            state,
+            exec: Exec::Cpu(core),
             sampler: Sampler::default(),
             logits: Vec::new(),
             prefix_cache: opts.prefix_cache,
@@ -206,12 +283,12 @@ impl Engine {
     pub fn set_speculation(&mut self, speculators: Vec<Box<dyn Speculator>>, budget: Budget) {
         // The target captures the features of the first speculator that reads its intermediate layers.
         let layers = speculators.iter().map(|s| s.feature_layers()).find(|l| !l.is_empty()).unwrap_or(&[]).to_vec();
-        self.state.features.rows.clear();
+        self.exec.features_mut().rows.clear();
         if !layers.is_empty() {
             // A new feature drafter has seen none of the cached rows: prefill from scratch next time.
-            self.state.clear();
+            self.exec.clear();
         }
-        self.state.features.layers = layers;
+        self.exec.features_mut().layers = layers;
         self.speculators = speculators;
         self.budget = budget;
     }
@@ -221,9 +298,10 @@ impl Engine {
         self.speculators.iter().map(|s| s.name()).collect()
     }
 
-    /// The engine's backend (its worker threads).
+    /// The CPU backend (its worker threads): the one the model runs on, or on a device the pool that
+    /// host-side work (drafters on the CPU) uses.
     pub fn backend(&self) -> &Cpu {
-        &self.backend
+        self.exec.host()
     }
 
     /// The measured verify-cost model.
@@ -245,8 +323,16 @@ impl Engine {
                 self.ctx()
             )));
         }
-        self.state.clear();
-        forward(&self.lm.model, &self.backend, &mut self.ws, &mut self.state, prompt, Logits::None, &mut self.logits)?;
+        self.exec.clear();
+        on_device!(&mut self.exec, &self.lm.model, |c, m| forward(
+            m,
+            &c.be,
+            &mut c.ws,
+            &mut c.state,
+            prompt,
+            Logits::None,
+            &mut self.logits
+        ))?;
         let mut out = Vec::new();
         for &n in sizes {
             let tokens: Vec<u32> = prompt.iter().cycle().take(n).copied().collect();
@@ -254,7 +340,16 @@ impl Engine {
             let mut times = Vec::new();
             for _ in 0..reps.max(1) {
                 let t = Instant::now();
-                forward_tree(&self.lm.model, &self.backend, &mut self.ws, &mut self.state, &tokens, &paths, 0, &mut self.logits)?;
+                on_device!(&mut self.exec, &self.lm.model, |c, m| forward_tree(
+                    m,
+                    &c.be,
+                    &mut c.ws,
+                    &mut c.state,
+                    &tokens,
+                    &paths,
+                    0,
+                    &mut self.logits
+                ))?;
                 times.push(t.elapsed().as_secs_f64());
             }
             times.sort_by(|a, b| a.total_cmp(b));
@@ -267,23 +362,32 @@ impl Engine {
 
     /// Drop the prefix cache (the next request prefills from scratch).
     pub fn clear_cache(&mut self) {
-        self.state.clear();
+        self.exec.clear();
     }
 
     /// Measure verify passes over chains of 1, 2, 4, 8, 16 nodes after the committed sequence (scratch
     /// rows only; nothing is committed), seeding the cost model.
     fn calibrate(&mut self, token: u32) -> Result<()> {
-        let room = self.ctx() - self.state.n_past();
+        let room = self.ctx() - self.exec.n_past();
         // One pass per size (larger sizes are extrapolated; every real verify pass refines the table), so the
         // first request's TTFT grows by about 18 decode steps.
         for n in [1usize, 2, 4, 8, 16] {
-            if n > room || n > self.ws.max_batch {
+            if n > room || n > self.exec.max_batch() {
                 break;
             }
             let tokens = vec![token; n];
             let paths = TreePaths::chain(n);
             let t = Instant::now();
-            forward_tree(&self.lm.model, &self.backend, &mut self.ws, &mut self.state, &tokens, &paths, 0, &mut self.logits)?;
+            on_device!(&mut self.exec, &self.lm.model, |c, m| forward_tree(
+                m,
+                &c.be,
+                &mut c.ws,
+                &mut c.state,
+                &tokens,
+                &paths,
+                0,
+                &mut self.logits
+            ))?;
             self.cost.record_verify(n, t.elapsed().as_secs_f64());
         }
         Ok(())
@@ -291,12 +395,12 @@ impl Engine {
 
     /// Context length in tokens.
     pub fn ctx(&self) -> usize {
-        self.state.ctx
+        self.exec.ctx()
     }
 
     /// Bytes of the KV cache.
     pub fn kv_bytes(&self) -> usize {
-        self.state.nbytes()
+        self.exec.kv_bytes()
     }
 
     /// Generate from `prompt` (token ids, template already applied). `on_token(id)` is called for every
@@ -422,7 +526,7 @@ impl Engine {
         }
         while let Some((tok, tok_lp)) = next.take() {
             // Emit `tok` (sampled at position history.len()), then one decode step below it.
-            let full = self.state.n_past() >= self.ctx();
+            let full = self.exec.n_past() >= self.ctx();
             if let Some(f) = out.emit(tok, tok_lp.as_ref(), self.lm.tokenizer.is_stop(tok), full) {
                 out.stats.finish = f;
                 break;
@@ -447,19 +551,19 @@ impl Engine {
     fn prefill(&mut self, prompt: &[u32], stats: &mut GenerationStats, sink: &dyn TokenSink) -> Result<bool> {
         // Prefix cache: keep the committed rows shared with this prompt (at least one token is prefilled,
         // for its logits).
-        let keep = if self.prefix_cache { reusable_prefix(&self.lm.model, &self.state, prompt) } else { 0 };
-        self.state.truncate(keep);
+        let keep = if self.prefix_cache { on_device!(&self.exec, &self.lm.model, |c, m| reusable_prefix(m, &c.state, prompt)) } else { 0 };
+        self.exec.truncate(keep);
         stats.cached_tokens = keep;
         if !self.speculators.is_empty() && !self.cost.is_calibrated() {
             // Once per engine, in the prefill time: the verify-cost curve of this machine.
             self.calibrate(prompt[0])?;
         }
         for s in self.speculators.iter_mut() {
-            s.prefill(&self.backend, prompt)?;
+            s.prefill(self.exec.host(), prompt)?;
         }
         let want_hidden = self.speculators.iter().any(|s| s.wants_hidden());
-        let want_features = !self.state.features.layers.is_empty();
-        let piece = self.ws.max_batch.next_multiple_of(crate::state::GDN_CHUNK);
+        let want_features = !self.exec.features().layers.is_empty();
+        let piece = self.exec.max_batch().next_multiple_of(crate::state::GDN_CHUNK);
         let mut at = keep;
         while at < prompt.len() {
             if sink.cancelled() {
@@ -467,21 +571,30 @@ impl Engine {
             }
             let end = ((at / piece + 1) * piece).min(prompt.len());
             let want = if end == prompt.len() { Logits::Last } else { Logits::None };
-            self.state.want_hidden = want_hidden;
-            let prefilled = forward(&self.lm.model, &self.backend, &mut self.ws, &mut self.state, &prompt[at..end], want, &mut self.logits);
-            self.state.want_hidden = false;
+            self.exec.set_want_hidden(want_hidden);
+            let chunk = &prompt[at..end];
+            let prefilled = on_device!(&mut self.exec, &self.lm.model, |c, m| forward(
+                m,
+                &c.be,
+                &mut c.ws,
+                &mut c.state,
+                chunk,
+                want,
+                &mut self.logits
+            ));
+            self.exec.set_want_hidden(false);
             prefilled?;
             if want_hidden {
-                if let Some(h) = last_hidden(&self.state) {
+                if let Some(h) = self.exec.last_hidden() {
                     for s in self.speculators.iter_mut().filter(|s| s.wants_hidden()) {
-                        s.observe(&self.backend, prompt, at, h)?;
+                        s.observe(self.exec.host(), prompt, at, h)?;
                     }
                 }
             }
             if want_features {
-                let f = &self.state.features;
+                let f = self.exec.features();
                 for s in self.speculators.iter_mut().filter(|s| s.feature_layers() == f.layers) {
-                    s.observe(&self.backend, prompt, at, &f.rows)?;
+                    s.observe(self.exec.host(), prompt, at, &f.rows)?;
                 }
             }
             at = end;
@@ -512,15 +625,15 @@ impl Engine {
         let vocab = self.lm.model.config.vocab_size;
         let lp_k = params.logprobs;
         let want_hidden = self.speculators.iter().any(|s| s.wants_hidden());
-        let want_features = !self.state.features.layers.is_empty();
-        let room = self.ctx() - self.state.n_past();
+        let want_features = !self.exec.features().layers.is_empty();
+        let room = self.ctx() - self.exec.n_past();
         let left = params.max_tokens - out.stats.generated_tokens;
         let max_nodes = (room - 1).min(left.saturating_sub(1));
         sc.draft.reset(tok);
         let mut draft_cost = 0.0;
         if !self.speculators.is_empty() && max_nodes > 0 {
             let ctx = ProposeCtx {
-                backend: &self.backend,
+                backend: self.exec.host(),
                 budget: self.budget,
                 max_nodes,
                 cost: &self.cost,
@@ -542,14 +655,14 @@ impl Engine {
         let tree = &*tree;
         paths.rebuild(&tree.parents)?;
         let paths = &*paths;
-        let n_committed = self.state.n_past();
+        let n_committed = self.exec.n_past();
         let tv = Instant::now();
-        if tree.len() == 1 {
+        on_device!(&mut self.exec, &self.lm.model, |c, m| if tree.len() == 1 {
             // No drafts: the plain decode step (verify and commit of the root in one pass).
-            decode(&self.lm.model, &self.backend, &mut self.ws, &mut self.state, tok, &mut self.logits)?;
+            decode(m, &c.be, &mut c.ws, &mut c.state, tok, &mut self.logits)
         } else {
-            forward_tree(&self.lm.model, &self.backend, &mut self.ws, &mut self.state, &tree.tokens, paths, 0, &mut self.logits)?;
-        }
+            forward_tree(m, &c.be, &mut c.ws, &mut c.state, &tree.tokens, paths, 0, &mut self.logits)
+        })?;
         self.cost.record_verify(tree.len(), tv.elapsed().as_secs_f64());
         let stats = &mut *out.stats_mut();
         stats.decode_passes += 1;
@@ -606,27 +719,27 @@ impl Engine {
         if want_hidden {
             // The accepted path's hidden states (tree node order → position order), before the
             // commit moves on.
-            if let Some(h) = last_hidden(&self.state) {
+            if let Some(h) = self.exec.last_hidden() {
                 let d = h.len() / tree.len();
                 rows.clear();
                 rows.extend(walk.path.iter().flat_map(|&i| h[i * d..(i + 1) * d].iter().copied()));
                 for s in self.speculators.iter_mut().filter(|s| s.wants_hidden()) {
-                    s.observe(&self.backend, &out.history, n_committed, rows)?;
+                    s.observe(self.exec.host(), &out.history, n_committed, rows)?;
                 }
             }
         }
         if want_features {
             // The accepted path's feature rows (tree node order → position order).
-            let f = &self.state.features;
+            let f = self.exec.features();
             let w = f.rows.len() / tree.len();
             rows.clear();
             rows.extend(walk.path.iter().flat_map(|&i| f.rows[i * w..(i + 1) * w].iter().copied()));
             for s in self.speculators.iter_mut().filter(|s| s.feature_layers() == f.layers) {
-                s.observe(&self.backend, &out.history, n_committed, rows)?;
+                s.observe(self.exec.host(), &out.history, n_committed, rows)?;
             }
         }
         if tree.len() > 1 {
-            commit_tree(&self.lm.model, &self.backend, &mut self.state, &tree.tokens, &walk.path)?;
+            on_device!(&mut self.exec, &self.lm.model, |c, m| commit_tree(m, &c.be, &mut c.state, &tree.tokens, &walk.path))?;
         }
         // Emit the accepted draft tokens (all but the last sample), then continue with the bonus.
         for (i, &y) in walk.samples[..accepted].iter().enumerate() {
@@ -646,9 +759,9 @@ impl Engine {
     /// Teacher-forced logits for every position of `tokens` (`tokens.len() × vocab`, row i predicts token
     /// i+1), computed from an empty state.
     pub fn score(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        self.state.clear();
+        self.exec.clear();
         let mut out = Vec::new();
-        forward(&self.lm.model, &self.backend, &mut self.ws, &mut self.state, tokens, Logits::All, &mut out)?;
+        on_device!(&mut self.exec, &self.lm.model, |c, m| forward(m, &c.be, &mut c.ws, &mut c.state, tokens, Logits::All, &mut out))?;
         Ok(out)
     }
 

@@ -17,27 +17,52 @@ use crate::tree::TreePaths;
 use std::sync::Arc;
 
 /// SplitMix64: small deterministic generator for test data.
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
     }
+    /// Uniform in [0, 1).
+    pub(crate) fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32
+    }
     /// Uniform in [−1, 1), never exactly 0.
-    fn f(&mut self) -> f32 {
-        let v = ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
+    pub(crate) fn f(&mut self) -> f32 {
+        let v = self.unit() * 2.0 - 1.0;
         if v == 0.0 {
             0.5
         } else {
             v
         }
     }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
+    /// `n` values of [`Rng::f`].
+    pub(crate) fn vec(&mut self, n: usize) -> Vec<f32> {
         (0..n).map(|_| self.f()).collect()
+    }
+    /// Uniform in [lo, hi).
+    #[cfg(test)]
+    pub(crate) fn range(&mut self, lo: f32, hi: f32) -> f32 {
+        lo + (hi - lo) * self.unit()
+    }
+    /// Never zero: magnitude in [lo, hi), random sign.
+    #[cfg(test)]
+    pub(crate) fn nz(&mut self, lo: f32, hi: f32) -> f32 {
+        let v = self.range(lo, hi);
+        if self.next() & 1 == 0 {
+            v
+        } else {
+            -v
+        }
+    }
+    /// Uniform integer in [lo, hi].
+    #[cfg(test)]
+    pub(crate) fn int(&mut self, lo: i32, hi: i32) -> i32 {
+        lo + (self.next() % (hi - lo + 1) as u64) as i32
     }
 }
 

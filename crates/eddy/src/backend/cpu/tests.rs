@@ -3,37 +3,7 @@ use crate::quant::{GroupScales, QMatrix};
 use half::f16;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// SplitMix64: small deterministic generator for test data.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [0, 1).
-    fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32
-    }
-    /// Uniform in [lo, hi).
-    fn range(&mut self, lo: f32, hi: f32) -> f32 {
-        lo + (hi - lo) * self.f()
-    }
-    /// Never zero: magnitude in [lo, hi), random sign.
-    fn nz(&mut self, lo: f32, hi: f32) -> f32 {
-        let v = self.range(lo, hi);
-        if self.next() & 1 == 0 {
-            v
-        } else {
-            -v
-        }
-    }
-    fn int(&mut self, lo: i32, hi: i32) -> i32 {
-        lo + (self.next() % (hi - lo + 1) as u64) as i32
-    }
-}
+use crate::backend::parity::Rng;
 
 /// Scale encodings of [`QMatrix`] under test.
 #[derive(Clone, Copy, Debug, PartialEq)]
