@@ -692,7 +692,7 @@ impl Backend for Cuda {
 
     fn rms_norm_inplace(&self, x: &mut CudaBuf, len: usize, w: &CudaBuf, eps: f32) {
         let d = w.len;
-        assert!(x.len >= len && len % d == 0, "rms_norm_inplace: {len} values in rows of {d}");
+        assert!(x.len >= len && len.is_multiple_of(d), "rms_norm_inplace: {len} values in rows of {d}");
         self.ctx.bind();
         let n = len / d;
         let a = Args::new().p(x.ptr()).p(x.ptr()).p(w.ptr()).i(d).f(eps).i(n);
@@ -764,7 +764,7 @@ impl Backend for Cuda {
     fn attention(&self, s: &AttnShape, q: &CudaBuf, k: &CudaBuf, v: &CudaBuf, n_past: usize, t: usize, vis: Visibility, out: &mut CudaBuf) {
         let qd = s.n_heads * s.head_dim;
         assert!(q.len >= t * qd && out.len >= t * qd, "attention: q/out too short");
-        assert!(s.n_kv_heads > 0 && s.n_heads % s.n_kv_heads == 0, "attention: heads must be a multiple of kv heads");
+        assert!(s.n_kv_heads > 0 && s.n_heads.is_multiple_of(s.n_kv_heads), "attention: heads must be a multiple of kv heads");
         if t == 0 {
             return;
         }
