@@ -401,13 +401,22 @@ extern "C" __global__ void concat_rows(const float* __restrict__ a, const float*
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// RoPE on rows 0..nrows of x (width values each, heads of hd): pair i of every head rotated by pos*inv_freq[i],
-// cos/sin of the f64 angle rounded to f32 (as the CPU). neox: pairs (i, i + half), else (2i, 2i + 1).
-extern "C" __global__ void rope(float* __restrict__ x, int width, int hd, int nrows, const int* __restrict__ pos,
-                                const float* __restrict__ inv_freq, int half, int neox) {
-    const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+// RoPE on rows 0..nrows of q (qw values each) and k (kw values each), heads of hd, in one launch: pair i of
+// every head rotated by pos*inv_freq[i], cos/sin of the f64 angle rounded to f32 (as the CPU). neox: pairs
+// (i, i + half), else (2i, 2i + 1).
+extern "C" __global__ void rope(float* __restrict__ q, int qw, float* __restrict__ k, int kw, int hd, int nrows,
+                                const int* __restrict__ pos, const float* __restrict__ inv_freq, int half, int neox) {
+    long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long nq = (long long)nrows * (qw / hd) * half;
+    float* x = q;
+    int width = qw;
+    if (id >= nq) {
+        id -= nq;
+        x = k;
+        width = kw;
+        if (id >= (long long)nrows * (kw / hd) * half) return;
+    }
     const int heads = width / hd;
-    if (id >= (long long)nrows * heads * half) return;
     const int i = (int)(id % half);
     const long long rh = id / half;
     const int h = (int)(rh % heads);

@@ -740,10 +740,8 @@ impl Backend for Cuda {
         s.pos_host = pos;
         let freq_dev = self.upload_cached(&mut s.freq, &mut s.last_freq, &rope.inv_freq[..half]);
         let neox = (rope.mode == RopeMode::Neox) as usize;
-        for (buf, width) in [(&*q, q_width), (&*k, k_width)] {
-            let a = Args::new().p(buf.ptr()).i(width).i(head_dim).i(n).p(pos_dev).p(freq_dev).i(half).i(neox);
-            self.launch_1d(self.k.rope, n * (width / head_dim) * half, a);
-        }
+        let a = Args::new().p(q.ptr()).i(q_width).p(k.ptr()).i(k_width).i(head_dim).i(n).p(pos_dev).p(freq_dev).i(half).i(neox);
+        self.launch_1d(self.k.rope, n * (q_width / head_dim + k_width / head_dim) * half, a);
     }
 
     fn store_rows(&self, src: &CudaBuf, n: usize, width: usize, dst: &mut CudaBuf, dst_row: usize) {
