@@ -106,6 +106,7 @@ __device__ __forceinline__ void mm_q_impl(const uint8_t* __restrict__ codes, con
     float acc[TT];
 #pragma unroll
     for (int i = 0; i < TT; ++i) acc[i] = 0.0f;
+#pragma unroll 2
     for (int b = lane; b < nblk; b += 32) {
         const long long blk = (long long)row * nblk + b;
         uint32_t w[8];
@@ -458,6 +459,7 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
     const long long qd = (long long)n_heads * hd, kvd = (long long)n_kv_heads * hd;
     const float* qh = q + i * qd + (long long)h * hd;
     float* sc = scores + ((long long)i * n_heads + h) * maxk;
+#pragma unroll 4
     for (int jj = warp; jj < nk; jj += ATT_THREADS / 32) {
         const long long r = jj < nc ? qi.x + jj : paths[qi.z + jj - nc];
         const float* kr = k + r * kvd + (long long)kvh * hd;
@@ -497,6 +499,7 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
     if (hd >= ATT_THREADS) {
         for (int d = tid; d < hd; d += ATT_THREADS) {
             float acc = 0.0f;
+#pragma unroll 8
             for (int jj = 0; jj < nk; ++jj) {
                 const long long r = jj < nc ? qi.x + jj : paths[qi.z + jj - nc];
                 acc = __fmaf_rn(sc[jj], v[r * kvd + (long long)kvh * hd + d], acc);
@@ -508,6 +511,7 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
         const int d = tid % hd, part = tid / hd;
         if (part < P) {
             float acc = 0.0f;
+#pragma unroll 8
             for (int jj = part; jj < nk; jj += P) {
                 const long long r = jj < nc ? qi.x + jj : paths[qi.z + jj - nc];
                 acc = __fmaf_rn(sc[jj], v[r * kvd + (long long)kvh * hd + d], acc);

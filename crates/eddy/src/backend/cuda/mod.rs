@@ -54,11 +54,21 @@ struct Ctx(sys::CUcontext);
 unsafe impl Send for Ctx {}
 unsafe impl Sync for Ctx {}
 
+thread_local! {
+    /// The context this thread made current last (0: none): [`Ctx::bind`] skips the driver call when it is
+    /// already ours (one driver call less per operation).
+    static BOUND: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 impl Ctx {
-    /// Make the context current on the calling thread (cheap: a thread-local store in the driver).
+    /// Make the context current on the calling thread.
     fn bind(&self) {
+        if BOUND.with(|b| b.get()) == self.0 as usize {
+            return;
+        }
         // SAFETY: the context is retained for the life of the process.
         unsafe { result::ctx::set_current(self.0) }.unwrap_or_else(|e| panic!("CUDA: cannot bind the context: {e:?}"));
+        BOUND.with(|b| b.set(self.0 as usize));
     }
 }
 
