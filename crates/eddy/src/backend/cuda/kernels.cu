@@ -334,19 +334,28 @@ extern "C" __global__ void embed(const void* __restrict__ w, int wtype, int rows
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// RMSNorm: one warp per row; lane l sums x[c]^2 for c = l, l + 32, ... then the xor tree.
-extern "C" __global__ void rms_norm(const float* x, float* out, const float* __restrict__ w, int d,
-                                    float eps, int nrows) {
-    const int lane = threadIdx.x & 31;
-    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+// RMSNorm: one block of NORM_THREADS per row; thread t sums x[c]^2 for c = t, t + NORM_THREADS, ... (fma chain),
+// then a fixed shared-memory tree. `out` may be `x` (in place).
+#define NORM_THREADS 256
+
+extern "C" __global__ void rms_norm(const float* x, float* out, const float* __restrict__ w, int d, float eps,
+                                    int nrows) {
+    __shared__ float red[NORM_THREADS];
+    const long long row = blockIdx.x;
+    const int tid = threadIdx.x;
     if (row >= nrows) return;
     const float* xr = x + row * d;
     float ss = 0.0f;
-    for (int c = lane; c < d; c += 32) ss = __fmaf_rn(xr[c], xr[c], ss);
-    ss = warp_sum(ss);
-    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)d), eps)));
+    for (int c = tid; c < d; c += NORM_THREADS) ss = __fmaf_rn(xr[c], xr[c], ss);
+    red[tid] = ss;
+    __syncthreads();
+    for (int s = NORM_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) red[tid] = __fadd_rn(red[tid], red[tid + s]);
+        __syncthreads();
+    }
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(red[0], (float)d), eps)));
     float* o = out + row * d;
-    for (int c = lane; c < d; c += 32) o[c] = __fmul_rn(__fmul_rn(xr[c], inv), w[c]);
+    for (int c = tid; c < d; c += NORM_THREADS) o[c] = __fmul_rn(__fmul_rn(xr[c], inv), w[c]);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -438,13 +447,15 @@ extern "C" __global__ void rope(float* __restrict__ q, int qw, float* __restrict
 // info[i].y (committed, in order) then info[i].w rows listed at paths[info[i].z ..] (its tree ancestors and
 // itself, root first): keys in position order, exactly as a chain would visit them.
 // Fixed order per (query, head), independent of the query count:
-//  * score_j = (xor-tree sum over lanes of fma chains q[d]*k_j[d], d = lane, lane + 32, ...) * scale, then
-//    the soft-cap; stored in `scores` (a row of maxk per (query, head));
+//  * score_j = (fma chain q[d]*k_j[d] over d = 0, 1, ..., hd-1) * scale, then the soft-cap; one thread per key
+//    (the query in shared memory), stored in `scores` (a row of maxk per (query, head));
 //  * M = max_j score_j (exact), e_j = expf(score_j - M), Z: thread t sums j = t, t + ATT_THREADS, ... in order,
 //    then a fixed shared-memory tree;
 //  * o[d]: part p of P = ATT_THREADS / hd (at least 1) sums e_j v_j[d] for j = p, p + P, ... in order with
 //    fma, the parts are added in order p = 0, 1, ...; times 1/Z.
+// hd must be a multiple of 4 and at most ATT_MAX_HD.
 #define ATT_THREADS 128
+#define ATT_MAX_HD 512
 
 extern "C" __global__ void attention(const float* __restrict__ q, const float* __restrict__ k,
                                      const float* __restrict__ v, float* __restrict__ out,
@@ -452,23 +463,31 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
                                      float* __restrict__ scores, int maxk, int n_heads, int n_kv_heads, int hd,
                                      float scale, float softcap) {
     __shared__ float red[ATT_THREADS];
-    const int h = blockIdx.x, i = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    __shared__ __align__(16) float qs[ATT_MAX_HD];
+    const int h = blockIdx.x, i = blockIdx.y, tid = threadIdx.x;
     const int4 qi = info[i];
     const int nc = qi.y - qi.x, nk = nc + qi.w;
     const int kvh = h / (n_heads / n_kv_heads);
     const long long qd = (long long)n_heads * hd, kvd = (long long)n_kv_heads * hd;
     const float* qh = q + i * qd + (long long)h * hd;
     float* sc = scores + ((long long)i * n_heads + h) * maxk;
-#pragma unroll 4
-    for (int jj = warp; jj < nk; jj += ATT_THREADS / 32) {
+    for (int d = tid; d < hd; d += ATT_THREADS) qs[d] = qh[d];
+    __syncthreads();
+    for (int jj = tid; jj < nk; jj += ATT_THREADS) {
         const long long r = jj < nc ? qi.x + jj : paths[qi.z + jj - nc];
-        const float* kr = k + r * kvd + (long long)kvh * hd;
+        const float4* kr = reinterpret_cast<const float4*>(k + r * kvd + (long long)kvh * hd);
         float p = 0.0f;
-        for (int d = lane; d < hd; d += 32) p = __fmaf_rn(qh[d], kr[d], p);
-        p = warp_sum(p);
+#pragma unroll 4
+        for (int d4 = 0; d4 < hd / 4; ++d4) {
+            const float4 kv = kr[d4];
+            p = __fmaf_rn(qs[4 * d4], kv.x, p);
+            p = __fmaf_rn(qs[4 * d4 + 1], kv.y, p);
+            p = __fmaf_rn(qs[4 * d4 + 2], kv.z, p);
+            p = __fmaf_rn(qs[4 * d4 + 3], kv.w, p);
+        }
         float s = __fmul_rn(p, scale);
         if (softcap > 0.0f) s = __fmul_rn(softcap, tanhf(__fdiv_rn(s, softcap)));
-        if (lane == 0) sc[jj] = s;
+        sc[jj] = s;
     }
     __syncthreads();
     float m = -INFINITY;

@@ -47,6 +47,10 @@ const MM_ROWS: usize = 4;
 const MM_TT: usize = 8;
 /// Threads per (query, head) block of the attention kernel (`ATT_THREADS`).
 const ATT_THREADS: u32 = 128;
+/// Threads per row of the RMSNorm kernel (`NORM_THREADS`).
+const NORM_THREADS: u32 = 256;
+/// Largest head dimension of the attention kernel (`ATT_MAX_HD`).
+const ATT_MAX_HD: usize = 512;
 
 /// The device's primary context.
 struct Ctx(sys::CUcontext);
@@ -697,7 +701,7 @@ impl Backend for Cuda {
         assert!(x.len >= (row0 + n) * d && out.len >= n * d, "rms_norm: buffers too short");
         self.ctx.bind();
         let a = Args::new().p(x.at(row0 * d)).p(out.ptr()).p(w.ptr()).i(d).f(eps).i(n);
-        self.launch(self.k.rms_norm, (n.div_ceil((THREADS / 32) as usize), 1), THREADS, a);
+        self.launch(self.k.rms_norm, (n, 1), NORM_THREADS, a);
     }
 
     fn rms_norm_inplace(&self, x: &mut CudaBuf, len: usize, w: &CudaBuf, eps: f32) {
@@ -706,7 +710,7 @@ impl Backend for Cuda {
         self.ctx.bind();
         let n = len / d;
         let a = Args::new().p(x.ptr()).p(x.ptr()).p(w.ptr()).i(d).f(eps).i(n);
-        self.launch(self.k.rms_norm, (n.div_ceil((THREADS / 32) as usize), 1), THREADS, a);
+        self.launch(self.k.rms_norm, (n, 1), NORM_THREADS, a);
     }
 
     fn add_bias(&self, x: &mut CudaBuf, n: usize, b: &CudaBuf) {
@@ -773,6 +777,11 @@ impl Backend for Cuda {
         let qd = s.n_heads * s.head_dim;
         assert!(q.len >= t * qd && out.len >= t * qd, "attention: q/out too short");
         assert!(s.n_kv_heads > 0 && s.n_heads.is_multiple_of(s.n_kv_heads), "attention: heads must be a multiple of kv heads");
+        assert!(
+            s.head_dim.is_multiple_of(4) && s.head_dim <= ATT_MAX_HD,
+            "attention: head_dim {} (a multiple of 4 up to {ATT_MAX_HD})",
+            s.head_dim
+        );
         if t == 0 {
             return;
         }
