@@ -488,6 +488,12 @@ fn smollm2_135m_matches_cpu() {
     model_matches_cpu("smollm2");
 }
 
+#[test]
+#[ignore = "needs an NVIDIA GPU and the model files"]
+fn gemma3_270m_matches_cpu() {
+    model_matches_cpu("gemma3");
+}
+
 /// Time per decode step (1 token) and per 16-node verify on Qwen2.5-Coder-0.5B, and kernel launches per
 /// step: printed for comparison with llama.cpp (a measurement, not a pass/fail check).
 #[test]
