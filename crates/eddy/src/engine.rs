@@ -16,9 +16,9 @@
 use crate::backend::Cpu;
 use crate::error::{Error, Result};
 use crate::load::LoadedModel;
-use crate::models::forward::{commit_tree, forward, forward_tree, last_hidden, reusable_prefix, Logits, Workspace};
+use crate::models::forward::{commit_tree, decode, forward, forward_tree, last_hidden, reusable_prefix, Logits, Workspace};
 use crate::sampling::{LogitMask, Sampler, SamplerParams};
-use crate::spec::{accept_walk, Budget, CostModel, DraftTree, ProposeCtx, Speculator};
+use crate::spec::{accept_walk_into, Budget, CostModel, DraftTree, ProposeCtx, SelectScratch, Speculator, Walk};
 use crate::state::SeqState;
 use crate::stats::{FinishReason, GenerationStats};
 use crate::tree::TreePaths;
@@ -163,6 +163,19 @@ pub struct Engine {
     speculators: Vec<Box<dyn Speculator>>,
     budget: Budget,
     cost: CostModel,
+    step: StepScratch,
+}
+
+/// What one decode step builds, kept between steps so that a warm decode loop allocates nothing: the
+/// speculators' tree, the selected tree, its paths, the accept walk, the accepted path's rows.
+#[derive(Default)]
+struct StepScratch {
+    draft: DraftTree,
+    tree: DraftTree,
+    select: SelectScratch,
+    paths: TreePaths,
+    walk: Walk,
+    rows: Vec<f32>,
 }
 
 impl Engine {
@@ -183,6 +196,7 @@ impl Engine {
             speculators: Vec::new(),
             budget: Budget::Auto,
             cost: CostModel::default(),
+            step: StepScratch::default(),
             lm,
         }
     }
@@ -480,6 +494,20 @@ impl Engine {
     /// path, and the emission of the accepted draft tokens. Returns the bonus token (and its
     /// log-probabilities) to emit next, or `None` when the generation ended (`out.stats.finish` says why).
     fn decode_step(&mut self, tok: u32, out: &mut Emit, raw: &mut Vec<f32>) -> Result<Option<(u32, Option<TokenLogprobs>)>> {
+        // The step's buffers leave `self` for the step (so the speculators can borrow it) and come back.
+        let mut sc = std::mem::take(&mut self.step);
+        let r = self.decode_step_with(&mut sc, tok, out, raw);
+        self.step = sc;
+        r
+    }
+
+    fn decode_step_with(
+        &mut self,
+        sc: &mut StepScratch,
+        tok: u32,
+        out: &mut Emit,
+        raw: &mut Vec<f32>,
+    ) -> Result<Option<(u32, Option<TokenLogprobs>)>> {
         let params = out.params;
         let vocab = self.lm.model.config.vocab_size;
         let lp_k = params.logprobs;
@@ -488,7 +516,7 @@ impl Engine {
         let room = self.ctx() - self.state.n_past();
         let left = params.max_tokens - out.stats.generated_tokens;
         let max_nodes = (room - 1).min(left.saturating_sub(1));
-        let mut tree = DraftTree::new(tok);
+        sc.draft.reset(tok);
         let mut draft_cost = 0.0;
         if !self.speculators.is_empty() && max_nodes > 0 {
             let ctx = ProposeCtx {
@@ -500,19 +528,28 @@ impl Engine {
                 target: Some(&self.lm.model),
             };
             for s in self.speculators.iter_mut() {
-                draft_cost += s.propose(&ctx, &out.history, &mut tree)?;
+                draft_cost += s.propose(&ctx, &out.history, &mut sc.draft)?;
             }
         }
         if let Some(m) = out.mask.as_deref_mut() {
-            if tree.len() > 1 {
+            if sc.draft.len() > 1 {
                 // Drafts the constraint rejects cannot be accepted: prune them before the verify pass.
-                tree = tree.prune(|branch| m.accepted_prefix(branch) == branch.len());
+                sc.draft = sc.draft.prune(|branch| m.accepted_prefix(branch) == branch.len());
             }
         }
-        let tree = tree.select(self.budget, max_nodes, &self.cost, draft_cost);
-        let paths = TreePaths::new(&tree.parents)?;
+        sc.draft.select_into(self.budget, max_nodes, &self.cost, draft_cost, &mut sc.select, &mut sc.tree);
+        let StepScratch { tree, paths, walk, rows, .. } = sc;
+        let tree = &*tree;
+        paths.rebuild(&tree.parents)?;
+        let paths = &*paths;
+        let n_committed = self.state.n_past();
         let tv = Instant::now();
-        forward_tree(&self.lm.model, &self.backend, &mut self.ws, &mut self.state, &tree.tokens, &paths, 0, &mut self.logits)?;
+        if tree.len() == 1 {
+            // No drafts: the plain decode step (verify and commit of the root in one pass).
+            decode(&self.lm.model, &self.backend, &mut self.ws, &mut self.state, tok, &mut self.logits)?;
+        } else {
+            forward_tree(&self.lm.model, &self.backend, &mut self.ws, &mut self.state, &tree.tokens, paths, 0, &mut self.logits)?;
+        }
         self.cost.record_verify(tree.len(), tv.elapsed().as_secs_f64());
         let stats = &mut *out.stats_mut();
         stats.decode_passes += 1;
@@ -523,11 +560,10 @@ impl Engine {
         // The constraint allowed no token at some node of the walk.
         let mut dead_end = false;
         let base = history.len();
-        let n_committed = self.state.n_past();
         let sampler = &mut self.sampler;
         let logits = &mut self.logits;
         let mut walk_lp: Vec<TokenLogprobs> = Vec::new();
-        let walk = accept_walk(&tree, |node| {
+        accept_walk_into(tree, walk, |node| {
             let row = &mut logits[node * vocab..(node + 1) * vocab];
             let pos = history.len();
             debug_assert_eq!(pos, n_committed + paths.depth(node) + 1);
@@ -572,9 +608,10 @@ impl Engine {
             // commit moves on.
             if let Some(h) = last_hidden(&self.state) {
                 let d = h.len() / tree.len();
-                let path_h: Vec<f32> = walk.path.iter().flat_map(|&i| h[i * d..(i + 1) * d].iter().copied()).collect();
+                rows.clear();
+                rows.extend(walk.path.iter().flat_map(|&i| h[i * d..(i + 1) * d].iter().copied()));
                 for s in self.speculators.iter_mut().filter(|s| s.wants_hidden()) {
-                    s.observe(&self.backend, &out.history, n_committed, &path_h)?;
+                    s.observe(&self.backend, &out.history, n_committed, rows)?;
                 }
             }
         }
@@ -582,12 +619,15 @@ impl Engine {
             // The accepted path's feature rows (tree node order → position order).
             let f = &self.state.features;
             let w = f.rows.len() / tree.len();
-            let path_f: Vec<f32> = walk.path.iter().flat_map(|&i| f.rows[i * w..(i + 1) * w].iter().copied()).collect();
+            rows.clear();
+            rows.extend(walk.path.iter().flat_map(|&i| f.rows[i * w..(i + 1) * w].iter().copied()));
             for s in self.speculators.iter_mut().filter(|s| s.feature_layers() == f.layers) {
-                s.observe(&self.backend, &out.history, n_committed, &path_f)?;
+                s.observe(&self.backend, &out.history, n_committed, rows)?;
             }
         }
-        commit_tree(&self.lm.model, &self.backend, &mut self.state, &tree.tokens, &walk.path)?;
+        if tree.len() > 1 {
+            commit_tree(&self.lm.model, &self.backend, &mut self.state, &tree.tokens, &walk.path)?;
+        }
         // Emit the accepted draft tokens (all but the last sample), then continue with the bonus.
         for (i, &y) in walk.samples[..accepted].iter().enumerate() {
             if let Some(f) = out.emit(y, walk_lp.get(i), self.lm.tokenizer.is_stop(y), false) {

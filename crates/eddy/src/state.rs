@@ -156,8 +156,9 @@ pub struct SeqState<B: Backend = Cpu> {
     pub(crate) exact: bool,
     snapshots: Vec<Snapshot<B>>,
     pub(crate) capture: Option<Capture<B>>,
-    /// Parents of the pending verified tree (hybrid models; commit checks paths against it).
-    pub(crate) tree: Option<Vec<usize>>,
+    /// Parents of the pending verified tree (hybrid models; commit checks paths against it); empty when
+    /// none is pending (a tree has at least its root).
+    pub(crate) tree: Vec<usize>,
     /// Intermediate features captured by every forward pass, for a DFlash drafter.
     pub features: FeatureCapture,
 }
@@ -196,7 +197,7 @@ impl<B: Backend> SeqState<B> {
             exact: true,
             snapshots: Vec::new(),
             capture: None,
-            tree: None,
+            tree: Vec::new(),
             features: FeatureCapture::default(),
         }
     }
@@ -225,7 +226,7 @@ impl<B: Backend> SeqState<B> {
             return;
         }
         self.tokens.truncate(n);
-        self.tree = None;
+        self.tree.clear();
         self.capture = None;
         if self.is_hybrid() {
             self.restore_pending = true;
@@ -309,16 +310,18 @@ impl<B: Backend> SeqState<B> {
             return Err(Error::Input(format!("commit: bad accepted path {path:?}")));
         }
         if self.is_hybrid() {
-            let parents = self.tree.take().ok_or_else(|| Error::Input("commit without a pending tree (verify it first)".into()))?;
+            let parents = &self.tree;
+            if parents.is_empty() {
+                return Err(Error::Input("commit without a pending tree (verify it first)".into()));
+            }
             let ok = !path.is_empty()
                 && path[0] == 0
                 && path.iter().all(|&p| p < parents.len())
                 && path.windows(2).all(|w| parents[w[1]] == w[0]);
             if !ok {
-                let n = parents.len();
-                self.tree = Some(parents);
-                return Err(Error::Input(format!("commit: {path:?} is not a root path of the {n}-node tree")));
+                return Err(Error::Input(format!("commit: {path:?} is not a root path of the {}-node tree", parents.len())));
             }
+            self.tree.clear();
         }
         let kvd = self.kv_dim;
         for layer in self.layers.iter_mut() {

@@ -24,10 +24,20 @@ impl TreePaths {
     ///
     /// Errors: a parent index that is not smaller than its child's.
     pub fn new(parents: &[usize]) -> Result<TreePaths> {
-        let mut p = TreePaths { offsets: Vec::with_capacity(parents.len() + 1), nodes: Vec::new() };
+        let mut p = TreePaths::default();
+        p.rebuild(parents)?;
+        Ok(p)
+    }
+
+    /// [`TreePaths::new`] into `self`, reusing its allocations (the decode loop's per-step trees).
+    ///
+    /// Errors: as [`TreePaths::new`] (then `self` holds a prefix of the tree).
+    pub fn rebuild(&mut self, parents: &[usize]) -> Result<()> {
+        let p = self;
+        p.offsets.clear();
+        p.nodes.clear();
         p.offsets.push(0);
         for (i, &par) in parents.iter().enumerate() {
-            let start = p.nodes.len();
             if par != NO_PARENT {
                 if par >= i {
                     return Err(Error::Input(format!("bad tree: node {i} has parent {par}, which does not precede it")));
@@ -35,11 +45,10 @@ impl TreePaths {
                 let (a, b) = (p.offsets[par], p.offsets[par + 1]);
                 p.nodes.extend_from_within(a..b);
             }
-            debug_assert!(p.nodes.len() >= start);
             p.nodes.push(i as u32);
             p.offsets.push(p.nodes.len());
         }
-        Ok(p)
+        Ok(())
     }
 
     /// The chain `0 → 1 → … → n−1` (a plain batch of consecutive tokens).

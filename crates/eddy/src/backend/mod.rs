@@ -171,6 +171,21 @@ pub trait Backend: Send + Sync {
         u: &mut Self::Buf,
         out: &mut Self::Buf,
     );
+    /// One token (row 0 of the prepared stream) advancing `state` in place, its output to row 0 of `out`:
+    /// [`Backend::gdn_tree`] of the one-node tree then [`Backend::gdn_commit`] of the path `[0]`, fused so the
+    /// state is streamed once (the decode step). `gamma` (`n_v_heads`) and `u` (`value_dim`) are scratch.
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_step(
+        &self,
+        s: &GdnShape,
+        state: &mut Self::Buf,
+        c: &Self::Buf,
+        g: &Self::Buf,
+        beta: &Self::Buf,
+        gamma: &mut Self::Buf,
+        u: &mut Self::Buf,
+        out: &mut Self::Buf,
+    );
     /// Apply the accepted root `path` of the last [`Backend::gdn_tree`] to `state` (one rank-|path|
     /// update).
     fn gdn_commit(&self, s: &GdnShape, state: &mut Self::Buf, c: &Self::Buf, gamma: &Self::Buf, u: &Self::Buf, path: &[usize]);

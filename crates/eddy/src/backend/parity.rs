@@ -330,6 +330,25 @@ pub fn check_gdn<B: Backend>(be: &B) -> Result<(), String> {
     close("gdn_chunked", &read(be, &out_chunk, path.len() * vd), &want, &vec![1.0; want.len()], 1e-4)?;
     let (sc, sk) = (read(be, &st_commit, s.state_len()), read(be, &st_chunk, s.state_len()));
     close("gdn_commit vs gdn_chunked state", &sc, &sk, &vec![1.0; sc.len()], 1e-4)?;
+    // The fused decode step on node 0 (a root): its output is the one-node tree's, its state the commit of
+    // the path [0] (node 0's γ and ũ are the same in any tree it roots).
+    let (mut st_step, mut g1, mut u1, mut o1) = (be.upload(&state0), be.alloc(hv), be.alloc(vd), be.alloc(vd));
+    be.gdn_step(&s, &mut st_step, &c, &g, &beta, &mut g1, &mut u1, &mut o1);
+    let mut want = vec![0f32; vd];
+    reference::gdn_tree(&s, &state0, &ch[..cd], &gh[..hv], &bh[..hv], &[usize::MAX], &mut want);
+    close("gdn_step output", &read(be, &o1, vd), &want, &vec![1.0; vd], 1e-4)?;
+    let mut st_root = be.upload(&state0);
+    be.gdn_commit(&s, &mut st_root, &c, &gamma, &u, &[0]);
+    let (a, b) = (read(be, &st_step, s.state_len()), read(be, &st_root, s.state_len()));
+    close("gdn_step state vs gdn_commit of [0]", &a, &b, &vec![1.0; a.len()], 1e-6)?;
+    // A path shorter than the window keeps the newest conv_state rows before it.
+    let mut cs = be.upload(&conv_state);
+    be.gdn_conv_commit(&s, &mut cs, &be.upload(&x), &[0]);
+    let keep = s.kernel - 1;
+    let want: Vec<f32> = conv_state[cd..keep * cd].iter().chain(&x[..cd]).copied().collect();
+    if read(be, &cs, want.len()) != want {
+        return Err("gdn_conv_commit: a one-node path must shift the window by one row".into());
+    }
     // Conv window after the path: the last K−1 pre-conv rows of conv_state ++ x[path].
     let mut cs = be.upload(&conv_state);
     be.gdn_conv_commit(&s, &mut cs, &be.upload(&x), &path);

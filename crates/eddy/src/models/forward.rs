@@ -196,7 +196,7 @@ fn prefill<B: Backend>(
     logits: &mut Vec<f32>,
 ) -> Result<()> {
     state.check_room(tokens.len())?;
-    state.tree = None;
+    state.tree.clear();
     logits.clear();
     state.hidden.clear();
     state.features.rows.clear();
@@ -246,6 +246,41 @@ fn prefill<B: Backend>(
         state.gdn_len = state.tokens.len();
         state.exact = state.exact && end.is_multiple_of(GDN_CHUNK);
         state.save_capture();
+    }
+    Ok(())
+}
+
+/// One decode step: `token` at position `n_past`, committed by the same pass, its logits into `logits`
+/// (`vocab` values). Equals [`forward_tree`] of the one-node tree followed by [`commit_tree`] of its root,
+/// bit for bit, in one pass: K/V rows go straight to their place and Gated DeltaNet layers take the fused
+/// recurrent step ([`Backend::gdn_step`]) instead of a tree solve and a separate commit. Drops any pending
+/// tree.
+///
+/// Errors: a token id outside the vocabulary, a full context.
+pub fn decode<B: Backend>(
+    model: &Model<B>,
+    be: &B,
+    ws: &mut Workspace<B>,
+    state: &mut SeqState<B>,
+    token: u32,
+    logits: &mut Vec<f32>,
+) -> Result<()> {
+    let tokens = [token];
+    check_tokens(model, &tokens)?;
+    check_state(model, state)?;
+    sync(model, be, ws, state)?;
+    state.check_room(1)?;
+    state.tree.clear();
+    state.capture = None;
+    logits.clear();
+    state.hidden.clear();
+    state.features.rows.clear();
+    pass(model, be, ws, state, &tokens, Rows::Chain, 0..1, logits);
+    state.tokens.push(token);
+    if state.is_hybrid() {
+        state.gdn_len = state.tokens.len();
+        // A decoded state differs (by rounding) from what a chunked prefill of the same tokens computes.
+        state.exact = false;
     }
     Ok(())
 }
@@ -301,7 +336,8 @@ pub fn forward_tree<B: Backend>(
     state.hidden.clear();
     state.features.rows.clear();
     if state.is_hybrid() {
-        state.tree = Some((0..paths.len()).map(|i| parent_of(paths, i)).collect());
+        state.tree.clear();
+        state.tree.extend((0..paths.len()).map(|i| parent_of(paths, i)));
     }
     let mut start = first;
     while start < tokens.len() {
@@ -561,6 +597,13 @@ fn delta_net_mixer<B: Backend>(
         be.gdn_tree(&s, rec, gc, ga, gb, parents, &mut tree.gamma, &mut tree.u, go);
         be.copy(gx, &mut tree.x, t * cd);
         be.copy(gc, &mut tree.c, t * cd);
+    } else if t == 1 && capture.as_ref().is_none_or(|c| c.0 != p.n_past + 1) {
+        // One token (the decode step): the fused recurrent step, the same values as a chunk of one row.
+        if tree.rows < 1 {
+            *tree = GdnTree { x: be.alloc(cd), c: be.alloc(cd), gamma: be.alloc(hv), u: be.alloc(vd), rows: 1 };
+        }
+        be.gdn_step(&s, rec, gc, ga, gb, &mut tree.gamma, &mut tree.u, go);
+        be.gdn_conv_commit(&s, conv, gx, &iota[..1]);
     } else {
         // Chunk boundaries at absolute multiples of GDN_CHUNK, cut also where a snapshot is due.
         let n_past = p.n_past;

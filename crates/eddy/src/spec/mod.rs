@@ -78,6 +78,16 @@ impl DraftTree {
         DraftTree { tokens: vec![root], parents: vec![NO_PARENT], scores: vec![1.0] }
     }
 
+    /// Make this the tree holding only `root`, keeping the allocations.
+    pub fn reset(&mut self, root: u32) {
+        self.tokens.clear();
+        self.parents.clear();
+        self.scores.clear();
+        self.tokens.push(root);
+        self.parents.push(NO_PARENT);
+        self.scores.push(1.0);
+    }
+
     /// Number of nodes, root included.
     pub fn len(&self) -> usize {
         self.tokens.len()
@@ -151,21 +161,44 @@ impl DraftTree {
     /// already spent drafting this round) drive [`Budget::Auto`]; at most `max_nodes` nodes are kept in
     /// any case (room in the KV cache, tokens left to generate).
     pub fn select(&self, budget: Budget, max_nodes: usize, cost: &CostModel, draft_cost: f64) -> DraftTree {
-        let mut order: Vec<usize> = (1..self.len()).collect();
+        let mut out = DraftTree::default();
+        self.select_into(budget, max_nodes, cost, draft_cost, &mut SelectScratch::default(), &mut out);
+        out
+    }
+
+    /// [`DraftTree::select`] into `out`, with `scratch` for the ranking (no allocation once both have
+    /// grown to the largest tree seen).
+    pub fn select_into(
+        &self,
+        budget: Budget,
+        max_nodes: usize,
+        cost: &CostModel,
+        draft_cost: f64,
+        scratch: &mut SelectScratch,
+        out: &mut DraftTree,
+    ) {
+        out.reset(self.tokens[0]);
+        if self.len() == 1 {
+            return;
+        }
+        let SelectScratch { order, scores, new_index } = scratch;
+        order.clear();
+        order.extend(1..self.len());
         // Scores are monotone along paths, so with index tie-breaking a parent always sorts before its
         // children.
-        order.sort_by(|&a, &b| self.scores[b].total_cmp(&self.scores[a]).then(a.cmp(&b)));
+        order.sort_unstable_by(|&a, &b| self.scores[b].total_cmp(&self.scores[a]).then(a.cmp(&b)));
         let cap = budget.max_nodes().min(max_nodes).min(order.len());
         let keep = match budget {
             Budget::Fixed(_) => cap,
             Budget::Auto => {
-                let scores: Vec<f64> = order[..cap].iter().map(|&i| self.scores[i] as f64).collect();
-                cost.best_size(&scores, draft_cost)
+                scores.clear();
+                scores.extend(order[..cap].iter().map(|&i| self.scores[i] as f64));
+                cost.best_size(scores, draft_cost)
             }
         };
-        let mut new_index = vec![usize::MAX; self.len()];
+        new_index.clear();
+        new_index.resize(self.len(), usize::MAX);
         new_index[0] = 0;
-        let mut out = DraftTree::new(self.tokens[0]);
         for &i in &order[..keep] {
             let p = new_index[self.parents[i]];
             debug_assert!(p != usize::MAX, "selection is prefix-closed");
@@ -174,8 +207,15 @@ impl DraftTree {
             out.scores.push(self.scores[i]);
             new_index[i] = out.len() - 1;
         }
-        out
     }
+}
+
+/// Reusable scratch of [`DraftTree::select_into`].
+#[derive(Debug, Clone, Default)]
+pub struct SelectScratch {
+    order: Vec<usize>,
+    scores: Vec<f64>,
+    new_index: Vec<usize>,
 }
 
 /// Measured costs of this machine: verify time as a function of tree size, per-speculator draft time.
@@ -485,7 +525,7 @@ pub fn build_speculators(
 }
 
 /// Result of walking a verified tree.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Walk {
     /// Nodes whose tokens are accepted, root first (the root is always accepted: it was sampled).
     pub path: Vec<usize>,
@@ -499,8 +539,17 @@ pub struct Walk {
 /// returns the target's token for the position after `n`, or `None` to stop (end of generation, token
 /// limit, cancellation). Follows the child carrying the sample; the first sample with no such child ends
 /// the walk.
-pub fn accept_walk(tree: &DraftTree, mut sample: impl FnMut(usize) -> Option<u32>) -> Walk {
-    let mut walk = Walk { path: vec![0], samples: Vec::new() };
+pub fn accept_walk(tree: &DraftTree, sample: impl FnMut(usize) -> Option<u32>) -> Walk {
+    let mut walk = Walk::default();
+    accept_walk_into(tree, &mut walk, sample);
+    walk
+}
+
+/// [`accept_walk`] into `walk`, reusing its allocations.
+pub fn accept_walk_into(tree: &DraftTree, walk: &mut Walk, mut sample: impl FnMut(usize) -> Option<u32>) {
+    walk.path.clear();
+    walk.samples.clear();
+    walk.path.push(0);
     let mut node = 0;
     while let Some(y) = sample(node) {
         walk.samples.push(y);
@@ -512,7 +561,6 @@ pub fn accept_walk(tree: &DraftTree, mut sample: impl FnMut(usize) -> Option<u32
             None => break,
         }
     }
-    walk
 }
 
 /// A max-heap entry: higher score first, then lower `seq` (earlier insertion) first.

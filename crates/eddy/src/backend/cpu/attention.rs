@@ -397,7 +397,14 @@ unsafe fn run_item(
     let hd = s.head_dim;
     let kv_stride = s.n_kv_heads * hd;
     let gn = it.gn;
-    let queries: Vec<Query> = it.queries.clone().map(|i| Query::new(s, n_past, vis, i)).collect();
+    // At most MAX_QUERY_BLOCK queries per item: on the stack (no allocation per call).
+    let mut qbuf = [Query { pos: 0, lo: 0, n_past: 0, path: &[] }; MAX_QUERY_BLOCK];
+    let nq = it.queries.len();
+    assert!(nq <= MAX_QUERY_BLOCK);
+    for (slot, i) in qbuf.iter_mut().zip(it.queries.clone()) {
+        *slot = Query::new(s, n_past, vis, i);
+    }
+    let queries = &qbuf[..nq];
     // Score rows: query qi's head g at base[qi] + g·n_qi; then 1/Z per (query, head).
     let total: usize = queries.iter().map(|x| gn * x.n()).sum();
     let n_rows = gn * queries.len();

@@ -77,7 +77,13 @@ impl GdnShape {
     }
     /// Problem with the shape, in words.
     pub fn check(&self) -> Result<(), String> {
-        if self.n_k_heads == 0 || !self.n_v_heads.is_multiple_of(self.n_k_heads) || self.d_k == 0 || self.d_v == 0 || self.kernel < 1 {
+        if self.n_k_heads == 0
+            || !self.n_v_heads.is_multiple_of(self.n_k_heads)
+            || self.d_k == 0
+            || self.d_v == 0
+            || self.kernel < 1
+            || self.kernel > MAX_CONV_KERNEL
+        {
             return Err(format!(
                 "inconsistent Gated DeltaNet shape: {} key heads, {} value heads, d_k {}, d_v {}, conv kernel {}",
                 self.n_k_heads, self.n_v_heads, self.d_k, self.d_v, self.kernel
@@ -117,6 +123,9 @@ pub fn chain_parents(n: usize) -> Vec<usize> {
     (0..n).map(|i| if i == 0 { usize::MAX } else { i - 1 }).collect()
 }
 
+/// Longest conv kernel [`conv_silu`] takes (Qwen3.5 uses 4; the loaders refuse longer ones).
+pub const MAX_CONV_KERNEL: usize = 8;
+
 /// Causal depthwise conv + SiLU over a tree (a chain is the tree `chain_parents(n)`):
 /// `c_i[ch] = silu(Σ_{m<K} w[ch][m] · in_{i,m}[ch])` with `in_{i,K−1} = x_i`, `in_{i,K−2} = x_parent(i)`, …,
 /// continuing into `conv_state` (its newest row first) once the ancestor chain passes the root.
@@ -127,19 +136,24 @@ pub fn conv_silu(w_taps: &[f32], kernel: usize, conv_state: &[f32], x: &[f32], p
     let cd = w_taps.len() / kernel;
     let n = parents.len();
     assert!(x.len() >= n * cd && out.len() >= n * cd && conv_state.len() >= (kernel - 1) * cd);
-    let mut srcs: Vec<&[f32]> = Vec::with_capacity(kernel);
+    // srcs[..kernel] feed the taps, newest first until reversed (no allocation: kernels are short).
+    assert!(kernel <= MAX_CONV_KERNEL, "conv kernel {kernel} > {MAX_CONV_KERNEL}");
+    let mut srcs: [&[f32]; MAX_CONV_KERNEL] = [&[]; MAX_CONV_KERNEL];
     for i in 0..n {
         // srcs[m] feeds tap m (m = K−1 is the node itself).
-        srcs.clear();
-        srcs.push(&x[i * cd..(i + 1) * cd]);
+        srcs[0] = &x[i * cd..(i + 1) * cd];
+        let mut len = 1;
         for a in ancestors(parents, i, kernel - 1) {
-            srcs.push(&x[a * cd..(a + 1) * cd]);
+            srcs[len] = &x[a * cd..(a + 1) * cd];
+            len += 1;
         }
         let mut row = kernel - 1;
-        while srcs.len() < kernel {
+        while len < kernel {
             row -= 1;
-            srcs.push(&conv_state[row * cd..(row + 1) * cd]);
+            srcs[len] = &conv_state[row * cd..(row + 1) * cd];
+            len += 1;
         }
+        let srcs = &mut srcs[..kernel];
         srcs.reverse();
         let o = &mut out[i * cd..(i + 1) * cd];
         o.fill(0.0);
@@ -166,13 +180,13 @@ pub fn conv_commit(conv_state: &mut [f32], conv_dim: usize, kernel: usize, x: &[
     if keep == 0 || path.is_empty() {
         return;
     }
-    let mut rows: Vec<Vec<f32>> = (0..keep).map(|r| conv_state[r * conv_dim..(r + 1) * conv_dim].to_vec()).collect();
-    for &p in path {
-        rows.push(x[p * conv_dim..(p + 1) * conv_dim].to_vec());
-    }
-    let start = rows.len() - keep;
-    for (r, src) in rows[start..].iter().enumerate() {
-        conv_state[r * conv_dim..(r + 1) * conv_dim].copy_from_slice(src);
+    // The window is the last `keep` rows of `conv_state ++ x[path]`: the state's rows shift up by
+    // `path.len()` (when any survive), then the path's last rows fill the tail. In place.
+    let from_path = path.len().min(keep);
+    let from_state = keep - from_path;
+    conv_state.copy_within((keep - from_state) * conv_dim..keep * conv_dim, 0);
+    for (r, &p) in path[path.len() - from_path..].iter().enumerate() {
+        conv_state[(from_state + r) * conv_dim..(from_state + r + 1) * conv_dim].copy_from_slice(&x[p * conv_dim..(p + 1) * conv_dim]);
     }
 }
 
@@ -620,44 +634,134 @@ pub fn wy_outputs_with(
     let gamma: &[f32] = gamma;
     let up = SyncPtr(u.as_mut_ptr());
     let op = SyncPtr(out.as_mut_ptr());
-    // Scratch per head: X (2n × dk), Kᵀ (dk × n), values (n × dv), γ, e^g, β (n each), X·S₀ (2n × dv),
-    // X·Kᵀ (2n × n), ũ and outputs (n × dv each), the solve's coefficients (2n).
-    let len = 2 * n * dk + dk * n + n * dv + 3 * n + 2 * n * dv + 2 * n * n + 2 * n * dv + 2 * n;
     pool.parallel_for(hv, 1, |range| {
-        with_scratch(len, |sc| {
-            let (xs, sc) = sc.split_at_mut(2 * n * dk);
-            let (kt, sc) = sc.split_at_mut(dk * n);
-            let (vs, sc) = sc.split_at_mut(n * dv);
-            let (gam, sc) = sc.split_at_mut(n);
-            let (eg, sc) = sc.split_at_mut(n);
-            let (bet, sc) = sc.split_at_mut(n);
-            let (kqs, sc) = sc.split_at_mut(2 * n * dv);
-            let (gram, sc) = sc.split_at_mut(2 * n * n);
-            let (us, sc) = sc.split_at_mut(n * dv);
-            let (os, coef) = sc.split_at_mut(n * dv);
+        with_scratch(wy_scratch_len(s, n), |sc| {
             for h in range {
-                for i in 0..n {
-                    let (q, k, v) = qkv(s, &c[i * cd..(i + 1) * cd], h);
-                    xs[2 * i * dk..(2 * i + 1) * dk].copy_from_slice(k);
-                    xs[(2 * i + 1) * dk..(2 * i + 2) * dk].copy_from_slice(q);
-                    for (m, &km) in k.iter().enumerate() {
-                        kt[m * n + i] = km;
-                    }
-                    vs[i * dv..(i + 1) * dv].copy_from_slice(v);
-                    gam[i] = gamma[i * hv + h];
-                    eg[i] = g[i * hv + h].exp();
-                    bet[i] = beta[i * hv + h];
-                }
-                gemm(kernel, &state[h * dk * dv..(h + 1) * dk * dv], dk, dv, xs, 2 * n, kqs);
-                gemm(kernel, kt, dk, n, xs, 2 * n, gram);
-                wy_solve(kernel, dv, parents, kqs, gram, vs, gam, eg, bet, us, os, coef);
-                for i in 0..n {
-                    // SAFETY: head h owns the `dv` slices at column h·dv of every row of `u` and `out`.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(us[i * dv..].as_ptr(), up.get().add(i * vd + h * dv), dv);
-                        std::ptr::copy_nonoverlapping(os[i * dv..].as_ptr(), op.get().add(i * vd + h * dv), dv);
-                    }
-                }
+                // SAFETY: head h writes only its own columns of `u` and `out`.
+                unsafe { wy_head(kernel, s, &state[h * dk * dv..(h + 1) * dk * dv], c, g, beta, parents, gamma, h, sc, up, op) };
+            }
+        })
+    });
+}
+
+/// Scratch of [`wy_head`] for a tree of `n` nodes: X (2n × dk), Kᵀ (dk × n), values (n × dv), γ, e^g, β (n
+/// each), X·S₀ (2n × dv), X·Kᵀ (2n × n), ũ and outputs (n × dv each), the solve's coefficients (2n).
+fn wy_scratch_len(s: &GdnShape, n: usize) -> usize {
+    let (dk, dv) = (s.d_k, s.d_v);
+    2 * n * dk + dk * n + n * dv + 3 * n + 2 * n * dv + 2 * n * n + 2 * n * dv + 2 * n
+}
+
+/// [`wy_outputs`] for value head `h` (its state block `st`, `d_k × d_v`): writes the head's columns of
+/// `u` and `out` (row stride `value_dim`).
+///
+/// # Safety
+/// `up`/`op` point to `n × value_dim` floats of which no other thread writes head `h`'s columns.
+#[allow(clippy::too_many_arguments)]
+unsafe fn wy_head(
+    kernel: Kernel,
+    s: &GdnShape,
+    st: &[f32],
+    c: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    parents: &[usize],
+    gamma: &[f32],
+    h: usize,
+    sc: &mut [f32],
+    up: SyncPtr<f32>,
+    op: SyncPtr<f32>,
+) {
+    let n = parents.len();
+    let (cd, dk, dv, hv, vd) = (s.conv_dim(), s.d_k, s.d_v, s.n_v_heads, s.value_dim());
+    let (xs, sc) = sc.split_at_mut(2 * n * dk);
+    let (kt, sc) = sc.split_at_mut(dk * n);
+    let (vs, sc) = sc.split_at_mut(n * dv);
+    let (gam, sc) = sc.split_at_mut(n);
+    let (eg, sc) = sc.split_at_mut(n);
+    let (bet, sc) = sc.split_at_mut(n);
+    let (kqs, sc) = sc.split_at_mut(2 * n * dv);
+    let (gram, sc) = sc.split_at_mut(2 * n * n);
+    let (us, sc) = sc.split_at_mut(n * dv);
+    let (os, coef) = sc.split_at_mut(n * dv);
+    for i in 0..n {
+        let (q, k, v) = qkv(s, &c[i * cd..(i + 1) * cd], h);
+        xs[2 * i * dk..(2 * i + 1) * dk].copy_from_slice(k);
+        xs[(2 * i + 1) * dk..(2 * i + 2) * dk].copy_from_slice(q);
+        for (m, &km) in k.iter().enumerate() {
+            kt[m * n + i] = km;
+        }
+        vs[i * dv..(i + 1) * dv].copy_from_slice(v);
+        gam[i] = gamma[i * hv + h];
+        eg[i] = g[i * hv + h].exp();
+        bet[i] = beta[i * hv + h];
+    }
+    gemm(kernel, st, dk, dv, xs, 2 * n, kqs);
+    gemm(kernel, kt, dk, n, xs, 2 * n, gram);
+    wy_solve(kernel, dv, parents, kqs, gram, vs, gam, eg, bet, us, os, &mut coef[..2 * n]);
+    for i in 0..n {
+        // SAFETY: head h owns the `dv` slices at column h·dv of every row of `u` and `out` (caller).
+        unsafe {
+            std::ptr::copy_nonoverlapping(us[i * dv..].as_ptr(), up.get().add(i * vd + h * dv), dv);
+            std::ptr::copy_nonoverlapping(os[i * dv..].as_ptr(), op.get().add(i * vd + h * dv), dv);
+        }
+    }
+}
+
+/// [`step_with`] on the active kernel path.
+#[allow(clippy::too_many_arguments)]
+pub fn step(
+    pool: &ThreadPool,
+    s: &GdnShape,
+    state: &mut [f32],
+    c: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    gamma: &mut [f32],
+    u: &mut [f32],
+    out: &mut [f32],
+) {
+    step_with(Kernel::active(), pool, s, state, c, g, beta, gamma, u, out)
+}
+
+/// One decode token: [`wy_outputs`] of the one-node tree (`parents = [root]`) then [`apply_path`] of the
+/// path `[0]`, fused per value head so each head's state block is read by the solve and updated while it is
+/// still in cache (one pass over the state from memory instead of two). The same arithmetic in the same
+/// order as the two calls: bit-identical results. Writes `gamma` (`n_v_heads`), `u` and `out` (`value_dim`).
+#[allow(clippy::too_many_arguments)]
+pub fn step_with(
+    kernel: Kernel,
+    pool: &ThreadPool,
+    s: &GdnShape,
+    state: &mut [f32],
+    c: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    gamma: &mut [f32],
+    u: &mut [f32],
+    out: &mut [f32],
+) {
+    let (dk, dv, hv, vd) = (s.d_k, s.d_v, s.n_v_heads, s.value_dim());
+    assert!(state.len() >= s.state_len() && c.len() >= s.conv_dim() && out.len() >= vd && u.len() >= vd);
+    assert!(gamma.len() >= hv && g.len() >= hv && beta.len() >= hv);
+    assert!(kernel.is_available(), "{kernel:?} kernels are not available on this CPU");
+    const ROOT: [usize; 1] = [usize::MAX];
+    for h in 0..hv {
+        // As wy_outputs for a root: its parent's (absent) cumulative decay is 0.
+        gamma[h] = g[h] + 0.0;
+    }
+    let gamma: &[f32] = gamma;
+    let (sp, up, op) = (SyncPtr(state.as_mut_ptr()), SyncPtr(u.as_mut_ptr()), SyncPtr(out.as_mut_ptr()));
+    let wy_len = wy_scratch_len(s, 1);
+    pool.parallel_for(hv, 1, |range| {
+        with_scratch(wy_len + dk + dv, |sc| {
+            let (wy, ap) = sc.split_at_mut(wy_len);
+            for h in range {
+                // SAFETY: each head owns its state block and its columns of `u` and `out`.
+                let st = unsafe { std::slice::from_raw_parts_mut(sp.get().add(h * dk * dv), dk * dv) };
+                unsafe { wy_head(kernel, s, st, c, g, beta, &ROOT, gamma, h, wy, up, op) };
+                // SAFETY: head h's `u` columns, just written by this thread and touched by no other.
+                let uh = unsafe { std::slice::from_raw_parts(up.get().add(h * dv).cast_const(), dv) };
+                apply_head(kernel, s, st, c, gamma, (uh, 0, 0), &[0], h, ap);
             }
         })
     });
@@ -682,28 +786,51 @@ pub fn apply_path_with(
     u: &[f32],
     path: &[usize],
 ) {
-    let Some(&last) = path.last() else { return };
-    let (cd, dk, dv, hv, vd) = (s.conv_dim(), s.d_k, s.d_v, s.n_v_heads, s.value_dim());
+    if path.is_empty() {
+        return;
+    }
+    let (dk, dv, hv) = (s.d_k, s.d_v, s.n_v_heads);
     assert!(kernel.is_available(), "{kernel:?} kernels are not available on this CPU");
     let np = path.len();
     let sp = SyncPtr(state.as_mut_ptr());
     pool.parallel_for(hv, 1, |range| {
         with_scratch(np * (dk + dv), |sc| {
-            let (ks, us) = sc.split_at_mut(np * dk);
             for h in range {
                 // SAFETY: each head owns its state block.
                 let st = unsafe { std::slice::from_raw_parts_mut(sp.get().add(h * dk * dv), dk * dv) };
-                let gl = gamma[last * hv + h];
-                for (p, &j) in path.iter().enumerate() {
-                    let coef = (gl - gamma[j * hv + h]).exp();
-                    let k = qkv(s, &c[j * cd..(j + 1) * cd], h).1;
-                    ks[p * dk..(p + 1) * dk].iter_mut().zip(k).for_each(|(d, &x)| *d = coef * x);
-                    us[p * dv..(p + 1) * dv].copy_from_slice(&u[j * vd + h * dv..j * vd + (h + 1) * dv]);
-                }
-                rank_update(kernel, st, dk, dv, gl.exp(), ks, us, np);
+                apply_head(kernel, s, st, c, gamma, (u, s.value_dim(), h * dv), path, h, sc);
             }
         })
     });
+}
+
+/// [`apply_path`] for value head `h` on its state block `st` (`d_k × d_v`); node `j`'s `ũ` for this head at
+/// `u.0[j·u.1 + u.2..][..d_v]`; `sc`: `|path|·(d_k + d_v)` scratch.
+#[allow(clippy::too_many_arguments)]
+fn apply_head(
+    kernel: Kernel,
+    s: &GdnShape,
+    st: &mut [f32],
+    c: &[f32],
+    gamma: &[f32],
+    u: (&[f32], usize, usize),
+    path: &[usize],
+    h: usize,
+    sc: &mut [f32],
+) {
+    let Some(&last) = path.last() else { return };
+    let (cd, dk, dv, hv) = (s.conv_dim(), s.d_k, s.d_v, s.n_v_heads);
+    let (u, stride, off) = u;
+    let np = path.len();
+    let (ks, us) = sc[..np * (dk + dv)].split_at_mut(np * dk);
+    let gl = gamma[last * hv + h];
+    for (p, &j) in path.iter().enumerate() {
+        let coef = (gl - gamma[j * hv + h]).exp();
+        let k = qkv(s, &c[j * cd..(j + 1) * cd], h).1;
+        ks[p * dk..(p + 1) * dk].iter_mut().zip(k).for_each(|(d, &x)| *d = coef * x);
+        us[p * dv..(p + 1) * dv].copy_from_slice(&u[j * stride + off..j * stride + off + dv]);
+    }
+    rank_update(kernel, st, dk, dv, gl.exp(), ks, us, np);
 }
 
 /// AVX-512 (`avx512f`) kernels of the state products: register tiles of zmm accumulators that share every

@@ -236,6 +236,20 @@ impl Backend for Cpu {
         gdn::wy_outputs(&self.pool, s, state, cs, gs, bs, parents, &mut gamma[..n * hv], &mut u[..n * vd], &mut out[..n * vd]);
     }
 
+    fn gdn_step(
+        &self,
+        s: &GdnShape,
+        state: &mut Vec<f32>,
+        c: &Vec<f32>,
+        g: &Vec<f32>,
+        beta: &Vec<f32>,
+        gamma: &mut Vec<f32>,
+        u: &mut Vec<f32>,
+        out: &mut Vec<f32>,
+    ) {
+        gdn::step(&self.pool, s, state, c, g, beta, gamma, u, out);
+    }
+
     fn gdn_commit(&self, s: &GdnShape, state: &mut Vec<f32>, c: &Vec<f32>, gamma: &Vec<f32>, u: &Vec<f32>, path: &[usize]) {
         gdn::apply_path(&self.pool, s, state, c, gamma, u, path);
     }
