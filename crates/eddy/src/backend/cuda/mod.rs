@@ -908,6 +908,20 @@ impl Backend for Cuda {
         unreachable!("{NO_GDN}")
     }
 
+    fn gdn_step(
+        &self,
+        _: &GdnShape,
+        _: &mut CudaBuf,
+        _: &CudaBuf,
+        _: &CudaBuf,
+        _: &CudaBuf,
+        _: &mut CudaBuf,
+        _: &mut CudaBuf,
+        _: &mut CudaBuf,
+    ) {
+        unreachable!("{NO_GDN}")
+    }
+
     fn gdn_commit(&self, _: &GdnShape, _: &mut CudaBuf, _: &CudaBuf, _: &CudaBuf, _: &CudaBuf, _: &[usize]) {
         unreachable!("{NO_GDN}")
     }
