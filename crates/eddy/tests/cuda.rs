@@ -17,7 +17,7 @@
 use eddy::backend::cpu::{matmul_reference, quantize_activations, ThreadPool};
 use eddy::backend::cuda::{Cuda, GpuQ};
 use eddy::backend::{parity, AttnShape, Backend, Cpu, Visibility};
-use eddy::models::forward::{forward, forward_tree, Logits, Workspace};
+use eddy::models::forward::{decode, forward, forward_tree, Logits, Workspace};
 use eddy::quant::import::{quantize_f32, QuantKind};
 use eddy::quant::rotation::{Rotation, Signs};
 use eddy::quant::{rtn, GroupScales, QMatrix, WeightMatrix, QK, QK_SUPER};
@@ -473,7 +473,14 @@ fn model_matches_cpu(name: &str) {
     assert!(gl == one_by_one, "{name}: a 16-node verify differs from 16 decode steps");
     forward(&gm, &be, &mut gws, &mut gst, &toks, Logits::All, &mut gl).unwrap();
     assert!(gl == one_by_one, "{name}: a 16-token pass differs from 16 decode steps");
-    println!("{name}: 16-node verify and 16-token pass bit-identical to 16 decode steps");
+    gst.truncate(base);
+    let mut stepped = Vec::new();
+    for &t in &toks {
+        decode(&gm, &be, &mut gws, &mut gst, t, &mut gl).unwrap();
+        stepped.extend_from_slice(&gl);
+    }
+    assert!(stepped == one_by_one, "{name}: the decode step differs from 1-token forward passes");
+    println!("{name}: 16-node verify, 16-token pass and 16 `decode` steps bit-identical to 16 one-token passes");
 }
 
 #[test]
