@@ -14,10 +14,14 @@
 //! The scalar reference of each operation ([`reference`]) is the test oracle: [`parity`] checks any
 //! backend against it on random inputs (run for the CPU by `cargo test -p eddy --lib parity`).
 //!
+//! [`cuda::Cuda`] (cargo feature `cuda`) runs the attention models on an NVIDIA GPU (`docs/cuda.md`).
+//!
 //! Adding a backend: implement [`Backend`] (and an upload of [`crate::quant::WeightMatrix`] into
 //! [`Backend::Weights`]), run [`parity::check_all`] on it, and instantiate the models with it.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod parity;
 pub mod reference;
 
@@ -51,6 +55,11 @@ pub trait Backend: Send + Sync {
     fn upload_weights(&self, w: crate::quant::WeightMatrix) -> Self::Weights;
     /// Empty quantized-activation scratch (grows on use).
     fn new_qact(&self) -> Self::QAct;
+    /// Whether the Gated DeltaNet operations (`gdn_*`) are implemented; a backend without them cannot run
+    /// hybrid models ([`crate::models::Model::to_backend`] refuses them).
+    fn has_gdn(&self) -> bool {
+        true
+    }
 
     /// `x[i] = scale · embedding row tokens[i]` (`d_model` each; `scale` None = 1).
     fn embed(&self, table: &Self::Weights, tokens: &[u32], scale: Option<f32>, x: &mut Self::Buf);

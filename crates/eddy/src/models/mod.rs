@@ -292,6 +292,74 @@ impl<B: Backend> Layer<B> {
 }
 
 impl Model {
+    /// This model's weights and norms uploaded to backend `be` (every [`Backend::Buf`] and
+    /// [`crate::quant::WeightMatrix`] copied into its memory and layout; the CPU model is unchanged).
+    ///
+    /// Errors: a hybrid model (Gated DeltaNet layers) on a backend without those operations
+    /// ([`Backend::has_gdn`]).
+    pub fn to_backend<B: Backend>(&self, be: &B) -> Result<Model<B>> {
+        let hybrid = self.config.gdn.is_some() || self.layers.iter().any(|l| matches!(l.mixer, Mixer::DeltaNet(_)));
+        if hybrid && !be.has_gdn() {
+            return Err(Error::Input(format!(
+                "this backend has no Gated DeltaNet kernels: the hybrid {:?} model runs on the CPU only",
+                self.config.arch
+            )));
+        }
+        let buf = |v: &Vec<f32>| be.upload(v);
+        let opt = |v: &Option<Vec<f32>>| v.as_ref().map(|v| be.upload(v));
+        let w = |m: &WeightMatrix| be.upload_weights(m.clone());
+        let layer = |l: &Layer| Layer {
+            attn_norm: buf(&l.attn_norm),
+            mixer: match &l.mixer {
+                Mixer::Attention(a) => Mixer::Attention(Attention {
+                    wq: w(&a.wq),
+                    wk: w(&a.wk),
+                    wv: w(&a.wv),
+                    bq: opt(&a.bq),
+                    bk: opt(&a.bk),
+                    bv: opt(&a.bv),
+                    q_norm: opt(&a.q_norm),
+                    k_norm: opt(&a.k_norm),
+                    wo: w(&a.wo),
+                    gated: a.gated,
+                    rope: a.rope.clone(),
+                    window: a.window,
+                }),
+                Mixer::DeltaNet(g) => Mixer::DeltaNet(DeltaNet {
+                    w_qkv: w(&g.w_qkv),
+                    w_z: w(&g.w_z),
+                    w_b: w(&g.w_b),
+                    w_a: w(&g.w_a),
+                    conv: buf(&g.conv),
+                    a_neg: buf(&g.a_neg),
+                    dt_bias: buf(&g.dt_bias),
+                    norm: buf(&g.norm),
+                    w_out: w(&g.w_out),
+                }),
+            },
+            post_attn_norm: opt(&l.post_attn_norm),
+            ffn_norm: buf(&l.ffn_norm),
+            w_gate: w(&l.w_gate),
+            w_up: w(&l.w_up),
+            w_down: w(&l.w_down),
+            post_ffn_norm: opt(&l.post_ffn_norm),
+        };
+        Ok(Model {
+            config: self.config.clone(),
+            embed: w(&self.embed),
+            layers: self.layers.iter().map(layer).collect(),
+            output_norm: buf(&self.output_norm),
+            output: self.output.as_ref().map(w),
+            mtp: self.mtp.as_ref().map(|m| Mtp {
+                emb_norm: buf(&m.emb_norm),
+                hid_norm: buf(&m.hid_norm),
+                fc: w(&m.fc),
+                layer: layer(&m.layer),
+                norm: buf(&m.norm),
+            }),
+        })
+    }
+
     /// Bytes of weights streamed by one decode step (all matrices once, embedding row excluded unless tied;
     /// the MTP head excluded).
     pub fn weight_bytes(&self) -> usize {

@@ -1,0 +1,547 @@
+// eddy's CUDA kernels (the `cuda` feature): compiled by nvcc at build time (build.rs) into a fatbin that is
+// embedded in the binary and loaded with the driver API (backend/cuda/mod.rs). docs/cuda.md describes the
+// layouts and the operation order each kernel follows.
+//
+// Batch invariance: every output (row, token) of a product, every (query, head) of the attention and every
+// row of a norm is computed by an operation sequence that depends only on that row's data and the layer's
+// shape, never on the number of rows in the launch or on which block handles it. Float operations that
+// matter for it use the explicit-rounding intrinsics (__fmaf_rn, __fmul_rn, __fadd_rn), so template
+// instances compiled for different token tiles cannot contract differently.
+
+#include <stdint.h>
+
+#define FULL 0xffffffffu
+
+__device__ __forceinline__ float warp_sum(float v) {
+    // xor butterfly: every lane ends with the same value (float addition is commutative).
+    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(FULL, v, o));
+    return v;
+}
+
+__device__ __forceinline__ int warp_isum(int v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL, v, o));
+    return v;
+}
+
+// Unsigned bytes of `a` times signed bytes of `b`, summed into `c` (dp4a.u32.s32).
+__device__ __forceinline__ int dp4a_us(uint32_t a, int b, int c) {
+    int r;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+// H_32 · v over the 32 lanes of a warp: the butterfly (a, b) -> (a + b, a - b) over strides 1, 2, ..., 16,
+// then times 1/sqrt(32) (the CPU's fwht order: quant/rotation.rs).
+__device__ __forceinline__ float warp_fwht32(float v, int lane) {
+    for (int h = 1; h < 32; h <<= 1) {
+        float p = __shfl_xor_sync(FULL, v, h);
+        v = (lane & h) ? __fsub_rn(p, v) : __fadd_rn(v, p);
+    }
+    return __fmul_rn(v, 1.0f / sqrtf(32.0f));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Activation quantization: one warp per (token, group of 32). Optional input rotation x~ = H (D_in x).
+// d = amax/127, q = rint(x * 127/amax) (ties to even) clamped to [-127, 127]; d = 0, q = 0 when amax < 1e-30.
+extern "C" __global__ void quantize_q8(const float* __restrict__ x, int n, int cols, const float* __restrict__ signs,
+                                       int8_t* __restrict__ q, float* __restrict__ scale, int* __restrict__ sum,
+                                       float* __restrict__ dsum, int* __restrict__ sum16) {
+    const int lane = threadIdx.x & 31;
+    const long long G = cols >> 5;
+    const long long gid = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (gid >= (long long)n * G) return;
+    float v = x[gid * 32 + lane];
+    if (signs != nullptr) {
+        v = __fmul_rn(v, signs[(gid % G) * 32 + lane]);
+        v = warp_fwht32(v, lane);
+    }
+    const float amax = warp_max(fabsf(v));
+    float d = 0.0f, inv = 0.0f;
+    if (amax >= 1e-30f) {
+        d = __fdiv_rn(amax, 127.0f);
+        inv = __fdiv_rn(127.0f, amax);
+    }
+    const int qi = (int)fminf(fmaxf(rintf(__fmul_rn(v, inv)), -127.0f), 127.0f);
+    q[gid * 32 + lane] = (int8_t)qi;
+    const int s = warp_isum(qi);
+    const int lo = warp_isum(lane < 16 ? qi : 0);
+    if (lane == 0) {
+        scale[gid] = d;
+        sum[gid] = s;
+        dsum[gid] = __fmul_rn(d, (float)s);
+        sum16[2 * gid] = lo;
+        sum16[2 * gid + 1] = s - lo;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Quantized matrix x int8 activations. One warp per weight row, TT tokens per block column (grid.y).
+// Lane l walks the row's code blocks b = l, l + 32, ... in order; per block and token the integer dots are
+// exact and the block's term is added to that token's accumulator with one or two fused multiply-adds;
+// the 32 lane sums are then combined by the fixed xor tree. So output (row, token) has one operation
+// sequence whatever n and TT are.
+//
+// Layout (docs/cuda.md): codes per block of 32: P4 (bits 4) 16 bytes, byte j = code j | code j+16 << 4;
+// otherwise 32 bytes, one code each. `sc` one f32 scale per 16 values (g16) or per 32, `mn` one f32 offset
+// per 32 (explicit offsets) or null; `half` = 2^(bits-1) for the implicit offset.
+#define MM_ROWS 4
+
+template <int TT, bool P4>
+__device__ __forceinline__ void mm_q_impl(const uint8_t* __restrict__ codes, const float* __restrict__ sc,
+                                          const float* __restrict__ mn, int rows, int cols, int half, int g16,
+                                          const int8_t* __restrict__ xq, const float* __restrict__ xs,
+                                          const int* __restrict__ xsum, const float* __restrict__ xdsum,
+                                          const int* __restrict__ xsum16, int n, float* __restrict__ out) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * MM_ROWS + (threadIdx.x >> 5);
+    const int t0 = blockIdx.y * TT;
+    if (row >= rows) return;
+    const int nblk = cols >> 5;
+    const int nt = min(TT, n - t0);
+    float acc[TT];
+#pragma unroll
+    for (int i = 0; i < TT; ++i) acc[i] = 0.0f;
+#pragma unroll 2
+    for (int b = lane; b < nblk; b += 32) {
+        const long long blk = (long long)row * nblk + b;
+        uint32_t w[8];
+        if (P4) {
+            const uint4 c = *reinterpret_cast<const uint4*>(codes + blk * 16);
+            const uint32_t L[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                w[k] = L[k] & 0x0F0F0F0Fu;
+                w[k + 4] = (L[k] >> 4) & 0x0F0F0F0Fu;
+            }
+        } else {
+            const uint4 c0 = *reinterpret_cast<const uint4*>(codes + blk * 32);
+            const uint4 c1 = *reinterpret_cast<const uint4*>(codes + blk * 32 + 16);
+            w[0] = c0.x; w[1] = c0.y; w[2] = c0.z; w[3] = c0.w;
+            w[4] = c1.x; w[5] = c1.y; w[6] = c1.z; w[7] = c1.w;
+        }
+        float s0, s1 = 0.0f, m = 0.0f;
+        if (g16) {
+            s0 = sc[2 * blk];
+            s1 = sc[2 * blk + 1];
+        } else {
+            s0 = sc[blk];
+        }
+        if (mn != nullptr) m = mn[blk];
+#pragma unroll
+        for (int i = 0; i < TT; ++i) {
+            if (i < nt) {
+                const long long t = t0 + i;
+                const int4* ap = reinterpret_cast<const int4*>(xq + t * cols + (long long)b * 32);
+                const int4 a0 = ap[0], a1 = ap[1];
+                int d0 = 0, d1 = 0;
+                d0 = dp4a_us(w[0], a0.x, d0);
+                d0 = dp4a_us(w[1], a0.y, d0);
+                d0 = dp4a_us(w[2], a0.z, d0);
+                d0 = dp4a_us(w[3], a0.w, d0);
+                d1 = dp4a_us(w[4], a1.x, d1);
+                d1 = dp4a_us(w[5], a1.y, d1);
+                d1 = dp4a_us(w[6], a1.z, d1);
+                d1 = dp4a_us(w[7], a1.w, d1);
+                const long long ab = t * nblk + b;
+                const float d = xs[ab];
+                float a = acc[i];
+                if (g16) {
+                    const int e0 = d0 - half * xsum16[2 * ab];
+                    const int e1 = d1 - half * xsum16[2 * ab + 1];
+                    a = __fmaf_rn(__fmul_rn(s0, d), (float)e0, a);
+                    a = __fmaf_rn(__fmul_rn(s1, d), (float)e1, a);
+                } else if (mn != nullptr) {
+                    a = __fmaf_rn(__fmul_rn(s0, d), (float)(d0 + d1), a);
+                    a = __fmaf_rn(m, xdsum[ab], a);
+                } else {
+                    const int e = d0 + d1 - half * xsum[ab];
+                    a = __fmaf_rn(__fmul_rn(s0, d), (float)e, a);
+                }
+                acc[i] = a;
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < TT; ++i) {
+        const float v = warp_sum(acc[i]);
+        if (lane == 0 && i < nt) out[(long long)(t0 + i) * rows + row] = v;
+    }
+}
+
+#define MM_Q(NAME, TT, P4)                                                                                   \
+    extern "C" __global__ void NAME(const uint8_t* codes, const float* sc, const float* mn, int rows,       \
+                                    int cols, int half, int g16, const int8_t* xq, const float* xs,         \
+                                    const int* xsum, const float* xdsum, const int* xsum16, int n,          \
+                                    float* out) {                                                           \
+        mm_q_impl<TT, P4>(codes, sc, mn, rows, cols, half, g16, xq, xs, xsum, xdsum, xsum16, n, out);      \
+    }
+MM_Q(mm_q_t1_p4, 1, true)
+MM_Q(mm_q_t1_p8, 1, false)
+MM_Q(mm_q_t8_p4, 8, true)
+MM_Q(mm_q_t8_p8, 8, false)
+
+// Float weights (f32, or bf16 when BF) times f32 activations: one warp per row, lane l sums columns
+// l, l + 32, ... with fused multiply-adds, then the xor tree.
+template <int TT, bool BF>
+__device__ __forceinline__ void mm_f_impl(const void* __restrict__ wv, int rows, int cols,
+                                          const float* __restrict__ x, int n, float* __restrict__ out) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * MM_ROWS + (threadIdx.x >> 5);
+    const int t0 = blockIdx.y * TT;
+    if (row >= rows) return;
+    const int nt = min(TT, n - t0);
+    float acc[TT];
+#pragma unroll
+    for (int i = 0; i < TT; ++i) acc[i] = 0.0f;
+    for (int c = lane; c < cols; c += 32) {
+        float w;
+        if (BF) {
+            w = __uint_as_float((uint32_t)(reinterpret_cast<const uint16_t*>(wv)[(long long)row * cols + c]) << 16);
+        } else {
+            w = reinterpret_cast<const float*>(wv)[(long long)row * cols + c];
+        }
+#pragma unroll
+        for (int i = 0; i < TT; ++i)
+            if (i < nt) acc[i] = __fmaf_rn(w, x[(long long)(t0 + i) * cols + c], acc[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < TT; ++i) {
+        const float v = warp_sum(acc[i]);
+        if (lane == 0 && i < nt) out[(long long)(t0 + i) * rows + row] = v;
+    }
+}
+
+#define MM_F(NAME, TT, BF)                                                                              \
+    extern "C" __global__ void NAME(const void* w, int rows, int cols, const float* x, int n, float* out) { \
+        mm_f_impl<TT, BF>(w, rows, cols, x, n, out);                                                      \
+    }
+MM_F(mm_f32_t1, 1, false)
+MM_F(mm_f32_t8, 8, false)
+MM_F(mm_bf16_t1, 1, true)
+MM_F(mm_bf16_t8, 8, true)
+
+// The Hadamard blocks of a vector of `len` values (quant/rotation.rs `blocks`): len/32 blocks of 32, then the
+// tail's binary digits in decreasing order. Block `i` -> (start, size); false past the last block.
+__device__ __forceinline__ bool hadamard_block(int len, int i, int* start, int* size) {
+    const int full = len >> 5, tail = len & 31;
+    if (i < full) {
+        *start = i * 32;
+        *size = 32;
+        return true;
+    }
+    int at = full * 32, k = i - full;
+    for (int b = 4; b >= 0; --b) {
+        if (tail & (1 << b)) {
+            if (k == 0) {
+                *start = at;
+                *size = 1 << b;
+                return true;
+            }
+            --k;
+            at += 1 << b;
+        }
+    }
+    return false;
+}
+
+// Output side of a rotated product: y <- D_out (H y) on every Hadamard block of every token's row. One thread
+// per (token, block), the CPU's butterfly order.
+extern "C" __global__ void rotate_out(float* __restrict__ y, int n, int rows, int nblocks, const float* __restrict__ signs) {
+    const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (id >= (long long)n * nblocks) return;
+    const int t = (int)(id / nblocks), bi = (int)(id % nblocks);
+    int s, len;
+    if (!hadamard_block(rows, bi, &s, &len)) return;
+    float v[32];
+    float* p = y + (long long)t * rows + s;
+    for (int j = 0; j < len; ++j) v[j] = p[j];
+    for (int h = 1; h < len; h <<= 1)
+        for (int i = 0; i < len; i += 2 * h)
+            for (int j = i; j < i + h; ++j) {
+                const float a = v[j], b = v[j + h];
+                v[j] = __fadd_rn(a, b);
+                v[j + h] = __fsub_rn(a, b);
+            }
+    const float sc = len > 1 ? 1.0f / sqrtf((float)len) : 1.0f;
+    for (int j = 0; j < len; ++j) p[j] = __fmul_rn(len > 1 ? __fmul_rn(v[j], sc) : v[j], signs[s + j]);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Embedding rows. wtype 0: f32, 1: bf16, 2: quantized (layout as mm_q). A rotated quantized table gives the
+// rows of W = D_out H W' H D_in (output side: the stored rows of the row's Hadamard block mixed; input side:
+// H per 32 columns, then the signs). One block per token, one warp per 32 columns at a time.
+__device__ __forceinline__ float stored_value(const void* w, int wtype, int cols, int p4, int g16, int half,
+                                              const float* sc, const float* mn, long long r, int c) {
+    if (wtype == 0) return reinterpret_cast<const float*>(w)[r * cols + c];
+    if (wtype == 1) return __uint_as_float((uint32_t)(reinterpret_cast<const uint16_t*>(w)[r * cols + c]) << 16);
+    const long long blk = r * (cols >> 5) + (c >> 5);
+    const int j = c & 31;
+    const uint8_t* codes = reinterpret_cast<const uint8_t*>(w);
+    int q;
+    if (p4) {
+        const uint8_t byte = codes[blk * 16 + (j & 15)];
+        q = j < 16 ? (byte & 15) : (byte >> 4);
+    } else {
+        q = codes[blk * 32 + j];
+    }
+    const float s = g16 ? sc[2 * blk + (j >> 4)] : sc[blk];
+    if (mn != nullptr) return __fadd_rn(__fmul_rn(s, (float)q), mn[blk]);
+    return __fmul_rn(s, (float)(q - half));
+}
+
+extern "C" __global__ void embed(const void* __restrict__ w, int wtype, int rows, int cols, int p4, int g16, int half,
+                                 const float* __restrict__ sc, const float* __restrict__ mn,
+                                 const float* __restrict__ in_signs, const float* __restrict__ out_signs,
+                                 const uint32_t* __restrict__ tokens, float scale, int has_scale,
+                                 float* __restrict__ x) {
+    const int t = blockIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const long long r = tokens[t];
+    int bs = 0, bl = 1;
+    if (out_signs != nullptr) {
+        for (int i = 0;; ++i) {
+            if (!hadamard_block(rows, i, &bs, &bl)) break;
+            if (r < bs + bl) break;
+        }
+    }
+    for (int g = warp; g < (cols >> 5); g += nw) {
+        const int c = g * 32 + lane;
+        float v;
+        if (out_signs != nullptr) {
+            // Row r of D_out H W': sum_j H[r - s][j] W'[s + j] (a Sylvester block: (-1)^popcount(i & j) / sqrt(n)).
+            const float norm = 1.0f / sqrtf((float)bl);
+            v = 0.0f;
+            for (int jj = 0; jj < bl; ++jj) {
+                const float h = (__popc((int)(r - bs) & jj) & 1) ? -norm : norm;
+                v = __fadd_rn(v, __fmul_rn(h, stored_value(w, wtype, cols, p4, g16, half, sc, mn, bs + jj, c)));
+            }
+            v = __fmul_rn(v, out_signs[r]);
+        } else {
+            v = stored_value(w, wtype, cols, p4, g16, half, sc, mn, r, c);
+        }
+        if (in_signs != nullptr) {
+            v = warp_fwht32(v, lane);
+            v = __fmul_rn(v, in_signs[c]);
+        }
+        if (has_scale) v = __fmul_rn(v, scale);
+        x[(long long)t * cols + c] = v;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// RMSNorm: one block of NORM_THREADS per row; thread t sums x[c]^2 for c = t, t + NORM_THREADS, ... (fma chain),
+// then a fixed shared-memory tree. `out` may be `x` (in place).
+#define NORM_THREADS 256
+
+extern "C" __global__ void rms_norm(const float* x, float* out, const float* __restrict__ w, int d, float eps,
+                                    int nrows) {
+    __shared__ float red[NORM_THREADS];
+    const long long row = blockIdx.x;
+    const int tid = threadIdx.x;
+    if (row >= nrows) return;
+    const float* xr = x + row * d;
+    float ss = 0.0f;
+    for (int c = tid; c < d; c += NORM_THREADS) ss = __fmaf_rn(xr[c], xr[c], ss);
+    red[tid] = ss;
+    __syncthreads();
+    for (int s = NORM_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) red[tid] = __fadd_rn(red[tid], red[tid + s]);
+        __syncthreads();
+    }
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(red[0], (float)d), eps)));
+    float* o = out + row * d;
+    for (int c = tid; c < d; c += NORM_THREADS) o[c] = __fmul_rn(__fmul_rn(xr[c], inv), w[c]);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Elementwise.
+extern "C" __global__ void add(float* __restrict__ x, const float* __restrict__ y, long long len) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < len) x[i] = __fadd_rn(x[i], y[i]);
+}
+
+extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restrict__ b, int width, long long len) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < len) x[i] = __fadd_rn(x[i], b[i % width]);
+}
+
+// act 0: SiLU g*sigma(g); 1: GELU with the tanh approximation.
+extern "C" __global__ void gated_act(int act, float* __restrict__ g, const float* __restrict__ u, long long len) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    const float x = g[i];
+    float a;
+    if (act == 0) {
+        a = __fdiv_rn(x, __fadd_rn(1.0f, expf(-x)));
+    } else {
+        const float C = 0.7978846f;
+        const float inner = __fmul_rn(C, __fadd_rn(x, __fmul_rn(__fmul_rn(__fmul_rn(0.044715f, x), x), x)));
+        a = __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, tanhf(inner)));
+    }
+    g[i] = __fmul_rn(a, u[i]);
+}
+
+extern "C" __global__ void mul_sigmoid(float* __restrict__ x, const float* __restrict__ g, long long len) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < len) x[i] = __fmul_rn(x[i], __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g[i]))));
+}
+
+extern "C" __global__ void split_gate(const float* __restrict__ qg, int n, int heads, int hd, float* __restrict__ q,
+                                      float* __restrict__ gate) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long qd = (long long)heads * hd;
+    if (i >= n * qd) return;
+    const long long t = i / qd, r = i % qd, h = r / hd, d = r % hd;
+    const float* src = qg + t * 2 * qd + h * 2 * hd;
+    q[i] = src[d];
+    gate[i] = src[hd + d];
+}
+
+extern "C" __global__ void concat_rows(const float* __restrict__ a, const float* __restrict__ b, int n, int width,
+                                       float* __restrict__ out) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n * 2 * width) return;
+    const long long t = i / (2 * width), c = i % (2 * width);
+    out[i] = c < width ? a[t * width + c] : b[t * width + c - width];
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// RoPE on rows 0..nrows of q (qw values each) and k (kw values each), heads of hd, in one launch: pair i of
+// every head rotated by pos*inv_freq[i], cos/sin of the f64 angle rounded to f32 (as the CPU). neox: pairs
+// (i, i + half), else (2i, 2i + 1).
+extern "C" __global__ void rope(float* __restrict__ q, int qw, float* __restrict__ k, int kw, int hd, int nrows,
+                                const int* __restrict__ pos, const float* __restrict__ inv_freq, int half, int neox) {
+    long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long nq = (long long)nrows * (qw / hd) * half;
+    float* x = q;
+    int width = qw;
+    if (id >= nq) {
+        id -= nq;
+        x = k;
+        width = kw;
+        if (id >= (long long)nrows * (kw / hd) * half) return;
+    }
+    const int heads = width / hd;
+    const int i = (int)(id % half);
+    const long long rh = id / half;
+    const int h = (int)(rh % heads);
+    const long long t = rh / heads;
+    const double ang = (double)pos[t] * (double)inv_freq[i];
+    double sd, cd;
+    sincos(ang, &sd, &cd);
+    const float c = (float)cd, s = (float)sd;
+    float* p = x + t * width + (long long)h * hd;
+    const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+    const float x0 = p[a], x1 = p[b];
+    p[a] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+    p[b] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Attention: one block of ATT_THREADS per (query head, query). Query i sees the cache rows info[i].x ..
+// info[i].y (committed, in order) then info[i].w rows listed at paths[info[i].z ..] (its tree ancestors and
+// itself, root first): keys in position order, exactly as a chain would visit them.
+// Fixed order per (query, head), independent of the query count:
+//  * score_j = (fma chain q[d]*k_j[d] over d = 0, 1, ..., hd-1) * scale, then the soft-cap; one thread per key
+//    (the query in shared memory), stored in `scores` (a row of maxk per (query, head));
+//  * M = max_j score_j (exact), e_j = expf(score_j - M), Z: thread t sums j = t, t + ATT_THREADS, ... in order,
+//    then a fixed shared-memory tree;
+//  * o[d]: part p of P = ATT_THREADS / hd (at least 1) sums e_j v_j[d] for j = p, p + P, ... in order with
+//    fma, the parts are added in order p = 0, 1, ...; times 1/Z.
+// hd must be a multiple of 4 and at most ATT_MAX_HD.
+#define ATT_THREADS 128
+#define ATT_MAX_HD 512
+
+extern "C" __global__ void attention(const float* __restrict__ q, const float* __restrict__ k,
+                                     const float* __restrict__ v, float* __restrict__ out,
+                                     const int4* __restrict__ info, const int* __restrict__ paths,
+                                     float* __restrict__ scores, int maxk, int n_heads, int n_kv_heads, int hd,
+                                     float scale, float softcap) {
+    __shared__ float red[ATT_THREADS];
+    __shared__ __align__(16) float qs[ATT_MAX_HD];
+    const int h = blockIdx.x, i = blockIdx.y, tid = threadIdx.x;
+    const int4 qi = info[i];
+    const int nc = qi.y - qi.x, nk = nc + qi.w;
+    const int kvh = h / (n_heads / n_kv_heads);
+    const long long qd = (long long)n_heads * hd, kvd = (long long)n_kv_heads * hd;
+    const float* qh = q + i * qd + (long long)h * hd;
+    float* sc = scores + ((long long)i * n_heads + h) * maxk;
+    for (int d = tid; d < hd; d += ATT_THREADS) qs[d] = qh[d];
+    __syncthreads();
+    for (int jj = tid; jj < nk; jj += ATT_THREADS) {
+        const long long r = jj < nc ? qi.x + jj : paths[qi.z + jj - nc];
+        const float4* kr = reinterpret_cast<const float4*>(k + r * kvd + (long long)kvh * hd);
+        float p = 0.0f;
+#pragma unroll 4
+        for (int d4 = 0; d4 < hd / 4; ++d4) {
+            const float4 kv = kr[d4];
+            p = __fmaf_rn(qs[4 * d4], kv.x, p);
+            p = __fmaf_rn(qs[4 * d4 + 1], kv.y, p);
+            p = __fmaf_rn(qs[4 * d4 + 2], kv.z, p);
+            p = __fmaf_rn(qs[4 * d4 + 3], kv.w, p);
+        }
+        float s = __fmul_rn(p, scale);
+        if (softcap > 0.0f) s = __fmul_rn(softcap, tanhf(__fdiv_rn(s, softcap)));
+        sc[jj] = s;
+    }
+    __syncthreads();
+    float m = -INFINITY;
+    for (int jj = tid; jj < nk; jj += ATT_THREADS) m = fmaxf(m, sc[jj]);
+    red[tid] = m;
+    __syncthreads();
+    for (int s = ATT_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) red[tid] = fmaxf(red[tid], red[tid + s]);
+        __syncthreads();
+    }
+    m = red[0];
+    __syncthreads();
+    float z = 0.0f;
+    for (int jj = tid; jj < nk; jj += ATT_THREADS) {
+        const float e = expf(__fsub_rn(sc[jj], m));
+        sc[jj] = e;
+        z = __fadd_rn(z, e);
+    }
+    red[tid] = z;
+    __syncthreads();
+    for (int s = ATT_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) red[tid] = __fadd_rn(red[tid], red[tid + s]);
+        __syncthreads();
+    }
+    const float inv_z = __fdiv_rn(1.0f, red[0]);
+    __syncthreads();
+    float* o = out + i * qd + (long long)h * hd;
+    if (hd >= ATT_THREADS) {
+        for (int d = tid; d < hd; d += ATT_THREADS) {
+            float acc = 0.0f;
+#pragma unroll 8
+            for (int jj = 0; jj < nk; ++jj) {
+                const long long r = jj < nc ? qi.x + jj : paths[qi.z + jj - nc];
+                acc = __fmaf_rn(sc[jj], v[r * kvd + (long long)kvh * hd + d], acc);
+            }
+            o[d] = __fmul_rn(acc, inv_z);
+        }
+    } else {
+        const int P = ATT_THREADS / hd;
+        const int d = tid % hd, part = tid / hd;
+        if (part < P) {
+            float acc = 0.0f;
+#pragma unroll 8
+            for (int jj = part; jj < nk; jj += P) {
+                const long long r = jj < nc ? qi.x + jj : paths[qi.z + jj - nc];
+                acc = __fmaf_rn(sc[jj], v[r * kvd + (long long)kvh * hd + d], acc);
+            }
+            red[part * hd + d] = acc;
+        }
+        __syncthreads();
+        if (tid < hd) {
+            float acc = red[tid];
+            for (int p = 1; p < P; ++p) acc = __fadd_rn(acc, red[p * hd + tid]);
+            o[tid] = __fmul_rn(acc, inv_z);
+        }
+    }
+}

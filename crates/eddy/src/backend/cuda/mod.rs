@@ -1,0 +1,939 @@
+//! [`Cuda`]: the [`Backend`] on an NVIDIA GPU (the `cuda` cargo feature; `docs/cuda.md`).
+//!
+//! Buffers are device `f32` allocations ([`CudaBuf`]), weights are [`CudaWeights`] (quantized matrices in
+//! the GPU layout of [`GpuQ`], or f32/bf16), quantized activations are [`CudaQAct`] (int8 per token and
+//! group of 32 with the CPU's scheme, [`crate::backend::cpu::QuantizedActivations`]). All work goes to one
+//! stream; host arrays an operation needs (token ids, positions, the attention's key lists, RoPE
+//! frequencies) go through device scratch that only grows, so a warm decode step allocates nothing.
+//! Only [`Backend::read`] and [`Backend::matmul_to_host`] wait for the GPU.
+//!
+//! # Kernels compiled at build time, not at run time
+//! The kernels (`kernels.cu`) are compiled by nvcc when the crate is built (`build.rs`) into a fatbin
+//! (SASS for sm_90, PTX for compute_80) embedded in the binary, rather than compiled at start with NVRTC:
+//! every build (CI included) checks them, and a user's machine needs only the NVIDIA driver — no runtime
+//! compiler library, no first-start compilation. The driver API is loaded dynamically (`cudarc`), so a
+//! binary built with the feature starts on a machine without CUDA; [`Cuda::new`] then returns an error.
+//!
+//! # Batch invariance
+//! Every kernel computes a row's result with an operation sequence that depends only on that row (see
+//! `kernels.cu`): the products sum each (row, token)'s 32-value blocks lane by lane in a fixed order and
+//! reduce the lanes with a fixed tree, whatever the token count or tile; attention visits each query's keys
+//! in position order with fixed reductions. So a 1-row decode and a 16-row verify give bit-identical rows.
+//!
+//! Gated DeltaNet operations are not implemented: [`Backend::has_gdn`] is false and
+//! [`crate::models::Model::to_backend`] refuses hybrid models.
+
+mod layout;
+
+pub use layout::GpuQ;
+
+use super::{Activation, AttnShape, Backend, GdnShape, Rope, RopeMode, Visibility};
+use crate::error::{Error, Result};
+use crate::quant::rotation::blocks;
+use crate::quant::{WeightMatrix, QK};
+use cudarc::driver::{result, sys};
+use std::ffi::{c_void, CString};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// The kernels, compiled by build.rs.
+static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/eddy_kernels.fatbin"));
+
+/// Threads per block of the elementwise kernels.
+const THREADS: u32 = 256;
+/// Weight rows per block of the product kernels (one warp each; `MM_ROWS` in kernels.cu).
+const MM_ROWS: usize = 4;
+/// Tokens per block of the product kernels for batches of more than one token (`TT` of the t8 kernels).
+const MM_TT: usize = 8;
+/// Threads per (query, head) block of the attention kernel (`ATT_THREADS`).
+const ATT_THREADS: u32 = 128;
+/// Threads per row of the RMSNorm kernel (`NORM_THREADS`).
+const NORM_THREADS: u32 = 256;
+/// Largest head dimension of the attention kernel (`ATT_MAX_HD`).
+const ATT_MAX_HD: usize = 512;
+
+/// The device's primary context.
+struct Ctx(sys::CUcontext);
+// SAFETY: a CUDA context may be made current on any thread.
+unsafe impl Send for Ctx {}
+unsafe impl Sync for Ctx {}
+
+thread_local! {
+    /// The context this thread made current last through [`Ctx::bind`] (0: none): the driver call is skipped
+    /// when it is already ours (one driver call less per operation; measured on the H200: the host's time to
+    /// queue a decode step fell from 3.2 to 1.7 ms). Code outside this module that changes the thread's
+    /// current context would make this stale; eddy has none.
+    static BOUND: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+impl Ctx {
+    /// Make the context current on the calling thread.
+    fn bind(&self) {
+        if BOUND.with(|b| b.get()) == self.0 as usize {
+            return;
+        }
+        // SAFETY: the context is retained for the life of the process.
+        unsafe { result::ctx::set_current(self.0) }.unwrap_or_else(|e| panic!("CUDA: cannot bind the context: {e:?}"));
+        BOUND.with(|b| b.set(self.0 as usize));
+    }
+}
+
+/// Device memory, freed on drop.
+pub struct DevMem {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    ctx: Arc<Ctx>,
+}
+
+impl DevMem {
+    fn new(ctx: &Arc<Ctx>, bytes: usize) -> DevMem {
+        let ptr = if bytes == 0 {
+            0
+        } else {
+            ctx.bind();
+            // SAFETY: a plain allocation in the bound context.
+            unsafe { result::malloc_sync(bytes) }.unwrap_or_else(|e| panic!("CUDA: cannot allocate {bytes} bytes of device memory: {e:?}"))
+        };
+        DevMem { ptr, bytes, ctx: ctx.clone() }
+    }
+}
+
+impl Drop for DevMem {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            self.ctx.bind();
+            // SAFETY: allocated by `DevMem::new`, freed once (cuMemFree waits for work using it).
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// A device buffer of `f32` values ([`Backend::Buf`]).
+pub struct CudaBuf {
+    mem: DevMem,
+    len: usize,
+}
+
+impl CudaBuf {
+    /// Values held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer holds no values.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn ptr(&self) -> u64 {
+        self.mem.ptr
+    }
+
+    /// Device address of value `i`.
+    fn at(&self, i: usize) -> u64 {
+        self.mem.ptr + 4 * i as u64
+    }
+}
+
+/// A quantized matrix on the device ([`GpuQ`]'s layout) with its rotation signs.
+pub struct CudaQ {
+    rows: usize,
+    cols: usize,
+    half: i32,
+    packed4: bool,
+    g16: bool,
+    codes: DevMem,
+    scales: DevMem,
+    mins: Option<DevMem>,
+    /// `(Signs::id, D_in)` of a rotated input side.
+    in_signs: Option<(u64, DevMem)>,
+    /// `D_out` of a rotated output side, and its number of Hadamard blocks.
+    out_signs: Option<(DevMem, usize)>,
+}
+
+/// A weight matrix on the device ([`Backend::Weights`]).
+pub enum CudaWeights {
+    /// `rows × cols` f32.
+    F32 { rows: usize, cols: usize, data: DevMem },
+    /// `rows × cols` bf16 bit patterns.
+    Bf16 { rows: usize, cols: usize, data: DevMem },
+    /// Quantized codes and scales.
+    Q(CudaQ),
+}
+
+impl CudaWeights {
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        match self {
+            CudaWeights::F32 { rows, .. } | CudaWeights::Bf16 { rows, .. } => *rows,
+            CudaWeights::Q(q) => q.rows,
+        }
+    }
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        match self {
+            CudaWeights::F32 { cols, .. } | CudaWeights::Bf16 { cols, .. } => *cols,
+            CudaWeights::Q(q) => q.cols,
+        }
+    }
+}
+
+/// Device scratch that only grows.
+#[derive(Default)]
+struct DevVec {
+    mem: Option<DevMem>,
+}
+
+impl DevVec {
+    /// At least `bytes` bytes; the address.
+    fn ensure(&mut self, ctx: &Arc<Ctx>, bytes: usize) -> u64 {
+        if self.mem.as_ref().is_none_or(|m| m.bytes < bytes) {
+            self.mem = None;
+            self.mem = Some(DevMem::new(ctx, bytes.next_power_of_two().max(256)));
+        }
+        self.ptr()
+    }
+    fn ptr(&self) -> u64 {
+        self.mem.as_ref().map_or(0, |m| m.ptr)
+    }
+}
+
+/// Int8 activations on the device ([`Backend::QAct`]): per token and group of 32 the codes, the scale `d`,
+/// the code sum, `d·sum` and the two half-group sums (as [`crate::backend::cpu::QuantizedActivations`]).
+#[derive(Default)]
+pub struct CudaQAct {
+    n: usize,
+    cols: usize,
+    rotation: u64,
+    q: DevVec,
+    scale: DevVec,
+    sum: DevVec,
+    dsum: DevVec,
+    sum16: DevVec,
+}
+
+/// Kernel arguments as 8-byte slots (the driver reads each parameter's size from its slot's start).
+struct Args {
+    v: [u64; 20],
+    n: usize,
+}
+
+impl Args {
+    fn new() -> Args {
+        Args { v: [0; 20], n: 0 }
+    }
+    fn push(mut self, x: u64) -> Args {
+        self.v[self.n] = x;
+        self.n += 1;
+        self
+    }
+    /// A device pointer.
+    fn p(self, ptr: u64) -> Args {
+        self.push(ptr)
+    }
+    /// An `int`.
+    fn i(self, x: usize) -> Args {
+        let x = i32::try_from(x).expect("CUDA kernel argument exceeds i32");
+        self.push(x as u32 as u64)
+    }
+    /// A `long long`.
+    fn l(self, x: usize) -> Args {
+        self.push(x as u64)
+    }
+    /// A `float`.
+    fn f(self, x: f32) -> Args {
+        self.push(x.to_bits() as u64)
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Func(sys::CUfunction);
+// SAFETY: function handles are immutable and valid in the context on any thread.
+unsafe impl Send for Func {}
+unsafe impl Sync for Func {}
+
+/// Handles of every kernel of the module.
+struct Kernels {
+    quantize: Func,
+    /// `[tokens per block 1 / 8][bits 4 packed / bytes]`.
+    mm_q: [[Func; 2]; 2],
+    /// `[f32 / bf16][tokens per block 1 / 8]`.
+    mm_f: [[Func; 2]; 2],
+    rotate_out: Func,
+    embed: Func,
+    rms_norm: Func,
+    add: Func,
+    add_bias: Func,
+    gated_act: Func,
+    mul_sigmoid: Func,
+    split_gate: Func,
+    concat_rows: Func,
+    rope: Func,
+    attention: Func,
+}
+
+/// Host-array scratch: device copies of the last uploaded host arrays (re-sent only when they change).
+#[derive(Default)]
+struct Scratch {
+    tokens: DevVec,
+    positions: DevVec,
+    last_positions: Vec<i32>,
+    freq: DevVec,
+    last_freq: Vec<f32>,
+    info: DevVec,
+    last_info: Vec<i32>,
+    paths: DevVec,
+    last_paths: Vec<i32>,
+    scores: DevVec,
+    logits: DevVec,
+    /// Host staging of positions and of the attention's key lists.
+    pos_host: Vec<i32>,
+    info_host: Vec<i32>,
+    paths_host: Vec<i32>,
+}
+
+#[derive(Clone, Copy)]
+struct Stream(sys::CUstream);
+// SAFETY: a stream handle may be used from any thread with its context bound; `Cuda` serializes uploads.
+unsafe impl Send for Stream {}
+unsafe impl Sync for Stream {}
+
+/// The CUDA backend: one device, one stream, kernels from the embedded fatbin.
+pub struct Cuda {
+    ctx: Arc<Ctx>,
+    stream: Stream,
+    k: Kernels,
+    scratch: Mutex<Scratch>,
+    name: String,
+    capability: (i32, i32),
+    /// Kernel launches and copies queued so far ([`Cuda::launches`]).
+    queued: AtomicU64,
+}
+
+/// Launch error or fault, as a panic with the driver's words (device failures are not input errors).
+fn check<T>(r: std::result::Result<T, result::DriverError>, what: &str) -> T {
+    r.unwrap_or_else(|e| panic!("CUDA: {what} failed: {e:?}"))
+}
+
+impl Cuda {
+    /// The first GPU ([`Cuda::with_device`] 0).
+    ///
+    /// Errors: "no CUDA driver/GPU: …" when the driver library is missing or older than CUDA 13.0, no GPU is
+    /// present, or the GPU is older than compute capability 8.0 (the fatbin's oldest target).
+    pub fn new() -> Result<Cuda> {
+        Cuda::with_device(0)
+    }
+
+    /// GPU `ordinal`; errors as [`Cuda::new`].
+    pub fn with_device(ordinal: usize) -> Result<Cuda> {
+        let no = |what: String| Error::Input(format!("no CUDA driver/GPU: {what}"));
+        // cudarc panics when libcuda is missing or lacks an entry point of the bindings' CUDA version.
+        let prev = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        // SAFETY: only loads the library.
+        let present = std::panic::catch_unwind(|| unsafe { sys::is_culib_present() }).unwrap_or(false);
+        std::panic::set_hook(prev);
+        if !present {
+            return Err(no("the NVIDIA driver library (libcuda.so.1) is missing or older than CUDA 13.0 (driver 580)".into()));
+        }
+        result::init().map_err(|e| no(format!("cuInit: {e:?}")))?;
+        let count = result::device::get_count().map_err(|e| no(format!("cuDeviceGetCount: {e:?}")))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(no(format!("GPU {ordinal} requested, {count} present")));
+        }
+        let dev = result::device::get(ordinal as i32).map_err(|e| no(format!("cuDeviceGet: {e:?}")))?;
+        let name = result::device::get_name(dev).unwrap_or_else(|_| "unknown GPU".into());
+        // SAFETY: `dev` comes from cuDeviceGet.
+        let attr = |a| unsafe { result::device::get_attribute(dev, a) }.unwrap_or(0);
+        let capability = (
+            attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+            attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
+        );
+        if capability.0 < 8 {
+            return Err(no(format!("{name} has compute capability {}.{}; eddy's kernels need 8.0 or later", capability.0, capability.1)));
+        }
+        // SAFETY: the primary context of a valid device; retained for the life of the process.
+        let ctx = Arc::new(Ctx(unsafe { result::primary_ctx::retain(dev) }.map_err(|e| no(format!("cuDevicePrimaryCtxRetain: {e:?}")))?));
+        ctx.bind();
+        let stream =
+            Stream(result::stream::create(result::stream::StreamKind::NonBlocking).map_err(|e| no(format!("cuStreamCreate: {e:?}")))?);
+        // The image must be 8-byte aligned: copy it into u64s.
+        let mut image = vec![0u64; FATBIN.len().div_ceil(8)];
+        // SAFETY: `image` holds at least FATBIN.len() bytes.
+        unsafe { std::ptr::copy_nonoverlapping(FATBIN.as_ptr(), image.as_mut_ptr() as *mut u8, FATBIN.len()) };
+        // SAFETY: a fatbin produced by nvcc; the context is bound.
+        let module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }
+            .map_err(|e| no(format!("loading eddy's kernels on {name} (compute {}.{}): {e:?}", capability.0, capability.1)))?;
+        let get = |n: &str| -> Result<Func> {
+            // SAFETY: the module stays loaded for the life of the process.
+            unsafe { result::module::get_function(module, CString::new(n).expect("kernel name")) }
+                .map(Func)
+                .map_err(|e| no(format!("kernel {n} missing from the fatbin: {e:?}")))
+        };
+        let k = Kernels {
+            quantize: get("quantize_q8")?,
+            mm_q: [[get("mm_q_t1_p4")?, get("mm_q_t1_p8")?], [get("mm_q_t8_p4")?, get("mm_q_t8_p8")?]],
+            mm_f: [[get("mm_f32_t1")?, get("mm_f32_t8")?], [get("mm_bf16_t1")?, get("mm_bf16_t8")?]],
+            rotate_out: get("rotate_out")?,
+            embed: get("embed")?,
+            rms_norm: get("rms_norm")?,
+            add: get("add")?,
+            add_bias: get("add_bias")?,
+            gated_act: get("gated_act")?,
+            mul_sigmoid: get("mul_sigmoid")?,
+            split_gate: get("split_gate")?,
+            concat_rows: get("concat_rows")?,
+            rope: get("rope")?,
+            attention: get("attention")?,
+        };
+        Ok(Cuda { ctx, stream, k, scratch: Mutex::new(Scratch::default()), name, capability, queued: AtomicU64::new(0) })
+    }
+
+    /// The GPU's name and compute capability, e.g. "NVIDIA H200 (compute 9.0)".
+    pub fn device_name(&self) -> String {
+        format!("{} (compute {}.{})", self.name, self.capability.0, self.capability.1)
+    }
+
+    /// Kernel launches plus memory copies and sets queued on the stream since [`Cuda::new`] (to count the
+    /// operations of a forward pass).
+    pub fn launches(&self) -> u64 {
+        self.queued.load(Ordering::Relaxed)
+    }
+
+    /// Wait for all queued work (for timing).
+    pub fn synchronize(&self) {
+        self.ctx.bind();
+        // SAFETY: our stream.
+        check(unsafe { result::stream::synchronize(self.stream.0) }, "stream synchronize");
+    }
+
+    fn launch(&self, f: Func, grid: (usize, usize), block: u32, args: Args) {
+        if grid.0 == 0 || grid.1 == 0 {
+            return;
+        }
+        let mut ptrs = [std::ptr::null_mut::<c_void>(); 20];
+        for (p, v) in ptrs.iter_mut().zip(&args.v[..args.n]) {
+            *p = v as *const u64 as *mut c_void;
+        }
+        let g = |x: usize| u32::try_from(x).expect("CUDA grid too large");
+        self.queued.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: `f` is a kernel of our module whose parameters match `args` (each call site follows the
+        // signature in kernels.cu); the buffers it addresses are live device allocations of the right sizes
+        // (checked by the callers).
+        check(
+            unsafe { result::launch_kernel(f.0, (g(grid.0), g(grid.1), 1), (block, 1, 1), 0, self.stream.0, &mut ptrs[..args.n]) },
+            "kernel launch",
+        );
+    }
+
+    /// Elementwise launch over `len` items.
+    fn launch_1d(&self, f: Func, len: usize, args: Args) {
+        self.launch(f, (len.div_ceil(THREADS as usize), 1), THREADS, args);
+    }
+
+    fn htod<T: Copy>(&self, dst: u64, src: &[T]) {
+        if src.is_empty() {
+            return;
+        }
+        self.queued.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: `dst` holds at least `size_of_val(src)` bytes (callers); a pageable source is staged before
+        // the call returns.
+        check(unsafe { result::memcpy_htod_async(dst, src, self.stream.0) }, "host-to-device copy");
+    }
+
+    fn dtoh(&self, dst: &mut [f32], src: u64) {
+        if dst.is_empty() {
+            return;
+        }
+        self.queued.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: `src` holds `dst.len()` values (callers); the stream is synchronized before `dst` is used.
+        check(unsafe { result::memcpy_dtoh_async(dst, src, self.stream.0) }, "device-to-host copy");
+        self.synchronize();
+    }
+
+    fn dtod(&self, dst: u64, src: u64, values: usize) {
+        if values == 0 {
+            return;
+        }
+        self.queued.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: both ranges lie in live allocations (callers) and do not overlap.
+        check(unsafe { result::memcpy_dtod_async(dst, src, 4 * values, self.stream.0) }, "device-to-device copy");
+    }
+
+    fn mem_from<T: Copy>(&self, host: &[T]) -> DevMem {
+        let m = DevMem::new(&self.ctx, std::mem::size_of_val(host));
+        self.htod(m.ptr, host);
+        m
+    }
+
+    /// Upload a host array into `v` unless it equals `last` (the device copy is then current).
+    fn upload_cached<T: Copy + PartialEq>(&self, v: &mut DevVec, last: &mut Vec<T>, host: &[T]) -> u64 {
+        if v.mem.is_none() || last.as_slice() != host {
+            v.ensure(&self.ctx, std::mem::size_of_val(host));
+            self.htod(v.ptr(), host);
+            last.clear();
+            last.extend_from_slice(host);
+        }
+        v.ptr()
+    }
+
+    /// `out[t·rows + r]` for `t < n` into device memory at `out`.
+    fn matmul_into(&self, w: &CudaWeights, x: &CudaBuf, xq: &CudaQAct, n: usize, out: u64) {
+        let (rows, cols) = (w.rows(), w.cols());
+        if n == 0 || rows == 0 {
+            return;
+        }
+        let tile = if n == 1 { 0 } else { 1 };
+        let tt = if n == 1 { 1 } else { MM_TT };
+        let grid = (rows.div_ceil(MM_ROWS), n.div_ceil(tt));
+        match w {
+            CudaWeights::F32 { data, .. } | CudaWeights::Bf16 { data, .. } => {
+                assert!(x.len >= n * cols, "matmul: x holds {} values, {n}×{cols} needed", x.len);
+                let bf = matches!(w, CudaWeights::Bf16 { .. }) as usize;
+                let a = Args::new().p(data.ptr).i(rows).i(cols).p(x.ptr()).i(n).p(out);
+                self.launch(self.k.mm_f[bf][tile], grid, (32 * MM_ROWS) as u32, a);
+            }
+            CudaWeights::Q(q) => {
+                assert_eq!(cols % QK, 0, "quantized weights need cols % 32 == 0");
+                assert!(xq.n >= n && xq.cols == cols, "matmul: xq holds {} tokens of {} values, {n} of {cols} needed", xq.n, xq.cols);
+                let want = q.in_signs.as_ref().map_or(0, |s| s.0);
+                assert_eq!(xq.rotation, want, "activations quantized for another input rotation than these weights'");
+                let mins = q.mins.as_ref().map_or(0, |m| m.ptr);
+                let a = Args::new()
+                    .p(q.codes.ptr)
+                    .p(q.scales.ptr)
+                    .p(mins)
+                    .i(rows)
+                    .i(cols)
+                    .i(q.half as usize)
+                    .i(q.g16 as usize)
+                    .p(xq.q.ptr())
+                    .p(xq.scale.ptr())
+                    .p(xq.sum.ptr())
+                    .p(xq.dsum.ptr())
+                    .p(xq.sum16.ptr())
+                    .i(n)
+                    .p(out);
+                self.launch(self.k.mm_q[tile][if q.packed4 { 0 } else { 1 }], grid, (32 * MM_ROWS) as u32, a);
+                if let Some((signs, nb)) = &q.out_signs {
+                    let a = Args::new().p(out).i(n).i(rows).i(*nb).p(signs.ptr);
+                    self.launch_1d(self.k.rotate_out, n * nb, a);
+                }
+            }
+        }
+    }
+
+    /// The key lists of `t` queries (see the attention kernel): per query `(lo, hi, path offset, path
+    /// length)` into `info`, path rows into `paths`; returns the most keys a query sees.
+    fn key_lists(s: &AttnShape, n_past: usize, t: usize, vis: Visibility, info: &mut Vec<i32>, paths: &mut Vec<i32>) -> usize {
+        info.clear();
+        paths.clear();
+        let lo_of = |pos: usize| s.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let mut maxk = 0;
+        for i in 0..t {
+            let (lo, hi, off) = match vis {
+                Visibility::Causal => {
+                    let pos = n_past + i;
+                    (lo_of(pos), pos + 1, paths.len())
+                }
+                Visibility::Block { rows } => (lo_of(rows.saturating_sub(1)), rows, paths.len()),
+                Visibility::Tree { first, paths: tree } => {
+                    let path = tree.path(first + i);
+                    let pos = n_past + path.len().saturating_sub(1);
+                    let lo = lo_of(pos);
+                    let off = paths.len();
+                    for (d, &node) in path.iter().enumerate() {
+                        if n_past + d >= lo {
+                            paths.push((n_past + node as usize) as i32);
+                        }
+                    }
+                    (lo.min(n_past), n_past, off)
+                }
+            };
+            let np = paths.len() - off;
+            info.extend([lo as i32, hi as i32, off as i32, np as i32]);
+            maxk = maxk.max(hi - lo + np);
+        }
+        maxk
+    }
+}
+
+impl Drop for Cuda {
+    /// Waits for queued work and destroys the stream (the primary context stays retained: buffers may
+    /// outlive the backend and free their memory in it).
+    fn drop(&mut self) {
+        self.ctx.bind();
+        // SAFETY: our stream; nothing is queued on it after this.
+        unsafe {
+            let _ = result::stream::synchronize(self.stream.0);
+            let _ = result::stream::destroy(self.stream.0);
+        }
+    }
+}
+
+/// Upload of a host weight matrix into the device layout.
+fn upload_matrix(be: &Cuda, w: &WeightMatrix) -> CudaWeights {
+    match w {
+        WeightMatrix::F32 { rows, cols, data } => CudaWeights::F32 { rows: *rows, cols: *cols, data: be.mem_from(&data[..rows * cols]) },
+        WeightMatrix::Bf16 { rows, cols, data } => CudaWeights::Bf16 { rows: *rows, cols: *cols, data: be.mem_from(&data[..rows * cols]) },
+        WeightMatrix::Q(m) => {
+            let g = GpuQ::from_qmatrix(m);
+            let out_signs = m.rotation.output.as_ref().map(|s| (be.mem_from(&s.v), blocks(m.rows).count()));
+            CudaWeights::Q(CudaQ {
+                rows: g.rows,
+                cols: g.cols,
+                half: g.half(),
+                packed4: g.packed4,
+                g16: g.g16,
+                codes: be.mem_from(&g.codes),
+                scales: be.mem_from(&g.scales),
+                mins: g.mins.as_ref().map(|v| be.mem_from(v)),
+                in_signs: m.rotation.input.as_ref().map(|s| (s.id, be.mem_from(&s.v))),
+                out_signs,
+            })
+        }
+    }
+}
+
+impl Backend for Cuda {
+    type Buf = CudaBuf;
+    type Weights = CudaWeights;
+    type QAct = CudaQAct;
+
+    fn has_gdn(&self) -> bool {
+        false
+    }
+
+    fn alloc(&self, len: usize) -> CudaBuf {
+        let mem = DevMem::new(&self.ctx, 4 * len);
+        if len > 0 {
+            // SAFETY: `mem` holds 4·len bytes.
+            check(unsafe { result::memset_d8_async(mem.ptr, 0, 4 * len, self.stream.0) }, "memset");
+        }
+        CudaBuf { mem, len }
+    }
+
+    fn upload(&self, host: &[f32]) -> CudaBuf {
+        CudaBuf { mem: self.mem_from(host), len: host.len() }
+    }
+
+    fn upload_weights(&self, w: WeightMatrix) -> CudaWeights {
+        upload_matrix(self, &w)
+    }
+
+    fn new_qact(&self) -> CudaQAct {
+        CudaQAct::default()
+    }
+
+    fn embed(&self, table: &CudaWeights, tokens: &[u32], scale: Option<f32>, x: &mut CudaBuf) {
+        let (rows, cols) = (table.rows(), table.cols());
+        let n = tokens.len();
+        assert!(x.len >= n * cols, "embed: x holds {} values, {n}×{cols} needed", x.len);
+        assert!(tokens.iter().all(|&t| (t as usize) < rows), "embed: token id outside the table of {rows} rows");
+        if n == 0 {
+            return;
+        }
+        assert_eq!(cols % QK, 0, "embed: the table's width must be a multiple of 32");
+        self.ctx.bind();
+        let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let tok = s.tokens.ensure(&self.ctx, 4 * n);
+        self.htod(tok, tokens);
+        let (w, wtype, p4, g16, half, sc, mn, ins, outs) = match table {
+            CudaWeights::F32 { data, .. } => (data.ptr, 0, 0, 0, 0, 0, 0, 0, 0),
+            CudaWeights::Bf16 { data, .. } => (data.ptr, 1, 0, 0, 0, 0, 0, 0, 0),
+            CudaWeights::Q(q) => (
+                q.codes.ptr,
+                2,
+                q.packed4 as usize,
+                q.g16 as usize,
+                q.half as usize,
+                q.scales.ptr,
+                q.mins.as_ref().map_or(0, |m| m.ptr),
+                q.in_signs.as_ref().map_or(0, |s| s.1.ptr),
+                q.out_signs.as_ref().map_or(0, |s| s.0.ptr),
+            ),
+        };
+        let a = Args::new()
+            .p(w)
+            .i(wtype)
+            .i(rows)
+            .i(cols)
+            .i(p4)
+            .i(g16)
+            .i(half)
+            .p(sc)
+            .p(mn)
+            .p(ins)
+            .p(outs)
+            .p(tok)
+            .f(scale.unwrap_or(1.0))
+            .i(scale.is_some() as usize)
+            .p(x.ptr());
+        self.launch(self.k.embed, (n, 1), THREADS, a);
+    }
+
+    fn quantize(&self, x: &CudaBuf, n: usize, cols: usize, w: &CudaWeights, xq: &mut CudaQAct) {
+        assert_eq!(cols % QK, 0, "quantize: cols must be a multiple of 32");
+        assert!(x.len >= n * cols, "quantize: x holds {} values, {n}×{cols} needed", x.len);
+        let signs = match w {
+            CudaWeights::Q(q) => q.in_signs.as_ref(),
+            _ => None,
+        };
+        if let Some((_, s)) = signs {
+            assert_eq!(s.bytes, 4 * cols, "quantize: input rotation of another width");
+        }
+        self.ctx.bind();
+        let groups = n * cols / QK;
+        let q = xq.q.ensure(&self.ctx, n * cols);
+        let sc = xq.scale.ensure(&self.ctx, 4 * groups);
+        let sm = xq.sum.ensure(&self.ctx, 4 * groups);
+        let ds = xq.dsum.ensure(&self.ctx, 4 * groups);
+        let s16 = xq.sum16.ensure(&self.ctx, 8 * groups);
+        xq.n = n;
+        xq.cols = cols;
+        xq.rotation = signs.map_or(0, |s| s.0);
+        let a = Args::new().p(x.ptr()).i(n).i(cols).p(signs.map_or(0, |s| s.1.ptr)).p(q).p(sc).p(sm).p(ds).p(s16);
+        self.launch(self.k.quantize, (groups.div_ceil((THREADS / 32) as usize), 1), THREADS, a);
+    }
+
+    fn matmul(&self, w: &CudaWeights, x: &CudaBuf, xq: &CudaQAct, n: usize, out: &mut CudaBuf) {
+        assert!(out.len >= n * w.rows(), "matmul: out holds {} values, {n}×{} needed", out.len, w.rows());
+        self.ctx.bind();
+        self.matmul_into(w, x, xq, n, out.ptr());
+    }
+
+    fn matmul_to_host(&self, w: &CudaWeights, x: &CudaBuf, xq: &CudaQAct, n: usize, out: &mut [f32]) {
+        assert_eq!(out.len(), n * w.rows(), "matmul_to_host: out must hold n × rows values");
+        self.ctx.bind();
+        let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let dev = s.logits.ensure(&self.ctx, 4 * out.len());
+        self.matmul_into(w, x, xq, n, dev);
+        self.dtoh(out, dev);
+    }
+
+    fn rms_norm(&self, x: &CudaBuf, row0: usize, n: usize, w: &CudaBuf, eps: f32, out: &mut CudaBuf) {
+        let d = w.len;
+        assert!(x.len >= (row0 + n) * d && out.len >= n * d, "rms_norm: buffers too short");
+        self.ctx.bind();
+        let a = Args::new().p(x.at(row0 * d)).p(out.ptr()).p(w.ptr()).i(d).f(eps).i(n);
+        self.launch(self.k.rms_norm, (n, 1), NORM_THREADS, a);
+    }
+
+    fn rms_norm_inplace(&self, x: &mut CudaBuf, len: usize, w: &CudaBuf, eps: f32) {
+        let d = w.len;
+        assert!(x.len >= len && len.is_multiple_of(d), "rms_norm_inplace: {len} values in rows of {d}");
+        self.ctx.bind();
+        let n = len / d;
+        let a = Args::new().p(x.ptr()).p(x.ptr()).p(w.ptr()).i(d).f(eps).i(n);
+        self.launch(self.k.rms_norm, (n, 1), NORM_THREADS, a);
+    }
+
+    fn add_bias(&self, x: &mut CudaBuf, n: usize, b: &CudaBuf) {
+        let len = n * b.len;
+        assert!(x.len >= len, "add_bias: x too short");
+        self.ctx.bind();
+        self.launch_1d(self.k.add_bias, len, Args::new().p(x.ptr()).p(b.ptr()).i(b.len).l(len));
+    }
+
+    fn add(&self, x: &mut CudaBuf, y: &CudaBuf, len: usize) {
+        assert!(x.len >= len && y.len >= len, "add: buffers too short");
+        self.ctx.bind();
+        self.launch_1d(self.k.add, len, Args::new().p(x.ptr()).p(y.ptr()).l(len));
+    }
+
+    fn gated_act(&self, act: Activation, gate: &mut CudaBuf, up: &CudaBuf, len: usize) {
+        assert!(gate.len >= len && up.len >= len, "gated_act: buffers too short");
+        self.ctx.bind();
+        let a = match act {
+            Activation::Silu => 0,
+            Activation::GeluTanh => 1,
+        };
+        self.launch_1d(self.k.gated_act, len, Args::new().i(a).p(gate.ptr()).p(up.ptr()).l(len));
+    }
+
+    fn rope(&self, rope: &Rope, q: &mut CudaBuf, q_width: usize, k: &mut CudaBuf, k_width: usize, head_dim: usize, positions: &[usize]) {
+        let n = positions.len();
+        assert!(q.len >= n * q_width && k.len >= n * k_width, "rope: buffers too short");
+        assert!(rope.rot_dims <= head_dim && rope.inv_freq.len() >= rope.rot_dims / 2, "rope: rotated dims exceed the head");
+        let half = rope.rot_dims / 2;
+        if n == 0 || half == 0 {
+            return;
+        }
+        self.ctx.bind();
+        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let s = &mut *guard;
+        let mut pos = std::mem::take(&mut s.pos_host);
+        pos.clear();
+        pos.extend(positions.iter().map(|&p| i32::try_from(p).expect("position exceeds i32")));
+        let pos_dev = self.upload_cached(&mut s.positions, &mut s.last_positions, &pos);
+        s.pos_host = pos;
+        let freq_dev = self.upload_cached(&mut s.freq, &mut s.last_freq, &rope.inv_freq[..half]);
+        let neox = (rope.mode == RopeMode::Neox) as usize;
+        let a = Args::new().p(q.ptr()).i(q_width).p(k.ptr()).i(k_width).i(head_dim).i(n).p(pos_dev).p(freq_dev).i(half).i(neox);
+        self.launch_1d(self.k.rope, n * (q_width / head_dim + k_width / head_dim) * half, a);
+    }
+
+    fn store_rows(&self, src: &CudaBuf, n: usize, width: usize, dst: &mut CudaBuf, dst_row: usize) {
+        assert!(src.len >= n * width && dst.len >= (dst_row + n) * width, "store_rows: buffers too short");
+        self.ctx.bind();
+        self.dtod(dst.at(dst_row * width), src.ptr(), n * width);
+    }
+
+    fn copy_row(&self, buf: &mut CudaBuf, width: usize, src_row: usize, dst_row: usize) {
+        assert!(buf.len >= (src_row.max(dst_row) + 1) * width, "copy_row: row outside the buffer");
+        if src_row == dst_row {
+            return;
+        }
+        self.ctx.bind();
+        self.dtod(buf.at(dst_row * width), buf.at(src_row * width), width);
+    }
+
+    fn attention(&self, s: &AttnShape, q: &CudaBuf, k: &CudaBuf, v: &CudaBuf, n_past: usize, t: usize, vis: Visibility, out: &mut CudaBuf) {
+        let qd = s.n_heads * s.head_dim;
+        assert!(q.len >= t * qd && out.len >= t * qd, "attention: q/out too short");
+        assert!(s.n_kv_heads > 0 && s.n_heads.is_multiple_of(s.n_kv_heads), "attention: heads must be a multiple of kv heads");
+        assert!(
+            s.head_dim.is_multiple_of(4) && s.head_dim <= ATT_MAX_HD,
+            "attention: head_dim {} (a multiple of 4 up to {ATT_MAX_HD})",
+            s.head_dim
+        );
+        if t == 0 {
+            return;
+        }
+        self.ctx.bind();
+        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let sc = &mut *guard;
+        let (mut info, mut paths) = (std::mem::take(&mut sc.info_host), std::mem::take(&mut sc.paths_host));
+        let maxk = Cuda::key_lists(s, n_past, t, vis, &mut info, &mut paths);
+        let kvd = s.n_kv_heads * s.head_dim;
+        let rows_needed = info.chunks_exact(4).map(|c| c[1] as usize).chain(paths.iter().map(|&r| r as usize + 1)).max().unwrap_or(0);
+        assert!(k.len >= rows_needed * kvd && v.len >= rows_needed * kvd, "attention: the cache holds fewer rows than the queries see");
+        let info_dev = self.upload_cached(&mut sc.info, &mut sc.last_info, &info);
+        let paths_dev =
+            if paths.is_empty() { sc.paths.ensure(&self.ctx, 4) } else { self.upload_cached(&mut sc.paths, &mut sc.last_paths, &paths) };
+        let scores = sc.scores.ensure(&self.ctx, 4 * t * s.n_heads * maxk.max(1));
+        sc.info_host = info;
+        sc.paths_host = paths;
+        let a = Args::new()
+            .p(q.ptr())
+            .p(k.ptr())
+            .p(v.ptr())
+            .p(out.ptr())
+            .p(info_dev)
+            .p(paths_dev)
+            .p(scores)
+            .i(maxk.max(1))
+            .i(s.n_heads)
+            .i(s.n_kv_heads)
+            .i(s.head_dim)
+            .f(s.scale)
+            .f(s.softcap.unwrap_or(0.0));
+        self.launch(self.k.attention, (s.n_heads, t), ATT_THREADS, a);
+    }
+
+    fn read(&self, buf: &CudaBuf, row0: usize, n: usize, width: usize, out: &mut Vec<f32>) {
+        assert!(buf.len >= (row0 + n) * width, "read: rows outside the buffer");
+        self.ctx.bind();
+        let start = out.len();
+        out.resize(start + n * width, 0.0);
+        self.dtoh(&mut out[start..], buf.at(row0 * width));
+    }
+
+    fn copy(&self, src: &CudaBuf, dst: &mut CudaBuf, len: usize) {
+        assert!(src.len >= len && dst.len >= len, "copy: buffers too short");
+        self.ctx.bind();
+        self.dtod(dst.ptr(), src.ptr(), len);
+    }
+
+    fn write(&self, host: &[f32], dst: &mut CudaBuf) {
+        assert!(dst.len >= host.len(), "write: destination too short");
+        self.ctx.bind();
+        self.htod(dst.ptr(), host);
+    }
+
+    fn concat_rows(&self, a: &CudaBuf, b: &CudaBuf, n: usize, width: usize, out: &mut CudaBuf) {
+        assert!(a.len >= n * width && b.len >= n * width && out.len >= 2 * n * width, "concat_rows: buffers too short");
+        self.ctx.bind();
+        self.launch_1d(self.k.concat_rows, 2 * n * width, Args::new().p(a.ptr()).p(b.ptr()).i(n).i(width).p(out.ptr()));
+    }
+
+    fn split_gate(&self, qg: &CudaBuf, n: usize, n_heads: usize, head_dim: usize, q: &mut CudaBuf, gate: &mut CudaBuf) {
+        let qd = n_heads * head_dim;
+        assert!(qg.len >= 2 * n * qd && q.len >= n * qd && gate.len >= n * qd, "split_gate: buffers too short");
+        self.ctx.bind();
+        let a = Args::new().p(qg.ptr()).i(n).i(n_heads).i(head_dim).p(q.ptr()).p(gate.ptr());
+        self.launch_1d(self.k.split_gate, n * qd, a);
+    }
+
+    fn mul_sigmoid(&self, x: &mut CudaBuf, gate: &CudaBuf, len: usize) {
+        assert!(x.len >= len && gate.len >= len, "mul_sigmoid: buffers too short");
+        self.ctx.bind();
+        self.launch_1d(self.k.mul_sigmoid, len, Args::new().p(x.ptr()).p(gate.ptr()).l(len));
+    }
+
+    fn gdn_conv(&self, _: &GdnShape, _: &CudaBuf, _: &CudaBuf, _: &CudaBuf, _: &[usize], _: &mut CudaBuf) {
+        unreachable!("{NO_GDN}")
+    }
+
+    fn gdn_prepare(&self, _: &GdnShape, _: &mut CudaBuf, _: &mut CudaBuf, _: &mut CudaBuf, _: &CudaBuf, _: &CudaBuf, _: usize) {
+        unreachable!("{NO_GDN}")
+    }
+
+    fn gdn_chunked(
+        &self,
+        _: &GdnShape,
+        _: &mut CudaBuf,
+        _: &CudaBuf,
+        _: &CudaBuf,
+        _: &CudaBuf,
+        _: std::ops::Range<usize>,
+        _: usize,
+        _: &mut CudaBuf,
+    ) {
+        unreachable!("{NO_GDN}")
+    }
+
+    fn gdn_tree(
+        &self,
+        _: &GdnShape,
+        _: &CudaBuf,
+        _: &CudaBuf,
+        _: &CudaBuf,
+        _: &CudaBuf,
+        _: &[usize],
+        _: &mut CudaBuf,
+        _: &mut CudaBuf,
+        _: &mut CudaBuf,
+    ) {
+        unreachable!("{NO_GDN}")
+    }
+
+    fn gdn_step(
+        &self,
+        _: &GdnShape,
+        _: &mut CudaBuf,
+        _: &CudaBuf,
+        _: &CudaBuf,
+        _: &CudaBuf,
+        _: &mut CudaBuf,
+        _: &mut CudaBuf,
+        _: &mut CudaBuf,
+    ) {
+        unreachable!("{NO_GDN}")
+    }
+
+    fn gdn_commit(&self, _: &GdnShape, _: &mut CudaBuf, _: &CudaBuf, _: &CudaBuf, _: &CudaBuf, _: &[usize]) {
+        unreachable!("{NO_GDN}")
+    }
+
+    fn gdn_conv_commit(&self, _: &GdnShape, _: &mut CudaBuf, _: &CudaBuf, _: &[usize]) {
+        unreachable!("{NO_GDN}")
+    }
+
+    fn gdn_gated_norm(&self, _: &mut CudaBuf, _: &CudaBuf, _: &CudaBuf, _: f32, _: usize) {
+        unreachable!("{NO_GDN}")
+    }
+}
+
+/// Why a Gated DeltaNet operation cannot run here (never reached: uploads refuse hybrid models).
+const NO_GDN: &str = "the CUDA backend has no Gated DeltaNet kernels (Model::to_backend refuses hybrid models)";
