@@ -7,7 +7,7 @@ mod fetch;
 
 use clap::{Args, Parser, Subcommand};
 use eddy::chat::{encode_chat, ChatMessage};
-use eddy::engine::{default_threads, Engine, EngineOptions, GenerateParams};
+use eddy::engine::{default_threads, Device, Engine, EngineOptions, GenerateParams};
 use eddy::load::{load, LoadedModel};
 use eddy::model_dir::Quant;
 use eddy::sampling::SamplerParams;
@@ -123,6 +123,19 @@ struct ModelArgs {
     /// and LM head); default: keep them as stored (f32 / bf16). Not for GGUF files.
     #[arg(long, value_name = "q8|q4")]
     quant: Option<Quant>,
+    /// Where the model runs: cuda (an NVIDIA GPU; builds with `--features cuda`), cpu, or auto (the GPU
+    /// when this build has CUDA, a GPU is present and the model runs there, else the CPU).
+    #[arg(long, value_name = "auto|cpu|cuda", default_value = "auto", value_parser = parse_device)]
+    device: Device,
+}
+
+fn parse_device(s: &str) -> Result<Device, String> {
+    match s {
+        "auto" => Ok(Device::Auto),
+        "cpu" => Ok(Device::Cpu),
+        "cuda" | "gpu" => Ok(Device::Cuda),
+        _ => Err(format!("unknown device '{s}' (auto, cpu or cuda)")),
+    }
 }
 
 #[derive(Args)]
@@ -500,7 +513,7 @@ fn engine_with(m: &ModelArgs, ctx: usize, prefix_cache: bool) -> eddy::Result<(E
     let threads = threads_for(m.threads)?;
     let lm = load_with_progress(m.model.as_deref(), m.quant.unwrap_or_default())?;
     let opts = EngineOptions { threads, ctx, prefix_cache, ..Default::default() };
-    Ok((Engine::new(lm, &opts), threads))
+    Ok((Engine::on_device(lm, &opts, m.device).map_err(|e| bad("--device", e))?, threads))
 }
 
 /// The sampling options, each checked with the name of its flag.
@@ -734,7 +747,7 @@ fn perplexity(a: PplArgs) -> eddy::Result<()> {
             return Err(bad("--kl-base", "the base model tokenizes the text differently (a model with the same tokenizer is needed)"));
         }
         let opts = EngineOptions { threads: threads_for(a.model.threads)?, ctx: window, ..Default::default() };
-        let mut base_engine = Engine::new(lm, &opts);
+        let mut base_engine = Engine::on_device(lm, &opts, a.model.device).map_err(|e| bad("--device", e))?;
         let r = engine.kl_divergence(&mut base_engine, &tokens, window).map_err(|e| match e {
             eddy::Error::Input(m) => bad("--kl-base", m),
             e => e,
@@ -867,12 +880,12 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
     let (tm, ts) = summary(&tg);
     let model = engine.lm.source.display().to_string();
     print_line(
-        &serde_json::json!({"model": model, "test": format!("pp{}", a.prompt_tokens), "threads": threads, "avg_ts": pm, "stddev_ts": ps})
+        &serde_json::json!({"model": model, "test": format!("pp{}", a.prompt_tokens), "device": engine.device(), "threads": threads, "avg_ts": pm, "stddev_ts": ps})
             .to_string(),
     )?;
     if a.gen_tokens > 1 {
         print_line(
-            &serde_json::json!({"model": model, "test": format!("tg{}", a.gen_tokens), "threads": threads, "avg_ts": tm, "stddev_ts": ts,
+            &serde_json::json!({"model": model, "test": format!("tg{}", a.gen_tokens), "device": engine.device(), "threads": threads, "avg_ts": tm, "stddev_ts": ts,
                 "weight_bytes": engine.lm.model.weight_bytes()})
             .to_string(),
         )?;

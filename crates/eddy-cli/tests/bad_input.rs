@@ -231,3 +231,19 @@ fn quantize_bad_inputs_and_a_good_run() {
     assert!(kl.is_finite() && kl > 0.0 && kl < 0.05, "{v}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--device cuda` on a machine without a GPU (or a build without CUDA) is a one-line error, exit 2;
+/// an unknown device is refused by the argument parser.
+#[test]
+fn cuda_without_a_gpu_or_build() {
+    let Some(src) = smol() else { return };
+    if std::path::Path::new("/dev/nvidia0").exists() {
+        eprintln!("skipping: this machine has an NVIDIA GPU");
+        return;
+    }
+    let err = expect_error(&src, &["--device", "cuda"], "--device");
+    assert!(err.contains("CUDA"), "{err}");
+    let out = Command::new(env!("CARGO_BIN_EXE_eddy")).args(["run", "--device", "tpu", "-m", "hi"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown device 'tpu'"));
+}

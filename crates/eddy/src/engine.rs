@@ -13,6 +13,8 @@
 //! part of it reuses those KV rows and prefills only the rest (batch-invariant kernels make the result
 //! identical to a cold prefill).
 
+#[cfg(feature = "cuda")]
+use crate::backend::cuda::Cuda;
 use crate::backend::{Backend, Cpu};
 use crate::error::{Error, Result};
 use crate::load::LoadedModel;
@@ -24,6 +26,18 @@ use crate::state::{FeatureCapture, SeqState};
 use crate::stats::{FinishReason, GenerationStats};
 use crate::tree::TreePaths;
 use std::time::Instant;
+
+/// Which backend runs the model ([`Engine::on_device`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Device {
+    /// An NVIDIA GPU when the build has CUDA and one is present and can run the model, else the CPU.
+    #[default]
+    Auto,
+    /// The CPU.
+    Cpu,
+    /// An NVIDIA GPU (builds with the `cuda` feature).
+    Cuda,
+}
 
 /// Engine construction options.
 #[derive(Debug, Clone)]
@@ -166,11 +180,18 @@ impl<B: Backend> Core<B> {
     }
 }
 
-/// Where the model runs: the CPU runs the host model itself ([`Engine::lm`]'s); a device backend would
-/// hold its own copy of the weights next to a CPU pool for host-side drafting. One variant per backend;
-/// the engine's code is written once, generic over the backend, through [`on_device!`] / [`on_core!`].
+/// Where the model runs: the CPU runs the host model itself ([`Engine::lm`]'s); a device backend holds its
+/// own copy of the weights (uploaded once) next to a CPU pool for host-side work (drafters that run on the
+/// CPU). One variant per backend; the engine's code is written once, generic over the backend, through
+/// [`on_device!`] / [`on_core!`].
 enum Exec {
-    Cpu(Core<Cpu>),
+    Cpu(Box<Core<Cpu>>),
+    #[cfg(feature = "cuda")]
+    Cuda {
+        core: Box<Core<Cuda>>,
+        model: Box<Model<Cuda>>,
+        host: Cpu,
+    },
 }
 
 /// `$body` with `$c` the active [`Core`] and `$m` the model it runs (for the CPU, `$host`).
@@ -179,6 +200,11 @@ macro_rules! on_device {
         match $exec {
             Exec::Cpu($c) => {
                 let $m = $host;
+                $body
+            }
+            #[cfg(feature = "cuda")]
+            Exec::Cuda { core: $c, model, .. } => {
+                let $m = &**model;
                 $body
             }
         }
@@ -190,6 +216,8 @@ macro_rules! on_core {
     ($exec:expr, |$c:ident| $body:expr) => {
         match $exec {
             Exec::Cpu($c) => $body,
+            #[cfg(feature = "cuda")]
+            Exec::Cuda { core: $c, .. } => $body,
         }
     };
 }
@@ -199,6 +227,8 @@ impl Exec {
     fn host(&self) -> &Cpu {
         match self {
             Exec::Cpu(c) => &c.be,
+            #[cfg(feature = "cuda")]
+            Exec::Cuda { host, .. } => host,
         }
     }
     fn n_past(&self) -> usize {
@@ -262,11 +292,57 @@ struct StepScratch {
 impl Engine {
     /// Allocate the KV cache and workspace for `opts.ctx` tokens.
     pub fn new(lm: LoadedModel, opts: &EngineOptions) -> Self {
-        let c = &lm.model.config;
-        let ctx = opts.ctx.min(c.train_ctx).max(1);
-        let core = Core::new(Cpu::new(opts.threads.max(1)), &lm.model, ctx, opts.max_batch.max(1));
+        let core = Core::new(Cpu::new(opts.threads.max(1)), &lm.model, Self::ctx_for(&lm, opts), opts.max_batch.max(1));
+        Self::with_exec(lm, opts, Exec::Cpu(Box::new(core)))
+    }
+
+    /// [`Engine::new`] on `device`: the CPU, or a GPU that gets its own copy of the weights (`lm` keeps the
+    /// host copy, which CPU-side drafters read). [`Device::Auto`] takes the GPU when this build has CUDA,
+    /// one is present and the model runs there (attention models), else the CPU.
+    ///
+    /// Errors: [`Device::Cuda`] in a build without the `cuda` feature, without a usable GPU and driver, or
+    /// for a model the GPU backend cannot run (Gated DeltaNet layers).
+    pub fn on_device(lm: LoadedModel, opts: &EngineOptions, device: Device) -> Result<Self> {
+        match device {
+            Device::Cpu => Ok(Self::new(lm, opts)),
+            #[cfg(feature = "cuda")]
+            Device::Cuda | Device::Auto => {
+                let gpu = Cuda::new().and_then(|be| Ok((lm.model.to_backend(&be)?, be)));
+                match gpu {
+                    Ok((model, be)) => {
+                        let core = Core::new(be, &model, Self::ctx_for(&lm, opts), opts.max_batch.max(1));
+                        let exec = Exec::Cuda { core: Box::new(core), model: Box::new(model), host: Cpu::new(opts.threads.max(1)) };
+                        Ok(Self::with_exec(lm, opts, exec))
+                    }
+                    Err(_) if device == Device::Auto => Ok(Self::new(lm, opts)),
+                    Err(e) => Err(e),
+                }
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda => {
+                Err(Error::Input("this eddy was built without CUDA: build it with `cargo build --release --features cuda`".into()))
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Auto => Ok(Self::new(lm, opts)),
+        }
+    }
+
+    /// Which backend runs the model: `cpu` or `cuda`.
+    pub fn device(&self) -> &'static str {
+        match self.exec {
+            Exec::Cpu(_) => "cpu",
+            #[cfg(feature = "cuda")]
+            Exec::Cuda { .. } => "cuda",
+        }
+    }
+
+    fn ctx_for(lm: &LoadedModel, opts: &EngineOptions) -> usize {
+        opts.ctx.min(lm.model.config.train_ctx).max(1)
+    }
+
+    fn with_exec(lm: LoadedModel, opts: &EngineOptions, exec: Exec) -> Self {
         Engine {
-            exec: Exec::Cpu(core),
+            exec,
             sampler: Sampler::default(),
             logits: Vec::new(),
             prefix_cache: opts.prefix_cache,
