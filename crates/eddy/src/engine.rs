@@ -412,21 +412,9 @@ impl Engine {
         let mut out = Vec::new();
         for &n in sizes {
             let tokens: Vec<u32> = prompt.iter().cycle().take(n).copied().collect();
-            let paths = TreePaths::chain(n);
             let mut times = Vec::new();
             for _ in 0..reps.max(1) {
-                let t = Instant::now();
-                on_device!(&mut self.exec, &self.lm.model, |c, m| forward_tree(
-                    m,
-                    &c.be,
-                    &mut c.ws,
-                    &mut c.state,
-                    &tokens,
-                    &paths,
-                    0,
-                    &mut self.logits
-                ))?;
-                times.push(t.elapsed().as_secs_f64());
+                times.push(self.time_chain(&tokens)?);
             }
             times.sort_by(|a, b| a.total_cmp(b));
             let med = times[times.len() / 2];
@@ -451,22 +439,28 @@ impl Engine {
             if n > room || n > self.exec.max_batch() {
                 break;
             }
-            let tokens = vec![token; n];
-            let paths = TreePaths::chain(n);
-            let t = Instant::now();
-            on_device!(&mut self.exec, &self.lm.model, |c, m| forward_tree(
-                m,
-                &c.be,
-                &mut c.ws,
-                &mut c.state,
-                &tokens,
-                &paths,
-                0,
-                &mut self.logits
-            ))?;
-            self.cost.record_verify(n, t.elapsed().as_secs_f64());
+            let secs = self.time_chain(&vec![token; n])?;
+            self.cost.record_verify(n, secs);
         }
         Ok(())
+    }
+
+    /// Seconds of one verify pass over the chain `tokens` after the committed sequence (scratch rows only;
+    /// nothing is committed).
+    fn time_chain(&mut self, tokens: &[u32]) -> Result<f64> {
+        let paths = TreePaths::chain(tokens.len());
+        let t = Instant::now();
+        on_device!(&mut self.exec, &self.lm.model, |c, m| forward_tree(
+            m,
+            &c.be,
+            &mut c.ws,
+            &mut c.state,
+            tokens,
+            &paths,
+            0,
+            &mut self.logits
+        ))?;
+        Ok(t.elapsed().as_secs_f64())
     }
 
     /// Context length in tokens.
