@@ -7,7 +7,8 @@
 #   llama-server --spec-type ngram-mod | with a DFlash drafter (DFLASH, default the trained one in the models
 #   folder): eddy serve --speculator dflash (best-first tree) / dflash-chain / auto (suffix + dflash, what
 #   eddy serve does by default when the drafter sits next to the model) | llama-server --spec-type
-#   draft-dflash with the same drafter converted by llama.cpp's own converter (tools/dflash/to_llama_gguf.sh)
+#   draft-dflash with the same drafter converted by llama.cpp's own converter (tools/dflash/to_llama_gguf.sh),
+#   on a llama-server built with the one statement its qwen2 graph lacks for DFlash (bench/llama_cpp_dflash_env.sh)
 # Then eddy's acceptance profile by depth (from /metrics, per dataset) and the verify-cost curve: one
 # target pass over trees of 1..64 nodes vs that many decode steps.
 #
@@ -35,8 +36,8 @@ EDDY=target/release/eddy
 mkdir -p "$OUT"
 
 . bench/server_ctl.sh
-CONFIGS=${CONFIGS:-eddy-plain eddy-suffix eddy-spec eddy-dflash eddy-dflash-chain eddy-dflash-auto llama-plain llama-draft4 llama-draft8 llama-ngram llama-dflash verify}
-case " $CONFIGS " in *" eddy-dflash"* | *" llama-dflash "*)
+CONFIGS=${CONFIGS:-eddy-plain eddy-suffix eddy-spec eddy-dflash eddy-dflash-chain eddy-dflash-auto llama-plain llama-draft4 llama-draft8 llama-ngram llama-dflash llama-dflash4 verify}
+case " $CONFIGS " in *" eddy-dflash"* | *" llama-dflash"*)
   [ -f "$DFLASH/config.json" ] || { echo "DFlash drafter $DFLASH missing (set DFLASH or drop the dflash configs)" >&2; exit 1; } ;;
 esac
 run_server() { # label, command...
@@ -67,11 +68,17 @@ run_server llama-ngram "${LS[@]}" --spec-type ngram-mod
 run_server eddy-dflash "${ES[@]}" --speculator dflash --draft-model "$DFLASH" --spec-budget auto
 run_server eddy-dflash-chain "${ES[@]}" --speculator dflash-chain --draft-model "$DFLASH" --spec-budget auto
 run_server eddy-dflash-auto "${ES[@]}" --speculator auto --draft-model "$DFLASH" --spec-budget auto
-case " $CONFIGS " in *" llama-dflash "*)
+case " $CONFIGS " in *" llama-dflash"*)
   DFLASH_GGUF="$OUT/dflash-drafter.gguf"
-  [ -f "$DFLASH_GGUF" ] || tools/dflash/to_llama_gguf.sh "$DFLASH" "$TARGET" "$DFLASH_GGUF" >&2 ;;
+  [ -f "$DFLASH_GGUF" ] || tools/dflash/to_llama_gguf.sh "$DFLASH" "$TARGET" "$DFLASH_GGUF" >&2
+  # llama.cpp 11434's qwen2 graph does not expose the layer inputs DFlash reads: a one-statement patched build
+  # (bench/llama_cpp_dflash_env.sh says why and what).
+  . bench/llama_cpp_dflash_env.sh
+  LS[0]="$LLAMA_DFLASH_BIN/llama-server" ;;
 esac
 run_server llama-dflash "${LS[@]}" --spec-type draft-dflash -md "${DFLASH_GGUF:-}" --spec-draft-n-max 15 -td "$THREADS"
+# n-max 15 is the drafter's block; on a CPU verifying 16 tokens costs several decode steps, so also 4.
+run_server llama-dflash4 "${LS[@]}" --spec-type draft-dflash -md "${DFLASH_GGUF:-}" --spec-draft-n-max 4 -td "$THREADS"
 
 rm -f "$OUT/verify.jsonl"
 case " $CONFIGS " in *" verify "*)
@@ -89,7 +96,8 @@ names = {"eddy-plain": "eddy serve, no speculation", "eddy-suffix": "eddy serve 
          "llama-plain": "llama-server", "llama-draft4": "llama-server draft-simple 0.5B, n-max 4",
          "llama-draft8": "llama-server draft-simple 0.5B, n-max 8", "llama-ngram": "llama-server ngram-mod",
          "eddy-dflash": "eddy serve --speculator dflash (best-first tree)", "eddy-dflash-chain": "eddy serve --speculator dflash-chain",
-         "eddy-dflash-auto": "eddy serve --speculator auto (suffix + dflash tree)", "llama-dflash": "llama-server draft-dflash, n-max 15"}
+         "eddy-dflash-auto": "eddy serve --speculator auto (suffix + dflash tree)", "llama-dflash": "llama-server draft-dflash, n-max 15",
+         "llama-dflash4": "llama-server draft-dflash, n-max 4"}
 print(f"Qwen2.5-Coder-1.5B-Instruct Q4_K_M, {num} prompts per set, chat, temperature 0, max_tokens {max_tokens}, {threads} threads\n")
 for ds in ["humaneval", "sharegpt"]:
     R = {l: json.load(open(f"{out}/{l}.{ds}.json")) for l in labels}
