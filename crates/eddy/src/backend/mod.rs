@@ -81,6 +81,14 @@ pub trait Backend: Send + Sync {
             self.add_bias(out, n, b);
         }
     }
+    /// [`Backend::matmul_bias`] of every `(weights, bias, out)` part, in order, on the same input (q/k/v;
+    /// gate/up): one operation, which a GPU runs as one launch when the matrices share a format.
+    #[allow(clippy::type_complexity)]
+    fn matmul_parts(&self, parts: &mut [(&Self::Weights, Option<&Self::Buf>, &mut Self::Buf)], x: &Self::Buf, xq: &Self::QAct, n: usize) {
+        for (w, bias, out) in parts.iter_mut() {
+            self.matmul_bias(w, x, xq, n, *bias, out);
+        }
+    }
     /// The residual add, RMSNorm and int8 quantization that open a block or its FFN, as one operation: on rows
     /// `0..n` (`d` values each, `w`'s length), `x += residual` (when given), `h = rms_norm(x)·w`, and `xq` the
     /// quantization of `h` for `qw` ([`Backend::quantize`]). Equals [`Backend::add`], [`Backend::rms_norm`] and

@@ -209,6 +209,37 @@ pub fn check_fused<B: Backend>(be: &B) -> Result<(), String> {
             }
         }
     }
+    // Products of several matrices on one input: one format (one launch on a GPU) and mixed formats.
+    let x = rng.vec(33 * cols);
+    let xb = be.upload(&x);
+    let mats = |rows: &[usize], kinds: &[QuantKind], rng: &mut Rng| -> Vec<B::Weights> {
+        rows.iter().zip(kinds).map(|(&r, &k)| be.upload_weights(quantize_f32(r, cols, &rng.vec(r * cols), k))).collect()
+    };
+    let cases = [
+        (vec![48usize, 16, 40], vec![QuantKind::Q8, QuantKind::Q8, QuantKind::Q8]),
+        (vec![96, 37], vec![QuantKind::Q4, QuantKind::Q4]),
+        (vec![48, 16, 40], vec![QuantKind::Q8, QuantKind::Q4, QuantKind::Q8]),
+    ];
+    for (rows_of, kinds) in cases {
+        let ws = mats(&rows_of, &kinds, &mut rng);
+        let biases: Vec<B::Buf> = rows_of.iter().map(|&r| be.upload(&rng.vec(r))).collect();
+        for n in [1usize, 3, 33] {
+            let mut xq = be.new_qact();
+            be.quantize(&xb, n, cols, &ws[0], &mut xq);
+            let mut outs: Vec<B::Buf> = rows_of.iter().map(|&r| be.alloc(n * r)).collect();
+            {
+                #[allow(clippy::type_complexity)]
+                let mut parts: Vec<(&B::Weights, Option<&B::Buf>, &mut B::Buf)> =
+                    ws.iter().zip(&biases).zip(outs.iter_mut()).enumerate().map(|(i, ((w, b), o))| (w, (i != 1).then_some(b), o)).collect();
+                be.matmul_parts(&mut parts, &xb, &xq, n);
+            }
+            for (i, (w, &r)) in ws.iter().zip(&rows_of).enumerate() {
+                let mut one = be.alloc(n * r);
+                be.matmul_bias(w, &xb, &xq, n, (i != 1).then_some(&biases[i]), &mut one);
+                same(format!("matmul_parts {kinds:?} part {i} n {n}"), read(be, &outs[i], n * r), read(be, &one, n * r))?;
+            }
+        }
+    }
     // RoPE with the cache stores: both pairings, full and partial rotation, 1 and 5 rows at cache row 7.
     let (hd, nq, nk, row0) = (64, 4, 2, 7);
     for (mode, rot) in [(RopeMode::Normal, 64), (RopeMode::Neox, 64), (RopeMode::Neox, 16), (RopeMode::Normal, 32)] {

@@ -535,8 +535,7 @@ fn ffn<B: Backend>(be: &B, c: &ModelConfig, layer: &Layer<B>, ws: &mut Workspace
     let (d, fd) = (c.d_model, c.ffn_dim);
     let Workspace { x, h, o, gate, up, xq, .. } = ws;
     be.rms_norm_quantize(x, Some(&*o), t, d, &layer.ffn_norm, c.norm_eps, h, &layer.w_gate, xq);
-    be.matmul(&layer.w_gate, h, xq, t, gate);
-    be.matmul(&layer.w_up, h, xq, t, up);
+    be.matmul_parts(&mut [(&layer.w_gate, None, &mut *gate), (&layer.w_up, None, &mut *up)], h, xq, t);
     be.gated_act_quantize(c.activation, gate, up, t, fd, &layer.w_down, xq);
     be.matmul(&layer.w_down, gate, xq, t, o);
     if let Some(w) = &layer.post_ffn_norm {
@@ -553,11 +552,10 @@ fn attention_mixer<B: Backend>(be: &B, p: &Pass, a: &Attention<B>, kc: &mut B::B
     // Biases in the products' epilogues (the gated q's after the split).
     if a.gated {
         be.matmul(&a.wq, h, xq, t, qg);
+        be.matmul_parts(&mut [(&a.wk, a.bk.as_ref(), &mut *k), (&a.wv, a.bv.as_ref(), &mut *v)], h, xq, t);
     } else {
-        be.matmul_bias(&a.wq, h, xq, t, a.bq.as_ref(), q);
+        be.matmul_parts(&mut [(&a.wq, a.bq.as_ref(), &mut *q), (&a.wk, a.bk.as_ref(), &mut *k), (&a.wv, a.bv.as_ref(), &mut *v)], h, xq, t);
     }
-    be.matmul_bias(&a.wk, h, xq, t, a.bk.as_ref(), k);
-    be.matmul_bias(&a.wv, h, xq, t, a.bv.as_ref(), v);
     if a.gated {
         be.split_gate(qg, t, c.n_heads, hd, q, attn_gate);
         if let Some(b) = &a.bq {

@@ -102,14 +102,14 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, int n, int c
 #define MM_ROWS 4
 
 template <int TT, bool P4>
-__device__ __forceinline__ void mm_q_impl(const uint8_t* __restrict__ codes, const float* __restrict__ sc,
+__device__ __forceinline__ void mm_q_impl(int bx, const uint8_t* __restrict__ codes, const float* __restrict__ sc,
                                           const float* __restrict__ mn, int rows, int cols, int half, int g16,
                                           const int8_t* __restrict__ xq, const float* __restrict__ xs,
                                           const int* __restrict__ xsum, const float* __restrict__ xdsum,
                                           const int* __restrict__ xsum16, int n, const float* __restrict__ bias,
                                           float* __restrict__ out) {
     const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * MM_ROWS + (threadIdx.x >> 5);
+    const int row = bx * MM_ROWS + (threadIdx.x >> 5);
     const int t0 = blockIdx.y * TT;
     if (row >= rows) return;
     const int nblk = cols >> 5;
@@ -189,12 +189,43 @@ __device__ __forceinline__ void mm_q_impl(const uint8_t* __restrict__ codes, con
                                     int cols, int half, int g16, const int8_t* xq, const float* xs,         \
                                     const int* xsum, const float* xdsum, const int* xsum16, int n,          \
                                     const float* bias, float* out) {                                        \
-        mm_q_impl<TT, P4>(codes, sc, mn, rows, cols, half, g16, xq, xs, xsum, xdsum, xsum16, n, bias, out);\
+        mm_q_impl<TT, P4>(blockIdx.x, codes, sc, mn, rows, cols, half, g16, xq, xs, xsum, xdsum, xsum16, n, bias,  \
+                          out);                                                                             \
     }
 MM_Q(mm_q_t1_p4, 1, true)
 MM_Q(mm_q_t1_p8, 1, false)
 MM_Q(mm_q_t8_p4, 8, true)
 MM_Q(mm_q_t8_p8, 8, false)
+
+// Up to three matrices of one format and width that read the same activations (q/k/v, gate/up) in one launch:
+// the grid's block rows cover part 0's rows, then part 1's, then part 2's (rows 0 for an absent part); each
+// part's rows are computed exactly as mm_q computes them.
+#define MM_Q3(NAME, TT, P4)                                                                                  \
+    extern "C" __global__ void NAME(int cols, int half, int g16, const int8_t* xq, const float* xs,         \
+                                    const int* xsum, const float* xdsum, const int* xsum16, int n,          \
+                                    const uint8_t* c0, const float* s0, const float* m0, int r0,            \
+                                    const float* b0, float* o0, const uint8_t* c1, const float* s1,         \
+                                    const float* m1, int r1, const float* b1, float* o1, const uint8_t* c2, \
+                                    const float* s2, const float* m2, int r2, const float* b2, float* o2) {  \
+        int bx = blockIdx.x;                                                                                \
+        const int nb0 = (r0 + MM_ROWS - 1) / MM_ROWS, nb1 = (r1 + MM_ROWS - 1) / MM_ROWS;                   \
+        const uint8_t* c = c0;                                                                              \
+        const float *s = s0, *m = m0, *b = b0;                                                              \
+        float* o = o0;                                                                                      \
+        int r = r0;                                                                                         \
+        if (bx >= nb0 + nb1) {                                                                              \
+            bx -= nb0 + nb1;                                                                                \
+            c = c2; s = s2; m = m2; r = r2; b = b2; o = o2;                                                 \
+        } else if (bx >= nb0) {                                                                             \
+            bx -= nb0;                                                                                      \
+            c = c1; s = s1; m = m1; r = r1; b = b1; o = o1;                                                 \
+        }                                                                                                   \
+        mm_q_impl<TT, P4>(bx, c, s, m, r, cols, half, g16, xq, xs, xsum, xdsum, xsum16, n, b, o);           \
+    }
+MM_Q3(mm_q3_t1_p4, 1, true)
+MM_Q3(mm_q3_t1_p8, 1, false)
+MM_Q3(mm_q3_t8_p4, 8, true)
+MM_Q3(mm_q3_t8_p8, 8, false)
 
 // Float weights (f32, or bf16 when BF) times f32 activations: one warp per row, lane l sums columns
 // l, l + 32, ... with fused multiply-adds, then the xor tree.
@@ -347,65 +378,79 @@ extern "C" __global__ void embed(const void* __restrict__ w, int wtype, int rows
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// RMSNorm: one block of NORM_THREADS per row; thread t sums x[c]^2 for c = t, t + NORM_THREADS, ... (fma chain),
-// then a fixed shared-memory tree. `out` may be `x` (in place).
-#define NORM_THREADS 256
+// RMSNorm: one block per row of nw warps (nw = min(32, ceil(d / 32)), a function of d only). Warp w holds the
+// 32-value groups g = w + k*nw (k < NORM_KMAX) of the row in registers, lane l value g*32 + l. Sum of squares:
+// each thread's fma chain over its values in k order, the warp's xor tree, then the warps' sums added in warp
+// order; inv = 1/sqrt(sum/d + eps); out = (x * inv) * w. d <= NORM_KMAX * 32 * 32.
+#define NORM_KMAX 8
+
+// The row's values into v (x += res first when res is not null, written back) and 1/rms.
+__device__ __forceinline__ float norm_row(float (&v)[NORM_KMAX], float* x, const float* __restrict__ res, int d,
+                                          float eps, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NORM_KMAX; ++k) {
+        const int c = (warp + k * nw) * 32 + lane;
+        v[k] = 0.0f;
+        if (c < d) {
+            float t = x[c];
+            if (res != nullptr) {
+                t = __fadd_rn(t, res[c]);
+                x[c] = t;
+            }
+            v[k] = t;
+            ss = __fmaf_rn(t, t, ss);
+        }
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    float tot = 0.0f;
+    for (int w = 0; w < nw; ++w) tot = __fadd_rn(tot, red[w]);
+    return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(tot, (float)d), eps)));
+}
 
 extern "C" __global__ void rms_norm(const float* x, float* out, const float* __restrict__ w, int d, float eps,
                                     int nrows) {
-    __shared__ float red[NORM_THREADS];
+    __shared__ float red[32];
     const long long row = blockIdx.x;
-    const int tid = threadIdx.x;
     if (row >= nrows) return;
-    const float* xr = x + row * d;
-    float ss = 0.0f;
-    for (int c = tid; c < d; c += NORM_THREADS) ss = __fmaf_rn(xr[c], xr[c], ss);
-    red[tid] = ss;
-    __syncthreads();
-    for (int s = NORM_THREADS / 2; s > 0; s >>= 1) {
-        if (tid < s) red[tid] = __fadd_rn(red[tid], red[tid + s]);
-        __syncthreads();
-    }
-    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(red[0], (float)d), eps)));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float v[NORM_KMAX];
+    const float inv = norm_row(v, const_cast<float*>(x) + row * d, nullptr, d, eps, red);
     float* o = out + row * d;
-    for (int c = tid; c < d; c += NORM_THREADS) o[c] = __fmul_rn(__fmul_rn(xr[c], inv), w[c]);
+#pragma unroll
+    for (int k = 0; k < NORM_KMAX; ++k) {
+        const int c = (warp + k * nw) * 32 + lane;
+        if (c < d) o[c] = __fmul_rn(__fmul_rn(v[k], inv), w[c]);
+    }
 }
 
-// The residual add, RMSNorm and int8 quantization of a row in one kernel (one block of NORM_THREADS per row):
-// with `res`, x[c] += res[c] first (written back); then exactly rms_norm's sequence into `h`; then warp w
-// quantizes groups w, w + NORM_THREADS/32, ... of the normed row as quantize_q8 would (`signs`: the input
-// rotation of the next product, or null). d must be a multiple of 32.
+// The residual add, RMSNorm and int8 quantization of a row in one kernel (rms_norm's block and sequence): with
+// `res`, x += res first (written back); the normed row goes to `h`, and each warp quantizes its groups as
+// quantize_q8 would (`signs`: the input rotation of the next product, or null). d must be a multiple of 32.
 extern "C" __global__ void rms_norm_quant(float* x, const float* __restrict__ res, float* __restrict__ h,
                                           const float* __restrict__ w, int d, float eps,
                                           const float* __restrict__ signs, int8_t* __restrict__ q,
                                           float* __restrict__ scale, int* __restrict__ sum,
                                           float* __restrict__ dsum, int* __restrict__ sum16) {
-    __shared__ float red[NORM_THREADS];
+    __shared__ float red[32];
     const long long row = blockIdx.x;
-    const int tid = threadIdx.x, lane = tid & 31;
-    float* xr = x + row * d;
-    float ss = 0.0f;
-    for (int c = tid; c < d; c += NORM_THREADS) {
-        float v = xr[c];
-        if (res != nullptr) {
-            v = __fadd_rn(v, res[row * d + c]);
-            xr[c] = v;
-        }
-        ss = __fmaf_rn(v, v, ss);
-    }
-    red[tid] = ss;
-    __syncthreads();
-    for (int s = NORM_THREADS / 2; s > 0; s >>= 1) {
-        if (tid < s) red[tid] = __fadd_rn(red[tid], red[tid + s]);
-        __syncthreads();
-    }
-    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(red[0], (float)d), eps)));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float v[NORM_KMAX];
+    const float inv = norm_row(v, x + row * d, res != nullptr ? res + row * d : nullptr, d, eps, red);
     const int G = d >> 5;
-    for (int g = tid >> 5; g < G; g += NORM_THREADS / 32) {
-        const int c = g * 32 + lane;
-        const float v = __fmul_rn(__fmul_rn(xr[c], inv), w[c]);
-        h[row * d + c] = v;
-        quant_group(v, lane, row * G + g, signs != nullptr ? signs + g * 32 : nullptr, q, scale, sum, dsum, sum16);
+#pragma unroll
+    for (int k = 0; k < NORM_KMAX; ++k) {
+        const int g = warp + k * nw;
+        if (g < G) {
+            const int c = g * 32 + lane;
+            const float hv = __fmul_rn(__fmul_rn(v[k], inv), w[c]);
+            h[row * d + c] = hv;
+            quant_group(hv, lane, row * G + g, signs != nullptr ? signs + g * 32 : nullptr, q, scale, sum, dsum,
+                        sum16);
+        }
     }
 }
 
@@ -574,15 +619,15 @@ extern "C" __global__ void rope_store(float* __restrict__ q, int qw, float* __re
 // one block of ATT_THREADS per (query head, query, chunk) (grid.z covers the most chunks the cache can hold;
 // blocks past the query's last chunk exit at once). Fixed order per (query, head), independent of the query
 // count and of which blocks run when:
-//  * per chunk: score_j = (q[0:hd/2]·k_j[0:hd/2] + q[hd/2:]·k_j[hd/2:]) * scale, each half an fma chain in
-//    dimension order, then the soft-cap; m = max_j score_j (exact); e_j = expf(score_j - m); z = the two
+//  * per chunk: score_j = (((p_0 + p_1) + p_2) + p_3) * scale with p_i = q·k_j over the i-th quarter of the
+//    head dimension, an fma chain in dimension order, then the soft-cap; m = max_j score_j (exact); e_j = expf(score_j - m); z = the two
 //    warps' xor-tree sums of e_j added; o[d] = sum_j e_j v_j[d]: part p of P = ATT_THREADS / hd (at least 1)
 //    sums j = p, p + P, ... in order with fma, the parts added in order. (m, z, o) go to `part`;
 //  * the block that finishes a (query, head) last (a device counter, reset by it) combines its chunks in
 //    chunk order: M = max m_c, w_c = expf(m_c - M), Z = fma chain of z_c w_c, o[d] = fma chain of o_c[d] w_c,
 //    out = o * (1/Z). With one chunk, w_0 = 1 and the combination is exact.
-// hd must be a multiple of 8 and at most ATT_MAX_HD.
-#define ATT_THREADS 128
+// hd must be a multiple of 16 and at most ATT_MAX_HD.
+#define ATT_THREADS 256
 #define ATT_CHUNK 64
 #define ATT_MAX_HD 512
 
@@ -593,7 +638,7 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
                                      float softcap) {
     __shared__ __align__(16) float qs[ATT_MAX_HD];
     __shared__ float sc[ATT_CHUNK];
-    __shared__ float sc2[ATT_CHUNK];
+    __shared__ float sp[4][ATT_CHUNK];
     __shared__ float red[ATT_THREADS];
     __shared__ long long rows[ATT_CHUNK];
     __shared__ int last;
@@ -619,29 +664,28 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
     }
     __syncthreads();
     {
-        const int j = tid % ATT_CHUNK, hf = tid / ATT_CHUNK;
-        if (hf < 2 && j < cnt) {
-            const int d0 = hf * (hd >> 1);
+        const int j = tid % ATT_CHUNK, qt = tid / ATT_CHUNK;
+        if (j < cnt) {
+            const int d0 = qt * (hd >> 2);
             const float4* kr = reinterpret_cast<const float4*>(k + rows[j] * kvd + (long long)kvh * hd + d0);
             const float* qq = qs + d0;
             float p = 0.0f;
 #pragma unroll 4
-            for (int d4 = 0; d4 < (hd >> 3); ++d4) {
+            for (int d4 = 0; d4 < (hd >> 4); ++d4) {
                 const float4 kv = kr[d4];
                 p = __fmaf_rn(qq[4 * d4], kv.x, p);
                 p = __fmaf_rn(qq[4 * d4 + 1], kv.y, p);
                 p = __fmaf_rn(qq[4 * d4 + 2], kv.z, p);
                 p = __fmaf_rn(qq[4 * d4 + 3], kv.w, p);
             }
-            if (hf == 0) sc[j] = p;
-            else sc2[j] = p;
+            sp[qt][j] = p;
         }
     }
     __syncthreads();
     if (tid < ATT_CHUNK) {
         float s = -INFINITY;
         if (tid < cnt) {
-            s = __fmul_rn(__fadd_rn(sc[tid], sc2[tid]), scale);
+            s = __fmul_rn(__fadd_rn(__fadd_rn(__fadd_rn(sp[0][tid], sp[1][tid]), sp[2][tid]), sp[3][tid]), scale);
             if (softcap > 0.0f) s = __fmul_rn(softcap, tanhf(__fdiv_rn(s, softcap)));
             sc[tid] = s;
         }
@@ -660,6 +704,9 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
     __syncthreads();
     const float z = __fadd_rn(red[2], red[3]);
     __syncthreads();
+    // One chunk: the combination below would be exact (w_0 = 1), so the block writes the output itself.
+    const bool single = nch == 1;
+    const float inv1 = __fdiv_rn(1.0f, z);
     float* pp = part + (((long long)i * n_heads + h) * nmax + c) * (hd + 2);
     const float* vb = v + (long long)kvh * hd;
     if (hd <= ATT_THREADS) {
@@ -675,16 +722,19 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
         if (tid < hd) {
             float acc = red[tid];
             for (int p = 1; p < P; ++p) acc = __fadd_rn(acc, red[p * hd + tid]);
-            pp[2 + tid] = acc;
+            if (single) o[tid] = __fmul_rn(acc, inv1);
+            else pp[2 + tid] = acc;
         }
     } else {
         for (int d = tid; d < hd; d += ATT_THREADS) {
             float acc = 0.0f;
 #pragma unroll 8
             for (int jj = 0; jj < cnt; ++jj) acc = __fmaf_rn(sc[jj], vb[rows[jj] * kvd + d], acc);
-            pp[2 + d] = acc;
+            if (single) o[d] = __fmul_rn(acc, inv1);
+            else pp[2 + d] = acc;
         }
     }
+    if (single) return;
     if (tid == 0) {
         pp[0] = m;
         pp[1] = z;

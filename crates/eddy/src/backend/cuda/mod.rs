@@ -47,10 +47,18 @@ const THREADS: u32 = 256;
 const MM_ROWS: usize = 4;
 /// Tokens per block of the product kernels for batches of more than one token (`TT` of the t8 kernels).
 const MM_TT: usize = 8;
-/// Threads per (query, head) block of the attention kernel (`ATT_THREADS`).
-const ATT_THREADS: u32 = 128;
-/// Threads per row of the RMSNorm kernel (`NORM_THREADS`).
-const NORM_THREADS: u32 = 256;
+/// Threads per (query, head, chunk) block of the attention kernel (`ATT_THREADS`).
+const ATT_THREADS: u32 = 256;
+/// Register groups of 32 values per thread of the RMSNorm kernels (`NORM_KMAX`).
+const NORM_KMAX: usize = 8;
+
+/// Threads per row of the RMSNorm kernels for rows of `d` values: one warp per 32 values up to 32 warps (a
+/// function of `d` only, so rows give the same bits in any batch). Panics past `NORM_KMAX·32·32` values.
+fn norm_threads(d: usize) -> u32 {
+    let groups = d.div_ceil(32);
+    assert!(groups <= NORM_KMAX * 32, "rms_norm: rows of {d} values exceed the kernel's {}", NORM_KMAX * 32 * 32);
+    32 * groups.clamp(1, 32) as u32
+}
 /// Largest head dimension of the attention kernel (`ATT_MAX_HD`).
 const ATT_MAX_HD: usize = 512;
 /// Keys per block of the attention kernel (`ATT_CHUNK`).
@@ -75,10 +83,12 @@ unsafe impl Send for Ctx {}
 unsafe impl Sync for Ctx {}
 
 /// One queued operation, with its exact arguments: replayed one by one or captured into a graph.
+// Kept unboxed: a step queues ~300 of them into a reused vector (no allocation per launch).
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Op {
     /// A kernel launch (function handle as an integer, grid, block size, argument slots).
-    Kernel { f: usize, grid: [u32; 3], block: u32, n: u8, args: [u64; 20] },
+    Kernel { f: usize, grid: [u32; 3], block: u32, n: u8, args: [u64; ARGS] },
     /// A device-to-device copy of `bytes`.
     Copy { dst: u64, src: u64, bytes: usize },
 }
@@ -299,7 +309,7 @@ fn run_ops(ops: &[Op], stream: sys::CUstream) {
     for op in ops {
         match *op {
             Op::Kernel { f, grid, block, n, args } => {
-                let mut ptrs = [std::ptr::null_mut::<c_void>(); 20];
+                let mut ptrs = [std::ptr::null_mut::<c_void>(); ARGS];
                 for (p, v) in ptrs.iter_mut().zip(&args[..n as usize]) {
                     *p = v as *const u64 as *mut c_void;
                 }
@@ -455,15 +465,18 @@ pub struct CudaQAct {
     sum16: DevVec,
 }
 
+/// Most parameters of a kernel (`mm_q3_*` has 28).
+const ARGS: usize = 28;
+
 /// Kernel arguments as 8-byte slots (the driver reads each parameter's size from its slot's start).
 struct Args {
-    v: [u64; 20],
+    v: [u64; ARGS],
     n: usize,
 }
 
 impl Args {
     fn new() -> Args {
-        Args { v: [0; 20], n: 0 }
+        Args { v: [0; ARGS], n: 0 }
     }
     fn push(mut self, x: u64) -> Args {
         self.v[self.n] = x;
@@ -500,6 +513,8 @@ struct Kernels {
     quantize: Func,
     /// `[tokens per block 1 / 8][bits 4 packed / bytes]`.
     mm_q: [[Func; 2]; 2],
+    /// The same for up to three matrices in one launch.
+    mm_q3: [[Func; 2]; 2],
     /// `[f32 / bf16][tokens per block 1 / 8]`.
     mm_f: [[Func; 2]; 2],
     rotate_out: Func,
@@ -613,6 +628,7 @@ impl Cuda {
         let k = Kernels {
             quantize: get("quantize_q8")?,
             mm_q: [[get("mm_q_t1_p4")?, get("mm_q_t1_p8")?], [get("mm_q_t8_p4")?, get("mm_q_t8_p8")?]],
+            mm_q3: [[get("mm_q3_t1_p4")?, get("mm_q3_t1_p8")?], [get("mm_q3_t8_p4")?, get("mm_q3_t8_p8")?]],
             mm_f: [[get("mm_f32_t1")?, get("mm_f32_t8")?], [get("mm_bf16_t1")?, get("mm_bf16_t8")?]],
             rotate_out: get("rotate_out")?,
             embed: get("embed")?,
@@ -1013,7 +1029,7 @@ impl Backend for Cuda {
             .p(sm)
             .p(ds)
             .p(s16);
-        self.launch(self.k.rms_norm_quant, (n, 1), NORM_THREADS, a);
+        self.launch(self.k.rms_norm_quant, (n, 1), norm_threads(d), a);
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1036,6 +1052,71 @@ impl Backend for Cuda {
         };
         let a = Args::new().i(act).p(gate.ptr()).p(up.ptr()).i(n).i(width).p(signs).p(q).p(sc).p(sm).p(ds).p(s16);
         self.launch(self.k.gated_act_quant, ((n * width / QK).div_ceil((THREADS / 32) as usize), 1), THREADS, a);
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn matmul_parts(&self, parts: &mut [(&CudaWeights, Option<&CudaBuf>, &mut CudaBuf)], x: &CudaBuf, xq: &CudaQAct, n: usize) {
+        // One launch when the parts are 2 or 3 quantized matrices of one format and width without an output
+        // rotation, read from the same activations; else one product per part.
+        let qs: Vec<&CudaQ> = parts
+            .iter()
+            .filter_map(|(w, _, _)| match w {
+                CudaWeights::Q(q) if q.out_signs.is_none() => Some(q),
+                _ => None,
+            })
+            .collect();
+        let same = |a: &CudaQ, b: &CudaQ| {
+            a.cols == b.cols
+                && a.packed4 == b.packed4
+                && a.g16 == b.g16
+                && a.half == b.half
+                && a.mins.is_some() == b.mins.is_some()
+                && a.in_signs.as_ref().map(|s| s.0) == b.in_signs.as_ref().map(|s| s.0)
+        };
+        if n == 0 || !(2..=3).contains(&parts.len()) || qs.len() != parts.len() || !qs.iter().all(|q| same(q, qs[0])) {
+            for (w, bias, out) in parts.iter_mut() {
+                self.matmul_bias(w, x, xq, n, *bias, out);
+            }
+            return;
+        }
+        let q0 = qs[0];
+        assert_eq!(q0.cols % QK, 0, "quantized weights need cols % 32 == 0");
+        assert!(xq.n >= n && xq.cols == q0.cols, "matmul: xq holds {} tokens of {} values, {n} of {} needed", xq.n, xq.cols, q0.cols);
+        assert_eq!(
+            xq.rotation,
+            q0.in_signs.as_ref().map_or(0, |s| s.0),
+            "activations quantized for another input rotation than these weights'"
+        );
+        self.ctx.bind();
+        let tile = if n == 1 { 0 } else { 1 };
+        let tt = if n == 1 { 1 } else { MM_TT };
+        let mut a = Args::new()
+            .i(q0.cols)
+            .i(q0.half as usize)
+            .i(q0.g16 as usize)
+            .p(xq.q.ptr())
+            .p(xq.scale.ptr())
+            .p(xq.sum.ptr())
+            .p(xq.dsum.ptr())
+            .p(xq.sum16.ptr())
+            .i(n);
+        let mut blocks = 0;
+        for (q, (_, bias, out)) in qs.iter().zip(parts.iter()) {
+            assert!(out.len >= n * q.rows, "matmul: out holds {} values, {n}×{} needed", out.len, q.rows);
+            assert!(bias.is_none_or(|b| b.len == q.rows), "matmul_bias: the bias must hold one value per row");
+            blocks += q.rows.div_ceil(MM_ROWS);
+            a = a
+                .p(q.codes.ptr)
+                .p(q.scales.ptr)
+                .p(q.mins.as_ref().map_or(0, |m| m.ptr))
+                .i(q.rows)
+                .p(bias.map_or(0, |b| b.ptr()))
+                .p(out.ptr());
+        }
+        for _ in qs.len()..3 {
+            a = a.p(0).p(0).p(0).i(0).p(0).p(0);
+        }
+        self.launch(self.k.mm_q3[tile][if q0.packed4 { 0 } else { 1 }], (blocks, n.div_ceil(tt)), (32 * MM_ROWS) as u32, a);
     }
 
     fn matmul_bias(&self, w: &CudaWeights, x: &CudaBuf, xq: &CudaQAct, n: usize, bias: Option<&CudaBuf>, out: &mut CudaBuf) {
@@ -1065,7 +1146,7 @@ impl Backend for Cuda {
         assert!(x.len >= (row0 + n) * d && out.len >= n * d, "rms_norm: buffers too short");
         self.ctx.bind();
         let a = Args::new().p(x.at(row0 * d)).p(out.ptr()).p(w.ptr()).i(d).f(eps).i(n);
-        self.launch(self.k.rms_norm, (n, 1), NORM_THREADS, a);
+        self.launch(self.k.rms_norm, (n, 1), norm_threads(d), a);
     }
 
     fn rms_norm_inplace(&self, x: &mut CudaBuf, len: usize, w: &CudaBuf, eps: f32) {
@@ -1074,7 +1155,7 @@ impl Backend for Cuda {
         self.ctx.bind();
         let n = len / d;
         let a = Args::new().p(x.ptr()).p(x.ptr()).p(w.ptr()).i(d).f(eps).i(n);
-        self.launch(self.k.rms_norm, (n, 1), NORM_THREADS, a);
+        self.launch(self.k.rms_norm, (n, 1), norm_threads(d), a);
     }
 
     fn add_bias(&self, x: &mut CudaBuf, n: usize, b: &CudaBuf) {
@@ -1201,8 +1282,8 @@ impl Backend for Cuda {
         assert!(q.len >= t * qd && out.len >= t * qd, "attention: q/out too short");
         assert!(s.n_kv_heads > 0 && s.n_heads.is_multiple_of(s.n_kv_heads), "attention: heads must be a multiple of kv heads");
         assert!(
-            s.head_dim.is_multiple_of(8) && s.head_dim <= ATT_MAX_HD,
-            "attention: head_dim {} (a multiple of 8 up to {ATT_MAX_HD})",
+            s.head_dim.is_multiple_of(16) && s.head_dim <= ATT_MAX_HD,
+            "attention: head_dim {} (a multiple of 16 up to {ATT_MAX_HD})",
             s.head_dim
         );
         if t == 0 {
