@@ -188,6 +188,26 @@ pub trait Backend: Send + Sync {
         out: &mut Self::Buf,
     );
 
+    /// [`Backend::attention`] into `out`, then [`Backend::quantize`] of its `t` rows for `w` (the output
+    /// projection) into `xq`, as one operation (a GPU quantizes the rows as it writes them).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_quantize(
+        &self,
+        s: &AttnShape,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        n_past: usize,
+        t: usize,
+        vis: Visibility,
+        out: &mut Self::Buf,
+        w: &Self::Weights,
+        xq: &mut Self::QAct,
+    ) {
+        self.attention(s, q, k, v, n_past, t, vis, out);
+        self.quantize(out, t, s.n_heads * s.head_dim, w, xq);
+    }
+
     /// Copy rows `row0..row0 + n` of `buf` (`width` each) to the end of `out` (hidden-state readout).
     fn read(&self, buf: &Self::Buf, row0: usize, n: usize, width: usize, out: &mut Vec<f32>);
     /// `dst[..len] = src[..len]` (state snapshots).

@@ -152,7 +152,8 @@ pub fn check_matmul<B: Backend>(be: &B) -> Result<(), String> {
 /// `add_bias`; `rms_norm_quantize` = `add`, `rms_norm`, `quantize` (with and without the residual);
 /// `gated_act_quantize` = `gated_act`, `quantize` — compared on the residual stream, the normed or activated
 /// rows, and a product of the quantized activations (Q8, Q4, rotated M, F32 weights; 1, 3 and 33 rows);
-/// `rope_store` = `rope`, then `store_rows` of k and v.
+/// `rope_store` = `rope`, then `store_rows` of k and v; `matmul_parts` = `matmul_bias` of each part;
+/// `attention_quantize` = `attention`, `quantize`.
 pub fn check_fused<B: Backend>(be: &B) -> Result<(), String> {
     let mut rng = Rng(9);
     let (rows, cols) = (48, 512);
@@ -238,6 +239,28 @@ pub fn check_fused<B: Backend>(be: &B) -> Result<(), String> {
                 be.matmul_bias(w, &xb, &xq, n, (i != 1).then_some(&biases[i]), &mut one);
                 same(format!("matmul_parts {kinds:?} part {i} n {n}"), read(be, &outs[i], n * r), read(be, &one, n * r))?;
             }
+        }
+    }
+    // Attention with the quantization of its output (causal with a window, a tree; head dims 32 and 64,
+    // several key chunks).
+    for (hd, n_past, window) in [(32usize, 5usize, None), (64, 150, Some(100))] {
+        let s = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: hd, scale: 0.3, window, softcap: None };
+        let (qd, kvd, n) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, 5);
+        let w = be.upload_weights(quantize_f32(8, qd, &rng.vec(8 * qd), QuantKind::Q8));
+        let (qb, kb, vb) = (be.upload(&rng.vec(n * qd)), be.upload(&rng.vec((n_past + n) * kvd)), be.upload(&rng.vec((n_past + n) * kvd)));
+        let tree = TreePaths::chain(n);
+        for vis in [Visibility::Causal, Visibility::Tree { first: 0, paths: &tree }] {
+            let (mut o1, mut o2) = (be.alloc(n * qd), be.alloc(n * qd));
+            let (mut q1, mut q2) = (be.new_qact(), be.new_qact());
+            be.attention_quantize(&s, &qb, &kb, &vb, n_past, n, vis, &mut o1, &w, &mut q1);
+            be.attention(&s, &qb, &kb, &vb, n_past, n, vis, &mut o2);
+            be.quantize(&o2, n, qd, &w, &mut q2);
+            let what = format!("attention_quantize hd {hd} n_past {n_past}");
+            same(format!("{what}: output"), read(be, &o1, n * qd), read(be, &o2, n * qd))?;
+            let (mut p1, mut p2) = (be.alloc(n * 8), be.alloc(n * 8));
+            be.matmul(&w, &o1, &q1, n, &mut p1);
+            be.matmul(&w, &o2, &q2, n, &mut p2);
+            same(format!("{what}: product"), read(be, &p1, n * 8), read(be, &p2, n * 8))?;
         }
     }
     // RoPE with the cache stores: both pairings, full and partial rotation, 1 and 5 rows at cache row 7.

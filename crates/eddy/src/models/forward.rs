@@ -571,11 +571,13 @@ fn attention_mixer<B: Backend>(be: &B, p: &Pass, a: &Attention<B>, kc: &mut B::B
     be.rope_store(&a.rope, q, qd, k, v, kvd, hd, positions, kc, vc, p.row0);
     let shape =
         AttnShape { n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: hd, scale: c.attn_scale, window: a.window, softcap: None };
-    be.attention(&shape, q, kc, vc, p.n_past, t, p.vis, att);
     if a.gated {
+        be.attention(&shape, q, kc, vc, p.n_past, t, p.vis, att);
         be.mul_sigmoid(att, attn_gate, t * qd);
+        be.quantize(att, t, qd, &a.wo, xq);
+    } else {
+        be.attention_quantize(&shape, q, kc, vc, p.n_past, t, p.vis, att, &a.wo, xq);
     }
-    be.quantize(att, t, qd, &a.wo, xq);
     be.matmul(&a.wo, att, xq, t, o);
 }
 

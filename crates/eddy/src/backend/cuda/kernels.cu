@@ -626,6 +626,9 @@ extern "C" __global__ void rope_store(float* __restrict__ q, int qw, float* __re
 //  * the block that finishes a (query, head) last (a device counter, reset by it) combines its chunks in
 //    chunk order: M = max m_c, w_c = expf(m_c - M), Z = fma chain of z_c w_c, o[d] = fma chain of o_c[d] w_c,
 //    out = o * (1/Z). With one chunk, w_0 = 1 and the combination is exact.
+// With `qq` not null, the output rows are also quantized to int8 as quantize_q8 would (the next product's
+// input; `qsigns`: its input rotation or null): the warp that writes 32 output values quantizes them (hd must
+// then be a multiple of 32).
 // hd must be a multiple of 16 and at most ATT_MAX_HD.
 #define ATT_THREADS 256
 #define ATT_CHUNK 64
@@ -635,7 +638,9 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
                                      const float* __restrict__ v, float* __restrict__ out,
                                      const int4* __restrict__ info, const int* __restrict__ paths, float* part,
                                      int* count, int nmax, int n_heads, int n_kv_heads, int hd, float scale,
-                                     float softcap) {
+                                     float softcap, const float* __restrict__ qsigns, int8_t* __restrict__ qq,
+                                     float* __restrict__ qscale, int* __restrict__ qsum,
+                                     float* __restrict__ qdsum, int* __restrict__ qsum16) {
     __shared__ __align__(16) float qs[ATT_MAX_HD];
     __shared__ float sc[ATT_CHUNK];
     __shared__ float sp[4][ATT_CHUNK];
@@ -648,9 +653,18 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
     const int nch = (nk + ATT_CHUNK - 1) / ATT_CHUNK;
     const long long qd = (long long)n_heads * hd, kvd = (long long)n_kv_heads * hd;
     float* o = out + i * qd + (long long)h * hd;
+    // Output value `d` of this (query, head), quantized with its warp's 32 values when asked.
+    auto put = [&](int d, float val) {
+        o[d] = val;
+        if (qq != nullptr) {
+            const long long g = ((long long)h * hd + d) >> 5;
+            quant_group(val, tid & 31, i * (qd >> 5) + g, qsigns != nullptr ? qsigns + g * 32 : nullptr, qq, qscale,
+                        qsum, qdsum, qsum16);
+        }
+    };
     if (nk <= 0) {
         if (c == 0)
-            for (int d = tid; d < hd; d += ATT_THREADS) o[d] = 0.0f;
+            for (int d = tid; d < hd; d += ATT_THREADS) put(d, 0.0f);
         return;
     }
     if (c >= nch) return;
@@ -722,7 +736,7 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
         if (tid < hd) {
             float acc = red[tid];
             for (int p = 1; p < P; ++p) acc = __fadd_rn(acc, red[p * hd + tid]);
-            if (single) o[tid] = __fmul_rn(acc, inv1);
+            if (single) put(tid, __fmul_rn(acc, inv1));
             else pp[2 + tid] = acc;
         }
     } else {
@@ -730,7 +744,7 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
             float acc = 0.0f;
 #pragma unroll 8
             for (int jj = 0; jj < cnt; ++jj) acc = __fmaf_rn(sc[jj], vb[rows[jj] * kvd + d], acc);
-            if (single) o[d] = __fmul_rn(acc, inv1);
+            if (single) put(d, __fmul_rn(acc, inv1));
             else pp[2 + d] = acc;
         }
     }
@@ -763,6 +777,6 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
             const float* b = base + (long long)cc * (hd + 2);
             acc = __fmaf_rn(__ldcg(b + 2 + d), expf(__fsub_rn(__ldcg(b), M)), acc);
         }
-        o[d] = __fmul_rn(acc, inv_z);
+        put(d, __fmul_rn(acc, inv_z));
     }
 }

@@ -847,6 +847,79 @@ impl Cuda {
         }
     }
 
+    /// Attention of `t` queries into `out` ([`Backend::attention`]); with `quant`, `out` also quantized for the
+    /// weights into the activations (head dims a multiple of 32).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_into(
+        &self,
+        s: &AttnShape,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        n_past: usize,
+        t: usize,
+        vis: Visibility,
+        out: &mut CudaBuf,
+        quant: Option<(&CudaWeights, &mut CudaQAct)>,
+    ) {
+        let qd = s.n_heads * s.head_dim;
+        assert!(q.len >= t * qd && out.len >= t * qd, "attention: q/out too short");
+        assert!(s.n_kv_heads > 0 && s.n_heads.is_multiple_of(s.n_kv_heads), "attention: heads must be a multiple of kv heads");
+        assert!(
+            s.head_dim.is_multiple_of(16) && s.head_dim <= ATT_MAX_HD,
+            "attention: head_dim {} (a multiple of 16 up to {ATT_MAX_HD})",
+            s.head_dim
+        );
+        if t == 0 {
+            return;
+        }
+        self.ctx.bind();
+        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let sc = &mut *guard;
+        let (mut info, mut paths) = (std::mem::take(&mut sc.info_host), std::mem::take(&mut sc.paths_host));
+        let maxk = Cuda::key_lists(s, n_past, t, vis, &mut info, &mut paths);
+        let kvd = s.n_kv_heads * s.head_dim;
+        let rows_needed = info.chunks_exact(4).map(|c| c[1] as usize).chain(paths.iter().map(|&r| r as usize + 1)).max().unwrap_or(0);
+        assert!(k.len >= rows_needed * kvd && v.len >= rows_needed * kvd, "attention: the cache holds fewer rows than the queries see");
+        // Chunks of the longest key list the cache can give (a fixed grid for every step of one shape: the
+        // blocks past a query's keys exit at once).
+        let nmax = (k.len / kvd).max(maxk).div_ceil(ATT_CHUNK).max(1);
+        let part = self.ensure(&mut sc.att_part, 4 * t * s.n_heads * nmax * (s.head_dim + 2), false);
+        let count = self.ensure(&mut sc.att_count, 4 * t * s.n_heads, true);
+        // The output's quantization (signs, codes, scales, sums, d·sums, half sums; codes 0: none).
+        let qa = match quant {
+            Some((w, xq)) => self.prepare_qact(xq, t, qd, w),
+            None => [0; 6],
+        };
+        // Staged after the `ensure`s (which may flush the queue and so reuse the arena).
+        let info_dev = self.stage(SLOT_INFO, &info);
+        let paths_dev = self.stage(SLOT_PATHS, &paths);
+        sc.info_host = info;
+        sc.paths_host = paths;
+        let a = Args::new()
+            .p(q.ptr())
+            .p(k.ptr())
+            .p(v.ptr())
+            .p(out.ptr())
+            .p(info_dev)
+            .p(paths_dev)
+            .p(part)
+            .p(count)
+            .i(nmax)
+            .i(s.n_heads)
+            .i(s.n_kv_heads)
+            .i(s.head_dim)
+            .f(s.scale)
+            .f(s.softcap.unwrap_or(0.0))
+            .p(qa[0])
+            .p(qa[1])
+            .p(qa[2])
+            .p(qa[3])
+            .p(qa[4])
+            .p(qa[5]);
+        self.launch3(self.k.attention, (s.n_heads, t, nmax), ATT_THREADS, a);
+    }
+
     /// The key lists of `t` queries (see the attention kernel): per query `(lo, hi, path offset, path
     /// length)` into `info`, path rows into `paths`; returns the most keys a query sees.
     fn key_lists(s: &AttnShape, n_past: usize, t: usize, vis: Visibility, info: &mut Vec<i32>, paths: &mut Vec<i32>) -> usize {
@@ -1307,51 +1380,30 @@ impl Backend for Cuda {
     }
 
     fn attention(&self, s: &AttnShape, q: &CudaBuf, k: &CudaBuf, v: &CudaBuf, n_past: usize, t: usize, vis: Visibility, out: &mut CudaBuf) {
-        let qd = s.n_heads * s.head_dim;
-        assert!(q.len >= t * qd && out.len >= t * qd, "attention: q/out too short");
-        assert!(s.n_kv_heads > 0 && s.n_heads.is_multiple_of(s.n_kv_heads), "attention: heads must be a multiple of kv heads");
-        assert!(
-            s.head_dim.is_multiple_of(16) && s.head_dim <= ATT_MAX_HD,
-            "attention: head_dim {} (a multiple of 16 up to {ATT_MAX_HD})",
-            s.head_dim
-        );
-        if t == 0 {
-            return;
+        self.attention_into(s, q, k, v, n_past, t, vis, out, None);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention_quantize(
+        &self,
+        s: &AttnShape,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        n_past: usize,
+        t: usize,
+        vis: Visibility,
+        out: &mut CudaBuf,
+        w: &CudaWeights,
+        xq: &mut CudaQAct,
+    ) {
+        if s.head_dim.is_multiple_of(QK) {
+            self.attention_into(s, q, k, v, n_past, t, vis, out, Some((w, xq)));
+        } else {
+            // A head's outputs are not whole quantization groups: two launches.
+            self.attention_into(s, q, k, v, n_past, t, vis, out, None);
+            self.quantize(out, t, s.n_heads * s.head_dim, w, xq);
         }
-        self.ctx.bind();
-        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let sc = &mut *guard;
-        let (mut info, mut paths) = (std::mem::take(&mut sc.info_host), std::mem::take(&mut sc.paths_host));
-        let maxk = Cuda::key_lists(s, n_past, t, vis, &mut info, &mut paths);
-        let kvd = s.n_kv_heads * s.head_dim;
-        let rows_needed = info.chunks_exact(4).map(|c| c[1] as usize).chain(paths.iter().map(|&r| r as usize + 1)).max().unwrap_or(0);
-        assert!(k.len >= rows_needed * kvd && v.len >= rows_needed * kvd, "attention: the cache holds fewer rows than the queries see");
-        // Chunks of the longest key list the cache can give (a fixed grid for every step of one shape: the
-        // blocks past a query's keys exit at once).
-        let nmax = (k.len / kvd).max(maxk).div_ceil(ATT_CHUNK).max(1);
-        let part = self.ensure(&mut sc.att_part, 4 * t * s.n_heads * nmax * (s.head_dim + 2), false);
-        let count = self.ensure(&mut sc.att_count, 4 * t * s.n_heads, true);
-        // Staged after the `ensure`s (which may flush the queue and so reuse the arena).
-        let info_dev = self.stage(SLOT_INFO, &info);
-        let paths_dev = self.stage(SLOT_PATHS, &paths);
-        sc.info_host = info;
-        sc.paths_host = paths;
-        let a = Args::new()
-            .p(q.ptr())
-            .p(k.ptr())
-            .p(v.ptr())
-            .p(out.ptr())
-            .p(info_dev)
-            .p(paths_dev)
-            .p(part)
-            .p(count)
-            .i(nmax)
-            .i(s.n_heads)
-            .i(s.n_kv_heads)
-            .i(s.head_dim)
-            .f(s.scale)
-            .f(s.softcap.unwrap_or(0.0));
-        self.launch3(self.k.attention, (s.n_heads, t, nmax), ATT_THREADS, a);
     }
 
     fn read(&self, buf: &CudaBuf, row0: usize, n: usize, width: usize, out: &mut Vec<f32>) {
