@@ -3,9 +3,11 @@
 //! Buffers are device `f32` allocations ([`CudaBuf`]), weights are [`CudaWeights`] (quantized matrices in
 //! the GPU layout of [`GpuQ`], or f32/bf16), quantized activations are [`CudaQAct`] (int8 per token and
 //! group of 32 with the CPU's scheme, [`crate::backend::cpu::QuantizedActivations`]). All work goes to one
-//! stream; host arrays an operation needs (token ids, positions, the attention's key lists, RoPE
-//! frequencies) go through device scratch that only grows, so a warm decode step allocates nothing.
-//! Only [`Backend::read`] and [`Backend::matmul_to_host`] wait for the GPU.
+//! stream, queued on the host first (`Queue`): a pass reaches the GPU as one list of launches, and a list
+//! seen before runs as a CUDA graph ([`GraphPlan`]); host arrays an operation needs (token ids, positions,
+//! the attention's key lists, RoPE frequencies, the KV row written) go through a device arena the kernels
+//! read, so every decode step of one shape is the same list. Device scratch only grows, so a warm decode
+//! step allocates nothing. Only [`Backend::read`] and [`Backend::matmul_to_host`] wait for the GPU.
 //!
 //! # Kernels compiled at build time, not at run time
 //! The kernels (`kernels.cu`) are compiled by nvcc when the crate is built (`build.rs`) into a fatbin
@@ -567,7 +569,7 @@ impl Drop for Pinned {
 
 /// The CUDA backend: one device, one stream, kernels from the embedded fatbin.
 ///
-/// Operations are queued on the host ([`Queue`]) and sent to the GPU when a result is read back
+/// Operations are queued on the host (`Queue`) and sent to the GPU when a result is read back
 /// ([`Backend::read`], [`Backend::matmul_to_host`]), when a pass begins ([`Backend::embed`]), on
 /// [`Cuda::synchronize`], and before device memory is freed; a list of operations seen before runs as a CUDA
 /// graph ([`GraphPlan`]).
