@@ -15,7 +15,7 @@
 #![cfg(feature = "cuda")]
 
 use eddy::backend::cpu::{matmul_reference, quantize_activations, ThreadPool};
-use eddy::backend::cuda::{Cuda, GpuQ};
+use eddy::backend::cuda::{Cuda, GpuQ, GraphPlan, Plan};
 use eddy::backend::{parity, AttnShape, Backend, Cpu, Visibility};
 use eddy::models::forward::{decode, forward, forward_tree, Logits, Workspace};
 use eddy::quant::import::{quantize_f32, QuantKind};
@@ -137,6 +137,47 @@ fn gpu_layout_round_trips_every_form() {
     }
 }
 
+/// The graph plan: a list runs eagerly when first seen, is captured when seen again, then replays while
+/// equal; equal hashes of unequal lists never replay; at most `max_graphs` kept (least recently used
+/// evicted); a plan of 0 graphs never captures.
+#[test]
+fn graph_plan_captures_repeated_lists_and_replays_equal_ones() {
+    let mut p: GraphPlan<Vec<u32>, &str> = GraphPlan::new(2);
+    let (a, b, c) = (vec![1, 2, 3], vec![4, 5], vec![6]);
+    assert_eq!(p.decide(10, &a), Plan::Eager);
+    assert_eq!(p.decide(10, &a), Plan::Capture);
+    assert!(p.insert(10, a.clone(), "A").is_none());
+    for _ in 0..3 {
+        match p.decide(10, &a) {
+            Plan::Replay(i) => assert_eq!(*p.get(i), "A"),
+            other => panic!("expected a replay, got {other:?}"),
+        }
+    }
+    // Same hash, other list: not the kept graph.
+    assert_eq!(p.decide(10, &b), Plan::Eager);
+    assert_eq!(p.decide(10, &b), Plan::Capture);
+    assert!(p.insert(10, b.clone(), "B").is_none());
+    assert!(matches!(p.decide(10, &b), Plan::Replay(i) if *p.get(i) == "B"));
+    assert!(matches!(p.decide(10, &a), Plan::Replay(i) if *p.get(i) == "A"));
+    // A third graph evicts the least recently used (B: A was used last).
+    assert_eq!(p.decide(7, &c), Plan::Eager);
+    assert_eq!(p.decide(7, &c), Plan::Capture);
+    assert_eq!(p.insert(7, c.clone(), "C"), Some("B"));
+    assert_eq!(p.len(), 2);
+    assert_eq!(p.decide(10, &b), Plan::Eager);
+    assert!(matches!(p.decide(7, &c), Plan::Replay(i) if *p.get(i) == "C"));
+    assert_eq!(p.drain().len(), 2);
+    assert!(p.is_empty());
+    // Lists never repeated (prefill passes of new shapes) never capture.
+    let mut p: GraphPlan<Vec<u32>, ()> = GraphPlan::new(4);
+    for i in 0..1000u64 {
+        assert_eq!(p.decide(i, &vec![i as u32]), Plan::Eager);
+    }
+    let mut none: GraphPlan<Vec<u32>, ()> = GraphPlan::new(0);
+    assert_eq!(none.decide(1, &a), Plan::Eager);
+    assert_eq!(none.decide(1, &a), Plan::Eager);
+}
+
 /// Without a driver or GPU, `Cuda::new` is an error that says so (no panic); with one, it names the GPU.
 #[test]
 fn new_without_a_gpu_is_an_error() {
@@ -170,6 +211,7 @@ fn parity_with_the_references() {
     parity::check_attention(&be).unwrap();
     parity::check_rows(&be).unwrap();
     parity::check_gated_attention(&be).unwrap();
+    parity::check_fused(&be).unwrap();
 }
 
 /// Embedding rows of every quantized form (and rotated M/L, bf16) against `dequant_row`, and products against
@@ -271,16 +313,32 @@ fn rows_do_not_depend_on_the_batch() {
             assert!(one == all[t * rows..(t + 1) * rows], "{name}: row {t} of the n = {n} product differs from n = 1");
         }
     }
-    // Attention: 16 causal queries at once vs one at a time; tree nodes vs chain queries.
-    for (window, softcap) in [(None, None), (Some(20), None), (None, Some(30.0))] {
-        let s = AttnShape { n_heads: 14, n_kv_heads: 2, head_dim: 64, scale: 0.125, window, softcap };
-        let (qd, kvd, n_past) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, 37);
+    // Attention: 16 causal queries at once vs one at a time; tree nodes vs chain queries; contexts of one and
+    // of several key chunks (64 keys each), and head dims of one and of several value parts per thread.
+    let cpu = Cpu::new(1);
+    for (window, softcap, n_past, hd) in [
+        (None, None, 37, 64),
+        (Some(20), None, 37, 64),
+        (None, Some(30.0), 37, 64),
+        (None, None, 300, 64),
+        (Some(100), None, 300, 128),
+        (None, Some(30.0), 700, 256),
+    ] {
+        let s = AttnShape { n_heads: 14, n_kv_heads: 2, head_dim: hd, scale: 0.125, window, softcap };
+        let (qd, kvd) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
         let total = n_past + n;
         let (q, k, v) = (rng.vec(n * qd), rng.vec(total * kvd), rng.vec(total * kvd));
         let (qb, kb, vb) = (be.upload(&q), be.upload(&k), be.upload(&v));
         let mut out = be.alloc(n * qd);
         be.attention(&s, &qb, &kb, &vb, n_past, n, Visibility::Causal, &mut out);
         let all = read(&be, &out, n * qd);
+        // Against the CPU backend (float reassociation only).
+        let mut cpu_out = cpu.alloc(n * qd);
+        cpu.attention(&s, &cpu.upload(&q), &cpu.upload(&k), &cpu.upload(&v), n_past, n, Visibility::Causal, &mut cpu_out);
+        let want = read(&cpu, &cpu_out, n * qd);
+        for (i, (&g, &w)) in all.iter().zip(&want).enumerate() {
+            assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "n_past {n_past} hd {hd} window {window:?}: element {i}: GPU {g} CPU {w}");
+        }
         let chain = TreePaths::chain(n);
         let mut tree_out = be.alloc(n * qd);
         be.attention(&s, &qb, &kb, &vb, n_past, n, Visibility::Tree { first: 0, paths: &chain }, &mut tree_out);
@@ -475,11 +533,16 @@ fn model_matches_cpu(name: &str) {
     assert!(gl == one_by_one, "{name}: a 16-token pass differs from 16 decode steps");
     gst.truncate(base);
     let mut stepped = Vec::new();
+    let before = be.graph_stats();
     for &t in &toks {
         decode(&gm, &be, &mut gws, &mut gst, t, &mut gl).unwrap();
         stepped.extend_from_slice(&gl);
     }
+    let after = be.graph_stats();
     assert!(stepped == one_by_one, "{name}: the decode step differs from 1-token forward passes");
+    // The decode steps ran as replays of one captured graph (the 1-token passes above already captured it).
+    assert!(after.replayed - before.replayed >= 14, "{name}: graph use {before:?} -> {after:?}");
+    println!("{name}: graph use over the test: {after:?}");
     println!("{name}: 16-node verify, 16-token pass and 16 `decode` steps bit-identical to 16 one-token passes");
 }
 
@@ -539,7 +602,8 @@ fn decode_and_verify_timing() {
         1.0 / dt
     );
     // Where a step's time goes: the host queueing its work vs the GPU running it. A step without logits never
-    // waits for the GPU: per step, the time until `forward` returns and the time until the GPU is done.
+    // waits for the GPU: per step, the time until `forward` returns plus the launch (`synchronize` sends the
+    // queued pass) and the time until the GPU is done.
     let (mut queued, mut done) = (0f64, 0f64);
     for _ in 0..32 {
         be.synchronize();
@@ -550,18 +614,36 @@ fn decode_and_verify_timing() {
         done += t0.elapsed().as_secs_f64() / 32.0;
     }
     println!("{file}: a step without logits: {:.3} ms to queue, {:.3} ms until the GPU is done", 1e3 * queued, 1e3 * done);
-    // 16-node verify (a chain as a tree) from the same committed state, repeated.
+    // The verify-cost curve: a chain of n nodes as a tree from the same committed state, repeated, against
+    // the decode step.
     st.truncate(base);
-    let toks: Vec<u32> = prompt.iter().cycle().take(16).copied().collect();
-    let chain = TreePaths::chain(16);
-    forward_tree(&gm, &be, &mut ws, &mut st, &toks, &chain, 0, &mut logits).unwrap();
-    let reps = 64;
-    let l0 = be.launches();
+    for n in [1usize, 2, 4, 8, 16, 32, 48, 64] {
+        let toks: Vec<u32> = prompt.iter().cycle().take(n).copied().collect();
+        let chain = TreePaths::chain(n);
+        for _ in 0..3 {
+            forward_tree(&gm, &be, &mut ws, &mut st, &toks, &chain, 0, &mut logits).unwrap();
+        }
+        let reps = 48;
+        let l0 = be.launches();
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps {
+            forward_tree(&gm, &be, &mut ws, &mut st, &toks, &chain, 0, &mut logits).unwrap();
+        }
+        let dv = t0.elapsed().as_secs_f64() / reps as f64;
+        let launches = (be.launches() - l0) as f64 / reps as f64;
+        println!("{file}: {n}-node verify {:.3} ms ({:.2}× a decode step), {launches:.0} launches + copies", 1e3 * dv, dv / dt);
+    }
+    // Prefill of 512 tokens (runs of 64), as llama-bench's pp512.
+    let long: Vec<u32> = prompt.iter().cycle().take(512).copied().collect();
+    let mut pst = gm.new_state(&be, 1024);
+    forward(&gm, &be, &mut ws, &mut pst, &long, Logits::Last, &mut logits).unwrap();
+    let reps = 5;
     let t0 = std::time::Instant::now();
     for _ in 0..reps {
-        forward_tree(&gm, &be, &mut ws, &mut st, &toks, &chain, 0, &mut logits).unwrap();
+        pst.truncate(0);
+        forward(&gm, &be, &mut ws, &mut pst, &long, Logits::Last, &mut logits).unwrap();
     }
-    let dv = t0.elapsed().as_secs_f64() / reps as f64;
-    let launches = (be.launches() - l0) as f64 / reps as f64;
-    println!("{file}: 16-node verify {:.3} ms ({:.2}× a decode step), {launches:.0} launches + copies", 1e3 * dv, dv / dt);
+    let dp = t0.elapsed().as_secs_f64() / reps as f64;
+    println!("{file}: prefill of 512 tokens {:.2} ms = {:.0} tok/s", 1e3 * dp, 512.0 / dp);
+    println!("{file}: graph use {:?}", be.graph_stats());
 }

@@ -73,6 +73,62 @@ pub trait Backend: Send + Sync {
     /// [`Backend::matmul`] whose output (`n × rows`) lands in host memory: the logits readout.
     fn matmul_to_host(&self, w: &Self::Weights, x: &Self::Buf, xq: &Self::QAct, n: usize, out: &mut [f32]);
 
+    /// [`Backend::matmul`] plus `bias[r]` on every output row (`bias`: one value per weight row; None: plain
+    /// matmul): the product and [`Backend::add_bias`] in one operation (a GPU adds it in the product's epilogue).
+    fn matmul_bias(&self, w: &Self::Weights, x: &Self::Buf, xq: &Self::QAct, n: usize, bias: Option<&Self::Buf>, out: &mut Self::Buf) {
+        self.matmul(w, x, xq, n, out);
+        if let Some(b) = bias {
+            self.add_bias(out, n, b);
+        }
+    }
+    /// [`Backend::matmul_bias`] of every `(weights, bias, out)` part, in order, on the same input (q/k/v;
+    /// gate/up): one operation, which a GPU runs as one launch when the matrices share a format.
+    #[allow(clippy::type_complexity)]
+    fn matmul_parts(&self, parts: &mut [(&Self::Weights, Option<&Self::Buf>, &mut Self::Buf)], x: &Self::Buf, xq: &Self::QAct, n: usize) {
+        for (w, bias, out) in parts.iter_mut() {
+            self.matmul_bias(w, x, xq, n, *bias, out);
+        }
+    }
+    /// The residual add, RMSNorm and int8 quantization that open a block or its FFN, as one operation: on rows
+    /// `0..n` (`d` values each, `w`'s length), `x += residual` (when given), `h = rms_norm(x)·w`, and `xq` the
+    /// quantization of `h` for `qw` ([`Backend::quantize`]). Equals [`Backend::add`], [`Backend::rms_norm`] and
+    /// [`Backend::quantize`] in that order (which is what the default runs; a GPU fuses them in one kernel).
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_quantize(
+        &self,
+        x: &mut Self::Buf,
+        residual: Option<&Self::Buf>,
+        n: usize,
+        d: usize,
+        w: &Self::Buf,
+        eps: f32,
+        h: &mut Self::Buf,
+        qw: &Self::Weights,
+        xq: &mut Self::QAct,
+    ) {
+        if let Some(r) = residual {
+            self.add(x, r, n * d);
+        }
+        self.rms_norm(x, 0, n, w, eps, h);
+        self.quantize(h, n, d, qw, xq);
+    }
+    /// [`Backend::gated_act`] on `n` rows of `width` values, then [`Backend::quantize`] of the result for `w`
+    /// (the FFN's down projection), as one operation.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_act_quantize(
+        &self,
+        act: Activation,
+        gate: &mut Self::Buf,
+        up: &Self::Buf,
+        n: usize,
+        width: usize,
+        w: &Self::Weights,
+        xq: &mut Self::QAct,
+    ) {
+        self.gated_act(act, gate, up, n * width);
+        self.quantize(gate, n, width, w, xq);
+    }
+
     /// RMSNorm of rows `row0..row0 + n` of `x` (width `w`'s length) into rows `0..n` of `out`:
     /// `out = x / sqrt(mean(x²) + eps) · w`.
     fn rms_norm(&self, x: &Self::Buf, row0: usize, n: usize, w: &Self::Buf, eps: f32, out: &mut Self::Buf);
@@ -89,6 +145,29 @@ pub trait Backend: Send + Sync {
     #[allow(clippy::too_many_arguments)]
     fn rope(&self, rope: &Rope, q: &mut Self::Buf, q_width: usize, k: &mut Self::Buf, k_width: usize, head_dim: usize, positions: &[usize]);
 
+    /// [`Backend::rope`] of `q` and `k` (`kv_width` values per row) at `positions`, then the rows of `k` and `v`
+    /// stored at cache rows `row0..` of `kc` and `vc` ([`Backend::store_rows`] of each), as one operation (the
+    /// default runs those three; a GPU does them in one kernel).
+    #[allow(clippy::too_many_arguments)]
+    fn rope_store(
+        &self,
+        rope: &Rope,
+        q: &mut Self::Buf,
+        q_width: usize,
+        k: &mut Self::Buf,
+        v: &Self::Buf,
+        kv_width: usize,
+        head_dim: usize,
+        positions: &[usize],
+        kc: &mut Self::Buf,
+        vc: &mut Self::Buf,
+        row0: usize,
+    ) {
+        self.rope(rope, q, q_width, k, kv_width, head_dim, positions);
+        let n = positions.len();
+        self.store_rows(k, n, kv_width, kc, row0);
+        self.store_rows(v, n, kv_width, vc, row0);
+    }
     /// Copy rows `0..n` of `src` (`width` each) to rows `dst_row..dst_row + n` of `dst` (KV cache writes).
     fn store_rows(&self, src: &Self::Buf, n: usize, width: usize, dst: &mut Self::Buf, dst_row: usize);
     /// Within `buf`: copy row `src_row` to row `dst_row` (`width` each; commit of an accepted tree node).
@@ -108,6 +187,26 @@ pub trait Backend: Send + Sync {
         vis: Visibility,
         out: &mut Self::Buf,
     );
+
+    /// [`Backend::attention`] into `out`, then [`Backend::quantize`] of its `t` rows for `w` (the output
+    /// projection) into `xq`, as one operation (a GPU quantizes the rows as it writes them).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_quantize(
+        &self,
+        s: &AttnShape,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        n_past: usize,
+        t: usize,
+        vis: Visibility,
+        out: &mut Self::Buf,
+        w: &Self::Weights,
+        xq: &mut Self::QAct,
+    ) {
+        self.attention(s, q, k, v, n_past, t, vis, out);
+        self.quantize(out, t, s.n_heads * s.head_dim, w, xq);
+    }
 
     /// Copy rows `row0..row0 + n` of `buf` (`width` each) to the end of `out` (hidden-state readout).
     fn read(&self, buf: &Self::Buf, row0: usize, n: usize, width: usize, out: &mut Vec<f32>);

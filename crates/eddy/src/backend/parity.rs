@@ -93,6 +93,7 @@ pub fn check_all<B: Backend>(be: &B) -> Result<(), String> {
     check_attention(be)?;
     check_rows(be)?;
     check_gated_attention(be)?;
+    check_fused(be)?;
     check_gdn(be)?;
     Ok(())
 }
@@ -142,6 +143,146 @@ pub fn check_matmul<B: Backend>(be: &B) -> Result<(), String> {
             }
             let tol = if matches!(host, WeightMatrix::Q(_)) { 1e-2 } else { 1e-5 };
             close(&format!("matmul {kind} n {n}"), &got, &want, &mag, tol)?;
+        }
+    }
+    Ok(())
+}
+
+/// The fused operations against the operations they stand for, bit for bit: `matmul_bias` = `matmul` then
+/// `add_bias`; `rms_norm_quantize` = `add`, `rms_norm`, `quantize` (with and without the residual);
+/// `gated_act_quantize` = `gated_act`, `quantize` — compared on the residual stream, the normed or activated
+/// rows, and a product of the quantized activations (Q8, Q4, rotated M, F32 weights; 1, 3 and 33 rows);
+/// `rope_store` = `rope`, then `store_rows` of k and v; `matmul_parts` = `matmul_bias` of each part;
+/// `attention_quantize` = `attention`, `quantize`.
+pub fn check_fused<B: Backend>(be: &B) -> Result<(), String> {
+    let mut rng = Rng(9);
+    let (rows, cols) = (48, 512);
+    let data = rng.vec(rows * cols);
+    let rot = || Rotation { input: Some(Arc::new(Signs::random(cols, 5))), output: Some(Arc::new(Signs::random(rows, 6))) };
+    let hosts = [
+        ("Q8", quantize_f32(rows, cols, &data, QuantKind::Q8)),
+        ("Q4", quantize_f32(rows, cols, &data, QuantKind::Q4)),
+        ("M g64 rotated", rtn::quantize(rows, cols, &data, rtn::Format::M, 64, rot())),
+        ("F32", WeightMatrix::F32 { rows, cols, data: data.clone() }),
+    ];
+    let same = |what: String, a: Vec<f32>, b: Vec<f32>| if a == b { Ok(()) } else { Err(format!("{what}: the fused operation differs")) };
+    for (kind, host) in hosts {
+        let w = be.upload_weights(host);
+        for n in [1usize, 3, 33] {
+            let (x, r, nw, bias) = (rng.vec(n * cols), rng.vec(n * cols), rng.vec(cols), rng.vec(rows));
+            let (rb, nwb, bb) = (be.upload(&r), be.upload(&nw), be.upload(&bias));
+            for residual in [false, true] {
+                let (mut x1, mut x2) = (be.upload(&x), be.upload(&x));
+                let (mut h1, mut h2) = (be.alloc(n * cols), be.alloc(n * cols));
+                let (mut q1, mut q2) = (be.new_qact(), be.new_qact());
+                be.rms_norm_quantize(&mut x1, residual.then_some(&rb), n, cols, &nwb, 1e-6, &mut h1, &w, &mut q1);
+                if residual {
+                    be.add(&mut x2, &rb, n * cols);
+                }
+                be.rms_norm(&x2, 0, n, &nwb, 1e-6, &mut h2);
+                be.quantize(&h2, n, cols, &w, &mut q2);
+                let what = format!("rms_norm_quantize {kind} n {n} residual {residual}");
+                same(format!("{what}: x"), read(be, &x1, n * cols), read(be, &x2, n * cols))?;
+                same(format!("{what}: h"), read(be, &h1, n * cols), read(be, &h2, n * cols))?;
+                let (mut o1, mut o2) = (be.alloc(n * rows), be.alloc(n * rows));
+                be.matmul(&w, &h1, &q1, n, &mut o1);
+                be.matmul(&w, &h2, &q2, n, &mut o2);
+                same(format!("{what}: product"), read(be, &o1, n * rows), read(be, &o2, n * rows))?;
+                // The bias in the product's epilogue.
+                be.matmul_bias(&w, &h1, &q1, n, Some(&bb), &mut o1);
+                be.matmul(&w, &h2, &q2, n, &mut o2);
+                be.add_bias(&mut o2, n, &bb);
+                same(format!("matmul_bias {kind} n {n}"), read(be, &o1, n * rows), read(be, &o2, n * rows))?;
+            }
+            for act in [Activation::Silu, Activation::GeluTanh] {
+                let gate: Vec<f32> = x.iter().map(|v| 4.0 * v).collect();
+                let (mut g1, mut g2) = (be.upload(&gate), be.upload(&gate));
+                let (mut q1, mut q2) = (be.new_qact(), be.new_qact());
+                be.gated_act_quantize(act, &mut g1, &rb, n, cols, &w, &mut q1);
+                be.gated_act(act, &mut g2, &rb, n * cols);
+                be.quantize(&g2, n, cols, &w, &mut q2);
+                let what = format!("gated_act_quantize {act:?} {kind} n {n}");
+                same(format!("{what}: activations"), read(be, &g1, n * cols), read(be, &g2, n * cols))?;
+                let (mut o1, mut o2) = (be.alloc(n * rows), be.alloc(n * rows));
+                be.matmul(&w, &g1, &q1, n, &mut o1);
+                be.matmul(&w, &g2, &q2, n, &mut o2);
+                same(format!("{what}: product"), read(be, &o1, n * rows), read(be, &o2, n * rows))?;
+            }
+        }
+    }
+    // Products of several matrices on one input: one format (one launch on a GPU) and mixed formats.
+    let x = rng.vec(33 * cols);
+    let xb = be.upload(&x);
+    let mats = |rows: &[usize], kinds: &[QuantKind], rng: &mut Rng| -> Vec<B::Weights> {
+        rows.iter().zip(kinds).map(|(&r, &k)| be.upload_weights(quantize_f32(r, cols, &rng.vec(r * cols), k))).collect()
+    };
+    let cases = [
+        (vec![48usize, 16, 40], vec![QuantKind::Q8, QuantKind::Q8, QuantKind::Q8]),
+        (vec![96, 37], vec![QuantKind::Q4, QuantKind::Q4]),
+        (vec![48, 16, 40], vec![QuantKind::Q8, QuantKind::Q4, QuantKind::Q8]),
+    ];
+    for (rows_of, kinds) in cases {
+        let ws = mats(&rows_of, &kinds, &mut rng);
+        let biases: Vec<B::Buf> = rows_of.iter().map(|&r| be.upload(&rng.vec(r))).collect();
+        for n in [1usize, 3, 33] {
+            let mut xq = be.new_qact();
+            be.quantize(&xb, n, cols, &ws[0], &mut xq);
+            let mut outs: Vec<B::Buf> = rows_of.iter().map(|&r| be.alloc(n * r)).collect();
+            {
+                #[allow(clippy::type_complexity)]
+                let mut parts: Vec<(&B::Weights, Option<&B::Buf>, &mut B::Buf)> =
+                    ws.iter().zip(&biases).zip(outs.iter_mut()).enumerate().map(|(i, ((w, b), o))| (w, (i != 1).then_some(b), o)).collect();
+                be.matmul_parts(&mut parts, &xb, &xq, n);
+            }
+            for (i, (w, &r)) in ws.iter().zip(&rows_of).enumerate() {
+                let mut one = be.alloc(n * r);
+                be.matmul_bias(w, &xb, &xq, n, (i != 1).then_some(&biases[i]), &mut one);
+                same(format!("matmul_parts {kinds:?} part {i} n {n}"), read(be, &outs[i], n * r), read(be, &one, n * r))?;
+            }
+        }
+    }
+    // Attention with the quantization of its output (causal with a window, a tree; head dims 32 and 64,
+    // several key chunks).
+    for (hd, n_past, window) in [(32usize, 5usize, None), (64, 150, Some(100))] {
+        let s = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: hd, scale: 0.3, window, softcap: None };
+        let (qd, kvd, n) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, 5);
+        let w = be.upload_weights(quantize_f32(8, qd, &rng.vec(8 * qd), QuantKind::Q8));
+        let (qb, kb, vb) = (be.upload(&rng.vec(n * qd)), be.upload(&rng.vec((n_past + n) * kvd)), be.upload(&rng.vec((n_past + n) * kvd)));
+        let tree = TreePaths::chain(n);
+        for vis in [Visibility::Causal, Visibility::Tree { first: 0, paths: &tree }] {
+            let (mut o1, mut o2) = (be.alloc(n * qd), be.alloc(n * qd));
+            let (mut q1, mut q2) = (be.new_qact(), be.new_qact());
+            be.attention_quantize(&s, &qb, &kb, &vb, n_past, n, vis, &mut o1, &w, &mut q1);
+            be.attention(&s, &qb, &kb, &vb, n_past, n, vis, &mut o2);
+            be.quantize(&o2, n, qd, &w, &mut q2);
+            let what = format!("attention_quantize hd {hd} n_past {n_past}");
+            same(format!("{what}: output"), read(be, &o1, n * qd), read(be, &o2, n * qd))?;
+            let (mut p1, mut p2) = (be.alloc(n * 8), be.alloc(n * 8));
+            be.matmul(&w, &o1, &q1, n, &mut p1);
+            be.matmul(&w, &o2, &q2, n, &mut p2);
+            same(format!("{what}: product"), read(be, &p1, n * 8), read(be, &p2, n * 8))?;
+        }
+    }
+    // RoPE with the cache stores: both pairings, full and partial rotation, 1 and 5 rows at cache row 7.
+    let (hd, nq, nk, row0) = (64, 4, 2, 7);
+    for (mode, rot) in [(RopeMode::Normal, 64), (RopeMode::Neox, 64), (RopeMode::Neox, 16), (RopeMode::Normal, 32)] {
+        let rope = Rope::new(mode, rot, 10_000.0, 1.0);
+        for n in [1usize, 5] {
+            let positions: Vec<usize> = (0..n).map(|i| 3 + 977 * i).collect();
+            let (q, k, v) = (rng.vec(n * nq * hd), rng.vec(n * nk * hd), rng.vec(n * nk * hd));
+            let cache = rng.vec((row0 + n + 2) * nk * hd);
+            let (mut q1, mut k1, vb) = (be.upload(&q), be.upload(&k), be.upload(&v));
+            let (mut q2, mut k2) = (be.upload(&q), be.upload(&k));
+            let (mut kc1, mut vc1, mut kc2, mut vc2) = (be.upload(&cache), be.upload(&cache), be.upload(&cache), be.upload(&cache));
+            be.rope_store(&rope, &mut q1, nq * hd, &mut k1, &vb, nk * hd, hd, &positions, &mut kc1, &mut vc1, row0);
+            be.rope(&rope, &mut q2, nq * hd, &mut k2, nk * hd, hd, &positions);
+            be.store_rows(&k2, n, nk * hd, &mut kc2, row0);
+            be.store_rows(&vb, n, nk * hd, &mut vc2, row0);
+            let what = format!("rope_store {mode:?} rot {rot} n {n}");
+            same(format!("{what}: q"), read(be, &q1, n * nq * hd), read(be, &q2, n * nq * hd))?;
+            same(format!("{what}: k"), read(be, &k1, n * nk * hd), read(be, &k2, n * nk * hd))?;
+            same(format!("{what}: k cache"), read(be, &kc1, cache.len()), read(be, &kc2, cache.len()))?;
+            same(format!("{what}: v cache"), read(be, &vc1, cache.len()), read(be, &vc2, cache.len()))?;
         }
     }
     Ok(())

@@ -437,15 +437,24 @@ fn pass<B: Backend>(
     be.embed(&model.embed, tokens, c.embed_scale, &mut ws.x);
     let SeqState { layers, capture, features, .. } = state;
     features.grow(t, c.d_model);
+    // Whether `ws.o` holds the last block's FFN output, not yet added to the residual stream (the add is
+    // fused into the next block's norm).
+    let mut pending = false;
     for (l, (layer, st)) in model.layers.iter().zip(layers.iter_mut()).enumerate() {
         let slot = capture.as_mut().and_then(|cap| cap.layers[l].as_mut().map(|s| (cap.at, s)));
-        block(be, &p, layer, st, slot, ws);
+        block(be, &p, layer, st, slot, ws, pending);
+        pending = true;
         if features.captures(l) {
             // The residual stream after layer `l`, for a feature-reading drafter (DFlash).
+            be.add(&mut ws.x, &ws.o, t * c.d_model);
+            pending = false;
             ws.host.clear();
             be.read(&ws.x, 0, t, c.d_model, &mut ws.host);
             features.record(l, &ws.host, c.d_model);
         }
+    }
+    if pending {
+        be.add(&mut ws.x, &ws.o, t * c.d_model);
     }
     head(model, be, ws, state, &model.output_norm, t, logit_rows, logits);
 }
@@ -488,15 +497,27 @@ fn head<B: Backend>(
     }
 }
 
-/// One block on the residual stream `ws.x`: `x += post_norm(mixer(norm(x)))`, then the FFN.
-fn block<B: Backend>(be: &B, p: &Pass, layer: &Layer<B>, st: &mut LayerState<B>, capture: SnapshotSlot<B>, ws: &mut Workspace<B>) {
+/// One block on the residual stream `ws.x`: `x += post_norm(mixer(norm(x)))`, then the FFN, whose output
+/// is left in `ws.o` for the caller to add (`x += o`; the next block does it when `residual`, fused with its
+/// norm). With `residual`, `ws.o` first goes into `x`.
+fn block<B: Backend>(
+    be: &B,
+    p: &Pass,
+    layer: &Layer<B>,
+    st: &mut LayerState<B>,
+    capture: SnapshotSlot<B>,
+    ws: &mut Workspace<B>,
+    residual: bool,
+) {
     let (c, t, d) = (p.c, p.t, p.c.d_model);
-    be.rms_norm(&ws.x, 0, t, &layer.attn_norm, c.norm_eps, &mut ws.h);
     let mixer_in = match &layer.mixer {
         Mixer::Attention(a) => &a.wq,
         Mixer::DeltaNet(g) => &g.w_qkv,
     };
-    be.quantize(&ws.h, t, d, mixer_in, &mut ws.xq);
+    {
+        let Workspace { x, h, o, xq, .. } = ws;
+        be.rms_norm_quantize(x, residual.then_some(&*o), t, d, &layer.attn_norm, c.norm_eps, h, mixer_in, xq);
+    }
     match (&layer.mixer, st) {
         (Mixer::Attention(a), LayerState::Kv { k, v }) => attention_mixer(be, p, a, k, v, ws),
         (Mixer::DeltaNet(g), LayerState::Gdn { conv, rec, tree }) => delta_net_mixer(be, p, g, conv, rec, tree, capture, ws),
@@ -505,25 +526,21 @@ fn block<B: Backend>(be: &B, p: &Pass, layer: &Layer<B>, st: &mut LayerState<B>,
     if let Some(w) = &layer.post_attn_norm {
         be.rms_norm_inplace(&mut ws.o, t * d, w, c.norm_eps);
     }
-    be.add(&mut ws.x, &ws.o, t * d);
     ffn(be, c, layer, ws, t);
 }
 
-/// `x += post_norm(Wdown · (act(Wgate·h) ⊙ Wup·h))` with `h = norm(x)`.
+/// `o = post_norm(Wdown · (act(Wgate·h) ⊙ Wup·h))` with `h = norm(x + o)` (the mixer's output `o` added to
+/// the residual stream first); `x += o` is left to the caller.
 fn ffn<B: Backend>(be: &B, c: &ModelConfig, layer: &Layer<B>, ws: &mut Workspace<B>, t: usize) {
     let (d, fd) = (c.d_model, c.ffn_dim);
     let Workspace { x, h, o, gate, up, xq, .. } = ws;
-    be.rms_norm(x, 0, t, &layer.ffn_norm, c.norm_eps, h);
-    be.quantize(h, t, d, &layer.w_gate, xq);
-    be.matmul(&layer.w_gate, h, xq, t, gate);
-    be.matmul(&layer.w_up, h, xq, t, up);
-    be.gated_act(c.activation, gate, up, t * fd);
-    be.quantize(gate, t, fd, &layer.w_down, xq);
+    be.rms_norm_quantize(x, Some(&*o), t, d, &layer.ffn_norm, c.norm_eps, h, &layer.w_gate, xq);
+    be.matmul_parts(&mut [(&layer.w_gate, None, &mut *gate), (&layer.w_up, None, &mut *up)], h, xq, t);
+    be.gated_act_quantize(c.activation, gate, up, t, fd, &layer.w_down, xq);
     be.matmul(&layer.w_down, gate, xq, t, o);
     if let Some(w) = &layer.post_ffn_norm {
         be.rms_norm_inplace(o, t * d, w, c.norm_eps);
     }
-    be.add(x, o, t * d);
 }
 
 /// `o = Wo · attention(rope(qk_norm(Wq·h + b)), cache) [⊙ σ(gate)]` (`h`, `xq` hold the normed input),
@@ -532,19 +549,17 @@ fn attention_mixer<B: Backend>(be: &B, p: &Pass, a: &Attention<B>, kc: &mut B::B
     let (c, t) = (p.c, p.t);
     let (qd, kvd, hd) = (c.q_dim(), c.kv_dim(), c.head_dim);
     let Workspace { h, q, k, v, att, o, gate: qg, up: attn_gate, xq, positions, .. } = ws;
+    // Biases in the products' epilogues (the gated q's after the split).
     if a.gated {
         be.matmul(&a.wq, h, xq, t, qg);
+        be.matmul_parts(&mut [(&a.wk, a.bk.as_ref(), &mut *k), (&a.wv, a.bv.as_ref(), &mut *v)], h, xq, t);
     } else {
-        be.matmul(&a.wq, h, xq, t, q);
+        be.matmul_parts(&mut [(&a.wq, a.bq.as_ref(), &mut *q), (&a.wk, a.bk.as_ref(), &mut *k), (&a.wv, a.bv.as_ref(), &mut *v)], h, xq, t);
     }
-    be.matmul(&a.wk, h, xq, t, k);
-    be.matmul(&a.wv, h, xq, t, v);
     if a.gated {
         be.split_gate(qg, t, c.n_heads, hd, q, attn_gate);
-    }
-    for (buf, b) in [(&mut *q, &a.bq), (&mut *k, &a.bk), (&mut *v, &a.bv)] {
-        if let Some(b) = b {
-            be.add_bias(buf, t, b);
+        if let Some(b) = &a.bq {
+            be.add_bias(q, t, b);
         }
     }
     if let Some(w) = &a.q_norm {
@@ -553,16 +568,16 @@ fn attention_mixer<B: Backend>(be: &B, p: &Pass, a: &Attention<B>, kc: &mut B::B
     if let Some(w) = &a.k_norm {
         be.rms_norm_inplace(k, t * kvd, w, c.norm_eps);
     }
-    be.rope(&a.rope, q, qd, k, kvd, hd, positions);
-    be.store_rows(k, t, kvd, kc, p.row0);
-    be.store_rows(v, t, kvd, vc, p.row0);
+    be.rope_store(&a.rope, q, qd, k, v, kvd, hd, positions, kc, vc, p.row0);
     let shape =
         AttnShape { n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: hd, scale: c.attn_scale, window: a.window, softcap: None };
-    be.attention(&shape, q, kc, vc, p.n_past, t, p.vis, att);
     if a.gated {
+        be.attention(&shape, q, kc, vc, p.n_past, t, p.vis, att);
         be.mul_sigmoid(att, attn_gate, t * qd);
+        be.quantize(att, t, qd, &a.wo, xq);
+    } else {
+        be.attention_quantize(&shape, q, kc, vc, p.n_past, t, p.vis, att, &a.wo, xq);
     }
-    be.quantize(att, t, qd, &a.wo, xq);
     be.matmul(&a.wo, att, xq, t, o);
 }
 
@@ -675,7 +690,8 @@ pub fn mtp_forward<B: Backend>(
         ws.positions.clear();
         ws.positions.extend(n_past..n_past + n);
         let p = Pass { c, t: n, n_past, row0: n_past, vis: Visibility::Causal, tree: false };
-        block(be, &p, &mtp.layer, &mut state.layers[0], None, ws);
+        block(be, &p, &mtp.layer, &mut state.layers[0], None, ws, false);
+        be.add(&mut ws.x, &ws.o, n * d);
         head(model, be, ws, state, &mtp.norm, n, 0..n, logits);
         state.tokens.extend_from_slice(toks);
     }

@@ -48,16 +48,15 @@ __device__ __forceinline__ float warp_fwht32(float v, int lane) {
 // ---------------------------------------------------------------------------------------------------------
 // Activation quantization: one warp per (token, group of 32). Optional input rotation x~ = H (D_in x).
 // d = amax/127, q = rint(x * 127/amax) (ties to even) clamped to [-127, 127]; d = 0, q = 0 when amax < 1e-30.
-extern "C" __global__ void quantize_q8(const float* __restrict__ x, int n, int cols, const float* __restrict__ signs,
-                                       int8_t* __restrict__ q, float* __restrict__ scale, int* __restrict__ sum,
-                                       float* __restrict__ dsum, int* __restrict__ sum16) {
-    const int lane = threadIdx.x & 31;
-    const long long G = cols >> 5;
-    const long long gid = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (gid >= (long long)n * G) return;
-    float v = x[gid * 32 + lane];
+// `quant_group` quantizes the group `gid` whose value `v` lane `lane` holds (`signs`: the group's 32 input
+// signs, or null); the fused kernels below call it on values they computed, so their codes equal those of
+// quantize_q8 on the stored values.
+__device__ __forceinline__ void quant_group(float v, int lane, long long gid, const float* __restrict__ signs,
+                                            int8_t* __restrict__ q, float* __restrict__ scale,
+                                            int* __restrict__ sum, float* __restrict__ dsum,
+                                            int* __restrict__ sum16) {
     if (signs != nullptr) {
-        v = __fmul_rn(v, signs[(gid % G) * 32 + lane]);
+        v = __fmul_rn(v, signs[lane]);
         v = warp_fwht32(v, lane);
     }
     const float amax = warp_max(fabsf(v));
@@ -79,6 +78,17 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, int n, int c
     }
 }
 
+extern "C" __global__ void quantize_q8(const float* __restrict__ x, int n, int cols, const float* __restrict__ signs,
+                                       int8_t* __restrict__ q, float* __restrict__ scale, int* __restrict__ sum,
+                                       float* __restrict__ dsum, int* __restrict__ sum16) {
+    const int lane = threadIdx.x & 31;
+    const long long G = cols >> 5;
+    const long long gid = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (gid >= (long long)n * G) return;
+    quant_group(x[gid * 32 + lane], lane, gid, signs != nullptr ? signs + (gid % G) * 32 : nullptr, q, scale, sum,
+                dsum, sum16);
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Quantized matrix x int8 activations. One warp per weight row, TT tokens per block column (grid.y).
 // Lane l walks the row's code blocks b = l, l + 32, ... in order; per block and token the integer dots are
@@ -92,13 +102,14 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, int n, int c
 #define MM_ROWS 4
 
 template <int TT, bool P4>
-__device__ __forceinline__ void mm_q_impl(const uint8_t* __restrict__ codes, const float* __restrict__ sc,
+__device__ __forceinline__ void mm_q_impl(int bx, const uint8_t* __restrict__ codes, const float* __restrict__ sc,
                                           const float* __restrict__ mn, int rows, int cols, int half, int g16,
                                           const int8_t* __restrict__ xq, const float* __restrict__ xs,
                                           const int* __restrict__ xsum, const float* __restrict__ xdsum,
-                                          const int* __restrict__ xsum16, int n, float* __restrict__ out) {
+                                          const int* __restrict__ xsum16, int n, const float* __restrict__ bias,
+                                          float* __restrict__ out) {
     const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * MM_ROWS + (threadIdx.x >> 5);
+    const int row = bx * MM_ROWS + (threadIdx.x >> 5);
     const int t0 = blockIdx.y * TT;
     if (row >= rows) return;
     const int nblk = cols >> 5;
@@ -169,7 +180,7 @@ __device__ __forceinline__ void mm_q_impl(const uint8_t* __restrict__ codes, con
 #pragma unroll
     for (int i = 0; i < TT; ++i) {
         const float v = warp_sum(acc[i]);
-        if (lane == 0 && i < nt) out[(long long)(t0 + i) * rows + row] = v;
+        if (lane == 0 && i < nt) out[(long long)(t0 + i) * rows + row] = bias != nullptr ? __fadd_rn(v, bias[row]) : v;
     }
 }
 
@@ -177,19 +188,51 @@ __device__ __forceinline__ void mm_q_impl(const uint8_t* __restrict__ codes, con
     extern "C" __global__ void NAME(const uint8_t* codes, const float* sc, const float* mn, int rows,       \
                                     int cols, int half, int g16, const int8_t* xq, const float* xs,         \
                                     const int* xsum, const float* xdsum, const int* xsum16, int n,          \
-                                    float* out) {                                                           \
-        mm_q_impl<TT, P4>(codes, sc, mn, rows, cols, half, g16, xq, xs, xsum, xdsum, xsum16, n, out);      \
+                                    const float* bias, float* out) {                                        \
+        mm_q_impl<TT, P4>(blockIdx.x, codes, sc, mn, rows, cols, half, g16, xq, xs, xsum, xdsum, xsum16, n, bias,  \
+                          out);                                                                             \
     }
 MM_Q(mm_q_t1_p4, 1, true)
 MM_Q(mm_q_t1_p8, 1, false)
 MM_Q(mm_q_t8_p4, 8, true)
 MM_Q(mm_q_t8_p8, 8, false)
 
+// Up to three matrices of one format and width that read the same activations (q/k/v, gate/up) in one launch:
+// the grid's block rows cover part 0's rows, then part 1's, then part 2's (rows 0 for an absent part); each
+// part's rows are computed exactly as mm_q computes them.
+#define MM_Q3(NAME, TT, P4)                                                                                  \
+    extern "C" __global__ void NAME(int cols, int half, int g16, const int8_t* xq, const float* xs,         \
+                                    const int* xsum, const float* xdsum, const int* xsum16, int n,          \
+                                    const uint8_t* c0, const float* s0, const float* m0, int r0,            \
+                                    const float* b0, float* o0, const uint8_t* c1, const float* s1,         \
+                                    const float* m1, int r1, const float* b1, float* o1, const uint8_t* c2, \
+                                    const float* s2, const float* m2, int r2, const float* b2, float* o2) {  \
+        int bx = blockIdx.x;                                                                                \
+        const int nb0 = (r0 + MM_ROWS - 1) / MM_ROWS, nb1 = (r1 + MM_ROWS - 1) / MM_ROWS;                   \
+        const uint8_t* c = c0;                                                                              \
+        const float *s = s0, *m = m0, *b = b0;                                                              \
+        float* o = o0;                                                                                      \
+        int r = r0;                                                                                         \
+        if (bx >= nb0 + nb1) {                                                                              \
+            bx -= nb0 + nb1;                                                                                \
+            c = c2; s = s2; m = m2; r = r2; b = b2; o = o2;                                                 \
+        } else if (bx >= nb0) {                                                                             \
+            bx -= nb0;                                                                                      \
+            c = c1; s = s1; m = m1; r = r1; b = b1; o = o1;                                                 \
+        }                                                                                                   \
+        mm_q_impl<TT, P4>(bx, c, s, m, r, cols, half, g16, xq, xs, xsum, xdsum, xsum16, n, b, o);           \
+    }
+MM_Q3(mm_q3_t1_p4, 1, true)
+MM_Q3(mm_q3_t1_p8, 1, false)
+MM_Q3(mm_q3_t8_p4, 8, true)
+MM_Q3(mm_q3_t8_p8, 8, false)
+
 // Float weights (f32, or bf16 when BF) times f32 activations: one warp per row, lane l sums columns
 // l, l + 32, ... with fused multiply-adds, then the xor tree.
 template <int TT, bool BF>
 __device__ __forceinline__ void mm_f_impl(const void* __restrict__ wv, int rows, int cols,
-                                          const float* __restrict__ x, int n, float* __restrict__ out) {
+                                          const float* __restrict__ x, int n, const float* __restrict__ bias,
+                                          float* __restrict__ out) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * MM_ROWS + (threadIdx.x >> 5);
     const int t0 = blockIdx.y * TT;
@@ -212,13 +255,14 @@ __device__ __forceinline__ void mm_f_impl(const void* __restrict__ wv, int rows,
 #pragma unroll
     for (int i = 0; i < TT; ++i) {
         const float v = warp_sum(acc[i]);
-        if (lane == 0 && i < nt) out[(long long)(t0 + i) * rows + row] = v;
+        if (lane == 0 && i < nt) out[(long long)(t0 + i) * rows + row] = bias != nullptr ? __fadd_rn(v, bias[row]) : v;
     }
 }
 
 #define MM_F(NAME, TT, BF)                                                                              \
-    extern "C" __global__ void NAME(const void* w, int rows, int cols, const float* x, int n, float* out) { \
-        mm_f_impl<TT, BF>(w, rows, cols, x, n, out);                                                      \
+    extern "C" __global__ void NAME(const void* w, int rows, int cols, const float* x, int n, const float* bias, \
+                                    float* out) {                                                         \
+        mm_f_impl<TT, BF>(w, rows, cols, x, n, bias, out);                                                \
     }
 MM_F(mm_f32_t1, 1, false)
 MM_F(mm_f32_t8, 8, false)
@@ -334,28 +378,80 @@ extern "C" __global__ void embed(const void* __restrict__ w, int wtype, int rows
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// RMSNorm: one block of NORM_THREADS per row; thread t sums x[c]^2 for c = t, t + NORM_THREADS, ... (fma chain),
-// then a fixed shared-memory tree. `out` may be `x` (in place).
-#define NORM_THREADS 256
+// RMSNorm: one block per row of nw warps (nw = min(32, ceil(d / 32)), a function of d only). Warp w holds the
+// 32-value groups g = w + k*nw (k < NORM_KMAX) of the row in registers, lane l value g*32 + l. Sum of squares:
+// each thread's fma chain over its values in k order, the warp's xor tree, then the warps' sums added in warp
+// order; inv = 1/sqrt(sum/d + eps); out = (x * inv) * w. d <= NORM_KMAX * 32 * 32.
+#define NORM_KMAX 8
+
+// The row's values into v (x += res first when res is not null, written back) and 1/rms.
+__device__ __forceinline__ float norm_row(float (&v)[NORM_KMAX], float* x, const float* __restrict__ res, int d,
+                                          float eps, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NORM_KMAX; ++k) {
+        const int c = (warp + k * nw) * 32 + lane;
+        v[k] = 0.0f;
+        if (c < d) {
+            float t = x[c];
+            if (res != nullptr) {
+                t = __fadd_rn(t, res[c]);
+                x[c] = t;
+            }
+            v[k] = t;
+            ss = __fmaf_rn(t, t, ss);
+        }
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    float tot = 0.0f;
+    for (int w = 0; w < nw; ++w) tot = __fadd_rn(tot, red[w]);
+    return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(tot, (float)d), eps)));
+}
 
 extern "C" __global__ void rms_norm(const float* x, float* out, const float* __restrict__ w, int d, float eps,
                                     int nrows) {
-    __shared__ float red[NORM_THREADS];
+    __shared__ float red[32];
     const long long row = blockIdx.x;
-    const int tid = threadIdx.x;
     if (row >= nrows) return;
-    const float* xr = x + row * d;
-    float ss = 0.0f;
-    for (int c = tid; c < d; c += NORM_THREADS) ss = __fmaf_rn(xr[c], xr[c], ss);
-    red[tid] = ss;
-    __syncthreads();
-    for (int s = NORM_THREADS / 2; s > 0; s >>= 1) {
-        if (tid < s) red[tid] = __fadd_rn(red[tid], red[tid + s]);
-        __syncthreads();
-    }
-    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(red[0], (float)d), eps)));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float v[NORM_KMAX];
+    const float inv = norm_row(v, const_cast<float*>(x) + row * d, nullptr, d, eps, red);
     float* o = out + row * d;
-    for (int c = tid; c < d; c += NORM_THREADS) o[c] = __fmul_rn(__fmul_rn(xr[c], inv), w[c]);
+#pragma unroll
+    for (int k = 0; k < NORM_KMAX; ++k) {
+        const int c = (warp + k * nw) * 32 + lane;
+        if (c < d) o[c] = __fmul_rn(__fmul_rn(v[k], inv), w[c]);
+    }
+}
+
+// The residual add, RMSNorm and int8 quantization of a row in one kernel (rms_norm's block and sequence): with
+// `res`, x += res first (written back); the normed row goes to `h`, and each warp quantizes its groups as
+// quantize_q8 would (`signs`: the input rotation of the next product, or null). d must be a multiple of 32.
+extern "C" __global__ void rms_norm_quant(float* x, const float* __restrict__ res, float* __restrict__ h,
+                                          const float* __restrict__ w, int d, float eps,
+                                          const float* __restrict__ signs, int8_t* __restrict__ q,
+                                          float* __restrict__ scale, int* __restrict__ sum,
+                                          float* __restrict__ dsum, int* __restrict__ sum16) {
+    __shared__ float red[32];
+    const long long row = blockIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float v[NORM_KMAX];
+    const float inv = norm_row(v, x + row * d, res != nullptr ? res + row * d : nullptr, d, eps, red);
+    const int G = d >> 5;
+#pragma unroll
+    for (int k = 0; k < NORM_KMAX; ++k) {
+        const int g = warp + k * nw;
+        if (g < G) {
+            const int c = g * 32 + lane;
+            const float hv = __fmul_rn(__fmul_rn(v[k], inv), w[c]);
+            h[row * d + c] = hv;
+            quant_group(hv, lane, row * G + g, signs != nullptr ? signs + g * 32 : nullptr, q, scale, sum, dsum,
+                        sum16);
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -371,19 +467,41 @@ extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restri
 }
 
 // act 0: SiLU g*sigma(g); 1: GELU with the tanh approximation.
+__device__ __forceinline__ float activate(int act, float x) {
+    if (act == 0) return __fdiv_rn(x, __fadd_rn(1.0f, expf(-x)));
+    const float C = 0.7978846f;
+    const float inner = __fmul_rn(C, __fadd_rn(x, __fmul_rn(__fmul_rn(__fmul_rn(0.044715f, x), x), x)));
+    return __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, tanhf(inner)));
+}
+
 extern "C" __global__ void gated_act(int act, float* __restrict__ g, const float* __restrict__ u, long long len) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= len) return;
-    const float x = g[i];
-    float a;
-    if (act == 0) {
-        a = __fdiv_rn(x, __fadd_rn(1.0f, expf(-x)));
-    } else {
-        const float C = 0.7978846f;
-        const float inner = __fmul_rn(C, __fadd_rn(x, __fmul_rn(__fmul_rn(__fmul_rn(0.044715f, x), x), x)));
-        a = __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, tanhf(inner)));
-    }
-    g[i] = __fmul_rn(a, u[i]);
+    g[i] = __fmul_rn(activate(act, g[i]), u[i]);
+}
+
+// gated_act on n rows of `cols` values and the int8 quantization of the result (as quantize_q8 of it), one warp
+// per (row, group of 32).
+extern "C" __global__ void gated_act_quant(int act, float* __restrict__ g, const float* __restrict__ u, int n,
+                                           int cols, const float* __restrict__ signs, int8_t* __restrict__ q,
+                                           float* __restrict__ scale, int* __restrict__ sum,
+                                           float* __restrict__ dsum, int* __restrict__ sum16) {
+    const int lane = threadIdx.x & 31;
+    const long long G = cols >> 5;
+    const long long gid = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (gid >= (long long)n * G) return;
+    const long long i = gid * 32 + lane;
+    const float v = __fmul_rn(activate(act, g[i]), u[i]);
+    g[i] = v;
+    quant_group(v, lane, gid, signs != nullptr ? signs + (gid % G) * 32 : nullptr, q, scale, sum, dsum, sum16);
+}
+
+// dst rows row0[0] .. row0[0] + len/width (width values each) = src: the KV cache write, its first row read
+// from device memory so that a captured decode step replays at any position.
+extern "C" __global__ void store_rows(const float* __restrict__ src, long long len, int width, float* __restrict__ dst,
+                                      const int* __restrict__ row0) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < len) dst[(long long)row0[0] * width + i] = src[i];
 }
 
 extern "C" __global__ void mul_sigmoid(float* __restrict__ x, const float* __restrict__ g, long long len) {
@@ -414,6 +532,25 @@ extern "C" __global__ void concat_rows(const float* __restrict__ a, const float*
 // RoPE on rows 0..nrows of q (qw values each) and k (kw values each), heads of hd, in one launch: pair i of
 // every head rotated by pos*inv_freq[i], cos/sin of the f64 angle rounded to f32 (as the CPU). neox: pairs
 // (i, i + half), else (2i, 2i + 1).
+// Pair i of the head at `p` rotated by pos*inv_freq[i]; the rotated pair also written to `copy` when not null.
+__device__ __forceinline__ void rope_pair(float* p, float* copy, int i, int half, int neox, int pos,
+                                          const float* __restrict__ inv_freq) {
+    const double ang = (double)pos * (double)inv_freq[i];
+    double sd, cd;
+    sincos(ang, &sd, &cd);
+    const float c = (float)cd, s = (float)sd;
+    const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+    const float x0 = p[a], x1 = p[b];
+    const float y0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+    const float y1 = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+    p[a] = y0;
+    p[b] = y1;
+    if (copy != nullptr) {
+        copy[a] = y0;
+        copy[b] = y1;
+    }
+}
+
 extern "C" __global__ void rope(float* __restrict__ q, int qw, float* __restrict__ k, int kw, int hd, int nrows,
                                 const int* __restrict__ pos, const float* __restrict__ inv_freq, int half, int neox) {
     long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -431,117 +568,215 @@ extern "C" __global__ void rope(float* __restrict__ q, int qw, float* __restrict
     const long long rh = id / half;
     const int h = (int)(rh % heads);
     const long long t = rh / heads;
-    const double ang = (double)pos[t] * (double)inv_freq[i];
-    double sd, cd;
-    sincos(ang, &sd, &cd);
-    const float c = (float)cd, s = (float)sd;
-    float* p = x + t * width + (long long)h * hd;
-    const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
-    const float x0 = p[a], x1 = p[b];
-    p[a] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
-    p[b] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+    rope_pair(x + t * width + (long long)h * hd, nullptr, i, half, neox, pos[t], inv_freq);
+}
+
+// rope, and the batch's K and V rows stored in the cache at rows row0[0].. (kc, vc: kw values per row) in the
+// same launch: q threads as rope's; per k head, threads 0..half rotate a pair (written to k and the cache) and
+// the others copy the head's unrotated dims 2*half..hd; then one thread per v value.
+extern "C" __global__ void rope_store(float* __restrict__ q, int qw, float* __restrict__ k, int kw, int hd,
+                                      int nrows, const int* __restrict__ pos, const float* __restrict__ inv_freq,
+                                      int half, int neox, const float* __restrict__ v, float* __restrict__ kc,
+                                      float* __restrict__ vc, const int* __restrict__ row0) {
+    long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long nq = (long long)nrows * (qw / hd) * half;
+    if (id < nq) {
+        const int heads = qw / hd;
+        const int i = (int)(id % half);
+        const long long rh = id / half;
+        const long long t = rh / heads;
+        rope_pair(q + t * qw + (long long)(rh % heads) * hd, nullptr, i, half, neox, pos[t], inv_freq);
+        return;
+    }
+    id -= nq;
+    const int kper = hd - half;  // half pairs + (hd - 2 half) unrotated dims
+    const long long nk = (long long)nrows * (kw / hd) * kper;
+    const long long r0 = row0[0];
+    if (id < nk) {
+        const int heads = kw / hd;
+        const int j = (int)(id % kper);
+        const long long rh = id / kper;
+        const long long t = rh / heads;
+        const long long off = (long long)(rh % heads) * hd;
+        float* p = k + t * kw + off;
+        float* c = kc + (r0 + t) * kw + off;
+        if (j < half) {
+            rope_pair(p, c, j, half, neox, pos[t], inv_freq);
+        } else {
+            const int d = 2 * half + (j - half);
+            c[d] = p[d];
+        }
+        return;
+    }
+    id -= nk;
+    if (id < (long long)nrows * kw) vc[r0 * kw + id] = v[id];
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Attention: one block of ATT_THREADS per (query head, query). Query i sees the cache rows info[i].x ..
-// info[i].y (committed, in order) then info[i].w rows listed at paths[info[i].z ..] (its tree ancestors and
-// itself, root first): keys in position order, exactly as a chain would visit them.
-// Fixed order per (query, head), independent of the query count:
-//  * score_j = (fma chain q[d]*k_j[d] over d = 0, 1, ..., hd-1) * scale, then the soft-cap; one thread per key
-//    (the query in shared memory), stored in `scores` (a row of maxk per (query, head));
-//  * M = max_j score_j (exact), e_j = expf(score_j - M), Z: thread t sums j = t, t + ATT_THREADS, ... in order,
-//    then a fixed shared-memory tree;
-//  * o[d]: part p of P = ATT_THREADS / hd (at least 1) sums e_j v_j[d] for j = p, p + P, ... in order with
-//    fma, the parts are added in order p = 0, 1, ...; times 1/Z.
-// hd must be a multiple of 4 and at most ATT_MAX_HD.
-#define ATT_THREADS 128
+// Attention, split over the keys (flash-decoding). Query i sees the cache rows info[i].x .. info[i].y (committed,
+// in order) then info[i].w rows listed at paths[info[i].z ..] (its tree ancestors and itself, root first): keys
+// in position order, exactly as a chain would visit them. Key j of that list belongs to chunk j / ATT_CHUNK;
+// one block of ATT_THREADS per (query head, query, chunk) (grid.z covers the most chunks the cache can hold;
+// blocks past the query's last chunk exit at once). Fixed order per (query, head), independent of the query
+// count and of which blocks run when:
+//  * per chunk: score_j = (((p_0 + p_1) + p_2) + p_3) * scale with p_i = q·k_j over the i-th quarter of the
+//    head dimension, an fma chain in dimension order, then the soft-cap; m = max_j score_j (exact); e_j = expf(score_j - m); z = the two
+//    warps' xor-tree sums of e_j added; o[d] = sum_j e_j v_j[d]: part p of P = ATT_THREADS / hd (at least 1)
+//    sums j = p, p + P, ... in order with fma, the parts added in order. (m, z, o) go to `part`;
+//  * the block that finishes a (query, head) last (a device counter, reset by it) combines its chunks in
+//    chunk order: M = max m_c, w_c = expf(m_c - M), Z = fma chain of z_c w_c, o[d] = fma chain of o_c[d] w_c,
+//    out = o * (1/Z). With one chunk, w_0 = 1 and the combination is exact.
+// With `qq` not null, the output rows are also quantized to int8 as quantize_q8 would (the next product's
+// input; `qsigns`: its input rotation or null): the warp that writes 32 output values quantizes them (hd must
+// then be a multiple of 32).
+// hd must be a multiple of 16 and at most ATT_MAX_HD.
+#define ATT_THREADS 256
+#define ATT_CHUNK 64
 #define ATT_MAX_HD 512
 
 extern "C" __global__ void attention(const float* __restrict__ q, const float* __restrict__ k,
                                      const float* __restrict__ v, float* __restrict__ out,
-                                     const int4* __restrict__ info, const int* __restrict__ paths,
-                                     float* __restrict__ scores, int maxk, int n_heads, int n_kv_heads, int hd,
-                                     float scale, float softcap) {
-    __shared__ float red[ATT_THREADS];
+                                     const int4* __restrict__ info, const int* __restrict__ paths, float* part,
+                                     int* count, int nmax, int n_heads, int n_kv_heads, int hd, float scale,
+                                     float softcap, const float* __restrict__ qsigns, int8_t* __restrict__ qq,
+                                     float* __restrict__ qscale, int* __restrict__ qsum,
+                                     float* __restrict__ qdsum, int* __restrict__ qsum16) {
     __shared__ __align__(16) float qs[ATT_MAX_HD];
-    const int h = blockIdx.x, i = blockIdx.y, tid = threadIdx.x;
+    __shared__ float sc[ATT_CHUNK];
+    __shared__ float sp[4][ATT_CHUNK];
+    __shared__ float red[ATT_THREADS];
+    __shared__ long long rows[ATT_CHUNK];
+    __shared__ int last;
+    const int h = blockIdx.x, i = blockIdx.y, c = blockIdx.z, tid = threadIdx.x;
     const int4 qi = info[i];
     const int nc = qi.y - qi.x, nk = nc + qi.w;
-    const int kvh = h / (n_heads / n_kv_heads);
+    const int nch = (nk + ATT_CHUNK - 1) / ATT_CHUNK;
     const long long qd = (long long)n_heads * hd, kvd = (long long)n_kv_heads * hd;
-    const float* qh = q + i * qd + (long long)h * hd;
-    float* sc = scores + ((long long)i * n_heads + h) * maxk;
-    for (int d = tid; d < hd; d += ATT_THREADS) qs[d] = qh[d];
-    __syncthreads();
-    for (int jj = tid; jj < nk; jj += ATT_THREADS) {
-        const long long r = jj < nc ? qi.x + jj : paths[qi.z + jj - nc];
-        const float4* kr = reinterpret_cast<const float4*>(k + r * kvd + (long long)kvh * hd);
-        float p = 0.0f;
-#pragma unroll 4
-        for (int d4 = 0; d4 < hd / 4; ++d4) {
-            const float4 kv = kr[d4];
-            p = __fmaf_rn(qs[4 * d4], kv.x, p);
-            p = __fmaf_rn(qs[4 * d4 + 1], kv.y, p);
-            p = __fmaf_rn(qs[4 * d4 + 2], kv.z, p);
-            p = __fmaf_rn(qs[4 * d4 + 3], kv.w, p);
-        }
-        float s = __fmul_rn(p, scale);
-        if (softcap > 0.0f) s = __fmul_rn(softcap, tanhf(__fdiv_rn(s, softcap)));
-        sc[jj] = s;
-    }
-    __syncthreads();
-    float m = -INFINITY;
-    for (int jj = tid; jj < nk; jj += ATT_THREADS) m = fmaxf(m, sc[jj]);
-    red[tid] = m;
-    __syncthreads();
-    for (int s = ATT_THREADS / 2; s > 0; s >>= 1) {
-        if (tid < s) red[tid] = fmaxf(red[tid], red[tid + s]);
-        __syncthreads();
-    }
-    m = red[0];
-    __syncthreads();
-    float z = 0.0f;
-    for (int jj = tid; jj < nk; jj += ATT_THREADS) {
-        const float e = expf(__fsub_rn(sc[jj], m));
-        sc[jj] = e;
-        z = __fadd_rn(z, e);
-    }
-    red[tid] = z;
-    __syncthreads();
-    for (int s = ATT_THREADS / 2; s > 0; s >>= 1) {
-        if (tid < s) red[tid] = __fadd_rn(red[tid], red[tid + s]);
-        __syncthreads();
-    }
-    const float inv_z = __fdiv_rn(1.0f, red[0]);
-    __syncthreads();
     float* o = out + i * qd + (long long)h * hd;
-    if (hd >= ATT_THREADS) {
-        for (int d = tid; d < hd; d += ATT_THREADS) {
-            float acc = 0.0f;
-#pragma unroll 8
-            for (int jj = 0; jj < nk; ++jj) {
-                const long long r = jj < nc ? qi.x + jj : paths[qi.z + jj - nc];
-                acc = __fmaf_rn(sc[jj], v[r * kvd + (long long)kvh * hd + d], acc);
-            }
-            o[d] = __fmul_rn(acc, inv_z);
+    // Output value `d` of this (query, head), quantized with its warp's 32 values when asked.
+    auto put = [&](int d, float val) {
+        o[d] = val;
+        if (qq != nullptr) {
+            const long long g = ((long long)h * hd + d) >> 5;
+            quant_group(val, tid & 31, i * (qd >> 5) + g, qsigns != nullptr ? qsigns + g * 32 : nullptr, qq, qscale,
+                        qsum, qdsum, qsum16);
         }
-    } else {
+    };
+    if (nk <= 0) {
+        if (c == 0)
+            for (int d = tid; d < hd; d += ATT_THREADS) put(d, 0.0f);
+        return;
+    }
+    if (c >= nch) return;
+    const int kvh = h / (n_heads / n_kv_heads);
+    const int j0 = c * ATT_CHUNK, cnt = min(ATT_CHUNK, nk - j0);
+    const float* qh = q + i * qd + (long long)h * hd;
+    for (int d = tid; d < hd; d += ATT_THREADS) qs[d] = qh[d];
+    if (tid < cnt) {
+        const int jj = j0 + tid;
+        rows[tid] = jj < nc ? (long long)qi.x + jj : (long long)paths[qi.z + jj - nc];
+    }
+    __syncthreads();
+    {
+        const int j = tid % ATT_CHUNK, qt = tid / ATT_CHUNK;
+        if (j < cnt) {
+            const int d0 = qt * (hd >> 2);
+            const float4* kr = reinterpret_cast<const float4*>(k + rows[j] * kvd + (long long)kvh * hd + d0);
+            const float* qq = qs + d0;
+            float p = 0.0f;
+#pragma unroll 4
+            for (int d4 = 0; d4 < (hd >> 4); ++d4) {
+                const float4 kv = kr[d4];
+                p = __fmaf_rn(qq[4 * d4], kv.x, p);
+                p = __fmaf_rn(qq[4 * d4 + 1], kv.y, p);
+                p = __fmaf_rn(qq[4 * d4 + 2], kv.z, p);
+                p = __fmaf_rn(qq[4 * d4 + 3], kv.w, p);
+            }
+            sp[qt][j] = p;
+        }
+    }
+    __syncthreads();
+    if (tid < ATT_CHUNK) {
+        float s = -INFINITY;
+        if (tid < cnt) {
+            s = __fmul_rn(__fadd_rn(__fadd_rn(__fadd_rn(sp[0][tid], sp[1][tid]), sp[2][tid]), sp[3][tid]), scale);
+            if (softcap > 0.0f) s = __fmul_rn(softcap, tanhf(__fdiv_rn(s, softcap)));
+            sc[tid] = s;
+        }
+        const float m = warp_max(s);
+        if ((tid & 31) == 0) red[tid >> 5] = m;
+    }
+    __syncthreads();
+    const float m = fmaxf(red[0], red[1]);
+    if (tid < ATT_CHUNK) {
+        float e = 0.0f;
+        if (tid < cnt) e = expf(__fsub_rn(sc[tid], m));
+        sc[tid] = e;
+        const float z = warp_sum(e);
+        if ((tid & 31) == 0) red[2 + (tid >> 5)] = z;
+    }
+    __syncthreads();
+    const float z = __fadd_rn(red[2], red[3]);
+    __syncthreads();
+    // One chunk: the combination below would be exact (w_0 = 1), so the block writes the output itself.
+    const bool single = nch == 1;
+    const float inv1 = __fdiv_rn(1.0f, z);
+    float* pp = part + (((long long)i * n_heads + h) * nmax + c) * (hd + 2);
+    const float* vb = v + (long long)kvh * hd;
+    if (hd <= ATT_THREADS) {
         const int P = ATT_THREADS / hd;
-        const int d = tid % hd, part = tid / hd;
-        if (part < P) {
+        const int d = tid % hd, pt = tid / hd;
+        if (pt < P) {
             float acc = 0.0f;
 #pragma unroll 8
-            for (int jj = part; jj < nk; jj += P) {
-                const long long r = jj < nc ? qi.x + jj : paths[qi.z + jj - nc];
-                acc = __fmaf_rn(sc[jj], v[r * kvd + (long long)kvh * hd + d], acc);
-            }
-            red[part * hd + d] = acc;
+            for (int jj = pt; jj < cnt; jj += P) acc = __fmaf_rn(sc[jj], vb[rows[jj] * kvd + d], acc);
+            red[pt * hd + d] = acc;
         }
         __syncthreads();
         if (tid < hd) {
             float acc = red[tid];
             for (int p = 1; p < P; ++p) acc = __fadd_rn(acc, red[p * hd + tid]);
-            o[tid] = __fmul_rn(acc, inv_z);
+            if (single) put(tid, __fmul_rn(acc, inv1));
+            else pp[2 + tid] = acc;
         }
+    } else {
+        for (int d = tid; d < hd; d += ATT_THREADS) {
+            float acc = 0.0f;
+#pragma unroll 8
+            for (int jj = 0; jj < cnt; ++jj) acc = __fmaf_rn(sc[jj], vb[rows[jj] * kvd + d], acc);
+            if (single) put(d, __fmul_rn(acc, inv1));
+            else pp[2 + d] = acc;
+        }
+    }
+    if (single) return;
+    if (tid == 0) {
+        pp[0] = m;
+        pp[1] = z;
+    }
+    // The last block of this (query, head) to finish combines the chunks.
+    __threadfence();
+    __syncthreads();
+    int* cnt_at = count + (long long)i * n_heads + h;
+    if (tid == 0) last = atomicAdd(cnt_at, 1) == nch - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (tid == 0) *cnt_at = 0;
+    const float* base = part + ((long long)i * n_heads + h) * nmax * (hd + 2);
+    float M = -INFINITY;
+    for (int cc = 0; cc < nch; ++cc) M = fmaxf(M, __ldcg(base + (long long)cc * (hd + 2)));
+    float Z = 0.0f;
+    for (int cc = 0; cc < nch; ++cc) {
+        const float* b = base + (long long)cc * (hd + 2);
+        Z = __fmaf_rn(__ldcg(b + 1), expf(__fsub_rn(__ldcg(b), M)), Z);
+    }
+    const float inv_z = __fdiv_rn(1.0f, Z);
+    for (int d = tid; d < hd; d += ATT_THREADS) {
+        float acc = 0.0f;
+        for (int cc = 0; cc < nch; ++cc) {
+            const float* b = base + (long long)cc * (hd + 2);
+            acc = __fmaf_rn(__ldcg(b + 2 + d), expf(__fsub_rn(__ldcg(b), M)), acc);
+        }
+        put(d, __fmul_rn(acc, inv_z));
     }
 }

@@ -3,9 +3,11 @@
 //! Buffers are device `f32` allocations ([`CudaBuf`]), weights are [`CudaWeights`] (quantized matrices in
 //! the GPU layout of [`GpuQ`], or f32/bf16), quantized activations are [`CudaQAct`] (int8 per token and
 //! group of 32 with the CPU's scheme, [`crate::backend::cpu::QuantizedActivations`]). All work goes to one
-//! stream; host arrays an operation needs (token ids, positions, the attention's key lists, RoPE
-//! frequencies) go through device scratch that only grows, so a warm decode step allocates nothing.
-//! Only [`Backend::read`] and [`Backend::matmul_to_host`] wait for the GPU.
+//! stream, queued on the host first (`Queue`): a pass reaches the GPU as one list of launches, and a list
+//! seen before runs as a CUDA graph ([`GraphPlan`]); host arrays an operation needs (token ids, positions,
+//! the attention's key lists, RoPE frequencies, the KV row written) go through a device arena the kernels
+//! read, so every decode step of one shape is the same list. Device scratch only grows, so a warm decode
+//! step allocates nothing. Only [`Backend::read`] and [`Backend::matmul_to_host`] wait for the GPU.
 //!
 //! # Kernels compiled at build time, not at run time
 //! The kernels (`kernels.cu`) are compiled by nvcc when the crate is built (`build.rs`) into a fatbin
@@ -23,8 +25,10 @@
 //! Gated DeltaNet operations are not implemented: [`Backend::has_gdn`] is false and
 //! [`crate::models::Model::to_backend`] refuses hybrid models.
 
+mod graph;
 mod layout;
 
+pub use graph::{GraphPlan, Plan};
 pub use layout::GpuQ;
 
 use super::{Activation, AttnShape, Backend, GdnShape, Rope, RopeMode, Visibility};
@@ -34,7 +38,7 @@ use crate::quant::{WeightMatrix, QK};
 use cudarc::driver::{result, sys};
 use std::ffi::{c_void, CString};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// The kernels, compiled by build.rs.
 static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/eddy_kernels.fatbin"));
@@ -45,18 +49,99 @@ const THREADS: u32 = 256;
 const MM_ROWS: usize = 4;
 /// Tokens per block of the product kernels for batches of more than one token (`TT` of the t8 kernels).
 const MM_TT: usize = 8;
-/// Threads per (query, head) block of the attention kernel (`ATT_THREADS`).
-const ATT_THREADS: u32 = 128;
-/// Threads per row of the RMSNorm kernel (`NORM_THREADS`).
-const NORM_THREADS: u32 = 256;
+/// Threads per (query, head, chunk) block of the attention kernel (`ATT_THREADS`).
+const ATT_THREADS: u32 = 256;
+/// Register groups of 32 values per thread of the RMSNorm kernels (`NORM_KMAX`).
+const NORM_KMAX: usize = 8;
+
+/// Threads per row of the RMSNorm kernels for rows of `d` values: one warp per 32 values up to 32 warps (a
+/// function of `d` only, so rows give the same bits in any batch). Panics past `NORM_KMAX·32·32` values.
+fn norm_threads(d: usize) -> u32 {
+    let groups = d.div_ceil(32);
+    assert!(groups <= NORM_KMAX * 32, "rms_norm: rows of {d} values exceed the kernel's {}", NORM_KMAX * 32 * 32);
+    32 * groups.clamp(1, 32) as u32
+}
 /// Largest head dimension of the attention kernel (`ATT_MAX_HD`).
 const ATT_MAX_HD: usize = 512;
+/// Keys per block of the attention kernel (`ATT_CHUNK`).
+const ATT_CHUNK: usize = 64;
+/// Fewest operations a queued list needs to be considered for a graph (smaller ones run eagerly).
+const GRAPH_MIN_OPS: usize = 32;
+/// Graphs kept per backend (decode, and verify of each node count in use).
+const MAX_GRAPHS: usize = 24;
+/// Initial bytes of the per-pass host-data arena (a pass of 64 tree nodes stages about 10 KiB per distinct
+/// key list).
+const ARENA_BYTES: usize = 1 << 20;
 
-/// The device's primary context.
-struct Ctx(sys::CUcontext);
-// SAFETY: a CUDA context may be made current on any thread.
+/// The device's primary context, our stream, and the queue of operations not yet sent to the GPU.
+struct Ctx {
+    raw: sys::CUcontext,
+    stream: sys::CUstream,
+    queue: Mutex<Queue>,
+}
+// SAFETY: a CUDA context may be made current on any thread; the stream is used with it bound and the queue
+// behind its mutex.
 unsafe impl Send for Ctx {}
 unsafe impl Sync for Ctx {}
+
+/// One queued operation, with its exact arguments: replayed one by one or captured into a graph.
+// Kept unboxed: a step queues ~300 of them into a reused vector (no allocation per launch).
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Op {
+    /// A kernel launch (function handle as an integer, grid, block size, argument slots).
+    Kernel { f: usize, grid: [u32; 3], block: u32, n: u8, args: [u64; ARGS] },
+    /// A device-to-device copy of `bytes`.
+    Copy { dst: u64, src: u64, bytes: usize },
+}
+
+/// A graph ready to launch.
+struct Exec(sys::CUgraphExec);
+// SAFETY: an executable graph may be launched from any thread with its context bound.
+unsafe impl Send for Exec {}
+
+/// Operations queued since the last flush, and the host data they read.
+///
+/// Host arrays a pass needs (token ids, positions, RoPE frequencies, key lists, the first KV row written)
+/// are staged in `arena` and copied, in one transfer, to the device arena at `arena_dev` right before the
+/// operations run: kernels read them there, so a pass's operation list does not change with them and a
+/// captured graph replays any later step of the same shape ([`GraphPlan`]).
+struct Queue {
+    ops: Vec<Op>,
+    /// Hash of `ops` (updated as they are pushed; a multiply-rotate fold of their words, cheap enough for
+    /// the ~400 operations of a step).
+    hash: u64,
+    arena: Vec<u8>,
+    arena_dev: u64,
+    arena_cap: usize,
+    /// Arenas outgrown during the current list: still read by queued operations, freed after the next flush.
+    retired: Vec<u64>,
+    /// Per staging slot: the bytes staged there in this flush and their device address (dedup of the
+    /// positions, frequencies and key lists every layer of a pass uses).
+    staged: [(Vec<u8>, u64); SLOTS],
+    plan: GraphPlan<Vec<Op>, Exec>,
+    /// Passes run as graphs, eagerly, and graphs captured (counters for tests and timings).
+    stats: GraphStats,
+}
+
+/// Staging slots of [`Queue::staged`].
+const SLOT_POS: usize = 0;
+const SLOT_FREQ: usize = 1;
+const SLOT_INFO: usize = 2;
+const SLOT_PATHS: usize = 3;
+const SLOT_ROW0: usize = 4;
+const SLOTS: usize = 5;
+
+/// How queued work has run so far ([`Cuda::graph_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    /// Lists run op by op.
+    pub eager: u64,
+    /// Lists captured into a new graph (and run).
+    pub captured: u64,
+    /// Lists run by replaying a kept graph.
+    pub replayed: u64,
+}
 
 thread_local! {
     /// The context this thread made current last through [`Ctx::bind`] (0: none): the driver call is skipped
@@ -69,12 +154,189 @@ thread_local! {
 impl Ctx {
     /// Make the context current on the calling thread.
     fn bind(&self) {
-        if BOUND.with(|b| b.get()) == self.0 as usize {
+        if BOUND.with(|b| b.get()) == self.raw as usize {
             return;
         }
         // SAFETY: the context is retained for the life of the process.
-        unsafe { result::ctx::set_current(self.0) }.unwrap_or_else(|e| panic!("CUDA: cannot bind the context: {e:?}"));
-        BOUND.with(|b| b.set(self.0 as usize));
+        unsafe { result::ctx::set_current(self.raw) }.unwrap_or_else(|e| panic!("CUDA: cannot bind the context: {e:?}"));
+        BOUND.with(|b| b.set(self.raw as usize));
+    }
+
+    fn queue(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Send every queued operation to the GPU (as a graph when the plan says so).
+    fn flush(&self) {
+        self.bind();
+        self.queue().flush(self.stream);
+    }
+}
+
+impl Queue {
+    /// A queue whose plan keeps [`MAX_GRAPHS`] graphs, or none when the environment variable
+    /// `EDDY_CUDA_GRAPHS` is `0` (every list runs op by op: for measuring what graphs save, and as a fallback).
+    fn new() -> Queue {
+        let graphs = std::env::var("EDDY_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        Queue {
+            ops: Vec::new(),
+            hash: 0,
+            arena: Vec::new(),
+            arena_dev: 0,
+            arena_cap: 0,
+            retired: Vec::new(),
+            staged: Default::default(),
+            plan: GraphPlan::new(if graphs { MAX_GRAPHS } else { 0 }),
+            stats: GraphStats::default(),
+        }
+    }
+
+    fn push(&mut self, op: Op) {
+        let mut h = self.hash;
+        let mut mix = |w: u64| h = (h.rotate_left(5) ^ w).wrapping_mul(0x517c_c1b7_2722_0a95);
+        match &op {
+            Op::Kernel { f, grid, block, n, args } => {
+                mix(*f as u64);
+                mix(u64::from(grid[0]) | u64::from(grid[1]) << 32);
+                mix(u64::from(grid[2]) | u64::from(*block) << 32 | u64::from(*n) << 56);
+                args[..*n as usize].iter().for_each(|&a| mix(a));
+            }
+            Op::Copy { dst, src, bytes } => {
+                mix(*dst);
+                mix(*src);
+                mix(*bytes as u64);
+            }
+        }
+        self.hash = h;
+        self.ops.push(op);
+    }
+
+    /// Stage `data` in the arena (16-byte aligned); its device address. In slot `slot` (not `SLOTS`),
+    /// data equal to that slot's last staging in this flush is not staged again.
+    fn stage(&mut self, stream: sys::CUstream, slot: usize, data: &[u8]) -> u64 {
+        if slot < SLOTS && self.staged[slot].1 != 0 && self.staged[slot].0 == data {
+            return self.staged[slot].1;
+        }
+        let at = self.arena.len().next_multiple_of(16);
+        let end = at + data.len().max(4);
+        if end > self.arena_cap {
+            // Run what reads the old arena, then a larger one. Operations of this list may still be queued
+            // with addresses in the old arena (staged before it filled up): it is freed after the next flush.
+            self.flush(stream);
+            if self.arena_dev != 0 {
+                self.retired.push(self.arena_dev);
+            }
+            self.arena_cap = (data.len() + 16).next_power_of_two().max(ARENA_BYTES);
+            // SAFETY: a plain allocation in the bound context.
+            self.arena_dev = check(unsafe { result::malloc_sync(self.arena_cap) }, "arena allocation");
+            return self.stage(stream, slot, data);
+        }
+        self.arena.resize(at, 0);
+        self.arena.extend_from_slice(data);
+        self.arena.resize(end, 0);
+        let dev = self.arena_dev + at as u64;
+        if slot < SLOTS {
+            self.staged[slot].0.clear();
+            self.staged[slot].0.extend_from_slice(data);
+            self.staged[slot].1 = dev;
+        }
+        dev
+    }
+
+    /// Copy the arena to the device, then run the queued operations: replay a kept graph of the same list,
+    /// capture one for a list seen before, or launch them one by one ([`GraphPlan`]).
+    fn flush(&mut self, stream: sys::CUstream) {
+        if !self.arena.is_empty() && !self.ops.is_empty() {
+            // SAFETY: the arena holds `arena_cap >= arena.len()` bytes; a pageable source is staged before the
+            // call returns, in stream order before the operations that read it.
+            check(unsafe { result::memcpy_htod_async(self.arena_dev, &self.arena[..], stream) }, "arena copy");
+        }
+        self.arena.clear();
+        for s in &mut self.staged {
+            s.1 = 0;
+        }
+        if self.ops.is_empty() {
+            return;
+        }
+        let retired = std::mem::take(&mut self.retired);
+        let hash = std::mem::take(&mut self.hash);
+        let ops = std::mem::take(&mut self.ops);
+        let plan = if ops.len() >= GRAPH_MIN_OPS { self.plan.decide(hash, &ops) } else { Plan::Eager };
+        match plan {
+            Plan::Replay(i) => {
+                self.stats.replayed += 1;
+                // SAFETY: a graph instantiated from this very list of launches on live buffers.
+                check(unsafe { result::graph::launch(self.plan.get(i).0, stream) }, "graph launch");
+                self.ops = ops;
+                self.ops.clear();
+            }
+            Plan::Capture => {
+                self.stats.captured += 1;
+                let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+                // SAFETY: our stream; the launches below are recorded, not run, until the graph is launched.
+                check(unsafe { result::stream::begin_capture(stream, mode) }, "stream capture");
+                run_ops(&ops, stream);
+                // SAFETY: the capture begun above.
+                let g = check(unsafe { result::stream::end_capture(stream) }, "end of stream capture");
+                // SAFETY: `g` is the captured graph; it is destroyed once instantiated.
+                let exec = unsafe {
+                    let mut e = std::mem::MaybeUninit::uninit();
+                    check(sys::cuGraphInstantiateWithFlags(e.as_mut_ptr(), g, 0).result(), "graph instantiation");
+                    let _ = result::graph::destroy(g);
+                    e.assume_init()
+                };
+                // SAFETY: just instantiated.
+                check(unsafe { result::graph::launch(exec, stream) }, "graph launch");
+                if let Some(old) = self.plan.insert(hash, ops, Exec(exec)) {
+                    // SAFETY: no longer referenced; launches already queued keep their own copy.
+                    let _ = unsafe { result::graph::exec_destroy(old.0) };
+                }
+            }
+            Plan::Eager => {
+                self.stats.eager += 1;
+                run_ops(&ops, stream);
+                self.ops = ops;
+                self.ops.clear();
+            }
+        }
+        for a in retired {
+            // SAFETY: an arena no longer staged into; cuMemFree waits for the work reading it.
+            let _ = unsafe { result::free_sync(a) };
+        }
+    }
+}
+
+/// Launch `ops` on `stream` in order.
+fn run_ops(ops: &[Op], stream: sys::CUstream) {
+    for op in ops {
+        match *op {
+            Op::Kernel { f, grid, block, n, args } => {
+                let mut ptrs = [std::ptr::null_mut::<c_void>(); ARGS];
+                for (p, v) in ptrs.iter_mut().zip(&args[..n as usize]) {
+                    *p = v as *const u64 as *mut c_void;
+                }
+                // SAFETY: `f` is a kernel of our module whose parameters match `args` (each call site follows
+                // the signature in kernels.cu); the buffers it addresses are live device allocations of the
+                // right sizes (checked when queued; buffers are not freed while operations are queued).
+                check(
+                    unsafe {
+                        result::launch_kernel(
+                            f as sys::CUfunction,
+                            (grid[0], grid[1], grid[2]),
+                            (block, 1, 1),
+                            0,
+                            stream,
+                            &mut ptrs[..n as usize],
+                        )
+                    },
+                    "kernel launch",
+                );
+            }
+            Op::Copy { dst, src, bytes } => {
+                // SAFETY: both ranges lie in live allocations (checked when queued) and do not overlap.
+                check(unsafe { result::memcpy_dtod_async(dst, src, bytes, stream) }, "device-to-device copy");
+            }
+        }
     }
 }
 
@@ -101,7 +363,8 @@ impl DevMem {
 impl Drop for DevMem {
     fn drop(&mut self) {
         if self.bytes > 0 {
-            self.ctx.bind();
+            // Queued operations may address this memory: run them first.
+            self.ctx.flush();
             // SAFETY: allocated by `DevMem::new`, freed once (cuMemFree waits for work using it).
             let _ = unsafe { result::free_sync(self.ptr) };
         }
@@ -185,14 +448,6 @@ struct DevVec {
 }
 
 impl DevVec {
-    /// At least `bytes` bytes; the address.
-    fn ensure(&mut self, ctx: &Arc<Ctx>, bytes: usize) -> u64 {
-        if self.mem.as_ref().is_none_or(|m| m.bytes < bytes) {
-            self.mem = None;
-            self.mem = Some(DevMem::new(ctx, bytes.next_power_of_two().max(256)));
-        }
-        self.ptr()
-    }
     fn ptr(&self) -> u64 {
         self.mem.as_ref().map_or(0, |m| m.ptr)
     }
@@ -212,15 +467,18 @@ pub struct CudaQAct {
     sum16: DevVec,
 }
 
+/// Most parameters of a kernel (`mm_q3_*` has 28).
+const ARGS: usize = 28;
+
 /// Kernel arguments as 8-byte slots (the driver reads each parameter's size from its slot's start).
 struct Args {
-    v: [u64; 20],
+    v: [u64; ARGS],
     n: usize,
 }
 
 impl Args {
     fn new() -> Args {
-        Args { v: [0; 20], n: 0 }
+        Args { v: [0; ARGS], n: 0 }
     }
     fn push(mut self, x: u64) -> Args {
         self.v[self.n] = x;
@@ -257,11 +515,17 @@ struct Kernels {
     quantize: Func,
     /// `[tokens per block 1 / 8][bits 4 packed / bytes]`.
     mm_q: [[Func; 2]; 2],
+    /// The same for up to three matrices in one launch.
+    mm_q3: [[Func; 2]; 2],
     /// `[f32 / bf16][tokens per block 1 / 8]`.
     mm_f: [[Func; 2]; 2],
     rotate_out: Func,
     embed: Func,
     rms_norm: Func,
+    rms_norm_quant: Func,
+    gated_act_quant: Func,
+    store_rows: Func,
+    rope_store: Func,
     add: Func,
     add_bias: Func,
     gated_act: Func,
@@ -272,36 +536,45 @@ struct Kernels {
     attention: Func,
 }
 
-/// Host-array scratch: device copies of the last uploaded host arrays (re-sent only when they change).
+/// Device scratch of the operations (grows; host staging vectors reused).
 #[derive(Default)]
 struct Scratch {
-    tokens: DevVec,
-    positions: DevVec,
-    last_positions: Vec<i32>,
-    freq: DevVec,
-    last_freq: Vec<f32>,
-    info: DevVec,
-    last_info: Vec<i32>,
-    paths: DevVec,
-    last_paths: Vec<i32>,
-    scores: DevVec,
+    /// The attention's per-chunk partial results and per-(query, head) completion counters (zeroed).
+    att_part: DevVec,
+    att_count: DevVec,
     logits: DevVec,
+    /// Page-locked landing buffer of the logits (a copy into pageable memory is staged by the driver and
+    /// runs at a fraction of the speed).
+    pinned: Option<Pinned>,
     /// Host staging of positions and of the attention's key lists.
     pos_host: Vec<i32>,
     info_host: Vec<i32>,
     paths_host: Vec<i32>,
 }
 
-#[derive(Clone, Copy)]
-struct Stream(sys::CUstream);
-// SAFETY: a stream handle may be used from any thread with its context bound; `Cuda` serializes uploads.
-unsafe impl Send for Stream {}
-unsafe impl Sync for Stream {}
+/// Page-locked host memory of `len` f32 values, freed on drop.
+struct Pinned {
+    ptr: *mut f32,
+    len: usize,
+}
+// SAFETY: plain host memory, used behind the scratch mutex.
+unsafe impl Send for Pinned {}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `malloc_host`; no copy into it is pending (copies are waited for).
+        let _ = unsafe { result::free_host(self.ptr as *mut c_void) };
+    }
+}
 
 /// The CUDA backend: one device, one stream, kernels from the embedded fatbin.
+///
+/// Operations are queued on the host (`Queue`) and sent to the GPU when a result is read back
+/// ([`Backend::read`], [`Backend::matmul_to_host`]), when a pass begins ([`Backend::embed`]), on
+/// [`Cuda::synchronize`], and before device memory is freed; a list of operations seen before runs as a CUDA
+/// graph ([`GraphPlan`]).
 pub struct Cuda {
     ctx: Arc<Ctx>,
-    stream: Stream,
     k: Kernels,
     scratch: Mutex<Scratch>,
     name: String,
@@ -353,10 +626,12 @@ impl Cuda {
             return Err(no(format!("{name} has compute capability {}.{}; eddy's kernels need 8.0 or later", capability.0, capability.1)));
         }
         // SAFETY: the primary context of a valid device; retained for the life of the process.
-        let ctx = Arc::new(Ctx(unsafe { result::primary_ctx::retain(dev) }.map_err(|e| no(format!("cuDevicePrimaryCtxRetain: {e:?}")))?));
-        ctx.bind();
-        let stream =
-            Stream(result::stream::create(result::stream::StreamKind::NonBlocking).map_err(|e| no(format!("cuStreamCreate: {e:?}")))?);
+        let raw = unsafe { result::primary_ctx::retain(dev) }.map_err(|e| no(format!("cuDevicePrimaryCtxRetain: {e:?}")))?;
+        // SAFETY: the context just retained.
+        unsafe { result::ctx::set_current(raw) }.map_err(|e| no(format!("cuCtxSetCurrent: {e:?}")))?;
+        BOUND.with(|b| b.set(raw as usize));
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking).map_err(|e| no(format!("cuStreamCreate: {e:?}")))?;
+        let ctx = Arc::new(Ctx { raw, stream, queue: Mutex::new(Queue::new()) });
         // The image must be 8-byte aligned: copy it into u64s.
         let mut image = vec![0u64; FATBIN.len().div_ceil(8)];
         // SAFETY: `image` holds at least FATBIN.len() bytes.
@@ -373,10 +648,15 @@ impl Cuda {
         let k = Kernels {
             quantize: get("quantize_q8")?,
             mm_q: [[get("mm_q_t1_p4")?, get("mm_q_t1_p8")?], [get("mm_q_t8_p4")?, get("mm_q_t8_p8")?]],
+            mm_q3: [[get("mm_q3_t1_p4")?, get("mm_q3_t1_p8")?], [get("mm_q3_t8_p4")?, get("mm_q3_t8_p8")?]],
             mm_f: [[get("mm_f32_t1")?, get("mm_f32_t8")?], [get("mm_bf16_t1")?, get("mm_bf16_t8")?]],
             rotate_out: get("rotate_out")?,
             embed: get("embed")?,
             rms_norm: get("rms_norm")?,
+            rms_norm_quant: get("rms_norm_quant")?,
+            gated_act_quant: get("gated_act_quant")?,
+            store_rows: get("store_rows")?,
+            rope_store: get("rope_store")?,
             add: get("add")?,
             add_bias: get("add_bias")?,
             gated_act: get("gated_act")?,
@@ -386,7 +666,7 @@ impl Cuda {
             rope: get("rope")?,
             attention: get("attention")?,
         };
-        Ok(Cuda { ctx, stream, k, scratch: Mutex::new(Scratch::default()), name, capability, queued: AtomicU64::new(0) })
+        Ok(Cuda { ctx, k, scratch: Mutex::new(Scratch::default()), name, capability, queued: AtomicU64::new(0) })
     }
 
     /// The GPU's name and compute capability, e.g. "NVIDIA H200 (compute 9.0)".
@@ -400,30 +680,31 @@ impl Cuda {
         self.queued.load(Ordering::Relaxed)
     }
 
-    /// Wait for all queued work (for timing).
+    /// Send the queued work and wait for it (for timing).
     pub fn synchronize(&self) {
-        self.ctx.bind();
+        self.ctx.flush();
         // SAFETY: our stream.
-        check(unsafe { result::stream::synchronize(self.stream.0) }, "stream synchronize");
+        check(unsafe { result::stream::synchronize(self.ctx.stream) }, "stream synchronize");
+    }
+
+    /// How queued passes have run so far: one by one, captured into a graph, or replayed from one.
+    pub fn graph_stats(&self) -> GraphStats {
+        self.ctx.queue().stats
     }
 
     fn launch(&self, f: Func, grid: (usize, usize), block: u32, args: Args) {
-        if grid.0 == 0 || grid.1 == 0 {
+        self.launch3(f, (grid.0, grid.1, 1), block, args)
+    }
+
+    /// Queue a kernel launch.
+    fn launch3(&self, f: Func, grid: (usize, usize, usize), block: u32, args: Args) {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return;
-        }
-        let mut ptrs = [std::ptr::null_mut::<c_void>(); 20];
-        for (p, v) in ptrs.iter_mut().zip(&args.v[..args.n]) {
-            *p = v as *const u64 as *mut c_void;
         }
         let g = |x: usize| u32::try_from(x).expect("CUDA grid too large");
         self.queued.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: `f` is a kernel of our module whose parameters match `args` (each call site follows the
-        // signature in kernels.cu); the buffers it addresses are live device allocations of the right sizes
-        // (checked by the callers).
-        check(
-            unsafe { result::launch_kernel(f.0, (g(grid.0), g(grid.1), 1), (block, 1, 1), 0, self.stream.0, &mut ptrs[..args.n]) },
-            "kernel launch",
-        );
+        let op = Op::Kernel { f: f.0 as usize, grid: [g(grid.0), g(grid.1), g(grid.2)], block, n: args.n as u8, args: args.v };
+        self.ctx.queue().push(op);
     }
 
     /// Elementwise launch over `len` items.
@@ -431,6 +712,16 @@ impl Cuda {
         self.launch(f, (len.div_ceil(THREADS as usize), 1), THREADS, args);
     }
 
+    /// Stage a host array for the queued operations (see [`Queue`]); its device address, valid for operations
+    /// queued before the next flush: an operation stages its arrays after anything that may flush (`ensure`)
+    /// and right before its launch.
+    fn stage<T: Copy>(&self, slot: usize, data: &[T]) -> u64 {
+        // SAFETY: plain-old-data values (u32, i32, f32) viewed as bytes.
+        let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data)) };
+        self.ctx.queue().stage(self.ctx.stream, slot, bytes)
+    }
+
+    /// Copy `src` to fresh memory at `dst` now (uploads of weights and buffers: nothing queued reads them).
     fn htod<T: Copy>(&self, dst: u64, src: &[T]) {
         if src.is_empty() {
             return;
@@ -438,26 +729,28 @@ impl Cuda {
         self.queued.fetch_add(1, Ordering::Relaxed);
         // SAFETY: `dst` holds at least `size_of_val(src)` bytes (callers); a pageable source is staged before
         // the call returns.
-        check(unsafe { result::memcpy_htod_async(dst, src, self.stream.0) }, "host-to-device copy");
+        check(unsafe { result::memcpy_htod_async(dst, src, self.ctx.stream) }, "host-to-device copy");
     }
 
+    /// Run the queued work, then copy `dst.len()` values from `src` and wait.
     fn dtoh(&self, dst: &mut [f32], src: u64) {
+        self.ctx.flush();
         if dst.is_empty() {
             return;
         }
         self.queued.fetch_add(1, Ordering::Relaxed);
         // SAFETY: `src` holds `dst.len()` values (callers); the stream is synchronized before `dst` is used.
-        check(unsafe { result::memcpy_dtoh_async(dst, src, self.stream.0) }, "device-to-host copy");
+        check(unsafe { result::memcpy_dtoh_async(dst, src, self.ctx.stream) }, "device-to-host copy");
         self.synchronize();
     }
 
+    /// Queue a copy of `values` f32 values.
     fn dtod(&self, dst: u64, src: u64, values: usize) {
         if values == 0 {
             return;
         }
         self.queued.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: both ranges lie in live allocations (callers) and do not overlap.
-        check(unsafe { result::memcpy_dtod_async(dst, src, 4 * values, self.stream.0) }, "device-to-device copy");
+        self.ctx.queue().push(Op::Copy { dst, src, bytes: 4 * values });
     }
 
     fn mem_from<T: Copy>(&self, host: &[T]) -> DevMem {
@@ -466,19 +759,47 @@ impl Cuda {
         m
     }
 
-    /// Upload a host array into `v` unless it equals `last` (the device copy is then current).
-    fn upload_cached<T: Copy + PartialEq>(&self, v: &mut DevVec, last: &mut Vec<T>, host: &[T]) -> u64 {
-        if v.mem.is_none() || last.as_slice() != host {
-            v.ensure(&self.ctx, std::mem::size_of_val(host));
-            self.htod(v.ptr(), host);
-            last.clear();
-            last.extend_from_slice(host);
+    /// At least `bytes` bytes in `v` (grown after running the queued work that may use the old memory);
+    /// the address. With `zeroed`, new memory is zeroed.
+    fn ensure(&self, v: &mut DevVec, bytes: usize, zeroed: bool) -> u64 {
+        if v.mem.as_ref().is_none_or(|m| m.bytes < bytes) {
+            self.ctx.flush();
+            v.mem = None;
+            let m = DevMem::new(&self.ctx, bytes.next_power_of_two().max(256));
+            if zeroed {
+                // SAFETY: fresh memory of `m.bytes` bytes that nothing queued addresses.
+                check(unsafe { result::memset_d8_async(m.ptr, 0, m.bytes, self.ctx.stream) }, "memset");
+            }
+            v.mem = Some(m);
         }
         v.ptr()
     }
 
-    /// `out[t·rows + r]` for `t < n` into device memory at `out`.
-    fn matmul_into(&self, w: &CudaWeights, x: &CudaBuf, xq: &CudaQAct, n: usize, out: u64) {
+    /// Size `xq` for `n` rows of `cols` values quantized for `w`; the kernel arguments (signs, codes, scales,
+    /// sums, d·sums, half sums) of the quantization.
+    fn prepare_qact(&self, xq: &mut CudaQAct, n: usize, cols: usize, w: &CudaWeights) -> [u64; 6] {
+        assert_eq!(cols % QK, 0, "quantize: cols must be a multiple of 32");
+        let signs = match w {
+            CudaWeights::Q(q) => q.in_signs.as_ref(),
+            _ => None,
+        };
+        if let Some((_, s)) = signs {
+            assert_eq!(s.bytes, 4 * cols, "quantize: input rotation of another width");
+        }
+        let groups = n * cols / QK;
+        let q = self.ensure(&mut xq.q, n * cols, false);
+        let sc = self.ensure(&mut xq.scale, 4 * groups, false);
+        let sm = self.ensure(&mut xq.sum, 4 * groups, false);
+        let ds = self.ensure(&mut xq.dsum, 4 * groups, false);
+        let s16 = self.ensure(&mut xq.sum16, 8 * groups, false);
+        xq.n = n;
+        xq.cols = cols;
+        xq.rotation = signs.map_or(0, |s| s.0);
+        [signs.map_or(0, |s| s.1.ptr), q, sc, sm, ds, s16]
+    }
+
+    /// `out[t·rows + r]` (plus `bias[r]` when `bias` is not 0) for `t < n` into device memory at `out`.
+    fn matmul_into(&self, w: &CudaWeights, x: &CudaBuf, xq: &CudaQAct, n: usize, out: u64, bias: u64) {
         let (rows, cols) = (w.rows(), w.cols());
         if n == 0 || rows == 0 {
             return;
@@ -490,7 +811,7 @@ impl Cuda {
             CudaWeights::F32 { data, .. } | CudaWeights::Bf16 { data, .. } => {
                 assert!(x.len >= n * cols, "matmul: x holds {} values, {n}×{cols} needed", x.len);
                 let bf = matches!(w, CudaWeights::Bf16 { .. }) as usize;
-                let a = Args::new().p(data.ptr).i(rows).i(cols).p(x.ptr()).i(n).p(out);
+                let a = Args::new().p(data.ptr).i(rows).i(cols).p(x.ptr()).i(n).p(bias).p(out);
                 self.launch(self.k.mm_f[bf][tile], grid, (32 * MM_ROWS) as u32, a);
             }
             CudaWeights::Q(q) => {
@@ -513,14 +834,92 @@ impl Cuda {
                     .p(xq.dsum.ptr())
                     .p(xq.sum16.ptr())
                     .i(n)
+                    .p(if q.out_signs.is_some() { 0 } else { bias })
                     .p(out);
                 self.launch(self.k.mm_q[tile][if q.packed4 { 0 } else { 1 }], grid, (32 * MM_ROWS) as u32, a);
                 if let Some((signs, nb)) = &q.out_signs {
                     let a = Args::new().p(out).i(n).i(rows).i(*nb).p(signs.ptr);
                     self.launch_1d(self.k.rotate_out, n * nb, a);
+                    if bias != 0 {
+                        // The bias adds to the rotated output (add_bias's operation).
+                        self.launch_1d(self.k.add_bias, n * rows, Args::new().p(out).p(bias).i(rows).l(n * rows));
+                    }
                 }
             }
         }
+    }
+
+    /// Attention of `t` queries into `out` ([`Backend::attention`]); with `quant`, `out` also quantized for the
+    /// weights into the activations (head dims a multiple of 32).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_into(
+        &self,
+        s: &AttnShape,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        n_past: usize,
+        t: usize,
+        vis: Visibility,
+        out: &mut CudaBuf,
+        quant: Option<(&CudaWeights, &mut CudaQAct)>,
+    ) {
+        let qd = s.n_heads * s.head_dim;
+        assert!(q.len >= t * qd && out.len >= t * qd, "attention: q/out too short");
+        assert!(s.n_kv_heads > 0 && s.n_heads.is_multiple_of(s.n_kv_heads), "attention: heads must be a multiple of kv heads");
+        assert!(
+            s.head_dim.is_multiple_of(16) && s.head_dim <= ATT_MAX_HD,
+            "attention: head_dim {} (a multiple of 16 up to {ATT_MAX_HD})",
+            s.head_dim
+        );
+        if t == 0 {
+            return;
+        }
+        self.ctx.bind();
+        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let sc = &mut *guard;
+        let (mut info, mut paths) = (std::mem::take(&mut sc.info_host), std::mem::take(&mut sc.paths_host));
+        let maxk = Cuda::key_lists(s, n_past, t, vis, &mut info, &mut paths);
+        let kvd = s.n_kv_heads * s.head_dim;
+        let rows_needed = info.chunks_exact(4).map(|c| c[1] as usize).chain(paths.iter().map(|&r| r as usize + 1)).max().unwrap_or(0);
+        assert!(k.len >= rows_needed * kvd && v.len >= rows_needed * kvd, "attention: the cache holds fewer rows than the queries see");
+        // Chunks of the longest key list the cache can give (a fixed grid for every step of one shape: the
+        // blocks past a query's keys exit at once).
+        let nmax = (k.len / kvd).max(maxk).div_ceil(ATT_CHUNK).max(1);
+        let part = self.ensure(&mut sc.att_part, 4 * t * s.n_heads * nmax * (s.head_dim + 2), false);
+        let count = self.ensure(&mut sc.att_count, 4 * t * s.n_heads, true);
+        // The output's quantization (signs, codes, scales, sums, d·sums, half sums; codes 0: none).
+        let qa = match quant {
+            Some((w, xq)) => self.prepare_qact(xq, t, qd, w),
+            None => [0; 6],
+        };
+        // Staged after the `ensure`s (which may flush the queue and so reuse the arena).
+        let info_dev = self.stage(SLOT_INFO, &info);
+        let paths_dev = self.stage(SLOT_PATHS, &paths);
+        sc.info_host = info;
+        sc.paths_host = paths;
+        let a = Args::new()
+            .p(q.ptr())
+            .p(k.ptr())
+            .p(v.ptr())
+            .p(out.ptr())
+            .p(info_dev)
+            .p(paths_dev)
+            .p(part)
+            .p(count)
+            .i(nmax)
+            .i(s.n_heads)
+            .i(s.n_kv_heads)
+            .i(s.head_dim)
+            .f(s.scale)
+            .f(s.softcap.unwrap_or(0.0))
+            .p(qa[0])
+            .p(qa[1])
+            .p(qa[2])
+            .p(qa[3])
+            .p(qa[4])
+            .p(qa[5]);
+        self.launch3(self.k.attention, (s.n_heads, t, nmax), ATT_THREADS, a);
     }
 
     /// The key lists of `t` queries (see the attention kernel): per query `(lo, hi, path offset, path
@@ -562,11 +961,22 @@ impl Drop for Cuda {
     /// Waits for queued work and destroys the stream (the primary context stays retained: buffers may
     /// outlive the backend and free their memory in it).
     fn drop(&mut self) {
-        self.ctx.bind();
-        // SAFETY: our stream; nothing is queued on it after this.
+        self.synchronize();
+        let (graphs, arena) = {
+            let mut q = self.ctx.queue();
+            (q.plan.drain(), std::mem::take(&mut q.arena_dev))
+        };
+        if arena != 0 {
+            // SAFETY: allocated by `Queue::stage`; the queue is empty and its work done.
+            let _ = unsafe { result::free_sync(arena) };
+        }
+        // SAFETY: the graphs' work is done (synchronized); our stream, on which nothing is queued after this
+        // (buffers outliving the backend flush an empty queue).
         unsafe {
-            let _ = result::stream::synchronize(self.stream.0);
-            let _ = result::stream::destroy(self.stream.0);
+            for g in graphs {
+                let _ = result::graph::exec_destroy(g.0);
+            }
+            let _ = result::stream::destroy(self.ctx.stream);
         }
     }
 }
@@ -607,8 +1017,8 @@ impl Backend for Cuda {
     fn alloc(&self, len: usize) -> CudaBuf {
         let mem = DevMem::new(&self.ctx, 4 * len);
         if len > 0 {
-            // SAFETY: `mem` holds 4·len bytes.
-            check(unsafe { result::memset_d8_async(mem.ptr, 0, 4 * len, self.stream.0) }, "memset");
+            // SAFETY: `mem` holds 4·len bytes; fresh memory that nothing queued addresses.
+            check(unsafe { result::memset_d8_async(mem.ptr, 0, 4 * len, self.ctx.stream) }, "memset");
         }
         CudaBuf { mem, len }
     }
@@ -634,10 +1044,9 @@ impl Backend for Cuda {
             return;
         }
         assert_eq!(cols % QK, 0, "embed: the table's width must be a multiple of 32");
-        self.ctx.bind();
-        let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let tok = s.tokens.ensure(&self.ctx, 4 * n);
-        self.htod(tok, tokens);
+        // A pass begins: what was queued before runs as its own list.
+        self.ctx.flush();
+        let tok = self.stage(SLOTS, tokens);
         let (w, wtype, p4, g16, half, sc, mn, ins, outs) = match table {
             CudaWeights::F32 { data, .. } => (data.ptr, 0, 0, 0, 0, 0, 0, 0, 0),
             CudaWeights::Bf16 { data, .. } => (data.ptr, 1, 0, 0, 0, 0, 0, 0, 0),
@@ -673,42 +1082,167 @@ impl Backend for Cuda {
     }
 
     fn quantize(&self, x: &CudaBuf, n: usize, cols: usize, w: &CudaWeights, xq: &mut CudaQAct) {
-        assert_eq!(cols % QK, 0, "quantize: cols must be a multiple of 32");
         assert!(x.len >= n * cols, "quantize: x holds {} values, {n}×{cols} needed", x.len);
-        let signs = match w {
-            CudaWeights::Q(q) => q.in_signs.as_ref(),
-            _ => None,
-        };
-        if let Some((_, s)) = signs {
-            assert_eq!(s.bytes, 4 * cols, "quantize: input rotation of another width");
+        self.ctx.bind();
+        let [signs, q, sc, sm, ds, s16] = self.prepare_qact(xq, n, cols, w);
+        let a = Args::new().p(x.ptr()).i(n).i(cols).p(signs).p(q).p(sc).p(sm).p(ds).p(s16);
+        self.launch(self.k.quantize, ((n * cols / QK).div_ceil((THREADS / 32) as usize), 1), THREADS, a);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_quantize(
+        &self,
+        x: &mut CudaBuf,
+        residual: Option<&CudaBuf>,
+        n: usize,
+        d: usize,
+        w: &CudaBuf,
+        eps: f32,
+        h: &mut CudaBuf,
+        qw: &CudaWeights,
+        xq: &mut CudaQAct,
+    ) {
+        assert!(w.len == d && x.len >= n * d && h.len >= n * d, "rms_norm_quantize: buffers too short");
+        assert!(residual.is_none_or(|r| r.len >= n * d), "rms_norm_quantize: residual too short");
+        if n == 0 {
+            return;
         }
         self.ctx.bind();
-        let groups = n * cols / QK;
-        let q = xq.q.ensure(&self.ctx, n * cols);
-        let sc = xq.scale.ensure(&self.ctx, 4 * groups);
-        let sm = xq.sum.ensure(&self.ctx, 4 * groups);
-        let ds = xq.dsum.ensure(&self.ctx, 4 * groups);
-        let s16 = xq.sum16.ensure(&self.ctx, 8 * groups);
-        xq.n = n;
-        xq.cols = cols;
-        xq.rotation = signs.map_or(0, |s| s.0);
-        let a = Args::new().p(x.ptr()).i(n).i(cols).p(signs.map_or(0, |s| s.1.ptr)).p(q).p(sc).p(sm).p(ds).p(s16);
-        self.launch(self.k.quantize, (groups.div_ceil((THREADS / 32) as usize), 1), THREADS, a);
+        let [signs, q, sc, sm, ds, s16] = self.prepare_qact(xq, n, d, qw);
+        let a = Args::new()
+            .p(x.ptr())
+            .p(residual.map_or(0, |r| r.ptr()))
+            .p(h.ptr())
+            .p(w.ptr())
+            .i(d)
+            .f(eps)
+            .p(signs)
+            .p(q)
+            .p(sc)
+            .p(sm)
+            .p(ds)
+            .p(s16);
+        self.launch(self.k.rms_norm_quant, (n, 1), norm_threads(d), a);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gated_act_quantize(
+        &self,
+        act: Activation,
+        gate: &mut CudaBuf,
+        up: &CudaBuf,
+        n: usize,
+        width: usize,
+        w: &CudaWeights,
+        xq: &mut CudaQAct,
+    ) {
+        assert!(gate.len >= n * width && up.len >= n * width, "gated_act_quantize: buffers too short");
+        self.ctx.bind();
+        let [signs, q, sc, sm, ds, s16] = self.prepare_qact(xq, n, width, w);
+        let act = match act {
+            Activation::Silu => 0,
+            Activation::GeluTanh => 1,
+        };
+        let a = Args::new().i(act).p(gate.ptr()).p(up.ptr()).i(n).i(width).p(signs).p(q).p(sc).p(sm).p(ds).p(s16);
+        self.launch(self.k.gated_act_quant, ((n * width / QK).div_ceil((THREADS / 32) as usize), 1), THREADS, a);
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn matmul_parts(&self, parts: &mut [(&CudaWeights, Option<&CudaBuf>, &mut CudaBuf)], x: &CudaBuf, xq: &CudaQAct, n: usize) {
+        // One launch when the parts are 2 or 3 quantized matrices of one format and width without an output
+        // rotation, read from the same activations; else one product per part.
+        let qs: Vec<&CudaQ> = parts
+            .iter()
+            .filter_map(|(w, _, _)| match w {
+                CudaWeights::Q(q) if q.out_signs.is_none() => Some(q),
+                _ => None,
+            })
+            .collect();
+        let same = |a: &CudaQ, b: &CudaQ| {
+            a.cols == b.cols
+                && a.packed4 == b.packed4
+                && a.g16 == b.g16
+                && a.half == b.half
+                && a.mins.is_some() == b.mins.is_some()
+                && a.in_signs.as_ref().map(|s| s.0) == b.in_signs.as_ref().map(|s| s.0)
+        };
+        if n == 0 || !(2..=3).contains(&parts.len()) || qs.len() != parts.len() || !qs.iter().all(|q| same(q, qs[0])) {
+            for (w, bias, out) in parts.iter_mut() {
+                self.matmul_bias(w, x, xq, n, *bias, out);
+            }
+            return;
+        }
+        let q0 = qs[0];
+        assert_eq!(q0.cols % QK, 0, "quantized weights need cols % 32 == 0");
+        assert!(xq.n >= n && xq.cols == q0.cols, "matmul: xq holds {} tokens of {} values, {n} of {} needed", xq.n, xq.cols, q0.cols);
+        assert_eq!(
+            xq.rotation,
+            q0.in_signs.as_ref().map_or(0, |s| s.0),
+            "activations quantized for another input rotation than these weights'"
+        );
+        self.ctx.bind();
+        let tile = if n == 1 { 0 } else { 1 };
+        let tt = if n == 1 { 1 } else { MM_TT };
+        let mut a = Args::new()
+            .i(q0.cols)
+            .i(q0.half as usize)
+            .i(q0.g16 as usize)
+            .p(xq.q.ptr())
+            .p(xq.scale.ptr())
+            .p(xq.sum.ptr())
+            .p(xq.dsum.ptr())
+            .p(xq.sum16.ptr())
+            .i(n);
+        let mut blocks = 0;
+        for (q, (_, bias, out)) in qs.iter().zip(parts.iter()) {
+            assert!(out.len >= n * q.rows, "matmul: out holds {} values, {n}×{} needed", out.len, q.rows);
+            assert!(bias.is_none_or(|b| b.len == q.rows), "matmul_bias: the bias must hold one value per row");
+            blocks += q.rows.div_ceil(MM_ROWS);
+            a = a
+                .p(q.codes.ptr)
+                .p(q.scales.ptr)
+                .p(q.mins.as_ref().map_or(0, |m| m.ptr))
+                .i(q.rows)
+                .p(bias.map_or(0, |b| b.ptr()))
+                .p(out.ptr());
+        }
+        for _ in qs.len()..3 {
+            a = a.p(0).p(0).p(0).i(0).p(0).p(0);
+        }
+        self.launch(self.k.mm_q3[tile][if q0.packed4 { 0 } else { 1 }], (blocks, n.div_ceil(tt)), (32 * MM_ROWS) as u32, a);
+    }
+
+    fn matmul_bias(&self, w: &CudaWeights, x: &CudaBuf, xq: &CudaQAct, n: usize, bias: Option<&CudaBuf>, out: &mut CudaBuf) {
+        assert!(out.len >= n * w.rows(), "matmul: out holds {} values, {n}×{} needed", out.len, w.rows());
+        assert!(bias.is_none_or(|b| b.len == w.rows()), "matmul_bias: the bias must hold one value per row");
+        self.ctx.bind();
+        self.matmul_into(w, x, xq, n, out.ptr(), bias.map_or(0, |b| b.ptr()));
     }
 
     fn matmul(&self, w: &CudaWeights, x: &CudaBuf, xq: &CudaQAct, n: usize, out: &mut CudaBuf) {
         assert!(out.len >= n * w.rows(), "matmul: out holds {} values, {n}×{} needed", out.len, w.rows());
         self.ctx.bind();
-        self.matmul_into(w, x, xq, n, out.ptr());
+        self.matmul_into(w, x, xq, n, out.ptr(), 0);
     }
 
     fn matmul_to_host(&self, w: &CudaWeights, x: &CudaBuf, xq: &CudaQAct, n: usize, out: &mut [f32]) {
         assert_eq!(out.len(), n * w.rows(), "matmul_to_host: out must hold n × rows values");
         self.ctx.bind();
         let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let dev = s.logits.ensure(&self.ctx, 4 * out.len());
-        self.matmul_into(w, x, xq, n, dev);
-        self.dtoh(out, dev);
+        let dev = self.ensure(&mut s.logits, 4 * out.len(), false);
+        self.matmul_into(w, x, xq, n, dev, 0);
+        if s.pinned.as_ref().is_none_or(|p| p.len < out.len()) {
+            s.pinned = None;
+            let len = out.len().next_power_of_two();
+            // SAFETY: a page-locked host allocation in the bound context.
+            let ptr = check(unsafe { result::malloc_host(4 * len, 0) }, "page-locked allocation") as *mut f32;
+            s.pinned = Some(Pinned { ptr, len });
+        }
+        let p = s.pinned.as_ref().expect("allocated above");
+        // SAFETY: `p` holds `p.len >= out.len()` values and is used only here, under the scratch lock.
+        let staged = unsafe { std::slice::from_raw_parts_mut(p.ptr, out.len()) };
+        self.dtoh(staged, dev);
+        out.copy_from_slice(staged);
     }
 
     fn rms_norm(&self, x: &CudaBuf, row0: usize, n: usize, w: &CudaBuf, eps: f32, out: &mut CudaBuf) {
@@ -716,7 +1250,7 @@ impl Backend for Cuda {
         assert!(x.len >= (row0 + n) * d && out.len >= n * d, "rms_norm: buffers too short");
         self.ctx.bind();
         let a = Args::new().p(x.at(row0 * d)).p(out.ptr()).p(w.ptr()).i(d).f(eps).i(n);
-        self.launch(self.k.rms_norm, (n, 1), NORM_THREADS, a);
+        self.launch(self.k.rms_norm, (n, 1), norm_threads(d), a);
     }
 
     fn rms_norm_inplace(&self, x: &mut CudaBuf, len: usize, w: &CudaBuf, eps: f32) {
@@ -725,7 +1259,7 @@ impl Backend for Cuda {
         self.ctx.bind();
         let n = len / d;
         let a = Args::new().p(x.ptr()).p(x.ptr()).p(w.ptr()).i(d).f(eps).i(n);
-        self.launch(self.k.rms_norm, (n, 1), NORM_THREADS, a);
+        self.launch(self.k.rms_norm, (n, 1), norm_threads(d), a);
     }
 
     fn add_bias(&self, x: &mut CudaBuf, n: usize, b: &CudaBuf) {
@@ -760,23 +1294,82 @@ impl Backend for Cuda {
             return;
         }
         self.ctx.bind();
-        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let s = &mut *guard;
-        let mut pos = std::mem::take(&mut s.pos_host);
-        pos.clear();
-        pos.extend(positions.iter().map(|&p| i32::try_from(p).expect("position exceeds i32")));
-        let pos_dev = self.upload_cached(&mut s.positions, &mut s.last_positions, &pos);
-        s.pos_host = pos;
-        let freq_dev = self.upload_cached(&mut s.freq, &mut s.last_freq, &rope.inv_freq[..half]);
+        let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        s.pos_host.clear();
+        s.pos_host.extend(positions.iter().map(|&p| i32::try_from(p).expect("position exceeds i32")));
+        let pos_dev = self.stage(SLOT_POS, &s.pos_host);
+        let freq_dev = self.stage(SLOT_FREQ, &rope.inv_freq[..half]);
         let neox = (rope.mode == RopeMode::Neox) as usize;
         let a = Args::new().p(q.ptr()).i(q_width).p(k.ptr()).i(k_width).i(head_dim).i(n).p(pos_dev).p(freq_dev).i(half).i(neox);
         self.launch_1d(self.k.rope, n * (q_width / head_dim + k_width / head_dim) * half, a);
     }
 
+    #[allow(clippy::too_many_arguments)]
+    fn rope_store(
+        &self,
+        rope: &Rope,
+        q: &mut CudaBuf,
+        q_width: usize,
+        k: &mut CudaBuf,
+        v: &CudaBuf,
+        kv_width: usize,
+        head_dim: usize,
+        positions: &[usize],
+        kc: &mut CudaBuf,
+        vc: &mut CudaBuf,
+        row0: usize,
+    ) {
+        let n = positions.len();
+        let half = rope.rot_dims / 2;
+        if half == 0 || head_dim == 0 {
+            // Nothing to rotate: the plain stores.
+            self.store_rows(k, n, kv_width, kc, row0);
+            self.store_rows(v, n, kv_width, vc, row0);
+            return;
+        }
+        assert!(q.len >= n * q_width && k.len >= n * kv_width && v.len >= n * kv_width, "rope_store: buffers too short");
+        assert!(kc.len >= (row0 + n) * kv_width && vc.len >= (row0 + n) * kv_width, "rope_store: cache rows outside the cache");
+        assert!(rope.rot_dims <= head_dim && rope.inv_freq.len() >= half, "rope: rotated dims exceed the head");
+        assert!(q_width.is_multiple_of(head_dim) && kv_width.is_multiple_of(head_dim), "rope_store: widths must be whole heads");
+        if n == 0 {
+            return;
+        }
+        self.ctx.bind();
+        let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        s.pos_host.clear();
+        s.pos_host.extend(positions.iter().map(|&p| i32::try_from(p).expect("position exceeds i32")));
+        let pos_dev = self.stage(SLOT_POS, &s.pos_host);
+        let freq_dev = self.stage(SLOT_FREQ, &rope.inv_freq[..half]);
+        let row0_dev = self.stage(SLOT_ROW0, &[i32::try_from(row0).expect("row exceeds i32")]);
+        let neox = (rope.mode == RopeMode::Neox) as usize;
+        let a = Args::new()
+            .p(q.ptr())
+            .i(q_width)
+            .p(k.ptr())
+            .i(kv_width)
+            .i(head_dim)
+            .i(n)
+            .p(pos_dev)
+            .p(freq_dev)
+            .i(half)
+            .i(neox)
+            .p(v.ptr())
+            .p(kc.ptr())
+            .p(vc.ptr())
+            .p(row0_dev);
+        let threads = n * (q_width / head_dim * half + kv_width / head_dim * (head_dim - half) + kv_width);
+        self.launch_1d(self.k.rope_store, threads, a);
+    }
+
     fn store_rows(&self, src: &CudaBuf, n: usize, width: usize, dst: &mut CudaBuf, dst_row: usize) {
         assert!(src.len >= n * width && dst.len >= (dst_row + n) * width, "store_rows: buffers too short");
+        if n == 0 || width == 0 {
+            return;
+        }
         self.ctx.bind();
-        self.dtod(dst.at(dst_row * width), src.ptr(), n * width);
+        let row0 = self.stage(SLOT_ROW0, &[i32::try_from(dst_row).expect("row exceeds i32")]);
+        let a = Args::new().p(src.ptr()).l(n * width).i(width).p(dst.ptr()).p(row0);
+        self.launch_1d(self.k.store_rows, n * width, a);
     }
 
     fn copy_row(&self, buf: &mut CudaBuf, width: usize, src_row: usize, dst_row: usize) {
@@ -789,46 +1382,30 @@ impl Backend for Cuda {
     }
 
     fn attention(&self, s: &AttnShape, q: &CudaBuf, k: &CudaBuf, v: &CudaBuf, n_past: usize, t: usize, vis: Visibility, out: &mut CudaBuf) {
-        let qd = s.n_heads * s.head_dim;
-        assert!(q.len >= t * qd && out.len >= t * qd, "attention: q/out too short");
-        assert!(s.n_kv_heads > 0 && s.n_heads.is_multiple_of(s.n_kv_heads), "attention: heads must be a multiple of kv heads");
-        assert!(
-            s.head_dim.is_multiple_of(4) && s.head_dim <= ATT_MAX_HD,
-            "attention: head_dim {} (a multiple of 4 up to {ATT_MAX_HD})",
-            s.head_dim
-        );
-        if t == 0 {
-            return;
+        self.attention_into(s, q, k, v, n_past, t, vis, out, None);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention_quantize(
+        &self,
+        s: &AttnShape,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        n_past: usize,
+        t: usize,
+        vis: Visibility,
+        out: &mut CudaBuf,
+        w: &CudaWeights,
+        xq: &mut CudaQAct,
+    ) {
+        if s.head_dim.is_multiple_of(QK) {
+            self.attention_into(s, q, k, v, n_past, t, vis, out, Some((w, xq)));
+        } else {
+            // A head's outputs are not whole quantization groups: two launches.
+            self.attention_into(s, q, k, v, n_past, t, vis, out, None);
+            self.quantize(out, t, s.n_heads * s.head_dim, w, xq);
         }
-        self.ctx.bind();
-        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let sc = &mut *guard;
-        let (mut info, mut paths) = (std::mem::take(&mut sc.info_host), std::mem::take(&mut sc.paths_host));
-        let maxk = Cuda::key_lists(s, n_past, t, vis, &mut info, &mut paths);
-        let kvd = s.n_kv_heads * s.head_dim;
-        let rows_needed = info.chunks_exact(4).map(|c| c[1] as usize).chain(paths.iter().map(|&r| r as usize + 1)).max().unwrap_or(0);
-        assert!(k.len >= rows_needed * kvd && v.len >= rows_needed * kvd, "attention: the cache holds fewer rows than the queries see");
-        let info_dev = self.upload_cached(&mut sc.info, &mut sc.last_info, &info);
-        let paths_dev =
-            if paths.is_empty() { sc.paths.ensure(&self.ctx, 4) } else { self.upload_cached(&mut sc.paths, &mut sc.last_paths, &paths) };
-        let scores = sc.scores.ensure(&self.ctx, 4 * t * s.n_heads * maxk.max(1));
-        sc.info_host = info;
-        sc.paths_host = paths;
-        let a = Args::new()
-            .p(q.ptr())
-            .p(k.ptr())
-            .p(v.ptr())
-            .p(out.ptr())
-            .p(info_dev)
-            .p(paths_dev)
-            .p(scores)
-            .i(maxk.max(1))
-            .i(s.n_heads)
-            .i(s.n_kv_heads)
-            .i(s.head_dim)
-            .f(s.scale)
-            .f(s.softcap.unwrap_or(0.0));
-        self.launch(self.k.attention, (s.n_heads, t), ATT_THREADS, a);
     }
 
     fn read(&self, buf: &CudaBuf, row0: usize, n: usize, width: usize, out: &mut Vec<f32>) {
@@ -848,6 +1425,8 @@ impl Backend for Cuda {
     fn write(&self, host: &[f32], dst: &mut CudaBuf) {
         assert!(dst.len >= host.len(), "write: destination too short");
         self.ctx.bind();
+        // Queued work may read or write `dst`: run it first.
+        self.ctx.flush();
         self.htod(dst.ptr(), host);
     }
 

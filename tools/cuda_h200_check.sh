@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The CUDA backend's checks and timings on a lent GPU machine, in one call (docs/cuda.md, "Running them on the
+# lent H200"). Run from the repository root on the GPU machine, after the model pieces were appended to
+# $STAGE/<name>.gguf by earlier calls (`cat <carried piece> >> $STAGE/<name>.gguf`, one call per piece).
+#
+#   tools/cuda_h200_check.sh TEST_BINARY STAGE_DIR SHA256_OF_THE_0.5B [LLAMA_TGZ]
+#
+# Runs: the GPU tests (parity, products, batch invariance, the Qwen2.5-Coder-0.5B model test, one at a time),
+# the decode / verify-curve / prefill timing with CUDA graphs and without (EDDY_CUDA_GRAPHS=0), and, when
+# given llama.cpp's build for the GPU, llama-bench on the same GGUF (tg128, pp512). Output goes to stdout and
+# to $OUT/check.log when $OUT is set.
+set -u -o pipefail
+bin=$1 stage=$2 sha=$3 llama=${4:-}
+log=${OUT:-/tmp}/check.log
+exec > >(tee "$log") 2>&1
+model=$stage/qwen2.5-coder-0.5b-instruct.gguf
+echo "== model: $(sha256sum "$model" | cut -c1-64) (want $sha)"
+[ "$(sha256sum "$model" | cut -c1-64)" = "$sha" ] || { echo "model checksum mismatch"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw --format=csv
+export EDDY_MODELS=$stage
+echo "== GPU tests"
+"$bin" --ignored --test-threads 1 --skip timing --skip smollm2 --skip gemma3 --nocapture 2>&1 | grep -v "^$"
+echo "== timing, graphs on"
+"$bin" --ignored --test-threads 1 --nocapture decode_and_verify_timing 2>&1 | grep -E "decode|verify|queue|prefill|graph"
+echo "== timing, graphs off"
+EDDY_CUDA_GRAPHS=0 "$bin" --ignored --test-threads 1 --nocapture decode_and_verify_timing 2>&1 | grep -E "decode|verify|queue|prefill|graph"
+if [ -n "$llama" ]; then
+    echo "== llama-bench"
+    tar xzf "$llama" -C /tmp && LD_LIBRARY_PATH=/tmp/bin /tmp/bin/llama-bench -m "$model" -ngl 99 -fa 1 -p 512 -n 128 -r 5
+fi
