@@ -33,7 +33,7 @@ enum Cmd {
     /// Perplexity of a text file: non-overlapping windows of --ctx tokens, tokens 1..n-1 of each scored.
     #[command(allow_negative_numbers = true)]
     Perplexity(PplArgs),
-    /// Re-quantize a Hugging Face model folder into eddy's M (int4) or L (int8) format with the block
+    /// Re-quantize a GGUF file or a Hugging Face model folder into eddy's M (int4) or L (int8) format with the block
     /// Hadamard rotation, written as an eddy model folder (docs/quant-formats.md) that --model loads.
     Quantize(QuantizeArgs),
     /// Raw model speed like llama-bench: prefill of -p tokens and decode of -n tokens (synthetic token
@@ -276,7 +276,7 @@ fn attach_speculators(engine: &mut Engine, a: &SpecArgs, kind: Option<Speculator
 
 #[derive(Args)]
 struct QuantizeArgs {
-    /// Source model: a Hugging Face safetensors folder (llama, qwen2, qwen3, gemma3).
+    /// Source model: a GGUF file or a Hugging Face safetensors folder (llama, qwen2, qwen3, gemma3).
     #[arg(long)]
     model: String,
     /// m: 4-bit codes with an f16 scale and offset per group; l: 8-bit symmetric codes.
@@ -783,7 +783,7 @@ fn perplexity(a: PplArgs) -> eddy::Result<()> {
 }
 
 fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
-    use eddy::models::quantize::{quantize_model, write_folder, QuantizeOptions};
+    use eddy::models::quantize::{gguf_to_hf_layout, quantize_model, write_folder, QuantizeOptions, Source};
     use eddy::quant::rtn::{Format, GROUPS};
     let format = match a.format.to_ascii_lowercase().as_str() {
         "m" => Format::M,
@@ -797,20 +797,34 @@ fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
         return Err(bad(&a.out.display().to_string(), "already exists (eddy quantize never overwrites)"));
     }
     let src = std::path::Path::new(&a.model);
-    if !src.is_dir() {
-        let what = if src.extension().is_some_and(|e| e == "gguf") {
-            "GGUF sources are not supported yet: give a Hugging Face safetensors folder"
-        } else if src.exists() {
-            "unknown source type: give a Hugging Face safetensors folder (config.json, model.safetensors, tokenizer.json)"
+    let is_gguf = src.is_file()
+        && std::fs::File::open(src)
+            .and_then(|mut f| {
+                let mut magic = [0u8; 4];
+                std::io::Read::read_exact(&mut f, &mut magic).map(|()| &magic == b"GGUF")
+            })
+            .unwrap_or(false);
+    if is_gguf {
+        // Cheap checks before the slow load: a truncated file or an unknown/hybrid architecture.
+        let g = eddy::gguf::GgufFile::open(src)?;
+        let config = eddy::models::config_from_gguf(&g)?;
+        if config.arch == eddy::models::Arch::Qwen35 {
+            return Err(bad(&a.model, "hybrid (Qwen3.5) models cannot be written as eddy folders yet"));
+        }
+    } else if !src.is_dir() {
+        let what = if src.exists() {
+            "unknown source type: give a GGUF file or a Hugging Face safetensors folder (config.json, model.safetensors, tokenizer.json)"
         } else {
-            "no such folder"
+            "no such file or folder"
         };
         return Err(bad(&a.model, what));
-    }
-    if eddy::models::qwen35::is_qwen35_dir(src) {
+    } else if eddy::models::qwen35::is_qwen35_dir(src) {
         return Err(bad(&a.model, "hybrid (Qwen3.5) models cannot be written as eddy folders yet"));
     }
     let mut lm = load_with_progress(Some(&a.model), Quant::None)?;
+    if is_gguf {
+        gguf_to_hf_layout(&mut lm.model)?;
+    }
     let opts = QuantizeOptions { format, group: a.group, rotate: !a.no_rotation, seed: a.seed };
     let bar = indicatif::ProgressBar::with_draw_target(None, indicatif::ProgressDrawTarget::stderr());
     bar.set_style(
@@ -822,7 +836,12 @@ fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
         bar.set_position(done as u64);
     });
     bar.finish_and_clear();
-    write_folder(src, &lm.model, &opts, &a.out)?;
+    let source = if is_gguf {
+        Source::Gguf { tokenizer: &lm.tokenizer, chat_template: lm.template.as_ref().map(|t| t.source()) }
+    } else {
+        Source::Hf(src)
+    };
+    write_folder(source, &lm.model, &opts, &a.out)?;
     print_line(&format!("wrote {} ({:.3} bits per weight over the matrices)", a.out.display(), bpw))
 }
 
