@@ -3,17 +3,22 @@
 
 Every real model here is already 4-6-bit, so a format that happens to reproduce the source's own grid scores
 a near-zero KL that says nothing about the format. This script dequantizes every quantized tensor (gguf-py's
-reference dequantization), adds seeded Gaussian noise of standard deviation `--noise` (default 0.5) times
-the source's quantization step of each block of 32 values, and writes the result as F16 (the 2-D matrices)
+reference dequantization), adds seeded noise to each block of 32 values, and writes the result as F16 (the 2-D matrices)
 with the 1-D tensors (norms, biases) and F32/F16 tensors copied unchanged, all metadata copied, and
 `general.file_type` set to 1 (mostly F16).
+
+Noise: uniform in ±`--noise`·step (default 0.5: ±half a step, the source's own rounding error; its
+characteristic function sinc(k) vanishes at every integer frequency k, so the values keep no trace of a
+grid of that step, at the least noise that achieves this: rms 0.29 step), or with `--dist gaussian` normal
+with standard deviation `--noise`·step (at 0.5 it erases the grid too but adds 1.7× the rms and damages
+the model more: on Qwen2.5-Coder-1.5B KL 0.125 against the original).
 
 Step of a block of 32 values: (max - min) / (2^bits - 1) of its dequantized values, bits the code width of
 the tensor's type (Q4_0/Q4_1/Q4_K 4, Q5_0/Q5_1/Q5_K 5, Q6_K 6, Q8_0 8, Q2_K 2, Q3_K 3): the spacing of
 the grid's codes if the block used its full range (k-quants' sub-blocks of 16/32 have their own scales; the
 block range is an upper bound of their step).
 
-usage: make_gridfree_gguf.py SRC.gguf OUT.gguf [--seed 14] [--noise 0.5]
+usage: make_gridfree_gguf.py SRC.gguf OUT.gguf [--seed 14] [--noise 0.5] [--dist uniform|gaussian]
 needs: pip install gguf numpy (in a venv outside the repository)
 """
 
@@ -33,7 +38,8 @@ def main():
     ap.add_argument("src")
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=14)
-    ap.add_argument("--noise", type=float, default=0.5, help="noise std-dev in units of the block's step")
+    ap.add_argument("--noise", type=float, default=0.5, help="half-width (uniform) or std-dev (gaussian), in steps")
+    ap.add_argument("--dist", choices=["uniform", "gaussian"], default="uniform")
     a = ap.parse_args()
     if os.path.exists(a.out):
         sys.exit(f"{a.out} exists")
@@ -57,7 +63,11 @@ def main():
         if qt in BITS:
             x = gguf.quants.dequantize(t.data, qt).astype(np.float32).reshape(-1, 32)
             step = (x.max(axis=1) - x.min(axis=1)) / float(2 ** BITS[qt] - 1)
-            noise = rng.standard_normal(x.shape, dtype=np.float32) * (a.noise * step)[:, None]
+            if a.dist == "uniform":
+                u = rng.random(x.shape, dtype=np.float32) * 2.0 - 1.0
+            else:
+                u = rng.standard_normal(x.shape, dtype=np.float32)
+            noise = u * (a.noise * step)[:, None]
             total_sq[qt.name] = total_sq.get(qt.name, 0.0) + float((noise.astype(np.float64) ** 2).sum())
             total_n[qt.name] = total_n.get(qt.name, 0) + x.size
             y = (x + noise).reshape(shape)

@@ -310,8 +310,13 @@ struct PplArgs {
     /// A base model (GGUF file, model folder or hub id) to compare against on the same text: KL
     /// divergence of the model's next-token distributions from the base's (mean, median, p99, max, in
     /// nats) and top-1 agreement, like llama-perplexity's --kl-divergence. Same tokenizer required.
+    /// BASE may also be a logits file written by --save-logits for the same text and --ctx.
     #[arg(long, value_name = "BASE")]
     kl_base: Option<String>,
+    /// Also write the model's logits over the text's windows to FILE (f32, vocabulary × scored
+    /// positions: 2.4 GB per 4k tokens of a 152k vocabulary), for later runs' --kl-base FILE.
+    #[arg(long, value_name = "FILE", conflicts_with = "kl_base")]
+    save_logits: Option<std::path::PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -740,15 +745,29 @@ fn perplexity(a: PplArgs) -> eddy::Result<()> {
     if tokens.len() < 2 {
         return Err(bad(&file, format!("{} token(s): nothing to score (at least 2 are needed)", tokens.len())));
     }
+    if let Some(path) = &a.save_logits {
+        engine.save_logits(&tokens, window, path)?;
+    }
+    let logits_file = a.kl_base.as_ref().map(std::path::Path::new).filter(|p| {
+        let mut magic = [0u8; 8];
+        p.is_file()
+            && std::fs::File::open(p).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic)).is_ok()
+            && &magic == eddy::engine::LOGITS_MAGIC
+    });
     if let Some(base) = &a.kl_base {
-        let lm = load_with_progress(Some(base), Quant::default())?;
-        let base_tokens = lm.tokenizer.encode(&text, true)?;
-        if base_tokens != tokens {
-            return Err(bad("--kl-base", "the base model tokenizes the text differently (a model with the same tokenizer is needed)"));
-        }
-        let opts = EngineOptions { threads: threads_for(a.model.threads)?, ctx: window, ..Default::default() };
-        let mut base_engine = Engine::on_device(lm, &opts, a.model.device).map_err(|e| bad("--device", e))?;
-        let r = engine.kl_divergence(&mut base_engine, &tokens, window).map_err(|e| match e {
+        let r = if let Some(path) = logits_file {
+            engine.kl_divergence_file(path, &tokens, window)
+        } else {
+            let lm = load_with_progress(Some(base), Quant::default())?;
+            let base_tokens = lm.tokenizer.encode(&text, true)?;
+            if base_tokens != tokens {
+                return Err(bad("--kl-base", "the base model tokenizes the text differently (a model with the same tokenizer is needed)"));
+            }
+            let opts = EngineOptions { threads: threads_for(a.model.threads)?, ctx: window, ..Default::default() };
+            let mut base_engine = Engine::on_device(lm, &opts, a.model.device).map_err(|e| bad("--device", e))?;
+            engine.kl_divergence(&mut base_engine, &tokens, window)
+        };
+        let r = r.map_err(|e| match e {
             eddy::Error::Input(m) => bad("--kl-base", m),
             e => e,
         })?;

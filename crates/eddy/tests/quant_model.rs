@@ -102,6 +102,24 @@ fn kl_divergence_report_matches_a_direct_computation() {
     let (mut same, _) = engine(None).unwrap();
     let zero = same.kl_divergence(&mut base, &tokens, window).unwrap();
     assert!(zero.kl_max < 1e-9 && zero.top1 == 1.0 && zero.perplexity == zero.base_perplexity, "{zero:?}");
+    // The base's logits saved once (eddy perplexity --save-logits) give the identical report; a file for
+    // another window or text, a truncated one or another kind of file are refused.
+    let path = std::env::temp_dir().join(format!("eddy-logits-{}.bin", std::process::id()));
+    base.save_logits(&tokens, window, &path).unwrap();
+    let from_file = q.kl_divergence_file(&path, &tokens, window).unwrap();
+    assert_eq!(from_file, rep);
+    assert!(q.kl_divergence_file(&path, &tokens, window + 1).is_err());
+    assert!(q.kl_divergence_file(&path, &tokens[1..], window).is_err());
+    let mut other = tokens.clone();
+    other[3] ^= 1;
+    assert!(q.kl_divergence_file(&path, &other, window).is_err());
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() - 4]).unwrap();
+    let e = q.kl_divergence_file(&path, &tokens, window).unwrap_err().to_string();
+    assert!(e.contains("truncated"), "{e}");
+    std::fs::write(&path, b"GGUF and more bytes than a header needs, but not a logits file").unwrap();
+    assert!(q.kl_divergence_file(&path, &tokens, window).is_err());
+    let _ = std::fs::remove_file(&path);
 }
 
 /// SmolLM2 made grid-free: every matrix dequantized to f32 with seeded uniform noise of ±½ its source

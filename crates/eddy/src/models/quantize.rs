@@ -6,9 +6,10 @@
 //! quantization serves them: q/k/v, gate/up, the Gated DeltaNet input projections); every input site gets
 //! its own signs, and every matrix its own output signs, all drawn from one seed. The embedding and the
 //! LM head are rotated on the input side only (an embedding lookup then undoes the rotation of one row:
-//! `D_in·H·row`), and are stored in L (int8) under either format (llama.cpp's 4-bit types likewise keep
-//! the output matrix at 6-8 bits; requantizing SmolLM2-135M's tied embedding to 4 bits alone costs
-//! several times the KL of all the other matrices).
+//! `D_in·H·row`); the LM head (a tied embedding included) is stored in L (int8) under either format
+//! (llama.cpp's 4-bit types likewise keep the output matrix at 6-8 bits; requantizing SmolLM2-135M's tied
+//! embedding to 4 bits alone costs several times the KL of all the other matrices), an untied embedding in
+//! the asked format (it is only looked up, as llama.cpp's Q4_K_M keeps `token_embd` in Q4_K).
 //!
 //! The folder ([`write_folder`]) is a Hugging Face folder; a model loaded from a GGUF file is first put in
 //! Hugging Face conventions ([`gguf_to_hf_layout`]) and its config and tokenizer files are made from what
@@ -47,11 +48,13 @@ fn site_signs(opts: &QuantizeOptions, site: u64, n: usize) -> Arc<Signs> {
     Arc::new(Signs::random(n, splitmix64(&mut s)))
 }
 
-/// One matrix to convert: where it is, its input site, whether its output side is rotated.
+/// One matrix to convert: where it is, its input site, whether its output side is rotated, whether it is
+/// the LM head (stored in L under either format).
 struct Job<'a> {
     w: &'a mut WeightMatrix,
     site: u64,
     output: bool,
+    head: bool,
 }
 
 /// Re-quantize every matrix of `model` to `opts` (see the module docs), then upload them to the CPU
@@ -62,15 +65,16 @@ pub fn quantize_model(model: &mut Model, opts: &QuantizeOptions, progress: &mut 
     const HEAD: u64 = u64::MAX;
     let n_layers = model.layers.len() as u64;
     let mut jobs: Vec<Job> = Vec::new();
-    jobs.push(Job { w: &mut model.embed, site: HEAD, output: false });
+    let tied = model.output.is_none();
+    jobs.push(Job { w: &mut model.embed, site: HEAD, output: false, head: tied });
     if let Some(o) = &mut model.output {
-        jobs.push(Job { w: o, site: HEAD, output: false });
+        jobs.push(Job { w: o, site: HEAD, output: false, head: true });
     }
     let mtp = model.mtp.as_mut().map(|m| (&mut m.fc, &mut m.layer));
     let layers = model.layers.iter_mut().enumerate().map(|(l, layer)| (l as u64, layer));
     let mut all_layers: Vec<(u64, &mut super::Layer)> = layers.collect();
     if let Some((fc, layer)) = mtp {
-        jobs.push(Job { w: fc, site: 4 * (n_layers + 1), output: true });
+        jobs.push(Job { w: fc, site: 4 * (n_layers + 1), output: true, head: false });
         all_layers.push((n_layers, layer));
     }
     for (l, layer) in all_layers {
@@ -78,20 +82,20 @@ pub fn quantize_model(model: &mut Model, opts: &QuantizeOptions, progress: &mut 
         match &mut layer.mixer {
             Mixer::Attention(a) => {
                 for w in [&mut a.wq, &mut a.wk, &mut a.wv] {
-                    jobs.push(Job { w, site: a_in, output: true });
+                    jobs.push(Job { w, site: a_in, output: true, head: false });
                 }
-                jobs.push(Job { w: &mut a.wo, site: a_out, output: true });
+                jobs.push(Job { w: &mut a.wo, site: a_out, output: true, head: false });
             }
             Mixer::DeltaNet(g) => {
                 for w in [&mut g.w_qkv, &mut g.w_z, &mut g.w_b, &mut g.w_a] {
-                    jobs.push(Job { w, site: a_in, output: true });
+                    jobs.push(Job { w, site: a_in, output: true, head: false });
                 }
-                jobs.push(Job { w: &mut g.w_out, site: a_out, output: true });
+                jobs.push(Job { w: &mut g.w_out, site: a_out, output: true, head: false });
             }
         }
-        jobs.push(Job { w: &mut layer.w_gate, site: f_in, output: true });
-        jobs.push(Job { w: &mut layer.w_up, site: f_in, output: true });
-        jobs.push(Job { w: &mut layer.w_down, site: f_down, output: true });
+        jobs.push(Job { w: &mut layer.w_gate, site: f_in, output: true, head: false });
+        jobs.push(Job { w: &mut layer.w_up, site: f_in, output: true, head: false });
+        jobs.push(Job { w: &mut layer.w_down, site: f_down, output: true, head: false });
     }
     let total = jobs.len();
     let (mut bits, mut weights) = (0f64, 0f64);
@@ -102,9 +106,10 @@ pub fn quantize_model(model: &mut Model, opts: &QuantizeOptions, progress: &mut 
             job.w.dequant_row(r, row);
         }
         let group = [opts.group, 64, 32].into_iter().find(|&g| g <= opts.group && cols.is_multiple_of(g));
-        // The vocabulary matrices (embedding, LM head) stay at 8 bits: the most sensitive matrix, as
-        // llama.cpp keeps its output at 6-8 bits in every 4-bit type.
-        let format = if job.site == HEAD { Format::L } else { opts.format };
+        // The LM head (and a tied embedding) stays at 8 bits: the most sensitive matrix, as llama.cpp
+        // keeps its output at 6-8 bits in every 4-bit type. An untied embedding (only looked up, one row
+        // per token) takes the format, as llama.cpp's Q4_K_M stores token_embd in Q4_K.
+        let format = if job.head { Format::L } else { opts.format };
         let new = match group {
             Some(group) => {
                 let rotation = if opts.rotate {
