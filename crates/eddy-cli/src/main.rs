@@ -33,7 +33,7 @@ enum Cmd {
     /// Perplexity of a text file: non-overlapping windows of --ctx tokens, tokens 1..n-1 of each scored.
     #[command(allow_negative_numbers = true)]
     Perplexity(PplArgs),
-    /// Re-quantize a Hugging Face model folder into eddy's M (int4) or L (int8) format with the block
+    /// Re-quantize a GGUF file or a Hugging Face model folder into eddy's M (int4) or L (int8) format with the block
     /// Hadamard rotation, written as an eddy model folder (docs/quant-formats.md) that --model loads.
     Quantize(QuantizeArgs),
     /// Raw model speed like llama-bench: prefill of -p tokens and decode of -n tokens (synthetic token
@@ -276,7 +276,7 @@ fn attach_speculators(engine: &mut Engine, a: &SpecArgs, kind: Option<Speculator
 
 #[derive(Args)]
 struct QuantizeArgs {
-    /// Source model: a Hugging Face safetensors folder (llama, qwen2, qwen3, gemma3).
+    /// Source model: a GGUF file or a Hugging Face safetensors folder (llama, qwen2, qwen3, gemma3).
     #[arg(long)]
     model: String,
     /// m: 4-bit codes with an f16 scale and offset per group; l: 8-bit symmetric codes.
@@ -310,8 +310,13 @@ struct PplArgs {
     /// A base model (GGUF file, model folder or hub id) to compare against on the same text: KL
     /// divergence of the model's next-token distributions from the base's (mean, median, p99, max, in
     /// nats) and top-1 agreement, like llama-perplexity's --kl-divergence. Same tokenizer required.
+    /// BASE may also be a logits file written by --save-logits for the same text and --ctx.
     #[arg(long, value_name = "BASE")]
     kl_base: Option<String>,
+    /// Also write the model's logits over the text's windows to FILE (f32, vocabulary × scored
+    /// positions: 2.4 GB per 4k tokens of a 152k vocabulary), for later runs' --kl-base FILE.
+    #[arg(long, value_name = "FILE", conflicts_with = "kl_base")]
+    save_logits: Option<std::path::PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -740,15 +745,29 @@ fn perplexity(a: PplArgs) -> eddy::Result<()> {
     if tokens.len() < 2 {
         return Err(bad(&file, format!("{} token(s): nothing to score (at least 2 are needed)", tokens.len())));
     }
+    if let Some(path) = &a.save_logits {
+        engine.save_logits(&tokens, window, path)?;
+    }
+    let logits_file = a.kl_base.as_ref().map(std::path::Path::new).filter(|p| {
+        let mut magic = [0u8; 8];
+        p.is_file()
+            && std::fs::File::open(p).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic)).is_ok()
+            && &magic == eddy::engine::LOGITS_MAGIC
+    });
     if let Some(base) = &a.kl_base {
-        let lm = load_with_progress(Some(base), Quant::default())?;
-        let base_tokens = lm.tokenizer.encode(&text, true)?;
-        if base_tokens != tokens {
-            return Err(bad("--kl-base", "the base model tokenizes the text differently (a model with the same tokenizer is needed)"));
-        }
-        let opts = EngineOptions { threads: threads_for(a.model.threads)?, ctx: window, ..Default::default() };
-        let mut base_engine = Engine::on_device(lm, &opts, a.model.device).map_err(|e| bad("--device", e))?;
-        let r = engine.kl_divergence(&mut base_engine, &tokens, window).map_err(|e| match e {
+        let r = if let Some(path) = logits_file {
+            engine.kl_divergence_file(path, &tokens, window)
+        } else {
+            let lm = load_with_progress(Some(base), Quant::default())?;
+            let base_tokens = lm.tokenizer.encode(&text, true)?;
+            if base_tokens != tokens {
+                return Err(bad("--kl-base", "the base model tokenizes the text differently (a model with the same tokenizer is needed)"));
+            }
+            let opts = EngineOptions { threads: threads_for(a.model.threads)?, ctx: window, ..Default::default() };
+            let mut base_engine = Engine::on_device(lm, &opts, a.model.device).map_err(|e| bad("--device", e))?;
+            engine.kl_divergence(&mut base_engine, &tokens, window)
+        };
+        let r = r.map_err(|e| match e {
             eddy::Error::Input(m) => bad("--kl-base", m),
             e => e,
         })?;
@@ -783,7 +802,7 @@ fn perplexity(a: PplArgs) -> eddy::Result<()> {
 }
 
 fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
-    use eddy::models::quantize::{quantize_model, write_folder, QuantizeOptions};
+    use eddy::models::quantize::{gguf_to_hf_layout, quantize_model, write_folder, QuantizeOptions, Source};
     use eddy::quant::rtn::{Format, GROUPS};
     let format = match a.format.to_ascii_lowercase().as_str() {
         "m" => Format::M,
@@ -797,20 +816,34 @@ fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
         return Err(bad(&a.out.display().to_string(), "already exists (eddy quantize never overwrites)"));
     }
     let src = std::path::Path::new(&a.model);
-    if !src.is_dir() {
-        let what = if src.extension().is_some_and(|e| e == "gguf") {
-            "GGUF sources are not supported yet: give a Hugging Face safetensors folder"
-        } else if src.exists() {
-            "unknown source type: give a Hugging Face safetensors folder (config.json, model.safetensors, tokenizer.json)"
+    let is_gguf = src.is_file()
+        && std::fs::File::open(src)
+            .and_then(|mut f| {
+                let mut magic = [0u8; 4];
+                std::io::Read::read_exact(&mut f, &mut magic).map(|()| &magic == b"GGUF")
+            })
+            .unwrap_or(false);
+    if is_gguf {
+        // Cheap checks before the slow load: a truncated file or an unknown/hybrid architecture.
+        let g = eddy::gguf::GgufFile::open(src)?;
+        let config = eddy::models::config_from_gguf(&g)?;
+        if config.arch == eddy::models::Arch::Qwen35 {
+            return Err(bad(&a.model, "hybrid (Qwen3.5) models cannot be written as eddy folders yet"));
+        }
+    } else if !src.is_dir() {
+        let what = if src.exists() {
+            "unknown source type: give a GGUF file or a Hugging Face safetensors folder (config.json, model.safetensors, tokenizer.json)"
         } else {
-            "no such folder"
+            "no such file or folder"
         };
         return Err(bad(&a.model, what));
-    }
-    if eddy::models::qwen35::is_qwen35_dir(src) {
+    } else if eddy::models::qwen35::is_qwen35_dir(src) {
         return Err(bad(&a.model, "hybrid (Qwen3.5) models cannot be written as eddy folders yet"));
     }
     let mut lm = load_with_progress(Some(&a.model), Quant::None)?;
+    if is_gguf {
+        gguf_to_hf_layout(&mut lm.model)?;
+    }
     let opts = QuantizeOptions { format, group: a.group, rotate: !a.no_rotation, seed: a.seed };
     let bar = indicatif::ProgressBar::with_draw_target(None, indicatif::ProgressDrawTarget::stderr());
     bar.set_style(
@@ -822,7 +855,12 @@ fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
         bar.set_position(done as u64);
     });
     bar.finish_and_clear();
-    write_folder(src, &lm.model, &opts, &a.out)?;
+    let source = if is_gguf {
+        Source::Gguf { tokenizer: &lm.tokenizer, chat_template: lm.template.as_ref().map(|t| t.source()) }
+    } else {
+        Source::Hf(src)
+    };
+    write_folder(source, &lm.model, &opts, &a.out)?;
     print_line(&format!("wrote {} ({:.3} bits per weight over the matrices)", a.out.display(), bpw))
 }
 

@@ -172,9 +172,10 @@ fn missing_default_model_is_downloaded_unless_offline() {
     assert_eq!(std::fs::read_dir(&empty).unwrap().count(), 0);
 }
 
-/// `eddy quantize`: unknown source type, a GGUF source, a folder without tokenizer, an existing output
-/// and a bad format get a one-line error and exit 2 and leave no output (nor temporary) behind; a good
-/// run writes a folder that `eddy perplexity --kl-base SRC` reads (same tokenizer, finite small KL).
+/// `eddy quantize`: unknown source type, a truncated GGUF, a GGUF of an unknown architecture, a folder
+/// without tokenizer, an existing output and a bad format get a one-line error and exit 2 and leave no
+/// output (nor temporary) behind; a good run writes a folder that `eddy perplexity --kl-base SRC` reads
+/// (same tokenizer, finite small KL).
 #[test]
 fn quantize_bad_inputs_and_a_good_run() {
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../eddy/tests/fixtures/hf/llama");
@@ -197,8 +198,22 @@ fn quantize_bad_inputs_and_a_good_run() {
     }
     let gguf = dir.join("m.gguf");
     std::fs::write(&gguf, b"GGUF").unwrap();
+    // A well-formed GGUF header naming an architecture eddy does not know.
+    let mamba = dir.join("mamba.gguf");
+    let mut b = b"GGUF".to_vec();
+    b.extend(3u32.to_le_bytes());
+    b.extend(0u64.to_le_bytes());
+    b.extend(1u64.to_le_bytes());
+    let key = b"general.architecture";
+    b.extend((key.len() as u64).to_le_bytes());
+    b.extend(key);
+    b.extend(8u32.to_le_bytes());
+    b.extend(5u64.to_le_bytes());
+    b.extend(b"mamba");
+    std::fs::write(&mamba, &b).unwrap();
     fails(&["quantize", "--model", "/etc/hostname", "--format", "m", "-o", o], "unknown source type");
-    fails(&["quantize", "--model", gguf.to_str().unwrap(), "--format", "m", "-o", o], "GGUF sources are not supported");
+    fails(&["quantize", "--model", gguf.to_str().unwrap(), "--format", "m", "-o", o], "truncated");
+    fails(&["quantize", "--model", mamba.to_str().unwrap(), "--format", "m", "-o", o], "unknown architecture 'mamba'");
     fails(&["quantize", "--model", notok.to_str().unwrap(), "--format", "l", "-o", o], "tokenizer.json");
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "x", "-o", o], "--format");
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--group", "48", "-o", o], "--group");

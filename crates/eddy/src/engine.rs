@@ -881,11 +881,87 @@ impl Engine {
                 return Err(Error::Input(format!("perplexity window of {window} tokens: must be 2 to the context of {}", e.ctx())));
             }
         }
+        self.kl_against(&mut |w| base.score(w), tokens, window)
+    }
+
+    /// Write this model's logits over `tokens` to `path`, for [`Engine::kl_divergence_file`] (a base model
+    /// scored once, compared with many models): windows and positions as in [`Engine::perplexity`]. Layout
+    /// (little-endian): the 8 bytes [`LOGITS_MAGIC`], u64 vocabulary size, u64 window, u64 token count, the
+    /// tokens as u32, then per window of at least 2 tokens its first `len − 1` rows of `vocab` f32 logits.
+    /// Written to `path` + `.tmp` and renamed.
+    ///
+    /// Errors: as [`Engine::perplexity`]; an I/O failure.
+    pub fn save_logits(&mut self, tokens: &[u32], window: usize, path: &std::path::Path) -> Result<()> {
+        use std::io::Write;
+        if window < 2 || window > self.ctx() {
+            return Err(Error::Input(format!("perplexity window of {window} tokens: must be 2 to the context of {}", self.ctx())));
+        }
+        let vocab = self.lm.model.config.vocab_size;
+        let tmp = path.with_extension("tmp");
+        let io = |e: std::io::Error| Error::Io { path: tmp.clone(), source: e };
+        let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp).map_err(io)?);
+        f.write_all(LOGITS_MAGIC).map_err(io)?;
+        for v in [vocab as u64, window as u64, tokens.len() as u64] {
+            f.write_all(&v.to_le_bytes()).map_err(io)?;
+        }
+        let tb: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        f.write_all(&tb).map_err(io)?;
+        for w in tokens.chunks(window).filter(|w| w.len() >= 2) {
+            let logits = self.score(w)?;
+            let rows: Vec<u8> = logits[..(w.len() - 1) * vocab].iter().flat_map(|x| x.to_le_bytes()).collect();
+            f.write_all(&rows).map_err(io)?;
+        }
+        f.into_inner().map_err(|e| io(e.into_error()))?.sync_all().map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(|e| Error::Io { path: path.to_path_buf(), source: e })
+    }
+
+    /// [`Engine::kl_divergence`] against a base model's logits written by [`Engine::save_logits`] for the
+    /// same `tokens` and `window`: the same report, numbers identical to comparing with the base engine.
+    ///
+    /// Errors: a file that is not such a logits file, is truncated, or was written for another vocabulary
+    /// size, window or token sequence ([`Error::Model`] naming it); as [`Engine::perplexity`].
+    pub fn kl_divergence_file(&mut self, path: &std::path::Path, tokens: &[u32], window: usize) -> Result<KlReport> {
+        use std::io::Read;
+        let bad = |m: String| Error::model(path, m);
+        let mut f = std::io::BufReader::new(std::fs::File::open(path).map_err(|e| bad(format!("cannot open: {e}")))?);
+        let mut head = [0u8; 32];
+        f.read_exact(&mut head).map_err(|_| bad("not an eddy logits file (too short)".into()))?;
+        if &head[..8] != LOGITS_MAGIC {
+            return Err(bad("not an eddy logits file (eddy perplexity --save-logits writes them)".into()));
+        }
+        let u = |i: usize| u64::from_le_bytes(head[8 + 8 * i..16 + 8 * i].try_into().unwrap_or_default()) as usize;
+        let (vocab, file_window, n) = (u(0), u(1), u(2));
+        let want_vocab = self.lm.model.config.vocab_size;
+        if vocab != want_vocab || file_window != window || n != tokens.len() {
+            return Err(bad(format!(
+                "written for vocabulary {vocab}, window {file_window}, {n} tokens; this run has {want_vocab}, {window}, {}",
+                tokens.len()
+            )));
+        }
+        if window < 2 || window > self.ctx() {
+            return Err(Error::Input(format!("perplexity window of {window} tokens: must be 2 to the context of {}", self.ctx())));
+        }
+        let mut tb = vec![0u8; 4 * n];
+        f.read_exact(&mut tb).map_err(|_| bad("truncated".into()))?;
+        if tb.chunks_exact(4).zip(tokens).any(|(b, &t)| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) != t) {
+            return Err(bad("written for another text (its tokens differ)".into()));
+        }
+        let mut read_rows = |w: &[u32]| -> Result<Vec<f32>> {
+            let mut b = vec![0u8; 4 * (w.len() - 1) * vocab];
+            f.read_exact(&mut b).map_err(|_| bad("truncated".into()))?;
+            Ok(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        };
+        self.kl_against(&mut read_rows, tokens, window)
+    }
+
+    /// The KL report against base logits that `base(window_tokens)` returns (at least `len − 1` rows).
+    fn kl_against(&mut self, base: &mut dyn FnMut(&[u32]) -> Result<Vec<f32>>, tokens: &[u32], window: usize) -> Result<KlReport> {
+        let vocab = self.lm.model.config.vocab_size;
         let (mut nll, mut base_nll, mut agree) = (0f64, 0f64, 0usize);
         let mut kls = Vec::new();
         for w in tokens.chunks(window).filter(|w| w.len() >= 2) {
             let q = self.score(w)?;
-            let p = base.score(w)?;
+            let p = base(w)?;
             for i in 0..w.len() - 1 {
                 let (rq, rp) = (&q[i * vocab..(i + 1) * vocab], &p[i * vocab..(i + 1) * vocab]);
                 let (lq, lp) = (log_sum_exp(rq), log_sum_exp(rp));
@@ -925,6 +1001,9 @@ impl Engine {
         })
     }
 }
+
+/// First 8 bytes of a logits file written by [`Engine::save_logits`].
+pub const LOGITS_MAGIC: &[u8; 8] = b"EDDYLGT1";
 
 /// [`Engine::kl_divergence`]'s result over `n` scored positions (KL in nats).
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -6,18 +6,27 @@
 //! quantization serves them: q/k/v, gate/up, the Gated DeltaNet input projections); every input site gets
 //! its own signs, and every matrix its own output signs, all drawn from one seed. The embedding and the
 //! LM head are rotated on the input side only (an embedding lookup then undoes the rotation of one row:
-//! `D_in·H·row`), and are stored in L (int8) under either format (llama.cpp's 4-bit types likewise keep
-//! the output matrix at 6-8 bits; requantizing SmolLM2-135M's tied embedding to 4 bits alone costs
-//! several times the KL of all the other matrices).
+//! `D_in·H·row`); the LM head (a tied embedding included) is stored in L (int8) under either format
+//! (llama.cpp's 4-bit types likewise keep the output matrix at 6-8 bits; requantizing SmolLM2-135M's tied
+//! embedding to 4 bits alone costs several times the KL of all the other matrices), an untied embedding in
+//! the asked format (it is only looked up, as llama.cpp's Q4_K_M keeps `token_embd` in Q4_K).
+//!
+//! The folder ([`write_folder`]) is a Hugging Face folder; a model loaded from a GGUF file is first put in
+//! Hugging Face conventions ([`gguf_to_hf_layout`]) and its config and tokenizer files are made from what
+//! eddy read from the GGUF metadata ([`Source::Gguf`]).
 //!
 //! Group: a matrix whose row length is not a multiple of the asked group (e.g. width 576 at group 128)
 //! takes the largest of 64, 32 that divides it; a row length that is not a multiple of 32 stays f32.
 
-use super::{Mixer, Model};
-use crate::backend::Cpu;
+use super::{Arch, Mixer, Model};
+use crate::backend::{Cpu, RopeMode};
+use crate::error::{Error, Result};
+use crate::model_dir::Tensors;
 use crate::quant::rotation::{splitmix64, Rotation, Signs};
 use crate::quant::rtn::{self, Format};
 use crate::quant::WeightMatrix;
+use crate::tokenizer::Tokenizer;
+use std::path::Path;
 use std::sync::Arc;
 
 /// How [`quantize_model`] stores the matrices.
@@ -39,11 +48,13 @@ fn site_signs(opts: &QuantizeOptions, site: u64, n: usize) -> Arc<Signs> {
     Arc::new(Signs::random(n, splitmix64(&mut s)))
 }
 
-/// One matrix to convert: where it is, its input site, whether its output side is rotated.
+/// One matrix to convert: where it is, its input site, whether its output side is rotated, whether it is
+/// the LM head (stored in L under either format).
 struct Job<'a> {
     w: &'a mut WeightMatrix,
     site: u64,
     output: bool,
+    head: bool,
 }
 
 /// Re-quantize every matrix of `model` to `opts` (see the module docs), then upload them to the CPU
@@ -54,15 +65,16 @@ pub fn quantize_model(model: &mut Model, opts: &QuantizeOptions, progress: &mut 
     const HEAD: u64 = u64::MAX;
     let n_layers = model.layers.len() as u64;
     let mut jobs: Vec<Job> = Vec::new();
-    jobs.push(Job { w: &mut model.embed, site: HEAD, output: false });
+    let tied = model.output.is_none();
+    jobs.push(Job { w: &mut model.embed, site: HEAD, output: false, head: tied });
     if let Some(o) = &mut model.output {
-        jobs.push(Job { w: o, site: HEAD, output: false });
+        jobs.push(Job { w: o, site: HEAD, output: false, head: true });
     }
     let mtp = model.mtp.as_mut().map(|m| (&mut m.fc, &mut m.layer));
     let layers = model.layers.iter_mut().enumerate().map(|(l, layer)| (l as u64, layer));
     let mut all_layers: Vec<(u64, &mut super::Layer)> = layers.collect();
     if let Some((fc, layer)) = mtp {
-        jobs.push(Job { w: fc, site: 4 * (n_layers + 1), output: true });
+        jobs.push(Job { w: fc, site: 4 * (n_layers + 1), output: true, head: false });
         all_layers.push((n_layers, layer));
     }
     for (l, layer) in all_layers {
@@ -70,20 +82,20 @@ pub fn quantize_model(model: &mut Model, opts: &QuantizeOptions, progress: &mut 
         match &mut layer.mixer {
             Mixer::Attention(a) => {
                 for w in [&mut a.wq, &mut a.wk, &mut a.wv] {
-                    jobs.push(Job { w, site: a_in, output: true });
+                    jobs.push(Job { w, site: a_in, output: true, head: false });
                 }
-                jobs.push(Job { w: &mut a.wo, site: a_out, output: true });
+                jobs.push(Job { w: &mut a.wo, site: a_out, output: true, head: false });
             }
             Mixer::DeltaNet(g) => {
                 for w in [&mut g.w_qkv, &mut g.w_z, &mut g.w_b, &mut g.w_a] {
-                    jobs.push(Job { w, site: a_in, output: true });
+                    jobs.push(Job { w, site: a_in, output: true, head: false });
                 }
-                jobs.push(Job { w: &mut g.w_out, site: a_out, output: true });
+                jobs.push(Job { w: &mut g.w_out, site: a_out, output: true, head: false });
             }
         }
-        jobs.push(Job { w: &mut layer.w_gate, site: f_in, output: true });
-        jobs.push(Job { w: &mut layer.w_up, site: f_in, output: true });
-        jobs.push(Job { w: &mut layer.w_down, site: f_down, output: true });
+        jobs.push(Job { w: &mut layer.w_gate, site: f_in, output: true, head: false });
+        jobs.push(Job { w: &mut layer.w_up, site: f_in, output: true, head: false });
+        jobs.push(Job { w: &mut layer.w_down, site: f_down, output: true, head: false });
     }
     let total = jobs.len();
     let (mut bits, mut weights) = (0f64, 0f64);
@@ -94,9 +106,10 @@ pub fn quantize_model(model: &mut Model, opts: &QuantizeOptions, progress: &mut 
             job.w.dequant_row(r, row);
         }
         let group = [opts.group, 64, 32].into_iter().find(|&g| g <= opts.group && cols.is_multiple_of(g));
-        // The vocabulary matrices (embedding, LM head) stay at 8 bits: the most sensitive matrix, as
-        // llama.cpp keeps its output at 6-8 bits in every 4-bit type.
-        let format = if job.site == HEAD { Format::L } else { opts.format };
+        // The LM head (and a tied embedding) stays at 8 bits: the most sensitive matrix, as llama.cpp
+        // keeps its output at 6-8 bits in every 4-bit type. An untied embedding (only looked up, one row
+        // per token) takes the format, as llama.cpp's Q4_K_M stores token_embd in Q4_K.
+        let format = if job.head { Format::L } else { opts.format };
         let new = match group {
             Some(group) => {
                 let rotation = if opts.rotate {
@@ -125,14 +138,14 @@ pub fn quantize_model(model: &mut Model, opts: &QuantizeOptions, progress: &mut 
 
 /// The matrices of `model` under their Hugging Face tensor names (`pre`: the folder's prefix, e.g.
 /// `model.`), for the dense architectures.
-fn named_matrices<'a>(model: &'a Model, pre: &str, lm_head: &str) -> crate::error::Result<Vec<(String, &'a WeightMatrix)>> {
+fn named_matrices<'a>(model: &'a Model, pre: &str, lm_head: &str) -> Result<Vec<(String, &'a WeightMatrix)>> {
     let mut v = vec![(format!("{pre}embed_tokens.weight"), &model.embed)];
     if let Some(o) = &model.output {
         v.push((lm_head.to_string(), o));
     }
     for (l, layer) in model.layers.iter().enumerate() {
         let Mixer::Attention(a) = &layer.mixer else {
-            return Err(crate::error::Error::Input("eddy quantize: hybrid (Gated DeltaNet) models cannot be written yet".into()));
+            return Err(Error::Input("eddy quantize: hybrid (Gated DeltaNet) models cannot be written yet".into()));
         };
         let p = |s: &str| format!("{pre}layers.{l}.{s}");
         v.extend([
@@ -193,21 +206,188 @@ fn matrix_tensors(name: &str, w: &WeightMatrix) -> Vec<(String, safetensors::Dty
     out
 }
 
-/// Write `model` — loaded from the Hugging Face folder `src` and re-quantized by [`quantize_model`] with
-/// `opts` — as an eddy model folder `out` (`docs/quant-formats.md`, "Model folder"): every file of `src`
-/// but its weights, `config.json` with a `quantization_config` added, and `model.safetensors` with the
-/// re-quantized matrices and the other tensors copied as stored. Written into a temporary folder next to
-/// `out` and renamed into place at the end: on any error nothing is left at `out` (nor the temporary).
+/// Where [`write_folder`] takes everything but the re-quantized matrices from.
+pub enum Source<'a> {
+    /// A Hugging Face folder: its files but the weights are copied, `config.json` gets a
+    /// `quantization_config`, and its tensors other than the matrices are copied as stored.
+    Hf(&'a Path),
+    /// A model loaded from a GGUF file (after [`gguf_to_hf_layout`]): `config.json` is made from its
+    /// [`ModelConfig`], `tokenizer.json` from `tokenizer` (the pipeline eddy built from the GGUF metadata),
+    /// `tokenizer_config.json` names its BOS/EOS tokens and holds `chat_template`; the norms and biases are
+    /// written as F32 under their Hugging Face names.
+    Gguf {
+        /// The tokenizer loaded with the model.
+        tokenizer: &'a Tokenizer,
+        /// The GGUF file's chat template, if any.
+        chat_template: Option<&'a str>,
+    },
+}
+
+/// Bring a model loaded from a GGUF file to the Hugging Face conventions an eddy folder is written in,
+/// before [`quantize_model`] (the rotation must see the final row order): llama's q/k rows, which
+/// llama.cpp's converter permutes per head so that RoPE pairs adjacent dimensions, are put back in the
+/// `rotate_half` order (GGUF row `h·hd + 2j + s` → row `h·hd + s·hd/2 + j`, the inverse of the converter's
+/// permutation) and the RoPE mode becomes [`RopeMode::Neox`]; qwen2/qwen3/gemma3 GGUFs already use the HF
+/// order. Gemma 3's `1 + w` norms are converted when written ([`write_folder`]).
+///
+/// Errors: a hybrid (Qwen3.5) model, which eddy folders cannot hold yet; a llama whose RoPE does not cover
+/// the whole head.
+pub fn gguf_to_hf_layout(model: &mut Model) -> Result<()> {
+    let c = model.config.clone();
+    if c.arch == Arch::Qwen35 || model.is_hybrid() {
+        return Err(Error::Input("eddy quantize: hybrid (Qwen3.5) models cannot be written as eddy folders yet".into()));
+    }
+    if c.rope_mode != RopeMode::Normal {
+        return Ok(());
+    }
+    if c.rope_dims != c.head_dim {
+        return Err(Error::Input(format!(
+            "eddy quantize: adjacent-pair RoPE over {} of {} head dims has no Hugging Face layout",
+            c.rope_dims, c.head_dim
+        )));
+    }
+    let hd = c.head_dim;
+    let unpermute_rows = |v: &[f32], row_len: usize| -> Vec<f32> {
+        let mut o = vec![0f32; v.len()];
+        for (r, src) in v.chunks_exact(row_len).enumerate() {
+            let (h, i) = (r / hd, r % hd);
+            let (j, s) = (i / 2, i % 2);
+            let dst = h * hd + s * hd / 2 + j;
+            o[dst * row_len..][..row_len].copy_from_slice(src);
+        }
+        o
+    };
+    let unpermute = |w: &mut WeightMatrix| {
+        let (rows, cols) = (w.rows(), w.cols());
+        let mut data = vec![0f32; rows * cols];
+        for (r, row) in data.chunks_exact_mut(cols).enumerate() {
+            w.dequant_row(r, row);
+        }
+        *w = WeightMatrix::F32 { rows, cols, data: unpermute_rows(&data, cols) };
+    };
+    for layer in &mut model.layers {
+        let Mixer::Attention(a) = &mut layer.mixer else { continue };
+        unpermute(&mut a.wq);
+        unpermute(&mut a.wk);
+        for b in [&mut a.bq, &mut a.bk].into_iter().flatten() {
+            *b = unpermute_rows(b, 1);
+        }
+        a.rope.mode = RopeMode::Neox;
+    }
+    model.config.rope_mode = RopeMode::Neox;
+    Ok(())
+}
+
+/// The Hugging Face `config.json` of `model` (loaded from a GGUF file, in HF layout: [`gguf_to_hf_layout`]),
+/// which [`crate::models::hf`] reads back into the same [`ModelConfig`].
+///
+/// Errors: a hybrid (Qwen3.5) model.
+pub fn hf_config(model: &Model, tokenizer: &Tokenizer) -> Result<serde_json::Value> {
+    use serde_json::json;
+    let c = &model.config;
+    let (model_type, class) = match c.arch {
+        Arch::Llama => ("llama", "LlamaForCausalLM"),
+        Arch::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
+        Arch::Qwen3 => ("qwen3", "Qwen3ForCausalLM"),
+        Arch::Gemma3 => ("gemma3_text", "Gemma3ForCausalLM"),
+        Arch::Qwen35 => return Err(Error::Input("eddy quantize: hybrid (Qwen3.5) models cannot be written as eddy folders yet".into())),
+    };
+    let attention_bias = model.layers.iter().any(|l| l.attention().is_some_and(|a| a.bq.is_some()));
+    let mut v = json!({
+        "architectures": [class],
+        "model_type": model_type,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.d_model,
+        "intermediate_size": c.ffn_dim,
+        "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.head_dim,
+        "max_position_embeddings": c.train_ctx,
+        "rms_norm_eps": c.norm_eps as f64,
+        "rope_theta": c.rope_theta as f64,
+        "tie_word_embeddings": model.output.is_none(),
+        "attention_bias": attention_bias,
+        "torch_dtype": "float32",
+        "bos_token_id": tokenizer.bos_id,
+        "eos_token_id": tokenizer.eos_id,
+    });
+    if c.rope_scale != 1.0 {
+        v["rope_scaling"] = json!({"rope_type": "linear", "factor": c.rope_scale as f64});
+    }
+    if c.rope_dims != c.head_dim {
+        v["partial_rotary_factor"] = json!(c.rope_dims as f64 / c.head_dim as f64);
+    }
+    match c.arch {
+        Arch::Gemma3 => {
+            v["hidden_activation"] = json!("gelu_pytorch_tanh");
+            v["rope_local_base_freq"] = json!(c.rope_theta_local as f64);
+            v["query_pre_attn_scalar"] = json!(1.0 / (c.attn_scale as f64 * c.attn_scale as f64));
+            let types: Vec<&str> = (0..c.n_layers).map(|l| if c.is_sliding(l) { "sliding_attention" } else { "full_attention" }).collect();
+            v["layer_types"] = json!(types);
+            if let Some(w) = c.sliding_window {
+                v["sliding_window"] = json!(w);
+            }
+            if let Some(s) = c.final_softcap {
+                v["final_logit_softcapping"] = json!(s as f64);
+            }
+        }
+        _ => {
+            v["hidden_act"] = json!("silu");
+            v["use_sliding_window"] = json!(false);
+        }
+    }
+    Ok(v)
+}
+
+/// The norms and biases of `model` (loaded from a GGUF file) under their Hugging Face names, as F32
+/// (Gemma 3's `1 + w` norms stored as `w`).
+fn gguf_vectors(model: &Model) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let gemma = model.config.arch == Arch::Gemma3;
+    let norm = |name: String, v: &[f32]| (name, vec![v.len()], v.iter().map(|&x| if gemma { x - 1.0 } else { x }).collect());
+    let mut out = vec![norm("model.norm.weight".into(), &model.output_norm)];
+    for (l, layer) in model.layers.iter().enumerate() {
+        let p = |s: &str| format!("model.layers.{l}.{s}");
+        out.push(norm(p("input_layernorm.weight"), &layer.attn_norm));
+        match (&layer.post_attn_norm, &layer.post_ffn_norm) {
+            (Some(pa), Some(pf)) => {
+                out.push(norm(p("post_attention_layernorm.weight"), pa));
+                out.push(norm(p("pre_feedforward_layernorm.weight"), &layer.ffn_norm));
+                out.push(norm(p("post_feedforward_layernorm.weight"), pf));
+            }
+            _ => out.push(norm(p("post_attention_layernorm.weight"), &layer.ffn_norm)),
+        }
+        if let Some(a) = layer.attention() {
+            for (s, b) in [("q_proj", &a.bq), ("k_proj", &a.bk), ("v_proj", &a.bv)] {
+                if let Some(b) = b {
+                    out.push((p(&format!("self_attn.{s}.bias")), vec![b.len()], b.clone()));
+                }
+            }
+            if let Some(n) = &a.q_norm {
+                out.push(norm(p("self_attn.q_norm.weight"), n));
+            }
+            if let Some(n) = &a.k_norm {
+                out.push(norm(p("self_attn.k_norm.weight"), n));
+            }
+        }
+    }
+    out
+}
+
+/// Write `model` — re-quantized by [`quantize_model`] with `opts` — as an eddy model folder `out`
+/// (`docs/quant-formats.md`, "Model folder"): config, tokenizer and the other tensors from `src` (see
+/// [`Source`]), `config.json` with a `quantization_config` added, and `model.safetensors` with the
+/// re-quantized matrices. Written into a temporary folder next to `out` and renamed into place at the end:
+/// on any error nothing is left at `out` (nor the temporary).
 ///
 /// Errors: `out` exists, a hybrid model, an I/O failure, what reading `src` reports.
-pub fn write_folder(src: &std::path::Path, model: &Model, opts: &QuantizeOptions, out: &std::path::Path) -> crate::error::Result<()> {
-    use crate::error::Error;
+pub fn write_folder(src: Source, model: &Model, opts: &QuantizeOptions, out: &Path) -> Result<()> {
     if out.exists() {
         return Err(Error::model(out, "already exists (eddy quantize never overwrites; remove it or pick another -o)"));
     }
     let file_name = out.file_name().ok_or_else(|| Error::model(out, "not a folder name"))?.to_string_lossy().into_owned();
     let tmp = out.with_file_name(format!(".{file_name}.tmp-{}", std::process::id()));
-    let result = write_into(src, model, opts, &tmp)
+    let result = write_into(&src, model, opts, &tmp)
         .and_then(|()| std::fs::rename(&tmp, out).map_err(|e| Error::Io { path: out.to_path_buf(), source: e }));
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&tmp);
@@ -215,25 +395,44 @@ pub fn write_folder(src: &std::path::Path, model: &Model, opts: &QuantizeOptions
     result
 }
 
-fn write_into(src: &std::path::Path, model: &Model, opts: &QuantizeOptions, tmp: &std::path::Path) -> crate::error::Result<()> {
-    use crate::error::Error;
-    use crate::model_dir::{Tensors, CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
-    let io = |p: &std::path::Path| {
-        let p = p.to_path_buf();
-        move |e: std::io::Error| Error::Io { path: p, source: e }
-    };
+fn io(p: &Path) -> impl FnOnce(std::io::Error) -> Error {
+    let p = p.to_path_buf();
+    move |e: std::io::Error| Error::Io { path: p, source: e }
+}
+
+fn write_into(src: &Source, model: &Model, opts: &QuantizeOptions, tmp: &Path) -> Result<()> {
+    use crate::model_dir::{CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
     std::fs::create_dir_all(tmp).map_err(io(tmp))?;
-    for entry in std::fs::read_dir(src).map_err(io(src))? {
-        let entry = entry.map_err(io(src))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if !entry.path().is_file() || name.ends_with(".safetensors") || name == WEIGHTS_INDEX_FILE || name == CONFIG_FILE {
-            continue;
+    let mut cfg = match src {
+        Source::Hf(src) => {
+            for entry in std::fs::read_dir(src).map_err(io(src))? {
+                let entry = entry.map_err(io(src))?;
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if !entry.path().is_file() || name.ends_with(".safetensors") || name == WEIGHTS_INDEX_FILE || name == CONFIG_FILE {
+                    continue;
+                }
+                std::fs::copy(entry.path(), tmp.join(&name)).map_err(io(&entry.path()))?;
+            }
+            let cfg_path = src.join(CONFIG_FILE);
+            let text = std::fs::read_to_string(&cfg_path).map_err(io(&cfg_path))?;
+            serde_json::from_str(&text).map_err(|e| Error::model(&cfg_path, format!("malformed config: {e}")))?
         }
-        std::fs::copy(entry.path(), tmp.join(&name)).map_err(io(&entry.path()))?;
-    }
-    let cfg_path = src.join(CONFIG_FILE);
-    let text = std::fs::read_to_string(&cfg_path).map_err(io(&cfg_path))?;
-    let mut cfg: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::model(&cfg_path, format!("malformed config: {e}")))?;
+        Source::Gguf { tokenizer, chat_template } => {
+            let tok_path = tmp.join(TOKENIZER_FILE);
+            tokenizer.inner().save(&tok_path, false).map_err(|e| Error::model(&tok_path, format!("cannot write: {e}")))?;
+            let name = |id: Option<u32>| id.and_then(|i| tokenizer.token_str(i));
+            let tok_cfg = serde_json::json!({
+                "bos_token": name(tokenizer.bos_id),
+                "eos_token": name(tokenizer.eos_id),
+                "add_bos_token": tokenizer.add_bos,
+                "clean_up_tokenization_spaces": false,
+                "chat_template": chat_template,
+            });
+            let p = tmp.join(TOKENIZER_CONFIG_FILE);
+            std::fs::write(&p, serde_json::to_string_pretty(&tok_cfg).unwrap_or_default()).map_err(io(&p))?;
+            hf_config(model, tokenizer)?
+        }
+    };
     let fmt = match opts.format {
         Format::M => "m",
         Format::L => "l",
@@ -244,23 +443,36 @@ fn write_into(src: &std::path::Path, model: &Model, opts: &QuantizeOptions, tmp:
     });
     let out_cfg = tmp.join(CONFIG_FILE);
     std::fs::write(&out_cfg, serde_json::to_string_pretty(&cfg).unwrap_or_default()).map_err(io(&out_cfg))?;
-    let t = Tensors::open(src)?;
-    let pre = ["model.language_model.", "language_model.model.", "model."]
-        .into_iter()
-        .find(|p| t.contains(&format!("{p}embed_tokens.weight")))
-        .ok_or_else(|| Error::model(&t.listing, "missing tensor model.embed_tokens.weight"))?;
-    let lm_head = ["lm_head.weight", "language_model.lm_head.weight"].into_iter().find(|n| t.contains(n)).unwrap_or("lm_head.weight");
-    let matrices: std::collections::HashMap<String, &WeightMatrix> = named_matrices(model, pre, lm_head)?.into_iter().collect();
     let mut tensors = Vec::new();
-    for name in t.names() {
-        if let Some(w) = matrices.get(name) {
-            tensors.extend(matrix_tensors(name, w));
-        } else if let Some((dtype, shape, bytes)) = t.raw(name) {
-            tensors.push((name.clone(), dtype, shape.to_vec(), bytes.to_vec()));
+    match src {
+        Source::Hf(src) => {
+            let t = Tensors::open(src)?;
+            let pre = ["model.language_model.", "language_model.model.", "model."]
+                .into_iter()
+                .find(|p| t.contains(&format!("{p}embed_tokens.weight")))
+                .ok_or_else(|| Error::model(&t.listing, "missing tensor model.embed_tokens.weight"))?;
+            let lm_head =
+                ["lm_head.weight", "language_model.lm_head.weight"].into_iter().find(|n| t.contains(n)).unwrap_or("lm_head.weight");
+            let matrices: std::collections::HashMap<String, &WeightMatrix> = named_matrices(model, pre, lm_head)?.into_iter().collect();
+            for name in t.names() {
+                if let Some(w) = matrices.get(name) {
+                    tensors.extend(matrix_tensors(name, w));
+                } else if let Some((dtype, shape, bytes)) = t.raw(name) {
+                    tensors.push((name.clone(), dtype, shape.to_vec(), bytes.to_vec()));
+                }
+            }
+            if let Some(name) = matrices.keys().find(|n| !t.contains(n)) {
+                return Err(Error::model(&t.listing, format!("matrix {name} of the model is not in the folder")));
+            }
         }
-    }
-    if let Some(name) = matrices.keys().find(|n| !t.contains(n)) {
-        return Err(Error::model(&t.listing, format!("matrix {name} of the model is not in the folder")));
+        Source::Gguf { .. } => {
+            for (name, w) in named_matrices(model, "model.", "lm_head.weight")? {
+                tensors.extend(matrix_tensors(&name, w));
+            }
+            for (name, shape, v) in gguf_vectors(model) {
+                tensors.push((name, safetensors::Dtype::F32, shape, v.iter().flat_map(|x| x.to_le_bytes()).collect()));
+            }
+        }
     }
     let views = tensors
         .iter()
