@@ -338,6 +338,16 @@ impl Engine {
         }
     }
 
+    /// The PCI address of the GPU the model runs on (for its energy counter, [`crate::stats::EnergyMeter`]);
+    /// None on the CPU.
+    pub fn gpu_pci_bus_id(&self) -> Option<String> {
+        match &self.exec {
+            Exec::Cpu(_) => None,
+            #[cfg(feature = "cuda")]
+            Exec::Cuda { core, .. } => core.be.pci_bus_id().map(str::to_string),
+        }
+    }
+
     fn ctx_for(lm: &LoadedModel, opts: &EngineOptions) -> usize {
         opts.ctx.min(lm.model.config.train_ctx).max(1)
     }

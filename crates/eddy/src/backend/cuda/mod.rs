@@ -582,6 +582,8 @@ pub struct Cuda {
     scratch: Mutex<Scratch>,
     name: String,
     capability: (i32, i32),
+    /// The GPU's PCI address (`domain:bus:device.function`), when the driver gives it.
+    pci_bus_id: Option<String>,
     /// Kernel launches and copies queued so far ([`Cuda::launches`]).
     queued: AtomicU64,
 }
@@ -670,12 +672,22 @@ impl Cuda {
             attention: get("attention")?,
             argmax_rows: get("argmax_rows")?,
         };
-        Ok(Cuda { ctx, k, scratch: Mutex::new(Scratch::default()), name, capability, queued: AtomicU64::new(0) })
+        let mut bus = [0 as std::ffi::c_char; 32];
+        // SAFETY: `bus` holds 32 bytes, the length passed; the driver writes a NUL-terminated string.
+        let pci_bus_id = (unsafe { sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as i32, dev) } == sys::CUresult::CUDA_SUCCESS)
+            // SAFETY: NUL-terminated by the driver (the last byte is never written past the length).
+            .then(|| unsafe { std::ffi::CStr::from_ptr(bus.as_ptr()) }.to_string_lossy().into_owned());
+        Ok(Cuda { ctx, k, scratch: Mutex::new(Scratch::default()), name, capability, pci_bus_id, queued: AtomicU64::new(0) })
     }
 
     /// The GPU's name and compute capability, e.g. "NVIDIA H200 (compute 9.0)".
     pub fn device_name(&self) -> String {
         format!("{} (compute {}.{})", self.name, self.capability.0, self.capability.1)
+    }
+
+    /// The GPU's PCI address (`domain:bus:device.function`, as NVML names devices), if the driver gives it.
+    pub fn pci_bus_id(&self) -> Option<&str> {
+        self.pci_bus_id.as_deref()
     }
 
     /// Kernel launches plus memory copies and sets queued on the stream since [`Cuda::new`] (to count the
