@@ -606,7 +606,7 @@ fn run(a: RunArgs) -> eddy::Result<()> {
         return Err(bad(source, "the message is empty and the model adds no BOS token: nothing to generate from"));
     }
 
-    let energy = EnergyMeter::start();
+    let energy = EnergyMeter::start_with_gpu(engine.gpu_pci_bus_id().as_deref());
     let mut e_first = None;
     let params = GenerateParams { max_tokens: a.max_tokens, sampler, ignore_eos: false, logprobs: None };
     let tok = engine.lm.tokenizer.clone();
@@ -645,7 +645,7 @@ fn run(a: RunArgs) -> eddy::Result<()> {
             return Err(bad("stdout", format!("cannot write the reply: {e}")));
         }
     }
-    let total_j = energy.as_ref().ok().map(|m| m.joules());
+    let total_j = energy.as_ref().ok().map(|m| (m.joules(), m.sources()));
     print_stats(&stats, energy.as_ref().err(), total_j, e_first.unwrap_or(0.0), a.json);
     Ok(())
 }
@@ -664,8 +664,13 @@ fn random_seed() -> u64 {
     h.finish()
 }
 
-fn print_stats(s: &GenerationStats, energy_err: Option<&String>, total_j: Option<f64>, prefill_j: f64, json: bool) {
+/// The stats panel (stderr); `total_j`: joules used and what measured them ([`EnergyMeter::sources`]).
+fn print_stats(s: &GenerationStats, energy_err: Option<&String>, total_j: Option<(f64, String)>, prefill_j: f64, json: bool) {
     let mem_gb = peak_rss_bytes().map(|b| b as f64 / 1e9);
+    let (total_j, sources) = match total_j {
+        Some((j, src)) => (Some(j), Some(src)),
+        None => (None, None),
+    };
     let (e_total, e_in, e_out) = match total_j {
         Some(t) => {
             let out_j = (t - prefill_j).max(0.0);
@@ -685,6 +690,7 @@ fn print_stats(s: &GenerationStats, energy_err: Option<&String>, total_j: Option
             "input_energy_per_token_j": e_in,
             "output_energy_per_token_j": e_out,
             "energy_unavailable_reason": energy_err,
+            "energy_sources": sources,
             "duration_s": s.duration.as_secs_f64(),
             "prompt_tokens": s.prompt_tokens,
             "generated_tokens": s.generated_tokens,
@@ -706,7 +712,8 @@ fn print_stats(s: &GenerationStats, energy_err: Option<&String>, total_j: Option
     let _ = writeln!(err, "generation speed: {:.2} t/s", s.generation_speed());
     let _ = writeln!(err, "tokens per forward pass: {:.2} t/f", s.tokens_per_pass());
     let _ = writeln!(err, "memory used: {}", mem_gb.map(|g| format!("{g:.2} GB")).unwrap_or_else(|| na("no /proc/self/status")));
-    let _ = writeln!(err, "total energy: {}", e_total.map(|j| format!("{j:.2} J")).unwrap_or_else(|| na(why)));
+    let src = sources.map(|s| format!(" ({s})")).unwrap_or_default();
+    let _ = writeln!(err, "total energy: {}", e_total.map(|j| format!("{j:.2} J{src}")).unwrap_or_else(|| na(why)));
     let _ = writeln!(err, "input energy per token: {}", e_in.map(|j| format!("{j:.2} J/tok")).unwrap_or_else(|| na(why)));
     let _ = writeln!(err, "output energy per token: {}", e_out.map(|j| format!("{j:.2} J/tok")).unwrap_or_else(|| na(why)));
     let _ = writeln!(err, "duration: {:.2} s", s.duration.as_secs_f64());

@@ -275,6 +275,8 @@ pub struct Engine {
     budget: Budget,
     cost: CostModel,
     step: StepScratch,
+    /// Greedy decoding on a device takes each logits row's argmax there ([`Engine::set_device_argmax`]).
+    device_argmax: bool,
 }
 
 /// What one decode step builds, kept between steps so that a warm decode loop allocates nothing: the
@@ -336,6 +338,16 @@ impl Engine {
         }
     }
 
+    /// The PCI address of the GPU the model runs on (for its energy counter, [`crate::stats::EnergyMeter`]);
+    /// None on the CPU.
+    pub fn gpu_pci_bus_id(&self) -> Option<String> {
+        match &self.exec {
+            Exec::Cpu(_) => None,
+            #[cfg(feature = "cuda")]
+            Exec::Cuda { core, .. } => core.be.pci_bus_id().map(str::to_string),
+        }
+    }
+
     fn ctx_for(lm: &LoadedModel, opts: &EngineOptions) -> usize {
         opts.ctx.min(lm.model.config.train_ctx).max(1)
     }
@@ -350,8 +362,18 @@ impl Engine {
             budget: Budget::Auto,
             cost: CostModel::default(),
             step: StepScratch::default(),
+            device_argmax: std::env::var("EDDY_DEVICE_ARGMAX").map_or(true, |v| v != "0"),
             lm,
         }
+    }
+
+    /// Whether greedy decoding on a device (CUDA) takes the argmax of each verified row on the device and copies
+    /// back only the token ids (default on; `EDDY_DEVICE_ARGMAX=0` turns it off): used for decode steps whose
+    /// sampling is a plain argmax (temperature 0, no repetition/presence/frequency penalty, no
+    /// log-probabilities, no constraint) on models without a final logit soft-cap. The tokens are the host
+    /// path's (same argmax, same tie rule); the CPU always samples on the host.
+    pub fn set_device_argmax(&mut self, on: bool) {
+        self.device_argmax = on;
     }
 
     /// Speculate with `speculators` (merged into one tree per step) under `budget`; an empty list is
@@ -726,13 +748,27 @@ impl Engine {
         paths.rebuild(&tree.parents)?;
         let paths = &*paths;
         let n_committed = self.exec.n_past();
+        let sp = &params.sampler;
+        // Greedy without anything that needs the whole distribution: the device returns each row's argmax.
+        let on_device_argmax = self.device_argmax
+            && !matches!(self.exec, Exec::Cpu(_))
+            && sp.temperature == 0.0
+            && sp.repetition_penalty == 1.0
+            && sp.presence_penalty == 0.0
+            && sp.frequency_penalty == 0.0
+            && lp_k.is_none()
+            && out.mask.is_none()
+            && self.lm.model.config.final_softcap.is_none();
+        on_core!(&mut self.exec, |c| c.ws.argmax_head = on_device_argmax);
         let tv = Instant::now();
-        on_device!(&mut self.exec, &self.lm.model, |c, m| if tree.len() == 1 {
+        let verified = on_device!(&mut self.exec, &self.lm.model, |c, m| if tree.len() == 1 {
             // No drafts: the plain decode step (verify and commit of the root in one pass).
             decode(m, &c.be, &mut c.ws, &mut c.state, tok, &mut self.logits)
         } else {
             forward_tree(m, &c.be, &mut c.ws, &mut c.state, &tree.tokens, paths, 0, &mut self.logits)
-        })?;
+        });
+        on_core!(&mut self.exec, |c| c.ws.argmax_head = false);
+        verified?;
         self.cost.record_verify(tree.len(), tv.elapsed().as_secs_f64());
         let stats = &mut *out.stats_mut();
         stats.decode_passes += 1;
@@ -746,7 +782,12 @@ impl Engine {
         let sampler = &mut self.sampler;
         let logits = &mut self.logits;
         let mut walk_lp: Vec<TokenLogprobs> = Vec::new();
+        let device_ids: Option<&[u32]> = if on_device_argmax { Some(on_core!(&self.exec, |c| &c.ws.ids)) } else { None };
         accept_walk_into(tree, walk, |node| {
+            if let Some(ids) = device_ids {
+                history.push(ids[node]);
+                return Some(ids[node]);
+            }
             let row = &mut logits[node * vocab..(node + 1) * vocab];
             let pos = history.len();
             debug_assert_eq!(pos, n_committed + paths.depth(node) + 1);

@@ -1,4 +1,5 @@
-//! Run statistics: timing of a generation, peak memory, and energy from the Linux powercap (RAPL) counters.
+//! Run statistics: timing of a generation, peak memory, and energy from the Linux powercap (RAPL) counters
+//! and, with the `cuda` feature, the GPU's own energy counter (NVML).
 
 use std::time::Duration;
 
@@ -74,14 +75,78 @@ pub fn peak_rss_bytes() -> Option<u64> {
 }
 
 /// Reads cumulative package energy from `/sys/class/powercap/intel-rapl:N/energy_uj` (µJ), handling the
-/// counter's wrap at `max_energy_range_uj`. AMD exposes the same files.
+/// counter's wrap at `max_energy_range_uj` (AMD exposes the same files), plus, for a model on a GPU, the GPU's
+/// total energy counter (NVML `nvmlDeviceGetTotalEnergyConsumption`, mJ since the driver loaded; needs the
+/// `cuda` feature and libnvidia-ml at run time). The total is the sum of the counters that could be read.
 pub struct EnergyMeter {
     zones: Vec<(std::path::PathBuf, u64, u64)>, // (energy file, max range, value at start)
+    #[cfg(feature = "cuda")]
+    gpu: Option<GpuEnergy>,
+}
+
+/// The GPU's NVML energy counter (mJ) and its value at the start.
+#[cfg(feature = "cuda")]
+struct GpuEnergy {
+    nvml: nvml_wrapper::Nvml,
+    pci_bus_id: String,
+    start_mj: u64,
+}
+
+#[cfg(feature = "cuda")]
+impl GpuEnergy {
+    /// The counter of the GPU at `pci_bus_id`; None when NVML, the device or its counter is unavailable.
+    fn start(pci_bus_id: &str) -> Option<GpuEnergy> {
+        let nvml = nvml_wrapper::Nvml::init().ok()?;
+        let start_mj = nvml.device_by_pci_bus_id(pci_bus_id).ok()?.total_energy_consumption().ok()?;
+        Some(GpuEnergy { nvml, pci_bus_id: pci_bus_id.to_string(), start_mj })
+    }
+    fn millijoules(&self) -> u64 {
+        let now = self.nvml.device_by_pci_bus_id(self.pci_bus_id.as_str()).and_then(|d| d.total_energy_consumption());
+        now.map_or(0, |v| v.saturating_sub(self.start_mj))
+    }
 }
 
 impl EnergyMeter {
-    /// Start measuring; `Err(reason)` when no counter can be read (not Linux, no RAPL, not root, VM).
+    /// Start measuring the CPU packages; `Err(reason)` when no counter can be read (not Linux, no RAPL, not
+    /// root, VM).
     pub fn start() -> Result<Self, String> {
+        Self::start_with_gpu(None)
+    }
+
+    /// Start measuring the CPU packages and, when `gpu_pci_bus_id` names the GPU the model runs on, that GPU
+    /// (NVML; an absent library or counter leaves it out, never an error). `Err(reason)` when no counter at
+    /// all can be read.
+    pub fn start_with_gpu(gpu_pci_bus_id: Option<&str>) -> Result<Self, String> {
+        #[cfg(feature = "cuda")]
+        let gpu = gpu_pci_bus_id.and_then(GpuEnergy::start);
+        #[cfg(not(feature = "cuda"))]
+        let _ = gpu_pci_bus_id;
+        let zones = Self::rapl_zones();
+        #[cfg(feature = "cuda")]
+        if gpu.is_some() {
+            return Ok(EnergyMeter { zones: zones.unwrap_or_default(), gpu });
+        }
+        Ok(EnergyMeter {
+            zones: zones?,
+            #[cfg(feature = "cuda")]
+            gpu,
+        })
+    }
+
+    /// What is measured, e.g. "CPU (RAPL) + GPU (NVML)".
+    pub fn sources(&self) -> String {
+        let mut s = Vec::new();
+        if !self.zones.is_empty() {
+            s.push("CPU (RAPL)");
+        }
+        #[cfg(feature = "cuda")]
+        if self.gpu.is_some() {
+            s.push("GPU (NVML)");
+        }
+        s.join(" + ")
+    }
+
+    fn rapl_zones() -> Result<Vec<(std::path::PathBuf, u64, u64)>, String> {
         let base = std::path::Path::new("/sys/class/powercap");
         let entries = std::fs::read_dir(base).map_err(|_| "no RAPL counters (/sys/class/powercap absent)".to_string())?;
         let mut zones = Vec::new();
@@ -109,7 +174,7 @@ impl EnergyMeter {
         if zones.is_empty() {
             return Err(if denied { "RAPL counters not readable (needs root)".into() } else { "no RAPL package counters".into() });
         }
-        Ok(EnergyMeter { zones })
+        Ok(zones)
     }
 
     /// Joules used since `start`.
@@ -119,6 +184,28 @@ impl EnergyMeter {
             let now: u64 = std::fs::read_to_string(f).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(*start);
             uj += if now >= *start { now - start } else { max - start + now };
         }
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.gpu {
+            uj += 1000 * g.millijoules();
+        }
         uj as f64 * 1e-6
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unavailable_gpu_counter_is_left_out_not_an_error() {
+        // No GPU answers at this PCI address (and without NVML none at all): the meter is what the CPU
+        // counters alone give.
+        let plain = EnergyMeter::start();
+        let with = EnergyMeter::start_with_gpu(Some("0000:ff:1f.7"));
+        assert_eq!(plain.is_ok(), with.is_ok());
+        if let Ok(m) = with {
+            assert_eq!(m.sources(), "CPU (RAPL)");
+            assert!(m.joules() >= 0.0);
+        }
     }
 }

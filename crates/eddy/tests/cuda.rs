@@ -647,3 +647,94 @@ fn decode_and_verify_timing() {
     println!("{file}: prefill of 512 tokens {:.2} ms = {:.0} tok/s", 1e3 * dp, 512.0 / dp);
     println!("{file}: graph use {:?}", be.graph_stats());
 }
+
+/// Rows with exact ties (within one thread's stride, across threads and warps), ±∞, NaN, a row of −∞ only and
+/// a one-value row: the GPU's argmax equals the host's (`sampling::argmax`, through the CPU backend's default).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn argmax_rows_match_the_host() {
+    let be = gpu();
+    let cpu = Cpu::new(1);
+    let mut rng = Rng(17);
+    for &width in &[1usize, 7, 256, 257, 1000, 4096, 151_936] {
+        let mut rows: Vec<Vec<f32>> = (0..6).map(|_| rng.vec(width)).collect();
+        // The maximum repeated at spots a thread's stride apart, in other warps, and at the ends.
+        let m = 5.0;
+        for (r, spots) in [(0usize, vec![3usize, 3 + 256, 700]), (1, vec![width - 1, 0]), (2, vec![40, 41, 9, 300])] {
+            for &i in spots.iter().filter(|&&i| i < width) {
+                rows[r][i] = m;
+            }
+        }
+        // ±∞ and NaN: NaN never wins, +∞ wins (lowest index among them), a row of −∞ gives 0.
+        for i in (0..width).step_by(3) {
+            rows[3][i] = f32::NAN;
+        }
+        rows[4][width / 2] = f32::INFINITY;
+        rows[4][width - 1] = f32::INFINITY;
+        rows[4][0] = f32::NAN;
+        rows[5].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+        if width > 2 {
+            rows[5][width - 2] = f32::NAN;
+        }
+        // Values that differ in the last bit only.
+        let mut close = rng.vec(width);
+        close[width / 3] = 1.0;
+        close[(width / 3 + 1) % width] = f32::from_bits(1.0f32.to_bits() - 1);
+        rows.push(close);
+        let flat: Vec<f32> = rows.concat();
+        let n = rows.len();
+        let want: Vec<u32> = rows.iter().map(|r| eddy::sampling::argmax(r)).collect();
+        let (mut got, mut host) = (vec![u32::MAX; n], vec![u32::MAX; n]);
+        be.argmax_rows(&be.upload(&flat), n, width, &mut got);
+        cpu.argmax_rows(&cpu.upload(&flat), n, width, &mut host);
+        assert_eq!(host, want, "CPU backend, width {width}");
+        assert_eq!(got, want, "GPU, width {width}");
+        // A single row from the middle of the buffer's rows (n = 1).
+        let mut one = [u32::MAX];
+        be.argmax_rows(&be.upload(&rows[2]), 1, width, &mut one);
+        assert_eq!(one[0], want[2]);
+    }
+}
+
+/// Greedy generation through the engine on the GPU, with the argmax on the device and with the logits copied
+/// to the host, gives the same tokens (plain decoding and suffix speculation, whose verify passes take one id
+/// per tree node); prints both decode speeds.
+#[test]
+#[ignore = "needs an NVIDIA GPU and the model files"]
+fn device_argmax_generates_what_the_host_path_does() {
+    use eddy::engine::{Device, Engine, EngineOptions, GenerateParams};
+    let path = eddy::load::models_dir().join("qwen2.5-coder-0.5b-instruct.gguf");
+    let lm = eddy::load::load_gguf(&path, &mut |_, _| {}).unwrap();
+    let prompt = lm.tokenizer.encode(PROMPT, true).unwrap();
+    let opts = EngineOptions { ctx: 1024, ..Default::default() };
+    let mut e = Engine::on_device(lm, &opts, Device::Cuda).unwrap();
+    assert_eq!(e.device(), "cuda");
+    let params = GenerateParams { max_tokens: 200, sampler: Default::default(), ignore_eos: true, logprobs: None };
+    for spec in [false, true] {
+        if spec {
+            e.set_speculation(vec![Box::new(eddy::spec::suffix::SuffixSpeculator::default())], eddy::spec::Budget::Auto);
+        }
+        let mut runs = Vec::new();
+        for on in [true, false, true] {
+            e.set_device_argmax(on);
+            e.clear_cache();
+            let mut toks = Vec::new();
+            let stats = e
+                .generate(&prompt, &params, &mut |t| {
+                    toks.push(t);
+                    true
+                })
+                .unwrap();
+            println!(
+                "speculation {spec}, device argmax {on}: {} tokens, decode {:.1} t/s, {:.2} tokens/pass",
+                toks.len(),
+                stats.generation_speed(),
+                stats.tokens_per_pass()
+            );
+            runs.push(toks);
+        }
+        assert_eq!(runs[0].len(), 200);
+        assert_eq!(runs[0], runs[1], "device argmax vs host argmax (speculation {spec})");
+        assert_eq!(runs[2], runs[1]);
+    }
+}

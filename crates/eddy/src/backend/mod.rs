@@ -73,6 +73,28 @@ pub trait Backend: Send + Sync {
     /// [`Backend::matmul`] whose output (`n × rows`) lands in host memory: the logits readout.
     fn matmul_to_host(&self, w: &Self::Weights, x: &Self::Buf, xq: &Self::QAct, n: usize, out: &mut [f32]);
 
+    /// The index of the largest value of each of rows `0..n` of `x` (`width` values each) into `out[..n]`:
+    /// [`crate::sampling::argmax`] of each row (lowest index on ties, NaN never wins, 0 when no value exceeds
+    /// −∞). Greedy sampling where the logits live (the default reads the rows back and runs it on the host).
+    fn argmax_rows(&self, x: &Self::Buf, n: usize, width: usize, out: &mut [u32]) {
+        let mut rows = Vec::with_capacity(n * width);
+        self.read(x, 0, n, width, &mut rows);
+        for (o, row) in out[..n].iter_mut().zip(rows.chunks_exact(width.max(1))) {
+            *o = crate::sampling::argmax(row);
+        }
+    }
+    /// [`Backend::matmul_to_host`] followed by [`crate::sampling::argmax`] of each of its `n` rows into
+    /// `out[..n]` (`n` token ids instead of `n × rows` logits come back: greedy decoding's logits readout).
+    /// The default computes the logits on the host and takes the argmax there; a GPU takes it on the device
+    /// ([`Backend::argmax_rows`]) and copies back the ids only.
+    fn matmul_argmax(&self, w: &Self::Weights, x: &Self::Buf, xq: &Self::QAct, n: usize, rows: usize, out: &mut [u32]) {
+        let mut logits = vec![0.0; n * rows];
+        self.matmul_to_host(w, x, xq, n, &mut logits);
+        for (o, row) in out[..n].iter_mut().zip(logits.chunks_exact(rows.max(1))) {
+            *o = crate::sampling::argmax(row);
+        }
+    }
+
     /// [`Backend::matmul`] plus `bias[r]` on every output row (`bias`: one value per weight row; None: plain
     /// matmul): the product and [`Backend::add_bias`] in one operation (a GPU adds it in the product's epilogue).
     fn matmul_bias(&self, w: &Self::Weights, x: &Self::Buf, xq: &Self::QAct, n: usize, bias: Option<&Self::Buf>, out: &mut Self::Buf) {
@@ -292,4 +314,51 @@ pub trait Backend: Send + Sync {
     fn gdn_conv_commit(&self, s: &GdnShape, conv_state: &mut Self::Buf, x: &Self::Buf, path: &[usize]);
     /// Gated RMSNorm per value head on the first `len` values: `o ← w ⊙ o/√(mean(o²)+ε) ⊙ silu(z)`.
     fn gdn_gated_norm(&self, o: &mut Self::Buf, z: &Self::Buf, w: &Self::Buf, eps: f32, len: usize);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::WeightMatrix;
+
+    #[test]
+    fn argmax_rows_and_matmul_argmax_are_the_samplers_argmax() {
+        let be = Cpu::new(1);
+        let (nan, inf) = (f32::NAN, f32::INFINITY);
+        #[rustfmt::skip]
+        let rows = [
+            1.0, 3.0, 3.0, -2.0, 0.5, // a tie: the lower index
+            nan, -inf, 2.0, nan, 2.0, // NaN never wins
+            -inf, -inf, -inf, -inf, -inf, // nothing above −∞: 0
+            nan, nan, nan, nan, nan,
+            -1.0, inf, 4.0, inf, 0.0, // +∞ wins, the first one
+        ];
+        let mut out = [9u32; 5];
+        be.argmax_rows(&be.upload(&rows), 5, 5, &mut out);
+        assert_eq!(out, [1, 2, 0, 0, 1]);
+        for (row, &o) in rows.chunks(5).zip(&out) {
+            assert_eq!(crate::sampling::argmax(row), o);
+        }
+        // One-hot inputs pick columns of W exactly: column 0 ties rows 2 and 4, column 1 peaks at row 5.
+        let (r, c) = (6, 32);
+        let mut data: Vec<f32> = (0..r * c).map(|i| ((i * 7919) % 13) as f32 * 0.25 - 1.0).collect();
+        for (row, v) in [(2, 9.0), (4, 9.0), (0, 1.0)] {
+            data[row * c] = v;
+        }
+        data[5 * c + 1] = 10.0;
+        let w = be.upload_weights(WeightMatrix::F32 { rows: r, cols: c, data });
+        let mut x = vec![0.0; 2 * c];
+        x[0] = 1.0;
+        x[c + 1] = 1.0;
+        let x = be.upload(&x);
+        let mut xq = be.new_qact();
+        be.quantize(&x, 2, c, &w, &mut xq);
+        let mut ids = [9u32; 2];
+        be.matmul_argmax(&w, &x, &xq, 2, r, &mut ids);
+        assert_eq!(ids, [2, 5]);
+        let mut logits = vec![0.0; 2 * r];
+        be.matmul_to_host(&w, &x, &xq, 2, &mut logits);
+        assert_eq!(logits[2], 9.0);
+        assert_eq!(ids.to_vec(), logits.chunks(r).map(crate::sampling::argmax).collect::<Vec<_>>());
+    }
 }

@@ -65,6 +65,13 @@ pub struct Workspace<B: Backend = Cpu> {
     iota: Vec<usize>,
     /// Host copy of captured residual rows (feature capture for DFlash; grows to `max_batch·d_model`).
     host: Vec<f32>,
+    /// Greedy head: when set, a pass that computes logits takes the argmax of each logits row where they are
+    /// computed ([`Backend::matmul_argmax`]) and leaves the token ids in [`Workspace::ids`] instead of the
+    /// logits (the logits output stays empty). Models with a final logit soft-cap ignore it (their logits
+    /// come back as usual). Off by default.
+    pub argmax_head: bool,
+    /// The greedy head's token ids of the last pass, one per logits row in the order logits would have come.
+    pub ids: Vec<u32>,
 }
 
 impl<B: Backend> Workspace<B> {
@@ -98,6 +105,8 @@ impl<B: Backend> Workspace<B> {
             parents: Vec::with_capacity(max_batch),
             iota: (0..max_batch).collect(),
             host: Vec::new(),
+            argmax_head: false,
+            ids: Vec::with_capacity(max_batch),
         }
     }
 }
@@ -198,6 +207,7 @@ fn prefill<B: Backend>(
     state.check_room(tokens.len())?;
     state.tree.clear();
     logits.clear();
+    ws.ids.clear();
     state.hidden.clear();
     state.features.rows.clear();
     let (start, end) = (state.n_past(), state.n_past() + tokens.len());
@@ -273,6 +283,7 @@ pub fn decode<B: Backend>(
     state.tree.clear();
     state.capture = None;
     logits.clear();
+    ws.ids.clear();
     state.hidden.clear();
     state.features.rows.clear();
     pass(model, be, ws, state, &tokens, Rows::Chain, 0..1, logits);
@@ -333,6 +344,7 @@ pub fn forward_tree<B: Backend>(
     sync(model, be, ws, state)?;
     state.check_room(tokens.len())?;
     logits.clear();
+    ws.ids.clear();
     state.hidden.clear();
     state.features.rows.clear();
     if state.is_hybrid() {
@@ -488,6 +500,12 @@ fn head<B: Backend>(
         be.read(&ws.h, 0, n, d, &mut state.hidden);
     }
     be.quantize(&ws.h, n, d, model.lm_head(), &mut ws.xq);
+    if ws.argmax_head && c.final_softcap.is_none() {
+        let start = ws.ids.len();
+        ws.ids.resize(start + n, 0);
+        be.matmul_argmax(model.lm_head(), &ws.h, &ws.xq, n, c.vocab_size, &mut ws.ids[start..]);
+        return;
+    }
     let start = logits.len();
     logits.resize(start + n * c.vocab_size, 0.0);
     let out = &mut logits[start..];
@@ -676,6 +694,7 @@ pub fn mtp_forward<B: Backend>(
     }
     state.check_room(t)?;
     logits.clear();
+    ws.ids.clear();
     state.hidden.clear();
     for (toks, hs) in tokens.chunks(ws.max_batch).zip(hidden.chunks(ws.max_batch * d)) {
         let n = toks.len();

@@ -780,3 +780,51 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
         put(d, __fmul_rn(acc, inv_z));
     }
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// Greedy sampling: the index of the largest value of each row (sampling.rs `argmax`: lowest index on ties,
+// NaN never wins, 0 when no value exceeds -inf). One 256-thread block per row; each thread scans the values
+// i = tid, tid + 256, ... keeping the first strict maximum, then a tree over the threads keeps the larger
+// value and on equal values the lower index. Exact (comparisons only), so any order gives the host's answer.
+__device__ __forceinline__ void argmax_pick(float& bv, int& bi, float v, int i) {
+    if (v > bv || (v == bv && i < bi)) {
+        bv = v;
+        bi = i;
+    }
+}
+
+extern "C" __global__ void argmax_rows(const float* __restrict__ x, int width, unsigned int* __restrict__ out) {
+    const float* row = x + (long long)blockIdx.x * width;
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        const float v = row[i];
+        if (v > bv) {
+            bv = v;
+            bi = i;
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        const float v = __shfl_xor_sync(FULL, bv, o);
+        const int i = __shfl_xor_sync(FULL, bi, o);
+        argmax_pick(bv, bi, v, i);
+    }
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    if (lane == 0) {
+        sv[warp] = bv;
+        si[warp] = bi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        bv = lane < warps ? sv[lane] : -INFINITY;
+        bi = lane < warps ? si[lane] : 0x7fffffff;
+        for (int o = 16; o > 0; o >>= 1) {
+            const float v = __shfl_xor_sync(FULL, bv, o);
+            const int i = __shfl_xor_sync(FULL, bi, o);
+            argmax_pick(bv, bi, v, i);
+        }
+        if (lane == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0u : (unsigned int)bi;
+    }
+}

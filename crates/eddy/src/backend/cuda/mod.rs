@@ -534,6 +534,7 @@ struct Kernels {
     concat_rows: Func,
     rope: Func,
     attention: Func,
+    argmax_rows: Func,
 }
 
 /// Device scratch of the operations (grows; host staging vectors reused).
@@ -543,6 +544,8 @@ struct Scratch {
     att_part: DevVec,
     att_count: DevVec,
     logits: DevVec,
+    /// The token ids of [`Backend::argmax_rows`] / [`Backend::matmul_argmax`].
+    ids: DevVec,
     /// Page-locked landing buffer of the logits (a copy into pageable memory is staged by the driver and
     /// runs at a fraction of the speed).
     pinned: Option<Pinned>,
@@ -579,6 +582,8 @@ pub struct Cuda {
     scratch: Mutex<Scratch>,
     name: String,
     capability: (i32, i32),
+    /// The GPU's PCI address (`domain:bus:device.function`), when the driver gives it.
+    pci_bus_id: Option<String>,
     /// Kernel launches and copies queued so far ([`Cuda::launches`]).
     queued: AtomicU64,
 }
@@ -665,13 +670,24 @@ impl Cuda {
             concat_rows: get("concat_rows")?,
             rope: get("rope")?,
             attention: get("attention")?,
+            argmax_rows: get("argmax_rows")?,
         };
-        Ok(Cuda { ctx, k, scratch: Mutex::new(Scratch::default()), name, capability, queued: AtomicU64::new(0) })
+        let mut bus = [0 as std::ffi::c_char; 32];
+        // SAFETY: `bus` holds 32 bytes, the length passed; the driver writes a NUL-terminated string.
+        let pci_bus_id = (unsafe { sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as i32, dev) } == sys::CUresult::CUDA_SUCCESS)
+            // SAFETY: NUL-terminated by the driver (the last byte is never written past the length).
+            .then(|| unsafe { std::ffi::CStr::from_ptr(bus.as_ptr()) }.to_string_lossy().into_owned());
+        Ok(Cuda { ctx, k, scratch: Mutex::new(Scratch::default()), name, capability, pci_bus_id, queued: AtomicU64::new(0) })
     }
 
     /// The GPU's name and compute capability, e.g. "NVIDIA H200 (compute 9.0)".
     pub fn device_name(&self) -> String {
         format!("{} (compute {}.{})", self.name, self.capability.0, self.capability.1)
+    }
+
+    /// The GPU's PCI address (`domain:bus:device.function`, as NVML names devices), if the driver gives it.
+    pub fn pci_bus_id(&self) -> Option<&str> {
+        self.pci_bus_id.as_deref()
     }
 
     /// Kernel launches plus memory copies and sets queued on the stream since [`Cuda::new`] (to count the
@@ -733,7 +749,7 @@ impl Cuda {
     }
 
     /// Run the queued work, then copy `dst.len()` values from `src` and wait.
-    fn dtoh(&self, dst: &mut [f32], src: u64) {
+    fn dtoh<T: Copy>(&self, dst: &mut [T], src: u64) {
         self.ctx.flush();
         if dst.is_empty() {
             return;
@@ -751,6 +767,18 @@ impl Cuda {
         }
         self.queued.fetch_add(1, Ordering::Relaxed);
         self.ctx.queue().push(Op::Copy { dst, src, bytes: 4 * values });
+    }
+
+    /// Queue [`Backend::argmax_rows`] of the `n` rows (`width` values each) at `src`, run the queue and copy
+    /// the `n` ids into `out`.
+    fn argmax_into(&self, src: u64, n: usize, width: usize, out: &mut [u32]) {
+        if n == 0 {
+            return;
+        }
+        let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let ids = self.ensure(&mut s.ids, 4 * n, false);
+        self.launch(self.k.argmax_rows, (n, 1), THREADS, Args::new().p(src).i(width).p(ids));
+        self.dtoh(out, ids);
     }
 
     fn mem_from<T: Copy>(&self, host: &[T]) -> DevMem {
@@ -1243,6 +1271,23 @@ impl Backend for Cuda {
         let staged = unsafe { std::slice::from_raw_parts_mut(p.ptr, out.len()) };
         self.dtoh(staged, dev);
         out.copy_from_slice(staged);
+    }
+
+    fn argmax_rows(&self, x: &CudaBuf, n: usize, width: usize, out: &mut [u32]) {
+        assert!(x.len >= n * width && out.len() >= n, "argmax_rows: buffers too short");
+        self.ctx.bind();
+        self.argmax_into(x.ptr(), n, width, &mut out[..n]);
+    }
+
+    fn matmul_argmax(&self, w: &CudaWeights, x: &CudaBuf, xq: &CudaQAct, n: usize, rows: usize, out: &mut [u32]) {
+        assert!(rows == w.rows() && out.len() >= n, "matmul_argmax: {rows} rows for a matrix of {}, {} ids for {n}", w.rows(), out.len());
+        self.ctx.bind();
+        let dev = {
+            let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+            self.ensure(&mut s.logits, 4 * n * rows, false)
+        };
+        self.matmul_into(w, x, xq, n, dev, 0);
+        self.argmax_into(dev, n, rows, &mut out[..n]);
     }
 
     fn rms_norm(&self, x: &CudaBuf, row0: usize, n: usize, w: &CudaBuf, eps: f32, out: &mut CudaBuf) {
