@@ -47,8 +47,23 @@ static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/eddy_kernels.fa
 const THREADS: u32 = 256;
 /// Weight rows per block of the product kernels (one warp each; `MM_ROWS` in kernels.cu).
 const MM_ROWS: usize = 4;
-/// Tokens per block of the product kernels for batches of more than one token (`TT` of the t8 kernels).
+/// Tokens per block of the float-weight product kernels for batches of more than one token (`TT` of the
+/// `mm_f*_t8` kernels).
 const MM_TT: usize = 8;
+/// Weight rows per block of the tensor-core quantized products (`MMA_ROWS`; `MMA_WARPS` warps each).
+const MMA_ROWS: usize = 16;
+/// Threads per block of the tensor-core quantized products (`32·MMA_WARPS`).
+const MMA_THREADS: u32 = 256;
+
+/// The tensor-core product for `n` tokens (n ≥ 2): the kernel variant (tiles of 8, 16 or 32 tokens: `NJ` = 1,
+/// 2, 4 mma columns of 8) and the tokens per block.
+fn mma_tile(n: usize) -> (usize, usize) {
+    match n {
+        0..=8 => (0, 8),
+        9..=16 => (1, 16),
+        _ => (2, 32),
+    }
+}
 /// Threads per (query, head, chunk) block of the attention kernel (`ATT_THREADS`).
 const ATT_THREADS: u32 = 256;
 /// Register groups of 32 values per thread of the RMSNorm kernels (`NORM_KMAX`).
@@ -513,10 +528,14 @@ unsafe impl Sync for Func {}
 /// Handles of every kernel of the module.
 struct Kernels {
     quantize: Func,
-    /// `[tokens per block 1 / 8][bits 4 packed / bytes]`.
-    mm_q: [[Func; 2]; 2],
+    /// One token (`mm_q_t1_*`): `[bits 4 packed / bytes]`.
+    mm_q: [Func; 2],
     /// The same for up to three matrices in one launch.
-    mm_q3: [[Func; 2]; 2],
+    mm_q3: [Func; 2],
+    /// Two or more tokens, on the tensor cores (`mm_qm{1,2,4}_*`): `[tile (mma_tile)][bits 4 packed / bytes]`.
+    mm_qm: [[Func; 2]; 3],
+    /// The same for up to three matrices in one launch.
+    mm_q3m: [[Func; 2]; 3],
     /// `[f32 / bf16][tokens per block 1 / 8]`.
     mm_f: [[Func; 2]; 2],
     rotate_out: Func,
@@ -652,8 +671,14 @@ impl Cuda {
         };
         let k = Kernels {
             quantize: get("quantize_q8")?,
-            mm_q: [[get("mm_q_t1_p4")?, get("mm_q_t1_p8")?], [get("mm_q_t8_p4")?, get("mm_q_t8_p8")?]],
-            mm_q3: [[get("mm_q3_t1_p4")?, get("mm_q3_t1_p8")?], [get("mm_q3_t8_p4")?, get("mm_q3_t8_p8")?]],
+            mm_q: [get("mm_q_t1_p4")?, get("mm_q_t1_p8")?],
+            mm_q3: [get("mm_q3_t1_p4")?, get("mm_q3_t1_p8")?],
+            mm_qm: [[get("mm_qm1_p4")?, get("mm_qm1_p8")?], [get("mm_qm2_p4")?, get("mm_qm2_p8")?], [get("mm_qm4_p4")?, get("mm_qm4_p8")?]],
+            mm_q3m: [
+                [get("mm_q3m1_p4")?, get("mm_q3m1_p8")?],
+                [get("mm_q3m2_p4")?, get("mm_q3m2_p8")?],
+                [get("mm_q3m4_p4")?, get("mm_q3m4_p8")?],
+            ],
             mm_f: [[get("mm_f32_t1")?, get("mm_f32_t8")?], [get("mm_bf16_t1")?, get("mm_bf16_t8")?]],
             rotate_out: get("rotate_out")?,
             embed: get("embed")?,
@@ -864,7 +889,13 @@ impl Cuda {
                     .i(n)
                     .p(if q.out_signs.is_some() { 0 } else { bias })
                     .p(out);
-                self.launch(self.k.mm_q[tile][if q.packed4 { 0 } else { 1 }], grid, (32 * MM_ROWS) as u32, a);
+                let p = if q.packed4 { 0 } else { 1 };
+                if n == 1 {
+                    self.launch(self.k.mm_q[p], grid, (32 * MM_ROWS) as u32, a);
+                } else {
+                    let (v, nt) = mma_tile(n);
+                    self.launch(self.k.mm_qm[v][p], (rows.div_ceil(MMA_ROWS), n.div_ceil(nt)), MMA_THREADS, a);
+                }
                 if let Some((signs, nb)) = &q.out_signs {
                     let a = Args::new().p(out).i(n).i(rows).i(*nb).p(signs.ptr);
                     self.launch_1d(self.k.rotate_out, n * nb, a);
@@ -1209,8 +1240,6 @@ impl Backend for Cuda {
             "activations quantized for another input rotation than these weights'"
         );
         self.ctx.bind();
-        let tile = if n == 1 { 0 } else { 1 };
-        let tt = if n == 1 { 1 } else { MM_TT };
         let mut a = Args::new()
             .i(q0.cols)
             .i(q0.half as usize)
@@ -1225,7 +1254,7 @@ impl Backend for Cuda {
         for (q, (_, bias, out)) in qs.iter().zip(parts.iter()) {
             assert!(out.len >= n * q.rows, "matmul: out holds {} values, {n}×{} needed", out.len, q.rows);
             assert!(bias.is_none_or(|b| b.len == q.rows), "matmul_bias: the bias must hold one value per row");
-            blocks += q.rows.div_ceil(MM_ROWS);
+            blocks += q.rows.div_ceil(if n == 1 { MM_ROWS } else { MMA_ROWS });
             a = a
                 .p(q.codes.ptr)
                 .p(q.scales.ptr)
@@ -1237,7 +1266,13 @@ impl Backend for Cuda {
         for _ in qs.len()..3 {
             a = a.p(0).p(0).p(0).i(0).p(0).p(0);
         }
-        self.launch(self.k.mm_q3[tile][if q0.packed4 { 0 } else { 1 }], (blocks, n.div_ceil(tt)), (32 * MM_ROWS) as u32, a);
+        let p = if q0.packed4 { 0 } else { 1 };
+        if n == 1 {
+            self.launch(self.k.mm_q3[p], (blocks, 1), (32 * MM_ROWS) as u32, a);
+        } else {
+            let (v, nt) = mma_tile(n);
+            self.launch(self.k.mm_q3m[v][p], (blocks, n.div_ceil(nt)), MMA_THREADS, a);
+        }
     }
 
     fn matmul_bias(&self, w: &CudaWeights, x: &CudaBuf, xq: &CudaQAct, n: usize, bias: Option<&CudaBuf>, out: &mut CudaBuf) {
