@@ -727,7 +727,59 @@ fn decode_and_verify_timing() {
     }
     let dp = t0.elapsed().as_secs_f64() / reps as f64;
     println!("{file}: prefill of 512 tokens {:.2} ms = {:.0} tok/s", 1e3 * dp, 512.0 / dp);
+    // The same in runs of 256 tokens (the engine's default `max_batch`).
+    let mut ws256 = Workspace::new(&be, &gm, 256);
+    forward(&gm, &be, &mut ws256, &mut pst, &long, Logits::Last, &mut logits).unwrap();
+    let t0 = std::time::Instant::now();
+    for _ in 0..reps {
+        pst.truncate(0);
+        forward(&gm, &be, &mut ws256, &mut pst, &long, Logits::Last, &mut logits).unwrap();
+    }
+    let dp = t0.elapsed().as_secs_f64() / reps as f64;
+    println!("{file}: prefill of 512 tokens in runs of 256 {:.2} ms = {:.0} tok/s", 1e3 * dp, 512.0 / dp);
     println!("{file}: graph use {:?}", be.graph_stats());
+}
+
+/// One 64-token prefill pass (after 256 tokens of context), one 16-node verify and one decode step of
+/// Qwen2.5-Coder-0.5B between `cuProfilerStart` and `cuProfilerStop`, for a kernel-time split under
+/// `ncu --profile-from-start off` (run with `EDDY_CUDA_GRAPHS=0` so the kernels launch one by one). Prints
+/// the passes' wall times; asserts nothing.
+#[test]
+#[ignore = "needs an NVIDIA GPU and the model files; for profiling"]
+fn profile_prefill_verify_decode() {
+    let file = "qwen2.5-coder-0.5b-instruct.gguf";
+    let lm = eddy::load::load_gguf(&eddy::load::models_dir().join(file), &mut |_, _| {}).unwrap();
+    let be = gpu();
+    let gm = lm.model.to_backend(&be).unwrap();
+    let prompt = lm.tokenizer.encode(PROMPT, true).unwrap();
+    let long: Vec<u32> = prompt.iter().cycle().take(320).copied().collect();
+    let (mut ws, mut st) = (Workspace::new(&be, &gm, 64), gm.new_state(&be, 1024));
+    let mut logits = Vec::new();
+    let chain = TreePaths::chain(16);
+    for profiled in [false, true] {
+        st.truncate(0);
+        forward(&gm, &be, &mut ws, &mut st, &long[..256], Logits::None, &mut logits).unwrap();
+        be.synchronize();
+        if profiled {
+            // SAFETY: a plain driver call in the backend's context (bound on this thread).
+            unsafe { cudarc::driver::sys::cuProfilerStart() };
+        }
+        let t0 = std::time::Instant::now();
+        forward(&gm, &be, &mut ws, &mut st, &long[256..320], Logits::Last, &mut logits).unwrap();
+        let tp = t0.elapsed();
+        let t0 = std::time::Instant::now();
+        forward_tree(&gm, &be, &mut ws, &mut st, &long[..16], &chain, 0, &mut logits).unwrap();
+        let tv = t0.elapsed();
+        let t0 = std::time::Instant::now();
+        forward(&gm, &be, &mut ws, &mut st, &long[..1], Logits::Last, &mut logits).unwrap();
+        let td = t0.elapsed();
+        if profiled {
+            be.synchronize();
+            // SAFETY: as above.
+            unsafe { cudarc::driver::sys::cuProfilerStop() };
+        }
+        println!("profiled {profiled}: 64-token prefill pass {tp:?}, 16-node verify {tv:?}, decode step {td:?}");
+    }
 }
 
 /// Rows with exact ties (within one thread's stride, across threads and warps), ±∞, NaN, a row of −∞ only and
