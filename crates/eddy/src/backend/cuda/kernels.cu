@@ -354,8 +354,10 @@ __device__ __forceinline__ void mm_qm_impl(int bx, const uint8_t* __restrict__ c
     }
 }
 
+// At most 64 registers for tiles of 8 tokens (4 blocks per multiprocessor), 128 for 16 and 32 (2 blocks).
+#define MMA_MIN_BLOCKS(NJ) ((NJ) == 1 ? 4 : 2)
 #define MM_QM(NAME, NJ, P4)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)                                             \
+    extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, MMA_MIN_BLOCKS(NJ))                         \
         NAME(const uint8_t* codes, const float* sc, const float* mn, int rows, int cols, int half, int g16,  \
              const int8_t* xq, const float* xs, const int* xsum, const float* xdsum, const int* xsum16, int n, \
              const float* bias, float* out) {                                                               \
@@ -395,15 +397,15 @@ MM_QM(mm_qm4_p8, 4, false)
         IMPL(bx, c, s, m, r, cols, half, g16, xq, xs, xsum, xdsum, xsum16, n, b, o);                        \
     }
 #define NO_BOUNDS
-#define MMA_BOUNDS __launch_bounds__(32 * MMA_WARPS)
+#define MMA_BOUNDS(NJ) __launch_bounds__(32 * MMA_WARPS, MMA_MIN_BLOCKS(NJ))
 MM_Q3(mm_q3_t1_p4, (mm_q_impl<1, true>), MM_ROWS, NO_BOUNDS)
 MM_Q3(mm_q3_t1_p8, (mm_q_impl<1, false>), MM_ROWS, NO_BOUNDS)
-MM_Q3(mm_q3m1_p4, (mm_qm_impl<1, true>), MMA_ROWS, MMA_BOUNDS)
-MM_Q3(mm_q3m1_p8, (mm_qm_impl<1, false>), MMA_ROWS, MMA_BOUNDS)
-MM_Q3(mm_q3m2_p4, (mm_qm_impl<2, true>), MMA_ROWS, MMA_BOUNDS)
-MM_Q3(mm_q3m2_p8, (mm_qm_impl<2, false>), MMA_ROWS, MMA_BOUNDS)
-MM_Q3(mm_q3m4_p4, (mm_qm_impl<4, true>), MMA_ROWS, MMA_BOUNDS)
-MM_Q3(mm_q3m4_p8, (mm_qm_impl<4, false>), MMA_ROWS, MMA_BOUNDS)
+MM_Q3(mm_q3m1_p4, (mm_qm_impl<1, true>), MMA_ROWS, MMA_BOUNDS(1))
+MM_Q3(mm_q3m1_p8, (mm_qm_impl<1, false>), MMA_ROWS, MMA_BOUNDS(1))
+MM_Q3(mm_q3m2_p4, (mm_qm_impl<2, true>), MMA_ROWS, MMA_BOUNDS(2))
+MM_Q3(mm_q3m2_p8, (mm_qm_impl<2, false>), MMA_ROWS, MMA_BOUNDS(2))
+MM_Q3(mm_q3m4_p4, (mm_qm_impl<4, true>), MMA_ROWS, MMA_BOUNDS(4))
+MM_Q3(mm_q3m4_p8, (mm_qm_impl<4, false>), MMA_ROWS, MMA_BOUNDS(4))
 
 // Float weights (f32, or bf16 when BF) times f32 activations: one warp per row, lane l sums columns
 // l, l + 32, ... with fused multiply-adds, then the xor tree.
