@@ -204,7 +204,7 @@ MM_Q(mm_q_t1_p8, false)
 // rev5(i) (the 5-bit reversal of i), that tree is the plain binary tree over consecutive visits:
 // T(i, 2^k) = T(i, 2^(k-1)) + T(i + 2^(k-1), 2^(k-1)), T(i, 1) = P_rev5(i) (lane l meets lane l^16 first,
 // and rev5(l^16) = rev5(l)^1; then l^8, ...). So here a block of MMA_WARPS = 8 warps computes a tile of
-// 16 weight rows x 8*NJ tokens: warp w owns the classes rev5(4w .. 4w+3), walks the row's blocks 32 at a time
+// 16 weight rows x 8*NJ tokens (NJ = 1, 2): warp w owns the classes rev5(4w .. 4w+3), walks the row's blocks 32 at a time
 // (one block of each of its classes per step, so each class chain runs in increasing b), gets the int32 dots of
 // the whole tile for a block from one mma per 8 tokens (two k16 ones for group-16 scales), and adds the block's
 // term to that class's accumulator with exactly mm_q_t1's one or two __fmaf_rn; then each warp adds its 4
@@ -265,71 +265,95 @@ __device__ __forceinline__ void mm_qm_impl(int bx, const uint8_t* __restrict__ c
         for (int j = 0; j < NJ; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) P[k][j][e] = 0.0f;
+    // Per step of 32 blocks, the warp's 4 blocks in groups of KB: every load of a group is issued before the
+    // first mma uses one (one memory round trip per group, not per block).
+    constexpr int KB = NJ == 1 ? 4 : 2;
+    const bool hasm = mn != nullptr;
     for (int c0 = 0; c0 < nblk; c0 += 32) {
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const int bt = c0 + rev5(4 * warp + k);
-            const bool ok = bt < nblk;  // warp-uniform; loads use a valid block either way
-            const int b = ok ? bt : nblk - 1;
-            uint32_t a[4];
-            if (P4) {
-                const uint32_t wa = *reinterpret_cast<const uint32_t*>(codes + (ra * nblk + b) * 16 + 4 * q);
-                const uint32_t wb = *reinterpret_cast<const uint32_t*>(codes + (rb * nblk + b) * 16 + 4 * q);
-                a[0] = wa & 0x0F0F0F0Fu;
-                a[1] = wb & 0x0F0F0F0Fu;
-                a[2] = (wa >> 4) & 0x0F0F0F0Fu;
-                a[3] = (wb >> 4) & 0x0F0F0F0Fu;
-            } else {
-                const uint8_t* pa = codes + (ra * nblk + b) * 32 + 4 * q;
-                const uint8_t* pb = codes + (rb * nblk + b) * 32 + 4 * q;
-                a[0] = *reinterpret_cast<const uint32_t*>(pa);
-                a[1] = *reinterpret_cast<const uint32_t*>(pb);
-                a[2] = *reinterpret_cast<const uint32_t*>(pa + 16);
-                a[3] = *reinterpret_cast<const uint32_t*>(pb + 16);
-            }
-            // Weight scales (and offsets) of rows g, g+8: [row][half] for g16.
-            float s[2][2], m[2] = {0.0f, 0.0f};
-            if (g16) {
-                const float2 u = *reinterpret_cast<const float2*>(sc + 2 * (ra * nblk + b));
-                const float2 v = *reinterpret_cast<const float2*>(sc + 2 * (rb * nblk + b));
-                s[0][0] = u.x; s[0][1] = u.y; s[1][0] = v.x; s[1][1] = v.y;
-            } else {
-                s[0][0] = sc[ra * nblk + b];
-                s[1][0] = sc[rb * nblk + b];
-                s[0][1] = s[1][1] = 0.0f;
-            }
-            if (mn != nullptr) {
-                m[0] = mn[ra * nblk + b];
-                m[1] = mn[rb * nblk + b];
-            }
+        for (int k0 = 0; k0 < 4; k0 += KB) {
+            uint32_t a[KB][4];
+            int bq[KB][NJ][2];
+            float s[KB][2][2], m[KB][2], dt[KB][NJ][2];
+            int2 h[KB][NJ][2];  // g16: the half sums; implicit: .x the code sum; explicit: .x the bits of d*sum
+            int blk[KB];
+            bool ok[KB];
 #pragma unroll
-            for (int j = 0; j < NJ; ++j) {
-                const int8_t* xp = xq + tb[j] * cols + (long long)b * 32 + 4 * q;
-                const int b0 = *reinterpret_cast<const int*>(xp), b1 = *reinterpret_cast<const int*>(xp + 16);
-                int d0[4], d1[4];
-                if (g16) {
-                    mma_k16(d0, a[0], a[1], b0);
-                    mma_k16(d1, a[2], a[3], b1);
+            for (int kk = 0; kk < KB; ++kk) {
+                const int bt = c0 + rev5(4 * warp + k0 + kk);
+                ok[kk] = bt < nblk;  // warp-uniform; loads use a valid block either way
+                const int b = ok[kk] ? bt : nblk - 1;
+                blk[kk] = b;
+                if (P4) {
+                    const uint32_t wa = __ldg(reinterpret_cast<const unsigned int*>(codes + (ra * nblk + b) * 16 + 4 * q));
+                    const uint32_t wb = __ldg(reinterpret_cast<const unsigned int*>(codes + (rb * nblk + b) * 16 + 4 * q));
+                    a[kk][0] = wa & 0x0F0F0F0Fu;
+                    a[kk][1] = wb & 0x0F0F0F0Fu;
+                    a[kk][2] = (wa >> 4) & 0x0F0F0F0Fu;
+                    a[kk][3] = (wb >> 4) & 0x0F0F0F0Fu;
                 } else {
-                    mma_k32(d0, a[0], a[1], a[2], a[3], b0, b1);
+                    const uint8_t* pa = codes + (ra * nblk + b) * 32 + 4 * q;
+                    const uint8_t* pb = codes + (rb * nblk + b) * 32 + 4 * q;
+                    a[kk][0] = __ldg(reinterpret_cast<const unsigned int*>(pa));
+                    a[kk][1] = __ldg(reinterpret_cast<const unsigned int*>(pb));
+                    a[kk][2] = __ldg(reinterpret_cast<const unsigned int*>(pa + 16));
+                    a[kk][3] = __ldg(reinterpret_cast<const unsigned int*>(pb + 16));
                 }
+                if (g16) {
+                    const float2 u = __ldg(reinterpret_cast<const float2*>(sc + 2 * (ra * nblk + b)));
+                    const float2 v = __ldg(reinterpret_cast<const float2*>(sc + 2 * (rb * nblk + b)));
+                    s[kk][0][0] = u.x; s[kk][0][1] = u.y; s[kk][1][0] = v.x; s[kk][1][1] = v.y;
+                } else {
+                    s[kk][0][0] = __ldg(sc + ra * nblk + b);
+                    s[kk][1][0] = __ldg(sc + rb * nblk + b);
+                    s[kk][0][1] = s[kk][1][1] = 0.0f;
+                }
+                m[kk][0] = hasm ? __ldg(mn + ra * nblk + b) : 0.0f;
+                m[kk][1] = hasm ? __ldg(mn + rb * nblk + b) : 0.0f;
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int ri = e >> 1;  // row g or g+8
-                    const long long ab = ta[j][e & 1] * nblk + b;
-                    const float d = xs[ab];
-                    float acc = P[k][j][e];
-                    if (g16) {
-                        const int2 h = *reinterpret_cast<const int2*>(xsum16 + 2 * ab);
-                        acc = __fmaf_rn(__fmul_rn(s[ri][0], d), (float)(d0[e] - half * h.x), acc);
-                        acc = __fmaf_rn(__fmul_rn(s[ri][1], d), (float)(d1[e] - half * h.y), acc);
-                    } else if (mn != nullptr) {
-                        acc = __fmaf_rn(__fmul_rn(s[ri][0], d), (float)d0[e], acc);
-                        acc = __fmaf_rn(m[ri], xdsum[ab], acc);
-                    } else {
-                        acc = __fmaf_rn(__fmul_rn(s[ri][0], d), (float)(d0[e] - half * xsum[ab]), acc);
+                for (int j = 0; j < NJ; ++j) {
+                    const int8_t* xp = xq + tb[j] * cols + (long long)b * 32 + 4 * q;
+                    bq[kk][j][0] = __ldg(reinterpret_cast<const int*>(xp));
+                    bq[kk][j][1] = __ldg(reinterpret_cast<const int*>(xp + 16));
+#pragma unroll
+                    for (int u = 0; u < 2; ++u) {
+                        const long long ab = ta[j][u] * nblk + b;
+                        dt[kk][j][u] = __ldg(xs + ab);
+                        if (g16) h[kk][j][u] = __ldg(reinterpret_cast<const int2*>(xsum16 + 2 * ab));
+                        else if (hasm) h[kk][j][u] = make_int2(__float_as_int(__ldg(xdsum + ab)), 0);
+                        else h[kk][j][u] = make_int2(__ldg(xsum + ab), 0);
                     }
-                    if (ok) P[k][j][e] = acc;
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < KB; ++kk) {
+                const int k = k0 + kk;
+#pragma unroll
+                for (int j = 0; j < NJ; ++j) {
+                    int d0[4], d1[4];
+                    if (g16) {
+                        mma_k16(d0, a[kk][0], a[kk][1], bq[kk][j][0]);
+                        mma_k16(d1, a[kk][2], a[kk][3], bq[kk][j][1]);
+                    } else {
+                        mma_k32(d0, a[kk][0], a[kk][1], a[kk][2], a[kk][3], bq[kk][j][0], bq[kk][j][1]);
+                    }
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int ri = e >> 1, u = e & 1;  // row g or g+8; token 2q or 2q+1
+                        const float d = dt[kk][j][u];
+                        const int2 hh = h[kk][j][u];
+                        float acc = P[k][j][e];
+                        if (g16) {
+                            acc = __fmaf_rn(__fmul_rn(s[kk][ri][0], d), (float)(d0[e] - half * hh.x), acc);
+                            acc = __fmaf_rn(__fmul_rn(s[kk][ri][1], d), (float)(d1[e] - half * hh.y), acc);
+                        } else if (hasm) {
+                            acc = __fmaf_rn(__fmul_rn(s[kk][ri][0], d), (float)d0[e], acc);
+                            acc = __fmaf_rn(m[kk][ri], __int_as_float(hh.x), acc);
+                        } else {
+                            acc = __fmaf_rn(__fmul_rn(s[kk][ri][0], d), (float)(d0[e] - half * hh.x), acc);
+                        }
+                        if (ok[kk]) P[k][j][e] = acc;
+                    }
                 }
             }
         }
@@ -354,8 +378,8 @@ __device__ __forceinline__ void mm_qm_impl(int bx, const uint8_t* __restrict__ c
     }
 }
 
-// At most 64 registers for tiles of 8 tokens (4 blocks per multiprocessor), 128 for 16 and 32 (2 blocks).
-#define MMA_MIN_BLOCKS(NJ) ((NJ) == 1 ? 4 : 2)
+// At most 128 registers (2 blocks per multiprocessor): no spills with the load groups above.
+#define MMA_MIN_BLOCKS(NJ) 2
 #define MM_QM(NAME, NJ, P4)                                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, MMA_MIN_BLOCKS(NJ))                         \
         NAME(const uint8_t* codes, const float* sc, const float* mn, int rows, int cols, int half, int g16,  \
@@ -368,8 +392,6 @@ MM_QM(mm_qm1_p4, 1, true)
 MM_QM(mm_qm1_p8, 1, false)
 MM_QM(mm_qm2_p4, 2, true)
 MM_QM(mm_qm2_p8, 2, false)
-MM_QM(mm_qm4_p4, 4, true)
-MM_QM(mm_qm4_p8, 4, false)
 
 // Up to three matrices of one format and width that read the same activations (q/k/v, gate/up) in one launch:
 // the grid's block rows cover part 0's rows, then part 1's, then part 2's (rows 0 for an absent part), RPB rows
@@ -404,8 +426,6 @@ MM_Q3(mm_q3m1_p4, (mm_qm_impl<1, true>), MMA_ROWS, MMA_BOUNDS(1))
 MM_Q3(mm_q3m1_p8, (mm_qm_impl<1, false>), MMA_ROWS, MMA_BOUNDS(1))
 MM_Q3(mm_q3m2_p4, (mm_qm_impl<2, true>), MMA_ROWS, MMA_BOUNDS(2))
 MM_Q3(mm_q3m2_p8, (mm_qm_impl<2, false>), MMA_ROWS, MMA_BOUNDS(2))
-MM_Q3(mm_q3m4_p4, (mm_qm_impl<4, true>), MMA_ROWS, MMA_BOUNDS(4))
-MM_Q3(mm_q3m4_p8, (mm_qm_impl<4, false>), MMA_ROWS, MMA_BOUNDS(4))
 
 // Float weights (f32, or bf16 when BF) times f32 activations: one warp per row, lane l sums columns
 // l, l + 32, ... with fused multiply-adds, then the xor tree.

@@ -55,13 +55,13 @@ const MMA_ROWS: usize = 16;
 /// Threads per block of the tensor-core quantized products (`32·MMA_WARPS`).
 const MMA_THREADS: u32 = 256;
 
-/// The tensor-core product for `n` tokens (n ≥ 2): the kernel variant (tiles of 8, 16 or 32 tokens: `NJ` = 1,
-/// 2, 4 mma columns of 8) and the tokens per block.
+/// The tensor-core product for `n` tokens (n ≥ 2): the kernel variant (tiles of 8 or 16 tokens: `NJ` = 1 or 2
+/// mma columns of 8) and the tokens per block.
 fn mma_tile(n: usize) -> (usize, usize) {
-    match n {
-        0..=8 => (0, 8),
-        9..=16 => (1, 16),
-        _ => (2, 32),
+    if n <= 8 {
+        (0, 8)
+    } else {
+        (1, 16)
     }
 }
 /// Threads per (query, head, chunk) block of the attention kernel (`ATT_THREADS`).
@@ -532,10 +532,10 @@ struct Kernels {
     mm_q: [Func; 2],
     /// The same for up to three matrices in one launch.
     mm_q3: [Func; 2],
-    /// Two or more tokens, on the tensor cores (`mm_qm{1,2,4}_*`): `[tile (mma_tile)][bits 4 packed / bytes]`.
-    mm_qm: [[Func; 2]; 3],
+    /// Two or more tokens, on the tensor cores (`mm_qm{1,2}_*`): `[tile (mma_tile)][bits 4 packed / bytes]`.
+    mm_qm: [[Func; 2]; 2],
     /// The same for up to three matrices in one launch.
-    mm_q3m: [[Func; 2]; 3],
+    mm_q3m: [[Func; 2]; 2],
     /// `[f32 / bf16][tokens per block 1 / 8]`.
     mm_f: [[Func; 2]; 2],
     rotate_out: Func,
@@ -673,12 +673,8 @@ impl Cuda {
             quantize: get("quantize_q8")?,
             mm_q: [get("mm_q_t1_p4")?, get("mm_q_t1_p8")?],
             mm_q3: [get("mm_q3_t1_p4")?, get("mm_q3_t1_p8")?],
-            mm_qm: [[get("mm_qm1_p4")?, get("mm_qm1_p8")?], [get("mm_qm2_p4")?, get("mm_qm2_p8")?], [get("mm_qm4_p4")?, get("mm_qm4_p8")?]],
-            mm_q3m: [
-                [get("mm_q3m1_p4")?, get("mm_q3m1_p8")?],
-                [get("mm_q3m2_p4")?, get("mm_q3m2_p8")?],
-                [get("mm_q3m4_p4")?, get("mm_q3m4_p8")?],
-            ],
+            mm_qm: [[get("mm_qm1_p4")?, get("mm_qm1_p8")?], [get("mm_qm2_p4")?, get("mm_qm2_p8")?]],
+            mm_q3m: [[get("mm_q3m1_p4")?, get("mm_q3m1_p8")?], [get("mm_q3m2_p4")?, get("mm_q3m2_p8")?]],
             mm_f: [[get("mm_f32_t1")?, get("mm_f32_t8")?], [get("mm_bf16_t1")?, get("mm_bf16_t8")?]],
             rotate_out: get("rotate_out")?,
             embed: get("embed")?,
