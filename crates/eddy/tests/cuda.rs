@@ -352,16 +352,17 @@ fn rows_do_not_depend_on_the_batch() {
     }
 }
 
-/// The tensor-core products (2 and more tokens: tiles of 8 and 16 tokens) against the one-token kernel,
-/// bit for bit: every weight form, a row count that is not a multiple of the 16-row tile, widths of fewer and
-/// of more than 32 blocks (24 and 72: empty lane classes, classes of 2 and 3 blocks), n from 2 to 64 (partial token tiles,
-/// several tiles); and the one-launch products of several matrices (`matmul_parts`, with biases) likewise.
+/// The multi-token quantized products (`dp4a` up to 4 tokens, the tensor cores from 5: tiles of 8 and 16
+/// tokens) against the one-token kernel, bit for bit: every weight form, a row count that is not a multiple of
+/// the 16-row tile, widths of fewer and of more than 32 blocks (24 and 72: empty lane classes, classes of 2
+/// and 3 blocks), n from 2 to 64 (partial token tiles, several tiles); and the one-launch products of several
+/// matrices (`matmul_parts`, with biases) likewise.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
-fn tensor_core_products_equal_the_one_token_kernel() {
+fn multi_token_products_equal_the_one_token_kernel() {
     let be = gpu();
     let mut rng = Rng(19);
-    let ns = [2usize, 5, 8, 9, 16, 17, 31, 33, 64];
+    let ns = [2usize, 3, 4, 5, 8, 9, 16, 17, 31, 33, 64];
     let nmax = 64;
     for (rows, cols) in [(45usize, 768usize), (37, 2304)] {
         let x = rng.vec(nmax * cols);
@@ -406,29 +407,30 @@ fn tensor_core_products_equal_the_one_token_kernel() {
     for kind in [QuantKind::Q8, QuantKind::Q4] {
         let ws: Vec<_> = rows_of.iter().map(|&r| be.upload_weights(quantize_f32(r, cols, &rng.vec(r * cols), kind))).collect();
         let biases: Vec<_> = rows_of.iter().map(|&r| be.upload(&rng.vec(r))).collect();
-        let n = 24;
-        let x = rng.vec(n * cols);
-        let mut xq = be.new_qact();
-        let xb = be.upload(&x);
-        be.quantize(&xb, n, cols, &ws[0], &mut xq);
-        let mut outs: Vec<_> = rows_of.iter().map(|&r| be.alloc(n * r)).collect();
-        {
-            let mut parts: Vec<_> = ws.iter().zip(&biases).zip(outs.iter_mut()).map(|((w, b), o)| (w, Some(b), o)).collect();
-            be.matmul_parts(&mut parts, &xb, &xq, n);
-        }
-        for t in 0..n {
-            let xt = be.upload(&x[t * cols..(t + 1) * cols]);
-            let mut q1 = be.new_qact();
-            be.quantize(&xt, 1, cols, &ws[0], &mut q1);
-            let mut ones: Vec<_> = rows_of.iter().map(|&r| be.alloc(r)).collect();
+        for n in [3usize, 24] {
+            let x = rng.vec(n * cols);
+            let mut xq = be.new_qact();
+            let xb = be.upload(&x);
+            be.quantize(&xb, n, cols, &ws[0], &mut xq);
+            let mut outs: Vec<_> = rows_of.iter().map(|&r| be.alloc(n * r)).collect();
             {
-                let mut parts: Vec<_> = ws.iter().zip(&biases).zip(ones.iter_mut()).map(|((w, b), o)| (w, Some(b), o)).collect();
-                be.matmul_parts(&mut parts, &xt, &q1, 1);
+                let mut parts: Vec<_> = ws.iter().zip(&biases).zip(outs.iter_mut()).map(|((w, b), o)| (w, Some(b), o)).collect();
+                be.matmul_parts(&mut parts, &xb, &xq, n);
             }
-            for (i, &r) in rows_of.iter().enumerate() {
-                let mut all = Vec::new();
-                be.read(&outs[i], t, 1, r, &mut all);
-                assert!(read(&be, &ones[i], r) == all, "{kind:?} matmul_parts part {i}: token {t} of n = {n} differs from n = 1");
+            for t in 0..n {
+                let xt = be.upload(&x[t * cols..(t + 1) * cols]);
+                let mut q1 = be.new_qact();
+                be.quantize(&xt, 1, cols, &ws[0], &mut q1);
+                let mut ones: Vec<_> = rows_of.iter().map(|&r| be.alloc(r)).collect();
+                {
+                    let mut parts: Vec<_> = ws.iter().zip(&biases).zip(ones.iter_mut()).map(|((w, b), o)| (w, Some(b), o)).collect();
+                    be.matmul_parts(&mut parts, &xt, &q1, 1);
+                }
+                for (i, &r) in rows_of.iter().enumerate() {
+                    let mut all = Vec::new();
+                    be.read(&outs[i], t, 1, r, &mut all);
+                    assert!(read(&be, &ones[i], r) == all, "{kind:?} matmul_parts part {i}: token {t} of n = {n} differs from n = 1");
+                }
             }
         }
     }

@@ -184,16 +184,20 @@ __device__ __forceinline__ void mm_q_impl(int bx, const uint8_t* __restrict__ co
     }
 }
 
-#define MM_Q(NAME, P4)                                                                                       \
+// mm_q_t8 serves 2..4 tokens (below the tensor-core kernels' crossover, docs/cuda.md): one tile of 8 whose
+// rows past n are skipped.
+#define MM_Q(NAME, TT, P4)                                                                                   \
     extern "C" __global__ void NAME(const uint8_t* codes, const float* sc, const float* mn, int rows,       \
                                     int cols, int half, int g16, const int8_t* xq, const float* xs,         \
                                     const int* xsum, const float* xdsum, const int* xsum16, int n,          \
                                     const float* bias, float* out) {                                        \
-        mm_q_impl<1, P4>(blockIdx.x, codes, sc, mn, rows, cols, half, g16, xq, xs, xsum, xdsum, xsum16, n, bias,   \
-                         out);                                                                              \
+        mm_q_impl<TT, P4>(blockIdx.x, codes, sc, mn, rows, cols, half, g16, xq, xs, xsum, xdsum, xsum16, n, bias,  \
+                          out);                                                                             \
     }
-MM_Q(mm_q_t1_p4, true)
-MM_Q(mm_q_t1_p8, false)
+MM_Q(mm_q_t1_p4, 1, true)
+MM_Q(mm_q_t1_p8, 1, false)
+MM_Q(mm_q_t8_p4, 8, true)
+MM_Q(mm_q_t8_p8, 8, false)
 
 // ---------------------------------------------------------------------------------------------------------
 // The same products for 2 and more tokens on the tensor cores (mma.sync m16n8k32 / m16n8k16, u8 codes times
@@ -422,6 +426,8 @@ MM_QM(mm_qm2_p8, 2, false)
 #define MMA_BOUNDS(NJ) __launch_bounds__(32 * MMA_WARPS, MMA_MIN_BLOCKS(NJ))
 MM_Q3(mm_q3_t1_p4, (mm_q_impl<1, true>), MM_ROWS, NO_BOUNDS)
 MM_Q3(mm_q3_t1_p8, (mm_q_impl<1, false>), MM_ROWS, NO_BOUNDS)
+MM_Q3(mm_q3_t8_p4, (mm_q_impl<8, true>), MM_ROWS, NO_BOUNDS)
+MM_Q3(mm_q3_t8_p8, (mm_q_impl<8, false>), MM_ROWS, NO_BOUNDS)
 MM_Q3(mm_q3m1_p4, (mm_qm_impl<1, true>), MMA_ROWS, MMA_BOUNDS(1))
 MM_Q3(mm_q3m1_p8, (mm_qm_impl<1, false>), MMA_ROWS, MMA_BOUNDS(1))
 MM_Q3(mm_q3m2_p4, (mm_qm_impl<2, true>), MMA_ROWS, MMA_BOUNDS(2))

@@ -47,9 +47,13 @@ static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/eddy_kernels.fa
 const THREADS: u32 = 256;
 /// Weight rows per block of the product kernels (one warp each; `MM_ROWS` in kernels.cu).
 const MM_ROWS: usize = 4;
-/// Tokens per block of the float-weight product kernels for batches of more than one token (`TT` of the
-/// `mm_f*_t8` kernels).
+/// Tokens per block of the product kernels for batches of more than one token (`TT` of the `mm_f*_t8` and
+/// `mm_q*_t8` kernels).
 const MM_TT: usize = 8;
+/// Most tokens of a quantized product on the `dp4a` kernels (`mm_q*_t8` from 2 tokens); more go to the tensor
+/// cores. Measured on the H200 (docs/cuda.md): a 2-node verify 1.49 ms with `dp4a`, 1.71 ms with `mma`; 4 nodes
+/// 1.88 / 2.01 ms; 8 nodes 2.57 / 2.42 ms. Both give the same bits (batch invariance), so the cut is free.
+const DP4A_MAX: usize = 4;
 /// Weight rows per block of the tensor-core quantized products (`MMA_ROWS`; `MMA_WARPS` warps each).
 const MMA_ROWS: usize = 16;
 /// Threads per block of the tensor-core quantized products (`32·MMA_WARPS`).
@@ -528,10 +532,10 @@ unsafe impl Sync for Func {}
 /// Handles of every kernel of the module.
 struct Kernels {
     quantize: Func,
-    /// One token (`mm_q_t1_*`): `[bits 4 packed / bytes]`.
-    mm_q: [Func; 2],
+    /// `dp4a` kernels: `[1 token (mm_q_t1) / 2..=DP4A_MAX tokens (mm_q_t8)][bits 4 packed / bytes]`.
+    mm_q: [[Func; 2]; 2],
     /// The same for up to three matrices in one launch.
-    mm_q3: [Func; 2],
+    mm_q3: [[Func; 2]; 2],
     /// Two or more tokens, on the tensor cores (`mm_qm{1,2}_*`): `[tile (mma_tile)][bits 4 packed / bytes]`.
     mm_qm: [[Func; 2]; 2],
     /// The same for up to three matrices in one launch.
@@ -671,8 +675,8 @@ impl Cuda {
         };
         let k = Kernels {
             quantize: get("quantize_q8")?,
-            mm_q: [get("mm_q_t1_p4")?, get("mm_q_t1_p8")?],
-            mm_q3: [get("mm_q3_t1_p4")?, get("mm_q3_t1_p8")?],
+            mm_q: [[get("mm_q_t1_p4")?, get("mm_q_t1_p8")?], [get("mm_q_t8_p4")?, get("mm_q_t8_p8")?]],
+            mm_q3: [[get("mm_q3_t1_p4")?, get("mm_q3_t1_p8")?], [get("mm_q3_t8_p4")?, get("mm_q3_t8_p8")?]],
             mm_qm: [[get("mm_qm1_p4")?, get("mm_qm1_p8")?], [get("mm_qm2_p4")?, get("mm_qm2_p8")?]],
             mm_q3m: [[get("mm_q3m1_p4")?, get("mm_q3m1_p8")?], [get("mm_q3m2_p4")?, get("mm_q3m2_p8")?]],
             mm_f: [[get("mm_f32_t1")?, get("mm_f32_t8")?], [get("mm_bf16_t1")?, get("mm_bf16_t8")?]],
@@ -886,8 +890,8 @@ impl Cuda {
                     .p(if q.out_signs.is_some() { 0 } else { bias })
                     .p(out);
                 let p = if q.packed4 { 0 } else { 1 };
-                if n == 1 {
-                    self.launch(self.k.mm_q[p], grid, (32 * MM_ROWS) as u32, a);
+                if n <= DP4A_MAX {
+                    self.launch(self.k.mm_q[tile][p], grid, (32 * MM_ROWS) as u32, a);
                 } else {
                     let (v, nt) = mma_tile(n);
                     self.launch(self.k.mm_qm[v][p], (rows.div_ceil(MMA_ROWS), n.div_ceil(nt)), MMA_THREADS, a);
@@ -1250,7 +1254,7 @@ impl Backend for Cuda {
         for (q, (_, bias, out)) in qs.iter().zip(parts.iter()) {
             assert!(out.len >= n * q.rows, "matmul: out holds {} values, {n}×{} needed", out.len, q.rows);
             assert!(bias.is_none_or(|b| b.len == q.rows), "matmul_bias: the bias must hold one value per row");
-            blocks += q.rows.div_ceil(if n == 1 { MM_ROWS } else { MMA_ROWS });
+            blocks += q.rows.div_ceil(if n <= DP4A_MAX { MM_ROWS } else { MMA_ROWS });
             a = a
                 .p(q.codes.ptr)
                 .p(q.scales.ptr)
@@ -1263,8 +1267,8 @@ impl Backend for Cuda {
             a = a.p(0).p(0).p(0).i(0).p(0).p(0);
         }
         let p = if q0.packed4 { 0 } else { 1 };
-        if n == 1 {
-            self.launch(self.k.mm_q3[p], (blocks, 1), (32 * MM_ROWS) as u32, a);
+        if n <= DP4A_MAX {
+            self.launch(self.k.mm_q3[(n > 1) as usize][p], (blocks, 1), (32 * MM_ROWS) as u32, a);
         } else {
             let (v, nt) = mma_tile(n);
             self.launch(self.k.mm_q3m[v][p], (blocks, n.div_ceil(nt)), MMA_THREADS, a);
