@@ -200,16 +200,16 @@ MM_Q(mm_q_t8_p4, 8, true)
 MM_Q(mm_q_t8_p8, 8, false)
 
 // ---------------------------------------------------------------------------------------------------------
-// The same products for 2 and more tokens on the tensor cores (mma.sync m16n8k32 / m16n8k16, u8 codes times
-// s8 activations, exact int32 dots), with the float order of mm_q_t1 per output (row, token):
+// The same products for 5 and more tokens (DP4A_MAX in mod.rs) on the tensor cores (mma.sync m16n8k32 /
+// m16n8k16, u8 codes times s8 activations, exact int32 dots), with the float order of mm_q_t1 per output:
 //
 // mm_q_t1's lane l sums the chain P_l over the blocks b = l, l + 32, ... (class l) in increasing b, and the
 // xor butterfly then adds the 32 lane sums in a fixed binary tree. In the order of visit i = 0..31 with class
 // rev5(i) (the 5-bit reversal of i), that tree is the plain binary tree over consecutive visits:
 // T(i, 2^k) = T(i, 2^(k-1)) + T(i + 2^(k-1), 2^(k-1)), T(i, 1) = P_rev5(i) (lane l meets lane l^16 first,
 // and rev5(l^16) = rev5(l)^1; then l^8, ...). So here a block of MMA_WARPS = 8 warps computes a tile of
-// 16 weight rows x 8*NJ tokens (NJ = 1, 2): warp w owns the classes rev5(4w .. 4w+3), walks the row's blocks 32 at a time
-// (one block of each of its classes per step, so each class chain runs in increasing b), gets the int32 dots of
+// 16 weight rows x 8*NJ tokens (NJ = 1, 2): warp w owns the classes rev5(4w .. 4w+3), walks the row's blocks
+// 32 at a time (one block of each of its classes per step, so each class chain runs in increasing b), gets the int32 dots of
 // the whole tile for a block from one mma per 8 tokens (two k16 ones for group-16 scales), and adds the block's
 // term to that class's accumulator with exactly mm_q_t1's one or two __fmaf_rn; then each warp adds its 4
 // class sums as (P0 + P1) + (P2 + P3) (the tree's subtree of its visits) and the 8 warp sums meet in
