@@ -7,8 +7,9 @@
 #
 # Runs: the GPU tests (parity, products, batch invariance, the Qwen2.5-Coder-0.5B model test, one at a time),
 # the decode / verify-curve / prefill timing with CUDA graphs and without (EDDY_CUDA_GRAPHS=0), and, when
-# given llama.cpp's build for the GPU, llama-bench on the same GGUF (tg128, pp512). Output goes to stdout and
-# to $OUT/check.log when $OUT is set.
+# given llama.cpp's build for the GPU, llama-bench on the same GGUF (tg128, pp512); then, where ncu is present,
+# the kernel-time split of a 64-token prefill pass, a 16-node verify and a decode step (tools/ncu_split.py, run
+# from beside this script). Output goes to stdout and to $OUT/check.log when $OUT is set.
 set -u -o pipefail
 bin=$1 stage=$2 sha=$3 llama=${4:-}
 log=${OUT:-/tmp}/check.log
@@ -19,7 +20,7 @@ echo "== model: $(sha256sum "$model" | cut -c1-64) (want $sha)"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw --format=csv
 export EDDY_MODELS=$stage
 echo "== GPU tests"
-"$bin" --ignored --test-threads 1 --skip timing --skip smollm2 --skip gemma3 --nocapture 2>&1 | grep -v "^$"
+"$bin" --ignored --test-threads 1 --skip timing --skip profile --skip smollm2 --skip gemma3 --nocapture 2>&1 | grep -v "^$"
 echo "== timing, graphs on"
 "$bin" --ignored --test-threads 1 --nocapture decode_and_verify_timing 2>&1 | grep -E "decode|verify|queue|prefill|graph"
 echo "== timing, graphs off"
@@ -27,4 +28,12 @@ EDDY_CUDA_GRAPHS=0 "$bin" --ignored --test-threads 1 --nocapture decode_and_veri
 if [ -n "$llama" ]; then
     echo "== llama-bench"
     tar xzf "$llama" -C /tmp && LD_LIBRARY_PATH=/tmp/bin /tmp/bin/llama-bench -m "$model" -ngl 99 -fa 1 -p 512 -n 128 -r 5
+fi
+ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+if [ -x "$ncu" ]; then
+    echo "== kernel-time split (ncu, caches flushed before each kernel: small kernels read high)"
+    csv=${OUT:-/tmp}/ncu.csv
+    EDDY_CUDA_GRAPHS=0 "$ncu" --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+        --log-file "$csv" "$bin" --ignored --exact profile_prefill_verify_decode --nocapture 2>&1 | grep profiled
+    python3 "$(dirname "$0")/ncu_split.py" "$csv" prefill64 verify16 decode
 fi

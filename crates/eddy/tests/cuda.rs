@@ -248,7 +248,7 @@ fn quantized_products_match_the_integer_reference() {
                 assert!((g - r).abs() <= 1e-5 * r.abs().max(0.1), "{name}: embedding row {t} column {c}: {g} vs {r}");
             }
         }
-        for n in [1usize, 3, 16] {
+        for n in [1usize, 3, 16, 40] {
             let x = rng.vec(n * cols);
             let xb = be.upload(&x);
             let mut xq = be.new_qact();
@@ -348,6 +348,90 @@ fn rows_do_not_depend_on_the_batch() {
             let mut oi = be.alloc(qd);
             be.attention(&s, &qi, &kb, &vb, n_past + i, 1, Visibility::Causal, &mut oi);
             assert!(read(&be, &oi, qd) == all[i * qd..(i + 1) * qd], "window {window:?}: query {i} of 16 differs from the single query");
+        }
+    }
+}
+
+/// The multi-token quantized products (`dp4a` up to 4 tokens, the tensor cores from 5: tiles of 8 and 16
+/// tokens) against the one-token kernel, bit for bit: every weight form, a row count that is not a multiple of
+/// the 16-row tile, widths of fewer and of more than 32 blocks (24 and 72: empty lane classes, classes of 2
+/// and 3 blocks), n from 2 to 64 (partial token tiles, several tiles); and the one-launch products of several
+/// matrices (`matmul_parts`, with biases) likewise.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn multi_token_products_equal_the_one_token_kernel() {
+    let be = gpu();
+    let mut rng = Rng(19);
+    let ns = [2usize, 3, 4, 5, 8, 9, 16, 17, 31, 33, 64];
+    let nmax = 64;
+    for (rows, cols) in [(45usize, 768usize), (37, 2304)] {
+        let x = rng.vec(nmax * cols);
+        let xb = be.upload(&x);
+        let mut forms: Vec<(String, WeightMatrix)> = all_forms()
+            .into_iter()
+            .map(|(b, g, e, s)| {
+                (format!("bits {b} group {g} explicit {e} {s:?}"), WeightMatrix::Q(random_q(&mut rng, rows, cols, b, g, e, s)))
+            })
+            .collect();
+        let rot = Rotation { input: Some(Arc::new(Signs::random(cols, 5))), output: Some(Arc::new(Signs::random(rows, 6))) };
+        forms.push(("M g32 rotated".into(), rtn::quantize(rows, cols, &rng.vec(rows * cols), rtn::Format::M, 32, rot)));
+        for (name, w) in forms {
+            let w = be.upload_weights(w);
+            // One token at a time.
+            let mut ones = Vec::with_capacity(nmax * rows);
+            for t in 0..nmax {
+                let xt = be.upload(&x[t * cols..(t + 1) * cols]);
+                let mut q1 = be.new_qact();
+                be.quantize(&xt, 1, cols, &w, &mut q1);
+                let mut one = vec![0f32; rows];
+                be.matmul_to_host(&w, &xt, &q1, 1, &mut one);
+                ones.extend_from_slice(&one);
+            }
+            for &n in &ns {
+                let mut xq = be.new_qact();
+                be.quantize(&xb, n, cols, &w, &mut xq);
+                let mut all = vec![f32::NAN; n * rows];
+                be.matmul_to_host(&w, &xb, &xq, n, &mut all);
+                for t in 0..n {
+                    let (got, want) = (&all[t * rows..(t + 1) * rows], &ones[t * rows..(t + 1) * rows]);
+                    if let Some(r) = (0..rows).find(|&r| got[r].to_bits() != want[r].to_bits()) {
+                        panic!("{name} {rows}×{cols}: n = {n}, token {t}, row {r}: {} vs one-token {}", got[r], want[r]);
+                    }
+                }
+            }
+        }
+    }
+    // Several matrices of one format in one launch (q/k/v with biases), against one-token products.
+    let cols = 896;
+    let rows_of = [64usize, 19, 40];
+    for kind in [QuantKind::Q8, QuantKind::Q4] {
+        let ws: Vec<_> = rows_of.iter().map(|&r| be.upload_weights(quantize_f32(r, cols, &rng.vec(r * cols), kind))).collect();
+        let biases: Vec<_> = rows_of.iter().map(|&r| be.upload(&rng.vec(r))).collect();
+        for n in [3usize, 24] {
+            let x = rng.vec(n * cols);
+            let mut xq = be.new_qact();
+            let xb = be.upload(&x);
+            be.quantize(&xb, n, cols, &ws[0], &mut xq);
+            let mut outs: Vec<_> = rows_of.iter().map(|&r| be.alloc(n * r)).collect();
+            {
+                let mut parts: Vec<_> = ws.iter().zip(&biases).zip(outs.iter_mut()).map(|((w, b), o)| (w, Some(b), o)).collect();
+                be.matmul_parts(&mut parts, &xb, &xq, n);
+            }
+            for t in 0..n {
+                let xt = be.upload(&x[t * cols..(t + 1) * cols]);
+                let mut q1 = be.new_qact();
+                be.quantize(&xt, 1, cols, &ws[0], &mut q1);
+                let mut ones: Vec<_> = rows_of.iter().map(|&r| be.alloc(r)).collect();
+                {
+                    let mut parts: Vec<_> = ws.iter().zip(&biases).zip(ones.iter_mut()).map(|((w, b), o)| (w, Some(b), o)).collect();
+                    be.matmul_parts(&mut parts, &xt, &q1, 1);
+                }
+                for (i, &r) in rows_of.iter().enumerate() {
+                    let mut all = Vec::new();
+                    be.read(&outs[i], t, 1, r, &mut all);
+                    assert!(read(&be, &ones[i], r) == all, "{kind:?} matmul_parts part {i}: token {t} of n = {n} differs from n = 1");
+                }
+            }
         }
     }
 }
@@ -645,7 +729,59 @@ fn decode_and_verify_timing() {
     }
     let dp = t0.elapsed().as_secs_f64() / reps as f64;
     println!("{file}: prefill of 512 tokens {:.2} ms = {:.0} tok/s", 1e3 * dp, 512.0 / dp);
+    // The same in runs of 256 tokens (the engine's default `max_batch`).
+    let mut ws256 = Workspace::new(&be, &gm, 256);
+    forward(&gm, &be, &mut ws256, &mut pst, &long, Logits::Last, &mut logits).unwrap();
+    let t0 = std::time::Instant::now();
+    for _ in 0..reps {
+        pst.truncate(0);
+        forward(&gm, &be, &mut ws256, &mut pst, &long, Logits::Last, &mut logits).unwrap();
+    }
+    let dp = t0.elapsed().as_secs_f64() / reps as f64;
+    println!("{file}: prefill of 512 tokens in runs of 256 {:.2} ms = {:.0} tok/s", 1e3 * dp, 512.0 / dp);
     println!("{file}: graph use {:?}", be.graph_stats());
+}
+
+/// One 64-token prefill pass (after 256 tokens of context), one 16-node verify and one decode step of
+/// Qwen2.5-Coder-0.5B between `cuProfilerStart` and `cuProfilerStop`, for a kernel-time split under
+/// `ncu --profile-from-start off` (run with `EDDY_CUDA_GRAPHS=0` so the kernels launch one by one). Prints
+/// the passes' wall times; asserts nothing.
+#[test]
+#[ignore = "needs an NVIDIA GPU and the model files; for profiling"]
+fn profile_prefill_verify_decode() {
+    let file = "qwen2.5-coder-0.5b-instruct.gguf";
+    let lm = eddy::load::load_gguf(&eddy::load::models_dir().join(file), &mut |_, _| {}).unwrap();
+    let be = gpu();
+    let gm = lm.model.to_backend(&be).unwrap();
+    let prompt = lm.tokenizer.encode(PROMPT, true).unwrap();
+    let long: Vec<u32> = prompt.iter().cycle().take(320).copied().collect();
+    let (mut ws, mut st) = (Workspace::new(&be, &gm, 64), gm.new_state(&be, 1024));
+    let mut logits = Vec::new();
+    let chain = TreePaths::chain(16);
+    for profiled in [false, true] {
+        st.truncate(0);
+        forward(&gm, &be, &mut ws, &mut st, &long[..256], Logits::None, &mut logits).unwrap();
+        be.synchronize();
+        if profiled {
+            // SAFETY: a plain driver call in the backend's context (bound on this thread).
+            unsafe { cudarc::driver::sys::cuProfilerStart() };
+        }
+        let t0 = std::time::Instant::now();
+        forward(&gm, &be, &mut ws, &mut st, &long[256..320], Logits::Last, &mut logits).unwrap();
+        let tp = t0.elapsed();
+        let t0 = std::time::Instant::now();
+        forward_tree(&gm, &be, &mut ws, &mut st, &long[..16], &chain, 0, &mut logits).unwrap();
+        let tv = t0.elapsed();
+        let t0 = std::time::Instant::now();
+        forward(&gm, &be, &mut ws, &mut st, &long[..1], Logits::Last, &mut logits).unwrap();
+        let td = t0.elapsed();
+        if profiled {
+            be.synchronize();
+            // SAFETY: as above.
+            unsafe { cudarc::driver::sys::cuProfilerStop() };
+        }
+        println!("profiled {profiled}: 64-token prefill pass {tp:?}, 16-node verify {tv:?}, decode step {td:?}");
+    }
 }
 
 /// Rows with exact ties (within one thread's stride, across threads and warps), ±∞, NaN, a row of −∞ only and

@@ -47,8 +47,27 @@ static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/eddy_kernels.fa
 const THREADS: u32 = 256;
 /// Weight rows per block of the product kernels (one warp each; `MM_ROWS` in kernels.cu).
 const MM_ROWS: usize = 4;
-/// Tokens per block of the product kernels for batches of more than one token (`TT` of the t8 kernels).
+/// Tokens per block of the product kernels for batches of more than one token (`TT` of the `mm_f*_t8` and
+/// `mm_q*_t8` kernels).
 const MM_TT: usize = 8;
+/// Most tokens of a quantized product on the `dp4a` kernels (`mm_q*_t8` from 2 tokens); more go to the tensor
+/// cores. Measured on the H200 (docs/cuda.md): a 2-node verify 1.49 ms with `dp4a`, 1.71 ms with `mma`; 4 nodes
+/// 1.88 / 2.01 ms; 8 nodes 2.57 / 2.42 ms. Both give the same bits (batch invariance), so the cut is free.
+const DP4A_MAX: usize = 4;
+/// Weight rows per block of the tensor-core quantized products (`MMA_ROWS`; `MMA_WARPS` warps each).
+const MMA_ROWS: usize = 16;
+/// Threads per block of the tensor-core quantized products (`32·MMA_WARPS`).
+const MMA_THREADS: u32 = 256;
+
+/// The tensor-core product for `n` tokens (n ≥ 2): the kernel variant (tiles of 8 or 16 tokens: `NJ` = 1 or 2
+/// mma columns of 8) and the tokens per block.
+fn mma_tile(n: usize) -> (usize, usize) {
+    if n <= 8 {
+        (0, 8)
+    } else {
+        (1, 16)
+    }
+}
 /// Threads per (query, head, chunk) block of the attention kernel (`ATT_THREADS`).
 const ATT_THREADS: u32 = 256;
 /// Register groups of 32 values per thread of the RMSNorm kernels (`NORM_KMAX`).
@@ -513,10 +532,14 @@ unsafe impl Sync for Func {}
 /// Handles of every kernel of the module.
 struct Kernels {
     quantize: Func,
-    /// `[tokens per block 1 / 8][bits 4 packed / bytes]`.
+    /// `dp4a` kernels: `[1 token (mm_q_t1) / 2..=DP4A_MAX tokens (mm_q_t8)][bits 4 packed / bytes]`.
     mm_q: [[Func; 2]; 2],
     /// The same for up to three matrices in one launch.
     mm_q3: [[Func; 2]; 2],
+    /// Two or more tokens, on the tensor cores (`mm_qm{1,2}_*`): `[tile (mma_tile)][bits 4 packed / bytes]`.
+    mm_qm: [[Func; 2]; 2],
+    /// The same for up to three matrices in one launch.
+    mm_q3m: [[Func; 2]; 2],
     /// `[f32 / bf16][tokens per block 1 / 8]`.
     mm_f: [[Func; 2]; 2],
     rotate_out: Func,
@@ -654,6 +677,8 @@ impl Cuda {
             quantize: get("quantize_q8")?,
             mm_q: [[get("mm_q_t1_p4")?, get("mm_q_t1_p8")?], [get("mm_q_t8_p4")?, get("mm_q_t8_p8")?]],
             mm_q3: [[get("mm_q3_t1_p4")?, get("mm_q3_t1_p8")?], [get("mm_q3_t8_p4")?, get("mm_q3_t8_p8")?]],
+            mm_qm: [[get("mm_qm1_p4")?, get("mm_qm1_p8")?], [get("mm_qm2_p4")?, get("mm_qm2_p8")?]],
+            mm_q3m: [[get("mm_q3m1_p4")?, get("mm_q3m1_p8")?], [get("mm_q3m2_p4")?, get("mm_q3m2_p8")?]],
             mm_f: [[get("mm_f32_t1")?, get("mm_f32_t8")?], [get("mm_bf16_t1")?, get("mm_bf16_t8")?]],
             rotate_out: get("rotate_out")?,
             embed: get("embed")?,
@@ -864,7 +889,13 @@ impl Cuda {
                     .i(n)
                     .p(if q.out_signs.is_some() { 0 } else { bias })
                     .p(out);
-                self.launch(self.k.mm_q[tile][if q.packed4 { 0 } else { 1 }], grid, (32 * MM_ROWS) as u32, a);
+                let p = if q.packed4 { 0 } else { 1 };
+                if n <= DP4A_MAX {
+                    self.launch(self.k.mm_q[tile][p], grid, (32 * MM_ROWS) as u32, a);
+                } else {
+                    let (v, nt) = mma_tile(n);
+                    self.launch(self.k.mm_qm[v][p], (rows.div_ceil(MMA_ROWS), n.div_ceil(nt)), MMA_THREADS, a);
+                }
                 if let Some((signs, nb)) = &q.out_signs {
                     let a = Args::new().p(out).i(n).i(rows).i(*nb).p(signs.ptr);
                     self.launch_1d(self.k.rotate_out, n * nb, a);
@@ -1209,8 +1240,6 @@ impl Backend for Cuda {
             "activations quantized for another input rotation than these weights'"
         );
         self.ctx.bind();
-        let tile = if n == 1 { 0 } else { 1 };
-        let tt = if n == 1 { 1 } else { MM_TT };
         let mut a = Args::new()
             .i(q0.cols)
             .i(q0.half as usize)
@@ -1225,7 +1254,7 @@ impl Backend for Cuda {
         for (q, (_, bias, out)) in qs.iter().zip(parts.iter()) {
             assert!(out.len >= n * q.rows, "matmul: out holds {} values, {n}×{} needed", out.len, q.rows);
             assert!(bias.is_none_or(|b| b.len == q.rows), "matmul_bias: the bias must hold one value per row");
-            blocks += q.rows.div_ceil(MM_ROWS);
+            blocks += q.rows.div_ceil(if n <= DP4A_MAX { MM_ROWS } else { MMA_ROWS });
             a = a
                 .p(q.codes.ptr)
                 .p(q.scales.ptr)
@@ -1237,7 +1266,13 @@ impl Backend for Cuda {
         for _ in qs.len()..3 {
             a = a.p(0).p(0).p(0).i(0).p(0).p(0);
         }
-        self.launch(self.k.mm_q3[tile][if q0.packed4 { 0 } else { 1 }], (blocks, n.div_ceil(tt)), (32 * MM_ROWS) as u32, a);
+        let p = if q0.packed4 { 0 } else { 1 };
+        if n <= DP4A_MAX {
+            self.launch(self.k.mm_q3[(n > 1) as usize][p], (blocks, 1), (32 * MM_ROWS) as u32, a);
+        } else {
+            let (v, nt) = mma_tile(n);
+            self.launch(self.k.mm_q3m[v][p], (blocks, n.div_ceil(nt)), MMA_THREADS, a);
+        }
     }
 
     fn matmul_bias(&self, w: &CudaWeights, x: &CudaBuf, xq: &CudaQAct, n: usize, bias: Option<&CudaBuf>, out: &mut CudaBuf) {
