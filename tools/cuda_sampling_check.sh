@@ -6,12 +6,13 @@
 # alone. Run from the repository root on the GPU machine after the Qwen2.5-Coder-0.5B GGUF was put together at
 # $STAGE/qwen2.5-coder-0.5b-instruct.gguf.
 #
-#   tools/cuda_sampling_check.sh BIN_DIR STAGE_DIR SHA256_OF_THE_0.5B
+#   tools/cuda_sampling_check.sh BIN_DIR STAGE_DIR SHA256_OF_THE_0.5B [EDDY_BEFORE]
 #
 # BIN_DIR holds `cudatest` (the stripped `--test cuda` binary) and `eddy` (the CLI built with `--features
-# cuda`). Output goes to stdout and to $OUT/sampling.log when $OUT is set.
+# cuda`); EDDY_BEFORE, an `eddy` built before device sampling, runs the same commands for comparison. Output
+# goes to stdout and to $OUT/sampling.log when $OUT is set.
 set -u -o pipefail
-bin=$1 stage=$2 sha=$3
+bin=$1 stage=$2 sha=$3 before=${4:-}
 log=${OUT:-/tmp}/sampling.log
 exec > >(tee "$log") 2>&1
 model=$stage/qwen2.5-coder-0.5b-instruct.gguf
@@ -24,11 +25,16 @@ echo "== GPU tests"
 prompt="Write a python function to merge two sorted lists."
 for filters in "--top-k 40 --top-p 0.95 --min-p 0.05 --temperature 0.8" "--top-k 0 --top-p 1 --min-p 0 --temperature 1"; do
     echo "== eddy run --device cuda $filters --seed 42 -n 512"
-    for on in 0 1 0 1; do
+    for run in before 0 1 before 0 1; do
+        exe=$bin/eddy on=$run
+        if [ "$run" = before ]; then
+            [ -n "$before" ] || continue
+            exe=$before on=0
+        fi
         # shellcheck disable=SC2086
-        EDDY_DEVICE_SAMPLING=$on "$bin/eddy" run --model "$model" --device cuda $filters --seed 42 -n 512 \
-            --speculator none -m "$prompt" >/tmp/answer_$on.txt 2>/tmp/stats_$on.txt
-        echo "device sampling $on: answer $(md5sum </tmp/answer_$on.txt | cut -c1-12), $(wc -c </tmp/answer_$on.txt) bytes;" \
-            "$(grep -E 'generation speed|tokens per forward' /tmp/stats_$on.txt | tr '\n' ' ')"
+        EDDY_DEVICE_SAMPLING=$on "$exe" run --model "$model" --device cuda $filters --seed 42 -n 512 \
+            --speculator none -m "$prompt" >/tmp/answer.txt 2>/tmp/stats.txt
+        echo "$run: answer $(md5sum </tmp/answer.txt | cut -c1-12), $(wc -c </tmp/answer.txt) bytes;" \
+            "$(grep -E 'generation speed|tokens per forward' /tmp/stats.txt | tr '\n' ' ')"
     done
 done

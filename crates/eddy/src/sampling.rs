@@ -146,31 +146,35 @@ pub const MAX_CANDIDATES: usize = 256;
 /// Lanes of the full-vocabulary mass ([`row_candidates`]): value `i` joins lane `i mod MASS_LANES`.
 pub const MASS_LANES: usize = 1024;
 
-/// `e^x` for `x ≤ 0` by a fixed sequence of correctly rounded f32 operations, so that a GPU kernel repeating
-/// them gets the same bits (`kernels.cu`'s `exp_det`): `x = n·ln 2 + r` with `n = round_ties_even(x·log₂e)`
-/// (Cody–Waite, `ln 2` split in a 15-bit head and a tail, each step one fused multiply-add), `e^r` by the
-/// degree-7 Taylor polynomial in Horner form (`|r| ≤ ln2/2`: truncation below 1e-8, so within about one ulp
-/// of `e^x`), times `2^n` built from its bits. `x < −87` (where `e^x` nears the smallest normal f32), `−∞`
-/// and NaN give 0; `x > 0` is taken as 0.
+/// `e^x` for `x ≤ 0` by a fixed sequence of correctly rounded f32 multiplications and additions (no fused
+/// ones, so it vectorizes on any x86-64 and a GPU kernel repeating them gets the same bits: `kernels.cu`'s
+/// `exp_det`): `x = n·ln 2 + r` with `n = round(x·log₂e)` (to nearest even, by adding and subtracting
+/// 1.5·2²³), `r` by Cody–Waite (`ln 2` split into a 15-bit head, whose product with `n` is exact, and a tail),
+/// `e^r` by the degree-7 Taylor polynomial in Horner form (`|r| ≤ ln2/2`: truncation below 1e-8), times `2^n`
+/// built from its bits: within a few ulp of `e^x`. `x < −87` (where `e^x` nears the smallest normal f32),
+/// `−∞` and NaN give 0; `x > 0` is taken as 0.
 pub fn exp_det(x: f32) -> f32 {
     const LOG2E: u32 = 0x3fb8_aa3b;
     const LN2_HI: u32 = 0x3f31_7200;
     const LN2_LO: u32 = 0x35bf_be8e;
+    const ROUND: f32 = 12_582_912.0;
     /// 1/k! for k = 7, 6, …, 0, as f32.
     const C: [u32; 8] = [0x3950_0d01, 0x3ab6_0b61, 0x3c08_8889, 0x3d2a_aaab, 0x3e2a_aaab, 0x3f00_0000, 0x3f80_0000, 0x3f80_0000];
-    if x.is_nan() || x < -87.0 {
-        return 0.0;
-    }
-    let x = if x > 0.0 { 0.0 } else { x };
-    let n = (x * f32::from_bits(LOG2E)).round_ties_even();
-    let r = n.mul_add(-f32::from_bits(LN2_HI), x);
-    let r = n.mul_add(-f32::from_bits(LN2_LO), r);
+    let xc = x.clamp(-87.0, 0.0);
+    let n = (xc * f32::from_bits(LOG2E) + ROUND) - ROUND;
+    let r = xc - n * f32::from_bits(LN2_HI);
+    let r = r - n * f32::from_bits(LN2_LO);
     let mut p = f32::from_bits(C[0]);
     for &c in &C[1..] {
-        p = p.mul_add(r, f32::from_bits(c));
+        p = p * r + f32::from_bits(c);
     }
     // n ∈ [−126, 0]: 2^n is a normal f32, and so is the product (p > 1 where n = −126).
-    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    let v = p * f32::from_bits(((n as i32 + 127) as u32) << 23);
+    if x >= -87.0 {
+        v
+    } else {
+        0.0
+    }
 }
 
 /// The sampler's order of candidates: scaled logit descending (`total_cmp`), then token id ascending.
@@ -245,6 +249,14 @@ impl Candidates {
 /// finite logits scaled by `inv_t` (one f32 product each), in the sampler's order (scaled value descending
 /// by `total_cmp`, ties by id ascending), and returns `(n_finite, mass)` as [`CandidateRow`] defines them.
 pub fn row_candidates(logits: &[f32], inv_t: f32, k: usize, top: &mut Vec<(f32, u32)>) -> (usize, f64) {
+    let n = row_top(logits, inv_t, k, top);
+    let max = top.first().map_or(f32::NAN, |e| e.0);
+    (n, row_mass(logits, inv_t, max))
+}
+
+/// [`row_candidates`] without the mass: the first `min(k, n_finite)` candidates into `top`; returns
+/// `n_finite`.
+pub fn row_top(logits: &[f32], inv_t: f32, k: usize, top: &mut Vec<(f32, u32)>) -> usize {
     top.clear();
     top.extend(logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (l * inv_t, i as u32)));
     let n = top.len();
@@ -253,14 +265,20 @@ pub fn row_candidates(logits: &[f32], inv_t: f32, k: usize, top: &mut Vec<(f32, 
         top.truncate(k);
     }
     top.sort_unstable_by(by_logit);
-    let max = top.first().map_or(f32::NAN, |e| e.0);
+    n
+}
+
+/// [`CandidateRow::mass`] of a logits row whose largest finite scaled logit is `max`: 0 when `max` is not
+/// finite.
+pub fn row_mass(logits: &[f32], inv_t: f32, max: f32) -> f64 {
     if !max.is_finite() {
-        return (n, 0.0);
+        return 0.0;
     }
+    // A non-finite logit adds 0 to its lane (a lane is never −0, so that leaves it unchanged).
     let mut lanes = [0f64; MASS_LANES];
-    for (i, &l) in logits.iter().enumerate() {
-        if l.is_finite() {
-            lanes[i % MASS_LANES] += exp_det(l * inv_t - max) as f64;
+    for chunk in logits.chunks(MASS_LANES) {
+        for (lane, &l) in lanes.iter_mut().zip(chunk) {
+            *lane += if l.is_finite() { exp_det(l * inv_t - max) as f64 } else { 0.0 };
         }
     }
     let mut h = MASS_LANES / 2;
@@ -270,7 +288,7 @@ pub fn row_candidates(logits: &[f32], inv_t: f32, k: usize, top: &mut Vec<(f32, 
         }
         h /= 2;
     }
-    (n, lanes[0])
+    lanes[0]
 }
 
 /// Reusable sampler state (candidate, weight and token-count buffers, so sampling allocates nothing per
@@ -334,11 +352,13 @@ impl Sampler {
         }
         let k = if p.top_k > 0 { p.top_k } else { DEVICE_CANDIDATES };
         let mut top = std::mem::take(&mut self.cand);
-        let (n, mass) = row_candidates(logits, inv_t, k, &mut top);
+        let n = row_top(logits, inv_t, k, &mut top);
+        // The mass is read only without an active top-k.
+        let mass = if p.top_k > 0 && p.top_k < n { 0.0 } else { row_mass(logits, inv_t, top.first().map_or(f32::NAN, |e| e.0)) };
         let mut y = self.sample_candidates(p, CandidateRow { top: &top, n_finite: n, mass }, pos);
         if y.is_none() && top.len() < n && top[0].0.is_finite() {
-            // The draw reaches past the first k: the same draw over all candidates (the same mass).
-            let (n, mass) = row_candidates(logits, inv_t, n, &mut top);
+            // The draw reaches past the first k: the same draw over all candidates.
+            row_top(logits, inv_t, n, &mut top);
             y = self.sample_candidates(p, CandidateRow { top: &top, n_finite: n, mass }, pos);
         }
         self.cand = top;

@@ -831,23 +831,23 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int width, u
 
 // ---- Sampling candidates (`Backend::candidate_rows`; the host reference is `sampling::row_candidates`). ----
 
-// `sampling::exp_det`: e^x for x <= 0 by the same correctly rounded f32 operations (explicit intrinsics, so
-// nothing is contracted or reassociated): the same bits as the host.
+// `sampling::exp_det`: e^x for x <= 0 by the same correctly rounded f32 multiplications and additions
+// (explicit intrinsics, so nothing is contracted into a fused multiply-add): the same bits as the host.
 __device__ __forceinline__ float exp_det(float x) {
-    if (!(x >= -87.0f)) return 0.0f;
-    if (x > 0.0f) x = 0.0f;
-    const float n = rintf(__fmul_rn(x, __int_as_float(0x3fb8aa3b)));
-    float r = __fmaf_rn(n, -__int_as_float(0x3f317200), x);
-    r = __fmaf_rn(n, -__int_as_float(0x35bfbe8e), r);
+    const float xc = fminf(fmaxf(x, -87.0f), 0.0f);
+    const float n = __fsub_rn(__fadd_rn(__fmul_rn(xc, __int_as_float(0x3fb8aa3b)), 12582912.0f), 12582912.0f);
+    float r = __fsub_rn(xc, __fmul_rn(n, __int_as_float(0x3f317200)));
+    r = __fsub_rn(r, __fmul_rn(n, __int_as_float(0x35bfbe8e)));
     float p = __int_as_float(0x39500d01);
-    p = __fmaf_rn(p, r, __int_as_float(0x3ab60b61));
-    p = __fmaf_rn(p, r, __int_as_float(0x3c088889));
-    p = __fmaf_rn(p, r, __int_as_float(0x3d2aaaab));
-    p = __fmaf_rn(p, r, __int_as_float(0x3e2aaaab));
-    p = __fmaf_rn(p, r, __int_as_float(0x3f000000));
-    p = __fmaf_rn(p, r, __int_as_float(0x3f800000));
-    p = __fmaf_rn(p, r, __int_as_float(0x3f800000));
-    return __fmul_rn(p, __int_as_float(((int)n + 127) << 23));
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3ab60b61));
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3c088889));
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3d2aaaab));
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3e2aaaab));
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3f000000));
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3f800000));
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3f800000));
+    const float v = __fmul_rn(p, __int_as_float(((int)n + 127) << 23));
+    return x >= -87.0f ? v : 0.0f;
 }
 
 // The sampler's order as one integer, larger first: the scaled logit by Rust's `f32::total_cmp` (high word),
