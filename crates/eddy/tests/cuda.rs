@@ -11,7 +11,9 @@
 //! the transformers fixtures (mean KL ≤ 0.02 as the CPU test, top-1 ≥ 96 %) and against the CPU backend
 //! (bounds from the CPU's own AVX-512/AVX2 spread: top-1 ≥ 95 %, mean KL ≤ 5e-3, max |Δlogit| ≤ 3, every
 //! top-1 flip a near-tie with a CPU logit gap ≤ 0.5);
-//! the refusal of a hybrid model; and a timing of decode steps and a 16-node verify (printed, not asserted).
+//! the refusal of a hybrid model; the device argmax and the sampling candidates (`candidate_rows`) bit for bit
+//! against the host's, and greedy and sampled generation with them equal to the host path's; and a timing of
+//! decode steps and a 16-node verify (printed, not asserted).
 #![cfg(feature = "cuda")]
 
 use eddy::backend::cpu::{matmul_reference, quantize_activations, ThreadPool};
