@@ -243,6 +243,10 @@ impl Exec {
     fn max_batch(&self) -> usize {
         on_core!(self, |c| c.ws.max_batch)
     }
+    /// Row `row` of the sampling head's logits of the last pass (`vocab` values) appended to `out`.
+    fn read_head_row(&self, row: usize, vocab: usize, out: &mut Vec<f32>) {
+        on_core!(self, |c| c.be.read(c.ws.head_logits.as_ref().expect("a pass under the sampling head"), row, 1, vocab, out))
+    }
     fn clear(&mut self) {
         on_core!(self, |c| c.state.clear())
     }
@@ -277,6 +281,12 @@ pub struct Engine {
     step: StepScratch,
     /// Greedy decoding on a device takes each logits row's argmax there ([`Engine::set_device_argmax`]).
     device_argmax: bool,
+    /// Sampled decoding on a device reduces each logits row to its candidates there
+    /// ([`Engine::set_device_sampling`]).
+    device_sampling: bool,
+    /// Rows sampled from device candidates, and rows among them read back in full (the candidates did not
+    /// decide the sample).
+    device_sampled: (u64, u64),
 }
 
 /// What one decode step builds, kept between steps so that a warm decode loop allocates nothing: the
@@ -363,6 +373,8 @@ impl Engine {
             cost: CostModel::default(),
             step: StepScratch::default(),
             device_argmax: std::env::var("EDDY_DEVICE_ARGMAX").map_or(true, |v| v != "0"),
+            device_sampling: std::env::var("EDDY_DEVICE_SAMPLING").map_or(true, |v| v != "0"),
+            device_sampled: (0, 0),
             lm,
         }
     }
@@ -374,6 +386,25 @@ impl Engine {
     /// path's (same argmax, same tie rule); the CPU always samples on the host.
     pub fn set_device_argmax(&mut self, on: bool) {
         self.device_argmax = on;
+    }
+
+    /// Whether sampled decoding on a device (CUDA) reduces each verified logits row to its sampling
+    /// candidates there and copies back only those (default on; `EDDY_DEVICE_SAMPLING=0` turns it off): the
+    /// first `k` scaled logits in the sampler's order, the count of finite logits and the row's mass
+    /// ([`crate::sampling::row_candidates`], `k` from [`Sampler::candidate_count`]). Used for decode steps
+    /// with temperature > 0, no repetition/presence/frequency penalty, a top-k of at most
+    /// [`crate::sampling::MAX_CANDIDATES`], no log-probabilities and no constraint, on models without a
+    /// final logit soft-cap, when the verify pass computes at most `max_batch` rows. A row whose candidates
+    /// do not decide the sample (a nucleus or a draw reaching past them) is read back in full: the tokens are
+    /// the host path's ([`Sampler::sample_candidates`]).
+    pub fn set_device_sampling(&mut self, on: bool) {
+        self.device_sampling = on;
+    }
+
+    /// Rows sampled from device candidates since the engine was made, and how many of them were read back in
+    /// full because the candidates did not decide the sample ([`Engine::set_device_sampling`]).
+    pub fn device_sampled_rows(&self) -> (u64, u64) {
+        self.device_sampled
     }
 
     /// Speculate with `speculators` (merged into one tree per step) under `budget`; an empty list is
@@ -759,7 +790,22 @@ impl Engine {
             && lp_k.is_none()
             && out.mask.is_none()
             && self.lm.model.config.final_softcap.is_none();
-        on_core!(&mut self.exec, |c| c.ws.argmax_head = on_device_argmax);
+        // Sampling without anything that needs the whole row: the device returns each row's candidates.
+        let device_k = if self.device_sampling
+            && !matches!(self.exec, Exec::Cpu(_))
+            && lp_k.is_none()
+            && out.mask.is_none()
+            && self.lm.model.config.final_softcap.is_none()
+            && tree.len() <= self.exec.max_batch()
+        {
+            Sampler::candidate_count(sp)
+        } else {
+            None
+        };
+        on_core!(&mut self.exec, |c| {
+            c.ws.argmax_head = on_device_argmax;
+            c.ws.sample_head = device_k.map(|k| (1.0 / sp.temperature, k));
+        });
         let tv = Instant::now();
         let verified = on_device!(&mut self.exec, &self.lm.model, |c, m| if tree.len() == 1 {
             // No drafts: the plain decode step (verify and commit of the root in one pass).
@@ -767,7 +813,10 @@ impl Engine {
         } else {
             forward_tree(m, &c.be, &mut c.ws, &mut c.state, &tree.tokens, paths, 0, &mut self.logits)
         });
-        on_core!(&mut self.exec, |c| c.ws.argmax_head = false);
+        on_core!(&mut self.exec, |c| {
+            c.ws.argmax_head = false;
+            c.ws.sample_head = None;
+        });
         verified?;
         self.cost.record_verify(tree.len(), tv.elapsed().as_secs_f64());
         let stats = &mut *out.stats_mut();
@@ -783,10 +832,26 @@ impl Engine {
         let logits = &mut self.logits;
         let mut walk_lp: Vec<TokenLogprobs> = Vec::new();
         let device_ids: Option<&[u32]> = if on_device_argmax { Some(on_core!(&self.exec, |c| &c.ws.ids)) } else { None };
+        let device_cands = if device_k.is_some() && !on_device_argmax { Some(on_core!(&self.exec, |c| &c.ws.cands)) } else { None };
+        let exec = &self.exec;
+        let device_sampled = &mut self.device_sampled;
         accept_walk_into(tree, walk, |node| {
             if let Some(ids) = device_ids {
                 history.push(ids[node]);
                 return Some(ids[node]);
+            }
+            if let Some(cands) = device_cands {
+                let pos = history.len();
+                device_sampled.0 += 1;
+                let y = sampler.sample_candidates(sp, cands.row(node), pos).unwrap_or_else(|| {
+                    // The candidates do not decide it: the host path on the full row.
+                    device_sampled.1 += 1;
+                    logits.clear();
+                    exec.read_head_row(node, vocab, logits);
+                    sampler.sample(sp, &mut logits[..vocab], history, pos)
+                });
+                history.push(y);
+                return Some(y);
             }
             let row = &mut logits[node * vocab..(node + 1) * vocab];
             let pos = history.len();

@@ -7,6 +7,12 @@
 //!
 //! Pipeline (as llama.cpp / transformers order it): repetition penalty → presence and frequency
 //! penalties → temperature → top-k → top-p → min-p → inverse-CDF draw. Temperature 0 is greedy (argmax, lowest id on ties).
+//!
+//! After the penalties a row is reduced to its candidates ([`row_candidates`]: the first `k` scaled logits in
+//! the sampler's order, the count of finite logits and the full row's mass, computed in a fixed order by
+//! [`exp_det`] so that a GPU gets the same bits) and the draw reads only those ([`Sampler::sample_candidates`]);
+//! a draw that reaches past them runs again over the whole row. A device can thus return the candidates
+//! instead of the row and sample exactly what the host would (`docs/cuda.md`, "Sampling on the device").
 
 /// Sampling parameters of one request.
 #[derive(Debug, Clone, PartialEq)]
@@ -133,18 +139,192 @@ pub fn argmax(x: &[f32]) -> u32 {
     best as u32
 }
 
-/// Reusable sampler state (candidate and token-count buffers, so sampling allocates nothing per token
-/// once warm).
+/// Candidates a device reduces a logits row to when nothing asks for more ([`Sampler::candidate_count`]).
+pub const DEVICE_CANDIDATES: usize = 64;
+/// The most candidates a device keeps per row (a top-k above it samples from the full row).
+pub const MAX_CANDIDATES: usize = 256;
+/// Lanes of the full-vocabulary mass ([`row_candidates`]): value `i` joins lane `i mod MASS_LANES`.
+pub const MASS_LANES: usize = 1024;
+
+/// `e^x` for `x ≤ 0` by a fixed sequence of correctly rounded f32 multiplications and additions (no fused
+/// ones, so it vectorizes on any x86-64 and a GPU kernel repeating them gets the same bits: `kernels.cu`'s
+/// `exp_det`): `x = n·ln 2 + r` with `n = round(x·log₂e)` (to nearest even, by adding and subtracting
+/// 1.5·2²³), `r` by Cody–Waite (`ln 2` split into a 15-bit head, whose product with `n` is exact, and a tail),
+/// `e^r` by the degree-7 Taylor polynomial in Horner form (`|r| ≤ ln2/2`: truncation below 1e-8), times `2^n`
+/// built from its bits: within a few ulp of `e^x`. `x < −87` (where `e^x` nears the smallest normal f32),
+/// `−∞` and NaN give 0; `x > 0` is taken as 0.
+pub fn exp_det(x: f32) -> f32 {
+    const LOG2E: u32 = 0x3fb8_aa3b;
+    const LN2_HI: u32 = 0x3f31_7200;
+    const LN2_LO: u32 = 0x35bf_be8e;
+    const ROUND: f32 = 12_582_912.0;
+    /// 1/k! for k = 7, 6, …, 0, as f32.
+    const C: [u32; 8] = [0x3950_0d01, 0x3ab6_0b61, 0x3c08_8889, 0x3d2a_aaab, 0x3e2a_aaab, 0x3f00_0000, 0x3f80_0000, 0x3f80_0000];
+    let xc = x.clamp(-87.0, 0.0);
+    let n = (xc * f32::from_bits(LOG2E) + ROUND) - ROUND;
+    let r = xc - n * f32::from_bits(LN2_HI);
+    let r = r - n * f32::from_bits(LN2_LO);
+    let mut p = f32::from_bits(C[0]);
+    for &c in &C[1..] {
+        p = p * r + f32::from_bits(c);
+    }
+    // n ∈ [−126, 0]: 2^n is a normal f32, and so is the product (p > 1 where n = −126).
+    let v = p * f32::from_bits(((n as i32 + 127) as u32) << 23);
+    if x >= -87.0 {
+        v
+    } else {
+        0.0
+    }
+}
+
+/// The sampler's order of candidates: scaled logit descending (`total_cmp`), then token id ascending.
+fn by_logit(a: &(f32, u32), b: &(f32, u32)) -> std::cmp::Ordering {
+    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
+}
+
+/// What sampling at one temperature needs of one logits row, without the row.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CandidateRow<'a> {
+    /// The first `min(k, n_finite)` candidates in the sampler's order: `(logit · inv_t, token id)`, scaled
+    /// logit descending (`total_cmp`), ties by id ascending.
+    pub top: &'a [(f32, u32)],
+    /// How many logits of the row are finite (the rest never take part).
+    pub n_finite: usize,
+    /// The full row's mass `Σ exp_det(s_i − max)` over its finite scaled logits `s_i` (max = `top[0].0`),
+    /// summed in f64 over [`MASS_LANES`] lanes (value `i` joins lane `i mod MASS_LANES` in index order),
+    /// then the lanes in a halving tree (`lane[j] += lane[j + h]`, `h` = 512, 256, …, 1); 0 when the row has
+    /// no finite value or its max is infinite.
+    pub mass: f64,
+}
+
+/// [`CandidateRow`]s of several logits rows (`k` slots per row): a device's answer to a sampled step.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Candidates {
+    /// Slots per row.
+    pub k: usize,
+    /// Row `r`'s candidates in `top[r·k..r·k + min(k, n_finite[r])]`.
+    pub top: Vec<(f32, u32)>,
+    /// Per row: [`CandidateRow::n_finite`].
+    pub n_finite: Vec<usize>,
+    /// Per row: [`CandidateRow::mass`].
+    pub mass: Vec<f64>,
+}
+
+impl Candidates {
+    /// Room for `n` rows of `k` slots (contents unspecified until filled).
+    pub fn reset(&mut self, n: usize, k: usize) {
+        self.k = k;
+        self.top.clear();
+        self.top.resize(n * k, (0.0, 0));
+        self.n_finite.clear();
+        self.n_finite.resize(n, 0);
+        self.mass.clear();
+        self.mass.resize(n, 0.0);
+    }
+
+    /// Number of rows.
+    pub fn rows(&self) -> usize {
+        self.n_finite.len()
+    }
+
+    /// Row `r`.
+    pub fn row(&self, r: usize) -> CandidateRow<'_> {
+        let m = self.k.min(self.n_finite[r]);
+        CandidateRow { top: &self.top[r * self.k..r * self.k + m], n_finite: self.n_finite[r], mass: self.mass[r] }
+    }
+
+    /// Row `r` computed on the host from `logits` ([`row_candidates`]; `scratch` holds the scaled row).
+    pub fn fill_row(&mut self, r: usize, logits: &[f32], inv_t: f32, scratch: &mut Vec<(f32, u32)>) {
+        let k = self.k;
+        let (n, mass) = row_candidates(logits, inv_t, k, scratch);
+        let m = scratch.len();
+        self.top[r * k..r * k + m].copy_from_slice(scratch);
+        self.n_finite[r] = n;
+        self.mass[r] = mass;
+    }
+}
+
+/// The sampling candidates of one logits row at inverse temperature `inv_t` (the scalar reference of
+/// [`crate::backend::Backend::candidate_rows`]): leaves in `top` the first `min(k, n_finite)` of the
+/// finite logits scaled by `inv_t` (one f32 product each), in the sampler's order (scaled value descending
+/// by `total_cmp`, ties by id ascending), and returns `(n_finite, mass)` as [`CandidateRow`] defines them.
+pub fn row_candidates(logits: &[f32], inv_t: f32, k: usize, top: &mut Vec<(f32, u32)>) -> (usize, f64) {
+    let n = row_top(logits, inv_t, k, top);
+    let max = top.first().map_or(f32::NAN, |e| e.0);
+    (n, row_mass(logits, inv_t, max))
+}
+
+/// [`row_candidates`] without the mass: the first `min(k, n_finite)` candidates into `top`; returns
+/// `n_finite`.
+pub fn row_top(logits: &[f32], inv_t: f32, k: usize, top: &mut Vec<(f32, u32)>) -> usize {
+    top.clear();
+    top.extend(logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (l * inv_t, i as u32)));
+    let n = top.len();
+    if k < n {
+        top.select_nth_unstable_by(k.max(1) - 1, by_logit);
+        top.truncate(k);
+    }
+    top.sort_unstable_by(by_logit);
+    n
+}
+
+/// [`CandidateRow::mass`] of a logits row whose largest finite scaled logit is `max`: 0 when `max` is not
+/// finite.
+pub fn row_mass(logits: &[f32], inv_t: f32, max: f32) -> f64 {
+    if !max.is_finite() {
+        return 0.0;
+    }
+    // A non-finite logit adds 0 to its lane (a lane is never −0, so that leaves it unchanged).
+    let mut lanes = [0f64; MASS_LANES];
+    for chunk in logits.chunks(MASS_LANES) {
+        for (lane, &l) in lanes.iter_mut().zip(chunk) {
+            *lane += if l.is_finite() { exp_det(l * inv_t - max) as f64 } else { 0.0 };
+        }
+    }
+    let mut h = MASS_LANES / 2;
+    while h > 0 {
+        for j in 0..h {
+            lanes[j] += lanes[j + h];
+        }
+        h /= 2;
+    }
+    lanes[0]
+}
+
+/// Reusable sampler state (candidate, weight and token-count buffers, so sampling allocates nothing per
+/// token once warm).
 #[derive(Default)]
 pub struct Sampler {
     cand: Vec<(f32, u32)>,
+    weights: Vec<f32>,
     generated: Vec<u32>,
 }
 
 impl Sampler {
+    /// How many candidates per logits row decide sampling under `p` (the `k` of [`row_candidates`] and of
+    /// [`crate::backend::Backend::candidate_rows`]): `p.top_k` when set, else [`DEVICE_CANDIDATES`]. `None`
+    /// when candidates cannot stand for the row: greedy (temperature 0, or so small that `1/T` overflows:
+    /// the argmax decides), a repetition/presence/frequency penalty (they change logits the candidates
+    /// were taken from), or a top-k above [`MAX_CANDIDATES`].
+    pub fn candidate_count(p: &SamplerParams) -> Option<usize> {
+        let plain = p.temperature > 0.0
+            && (1.0 / p.temperature).is_finite()
+            && p.repetition_penalty == 1.0
+            && p.presence_penalty == 0.0
+            && p.frequency_penalty == 0.0
+            && p.top_k <= MAX_CANDIDATES;
+        plain.then_some(if p.top_k > 0 { p.top_k } else { DEVICE_CANDIDATES })
+    }
+
     /// Sample the token at absolute position `pos` from `logits` (modified in place by the penalties),
     /// given `history` (all tokens before `pos`, prompt included; its first `p.prompt_len` are the
     /// prompt).
+    ///
+    /// After the penalties the row is reduced to its candidates ([`row_candidates`]) and
+    /// [`Sampler::sample_candidates`] draws from them; when the draw needs more than the first `k` (a
+    /// nucleus or a draw reaching past them), it runs again over every finite logit. So a device that
+    /// returns a row's candidates instead of the row gets this function's token whenever
+    /// `sample_candidates` answers.
     pub fn sample(&mut self, p: &SamplerParams, logits: &mut [f32], history: &[u32], pos: usize) -> u32 {
         if p.repetition_penalty != 1.0 {
             let start = history.len().saturating_sub(p.repeat_last_n);
@@ -170,54 +350,89 @@ impl Sampler {
             // A subnormal temperature: the limit of sampling as the temperature goes to 0 is greedy.
             return argmax(logits);
         }
-        let c = &mut self.cand;
-        c.clear();
-        c.extend(logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (l * inv_t, i as u32)));
-        // A tiny temperature can overflow a scaled logit to +inf (then exp(inf - inf) = NaN would pick the
-        // least likely candidate): that is greedy in the limit.
-        if c.is_empty() || c.iter().any(|e| e.0 == f32::INFINITY) {
-            return argmax(logits);
+        let k = if p.top_k > 0 { p.top_k } else { DEVICE_CANDIDATES };
+        let mut top = std::mem::take(&mut self.cand);
+        let n = row_top(logits, inv_t, k, &mut top);
+        // The mass is read only without an active top-k.
+        let mass = if p.top_k > 0 && p.top_k < n { 0.0 } else { row_mass(logits, inv_t, top.first().map_or(f32::NAN, |e| e.0)) };
+        let mut y = self.sample_candidates(p, CandidateRow { top: &top, n_finite: n, mass }, pos);
+        if y.is_none() && top.len() < n && top[0].0.is_finite() {
+            // The draw reaches past the first k: the same draw over all candidates.
+            row_top(logits, inv_t, n, &mut top);
+            y = self.sample_candidates(p, CandidateRow { top: &top, n_finite: n, mass }, pos);
         }
-        // Sort descending by logit, ties by id, after an O(n) top-k cut when one is asked for.
-        let by_logit = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
-        if p.top_k > 0 && p.top_k < c.len() {
-            c.select_nth_unstable_by(p.top_k - 1, by_logit);
-            c.truncate(p.top_k);
+        self.cand = top;
+        // No finite logit, or one whose scaled value overflows to ±∞ at the top (exp(∞ − ∞) = NaN would pick
+        // arbitrarily): the greedy limit.
+        y.unwrap_or_else(|| argmax(logits))
+    }
+
+    /// Sample the token at absolute position `pos` from one row's candidates (`row`, taken at temperature
+    /// `p.temperature` with at least `p.top_k` slots), or `None` when they do not decide it: the top-k set,
+    /// the nucleus, the min-p survivors or the draw reach past `row.top`, the row has no finite logit, or its
+    /// top scaled logit is infinite (then [`Sampler::sample`] on the full row decides).
+    ///
+    /// The pipeline after the penalties: weights `w_i = exp(s_i − s_0)` (f32) in the sampler's order; the
+    /// normalizer is the f64 sum of the top-k weights in that order under an active top-k (`top_k < n`),
+    /// else the row's [`CandidateRow::mass`]; top-p keeps the shortest prefix whose normalized running sum
+    /// (f64) reaches `top_p`; min-p keeps the prefix with `w_i ≥ min_p` (at least one); the draw
+    /// `u·total` (`u` = [`position_uniform`]; `total` = the mass when nothing was cut, else the f64 sum of the
+    /// kept weights) is located by the running sum of the kept weights. Every number depends only on the
+    /// candidates it reads and on the mass, so any `row.top` that is a prefix of the full order gives the
+    /// full row's answer whenever it answers.
+    pub fn sample_candidates(&mut self, p: &SamplerParams, row: CandidateRow<'_>, pos: usize) -> Option<u32> {
+        let (top, n) = (row.top, row.n_finite);
+        let m = top.len();
+        if n == 0 || m == 0 || !top[0].0.is_finite() {
+            return None;
         }
-        c.sort_unstable_by(by_logit);
-        let max = c[0].0;
-        let mut sum = 0f64;
-        for e in c.iter_mut() {
-            e.0 = (e.0 - max).exp();
-            sum += e.0 as f64;
-        }
+        let max = top[0].0;
+        let top_k = p.top_k > 0 && p.top_k < n;
+        let len = if top_k { p.top_k } else { n };
+        let w = &mut self.weights;
+        w.clear();
+        w.extend(top[..len.min(m)].iter().map(|e| (e.0 - max).exp()));
+        let sum = if top_k {
+            if m < len {
+                return None;
+            }
+            w.iter().fold(0f64, |a, &x| a + x as f64)
+        } else {
+            row.mass
+        };
         // top-p: keep the smallest prefix whose mass reaches top_p.
-        let mut keep = c.len();
+        let mut keep = len;
         if p.top_p < 1.0 {
             let mut acc = 0f64;
-            for (i, e) in c.iter().enumerate() {
-                acc += e.0 as f64 / sum;
+            for i in 0..len {
+                acc += *w.get(i)? as f64 / sum;
                 if acc >= p.top_p as f64 {
                     keep = i + 1;
                     break;
                 }
             }
         }
-        // min-p relative to the top probability (c[0] has weight 1 after the shift).
+        // min-p relative to the top probability (the first weight is 1).
         if p.min_p > 0.0 {
-            keep = keep.min(c.iter().take_while(|e| e.0 >= p.min_p).count().max(1));
+            let mut count = 0;
+            while count < keep && *w.get(count)? >= p.min_p {
+                count += 1;
+            }
+            keep = count.max(1);
         }
-        c.truncate(keep);
-        let total: f64 = c.iter().map(|e| e.0 as f64).sum();
+        let total = if keep == n { row.mass } else { w.get(..keep)?.iter().fold(0f64, |a, &x| a + x as f64) };
         let u = position_uniform(p.seed, pos as u64) * total;
         let mut acc = 0f64;
-        for e in c.iter() {
-            acc += e.0 as f64;
+        for (&x, e) in w.iter().zip(top).take(keep) {
+            acc += x as f64;
             if u < acc {
-                return e.1;
+                return Some(e.1);
             }
         }
-        c[c.len() - 1].1
+        if keep > w.len() {
+            return None;
+        }
+        Some(top[keep - 1].1)
     }
 
     /// OpenAI's penalties: `logit[t] -= presence·[count_t > 0] + frequency·count_t`, with `count_t` the
@@ -236,7 +451,7 @@ impl Sampler {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -326,5 +541,166 @@ mod tests {
         // Out of range values are refused.
         let bad = SamplerParams { frequency_penalty: 2.5, ..Default::default() };
         assert!(bad.validate().unwrap_err().contains("frequency_penalty"));
+    }
+
+    /// The sampler as it was before candidates (full row, sorted; std `exp`): the reference the
+    /// candidate path must match bit for bit under an active top-k, and up to the mass's rounding otherwise.
+    fn sample_before(p: &SamplerParams, logits: &[f32], pos: usize) -> u32 {
+        let inv_t = 1.0 / p.temperature;
+        let mut c: Vec<(f32, u32)> =
+            logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (l * inv_t, i as u32)).collect();
+        if c.is_empty() || c.iter().any(|e| e.0 == f32::INFINITY) {
+            return argmax(logits);
+        }
+        if p.top_k > 0 && p.top_k < c.len() {
+            c.select_nth_unstable_by(p.top_k - 1, by_logit);
+            c.truncate(p.top_k);
+        }
+        c.sort_unstable_by(by_logit);
+        let max = c[0].0;
+        let mut sum = 0f64;
+        for e in c.iter_mut() {
+            e.0 = (e.0 - max).exp();
+            sum += e.0 as f64;
+        }
+        let mut keep = c.len();
+        if p.top_p < 1.0 {
+            let mut acc = 0f64;
+            for (i, e) in c.iter().enumerate() {
+                acc += e.0 as f64 / sum;
+                if acc >= p.top_p as f64 {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        if p.min_p > 0.0 {
+            keep = keep.min(c.iter().take_while(|e| e.0 >= p.min_p).count().max(1));
+        }
+        c.truncate(keep);
+        let total: f64 = c.iter().map(|e| e.0 as f64).sum();
+        let u = position_uniform(p.seed, pos as u64) * total;
+        let mut acc = 0f64;
+        for e in c.iter() {
+            acc += e.0 as f64;
+            if u < acc {
+                return e.1;
+            }
+        }
+        c[c.len() - 1].1
+    }
+
+    /// A random logits row of `n` values: smooth (distinct values), coarse (many ties: values on a grid of
+    /// 0.5) or flat (all equal), with a few non-finite values sprinkled in when `holes`.
+    pub(crate) fn random_row(rng: &mut u64, n: usize, kind: usize, holes: bool) -> Vec<f32> {
+        let mut next = || {
+            *rng ^= *rng << 13;
+            *rng ^= *rng >> 7;
+            *rng ^= *rng << 17;
+            *rng
+        };
+        (0..n)
+            .map(|_| {
+                let r = next();
+                let u = (r >> 40) as f32 / (1u64 << 24) as f32;
+                if holes && r % 97 == 0 {
+                    return [f32::NEG_INFINITY, f32::NAN, f32::INFINITY][(r >> 8) as usize % 3];
+                }
+                match kind {
+                    0 => 12.0 * u - 4.0 + if r % 211 == 0 { 8.0 } else { 0.0 },
+                    1 => ((16.0 * u) as i32 as f32) * 0.5 - 2.0,
+                    _ => 1.25,
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn exp_det_is_close_to_exp() {
+        assert_eq!(exp_det(0.0), 1.0);
+        assert_eq!(exp_det(-0.0), 1.0);
+        assert_eq!(exp_det(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_det(f32::NAN), 0.0);
+        assert_eq!(exp_det(-87.5), 0.0);
+        let mut x = -87.0f32;
+        while x <= 0.0 {
+            let (a, b) = (exp_det(x) as f64, (x as f64).exp());
+            assert!(((a - b) / b).abs() < 2.5e-7, "exp_det({x}) = {a}, exp = {b}");
+            x += 0.0137;
+        }
+    }
+
+    #[test]
+    fn candidates_sample_what_the_full_row_samples() {
+        // Over random rows (distinct values, many ties, all equal, non-finite values, vocabularies below and
+        // above k), settings and positions: whenever k candidates answer, their token is the full row's
+        // (all finite logits as candidates, which always answer), and `sample` returns it. Under an active
+        // top-k the token is also the one the sampler computed before candidates existed.
+        let settings = [
+            SamplerParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, ..Default::default() },
+            SamplerParams { temperature: 1.0, ..Default::default() },
+            SamplerParams { temperature: 0.7, top_p: 0.9, ..Default::default() },
+            SamplerParams { temperature: 1.3, top_p: 0.5, ..Default::default() },
+            SamplerParams { temperature: 0.6, min_p: 0.1, ..Default::default() },
+            SamplerParams { temperature: 2.0, min_p: 0.02, top_p: 0.99, ..Default::default() },
+            SamplerParams { temperature: 0.9, top_k: 5, ..Default::default() },
+            SamplerParams { temperature: 0.5, top_k: 64, top_p: 0.8, ..Default::default() },
+            SamplerParams { temperature: 3.0, top_k: 200, ..Default::default() },
+        ];
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let mut s = Sampler::default();
+        let (mut answered, mut fell_back, mut before_same, mut before_n) = (0usize, 0usize, 0usize, 0usize);
+        let mut scratch = Vec::new();
+        for trial in 0..600 {
+            let n = [7, 50, 300, 3000, 20000][trial % 5];
+            let row = random_row(&mut rng, n, (trial / 5) % 3, trial % 4 == 3);
+            for (si, base) in settings.iter().enumerate() {
+                let p = SamplerParams { seed: trial as u64 * 31 + si as u64, ..base.clone() };
+                let pos = trial * 7 + si;
+                let inv_t = 1.0 / p.temperature;
+                let k = Sampler::candidate_count(&p).unwrap();
+                let (nf, mass) = row_candidates(&row, inv_t, nf_all(&row), &mut scratch);
+                let full = scratch.clone();
+                let want = s.sample_candidates(&p, CandidateRow { top: &full, n_finite: nf, mass }, pos).unwrap_or_else(|| argmax(&row));
+                let (nf2, mass2) = row_candidates(&row, inv_t, k, &mut scratch);
+                assert_eq!((nf2, mass2.to_bits()), (nf, mass.to_bits()));
+                assert_eq!(&scratch[..], &full[..k.min(nf)], "candidates are the full order's prefix");
+                match s.sample_candidates(&p, CandidateRow { top: &scratch, n_finite: nf, mass }, pos) {
+                    Some(y) => {
+                        assert_eq!(y, want, "trial {trial} setting {si}");
+                        answered += 1;
+                    }
+                    None => fell_back += 1,
+                }
+                assert_eq!(s.sample(&p, &mut row.clone(), &[], pos), want);
+                if p.top_k > 0 && p.top_k < nf {
+                    assert_eq!(want, sample_before(&p, &row, pos), "trial {trial} setting {si}: top-k path changed");
+                } else {
+                    before_n += 1;
+                    before_same += (want == sample_before(&p, &row, pos)) as usize;
+                }
+            }
+        }
+        // Both outcomes occur, and without a top-k only the mass's rounding may move a draw.
+        assert!(answered > 2000 && fell_back > 200, "answered {answered}, fell back {fell_back}");
+        assert!(before_same * 1000 >= before_n * 999, "{before_same} of {before_n} as before");
+    }
+
+    fn nf_all(row: &[f32]) -> usize {
+        row.iter().filter(|l| l.is_finite()).count().max(1)
+    }
+
+    #[test]
+    fn candidates_of_a_row() {
+        // Ties by id, ±0 ordered as total_cmp orders them, non-finite values left out, the mass by lanes.
+        let row = [1.0f32, f32::NAN, 3.0, -0.0, 3.0, 0.0, f32::NEG_INFINITY, 2.0];
+        let mut top = Vec::new();
+        let (n, mass) = row_candidates(&row, 0.5, 4, &mut top);
+        assert_eq!(n, 6);
+        assert_eq!(top, vec![(1.5, 2), (1.5, 4), (1.0, 7), (0.5, 0)]);
+        let want: f64 = [1.0f32, 3.0, -0.0, 3.0, 0.0, 2.0].iter().map(|&l| exp_det(l * 0.5 - 1.5) as f64).sum();
+        assert!((mass - want).abs() < 1e-12, "{mass} vs {want}");
+        let (_, _) = row_candidates(&row, 0.5, 10, &mut top);
+        assert_eq!(&top[4..], &[(0.0, 5), (-0.0, 3)]);
     }
 }

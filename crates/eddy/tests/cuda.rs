@@ -11,7 +11,9 @@
 //! the transformers fixtures (mean KL ≤ 0.02 as the CPU test, top-1 ≥ 96 %) and against the CPU backend
 //! (bounds from the CPU's own AVX-512/AVX2 spread: top-1 ≥ 95 %, mean KL ≤ 5e-3, max |Δlogit| ≤ 3, every
 //! top-1 flip a near-tie with a CPU logit gap ≤ 0.5);
-//! the refusal of a hybrid model; and a timing of decode steps and a 16-node verify (printed, not asserted).
+//! the refusal of a hybrid model; the device argmax and the sampling candidates (`candidate_rows`) bit for bit
+//! against the host's, and greedy and sampled generation with them equal to the host path's; and a timing of
+//! decode steps and a 16-node verify (printed, not asserted).
 #![cfg(feature = "cuda")]
 
 use eddy::backend::cpu::{matmul_reference, quantize_activations, ThreadPool};
@@ -872,5 +874,116 @@ fn device_argmax_generates_what_the_host_path_does() {
         assert_eq!(runs[0].len(), 200);
         assert_eq!(runs[0], runs[1], "device argmax vs host argmax (speculation {spec})");
         assert_eq!(runs[2], runs[1]);
+    }
+}
+
+/// Sampling candidates (`Backend::candidate_rows`) on the GPU equal the host's (`sampling::row_candidates`
+/// through the CPU backend's default) bit for bit — scaled logits, ids, finite counts and the mass — on random
+/// rows (distinct values, values on a coarse grid with many ties, a row of one value repeated, the largest
+/// values all in one thread's stride), rows with ±∞ and NaN, logits whose scaled value overflows to −∞, ±0,
+/// rows with fewer finite values than slots and none at all, for several widths, slot counts and temperatures.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn candidate_rows_match_the_host() {
+    let be = gpu();
+    let cpu = Cpu::new(1);
+    let mut rng = Rng(23);
+    let mut checked = 0;
+    for &width in &[1usize, 7, 300, 1025, 5000, 151_936] {
+        let mut rows: Vec<Vec<f32>> = Vec::new();
+        rows.push((0..width).map(|_| 6.0 * rng.f()).collect());
+        rows.push((0..width).map(|_| (8.0 * rng.f()).round() * 0.5).collect());
+        rows.push(vec![1.5; width]);
+        let mut strided: Vec<f32> = (0..width).map(|_| rng.f()).collect();
+        for i in (0..width).step_by(1024) {
+            strided[i] = 10.0 + rng.f();
+        }
+        rows.push(strided);
+        let mut holes: Vec<f32> = (0..width).map(|_| 4.0 * rng.f()).collect();
+        for i in (0..width).step_by(5) {
+            holes[i] = [f32::NAN, f32::NEG_INFINITY, f32::INFINITY, -3.0e38, 0.0, -0.0][(i / 5) % 6];
+        }
+        rows.push(holes);
+        let mut sparse = vec![f32::NAN; width];
+        for i in (0..width).step_by(width.div_ceil(20).max(1)) {
+            sparse[i] = rng.f();
+        }
+        rows.push(sparse);
+        rows.push(vec![f32::NEG_INFINITY; width]);
+        let flat: Vec<f32> = rows.concat();
+        let n = rows.len();
+        let (g, c) = (be.upload(&flat), cpu.upload(&flat));
+        for &(inv_t, k) in &[(1.25f32, 64usize), (0.5, 1), (3.0, 40), (1.0 / 0.8, 256), (10.0, 5)] {
+            let (mut got, mut want) = (eddy::sampling::Candidates::default(), eddy::sampling::Candidates::default());
+            be.candidate_rows(&g, n, width, inv_t, k, &mut got);
+            cpu.candidate_rows(&c, n, width, inv_t, k, &mut want);
+            for r in 0..n {
+                let (a, b) = (got.row(r), want.row(r));
+                let bits = |t: &[(f32, u32)]| t.iter().map(|e| (e.0.to_bits(), e.1)).collect::<Vec<_>>();
+                assert_eq!(a.n_finite, b.n_finite, "width {width}, row {r}, k {k}");
+                assert_eq!(bits(a.top), bits(b.top), "width {width}, row {r}, k {k}, 1/T {inv_t}");
+                assert_eq!(a.mass.to_bits(), b.mass.to_bits(), "mass: width {width}, row {r}, k {k}: {} vs {}", a.mass, b.mass);
+                checked += 1;
+            }
+        }
+    }
+    println!("candidate rows: {checked} rows bit-identical to the host's");
+}
+
+/// Sampled generation through the engine on the GPU, with the candidates taken on the device and with the
+/// logits copied to the host, gives the same tokens (the CLI's default filters, temperature alone, top-p
+/// alone; plain decoding and suffix speculation, whose verify passes reduce every tree node); prints both
+/// decode speeds and how many rows were read back in full.
+#[test]
+#[ignore = "needs an NVIDIA GPU and the model files"]
+fn device_sampling_generates_what_the_host_path_does() {
+    use eddy::engine::{Device, Engine, EngineOptions, GenerateParams};
+    use eddy::sampling::SamplerParams;
+    let path = eddy::load::models_dir().join("qwen2.5-coder-0.5b-instruct.gguf");
+    let lm = eddy::load::load_gguf(&path, &mut |_, _| {}).unwrap();
+    let prompt = lm.tokenizer.encode(PROMPT, true).unwrap();
+    let opts = EngineOptions { ctx: 1024, ..Default::default() };
+    let mut e = Engine::on_device(lm, &opts, Device::Cuda).unwrap();
+    let settings = [
+        ("defaults", SamplerParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, seed: 5, ..Default::default() }),
+        ("temperature 1", SamplerParams { temperature: 1.0, seed: 6, ..Default::default() }),
+        ("top-p 0.9", SamplerParams { temperature: 0.7, top_p: 0.9, seed: 7, ..Default::default() }),
+    ];
+    for spec in [false, true] {
+        if spec {
+            e.set_speculation(vec![Box::new(eddy::spec::suffix::SuffixSpeculator::default())], eddy::spec::Budget::Auto);
+        }
+        for (name, sp) in &settings {
+            let params = GenerateParams { max_tokens: 200, sampler: sp.clone(), ignore_eos: true, logprobs: None };
+            let mut runs = Vec::new();
+            for on in [true, false] {
+                e.set_device_sampling(on);
+                e.clear_cache();
+                let before = e.device_sampled_rows();
+                let mut toks = Vec::new();
+                let stats = e
+                    .generate(&prompt, &params, &mut |t| {
+                        toks.push(t);
+                        true
+                    })
+                    .unwrap();
+                let after = e.device_sampled_rows();
+                println!(
+                    "{name}, speculation {spec}, device sampling {on}: {} tokens, decode {:.1} t/s, {:.2} tokens/pass, \
+                     rows from candidates {} (read in full {})",
+                    toks.len(),
+                    stats.generation_speed(),
+                    stats.tokens_per_pass(),
+                    after.0 - before.0,
+                    after.1 - before.1
+                );
+                if on {
+                    assert!(after.0 > before.0, "the device path was not taken");
+                }
+                runs.push(toks);
+            }
+            assert_eq!(runs[0].len(), 200);
+            assert_eq!(runs[0], runs[1], "{name}: device candidates vs host sampling (speculation {spec})");
+        }
     }
 }

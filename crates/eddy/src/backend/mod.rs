@@ -95,6 +95,22 @@ pub trait Backend: Send + Sync {
         }
     }
 
+    /// The sampling candidates of rows `0..n` of `x` (`width` logits each) at inverse temperature `inv_t`,
+    /// `k ≥ 1` slots per row, into `out` (reset to `n` rows of `k`): [`crate::sampling::row_candidates`] of
+    /// each row, bit for bit (the scaled logits are single f32 products, the mass follows its fixed lane
+    /// order with [`crate::sampling::exp_det`]). Sampled decoding where the logits live: the host draws the
+    /// full row's token from them ([`crate::sampling::Sampler::sample_candidates`]) and reads the row only
+    /// when they do not decide it. The default reads the rows back and reduces them on the host.
+    fn candidate_rows(&self, x: &Self::Buf, n: usize, width: usize, inv_t: f32, k: usize, out: &mut crate::sampling::Candidates) {
+        let mut rows = Vec::with_capacity(n * width);
+        self.read(x, 0, n, width, &mut rows);
+        out.reset(n, k);
+        let mut scratch = Vec::new();
+        for (r, row) in rows.chunks_exact(width.max(1)).take(n).enumerate() {
+            out.fill_row(r, row, inv_t, &mut scratch);
+        }
+    }
+
     /// [`Backend::matmul`] plus `bias[r]` on every output row (`bias`: one value per weight row; None: plain
     /// matmul): the product and [`Backend::add_bias`] in one operation (a GPU adds it in the product's epilogue).
     fn matmul_bias(&self, w: &Self::Weights, x: &Self::Buf, xq: &Self::QAct, n: usize, bias: Option<&Self::Buf>, out: &mut Self::Buf) {
@@ -360,5 +376,21 @@ mod tests {
         be.matmul_to_host(&w, &x, &xq, 2, &mut logits);
         assert_eq!(logits[2], 9.0);
         assert_eq!(ids.to_vec(), logits.chunks(r).map(crate::sampling::argmax).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn candidate_rows_are_the_samplers_candidates() {
+        let be = Cpu::new(1);
+        let mut rng = 7u64;
+        let (n, width) = (3, 700);
+        let rows: Vec<f32> = (0..n).flat_map(|r| crate::sampling::tests::random_row(&mut rng, width, r, r == 2)).collect();
+        let mut out = crate::sampling::Candidates::default();
+        be.candidate_rows(&be.upload(&rows), n, width, 1.25, 64, &mut out);
+        let mut top = Vec::new();
+        for r in 0..n {
+            let (nf, mass) = crate::sampling::row_candidates(&rows[r * width..(r + 1) * width], 1.25, 64, &mut top);
+            assert_eq!(out.row(r), crate::sampling::CandidateRow { top: &top, n_finite: nf, mass });
+            assert_eq!(top.len(), 64);
+        }
     }
 }

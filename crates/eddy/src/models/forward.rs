@@ -19,6 +19,7 @@
 use super::{Attention, DeltaNet, Layer, Mixer, Model, ModelConfig};
 use crate::backend::{AttnShape, Backend, Cpu, GdnShape, Visibility};
 use crate::error::{Error, Result};
+use crate::sampling::Candidates;
 use crate::state::{Capture, GdnTree, LayerKind, LayerState, SeqState, GDN_CHUNK};
 use crate::tree::{TreePaths, NO_PARENT};
 
@@ -72,6 +73,17 @@ pub struct Workspace<B: Backend = Cpu> {
     pub argmax_head: bool,
     /// The greedy head's token ids of the last pass, one per logits row in the order logits would have come.
     pub ids: Vec<u32>,
+    /// Sampling head: when `Some((inv_t, k))`, a pass that computes logits keeps them in backend memory
+    /// ([`Workspace::head_logits`]) and leaves each row's sampling candidates at inverse temperature `inv_t`
+    /// with `k` slots in [`Workspace::cands`] ([`Backend::candidate_rows`]) instead of the logits (the logits
+    /// output stays empty). The pass must compute at most `max_batch` logits rows (one head product). Models
+    /// with a final logit soft-cap ignore it. Off by default; [`Workspace::argmax_head`] takes precedence.
+    pub sample_head: Option<(f32, usize)>,
+    /// The sampling head's candidates of the last pass, one row per logits row.
+    pub cands: Candidates,
+    /// The sampling head's logits of the last pass (`max_batch × vocab`, allocated on first use), for the
+    /// rows whose candidates do not decide the sample.
+    pub head_logits: Option<B::Buf>,
 }
 
 impl<B: Backend> Workspace<B> {
@@ -107,6 +119,9 @@ impl<B: Backend> Workspace<B> {
             host: Vec::new(),
             argmax_head: false,
             ids: Vec::with_capacity(max_batch),
+            sample_head: None,
+            cands: Candidates::default(),
+            head_logits: None,
         }
     }
 }
@@ -208,6 +223,7 @@ fn prefill<B: Backend>(
     state.tree.clear();
     logits.clear();
     ws.ids.clear();
+    ws.cands.reset(0, 0);
     state.hidden.clear();
     state.features.rows.clear();
     let (start, end) = (state.n_past(), state.n_past() + tokens.len());
@@ -284,6 +300,7 @@ pub fn decode<B: Backend>(
     state.capture = None;
     logits.clear();
     ws.ids.clear();
+    ws.cands.reset(0, 0);
     state.hidden.clear();
     state.features.rows.clear();
     pass(model, be, ws, state, &tokens, Rows::Chain, 0..1, logits);
@@ -345,6 +362,7 @@ pub fn forward_tree<B: Backend>(
     state.check_room(tokens.len())?;
     logits.clear();
     ws.ids.clear();
+    ws.cands.reset(0, 0);
     state.hidden.clear();
     state.features.rows.clear();
     if state.is_hybrid() {
@@ -504,6 +522,14 @@ fn head<B: Backend>(
         let start = ws.ids.len();
         ws.ids.resize(start + n, 0);
         be.matmul_argmax(model.lm_head(), &ws.h, &ws.xq, n, c.vocab_size, &mut ws.ids[start..]);
+        return;
+    }
+    if let (Some((inv_t, k)), None) = (ws.sample_head, c.final_softcap) {
+        assert!(ws.cands.rows() == 0 && n <= ws.max_batch, "sampling head: one head product of at most max_batch rows per pass");
+        let v = c.vocab_size;
+        let buf = ws.head_logits.get_or_insert_with(|| be.alloc(ws.max_batch * v));
+        be.matmul(model.lm_head(), &ws.h, &ws.xq, n, buf);
+        be.candidate_rows(buf, n, v, inv_t, k, &mut ws.cands);
         return;
     }
     let start = logits.len();
@@ -695,6 +721,7 @@ pub fn mtp_forward<B: Backend>(
     state.check_room(t)?;
     logits.clear();
     ws.ids.clear();
+    ws.cands.reset(0, 0);
     state.hidden.clear();
     for (toks, hs) in tokens.chunks(ws.max_batch).zip(hidden.chunks(ws.max_batch * d)) {
         let n = toks.len();

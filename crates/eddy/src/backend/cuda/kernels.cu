@@ -1034,3 +1034,186 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int width, u
         if (lane == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0u : (unsigned int)bi;
     }
 }
+
+// ---- Sampling candidates (`Backend::candidate_rows`; the host reference is `sampling::row_candidates`). ----
+
+// `sampling::exp_det`: e^x for x <= 0 by the same correctly rounded f32 multiplications and additions
+// (explicit intrinsics, so nothing is contracted into a fused multiply-add): the same bits as the host.
+__device__ __forceinline__ float exp_det(float x) {
+    const float xc = fminf(fmaxf(x, -87.0f), 0.0f);
+    const float n = __fsub_rn(__fadd_rn(__fmul_rn(xc, __int_as_float(0x3fb8aa3b)), 12582912.0f), 12582912.0f);
+    float r = __fsub_rn(xc, __fmul_rn(n, __int_as_float(0x3f317200)));
+    r = __fsub_rn(r, __fmul_rn(n, __int_as_float(0x35bfbe8e)));
+    float p = __int_as_float(0x39500d01);
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3ab60b61));
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3c088889));
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3d2aaaab));
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3e2aaaab));
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3f000000));
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3f800000));
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3f800000));
+    const float v = __fmul_rn(p, __int_as_float(((int)n + 127) << 23));
+    return x >= -87.0f ? v : 0.0f;
+}
+
+// The sampler's order as one integer, larger first: the scaled logit by Rust's `f32::total_cmp` (high word),
+// then the lower token id (low word). Keys of real candidates are never 0.
+__device__ __forceinline__ unsigned long long cand_key(float s, int id) {
+    int b = __float_as_int(s);
+    b ^= (int)(((unsigned)(b >> 31)) >> 1);
+    return ((unsigned long long)((unsigned)b ^ 0x80000000u) << 32) | (unsigned)(0xffffffffu - (unsigned)id);
+}
+__device__ __forceinline__ float cand_value(unsigned long long key) {
+    int b = (int)((unsigned)(key >> 32) ^ 0x80000000u);
+    b ^= (int)(((unsigned)(b >> 31)) >> 1);
+    return __int_as_float(b);
+}
+
+#define CAND_THREADS 1024
+
+// Sorts `buf[0..1024)` descending (bitonic network; every thread of the block takes part).
+__device__ void cand_sort(unsigned long long* buf) {
+    const int t = threadIdx.x;
+    for (int size = 2; size <= CAND_THREADS; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            __syncthreads();
+            const int o = t ^ stride;
+            if (o > t) {
+                const unsigned long long a = buf[t], b = buf[o];
+                const bool desc = (t & size) == 0;
+                if (desc ? a < b : a > b) {
+                    buf[t] = b;
+                    buf[o] = a;
+                }
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// One 1024-thread block per row of `x` (`width` logits): the row's sampling candidates at inverse
+// temperature `inv_t` into a record of `2k + 4` words at `out + row·(2k + 4)`: the first min(k, n) scaled
+// logits (f32 bits) in the sampler's order, their ids, n (finite logits), 0, and the mass (f64, lo word
+// first). Finite logits are scaled by one rounded product; thread `t` keeps the largest key of values
+// t, t + 1024, …; the k-th largest of those maxima is a threshold above which at least k keys lie (usually
+// few more): those keys are gathered and sorted. When more than 1024 lie above it (many equal values), a
+// radix select over the key's bytes (256-bin histogram per byte, from the top) finds the exact threshold.
+// The mass: thread t sums exp_det(s_i − max) over its values in index order in f64, then the 1024 lanes
+// meet in a halving tree — `sampling::row_candidates`' order.
+extern "C" __global__ void __launch_bounds__(CAND_THREADS, 1)
+    candidate_rows(const float* __restrict__ x, int width, float inv_t, int k, unsigned int* __restrict__ out) {
+    __shared__ unsigned long long buf[CAND_THREADS];
+    __shared__ double lane[CAND_THREADS];
+    __shared__ unsigned int hist[256];
+    __shared__ unsigned int s_n, s_count;
+    __shared__ unsigned long long s_thr;
+    const float* row = x + (long long)blockIdx.x * width;
+    unsigned int* rec = out + (long long)blockIdx.x * (2 * k + 4);
+    const int t = threadIdx.x;
+    if (t == 0) {
+        s_n = 0;
+        s_count = 0;
+    }
+    // Pass 1: finite count and each thread's largest key.
+    unsigned int cnt = 0;
+    unsigned long long mine = 0;
+    for (int i = t; i < width; i += CAND_THREADS) {
+        const float l = row[i];
+        if (isfinite(l)) {
+            cnt++;
+            const unsigned long long key = cand_key(__fmul_rn(l, inv_t), i);
+            mine = key > mine ? key : mine;
+        }
+    }
+    buf[t] = mine;
+    __syncthreads();
+    atomicAdd(&s_n, cnt);
+    cand_sort(buf);
+    const unsigned int n = s_n;
+    const int kk = (int)min((unsigned int)k, n);
+    const float mx = n > 0 ? cand_value(buf[0]) : 0.0f;
+    // Keys at or above the threshold are gathered (1: every finite logit).
+    unsigned long long thr = (int)n <= k || buf[k - 1] == 0 ? 1ull : buf[k - 1];
+    __syncthreads();
+    // Pass 2: gather, and the mass.
+    double acc = 0.0;
+    const bool mass = n > 0 && isfinite(mx);
+    for (int i = t; i < width; i += CAND_THREADS) {
+        const float l = row[i];
+        if (isfinite(l)) {
+            const float s = __fmul_rn(l, inv_t);
+            const unsigned long long key = cand_key(s, i);
+            if (key >= thr) {
+                const unsigned int slot = atomicAdd(&s_count, 1u);
+                if (slot < CAND_THREADS) buf[slot] = key;
+            }
+            if (mass) acc = __dadd_rn(acc, (double)exp_det(__fsub_rn(s, mx)));
+        }
+    }
+    lane[t] = acc;
+    __syncthreads();
+    if (s_count > CAND_THREADS) {
+        // Too many keys above the threshold: radix select of the kk-th largest key, a byte at a time.
+        unsigned long long prefix = 0;
+        unsigned int need = (unsigned int)kk;
+        int bits = 0;
+        for (;;) {
+            if (t < 256) hist[t] = 0;
+            __syncthreads();
+            for (int i = t; i < width; i += CAND_THREADS) {
+                const float l = row[i];
+                if (isfinite(l)) {
+                    const unsigned long long key = cand_key(__fmul_rn(l, inv_t), i);
+                    if (bits == 0 || (key >> (64 - bits)) == prefix) atomicAdd(&hist[(key >> (56 - bits)) & 255], 1u);
+                }
+            }
+            __syncthreads();
+            if (t == 0) {
+                unsigned int above = 0;
+                int b = 255;
+                while (above + hist[b] < need) above += hist[b--];
+                need -= above;
+                prefix = (prefix << 8) | (unsigned)b;
+                s_thr = prefix;
+                s_count = hist[b] == need ? 1u : 0u;
+            }
+            __syncthreads();
+            prefix = s_thr;
+            bits += 8;
+            const bool done = s_count == 1u;
+            __syncthreads();
+            if (done || bits == 64) break;
+        }
+        thr = bits == 64 ? prefix : prefix << (64 - bits);
+        if (t == 0) s_count = 0;
+        __syncthreads();
+        for (int i = t; i < width; i += CAND_THREADS) {
+            const float l = row[i];
+            if (isfinite(l)) {
+                const unsigned long long key = cand_key(__fmul_rn(l, inv_t), i);
+                if (key >= thr) buf[atomicAdd(&s_count, 1u)] = key;
+            }
+        }
+        __syncthreads();
+    }
+    const unsigned int got = min(s_count, (unsigned int)CAND_THREADS);
+    if (t >= (int)got) buf[t] = 0;
+    cand_sort(buf);
+    if (t < kk) {
+        const unsigned long long key = buf[t];
+        rec[t] = __float_as_uint(cand_value(key));
+        rec[k + t] = 0xffffffffu - (unsigned)(key & 0xffffffffu);
+    }
+    for (int h = CAND_THREADS / 2; h > 0; h >>= 1) {
+        if (t < h) lane[t] = __dadd_rn(lane[t], lane[t + h]);
+        __syncthreads();
+    }
+    if (t == 0) {
+        rec[2 * k] = n;
+        rec[2 * k + 1] = 0;
+        const double m = mass ? lane[0] : 0.0;
+        const unsigned long long mb = (unsigned long long)__double_as_longlong(m);
+        rec[2 * k + 2] = (unsigned)(mb & 0xffffffffu);
+        rec[2 * k + 3] = (unsigned)(mb >> 32);
+    }
+}

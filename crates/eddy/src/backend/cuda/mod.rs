@@ -35,6 +35,7 @@ use super::{Activation, AttnShape, Backend, GdnShape, Rope, RopeMode, Visibility
 use crate::error::{Error, Result};
 use crate::quant::rotation::blocks;
 use crate::quant::{WeightMatrix, QK};
+use crate::sampling::{Candidates, MAX_CANDIDATES};
 use cudarc::driver::{result, sys};
 use std::ffi::{c_void, CString};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -558,6 +559,7 @@ struct Kernels {
     rope: Func,
     attention: Func,
     argmax_rows: Func,
+    candidate_rows: Func,
 }
 
 /// Device scratch of the operations (grows; host staging vectors reused).
@@ -569,6 +571,9 @@ struct Scratch {
     logits: DevVec,
     /// The token ids of [`Backend::argmax_rows`] / [`Backend::matmul_argmax`].
     ids: DevVec,
+    /// The records of [`Backend::candidate_rows`] (`2k + 4` words per row) and their host copy.
+    cands: DevVec,
+    cands_host: Vec<u32>,
     /// Page-locked landing buffer of the logits (a copy into pageable memory is staged by the driver and
     /// runs at a fraction of the speed).
     pinned: Option<Pinned>,
@@ -696,6 +701,7 @@ impl Cuda {
             rope: get("rope")?,
             attention: get("attention")?,
             argmax_rows: get("argmax_rows")?,
+            candidate_rows: get("candidate_rows")?,
         };
         let mut bus = [0 as std::ffi::c_char; 32];
         // SAFETY: `bus` holds 32 bytes, the length passed; the driver writes a NUL-terminated string.
@@ -1323,6 +1329,33 @@ impl Backend for Cuda {
         };
         self.matmul_into(w, x, xq, n, dev, 0);
         self.argmax_into(dev, n, rows, &mut out[..n]);
+    }
+
+    fn candidate_rows(&self, x: &CudaBuf, n: usize, width: usize, inv_t: f32, k: usize, out: &mut Candidates) {
+        assert!(x.len >= n * width, "candidate_rows: buffer too short");
+        assert!((1..=MAX_CANDIDATES).contains(&k), "candidate_rows: {k} slots (1 to {MAX_CANDIDATES})");
+        self.ctx.bind();
+        out.reset(n, k);
+        if n == 0 {
+            return;
+        }
+        // Per row: k scaled logits (f32 bits), k ids, the finite count, 0, the mass (f64, low word first).
+        let stride = 2 * k + 4;
+        let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let dev = self.ensure(&mut s.cands, 4 * n * stride, false);
+        self.launch(self.k.candidate_rows, (n, 1), 1024, Args::new().p(x.ptr()).i(width).f(inv_t).i(k).p(dev));
+        let mut host = std::mem::take(&mut s.cands_host);
+        host.resize(n * stride, 0);
+        self.dtoh(&mut host, dev);
+        for (r, rec) in host.chunks_exact(stride).enumerate() {
+            let nf = rec[2 * k] as usize;
+            for j in 0..k.min(nf) {
+                out.top[r * k + j] = (f32::from_bits(rec[j]), rec[k + j]);
+            }
+            out.n_finite[r] = nf;
+            out.mass[r] = f64::from_bits(rec[2 * k + 2] as u64 | (rec[2 * k + 3] as u64) << 32);
+        }
+        s.cands_host = host;
     }
 
     fn rms_norm(&self, x: &CudaBuf, row0: usize, n: usize, w: &CudaBuf, eps: f32, out: &mut CudaBuf) {
