@@ -18,7 +18,7 @@
 
 use eddy::backend::cpu::{matmul_reference, quantize_activations, ThreadPool};
 use eddy::backend::cuda::{Cuda, GpuQ, GraphPlan, Plan};
-use eddy::backend::{parity, AttnShape, Backend, Cpu, Visibility};
+use eddy::backend::{parity, Attend, AttnShape, Backend, Cpu, Visibility};
 use eddy::models::forward::{decode, forward, forward_tree, Logits, Workspace};
 use eddy::quant::import::{quantize_f32, QuantKind};
 use eddy::quant::rotation::{Rotation, Signs};
@@ -332,23 +332,25 @@ fn rows_do_not_depend_on_the_batch() {
         let (q, k, v) = (rng.vec(n * qd), rng.vec(total * kvd), rng.vec(total * kvd));
         let (qb, kb, vb) = (be.upload(&q), be.upload(&k), be.upload(&v));
         let mut out = be.alloc(n * qd);
-        be.attention(&s, &qb, &kb, &vb, n_past, n, Visibility::Causal, &mut out);
+        be.attention(Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t: n, vis: Visibility::Causal }, &mut out);
         let all = read(&be, &out, n * qd);
         // Against the CPU backend (float reassociation only).
         let mut cpu_out = cpu.alloc(n * qd);
-        cpu.attention(&s, &cpu.upload(&q), &cpu.upload(&k), &cpu.upload(&v), n_past, n, Visibility::Causal, &mut cpu_out);
+        let (cq, ck, cv) = (cpu.upload(&q), cpu.upload(&k), cpu.upload(&v));
+        cpu.attention(Attend { shape: s, q: &cq, k: &ck, v: &cv, n_past, t: n, vis: Visibility::Causal }, &mut cpu_out);
         let want = read(&cpu, &cpu_out, n * qd);
         for (i, (&g, &w)) in all.iter().zip(&want).enumerate() {
             assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "n_past {n_past} hd {hd} window {window:?}: element {i}: GPU {g} CPU {w}");
         }
         let chain = TreePaths::chain(n);
         let mut tree_out = be.alloc(n * qd);
-        be.attention(&s, &qb, &kb, &vb, n_past, n, Visibility::Tree { first: 0, paths: &chain }, &mut tree_out);
+        let vis = Visibility::Tree { first: 0, paths: &chain };
+        be.attention(Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t: n, vis }, &mut tree_out);
         assert!(read(&be, &tree_out, n * qd) == all, "window {window:?}: a chain as a tree differs from causal attention");
         for i in 0..n {
             let qi = be.upload(&q[i * qd..(i + 1) * qd]);
             let mut oi = be.alloc(qd);
-            be.attention(&s, &qi, &kb, &vb, n_past + i, 1, Visibility::Causal, &mut oi);
+            be.attention(Attend { shape: s, q: &qi, k: &kb, v: &vb, n_past: n_past + i, t: 1, vis: Visibility::Causal }, &mut oi);
             assert!(read(&be, &oi, qd) == all[i * qd..(i + 1) * qd], "window {window:?}: query {i} of 16 differs from the single query");
         }
     }

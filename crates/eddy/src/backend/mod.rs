@@ -27,6 +27,35 @@ pub mod reference;
 
 pub use cpu::activation::Activation;
 pub use cpu::attention::{AttnShape, Visibility};
+
+/// The inputs of one attention operation ([`Backend::attention`], [`Backend::attention_quantize`]): `t`
+/// queries (`q`: `t × n_heads·head_dim` f32) against the cache rows `k`, `v` (`n_kv_heads·head_dim` f32
+/// each) that `vis` lets them see: causal at positions `n_past..n_past + t`, tree nodes with an ancestor
+/// mask over the `n_past` committed rows, or a block (`docs/speculation.md`).
+pub struct Attend<'a, Buf> {
+    /// Heads, head size, scale, window and soft-cap of the layer.
+    pub shape: AttnShape,
+    /// Queries, `t` rows.
+    pub q: &'a Buf,
+    /// Key cache rows.
+    pub k: &'a Buf,
+    /// Value cache rows.
+    pub v: &'a Buf,
+    /// Committed cache rows before the first query.
+    pub n_past: usize,
+    /// Number of queries.
+    pub t: usize,
+    /// Which cache rows each query sees.
+    pub vis: Visibility<'a>,
+}
+
+// Manual impls: a derive would ask `Buf: Clone`, which the fields (references) do not need.
+impl<Buf> Clone for Attend<'_, Buf> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<Buf> Copy for Attend<'_, Buf> {}
 pub use cpu::gdn::GdnShape;
 pub use cpu::rope::{Rope, RopeMode};
 pub use cpu::Cpu;
@@ -210,40 +239,15 @@ pub trait Backend: Send + Sync {
     fn store_rows(&self, src: &Self::Buf, n: usize, width: usize, dst: &mut Self::Buf, dst_row: usize);
     /// Within `buf`: copy row `src_row` to row `dst_row` (`width` each; commit of an accepted tree node).
     fn copy_row(&self, buf: &mut Self::Buf, width: usize, src_row: usize, dst_row: usize);
-    /// Attention of `t` queries (`q`: `t × n_heads·head_dim`) against the cache rows `k`, `v` (`kv_dim`
-    /// each) they see (`vis`: causal at `n_past..`, or tree nodes with an ancestor mask) into `out`
+    /// Attention of `a.t` queries against the cache rows they see ([`Attend`]) into `out`
     /// (`t × n_heads·head_dim`).
-    #[allow(clippy::too_many_arguments)]
-    fn attention(
-        &self,
-        s: &AttnShape,
-        q: &Self::Buf,
-        k: &Self::Buf,
-        v: &Self::Buf,
-        n_past: usize,
-        t: usize,
-        vis: Visibility,
-        out: &mut Self::Buf,
-    );
+    fn attention(&self, a: Attend<'_, Self::Buf>, out: &mut Self::Buf);
 
     /// [`Backend::attention`] into `out`, then [`Backend::quantize`] of its `t` rows for `w` (the output
     /// projection) into `xq`, as one operation (a GPU quantizes the rows as it writes them).
-    #[allow(clippy::too_many_arguments)]
-    fn attention_quantize(
-        &self,
-        s: &AttnShape,
-        q: &Self::Buf,
-        k: &Self::Buf,
-        v: &Self::Buf,
-        n_past: usize,
-        t: usize,
-        vis: Visibility,
-        out: &mut Self::Buf,
-        w: &Self::Weights,
-        xq: &mut Self::QAct,
-    ) {
-        self.attention(s, q, k, v, n_past, t, vis, out);
-        self.quantize(out, t, s.n_heads * s.head_dim, w, xq);
+    fn attention_quantize(&self, a: Attend<'_, Self::Buf>, out: &mut Self::Buf, w: &Self::Weights, xq: &mut Self::QAct) {
+        self.attention(a, out);
+        self.quantize(out, a.t, a.shape.n_heads * a.shape.head_dim, w, xq);
     }
 
     /// Copy rows `row0..row0 + n` of `buf` (`width` each) to the end of `out` (hidden-state readout).

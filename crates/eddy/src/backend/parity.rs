@@ -9,7 +9,7 @@
 //! kernel path in `backend/cpu/tests.rs`); attention 1e-5.
 
 use super::cpu::gdn::{chain_parents, conv_taps};
-use super::{reference, Activation, AttnShape, Backend, GdnShape, Rope, RopeMode, Visibility};
+use super::{reference, Activation, Attend, AttnShape, Backend, GdnShape, Rope, RopeMode, Visibility};
 use crate::quant::import::{quantize_f32, QuantKind};
 use crate::quant::rotation::{Rotation, Signs};
 use crate::quant::{rtn, WeightMatrix};
@@ -252,8 +252,9 @@ pub fn check_fused<B: Backend>(be: &B) -> Result<(), String> {
         for vis in [Visibility::Causal, Visibility::Tree { first: 0, paths: &tree }] {
             let (mut o1, mut o2) = (be.alloc(n * qd), be.alloc(n * qd));
             let (mut q1, mut q2) = (be.new_qact(), be.new_qact());
-            be.attention_quantize(&s, &qb, &kb, &vb, n_past, n, vis, &mut o1, &w, &mut q1);
-            be.attention(&s, &qb, &kb, &vb, n_past, n, vis, &mut o2);
+            let call = Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t: n, vis };
+            be.attention_quantize(call, &mut o1, &w, &mut q1);
+            be.attention(call, &mut o2);
             be.quantize(&o2, n, qd, &w, &mut q2);
             let what = format!("attention_quantize hd {hd} n_past {n_past}");
             same(format!("{what}: output"), read(be, &o1, n * qd), read(be, &o2, n * qd))?;
@@ -372,7 +373,7 @@ pub fn check_attention<B: Backend>(be: &B) -> Result<(), String> {
         let block = Visibility::Block { rows: rows - 3 };
         for (name, vis) in [("causal", Visibility::Causal), ("tree", Visibility::Tree { first: 0, paths: &paths }), ("block", block)] {
             let mut out = be.alloc(t * qd);
-            be.attention(&s, &qb, &kb, &vb, n_past, t, vis, &mut out);
+            be.attention(Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t, vis }, &mut out);
             let want = reference::attention(&s, &q, &k, &v, n_past, t, vis);
             close(
                 &format!("attention {name} window {window:?} softcap {softcap:?}"),

@@ -17,7 +17,7 @@
 //! [`SeqState`].
 
 use super::{Attention, DeltaNet, Layer, Mixer, Model, ModelConfig};
-use crate::backend::{AttnShape, Backend, Cpu, GdnShape, Visibility};
+use crate::backend::{Attend, AttnShape, Backend, Cpu, GdnShape, Visibility};
 use crate::error::{Error, Result};
 use crate::sampling::Candidates;
 use crate::state::{Capture, GdnTree, LayerKind, LayerState, SeqState, GDN_CHUNK};
@@ -615,12 +615,13 @@ fn attention_mixer<B: Backend>(be: &B, p: &Pass, a: &Attention<B>, kc: &mut B::B
     be.rope_store(&a.rope, q, qd, k, v, kvd, hd, positions, kc, vc, p.row0);
     let shape =
         AttnShape { n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: hd, scale: c.attn_scale, window: a.window, softcap: None };
+    let call = Attend { shape, q, k: kc, v: vc, n_past: p.n_past, t, vis: p.vis };
     if a.gated {
-        be.attention(&shape, q, kc, vc, p.n_past, t, p.vis, att);
+        be.attention(call, att);
         be.mul_sigmoid(att, attn_gate, t * qd);
         be.quantize(att, t, qd, &a.wo, xq);
     } else {
-        be.attention_quantize(&shape, q, kc, vc, p.n_past, t, p.vis, att, &a.wo, xq);
+        be.attention_quantize(call, att, &a.wo, xq);
     }
     be.matmul(&a.wo, att, xq, t, o);
 }

@@ -3,12 +3,12 @@
 //! activations are [`QuantizedActivations`]; the backend owns the worker threads.
 
 use super::activation::{gated_act, Activation};
-use super::attention::{attention, AttnShape, Visibility};
+use super::attention::attention;
 use super::gdn::{self, GdnShape};
 use super::norm::{rms_norm, rms_norm_inplace};
 use super::rope::Rope;
 use super::{matmul, quantize_rotated_with, Kernel, QuantizedActivations, ThreadPool};
-use crate::backend::Backend;
+use crate::backend::{Attend, Backend};
 use crate::quant::WeightMatrix;
 
 /// The CPU backend: eddy's kernels on a pool of worker threads (the calling thread included).
@@ -132,19 +132,10 @@ impl Backend for Cpu {
         buf.copy_within(src_row * width..(src_row + 1) * width, dst_row * width);
     }
 
-    fn attention(
-        &self,
-        s: &AttnShape,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
-        n_past: usize,
-        t: usize,
-        vis: Visibility,
-        out: &mut Vec<f32>,
-    ) {
+    fn attention(&self, a: Attend<'_, Vec<f32>>, out: &mut Vec<f32>) {
+        let (s, t) = (&a.shape, a.t);
         let qd = s.n_heads * s.head_dim;
-        attention(&self.pool, s, &q[..t * qd], k, v, n_past, t, vis, &mut out[..t * qd]);
+        attention(&self.pool, s, &a.q[..t * qd], a.k, a.v, a.n_past, t, a.vis, &mut out[..t * qd]);
     }
 
     fn read(&self, buf: &Vec<f32>, row0: usize, n: usize, width: usize, out: &mut Vec<f32>) {

@@ -31,7 +31,7 @@ mod layout;
 pub use graph::{GraphPlan, Plan};
 pub use layout::GpuQ;
 
-use super::{Activation, AttnShape, Backend, GdnShape, Rope, RopeMode, Visibility};
+use super::{Activation, Attend, AttnShape, Backend, GdnShape, Rope, RopeMode, Visibility};
 use crate::error::{Error, Result};
 use crate::quant::rotation::blocks;
 use crate::quant::{WeightMatrix, QK};
@@ -916,19 +916,9 @@ impl Cuda {
 
     /// Attention of `t` queries into `out` ([`Backend::attention`]); with `quant`, `out` also quantized for the
     /// weights into the activations (head dims a multiple of 32).
-    #[allow(clippy::too_many_arguments)]
-    fn attention_into(
-        &self,
-        s: &AttnShape,
-        q: &CudaBuf,
-        k: &CudaBuf,
-        v: &CudaBuf,
-        n_past: usize,
-        t: usize,
-        vis: Visibility,
-        out: &mut CudaBuf,
-        quant: Option<(&CudaWeights, &mut CudaQAct)>,
-    ) {
+    fn attention_into(&self, a: Attend<'_, CudaBuf>, out: &mut CudaBuf, quant: Option<(&CudaWeights, &mut CudaQAct)>) {
+        let Attend { shape, q, k, v, n_past, t, vis } = a;
+        let s = &shape;
         let qd = s.n_heads * s.head_dim;
         assert!(q.len >= t * qd && out.len >= t * qd, "attention: q/out too short");
         assert!(s.n_kv_heads > 0 && s.n_heads.is_multiple_of(s.n_kv_heads), "attention: heads must be a multiple of kv heads");
@@ -1494,30 +1484,17 @@ impl Backend for Cuda {
         self.dtod(buf.at(dst_row * width), buf.at(src_row * width), width);
     }
 
-    fn attention(&self, s: &AttnShape, q: &CudaBuf, k: &CudaBuf, v: &CudaBuf, n_past: usize, t: usize, vis: Visibility, out: &mut CudaBuf) {
-        self.attention_into(s, q, k, v, n_past, t, vis, out, None);
+    fn attention(&self, a: Attend<'_, CudaBuf>, out: &mut CudaBuf) {
+        self.attention_into(a, out, None);
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn attention_quantize(
-        &self,
-        s: &AttnShape,
-        q: &CudaBuf,
-        k: &CudaBuf,
-        v: &CudaBuf,
-        n_past: usize,
-        t: usize,
-        vis: Visibility,
-        out: &mut CudaBuf,
-        w: &CudaWeights,
-        xq: &mut CudaQAct,
-    ) {
-        if s.head_dim.is_multiple_of(QK) {
-            self.attention_into(s, q, k, v, n_past, t, vis, out, Some((w, xq)));
+    fn attention_quantize(&self, a: Attend<'_, CudaBuf>, out: &mut CudaBuf, w: &CudaWeights, xq: &mut CudaQAct) {
+        if a.shape.head_dim.is_multiple_of(QK) {
+            self.attention_into(a, out, Some((w, xq)));
         } else {
             // A head's outputs are not whole quantization groups: two launches.
-            self.attention_into(s, q, k, v, n_past, t, vis, out, None);
-            self.quantize(out, t, s.n_heads * s.head_dim, w, xq);
+            self.attention_into(a, out, None);
+            self.quantize(out, a.t, a.shape.n_heads * a.shape.head_dim, w, xq);
         }
     }
 
