@@ -19,7 +19,7 @@
 # env: QUANT_DIR (default ~/.cache/eddy/quant-quality), QUANT_VENV (a venv with gguf and numpy; created
 #      with `pip install gguf==0.19.0 numpy` when missing), TEXT (held-out text; default the first 8500
 #      bytes of CPython's Lib/fractions.py, ~2k tokens), CALIB (calibration text for --calib; default the
-#      first 10000 bytes of CPython's Lib/argparse.py, ~2.2k tokens), EDDY_VARIANTS ("NAME|FLAGS ..."),
+#      first 10000 bytes of CPython's Lib/argparse.py, ~2.2k tokens), EDDY_VARIANTS ("NAME|FLAGS ...", % for a space in FLAGS),
 #      EDDY (default target/release/eddy), THREADS (2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -135,18 +135,19 @@ PY
       rm -f "$f"
     fi
   done
-  # eddy variants: NAME|FLAGS. m at <= Q4_K_M's bits: g64 with the LM head in l (4.99-5.00 bits on the
+  # eddy variants: NAME|FLAGS, % for a space in FLAGS. m at <= Q4_K_M's bits: g64 with the LM head in l (4.99-5.00 bits on the
   # 1.5B), g32 with the LM head in m g32 and the untied embedding in m g64 (4.94); each to nearest (with
   # the per-group scale search) and with GPTQ (--calib), rotated and not.
-  for v in ${EDDY_VARIANTS:-"l-g64-rot|--format l --group 64" \
-    "m-g64-rot|--format m --group 64" "m-g64-norot|--format m --group 64 --no-rotation" \
-    "m-g64-rot-gptq|--format m --group 64 --calib CALIB" "m-g64-norot-gptq|--format m --group 64 --no-rotation --calib CALIB" \
-    "m-g32h32e64-rot|--format m --group 32 --head-format m --head-group 32 --embed-group 64" \
-    "m-g32h32e64-norot|--format m --group 32 --head-format m --head-group 32 --embed-group 64 --no-rotation" \
-    "m-g32h32e64-rot-gptq|--format m --group 32 --head-format m --head-group 32 --embed-group 64 --calib CALIB" \
-    "m-g32h32e64-norot-gptq|--format m --group 32 --head-format m --head-group 32 --embed-group 64 --no-rotation --calib CALIB"}; do
+  for v in ${EDDY_VARIANTS:-"l-g64-rot|--format%l%--group%64" \
+    "m-g64-rot|--format%m%--group%64" "m-g64-norot|--format%m%--group%64%--no-rotation" \
+    "m-g64-rot-gptq|--format%m%--group%64%--calib%CALIB" "m-g64-norot-gptq|--format%m%--group%64%--no-rotation%--calib%CALIB" \
+    "m-g32h32e64-rot|--format%m%--group%32%--head-format%m%--head-group%32%--embed-group%64" \
+    "m-g32h32e64-norot|--format%m%--group%32%--head-format%m%--head-group%32%--embed-group%64%--no-rotation" \
+    "m-g32h32e64-rot-gptq|--format%m%--group%32%--head-format%m%--head-group%32%--embed-group%64%--calib%CALIB" \
+    "m-g32h32e64-norot-gptq|--format%m%--group%32%--head-format%m%--head-group%32%--embed-group%64%--no-rotation%--calib%CALIB"}; do
     name=$m-eddy-${v%%|*}
     flags=${v#*|}
+    flags=${flags//%/ }
     flags=${flags//CALIB/$CALIB}
     [ -s "$OUT/results/$name.json" ] && continue
     d=$OUT/$name

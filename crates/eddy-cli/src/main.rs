@@ -903,9 +903,13 @@ fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
         indicatif::ProgressStyle::with_template("quantizing {bar:40} {pos}/{len} matrices {elapsed}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let bpw = quantize_model(&mut lm.model, &opts, calib.as_ref(), &mut |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
+        if !tty && (done % 16 == 0 || done == total) {
+            eprintln!("quantized {done}/{total} matrices in {:.1} s", t0.elapsed().as_secs_f64());
+        }
     });
     bar.finish_and_clear();
     drop(calib);

@@ -166,21 +166,38 @@ pub fn ldl_feedback(h: &[f32], n: usize) -> Result<Vec<f32>, String> {
             a[i * n + j] = if i == j { (if v > 0.0 { v } else { 1.0 }) + lambda } else { v };
         }
     }
-    for i in 0..n {
-        let (done, rest) = a.split_at_mut(i * n);
-        let ri = &mut rest[..n];
-        for j in 0..=i {
-            let rj: &[f64] = if j < i { &done[j * n..j * n + j] } else { &ri[..j] };
-            let s = ri[j] - dot64(&ri[..j], rj);
-            if j == i {
-                if !(s > 0.0 && s.is_finite()) {
-                    return Err(format!("H is not positive definite (pivot {s:e} at {i})"));
-                }
-                ri[i] = s.sqrt();
-            } else {
-                ri[j] = s / done[j * n + j];
+    // Row-oriented Cholesky, rows in fours: the dot products of four rows with an earlier row share its
+    // reads (the factorization streams n³/6 values, so that cuts its memory traffic by four).
+    let mut i0 = 0;
+    while i0 < n {
+        let nb = (n - i0).min(4);
+        let (done, rest) = a.split_at_mut(i0 * n);
+        for j in 0..i0 {
+            let lj = &done[j * n..j * n + j];
+            let d = dot4(&rest[..nb * n], n, nb, lj);
+            let ljj = done[j * n + j];
+            for (b, d) in d.iter().enumerate().take(nb) {
+                rest[b * n + j] = (rest[b * n + j] - d) / ljj;
             }
         }
+        for b in 0..nb {
+            let i = i0 + b;
+            let (prev, cur) = rest.split_at_mut(b * n);
+            let ri = &mut cur[..n];
+            for j in i0..=i {
+                let rj: &[f64] = if j < i { &prev[(j - i0) * n..(j - i0) * n + j] } else { &ri[..j] };
+                let s = ri[j] - dot64(&ri[..j], rj);
+                if j == i {
+                    if !(s > 0.0 && s.is_finite()) {
+                        return Err(format!("H is not positive definite (pivot {s:e} at {i})"));
+                    }
+                    ri[i] = s.sqrt();
+                } else {
+                    ri[j] = s / prev[(j - i0) * n + j];
+                }
+            }
+        }
+        i0 += nb;
     }
     let mut u = vec![0f32; n * n];
     for i in 0..n {
@@ -212,6 +229,54 @@ fn dot64(a: &[f64], b: &[f64]) -> f64 {
         i += 1;
     }
     t
+}
+
+/// The dot products of the first `l.len()` values of rows `0..nb` (`nb ≤ 4`, stride `n`) of `rows` with `l`.
+fn dot4(rows: &[f64], n: usize, nb: usize, l: &[f64]) -> [f64; 4] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: the features were just detected.
+            return unsafe { dot4_avx512(rows, n, nb, l) };
+        }
+    }
+    dot4_body(rows, n, nb, l)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn dot4_avx512(rows: &[f64], n: usize, nb: usize, l: &[f64]) -> [f64; 4] {
+    dot4_body(rows, n, nb, l)
+}
+
+#[inline(always)]
+fn dot4_body(rows: &[f64], n: usize, nb: usize, l: &[f64]) -> [f64; 4] {
+    let m = l.len();
+    let r = |b: usize| if b < nb { &rows[b * n..b * n + m] } else { &rows[..m] };
+    let (r0, r1, r2, r3) = (r(0), r(1), r(2), r(3));
+    let mut acc = [[0f64; 8]; 4];
+    let mut c = 0;
+    while c + 8 <= m {
+        for q in 0..8 {
+            let x = l[c + q];
+            acc[0][q] += r0[c + q] * x;
+            acc[1][q] += r1[c + q] * x;
+            acc[2][q] += r2[c + q] * x;
+            acc[3][q] += r3[c + q] * x;
+        }
+        c += 8;
+    }
+    let mut out = [0f64; 4];
+    for b in 0..4 {
+        let a = &acc[b];
+        let mut t = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+        let rb = [r0, r1, r2, r3][b];
+        for k in c..m {
+            t += rb[k] * l[k];
+        }
+        out[b] = t;
+    }
+    out
 }
 
 /// One tile of rows of [`quantize_m`]: its index, its codes and its groups' `(S, M)`.
@@ -384,7 +449,7 @@ mod tests {
     #[test]
     fn hessian_and_ldl_decomposition_are_exact() {
         let mut rng = Rng(5);
-        let (n, cols) = (37, 96);
+        let (n, cols) = (37, 99);
         let x = inputs(n, cols, &mut rng);
         let mut h = Hessian::new(cols);
         h.add(&x[..20 * cols], 20, 2);

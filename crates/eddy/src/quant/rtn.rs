@@ -111,10 +111,11 @@ pub fn minmax_scale_min(wg: &[f32]) -> (f16, f16) {
 }
 
 /// The M code of `x` for the f32 forms `s > 0`, `m` of a group's f16 scale and offset: `round((x − m)/s)`
-/// clamped to `0..=15`.
+/// (halves away from zero) clamped to `0..=15`. Computed as `trunc(v + 0.5)` of the clamped `v`, which is
+/// the same for `v ≥ 0` and needs no library call (the baseline x86-64 target has no rounding instruction).
 #[inline]
 pub fn m_code(x: f32, s: f32, m: f32) -> u8 {
-    ((x - m) / s).round().clamp(0.0, 15.0) as u8
+    (((x - m) / s).clamp(0.0, 15.0) + 0.5) as u8
 }
 
 /// Squared error `Σ (S·q(w) + M − w)²` of a group under the f16 `(S, M)` with nearest codes ([`m_code`]).
@@ -175,15 +176,18 @@ pub fn search_scale_min(wg: &[f32]) -> (f16, f16) {
         let step = range / k;
         for top in [false, true] {
             for (c, &x) in q.iter_mut().zip(wg) {
-                *c = if top { 15.0 - ((h - x) / step).round().min(15.0) } else { ((x - l) / step).round().min(15.0) } as u8;
+                // Both quotients are ≥ 0: trunc(v + 0.5) rounds them to nearest.
+                *c = if top { 15 - ((h - x) / step + 0.5).min(15.0) as u8 } else { ((x - l) / step + 0.5).min(15.0) as u8 };
             }
             for _ in 0..2 {
                 let Some((s16, m16)) = fit(&q) else { break };
                 let (s, m) = (s16.to_f32(), m16.to_f32());
+                let mut e = 0f64;
                 for (c, &x) in q.iter_mut().zip(wg) {
                     *c = m_code(x, s, m);
+                    let d = s * *c as f32 + m - x;
+                    e += (d * d) as f64;
                 }
-                let e = m_group_error(wg, s, m);
                 if e < best.0 {
                     best = (e, (s16, m16));
                 }
