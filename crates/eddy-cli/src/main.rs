@@ -298,6 +298,9 @@ struct QuantizeArgs {
     /// Tokens of the calibration text used (its first ones).
     #[arg(long, default_value_t = 2048)]
     calib_tokens: usize,
+    /// GPTQ dampening: this fraction of the mean diagonal of each Hessian is added to its diagonal.
+    #[arg(long, default_value_t = 0.01)]
+    calib_damp: f64,
     /// Format of the LM head (a tied embedding included): l (default) or m.
     #[arg(long, value_name = "m|l", default_value = "l")]
     head_format: String,
@@ -840,6 +843,9 @@ fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
             return Err(bad(flag, format!("must be 32, 64 or 128, got {g}")));
         }
     }
+    if !(a.calib_damp >= 0.0 && a.calib_damp.is_finite()) {
+        return Err(bad("--calib-damp", format!("must be a finite fraction ≥ 0, got {}", a.calib_damp)));
+    }
     let calib_text = match &a.calib {
         Some(p) => {
             let bytes = std::fs::read(p).map_err(|e| eddy::Error::Io { path: p.clone(), source: e })?;
@@ -891,7 +897,8 @@ fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
             let t0 = std::time::Instant::now();
             eprintln!("calibrating on {} tokens ...", tokens.len());
-            let c = eddy::models::quantize::calibrate(&lm.model, &opts, &tokens, 512, threads)?;
+            let mut c = eddy::models::quantize::calibrate(&lm.model, &opts, &tokens, 512, threads)?;
+            c.set_damp(a.calib_damp);
             eprintln!("calibration: {} tokens in {:.1} s", c.tokens, t0.elapsed().as_secs_f64());
             Some(c)
         }

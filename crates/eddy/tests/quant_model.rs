@@ -202,6 +202,38 @@ fn rotation_on_a_grid_free_source() {
     }
 }
 
+/// GPTQ (`calibrate` + `quantize_model` with the calibration) against round to nearest on the grid-free
+/// SmolLM2, M g64 rotated and not: the calibration text (the first 6000 bytes of this crate's
+/// `src/quant/rtn.rs`) is not the scored text (the logit fixtures' prompts); GPTQ must lower the KL against
+/// the f32 source.
+#[test]
+fn gptq_lowers_the_kl_on_a_grid_free_source() {
+    let Some(lm) = grid_free(7) else { return };
+    let opts = eddy::engine::EngineOptions { threads: common::threads(), ctx: 512, max_batch: 256, ..Default::default() };
+    let text = std::fs::read_to_string(format!("{}/src/quant/rtn.rs", env!("CARGO_MANIFEST_DIR"))).unwrap();
+    let calib_tokens = lm.tokenizer.encode(&text[..6000], true).unwrap();
+    let mut base = eddy::engine::Engine::new(lm, &opts);
+    let tokens: Vec<u32> = prompts().concat();
+    for rotate in [true, false] {
+        let q = QuantizeOptions { rotate, seed: 14, ..QuantizeOptions::new(Format::M, 64) };
+        let mut kl = Vec::new();
+        for gptq in [false, true] {
+            let mut lm = grid_free(7).unwrap();
+            let calib = gptq.then(|| eddy::models::quantize::calibrate(&lm.model, &q, &calib_tokens, 512, common::threads()).unwrap());
+            assert!(calib.as_ref().is_none_or(|c| c.tokens == calib_tokens.len()));
+            quantize_model(&mut lm.model, &q, calib.as_ref(), &mut |_, _| {});
+            let mut e = eddy::engine::Engine::new(lm, &opts);
+            let r = e.kl_divergence(&mut base, &tokens, 64).unwrap();
+            eprintln!(
+                "grid-free SmolLM2, M g64 rotation {rotate} gptq {gptq}: KL mean {:.5} ± {:.5}, top-1 {:.4}",
+                r.kl_mean, r.kl_mean_se, r.top1
+            );
+            kl.push(r.kl_mean);
+        }
+        assert!(kl[1] < 0.9 * kl[0], "rotation {rotate}: GPTQ KL {} vs round to nearest {}", kl[1], kl[0]);
+    }
+}
+
 /// `write_folder` of the tiny Llama fixture (a Hugging Face folder), loaded back by `eddy::load::load_dir`:
 /// logits bit-identical to the in-memory re-quantized model's (same codes, scales, signs), close to the
 /// source's; nothing left behind on error; a corrupt or tokenizer-less folder is refused with an error.

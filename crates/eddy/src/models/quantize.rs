@@ -89,6 +89,13 @@ pub struct Calibration {
     pub tokens: usize,
 }
 
+impl Calibration {
+    /// Set the dampening of every Hessian ([`Hessian::damp`]).
+    pub fn set_damp(&mut self, damp: f64) {
+        self.sites.values_mut().for_each(|h| h.damp = damp);
+    }
+}
+
 /// Run `model` (still in its source precision) on `tokens` in windows of `window` tokens (each from an
 /// empty state, logits of every position computed so the LM head sees its inputs) on `threads` threads,
 /// accumulating the Hessian of every input site of the attention layers, the FFN and the LM head

@@ -23,7 +23,8 @@ use half::f16;
 /// Largest column segment over which `H` is kept whole.
 pub const MAX_SEGMENT: usize = 2048;
 
-/// Dampening of `H`: this fraction of the mean of its diagonal is added to the diagonal.
+/// Default dampening of `H` ([`Hessian::damp`]): this fraction of the mean of its diagonal is added to
+/// the diagonal.
 pub const DAMP: f64 = 0.01;
 
 /// Column segments `(start, len)` of a row of `cols` values: `ceil(cols / MAX_SEGMENT)` pieces of equal
@@ -47,6 +48,10 @@ pub struct Hessian {
     pub blocks: Vec<Vec<f32>>,
     /// Input rows accumulated.
     pub count: usize,
+    /// Dampening: this fraction of the mean diagonal is added to the diagonal before factoring
+    /// ([`DAMP`] unless set). A calibration text of few tokens against the input width (a sample `H`
+    /// with many near-zero eigenvalues) needs more.
+    pub damp: f64,
 }
 
 impl Hessian {
@@ -54,7 +59,7 @@ impl Hessian {
     pub fn new(cols: usize) -> Self {
         let segs = segments(cols);
         let blocks = segs.iter().map(|&(_, l)| vec![0f32; l * l]).collect();
-        Hessian { cols, segs, blocks, count: 0 }
+        Hessian { cols, segs, blocks, count: 0, damp: DAMP }
     }
 
     /// `H += Σ_t x_t·x_tᵀ` over the `n` rows of `x` (`n × cols`, row-major), on up to `threads` threads. Only
@@ -149,15 +154,15 @@ fn axpy4_body(dst: &mut [f32], a: [f32; 4], src: [&[f32]; 4]) {
 }
 
 /// The strictly upper triangular `U̇` (`n × n`, row-major, zero on and below the diagonal) of
-/// `H + λI = (U̇ + I)·D·(U̇ + I)ᵀ`, `H` the `n × n` symmetric block `h`, `λ` = [`DAMP`] × its mean diagonal
+/// `H + λI = (U̇ + I)·D·(U̇ + I)ᵀ`, `H` the `n × n` symmetric block `h`, `λ` = `damp` × its mean diagonal
 /// (a zero diagonal entry is set to 1 first). Computed as the Cholesky factor `L` of the reversed matrix
 /// `J·H·J = L·Lᵀ` (`J` the reversal): `U̇ + I = J·L·diag(L)⁻¹·J`. f64 throughout.
 ///
 /// Errors: `H` not positive definite even after the dampening (non-finite input).
-pub fn ldl_feedback(h: &[f32], n: usize) -> Result<Vec<f32>, String> {
+pub fn ldl_feedback(h: &[f32], n: usize, damp: f64) -> Result<Vec<f32>, String> {
     assert_eq!(h.len(), n * n, "ldl_feedback: h is not n × n");
     let mean = (0..n).map(|i| h[i * n + i] as f64).sum::<f64>() / n.max(1) as f64;
-    let lambda = DAMP * if mean > 0.0 { mean } else { 1.0 };
+    let lambda = damp * if mean > 0.0 { mean } else { 1.0 };
     // a = J·H·J + λI (lower triangle used), factored in place into L.
     let mut a = vec![0f64; n * n];
     for i in 0..n {
@@ -304,7 +309,7 @@ pub fn quantize_m(rows: usize, cols: usize, w: &[f32], group: usize, h: &Hessian
     let gpr = cols / group;
     for (&(s0, len), hb) in h.segs.iter().zip(&h.blocks) {
         assert!(s0.is_multiple_of(group) && len.is_multiple_of(group), "gptq: segment ({s0}, {len}) not whole groups of {group}");
-        let u = ldl_feedback(hb, len)?;
+        let u = ldl_feedback(hb, len, h.damp)?;
         let u = &u[..];
         let tiles: Vec<Tile> =
             codes.chunks_mut(TILE_ROWS * cols).zip(sm.chunks_mut(TILE_ROWS * gpr)).enumerate().map(|(i, (c, s))| (i, c, s)).collect();
@@ -463,7 +468,7 @@ mod tests {
                 assert!((hb[i * cols + j] as f64 - want).abs() <= 1e-4 * (1.0 + want.abs()), "H[{i}][{j}] {} vs {want}", hb[i * cols + j]);
             }
         }
-        let u = ldl_feedback(hb, cols).expect("positive definite");
+        let u = ldl_feedback(hb, cols, DAMP).expect("positive definite");
         // Rebuild (U̇ + I)·D·(U̇ + I)ᵀ: D[k] is fixed by the last row/column; check every entry against
         // H + λI with D solved from the diagonal, going from the last index down.
         let mean = (0..cols).map(|i| hb[i * cols + i] as f64).sum::<f64>() / cols as f64;
