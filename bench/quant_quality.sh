@@ -4,8 +4,9 @@
 #   1. a grid-free F16 source: the real GGUF dequantized, uniform noise of +-half the source's quantization
 #      step per block of 32 added (tools/make_gridfree_gguf.py), written as F16 GGUF; its own KL against the
 #      original is measured;
-#   2. the source quantized by llama-quantize (Q4_K_M, Q4_0, IQ4_XS, Q8_0) and by eddy quantize (m g32/g64/g128
-#      with and without the rotation, l g64);
+#   2. the source quantized by llama-quantize (Q4_K_M, Q4_0, IQ4_XS, Q8_0) and by eddy quantize (EDDY_VARIANTS:
+#      m g64 and m g32 at <= 5 bits per weight, with and without the rotation, with and without GPTQ on the
+#      calibration text CALIB; l g64);
 #   3. every variant scored by the same tool against the same source on held-out text:
 #      eddy perplexity --kl-base SRC_LOGITS --ctx 512 (the source's logits saved once with --save-logits).
 #      eddy cannot load IQ4_XS: that one is dequantized exactly to an F32 GGUF by gguf-py first (run with f32
@@ -17,7 +18,9 @@
 # usage: nice bench/quant_quality.sh [q15] [q05]     (default both; reruns skip finished results)
 # env: QUANT_DIR (default ~/.cache/eddy/quant-quality), QUANT_VENV (a venv with gguf and numpy; created
 #      with `pip install gguf==0.19.0 numpy` when missing), TEXT (held-out text; default the first 8500
-#      bytes of CPython's Lib/fractions.py, ~2k tokens), EDDY (default target/release/eddy), THREADS (2).
+#      bytes of CPython's Lib/fractions.py, ~2k tokens), CALIB (calibration text for --calib; default the
+#      first 10000 bytes of CPython's Lib/argparse.py, ~2.2k tokens), EDDY_VARIANTS ("NAME|FLAGS ...", % for a space in FLAGS),
+#      EDDY (default target/release/eddy), THREADS (2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${QUANT_DIR:-$HOME/.cache/eddy/quant-quality}
@@ -35,6 +38,11 @@ PY="$QUANT_VENV/bin/python"
 # shellcheck source=bench/llama_cpp_env.sh
 source bench/llama_cpp_env.sh
 TEXT=${TEXT:-$OUT/heldout.txt}
+CALIB=${CALIB:-$OUT/calib.txt}
+if [ ! -s "$CALIB" ]; then
+  src=$(python3 -c "import argparse; print(argparse.__file__)")
+  head -c 10000 "$src" >"$CALIB"
+fi
 if [ ! -s "$TEXT" ]; then
   src=$(python3 -c "import fractions; print(fractions.__file__)")
   head -c 8500 "$src" >"$TEXT"
@@ -127,15 +135,25 @@ PY
       rm -f "$f"
     fi
   done
-  for v in "l 64 rot" "m 32 rot" "m 32 norot" "m 64 rot" "m 64 norot" "m 128 rot" "m 128 norot"; do
-    set -- $v
-    name=$m-eddy-$1-g$2-$3
+  # eddy variants: NAME|FLAGS, % for a space in FLAGS. m at <= Q4_K_M's bits: g64 with the LM head in l (4.99-5.00 bits on the
+  # 1.5B), g32 with the LM head in m g32 and the untied embedding in m g64 (4.94); each to nearest (with
+  # the per-group scale search) and with GPTQ (--calib), rotated and not.
+  for v in ${EDDY_VARIANTS:-"l-g64-rot|--format%l%--group%64" \
+    "m-g64-rot|--format%m%--group%64" "m-g64-norot|--format%m%--group%64%--no-rotation" \
+    "m-g64-rot-gptq|--format%m%--group%64%--calib%CALIB" "m-g64-norot-gptq|--format%m%--group%64%--no-rotation%--calib%CALIB" \
+    "m-g32h32e64-rot|--format%m%--group%32%--head-format%m%--head-group%32%--embed-group%64" \
+    "m-g32h32e64-norot|--format%m%--group%32%--head-format%m%--head-group%32%--embed-group%64%--no-rotation" \
+    "m-g32h32e64-rot-gptq|--format%m%--group%32%--head-format%m%--head-group%32%--embed-group%64%--calib%CALIB" \
+    "m-g32h32e64-norot-gptq|--format%m%--group%32%--head-format%m%--head-group%32%--embed-group%64%--no-rotation%--calib%CALIB"}; do
+    name=$m-eddy-${v%%|*}
+    flags=${v#*|}
+    flags=${flags//%/ }
+    flags=${flags//CALIB/$CALIB}
     [ -s "$OUT/results/$name.json" ] && continue
     d=$OUT/$name
     rm -rf "$d"
-    flag=""
-    [ "$3" = norot ] && flag=--no-rotation
-    nice "$EDDY" quantize --model "$src" --format "$1" --group "$2" $flag -o "$d" >"$OUT/$name.log" 2>&1
+    # shellcheck disable=SC2086
+    nice "$EDDY" quantize --model "$src" $flags -o "$d" >"$OUT/$name.log" 2>&1
     kl "$name" "$d" "$logits"
     rm -rf "$d"
   done

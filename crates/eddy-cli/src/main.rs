@@ -291,6 +291,25 @@ struct QuantizeArgs {
     /// Seed of the rotation's random signs.
     #[arg(long, default_value_t = 14)]
     seed: u64,
+    /// Hessian-aware rounding (GPTQ/LDLQ) of the M matrices from this calibration text: the source model
+    /// runs on it first (windows of 512 tokens) to collect each layer's input statistics.
+    #[arg(long, value_name = "FILE")]
+    calib: Option<std::path::PathBuf>,
+    /// Tokens of the calibration text used (its first ones).
+    #[arg(long, default_value_t = 2048)]
+    calib_tokens: usize,
+    /// GPTQ dampening: this fraction of the mean diagonal of each Hessian is added to its diagonal.
+    #[arg(long, default_value_t = 0.01)]
+    calib_damp: f64,
+    /// Format of the LM head (a tied embedding included): l (default) or m.
+    #[arg(long, value_name = "m|l", default_value = "l")]
+    head_format: String,
+    /// Values per scale of the LM head (default: --group).
+    #[arg(long)]
+    head_group: Option<usize>,
+    /// Values per scale of an untied token embedding (default: --group).
+    #[arg(long)]
+    embed_group: Option<usize>,
     /// Output folder (must not exist; written atomically).
     #[arg(short = 'o', long = "out")]
     out: std::path::PathBuf,
@@ -811,14 +830,33 @@ fn perplexity(a: PplArgs) -> eddy::Result<()> {
 fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
     use eddy::models::quantize::{gguf_to_hf_layout, quantize_model, write_folder, QuantizeOptions, Source};
     use eddy::quant::rtn::{Format, GROUPS};
-    let format = match a.format.to_ascii_lowercase().as_str() {
-        "m" => Format::M,
-        "l" => Format::L,
-        other => return Err(bad("--format", format!("unknown format '{other}' (expected m or l)"))),
+    let parse = |flag: &str, v: &str| match v.to_ascii_lowercase().as_str() {
+        "m" => Ok(Format::M),
+        "l" => Ok(Format::L),
+        other => Err(bad(flag, format!("unknown format '{other}' (expected m or l)"))),
     };
-    if !GROUPS.contains(&a.group) {
-        return Err(bad("--group", format!("must be 32, 64 or 128, got {}", a.group)));
+    let format = parse("--format", &a.format)?;
+    let head_format = parse("--head-format", &a.head_format)?;
+    let (head_group, embed_group) = (a.head_group.unwrap_or(a.group), a.embed_group.unwrap_or(a.group));
+    for (flag, g) in [("--group", a.group), ("--head-group", head_group), ("--embed-group", embed_group)] {
+        if !GROUPS.contains(&g) {
+            return Err(bad(flag, format!("must be 32, 64 or 128, got {g}")));
+        }
     }
+    if !(a.calib_damp >= 0.0 && a.calib_damp.is_finite()) {
+        return Err(bad("--calib-damp", format!("must be a finite fraction ≥ 0, got {}", a.calib_damp)));
+    }
+    let calib_text = match &a.calib {
+        Some(p) => {
+            let bytes = std::fs::read(p).map_err(|e| eddy::Error::Io { path: p.clone(), source: e })?;
+            let text = String::from_utf8(bytes).map_err(|e| bad(&p.display().to_string(), format!("not UTF-8 text ({e})")))?;
+            if text.trim().is_empty() {
+                return Err(bad(&p.display().to_string(), "the calibration text is empty"));
+            }
+            Some(text)
+        }
+        None => None,
+    };
     if a.out.exists() {
         return Err(bad(&a.out.display().to_string(), "already exists (eddy quantize never overwrites)"));
     }
@@ -851,17 +889,38 @@ fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
     if is_gguf {
         gguf_to_hf_layout(&mut lm.model)?;
     }
-    let opts = QuantizeOptions { format, group: a.group, rotate: !a.no_rotation, seed: a.seed };
+    let opts = QuantizeOptions { format, group: a.group, head_format, head_group, embed_group, rotate: !a.no_rotation, seed: a.seed };
+    let calib = match &calib_text {
+        Some(text) => {
+            let mut tokens = lm.tokenizer.encode(text, true)?;
+            tokens.truncate(a.calib_tokens.max(1));
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let t0 = std::time::Instant::now();
+            eprintln!("calibrating on {} tokens ...", tokens.len());
+            let mut c = eddy::models::quantize::calibrate(&lm.model, &opts, &tokens, 512, threads)?;
+            c.set_damp(a.calib_damp);
+            eprintln!("calibration: {} tokens in {:.1} s", c.tokens, t0.elapsed().as_secs_f64());
+            Some(c)
+        }
+        None => None,
+    };
+    let t0 = std::time::Instant::now();
     let bar = indicatif::ProgressBar::with_draw_target(None, indicatif::ProgressDrawTarget::stderr());
     bar.set_style(
         indicatif::ProgressStyle::with_template("quantizing {bar:40} {pos}/{len} matrices {elapsed}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    let bpw = quantize_model(&mut lm.model, &opts, &mut |done, total| {
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let bpw = quantize_model(&mut lm.model, &opts, calib.as_ref(), &mut |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
+        if !tty && (done % 16 == 0 || done == total) {
+            eprintln!("quantized {done}/{total} matrices in {:.1} s", t0.elapsed().as_secs_f64());
+        }
     });
     bar.finish_and_clear();
+    drop(calib);
+    eprintln!("quantized in {:.1} s", t0.elapsed().as_secs_f64());
     let source = if is_gguf {
         Source::Gguf { tokenizer: &lm.tokenizer, chat_template: lm.template.as_ref().map(|t| t.source()) }
     } else {

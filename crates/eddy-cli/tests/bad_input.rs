@@ -217,7 +217,35 @@ fn quantize_bad_inputs_and_a_good_run() {
     fails(&["quantize", "--model", notok.to_str().unwrap(), "--format", "l", "-o", o], "tokenizer.json");
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "x", "-o", o], "--format");
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--group", "48", "-o", o], "--group");
+    fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--head-format", "x", "-o", o], "--head-format");
+    fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--embed-group", "48", "-o", o], "--embed-group");
+    fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib-damp=nan", "-o", o], "--calib-damp");
+    fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib", "/no-such-calib.txt", "-o", o], "no-such-calib");
+    let empty = dir.join("empty.txt");
+    std::fs::write(&empty, " \n").unwrap();
+    fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib", empty.to_str().unwrap(), "-o", o], "empty");
     assert!(!out.exists());
+    // GPTQ from a calibration text, with the LM head in m: a folder is written.
+    let calib = dir.join("calib.txt");
+    std::fs::write(&calib, "def f(x):\n    return x * 2 + 1\n".repeat(20)).unwrap();
+    let out2 = dir.join("out-gptq");
+    let g = eddy(&[
+        "quantize",
+        "--model",
+        fixture.to_str().unwrap(),
+        "--format",
+        "m",
+        "--group",
+        "32",
+        "--head-format",
+        "m",
+        "--calib",
+        calib.to_str().unwrap(),
+        "-o",
+        out2.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&g.stderr);
+    assert!(g.status.success() && err.contains("calibration:") && out2.join("model.safetensors").exists(), "{err}");
     let ok = eddy(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "l", "--group", "32", "-o", o]);
     assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "-o", o], "already exists");

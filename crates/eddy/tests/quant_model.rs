@@ -26,7 +26,7 @@ fn prompts() -> Vec<Vec<u32>> {
 fn engine(quant: Option<QuantizeOptions>) -> Option<(eddy::engine::Engine, f64)> {
     let p = common::model_path(MODEL)?;
     let mut lm = eddy::load::load_gguf(&p, &mut |_, _| {}).unwrap();
-    let bpw = quant.map_or(0.0, |q| quantize_model(&mut lm.model, &q, &mut |_, _| {}));
+    let bpw = quant.map_or(0.0, |q| quantize_model(&mut lm.model, &q, None, &mut |_, _| {}));
     let opts = eddy::engine::EngineOptions { threads: common::threads(), ctx: 512, max_batch: 256, ..Default::default() };
     Some((eddy::engine::Engine::new(lm, &opts), bpw))
 }
@@ -65,7 +65,7 @@ fn requantized_smollm2_tracks_its_source() {
         (Format::M, 128, true, 0.6, 0.6),
     ];
     for (format, group, rotate, max_kl, min_top1) in cases {
-        let opts = QuantizeOptions { format, group, rotate, seed: 14 };
+        let opts = QuantizeOptions { rotate, seed: 14, ..QuantizeOptions::new(format, group) };
         let (mut e, bpw) = engine(Some(opts)).unwrap();
         let got: Vec<f32> = prompts.iter().flat_map(|t| e.score(t).unwrap()).collect();
         let (kl, p99, top1) = compare(&want.concat(), &got, vocab);
@@ -79,7 +79,7 @@ fn requantized_smollm2_tracks_its_source() {
 #[test]
 fn kl_divergence_report_matches_a_direct_computation() {
     let Some((mut base, _)) = engine(None) else { return };
-    let opts = QuantizeOptions { format: Format::M, group: 64, rotate: true, seed: 3 };
+    let opts = QuantizeOptions { rotate: true, seed: 3, ..QuantizeOptions::new(Format::M, 64) };
     let (mut q, _) = engine(Some(opts)).unwrap();
     let vocab = base.lm.model.config.vocab_size;
     let tokens: Vec<u32> = prompts().concat();
@@ -182,7 +182,12 @@ fn rotation_on_a_grid_free_source() {
         (Format::M, 128, false),
     ] {
         let mut lm = grid_free(7).unwrap();
-        let bpw = quantize_model(&mut lm.model, &QuantizeOptions { format, group, rotate, seed: 14 }, &mut |_, _| {});
+        let bpw = quantize_model(
+            &mut lm.model,
+            &QuantizeOptions { rotate, seed: 14, ..QuantizeOptions::new(format, group) },
+            None,
+            &mut |_, _| {},
+        );
         let mut e = eddy::engine::Engine::new(lm, &opts);
         let r = e.kl_divergence(&mut base, &tokens, 64).unwrap();
         eprintln!(
@@ -194,6 +199,38 @@ fn rotation_on_a_grid_free_source() {
     assert!(kl[&(false, 32, true)] < 0.05 && kl[&(false, 32, false)] < 0.05, "L: {kl:?}");
     for g in [32, 64, 128] {
         assert!(kl[&(true, g, true)] < 1.0 && kl[&(true, g, false)] < 1.0, "M g{g}: {kl:?}");
+    }
+}
+
+/// GPTQ (`calibrate` + `quantize_model` with the calibration) against round to nearest on the grid-free
+/// SmolLM2, M g64 rotated and not: the calibration text (the first 6000 bytes of this crate's
+/// `src/quant/rtn.rs`) is not the scored text (the logit fixtures' prompts); GPTQ must lower the KL against
+/// the f32 source.
+#[test]
+fn gptq_lowers_the_kl_on_a_grid_free_source() {
+    let Some(lm) = grid_free(7) else { return };
+    let opts = eddy::engine::EngineOptions { threads: common::threads(), ctx: 512, max_batch: 256, ..Default::default() };
+    let text = std::fs::read_to_string(format!("{}/src/quant/rtn.rs", env!("CARGO_MANIFEST_DIR"))).unwrap();
+    let calib_tokens = lm.tokenizer.encode(&text[..6000], true).unwrap();
+    let mut base = eddy::engine::Engine::new(lm, &opts);
+    let tokens: Vec<u32> = prompts().concat();
+    for rotate in [true, false] {
+        let q = QuantizeOptions { rotate, seed: 14, ..QuantizeOptions::new(Format::M, 64) };
+        let mut kl = Vec::new();
+        for gptq in [false, true] {
+            let mut lm = grid_free(7).unwrap();
+            let calib = gptq.then(|| eddy::models::quantize::calibrate(&lm.model, &q, &calib_tokens, 512, common::threads()).unwrap());
+            assert!(calib.as_ref().is_none_or(|c| c.tokens == calib_tokens.len()));
+            quantize_model(&mut lm.model, &q, calib.as_ref(), &mut |_, _| {});
+            let mut e = eddy::engine::Engine::new(lm, &opts);
+            let r = e.kl_divergence(&mut base, &tokens, 64).unwrap();
+            eprintln!(
+                "grid-free SmolLM2, M g64 rotation {rotate} gptq {gptq}: KL mean {:.5} ± {:.5}, top-1 {:.4}",
+                r.kl_mean, r.kl_mean_se, r.top1
+            );
+            kl.push(r.kl_mean);
+        }
+        assert!(kl[1] < 0.9 * kl[0], "rotation {rotate}: GPTQ KL {} vs round to nearest {}", kl[1], kl[0]);
     }
 }
 
@@ -213,9 +250,9 @@ fn eddy_folder_round_trip() {
     let score = |lm: eddy::load::LoadedModel| eddy::engine::Engine::new(lm, &opts).score(&tokens).unwrap();
     let base = score(eddy::load::load_dir(&src, Quant::None, &mut |_, _| {}).unwrap());
     for (format, group, rotate) in [(Format::M, 64, true), (Format::L, 32, true), (Format::M, 32, false)] {
-        let q = QuantizeOptions { format, group, rotate, seed: 5 };
+        let q = QuantizeOptions { rotate, seed: 5, ..QuantizeOptions::new(format, group) };
         let mut lm = eddy::load::load_dir(&src, Quant::None, &mut |_, _| {}).unwrap();
-        quantize_model(&mut lm.model, &q, &mut |_, _| {});
+        quantize_model(&mut lm.model, &q, None, &mut |_, _| {});
         let out = tmp.join(format!("{format:?}-{group}-{rotate}"));
         write_folder(eddy::models::quantize::Source::Hf(&src), &lm.model, &q, &out).unwrap();
         assert!(write_folder(eddy::models::quantize::Source::Hf(&src), &lm.model, &q, &out).is_err(), "an existing folder was overwritten");
@@ -283,8 +320,8 @@ fn gguf_source_to_eddy_folder() {
         for rotate in [false, true] {
             let mut lm = eddy::load::load_gguf(&p, &mut |_, _| {}).unwrap();
             gguf_to_hf_layout(&mut lm.model).unwrap();
-            let q = QuantizeOptions { format: Format::L, group: 64, rotate, seed: 14 };
-            quantize_model(&mut lm.model, &q, &mut |_, _| {});
+            let q = QuantizeOptions { rotate, seed: 14, ..QuantizeOptions::new(Format::L, 64) };
+            quantize_model(&mut lm.model, &q, None, &mut |_, _| {});
             let out = dir.join(format!("{file}-{rotate}"));
             let source = Source::Gguf { tokenizer: &lm.tokenizer, chat_template: lm.template.as_ref().map(|t| t.source()) };
             write_folder(source, &lm.model, &q, &out).unwrap();

@@ -1,12 +1,15 @@
 //! A loaded model re-quantized into eddy's own M/L formats (`docs/quant-formats.md`): every matrix a
 //! forward pass multiplies by (and the token embedding) is dequantized to f32 (undoing any rotation it
-//! carries), rotated and rounded to nearest by [`crate::quant::rtn::quantize`].
+//! carries), rotated and rounded to nearest by [`crate::quant::rtn::quantize`], or, with a
+//! [`Calibration`] ([`calibrate`]: the model run on a text, `H = Σ x·xᵀ` per input site), rounded by
+//! GPTQ/LDLQ ([`crate::quant::gptq`]).
 //!
 //! Signs: matrices that read the same quantized activations must share their input signs (one activation
 //! quantization serves them: q/k/v, gate/up, the Gated DeltaNet input projections); every input site gets
 //! its own signs, and every matrix its own output signs, all drawn from one seed. The embedding and the
 //! LM head are rotated on the input side only (an embedding lookup then undoes the rotation of one row:
-//! `D_in·H·row`); the LM head (a tied embedding included) is stored in L (int8) under either format
+//! `D_in·H·row`); by default ([`QuantizeOptions::new`]) the LM head (a tied embedding included) is stored in
+//! L (int8) under either format
 //! (llama.cpp's 4-bit types likewise keep the output matrix at 6-8 bits; requantizing SmolLM2-135M's tied
 //! embedding to 4 bits alone costs several times the KL of all the other matrices), an untied embedding in
 //! the asked format (it is only looked up, as llama.cpp's Q4_K_M keeps `token_embd` in Q4_K).
@@ -22,6 +25,7 @@ use super::{Arch, Mixer, Model};
 use crate::backend::{Cpu, RopeMode};
 use crate::error::{Error, Result};
 use crate::model_dir::Tensors;
+use crate::quant::gptq::{self, Hessian};
 use crate::quant::rotation::{splitmix64, Rotation, Signs};
 use crate::quant::rtn::{self, Format};
 use crate::quant::WeightMatrix;
@@ -36,10 +40,111 @@ pub struct QuantizeOptions {
     pub format: Format,
     /// Values per scale: 32, 64 or 128.
     pub group: usize,
+    /// Format of the LM head (a tied embedding included): L by default (see the module docs).
+    pub head_format: Format,
+    /// Values per scale of the LM head.
+    pub head_group: usize,
+    /// Values per scale of an untied embedding (stored in `format`).
+    pub embed_group: usize,
     /// Apply the block Hadamard rotation (both sides; input side only for the embedding / LM head).
     pub rotate: bool,
     /// Seed of the random signs.
     pub seed: u64,
+}
+
+impl QuantizeOptions {
+    /// `format` at `group` for every matrix but the LM head (L at `group`), rotated, seed 14.
+    pub fn new(format: Format, group: usize) -> Self {
+        QuantizeOptions { format, group, head_format: Format::L, head_group: group, embed_group: group, rotate: true, seed: 14 }
+    }
+}
+
+/// Input site of the LM head (and of the embedding's input signs).
+const HEAD: u64 = u64::MAX;
+
+/// Input sites of the matrices of `model` that read activations, one matrix per site (the others of the
+/// site read the same rows): `(matrix address, site, input width)`; the site numbering of
+/// [`quantize_model`]. The address is only compared, never dereferenced.
+fn tapped_sites(model: &Model) -> Vec<(usize, u64, usize)> {
+    let at = |w: &WeightMatrix, site: u64| (w as *const WeightMatrix as usize, site, w.cols());
+    let mut v = vec![at(model.lm_head(), HEAD)];
+    for (l, layer) in model.layers.iter().enumerate() {
+        let l = l as u64;
+        if let Mixer::Attention(a) = &layer.mixer {
+            v.push(at(&a.wq, 4 * l));
+            v.push(at(&a.wo, 4 * l + 1));
+        }
+        v.push(at(&layer.w_gate, 4 * l + 2));
+        v.push(at(&layer.w_down, 4 * l + 3));
+    }
+    v
+}
+
+/// The Hessians `H = Σ x·xᵀ` of every input site of a model over a calibration text (GPTQ,
+/// [`crate::quant::gptq`]), in the coordinates its matrices are quantized in (each input row rotated by
+/// the site's input signs when [`QuantizeOptions::rotate`]).
+pub struct Calibration {
+    sites: std::collections::HashMap<u64, Hessian>,
+    /// Tokens the model ran on.
+    pub tokens: usize,
+}
+
+impl Calibration {
+    /// Set the dampening of every Hessian ([`Hessian::damp`]).
+    pub fn set_damp(&mut self, damp: f64) {
+        self.sites.values_mut().for_each(|h| h.damp = damp);
+    }
+}
+
+/// Run `model` (still in its source precision) on `tokens` in windows of `window` tokens (each from an
+/// empty state, logits of every position computed so the LM head sees its inputs) on `threads` threads,
+/// accumulating the Hessian of every input site of the attention layers, the FFN and the LM head
+/// (hybrid models' Gated DeltaNet projections get none and are rounded to nearest).
+///
+/// Errors: no tokens, a window beyond the model's context, a token outside the vocabulary.
+pub fn calibrate(model: &Model, opts: &QuantizeOptions, tokens: &[u32], window: usize, threads: usize) -> Result<Calibration> {
+    use std::sync::Mutex;
+    if tokens.is_empty() || window == 0 {
+        return Err(Error::Input("eddy quantize: the calibration text has no tokens".into()));
+    }
+    // Input width of every site, and the signs its quantized matrices will carry.
+    let widths: std::collections::HashMap<u64, usize> = tapped_sites(model).into_iter().map(|(_, site, cols)| (site, cols)).collect();
+    let sites: std::collections::HashMap<usize, (u64, Option<Arc<Signs>>)> =
+        tapped_sites(model).into_iter().map(|(a, site, cols)| (a, (site, opts.rotate.then(|| site_signs(opts, site, cols))))).collect();
+    let acc: Arc<Mutex<std::collections::HashMap<u64, Hessian>>> =
+        Arc::new(Mutex::new(widths.iter().map(|(&site, &cols)| (site, Hessian::new(cols))).collect()));
+    let acc_tap = Arc::clone(&acc);
+    let tap_threads = threads.max(1);
+    let tap: crate::backend::cpu::MatmulTap = Box::new(move |w, x, n| {
+        let Some((site, signs)) = sites.get(&(w as *const WeightMatrix as usize)) else { return };
+        let cols = w.cols();
+        let mut rows;
+        let x = match signs {
+            Some(s) => {
+                rows = x.to_vec();
+                let rot = Rotation { input: Some(Arc::clone(s)), output: None };
+                rows.chunks_exact_mut(cols).for_each(|r| rot.rotate_input(r));
+                &rows[..]
+            }
+            None => x,
+        };
+        let mut acc = acc_tap.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(h) = acc.get_mut(site) {
+            h.add(x, n, tap_threads);
+        }
+    });
+    let be = Cpu::with_tap(threads, tap);
+    let window = window.min(tokens.len());
+    let mut ws = super::forward::Workspace::new(&be, model, window);
+    let mut logits = Vec::new();
+    for chunk in tokens.chunks(window) {
+        let mut state = model.new_state(&be, window);
+        super::forward::forward(model, &be, &mut ws, &mut state, chunk, super::forward::Logits::All, &mut logits)?;
+    }
+    drop(be);
+    let mut sites = std::mem::take(&mut *acc.lock().unwrap_or_else(|e| e.into_inner()));
+    sites.values_mut().for_each(Hessian::finish);
+    Ok(Calibration { sites, tokens: tokens.len() })
 }
 
 /// What one input site is: its signs are drawn from `(seed, site)`.
@@ -55,26 +160,38 @@ struct Job<'a> {
     site: u64,
     output: bool,
     head: bool,
+    /// Whether the site's Hessian applies (not for an untied embedding, which is only looked up).
+    reads: bool,
 }
 
 /// Re-quantize every matrix of `model` to `opts` (see the module docs), then upload them to the CPU
-/// backend (prepack). `progress(done, total)` is called after each matrix. Returns the bits per weight
-/// of the converted matrices (codes, scales and offsets over their weights; f32 leftovers count 32).
-pub fn quantize_model(model: &mut Model, opts: &QuantizeOptions, progress: &mut dyn FnMut(usize, usize)) -> f64 {
-    assert!(rtn::GROUPS.contains(&opts.group), "group {} (expected 32, 64 or 128)", opts.group);
-    const HEAD: u64 = u64::MAX;
+/// backend (prepack). With `calib` ([`calibrate`] of the same model and options), every M matrix whose
+/// input site has a Hessian is rounded by GPTQ/LDLQ ([`gptq::quantize_m`]) instead of to nearest (a
+/// segment whose Hessian cannot be factored falls back to round to nearest, with a warning on stderr).
+/// `progress(done, total)` is called after each matrix. Returns the bits per weight of the converted
+/// matrices (codes, scales and offsets over their weights; f32 leftovers count 32).
+pub fn quantize_model(
+    model: &mut Model,
+    opts: &QuantizeOptions,
+    calib: Option<&Calibration>,
+    progress: &mut dyn FnMut(usize, usize),
+) -> f64 {
+    for g in [opts.group, opts.head_group, opts.embed_group] {
+        assert!(rtn::GROUPS.contains(&g), "group {g} (expected 32, 64 or 128)");
+    }
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let n_layers = model.layers.len() as u64;
     let mut jobs: Vec<Job> = Vec::new();
     let tied = model.output.is_none();
-    jobs.push(Job { w: &mut model.embed, site: HEAD, output: false, head: tied });
+    jobs.push(Job { w: &mut model.embed, site: HEAD, output: false, head: tied, reads: tied });
     if let Some(o) = &mut model.output {
-        jobs.push(Job { w: o, site: HEAD, output: false, head: true });
+        jobs.push(Job { w: o, site: HEAD, output: false, head: true, reads: true });
     }
     let mtp = model.mtp.as_mut().map(|m| (&mut m.fc, &mut m.layer));
     let layers = model.layers.iter_mut().enumerate().map(|(l, layer)| (l as u64, layer));
     let mut all_layers: Vec<(u64, &mut super::Layer)> = layers.collect();
     if let Some((fc, layer)) = mtp {
-        jobs.push(Job { w: fc, site: 4 * (n_layers + 1), output: true, head: false });
+        jobs.push(Job { w: fc, site: 4 * (n_layers + 1), output: true, head: false, reads: true });
         all_layers.push((n_layers, layer));
     }
     for (l, layer) in all_layers {
@@ -82,20 +199,20 @@ pub fn quantize_model(model: &mut Model, opts: &QuantizeOptions, progress: &mut 
         match &mut layer.mixer {
             Mixer::Attention(a) => {
                 for w in [&mut a.wq, &mut a.wk, &mut a.wv] {
-                    jobs.push(Job { w, site: a_in, output: true, head: false });
+                    jobs.push(Job { w, site: a_in, output: true, head: false, reads: true });
                 }
-                jobs.push(Job { w: &mut a.wo, site: a_out, output: true, head: false });
+                jobs.push(Job { w: &mut a.wo, site: a_out, output: true, head: false, reads: true });
             }
             Mixer::DeltaNet(g) => {
                 for w in [&mut g.w_qkv, &mut g.w_z, &mut g.w_b, &mut g.w_a] {
-                    jobs.push(Job { w, site: a_in, output: true, head: false });
+                    jobs.push(Job { w, site: a_in, output: true, head: false, reads: true });
                 }
-                jobs.push(Job { w: &mut g.w_out, site: a_out, output: true, head: false });
+                jobs.push(Job { w: &mut g.w_out, site: a_out, output: true, head: false, reads: true });
             }
         }
-        jobs.push(Job { w: &mut layer.w_gate, site: f_in, output: true, head: false });
-        jobs.push(Job { w: &mut layer.w_up, site: f_in, output: true, head: false });
-        jobs.push(Job { w: &mut layer.w_down, site: f_down, output: true, head: false });
+        jobs.push(Job { w: &mut layer.w_gate, site: f_in, output: true, head: false, reads: true });
+        jobs.push(Job { w: &mut layer.w_up, site: f_in, output: true, head: false, reads: true });
+        jobs.push(Job { w: &mut layer.w_down, site: f_down, output: true, head: false, reads: true });
     }
     let total = jobs.len();
     let (mut bits, mut weights) = (0f64, 0f64);
@@ -105,11 +222,18 @@ pub fn quantize_model(model: &mut Model, opts: &QuantizeOptions, progress: &mut 
         for (r, row) in data.chunks_exact_mut(cols).enumerate() {
             job.w.dequant_row(r, row);
         }
-        let group = [opts.group, 64, 32].into_iter().find(|&g| g <= opts.group && cols.is_multiple_of(g));
-        // The LM head (and a tied embedding) stays at 8 bits: the most sensitive matrix, as llama.cpp
-        // keeps its output at 6-8 bits in every 4-bit type. An untied embedding (only looked up, one row
-        // per token) takes the format, as llama.cpp's Q4_K_M stores token_embd in Q4_K.
-        let format = if job.head { Format::L } else { opts.format };
+        // The LM head (and a tied embedding) in its own format (L by default: the most sensitive matrix, as
+        // llama.cpp keeps its output at 6-8 bits in every 4-bit type); an untied embedding (only looked
+        // up, one row per token) in the asked format at its own group, as llama.cpp's Q4_K_M stores
+        // token_embd in Q4_K.
+        let (format, want) = if job.head {
+            (opts.head_format, opts.head_group)
+        } else if job.site == HEAD {
+            (opts.format, opts.embed_group)
+        } else {
+            (opts.format, opts.group)
+        };
+        let group = [want, 64, 32].into_iter().find(|&g| g <= want && cols.is_multiple_of(g));
         let new = match group {
             Some(group) => {
                 let rotation = if opts.rotate {
@@ -120,7 +244,24 @@ pub fn quantize_model(model: &mut Model, opts: &QuantizeOptions, progress: &mut 
                 } else {
                     Rotation::default()
                 };
-                rtn::quantize(rows, cols, &data, format, group, rotation)
+                let h = calib.filter(|_| job.reads && format == Format::M && cols.is_multiple_of(crate::quant::QK));
+                match h.and_then(|c| c.sites.get(&job.site)).filter(|h| h.cols == cols) {
+                    Some(h) => {
+                        let mut w = data.clone();
+                        rotation.rotate_matrix(&mut w, rows, cols);
+                        match gptq::quantize_m(rows, cols, &w, group, h, threads) {
+                            Ok(mut m) => {
+                                m.rotation = rotation;
+                                WeightMatrix::Q(m)
+                            }
+                            Err(e) => {
+                                eprintln!("eddy quantize: matrix {i} rounded to nearest: {e}");
+                                rtn::quantize(rows, cols, &data, format, group, rotation)
+                            }
+                        }
+                    }
+                    None => rtn::quantize(rows, cols, &data, format, group, rotation),
+                }
             }
             None => WeightMatrix::F32 { rows, cols, data },
         };

@@ -14,6 +14,7 @@
 //! Products against these run with int8 activations ([`crate::backend::cpu::QuantizedActivations`]),
 //! see `backend::cpu::matmul`.
 
+pub mod gptq;
 pub mod import;
 pub mod rotation;
 pub mod rtn;

@@ -3,9 +3,10 @@
 //! * **M** ([`Format::M`]): [`QMatrix`] bits 4, asymmetric: per group of `group` ∈ {32, 64, 128} values an
 //!   f16 scale `S` and an f16 offset `M` (the zero point, stored as the value of code 0 rather than as a
 //!   code: the kernels add `M·Σx` per group, and an f16 offset loses nothing to a rounded integer zero
-//!   point), `w ≈ S·q + M`, `q ∈ 0..16`. `M` is the f16 at or below the group's minimum and `S` the f16
-//!   at or above `(max − M)/15`, so every value is within `S/2` of its code. Bits per weight:
-//!   `4 + 32/group` (5.0, 4.5, 4.25).
+//!   point), `w ≈ S·q + M`, `q ∈ 0..16`, `q` the nearest code. `(S, M)` is searched per group for the least
+//!   squared error of the dequantized group ([`search_scale_min`]: clipping a group's extremes when that
+//!   pays), never worse than the min/max rule ([`minmax_scale_min`]). Bits per weight: `4 + 32/group`
+//!   (5.0, 4.5, 4.25).
 //! * **L** ([`Format::L`]): bits 8, symmetric: an f16 scale `S` (at or above `max|w|/127`) per group,
 //!   `w ≈ S·(q − 128)`, `q ∈ 1..=255`; `8 + 16/group` bits per weight.
 //!
@@ -100,43 +101,161 @@ pub fn quantize(rows: usize, cols: usize, data: &[f32], format: Format, group: u
     WeightMatrix::Q(m)
 }
 
-/// M format codes of `w` (`rows × cols`, `cols % group == 0`, `group % 32 == 0`), no rotation.
-pub(crate) fn quantize_m(rows: usize, cols: usize, w: &[f32], group: usize) -> QMatrix {
-    let n = w.len();
-    let mut lo = vec![0u8; n / 2];
-    let mut scale = Vec::with_capacity(n / group);
-    let mut min = Vec::with_capacity(n / group);
-    for (g, wg) in w.chunks_exact(group).enumerate() {
-        let (l, h) = wg.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &x| (lo.min(x), hi.max(x)));
-        let m16 = f16_toward(l, false);
-        let m = m16.to_f32();
-        let s16 = f16_toward((h - m) / 15.0, true);
-        let s = s16.to_f32();
-        min.push(m16);
-        let codes = &mut lo[g * group / 2..(g + 1) * group / 2];
-        if s == 0.0 || !s.is_finite() || !m.is_finite() {
-            scale.push(f16::ZERO);
-            codes.fill(0);
-            continue;
+/// `(S, M)` of one M group by the min/max rule: `M` the f16 at or below the minimum, `S` the f16 at or above
+/// `(max − M)/15`, so every value is within `S/2` of its code (no clipping). An all-equal group gets `S = 0`.
+pub fn minmax_scale_min(wg: &[f32]) -> (f16, f16) {
+    let (l, h) = wg.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+    let m16 = f16_toward(l, false);
+    let s16 = f16_toward((h - m16.to_f32()) / 15.0, true);
+    (s16, m16)
+}
+
+/// The M code of `x` for the f32 forms `s > 0`, `m` of a group's f16 scale and offset: `round((x − m)/s)`
+/// (halves away from zero) clamped to `0..=15`. Computed as `trunc(v + 0.5)` of the clamped `v`, which is
+/// the same for `v ≥ 0` and needs no library call (the baseline x86-64 target has no rounding instruction).
+#[inline]
+pub fn m_code(x: f32, s: f32, m: f32) -> u8 {
+    (((x - m) / s).clamp(0.0, 15.0) + 0.5) as u8
+}
+
+/// Squared error `Σ (S·q(w) + M − w)²` of a group under the f16 `(S, M)` with nearest codes ([`m_code`]).
+fn m_group_error(wg: &[f32], s: f32, m: f32) -> f64 {
+    wg.iter()
+        .map(|&x| {
+            let d = s * m_code(x, s, m) as f32 + m - x;
+            (d * d) as f64
+        })
+        .sum()
+}
+
+/// Candidate steps of [`search_scale_min`]: the code grid spans `range·15/k` for these `k` (below 15
+/// it covers more than the range, above it clips), anchored at the minimum and at the maximum.
+const SEARCH_STEPS: [f32; 9] = [14.5, 15.0, 15.5, 16.0, 16.5, 17.0, 18.0, 19.0, 20.5];
+
+/// `(S, M)` (f16) of one M group chosen to minimize the squared error of the dequantized group
+/// `Σ (S·q + M − w)²` over a set of candidates, the codes always the nearest ones ([`m_code`]); the min/max
+/// rule ([`minmax_scale_min`]) is one candidate, so the error is never above its.
+///
+/// Candidates (after llama.cpp's `make_qkx2_quants` idea, a grid of scales each refitted by least squares):
+/// for each `k` of [`SEARCH_STEPS`] and each anchor (the group's minimum, its maximum), the codes of the
+/// step `range/k`; for those codes the least-squares `(S, M)` (closed form of the 2×2 normal equations),
+/// rounded to the nearest f16; the codes of that `(S, M)` and its error; then one more refit on those
+/// codes (a Lloyd step). The best error over all candidates wins. Clipping the extremes of a group costs
+/// little when only one or two values lie there and buys a finer step for all the others.
+pub fn search_scale_min(wg: &[f32]) -> (f16, f16) {
+    let base = minmax_scale_min(wg);
+    let (s0, m0) = (base.0.to_f32(), base.1.to_f32());
+    if s0 == 0.0 || !s0.is_finite() || !m0.is_finite() {
+        return base;
+    }
+    let mut best = (m_group_error(wg, s0, m0), base);
+    let (l, h) = wg.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+    let range = h - l;
+    let n = wg.len() as f64;
+    let mut q = vec![0u8; wg.len()];
+    // Least-squares (S, M) for the codes in `q`, rounded to f16; None if degenerate.
+    let fit = |q: &[u8]| -> Option<(f16, f16)> {
+        let (mut sq, mut sqq, mut sw, mut sqw) = (0f64, 0f64, 0f64, 0f64);
+        for (&c, &x) in q.iter().zip(wg) {
+            let (c, x) = (c as f64, x as f64);
+            sq += c;
+            sqq += c * c;
+            sw += x;
+            sqw += c * x;
         }
-        scale.push(s16);
-        let code = |x: f32| ((x - m) / s).round().clamp(0.0, 15.0) as u8;
-        for (b, p) in wg.chunks_exact(QK).zip(codes.chunks_exact_mut(QK / 2)) {
-            for k in 0..QK / 2 {
-                p[k] = code(b[k]) | (code(b[k + 16]) << 4);
+        let det = n * sqq - sq * sq;
+        if det <= 0.0 {
+            return None;
+        }
+        let s = (n * sqw - sq * sw) / det;
+        let m = (sw - s * sq) / n;
+        let (s16, m16) = (f16::from_f32(s as f32), f16::from_f32(m as f32));
+        (s16.to_f32() > 0.0 && s16.is_finite() && m16.is_finite()).then_some((s16, m16))
+    };
+    for k in SEARCH_STEPS {
+        let step = range / k;
+        for top in [false, true] {
+            for (c, &x) in q.iter_mut().zip(wg) {
+                // Both quotients are ≥ 0: trunc(v + 0.5) rounds them to nearest.
+                *c = if top { 15 - ((h - x) / step + 0.5).min(15.0) as u8 } else { ((x - l) / step + 0.5).min(15.0) as u8 };
+            }
+            for _ in 0..2 {
+                let Some((s16, m16)) = fit(&q) else { break };
+                let (s, m) = (s16.to_f32(), m16.to_f32());
+                let mut e = 0f64;
+                for (c, &x) in q.iter_mut().zip(wg) {
+                    *c = m_code(x, s, m);
+                    let d = s * *c as f32 + m - x;
+                    e += (d * d) as f64;
+                }
+                if e < best.0 {
+                    best = (e, (s16, m16));
+                }
             }
         }
     }
+    best.1
+}
+
+/// M format codes of `w` (`rows × cols`, `cols % group == 0`, `group % 32 == 0`), no rotation, each group's
+/// `(S, M)` from [`search_scale_min`] (groups split over the available cores).
+pub(crate) fn quantize_m(rows: usize, cols: usize, w: &[f32], group: usize) -> QMatrix {
+    let n = w.len();
+    let ng = n / group;
+    let mut sm = vec![(f16::ZERO, f16::ZERO); ng];
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).clamp(1, ng.max(1));
+    let per = ng.div_ceil(threads).max(1);
+    std::thread::scope(|sc| {
+        for (i, out) in sm.chunks_mut(per).enumerate() {
+            let wc = &w[i * per * group..][..out.len() * group];
+            sc.spawn(move || {
+                for (o, wg) in out.iter_mut().zip(wc.chunks_exact(group)) {
+                    *o = search_scale_min(wg);
+                }
+            });
+        }
+    });
+    let mut m = m_matrix(rows, cols, group);
+    for (g, wg) in w.chunks_exact(group).enumerate() {
+        set_m_group(&mut m, g, wg, sm[g].0, sm[g].1);
+    }
+    m
+}
+
+/// An M [`QMatrix`] of `rows × cols` with zero codes, scales and offsets, to be filled by [`set_m_group`].
+pub(crate) fn m_matrix(rows: usize, cols: usize, group: usize) -> QMatrix {
+    let n = rows * cols;
     QMatrix {
         rows,
         cols,
         bits: 4,
         group,
-        lo,
+        lo: vec![0u8; n / 2],
         hi: Vec::new(),
-        scales: GroupScales::F16 { scale, min: Some(min) },
+        scales: GroupScales::F16 { scale: vec![f16::ZERO; n / group], min: Some(vec![f16::ZERO; n / group]) },
         packed: None,
         rotation: Rotation::default(),
+    }
+}
+
+/// Store group `g` (row-major group index) of an M matrix: scale `s16`, offset `m16`, and the nearest codes
+/// of its values `wg` ([`m_code`]); a zero or non-finite scale (or offset) stores `S = 0` and codes 0.
+pub(crate) fn set_m_group(m: &mut QMatrix, g: usize, wg: &[f32], s16: f16, m16: f16) {
+    let group = m.group;
+    let GroupScales::F16 { scale, min: Some(min) } = &mut m.scales else { unreachable!("M matrix") };
+    let codes = &mut m.lo[g * group / 2..(g + 1) * group / 2];
+    let (s, mn) = (s16.to_f32(), m16.to_f32());
+    min[g] = m16;
+    if s == 0.0 || !s.is_finite() || !mn.is_finite() {
+        scale[g] = f16::ZERO;
+        codes.fill(0);
+        return;
+    }
+    scale[g] = s16;
+    for (b, p) in wg.chunks_exact(QK).zip(codes.chunks_exact_mut(QK / 2)) {
+        for k in 0..QK / 2 {
+            p[k] = m_code(b[k], s, mn) | (m_code(b[k + 16], s, mn) << 4);
+        }
     }
 }
 
@@ -204,10 +323,11 @@ mod tests {
         out
     }
 
-    /// Every value is within half a step of the stored (f16) scale, and the scale is the ideal one to
-    /// within one f16 rounding (M: `(max − min)/15`, L: `max|w|/127`), for every group size.
+    /// L: every value is within half a step of the stored (f16) scale, and the scale is the ideal one to
+    /// within one f16 rounding (`max|w|/127`). M: every code is the nearest one for its group's `(S, M)`, and
+    /// the group's squared error is at most the min/max rule's. For every group size.
     #[test]
-    fn rtn_error_is_within_half_a_step() {
+    fn rtn_codes_are_nearest_and_scales_as_documented() {
         let (rows, cols) = (5, 256);
         let w = heavy(rows * cols, 11);
         for format in [Format::M, Format::L] {
@@ -221,20 +341,66 @@ mod tests {
                         let at = r * cols + g * group;
                         let wg = &w[at..at + group];
                         let (lo, hi) = wg.iter().fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
-                        let step = m.scale_min(r, g).0;
-                        let ideal = match format {
-                            Format::M => (hi - lo) / 15.0,
-                            Format::L => lo.abs().max(hi.abs()) / 127.0,
-                        };
-                        assert!(step >= ideal && step <= ideal * 1.002 + 1e-7, "{format:?}/{group}: scale {step} vs {ideal}");
-                        for (a, b) in back[at..at + group].iter().zip(wg) {
-                            assert!((a - b).abs() <= step * 0.5001 + 1e-7, "{format:?}/{group}: {a} vs {b}");
+                        let (step, off) = m.scale_min(r, g);
+                        match format {
+                            Format::L => {
+                                let ideal = lo.abs().max(hi.abs()) / 127.0;
+                                assert!(step >= ideal && step <= ideal * 1.002 + 1e-7, "{group}: scale {step} vs {ideal}");
+                                for (a, b) in back[at..at + group].iter().zip(wg) {
+                                    assert!((a - b).abs() <= step * 0.5001 + 1e-7, "L/{group}: {a} vs {b}");
+                                }
+                            }
+                            Format::M => {
+                                let off = off.expect("M has offsets");
+                                assert!(step > 0.0);
+                                for (c, &x) in wg.iter().enumerate() {
+                                    assert_eq!(m.code(r, g * group + c), m_code(x, step, off), "M/{group}: not the nearest code");
+                                }
+                                let (s0, m0) = minmax_scale_min(wg);
+                                let (e, e0) = (m_group_error(wg, step, off), m_group_error(wg, s0.to_f32(), m0.to_f32()));
+                                assert!(e <= e0, "M/{group}: error {e:e} above min/max's {e0:e}");
+                            }
                         }
                     }
                 }
             }
         }
         assert!(matches!(quantize(1, 48, &heavy(48, 1), Format::M, 32, Rotation::default()), WeightMatrix::F32 { .. }));
+    }
+
+    /// The search against the min/max rule on random groups with outliers (Gaussian-like bulk plus one in
+    /// 64 values up to 30× larger): never worse on any group, and in total at least 15 % lower (measured: 18–20 %); and an
+    /// all-equal group stays exact.
+    #[test]
+    fn search_beats_minmax_on_groups_with_outliers() {
+        let mut s = 77u64;
+        let mut uni = move || (splitmix64(&mut s) >> 40) as f32 / (1u64 << 24) as f32;
+        for group in GROUPS {
+            let (mut tot, mut tot0) = (0f64, 0f64);
+            for _ in 0..400 {
+                let wg: Vec<f32> = (0..group)
+                    .map(|_| {
+                        let bulk = (uni() + uni() + uni() - 1.5) * 0.02 + 0.003;
+                        if uni() < 1.0 / 64.0 {
+                            bulk + (uni() - 0.5) * 0.6
+                        } else {
+                            bulk
+                        }
+                    })
+                    .collect();
+                let (s16, m16) = search_scale_min(&wg);
+                let (s0, m0) = minmax_scale_min(&wg);
+                let e = m_group_error(&wg, s16.to_f32(), m16.to_f32());
+                let e0 = m_group_error(&wg, s0.to_f32(), m0.to_f32());
+                assert!(e <= e0, "group {group}: {e:e} > min/max {e0:e}");
+                tot += e;
+                tot0 += e0;
+            }
+            assert!(tot < 0.85 * tot0, "group {group}: search {tot:e} vs min/max {tot0:e}");
+        }
+        let flat = vec![0.25f32; 64];
+        let (s16, m16) = search_scale_min(&flat);
+        assert_eq!((s16.to_f32(), m16.to_f32()), (0.0, 0.25));
     }
 
     /// With the rotation the codes hold `W′`; un-rotating the dequantized `W′` gives `W` back within the
@@ -263,11 +429,21 @@ mod tests {
             let (e_plain, e_rot) = (mse(&plain), mse(&back));
             assert!(e_rot < 0.7 * e_plain, "{format:?}/{group}: rotated MSE {e_rot:e} vs plain {e_plain:e}");
             // Bound: the rotation is orthogonal, so the total squared error equals that of W′, which is at
-            // most Σ (S/2)² over its values.
+            // most Σ (S/2)² over its values for L (no clipping) and at most the min/max rule's error of W′
+            // for M.
+            let mut wr = w.clone();
+            rot.rotate_matrix(&mut wr, rows, cols);
             let mut bound = 0f64;
             for r in 0..rows {
                 for g in 0..cols / group {
-                    bound += (m.scale_min(r, g).0 as f64 / 2.0).powi(2) * group as f64;
+                    bound += match format {
+                        Format::L => (m.scale_min(r, g).0 as f64 / 2.0).powi(2) * group as f64,
+                        Format::M => {
+                            let wg = &wr[r * cols + g * group..][..group];
+                            let (s0, m0) = minmax_scale_min(wg);
+                            m_group_error(wg, s0.to_f32(), m0.to_f32())
+                        }
+                    };
                 }
             }
             assert!(e_rot * w.len() as f64 <= bound * 1.001, "{format:?}/{group}: error above the bound");

@@ -55,7 +55,7 @@ use std::sync::OnceLock;
 
 use crate::quant::{WeightMatrix, QK};
 
-pub use ops::Cpu;
+pub use ops::{Cpu, MatmulTap};
 pub use pool::ThreadPool;
 pub use quantize::{quantize_activations, quantize_activations_with, quantize_rotated_with, QuantizedActivations};
 pub use reference::matmul_reference;

@@ -11,15 +11,26 @@ use super::{matmul, quantize_rotated_with, Kernel, QuantizedActivations, ThreadP
 use crate::backend::{Attend, Backend};
 use crate::quant::WeightMatrix;
 
+/// A hook that sees the input of every product: `(weights, x, n)` with `x` the `n × cols` f32 rows the
+/// product reads (before any quantization or rotation of the activations).
+pub type MatmulTap = Box<dyn Fn(&WeightMatrix, &[f32], usize) + Send + Sync>;
+
 /// The CPU backend: eddy's kernels on a pool of worker threads (the calling thread included).
 pub struct Cpu {
     pool: ThreadPool,
+    tap: Option<MatmulTap>,
 }
 
 impl Cpu {
     /// A backend running on `threads` threads (at least 1).
     pub fn new(threads: usize) -> Self {
-        Cpu { pool: ThreadPool::new(threads.max(1)) }
+        Cpu { pool: ThreadPool::new(threads.max(1)), tap: None }
+    }
+
+    /// A backend that calls `tap` with the inputs of every product before computing it (calibration of
+    /// the Hessian-aware rounding, `models::quantize`); otherwise [`Cpu::new`].
+    pub fn with_tap(threads: usize, tap: MatmulTap) -> Self {
+        Cpu { pool: ThreadPool::new(threads.max(1)), tap: Some(tap) }
     }
 
     /// The worker threads (for CPU-only code: draft-model kernels, benchmarks).
@@ -83,10 +94,16 @@ impl Backend for Cpu {
     }
 
     fn matmul(&self, w: &WeightMatrix, x: &Vec<f32>, xq: &QuantizedActivations, n: usize, out: &mut Vec<f32>) {
+        if let Some(tap) = &self.tap {
+            tap(w, &x[..n * w.cols()], n);
+        }
         matmul(&self.pool, w, &x[..n * w.cols()], xq, n, &mut out[..n * w.rows()]);
     }
 
     fn matmul_to_host(&self, w: &WeightMatrix, x: &Vec<f32>, xq: &QuantizedActivations, n: usize, out: &mut [f32]) {
+        if let Some(tap) = &self.tap {
+            tap(w, &x[..n * w.cols()], n);
+        }
         matmul(&self.pool, w, &x[..n * w.cols()], xq, n, out);
     }
 
