@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Speed of eddy's own formats against llama.cpp's nearest ones on the same model (issue 14's speed goals):
-# eddy M (int4, `eddy quantize --format m`) against llama.cpp's Q4_K_M, eddy L (int8) against Q8_0, and eddy M's
-# prefill against eddy's own GGUF path on the Q4_K_M file. One run, interleaved per pair, same thread count:
+# eddy M (int4, `eddy quantize --format m`, the LM head in l) and the ≤ 5-bit recipe (m g32, the head in m g32,
+# unrotated: README, `eddy quantize`) against llama.cpp's Q4_K_M, eddy L (int8) against Q8_0, and eddy on the
+# Q4_K_M file itself (the GGUF path). One run, interleaved per pair, same thread count:
 # prefill of 128 tokens (pp128) and decode of 64 (tg64) as llama-bench defines them; eddy's side is `eddy speed`.
 #
 # usage: bench/quant_speed.sh [GROUP]     (THREADS=2 REPS=3 by default; GROUP of eddy's formats, default 64)
@@ -23,9 +24,11 @@ cargo build --release -q -p eddy-cli
 EDDY=target/release/eddy
 mkdir -p "$WORK"
 for f in m l; do
-  [ -d "$WORK/eddy-$f-g$GROUP" ] || nice $EDDY quantize --model "$SRC" --format $f --group "$GROUP" -o "$WORK/eddy-$f-g$GROUP" >&2
+  [ -d "$WORK/eddy-$f-g$GROUP" ] || $EDDY quantize --model "$SRC" --format $f --group "$GROUP" -o "$WORK/eddy-$f-g$GROUP" >&2
 done
-[ -f "$WORK/q8_0.gguf" ] || nice "$LLAMA_BIN/llama-quantize" --allow-requantize "$SRC" "$WORK/q8_0.gguf" Q8_0 >&2
+[ -d "$WORK/eddy-m-g32-recipe" ] || $EDDY quantize --model "$SRC" --format m --group 32 --head-format m --no-rotation \
+  -o "$WORK/eddy-m-g32-recipe" >&2
+[ -f "$WORK/q8_0.gguf" ] || "$LLAMA_BIN/llama-quantize" --allow-requantize "$SRC" "$WORK/q8_0.gguf" Q8_0 >&2
 
 BW=$($EDDY bandwidth --threads "$THREADS")
 echo "read bandwidth ($THREADS threads): $BW GB/s"
@@ -39,5 +42,7 @@ row() { # label, llama gguf, eddy model
   python3 bench/speed_rows.py "$1" "$BW" "$lj" "$ej"
 }
 row "Q4_K_M vs eddy m g$GROUP" "$SRC" "$WORK/eddy-m-g$GROUP"
+row "Q4_K_M vs eddy m g32 recipe (head m g32, unrotated)" "$SRC" "$WORK/eddy-m-g32-recipe"
 row "Q8_0 vs eddy l g$GROUP" "$WORK/q8_0.gguf" "$WORK/eddy-l-g$GROUP"
 row "Q4_K_M vs eddy on the Q4_K_M GGUF" "$SRC" "$SRC"
+row "Q8_0 vs eddy on the Q8_0 GGUF" "$WORK/q8_0.gguf" "$WORK/q8_0.gguf"
