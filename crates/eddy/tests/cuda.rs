@@ -836,18 +836,24 @@ fn argmax_rows_match_the_host() {
     }
 }
 
+/// Qwen2.5-Coder-0.5B in an engine on the GPU (context 1024) and the tokens of [`PROMPT`].
+fn engine_05b_on_gpu() -> (eddy::engine::Engine, Vec<u32>) {
+    use eddy::engine::{Device, Engine, EngineOptions};
+    let path = eddy::load::models_dir().join("qwen2.5-coder-0.5b-instruct.gguf");
+    let lm = eddy::load::load_gguf(&path, &mut |_, _| {}).unwrap();
+    let prompt = lm.tokenizer.encode(PROMPT, true).unwrap();
+    let opts = EngineOptions { ctx: 1024, ..Default::default() };
+    (Engine::on_device(lm, &opts, Device::Cuda).unwrap(), prompt)
+}
+
 /// Greedy generation through the engine on the GPU, with the argmax on the device and with the logits copied
 /// to the host, gives the same tokens (plain decoding and suffix speculation, whose verify passes take one id
 /// per tree node); prints both decode speeds.
 #[test]
 #[ignore = "needs an NVIDIA GPU and the model files"]
 fn device_argmax_generates_what_the_host_path_does() {
-    use eddy::engine::{Device, Engine, EngineOptions, GenerateParams};
-    let path = eddy::load::models_dir().join("qwen2.5-coder-0.5b-instruct.gguf");
-    let lm = eddy::load::load_gguf(&path, &mut |_, _| {}).unwrap();
-    let prompt = lm.tokenizer.encode(PROMPT, true).unwrap();
-    let opts = EngineOptions { ctx: 1024, ..Default::default() };
-    let mut e = Engine::on_device(lm, &opts, Device::Cuda).unwrap();
+    use eddy::engine::GenerateParams;
+    let (mut e, prompt) = engine_05b_on_gpu();
     assert_eq!(e.device(), "cuda");
     let params = GenerateParams { max_tokens: 200, sampler: Default::default(), ignore_eos: true, logprobs: None };
     for spec in [false, true] {
@@ -939,13 +945,9 @@ fn candidate_rows_match_the_host() {
 #[test]
 #[ignore = "needs an NVIDIA GPU and the model files"]
 fn device_sampling_generates_what_the_host_path_does() {
-    use eddy::engine::{Device, Engine, EngineOptions, GenerateParams};
+    use eddy::engine::GenerateParams;
     use eddy::sampling::SamplerParams;
-    let path = eddy::load::models_dir().join("qwen2.5-coder-0.5b-instruct.gguf");
-    let lm = eddy::load::load_gguf(&path, &mut |_, _| {}).unwrap();
-    let prompt = lm.tokenizer.encode(PROMPT, true).unwrap();
-    let opts = EngineOptions { ctx: 1024, ..Default::default() };
-    let mut e = Engine::on_device(lm, &opts, Device::Cuda).unwrap();
+    let (mut e, prompt) = engine_05b_on_gpu();
     let settings = [
         ("defaults", SamplerParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, seed: 5, ..Default::default() }),
         ("temperature 1", SamplerParams { temperature: 1.0, seed: 6, ..Default::default() }),
