@@ -15,6 +15,13 @@
 # usage: bench/spec_vs_llama.sh   THREADS=2 NUM=20 MAX_TOKENS=256 PORT=8112 OUT=target/spec-bench
 #        CONFIGS="eddy-plain eddy-suffix ... verify" runs a subset (a quick look; ratios are against
 #        llama-plain when it ran, else against the first config).
+#        DEVICE=cuda: both servers on the GPU (eddy serve --device cuda; llama-server -ngl 99 -fa on, its
+#        draft model -ngld 99); eddy's draft model and DFlash drafter still run on the CPU next to it.
+#        On a machine prepared by hand (the lent GPU: no registry, no build): SETUP=0 skips fetching and
+#        building, EDDY=path of the eddy binary, LLAMA_BIN=folder of llama-server (then not built either),
+#        EDDY_MODELS / EDDY_DATA as usual (a ShareGPT file cut after its first conversations is enough).
+#        TARGET=another GGUF of the same family (e.g. the 0.5B; then no draft model is smaller: drop the
+#        draft configs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 THREADS=${THREADS:-2}
@@ -23,16 +30,23 @@ MAX_TOKENS=${MAX_TOKENS:-256}
 PORT=${PORT:-8112}
 OUT=${OUT:-target/spec-bench}
 MODELS_DIR=${EDDY_MODELS:-$HOME/.cache/eddy/models}
-TARGET="$MODELS_DIR/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+TARGET=${TARGET:-$MODELS_DIR/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf}
 DRAFT="$MODELS_DIR/qwen2.5-coder-0.5b-instruct.gguf"
 DFLASH=${DFLASH:-$MODELS_DIR/dflash-qwen2.5-coder-1.5b}
 
-. bench/llama_cpp_env.sh
-tools/fetch_models.sh qwen05 >&2
-tools/fetch_models.sh qwen15 >&2
-tools/fetch_datasets.sh >&2
-cargo build --release -q -p eddy-cli
-EDDY=target/release/eddy
+DEVICE=${DEVICE:-cpu}
+if [ -n "${LLAMA_BIN:-}" ]; then
+  export LD_LIBRARY_PATH="$LLAMA_BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+else
+  . bench/llama_cpp_env.sh
+fi
+if [ "${SETUP:-1}" != 0 ]; then
+  tools/fetch_models.sh qwen05 >&2
+  tools/fetch_models.sh qwen15 >&2
+  tools/fetch_datasets.sh >&2
+  cargo build --release -q -p eddy-cli
+fi
+EDDY=${EDDY:-target/release/eddy}
 mkdir -p "$OUT"
 
 . bench/server_ctl.sh
@@ -56,14 +70,19 @@ run_server() { # label, command...
 }
 
 LS=("$LLAMA_BIN/llama-server" -m "$TARGET" -t "$THREADS" -c 4096 -np 1 --jinja --host 127.0.0.1 --port "$PORT")
-ES=($EDDY serve --model "$TARGET" --threads "$THREADS" --ctx 4096 --port "$PORT")
+ES=($EDDY serve --model "$TARGET" --threads "$THREADS" --ctx 4096 --port "$PORT" --device "$DEVICE")
+LD=()  # llama-server's draft-model placement
+if [ "$DEVICE" = cuda ]; then
+  LS+=(-ngl 99 -fa on)
+  LD=(-ngld 99)
+fi
 # Explicitly plain: eddy serve speculates by default when a DFlash drafter sits next to the model.
 run_server eddy-plain "${ES[@]}" --speculator none
 run_server eddy-suffix "${ES[@]}" --speculator suffix --spec-budget auto
 run_server eddy-spec "${ES[@]}" --speculator auto --draft-model "$DRAFT" --spec-budget auto
 run_server llama-plain "${LS[@]}"
-run_server llama-draft4 "${LS[@]}" --spec-type draft-simple -md "$DRAFT" --spec-draft-n-max 4 -td "$THREADS"
-run_server llama-draft8 "${LS[@]}" --spec-type draft-simple -md "$DRAFT" --spec-draft-n-max 8 -td "$THREADS"
+run_server llama-draft4 "${LS[@]}" --spec-type draft-simple -md "$DRAFT" --spec-draft-n-max 4 -td "$THREADS" "${LD[@]}"
+run_server llama-draft8 "${LS[@]}" --spec-type draft-simple -md "$DRAFT" --spec-draft-n-max 8 -td "$THREADS" "${LD[@]}"
 run_server llama-ngram "${LS[@]}" --spec-type ngram-mod
 run_server eddy-dflash "${ES[@]}" --speculator dflash --draft-model "$DFLASH" --spec-budget auto
 run_server eddy-dflash-chain "${ES[@]}" --speculator dflash-chain --draft-model "$DFLASH" --spec-budget auto
@@ -76,20 +95,20 @@ case " $CONFIGS " in *" llama-dflash"*)
   . bench/llama_cpp_dflash_env.sh
   LS[0]="$LLAMA_DFLASH_BIN/llama-server" ;;
 esac
-run_server llama-dflash "${LS[@]}" --spec-type draft-dflash -md "${DFLASH_GGUF:-}" --spec-draft-n-max 15 -td "$THREADS"
+run_server llama-dflash "${LS[@]}" --spec-type draft-dflash -md "${DFLASH_GGUF:-}" --spec-draft-n-max 15 -td "$THREADS" "${LD[@]}"
 # n-max 15 is the drafter's block; on a CPU verifying 16 tokens costs several decode steps, so also 4.
-run_server llama-dflash4 "${LS[@]}" --spec-type draft-dflash -md "${DFLASH_GGUF:-}" --spec-draft-n-max 4 -td "$THREADS"
+run_server llama-dflash4 "${LS[@]}" --spec-type draft-dflash -md "${DFLASH_GGUF:-}" --spec-draft-n-max 4 -td "$THREADS" "${LD[@]}"
 
 rm -f "$OUT/verify.jsonl"
 case " $CONFIGS " in *" verify "*)
   # -n 16: a decode step to set the DFlash pass against (the dflash_pass line, when the drafter exists).
   dflash_arg=(); [ -f "$DFLASH/config.json" ] && dflash_arg=(--draft-model "$DFLASH")
-  $EDDY speed --model "$TARGET" --threads "$THREADS" -p 256 -n 16 -r 3 --verify-sizes 1,2,3,4,6,8,12,16,24,32,48,64 "${dflash_arg[@]}" > "$OUT/verify.jsonl" ;;
+  $EDDY speed --model "$TARGET" --device "$DEVICE" --threads "$THREADS" -p 256 -n 16 -r 3 --verify-sizes 1,2,3,4,6,8,12,16,24,32,48,64 "${dflash_arg[@]}" > "$OUT/verify.jsonl" ;;
 esac
 
-python3 - "$OUT" "$NUM" "$MAX_TOKENS" "$THREADS" "$CONFIGS" <<'PY'
+python3 - "$OUT" "$NUM" "$MAX_TOKENS" "$THREADS" "$CONFIGS" "$DEVICE" "$(basename "$TARGET")" <<'PY'
 import json, os, re, sys
-out, num, max_tokens, threads, configs = sys.argv[1:]
+out, num, max_tokens, threads, configs, device, target = sys.argv[1:]
 labels = [l for l in configs.split() if os.path.exists(f"{out}/{l}.humaneval.json")]
 names = {"eddy-plain": "eddy serve, no speculation", "eddy-suffix": "eddy serve --speculator suffix",
          "eddy-spec": "eddy serve --speculator auto (suffix + 0.5B draft)",
@@ -98,7 +117,8 @@ names = {"eddy-plain": "eddy serve, no speculation", "eddy-suffix": "eddy serve 
          "eddy-dflash": "eddy serve --speculator dflash (best-first tree)", "eddy-dflash-chain": "eddy serve --speculator dflash-chain",
          "eddy-dflash-auto": "eddy serve --speculator auto (suffix + dflash tree)", "llama-dflash": "llama-server draft-dflash, n-max 15",
          "llama-dflash4": "llama-server draft-dflash, n-max 4"}
-print(f"Qwen2.5-Coder-1.5B-Instruct Q4_K_M, {num} prompts per set, chat, temperature 0, max_tokens {max_tokens}, {threads} threads\n")
+where = "on the GPU (eddy --device cuda; llama.cpp -ngl 99 -fa on)" if device == "cuda" else f"{threads} threads"
+print(f"{target}, {num} prompts per set, chat, temperature 0, max_tokens {max_tokens}, {where}\n")
 for ds in ["humaneval", "sharegpt"]:
     R = {l: json.load(open(f"{out}/{l}.{ds}.json")) for l in labels}
     base = R["llama-plain" if "llama-plain" in R else labels[0]]["summary"]["decode_tps"]["median"]
