@@ -433,6 +433,206 @@ MM_Q3(mm_q3m1_p8, (mm_qm_impl<1, false>), MMA_ROWS, MMA_BOUNDS(1))
 MM_Q3(mm_q3m2_p4, (mm_qm_impl<2, true>), MMA_ROWS, MMA_BOUNDS(2))
 MM_Q3(mm_q3m2_p8, (mm_qm_impl<2, false>), MMA_ROWS, MMA_BOUNDS(2))
 
+// ---------------------------------------------------------------------------------------------------------
+// The tensor-core products again, with the 32 lane classes spread over W = 16 or 32 warps (mm_qw*): warp w
+// owns the C = 32/W classes of visits C·w .. C·w + C - 1 (a subtree of the tree above), and a step of 32
+// blocks loads its C blocks at once, so every load of a step is in flight together (one memory round trip
+// per step, against mm_qm's chain of load groups), with 32 warps per multiprocessor. The epilogue form is a
+// template parameter (FORM: 0 implicit offset, 1 explicit offsets, 2 group-16 scales), so each kernel
+// carries one form. The float order is mm_qm's and mm_q_t1's: each class chain runs in increasing b with
+// mm_q_t1's one or two __fmaf_rn per block; the warp adds its C class sums in their binary tree, and the W
+// warp sums meet in the binary tree over consecutive warps, T(w, 2s) = T(w, s) + T(w + s, s), one level at a
+// time through shared memory; then the bias. Tiles of 16 rows x 8·NJ tokens (NJ = 1, 2, 4). The per-(token,
+// block) data (scale, sums) is loaded once per token by lane `token` of the tile and passed by shuffles.
+template <int NJ, bool P4, int FORM, int W>
+__device__ __forceinline__ void mm_qw_impl(int bx, const uint8_t* __restrict__ codes, const float* __restrict__ sc,
+                                           const float* __restrict__ mn, int rows, int cols, int half, int g16,
+                                           const int8_t* __restrict__ xq, const float* __restrict__ xs,
+                                           const int* __restrict__ xsum, const float* __restrict__ xdsum,
+                                           const int* __restrict__ xsum16, int n, const float* __restrict__ bias,
+                                           float* __restrict__ out) {
+    (void)g16;
+    constexpr int NT = 8 * NJ, C = 32 / W;
+    __shared__ float red[W / 2][MMA_ROWS * NT];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, q = lane & 3;
+    const int r0 = bx * MMA_ROWS, t0 = blockIdx.y * NT;
+    if (r0 >= rows) return;  // whole block: no barrier skipped by part of it
+    const int nblk = cols >> 5;
+    // Rows and tokens past the ends are clamped for the loads (their outputs are never written).
+    const long long ra = min(r0 + g, rows - 1), rb = min(r0 + g + 8, rows - 1);
+    const uint8_t* ca = codes + ra * nblk * (P4 ? 16 : 32) + 4 * q;
+    const uint8_t* cb = codes + rb * nblk * (P4 ? 16 : 32) + 4 * q;
+    // Activation codes of token g of each 8-token column; the scale and sums of token `lane` of the tile.
+    int xa[NJ];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) xa[j] = min(t0 + 8 * j + g, n - 1) * cols + 4 * q;
+    const int tl = min(t0 + lane, n - 1) * nblk;
+    float P[C][NJ][4];
+#pragma unroll
+    for (int k = 0; k < C; ++k)
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) P[k][j][e] = 0.0f;
+    int cls[C], cmin = 32;
+#pragma unroll
+    for (int k = 0; k < C; ++k) {
+        cls[k] = rev5(C * warp + k);
+        cmin = min(cmin, cls[k]);
+    }
+#pragma unroll 1
+    for (int c0 = 0; c0 + cmin < nblk; c0 += 32) {  // each class chain in increasing b
+        uint32_t a[C][4];
+        int bq[C][NJ][2];
+        float s[C][2][2], m[C][2], dl[C];
+        int2 hl[C];  // FORM 2: the half sums; 0: .x the code sum; 1: .x the bits of d*sum
+        bool ok[C];
+#pragma unroll
+        for (int k = 0; k < C; ++k) {
+            ok[k] = c0 + cls[k] < nblk;  // warp-uniform; loads use a valid block either way
+            const int b = ok[k] ? c0 + cls[k] : nblk - 1;
+            if (P4) {
+                const uint32_t wa = __ldg(reinterpret_cast<const unsigned int*>(ca + b * 16));
+                const uint32_t wb = __ldg(reinterpret_cast<const unsigned int*>(cb + b * 16));
+                a[k][0] = wa & 0x0F0F0F0Fu;
+                a[k][1] = wb & 0x0F0F0F0Fu;
+                a[k][2] = (wa >> 4) & 0x0F0F0F0Fu;
+                a[k][3] = (wb >> 4) & 0x0F0F0F0Fu;
+            } else {
+                a[k][0] = __ldg(reinterpret_cast<const unsigned int*>(ca + b * 32));
+                a[k][1] = __ldg(reinterpret_cast<const unsigned int*>(cb + b * 32));
+                a[k][2] = __ldg(reinterpret_cast<const unsigned int*>(ca + b * 32 + 16));
+                a[k][3] = __ldg(reinterpret_cast<const unsigned int*>(cb + b * 32 + 16));
+            }
+            if (FORM == 2) {
+                const float2 u = __ldg(reinterpret_cast<const float2*>(sc + 2 * (ra * nblk + b)));
+                const float2 v = __ldg(reinterpret_cast<const float2*>(sc + 2 * (rb * nblk + b)));
+                s[k][0][0] = u.x; s[k][0][1] = u.y; s[k][1][0] = v.x; s[k][1][1] = v.y;
+            } else {
+                s[k][0][0] = __ldg(sc + ra * nblk + b);
+                s[k][1][0] = __ldg(sc + rb * nblk + b);
+                s[k][0][1] = s[k][1][1] = 0.0f;
+            }
+            m[k][0] = FORM == 1 ? __ldg(mn + ra * nblk + b) : 0.0f;
+            m[k][1] = FORM == 1 ? __ldg(mn + rb * nblk + b) : 0.0f;
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                bq[k][j][0] = __ldg(reinterpret_cast<const int*>(xq + xa[j] + b * 32));
+                bq[k][j][1] = __ldg(reinterpret_cast<const int*>(xq + xa[j] + b * 32 + 16));
+            }
+            dl[k] = __ldg(xs + tl + b);
+            if (FORM == 2) hl[k] = __ldg(reinterpret_cast<const int2*>(xsum16 + 2 * (tl + b)));
+            else if (FORM == 1) hl[k] = make_int2(__float_as_int(__ldg(xdsum + tl + b)), 0);
+            else hl[k] = make_int2(__ldg(xsum + tl + b), 0);
+        }
+#pragma unroll
+        for (int k = 0; k < C; ++k) {
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                int d0[4], d1[4];
+                if (FORM == 2) {
+                    mma_k16(d0, a[k][0], a[k][1], bq[k][j][0]);
+                    mma_k16(d1, a[k][2], a[k][3], bq[k][j][1]);
+                } else {
+                    mma_k32(d0, a[k][0], a[k][1], a[k][2], a[k][3], bq[k][j][0], bq[k][j][1]);
+                }
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int ri = e >> 1, src = 8 * j + 2 * q + (e & 1);  // row g or g+8; token 2q or 2q+1
+                    const float d = __shfl_sync(FULL, dl[k], src);
+                    const int hx = __shfl_sync(FULL, hl[k].x, src);
+                    const int hy = FORM == 2 ? __shfl_sync(FULL, hl[k].y, src) : 0;
+                    float acc = P[k][j][e];
+                    if (FORM == 2) {
+                        acc = __fmaf_rn(__fmul_rn(s[k][ri][0], d), (float)(d0[e] - half * hx), acc);
+                        acc = __fmaf_rn(__fmul_rn(s[k][ri][1], d), (float)(d1[e] - half * hy), acc);
+                    } else if (FORM == 1) {
+                        acc = __fmaf_rn(__fmul_rn(s[k][ri][0], d), (float)d0[e], acc);
+                        acc = __fmaf_rn(m[k][ri], __int_as_float(hx), acc);
+                    } else {
+                        acc = __fmaf_rn(__fmul_rn(s[k][ri][0], d), (float)(d0[e] - half * hx), acc);
+                    }
+                    if (ok[k]) P[k][j][e] = acc;
+                }
+            }
+        }
+    }
+    // The warp's subtree over its classes, then the tree over the warps: at level s, warp w with w % 2s == s
+    // hands its subtree T(w, s) to warp w - s, which adds it to its own: T(w - s, 2s) = T(w - s, s) + T(w, s).
+#pragma unroll
+    for (int s = 1; s < C; s <<= 1)
+#pragma unroll
+        for (int k = 0; k < C; k += 2 * s)
+#pragma unroll
+            for (int j = 0; j < NJ; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) P[k][j][e] = __fadd_rn(P[k][j][e], P[k + s][j][e]);
+#pragma unroll
+    for (int s = 1; s < W; s <<= 1) {
+        if ((warp & (2 * s - 1)) == s) {
+#pragma unroll
+            for (int j = 0; j < NJ; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = g + 8 * (e >> 1), tok = 8 * j + 2 * q + (e & 1);
+                    red[warp / (2 * s)][tok * MMA_ROWS + row] = P[0][j][e];
+                }
+        }
+        __syncthreads();
+        if ((warp & (2 * s - 1)) == 0) {
+#pragma unroll
+            for (int j = 0; j < NJ; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = g + 8 * (e >> 1), tok = 8 * j + 2 * q + (e & 1);
+                    P[0][j][e] = __fadd_rn(P[0][j][e], red[warp / (2 * s)][tok * MMA_ROWS + row]);
+                }
+        }
+        __syncthreads();
+    }
+    if (warp == 0) {
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = r0 + g + 8 * (e >> 1), t = t0 + 8 * j + 2 * q + (e & 1);
+                if (row < rows && t < n)
+                    out[(long long)t * rows + row] = bias != nullptr ? __fadd_rn(P[0][j][e], bias[row]) : P[0][j][e];
+            }
+    }
+}
+
+// W = 32: one block per multiprocessor (64 registers); W = 16: two (64 registers, 512 threads).
+#define QW_BOUNDS(W) __launch_bounds__(32 * W, 1024 / (32 * W))
+#define MM_QW_P(NJ, F, W, WS, P4, PS)                                                                        \
+    extern "C" __global__ void QW_BOUNDS(W) mm_qw##NJ##WS##_f##F##_##PS(                                      \
+        const uint8_t* codes, const float* sc, const float* mn, int rows, int cols, int half, int g16,       \
+        const int8_t* xq, const float* xs, const int* xsum, const float* xdsum, const int* xsum16, int n,    \
+        const float* bias, float* out) {                                                                     \
+        mm_qw_impl<NJ, P4, F, W>(blockIdx.x, codes, sc, mn, rows, cols, half, g16, xq, xs, xsum, xdsum, xsum16, \
+                                 n, bias, out);                                                              \
+    }                                                                                                        \
+    MM_Q3(mm_q3w##NJ##WS##_f##F##_##PS, (mm_qw_impl<NJ, P4, F, W>), MMA_ROWS, QW_BOUNDS(W))
+#define MM_QW(NJ, F, W, WS)                \
+    MM_QW_P(NJ, F, W, WS, true, p4)        \
+    MM_QW_P(NJ, F, W, WS, false, p8)
+MM_QW(1, 0, 32, )
+MM_QW(1, 1, 32, )
+MM_QW(1, 2, 32, )
+MM_QW(2, 0, 32, )
+MM_QW(2, 1, 32, )
+MM_QW(2, 2, 32, )
+MM_QW(4, 0, 32, )
+MM_QW(4, 1, 32, )
+MM_QW(4, 2, 32, )
+MM_QW(1, 0, 16, h)
+MM_QW(1, 1, 16, h)
+MM_QW(1, 2, 16, h)
+MM_QW(2, 0, 16, h)
+MM_QW(2, 1, 16, h)
+MM_QW(2, 2, 16, h)
+
 // Float weights (f32, or bf16 when BF) times f32 activations: one warp per row, lane l sums columns
 // l, l + 32, ... with fused multiply-adds, then the xor tree.
 template <int TT, bool BF>
