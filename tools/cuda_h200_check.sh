@@ -7,10 +7,10 @@
 #
 # Runs: the GPU tests (parity, products, batch invariance, the Qwen2.5-Coder-0.5B model test, one at a time),
 # the decode / verify-curve / prefill timing with CUDA graphs and without (EDDY_CUDA_GRAPHS=0), and once more
-# per value of $MMA_VARIANTS (each run with EDDY_CUDA_MMA set to it: the tensor-core product kernels, see
-# backend/cuda/mod.rs `MmaPlan`); when given llama.cpp's build for the GPU (its tarball, or the folder it was
-# unpacked into, holding bin/llama-bench) and an eddy binary, `eddy speed --device cuda` and llama-bench on the
-# same GGUF, alternated twice (pp512, tg128, 3 repetitions each); then, where ncu is present, the kernel-time
+# per NAME=VALUE word of $TIMING_ENVS (with that variable set: to compare settings in one call); when given
+# llama.cpp's build for the GPU (its tarball, or the folder it was unpacked into, holding bin/llama-bench) and
+# an eddy binary, `eddy speed --device cuda` and llama-bench on the same GGUF, alternated twice (pp512, tg128,
+# 3 repetitions each); then, where ncu is present, the kernel-time
 # split of a 64-token prefill pass, a 16-node verify and a decode step (tools/ncu_split.py, run from beside
 # this script). $SKIP_TESTS=1 skips the tests, $SKIP_NCU=1 the split. Output goes to stdout and to
 # $OUT/check.log when $OUT is set.
@@ -32,9 +32,9 @@ echo "== timing, graphs on"
 timing
 echo "== timing, graphs off"
 EDDY_CUDA_GRAPHS=0 timing
-for v in ${MMA_VARIANTS:-}; do
-    echo "== timing, EDDY_CUDA_MMA=$v"
-    EDDY_CUDA_MMA=$v timing
+for v in ${TIMING_ENVS:-}; do
+    echo "== timing, $v"
+    env "$v" "$bin" --ignored --test-threads 1 --nocapture decode_and_verify_timing 2>&1 | grep -E "decode|verify|queue|prefill|graph"
 done
 if [ -n "$llama" ]; then
     if [ -f "$llama" ]; then tar xzf "$llama" -C /tmp && llama=/tmp; fi

@@ -55,61 +55,18 @@ const MM_TT: usize = 8;
 /// cores. Measured on the H200 (docs/cuda.md): a 2-node verify 1.49 ms with `dp4a`, 1.71 ms with `mma`; 4 nodes
 /// 1.88 / 2.01 ms; 8 nodes 2.57 / 2.42 ms. Both give the same bits (batch invariance), so the cut is free.
 const DP4A_MAX: usize = 4;
-/// Weight rows per block of the tensor-core quantized products (`MMA_ROWS`; `MMA_WARPS` warps each).
+/// Weight rows per block of the tensor-core quantized products (`MMA_ROWS`; `QW_WARPS` warps each).
 const MMA_ROWS: usize = 16;
-/// Threads per block of the tensor-core quantized products (`32·MMA_WARPS`).
-const MMA_THREADS: u32 = 256;
+/// Threads per block of the tensor-core quantized products (`32·QW_WARPS`).
+const MMA_THREADS: u32 = 512;
 
-/// The tensor-core product for `n` tokens (n ≥ 2): the kernel variant (tiles of 8, 16 or 32 tokens: `NJ` = 1, 2
-/// or 4 mma columns of 8; 32 only when `nj_max` is 4) and the tokens per block.
-fn mma_tile(n: usize, nj_max: usize) -> (usize, usize) {
+/// The tensor-core product for `n` tokens (n ≥ 2): the kernel variant (tiles of 8 or 16 tokens: `NJ` = 1 or 2
+/// mma columns of 8) and the tokens per block.
+fn mma_tile(n: usize) -> (usize, usize) {
     if n <= 8 {
         (0, 8)
-    } else if n <= 16 || nj_max < 4 {
-        (1, 16)
     } else {
-        (2, 32)
-    }
-}
-/// Which tensor-core product kernels serve 5+ tokens. By default `mm_qw*` with 32 warps (one lane class each,
-/// 1024 threads, one block per multiprocessor) for launches of at most `2·SMs` blocks of the 16 or 32-token
-/// tile, and with 16 warps (two classes each, 512 threads, two blocks per multiprocessor, tiles of up to 16
-/// tokens) for larger ones, where a second resident block hides each block's reduction; `EDDY_CUDA_MMA=qm`
-/// runs `mm_qm*` (four classes per warp, 8 warps), `EDDY_CUDA_MMA=16` or `32` forces the warps of `mm_qw*`,
-/// `EDDY_CUDA_MMA_TILE=16` keeps tiles of at most 16 tokens. Every choice gives the same bits (the batch
-/// invariance of docs/cuda.md); the switches exist to measure them against each other.
-#[derive(Clone, Copy, Debug)]
-struct MmaPlan {
-    qm: bool,
-    /// Forced warps per block (16 or 32), or 0 for the rule above.
-    warps: usize,
-    nj_max: usize,
-    /// Multiprocessors of the GPU.
-    sms: usize,
-}
-
-impl MmaPlan {
-    fn from_env(sms: usize) -> MmaPlan {
-        let v = std::env::var("EDDY_CUDA_MMA").unwrap_or_default();
-        let warps = v.parse().ok().filter(|w| [16, 32].contains(w)).unwrap_or(0);
-        let nj_max = if std::env::var("EDDY_CUDA_MMA_TILE").is_ok_and(|v| v == "16") { 2 } else { 4 };
-        MmaPlan { qm: v == "qm", warps, nj_max, sms: sms.max(1) }
-    }
-
-    /// For `n` tokens over `row_tiles` tiles of 16 rows: (32 warps?, tile index of `mma_tile`, tokens per tile).
-    fn pick(&self, n: usize, row_tiles: usize) -> (bool, usize, usize) {
-        let (v, nt) = mma_tile(n, self.nj_max);
-        let wide = match self.warps {
-            32 => true,
-            16 => false,
-            _ => row_tiles * n.div_ceil(nt) <= 2 * self.sms,
-        };
-        if wide {
-            (true, v, nt)
-        } else {
-            let (v, nt) = mma_tile(n, 2);
-            (false, v, nt)
-        }
+        (1, 16)
     }
 }
 
@@ -592,19 +549,11 @@ struct Kernels {
     mm_q: [[Func; 2]; 2],
     /// The same for up to three matrices in one launch.
     mm_q3: [[Func; 2]; 2],
-    /// Two or more tokens, on the tensor cores (`mm_qm{1,2}_*`): `[tile (mma_tile)][bits 4 packed / bytes]`.
-    mm_qm: [[Func; 2]; 2],
-    /// The same for up to three matrices in one launch.
-    mm_q3m: [[Func; 2]; 2],
-    /// Two or more tokens, one lane class per warp (`mm_qw{1,2,4}_f{form}_*`): `[tile][form (qform)][bits 4
+    /// Five or more tokens, on the tensor cores (`mm_qw{1,2}_f{form}_*`): `[tile (mma_tile)][form (qform)][bits 4
     /// packed / bytes]`.
-    mm_qw: [[[Func; 2]; 3]; 3],
+    mm_qw: [[[Func; 2]; 3]; 2],
     /// The same for up to three matrices in one launch.
-    mm_q3w: [[[Func; 2]; 3]; 3],
-    /// The same with 16 warps (`mm_qw{1,2}h_*`), tiles of 8 or 16 tokens.
-    mm_qwh: [[[Func; 2]; 3]; 2],
-    /// The same for up to three matrices in one launch.
-    mm_q3wh: [[[Func; 2]; 3]; 2],
+    mm_q3w: [[[Func; 2]; 3]; 2],
     /// `[f32 / bf16][tokens per block 1 / 8]`.
     mm_f: [[Func; 2]; 2],
     rotate_out: Func,
@@ -678,8 +627,6 @@ pub struct Cuda {
     pci_bus_id: Option<String>,
     /// Kernel launches and copies queued so far ([`Cuda::launches`]).
     queued: AtomicU64,
-    /// The tensor-core product kernels in use.
-    mma: MmaPlan,
 }
 
 /// Launch error or fault, as a panic with the driver's words (device failures are not input errors).
@@ -721,7 +668,6 @@ impl Cuda {
             attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
             attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
         );
-        let sms = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).max(1) as usize;
         if capability.0 < 8 {
             return Err(no(format!("{name} has compute capability {}.{}; eddy's kernels need 8.0 or later", capability.0, capability.1)));
         }
@@ -745,22 +691,17 @@ impl Cuda {
                 .map(Func)
                 .map_err(|e| no(format!("kernel {n} missing from the fatbin: {e:?}")))
         };
-        let tile = |base: &str, nj: usize, w: &str| -> Result<[[Func; 2]; 3]> {
-            let f = |form: usize, p: &str| get(&format!("{base}{nj}{w}_f{form}_{p}"));
+        let tile = |base: &str, nj: usize| -> Result<[[Func; 2]; 3]> {
+            let f = |form: usize, p: &str| get(&format!("{base}{nj}_f{form}_{p}"));
             Ok([[f(0, "p4")?, f(0, "p8")?], [f(1, "p4")?, f(1, "p8")?], [f(2, "p4")?, f(2, "p8")?]])
         };
-        let qw = |base: &str| -> Result<[[[Func; 2]; 3]; 3]> { Ok([tile(base, 1, "")?, tile(base, 2, "")?, tile(base, 4, "")?]) };
-        let qwh = |base: &str| -> Result<[[[Func; 2]; 3]; 2]> { Ok([tile(base, 1, "h")?, tile(base, 2, "h")?]) };
+        let qw = |base: &str| -> Result<[[[Func; 2]; 3]; 2]> { Ok([tile(base, 1)?, tile(base, 2)?]) };
         let k = Kernels {
             quantize: get("quantize_q8")?,
             mm_q: [[get("mm_q_t1_p4")?, get("mm_q_t1_p8")?], [get("mm_q_t8_p4")?, get("mm_q_t8_p8")?]],
             mm_q3: [[get("mm_q3_t1_p4")?, get("mm_q3_t1_p8")?], [get("mm_q3_t8_p4")?, get("mm_q3_t8_p8")?]],
-            mm_qm: [[get("mm_qm1_p4")?, get("mm_qm1_p8")?], [get("mm_qm2_p4")?, get("mm_qm2_p8")?]],
-            mm_q3m: [[get("mm_q3m1_p4")?, get("mm_q3m1_p8")?], [get("mm_q3m2_p4")?, get("mm_q3m2_p8")?]],
             mm_qw: qw("mm_qw")?,
             mm_q3w: qw("mm_q3w")?,
-            mm_qwh: qwh("mm_qw")?,
-            mm_q3wh: qwh("mm_q3w")?,
             mm_f: [[get("mm_f32_t1")?, get("mm_f32_t8")?], [get("mm_bf16_t1")?, get("mm_bf16_t8")?]],
             rotate_out: get("rotate_out")?,
             embed: get("embed")?,
@@ -785,16 +726,7 @@ impl Cuda {
         let pci_bus_id = (unsafe { sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as i32, dev) } == sys::CUresult::CUDA_SUCCESS)
             // SAFETY: NUL-terminated by the driver (the last byte is never written past the length).
             .then(|| unsafe { std::ffi::CStr::from_ptr(bus.as_ptr()) }.to_string_lossy().into_owned());
-        Ok(Cuda {
-            ctx,
-            k,
-            scratch: Mutex::new(Scratch::default()),
-            name,
-            capability,
-            pci_bus_id,
-            queued: AtomicU64::new(0),
-            mma: MmaPlan::from_env(sms),
-        })
+        Ok(Cuda { ctx, k, scratch: Mutex::new(Scratch::default()), name, capability, pci_bus_id, queued: AtomicU64::new(0) })
     }
 
     /// The GPU's name and compute capability, e.g. "NVIDIA H200 (compute 9.0)".
@@ -984,14 +916,9 @@ impl Cuda {
                 let p = if q.packed4 { 0 } else { 1 };
                 if n <= DP4A_MAX {
                     self.launch(self.k.mm_q[tile][p], grid, (32 * MM_ROWS) as u32, a);
-                } else if self.mma.qm {
-                    let (v, nt) = mma_tile(n, 2);
-                    self.launch(self.k.mm_qm[v][p], (rows.div_ceil(MMA_ROWS), n.div_ceil(nt)), MMA_THREADS, a);
                 } else {
-                    let tiles = rows.div_ceil(MMA_ROWS);
-                    let (wide, v, nt) = self.mma.pick(n, tiles);
-                    let (f, threads) = if wide { (self.k.mm_qw[v][qform(q)][p], 1024) } else { (self.k.mm_qwh[v][qform(q)][p], 512) };
-                    self.launch(f, (tiles, n.div_ceil(nt)), threads, a);
+                    let (v, nt) = mma_tile(n);
+                    self.launch(self.k.mm_qw[v][qform(q)][p], (rows.div_ceil(MMA_ROWS), n.div_ceil(nt)), MMA_THREADS, a);
                 }
                 if let Some((signs, nb)) = &q.out_signs {
                     let a = Args::new().p(out).i(n).i(rows).i(*nb).p(signs.ptr);
@@ -1356,13 +1283,9 @@ impl Backend for Cuda {
         let p = if q0.packed4 { 0 } else { 1 };
         if n <= DP4A_MAX {
             self.launch(self.k.mm_q3[(n > 1) as usize][p], (blocks, 1), (32 * MM_ROWS) as u32, a);
-        } else if self.mma.qm {
-            let (v, nt) = mma_tile(n, 2);
-            self.launch(self.k.mm_q3m[v][p], (blocks, n.div_ceil(nt)), MMA_THREADS, a);
         } else {
-            let (wide, v, nt) = self.mma.pick(n, blocks);
-            let (f, threads) = if wide { (self.k.mm_q3w[v][qform(q0)][p], 1024) } else { (self.k.mm_q3wh[v][qform(q0)][p], 512) };
-            self.launch(f, (blocks, n.div_ceil(nt)), threads, a);
+            let (v, nt) = mma_tile(n);
+            self.launch(self.k.mm_q3w[v][qform(q0)][p], (blocks, n.div_ceil(nt)), MMA_THREADS, a);
         }
     }
 
