@@ -3,15 +3,19 @@
 # lent H200"). Run from the repository root on the GPU machine, after the model pieces were appended to
 # $STAGE/<name>.gguf by earlier calls (`cat <carried piece> >> $STAGE/<name>.gguf`, one call per piece).
 #
-#   tools/cuda_h200_check.sh TEST_BINARY STAGE_DIR SHA256_OF_THE_0.5B [LLAMA_TGZ]
+#   tools/cuda_h200_check.sh TEST_BINARY STAGE_DIR SHA256_OF_THE_0.5B [LLAMA_TGZ_OR_DIR] [EDDY_BINARY]
 #
 # Runs: the GPU tests (parity, products, batch invariance, the Qwen2.5-Coder-0.5B model test, one at a time),
-# the decode / verify-curve / prefill timing with CUDA graphs and without (EDDY_CUDA_GRAPHS=0), and, when
-# given llama.cpp's build for the GPU, llama-bench on the same GGUF (tg128, pp512); then, where ncu is present,
-# the kernel-time split of a 64-token prefill pass, a 16-node verify and a decode step (tools/ncu_split.py, run
-# from beside this script). Output goes to stdout and to $OUT/check.log when $OUT is set.
+# the decode / verify-curve / prefill timing with CUDA graphs and without (EDDY_CUDA_GRAPHS=0), and once more
+# per NAME=VALUE word of $TIMING_ENVS (with that variable set: to compare settings in one call); when given
+# llama.cpp's build for the GPU (its tarball, or the folder it was unpacked into, holding bin/llama-bench) and
+# an eddy binary, `eddy speed --device cuda` and llama-bench on the same GGUF, alternated twice (pp512, tg128,
+# 3 repetitions each); then, where ncu is present, the kernel-time
+# split of a 64-token prefill pass, a 16-node verify and a decode step (tools/ncu_split.py, run from beside
+# this script). $SKIP_TESTS=1 skips the tests, $SKIP_NCU=1 the split. Output goes to stdout and to
+# $OUT/check.log when $OUT is set.
 set -u -o pipefail
-bin=$1 stage=$2 sha=$3 llama=${4:-}
+bin=$1 stage=$2 sha=$3 llama=${4:-} eddy=${5:-}
 log=${OUT:-/tmp}/check.log
 exec > >(tee "$log") 2>&1
 model=$stage/qwen2.5-coder-0.5b-instruct.gguf
@@ -19,16 +23,31 @@ echo "== model: $(sha256sum "$model" | cut -c1-64) (want $sha)"
 [ "$(sha256sum "$model" | cut -c1-64)" = "$sha" ] || { echo "model checksum mismatch"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw --format=csv
 export EDDY_MODELS=$stage
-echo "== GPU tests"
-"$bin" --ignored --test-threads 1 --skip timing --skip profile --skip smollm2 --skip gemma3 --nocapture 2>&1 | grep -v "^$"
-echo "== timing, graphs on"
-"$bin" --ignored --test-threads 1 --nocapture decode_and_verify_timing 2>&1 | grep -E "decode|verify|queue|prefill|graph"
-echo "== timing, graphs off"
-EDDY_CUDA_GRAPHS=0 "$bin" --ignored --test-threads 1 --nocapture decode_and_verify_timing 2>&1 | grep -E "decode|verify|queue|prefill|graph"
-if [ -n "$llama" ]; then
-    echo "== llama-bench"
-    tar xzf "$llama" -C /tmp && LD_LIBRARY_PATH=/tmp/bin /tmp/bin/llama-bench -m "$model" -ngl 99 -fa 1 -p 512 -n 128 -r 5
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+    echo "== GPU tests"
+    "$bin" --ignored --test-threads 1 --skip timing --skip profile --skip smollm2 --skip gemma3 --nocapture 2>&1 | grep -v "^$"
 fi
+timing() { "$bin" --ignored --test-threads 1 --nocapture decode_and_verify_timing 2>&1 | grep -E "decode|verify|queue|prefill|graph"; }
+echo "== timing, graphs on"
+timing
+echo "== timing, graphs off"
+EDDY_CUDA_GRAPHS=0 timing
+for v in ${TIMING_ENVS:-}; do
+    echo "== timing, $v"
+    env "$v" "$bin" --ignored --test-threads 1 --nocapture decode_and_verify_timing 2>&1 | grep -E "decode|verify|queue|prefill|graph"
+done
+if [ -n "$llama" ]; then
+    if [ -f "$llama" ]; then tar xzf "$llama" -C /tmp && llama=/tmp; fi
+    for round in 1 2; do
+        if [ -n "$eddy" ]; then
+            echo "== eddy speed (round $round)"
+            "$eddy" speed --device cuda --model "$model" -p 512 -n 128 -r 3 2>&1 | grep -v "^$"
+        fi
+        echo "== llama-bench (round $round)"
+        LD_LIBRARY_PATH=$llama/bin "$llama/bin/llama-bench" -m "$model" -ngl 99 -fa 1 -p 512 -n 128 -r 3
+    done
+fi
+[ "${SKIP_NCU:-0}" = 1 ] && exit 0
 ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 if [ -x "$ncu" ]; then
     echo "== kernel-time split (ncu, caches flushed before each kernel: small kernels read high)"

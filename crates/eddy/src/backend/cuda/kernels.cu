@@ -207,21 +207,20 @@ MM_Q(mm_q_t8_p8, 8, false)
 // xor butterfly then adds the 32 lane sums in a fixed binary tree. In the order of visit i = 0..31 with class
 // rev5(i) (the 5-bit reversal of i), that tree is the plain binary tree over consecutive visits:
 // T(i, 2^k) = T(i, 2^(k-1)) + T(i + 2^(k-1), 2^(k-1)), T(i, 1) = P_rev5(i) (lane l meets lane l^16 first,
-// and rev5(l^16) = rev5(l)^1; then l^8, ...). So here a block of MMA_WARPS = 8 warps computes a tile of
-// 16 weight rows x 8*NJ tokens (NJ = 1, 2): warp w owns the classes rev5(4w .. 4w+3), walks the row's blocks
-// 32 at a time (one block of each of its classes per step, so each class chain runs in increasing b), gets the int32 dots of
-// the whole tile for a block from one mma per 8 tokens (two k16 ones for group-16 scales), and adds the block's
-// term to that class's accumulator with exactly mm_q_t1's one or two __fmaf_rn; then each warp adds its 4
-// class sums as (P0 + P1) + (P2 + P3) (the tree's subtree of its visits) and the 8 warp sums meet in
-// shared memory as ((w0 + w1) + (w2 + w3)) + ((w4 + w5) + (w6 + w7)), then the bias. Empty classes add 0,
-// as mm_q_t1's idle lanes do. Every output is thus bit-identical to mm_q_t1's for any n and tile.
+// and rev5(l^16) = rev5(l)^1; then l^8, ...). So a block of QW_WARPS = 16 warps computes a tile of 16 weight
+// rows x 8*NJ tokens (NJ = 1, 2): warp w owns the two classes of visits 2w, 2w+1 (a subtree), walks the row's
+// blocks 32 at a time (one block of each of its classes per step, so each class chain runs in increasing b),
+// gets the int32 dots of the whole tile for a block from one mma per 8 tokens (two k16 ones for group-16
+// scales), and adds the block's term to that class's accumulator with exactly mm_q_t1's one or two __fmaf_rn;
+// then each warp adds its two class sums (P0 + P1) and the 16 warp sums meet in the binary tree over
+// consecutive warps, ((w0 + w1) + (w2 + w3)) + ..., then the bias. Empty classes add 0, as mm_q_t1's idle
+// lanes do. Every output is thus bit-identical to mm_q_t1's for any n and tile.
 //
 // mma fragments (PTX ISA, "Matrix fragments for mma.m16n8k32", 8-bit types): lane = 4g + q; A (16 x 32,
 // row-major) regs a0, a1, a2, a3 = row g cols 4q..4q+3, row g+8 cols 4q.., row g cols 16+4q.., row g+8 cols
 // 16+4q..; B (32 x 8, by column: a token's codes) b0, b1 = token g codes 4q.., 16+4q..; C c0, c1, c2, c3 =
 // (row g, token 2q), (g, 2q+1), (g+8, 2q), (g+8, 2q+1). m16n8k16 takes a0/a1 with b0 (codes 0..15) or
 // a2/a3 with b1 (codes 16..31). The nibble layout gives a0/a2 of a row from one word: w & 0x0F0F0F0F, w >> 4.
-#define MMA_WARPS 8
 #define MMA_ROWS 16
 
 __device__ __forceinline__ int rev5(int i) { return (int)(__brev((unsigned)i) >> 27); }
@@ -238,164 +237,6 @@ __device__ __forceinline__ void mma_k16(int (&c)[4], uint32_t a0, uint32_t a1, i
                  : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
                  : "r"(a0), "r"(a1), "r"(b0), "r"(0));
 }
-
-template <int NJ, bool P4>
-__device__ __forceinline__ void mm_qm_impl(int bx, const uint8_t* __restrict__ codes, const float* __restrict__ sc,
-                                           const float* __restrict__ mn, int rows, int cols, int half, int g16,
-                                           const int8_t* __restrict__ xq, const float* __restrict__ xs,
-                                           const int* __restrict__ xsum, const float* __restrict__ xdsum,
-                                           const int* __restrict__ xsum16, int n, const float* __restrict__ bias,
-                                           float* __restrict__ out) {
-    constexpr int NT = 8 * NJ;
-    __shared__ float red[MMA_WARPS][MMA_ROWS * NT];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, q = lane & 3;
-    const int r0 = bx * MMA_ROWS, t0 = blockIdx.y * NT;
-    if (r0 >= rows) return;  // whole block: no barrier skipped by part of it
-    const int nblk = cols >> 5;
-    // Rows and tokens past the ends are clamped for the loads (their outputs are never written).
-    const long long ra = min(r0 + g, rows - 1), rb = min(r0 + g + 8, rows - 1);
-    long long tb[NJ], ta[NJ][2];
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-        tb[j] = min(t0 + 8 * j + g, n - 1);
-        ta[j][0] = min(t0 + 8 * j + 2 * q, n - 1);
-        ta[j][1] = min(t0 + 8 * j + 2 * q + 1, n - 1);
-    }
-    float P[4][NJ][4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-#pragma unroll
-        for (int j = 0; j < NJ; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) P[k][j][e] = 0.0f;
-    // Per step of 32 blocks, the warp's 4 blocks in groups of KB: every load of a group is issued before the
-    // first mma uses one (one memory round trip per group, not per block).
-    constexpr int KB = NJ == 1 ? 4 : 2;
-    const bool hasm = mn != nullptr;
-    for (int c0 = 0; c0 < nblk; c0 += 32) {
-#pragma unroll
-        for (int k0 = 0; k0 < 4; k0 += KB) {
-            uint32_t a[KB][4];
-            int bq[KB][NJ][2];
-            float s[KB][2][2], m[KB][2], dt[KB][NJ][2];
-            int2 h[KB][NJ][2];  // g16: the half sums; implicit: .x the code sum; explicit: .x the bits of d*sum
-            int blk[KB];
-            bool ok[KB];
-#pragma unroll
-            for (int kk = 0; kk < KB; ++kk) {
-                const int bt = c0 + rev5(4 * warp + k0 + kk);
-                ok[kk] = bt < nblk;  // warp-uniform; loads use a valid block either way
-                const int b = ok[kk] ? bt : nblk - 1;
-                blk[kk] = b;
-                if (P4) {
-                    const uint32_t wa = __ldg(reinterpret_cast<const unsigned int*>(codes + (ra * nblk + b) * 16 + 4 * q));
-                    const uint32_t wb = __ldg(reinterpret_cast<const unsigned int*>(codes + (rb * nblk + b) * 16 + 4 * q));
-                    a[kk][0] = wa & 0x0F0F0F0Fu;
-                    a[kk][1] = wb & 0x0F0F0F0Fu;
-                    a[kk][2] = (wa >> 4) & 0x0F0F0F0Fu;
-                    a[kk][3] = (wb >> 4) & 0x0F0F0F0Fu;
-                } else {
-                    const uint8_t* pa = codes + (ra * nblk + b) * 32 + 4 * q;
-                    const uint8_t* pb = codes + (rb * nblk + b) * 32 + 4 * q;
-                    a[kk][0] = __ldg(reinterpret_cast<const unsigned int*>(pa));
-                    a[kk][1] = __ldg(reinterpret_cast<const unsigned int*>(pb));
-                    a[kk][2] = __ldg(reinterpret_cast<const unsigned int*>(pa + 16));
-                    a[kk][3] = __ldg(reinterpret_cast<const unsigned int*>(pb + 16));
-                }
-                if (g16) {
-                    const float2 u = __ldg(reinterpret_cast<const float2*>(sc + 2 * (ra * nblk + b)));
-                    const float2 v = __ldg(reinterpret_cast<const float2*>(sc + 2 * (rb * nblk + b)));
-                    s[kk][0][0] = u.x; s[kk][0][1] = u.y; s[kk][1][0] = v.x; s[kk][1][1] = v.y;
-                } else {
-                    s[kk][0][0] = __ldg(sc + ra * nblk + b);
-                    s[kk][1][0] = __ldg(sc + rb * nblk + b);
-                    s[kk][0][1] = s[kk][1][1] = 0.0f;
-                }
-                m[kk][0] = hasm ? __ldg(mn + ra * nblk + b) : 0.0f;
-                m[kk][1] = hasm ? __ldg(mn + rb * nblk + b) : 0.0f;
-#pragma unroll
-                for (int j = 0; j < NJ; ++j) {
-                    const int8_t* xp = xq + tb[j] * cols + (long long)b * 32 + 4 * q;
-                    bq[kk][j][0] = __ldg(reinterpret_cast<const int*>(xp));
-                    bq[kk][j][1] = __ldg(reinterpret_cast<const int*>(xp + 16));
-#pragma unroll
-                    for (int u = 0; u < 2; ++u) {
-                        const long long ab = ta[j][u] * nblk + b;
-                        dt[kk][j][u] = __ldg(xs + ab);
-                        if (g16) h[kk][j][u] = __ldg(reinterpret_cast<const int2*>(xsum16 + 2 * ab));
-                        else if (hasm) h[kk][j][u] = make_int2(__float_as_int(__ldg(xdsum + ab)), 0);
-                        else h[kk][j][u] = make_int2(__ldg(xsum + ab), 0);
-                    }
-                }
-            }
-#pragma unroll
-            for (int kk = 0; kk < KB; ++kk) {
-                const int k = k0 + kk;
-#pragma unroll
-                for (int j = 0; j < NJ; ++j) {
-                    int d0[4], d1[4];
-                    if (g16) {
-                        mma_k16(d0, a[kk][0], a[kk][1], bq[kk][j][0]);
-                        mma_k16(d1, a[kk][2], a[kk][3], bq[kk][j][1]);
-                    } else {
-                        mma_k32(d0, a[kk][0], a[kk][1], a[kk][2], a[kk][3], bq[kk][j][0], bq[kk][j][1]);
-                    }
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int ri = e >> 1, u = e & 1;  // row g or g+8; token 2q or 2q+1
-                        const float d = dt[kk][j][u];
-                        const int2 hh = h[kk][j][u];
-                        float acc = P[k][j][e];
-                        if (g16) {
-                            acc = __fmaf_rn(__fmul_rn(s[kk][ri][0], d), (float)(d0[e] - half * hh.x), acc);
-                            acc = __fmaf_rn(__fmul_rn(s[kk][ri][1], d), (float)(d1[e] - half * hh.y), acc);
-                        } else if (hasm) {
-                            acc = __fmaf_rn(__fmul_rn(s[kk][ri][0], d), (float)d0[e], acc);
-                            acc = __fmaf_rn(m[kk][ri], __int_as_float(hh.x), acc);
-                        } else {
-                            acc = __fmaf_rn(__fmul_rn(s[kk][ri][0], d), (float)(d0[e] - half * hh.x), acc);
-                        }
-                        if (ok[kk]) P[k][j][e] = acc;
-                    }
-                }
-            }
-        }
-    }
-    // The warp's subtree, then the block's tree over the warps (see above).
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float v = __fadd_rn(__fadd_rn(P[0][j][e], P[1][j][e]), __fadd_rn(P[2][j][e], P[3][j][e]));
-            const int row = g + 8 * (e >> 1), tok = 8 * j + 2 * q + (e & 1);
-            red[warp][tok * MMA_ROWS + row] = v;
-        }
-    __syncthreads();
-    for (int i = threadIdx.x; i < MMA_ROWS * NT; i += blockDim.x) {
-        const int row = r0 + (i % MMA_ROWS), t = t0 + i / MMA_ROWS;
-        if (row < rows && t < n) {
-            const float v = __fadd_rn(__fadd_rn(__fadd_rn(red[0][i], red[1][i]), __fadd_rn(red[2][i], red[3][i])),
-                                      __fadd_rn(__fadd_rn(red[4][i], red[5][i]), __fadd_rn(red[6][i], red[7][i])));
-            out[(long long)t * rows + row] = bias != nullptr ? __fadd_rn(v, bias[row]) : v;
-        }
-    }
-}
-
-// At most 128 registers (2 blocks per multiprocessor): no spills with the load groups above.
-#define MMA_MIN_BLOCKS(NJ) 2
-#define MM_QM(NAME, NJ, P4)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, MMA_MIN_BLOCKS(NJ))                         \
-        NAME(const uint8_t* codes, const float* sc, const float* mn, int rows, int cols, int half, int g16,  \
-             const int8_t* xq, const float* xs, const int* xsum, const float* xdsum, const int* xsum16, int n, \
-             const float* bias, float* out) {                                                               \
-        mm_qm_impl<NJ, P4>(blockIdx.x, codes, sc, mn, rows, cols, half, g16, xq, xs, xsum, xdsum, xsum16, n,   \
-                           bias, out);                                                                      \
-    }
-MM_QM(mm_qm1_p4, 1, true)
-MM_QM(mm_qm1_p8, 1, false)
-MM_QM(mm_qm2_p4, 2, true)
-MM_QM(mm_qm2_p8, 2, false)
 
 // Up to three matrices of one format and width that read the same activations (q/k/v, gate/up) in one launch:
 // the grid's block rows cover part 0's rows, then part 1's, then part 2's (rows 0 for an absent part), RPB rows
@@ -423,15 +264,273 @@ MM_QM(mm_qm2_p8, 2, false)
         IMPL(bx, c, s, m, r, cols, half, g16, xq, xs, xsum, xdsum, xsum16, n, b, o);                        \
     }
 #define NO_BOUNDS
-#define MMA_BOUNDS(NJ) __launch_bounds__(32 * MMA_WARPS, MMA_MIN_BLOCKS(NJ))
 MM_Q3(mm_q3_t1_p4, (mm_q_impl<1, true>), MM_ROWS, NO_BOUNDS)
 MM_Q3(mm_q3_t1_p8, (mm_q_impl<1, false>), MM_ROWS, NO_BOUNDS)
 MM_Q3(mm_q3_t8_p4, (mm_q_impl<8, true>), MM_ROWS, NO_BOUNDS)
 MM_Q3(mm_q3_t8_p8, (mm_q_impl<8, false>), MM_ROWS, NO_BOUNDS)
-MM_Q3(mm_q3m1_p4, (mm_qm_impl<1, true>), MMA_ROWS, MMA_BOUNDS(1))
-MM_Q3(mm_q3m1_p8, (mm_qm_impl<1, false>), MMA_ROWS, MMA_BOUNDS(1))
-MM_Q3(mm_q3m2_p4, (mm_qm_impl<2, true>), MMA_ROWS, MMA_BOUNDS(2))
-MM_Q3(mm_q3m2_p8, (mm_qm_impl<2, false>), MMA_ROWS, MMA_BOUNDS(2))
+
+// ---------------------------------------------------------------------------------------------------------
+// mm_qw*: per step of 32 blocks the whole block first stages the step's data in shared memory with coalesced
+// 16-byte loads (one memory round trip per step): the 16 rows' codes, the tile's activation codes, the scales
+// (and offsets), the tokens' scales and sums; then each warp takes its mma fragments from there (rows padded
+// by 16 bytes, so the fragment reads hit 32 distinct banks). The epilogue form is a template parameter (FORM:
+// 0 implicit offset, 1 explicit offsets, 2 group-16 scales), so each kernel carries one form. The warp tree
+// runs one level at a time through shared memory: at level s, warp w with w % 2s == s hands T(w, s) to warp
+// w - s. 512 threads and 64 registers: two blocks per multiprocessor, so one block's loads overlap the
+// other's products and reduction.
+#define QW_WARPS 16
+template <int NJ, bool P4, int FORM>
+struct QwSmem {
+    static constexpr int NT = 8 * NJ;
+    static constexpr int CS = P4 ? 16 : 32;        // code bytes per block
+    static constexpr int RS = 32 * CS + 16;        // bytes per weight row of a step (padded)
+    static constexpr int AS = 32 * 32 + 16;        // bytes per token of a step (padded)
+    static constexpr int SPB = FORM == 2 ? 2 : 1;  // scales (and token sums) per block
+    static constexpr int SS = 32 * SPB + 1;        // words per row of scales / token of sums (padded)
+    static constexpr int codes = 0;
+    static constexpr int acts = codes + MMA_ROWS * RS;
+    static constexpr int scales = acts + NT * AS;
+    static constexpr int mins = scales + MMA_ROWS * SS * 4;
+    static constexpr int xs = mins + (FORM == 1 ? MMA_ROWS * 33 * 4 : 0);
+    static constexpr int hs = xs + NT * 33 * 4;
+    static constexpr int stage = hs + NT * SS * 4;
+};
+
+template <int NJ, bool P4, int FORM, int W>
+__device__ __forceinline__ void mm_qw_impl(int bx, const uint8_t* __restrict__ codes, const float* __restrict__ sc,
+                                           const float* __restrict__ mn, int rows, int cols, int half, int g16,
+                                           const int8_t* __restrict__ xq, const float* __restrict__ xs,
+                                           const int* __restrict__ xsum, const float* __restrict__ xdsum,
+                                           const int* __restrict__ xsum16, int n, const float* __restrict__ bias,
+                                           float* __restrict__ out) {
+    (void)g16;
+    using L = QwSmem<NJ, P4, FORM>;
+    constexpr int NT = L::NT, C = 32 / W, T = 32 * W, CS = L::CS, SPB = L::SPB;
+    constexpr int RED = (W / 2) * MMA_ROWS * NT * 4;
+    constexpr int BYTES = L::stage > RED ? L::stage : RED;
+    __shared__ __align__(16) unsigned char sm[BYTES];
+    float* const smf = reinterpret_cast<float*>(sm);
+    const int* const smi = reinterpret_cast<const int*>(sm);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, q = lane & 3;
+    const int r0 = bx * MMA_ROWS, t0 = blockIdx.y * NT;
+    if (r0 >= rows) return;  // whole block: no barrier skipped by part of it
+    const int nblk = cols >> 5;
+    float P[C][NJ][4];
+#pragma unroll
+    for (int k = 0; k < C; ++k)
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) P[k][j][e] = 0.0f;
+    int cls[C];
+#pragma unroll
+    for (int k = 0; k < C; ++k) cls[k] = rev5(C * warp + k);
+#pragma unroll 1
+    for (int c0 = 0; c0 < nblk; c0 += 32) {
+        const int sb = min(32, nblk - c0);  // blocks in this step
+        // Stage: every load first (rows and tokens past the ends clamped; blocks past the row's end skipped).
+        constexpr int NC = MMA_ROWS * 2 * CS, NA = NT * 64, NS = MMA_ROWS * 32 * SPB, NM = FORM == 1 ? MMA_ROWS * 32 : 0;
+        constexpr int NX = NT * 32, NH = NT * 32 * SPB;
+        constexpr int IC = (NC + T - 1) / T, IA = (NA + T - 1) / T, IS = (NS + T - 1) / T, IM = (NM + T - 1) / T;
+        constexpr int IX = (NX + T - 1) / T, IH = (NH + T - 1) / T;
+        uint4 vc[IC], va[IA];
+        float vs[IS], vm[IM > 0 ? IM : 1], vx[IX];
+        int vh[IH];
+#pragma unroll
+        for (int u = 0; u < IC; ++u) {
+            const int i = tid + u * T, r = i / (2 * CS), k = i % (2 * CS);
+            if (i < NC && k * 16 / CS < sb)
+                vc[u] = __ldg(reinterpret_cast<const uint4*>(codes + ((long long)min(r0 + r, rows - 1) * nblk + c0) * CS + k * 16));
+        }
+#pragma unroll
+        for (int u = 0; u < IA; ++u) {
+            const int i = tid + u * T, t = i / 64, k = i % 64;
+            if (i < NA && k / 2 < sb)
+                va[u] = __ldg(reinterpret_cast<const uint4*>(xq + (long long)min(t0 + t, n - 1) * cols + c0 * 32 + k * 16));
+        }
+#pragma unroll
+        for (int u = 0; u < IS; ++u) {
+            const int i = tid + u * T, r = i / (32 * SPB), k = i % (32 * SPB);
+            if (i < NS && k / SPB < sb) vs[u] = __ldg(sc + ((long long)min(r0 + r, rows - 1) * nblk + c0) * SPB + k);
+        }
+#pragma unroll
+        for (int u = 0; u < IM; ++u) {
+            const int i = tid + u * T, r = i / 32, k = i % 32;
+            if (i < NM && k < sb) vm[u] = __ldg(mn + (long long)min(r0 + r, rows - 1) * nblk + c0 + k);
+        }
+#pragma unroll
+        for (int u = 0; u < IX; ++u) {
+            const int i = tid + u * T, t = i / 32, k = i % 32;
+            if (i < NX && k < sb) vx[u] = __ldg(xs + (long long)min(t0 + t, n - 1) * nblk + c0 + k);
+        }
+#pragma unroll
+        for (int u = 0; u < IH; ++u) {
+            const int i = tid + u * T, t = i / (32 * SPB), k = i % (32 * SPB);
+            if (i < NH && k / SPB < sb) {
+                const long long at = (long long)min(t0 + t, n - 1) * nblk + c0;
+                if (FORM == 2) vh[u] = __ldg(xsum16 + 2 * at + k);
+                else if (FORM == 1) vh[u] = __float_as_int(__ldg(xdsum + at + k));
+                else vh[u] = __ldg(xsum + at + k);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < IC; ++u) {
+            const int i = tid + u * T, r = i / (2 * CS), k = i % (2 * CS);
+            if (i < NC && k * 16 / CS < sb) *reinterpret_cast<uint4*>(sm + L::codes + r * L::RS + k * 16) = vc[u];
+        }
+#pragma unroll
+        for (int u = 0; u < IA; ++u) {
+            const int i = tid + u * T, t = i / 64, k = i % 64;
+            if (i < NA && k / 2 < sb) *reinterpret_cast<uint4*>(sm + L::acts + t * L::AS + k * 16) = va[u];
+        }
+#pragma unroll
+        for (int u = 0; u < IS; ++u) {
+            const int i = tid + u * T, r = i / (32 * SPB), k = i % (32 * SPB);
+            if (i < NS && k / SPB < sb) smf[L::scales / 4 + r * L::SS + k] = vs[u];
+        }
+#pragma unroll
+        for (int u = 0; u < IM; ++u) {
+            const int i = tid + u * T, r = i / 32, k = i % 32;
+            if (i < NM && k < sb) smf[L::mins / 4 + r * 33 + k] = vm[u];
+        }
+#pragma unroll
+        for (int u = 0; u < IX; ++u) {
+            const int i = tid + u * T, t = i / 32, k = i % 32;
+            if (i < NX && k < sb) smf[L::xs / 4 + t * 33 + k] = vx[u];
+        }
+#pragma unroll
+        for (int u = 0; u < IH; ++u) {
+            const int i = tid + u * T, t = i / (32 * SPB), k = i % (32 * SPB);
+            if (i < NH && k / SPB < sb) reinterpret_cast<int*>(sm)[L::hs / 4 + t * L::SS + k] = vh[u];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < C; ++k) {
+            const int cl = cls[k];
+            if (cl < sb) {  // warp-uniform: this class has a block in the step
+                uint32_t a[4];
+                if (P4) {
+                    const uint32_t wa = *reinterpret_cast<const uint32_t*>(sm + L::codes + g * L::RS + cl * 16 + 4 * q);
+                    const uint32_t wb = *reinterpret_cast<const uint32_t*>(sm + L::codes + (g + 8) * L::RS + cl * 16 + 4 * q);
+                    a[0] = wa & 0x0F0F0F0Fu;
+                    a[1] = wb & 0x0F0F0F0Fu;
+                    a[2] = (wa >> 4) & 0x0F0F0F0Fu;
+                    a[3] = (wb >> 4) & 0x0F0F0F0Fu;
+                } else {
+                    const unsigned char* pa = sm + L::codes + g * L::RS + cl * 32 + 4 * q;
+                    a[0] = *reinterpret_cast<const uint32_t*>(pa);
+                    a[1] = *reinterpret_cast<const uint32_t*>(pa + 8 * L::RS);
+                    a[2] = *reinterpret_cast<const uint32_t*>(pa + 16);
+                    a[3] = *reinterpret_cast<const uint32_t*>(pa + 8 * L::RS + 16);
+                }
+                float s[2][2], m[2];
+#pragma unroll
+                for (int ri = 0; ri < 2; ++ri) {
+                    const float* srow = smf + L::scales / 4 + (g + 8 * ri) * L::SS + cl * SPB;
+                    s[ri][0] = srow[0];
+                    s[ri][1] = FORM == 2 ? srow[1] : 0.0f;
+                    m[ri] = FORM == 1 ? smf[L::mins / 4 + (g + 8 * ri) * 33 + cl] : 0.0f;
+                }
+#pragma unroll
+                for (int j = 0; j < NJ; ++j) {
+                    const unsigned char* pb = sm + L::acts + (8 * j + g) * L::AS + cl * 32 + 4 * q;
+                    const int b0 = *reinterpret_cast<const int*>(pb), b1 = *reinterpret_cast<const int*>(pb + 16);
+                    int d0[4], d1[4];
+                    if (FORM == 2) {
+                        mma_k16(d0, a[0], a[1], b0);
+                        mma_k16(d1, a[2], a[3], b1);
+                    } else {
+                        mma_k32(d0, a[0], a[1], a[2], a[3], b0, b1);
+                    }
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int ri = e >> 1, tok = 8 * j + 2 * q + (e & 1);  // row g or g+8; token 2q or 2q+1
+                        const float d = smf[L::xs / 4 + tok * 33 + cl];
+                        const int hx = smi[L::hs / 4 + tok * L::SS + cl * SPB];
+                        const int hy = FORM == 2 ? smi[L::hs / 4 + tok * L::SS + cl * SPB + 1] : 0;
+                        float acc = P[k][j][e];
+                        if (FORM == 2) {
+                            acc = __fmaf_rn(__fmul_rn(s[ri][0], d), (float)(d0[e] - half * hx), acc);
+                            acc = __fmaf_rn(__fmul_rn(s[ri][1], d), (float)(d1[e] - half * hy), acc);
+                        } else if (FORM == 1) {
+                            acc = __fmaf_rn(__fmul_rn(s[ri][0], d), (float)d0[e], acc);
+                            acc = __fmaf_rn(m[ri], __int_as_float(hx), acc);
+                        } else {
+                            acc = __fmaf_rn(__fmul_rn(s[ri][0], d), (float)(d0[e] - half * hx), acc);
+                        }
+                        P[k][j][e] = acc;
+                    }
+                }
+            }
+        }
+        __syncthreads();  // the next step (or the reduction) overwrites the staged data
+    }
+    // The warp's subtree over its classes, then the tree over the warps: at level s, warp w with w % 2s == s
+    // hands its subtree T(w, s) to warp w - s, which adds it to its own: T(w - s, 2s) = T(w - s, s) + T(w, s).
+#pragma unroll
+    for (int s = 1; s < C; s <<= 1)
+#pragma unroll
+        for (int k = 0; k < C; k += 2 * s)
+#pragma unroll
+            for (int j = 0; j < NJ; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) P[k][j][e] = __fadd_rn(P[k][j][e], P[k + s][j][e]);
+    float* const red = smf;  // [W / 2][MMA_ROWS * NT]
+#pragma unroll
+    for (int s = 1; s < W; s <<= 1) {
+        if ((warp & (2 * s - 1)) == s) {
+#pragma unroll
+            for (int j = 0; j < NJ; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = g + 8 * (e >> 1), tok = 8 * j + 2 * q + (e & 1);
+                    red[(warp / (2 * s)) * MMA_ROWS * NT + tok * MMA_ROWS + row] = P[0][j][e];
+                }
+        }
+        __syncthreads();
+        if ((warp & (2 * s - 1)) == 0) {
+#pragma unroll
+            for (int j = 0; j < NJ; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = g + 8 * (e >> 1), tok = 8 * j + 2 * q + (e & 1);
+                    P[0][j][e] = __fadd_rn(P[0][j][e], red[(warp / (2 * s)) * MMA_ROWS * NT + tok * MMA_ROWS + row]);
+                }
+        }
+        __syncthreads();
+    }
+    if (warp == 0) {
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = r0 + g + 8 * (e >> 1), t = t0 + 8 * j + 2 * q + (e & 1);
+                if (row < rows && t < n)
+                    out[(long long)t * rows + row] = bias != nullptr ? __fadd_rn(P[0][j][e], bias[row]) : P[0][j][e];
+            }
+    }
+}
+
+#define QW_BOUNDS __launch_bounds__(32 * QW_WARPS, 2)
+#define MM_QW_P(NJ, F, P4, PS)                                                                               \
+    extern "C" __global__ void QW_BOUNDS mm_qw##NJ##_f##F##_##PS(                                             \
+        const uint8_t* codes, const float* sc, const float* mn, int rows, int cols, int half, int g16,       \
+        const int8_t* xq, const float* xs, const int* xsum, const float* xdsum, const int* xsum16, int n,    \
+        const float* bias, float* out) {                                                                     \
+        mm_qw_impl<NJ, P4, F, QW_WARPS>(blockIdx.x, codes, sc, mn, rows, cols, half, g16, xq, xs, xsum, xdsum, \
+                                        xsum16, n, bias, out);                                               \
+    }                                                                                                        \
+    MM_Q3(mm_q3w##NJ##_f##F##_##PS, (mm_qw_impl<NJ, P4, F, QW_WARPS>), MMA_ROWS, QW_BOUNDS)
+#define MM_QW(NJ, F)              \
+    MM_QW_P(NJ, F, true, p4)      \
+    MM_QW_P(NJ, F, false, p8)
+MM_QW(1, 0)
+MM_QW(1, 1)
+MM_QW(1, 2)
+MM_QW(2, 0)
+MM_QW(2, 1)
+MM_QW(2, 2)
 
 // Float weights (f32, or bf16 when BF) times f32 activations: one warp per row, lane l sums columns
 // l, l + 32, ... with fused multiply-adds, then the xor tree.

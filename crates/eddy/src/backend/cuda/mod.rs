@@ -55,10 +55,10 @@ const MM_TT: usize = 8;
 /// cores. Measured on the H200 (docs/cuda.md): a 2-node verify 1.49 ms with `dp4a`, 1.71 ms with `mma`; 4 nodes
 /// 1.88 / 2.01 ms; 8 nodes 2.57 / 2.42 ms. Both give the same bits (batch invariance), so the cut is free.
 const DP4A_MAX: usize = 4;
-/// Weight rows per block of the tensor-core quantized products (`MMA_ROWS`; `MMA_WARPS` warps each).
+/// Weight rows per block of the tensor-core quantized products (`MMA_ROWS`; `QW_WARPS` warps each).
 const MMA_ROWS: usize = 16;
-/// Threads per block of the tensor-core quantized products (`32·MMA_WARPS`).
-const MMA_THREADS: u32 = 256;
+/// Threads per block of the tensor-core quantized products (`32·QW_WARPS`).
+const MMA_THREADS: u32 = 512;
 
 /// The tensor-core product for `n` tokens (n ≥ 2): the kernel variant (tiles of 8 or 16 tokens: `NJ` = 1 or 2
 /// mma columns of 8) and the tokens per block.
@@ -67,6 +67,18 @@ fn mma_tile(n: usize) -> (usize, usize) {
         (0, 8)
     } else {
         (1, 16)
+    }
+}
+
+/// The epilogue form of a quantized matrix (`FORM` of `mm_qw*`): 0 implicit offset, 1 explicit offsets,
+/// 2 group-16 scales (which take precedence, as in `mm_q_impl`).
+fn qform(q: &CudaQ) -> usize {
+    if q.g16 {
+        2
+    } else if q.mins.is_some() {
+        1
+    } else {
+        0
     }
 }
 /// Threads per (query, head, chunk) block of the attention kernel (`ATT_THREADS`).
@@ -537,10 +549,11 @@ struct Kernels {
     mm_q: [[Func; 2]; 2],
     /// The same for up to three matrices in one launch.
     mm_q3: [[Func; 2]; 2],
-    /// Two or more tokens, on the tensor cores (`mm_qm{1,2}_*`): `[tile (mma_tile)][bits 4 packed / bytes]`.
-    mm_qm: [[Func; 2]; 2],
+    /// Five or more tokens, on the tensor cores (`mm_qw{1,2}_f{form}_*`): `[tile (mma_tile)][form (qform)][bits 4
+    /// packed / bytes]`.
+    mm_qw: [[[Func; 2]; 3]; 2],
     /// The same for up to three matrices in one launch.
-    mm_q3m: [[Func; 2]; 2],
+    mm_q3w: [[[Func; 2]; 3]; 2],
     /// `[f32 / bf16][tokens per block 1 / 8]`.
     mm_f: [[Func; 2]; 2],
     rotate_out: Func,
@@ -678,12 +691,17 @@ impl Cuda {
                 .map(Func)
                 .map_err(|e| no(format!("kernel {n} missing from the fatbin: {e:?}")))
         };
+        let tile = |base: &str, nj: usize| -> Result<[[Func; 2]; 3]> {
+            let f = |form: usize, p: &str| get(&format!("{base}{nj}_f{form}_{p}"));
+            Ok([[f(0, "p4")?, f(0, "p8")?], [f(1, "p4")?, f(1, "p8")?], [f(2, "p4")?, f(2, "p8")?]])
+        };
+        let qw = |base: &str| -> Result<[[[Func; 2]; 3]; 2]> { Ok([tile(base, 1)?, tile(base, 2)?]) };
         let k = Kernels {
             quantize: get("quantize_q8")?,
             mm_q: [[get("mm_q_t1_p4")?, get("mm_q_t1_p8")?], [get("mm_q_t8_p4")?, get("mm_q_t8_p8")?]],
             mm_q3: [[get("mm_q3_t1_p4")?, get("mm_q3_t1_p8")?], [get("mm_q3_t8_p4")?, get("mm_q3_t8_p8")?]],
-            mm_qm: [[get("mm_qm1_p4")?, get("mm_qm1_p8")?], [get("mm_qm2_p4")?, get("mm_qm2_p8")?]],
-            mm_q3m: [[get("mm_q3m1_p4")?, get("mm_q3m1_p8")?], [get("mm_q3m2_p4")?, get("mm_q3m2_p8")?]],
+            mm_qw: qw("mm_qw")?,
+            mm_q3w: qw("mm_q3w")?,
             mm_f: [[get("mm_f32_t1")?, get("mm_f32_t8")?], [get("mm_bf16_t1")?, get("mm_bf16_t8")?]],
             rotate_out: get("rotate_out")?,
             embed: get("embed")?,
@@ -900,7 +918,7 @@ impl Cuda {
                     self.launch(self.k.mm_q[tile][p], grid, (32 * MM_ROWS) as u32, a);
                 } else {
                     let (v, nt) = mma_tile(n);
-                    self.launch(self.k.mm_qm[v][p], (rows.div_ceil(MMA_ROWS), n.div_ceil(nt)), MMA_THREADS, a);
+                    self.launch(self.k.mm_qw[v][qform(q)][p], (rows.div_ceil(MMA_ROWS), n.div_ceil(nt)), MMA_THREADS, a);
                 }
                 if let Some((signs, nb)) = &q.out_signs {
                     let a = Args::new().p(out).i(n).i(rows).i(*nb).p(signs.ptr);
@@ -1267,7 +1285,7 @@ impl Backend for Cuda {
             self.launch(self.k.mm_q3[(n > 1) as usize][p], (blocks, 1), (32 * MM_ROWS) as u32, a);
         } else {
             let (v, nt) = mma_tile(n);
-            self.launch(self.k.mm_q3m[v][p], (blocks, n.div_ceil(nt)), MMA_THREADS, a);
+            self.launch(self.k.mm_q3w[v][qform(q0)][p], (blocks, n.div_ceil(nt)), MMA_THREADS, a);
         }
     }
 
