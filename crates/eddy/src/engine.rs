@@ -363,6 +363,8 @@ impl Engine {
     }
 
     fn with_exec(lm: LoadedModel, opts: &EngineOptions, exec: Exec) -> Self {
+        let mut cost = CostModel::default();
+        cost.set_warmup(on_core!(&exec, |c| c.be.passes_to_steady_state()).saturating_sub(1));
         Engine {
             exec,
             sampler: Sampler::default(),
@@ -370,7 +372,7 @@ impl Engine {
             prefix_cache: opts.prefix_cache,
             speculators: Vec::new(),
             budget: Budget::Auto,
-            cost: CostModel::default(),
+            cost,
             step: StepScratch::default(),
             device_argmax: std::env::var("EDDY_DEVICE_ARGMAX").map_or(true, |v| v != "0"),
             device_sampling: std::env::var("EDDY_DEVICE_SAMPLING").map_or(true, |v| v != "0"),
@@ -439,7 +441,8 @@ impl Engine {
     }
 
     /// Verify-pass time over trees of each of `sizes` nodes (chains, root included) after prefilling
-    /// `prompt`: the median of `reps` passes each, in seconds. Scratch rows only: nothing is committed
+    /// `prompt`: the median of `reps` passes each, in seconds, after the passes the backend needs to reach
+    /// its steady state ([`Backend::passes_to_steady_state`]). Scratch rows only: nothing is committed
     /// beyond the prompt. Feeds the cost model too.
     ///
     /// Errors: an empty prompt, or a prompt plus the largest tree that does not fit in the context.
@@ -462,17 +465,22 @@ impl Engine {
             Logits::None,
             &mut self.logits
         ))?;
+        let warm = on_core!(&self.exec, |c| c.be.passes_to_steady_state()).saturating_sub(1);
         let mut out = Vec::new();
         for &n in sizes {
             let tokens: Vec<u32> = prompt.iter().cycle().take(n).copied().collect();
+            for _ in 0..warm {
+                let secs = self.time_chain(&tokens)?;
+                self.cost.record_verify(n, secs);
+            }
             let mut times = Vec::new();
             for _ in 0..reps.max(1) {
-                times.push(self.time_chain(&tokens)?);
+                let secs = self.time_chain(&tokens)?;
+                self.cost.record_verify(n, secs);
+                times.push(secs);
             }
             times.sort_by(|a, b| a.total_cmp(b));
-            let med = times[times.len() / 2];
-            self.cost.record_verify(n, med);
-            out.push((n, med));
+            out.push((n, times[times.len() / 2]));
         }
         Ok(out)
     }
@@ -486,14 +494,20 @@ impl Engine {
     /// rows only; nothing is committed), seeding the cost model.
     fn calibrate(&mut self, token: u32) -> Result<()> {
         let room = self.ctx() - self.exec.n_past();
-        // One pass per size (larger sizes are extrapolated; every real verify pass refines the table), so the
-        // first request's TTFT grows by about 18 decode steps.
+        // One pass per size on the CPU (larger sizes are extrapolated; every real verify pass refines the
+        // table), so the first request's TTFT grows by about 18 decode steps. A backend whose first passes of
+        // a shape run slower (the GPU's graph capture) repeats each size and keeps the last, steady time:
+        // seeded with first-pass times, the model would price every tree at several decode steps and never
+        // speculate, so never measure a real verify pass either. (The cost model drops those first passes.)
+        let passes = on_core!(&self.exec, |c| c.be.passes_to_steady_state()).max(1);
         for n in [1usize, 2, 4, 8, 16] {
             if n > room || n > self.exec.max_batch() {
                 break;
             }
-            let secs = self.time_chain(&vec![token; n])?;
-            self.cost.record_verify(n, secs);
+            for _ in 0..passes {
+                let secs = self.time_chain(&vec![token; n])?;
+                self.cost.record_verify(n, secs);
+            }
         }
         Ok(())
     }

@@ -89,6 +89,14 @@ pub trait Backend: Send + Sync {
     fn has_gdn(&self) -> bool {
         true
     }
+    /// Passes of one shape a backend runs before a pass of that shape takes its steady-state time. The
+    /// CUDA backend runs a list of operations it has not seen eagerly (op by op), captures it into a graph
+    /// the second time and replays the graph from the third (`cuda::GraphPlan`), so its first two passes of
+    /// a new shape cost several times a replayed one. Timings that feed the speculation cost model (the
+    /// engine's calibration, `eddy speed --verify-sizes`) run each shape this many times and keep the last.
+    fn passes_to_steady_state(&self) -> usize {
+        1
+    }
 
     /// `x[i] = scale · embedding row tokens[i]` (`d_model` each; `scale` None = 1).
     fn embed(&self, table: &Self::Weights, tokens: &[u32], scale: Option<f32>, x: &mut Self::Buf);

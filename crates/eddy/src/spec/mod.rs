@@ -223,19 +223,39 @@ pub struct SelectScratch {
 /// Verify times are exponential moving averages per tree size (nodes including the root) of the real
 /// verify passes, seeded by [`CostModel::record_verify`] from a calibration run; sizes never measured are
 /// interpolated linearly between measured neighbours (extrapolated from the two nearest beyond them).
+///
+/// On a backend whose first passes of a shape are slower than the rest (the GPU's graph capture,
+/// [`crate::backend::Backend::passes_to_steady_state`]), the first passes of each size are not recorded
+/// ([`CostModel::set_warmup`]).
 #[derive(Debug, Clone, Default)]
 pub struct CostModel {
     verify: Vec<Option<f64>>,
+    /// Passes seen per size, recorded or not.
+    passes: Vec<usize>,
+    /// Leading passes of each size left unrecorded.
+    warmup: usize,
 }
 
 impl CostModel {
-    /// Record that a verify pass over `nodes` nodes (root included) took `secs` seconds.
+    /// Leave the first `passes` verify passes of each size out of the table (their times are not the
+    /// backend's steady state).
+    pub fn set_warmup(&mut self, passes: usize) {
+        self.warmup = passes;
+    }
+
+    /// Record that a verify pass over `nodes` nodes (root included) took `secs` seconds (skipped while
+    /// that size is within its warm-up passes).
     pub fn record_verify(&mut self, nodes: usize, secs: f64) {
         if nodes == 0 || !secs.is_finite() {
             return;
         }
         if self.verify.len() <= nodes {
             self.verify.resize(nodes + 1, None);
+            self.passes.resize(nodes + 1, 0);
+        }
+        self.passes[nodes] += 1;
+        if self.passes[nodes] <= self.warmup {
+            return;
         }
         let e = &mut self.verify[nodes];
         *e = Some(match *e {
@@ -698,6 +718,27 @@ mod tests {
         // Stopping (e.g. end of generation) mid-walk.
         let w = accept_walk(&t, |n| if n == 0 { Some(10) } else { None });
         assert_eq!((w.path, w.samples), (vec![0, 1], vec![10]));
+    }
+
+    #[test]
+    fn cost_model_leaves_out_each_sizes_warm_up_passes() {
+        // A GPU-like backend: per size, an eager pass and a capture (slow), then graph replays.
+        let mut c = CostModel::default();
+        c.set_warmup(2);
+        for (n, fast) in [(1usize, 1.0e-3), (2, 1.5e-3)] {
+            c.record_verify(n, 3.0e-3);
+            c.record_verify(n, 4.0e-3);
+            assert!(!c.verify.get(n).is_some_and(|v| v.is_some()), "size {n}: a warm-up pass was recorded");
+            c.record_verify(n, fast);
+            assert_eq!(c.verify_cost(n), fast);
+        }
+        // Later passes average in as before (0.8 · old + 0.2 · new), whatever their size's history.
+        c.record_verify(2, 2.5e-3);
+        assert!((c.verify_cost(2) - 1.7e-3).abs() < 1e-12);
+        // Without warm-up (the CPU) the first pass counts.
+        let mut cpu = CostModel::default();
+        cpu.record_verify(4, 7.0e-3);
+        assert_eq!(cpu.verify_cost(4), 7.0e-3);
     }
 
     #[test]

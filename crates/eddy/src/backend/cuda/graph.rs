@@ -75,6 +75,11 @@ impl<K: PartialEq, E> GraphPlan<K, E> {
         &self.kept[i].2
     }
 
+    /// Whether lists are ever captured (a plan made with `max_graphs` 0 runs everything eagerly).
+    pub fn captures(&self) -> bool {
+        self.max_graphs > 0
+    }
+
     /// Graphs kept.
     pub fn len(&self) -> usize {
         self.kept.len()

@@ -1087,6 +1087,15 @@ impl Backend for Cuda {
         false
     }
 
+    fn passes_to_steady_state(&self) -> usize {
+        // Eager, captured, replayed ([`GraphPlan::decide`]); with graphs off every pass runs eagerly.
+        if self.ctx.queue().plan.captures() {
+            3
+        } else {
+            1
+        }
+    }
+
     fn alloc(&self, len: usize) -> CudaBuf {
         let mem = DevMem::new(&self.ctx, 4 * len);
         if len > 0 {
