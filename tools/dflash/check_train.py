@@ -43,6 +43,93 @@ def dense_attention(attn, x, ctx, rope_q, rope_k, ctx_mask):
     return attn.o_proj(a.transpose(1, 2).reshape(B, Q, attn.nh * attn.hd))
 
 
+def dense_blocks(seqs, anchors, mask_id, pad_id=0):
+    """The previous batch layout (sessions 5-7), built on the host: one drafter row per sequence holding all
+    its anchors, padded to the longest anchor list. Returns ids [B,T], block_ids [B,A*16], block_pos
+    [B,A*16], labels [B,A,15] (-100 = none), ctx_mask [B,A*16,T]."""
+    B = len(seqs)
+    T = -(-max(len(s[0]) for s in seqs) // 16) * 16
+    A = max(1, max(len(a) for a in anchors))
+    BLOCK = train.BLOCK
+    ids_t = torch.full((B, T), pad_id, dtype=torch.long)
+    apos = torch.zeros((B, A), dtype=torch.long)
+    valid = torch.zeros((B, A), dtype=torch.bool)
+    labels = torch.full((B, A, BLOCK - 1), -100, dtype=torch.long)
+    for b, ((ids, _pl), an) in enumerate(zip(seqs, anchors)):
+        t = torch.tensor(ids, dtype=torch.long)
+        ids_t[b, : len(ids)] = t
+        if not an:
+            continue
+        a = torch.tensor(an, dtype=torch.long)
+        apos[b, : len(an)] = a
+        valid[b, : len(an)] = True
+        idx = a[:, None] + torch.arange(1, BLOCK)[None]
+        ok = idx < len(ids)
+        labels[b, : len(an)] = torch.where(ok, t[idx.clamp(max=len(ids) - 1)], torch.tensor(-100))
+    block_ids = torch.full((B, A, BLOCK), mask_id, dtype=torch.long)
+    block_ids[:, :, 0] = torch.gather(ids_t, 1, apos)
+    block_pos = apos[:, :, None] + torch.arange(BLOCK)[None, None]
+    q_anchor = (apos * valid).repeat_interleave(BLOCK, dim=1)
+    ctx_mask = torch.arange(T)[None, None, :] < q_anchor[:, :, None]
+    return ids_t, block_ids.view(B, A * BLOCK), block_pos.view(B, A * BLOCK), labels, ctx_mask
+
+
+def check_blocks():
+    """The packed layout built on the device (pack_host + blocks_on_device) against the previous host-built
+    padded layout, on the same anchors: per real anchor the same block tokens, positions, labels and context
+    mask; and the drafter's outputs at the real anchors agree (float64), so the loss and the acceptance are
+    unchanged."""
+    BLOCK = train.BLOCK
+    rng = random.Random(11)
+    seqs = []
+    for n in range(9):
+        L = rng.randrange(20, 140)
+        seqs.append(([rng.randrange(1000) for _ in range(L)], rng.randrange(2, L - 3)))
+    seqs.append(([5] * 12, 11))  # no anchor at all (needs a label after the anchor)
+    for all_anchors, per, chunk in ((False, 40, 7), (True, 25, 32), (False, 1000, 16)):
+        anchors = train.pick_anchors(seqs, per, random.Random(4), all_anchors=all_anchors)
+        assert anchors == train.pick_anchors(seqs, per, random.Random(4), all_anchors=all_anchors)
+        ids0, bid0, bpos0, lab0, cm0 = dense_blocks(seqs, anchors, 999)
+        host = train.pack_host(seqs, anchors, chunk)
+        ids1, row_seq, bid1, bpos1, lab1, cm1, vidx = train.blocks_on_device(host, 999, "cpu")
+        assert torch.equal(ids0, ids1)
+        R, Q = bid1.shape
+        C = Q // BLOCK
+        # the dense layout's real anchors, in sequence order
+        sel0 = [(b, i) for b, an in enumerate(anchors) for i in range(len(an))]
+        sel1 = [(vi // C, vi % C) for vi in vidx.tolist()]
+        assert len(sel0) == len(sel1) == sum(host[5])
+        for (b, i), (r, j) in zip(sel0, sel1):
+            assert row_seq[r].item() == b
+            s0, s1 = slice(i * BLOCK, (i + 1) * BLOCK), slice(j * BLOCK, (j + 1) * BLOCK)
+            assert torch.equal(bid0[b, s0], bid1[r, s1]) and torch.equal(bpos0[b, s0], bpos1[r, s1])
+            assert torch.equal(lab0[b, i], lab1[r, j]) and torch.equal(cm0[b, s0], cm1[r, s1])
+        # empty slots carry no label and see no context
+        empty = torch.ones(R * C, dtype=torch.bool)
+        empty[vidx] = False
+        assert (lab1.view(R * C, -1)[empty] == -100).all()
+        assert not cm1.view(R * C, BLOCK, -1)[empty].any()
+        # drafter outputs at the real anchors, both layouts
+        torch.manual_seed(2)
+        c = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "rms_norm_eps": 1e-6, "intermediate_size": 96, "num_hidden_layers": 2, "rope_theta": 10000.0,
+             "dflash_config": {"target_layer_ids": [0, 1]}}
+        d = train.DFlashDrafter(c).double()
+        B, T = ids0.shape
+        feats = torch.randn(B, T, 128, dtype=torch.float64)
+        table = torch.randn(1000, 64, dtype=torch.float64)
+        with torch.no_grad():
+            out0 = d(feats, table[bid0], bpos0, cm0)
+            out1 = d(feats, table[bid1], bpos1, cm1, row_seq)
+        h0 = torch.stack([out0[b, i * BLOCK:(i + 1) * BLOCK] for b, i in sel0])
+        h1 = out1.view(R * C, BLOCK, 64).index_select(0, vidx)
+        e = rel(h1, h0)
+        assert e < 1e-12, e
+        print(f"blocks: packed device layout ({R} rows of {C} anchors) = padded host layout "
+              f"({B} rows of {bid0.shape[1] // BLOCK}): {len(sel0)} anchors, same blocks/labels/masks, "
+              f"drafter outputs relative error {e:.1e}")
+
+
 def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
@@ -59,7 +146,7 @@ def check_attention():
                 p.add_(0.3 * torch.randn_like(p))
     rng = random.Random(3)
     seqs = [(list(range(50)), 20), (list(range(33)), 10), (list(range(41)), 30)]
-    ids, block_ids, block_pos, labels, ctx_mask = train.make_blocks(seqs, 7, 99, rng, "cpu")
+    ids, block_ids, block_pos, labels, ctx_mask = dense_blocks(seqs, train.pick_anchors(seqs, 7, rng), 99)
     B, T = ids.shape
     Q = block_ids.shape[1]
     # the masks: every block row sees exactly the context strictly before its anchor
@@ -234,12 +321,29 @@ def check_train_runs(work, model_dir):
     t1, t2 = m1["eval_readouts"]["full"]["all"]["tau"], met["eval_initial"]["full"]["all"]["tau"]
     print(f"train: runs end to end; run 1 final tau {t1:.4f}, run 2 starting tau {t2:.4f}")
     assert abs(t1 - t2) < 0.05, (t1, t2)
+    # init-from a 1-layer drafter into 2 layers: the added layer starts with zero o_proj/down_proj, so the
+    # starting drafter is the loaded one (same acceptance on every readout), and training moves the new layer
+    o3 = os.path.join(work, "run3")
+    subprocess.run(base + ["--out", o3, "--max-steps", "3", "--train-seconds", "100", "--init-from",
+                           os.path.join(o2, "hf"), "--draft-vocab", vocab, "--eval-first", "--draft-layers", "2",
+                           "--new-lr-mult", "2", "--lr", "1e-3", "--warmup", "1"], check=True)
+    m3 = json.load(open(os.path.join(o3, "hf", "metrics.json")))
+    for ro in ("draft", "full"):
+        a, b = met["eval_readouts"][ro]["all"], m3["eval_initial"][ro]["all"]
+        assert a["tau"] == b["tau"] and a["p_accept_ge_k"] == b["p_accept_ge_k"], (ro, a, b)
+    from safetensors.torch import load_file
+    w3 = load_file(os.path.join(o3, "hf", "model.safetensors"))
+    assert json.load(open(os.path.join(o3, "hf", "config.json")))["num_hidden_layers"] == 2
+    assert w3["layers.1.self_attn.o_proj.weight"].abs().max() > 0 and w3["layers.1.mlp.down_proj.weight"].abs().max() > 0
+    print(f"train: 1 -> 2 layers: starting tau {m3['eval_initial']['draft']['all']['tau']:.4f} = run 2's final; "
+          f"the added layer trains")
 
 
 def main():
     work = sys.argv[1] if len(sys.argv) > 1 else "/tmp/dflash-check"
     os.makedirs(work, exist_ok=True)
     check_attention()
+    check_blocks()
     path = check_gen(work)
     check_train_runs(work, path)
     print("all checks passed")

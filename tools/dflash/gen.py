@@ -162,6 +162,8 @@ def main():
     ap.add_argument("--hf-dir")
     ap.add_argument("--prompts", required=True, help="comma-separated JSONL files of {id, src, ids}; taken in "
                     "order, then again (sampled only) while time remains")
+    ap.add_argument("--prefer-src", default="", help="comma-separated prompt sources answered first in each "
+                    "round of new samples (e.g. sharegpt)")
     ap.add_argument("--skip-ids", default="", help="file of prompt ids (one a line) to leave out of the first round")
     ap.add_argument("--out", required=True)
     ap.add_argument("--slots", type=int, default=768)
@@ -195,6 +197,7 @@ def main():
     log(f"target loaded in {time.time() - t_start:.0f} s; {args.slots} slots x {max_len} positions")
 
     skip = set(open(args.skip_ids).read().split()) if args.skip_ids else set()
+    prefer = set(x for x in args.prefer_src.split(",") if x)
     prompts = []
     for path in args.prompts.split(","):
         for line in open(path):
@@ -207,9 +210,10 @@ def main():
         for o in prompts:  # first round: the prompts not answered before, greedy or sampled
             if o["id"] not in skip:
                 yield o, ("sampled" if rng.random() < args.sampled_frac else "greedy")
-        while True:  # then every prompt again, sampled (new samples of known prompts)
+        while True:  # then every prompt again, sampled (new samples of known prompts); --prefer-src first
             order = list(prompts)
             rng.shuffle(order)
+            order.sort(key=lambda o: o["src"] not in prefer)  # stable: shuffled within each part
             for o in order:
                 yield o, "sampled"
 

@@ -167,15 +167,19 @@ class DFlashDrafter(nn.Module):
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, feats, block_emb, block_pos, ctx_mask):
+    def forward(self, feats, block_emb, block_pos, ctx_mask, row_seq=None):
         """feats [B, T, n_sel*H] target features of the context tokens (positions 0..T-1);
-        block_emb [B, Q, H] embeddings of the blocks' tokens (Q = A x 16); block_pos [B, Q] their absolute
-        positions; ctx_mask [B, Q, T] bool, True where a block row may see a context token (those strictly
-        before its anchor). Returns norm(h) [B, Q, H]."""
-        B, T, _ = feats.shape
+        block_emb [R, Q, H] embeddings of the blocks' tokens (Q = A x 16); block_pos [R, Q] their absolute
+        positions; ctx_mask [R, Q, T] bool, True where a block row may see a context token (those strictly
+        before its anchor); row_seq [R]: the sequence whose context each row reads (None: row r reads
+        sequence r, R = B). Returns norm(h) [R, Q, H]."""
+        T = feats.shape[1]
         ctx = self.hidden_norm(self.fc(feats))
+        if row_seq is not None:
+            ctx = ctx[row_seq]
+        R = ctx.shape[0]
         hd, theta = self.c["head_dim"], self.c["rope_theta"]
-        ctx_pos = torch.arange(T, device=feats.device)[None].expand(B, T)
+        ctx_pos = torch.arange(T, device=feats.device)[None].expand(R, T)
         rope_q = rope_cos_sin(block_pos, hd, theta)
         rope_k = rope_cos_sin(torch.cat([ctx_pos, block_pos], dim=1), hd, theta)
         h = block_emb
@@ -316,6 +320,58 @@ class GrowingData:
         return [self.seqs[i] for i in picked]
 
 
+class Prefetch:
+    """Builds the host part of the next training batches in a background thread (data refresh every 20 s,
+    batch choice, anchors, `pack_host` into pinned memory), so that the GPU never waits for Python batch
+    assembly. Owns `data` and `rng` while it runs."""
+
+    def __init__(self, data, args, rng, pin, depth=4):
+        import queue
+        import threading
+        self.data, self.args, self.rng, self.pin = data, args, rng, pin
+        self.q = queue.Queue(depth)
+        self.Empty, self.Full = queue.Empty, queue.Full
+        self.halt = threading.Event()
+        self.err = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        a = self.args
+        try:
+            last = time.time()
+            while not self.halt.is_set():
+                if time.time() - last > 20:
+                    self.data.refresh(self.rng)
+                    last = time.time()
+                seqs = self.data.batch(self.rng, a.token_budget, a.max_batch, a.block_budget, a.anchors)
+                anchors = pick_anchors(seqs, a.anchors, self.rng)
+                item = (pack_host(seqs, anchors, a.chunk_anchors, self.pin), len(seqs),
+                        max(len(s[0]) for s in seqs))
+                while not self.halt.is_set():
+                    try:
+                        self.q.put(item, timeout=0.5)
+                        break
+                    except self.Full:
+                        pass
+        except BaseException as e:  # handed to the training loop by get()
+            self.err = e
+
+    def get(self):
+        while True:
+            try:
+                return self.q.get(timeout=1.0)
+            except self.Empty:
+                if self.err is not None:
+                    raise RuntimeError("batch assembly failed") from self.err
+                if not self.thread.is_alive():
+                    raise RuntimeError("batch assembly thread ended")
+
+    def close(self):
+        self.halt.set()
+        self.thread.join()
+
+
 def load_jsonl(path):
     out = []
     with open(path) as f:
@@ -325,46 +381,76 @@ def load_jsonl(path):
     return out
 
 
-def make_blocks(seqs, anchors_per_seq, mask_id, rng, device, all_anchors=False, pad_id=0):
-    """Pack sequences and their anchors. Returns ids [B,T], block_ids [B,A*16], block_pos [B,A*16],
-    labels [B,A,15] (-100 = none), ctx_mask [B,A*16,T] bool (context tokens strictly before the anchor)."""
-    B = len(seqs)
-    T = -(-max(len(s[0]) for s in seqs) // 16) * 16  # a multiple of 16 keeps the fused attention kernels
-    anchors = []
+def pick_anchors(seqs, anchors_per_seq, rng, all_anchors=False):
+    """Anchor positions per sequence, ascending: response positions with at least one label after them (or,
+    `all_anchors`, a full 15-token label window), at most `anchors_per_seq` of them drawn with `rng`."""
+    out = []
     for ids, pl in seqs:
         last = len(ids) - 2  # an anchor needs at least one label after it
-        if all_anchors:
-            cand = list(range(pl, len(ids) - BLOCK))  # full 15-token label windows only
-        else:
-            cand = list(range(pl, last + 1))
+        cand = list(range(pl, len(ids) - BLOCK)) if all_anchors else list(range(pl, last + 1))
         if len(cand) > anchors_per_seq:
             cand = sorted(rng.sample(cand, anchors_per_seq))
-        anchors.append(cand)
-    A = max(1, max(len(a) for a in anchors))
-    ids_t = torch.full((B, T), pad_id, dtype=torch.long)
-    apos = torch.zeros((B, A), dtype=torch.long)
-    valid = torch.zeros((B, A), dtype=torch.bool)
-    labels = torch.full((B, A, BLOCK - 1), -100, dtype=torch.long)
-    for b, ((ids, _pl), an) in enumerate(zip(seqs, anchors)):
-        t = torch.tensor(ids, dtype=torch.long)
-        ids_t[b, : len(ids)] = t
-        if not an:
-            continue
-        a = torch.tensor(an, dtype=torch.long)
-        apos[b, : len(an)] = a
-        valid[b, : len(an)] = True
-        idx = a[:, None] + torch.arange(1, BLOCK)[None]  # [n, 15]
-        ok = idx < len(ids)
-        labels[b, : len(an)] = torch.where(ok, t[idx.clamp(max=len(ids) - 1)], torch.tensor(-100))
-    block_ids = torch.full((B, A, BLOCK), mask_id, dtype=torch.long)
-    block_ids[:, :, 0] = torch.gather(ids_t, 1, apos)
-    block_pos = apos[:, :, None] + torch.arange(BLOCK)[None, None]
-    ids_t, block_ids, block_pos, labels = (x.to(device) for x in (ids_t, block_ids, block_pos, labels))
-    apos, valid = apos.to(device), valid.to(device)
-    # context keys strictly before the anchor (an invalid anchor has anchor 0: it sees only its own block)
-    q_anchor = (apos * valid).repeat_interleave(BLOCK, dim=1)  # [B, Q]
-    ctx_mask = torch.arange(T, device=device)[None, None, :] < q_anchor[:, :, None]  # [B, Q, T]
-    return ids_t, block_ids.view(B, A * BLOCK), block_pos.view(B, A * BLOCK), labels, ctx_mask
+        out.append(cand)
+    return out
+
+
+def pack_host(seqs, anchors, chunk, pin=False, pad_id=0):
+    """The host part of a batch: small integer tensors only (the blocks, labels and masks are built on the
+    device by `blocks_on_device`). Each sequence's anchors are cut into drafter rows of at most `chunk`
+    anchors (a row attends to its own sequence's context), so that a sequence with few anchors does not pad
+    every other sequence to the longest anchor list.
+
+    Returns ids [B, T] (right-padded, T a multiple of 16), lens [B], row_seq [R] (the sequence of each row),
+    row_anchor [R, C] (anchor positions, -1 = none), valid_idx [N] (flat indices into R x C of the real
+    anchors, in sequence order), counts (anchors per sequence, a list)."""
+    B = len(seqs)
+    T = -(-max(len(s[0]) for s in seqs) // 16) * 16  # a multiple of 16 keeps the fused attention kernels
+    C = max(1, min(chunk, max(len(a) for a in anchors)))
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    for b, (s, _pl) in enumerate(seqs):
+        ids[b, : len(s)] = torch.tensor(s, dtype=torch.long)
+    lens = torch.tensor([len(s[0]) for s in seqs], dtype=torch.long)
+    row_seq, rows = [], []
+    for b, an in enumerate(anchors):
+        for i in range(0, len(an), C):
+            part = an[i: i + C]
+            row_seq.append(b)
+            rows.append(part + [-1] * (C - len(part)))
+    if not rows:  # no anchor at all: one empty row keeps the shapes valid
+        row_seq, rows = [0], [[-1] * C]
+    row_anchor = torch.tensor(rows, dtype=torch.long)
+    valid_idx = (row_anchor.view(-1) >= 0).nonzero().view(-1)
+    out = [ids, lens, torch.tensor(row_seq, dtype=torch.long), row_anchor, valid_idx]
+    if pin:
+        out = [t.pin_memory() for t in out]
+    return out + [[len(a) for a in anchors]]
+
+
+def blocks_on_device(host, mask_id, device):
+    """Blocks, positions, labels and context masks from `pack_host`'s tensors, built on `device` (no host
+    work per anchor). Returns ids [B, T], row_seq [R], block_ids [R, C*16] ([anchor token, MASK x 15] per
+    anchor), block_pos [R, C*16] (absolute positions anchor + 0..15), labels [R, C, 15] (the tokens at
+    anchor + 1..15; -100 past the sequence end or for an empty slot), ctx_mask [R, C*16, T] bool (context
+    tokens strictly before the anchor; an empty slot sees none, only its own block), valid_idx [N]."""
+    ids, lens, row_seq, row_anchor, valid_idx = (t.to(device, non_blocking=True) for t in host[:5])
+    R, C = row_anchor.shape
+    T = ids.shape[1]
+    valid = row_anchor >= 0
+    apos = row_anchor.clamp(min=0)
+    pos = apos[:, :, None] + torch.arange(BLOCK, device=device)  # [R, C, 16]
+    tok = torch.gather(ids[row_seq], 1, pos.clamp(max=T - 1).view(R, C * BLOCK)).view(R, C, BLOCK)
+    inside = (pos < lens[row_seq][:, None, None]) & valid[:, :, None]
+    labels = torch.where(inside[:, :, 1:], tok[:, :, 1:], torch.full_like(tok[:, :, 1:], -100))
+    block_ids = torch.full_like(tok, mask_id)
+    block_ids[:, :, 0] = tok[:, :, 0]
+    q_anchor = (apos * valid).repeat_interleave(BLOCK, dim=1)  # [R, C*16]
+    ctx_mask = torch.arange(T, device=device)[None, None, :] < q_anchor[:, :, None]
+    return ids, row_seq, block_ids.view(R, C * BLOCK), pos.view(R, C * BLOCK), labels, ctx_mask, valid_idx
+
+
+def make_blocks(seqs, anchors, mask_id, device, chunk=32):
+    """`pack_host` then `blocks_on_device` (the training loop does the first in a background thread)."""
+    return blocks_on_device(pack_host(seqs, anchors, chunk), mask_id, device)
 
 
 def chunked_ce(h, w_head, labels, weights, chunk_rows):
@@ -416,17 +502,18 @@ class Readout:
         return rows if self.ids is None else self.ids[rows]
 
 
-def run_blocks(drafter, target, seqs, args, rng, all_anchors=False, anchors=None):
-    ids, block_ids, block_pos, labels, ctx_mask = make_blocks(
-        seqs, anchors or args.anchors, args.mask_id, rng, args.device, all_anchors=all_anchors)
+def run_blocks(drafter, target, blocks, args):
+    """Target features, drafter forward and the slot-1..15 hidden states of the real anchors:
+    (h [N*15, H] bf16, labels [N*15]); `blocks` is `blocks_on_device`'s tuple."""
+    ids, row_seq, block_ids, block_pos, labels, ctx_mask, valid_idx = blocks
     feats = target.features(ids)
     with torch.no_grad():
         emb = target.embed(block_ids)
     with torch.autocast("cuda" if args.device.startswith("cuda") else "cpu", dtype=torch.bfloat16):
-        out = drafter(feats, emb, block_pos, ctx_mask)
-    B, Q, H = out.shape
-    h = out.view(B, Q // BLOCK, BLOCK, H)[:, :, 1:].reshape(-1, H).to(torch.bfloat16)
-    return h, labels.reshape(-1)
+        out = drafter(feats, emb, block_pos, ctx_mask, row_seq)
+    R, Q, H = out.shape
+    h = out.view(R * (Q // BLOCK), BLOCK, H).index_select(0, valid_idx)[:, 1:].reshape(-1, H)
+    return h.to(torch.bfloat16), labels.view(-1, BLOCK - 1).index_select(0, valid_idx).reshape(-1)
 
 
 def accept_stats(pred, labels):
@@ -448,14 +535,16 @@ def evaluate(drafter, target, heldout, args, readouts):
         grp = heldout[i: i + args.eval_batch]
         seqs = [(s["prompt_ids"] + s["response_ids"], len(s["prompt_ids"])) for s in grp]
         # one forward per sequence group; anchors limited to keep the block rows bounded
-        h, labels = run_blocks(drafter, target, seqs, args, rng, all_anchors=True, anchors=args.eval_anchors)
-        B = len(seqs)
+        anchors = pick_anchors(seqs, args.eval_anchors, rng, all_anchors=True)
+        blocks = make_blocks(seqs, anchors, args.mask_id, args.device, args.chunk_anchors)
+        h, labels = run_blocks(drafter, target, blocks, args)
+        counts = [len(a) for a in anchors]
         for name, ro in readouts.items():
             rl = ro.rows(labels)
             _, pred = chunked_ce(h, ro.w, rl, torch.ones_like(rl, dtype=torch.float32), args.chunk_rows)
-            pred, lab = ro.tokens(pred).view(B, -1, BLOCK - 1), labels.view(B, -1, BLOCK - 1)
-            for b, s in enumerate(grp):
-                by[name].setdefault(s.get("src", "all"), []).append(accept_stats(pred[b], lab[b]).cpu())
+            pred, lab = ro.tokens(pred).view(-1, BLOCK - 1), labels.view(-1, BLOCK - 1)
+            for s, p, l in zip(grp, pred.split(counts), lab.split(counts)):
+                by[name].setdefault(s.get("src", "all"), []).append(accept_stats(p, l).cpu())
     drafter.train()
     out = {}
     for name, by_src in by.items():
@@ -573,6 +662,10 @@ def main():
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=1280)
     ap.add_argument("--chunk-rows", type=int, default=8192)
+    ap.add_argument("--chunk-anchors", type=int, default=32, help="anchors per drafter row (a sequence's "
+                    "anchors are cut into rows of this many; the padding of the last row is the only waste)")
+    ap.add_argument("--new-lr-mult", type=float, default=1.0, help="lr multiplier of the layers --init-from "
+                    "adds")
     ap.add_argument("--export-every", type=float, default=240, help="seconds between exports")
     ap.add_argument("--eval-batch", type=int, default=4)
     ap.add_argument("--eval-anchors", type=int, default=256)
@@ -581,8 +674,8 @@ def main():
     ap.add_argument("--halt-file", default="", help="training stops (and exports) once this file exists")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt (weights, optimizer, "
                     "step, trained seconds)")
-    ap.add_argument("--init-from", default="", help="start from an exported drafter folder (its config must "
-                    "match); the optimizer starts fresh")
+    ap.add_argument("--init-from", default="", help="start from an exported drafter folder (same shape, or fewer "
+                    "layers: added layers copy its last one with o_proj/down_proj zero); the optimizer starts fresh")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
@@ -617,19 +710,39 @@ def main():
     if vocab_ids:
         log(f"readout: {len(vocab_ids)} draft-vocabulary rows of the LM head")
 
+    n_init_layers = args.draft_layers
     if args.init_from:
         from safetensors.torch import load_file
         with open(os.path.join(args.init_from, "config.json")) as f:
             old = json.load(f)
-        keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "intermediate_size", "dflash_config")
-        if any(old.get(k) != cfg.get(k) for k in keys):
+        keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                "dflash_config")
+        bad = [k for k in keys if old.get(k) != cfg.get(k)]
+        n_init_layers = old.get("num_hidden_layers", 0)
+        if bad or not 1 <= n_init_layers <= args.draft_layers:
             raise SystemExit(f"--init-from {args.init_from}: its config differs from this run's in "
-                             f"{[k for k in keys if old.get(k) != cfg.get(k)]}")
-        sd = load_file(os.path.join(args.init_from, "model.safetensors"))
-        drafter.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
-        log(f"initialized from {args.init_from}")
-    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+                             f"{bad or ['num_hidden_layers']} (a run may only add layers)")
+        sd = {k: v.float() for k, v in load_file(os.path.join(args.init_from, "model.safetensors")).items()}
+        # added layers: copies of the last trained layer whose o_proj and down_proj are zero, so that they
+        # add nothing to the residual stream and the drafter starts as exactly the one loaded
+        src = f"layers.{n_init_layers - 1}."
+        for i in range(n_init_layers, args.draft_layers):
+            for k in [k for k in sd if k.startswith(src)]:
+                v = sd[k].clone()
+                if k.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+                    v.zero_()
+                sd[f"layers.{i}." + k[len(src):]] = v
+        drafter.load_state_dict(sd, strict=True)
+        log(f"initialized from {args.init_from}" + (f" ({n_init_layers} layer(s); layers {n_init_layers}.."
+            f"{args.draft_layers - 1} added with zero o_proj/down_proj)" if n_init_layers < args.draft_layers
+            else ""))
+    new_names = {n for n, _ in drafter.named_parameters()
+                 if n.startswith("layers.") and int(n.split(".")[1]) >= n_init_layers}
+    groups = [{"params": [p for n, p in drafter.named_parameters() if n not in new_names], "lr_mult": 1.0}]
+    if new_names:
+        groups.append({"params": [p for n, p in drafter.named_parameters() if n in new_names],
+                       "lr_mult": args.new_lr_mult})
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     step, trained_s = 0, 0.0
     ckpt_path = os.path.join(args.out, "ckpt.pt")
     history = []
@@ -697,9 +810,9 @@ def main():
 
     t_train0 = time.time()
     t_last_export = time.time()
-    t_last_refresh = time.time()
     win = []
     drafter.train()
+    feed = Prefetch(data, args, rng, pin=args.device.startswith("cuda"))
     while not stop["now"]:
         elapsed = time.time() - t_train0
         if (args.max_steps and step >= args.max_steps) or elapsed >= args.train_seconds:
@@ -708,14 +821,12 @@ def main():
             log("halt file found")
             break
         t0 = time.time()
-        if t0 - t_last_refresh > 20:
-            data.refresh(rng)
-            t_last_refresh = t0
-        seqs = data.batch(rng, args.token_budget, args.max_batch, args.block_budget, args.anchors)
+        host, nseq, longest = feed.get()
         lr = lr_at(step, elapsed / args.train_seconds)
         for g in opt.param_groups:
-            g["lr"] = lr
-        h, labels = run_blocks(drafter, target, seqs, args, rng)
+            g["lr"] = lr * g["lr_mult"]
+        blocks = blocks_on_device(host, args.mask_id, args.device)
+        h, labels = run_blocks(drafter, target, blocks, args)
         rows = readout.rows(labels)
         weights = w.repeat(labels.numel() // (BLOCK - 1)) * (rows != -100)
         tot, pred = chunked_ce(h, readout.w, rows, weights, args.chunk_rows)
@@ -725,14 +836,15 @@ def main():
         gn = torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
         step += 1
+        # statistics stay on the device (no per-step synchronisation: the GPU queue never drains while the
+        # host launches the next step); read back every 25 steps
         pred_t, lab = readout.tokens(pred).view(-1, BLOCK - 1), labels.view(-1, BLOCK - 1)
-        acc = accept_stats(pred_t, lab)
+        full = (lab != -100).all(-1)
+        acc = ((pred_t == lab) & (lab != -100)).long().cumprod(-1).sum(-1)
+        tau_t = 1 + (acc * full).sum() / full.sum().clamp(min=1)
         has1 = lab[:, 0] != -100
-        # kept on the device (no per-step synchronisation: the host builds the next batch while the GPU
-        # runs this one); read back every 25 steps
-        hit1 = ((pred_t[:, 0] == lab[:, 0]) & has1).sum() / has1.sum()
-        tau_t = (1 + acc.float().mean()) if acc.numel() else torch.tensor(float("nan"))
-        win.append((loss.detach(), tau_t, hit1, len(seqs), acc.numel()))
+        hit1 = ((pred_t[:, 0] == lab[:, 0]) & has1).sum() / has1.sum().clamp(min=1)
+        win.append((loss.detach(), tau_t, hit1, nseq, host[4].numel()))
         trained_s += time.time() - t0
         if step % 25 == 0 or step == 1:
             if args.device.startswith("cuda"):
@@ -742,12 +854,13 @@ def main():
                             "loss": round(l, 4), "train_tau": round(tau, 3), "acc1": round(a1, 4), "lr": lr,
                             "seqs": len(data.seqs)})
             log(f"step {step} {trained_s:.0f}s loss {l:.4f} train-tau {tau:.3f} acc@1 {a1:.3f} lr {lr:.2e} "
-                f"gn {gn.item():.2f} batch {len(seqs)}x{max(len(s[0]) for s in seqs)} "
+                f"gn {gn.item():.2f} batch {nseq}x{longest} "
                 f"anchors {sum(x[4] for x in win) // len(win)} data {len(data.seqs)}")
             win = []
         if time.time() - t_last_export > args.export_every:
             save_all(False)
             t_last_export = time.time()
+    feed.close()
     if args.stop_file:
         open(args.stop_file, "w").close()
     data.refresh(rng)

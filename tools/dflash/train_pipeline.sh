@@ -10,6 +10,8 @@
 # seconds (wall clock, evaluations included), with the draft-vocabulary readout, exporting every EXPORT_S
 # seconds; then collect_train.sh packs the results into 15 MiB pieces under /tmp/ret. `touch $W/halt` ends
 # training early (it still exports). Session 6 ran this with the first run's responses alone in data/.
+# DRAFT_LAYERS=2: the starting drafter (1 layer) gains a layer that starts as a no-op (train.py --init-from);
+# NEW_LR_MULT scales that layer's lr; PREFER_SRC=sharegpt: gen.py samples those prompts first.
 set -u
 S=/tmp/stage
 W=/tmp/t2w
@@ -30,7 +32,7 @@ DATA=$(ls $S/data/*.jsonl.gz | paste -sd, -)
 GEN=
 if [ "$GEN_S" -gt 0 ]; then  # GEN_S=0: train on the committed responses alone
   python3 $S/gen.py --gguf $GGUF --prompts $W/prompts_train.jsonl --skip-ids $S/used_ids.txt --out $W/gen.jsonl \
-    --seconds "$GEN_S" --stop-file $W/genstop > $W/gen.log 2>&1 &
+    --seconds "$GEN_S" --prefer-src "${PREFER_SRC:-}" --stop-file $W/genstop > $W/gen.log 2>&1 &
   GEN=$!
   DATA="$DATA,$W/gen.jsonl"
 fi
@@ -38,7 +40,8 @@ python3 $S/${TRAIN_PY:-train.py} --gguf $GGUF --data "$DATA" --heldout $S/heldou
   --out $W/out --intermediate-size 4096 --init-from $W/init --draft-vocab $S/draft_vocab.json --eval-first \
   --train-seconds "$TRAIN_S" --export-every "$EXPORT_S" --schedule wsd --decay-frac "${DECAY:-0.35}" --min-lr 0.05 \
   --lr "$LR" --warmup "$WARMUP" --anchors 512 --token-budget 16384 --block-budget 6144 --max-batch 48 \
-  --chunk-rows 16384 --halt-file $W/halt > $W/train.log 2>&1
+  --chunk-rows 16384 --draft-layers "${DRAFT_LAYERS:-1}" --new-lr-mult "${NEW_LR_MULT:-1}" \
+  --chunk-anchors "${CHUNK_ANCHORS:-32}" --halt-file $W/halt > $W/train.log 2>&1
 echo "[$(date +%T)] train exit $?"
 touch $W/genstop
 [ -z "$GEN" ] || wait $GEN

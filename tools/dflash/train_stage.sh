@@ -21,7 +21,7 @@ M=~/.cache/eddy/models
 GGUF=qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 DEV=${DEVICE_SHARED:-/work/shared/device}
 grep -qx '/.devcarry/' "$REPO/.git/info/exclude" 2>/dev/null || { mkdir -p "$REPO/.git/info"; echo '/.devcarry/' >> "$REPO/.git/info/exclude"; }
-D=$REPO/.devcarry/t2
+D=$REPO/.devcarry/${STAGE_NAME:-t2}  # STAGE_NAME: the folder under .devcarry (one per helper)
 rm -rf "$D" && mkdir -p "$D/p00"
 tree=$(cd "$REPO" && git ls-files -co --exclude-standard -z | xargs -0 -r du -cb 2>/dev/null | tail -1 | cut -f1)
 piece=${5:-$(( 67108864 - tree - 6000000 ))}
