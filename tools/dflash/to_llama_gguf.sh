@@ -43,8 +43,29 @@ c.setdefault("architectures", [{"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForC
 json.dump(c, open(p, "w"), indent=2)
 PY
 # The drafter folder plus the target's tokenizer files (the converter's vocabulary comes from them).
+# An int8 drafter (eddy's L format: U8 codes NAME, F16 NAME.scales per 32 values, w = scale * (code - 128);
+# docs/quant-formats.md, "Model folder"; what `eddy quantize` writes for a drafter and what eddy ships) is
+# dequantized to float32 first; the converter then rounds to bf16 (within a quarter of the int8 step).
 mkdir -p "$work/drafter"
-cp "$drafter"/config.json "$drafter"/model.safetensors "$work/drafter/"
+"$VENV/bin/python" - "$drafter" "$work/drafter" <<'PY'
+import json, os, shutil, sys
+import torch
+from safetensors.torch import load_file, save_file
+src, out = sys.argv[1:]
+t = load_file(os.path.join(src, "model.safetensors"))
+codes = [n for n, v in t.items() if v.dtype == torch.uint8]
+for n in codes:
+    q, s = t.pop(n).float() - 128.0, t.pop(n + ".scales").float()
+    if n + ".zero_points" in t or n + ".input_signs" in t or n + ".output_signs" in t:
+        sys.exit(f"{n}: only unrotated 8-bit (L) matrices are supported here")
+    rows, cols = q.shape
+    t[n] = (q.view(rows, -1, cols // s.shape[1]) * s[:, :, None]).reshape(rows, cols)
+save_file(t, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+c = json.load(open(os.path.join(src, "config.json")))
+c.pop("quantization_config", None)
+json.dump(c, open(os.path.join(out, "config.json"), "w"), indent=2)
+print(f"drafter: {len(codes)} int8 matrices dequantized" if codes else "drafter: float weights", file=sys.stderr)
+PY
 cp "$work"/target/tokenizer* "$work/drafter/"
 "$VENV/bin/python" "$SRC/convert_hf_to_gguf.py" "$work/drafter" --target-model-dir "$work/target" \
   --outtype bf16 --outfile "$out"

@@ -276,7 +276,9 @@ fn attach_speculators(engine: &mut Engine, a: &SpecArgs, kind: Option<Speculator
 
 #[derive(Args)]
 struct QuantizeArgs {
-    /// Source model: a GGUF file or a Hugging Face safetensors folder (llama, qwen2, qwen3, gemma3).
+    /// Source model: a GGUF file or a Hugging Face safetensors folder (llama, qwen2, qwen3, gemma3), or a DFlash
+    /// drafter folder (written with its matrices as `--quant q8` loads them: needs `--format l --group 32
+    /// --no-rotation`).
     #[arg(long)]
     model: String,
     /// m: 4-bit codes with an f16 scale and offset per group; l: 8-bit symmetric codes.
@@ -861,6 +863,14 @@ fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
         return Err(bad(&a.out.display().to_string(), "already exists (eddy quantize never overwrites)"));
     }
     let src = std::path::Path::new(&a.model);
+    if src.is_dir() && eddy::spec::dflash::is_dflash_dir(src) {
+        // A DFlash drafter runs with int8 matrices (groups of 32, no rotation): store exactly those.
+        if format != Format::L || a.calib.is_some() || a.group != 32 || !a.no_rotation {
+            return Err(bad(&a.model, "a DFlash drafter is written only as it runs: --format l --group 32 --no-rotation, no --calib"));
+        }
+        eddy::models::quantize::write_q8_folder(src, &a.out)?;
+        return print_line(&format!("wrote {} (DFlash drafter, int8 matrices in groups of 32)", a.out.display()));
+    }
     let is_gguf = src.is_file()
         && std::fs::File::open(src)
             .and_then(|mut f| {

@@ -116,6 +116,38 @@ fn forward_matches_numpy_reference_int8() {
     }
 }
 
+/// A drafter written with int8 matrices (`eddy quantize` of a drafter folder: L format, groups of 32) drafts
+/// bit-identically to the same drafter loaded from its float weights with `--quant q8`, and loads as int8
+/// whatever quantization is asked at load; its matrices are U8 codes, its vectors stay as stored.
+#[test]
+fn int8_drafter_folder_drafts_as_q8_at_load() {
+    let src = variant("q8src", |_| {}, &[("draft_vocab.json", "[3, 1, 4, 15, 9, 2, 6, 5]")]);
+    let out = std::env::temp_dir().join(format!("eddy-dflash-{}-q8out", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    eddy::models::quantize::write_q8_folder(&src, &out).unwrap();
+    assert!(eddy::models::quantize::write_q8_folder(&src, &out).err().expect("never overwrites").to_string().contains("already exists"));
+    let bytes = std::fs::read(out.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let q = st.tensor("layers.1.mlp.down_proj.weight").unwrap();
+    assert_eq!((q.dtype(), q.shape()), (safetensors::Dtype::U8, &[64usize, 96][..]));
+    assert_eq!(st.tensor("layers.1.mlp.down_proj.weight.scales").unwrap().shape(), &[64, 3]);
+    assert_eq!(st.tensor("fc.weight").unwrap().dtype(), safetensors::Dtype::U8);
+    assert_eq!(st.tensor("norm.weight").unwrap().dtype(), safetensors::Dtype::F32);
+    assert_eq!(std::fs::read(out.join("draft_vocab.json")).unwrap(), std::fs::read(src.join("draft_vocab.json")).unwrap());
+    let want = run_rounds(&DFlashDrafter::load(&src, Quant::Q8).unwrap());
+    for quant in [Quant::Q8, Quant::None] {
+        let d = DFlashDrafter::load(&out, quant).unwrap();
+        assert_eq!(d.config.n_layers, 2);
+        assert!(d.weight_bytes() < DFlashDrafter::load(&src, Quant::None).unwrap().weight_bytes() / 2);
+        let got = run_rounds(&d);
+        assert!(got.0 == want.0 && got.1 == want.1, "{quant:?}: the int8 folder's logits differ from q8 at load");
+    }
+    // and these are real drafts: the int8 logits are near the f32 ones but not equal to them
+    let f32 = run_rounds(&DFlashDrafter::load(&src, Quant::None).unwrap());
+    assert!(want.0 != f32.0 && compare(&want.0, &f32.0, 256).0 < 0.25);
+    let _ = std::fs::remove_dir_all(&out);
+}
+
 /// A scratch copy of the tiny drafter, with `edit` applied to its config and extra files written.
 fn variant(name: &str, edit: impl FnOnce(&mut serde_json::Value), files: &[(&str, &str)]) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("eddy-dflash-{}-{name}", std::process::id()));

@@ -536,6 +536,74 @@ pub fn write_folder(src: Source, model: &Model, opts: &QuantizeOptions, out: &Pa
     result
 }
 
+/// Write the safetensors folder `src` (a DFlash drafter: `config.json`, `model.safetensors`, optional
+/// `draft_vocab.json`) to `out` with every matrix (2-D F32/F16/BF16 tensor) in eddy's L format, groups of 32,
+/// no rotation (`docs/quant-formats.md`, "Model folder"): exactly the matrices `--quant q8` builds when it
+/// loads `src` ([`crate::model_dir::Quant::Q8`], the min/max rule of `quant::rtn`), so the written folder
+/// drafts bit-identically to `src` loaded with q8, in about half the bytes of bf16. Vectors (norms) are
+/// copied as stored, every other file of `src` is copied, and `config.json` gains a `quantization_config`
+/// that names the format. Written to a temporary folder next to `out`, renamed into place at the end.
+///
+/// Errors: `out` exists; `src` unreadable or not a safetensors folder; a matrix with a row length that is not
+/// a multiple of 32 (it would stay f32; refused so the output is always int8); I/O errors.
+pub fn write_q8_folder(src: &Path, out: &Path) -> Result<()> {
+    use crate::model_dir::{Quant, CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
+    if out.exists() {
+        return Err(Error::model(out, "already exists (eddy quantize never overwrites; remove it or pick another -o)"));
+    }
+    let file_name = out.file_name().ok_or_else(|| Error::model(out, "not a folder name"))?.to_string_lossy().into_owned();
+    let tmp = out.with_file_name(format!(".{file_name}.tmp-{}", std::process::id()));
+    let write = || -> Result<()> {
+        std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
+        let t = Tensors::open(src)?;
+        let mut names: Vec<&String> = t.names().collect();
+        names.sort();
+        let mut tensors = Vec::new();
+        for name in names {
+            let Some((dtype, shape, bytes)) = t.raw(name) else { continue };
+            let float = matches!(dtype, safetensors::Dtype::F32 | safetensors::Dtype::F16 | safetensors::Dtype::BF16);
+            if let ([rows, cols], true) = (shape, float) {
+                if !cols.is_multiple_of(crate::quant::QK) {
+                    return Err(Error::model(&t.listing, format!("matrix {name}: row length {cols} is not a multiple of 32")));
+                }
+                tensors.extend(matrix_tensors(name, &t.matrix(name, *rows, *cols, Quant::Q8, false)?));
+            } else {
+                tensors.push((name.clone(), dtype, shape.to_vec(), bytes.to_vec()));
+            }
+        }
+        let views = tensors
+            .iter()
+            .map(|(n, d, s, b)| safetensors::tensor::TensorView::new(*d, s.clone(), b).map(|v| (n.clone(), v)))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| Error::model(&tmp, format!("cannot lay out the tensors: {e}")))?;
+        let out_w = tmp.join(WEIGHTS_FILE);
+        safetensors::serialize_to_file(views, None, &out_w).map_err(|e| Error::model(&out_w, format!("cannot write: {e}")))?;
+        for entry in std::fs::read_dir(src).map_err(io(src))? {
+            let entry = entry.map_err(io(src))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !entry.path().is_file() || name.ends_with(".safetensors") || name == WEIGHTS_INDEX_FILE || name == "SHA256SUMS" {
+                continue;
+            }
+            std::fs::copy(entry.path(), tmp.join(&name)).map_err(io(&entry.path()))?;
+        }
+        let cfg_path = src.join(CONFIG_FILE);
+        let text = std::fs::read_to_string(&cfg_path).map_err(io(&cfg_path))?;
+        let mut cfg: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| Error::model(&cfg_path, format!("malformed config: {e}")))?;
+        cfg["quantization_config"] = serde_json::json!({
+            "quant_method": "eddy", "format": "l", "group_size": crate::quant::QK, "rotation": false,
+            "layout": "docs/quant-formats.md of eddy"
+        });
+        let out_cfg = tmp.join(CONFIG_FILE);
+        std::fs::write(&out_cfg, serde_json::to_string_pretty(&cfg).unwrap_or_default() + "\n").map_err(io(&out_cfg))
+    };
+    let result = write().and_then(|()| std::fs::rename(&tmp, out).map_err(|e| Error::Io { path: out.to_path_buf(), source: e }));
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    result
+}
+
 fn io(p: &Path) -> impl FnOnce(std::io::Error) -> Error {
     let p = p.to_path_buf();
     move |e: std::io::Error| Error::Io { path: p, source: e }
