@@ -125,7 +125,7 @@ fn int8_drafter_folder_drafts_as_q8_at_load() {
     let out = std::env::temp_dir().join(format!("eddy-dflash-{}-q8out", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     eddy::models::quantize::write_q8_folder(&src, &out).unwrap();
-    assert!(eddy::models::quantize::write_q8_folder(&src, &out).err().expect("never overwrites").to_string().contains("already exists"));
+    assert!(eddy::models::quantize::write_q8_folder(&src, &out).expect_err("never overwrites").to_string().contains("already exists"));
     let bytes = std::fs::read(out.join("model.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let q = st.tensor("layers.1.mlp.down_proj.weight").unwrap();
