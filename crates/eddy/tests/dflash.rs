@@ -435,8 +435,8 @@ fn lossless_on_qwen15_with_a_draft_vocabulary() {
     check_target(QWEN15, Some(4096), 16, &[(SpeculatorKind::DFlash, Budget::Fixed(12))], &[TreeShape::Best]);
 }
 
-/// The trained drafter for the 1.5B (`dflash-qwen2.5-coder-1.5b/` in the models folder, where present:
-/// it is not fetched by `tools/fetch_models.sh` yet): lossless on the reference prompt, greedy and at 0.8, as the
+/// The trained drafter for the 1.5B (`dflash-qwen2.5-coder-1.5b/` in the models folder, installed there by
+/// `tools/fetch_models.sh qwen15` from the repository's `drafters/`): lossless on the reference prompt, greedy and at 0.8, as the
 /// best-first tree, the chain and merged with suffix drafts under the automatic budget; its drafts are
 /// accepted.
 #[test]
