@@ -310,6 +310,12 @@ struct QuantizeArgs {
     /// Values per scale of an untied token embedding (default: --group).
     #[arg(long)]
     embed_group: Option<usize>,
+    /// Per-tensor formats overriding the above, comma-separated `NAME[@LAYERS]=FORMAT[/GROUP]` (the last
+    /// matching rule wins; repeatable): NAME one of embed_tokens, lm_head, q_proj, k_proj, v_proj,
+    /// o_proj, gate_proj, up_proj, down_proj; LAYERS `+`-separated layers or ranges (`0-3+24-27`);
+    /// GROUP 32, 64 or 128 (default --group). Example: `k_proj=l/32,v_proj=l/32,embed_tokens=m/128`.
+    #[arg(long, value_name = "RULES")]
+    tensor_format: Vec<String>,
     /// Output folder (must not exist; written atomically).
     #[arg(short = 'o', long = "out")]
     out: std::path::PathBuf,
@@ -828,7 +834,7 @@ fn perplexity(a: PplArgs) -> eddy::Result<()> {
 }
 
 fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
-    use eddy::models::quantize::{gguf_to_hf_layout, quantize_model, write_folder, QuantizeOptions, Source};
+    use eddy::models::quantize::{gguf_to_hf_layout, quantize_model, write_folder, QuantizeOptions, Source, TensorRule};
     use eddy::quant::rtn::{Format, GROUPS};
     let parse = |flag: &str, v: &str| match v.to_ascii_lowercase().as_str() {
         "m" => Ok(Format::M),
@@ -889,7 +895,12 @@ fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
     if is_gguf {
         gguf_to_hf_layout(&mut lm.model)?;
     }
-    let opts = QuantizeOptions { format, group: a.group, head_format, head_group, embed_group, rotate: !a.no_rotation, seed: a.seed };
+    let mut rules = Vec::new();
+    for text in &a.tensor_format {
+        rules.extend(TensorRule::parse_list(text, a.group).map_err(|e| bad("--tensor-format", e.to_string()))?);
+    }
+    let opts =
+        QuantizeOptions { format, group: a.group, head_format, head_group, embed_group, rotate: !a.no_rotation, seed: a.seed, rules };
     let calib = match &calib_text {
         Some(text) => {
             let mut tokens = lm.tokenizer.encode(text, true)?;
