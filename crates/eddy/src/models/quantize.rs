@@ -758,3 +758,32 @@ fn write_into(src: &Source, model: &Model, opts: &QuantizeOptions, tmp: &Path) -
     safetensors::serialize_to_file(views, None, &out_w).map_err(|e| Error::model(&out_w, format!("cannot write: {e}")))?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rules parse into the documented fields (default group, layer ranges, case of the format) and match
+    /// the layers they name; malformed rules are errors naming the rule.
+    #[test]
+    fn tensor_rules_parse_and_match() {
+        let r = TensorRule::parse_list(" v_proj=l/32, down_proj@0+2-3=M ,lm_head=m/128,", 64).unwrap();
+        assert_eq!(
+            r,
+            vec![
+                TensorRule { kind: TensorKind::V, layers: vec![], format: Format::L, group: 32 },
+                TensorRule { kind: TensorKind::Down, layers: vec![(0, 0), (2, 3)], format: Format::M, group: 64 },
+                TensorRule { kind: TensorKind::Head, layers: vec![], format: Format::M, group: 128 },
+            ]
+        );
+        let hits: Vec<usize> = (0..6).filter(|&l| r[1].applies(TensorKind::Down, Some(l))).collect();
+        assert_eq!(hits, [0, 2, 3]);
+        assert!(!r[1].applies(TensorKind::Up, Some(0)) && r[0].applies(TensorKind::V, Some(17)));
+        assert!(r[2].applies(TensorKind::Head, None));
+        for bad in ["v_proj", "w_proj=l", "v_proj=q", "v_proj=l/48", "down_proj@3-1=l", "down_proj@x=l", "down_proj@=m"] {
+            let e = TensorRule::parse_list(bad, 64).unwrap_err().to_string();
+            assert!(e.contains(bad), "{bad}: {e}");
+        }
+        assert!(TensorRule::parse_list("", 64).unwrap().is_empty());
+    }
+}

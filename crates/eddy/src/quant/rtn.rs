@@ -236,7 +236,7 @@ fn code_pass(wg: &[f32], q: &mut [f32], inv: f32, anchor: f32, base: f32, dir: f
     let (mut a, mut b, mut c) = ([0f32; LANES], [0f32; LANES], [0f32; LANES]);
     for (xc, qc) in wg.chunks_exact(LANES).zip(q.chunks_exact_mut(LANES)) {
         for j in 0..LANES {
-            let v = ((xc[j] - anchor) * inv).max(0.0).min(15.0);
+            let v = ((xc[j] - anchor) * inv).clamp(0.0, 15.0);
             let code = base + dir * round_small(v);
             qc[j] = code;
             a[j] += code;
@@ -256,7 +256,7 @@ fn error_pass(wg: &[f32], q: &mut [f32], s: f32, m: f32) -> (f32, CodeSums) {
     for (xc, qc) in wg.chunks_exact(LANES).zip(q.chunks_exact_mut(LANES)) {
         for j in 0..LANES {
             let x = xc[j];
-            let code = round_small(((x - m) * inv).max(0.0).min(15.0));
+            let code = round_small(((x - m) * inv).clamp(0.0, 15.0));
             qc[j] = code;
             let d = s * code + m - x;
             e[j] += d * d;
