@@ -154,11 +154,13 @@ PY
     "m-g32h32e64-norot-gptq|--format%m%--group%32%--head-format%m%--head-group%32%--embed-group%64%--no-rotation%--calib%CALIB" \
     "m-g128-norot-s|--format%m%--group%128%--no-rotation" "m-g128-rot-s|--format%m%--group%128" \
     "m-g32-kv8-norot|$M32%--embed-group%64%--tensor-format%k_proj=l/32,v_proj=l/32" \
+    "mix-m32kv8-e128|$M32%--tensor-format%$KV8,embed_tokens=m/128" \
     "mix-m32kv8-e128-d2|$M32%--tensor-format%$KV8,embed_tokens=m/128,down_proj@0+27=l/32" \
     "mix-m32kv8-e128-gu64|$M32%--tensor-format%$KV8,embed_tokens=m/128,gate_proj=m/64,up_proj=m/64" \
     "mix-m32kv8-e128-qo8|$M32%--tensor-format%$KV8,embed_tokens=m/128,q_proj=l/32,o_proj=l/32" \
     "mix-m32kv8-e128-down8|$M32%--tensor-format%$KV8,embed_tokens=m/128,down_proj=l/32" \
-    "mix-q4kmlike-h64|--format%m%--group%64%--head-format%m%--head-group%64%--embed-group%128%--no-rotation%--tensor-format%$KV8,down_proj@$Q4KM_DOWN=l/32"}; do
+    "mix-q4kmlike-h64|--format%m%--group%64%--head-format%m%--head-group%64%--embed-group%128%--no-rotation%--tensor-format%$KV8,down_proj@$Q4KM_DOWN=l/32" \
+    "mix-q4kmlike-h32|--format%m%--group%64%--head-format%m%--head-group%32%--embed-group%128%--no-rotation%--tensor-format%$KV8,down_proj@0-2+5+8+11+17+20+23+25-27=l/32"}; do
     name=$m-eddy-${v%%|*}
     flags=${v#*|}
     flags=${flags//%/ }
