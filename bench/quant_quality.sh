@@ -6,7 +6,7 @@
 #      original is measured;
 #   2. the source quantized by llama-quantize (Q4_K_M, Q4_0, IQ4_XS, Q8_0) and by eddy quantize (EDDY_VARIANTS:
 #      m g64 and m g32 at <= 5 bits per weight, with and without the rotation, with and without GPTQ on the
-#      calibration text CALIB; l g64);
+#      calibration text CALIB; m g128; l g64; mixed precision by --tensor-format);
 #   3. every variant scored by the same tool against the same source on held-out text:
 #      eddy perplexity --kl-base SRC_LOGITS --ctx 512 (the source's logits saved once with --save-logits).
 #      eddy cannot load IQ4_XS: that one is dequantized exactly to an F32 GGUF by gguf-py first (run with f32
@@ -138,13 +138,29 @@ PY
   # eddy variants: NAME|FLAGS, % for a space in FLAGS. m at <= Q4_K_M's bits: g64 with the LM head in l (4.99-5.00 bits on the
   # 1.5B), g32 with the LM head in m g32 and the untied embedding in m g64 (4.94); each to nearest (with
   # the per-group scale search) and with GPTQ (--calib), rotated and not.
+  # Session 10's mixed precision (--tensor-format): m g32 with the LM head in m g32, unrotated, plus per-tensor
+  # formats: k/v projections in l g32, the embedding in m g128, and more bits for q/o, down or fewer for gate/up;
+  # Q4_K_M's own split (l g32 for k/v and for ffn_down of the layers llama.cpp's use_more_bits picks, m g64 for
+  # the rest).
+  M32="--format%m%--group%32%--head-format%m%--head-group%32%--no-rotation"
+  KV8="k_proj=l/32,v_proj=l/32"
+  Q4KM_DOWN="0-2+5+8+11+14+17+20+23+25-27"
   for v in ${EDDY_VARIANTS:-"l-g64-rot|--format%l%--group%64" \
     "m-g64-rot|--format%m%--group%64" "m-g64-norot|--format%m%--group%64%--no-rotation" \
     "m-g64-rot-gptq|--format%m%--group%64%--calib%CALIB" "m-g64-norot-gptq|--format%m%--group%64%--no-rotation%--calib%CALIB" \
     "m-g32h32e64-rot|--format%m%--group%32%--head-format%m%--head-group%32%--embed-group%64" \
     "m-g32h32e64-norot|--format%m%--group%32%--head-format%m%--head-group%32%--embed-group%64%--no-rotation" \
     "m-g32h32e64-rot-gptq|--format%m%--group%32%--head-format%m%--head-group%32%--embed-group%64%--calib%CALIB" \
-    "m-g32h32e64-norot-gptq|--format%m%--group%32%--head-format%m%--head-group%32%--embed-group%64%--no-rotation%--calib%CALIB"}; do
+    "m-g32h32e64-norot-gptq|--format%m%--group%32%--head-format%m%--head-group%32%--embed-group%64%--no-rotation%--calib%CALIB" \
+    "m-g128-norot-s|--format%m%--group%128%--no-rotation" "m-g128-rot-s|--format%m%--group%128" \
+    "m-g32-kv8-norot|$M32%--embed-group%64%--tensor-format%k_proj=l/32,v_proj=l/32" \
+    "mix-m32kv8-e128|$M32%--tensor-format%$KV8,embed_tokens=m/128" \
+    "mix-m32kv8-e128-d2|$M32%--tensor-format%$KV8,embed_tokens=m/128,down_proj@0+27=l/32" \
+    "mix-m32kv8-e128-gu64|$M32%--tensor-format%$KV8,embed_tokens=m/128,gate_proj=m/64,up_proj=m/64" \
+    "mix-m32kv8-e128-qo8|$M32%--tensor-format%$KV8,embed_tokens=m/128,q_proj=l/32,o_proj=l/32" \
+    "mix-m32kv8-e128-down8|$M32%--tensor-format%$KV8,embed_tokens=m/128,down_proj=l/32" \
+    "mix-q4kmlike-h64|--format%m%--group%64%--head-format%m%--head-group%64%--embed-group%128%--no-rotation%--tensor-format%$KV8,down_proj@$Q4KM_DOWN=l/32" \
+    "mix-q4kmlike-h32|--format%m%--group%64%--head-format%m%--head-group%32%--embed-group%128%--no-rotation%--tensor-format%$KV8,down_proj@0-2+5+8+11+17+20+23+25-27=l/32"}; do
     name=$m-eddy-${v%%|*}
     flags=${v#*|}
     flags=${flags//%/ }

@@ -6,7 +6,7 @@
 
 mod common;
 
-use eddy::models::quantize::{quantize_model, QuantizeOptions};
+use eddy::models::quantize::{quantize_model, QuantizeOptions, TensorRule};
 use eddy::quant::rtn::Format;
 use serde_json::Value;
 
@@ -79,6 +79,42 @@ fn requantized_smollm2_tracks_its_source() {
         eprintln!("{format:?} g{group} rotation {rotate}: {bpw:.3} bits/weight, mean KL {kl:.5}, p99 KL {p99:.4}, top-1 {top1:.4}");
         assert!(kl <= max_kl && top1 >= min_top1, "{format:?} g{group} rotation {rotate}: KL {kl} top-1 {top1}");
     }
+}
+
+/// `--tensor-format` rules reach exactly the matrices they name: SmolLM2 (30 layers, width 576) in M g64
+/// with v_proj in L g32, down_proj of layers 0, 2, 3 in L (the default group), the LM head (tied) in M g32;
+/// the returned bits per weight count each matrix at its own format.
+#[test]
+fn tensor_rules_set_the_named_matrices() {
+    let Some(p) = common::model_path(MODEL) else { return };
+    let mut lm = eddy::load::load_gguf(&p, &mut |_, _| {}).unwrap();
+    let rules = TensorRule::parse_list("v_proj=l/32,down_proj@0+2-3=l,lm_head=m/32", 64).unwrap();
+    let opts = QuantizeOptions { rules, ..QuantizeOptions::new(Format::M, 64) };
+    let bpw = quantize_model(&mut lm.model, &opts, None, &mut |_, _| {});
+    let fmt = |w: &eddy::quant::WeightMatrix| match w {
+        eddy::quant::WeightMatrix::Q(m) => (m.bits, m.group),
+        _ => panic!("not quantized"),
+    };
+    let model = &lm.model;
+    assert!(model.output.is_none(), "SmolLM2's embedding is tied");
+    assert_eq!(fmt(&model.embed), (4, 32));
+    let (mut bits, mut n) = (0f64, 0f64);
+    let mut count = |w: &eddy::quant::WeightMatrix| {
+        let (b, g) = fmt(w);
+        bits += (w.rows() * w.cols()) as f64 * if b == 4 { 4.0 + 32.0 / g as f64 } else { 8.0 + 16.0 / g as f64 };
+        n += (w.rows() * w.cols()) as f64;
+    };
+    count(&model.embed);
+    for (l, layer) in model.layers.iter().enumerate() {
+        let eddy::models::Mixer::Attention(a) = &layer.mixer else { panic!("attention") };
+        assert_eq!((fmt(&a.wq), fmt(&a.wk), fmt(&a.wv), fmt(&a.wo)), ((4, 64), (4, 64), (8, 32), (4, 64)), "layer {l}");
+        assert_eq!((fmt(&layer.w_gate), fmt(&layer.w_up)), ((4, 64), (4, 64)), "layer {l}");
+        assert_eq!(fmt(&layer.w_down), if [0, 2, 3].contains(&l) { (8, 64) } else { (4, 64) }, "layer {l}");
+        for w in [&a.wq, &a.wk, &a.wv, &a.wo, &layer.w_gate, &layer.w_up, &layer.w_down] {
+            count(w);
+        }
+    }
+    assert!((bpw - bits / n).abs() < 1e-9, "{bpw} vs {}", bits / n);
 }
 
 /// `Engine::kl_divergence` (what `eddy perplexity --kl-base` prints) against this file's own KL: the same

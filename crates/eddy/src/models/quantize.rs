@@ -33,8 +33,122 @@ use crate::tokenizer::Tokenizer;
 use std::path::Path;
 use std::sync::Arc;
 
-/// How [`quantize_model`] stores the matrices.
+/// Which matrices a [`TensorRule`] applies to, by their Hugging Face names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TensorKind {
+    /// `embed_tokens` (an untied token embedding; a tied one is the LM head).
+    Embed,
+    /// `lm_head` (or the tied embedding).
+    Head,
+    /// `self_attn.q_proj`.
+    Q,
+    /// `self_attn.k_proj`.
+    K,
+    /// `self_attn.v_proj`.
+    V,
+    /// `self_attn.o_proj`.
+    O,
+    /// `mlp.gate_proj`.
+    Gate,
+    /// `mlp.up_proj`.
+    Up,
+    /// `mlp.down_proj`.
+    Down,
+}
+
+impl TensorKind {
+    const NAMES: [(&'static str, TensorKind); 9] = [
+        ("embed_tokens", TensorKind::Embed),
+        ("lm_head", TensorKind::Head),
+        ("q_proj", TensorKind::Q),
+        ("k_proj", TensorKind::K),
+        ("v_proj", TensorKind::V),
+        ("o_proj", TensorKind::O),
+        ("gate_proj", TensorKind::Gate),
+        ("up_proj", TensorKind::Up),
+        ("down_proj", TensorKind::Down),
+    ];
+}
+
+/// A per-tensor format: matrices of `kind` (in the layers `layers`, inclusive ranges; every layer when
+/// empty) are stored in `format` at `group` values per scale, overriding [`QuantizeOptions`]' defaults.
+/// Later rules override earlier ones. Written `NAME[@LAYERS]=FORMAT[/GROUP]` ([`TensorRule::parse_list`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorRule {
+    /// The matrices it applies to.
+    pub kind: TensorKind,
+    /// Inclusive layer ranges (`(0, 3)` = layers 0..=3); empty = every layer (ignored for the embedding
+    /// and the LM head).
+    pub layers: Vec<(usize, usize)>,
+    /// Their format.
+    pub format: Format,
+    /// Their values per scale (32, 64 or 128).
+    pub group: usize,
+}
+
+impl TensorRule {
+    /// Parse a comma-separated list of rules `NAME[@LAYERS]=FORMAT[/GROUP]`: NAME one of `embed_tokens`,
+    /// `lm_head`, `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`; LAYERS
+    /// `+`-separated layer numbers or inclusive ranges `a-b` (e.g. `0-3+25-27`); FORMAT `m` or `l`; GROUP
+    /// 32, 64 or 128 (default `default_group`). Example: `v_proj=l/32,down_proj@0-3+24-27=l/64`.
+    ///
+    /// Errors: an unknown name or format, a malformed layer list, a group other than 32/64/128, as
+    /// `Error::Input` naming the rule.
+    pub fn parse_list(text: &str, default_group: usize) -> Result<Vec<TensorRule>> {
+        let mut out = Vec::new();
+        for rule in text.split(',').map(str::trim).filter(|r| !r.is_empty()) {
+            let bad = |why: String| Error::Input(format!("tensor format rule '{rule}': {why}"));
+            let (lhs, rhs) = rule.split_once('=').ok_or_else(|| bad("expected NAME[@LAYERS]=FORMAT[/GROUP]".into()))?;
+            let (name, layer_text) = match lhs.split_once('@') {
+                Some((n, l)) => (n.trim(), Some(l.trim())),
+                None => (lhs.trim(), None),
+            };
+            let kind = TensorKind::NAMES.iter().find(|(n, _)| *n == name).map(|&(_, k)| k).ok_or_else(|| {
+                let names: Vec<&str> = TensorKind::NAMES.iter().map(|(n, _)| *n).collect();
+                bad(format!("unknown matrix '{name}' (expected one of {})", names.join(", ")))
+            })?;
+            let mut layers = Vec::new();
+            if let Some(lt) = layer_text {
+                for part in lt.split('+') {
+                    let num = |t: &str| t.trim().parse::<usize>().map_err(|_| bad(format!("bad layer '{t}'")));
+                    let (a, b) = match part.split_once('-') {
+                        Some((a, b)) => (num(a)?, num(b)?),
+                        None => (num(part)?, num(part)?),
+                    };
+                    if a > b {
+                        return Err(bad(format!("empty layer range {a}-{b}")));
+                    }
+                    layers.push((a, b));
+                }
+            }
+            let (f, g) = match rhs.split_once('/') {
+                Some((f, g)) => (f.trim(), Some(g.trim())),
+                None => (rhs.trim(), None),
+            };
+            let format = match f.to_ascii_lowercase().as_str() {
+                "m" => Format::M,
+                "l" => Format::L,
+                other => return Err(bad(format!("unknown format '{other}' (expected m or l)"))),
+            };
+            let group = match g {
+                Some(g) => g.parse::<usize>().map_err(|_| bad(format!("bad group '{g}'")))?,
+                None => default_group,
+            };
+            if !rtn::GROUPS.contains(&group) {
+                return Err(bad(format!("group must be 32, 64 or 128, got {group}")));
+            }
+            out.push(TensorRule { kind, layers, format, group });
+        }
+        Ok(out)
+    }
+
+    fn applies(&self, kind: TensorKind, layer: Option<usize>) -> bool {
+        self.kind == kind && (self.layers.is_empty() || layer.is_none_or(|l| self.layers.iter().any(|&(a, b)| (a..=b).contains(&l))))
+    }
+}
+
+/// How [`quantize_model`] stores the matrices.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QuantizeOptions {
     /// M (int4) or L (int8).
     pub format: Format,
@@ -50,12 +164,23 @@ pub struct QuantizeOptions {
     pub rotate: bool,
     /// Seed of the random signs.
     pub seed: u64,
+    /// Per-tensor formats overriding the above (the last matching rule wins).
+    pub rules: Vec<TensorRule>,
 }
 
 impl QuantizeOptions {
     /// `format` at `group` for every matrix but the LM head (L at `group`), rotated, seed 14.
     pub fn new(format: Format, group: usize) -> Self {
-        QuantizeOptions { format, group, head_format: Format::L, head_group: group, embed_group: group, rotate: true, seed: 14 }
+        QuantizeOptions {
+            format,
+            group,
+            head_format: Format::L,
+            head_group: group,
+            embed_group: group,
+            rotate: true,
+            seed: 14,
+            rules: Vec::new(),
+        }
     }
 }
 
@@ -162,6 +287,8 @@ struct Job<'a> {
     head: bool,
     /// Whether the site's Hessian applies (not for an untied embedding, which is only looked up).
     reads: bool,
+    /// What it is, for the [`TensorRule`]s (None: a matrix no rule names, e.g. Gated DeltaNet's).
+    kind: Option<(TensorKind, Option<usize>)>,
 }
 
 /// Re-quantize every matrix of `model` to `opts` (see the module docs), then upload them to the CPU
@@ -176,43 +303,45 @@ pub fn quantize_model(
     calib: Option<&Calibration>,
     progress: &mut dyn FnMut(usize, usize),
 ) -> f64 {
-    for g in [opts.group, opts.head_group, opts.embed_group] {
+    for g in [opts.group, opts.head_group, opts.embed_group].into_iter().chain(opts.rules.iter().map(|r| r.group)) {
         assert!(rtn::GROUPS.contains(&g), "group {g} (expected 32, 64 or 128)");
     }
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let n_layers = model.layers.len() as u64;
     let mut jobs: Vec<Job> = Vec::new();
     let tied = model.output.is_none();
-    jobs.push(Job { w: &mut model.embed, site: HEAD, output: false, head: tied, reads: tied });
+    let embed_kind = Some((if tied { TensorKind::Head } else { TensorKind::Embed }, None));
+    jobs.push(Job { w: &mut model.embed, site: HEAD, output: false, head: tied, reads: tied, kind: embed_kind });
     if let Some(o) = &mut model.output {
-        jobs.push(Job { w: o, site: HEAD, output: false, head: true, reads: true });
+        jobs.push(Job { w: o, site: HEAD, output: false, head: true, reads: true, kind: Some((TensorKind::Head, None)) });
     }
     let mtp = model.mtp.as_mut().map(|m| (&mut m.fc, &mut m.layer));
     let layers = model.layers.iter_mut().enumerate().map(|(l, layer)| (l as u64, layer));
     let mut all_layers: Vec<(u64, &mut super::Layer)> = layers.collect();
     if let Some((fc, layer)) = mtp {
-        jobs.push(Job { w: fc, site: 4 * (n_layers + 1), output: true, head: false, reads: true });
+        jobs.push(Job { w: fc, site: 4 * (n_layers + 1), output: true, head: false, reads: true, kind: None });
         all_layers.push((n_layers, layer));
     }
     for (l, layer) in all_layers {
         let (a_in, a_out, f_in, f_down) = (4 * l, 4 * l + 1, 4 * l + 2, 4 * l + 3);
+        let k = |kind| Some((kind, Some(l as usize)));
         match &mut layer.mixer {
             Mixer::Attention(a) => {
-                for w in [&mut a.wq, &mut a.wk, &mut a.wv] {
-                    jobs.push(Job { w, site: a_in, output: true, head: false, reads: true });
+                for (w, kind) in [(&mut a.wq, TensorKind::Q), (&mut a.wk, TensorKind::K), (&mut a.wv, TensorKind::V)] {
+                    jobs.push(Job { w, site: a_in, output: true, head: false, reads: true, kind: k(kind) });
                 }
-                jobs.push(Job { w: &mut a.wo, site: a_out, output: true, head: false, reads: true });
+                jobs.push(Job { w: &mut a.wo, site: a_out, output: true, head: false, reads: true, kind: k(TensorKind::O) });
             }
             Mixer::DeltaNet(g) => {
                 for w in [&mut g.w_qkv, &mut g.w_z, &mut g.w_b, &mut g.w_a] {
-                    jobs.push(Job { w, site: a_in, output: true, head: false, reads: true });
+                    jobs.push(Job { w, site: a_in, output: true, head: false, reads: true, kind: None });
                 }
-                jobs.push(Job { w: &mut g.w_out, site: a_out, output: true, head: false, reads: true });
+                jobs.push(Job { w: &mut g.w_out, site: a_out, output: true, head: false, reads: true, kind: None });
             }
         }
-        jobs.push(Job { w: &mut layer.w_gate, site: f_in, output: true, head: false, reads: true });
-        jobs.push(Job { w: &mut layer.w_up, site: f_in, output: true, head: false, reads: true });
-        jobs.push(Job { w: &mut layer.w_down, site: f_down, output: true, head: false, reads: true });
+        jobs.push(Job { w: &mut layer.w_gate, site: f_in, output: true, head: false, reads: true, kind: k(TensorKind::Gate) });
+        jobs.push(Job { w: &mut layer.w_up, site: f_in, output: true, head: false, reads: true, kind: k(TensorKind::Up) });
+        jobs.push(Job { w: &mut layer.w_down, site: f_down, output: true, head: false, reads: true, kind: k(TensorKind::Down) });
     }
     let total = jobs.len();
     let (mut bits, mut weights) = (0f64, 0f64);
@@ -226,13 +355,18 @@ pub fn quantize_model(
         // llama.cpp keeps its output at 6-8 bits in every 4-bit type); an untied embedding (only looked
         // up, one row per token) in the asked format at its own group, as llama.cpp's Q4_K_M stores
         // token_embd in Q4_K.
-        let (format, want) = if job.head {
+        let (mut format, mut want) = if job.head {
             (opts.head_format, opts.head_group)
         } else if job.site == HEAD {
             (opts.format, opts.embed_group)
         } else {
             (opts.format, opts.group)
         };
+        if let Some((kind, layer)) = job.kind {
+            if let Some(r) = opts.rules.iter().rev().find(|r| r.applies(kind, layer)) {
+                (format, want) = (r.format, r.group);
+            }
+        }
         let group = [want, 64, 32].into_iter().find(|&g| g <= want && cols.is_multiple_of(g));
         let new = match group {
             Some(group) => {
@@ -691,4 +825,33 @@ fn write_into(src: &Source, model: &Model, opts: &QuantizeOptions, tmp: &Path) -
     let out_w = tmp.join(WEIGHTS_FILE);
     safetensors::serialize_to_file(views, None, &out_w).map_err(|e| Error::model(&out_w, format!("cannot write: {e}")))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rules parse into the documented fields (default group, layer ranges, case of the format) and match
+    /// the layers they name; malformed rules are errors naming the rule.
+    #[test]
+    fn tensor_rules_parse_and_match() {
+        let r = TensorRule::parse_list(" v_proj=l/32, down_proj@0+2-3=M ,lm_head=m/128,", 64).unwrap();
+        assert_eq!(
+            r,
+            vec![
+                TensorRule { kind: TensorKind::V, layers: vec![], format: Format::L, group: 32 },
+                TensorRule { kind: TensorKind::Down, layers: vec![(0, 0), (2, 3)], format: Format::M, group: 64 },
+                TensorRule { kind: TensorKind::Head, layers: vec![], format: Format::M, group: 128 },
+            ]
+        );
+        let hits: Vec<usize> = (0..6).filter(|&l| r[1].applies(TensorKind::Down, Some(l))).collect();
+        assert_eq!(hits, [0, 2, 3]);
+        assert!(!r[1].applies(TensorKind::Up, Some(0)) && r[0].applies(TensorKind::V, Some(17)));
+        assert!(r[2].applies(TensorKind::Head, None));
+        for bad in ["v_proj", "w_proj=l", "v_proj=q", "v_proj=l/48", "down_proj@3-1=l", "down_proj@x=l", "down_proj@=m"] {
+            let e = TensorRule::parse_list(bad, 64).unwrap_err().to_string();
+            assert!(e.contains(bad), "{bad}: {e}");
+        }
+        assert!(TensorRule::parse_list("", 64).unwrap().is_empty());
+    }
 }
