@@ -657,17 +657,38 @@ fn gguf_vectors(model: &Model) -> Vec<(String, Vec<usize>, Vec<f32>)> {
 ///
 /// Errors: `out` exists, a hybrid model, an I/O failure, what reading `src` reports.
 pub fn write_folder(src: Source, model: &Model, opts: &QuantizeOptions, out: &Path) -> Result<()> {
+    write_atomically(out, |tmp| write_into(&src, model, opts, tmp))
+}
+
+/// Run `write` on a temporary folder next to `out`, then rename it to `out`; on any error the temporary
+/// folder is removed, so nothing half-written is left behind.
+///
+/// Errors: `out` exists or has no folder name; `write`'s error; the rename's.
+fn write_atomically(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     if out.exists() {
         return Err(Error::model(out, "already exists (eddy quantize never overwrites; remove it or pick another -o)"));
     }
     let file_name = out.file_name().ok_or_else(|| Error::model(out, "not a folder name"))?.to_string_lossy().into_owned();
     let tmp = out.with_file_name(format!(".{file_name}.tmp-{}", std::process::id()));
-    let result = write_into(&src, model, opts, &tmp)
-        .and_then(|()| std::fs::rename(&tmp, out).map_err(|e| Error::Io { path: out.to_path_buf(), source: e }));
+    let result = write(&tmp).and_then(|()| std::fs::rename(&tmp, out).map_err(|e| Error::Io { path: out.to_path_buf(), source: e }));
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&tmp);
     }
     result
+}
+
+/// One tensor to serialize: name, dtype, shape, little-endian bytes.
+type RawTensor = (String, safetensors::Dtype, Vec<usize>, Vec<u8>);
+
+/// Write `tensors` as `tmp`/model.safetensors.
+fn write_tensors(tmp: &Path, tensors: &[RawTensor]) -> Result<()> {
+    let views = tensors
+        .iter()
+        .map(|(n, d, s, b)| safetensors::tensor::TensorView::new(*d, s.clone(), b).map(|v| (n.clone(), v)))
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| Error::model(tmp, format!("cannot lay out the tensors: {e}")))?;
+    let out_w = tmp.join(crate::model_dir::WEIGHTS_FILE);
+    safetensors::serialize_to_file(views, None, &out_w).map_err(|e| Error::model(&out_w, format!("cannot write: {e}")))
 }
 
 /// Write the safetensors folder `src` (a DFlash drafter: `config.json`, `model.safetensors`, optional
@@ -681,14 +702,9 @@ pub fn write_folder(src: Source, model: &Model, opts: &QuantizeOptions, out: &Pa
 /// Errors: `out` exists; `src` unreadable or not a safetensors folder; a matrix with a row length that is not
 /// a multiple of 32 (it would stay f32; refused so the output is always int8); I/O errors.
 pub fn write_q8_folder(src: &Path, out: &Path) -> Result<()> {
-    use crate::model_dir::{Quant, CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
-    if out.exists() {
-        return Err(Error::model(out, "already exists (eddy quantize never overwrites; remove it or pick another -o)"));
-    }
-    let file_name = out.file_name().ok_or_else(|| Error::model(out, "not a folder name"))?.to_string_lossy().into_owned();
-    let tmp = out.with_file_name(format!(".{file_name}.tmp-{}", std::process::id()));
-    let write = || -> Result<()> {
-        std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
+    use crate::model_dir::{Quant, CONFIG_FILE, WEIGHTS_INDEX_FILE};
+    write_atomically(out, |tmp| {
+        std::fs::create_dir_all(tmp).map_err(io(tmp))?;
         let t = Tensors::open(src)?;
         let mut names: Vec<&String> = t.names().collect();
         names.sort();
@@ -705,13 +721,7 @@ pub fn write_q8_folder(src: &Path, out: &Path) -> Result<()> {
                 tensors.push((name.clone(), dtype, shape.to_vec(), bytes.to_vec()));
             }
         }
-        let views = tensors
-            .iter()
-            .map(|(n, d, s, b)| safetensors::tensor::TensorView::new(*d, s.clone(), b).map(|v| (n.clone(), v)))
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|e| Error::model(&tmp, format!("cannot lay out the tensors: {e}")))?;
-        let out_w = tmp.join(WEIGHTS_FILE);
-        safetensors::serialize_to_file(views, None, &out_w).map_err(|e| Error::model(&out_w, format!("cannot write: {e}")))?;
+        write_tensors(tmp, &tensors)?;
         for entry in std::fs::read_dir(src).map_err(io(src))? {
             let entry = entry.map_err(io(src))?;
             let name = entry.file_name().to_string_lossy().into_owned();
@@ -730,12 +740,7 @@ pub fn write_q8_folder(src: &Path, out: &Path) -> Result<()> {
         });
         let out_cfg = tmp.join(CONFIG_FILE);
         std::fs::write(&out_cfg, serde_json::to_string_pretty(&cfg).unwrap_or_default() + "\n").map_err(io(&out_cfg))
-    };
-    let result = write().and_then(|()| std::fs::rename(&tmp, out).map_err(|e| Error::Io { path: out.to_path_buf(), source: e }));
-    if result.is_err() {
-        let _ = std::fs::remove_dir_all(&tmp);
-    }
-    result
+    })
 }
 
 fn io(p: &Path) -> impl FnOnce(std::io::Error) -> Error {
@@ -744,7 +749,7 @@ fn io(p: &Path) -> impl FnOnce(std::io::Error) -> Error {
 }
 
 fn write_into(src: &Source, model: &Model, opts: &QuantizeOptions, tmp: &Path) -> Result<()> {
-    use crate::model_dir::{CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
+    use crate::model_dir::{CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_INDEX_FILE};
     std::fs::create_dir_all(tmp).map_err(io(tmp))?;
     let mut cfg = match src {
         Source::Hf(src) => {
@@ -817,14 +822,7 @@ fn write_into(src: &Source, model: &Model, opts: &QuantizeOptions, tmp: &Path) -
             }
         }
     }
-    let views = tensors
-        .iter()
-        .map(|(n, d, s, b)| safetensors::tensor::TensorView::new(*d, s.clone(), b).map(|v| (n.clone(), v)))
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|e| Error::model(tmp, format!("cannot lay out the tensors: {e}")))?;
-    let out_w = tmp.join(WEIGHTS_FILE);
-    safetensors::serialize_to_file(views, None, &out_w).map_err(|e| Error::model(&out_w, format!("cannot write: {e}")))?;
-    Ok(())
+    write_tensors(tmp, &tensors)
 }
 
 #[cfg(test)]
