@@ -465,7 +465,7 @@ impl Engine {
             Logits::None,
             &mut self.logits
         ))?;
-        let warm = on_core!(&self.exec, |c| c.be.passes_to_steady_state()).saturating_sub(1);
+        let warm = self.cost.warmup();
         let mut out = Vec::new();
         for &n in sizes {
             let tokens: Vec<u32> = prompt.iter().cycle().take(n).copied().collect();
@@ -499,7 +499,7 @@ impl Engine {
         // a shape run slower (the GPU's graph capture) repeats each size and keeps the last, steady time:
         // seeded with first-pass times, the model would price every tree at several decode steps and never
         // speculate, so never measure a real verify pass either. (The cost model drops those first passes.)
-        let passes = on_core!(&self.exec, |c| c.be.passes_to_steady_state()).max(1);
+        let passes = self.cost.warmup() + 1;
         for n in [1usize, 2, 4, 8, 16] {
             if n > room || n > self.exec.max_batch() {
                 break;

@@ -243,6 +243,11 @@ impl CostModel {
         self.warmup = passes;
     }
 
+    /// Leading passes of each size left out of the table ([`CostModel::set_warmup`]).
+    pub fn warmup(&self) -> usize {
+        self.warmup
+    }
+
     /// Record that a verify pass over `nodes` nodes (root included) took `secs` seconds (skipped while
     /// that size is within its warm-up passes).
     pub fn record_verify(&mut self, nodes: usize, secs: f64) {
