@@ -230,7 +230,7 @@ pub fn matmul_with(kernel: Kernel, pool: &ThreadPool, w: &WeightMatrix, x: &[f32
     let chunk = |range: Range<usize>| unsafe {
         process_rows(kernel, &ctx, n, range.clone());
         if let Some(signs) = out_signs {
-            rotate_output_rows(&ctx, n, range, signs);
+            rotate_output_rows(kernel, &ctx, n, range, signs);
         }
     };
     if pool.n_threads() == 1 || rows * cols * n < 1 << 17 {
@@ -246,15 +246,21 @@ pub fn matmul_with(kernel: Kernel, pool: &ThreadPool, w: &WeightMatrix, x: &[f32
 ///
 /// # Safety
 /// `range` must be this worker's rows of `ctx.out` (`n × rows`), already computed.
-unsafe fn rotate_output_rows(ctx: &Ctx, n: usize, range: Range<usize>, signs: &crate::quant::rotation::Signs) {
-    use crate::quant::rotation::{blocks, fwht};
+unsafe fn rotate_output_rows(kernel: Kernel, ctx: &Ctx, n: usize, range: Range<usize>, signs: &crate::quant::rotation::Signs) {
+    use crate::quant::rotation::{blocks, fwht, BLOCK};
     for t in 0..n {
         let row = std::slice::from_raw_parts_mut(ctx.out.get().add(t * ctx.rows), ctx.rows);
-        for (s, len) in blocks(ctx.rows).filter(|&(s, _)| range.contains(&s)) {
+        // `range` starts on a block boundary: skip straight to its first block (`nth` on the block
+        // iterator is O(1)) instead of filtering all of them, which made every chunk cost O(rows).
+        for (s, len) in blocks(ctx.rows).skip(range.start / BLOCK).take_while(|&(s, _)| s < range.end) {
             debug_assert!(s + len <= range.end);
             let y = &mut row[s..s + len];
-            fwht(y);
-            y.iter_mut().zip(&signs.v[s..s + len]).for_each(|(y, s)| *y *= s);
+            if len == BLOCK {
+                quantize::rotate_output_block(kernel, y, &signs.v[s..s + len]);
+            } else {
+                fwht(y);
+                y.iter_mut().zip(&signs.v[s..s + len]).for_each(|(y, s)| *y *= s);
+            }
         }
     }
 }

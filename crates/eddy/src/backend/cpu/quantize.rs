@@ -168,6 +168,23 @@ fn rotate_group(kernel: Kernel, x: &[f32], signs: &[f32], out: &mut [f32]) {
     crate::quant::rotation::fwht(out);
 }
 
+/// `y ← signs ⊙ (H₃₂·y)` for one block of 32 outputs: the output side of a rotated product's epilogue
+/// (`crate::quant::rotation`). Bit-identical on every path: the AVX-512 butterfly does the scalar
+/// [`crate::quant::rotation::fwht`]'s operations in its order, and a product with `±1` is exact.
+///
+/// Panics (debug) if `y` or `signs` holds fewer than 32 values.
+pub(crate) fn rotate_output_block(kernel: Kernel, y: &mut [f32], signs: &[f32]) {
+    debug_assert!(y.len() >= QK && signs.len() >= QK);
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx512 {
+        // SAFETY: the AVX-512 path was checked to be available; both slices hold 32 values.
+        return unsafe { simd::rotate_output_avx512(y, signs) };
+    }
+    let _ = kernel;
+    crate::quant::rotation::fwht(&mut y[..QK]);
+    y.iter_mut().zip(signs).for_each(|(y, s)| *y *= s);
+}
+
 /// Scale, inverse scale for a group with maximum magnitude `amax`.
 #[inline]
 pub(crate) fn group_scale(amax: f32) -> (f32, f32) {
@@ -215,8 +232,27 @@ mod simd {
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn rotate_avx512(x: &[f32], signs: &[f32], out: &mut [f32]) {
         debug_assert!(x.len() >= QK && signs.len() >= QK && out.len() >= QK);
-        let mut a = _mm512_mul_ps(_mm512_loadu_ps(x.as_ptr()), _mm512_loadu_ps(signs.as_ptr()));
-        let mut b = _mm512_mul_ps(_mm512_loadu_ps(x.as_ptr().add(16)), _mm512_loadu_ps(signs.as_ptr().add(16)));
+        let a = _mm512_mul_ps(_mm512_loadu_ps(x.as_ptr()), _mm512_loadu_ps(signs.as_ptr()));
+        let b = _mm512_mul_ps(_mm512_loadu_ps(x.as_ptr().add(16)), _mm512_loadu_ps(signs.as_ptr().add(16)));
+        let (lo, hi) = butterfly32(a, b);
+        _mm512_storeu_ps(out.as_mut_ptr(), lo);
+        _mm512_storeu_ps(out.as_mut_ptr().add(16), hi);
+    }
+
+    /// `y ← signs ⊙ (H₃₂·y)`: [`butterfly32`], then the signs (exact).
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn rotate_output_avx512(y: &mut [f32], signs: &[f32]) {
+        debug_assert!(y.len() >= QK && signs.len() >= QK);
+        let (lo, hi) = butterfly32(_mm512_loadu_ps(y.as_ptr()), _mm512_loadu_ps(y.as_ptr().add(16)));
+        _mm512_storeu_ps(y.as_mut_ptr(), _mm512_mul_ps(lo, _mm512_loadu_ps(signs.as_ptr())));
+        _mm512_storeu_ps(y.as_mut_ptr().add(16), _mm512_mul_ps(hi, _mm512_loadu_ps(signs.as_ptr().add(16))));
+    }
+
+    /// `H₃₂·(a ‖ b)` as (first 16, last 16) values: strides 1, 2, 4, 8 inside each half, stride 16 across
+    /// them, then `× 1/√32` — the scalar butterfly's operations in its order.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn butterfly32(mut a: __m512, mut b: __m512) -> (__m512, __m512) {
         let lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         for (h, hi) in [(1, 0xAAAAu16), (2, 0xCCCC), (4, 0xF0F0), (8, 0xFF00)] {
             let idx = _mm512_xor_si512(lane, _mm512_set1_epi32(h));
@@ -226,8 +262,7 @@ mod simd {
             b = _mm512_mask_sub_ps(_mm512_add_ps(b, pb), hi, pb, b);
         }
         let s = _mm512_set1_ps(1.0 / (QK as f32).sqrt());
-        _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(_mm512_add_ps(a, b), s));
-        _mm512_storeu_ps(out.as_mut_ptr().add(16), _mm512_mul_ps(_mm512_sub_ps(a, b), s));
+        (_mm512_mul_ps(_mm512_add_ps(a, b), s), _mm512_mul_ps(_mm512_sub_ps(a, b), s))
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]

@@ -601,6 +601,28 @@ fn rotated_matmul_matches_reference_and_is_batch_invariant() {
     }
 }
 
+/// The output side of a rotated product's epilogue (`y ← D_out ⊙ (H·y)` per block of 32) is bit-identical
+/// on every kernel path and equals the scalar butterfly followed by the signs, on random values.
+#[test]
+fn output_rotation_block_is_bit_identical_on_every_path() {
+    let mut rng = Rng(31);
+    for _ in 0..200 {
+        let y = rand_x(1, 32, &mut rng);
+        let signs: Vec<f32> = (0..32).map(|_| if rng.next().is_multiple_of(2) { 1.0 } else { -1.0 }).collect();
+        let mut want = y.clone();
+        crate::quant::rotation::fwht(&mut want);
+        want.iter_mut().zip(&signs).for_each(|(w, s)| *w *= s);
+        assert!(want.iter().zip(&y).any(|(a, b)| a != b), "the rotation changed nothing");
+        for k in Kernel::available() {
+            let mut got = y.clone();
+            super::quantize::rotate_output_block(k, &mut got, &signs);
+            for i in 0..32 {
+                assert_eq!(got[i].to_bits(), want[i].to_bits(), "{k:?} i={i}: {} vs {}", got[i], want[i]);
+            }
+        }
+    }
+}
+
 /// Activations quantized without (or with other) input signs are refused by a rotated matrix.
 #[test]
 fn rotated_matmul_refuses_unrotated_activations() {
