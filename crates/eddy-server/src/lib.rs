@@ -178,7 +178,7 @@ pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router>
 /// The CORS layer for `origins` (`*`: any origin), `None` when empty. A malformed origin is an
 /// [`std::io::ErrorKind::InvalidInput`] error.
 fn cors_layer(origins: &[String]) -> std::io::Result<Option<tower_http::cors::CorsLayer>> {
-    use tower_http::cors::{AllowOrigin, Any, CorsLayer};
+    use tower_http::cors::{AllowHeaders, AllowOrigin, Any, CorsLayer};
     if origins.is_empty() {
         return Ok(None);
     }
@@ -198,7 +198,9 @@ fn cors_layer(origins: &[String]) -> std::io::Result<Option<tower_http::cors::Co
         CorsLayer::new()
             .allow_origin(allow)
             .allow_methods([Method::GET, Method::POST, Method::OPTIONS])
-            .allow_headers(Any)
+            // The headers the preflight asks for, echoed: `*` never covers `Authorization` (Fetch
+            // standard), which every OpenAI client sends.
+            .allow_headers(AllowHeaders::mirror_request())
             .max_age(Duration::from_secs(600)),
     ))
 }

@@ -91,14 +91,16 @@ impl Family {
     }
 
     /// A llguidance Lark grammar of the reply that `tools.choice` requires: one call (or, with
-    /// `parallel`, one or more) of the allowed tools, written as the template writes calls, arguments
-    /// valid under each tool's schema. `special_id(text)` gives the id of a control token (Mistral's
-    /// markers).
+    /// `parallel` and `required`, one or more) of the allowed tools, written as the template writes
+    /// calls, arguments valid under each tool's schema. A named function is called exactly once, as
+    /// OpenAI and vLLM do (repeating it would only run on to `max_tokens`). `special_id(text)` gives the
+    /// id of a control token (Mistral's markers).
     pub fn call_grammar(self, tools: &Tools, special_id: impl Fn(&str) -> Option<u32>) -> Result<String, String> {
         let allowed: Vec<&Tool> = match &tools.choice {
             ToolChoice::Named(n) => tools.tools.iter().filter(|t| &t.name == n).collect(),
             _ => tools.tools.iter().collect(),
         };
+        let parallel = tools.parallel && !matches!(tools.choice, ToolChoice::Named(_));
         let args_key = if self == Family::Llama3 { "parameters" } else { "arguments" };
         let compact = json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
         let one: Vec<Value> = allowed
@@ -114,7 +116,7 @@ impl Family {
         Ok(match self {
             Family::Hermes => format!(
                 "start: call{}\ncall: \"{OPEN}\\n\" body \"\\n{CLOSE}\"\nbody: %json {}\n",
-                if tools.parallel { " (\"\\n\" call)*" } else { "" },
+                if parallel { " (\"\\n\" call)*" } else { "" },
                 text(&call)?
             ),
             Family::Mistral => {
@@ -129,7 +131,7 @@ impl Family {
                     })
                     .collect();
                 let mut list = json!({"type": "array", "minItems": 1, "items": {"anyOf": items}, "x-guidance": compact});
-                if !tools.parallel {
+                if !parallel {
                     list["maxItems"] = json!(1);
                 }
                 format!("start: <[{id}]> \" \"? body\nbody: %json {}\n", text(&list)?)
@@ -138,7 +140,7 @@ impl Family {
                 let (tc, args) = (special(MISTRAL)?, special(ARGS)?);
                 let mut g = format!(
                     "start: call{}\ncall: <[{tc}]> ({})\n",
-                    if tools.parallel { "+" } else { "" },
+                    if parallel { "+" } else { "" },
                     (0..allowed.len()).map(|i| format!("fn{i}")).collect::<Vec<_>>().join(" | ")
                 );
                 for (i, t) in allowed.iter().enumerate() {
@@ -966,6 +968,13 @@ mod tests {
         }
         // And refuses a call of another tool when one is named.
         assert!(grammar_allows(&g, want, &test_tools(ToolChoice::Named("get_time".into()), true), &text).is_err());
+        if want == Family::Hermes {
+            // Two calls: allowed for `required` with parallel calls, never for a named function.
+            let two = format!("{text}\n{text}");
+            grammar_allows(&g, want, &test_tools(ToolChoice::Required, true), &two).unwrap_or_else(|e| panic!("two calls: {e}"));
+            assert!(grammar_allows(&g, want, &test_tools(ToolChoice::Required, false), &two).is_err());
+            assert!(grammar_allows(&g, want, &test_tools(ToolChoice::Named("get_weather".into()), true), &two).is_err());
+        }
     }
 
     /// Short templates written for these tests, each writing a call in its family's syntax as the real

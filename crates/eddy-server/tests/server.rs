@@ -1479,6 +1479,9 @@ fn cors_preflight_and_headers() {
     let lower = r.to_ascii_lowercase();
     assert!(lower.contains("access-control-allow-origin: http://app.example"), "{r}");
     assert!(lower.contains("access-control-allow-methods") && lower.contains("post"), "{r}");
+    // `Authorization` named (a `*` does not cover it in browsers).
+    let allowed = lower.lines().find(|l| l.starts_with("access-control-allow-headers:")).unwrap_or_else(|| panic!("{r}"));
+    assert!(allowed.contains("authorization") && allowed.contains("content-type"), "{r}");
     let get = |a: SocketAddr, origin: &str| {
         raw(a, format!("GET /v1/models HTTP/1.1\r\nHost: {a}\r\nOrigin: {origin}\r\nConnection: close\r\n\r\n")).to_ascii_lowercase()
     };
