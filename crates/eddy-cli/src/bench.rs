@@ -106,6 +106,13 @@ pub fn run(a: BenchArgs) -> R<()> {
     if !(base.starts_with("http://") || base.starts_with("https://")) {
         return Err(format!("--endpoint: '{endpoint}' is not an http:// or https:// URL"));
     }
+    if let Some(out) = &a.out {
+        // Fail before the run, not after it: the file must be creatable next to where it goes.
+        let dir = out.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+        let probe = dir.join(format!(".eddy-bench-probe-{}", std::process::id()));
+        std::fs::File::create(&probe).map_err(|e| format!("--out {}: cannot write into {}: {e}", out.display(), dir.display()))?;
+        let _ = std::fs::remove_file(&probe);
+    }
     if a.num == 0 {
         return Err("--num: must be at least 1".into());
     }

@@ -405,6 +405,23 @@ fn bad(thing: &str, problem: impl std::fmt::Display) -> eddy::Error {
     eddy::Error::Input(format!("{thing}: {problem}"))
 }
 
+/// Error unless a file can be created next to `path` (in its folder), so that a command whose output
+/// goes there fails before its work, not after: a probe file is created and removed.
+fn check_writable(flag: &str, path: &std::path::Path) -> eddy::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    };
+    let probe = dir.join(format!(".eddy-write-probe-{}", std::process::id()));
+    match std::fs::File::create(&probe) {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
+        }
+        Err(e) => Err(bad(flag, format!("cannot write into {}: {e}", dir.display()))),
+    }
+}
+
 /// Collapse a message to one line (errors are one line, whatever the library or a parser wrote).
 fn one_line(s: &str) -> String {
     s.split(['\n', '\r']).map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ")
@@ -775,6 +792,9 @@ fn perplexity(a: PplArgs) -> eddy::Result<()> {
     if text.is_empty() {
         return Err(bad(&file, "the file is empty: nothing to score"));
     }
+    if let Some(path) = &a.save_logits {
+        check_writable("--save-logits", path)?;
+    }
     let window = a.model.ctx.unwrap_or(DEFAULT_PPL_CTX);
     let (mut engine, _) = engine_with_ctx(&a.model, window)?;
     if window > engine.ctx() {
@@ -859,6 +879,9 @@ fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
     if !(a.calib_damp >= 0.0 && a.calib_damp.is_finite()) {
         return Err(bad("--calib-damp", format!("must be a finite fraction ≥ 0, got {}", a.calib_damp)));
     }
+    if a.calib_tokens < 2 {
+        return Err(bad("--calib-tokens", format!("at least 2 tokens are needed for input statistics, got {}", a.calib_tokens)));
+    }
     let calib_text = match &a.calib {
         Some(p) => {
             let bytes = std::fs::read(p).map_err(|e| eddy::Error::Io { path: p.clone(), source: e })?;
@@ -873,6 +896,7 @@ fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
     if a.out.exists() {
         return Err(bad(&a.out.display().to_string(), "already exists (eddy quantize never overwrites)"));
     }
+    check_writable("-o", &a.out)?;
     let src = std::path::Path::new(&a.model);
     if src.is_dir() && eddy::spec::dflash::is_dflash_dir(src) {
         // A DFlash drafter runs with int8 matrices (groups of 32, no rotation): store exactly those.
@@ -919,7 +943,7 @@ fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
     let calib = match &calib_text {
         Some(text) => {
             let mut tokens = lm.tokenizer.encode(text, true)?;
-            tokens.truncate(a.calib_tokens.max(1));
+            tokens.truncate(a.calib_tokens);
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
             let t0 = std::time::Instant::now();
             eprintln!("calibrating on {} tokens ...", tokens.len());
@@ -981,6 +1005,9 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
     }
     if a.repetitions == 0 {
         return Err(bad("-r/--repetitions", "must be at least 1"));
+    }
+    if a.verify_sizes.contains(&0) || a.verify_sizes.iter().any(|&n| n > 1024) {
+        return Err(bad("--verify-sizes", "tree sizes must be 1..=1024 nodes"));
     }
     let (mut engine, threads) = engine_for(&a.model)?;
     if a.prompt_tokens + a.gen_tokens > engine.ctx() {
@@ -1045,9 +1072,6 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
         print_line(&j.to_string())?;
     }
     if !a.verify_sizes.is_empty() {
-        if a.verify_sizes.contains(&0) || a.verify_sizes.iter().any(|&n| n > 1024) {
-            return Err(bad("--verify-sizes", "tree sizes must be 1..=1024 nodes"));
-        }
         let times = engine.verify_times(&prompt, &a.verify_sizes, a.repetitions.max(3))?;
         let one = times.iter().find(|t| t.0 == 1).map(|t| t.1);
         for (n, secs) in times {

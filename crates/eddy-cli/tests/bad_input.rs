@@ -95,6 +95,25 @@ fn unsupported_tensor_type() {
     expect_error(&p, &[], "Q3_K");
 }
 
+/// Header values that would run a model silently wrong: no layers, fewer layers than the file holds, no
+/// rotary dimensions, no context.
+#[test]
+fn corrupt_hyperparameters() {
+    for (key, value, needle) in [
+        ("llama.block_count", 0u32, "empty model"),
+        ("llama.block_count", 10, "lies beyond llama.block_count = 10"),
+        ("llama.rope.dimension_count", 0, "rope dims 0"),
+        ("llama.context_length", 0, "context length 0"),
+    ] {
+        let Some(p) = modified(&format!("{key}-{value}.gguf"), |m, _| {
+            m.insert(key.into(), GgufValue::U32(value));
+        }) else {
+            return;
+        };
+        expect_error(&p, &[], needle);
+    }
+}
+
 #[test]
 fn shape_mismatch() {
     let Some(p) = modified("shape.gguf", |_, ts| {
@@ -221,6 +240,9 @@ fn quantize_bad_inputs_and_a_good_run() {
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--embed-group", "48", "-o", o], "--embed-group");
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib-damp=nan", "-o", o], "--calib-damp");
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib", "/no-such-calib.txt", "-o", o], "no-such-calib");
+    fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib-tokens", "0", "-o", o], "--calib-tokens");
+    // An output folder that cannot be written is refused before any work.
+    fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "l", "-o", "/proc/eddy-q-out"], "cannot write into /proc");
     let empty = dir.join("empty.txt");
     std::fs::write(&empty, " \n").unwrap();
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib", empty.to_str().unwrap(), "-o", o], "empty");
@@ -248,6 +270,12 @@ fn quantize_bad_inputs_and_a_good_run() {
     assert!(g.status.success() && err.contains("calibration:") && out2.join("model.safetensors").exists(), "{err}");
     let ok = eddy(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "l", "--group", "32", "-o", o]);
     assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(out.join("model.safetensors")).unwrap().permissions().mode();
+        assert_eq!(mode & 0o044, 0o044, "the weights must be readable by others like the folder's other files: {mode:o}");
+    }
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "-o", o], "already exists");
     let names: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     assert!(names.iter().all(|n| !n.contains(".tmp-")), "{names:?}");

@@ -323,6 +323,19 @@ impl GgufFile {
         }
         let data_offset = r.pos.div_ceil(align) * align;
         let data_len = mmap.len().saturating_sub(data_offset) as u64;
+        // Tensors lie back to back in their listed order, each padded to the alignment (as the
+        // specification's writers lay them out and llama.cpp's reader requires): any other offset is
+        // a corrupt header, not a layout to honour.
+        let mut expected = 0u64;
+        for t in &tensors {
+            if t.offset != expected {
+                return Err(Error::model(
+                    path,
+                    format!("corrupt GGUF: tensor {} has data offset {}, expected {expected}", shown(&t.name), t.offset),
+                ));
+            }
+            expected = t.offset.saturating_add(t.nbytes).div_ceil(align as u64).saturating_mul(align as u64);
+        }
         for t in &tensors {
             if t.offset.checked_add(t.nbytes).is_none_or(|end| end > data_len) {
                 return Err(Error::model(
@@ -529,6 +542,17 @@ mod tests {
         assert_eq!(t.dims, vec![32]);
         let d = f.tensor_data(t).unwrap();
         assert_eq!(f32::from_le_bytes(d[4..8].try_into().unwrap()), 0.5);
+    }
+
+    /// A tensor whose data offset is not where the layout puts it (here: one byte off) is refused.
+    #[test]
+    fn moved_tensor_offset_is_refused() {
+        let mut b = tiny_gguf();
+        let at = b.windows(8).position(|w| w == b"x.weight").unwrap() + 8 + 4 + 8 + 4;
+        b[at..at + 8].copy_from_slice(&1u64.to_le_bytes());
+        b.extend([0u8; 32]);
+        let msg = open_bytes(&b).err().expect("a moved offset was accepted").to_string();
+        assert!(msg.contains("corrupt GGUF") && msg.contains("offset 1, expected 0"), "{msg}");
     }
 
     #[test]

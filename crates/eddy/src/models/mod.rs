@@ -123,6 +123,12 @@ impl ModelConfig {
     /// 32); the problem in words otherwise.
     pub fn check_shapes(&self) -> std::result::Result<(), String> {
         let c = self;
+        if c.n_layers == 0 || c.d_model == 0 || c.ffn_dim == 0 || c.vocab_size == 0 || c.train_ctx == 0 || c.rope_dims == 0 {
+            return Err(format!(
+                "empty model: {} layers, d_model {}, ffn {}, vocabulary {}, context length {}, rope dims {} (each must be at least 1)",
+                c.n_layers, c.d_model, c.ffn_dim, c.vocab_size, c.train_ctx, c.rope_dims
+            ));
+        }
         if c.n_heads == 0
             || c.n_kv_heads == 0
             || !c.n_heads.is_multiple_of(c.n_kv_heads)
@@ -581,5 +587,14 @@ pub(crate) fn common_config(g: &GgufFile, arch: Arch, name: &str) -> Result<Mode
         gdn: None,
     };
     c.check_shapes().map_err(|m| Error::model(&g.path, m))?;
+    // Layers the header does not count would be silently left out of the forward.
+    if let Some(t) = g.tensors.iter().find(|t| layer_of(&t.name).is_some_and(|l| l >= c.n_layers)) {
+        return Err(Error::model(&g.path, format!("tensor {} lies beyond {name}.block_count = {}", t.name, c.n_layers)));
+    }
     Ok(c)
+}
+
+/// The layer index of a GGUF tensor name `blk.N.…`.
+fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
 }

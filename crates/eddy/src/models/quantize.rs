@@ -688,7 +688,15 @@ fn write_tensors(tmp: &Path, tensors: &[RawTensor]) -> Result<()> {
         .collect::<std::result::Result<Vec<_>, _>>()
         .map_err(|e| Error::model(tmp, format!("cannot lay out the tensors: {e}")))?;
     let out_w = tmp.join(crate::model_dir::WEIGHTS_FILE);
-    safetensors::serialize_to_file(views, None, &out_w).map_err(|e| Error::model(&out_w, format!("cannot write: {e}")))
+    safetensors::serialize_to_file(views, None, &out_w).map_err(|e| Error::model(&out_w, format!("cannot write: {e}")))?;
+    // safetensors writes through a private (0600) temporary file; the folder's other files are
+    // world-readable, and a model folder is read by other users and containers.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&out_w, std::fs::Permissions::from_mode(0o644)).map_err(io(&out_w))?;
+    }
+    Ok(())
 }
 
 /// Write the safetensors folder `src` (a DFlash drafter: `config.json`, `model.safetensors`, optional
