@@ -748,6 +748,39 @@ fn decode_and_verify_timing() {
         let launches = (be.launches() - l0) as f64 / reps as f64;
         println!("{file}: {n}-node verify {:.3} ms ({:.2}× a decode step), {launches:.0} launches + copies", 1e3 * dv, dv / dt);
     }
+    // The same with the head's argmax on the device (only ids come back): what greedy decoding and
+    // speculation run in the engine (`Engine::set_device_argmax`).
+    ws.argmax_head = true;
+    st.truncate(base);
+    let mut tok = next;
+    for _ in 0..8 {
+        forward(&gm, &be, &mut ws, &mut st, &[tok], Logits::Last, &mut logits).unwrap();
+        tok = ws.ids[0];
+    }
+    let t0 = std::time::Instant::now();
+    for _ in 0..steps {
+        forward(&gm, &be, &mut ws, &mut st, &[tok], Logits::Last, &mut logits).unwrap();
+        tok = ws.ids[0];
+    }
+    let da = t0.elapsed().as_secs_f64() / steps as f64;
+    println!("{file}: device argmax: decode {:.3} ms/step = {:.0} tok/s", 1e3 * da, 1.0 / da);
+    st.truncate(base);
+    for n in [1usize, 2, 4, 8, 16, 32, 48, 64] {
+        let toks: Vec<u32> = prompt.iter().cycle().take(n).copied().collect();
+        let chain = TreePaths::chain(n);
+        for _ in 0..3 {
+            forward_tree(&gm, &be, &mut ws, &mut st, &toks, &chain, 0, &mut logits).unwrap();
+        }
+        let reps = 48;
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps {
+            forward_tree(&gm, &be, &mut ws, &mut st, &toks, &chain, 0, &mut logits).unwrap();
+        }
+        assert_eq!(ws.ids.len(), n, "one id per node");
+        let dv = t0.elapsed().as_secs_f64() / reps as f64;
+        println!("{file}: device argmax: {n}-node verify {:.3} ms ({:.2}× a decode step)", 1e3 * dv, dv / da);
+    }
+    ws.argmax_head = false;
     // Prefill of 512 tokens (runs of 64), as llama-bench's pp512.
     let long: Vec<u32> = prompt.iter().cycle().take(512).copied().collect();
     let mut pst = gm.new_state(&be, 1024);

@@ -273,9 +273,9 @@ MM_Q3(mm_q3_t8_p8, (mm_q_impl<8, false>), MM_ROWS, NO_BOUNDS)
 // mm_qw*: the block walks a list of work items — (row tile, step of 32 blocks) for its row tiles blockIdx.x,
 // blockIdx.x + gridDim.x, ... (a persistent grid when the host caps gridDim.x), each tile's steps in order —
 // and stages each item's data in shared memory with cp.async (global -> shared without registers, 16-byte
-// copies for codes and activation codes, 4-byte ones for scales, offsets and token sums). Where two stages
-// fit in the 48 KB of static shared memory (QwSmem::DB) the next item's copies are issued before this item's
-// mma's and its tile's reduction, so the loads of the next step, or of the next row tile, fly meanwhile.
+// copies for codes and activation codes, 4-byte ones for scales, offsets and token sums), two stages (QwSmem::DB:
+// every variant, in dynamic shared memory): the next item's copies are issued before this item's mma's and its
+// tile's reduction, so the loads of the next step, or of the next row tile, fly meanwhile.
 // Rows padded by 16 bytes, so the fragment reads hit 32 distinct banks. The epilogue form is a template
 // parameter (FORM: 0 implicit offset, 1 explicit offsets, 2 group-16 scales).
 //
@@ -289,7 +289,9 @@ MM_Q3(mm_q3_t8_p8, (mm_q_impl<8, false>), MM_ROWS, NO_BOUNDS)
 // the bias. So every output keeps mm_q_t1's float order for any S, grid and tile.
 // 512 threads and at most 64 registers: two blocks per multiprocessor.
 #define QW_WARPS 16
-#define QW_SMEM_MAX (48 * 1024)
+// Shared memory of a block (dynamic, two stages): at most this, so two blocks fit on an sm_90 multiprocessor
+// (228 KB; one on sm_80's 164 KB and sm_86/89's 100 KB).
+#define QW_SMEM_MAX (96 * 1024)
 
 __device__ __forceinline__ void cp_async16(void* s, const void* g) {
     const unsigned a = (unsigned)__cvta_generic_to_shared(s);
@@ -330,7 +332,7 @@ struct QwSmem {
     static constexpr bool DB = 2 * stage <= QW_SMEM_MAX;  // double-buffered
     static constexpr int bytes = DB ? 2 * stage : (stage > red ? stage : red);
     static_assert(red <= stage, "the reduction reuses a stage buffer");
-    static_assert(bytes <= QW_SMEM_MAX, "static shared memory");
+    static_assert(DB && bytes <= QW_SMEM_MAX, "two stages in QW_SMEM_MAX bytes");
 };
 
 // Up to three matrices of one format and width read from the same activations: the row tiles of part 0,
@@ -372,7 +374,7 @@ __device__ __forceinline__ void mm_qw_impl(const QParts& PT, int cols, int half,
     using L = QwSmem<NJ, P4, FORM, S>;
     constexpr int NT = L::NT, V = L::V, C = L::C, WA = L::WA, T = 32 * QW_WARPS, CS = L::CS, SPB = L::SPB;
     constexpr int CPB = L::CPB;
-    __shared__ __align__(16) unsigned char sm[L::bytes];
+    extern __shared__ __align__(16) unsigned char sm[];  // L::bytes (mm_qw_smem)
     __shared__ int last;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, q = lane & 3;
@@ -623,6 +625,12 @@ __device__ __forceinline__ void mm_qw_impl(const QParts& PT, int cols, int half,
         __syncthreads();  // the next item's copies (or the reduction) overwrite this buffer
     }
 }
+
+// Dynamic shared memory bytes of each variant, [split 1, 2, 4][NJ 1, 2][FORM][p4, p8], read by the host.
+#define QWB(NJ, F, S) QwSmem<NJ, true, F, S>::bytes, QwSmem<NJ, false, F, S>::bytes
+#define QWB_NJ(NJ, S) QWB(NJ, 0, S), QWB(NJ, 1, S), QWB(NJ, 2, S)
+#define QWB_S(S) QWB_NJ(1, S), QWB_NJ(2, S)
+extern "C" __device__ const int mm_qw_smem[36] = {QWB_S(1), QWB_S(2), QWB_S(4)};
 
 // One matrix (`mm_qw{NJ}_f{F}_{p4,p8}_s{S}`) and up to three (`mm_q3w…`, the parts' arguments as MM_Q3's).
 // `part` and `count` (zeroed, one per (row tile, token tile)) serve the split (S > 1); null otherwise.

@@ -126,8 +126,9 @@ unsafe impl Sync for Ctx {}
 #[allow(clippy::large_enum_variant)]
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Op {
-    /// A kernel launch (function handle as an integer, grid, block size, argument slots).
-    Kernel { f: usize, grid: [u32; 3], block: u32, n: u8, args: [u64; ARGS] },
+    /// A kernel launch (function handle as an integer, grid, block size, dynamic shared memory bytes, argument
+    /// slots).
+    Kernel { f: usize, grid: [u32; 3], block: u32, smem: u32, n: u8, args: [u64; ARGS] },
     /// A device-to-device copy of `bytes`.
     Copy { dst: u64, src: u64, bytes: usize },
 }
@@ -232,10 +233,11 @@ impl Queue {
         let mut h = self.hash;
         let mut mix = |w: u64| h = (h.rotate_left(5) ^ w).wrapping_mul(0x517c_c1b7_2722_0a95);
         match &op {
-            Op::Kernel { f, grid, block, n, args } => {
+            Op::Kernel { f, grid, block, smem, n, args } => {
                 mix(*f as u64);
                 mix(u64::from(grid[0]) | u64::from(grid[1]) << 32);
-                mix(u64::from(grid[2]) | u64::from(*block) << 32 | u64::from(*n) << 56);
+                mix(u64::from(grid[2]) | u64::from(*block) << 32);
+                mix(u64::from(*smem) | u64::from(*n) << 32);
                 args[..*n as usize].iter().for_each(|&a| mix(a));
             }
             Op::Copy { dst, src, bytes } => {
@@ -347,7 +349,7 @@ impl Queue {
 fn run_ops(ops: &[Op], stream: sys::CUstream) {
     for op in ops {
         match *op {
-            Op::Kernel { f, grid, block, n, args } => {
+            Op::Kernel { f, grid, block, smem, n, args } => {
                 let mut ptrs = [std::ptr::null_mut::<c_void>(); ARGS];
                 for (p, v) in ptrs.iter_mut().zip(&args[..n as usize]) {
                     *p = v as *const u64 as *mut c_void;
@@ -361,7 +363,7 @@ fn run_ops(ops: &[Op], stream: sys::CUstream) {
                             f as sys::CUfunction,
                             (grid[0], grid[1], grid[2]),
                             (block, 1, 1),
-                            0,
+                            smem,
                             stream,
                             &mut ptrs[..n as usize],
                         )
@@ -559,6 +561,8 @@ struct Kernels {
     mm_qw: [[[[Func; 2]; 3]; 2]; 3],
     /// The same for up to three matrices in one launch.
     mm_q3w: [[[[Func; 2]; 3]; 2]; 3],
+    /// Dynamic shared memory bytes of `mm_qw` / `mm_q3w` (the kernels' table `mm_qw_smem`, same index).
+    mm_qw_smem: [[[[u32; 2]; 3]; 2]; 3],
     /// `[f32 / bf16][tokens per block 1 / 8]`.
     mm_f: [[Func; 2]; 2],
     rotate_out: Func,
@@ -728,6 +732,22 @@ impl Cuda {
             let sp = |s: usize| -> Result<[[[Func; 2]; 3]; 2]> { Ok([tile(base, 1, s)?, tile(base, 2, s)?]) };
             Ok([sp(1)?, sp(2)?, sp(4)?])
         };
+        // The tensor-core products' shared memory (two stages each: beyond the 48 KB a launch gets unasked).
+        let mut smem = [[[[0u32; 2]; 3]; 2]; 3];
+        {
+            // SAFETY: a global of the loaded module; the copy reads its `size` bytes into a buffer of that size.
+            let (ptr, size) = unsafe { result::module::get_global(module, CString::new("mm_qw_smem").expect("name")) }
+                .map_err(|e| no(format!("mm_qw_smem missing from the fatbin: {e:?}")))?;
+            let mut table = vec![0i32; 36];
+            if size != 4 * table.len() {
+                return Err(no(format!("mm_qw_smem holds {size} bytes, 144 expected")));
+            }
+            // SAFETY: `table` holds `size` bytes; the context is bound.
+            unsafe { result::memcpy_dtoh_sync(&mut table, ptr) }.map_err(|e| no(format!("reading mm_qw_smem: {e:?}")))?;
+            for (i, &b) in table.iter().enumerate() {
+                smem[i / 12][i / 6 % 2][i / 2 % 3][i % 2] = b as u32;
+            }
+        }
         let sms = (attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).max(1)) as usize;
         let k = Kernels {
             quantize: get("quantize_q8")?,
@@ -735,6 +755,7 @@ impl Cuda {
             mm_q3: [[get("mm_q3_t1_p4")?, get("mm_q3_t1_p8")?], [get("mm_q3_t8_p4")?, get("mm_q3_t8_p8")?]],
             mm_qw: qw("mm_qw")?,
             mm_q3w: qw("mm_q3w")?,
+            mm_qw_smem: smem,
             mm_f: [[get("mm_f32_t1")?, get("mm_f32_t8")?], [get("mm_bf16_t1")?, get("mm_bf16_t8")?]],
             rotate_out: get("rotate_out")?,
             embed: get("embed")?,
@@ -759,6 +780,20 @@ impl Cuda {
         let pci_bus_id = (unsafe { sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as i32, dev) } == sys::CUresult::CUDA_SUCCESS)
             // SAFETY: NUL-terminated by the driver (the last byte is never written past the length).
             .then(|| unsafe { std::ffi::CStr::from_ptr(bus.as_ptr()) }.to_string_lossy().into_owned());
+        for (fs, bs) in [&k.mm_qw, &k.mm_q3w].into_iter().flat_map(|t| t.iter().flatten().flatten().zip(smem.iter().flatten().flatten())) {
+            for (f, &b) in fs.iter().zip(bs) {
+                // SAFETY: a kernel of the loaded module; its table entry is at most the device's limit (checked
+                // by the attribute call).
+                unsafe {
+                    result::function::set_function_attribute(
+                        f.0,
+                        sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        b as i32,
+                    )
+                }
+                .map_err(|e| no(format!("shared memory of {b} bytes for a product kernel: {e:?}")))?;
+            }
+        }
         let split = std::env::var("EDDY_CUDA_SPLIT").ok().and_then(|v| v.parse().ok()).filter(|s| MMA_SPLITS.contains(s)).unwrap_or(0);
         let persist = std::env::var("EDDY_CUDA_PERSIST").map_or(true, |v| v != "0");
         Ok(Cuda {
@@ -864,12 +899,17 @@ impl Cuda {
 
     /// Queue a kernel launch.
     fn launch3(&self, f: Func, grid: (usize, usize, usize), block: u32, args: Args) {
+        self.launch_smem(f, grid, block, 0, args)
+    }
+
+    /// A launch with `smem` bytes of dynamic shared memory.
+    fn launch_smem(&self, f: Func, grid: (usize, usize, usize), block: u32, smem: u32, args: Args) {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return;
         }
         let g = |x: usize| u32::try_from(x).expect("CUDA grid too large");
         self.queued.fetch_add(1, Ordering::Relaxed);
-        let op = Op::Kernel { f: f.0 as usize, grid: [g(grid.0), g(grid.1), g(grid.2)], block, n: args.n as u8, args: args.v };
+        let op = Op::Kernel { f: f.0 as usize, grid: [g(grid.0), g(grid.1), g(grid.2)], block, smem, n: args.n as u8, args: args.v };
         self.ctx.queue().push(op);
     }
 
@@ -1022,7 +1062,8 @@ impl Cuda {
                     let tiles = rows.div_ceil(MMA_ROWS);
                     let (si, grid) = self.mma_plan(tiles, n);
                     let (part, count) = self.mma_split_bufs(grid.2, tiles, grid.1, nt);
-                    self.launch3(self.k.mm_qw[si][v][qform(q)][p], grid, MMA_THREADS, a.p(part).p(count));
+                    let smem = self.k.mm_qw_smem[si][v][qform(q)][p];
+                    self.launch_smem(self.k.mm_qw[si][v][qform(q)][p], grid, MMA_THREADS, smem, a.p(part).p(count));
                 }
                 if let Some((signs, nb)) = &q.out_signs {
                     let a = Args::new().p(out).i(n).i(rows).i(*nb).p(signs.ptr);
@@ -1400,7 +1441,8 @@ impl Backend for Cuda {
             let (v, nt) = mma_tile(n);
             let (si, grid) = self.mma_plan(blocks, n);
             let (part, count) = self.mma_split_bufs(grid.2, blocks, grid.1, nt);
-            self.launch3(self.k.mm_q3w[si][v][qform(q0)][p], grid, MMA_THREADS, a.p(part).p(count));
+            let smem = self.k.mm_qw_smem[si][v][qform(q0)][p];
+            self.launch_smem(self.k.mm_q3w[si][v][qform(q0)][p], grid, MMA_THREADS, smem, a.p(part).p(count));
         }
     }
 
