@@ -328,10 +328,10 @@ struct QwSmem {
     static constexpr int stage = (hs + NT * SS * 4 + 15) / 16 * 16;
     static constexpr int C = S == 1 ? 2 : 1;       // classes per warp
     static constexpr int WA = V / C;               // warps with classes
-    static constexpr int red = (WA / 2) * MMA_ROWS * NT * 4;
+    static constexpr int red = WA * MMA_ROWS * NT * 4;  // the warps' subtree sums (in a stage buffer)
     static constexpr bool DB = 2 * stage <= QW_SMEM_MAX;  // double-buffered
-    static constexpr int bytes = DB ? 2 * stage : (stage > red ? stage : red);
-    static_assert(red <= stage, "the reduction reuses a stage buffer");
+    static constexpr bool RED_OWN = red > stage;          // else the reduction reuses the tile's last stage
+    static constexpr int bytes = (DB ? 2 * stage : stage) + (RED_OWN ? red : 0);
     static_assert(DB && bytes <= QW_SMEM_MAX, "two stages in QW_SMEM_MAX bytes");
 };
 
@@ -530,8 +530,7 @@ __device__ __forceinline__ void mm_qw_impl(const QParts& PT, int cols, int half,
             }
         }
         if (step == nsteps - 1) {
-            // The tile is done: the warp's subtree over its classes, then the tree over the warps with classes
-            // (at level s, warp w with w % 2s == s hands T(w, s) to warp w - s), through this item's buffer.
+            // The tile is done: the warp's subtree over its classes, then the tree over the warps with classes.
             const int tile = (int)blockIdx.x + (it / nsteps) * (int)gridDim.x;
             int r0;
             const int p = PT.part(tile, r0);
@@ -547,51 +546,37 @@ __device__ __forceinline__ void mm_qw_impl(const QParts& PT, int cols, int half,
 #pragma unroll
                         for (int e = 0; e < 4; ++e) P[k][j][e] = __fadd_rn(P[k][j][e], P[k + s][j][e]);
             __syncthreads();  // every warp is done reading this item's data
-            float* const red = reinterpret_cast<float*>(cur);  // [WA / 2][MMA_ROWS * NT]
+            // Each warp with classes puts its subtree sums T(C·w, C) in this item's buffer; then thread i of the
+            // first 16·NT adds output i's WA warp sums in the binary tree over consecutive warps, one level at a
+            // time in registers (T(w, 2s) = T(w, s) + T(w + s, s)): one barrier instead of one per level.
+            float* const red = reinterpret_cast<float*>(L::RED_OWN ? sm + (L::DB ? 2 : 1) * L::stage : cur);  // [WA][NT][16]
+            if (warp < WA) {
 #pragma unroll
-            for (int s = 1; s < WA; s <<= 1) {
-                if ((warp & (2 * s - 1)) == s && warp < WA) {
+                for (int j = 0; j < NJ; ++j)
 #pragma unroll
-                    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int row = g + 8 * (e >> 1), tok = 8 * j + 2 * q + (e & 1);
-                            red[(warp / (2 * s)) * MMA_ROWS * NT + tok * MMA_ROWS + row] = P[0][j][e];
-                        }
-                }
-                __syncthreads();
-                if ((warp & (2 * s - 1)) == 0 && warp < WA) {
-#pragma unroll
-                    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int row = g + 8 * (e >> 1), tok = 8 * j + 2 * q + (e & 1);
-                            P[0][j][e] = __fadd_rn(P[0][j][e], red[(warp / (2 * s)) * MMA_ROWS * NT + tok * MMA_ROWS + row]);
-                        }
-                }
-                __syncthreads();
+                    for (int e = 0; e < 4; ++e)
+                        red[warp * MMA_ROWS * NT + (8 * j + 2 * q + (e & 1)) * MMA_ROWS + g + 8 * (e >> 1)] = P[0][j][e];
             }
+            __syncthreads();
+            float v = 0.0f;
+            if (tid < MMA_ROWS * NT) {
+                float w[WA];
+#pragma unroll
+                for (int i = 0; i < WA; ++i) w[i] = red[i * MMA_ROWS * NT + tid];
+#pragma unroll
+                for (int s = 1; s < WA; s <<= 1)
+#pragma unroll
+                    for (int i = 0; i < WA; i += 2 * s) w[i] = __fadd_rn(w[i], w[i + s]);
+                v = w[0];
+            }
+            const int orow = tid % MMA_ROWS, otok = tid / MMA_ROWS;  // thread tid's output (tid < 16·NT)
             if (S == 1) {
-                if (warp == 0) {
-#pragma unroll
-                    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int row = r0 + g + 8 * (e >> 1), t = t0 + 8 * j + 2 * q + (e & 1);
-                            if (row < rows && t < n)
-                                out[(long long)t * rows + row] = bias != nullptr ? __fadd_rn(P[0][j][e], bias[row]) : P[0][j][e];
-                        }
-                }
+                const int gr = r0 + orow, t = t0 + otok;
+                if (tid < MMA_ROWS * NT && gr < rows && t < n)
+                    out[(long long)t * rows + gr] = bias != nullptr ? __fadd_rn(v, bias[gr]) : v;
             } else {
                 const long long ti = (long long)tile * gridDim.y + blockIdx.y;
-                float* const mine = part + (ti * S + h) * (MMA_ROWS * NT);
-                if (warp == 0) {
-#pragma unroll
-                    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            mine[(8 * j + 2 * q + (e & 1)) * MMA_ROWS + g + 8 * (e >> 1)] = P[0][j][e];
-                }
+                if (tid < MMA_ROWS * NT) part[(ti * S + h) * (MMA_ROWS * NT) + tid] = v;
                 // The last of the tile's S blocks to finish adds the subtrees in the tree's order.
                 __threadfence();
                 __syncthreads();
@@ -601,16 +586,14 @@ __device__ __forceinline__ void mm_qw_impl(const QParts& PT, int cols, int half,
                     __threadfence();
                     if (tid == 0) count[ti] = 0;
                     if (tid < MMA_ROWS * NT) {
-                        const int row = tid % MMA_ROWS, tok = tid / MMA_ROWS;
                         const float* base = part + ti * S * (MMA_ROWS * NT) + tid;
-                        float v;
                         if (S == 2) {
                             v = __fadd_rn(__ldcg(base), __ldcg(base + MMA_ROWS * NT));
                         } else {
                             v = __fadd_rn(__fadd_rn(__ldcg(base), __ldcg(base + MMA_ROWS * NT)),
                                           __fadd_rn(__ldcg(base + 2 * MMA_ROWS * NT), __ldcg(base + 3 * MMA_ROWS * NT)));
                         }
-                        const int gr = r0 + row, t = t0 + tok;
+                        const int gr = r0 + orow, t = t0 + otok;
                         if (gr < rows && t < n) out[(long long)t * rows + gr] = bias != nullptr ? __fadd_rn(v, bias[gr]) : v;
                     }
                 }
