@@ -506,7 +506,7 @@ pub struct CudaQAct {
     sum16: DevVec,
 }
 
-/// Most parameters of a kernel (`mm_q3_*` has 28).
+/// Most parameters of a kernel (`mm_q3w*` has 29).
 const ARGS: usize = 30;
 
 /// Kernel arguments as 8-byte slots (the driver reads each parameter's size from its slot's start).
