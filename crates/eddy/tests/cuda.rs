@@ -391,18 +391,27 @@ fn multi_token_products_equal_the_one_token_kernel() {
                 be.matmul_to_host(&w, &xt, &q1, 1, &mut one);
                 ones.extend_from_slice(&one);
             }
-            for &n in &ns {
-                let mut xq = be.new_qact();
-                be.quantize(&xb, n, cols, &w, &mut xq);
-                let mut all = vec![f32::NAN; n * rows];
-                be.matmul_to_host(&w, &xb, &xq, n, &mut all);
-                for t in 0..n {
-                    let (got, want) = (&all[t * rows..(t + 1) * rows], &ones[t * rows..(t + 1) * rows]);
-                    if let Some(r) = (0..rows).find(|&r| got[r].to_bits() != want[r].to_bits()) {
-                        panic!("{name} {rows}×{cols}: n = {n}, token {t}, row {r}: {} vs one-token {}", got[r], want[r]);
+            // Every launch shape of the tensor-core kernels: the split of a row tile over 1, 2, 4 blocks and
+            // grids of one block walking every row tile or two walking half each (next tile's loads in flight).
+            for (split, row_blocks) in LAUNCHES {
+                be.force_product_launch(split, row_blocks);
+                for &n in &ns {
+                    let mut xq = be.new_qact();
+                    be.quantize(&xb, n, cols, &w, &mut xq);
+                    let mut all = vec![f32::NAN; n * rows];
+                    be.matmul_to_host(&w, &xb, &xq, n, &mut all);
+                    for t in 0..n {
+                        let (got, want) = (&all[t * rows..(t + 1) * rows], &ones[t * rows..(t + 1) * rows]);
+                        if let Some(r) = (0..rows).find(|&r| got[r].to_bits() != want[r].to_bits()) {
+                            panic!(
+                                "{name} {rows}×{cols}: n = {n}, token {t}, row {r}, split {split:?}, row blocks {row_blocks:?}: {} vs one-token {}",
+                                got[r], want[r]
+                            );
+                        }
                     }
                 }
             }
+            be.force_product_launch(None, None);
         }
     }
     // Several matrices of one format in one launch (q/k/v with biases), against one-token products.
@@ -411,7 +420,8 @@ fn multi_token_products_equal_the_one_token_kernel() {
     for kind in [QuantKind::Q8, QuantKind::Q4] {
         let ws: Vec<_> = rows_of.iter().map(|&r| be.upload_weights(quantize_f32(r, cols, &rng.vec(r * cols), kind))).collect();
         let biases: Vec<_> = rows_of.iter().map(|&r| be.upload(&rng.vec(r))).collect();
-        for n in [3usize, 24] {
+        for (n, (split, row_blocks)) in [3usize, 24].into_iter().flat_map(|n| LAUNCHES.into_iter().map(move |l| (n, l))) {
+            be.force_product_launch(split, row_blocks);
             let x = rng.vec(n * cols);
             let mut xq = be.new_qact();
             let xb = be.upload(&x);
@@ -433,12 +443,29 @@ fn multi_token_products_equal_the_one_token_kernel() {
                 for (i, &r) in rows_of.iter().enumerate() {
                     let mut all = Vec::new();
                     be.read(&outs[i], t, 1, r, &mut all);
-                    assert!(read(&be, &ones[i], r) == all, "{kind:?} matmul_parts part {i}: token {t} of n = {n} differs from n = 1");
+                    assert!(
+                        read(&be, &ones[i], r) == all,
+                        "{kind:?} matmul_parts part {i}: token {t} of n = {n} differs from n = 1 (split {split:?}, row blocks {row_blocks:?})"
+                    );
                 }
             }
         }
     }
+    be.force_product_launch(None, None);
 }
+
+/// Launch shapes of the tensor-core products the tests force (split, most row blocks): as chosen, and each
+/// split on one block walking every row tile and on two.
+const LAUNCHES: [(Option<usize>, Option<usize>); 8] = [
+    (None, None),
+    (Some(1), None),
+    (Some(2), None),
+    (Some(4), None),
+    (Some(1), Some(1)),
+    (Some(2), Some(1)),
+    (Some(4), Some(2)),
+    (Some(1), Some(2)),
+];
 
 /// A hybrid (Gated DeltaNet) model is refused with an error, before any GPU operation.
 #[test]
@@ -721,6 +748,39 @@ fn decode_and_verify_timing() {
         let launches = (be.launches() - l0) as f64 / reps as f64;
         println!("{file}: {n}-node verify {:.3} ms ({:.2}× a decode step), {launches:.0} launches + copies", 1e3 * dv, dv / dt);
     }
+    // The same with the head's argmax on the device (only ids come back): what greedy decoding and
+    // speculation run in the engine (`Engine::set_device_argmax`).
+    ws.argmax_head = true;
+    st.truncate(base);
+    let mut tok = next;
+    for _ in 0..8 {
+        forward(&gm, &be, &mut ws, &mut st, &[tok], Logits::Last, &mut logits).unwrap();
+        tok = ws.ids[0];
+    }
+    let t0 = std::time::Instant::now();
+    for _ in 0..steps {
+        forward(&gm, &be, &mut ws, &mut st, &[tok], Logits::Last, &mut logits).unwrap();
+        tok = ws.ids[0];
+    }
+    let da = t0.elapsed().as_secs_f64() / steps as f64;
+    println!("{file}: device argmax: decode {:.3} ms/step = {:.0} tok/s", 1e3 * da, 1.0 / da);
+    st.truncate(base);
+    for n in [1usize, 2, 4, 8, 16, 32, 48, 64] {
+        let toks: Vec<u32> = prompt.iter().cycle().take(n).copied().collect();
+        let chain = TreePaths::chain(n);
+        for _ in 0..3 {
+            forward_tree(&gm, &be, &mut ws, &mut st, &toks, &chain, 0, &mut logits).unwrap();
+        }
+        let reps = 48;
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps {
+            forward_tree(&gm, &be, &mut ws, &mut st, &toks, &chain, 0, &mut logits).unwrap();
+        }
+        assert_eq!(ws.ids.len(), n, "one id per node");
+        let dv = t0.elapsed().as_secs_f64() / reps as f64;
+        println!("{file}: device argmax: {n}-node verify {:.3} ms ({:.2}× a decode step)", 1e3 * dv, dv / da);
+    }
+    ws.argmax_head = false;
     // Prefill of 512 tokens (runs of 64), as llama-bench's pp512.
     let long: Vec<u32> = prompt.iter().cycle().take(512).copied().collect();
     let mut pst = gm.new_state(&be, 1024);

@@ -270,52 +270,176 @@ MM_Q3(mm_q3_t8_p4, (mm_q_impl<8, true>), MM_ROWS, NO_BOUNDS)
 MM_Q3(mm_q3_t8_p8, (mm_q_impl<8, false>), MM_ROWS, NO_BOUNDS)
 
 // ---------------------------------------------------------------------------------------------------------
-// mm_qw*: per step of 32 blocks the whole block first stages the step's data in shared memory with coalesced
-// 16-byte loads (one memory round trip per step): the 16 rows' codes, the tile's activation codes, the scales
-// (and offsets), the tokens' scales and sums; then each warp takes its mma fragments from there (rows padded
-// by 16 bytes, so the fragment reads hit 32 distinct banks). The epilogue form is a template parameter (FORM:
-// 0 implicit offset, 1 explicit offsets, 2 group-16 scales), so each kernel carries one form. The warp tree
-// runs one level at a time through shared memory: at level s, warp w with w % 2s == s hands T(w, s) to warp
-// w - s. 512 threads and 64 registers: two blocks per multiprocessor, so one block's loads overlap the
-// other's products and reduction.
+// mm_qw*: the block walks a list of work items — (row tile, step of 32 blocks) for its row tiles blockIdx.x,
+// blockIdx.x + gridDim.x, ... (a persistent grid when the host caps gridDim.x), each tile's steps in order —
+// and stages each item's data in shared memory with cp.async (global -> shared without registers, 16-byte
+// copies for codes and activation codes, 4-byte ones for scales, offsets and token sums), two stages (QwSmem::DB:
+// every variant, in dynamic shared memory): the next item's copies are issued before this item's mma's and its
+// tile's reduction, so the loads of the next step, or of the next row tile, fly meanwhile.
+// Rows padded by 16 bytes, so the fragment reads hit 32 distinct banks. The epilogue form is a template
+// parameter (FORM: 0 implicit offset, 1 explicit offsets, 2 group-16 scales).
+//
+// Split (S = gridDim.z = 1, 2, 4 blocks per tile, blockIdx.z = h): the tree's top log2(S) levels are cut off.
+// Block h owns the visits V·h .. V·h + V - 1 (V = 32 / S), i.e. the subtree T(V·h, V): the classes rev5(i) of
+// those visits, which are exactly the classes congruent to revS(h) mod S, so it stages only the blocks
+// b ≡ revS(h) (mod S) of each step (slot m = class / S). Its warps own C = 2 (S = 1) or 1 class each; the
+// warps with classes (WA = V / C) meet in the binary tree over consecutive warps through shared memory. For
+// S > 1 each block writes its subtree sums to `part`, and the last of the tile's S blocks to finish (a device
+// counter per tile, reset by that block) adds them in the tree's order, p0 + p1 or (p0 + p1) + (p2 + p3), then
+// the bias. So every output keeps mm_q_t1's float order for any S, grid and tile.
+// 512 threads and at most 64 registers: two blocks per multiprocessor.
 #define QW_WARPS 16
-template <int NJ, bool P4, int FORM>
+// Shared memory of a block (dynamic, two stages): at most this, so two blocks fit on an sm_90 multiprocessor
+// (228 KB; one on sm_80's 164 KB and sm_86/89's 100 KB).
+#define QW_SMEM_MAX (96 * 1024)
+
+__device__ __forceinline__ void cp_async16(void* s, const void* g) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(s);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(g));
+}
+__device__ __forceinline__ void cp_async4(void* s, const void* g) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(s);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(a), "l"(g));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+template <int NJ, bool P4, int FORM, int S>
 struct QwSmem {
+    static constexpr int V = 32 / S;               // blocks of a row per step in this block (its classes)
+    static constexpr int LS = S == 1 ? 0 : (S == 2 ? 1 : 2);
     static constexpr int NT = 8 * NJ;
     static constexpr int CS = P4 ? 16 : 32;        // code bytes per block
-    static constexpr int RS = 32 * CS + 16;        // bytes per weight row of a step (padded)
-    static constexpr int AS = 32 * 32 + 16;        // bytes per token of a step (padded)
+    static constexpr int CPB = CS / 16;            // 16-byte copies per block of codes
+    static constexpr int RS = V * CS + 16;         // bytes per weight row of a step (padded)
+    static constexpr int AS = V * 32 + 16;         // bytes per token of a step (padded)
     static constexpr int SPB = FORM == 2 ? 2 : 1;  // scales (and token sums) per block
-    static constexpr int SS = 32 * SPB + 1;        // words per row of scales / token of sums (padded)
+    static constexpr int SS = V * SPB + 1;         // words per row of scales / token of sums (padded)
+    static constexpr int VS = V + 1;               // words per row of offsets / token of scales (padded)
     static constexpr int codes = 0;
     static constexpr int acts = codes + MMA_ROWS * RS;
     static constexpr int scales = acts + NT * AS;
     static constexpr int mins = scales + MMA_ROWS * SS * 4;
-    static constexpr int xs = mins + (FORM == 1 ? MMA_ROWS * 33 * 4 : 0);
-    static constexpr int hs = xs + NT * 33 * 4;
-    static constexpr int stage = hs + NT * SS * 4;
+    static constexpr int xs = mins + (FORM == 1 ? MMA_ROWS * VS * 4 : 0);
+    static constexpr int hs = xs + NT * VS * 4;
+    static constexpr int stage = (hs + NT * SS * 4 + 15) / 16 * 16;
+    static constexpr int C = S == 1 ? 2 : 1;       // classes per warp
+    static constexpr int WA = V / C;               // warps with classes
+    static constexpr int red = WA * MMA_ROWS * NT * 4;  // the warps' subtree sums (in a stage buffer)
+    static constexpr bool DB = 2 * stage <= QW_SMEM_MAX;  // double-buffered
+    static constexpr bool RED_OWN = red > stage;          // else the reduction reuses the tile's last stage
+    static constexpr int bytes = (DB ? 2 * stage : stage) + (RED_OWN ? red : 0);
+    static_assert(DB && bytes <= QW_SMEM_MAX, "two stages in QW_SMEM_MAX bytes");
 };
 
-template <int NJ, bool P4, int FORM, int W>
-__device__ __forceinline__ void mm_qw_impl(int bx, const uint8_t* __restrict__ codes, const float* __restrict__ sc,
-                                           const float* __restrict__ mn, int rows, int cols, int half, int g16,
-                                           const int8_t* __restrict__ xq, const float* __restrict__ xs,
-                                           const int* __restrict__ xsum, const float* __restrict__ xdsum,
-                                           const int* __restrict__ xsum16, int n, const float* __restrict__ bias,
-                                           float* __restrict__ out) {
-    (void)g16;
-    using L = QwSmem<NJ, P4, FORM>;
-    constexpr int NT = L::NT, C = 32 / W, T = 32 * W, CS = L::CS, SPB = L::SPB;
-    constexpr int RED = (W / 2) * MMA_ROWS * NT * 4;
-    constexpr int BYTES = L::stage > RED ? L::stage : RED;
-    __shared__ __align__(16) unsigned char sm[BYTES];
-    float* const smf = reinterpret_cast<float*>(sm);
-    const int* const smi = reinterpret_cast<const int*>(sm);
+// Up to three matrices of one format and width read from the same activations: the row tiles of part 0,
+// then part 1's, then part 2's (absent parts have 0 rows).
+struct QParts {
+    const uint8_t* c[3];
+    const float* s[3];
+    const float* m[3];
+    const float* b[3];
+    float* o[3];
+    int r[3];
+    int nb0, nb1;
+    __device__ __forceinline__ int tiles() const { return nb0 + nb1 + (r[2] + MMA_ROWS - 1) / MMA_ROWS; }
+    // The part of row tile `tile` and its first row there.
+    __device__ __forceinline__ int part(int tile, int& r0) const {
+        if (tile >= nb0 + nb1) {
+            r0 = (tile - nb0 - nb1) * MMA_ROWS;
+            return 2;
+        }
+        if (tile >= nb0) {
+            r0 = (tile - nb0) * MMA_ROWS;
+            return 1;
+        }
+        r0 = tile * MMA_ROWS;
+        return 0;
+    }
+    // Part p's entries by selects (no local-memory array indexed at run time).
+    template <typename X>
+    __device__ __forceinline__ static X pick(const X (&x)[3], int p) {
+        return p == 2 ? x[2] : (p == 1 ? x[1] : x[0]);
+    }
+};
+
+template <int NJ, bool P4, int FORM, int S>
+__device__ __forceinline__ void mm_qw_impl(const QParts& PT, int cols, int half, const int8_t* __restrict__ xq,
+                                           const float* __restrict__ xs, const int* __restrict__ xsum,
+                                           const float* __restrict__ xdsum, const int* __restrict__ xsum16, int n,
+                                           float* __restrict__ part, int* __restrict__ count) {
+    using L = QwSmem<NJ, P4, FORM, S>;
+    constexpr int NT = L::NT, V = L::V, C = L::C, WA = L::WA, T = 32 * QW_WARPS, CS = L::CS, SPB = L::SPB;
+    constexpr int CPB = L::CPB;
+    extern __shared__ __align__(16) unsigned char sm[];  // L::bytes (mm_qw_smem)
+    __shared__ int last;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, q = lane & 3;
-    const int r0 = bx * MMA_ROWS, t0 = blockIdx.y * NT;
-    if (r0 >= rows) return;  // whole block: no barrier skipped by part of it
-    const int nblk = cols >> 5;
+    const int t0 = blockIdx.y * NT, h = blockIdx.z;
+    const int off = S == 1 ? 0 : (S == 2 ? h : ((h >> 1) | ((h & 1) << 1)));  // revS(h)
+    const int ntiles = PT.tiles();
+    if ((int)blockIdx.x >= ntiles) return;  // whole block: no barrier skipped by part of it
+    const int nblk = cols >> 5, nsteps = (nblk + 31) >> 5;
+    const int items = (ntiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x * nsteps;
+    // Stage item `it` into `buf`: every copy of the item issued (rows and tokens past the ends clamped, blocks
+    // past the row's end skipped).
+    auto issue = [&](int it, unsigned char* buf) {
+        const int tile = (int)blockIdx.x + (it / nsteps) * (int)gridDim.x, c0 = (it % nsteps) * 32;
+        int r0;
+        const int p = PT.part(tile, r0);
+        const uint8_t* __restrict__ codes = QParts::pick(PT.c, p);
+        const float* __restrict__ sc = QParts::pick(PT.s, p);
+        const float* __restrict__ mn = QParts::pick(PT.m, p);
+        const int rows = QParts::pick(PT.r, p), sb = min(32, nblk - c0);
+        constexpr int NC = MMA_ROWS * V * CPB, NA = NT * V * 2, NS = MMA_ROWS * V * SPB;
+        constexpr int NM = FORM == 1 ? MMA_ROWS * V : 0, NX = NT * V, NH = NT * V * SPB;
+#pragma unroll
+        for (int u = 0; u < (NC + T - 1) / T; ++u) {
+            const int i = tid + u * T, r = i / (V * CPB), k = i % (V * CPB), bk = (k / CPB) * S + off;
+            if (i < NC && bk < sb)
+                cp_async16(buf + L::codes + r * L::RS + k * 16,
+                           codes + ((long long)min(r0 + r, rows - 1) * nblk + c0 + bk) * CS + (k % CPB) * 16);
+        }
+#pragma unroll
+        for (int u = 0; u < (NA + T - 1) / T; ++u) {
+            const int i = tid + u * T, t = i / (2 * V), k = i % (2 * V), bk = (k >> 1) * S + off;
+            if (i < NA && bk < sb)
+                cp_async16(buf + L::acts + t * L::AS + k * 16,
+                           xq + (long long)min(t0 + t, n - 1) * cols + (c0 + bk) * 32 + (k & 1) * 16);
+        }
+#pragma unroll
+        for (int u = 0; u < (NS + T - 1) / T; ++u) {
+            const int i = tid + u * T, r = i / (V * SPB), k = i % (V * SPB), bk = (k / SPB) * S + off;
+            if (i < NS && bk < sb)
+                cp_async4(buf + L::scales + (r * L::SS + k) * 4,
+                          sc + ((long long)min(r0 + r, rows - 1) * nblk + c0 + bk) * SPB + k % SPB);
+        }
+#pragma unroll
+        for (int u = 0; u < (NM + T - 1) / T; ++u) {
+            const int i = tid + u * T, r = i / V, bk = (i % V) * S + off;
+            if (i < NM && bk < sb)
+                cp_async4(buf + L::mins + (r * L::VS + i % V) * 4, mn + (long long)min(r0 + r, rows - 1) * nblk + c0 + bk);
+        }
+#pragma unroll
+        for (int u = 0; u < (NX + T - 1) / T; ++u) {
+            const int i = tid + u * T, t = i / V, bk = (i % V) * S + off;
+            if (i < NX && bk < sb)
+                cp_async4(buf + L::xs + (t * L::VS + i % V) * 4, xs + (long long)min(t0 + t, n - 1) * nblk + c0 + bk);
+        }
+#pragma unroll
+        for (int u = 0; u < (NH + T - 1) / T; ++u) {
+            const int i = tid + u * T, t = i / (V * SPB), k = i % (V * SPB), bk = (k / SPB) * S + off;
+            if (i < NH && bk < sb) {
+                const long long at = (long long)min(t0 + t, n - 1) * nblk + c0 + bk;
+                const void* src = FORM == 2 ? (const void*)(xsum16 + 2 * at + k % SPB)
+                                            : (FORM == 1 ? (const void*)(xdsum + at) : (const void*)(xsum + at));
+                cp_async4(buf + L::hs + (t * L::SS + k) * 4, src);
+            }
+        }
+    };
     float P[C][NJ][4];
 #pragma unroll
     for (int k = 0; k < C; ++k)
@@ -325,116 +449,57 @@ __device__ __forceinline__ void mm_qw_impl(int bx, const uint8_t* __restrict__ c
             for (int e = 0; e < 4; ++e) P[k][j][e] = 0.0f;
     int cls[C];
 #pragma unroll
-    for (int k = 0; k < C; ++k) cls[k] = rev5(C * warp + k);
+    for (int k = 0; k < C; ++k) cls[k] = rev5(V * h + C * warp + k);
+    if (L::DB) {
+        issue(0, sm);
+        cp_async_commit();
+    }
 #pragma unroll 1
-    for (int c0 = 0; c0 < nblk; c0 += 32) {
-        const int sb = min(32, nblk - c0);  // blocks in this step
-        // Stage: every load first (rows and tokens past the ends clamped; blocks past the row's end skipped).
-        constexpr int NC = MMA_ROWS * 2 * CS, NA = NT * 64, NS = MMA_ROWS * 32 * SPB, NM = FORM == 1 ? MMA_ROWS * 32 : 0;
-        constexpr int NX = NT * 32, NH = NT * 32 * SPB;
-        constexpr int IC = (NC + T - 1) / T, IA = (NA + T - 1) / T, IS = (NS + T - 1) / T, IM = (NM + T - 1) / T;
-        constexpr int IX = (NX + T - 1) / T, IH = (NH + T - 1) / T;
-        uint4 vc[IC], va[IA];
-        float vs[IS], vm[IM > 0 ? IM : 1], vx[IX];
-        int vh[IH];
-#pragma unroll
-        for (int u = 0; u < IC; ++u) {
-            const int i = tid + u * T, r = i / (2 * CS), k = i % (2 * CS);
-            if (i < NC && k * 16 / CS < sb)
-                vc[u] = __ldg(reinterpret_cast<const uint4*>(codes + ((long long)min(r0 + r, rows - 1) * nblk + c0) * CS + k * 16));
-        }
-#pragma unroll
-        for (int u = 0; u < IA; ++u) {
-            const int i = tid + u * T, t = i / 64, k = i % 64;
-            if (i < NA && k / 2 < sb)
-                va[u] = __ldg(reinterpret_cast<const uint4*>(xq + (long long)min(t0 + t, n - 1) * cols + c0 * 32 + k * 16));
-        }
-#pragma unroll
-        for (int u = 0; u < IS; ++u) {
-            const int i = tid + u * T, r = i / (32 * SPB), k = i % (32 * SPB);
-            if (i < NS && k / SPB < sb) vs[u] = __ldg(sc + ((long long)min(r0 + r, rows - 1) * nblk + c0) * SPB + k);
-        }
-#pragma unroll
-        for (int u = 0; u < IM; ++u) {
-            const int i = tid + u * T, r = i / 32, k = i % 32;
-            if (i < NM && k < sb) vm[u] = __ldg(mn + (long long)min(r0 + r, rows - 1) * nblk + c0 + k);
-        }
-#pragma unroll
-        for (int u = 0; u < IX; ++u) {
-            const int i = tid + u * T, t = i / 32, k = i % 32;
-            if (i < NX && k < sb) vx[u] = __ldg(xs + (long long)min(t0 + t, n - 1) * nblk + c0 + k);
-        }
-#pragma unroll
-        for (int u = 0; u < IH; ++u) {
-            const int i = tid + u * T, t = i / (32 * SPB), k = i % (32 * SPB);
-            if (i < NH && k / SPB < sb) {
-                const long long at = (long long)min(t0 + t, n - 1) * nblk + c0;
-                if (FORM == 2) vh[u] = __ldg(xsum16 + 2 * at + k);
-                else if (FORM == 1) vh[u] = __float_as_int(__ldg(xdsum + at + k));
-                else vh[u] = __ldg(xsum + at + k);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < IC; ++u) {
-            const int i = tid + u * T, r = i / (2 * CS), k = i % (2 * CS);
-            if (i < NC && k * 16 / CS < sb) *reinterpret_cast<uint4*>(sm + L::codes + r * L::RS + k * 16) = vc[u];
-        }
-#pragma unroll
-        for (int u = 0; u < IA; ++u) {
-            const int i = tid + u * T, t = i / 64, k = i % 64;
-            if (i < NA && k / 2 < sb) *reinterpret_cast<uint4*>(sm + L::acts + t * L::AS + k * 16) = va[u];
-        }
-#pragma unroll
-        for (int u = 0; u < IS; ++u) {
-            const int i = tid + u * T, r = i / (32 * SPB), k = i % (32 * SPB);
-            if (i < NS && k / SPB < sb) smf[L::scales / 4 + r * L::SS + k] = vs[u];
-        }
-#pragma unroll
-        for (int u = 0; u < IM; ++u) {
-            const int i = tid + u * T, r = i / 32, k = i % 32;
-            if (i < NM && k < sb) smf[L::mins / 4 + r * 33 + k] = vm[u];
-        }
-#pragma unroll
-        for (int u = 0; u < IX; ++u) {
-            const int i = tid + u * T, t = i / 32, k = i % 32;
-            if (i < NX && k < sb) smf[L::xs / 4 + t * 33 + k] = vx[u];
-        }
-#pragma unroll
-        for (int u = 0; u < IH; ++u) {
-            const int i = tid + u * T, t = i / (32 * SPB), k = i % (32 * SPB);
-            if (i < NH && k / SPB < sb) reinterpret_cast<int*>(sm)[L::hs / 4 + t * L::SS + k] = vh[u];
+    for (int it = 0; it < items; ++it) {
+        unsigned char* const cur = sm + (L::DB ? (it & 1) * L::stage : 0);
+        if (L::DB) {
+            if (it + 1 < items) issue(it + 1, sm + ((it + 1) & 1) * L::stage);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            issue(it, cur);
+            cp_async_commit();
+            cp_async_wait<0>();
         }
         __syncthreads();
+        const float* const cf = reinterpret_cast<const float*>(cur);
+        const int* const ci = reinterpret_cast<const int*>(cur);
+        const int step = it % nsteps, sb = min(32, nblk - step * 32);
 #pragma unroll
         for (int k = 0; k < C; ++k) {
-            const int cl = cls[k];
-            if (cl < sb) {  // warp-uniform: this class has a block in the step
+            const int cl = cls[k], m = cl >> L::LS;
+            if (warp < WA && cl < sb) {  // warp-uniform: this class has a block in the step
                 uint32_t a[4];
                 if (P4) {
-                    const uint32_t wa = *reinterpret_cast<const uint32_t*>(sm + L::codes + g * L::RS + cl * 16 + 4 * q);
-                    const uint32_t wb = *reinterpret_cast<const uint32_t*>(sm + L::codes + (g + 8) * L::RS + cl * 16 + 4 * q);
+                    const uint32_t wa = *reinterpret_cast<const uint32_t*>(cur + L::codes + g * L::RS + m * 16 + 4 * q);
+                    const uint32_t wb = *reinterpret_cast<const uint32_t*>(cur + L::codes + (g + 8) * L::RS + m * 16 + 4 * q);
                     a[0] = wa & 0x0F0F0F0Fu;
                     a[1] = wb & 0x0F0F0F0Fu;
                     a[2] = (wa >> 4) & 0x0F0F0F0Fu;
                     a[3] = (wb >> 4) & 0x0F0F0F0Fu;
                 } else {
-                    const unsigned char* pa = sm + L::codes + g * L::RS + cl * 32 + 4 * q;
+                    const unsigned char* pa = cur + L::codes + g * L::RS + m * 32 + 4 * q;
                     a[0] = *reinterpret_cast<const uint32_t*>(pa);
                     a[1] = *reinterpret_cast<const uint32_t*>(pa + 8 * L::RS);
                     a[2] = *reinterpret_cast<const uint32_t*>(pa + 16);
                     a[3] = *reinterpret_cast<const uint32_t*>(pa + 8 * L::RS + 16);
                 }
-                float s[2][2], m[2];
+                float s[2][2], mm[2];
 #pragma unroll
                 for (int ri = 0; ri < 2; ++ri) {
-                    const float* srow = smf + L::scales / 4 + (g + 8 * ri) * L::SS + cl * SPB;
+                    const float* srow = cf + L::scales / 4 + (g + 8 * ri) * L::SS + m * SPB;
                     s[ri][0] = srow[0];
                     s[ri][1] = FORM == 2 ? srow[1] : 0.0f;
-                    m[ri] = FORM == 1 ? smf[L::mins / 4 + (g + 8 * ri) * 33 + cl] : 0.0f;
+                    mm[ri] = FORM == 1 ? cf[L::mins / 4 + (g + 8 * ri) * L::VS + m] : 0.0f;
                 }
 #pragma unroll
                 for (int j = 0; j < NJ; ++j) {
-                    const unsigned char* pb = sm + L::acts + (8 * j + g) * L::AS + cl * 32 + 4 * q;
+                    const unsigned char* pb = cur + L::acts + (8 * j + g) * L::AS + m * 32 + 4 * q;
                     const int b0 = *reinterpret_cast<const int*>(pb), b1 = *reinterpret_cast<const int*>(pb + 16);
                     int d0[4], d1[4];
                     if (FORM == 2) {
@@ -446,16 +511,16 @@ __device__ __forceinline__ void mm_qw_impl(int bx, const uint8_t* __restrict__ c
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int ri = e >> 1, tok = 8 * j + 2 * q + (e & 1);  // row g or g+8; token 2q or 2q+1
-                        const float d = smf[L::xs / 4 + tok * 33 + cl];
-                        const int hx = smi[L::hs / 4 + tok * L::SS + cl * SPB];
-                        const int hy = FORM == 2 ? smi[L::hs / 4 + tok * L::SS + cl * SPB + 1] : 0;
+                        const float d = cf[L::xs / 4 + tok * L::VS + m];
+                        const int hx = ci[L::hs / 4 + tok * L::SS + m * SPB];
+                        const int hy = FORM == 2 ? ci[L::hs / 4 + tok * L::SS + m * SPB + 1] : 0;
                         float acc = P[k][j][e];
                         if (FORM == 2) {
                             acc = __fmaf_rn(__fmul_rn(s[ri][0], d), (float)(d0[e] - half * hx), acc);
                             acc = __fmaf_rn(__fmul_rn(s[ri][1], d), (float)(d1[e] - half * hy), acc);
                         } else if (FORM == 1) {
                             acc = __fmaf_rn(__fmul_rn(s[ri][0], d), (float)d0[e], acc);
-                            acc = __fmaf_rn(m[ri], __int_as_float(hx), acc);
+                            acc = __fmaf_rn(mm[ri], __int_as_float(hx), acc);
                         } else {
                             acc = __fmaf_rn(__fmul_rn(s[ri][0], d), (float)(d0[e] - half * hx), acc);
                         }
@@ -464,67 +529,124 @@ __device__ __forceinline__ void mm_qw_impl(int bx, const uint8_t* __restrict__ c
                 }
             }
         }
-        __syncthreads();  // the next step (or the reduction) overwrites the staged data
-    }
-    // The warp's subtree over its classes, then the tree over the warps: at level s, warp w with w % 2s == s
-    // hands its subtree T(w, s) to warp w - s, which adds it to its own: T(w - s, 2s) = T(w - s, s) + T(w, s).
+        if (step == nsteps - 1) {
+            // The tile is done: the warp's subtree over its classes, then the tree over the warps with classes.
+            const int tile = (int)blockIdx.x + (it / nsteps) * (int)gridDim.x;
+            int r0;
+            const int p = PT.part(tile, r0);
+            const int rows = QParts::pick(PT.r, p);
+            const float* __restrict__ bias = QParts::pick(PT.b, p);
+            float* __restrict__ out = QParts::pick(PT.o, p);
 #pragma unroll
-    for (int s = 1; s < C; s <<= 1)
+            for (int s = 1; s < C; s <<= 1)
 #pragma unroll
-        for (int k = 0; k < C; k += 2 * s)
+                for (int k = 0; k < C; k += 2 * s)
 #pragma unroll
-            for (int j = 0; j < NJ; ++j)
+                    for (int j = 0; j < NJ; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) P[k][j][e] = __fadd_rn(P[k][j][e], P[k + s][j][e]);
-    float* const red = smf;  // [W / 2][MMA_ROWS * NT]
+                        for (int e = 0; e < 4; ++e) P[k][j][e] = __fadd_rn(P[k][j][e], P[k + s][j][e]);
+            __syncthreads();  // every warp is done reading this item's data
+            // Each warp with classes puts its subtree sums T(C·w, C) in this item's buffer; then thread i of the
+            // first 16·NT adds output i's WA warp sums in the binary tree over consecutive warps, one level at a
+            // time in registers (T(w, 2s) = T(w, s) + T(w + s, s)): one barrier instead of one per level.
+            float* const red = reinterpret_cast<float*>(L::RED_OWN ? sm + (L::DB ? 2 : 1) * L::stage : cur);  // [WA][NT][16]
+            if (warp < WA) {
 #pragma unroll
-    for (int s = 1; s < W; s <<= 1) {
-        if ((warp & (2 * s - 1)) == s) {
+                for (int j = 0; j < NJ; ++j)
 #pragma unroll
-            for (int j = 0; j < NJ; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = g + 8 * (e >> 1), tok = 8 * j + 2 * q + (e & 1);
-                    red[(warp / (2 * s)) * MMA_ROWS * NT + tok * MMA_ROWS + row] = P[0][j][e];
-                }
-        }
-        __syncthreads();
-        if ((warp & (2 * s - 1)) == 0) {
-#pragma unroll
-            for (int j = 0; j < NJ; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = g + 8 * (e >> 1), tok = 8 * j + 2 * q + (e & 1);
-                    P[0][j][e] = __fadd_rn(P[0][j][e], red[(warp / (2 * s)) * MMA_ROWS * NT + tok * MMA_ROWS + row]);
-                }
-        }
-        __syncthreads();
-    }
-    if (warp == 0) {
-#pragma unroll
-        for (int j = 0; j < NJ; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int row = r0 + g + 8 * (e >> 1), t = t0 + 8 * j + 2 * q + (e & 1);
-                if (row < rows && t < n)
-                    out[(long long)t * rows + row] = bias != nullptr ? __fadd_rn(P[0][j][e], bias[row]) : P[0][j][e];
+                    for (int e = 0; e < 4; ++e)
+                        red[warp * MMA_ROWS * NT + (8 * j + 2 * q + (e & 1)) * MMA_ROWS + g + 8 * (e >> 1)] = P[0][j][e];
             }
+            __syncthreads();
+            float v = 0.0f;
+            if (tid < MMA_ROWS * NT) {
+                float w[WA];
+#pragma unroll
+                for (int i = 0; i < WA; ++i) w[i] = red[i * MMA_ROWS * NT + tid];
+#pragma unroll
+                for (int s = 1; s < WA; s <<= 1)
+#pragma unroll
+                    for (int i = 0; i < WA; i += 2 * s) w[i] = __fadd_rn(w[i], w[i + s]);
+                v = w[0];
+            }
+            const int orow = tid % MMA_ROWS, otok = tid / MMA_ROWS;  // thread tid's output (tid < 16·NT)
+            if (S == 1) {
+                const int gr = r0 + orow, t = t0 + otok;
+                if (tid < MMA_ROWS * NT && gr < rows && t < n)
+                    out[(long long)t * rows + gr] = bias != nullptr ? __fadd_rn(v, bias[gr]) : v;
+            } else {
+                const long long ti = (long long)tile * gridDim.y + blockIdx.y;
+                if (tid < MMA_ROWS * NT) part[(ti * S + h) * (MMA_ROWS * NT) + tid] = v;
+                // The last of the tile's S blocks to finish adds the subtrees in the tree's order.
+                __threadfence();
+                __syncthreads();
+                if (tid == 0) last = atomicAdd(count + ti, 1) == S - 1;
+                __syncthreads();
+                if (last) {
+                    __threadfence();
+                    if (tid == 0) count[ti] = 0;
+                    if (tid < MMA_ROWS * NT) {
+                        const float* base = part + ti * S * (MMA_ROWS * NT) + tid;
+                        if (S == 2) {
+                            v = __fadd_rn(__ldcg(base), __ldcg(base + MMA_ROWS * NT));
+                        } else {
+                            v = __fadd_rn(__fadd_rn(__ldcg(base), __ldcg(base + MMA_ROWS * NT)),
+                                          __fadd_rn(__ldcg(base + 2 * MMA_ROWS * NT), __ldcg(base + 3 * MMA_ROWS * NT)));
+                        }
+                        const int gr = r0 + orow, t = t0 + otok;
+                        if (gr < rows && t < n) out[(long long)t * rows + gr] = bias != nullptr ? __fadd_rn(v, bias[gr]) : v;
+                    }
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < C; ++k)
+#pragma unroll
+                for (int j = 0; j < NJ; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) P[k][j][e] = 0.0f;
+        }
+        __syncthreads();  // the next item's copies (or the reduction) overwrite this buffer
     }
 }
 
+// Dynamic shared memory bytes of each variant, [split 1, 2, 4][NJ 1, 2][FORM][p4, p8], read by the host.
+#define QWB(NJ, F, S) QwSmem<NJ, true, F, S>::bytes, QwSmem<NJ, false, F, S>::bytes
+#define QWB_NJ(NJ, S) QWB(NJ, 0, S), QWB(NJ, 1, S), QWB(NJ, 2, S)
+#define QWB_S(S) QWB_NJ(1, S), QWB_NJ(2, S)
+extern "C" __device__ const int mm_qw_smem[36] = {QWB_S(1), QWB_S(2), QWB_S(4)};
+
+// One matrix (`mm_qw{NJ}_f{F}_{p4,p8}_s{S}`) and up to three (`mm_q3w…`, the parts' arguments as MM_Q3's).
+// `part` and `count` (zeroed, one per (row tile, token tile)) serve the split (S > 1); null otherwise.
 #define QW_BOUNDS __launch_bounds__(32 * QW_WARPS, 2)
-#define MM_QW_P(NJ, F, P4, PS)                                                                               \
-    extern "C" __global__ void QW_BOUNDS mm_qw##NJ##_f##F##_##PS(                                             \
+#define MM_QW_P(NJ, F, P4, PS, S)                                                                            \
+    extern "C" __global__ void QW_BOUNDS mm_qw##NJ##_f##F##_##PS##_s##S(                                      \
         const uint8_t* codes, const float* sc, const float* mn, int rows, int cols, int half, int g16,       \
         const int8_t* xq, const float* xs, const int* xsum, const float* xdsum, const int* xsum16, int n,    \
-        const float* bias, float* out) {                                                                     \
-        mm_qw_impl<NJ, P4, F, QW_WARPS>(blockIdx.x, codes, sc, mn, rows, cols, half, g16, xq, xs, xsum, xdsum, \
-                                        xsum16, n, bias, out);                                               \
+        const float* bias, float* out, float* part, int* count) {                                            \
+        (void)g16;                                                                                           \
+        const QParts pt = {{codes, nullptr, nullptr}, {sc, nullptr, nullptr}, {mn, nullptr, nullptr},        \
+                           {bias, nullptr, nullptr},  {out, nullptr, nullptr}, {rows, 0, 0},                  \
+                           (rows + MMA_ROWS - 1) / MMA_ROWS, 0};                                             \
+        mm_qw_impl<NJ, P4, F, S>(pt, cols, half, xq, xs, xsum, xdsum, xsum16, n, part, count);              \
     }                                                                                                        \
-    MM_Q3(mm_q3w##NJ##_f##F##_##PS, (mm_qw_impl<NJ, P4, F, QW_WARPS>), MMA_ROWS, QW_BOUNDS)
-#define MM_QW(NJ, F)              \
-    MM_QW_P(NJ, F, true, p4)      \
-    MM_QW_P(NJ, F, false, p8)
+    extern "C" __global__ void QW_BOUNDS mm_q3w##NJ##_f##F##_##PS##_s##S(                                     \
+        int cols, int half, int g16, const int8_t* xq, const float* xs, const int* xsum, const float* xdsum, \
+        const int* xsum16, int n, const uint8_t* c0, const float* s0, const float* m0, int r0,               \
+        const float* b0, float* o0, const uint8_t* c1, const float* s1, const float* m1, int r1,             \
+        const float* b1, float* o1, const uint8_t* c2, const float* s2, const float* m2, int r2,             \
+        const float* b2, float* o2, float* part, int* count) {                                               \
+        (void)g16;                                                                                           \
+        const QParts pt = {{c0, c1, c2}, {s0, s1, s2}, {m0, m1, m2}, {b0, b1, b2}, {o0, o1, o2}, {r0, r1, r2}, \
+                           (r0 + MMA_ROWS - 1) / MMA_ROWS, (r1 + MMA_ROWS - 1) / MMA_ROWS};                  \
+        mm_qw_impl<NJ, P4, F, S>(pt, cols, half, xq, xs, xsum, xdsum, xsum16, n, part, count);              \
+    }
+#define MM_QW_S(NJ, F, S)          \
+    MM_QW_P(NJ, F, true, p4, S)    \
+    MM_QW_P(NJ, F, false, p8, S)
+#define MM_QW(NJ, F)  \
+    MM_QW_S(NJ, F, 1) \
+    MM_QW_S(NJ, F, 2) \
+    MM_QW_S(NJ, F, 4)
 MM_QW(1, 0)
 MM_QW(1, 1)
 MM_QW(1, 2)

@@ -38,7 +38,7 @@ use crate::quant::{WeightMatrix, QK};
 use crate::sampling::{Candidates, MAX_CANDIDATES};
 use cudarc::driver::{result, sys};
 use std::ffi::{c_void, CString};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// The kernels, compiled by build.rs.
@@ -59,6 +59,11 @@ const DP4A_MAX: usize = 4;
 const MMA_ROWS: usize = 16;
 /// Threads per block of the tensor-core quantized products (`32·QW_WARPS`).
 const MMA_THREADS: u32 = 512;
+
+/// Blocks of a tensor-core product that run at once on one multiprocessor (`__launch_bounds__(512, 2)`).
+const MMA_BLOCKS_PER_SM: usize = 2;
+/// Splits of a row tile over blocks (`S` of `mm_qw*_s{S}`; index in `Kernels::mm_qw`).
+const MMA_SPLITS: [usize; 3] = [1, 2, 4];
 
 /// The tensor-core product for `n` tokens (n ≥ 2): the kernel variant (tiles of 8 or 16 tokens: `NJ` = 1 or 2
 /// mma columns of 8) and the tokens per block.
@@ -121,8 +126,9 @@ unsafe impl Sync for Ctx {}
 #[allow(clippy::large_enum_variant)]
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Op {
-    /// A kernel launch (function handle as an integer, grid, block size, argument slots).
-    Kernel { f: usize, grid: [u32; 3], block: u32, n: u8, args: [u64; ARGS] },
+    /// A kernel launch (function handle as an integer, grid, block size, dynamic shared memory bytes, argument
+    /// slots).
+    Kernel { f: usize, grid: [u32; 3], block: u32, smem: u32, n: u8, args: [u64; ARGS] },
     /// A device-to-device copy of `bytes`.
     Copy { dst: u64, src: u64, bytes: usize },
 }
@@ -227,10 +233,11 @@ impl Queue {
         let mut h = self.hash;
         let mut mix = |w: u64| h = (h.rotate_left(5) ^ w).wrapping_mul(0x517c_c1b7_2722_0a95);
         match &op {
-            Op::Kernel { f, grid, block, n, args } => {
+            Op::Kernel { f, grid, block, smem, n, args } => {
                 mix(*f as u64);
                 mix(u64::from(grid[0]) | u64::from(grid[1]) << 32);
-                mix(u64::from(grid[2]) | u64::from(*block) << 32 | u64::from(*n) << 56);
+                mix(u64::from(grid[2]) | u64::from(*block) << 32);
+                mix(u64::from(*smem) | u64::from(*n) << 32);
                 args[..*n as usize].iter().for_each(|&a| mix(a));
             }
             Op::Copy { dst, src, bytes } => {
@@ -342,7 +349,7 @@ impl Queue {
 fn run_ops(ops: &[Op], stream: sys::CUstream) {
     for op in ops {
         match *op {
-            Op::Kernel { f, grid, block, n, args } => {
+            Op::Kernel { f, grid, block, smem, n, args } => {
                 let mut ptrs = [std::ptr::null_mut::<c_void>(); ARGS];
                 for (p, v) in ptrs.iter_mut().zip(&args[..n as usize]) {
                     *p = v as *const u64 as *mut c_void;
@@ -356,7 +363,7 @@ fn run_ops(ops: &[Op], stream: sys::CUstream) {
                             f as sys::CUfunction,
                             (grid[0], grid[1], grid[2]),
                             (block, 1, 1),
-                            0,
+                            smem,
                             stream,
                             &mut ptrs[..n as usize],
                         )
@@ -499,8 +506,8 @@ pub struct CudaQAct {
     sum16: DevVec,
 }
 
-/// Most parameters of a kernel (`mm_q3_*` has 28).
-const ARGS: usize = 28;
+/// Most parameters of a kernel (`mm_q3w*` has 29).
+const ARGS: usize = 30;
 
 /// Kernel arguments as 8-byte slots (the driver reads each parameter's size from its slot's start).
 struct Args {
@@ -549,11 +556,13 @@ struct Kernels {
     mm_q: [[Func; 2]; 2],
     /// The same for up to three matrices in one launch.
     mm_q3: [[Func; 2]; 2],
-    /// Five or more tokens, on the tensor cores (`mm_qw{1,2}_f{form}_*`): `[tile (mma_tile)][form (qform)][bits 4
-    /// packed / bytes]`.
-    mm_qw: [[[Func; 2]; 3]; 2],
+    /// Five or more tokens, on the tensor cores (`mm_qw{1,2}_f{form}_{p4,p8}_s{S}`): `[split (MMA_SPLITS)][tile
+    /// (mma_tile)][form (qform)][bits 4 packed / bytes]`.
+    mm_qw: [[[[Func; 2]; 3]; 2]; 3],
     /// The same for up to three matrices in one launch.
-    mm_q3w: [[[Func; 2]; 3]; 2],
+    mm_q3w: [[[[Func; 2]; 3]; 2]; 3],
+    /// Dynamic shared memory bytes of `mm_qw` / `mm_q3w` (the kernels' table `mm_qw_smem`, same index).
+    mm_qw_smem: [[[[u32; 2]; 3]; 2]; 3],
     /// `[f32 / bf16][tokens per block 1 / 8]`.
     mm_f: [[Func; 2]; 2],
     rotate_out: Func,
@@ -596,6 +605,14 @@ struct Scratch {
     paths_host: Vec<i32>,
 }
 
+/// Device scratch of the split tensor-core products: per (row tile, token tile) the `S` blocks' subtree sums
+/// (`16 × tokens` f32 each) and a completion counter (zeroed; the last block resets it).
+#[derive(Default)]
+struct MmaSplit {
+    part: DevVec,
+    count: DevVec,
+}
+
 /// Page-locked host memory of `len` f32 values, freed on drop.
 struct Pinned {
     ptr: *mut f32,
@@ -621,6 +638,22 @@ pub struct Cuda {
     ctx: Arc<Ctx>,
     k: Kernels,
     scratch: Mutex<Scratch>,
+    /// The split products' partial sums and per-tile counters (apart from `scratch`, which callers of the
+    /// products may hold).
+    mma_split: Mutex<MmaSplit>,
+    /// Multiprocessors of the GPU.
+    sms: usize,
+    /// Blocks per row tile of every tensor-core product (1, 2, 4), or 0 to choose by the launch's size
+    /// ([`Cuda::mma_plan`]); `EDDY_CUDA_SPLIT` at start, [`Cuda::force_product_launch`].
+    forced_split: AtomicUsize,
+    /// Most blocks over the row tiles of a tensor-core product, or 0 (by the launch's size).
+    forced_row_blocks: AtomicUsize,
+    /// Whether large tensor-core products run on a grid of at most the blocks that fit at once, each walking
+    /// several row tiles with the next one's loads in flight (`EDDY_CUDA_PERSIST=0`: one row tile per block).
+    persist: bool,
+    /// Most tokens of a quantized product on the `dp4a` kernels: `DP4A_MAX`, or `EDDY_CUDA_DP4A_MAX` (1 to 4;
+    /// to measure the crossover).
+    dp4a_max: usize,
     name: String,
     capability: (i32, i32),
     /// The GPU's PCI address (`domain:bus:device.function`), when the driver gives it.
@@ -691,17 +724,38 @@ impl Cuda {
                 .map(Func)
                 .map_err(|e| no(format!("kernel {n} missing from the fatbin: {e:?}")))
         };
-        let tile = |base: &str, nj: usize| -> Result<[[Func; 2]; 3]> {
-            let f = |form: usize, p: &str| get(&format!("{base}{nj}_f{form}_{p}"));
+        let tile = |base: &str, nj: usize, sp: usize| -> Result<[[Func; 2]; 3]> {
+            let f = |form: usize, p: &str| get(&format!("{base}{nj}_f{form}_{p}_s{sp}"));
             Ok([[f(0, "p4")?, f(0, "p8")?], [f(1, "p4")?, f(1, "p8")?], [f(2, "p4")?, f(2, "p8")?]])
         };
-        let qw = |base: &str| -> Result<[[[Func; 2]; 3]; 2]> { Ok([tile(base, 1)?, tile(base, 2)?]) };
+        let qw = |base: &str| -> Result<[[[[Func; 2]; 3]; 2]; 3]> {
+            let sp = |s: usize| -> Result<[[[Func; 2]; 3]; 2]> { Ok([tile(base, 1, s)?, tile(base, 2, s)?]) };
+            Ok([sp(1)?, sp(2)?, sp(4)?])
+        };
+        // The tensor-core products' shared memory (two stages each: beyond the 48 KB a launch gets unasked).
+        let mut smem = [[[[0u32; 2]; 3]; 2]; 3];
+        {
+            // SAFETY: a global of the loaded module; the copy reads its `size` bytes into a buffer of that size.
+            let (ptr, size) = unsafe { result::module::get_global(module, CString::new("mm_qw_smem").expect("name")) }
+                .map_err(|e| no(format!("mm_qw_smem missing from the fatbin: {e:?}")))?;
+            let mut table = vec![0i32; 36];
+            if size != 4 * table.len() {
+                return Err(no(format!("mm_qw_smem holds {size} bytes, 144 expected")));
+            }
+            // SAFETY: `table` holds `size` bytes; the context is bound.
+            unsafe { result::memcpy_dtoh_sync(&mut table, ptr) }.map_err(|e| no(format!("reading mm_qw_smem: {e:?}")))?;
+            for (i, &b) in table.iter().enumerate() {
+                smem[i / 12][i / 6 % 2][i / 2 % 3][i % 2] = b as u32;
+            }
+        }
+        let sms = (attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).max(1)) as usize;
         let k = Kernels {
             quantize: get("quantize_q8")?,
             mm_q: [[get("mm_q_t1_p4")?, get("mm_q_t1_p8")?], [get("mm_q_t8_p4")?, get("mm_q_t8_p8")?]],
             mm_q3: [[get("mm_q3_t1_p4")?, get("mm_q3_t1_p8")?], [get("mm_q3_t8_p4")?, get("mm_q3_t8_p8")?]],
             mm_qw: qw("mm_qw")?,
             mm_q3w: qw("mm_q3w")?,
+            mm_qw_smem: smem,
             mm_f: [[get("mm_f32_t1")?, get("mm_f32_t8")?], [get("mm_bf16_t1")?, get("mm_bf16_t8")?]],
             rotate_out: get("rotate_out")?,
             embed: get("embed")?,
@@ -726,7 +780,41 @@ impl Cuda {
         let pci_bus_id = (unsafe { sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as i32, dev) } == sys::CUresult::CUDA_SUCCESS)
             // SAFETY: NUL-terminated by the driver (the last byte is never written past the length).
             .then(|| unsafe { std::ffi::CStr::from_ptr(bus.as_ptr()) }.to_string_lossy().into_owned());
-        Ok(Cuda { ctx, k, scratch: Mutex::new(Scratch::default()), name, capability, pci_bus_id, queued: AtomicU64::new(0) })
+        for (fs, bs) in [&k.mm_qw, &k.mm_q3w].into_iter().flat_map(|t| t.iter().flatten().flatten().zip(smem.iter().flatten().flatten())) {
+            for (f, &b) in fs.iter().zip(bs) {
+                // SAFETY: a kernel of the loaded module; its table entry is at most the device's limit (checked
+                // by the attribute call).
+                unsafe {
+                    result::function::set_function_attribute(
+                        f.0,
+                        sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        b as i32,
+                    )
+                }
+                .map_err(|e| no(format!("shared memory of {b} bytes for a product kernel: {e:?}")))?;
+            }
+        }
+        let split = std::env::var("EDDY_CUDA_SPLIT").ok().and_then(|v| v.parse().ok()).filter(|s| MMA_SPLITS.contains(s)).unwrap_or(0);
+        let persist = std::env::var("EDDY_CUDA_PERSIST").map_or(true, |v| v != "0");
+        Ok(Cuda {
+            ctx,
+            k,
+            scratch: Mutex::new(Scratch::default()),
+            mma_split: Mutex::new(MmaSplit::default()),
+            sms,
+            forced_split: AtomicUsize::new(split),
+            forced_row_blocks: AtomicUsize::new(0),
+            persist,
+            dp4a_max: std::env::var("EDDY_CUDA_DP4A_MAX")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|m| (1..=DP4A_MAX).contains(m))
+                .unwrap_or(DP4A_MAX),
+            name,
+            capability,
+            pci_bus_id,
+            queued: AtomicU64::new(0),
+        })
     }
 
     /// The GPU's name and compute capability, e.g. "NVIDIA H200 (compute 9.0)".
@@ -752,6 +840,54 @@ impl Cuda {
         check(unsafe { result::stream::synchronize(self.ctx.stream) }, "stream synchronize");
     }
 
+    /// Run every tensor-core product (5+ tokens) with its row tiles split over `split` blocks (1, 2 or 4) and
+    /// on a grid of at most `row_blocks` blocks over the row tiles (each block walking several), or choose
+    /// them by the launch's size (`None`, the default). The results do not depend on either (batch
+    /// invariance); for tests and measurements.
+    ///
+    /// # Panics
+    /// On a split other than 1, 2 or 4, or 0 row blocks.
+    pub fn force_product_launch(&self, split: Option<usize>, row_blocks: Option<usize>) {
+        let s = split.unwrap_or(0);
+        assert!(s == 0 || MMA_SPLITS.contains(&s), "product split {s}: 1, 2 or 4");
+        assert!(row_blocks != Some(0), "a grid of 0 row blocks");
+        self.forced_split.store(s, Ordering::Relaxed);
+        self.forced_row_blocks.store(row_blocks.unwrap_or(0), Ordering::Relaxed);
+    }
+
+    /// The launch of a tensor-core product over `tiles` row tiles of 16 and `n` tokens: (index into
+    /// `MMA_SPLITS`, grid) with grid `(blocks over the row tiles, token tiles, split)`. A launch of fewer blocks
+    /// than the GPU runs at once splits each row tile over 2 or 4 blocks (the tree's top levels, docs/cuda.md);
+    /// a larger one runs, unless `EDDY_CUDA_PERSIST=0`, on a grid of at most the blocks that fit at once, each
+    /// block walking row tiles `x, x + grid.0, …` with the next tile's loads in flight.
+    fn mma_plan(&self, tiles: usize, n: usize) -> (usize, (usize, usize, usize)) {
+        let (_, nt) = mma_tile(n);
+        let ttiles = n.div_ceil(nt);
+        let slots = MMA_BLOCKS_PER_SM * self.sms;
+        let forced = self.forced_split.load(Ordering::Relaxed);
+        let split = if forced != 0 { forced } else { *MMA_SPLITS.iter().rev().find(|&&s| tiles * ttiles * s <= slots).unwrap_or(&1) };
+        let si = MMA_SPLITS.iter().position(|&s| s == split).expect("a split of MMA_SPLITS");
+        let gx = match self.forced_row_blocks.load(Ordering::Relaxed) {
+            0 if self.persist => tiles.min((slots / (ttiles * split)).max(1)),
+            0 => tiles,
+            b => tiles.min(b),
+        };
+        (si, (gx, ttiles, split))
+    }
+
+    /// The partial-sum and counter buffers of a split product over `tiles × ttiles` tiles of `nt` tokens
+    /// (0, 0 for an unsplit one).
+    fn mma_split_bufs(&self, split: usize, tiles: usize, ttiles: usize, nt: usize) -> (u64, u64) {
+        if split == 1 {
+            return (0, 0);
+        }
+        let mut m = self.mma_split.lock().unwrap_or_else(|e| e.into_inner());
+        let m = &mut *m;
+        let part = self.ensure(&mut m.part, 4 * tiles * ttiles * split * MMA_ROWS * nt, false);
+        let count = self.ensure(&mut m.count, 4 * tiles * ttiles, true);
+        (part, count)
+    }
+
     /// How queued passes have run so far: one by one, captured into a graph, or replayed from one.
     pub fn graph_stats(&self) -> GraphStats {
         self.ctx.queue().stats
@@ -763,12 +899,17 @@ impl Cuda {
 
     /// Queue a kernel launch.
     fn launch3(&self, f: Func, grid: (usize, usize, usize), block: u32, args: Args) {
+        self.launch_smem(f, grid, block, 0, args)
+    }
+
+    /// A launch with `smem` bytes of dynamic shared memory.
+    fn launch_smem(&self, f: Func, grid: (usize, usize, usize), block: u32, smem: u32, args: Args) {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return;
         }
         let g = |x: usize| u32::try_from(x).expect("CUDA grid too large");
         self.queued.fetch_add(1, Ordering::Relaxed);
-        let op = Op::Kernel { f: f.0 as usize, grid: [g(grid.0), g(grid.1), g(grid.2)], block, n: args.n as u8, args: args.v };
+        let op = Op::Kernel { f: f.0 as usize, grid: [g(grid.0), g(grid.1), g(grid.2)], block, smem, n: args.n as u8, args: args.v };
         self.ctx.queue().push(op);
     }
 
@@ -914,11 +1055,15 @@ impl Cuda {
                     .p(if q.out_signs.is_some() { 0 } else { bias })
                     .p(out);
                 let p = if q.packed4 { 0 } else { 1 };
-                if n <= DP4A_MAX {
+                if n <= self.dp4a_max {
                     self.launch(self.k.mm_q[tile][p], grid, (32 * MM_ROWS) as u32, a);
                 } else {
                     let (v, nt) = mma_tile(n);
-                    self.launch(self.k.mm_qw[v][qform(q)][p], (rows.div_ceil(MMA_ROWS), n.div_ceil(nt)), MMA_THREADS, a);
+                    let tiles = rows.div_ceil(MMA_ROWS);
+                    let (si, grid) = self.mma_plan(tiles, n);
+                    let (part, count) = self.mma_split_bufs(grid.2, tiles, grid.1, nt);
+                    let smem = self.k.mm_qw_smem[si][v][qform(q)][p];
+                    self.launch_smem(self.k.mm_qw[si][v][qform(q)][p], grid, MMA_THREADS, smem, a.p(part).p(count));
                 }
                 if let Some((signs, nb)) = &q.out_signs {
                     let a = Args::new().p(out).i(n).i(rows).i(*nb).p(signs.ptr);
@@ -1277,7 +1422,7 @@ impl Backend for Cuda {
         for (q, (_, bias, out)) in qs.iter().zip(parts.iter()) {
             assert!(out.len >= n * q.rows, "matmul: out holds {} values, {n}×{} needed", out.len, q.rows);
             assert!(bias.is_none_or(|b| b.len == q.rows), "matmul_bias: the bias must hold one value per row");
-            blocks += q.rows.div_ceil(if n <= DP4A_MAX { MM_ROWS } else { MMA_ROWS });
+            blocks += q.rows.div_ceil(if n <= self.dp4a_max { MM_ROWS } else { MMA_ROWS });
             a = a
                 .p(q.codes.ptr)
                 .p(q.scales.ptr)
@@ -1290,11 +1435,14 @@ impl Backend for Cuda {
             a = a.p(0).p(0).p(0).i(0).p(0).p(0);
         }
         let p = if q0.packed4 { 0 } else { 1 };
-        if n <= DP4A_MAX {
+        if n <= self.dp4a_max {
             self.launch(self.k.mm_q3[(n > 1) as usize][p], (blocks, 1), (32 * MM_ROWS) as u32, a);
         } else {
             let (v, nt) = mma_tile(n);
-            self.launch(self.k.mm_q3w[v][qform(q0)][p], (blocks, n.div_ceil(nt)), MMA_THREADS, a);
+            let (si, grid) = self.mma_plan(blocks, n);
+            let (part, count) = self.mma_split_bufs(grid.2, blocks, grid.1, nt);
+            let smem = self.k.mm_qw_smem[si][v][qform(q0)][p];
+            self.launch_smem(self.k.mm_q3w[si][v][qform(q0)][p], grid, MMA_THREADS, smem, a.p(part).p(count));
         }
     }
 
