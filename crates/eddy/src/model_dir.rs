@@ -232,7 +232,10 @@ impl Tensors {
     /// An eddy M/L matrix (`docs/quant-formats.md`, "Model folder"): U8 codes `name` (`[rows, cols/2]` for
     /// 4 bits, `[rows, cols]` for 8), F16 `name.scales` `[rows, cols/group]`, F16 `name.zero_points` (4
     /// bits only, same shape), optional I8 `name.input_signs` `[cols]` / `name.output_signs` `[rows]`
-    /// (±1). Errors name the file and the tensor at fault.
+    /// (±1). Format K (U8 `name.scales`): 4-bit codes, `name.scales` and `name.zero_points` U8
+    /// `[rows, 3·cols/128]` (6-bit multipliers packed 4 to 3 bytes, [`crate::quant::rtn::unpack6`]), F16
+    /// `name.super_scales` and `name.super_zero_points` `[rows, cols/256]`. Errors name the file and the tensor
+    /// at fault.
     fn eddy_matrix(&self, name: &str, rows: usize, cols: usize, shard: &Shard, info: &TensorInfo) -> Result<WeightMatrix> {
         use crate::quant::rotation::{Rotation, Signs};
         use crate::quant::{rtn, GroupScales, QMatrix, QK_SUPER};

@@ -1,4 +1,4 @@
-//! A loaded model re-quantized into eddy's own M/L formats (`docs/quant-formats.md`): every matrix a
+//! A loaded model re-quantized into eddy's own M/L/K formats (`docs/quant-formats.md`): every matrix a
 //! forward pass multiplies by (and the token embedding) is dequantized to f32 (undoing any rotation it
 //! carries), rotated and rounded to nearest by [`crate::quant::rtn::quantize`], or, with a
 //! [`Calibration`] ([`calibrate`]: the model run on a text, `H = Σ x·xᵀ` per input site), rounded by
@@ -19,7 +19,8 @@
 //! eddy read from the GGUF metadata ([`Source::Gguf`]).
 //!
 //! Group: a matrix whose row length is not a multiple of the asked group (e.g. width 576 at group 128)
-//! takes the largest of 64, 32 that divides it; a row length that is not a multiple of 32 stays f32.
+//! takes the largest of 64, 32 that divides it; a row length that is not a multiple of 32 stays f32. K is
+//! always group 32; a K matrix whose row length is not a multiple of 256 is stored as M g32.
 
 use super::{Arch, Mixer, Model};
 use crate::backend::{Cpu, RopeMode};

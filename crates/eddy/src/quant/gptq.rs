@@ -358,6 +358,9 @@ fn pack_codes(codes: &[u8], lo: &mut [u8]) {
     }
 }
 
+/// Codes one per byte and each group's `(S, M)`, as [`ldlq`] returns them.
+type Rounded = (Vec<u8>, Vec<(f32, f32)>);
+
 /// LDLQ of the whole matrix: codes one per byte and each group's `(S, M)` (f32 forms of what is stored: f16
 /// values for M, the grid's products for K when `grids` holds one [`KGrid`] per super-block).
 fn ldlq(
@@ -368,7 +371,7 @@ fn ldlq(
     grids: Option<&[KGrid]>,
     h: &Hessian,
     threads: usize,
-) -> Result<(Vec<u8>, Vec<(f32, f32)>), String> {
+) -> Result<Rounded, String> {
     assert_eq!(w.len(), rows * cols, "gptq: w is not rows × cols");
     assert_eq!(h.cols, cols, "gptq: Hessian of {} inputs for {cols} columns", h.cols);
     assert!(group.is_multiple_of(QK) && cols.is_multiple_of(group), "gptq: group {group} for {cols} columns");

@@ -500,9 +500,9 @@ pub fn quantize_k(rows: usize, cols: usize, w: &[f32], pick: fn(&[f32]) -> (f16,
     });
     let mut m = k_matrix(rows, cols);
     for (b, (grid, mults)) in out.iter().enumerate() {
-        for g in 0..gps {
+        for (g, &(sc, mn)) in mults.iter().enumerate() {
             let gi = b * gps + g;
-            set_k_group(&mut m, gi, &w[gi * K_GROUP..][..K_GROUP], *grid, mults[g].0, mults[g].1);
+            set_k_group(&mut m, gi, &w[gi * K_GROUP..][..K_GROUP], *grid, sc, mn);
         }
     }
     m
