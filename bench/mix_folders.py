@@ -15,7 +15,7 @@ usage: mix_folders.py OUT BASE [RULE ...]     RULE = FOLDER:NAME[@LAYERS]  (LAYE
 """
 import json, os, re, shutil, struct, sys
 
-SIDE = (".scales", ".zero_points", ".super_scales", ".super_zero_points", ".input_signs", ".output_signs")
+SIDE = (".scales", ".zero_points", ".super_scales", ".super_zero_points", ".high_bits", ".input_signs", ".output_signs")
 
 
 def header(path):
@@ -89,7 +89,7 @@ def main():
             w.write(f.read(b - a))
             if not name.endswith(SIDE) and len(info["shape"]) == 2:
                 rows, cols = info["shape"]
-                elems += rows * cols * (2 if info["dtype"] == "U8" and name + ".zero_points" in h else 1)
+                elems += rows * cols * (2 if info["dtype"] == "U8" and (name + ".zero_points" in h or name + ".high_bits" in h) else 1)
                 bits += 8 * ((b - a) + sum(h[name + s]["data_offsets"][1] - h[name + s]["data_offsets"][0] for s in SIDE if name + s in h))
     os.rename(out + ".tmp", out)
     print(f"{bits / elems:.3f}")

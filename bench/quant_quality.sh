@@ -59,14 +59,15 @@ if os.path.isdir(p):
     h = json.loads(f.read(n))
     h.pop("__metadata__", None)
     size = lambda v: v["data_offsets"][1] - v["data_offsets"][0]
-    side = (".scales", ".zero_points", ".input_signs", ".output_signs")
+    side = (".scales", ".zero_points", ".super_scales", ".super_zero_points", ".high_bits", ".input_signs", ".output_signs")
     bits = elems = 0
     for k, v in h.items():
         if len(v["shape"]) != 2 or k.endswith(side):
             continue
         rows, cols = v["shape"]
-        # M codes (two per byte) are the U8 matrices with zero points; L codes one per byte.
-        elems += rows * cols * (2 if v["dtype"] == "U8" and k + ".zero_points" in h else 1)
+        # M/K codes (two per byte) are the U8 matrices with zero points, K6's low nibbles those with high bits;
+        # L codes one per byte.
+        elems += rows * cols * (2 if v["dtype"] == "U8" and (k + ".zero_points" in h or k + ".high_bits" in h) else 1)
         bits += 8 * (size(v) + sum(size(h[k + e]) for e in side if k + e in h))
     print(f"{bits / elems:.3f}")
 else:

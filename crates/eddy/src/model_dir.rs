@@ -278,6 +278,43 @@ impl Tensors {
             packed: None,
             rotation,
         };
+        if let Some((hs, hi)) = self.get(&format!("{name}.high_bits")) {
+            // K6: 6-bit codes (low nibbles in NAME, bit planes 4 and 5 in .high_bits), i8 multipliers per 16
+            // values, f16 super-scales per 256.
+            if bits != 4 || !cols.is_multiple_of(QK_SUPER) || hi.dtype != Dtype::U8 || hi.shape != [rows, cols / 4] {
+                return Err(bad(format!(
+                    "high_bits {} {:?} (format k6 needs U8 [{rows}, {}], 4-bit low codes and cols % 256 == 0)",
+                    dtype_name(hi.dtype),
+                    hi.shape,
+                    cols / 4
+                )));
+            }
+            let sc = match self.get(&format!("{name}.scales")) {
+                Some((s, i)) if i.dtype == Dtype::I8 && i.shape == [rows, cols / rtn::K6_GROUP] => {
+                    s.bytes(i).iter().map(|&b| b as i8).collect()
+                }
+                Some((_, i)) => {
+                    return Err(bad(format!(
+                        "scales is {} {:?}, expected I8 [{rows}, {}] (format k6)",
+                        dtype_name(i.dtype),
+                        i.shape,
+                        cols / 16
+                    )))
+                }
+                None => return Err(bad("format k6 codes without their .scales".into())),
+            };
+            let d = match half("super_scales")? {
+                Some((v, s)) if s == [rows, cols / QK_SUPER] => v.iter().map(|h| h.to_f32()).collect(),
+                Some((_, s)) => return Err(bad(format!("super_scales of shape {s:?}, expected [{rows}, {}]", cols / QK_SUPER))),
+                None => return Err(bad("format k6 codes without their .super_scales".into())),
+            };
+            if self.get(&format!("{name}.zero_points")).is_some() {
+                return Err(bad("format k6 takes no zero_points".into()));
+            }
+            (m.bits, m.group, m.hi) = (6, rtn::K6_GROUP, hs.bytes(hi).to_vec());
+            m.scales = GroupScales::SuperI8 { sc, mn: None, d, dmin: Vec::new() };
+            return Ok(WeightMatrix::Q(m));
+        }
         if self.get(&format!("{name}.scales")).is_some_and(|(_, i)| i.dtype == Dtype::U8) {
             // K: 6-bit multipliers packed 4 to 3 bytes per row, f16 super-scales per 256 values.
             if bits != 4 || !cols.is_multiple_of(QK_SUPER) {

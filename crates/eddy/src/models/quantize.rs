@@ -365,7 +365,8 @@ pub fn quantize_model(
                 (format, want) = (r.format, r.group);
             }
         }
-        if format == Format::K {
+        if matches!(format, Format::K | Format::K6) {
+            // Their own groups (32 and 16) under super-blocks; 32 is what their fallbacks (M, L) take.
             want = rtn::K_GROUP;
         }
         let group = [want, 64, 32].into_iter().find(|&g| g <= want && cols.is_multiple_of(g));
@@ -379,7 +380,7 @@ pub fn quantize_model(
                 } else {
                     Rotation::default()
                 };
-                let h = calib.filter(|_| job.reads && format != Format::L && cols.is_multiple_of(crate::quant::QK));
+                let h = calib.filter(|_| job.reads && matches!(format, Format::M | Format::K) && cols.is_multiple_of(crate::quant::QK));
                 match h.and_then(|c| c.sites.get(&job.site)).filter(|h| h.cols == cols) {
                     Some(h) => {
                         let mut w = data.clone();
@@ -459,12 +460,20 @@ fn matrix_tensors(name: &str, w: &WeightMatrix) -> Vec<(String, safetensors::Dty
     };
     let nblk = rows * cols / crate::quant::QK;
     let mut codes = Vec::with_capacity(if m.bits == 8 { rows * cols } else { rows * cols / 2 });
+    // Bits 6 (K6): the bit planes 4 and 5 of each block as in `QMatrix::hi` (the natural copy may be dropped).
+    let mut high = Vec::with_capacity(if m.bits == 6 { rows * cols / 4 } else { 0 });
     for b in 0..nblk {
         let q = m.decode_block(b);
         if m.bits == 8 {
             codes.extend_from_slice(&q);
         } else {
-            codes.extend((0..16).map(|j| q[j] | (q[j + 16] << 4)));
+            codes.extend((0..16).map(|j| (q[j] & 15) | ((q[j + 16] & 15) << 4)));
+        }
+        if m.bits == 6 {
+            for p in 4..6 {
+                let word = q.iter().enumerate().fold(0u32, |a, (j, &c)| a | (((c >> p) & 1) as u32) << j);
+                high.extend_from_slice(&word.to_le_bytes());
+            }
         }
     }
     let ccols = if m.bits == 8 { cols } else { cols / 2 };
@@ -478,13 +487,20 @@ fn matrix_tensors(name: &str, w: &WeightMatrix) -> Vec<(String, safetensors::Dty
                 out.push((format!("{name}.zero_points"), Dtype::F16, vec![rows, cols / m.group], f16b(&min[..ng])));
             }
         }
-        crate::quant::GroupScales::SuperI8 { sc, mn, d, dmin } => {
+        crate::quant::GroupScales::SuperI8 { sc, mn: None, d, .. } => {
+            // K6: the high bit planes, i8 multipliers per 16, f16 super-scales.
+            let nsb = rows * cols / crate::quant::QK_SUPER;
+            out.push((format!("{name}.high_bits"), Dtype::U8, vec![rows, cols / 4], std::mem::take(&mut high)));
+            out.push((format!("{name}.scales"), Dtype::I8, vec![rows, cols / m.group], sc[..ng].iter().map(|&x| x as u8).collect()));
+            let sup: Vec<half::f16> = d[..nsb].iter().map(|&x| half::f16::from_f32(x)).collect();
+            out.push((format!("{name}.super_scales"), Dtype::F16, vec![rows, cols / crate::quant::QK_SUPER], f16b(&sup)));
+        }
+        crate::quant::GroupScales::SuperI8 { sc, mn: Some(mn), d, dmin } => {
             // K: 6-bit multipliers packed 4 to 3 bytes, f16 super-scales (exact: the grid holds f16 values).
             let (per_row, nsb) = (3 * cols / m.group / 4, rows * cols / crate::quant::QK_SUPER);
             let sup = |v: &[f32]| v[..nsb].iter().map(|&x| half::f16::from_f32(x)).collect::<Vec<_>>();
             let sb_shape = vec![rows, cols / crate::quant::QK_SUPER];
             out.push((format!("{name}.scales"), Dtype::U8, vec![rows, per_row], rtn::pack6(&sc[..ng])));
-            let mn = mn.as_ref().expect("K matrices have offsets");
             out.push((format!("{name}.zero_points"), Dtype::U8, vec![rows, per_row], rtn::pack6(&mn[..ng])));
             out.push((format!("{name}.super_scales"), Dtype::F16, sb_shape.clone(), f16b(&sup(d))));
             out.push((format!("{name}.super_zero_points"), Dtype::F16, sb_shape, f16b(&sup(dmin))));
@@ -846,7 +862,7 @@ fn write_into(src: &Source, model: &Model, opts: &QuantizeOptions, tmp: &Path) -
 mod tests {
     use super::*;
 
-    /// A K matrix written as a folder's tensors ([`matrix_tensors`], [`write_tensors`]) loads back
+    /// A K (and a K6) matrix written as a folder's tensors ([`matrix_tensors`], [`write_tensors`]) loads back
     /// (`Tensors::matrix`) as the same [`QMatrix`]: codes, multipliers, super-scales; the side tensors with a
     /// wrong shape or dtype, or missing, are errors naming the tensor (no panic). A row length that is not a
     /// multiple of 256 is stored as M g32 (f16 scales).
@@ -912,6 +928,32 @@ mod tests {
             let err = crate::model_dir::Tensors::open(&dir).unwrap().matrix("w", rows, cols, Quant::None, false).unwrap_err().to_string();
             let short = victim.trim_start_matches("w.");
             assert!(err.contains("tensor w") && err.contains(short), "{victim} {dtype:?} {shape:?}: {err}");
+        }
+        // K6: the same round trip; its side tensors checked too.
+        let q6 = rtn::quantize(rows, cols, &w, Format::K6, 32, Rotation::default());
+        let WeightMatrix::Q(m6) = &q6 else { panic!("not quantized") };
+        let ts6 = matrix_tensors("w", &q6);
+        assert_eq!(ts6.iter().map(|t| t.3.len()).sum::<usize>() * 128, rows * cols * 105);
+        let dir6 = tmp.join("k6");
+        std::fs::create_dir_all(&dir6).unwrap();
+        write_tensors(&dir6, &ts6).unwrap();
+        let back6 = crate::model_dir::Tensors::open(&dir6).unwrap().matrix("w", rows, cols, Quant::None, false).unwrap();
+        let WeightMatrix::Q(b6) = &back6 else { panic!("not quantized") };
+        assert_eq!((b6.bits, b6.group, &b6.lo, &b6.hi), (6, rtn::K6_GROUP, &m6.lo, &m6.hi));
+        let (GroupScales::SuperI8 { sc, mn: None, d, .. }, GroupScales::SuperI8 { sc: sc2, mn: None, d: d2, .. }) =
+            (&m6.scales, &b6.scales)
+        else {
+            panic!("not K6 scales")
+        };
+        assert_eq!((sc, d), (sc2, d2));
+        for (victim, dtype, shape) in [("w.high_bits", Dtype::U8, vec![rows, cols / 2]), ("w.scales", Dtype::U8, vec![rows, cols / 16])] {
+            let mut bad: Vec<RawTensor> = ts6.iter().filter(|t| t.0 != victim).cloned().collect();
+            bad.push((victim.to_string(), dtype, shape.clone(), vec![1u8; shape.iter().product()]));
+            let dir = tmp.join(format!("bad6-{victim}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            write_tensors(&dir, &bad).unwrap();
+            let err = crate::model_dir::Tensors::open(&dir).unwrap().matrix("w", rows, cols, Quant::None, false).unwrap_err().to_string();
+            assert!(err.contains(victim.trim_start_matches("w.")), "{victim}: {err}");
         }
         // 384 columns: not whole super-blocks, so M g32.
         let q = rtn::quantize(2, 384, &w[..768], Format::K, 32, Rotation::default());

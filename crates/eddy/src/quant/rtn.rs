@@ -29,25 +29,31 @@ pub enum Format {
     /// multiplier and a 6-bit offset multiplier, per super-block of 256 values an f16 super-scale and an f16
     /// super-offset-scale ([`quantize_k`]). Rows whose length is not a multiple of 256 are stored as M g32.
     K,
+    /// 6-bit symmetric codes, group 16, with an i8 scale multiplier per group and an f16 super-scale per
+    /// 256 values ([`GroupScales::SuperI8`] with the implicit offset, as GGUF Q6_K; [`quantize_k6`]): the
+    /// companion of K for sensitive matrices. Rows whose length is not a multiple of 256 are stored as L g32.
+    K6,
 }
 
 impl Format {
-    /// The format named `m`, `l` or `k` (any case), as `eddy quantize` and folder configs spell it.
+    /// The format named `m`, `l`, `k` or `k6` (any case), as `eddy quantize` and folder configs spell it.
     pub fn parse(name: &str) -> Option<Format> {
         match name.to_ascii_lowercase().as_str() {
             "m" => Some(Format::M),
             "l" => Some(Format::L),
             "k" => Some(Format::K),
+            "k6" => Some(Format::K6),
             _ => None,
         }
     }
 
-    /// The format's name (`m`, `l`, `k`).
+    /// The format's name (`m`, `l`, `k`, `k6`).
     pub fn name(self) -> &'static str {
         match self {
             Format::M => "m",
             Format::L => "l",
             Format::K => "k",
+            Format::K6 => "k6",
         }
     }
 
@@ -55,6 +61,7 @@ impl Format {
     pub fn bits(self) -> u8 {
         match self {
             Format::M | Format::K => 4,
+            Format::K6 => 6,
             Format::L => 8,
         }
     }
@@ -66,6 +73,8 @@ impl Format {
             Format::L => 8.0 + 16.0 / group as f64,
             // Two 6-bit multipliers per 32 values, two f16 per 256 (`group` is always 32).
             Format::K => 4.0 + 12.0 / K_GROUP as f64 + 32.0 / QK_SUPER as f64,
+            // An i8 multiplier per 16 values, one f16 per 256.
+            Format::K6 => 6.0 + 8.0 / K6_GROUP as f64 + 16.0 / QK_SUPER as f64,
         }
     }
 }
@@ -142,6 +151,8 @@ fn quantize_by(
         Format::L => quantize_l(rows, cols, w, group),
         Format::K if cols.is_multiple_of(QK_SUPER) => quantize_k(rows, cols, w, pick),
         Format::K => quantize_m(rows, cols, w, K_GROUP, pick),
+        Format::K6 if cols.is_multiple_of(QK_SUPER) => quantize_k6(rows, cols, w),
+        Format::K6 => quantize_l(rows, cols, w, QK),
     };
     m.rotation = rotation;
     m.check();
@@ -508,6 +519,117 @@ pub fn quantize_k(rows: usize, cols: usize, w: &[f32], pick: fn(&[f32]) -> (f16,
     m
 }
 
+/// Values per group of [`Format::K6`].
+pub const K6_GROUP: usize = 16;
+
+/// The K6 level of `x` at scale `s ≠ 0`: `round(x/s)` clamped to `−32..=31` (the code is the level + 32).
+#[inline]
+fn k6_level(x: f32, s: f32) -> i32 {
+    ((x / s).round() as i32).clamp(-32, 31)
+}
+
+/// Squared error `Σ (S·l(w) − w)²` of a K6 group at scale `s` with the nearest levels ([`k6_level`]).
+fn k6_error(wg: &[f32], s: f32) -> f64 {
+    if s == 0.0 || !s.is_finite() {
+        return wg.iter().map(|&x| (x as f64).powi(2)).sum();
+    }
+    wg.iter().map(|&x| ((s * k6_level(x, s) as f32 - x) as f64).powi(2)).sum()
+}
+
+/// Scale `S` (either sign) of one K6 group for the least squared error `Σ (S·l − w)²`, levels the nearest
+/// in `−32..=31`: the value of largest magnitude `xm` put at level `−32` (`S = −xm/32`, the wider side) or
+/// `+31`, each step also stretched by `(32 + δ)/32`, and every candidate refitted once by least squares on
+/// its levels (`S = Σ w·l / Σ l²`); the best error wins. An all-zero group gets `S = 0`.
+pub fn k6_search_scale(wg: &[f32]) -> f32 {
+    let xm = wg.iter().fold(0f32, |a, &x| if x.abs() > a.abs() { x } else { a });
+    if xm == 0.0 || !xm.is_finite() {
+        return 0.0;
+    }
+    let mut best = (f64::INFINITY, 0f32);
+    for base in [-xm / 32.0, xm / 31.0] {
+        for stretch in [1.0f32, 1.03, 1.06, 1.1, 0.97] {
+            let s = base / stretch;
+            let (mut sxl, mut sll) = (0f64, 0f64);
+            for &x in wg {
+                let l = k6_level(x, s) as f64;
+                sxl += x as f64 * l;
+                sll += l * l;
+            }
+            for c in [s, if sll > 0.0 { (sxl / sll) as f32 } else { s }] {
+                let e = k6_error(wg, c);
+                if c != 0.0 && e < best.0 {
+                    best = (e, c);
+                }
+            }
+        }
+    }
+    best.1
+}
+
+/// K6 format ([`Format::K6`]) codes of `w` (`rows × cols`, `cols % 256 == 0`), no rotation: each group's
+/// scale searched ([`k6_search_scale`]), per super-block `d` the f16 at or above `max |S|/127`, per group
+/// the multiplier `sc ∈ −127..=127` nearest to `S/d` or its neighbours with the least error, the codes
+/// the nearest levels + 32. Rows split over the available cores.
+pub fn quantize_k6(rows: usize, cols: usize, w: &[f32]) -> QMatrix {
+    assert!(cols.is_multiple_of(QK_SUPER) && w.len() == rows * cols, "quantize_k6: {rows} × {cols}");
+    let n = rows * cols;
+    let gps = QK_SUPER / K6_GROUP;
+    let mut d = vec![0f32; n / QK_SUPER];
+    let mut sc = vec![0i8; n / K6_GROUP];
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).clamp(1, d.len().max(1));
+    let per = d.len().div_ceil(threads).max(1);
+    std::thread::scope(|scope| {
+        for (i, (dc, scc)) in d.chunks_mut(per).zip(sc.chunks_mut(per * gps)).enumerate() {
+            let wc = &w[i * per * QK_SUPER..][..dc.len() * QK_SUPER];
+            scope.spawn(move || {
+                for ((dd, scs), wsb) in dc.iter_mut().zip(scc.chunks_exact_mut(gps)).zip(wc.chunks_exact(QK_SUPER)) {
+                    let s: Vec<f32> = wsb.chunks_exact(K6_GROUP).map(k6_search_scale).collect();
+                    let smax = s.iter().fold(0f32, |a, &x| a.max(x.abs()));
+                    let dv = f16_toward(smax / 127.0, true).to_f32();
+                    *dd = if dv.is_finite() { dv } else { 0.0 };
+                    for ((o, &sg), wg) in scs.iter_mut().zip(&s).zip(wsb.chunks_exact(K6_GROUP)) {
+                        if *dd == 0.0 {
+                            continue;
+                        }
+                        let c = (sg / *dd).round().clamp(-127.0, 127.0) as i32;
+                        let cands = [(c - 1).max(-127), c, (c + 1).min(127)];
+                        let e = |m: i32| k6_error(wg, *dd * m as f32);
+                        *o = cands.into_iter().min_by(|&a, &b| e(a).total_cmp(&e(b))).unwrap_or(c) as i8;
+                    }
+                }
+            });
+        }
+    });
+    let mut lo = vec![0u8; n / 2];
+    let mut hi = vec![0u8; n / QK * 8];
+    for (b, wb) in w.chunks_exact(QK).enumerate() {
+        let mut q = [0u8; QK];
+        for (j, &x) in wb.iter().enumerate() {
+            let e = b * QK + j;
+            let s = d[e / QK_SUPER] * sc[e / K6_GROUP] as f32;
+            q[j] = if s == 0.0 || !s.is_finite() { 32 } else { (k6_level(x, s) + 32) as u8 };
+        }
+        for k in 0..QK / 2 {
+            lo[b * 16 + k] = (q[k] & 15) | (q[k + 16] & 15) << 4;
+        }
+        for p in 0..2 {
+            let word = q.iter().enumerate().fold(0u32, |a, (j, &c)| a | (((c >> (4 + p)) & 1) as u32) << j);
+            hi[8 * b + 4 * p..][..4].copy_from_slice(&word.to_le_bytes());
+        }
+    }
+    QMatrix {
+        rows,
+        cols,
+        bits: 6,
+        group: K6_GROUP,
+        lo,
+        hi,
+        scales: GroupScales::SuperI8 { sc, mn: None, d, dmin: Vec::new() },
+        packed: None,
+        rotation: Rotation::default(),
+    }
+}
+
 /// Pack 6-bit values (`0..=63`, `len % 4 == 0`) four to three bytes, little-endian: values `a, b, c, d` are
 /// the 24-bit word `a | b << 6 | c << 12 | d << 18` (how a K folder stores its multipliers).
 pub fn pack6(v: &[i8]) -> Vec<u8> {
@@ -622,6 +744,7 @@ mod tests {
                         let (lo, hi) = wg.iter().fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
                         let (step, off) = m.scale_min(r, g);
                         match format {
+                            Format::K6 => unreachable!("not in this test"),
                             Format::L => {
                                 let ideal = lo.abs().max(hi.abs()) / 127.0;
                                 assert!(step >= ideal && step <= ideal * 1.002 + 1e-7, "{group}: scale {step} vs {ideal}");
@@ -728,6 +851,56 @@ mod tests {
         assert!(ek < 1.08 * em && ek < emm, "K {ek:e} vs M g32 {em:e}, min/max {emm:e}");
         let v: Vec<i8> = (0..64).map(|i| ((i * 37) % 64) as i8).collect();
         assert_eq!(unpack6(&pack6(&v)), v);
+    }
+
+    /// K6 on random groups with outliers: every code the nearest level (+32) for its group's `S = d·sc`,
+    /// the total error within 10 % of the searched scales' before their rounding to the super-block grid,
+    /// below the plain `max|w|/31` rule's, and far below K's (6 against 4 bits).
+    #[test]
+    fn k6_codes_are_nearest_and_the_grid_costs_little() {
+        let mut s = 79u64;
+        let mut uni = move || (splitmix64(&mut s) >> 40) as f32 / (1u64 << 24) as f32;
+        let (rows, cols) = (20, 512);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|_| {
+                let bulk = (uni() + uni() + uni() - 1.5) * 0.02 + 0.003;
+                if uni() < 1.0 / 64.0 {
+                    bulk + (uni() - 0.5) * 0.6
+                } else {
+                    bulk
+                }
+            })
+            .collect();
+        let WeightMatrix::Q(k6) = quantize(rows, cols, &w, Format::K6, 32, Rotation::default()) else { panic!() };
+        assert_eq!((k6.bits, k6.group), (6, K6_GROUP));
+        let (mut e6, mut esearch, mut eplain) = (0f64, 0f64, 0f64);
+        for r in 0..rows {
+            for g in 0..cols / K6_GROUP {
+                let wg = &w[r * cols + g * K6_GROUP..][..K6_GROUP];
+                let (step, off) = k6.scale_min(r, g);
+                assert!(off.is_none() && step != 0.0);
+                for (c, &x) in wg.iter().enumerate() {
+                    assert_eq!(k6.code(r, g * K6_GROUP + c) as i32, k6_level(x, step) + 32, "not the nearest level");
+                }
+                e6 += k6_error(wg, step);
+                esearch += k6_error(wg, k6_search_scale(wg));
+                let amax = wg.iter().fold(0f32, |a, &x| a.max(x.abs()));
+                eplain += k6_error(wg, amax / 31.0);
+            }
+        }
+        let WeightMatrix::Q(k) = quantize(rows, cols, &w, Format::K, 32, Rotation::default()) else { panic!() };
+        let ek: f64 = (0..rows)
+            .map(|r| {
+                (0..cols / 32)
+                    .map(|g| {
+                        let (s, m) = k.scale_min(r, g);
+                        m_group_error(&w[r * cols + g * 32..][..32], s, m.unwrap())
+                    })
+                    .sum::<f64>()
+            })
+            .sum();
+        eprintln!("K6 {e6:e}, searched f32 scales {esearch:e}, max/31 {eplain:e}, K {ek:e}");
+        assert!(e6 < 1.1 * esearch && e6 < eplain && e6 < 0.2 * ek, "K6 {e6:e}, search {esearch:e}, plain {eplain:e}, K {ek:e}");
     }
 
     /// The search as it was before the f32 passes (session 9: f64 sums, a division per code, u8 codes): the
@@ -905,6 +1078,7 @@ mod tests {
             for r in 0..rows {
                 for g in 0..cols / group {
                     bound += match format {
+                        Format::K6 => unreachable!("not in this test"),
                         Format::L => (m.scale_min(r, g).0 as f64 / 2.0).powi(2) * group as f64,
                         Format::M | Format::K => {
                             let wg = &wr[r * cols + g * group..][..group];
