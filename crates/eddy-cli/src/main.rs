@@ -283,8 +283,10 @@ struct QuantizeArgs {
     model: String,
     /// m: 4-bit codes with an f16 scale and offset per group; l: 8-bit symmetric codes; k: 4-bit codes in
     /// groups of 32 with 6-bit scale and offset multipliers under f16 super-scales per 256 values (4.5 bits
-    /// per weight; ignores --group; rows not a multiple of 256 long are stored as m at group 32).
-    #[arg(long, value_name = "m|l|k")]
+    /// per weight; ignores --group; rows not a multiple of 256 long are stored as m at group 32); k6: 6-bit
+    /// symmetric codes in groups of 16 with i8 scale multipliers under f16 super-scales per 256 values (6.5625
+    /// bits per weight; rows not a multiple of 256 long are stored as l at group 32).
+    #[arg(long, value_name = "m|l|k|k6")]
     format: String,
     /// Values per scale: 32, 64 or 128 (a row length it does not divide takes 64 or 32).
     #[arg(long, default_value_t = 64)]
@@ -310,8 +312,8 @@ struct QuantizeArgs {
     /// GPTQ dampening: this fraction of the mean diagonal of each Hessian is added to its diagonal.
     #[arg(long, default_value_t = 0.01)]
     calib_damp: f64,
-    /// Format of the LM head (a tied embedding included): l (default), m or k.
-    #[arg(long, value_name = "m|l|k", default_value = "l")]
+    /// Format of the LM head (a tied embedding included): l (default), m, k or k6.
+    #[arg(long, value_name = "m|l|k|k6", default_value = "l")]
     head_format: String,
     /// Values per scale of the LM head (default: --group).
     #[arg(long)]

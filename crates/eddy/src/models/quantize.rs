@@ -819,7 +819,7 @@ fn write_into(src: &Source, model: &Model, opts: &QuantizeOptions, tmp: &Path) -
     let fmt = opts.format.name();
     cfg["quantization_config"] = serde_json::json!({
         "quant_method": "eddy", "format": fmt,
-        "group_size": if opts.format == Format::K { rtn::K_GROUP } else { opts.group }, "rotation": opts.rotate, "seed": opts.seed,
+        "group_size": if matches!(opts.format, Format::K | Format::K6) { rtn::K_GROUP } else { opts.group }, "rotation": opts.rotate, "seed": opts.seed,
         "layout": "docs/quant-formats.md of eddy"
     });
     let out_cfg = tmp.join(CONFIG_FILE);
