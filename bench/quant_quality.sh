@@ -6,7 +6,8 @@
 #      original is measured;
 #   2. the source quantized by llama-quantize (Q4_K_M, Q4_0, IQ4_XS, Q8_0) and by eddy quantize (EDDY_VARIANTS:
 #      m g64 and m g32 at <= 5 bits per weight, with and without the rotation, with and without GPTQ on the
-#      calibration text CALIB; m g128; l g64; mixed precision by --tensor-format);
+#      calibration text CALIB; m g128; l g64; mixed precision by --tensor-format; k everywhere, and k with k6
+#      for k/v/q/o and 22 ffn_down);
 #   3. every variant scored by the same tool against the same source on held-out text:
 #      eddy perplexity --kl-base SRC_LOGITS --ctx 512 (the source's logits saved once with --save-logits).
 #      eddy cannot load IQ4_XS: that one is dequantized exactly to an F32 GGUF by gguf-py first (run with f32
@@ -161,6 +162,8 @@ PY
     "mix-m32kv8-e128-qo8|$M32%--tensor-format%$KV8,embed_tokens=m/128,q_proj=l/32,o_proj=l/32" \
     "mix-m32kv8-e128-down8|$M32%--tensor-format%$KV8,embed_tokens=m/128,down_proj=l/32" \
     "mix-q4kmlike-h64|--format%m%--group%64%--head-format%m%--head-group%64%--embed-group%128%--no-rotation%--tensor-format%$KV8,down_proj@$Q4KM_DOWN=l/32" \
+    "k-all-norot|--format%k%--head-format%k%--no-rotation" \
+    "k-k6mix-norot|--format%k%--head-format%k%--no-rotation%--tensor-format%k_proj=k6,v_proj=k6,q_proj=k6,o_proj=k6,down_proj@0-10+17-27=k6,embed_tokens=m/128" \
     "mix-q4kmlike-h32|--format%m%--group%64%--head-format%m%--head-group%32%--embed-group%128%--no-rotation%--tensor-format%$KV8,down_proj@0-2+5+8+11+17+20+23+25-27=l/32"}; do
     name=$m-eddy-${v%%|*}
     flags=${v#*|}
