@@ -6,7 +6,8 @@
 #      original is measured;
 #   2. the source quantized by llama-quantize (Q4_K_M, Q4_0, IQ4_XS, Q8_0) and by eddy quantize (EDDY_VARIANTS:
 #      m g64 and m g32 at <= 5 bits per weight, with and without the rotation, with and without GPTQ on the
-#      calibration text CALIB; m g128; l g64; mixed precision by --tensor-format);
+#      calibration text CALIB; m g128; l g64; mixed precision by --tensor-format; k everywhere, and k with k6
+#      for k/v/q/o and 22 ffn_down);
 #   3. every variant scored by the same tool against the same source on held-out text:
 #      eddy perplexity --kl-base SRC_LOGITS --ctx 512 (the source's logits saved once with --save-logits).
 #      eddy cannot load IQ4_XS: that one is dequantized exactly to an F32 GGUF by gguf-py first (run with f32
@@ -59,14 +60,15 @@ if os.path.isdir(p):
     h = json.loads(f.read(n))
     h.pop("__metadata__", None)
     size = lambda v: v["data_offsets"][1] - v["data_offsets"][0]
-    side = (".scales", ".zero_points", ".input_signs", ".output_signs")
+    side = (".scales", ".zero_points", ".super_scales", ".super_zero_points", ".high_bits", ".input_signs", ".output_signs")
     bits = elems = 0
     for k, v in h.items():
         if len(v["shape"]) != 2 or k.endswith(side):
             continue
         rows, cols = v["shape"]
-        # M codes (two per byte) are the U8 matrices with zero points; L codes one per byte.
-        elems += rows * cols * (2 if v["dtype"] == "U8" and k + ".zero_points" in h else 1)
+        # M/K codes (two per byte) are the U8 matrices with zero points, K6's low nibbles those with high bits;
+        # L codes one per byte.
+        elems += rows * cols * (2 if v["dtype"] == "U8" and (k + ".zero_points" in h or k + ".high_bits" in h) else 1)
         bits += 8 * (size(v) + sum(size(h[k + e]) for e in side if k + e in h))
     print(f"{bits / elems:.3f}")
 else:
@@ -160,6 +162,8 @@ PY
     "mix-m32kv8-e128-qo8|$M32%--tensor-format%$KV8,embed_tokens=m/128,q_proj=l/32,o_proj=l/32" \
     "mix-m32kv8-e128-down8|$M32%--tensor-format%$KV8,embed_tokens=m/128,down_proj=l/32" \
     "mix-q4kmlike-h64|--format%m%--group%64%--head-format%m%--head-group%64%--embed-group%128%--no-rotation%--tensor-format%$KV8,down_proj@$Q4KM_DOWN=l/32" \
+    "k-all-norot|--format%k%--head-format%k%--no-rotation" \
+    "k-k6mix-norot|--format%k%--head-format%k%--no-rotation%--tensor-format%k_proj=k6,v_proj=k6,q_proj=k6,o_proj=k6,down_proj@0-10+17-27=k6,embed_tokens=m/128" \
     "mix-q4kmlike-h32|--format%m%--group%64%--head-format%m%--head-group%32%--embed-group%128%--no-rotation%--tensor-format%$KV8,down_proj@0-2+5+8+11+17+20+23+25-27=l/32"}; do
     name=$m-eddy-${v%%|*}
     flags=${v#*|}

@@ -281,8 +281,12 @@ struct QuantizeArgs {
     /// --no-rotation`).
     #[arg(long)]
     model: String,
-    /// m: 4-bit codes with an f16 scale and offset per group; l: 8-bit symmetric codes.
-    #[arg(long, value_name = "m|l")]
+    /// m: 4-bit codes with an f16 scale and offset per group; l: 8-bit symmetric codes; k: 4-bit codes in
+    /// groups of 32 with 6-bit scale and offset multipliers under f16 super-scales per 256 values (4.5 bits
+    /// per weight; ignores --group; rows not a multiple of 256 long are stored as m at group 32); k6: 6-bit
+    /// symmetric codes in groups of 16 with i8 scale multipliers under f16 super-scales per 256 values (6.5625
+    /// bits per weight; rows not a multiple of 256 long are stored as l at group 32).
+    #[arg(long, value_name = "m|l|k|k6")]
     format: String,
     /// Values per scale: 32, 64 or 128 (a row length it does not divide takes 64 or 32).
     #[arg(long, default_value_t = 64)]
@@ -308,8 +312,8 @@ struct QuantizeArgs {
     /// GPTQ dampening: this fraction of the mean diagonal of each Hessian is added to its diagonal.
     #[arg(long, default_value_t = 0.01)]
     calib_damp: f64,
-    /// Format of the LM head (a tied embedding included): l (default) or m.
-    #[arg(long, value_name = "m|l", default_value = "l")]
+    /// Format of the LM head (a tied embedding included): l (default), m, k or k6.
+    #[arg(long, value_name = "m|l|k|k6", default_value = "l")]
     head_format: String,
     /// Values per scale of the LM head (default: --group).
     #[arg(long)]
@@ -863,11 +867,7 @@ fn perplexity(a: PplArgs) -> eddy::Result<()> {
 fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
     use eddy::models::quantize::{gguf_to_hf_layout, quantize_model, write_folder, QuantizeOptions, Source, TensorRule};
     use eddy::quant::rtn::{Format, GROUPS};
-    let parse = |flag: &str, v: &str| match v.to_ascii_lowercase().as_str() {
-        "m" => Ok(Format::M),
-        "l" => Ok(Format::L),
-        other => Err(bad(flag, format!("unknown format '{other}' (expected m or l)"))),
-    };
+    let parse = |flag: &str, v: &str| Format::parse(v).ok_or_else(|| bad(flag, format!("unknown format '{v}' (expected m, l or k)")));
     let format = parse("--format", &a.format)?;
     let head_format = parse("--head-format", &a.head_format)?;
     let (head_group, embed_group) = (a.head_group.unwrap_or(a.group), a.embed_group.unwrap_or(a.group));

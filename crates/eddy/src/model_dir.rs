@@ -232,10 +232,13 @@ impl Tensors {
     /// An eddy M/L matrix (`docs/quant-formats.md`, "Model folder"): U8 codes `name` (`[rows, cols/2]` for
     /// 4 bits, `[rows, cols]` for 8), F16 `name.scales` `[rows, cols/group]`, F16 `name.zero_points` (4
     /// bits only, same shape), optional I8 `name.input_signs` `[cols]` / `name.output_signs` `[rows]`
-    /// (±1). Errors name the file and the tensor at fault.
+    /// (±1). Format K (U8 `name.scales`): 4-bit codes, `name.scales` and `name.zero_points` U8
+    /// `[rows, 3·cols/128]` (6-bit multipliers packed 4 to 3 bytes, [`crate::quant::rtn::unpack6`]), F16
+    /// `name.super_scales` and `name.super_zero_points` `[rows, cols/256]`. Errors name the file and the tensor
+    /// at fault.
     fn eddy_matrix(&self, name: &str, rows: usize, cols: usize, shard: &Shard, info: &TensorInfo) -> Result<WeightMatrix> {
         use crate::quant::rotation::{Rotation, Signs};
-        use crate::quant::{rtn, GroupScales, QMatrix};
+        use crate::quant::{rtn, GroupScales, QMatrix, QK_SUPER};
         let bad = |m: String| Error::model(&shard.path, format!("tensor {name}: {m}"));
         let bits = match info.shape[..] {
             [r, c] if r == rows && c == cols => 8,
@@ -253,17 +256,6 @@ impl Tensors {
                 Some((_, i)) => Err(bad(format!("{suffix} has dtype {}, expected F16", dtype_name(i.dtype)))),
             }
         };
-        let (scale, shape) = half("scales")?.ok_or_else(|| bad("codes without their .scales".into()))?;
-        let group = match shape[..] {
-            [r, g] if r == rows && g > 0 && cols.is_multiple_of(g) && rtn::GROUPS.contains(&(cols / g)) => cols / g,
-            _ => return Err(bad(format!("scales of shape {:?} for a {rows} × {cols} matrix (groups of 32, 64 or 128)", shape))),
-        };
-        let min = match half("zero_points")? {
-            Some((m, s)) if s == shape && bits == 4 => Some(m),
-            None if bits == 8 => None,
-            Some((_, s)) if bits == 4 => return Err(bad(format!("zero_points of shape {s:?}, expected {shape:?}"))),
-            _ => return Err(bad(format!("{bits}-bit codes {} zero_points", if bits == 4 { "need" } else { "take no" }))),
-        };
         let signs = |suffix: &str, n: usize| -> Result<Option<std::sync::Arc<Signs>>> {
             let t = format!("{name}.{suffix}");
             match self.get(&t) {
@@ -275,17 +267,96 @@ impl Tensors {
             }
         };
         let rotation = Rotation { input: signs("input_signs", cols)?, output: signs("output_signs", rows)? };
-        let m = QMatrix {
+        let mut m = QMatrix {
             rows,
             cols,
             bits,
-            group,
+            group: rtn::K_GROUP,
             lo: shard.bytes(info).to_vec(),
             hi: Vec::new(),
-            scales: GroupScales::F16 { scale, min },
+            scales: GroupScales::F16 { scale: Vec::new(), min: None },
             packed: None,
             rotation,
         };
+        if let Some((hs, hi)) = self.get(&format!("{name}.high_bits")) {
+            // K6: 6-bit codes (low nibbles in NAME, bit planes 4 and 5 in .high_bits), i8 multipliers per 16
+            // values, f16 super-scales per 256.
+            if bits != 4 || !cols.is_multiple_of(QK_SUPER) || hi.dtype != Dtype::U8 || hi.shape != [rows, cols / 4] {
+                return Err(bad(format!(
+                    "high_bits {} {:?} (format k6 needs U8 [{rows}, {}], 4-bit low codes and cols % 256 == 0)",
+                    dtype_name(hi.dtype),
+                    hi.shape,
+                    cols / 4
+                )));
+            }
+            let sc = match self.get(&format!("{name}.scales")) {
+                Some((s, i)) if i.dtype == Dtype::I8 && i.shape == [rows, cols / rtn::K6_GROUP] => {
+                    s.bytes(i).iter().map(|&b| b as i8).collect()
+                }
+                Some((_, i)) => {
+                    return Err(bad(format!(
+                        "scales is {} {:?}, expected I8 [{rows}, {}] (format k6)",
+                        dtype_name(i.dtype),
+                        i.shape,
+                        cols / 16
+                    )))
+                }
+                None => return Err(bad("format k6 codes without their .scales".into())),
+            };
+            let d = match half("super_scales")? {
+                Some((v, s)) if s == [rows, cols / QK_SUPER] => v.iter().map(|h| h.to_f32()).collect(),
+                Some((_, s)) => return Err(bad(format!("super_scales of shape {s:?}, expected [{rows}, {}]", cols / QK_SUPER))),
+                None => return Err(bad("format k6 codes without their .super_scales".into())),
+            };
+            if self.get(&format!("{name}.zero_points")).is_some() {
+                return Err(bad("format k6 takes no zero_points".into()));
+            }
+            (m.bits, m.group, m.hi) = (6, rtn::K6_GROUP, hs.bytes(hi).to_vec());
+            m.scales = GroupScales::SuperI8 { sc, mn: None, d, dmin: Vec::new() };
+            return Ok(WeightMatrix::Q(m));
+        }
+        if self.get(&format!("{name}.scales")).is_some_and(|(_, i)| i.dtype == Dtype::U8) {
+            // K: 6-bit multipliers packed 4 to 3 bytes per row, f16 super-scales per 256 values.
+            if bits != 4 || !cols.is_multiple_of(QK_SUPER) {
+                return Err(bad(format!("U8 .scales (format k) need 4-bit codes and cols % 256 == 0 ({rows} × {cols})")));
+            }
+            let packed = |suffix: &str| -> Result<Vec<i8>> {
+                let want = [rows, 3 * cols / rtn::K_GROUP / 4];
+                match self.get(&format!("{name}.{suffix}")) {
+                    Some((s, i)) if i.dtype == Dtype::U8 && i.shape == want => Ok(rtn::unpack6(s.bytes(i))),
+                    Some((_, i)) => Err(bad(format!("{suffix} is {} {:?}, expected U8 {want:?} (format k)", dtype_name(i.dtype), i.shape))),
+                    None => Err(bad(format!("format k codes without their .{suffix}"))),
+                }
+            };
+            let sup = |suffix: &str| -> Result<Vec<f32>> {
+                let want = vec![rows, cols / QK_SUPER];
+                match half(suffix)? {
+                    Some((v, s)) if s == want => Ok(v.iter().map(|h| h.to_f32()).collect()),
+                    Some((_, s)) => Err(bad(format!("{suffix} of shape {s:?}, expected {want:?}"))),
+                    None => Err(bad(format!("format k codes without their .{suffix}"))),
+                }
+            };
+            m.scales = GroupScales::SuperI8 {
+                sc: packed("scales")?,
+                mn: Some(packed("zero_points")?),
+                d: sup("super_scales")?,
+                dmin: sup("super_zero_points")?,
+            };
+            return Ok(WeightMatrix::Q(m));
+        }
+        let (scale, shape) = half("scales")?.ok_or_else(|| bad("codes without their .scales".into()))?;
+        let group = match shape[..] {
+            [r, g] if r == rows && g > 0 && cols.is_multiple_of(g) && rtn::GROUPS.contains(&(cols / g)) => cols / g,
+            _ => return Err(bad(format!("scales of shape {:?} for a {rows} × {cols} matrix (groups of 32, 64 or 128)", shape))),
+        };
+        let min = match half("zero_points")? {
+            Some((m, s)) if s == shape && bits == 4 => Some(m),
+            None if bits == 8 => None,
+            Some((_, s)) if bits == 4 => return Err(bad(format!("zero_points of shape {s:?}, expected {shape:?}"))),
+            _ => return Err(bad(format!("{bits}-bit codes {} zero_points", if bits == 4 { "need" } else { "take no" }))),
+        };
+        m.group = group;
+        m.scales = GroupScales::F16 { scale, min };
         Ok(WeightMatrix::Q(m))
     }
 }

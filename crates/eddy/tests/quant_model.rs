@@ -83,7 +83,7 @@ fn requantized_smollm2_tracks_its_source() {
 
 /// `--tensor-format` rules reach exactly the matrices they name: SmolLM2 (30 layers, width 576) in M g64
 /// with v_proj in L g32, down_proj of layers 0, 2, 3 in L (the default group), the LM head (tied) in M g32;
-/// the returned bits per weight count each matrix at its own format.
+/// the returned bits per weight count each matrix at its own format, with its rotation signs (as stored).
 #[test]
 fn tensor_rules_set_the_named_matrices() {
     let Some(p) = common::model_path(MODEL) else { return };
@@ -102,6 +102,9 @@ fn tensor_rules_set_the_named_matrices() {
     let mut count = |w: &eddy::quant::WeightMatrix| {
         let (b, g) = fmt(w);
         bits += (w.rows() * w.cols()) as f64 * if b == 4 { 4.0 + 32.0 / g as f64 } else { 8.0 + 16.0 / g as f64 };
+        // The rotation's signs as the folder stores them: one byte each.
+        let eddy::quant::WeightMatrix::Q(m) = w else { unreachable!() };
+        bits += 8.0 * (m.rotation.input.as_ref().map_or(0, |_| w.cols()) + m.rotation.output.as_ref().map_or(0, |_| w.rows())) as f64;
         n += (w.rows() * w.cols()) as f64;
     };
     count(&model.embed);

@@ -1,4 +1,4 @@
-//! A loaded model re-quantized into eddy's own M/L formats (`docs/quant-formats.md`): every matrix a
+//! A loaded model re-quantized into eddy's own M/L/K formats (`docs/quant-formats.md`): every matrix a
 //! forward pass multiplies by (and the token embedding) is dequantized to f32 (undoing any rotation it
 //! carries), rotated and rounded to nearest by [`crate::quant::rtn::quantize`], or, with a
 //! [`Calibration`] ([`calibrate`]: the model run on a text, `H = Σ x·xᵀ` per input site), rounded by
@@ -19,7 +19,8 @@
 //! eddy read from the GGUF metadata ([`Source::Gguf`]).
 //!
 //! Group: a matrix whose row length is not a multiple of the asked group (e.g. width 576 at group 128)
-//! takes the largest of 64, 32 that divides it; a row length that is not a multiple of 32 stays f32.
+//! takes the largest of 64, 32 that divides it; a row length that is not a multiple of 32 stays f32. K is
+//! always group 32; a K matrix whose row length is not a multiple of 256 is stored as M g32.
 
 use super::{Arch, Mixer, Model};
 use crate::backend::{Cpu, RopeMode};
@@ -125,11 +126,7 @@ impl TensorRule {
                 Some((f, g)) => (f.trim(), Some(g.trim())),
                 None => (rhs.trim(), None),
             };
-            let format = match f.to_ascii_lowercase().as_str() {
-                "m" => Format::M,
-                "l" => Format::L,
-                other => return Err(bad(format!("unknown format '{other}' (expected m or l)"))),
-            };
+            let format = Format::parse(f).ok_or_else(|| bad(format!("unknown format '{f}' (expected m, l or k)")))?;
             let group = match g {
                 Some(g) => g.parse::<usize>().map_err(|_| bad(format!("bad group '{g}'")))?,
                 None => default_group,
@@ -296,7 +293,8 @@ struct Job<'a> {
 /// input site has a Hessian is rounded by GPTQ/LDLQ ([`gptq::quantize_m`]) instead of to nearest (a
 /// segment whose Hessian cannot be factored falls back to round to nearest, with a warning on stderr).
 /// `progress(done, total)` is called after each matrix. Returns the bits per weight of the converted
-/// matrices (codes, scales and offsets over their weights; f32 leftovers count 32).
+/// matrices as a folder stores them (the bytes of their tensors, rotation signs included, over their
+/// weights; f32 leftovers count 32).
 pub fn quantize_model(
     model: &mut Model,
     opts: &QuantizeOptions,
@@ -367,6 +365,10 @@ pub fn quantize_model(
                 (format, want) = (r.format, r.group);
             }
         }
+        if matches!(format, Format::K | Format::K6) {
+            // Their own groups (32 and 16) under super-blocks; 32 is what their fallbacks (M, L) take.
+            want = rtn::K_GROUP;
+        }
         let group = [want, 64, 32].into_iter().find(|&g| g <= want && cols.is_multiple_of(g));
         let new = match group {
             Some(group) => {
@@ -378,12 +380,18 @@ pub fn quantize_model(
                 } else {
                     Rotation::default()
                 };
-                let h = calib.filter(|_| job.reads && format == Format::M && cols.is_multiple_of(crate::quant::QK));
+                let h = calib.filter(|_| job.reads && matches!(format, Format::M | Format::K) && cols.is_multiple_of(crate::quant::QK));
                 match h.and_then(|c| c.sites.get(&job.site)).filter(|h| h.cols == cols) {
                     Some(h) => {
                         let mut w = data.clone();
                         rotation.rotate_matrix(&mut w, rows, cols);
-                        match gptq::quantize_m(rows, cols, &w, group, h, threads) {
+                        let k = format == Format::K && cols.is_multiple_of(crate::quant::QK_SUPER);
+                        let q = if k {
+                            gptq::quantize_k(rows, cols, &w, h, threads)
+                        } else {
+                            gptq::quantize_m(rows, cols, &w, group, h, threads)
+                        };
+                        match q {
                             Ok(mut m) => {
                                 m.rotation = rotation;
                                 WeightMatrix::Q(m)
@@ -399,10 +407,7 @@ pub fn quantize_model(
             }
             None => WeightMatrix::F32 { rows, cols, data },
         };
-        bits += match (&new, group) {
-            (WeightMatrix::Q(_), Some(g)) => format.bits_per_weight(g),
-            _ => 32.0,
-        } * (rows * cols) as f64;
+        bits += 8.0 * matrix_tensors("", &new).iter().map(|t| t.3.len()).sum::<usize>() as f64;
         weights += (rows * cols) as f64;
         *job.w = new;
         progress(i + 1, total);
@@ -455,21 +460,51 @@ fn matrix_tensors(name: &str, w: &WeightMatrix) -> Vec<(String, safetensors::Dty
     };
     let nblk = rows * cols / crate::quant::QK;
     let mut codes = Vec::with_capacity(if m.bits == 8 { rows * cols } else { rows * cols / 2 });
+    // Bits 6 (K6): the bit planes 4 and 5 of each block as in `QMatrix::hi` (the natural copy may be dropped).
+    let mut high = Vec::with_capacity(if m.bits == 6 { rows * cols / 4 } else { 0 });
     for b in 0..nblk {
         let q = m.decode_block(b);
         if m.bits == 8 {
             codes.extend_from_slice(&q);
         } else {
-            codes.extend((0..16).map(|j| q[j] | (q[j + 16] << 4)));
+            codes.extend((0..16).map(|j| (q[j] & 15) | ((q[j + 16] & 15) << 4)));
+        }
+        if m.bits == 6 {
+            for p in 4..6 {
+                let word = q.iter().enumerate().fold(0u32, |a, (j, &c)| a | (((c >> p) & 1) as u32) << j);
+                high.extend_from_slice(&word.to_le_bytes());
+            }
         }
     }
     let ccols = if m.bits == 8 { cols } else { cols / 2 };
     let mut out = vec![(name.to_string(), Dtype::U8, vec![rows, ccols], codes)];
-    let crate::quant::GroupScales::F16 { scale, min } = &m.scales else { unreachable!("M/L matrices have f16 scales") };
-    let f16b = |v: &[half::f16]| v[..rows * cols / m.group].iter().flat_map(|h| h.to_bits().to_le_bytes()).collect::<Vec<u8>>();
-    out.push((format!("{name}.scales"), Dtype::F16, vec![rows, cols / m.group], f16b(scale)));
-    if let Some(min) = min {
-        out.push((format!("{name}.zero_points"), Dtype::F16, vec![rows, cols / m.group], f16b(min)));
+    let f16b = |v: &[half::f16]| v.iter().flat_map(|h| h.to_bits().to_le_bytes()).collect::<Vec<u8>>();
+    let ng = rows * cols / m.group;
+    match &m.scales {
+        crate::quant::GroupScales::F16 { scale, min } => {
+            out.push((format!("{name}.scales"), Dtype::F16, vec![rows, cols / m.group], f16b(&scale[..ng])));
+            if let Some(min) = min {
+                out.push((format!("{name}.zero_points"), Dtype::F16, vec![rows, cols / m.group], f16b(&min[..ng])));
+            }
+        }
+        crate::quant::GroupScales::SuperI8 { sc, mn: None, d, .. } => {
+            // K6: the high bit planes, i8 multipliers per 16, f16 super-scales.
+            let nsb = rows * cols / crate::quant::QK_SUPER;
+            out.push((format!("{name}.high_bits"), Dtype::U8, vec![rows, cols / 4], std::mem::take(&mut high)));
+            out.push((format!("{name}.scales"), Dtype::I8, vec![rows, cols / m.group], sc[..ng].iter().map(|&x| x as u8).collect()));
+            let sup: Vec<half::f16> = d[..nsb].iter().map(|&x| half::f16::from_f32(x)).collect();
+            out.push((format!("{name}.super_scales"), Dtype::F16, vec![rows, cols / crate::quant::QK_SUPER], f16b(&sup)));
+        }
+        crate::quant::GroupScales::SuperI8 { sc, mn: Some(mn), d, dmin } => {
+            // K: 6-bit multipliers packed 4 to 3 bytes, f16 super-scales (exact: the grid holds f16 values).
+            let (per_row, nsb) = (3 * cols / m.group / 4, rows * cols / crate::quant::QK_SUPER);
+            let sup = |v: &[f32]| v[..nsb].iter().map(|&x| half::f16::from_f32(x)).collect::<Vec<_>>();
+            let sb_shape = vec![rows, cols / crate::quant::QK_SUPER];
+            out.push((format!("{name}.scales"), Dtype::U8, vec![rows, per_row], rtn::pack6(&sc[..ng])));
+            out.push((format!("{name}.zero_points"), Dtype::U8, vec![rows, per_row], rtn::pack6(&mn[..ng])));
+            out.push((format!("{name}.super_scales"), Dtype::F16, sb_shape.clone(), f16b(&sup(d))));
+            out.push((format!("{name}.super_zero_points"), Dtype::F16, sb_shape, f16b(&sup(dmin))));
+        }
     }
     let signs = |s: &Signs| s.v.iter().map(|&x| if x < 0.0 { 0xFFu8 } else { 1 }).collect::<Vec<u8>>();
     if let Some(s) = &m.rotation.input {
@@ -789,12 +824,10 @@ fn write_into(src: &Source, model: &Model, opts: &QuantizeOptions, tmp: &Path) -
             hf_config(model, tokenizer)?
         }
     };
-    let fmt = match opts.format {
-        Format::M => "m",
-        Format::L => "l",
-    };
+    let fmt = opts.format.name();
     cfg["quantization_config"] = serde_json::json!({
-        "quant_method": "eddy", "format": fmt, "group_size": opts.group, "rotation": opts.rotate, "seed": opts.seed,
+        "quant_method": "eddy", "format": fmt,
+        "group_size": if matches!(opts.format, Format::K | Format::K6) { rtn::K_GROUP } else { opts.group }, "rotation": opts.rotate, "seed": opts.seed,
         "layout": "docs/quant-formats.md of eddy"
     });
     let out_cfg = tmp.join(CONFIG_FILE);
@@ -836,6 +869,106 @@ fn write_into(src: &Source, model: &Model, opts: &QuantizeOptions, tmp: &Path) -
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A K (and a K6) matrix written as a folder's tensors ([`matrix_tensors`], [`write_tensors`]) loads back
+    /// (`Tensors::matrix`) as the same [`QMatrix`]: codes, multipliers, super-scales; the side tensors with a
+    /// wrong shape or dtype, or missing, are errors naming the tensor (no panic). A row length that is not a
+    /// multiple of 256 is stored as M g32 (f16 scales).
+    #[test]
+    fn k_matrix_folder_round_trip_and_bad_tensors() {
+        use crate::model_dir::Quant;
+        use crate::quant::GroupScales;
+        use safetensors::Dtype;
+        let (rows, cols) = (24, 512);
+        let mut s = 9u64;
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|_| {
+                let u = (splitmix64(&mut s) >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                if splitmix64(&mut s).is_multiple_of(50) {
+                    u
+                } else {
+                    0.03 * u + 0.002
+                }
+            })
+            .collect();
+        let q = rtn::quantize(rows, cols, &w, Format::K, 32, Rotation::default());
+        let WeightMatrix::Q(m) = &q else { panic!("not quantized") };
+        let tmp = std::env::temp_dir().join(format!("eddy-k-folder-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).unwrap();
+        let ts = matrix_tensors("w", &q);
+        // Codes, 6-bit multipliers, super-scales: 4.5 bits per weight.
+        assert_eq!(ts.iter().map(|t| t.3.len()).sum::<usize>() * 8, rows * cols * 9 / 2);
+        write_tensors(&tmp, &ts).unwrap();
+        let back = crate::model_dir::Tensors::open(&tmp).unwrap().matrix("w", rows, cols, Quant::None, false).unwrap();
+        let WeightMatrix::Q(b) = &back else { panic!("not quantized") };
+        assert_eq!((b.rows, b.cols, b.bits, b.group), (m.rows, m.cols, m.bits, m.group));
+        assert_eq!(b.lo, m.lo);
+        let (GroupScales::SuperI8 { sc, mn, d, dmin }, GroupScales::SuperI8 { sc: sc2, mn: mn2, d: d2, dmin: dmin2 }) =
+            (&m.scales, &b.scales)
+        else {
+            panic!("not K scales")
+        };
+        assert!(sc.iter().any(|&x| x > 1) && mn.as_ref().unwrap().iter().any(|&x| x > 1), "trivial multipliers");
+        assert_eq!((sc, mn, d, dmin), (sc2, mn2, d2, dmin2));
+        for (victim, dtype, shape) in [
+            ("w.scales", Dtype::U8, vec![rows, 3 * cols / 128 - 3]),
+            ("w.zero_points", Dtype::I8, vec![rows, 3 * cols / 128]),
+            ("w.super_scales", Dtype::F16, vec![rows, cols / 256 + 1]),
+            ("w.super_zero_points", Dtype::F32, vec![rows, cols / 256]),
+            ("w.super_zero_points", Dtype::U8, vec![0, 0]),
+        ] {
+            let mut bad: Vec<RawTensor> = ts.iter().filter(|t| t.0 != victim).cloned().collect();
+            if shape != [0, 0] {
+                let n = shape.iter().product::<usize>()
+                    * if matches!(dtype, Dtype::F16) {
+                        2
+                    } else if dtype == Dtype::F32 {
+                        4
+                    } else {
+                        1
+                    };
+                bad.push((victim.to_string(), dtype, shape.clone(), vec![1u8; n]));
+            }
+            let dir = tmp.join(format!("bad-{victim}-{dtype:?}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            write_tensors(&dir, &bad).unwrap();
+            let err = crate::model_dir::Tensors::open(&dir).unwrap().matrix("w", rows, cols, Quant::None, false).unwrap_err().to_string();
+            let short = victim.trim_start_matches("w.");
+            assert!(err.contains("tensor w") && err.contains(short), "{victim} {dtype:?} {shape:?}: {err}");
+        }
+        // K6: the same round trip; its side tensors checked too.
+        let q6 = rtn::quantize(rows, cols, &w, Format::K6, 32, Rotation::default());
+        let WeightMatrix::Q(m6) = &q6 else { panic!("not quantized") };
+        let ts6 = matrix_tensors("w", &q6);
+        assert_eq!(ts6.iter().map(|t| t.3.len()).sum::<usize>() * 128, rows * cols * 105);
+        let dir6 = tmp.join("k6");
+        std::fs::create_dir_all(&dir6).unwrap();
+        write_tensors(&dir6, &ts6).unwrap();
+        let back6 = crate::model_dir::Tensors::open(&dir6).unwrap().matrix("w", rows, cols, Quant::None, false).unwrap();
+        let WeightMatrix::Q(b6) = &back6 else { panic!("not quantized") };
+        assert_eq!((b6.bits, b6.group, &b6.lo, &b6.hi), (6, rtn::K6_GROUP, &m6.lo, &m6.hi));
+        let (GroupScales::SuperI8 { sc, mn: None, d, .. }, GroupScales::SuperI8 { sc: sc2, mn: None, d: d2, .. }) =
+            (&m6.scales, &b6.scales)
+        else {
+            panic!("not K6 scales")
+        };
+        assert_eq!((sc, d), (sc2, d2));
+        for (victim, dtype, shape) in [("w.high_bits", Dtype::U8, vec![rows, cols / 2]), ("w.scales", Dtype::U8, vec![rows, cols / 16])] {
+            let mut bad: Vec<RawTensor> = ts6.iter().filter(|t| t.0 != victim).cloned().collect();
+            bad.push((victim.to_string(), dtype, shape.clone(), vec![1u8; shape.iter().product()]));
+            let dir = tmp.join(format!("bad6-{victim}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            write_tensors(&dir, &bad).unwrap();
+            let err = crate::model_dir::Tensors::open(&dir).unwrap().matrix("w", rows, cols, Quant::None, false).unwrap_err().to_string();
+            assert!(err.contains(victim.trim_start_matches("w.")), "{victim}: {err}");
+        }
+        // 384 columns: not whole super-blocks, so M g32.
+        let q = rtn::quantize(2, 384, &w[..768], Format::K, 32, Rotation::default());
+        let WeightMatrix::Q(m) = &q else { panic!("not quantized") };
+        assert!(matches!(m.scales, GroupScales::F16 { min: Some(_), .. }) && m.group == 32);
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
 
     /// Rules parse into the documented fields (default group, layer ranges, case of the format) and match
     /// the layers they name; malformed rules are errors naming the rule.

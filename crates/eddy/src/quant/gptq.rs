@@ -16,8 +16,8 @@
 //! `rows·cols·segment/2`. `H` is dampened by 1 % of its mean diagonal (GPTQ's `percdamp`), and an input that
 //! never fired (zero diagonal) gets a diagonal of 1.
 
-use super::rtn::{m_code, search_scale_min};
-use super::{GroupScales, QMatrix, QK};
+use super::rtn::{m_code, minmax_scale_min, search_scale_min, KGrid, K_GROUP};
+use super::{GroupScales, QMatrix, QK, QK_SUPER};
 use half::f16;
 
 /// Largest column segment over which `H` is kept whole.
@@ -285,7 +285,7 @@ fn dot4_body(rows: &[f64], n: usize, nb: usize, l: &[f64]) -> [f64; 4] {
 }
 
 /// One tile of rows of [`quantize_m`]: its index, its codes and its groups' `(S, M)`.
-type Tile<'a> = (usize, &'a mut [u8], &'a mut [(f16, f16)]);
+type Tile<'a> = (usize, &'a mut [u8], &'a mut [(f32, f32)]);
 
 /// Columns rounded between feedback updates from earlier blocks (a multiple of every group size).
 const BLOCK_COLS: usize = 128;
@@ -301,11 +301,82 @@ const TILE_ROWS: usize = 16;
 /// # Panics
 /// If the shapes disagree, or `cols` is not a multiple of `group` (a multiple of 32).
 pub fn quantize_m(rows: usize, cols: usize, w: &[f32], group: usize, h: &Hessian, threads: usize) -> Result<QMatrix, String> {
+    let (codes, sm) = ldlq(rows, cols, w, group, None, h, threads)?;
+    let mut m = super::rtn::m_matrix(rows, cols, group);
+    let GroupScales::F16 { scale, min: Some(min) } = &mut m.scales else { unreachable!("M matrix") };
+    for (g, &(s, mn)) in sm.iter().enumerate() {
+        // f32 forms of f16 values: exact.
+        scale[g] = f16::from_f32(s);
+        min[g] = f16::from_f32(mn);
+    }
+    pack_codes(&codes, &mut m.lo);
+    m.check();
+    Ok(m)
+}
+
+/// Headroom of the K grid fixed before the feedback ([`quantize_k`]): the super-scales are this much above
+/// what the original values' groups need, so that groups whose fed-back values spread a little wider are
+/// not clipped by the 6-bit multipliers.
+pub const K_GRID_HEADROOM: f32 = 1.05;
+
+/// K codes ([`super::rtn::Format::K`], `cols % 256 == 0`) of `w` by LDLQ against `h`, as [`quantize_m`]. The
+/// super-block grids are fixed first ([`KGrid::fit`] of each group's searched `(S, M)` on the original
+/// values, times [`K_GRID_HEADROOM`]); when a group's first column comes up its `(S, M)` is searched on the
+/// fed-back values and its multipliers picked on that grid ([`KGrid::pick`]).
+///
+/// Errors and panics as [`quantize_m`]; panics if `cols % 256 != 0`.
+pub fn quantize_k(rows: usize, cols: usize, w: &[f32], h: &Hessian, threads: usize) -> Result<QMatrix, String> {
+    assert!(cols.is_multiple_of(QK_SUPER), "gptq: K needs cols % 256 == 0, got {cols}");
+    let f32s = |(s, m): (f16, f16)| (s.to_f32() * K_GRID_HEADROOM, m.to_f32() * K_GRID_HEADROOM);
+    let grids: Vec<KGrid> = w
+        .chunks_exact(QK_SUPER)
+        .map(|sb| KGrid::fit(&sb.chunks_exact(K_GROUP).map(|g| f32s(search_scale_min(g))).collect::<Vec<_>>()))
+        .collect();
+    let (codes, sm) = ldlq(rows, cols, w, K_GROUP, Some(&grids), h, threads)?;
+    let mut m = super::rtn::k_matrix(rows, cols);
+    let GroupScales::SuperI8 { sc, mn: Some(mn), d, dmin } = &mut m.scales else { unreachable!("K matrix") };
+    for (sb, g) in grids.iter().enumerate() {
+        (d[sb], dmin[sb]) = (g.d, g.dmin);
+    }
+    // `sm` holds the f32 products `d·sc`, `dmin·mn` of small integers: the quotients round back exactly.
+    let mult = |v: f32, step: f32| if step == 0.0 { 0 } else { (v / step).round() as i8 };
+    for (gi, &(s, m)) in sm.iter().enumerate() {
+        let g = grids[gi * K_GROUP / QK_SUPER];
+        (sc[gi], mn[gi]) = (mult(s, g.d), mult(m, g.dmin));
+    }
+    pack_codes(&codes, &mut m.lo);
+    m.check();
+    Ok(m)
+}
+
+/// Codes one per byte into the 4-bit block layout of [`QMatrix::lo`].
+fn pack_codes(codes: &[u8], lo: &mut [u8]) {
+    for (b, p) in codes.chunks_exact(QK).zip(lo.chunks_exact_mut(QK / 2)) {
+        for k in 0..QK / 2 {
+            p[k] = b[k] | (b[k + 16] << 4);
+        }
+    }
+}
+
+/// Codes one per byte and each group's `(S, M)`, as [`ldlq`] returns them.
+type Rounded = (Vec<u8>, Vec<(f32, f32)>);
+
+/// LDLQ of the whole matrix: codes one per byte and each group's `(S, M)` (f32 forms of what is stored: f16
+/// values for M, the grid's products for K when `grids` holds one [`KGrid`] per super-block).
+fn ldlq(
+    rows: usize,
+    cols: usize,
+    w: &[f32],
+    group: usize,
+    grids: Option<&[KGrid]>,
+    h: &Hessian,
+    threads: usize,
+) -> Result<Rounded, String> {
     assert_eq!(w.len(), rows * cols, "gptq: w is not rows × cols");
     assert_eq!(h.cols, cols, "gptq: Hessian of {} inputs for {cols} columns", h.cols);
     assert!(group.is_multiple_of(QK) && cols.is_multiple_of(group), "gptq: group {group} for {cols} columns");
     let mut codes = vec![0u8; rows * cols];
-    let mut sm = vec![(f16::ZERO, f16::ZERO); rows * cols / group];
+    let mut sm = vec![(0f32, 0f32); rows * cols / group];
     let gpr = cols / group;
     for (&(s0, len), hb) in h.segs.iter().zip(&h.blocks) {
         assert!(s0.is_multiple_of(group) && len.is_multiple_of(group), "gptq: segment ({s0}, {len}) not whole groups of {group}");
@@ -324,32 +395,33 @@ pub fn quantize_m(rows: usize, cols: usize, w: &[f32], group: usize, h: &Hessian
                     for (ti, c, s) in mine {
                         let r0 = ti * TILE_ROWS;
                         let nr = c.len() / cols;
-                        ldlq_tile(&w[r0 * cols..(r0 + nr) * cols], nr, cols, s0, len, group, u, c, s);
+                        let g = grids.map(|g| &g[r0 * cols / QK_SUPER..(r0 + nr) * cols / QK_SUPER]);
+                        ldlq_tile(&w[r0 * cols..(r0 + nr) * cols], nr, cols, s0, len, group, g, u, c, s);
                     }
                 });
             }
         });
     }
-    let mut m = super::rtn::m_matrix(rows, cols, group);
-    let GroupScales::F16 { scale, min: Some(min) } = &mut m.scales else { unreachable!("M matrix") };
-    for (g, &(s, mn)) in sm.iter().enumerate() {
-        scale[g] = s;
-        min[g] = mn;
-    }
-    for (b, p) in codes.chunks_exact(QK).zip(m.lo.chunks_exact_mut(QK / 2)) {
-        for k in 0..QK / 2 {
-            p[k] = b[k] | (b[k + 16] << 4);
-        }
-    }
-    m.check();
-    Ok(m)
+    Ok((codes, sm))
 }
 
 /// LDLQ of segment `s0..s0 + len` of `nr` rows of `w` (`nr × cols`): codes into `codes` (`nr × cols`, one per
-/// byte), each group's `(S, M)` into `sm` (`nr × cols/group`).
+/// byte), each group's `(S, M)` into `sm` (`nr × cols/group`); K grids of these rows in `grids`.
 #[allow(clippy::too_many_arguments)]
-fn ldlq_tile(w: &[f32], nr: usize, cols: usize, s0: usize, len: usize, group: usize, u: &[f32], codes: &mut [u8], sm: &mut [(f16, f16)]) {
+fn ldlq_tile(
+    w: &[f32],
+    nr: usize,
+    cols: usize,
+    s0: usize,
+    len: usize,
+    group: usize,
+    grids: Option<&[KGrid]>,
+    u: &[f32],
+    codes: &mut [u8],
+    sm: &mut [(f32, f32)],
+) {
     let gpr = cols / group;
+    let f32s = |(s, m): (f16, f16)| (s.to_f32(), m.to_f32());
     // e[r][j]: w − ŵ of column s0 + j; t[r][..]: the fed-back values of the current block.
     let mut e = vec![0f32; nr * len];
     let mut t = vec![0f32; nr * BLOCK_COLS];
@@ -384,10 +456,17 @@ fn ldlq_tile(w: &[f32], nr: usize, cols: usize, s0: usize, len: usize, group: us
                 if k.is_multiple_of(group) {
                     // The group lies inside this block (blocks are whole groups).
                     let lo = k - b0;
-                    sm[gi] = search_scale_min(&tr[lo..lo + group]);
+                    let vals = &tr[lo..lo + group];
+                    sm[gi] = match grids {
+                        None => f32s(search_scale_min(vals)),
+                        Some(gs) => {
+                            let g = gs[(r * cols + s0 + k) / QK_SUPER];
+                            let (sc, mn, _) = g.pick(vals, &[f32s(search_scale_min(vals)), f32s(minmax_scale_min(vals))]);
+                            g.value(sc, mn)
+                        }
+                    };
                 }
-                let (s16, m16) = sm[gi];
-                let (s, m) = (s16.to_f32(), m16.to_f32());
+                let (s, m) = sm[gi];
                 let x = tr[k - b0];
                 let (q, deq) = if s > 0.0 && s.is_finite() && m.is_finite() {
                     let q = m_code(x, s, m);
@@ -497,19 +576,27 @@ mod tests {
     }
 
     /// On a random matrix with correlated inputs, LDLQ's output error ‖(W − Ŵ)·X‖ is well below round to
-    /// nearest's (same searched group scales, same format), also across two column segments.
+    /// nearest's (same searched group scales, same format: M at groups 32/64/128 and K), also across two
+    /// column segments.
     #[test]
     fn gptq_output_error_is_below_rtn() {
         let mut rng = Rng(9);
-        for (rows, cols, group) in [(48, 256, 64), (40, 2560, 128), (33, 192, 32)] {
+        // Group 0: format K (group 32 under 256-value super-blocks).
+        for (rows, cols, group) in [(48, 256, 64), (40, 2560, 128), (33, 192, 32), (24, 512, 0)] {
             let n = 300;
             let x = inputs(n, cols, &mut rng);
             let w: Vec<f32> = (0..rows * cols).map(|_| 0.05 * (rng.uni() + rng.uni() + rng.uni())).collect();
             let mut h = Hessian::new(cols);
             h.add(&x, n, 2);
             h.finish();
-            let g = quantize_m(rows, cols, &w, group, &h, 2).expect("gptq");
-            let WeightMatrix::Q(r) = rtn::quantize(rows, cols, &w, Format::M, group, Default::default()) else { panic!() };
+            let (format, g) = if group == 0 {
+                (Format::K, quantize_k(rows, cols, &w, &h, 2))
+            } else {
+                (Format::M, quantize_m(rows, cols, &w, group, &h, 2))
+            };
+            let g = g.expect("gptq");
+            let WeightMatrix::Q(r) = rtn::quantize(rows, cols, &w, format, group.max(32), Default::default()) else { panic!() };
+            assert_eq!(std::mem::discriminant(&g.scales), std::mem::discriminant(&r.scales));
             let out_err = |m: &QMatrix| -> f64 {
                 let wm = WeightMatrix::Q(m.clone());
                 let mut row = vec![0f32; cols];

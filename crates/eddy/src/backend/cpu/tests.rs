@@ -534,7 +534,7 @@ fn quantize_rotated_matches_explicit_rotation_exactly() {
     }
 }
 
-/// Rotated M/L products (input rotation fused into the quantizer, output rotation in the epilogue) on
+/// Rotated M/L/K/K6 products (input rotation fused into the quantizer, output rotation in the epilogue) on
 /// every path — unpacked, prepacked, and prepacked without natural codes (what the CPU backend runs) —
 /// against the reference, and bit-identical for any batch size and thread count; odd rows (tail Hadamard
 /// blocks), partial 16-row blocks, several groups per row.
@@ -543,7 +543,9 @@ fn rotated_matmul_matches_reference_and_is_batch_invariant() {
     use crate::quant::rtn::Format;
     let mut rng = Rng(22);
     let pools: Vec<ThreadPool> = (1..=3).map(ThreadPool::new).collect();
-    for (format, group) in [(Format::M, 32), (Format::M, 64), (Format::M, 128), (Format::L, 32), (Format::L, 128)] {
+    for (format, group) in
+        [(Format::M, 32), (Format::M, 64), (Format::M, 128), (Format::L, 32), (Format::L, 128), (Format::K, 32), (Format::K6, 32)]
+    {
         for &(rows, cols) in &[(1usize, 128usize), (7, 256), (45, 384), (100, 640), (203, 1024)] {
             let w = rotated_matrix(format, group, rows, cols, &mut rng);
             let mut wp = w.clone();
