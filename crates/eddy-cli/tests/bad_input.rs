@@ -29,11 +29,27 @@ fn expect_error(model: &Path, extra: &[&str], needle: &str) -> String {
     err
 }
 
+/// A scratch file removed when dropped (each modified model is ~100 MB).
+struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// Rewrite the SmolLM2 file with `edit` applied to its metadata and tensor list.
 fn modified(
     name: &str,
     edit: impl FnOnce(&mut std::collections::BTreeMap<String, GgufValue>, &mut Vec<(String, Vec<u64>, u32, Vec<u8>)>),
-) -> Option<PathBuf> {
+) -> Option<Scratch> {
     let src = smol()?;
     let g = GgufFile::open(&src).unwrap();
     let mut meta = g.metadata.clone();
@@ -43,7 +59,7 @@ fn modified(
     let refs: Vec<(String, Vec<u64>, u32, &[u8])> = tensors.iter().map(|(n, d, t, b)| (n.clone(), d.clone(), *t, &b[..])).collect();
     let out = tmp(name);
     write_gguf(&out, &meta, &refs).unwrap();
-    Some(out)
+    Some(Scratch(out))
 }
 
 #[test]
@@ -58,8 +74,8 @@ fn truncated_file() {
     let Some(src) = smol() else { return };
     let bytes = std::fs::read(&src).unwrap();
     for len in [10usize, 4096, bytes.len() / 2] {
-        let p = tmp(&format!("truncated-{len}.gguf"));
-        std::fs::write(&p, &bytes[..len]).unwrap();
+        let p = Scratch(tmp(&format!("truncated-{len}.gguf")));
+        std::fs::write(&*p, &bytes[..len]).unwrap();
         let err = expect_error(&p, &[], "truncated");
         assert!(err.contains(&format!("truncated-{len}.gguf")), "{err}");
     }
