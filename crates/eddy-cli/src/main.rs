@@ -936,7 +936,23 @@ fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
     }
     let mut rules = Vec::new();
     for text in &a.tensor_format {
-        rules.extend(TensorRule::parse_list(text, a.group).map_err(|e| bad("--tensor-format", e.to_string()))?);
+        let list = TensorRule::parse_list(text, a.group).map_err(|e| bad("--tensor-format", e.to_string()))?;
+        if list.is_empty() {
+            return Err(bad("--tensor-format", format!("'{text}' holds no rule (NAME[@LAYERS]=FORMAT[/GROUP],...)")));
+        }
+        rules.extend(list);
+    }
+    let n_layers = lm.model.config.n_layers;
+    for r in &rules {
+        if let Some(&(_, last)) = r.layers.iter().find(|&&(_, b)| b >= n_layers) {
+            return Err(bad(
+                "--tensor-format",
+                format!("layer {last} of a rule is beyond the model's {n_layers} layers (0-{})", n_layers - 1),
+            ));
+        }
+        if !r.layers.is_empty() && matches!(r.kind, eddy::models::quantize::TensorKind::Embed | eddy::models::quantize::TensorKind::Head) {
+            return Err(bad("--tensor-format", "embed_tokens and lm_head take no @LAYERS"));
+        }
     }
     let opts =
         QuantizeOptions { format, group: a.group, head_format, head_group, embed_group, rotate: !a.no_rotation, seed: a.seed, rules };

@@ -257,6 +257,12 @@ fn quantize_bad_inputs_and_a_good_run() {
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib-damp=nan", "-o", o], "--calib-damp");
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib", "/no-such-calib.txt", "-o", o], "no-such-calib");
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib-tokens", "0", "-o", o], "--calib-tokens");
+    fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--tensor-format", ",,", "-o", o], "holds no rule");
+    fails(
+        &["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--tensor-format", "k_proj@99=l", "-o", o],
+        "beyond the model",
+    );
+    fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--tensor-format", "lm_head@0=l", "-o", o], "no @LAYERS");
     // An output folder that cannot be written is refused before any work.
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "l", "-o", "/proc/eddy-q-out"], "cannot write into /proc");
     let empty = dir.join("empty.txt");

@@ -441,6 +441,13 @@ pub fn parse_tools(o: &Map<String, Value>) -> R<Option<Tools>> {
         let Some(name) = f.get("name").and_then(Value::as_str).filter(|n| !n.is_empty()) else {
             return Err(bad(".function.name must be a non-empty string"));
         };
+        // OpenAI's rule for function names: they are written into the prompt and into the call grammar.
+        if name.len() > 64 || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') {
+            return Err(bad(&format!(".function.name `{name}` must be 1 to 64 letters, digits, underscores or dashes")));
+        }
+        if tools.iter().any(|t: &Tool| t.name == name) {
+            return Err(bad(&format!(".function.name `{name}` is given twice")));
+        }
         let parameters = match f.get("parameters") {
             None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
             Some(p @ Value::Object(_)) => p.clone(),

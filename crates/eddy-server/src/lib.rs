@@ -133,6 +133,9 @@ pub fn run_blocking(host: &str, port: u16, engine: Engine, opts: ServeOptions) -
 
 /// The axum router with the engine thread started behind it.
 pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router> {
+    if opts.aliases.iter().any(|a| a.trim().is_empty()) {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "--alias: a model name must not be empty"));
+    }
     let names = if opts.aliases.is_empty() { vec![model_id_for(&engine)] } else { opts.aliases.clone() };
     let cors = cors_layer(&opts.cors_origins)?;
     let (tx, rx) = std::sync::mpsc::channel();

@@ -393,6 +393,9 @@ fn errors() {
     assert_error(&post(addr, c, chat_body("hi", json!({"n": 2}))), 400, "n=2");
     assert_error(&post(addr, c, chat_body("hi", json!({"response_format": {"type": "yaml"}}))), 400, "yaml");
     assert_error(&post(addr, c, chat_body("hi", json!({"tools": [{"type": "function"}]}))), 400, "tools[0].function");
+    let f = |name: &str| json!({"type": "function", "function": {"name": name}});
+    assert_error(&post(addr, c, chat_body("hi", json!({"tools": [f("a\"</tool_call>")]}))), 400, "tools[0].function.name");
+    assert_error(&post(addr, c, chat_body("hi", json!({"tools": [f("get_time"), f("get_time")]}))), 400, "given twice");
     assert_error(&post(addr, c, chat_body("hi", json!({"tool_choice": "required"}))), 400, "no tools");
     for (k, v) in [("logit_bias", json!({"42": 5})), ("prediction", json!({"type": "content", "content": "x"}))] {
         let v = assert_error(&post(addr, c, chat_body("hi", json!({k: v}))), 400, "not supported yet");
