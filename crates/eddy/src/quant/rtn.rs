@@ -326,26 +326,28 @@ fn ls_fit(n: f64, sw: f64, shift: f32, (sq, sqq, sqw): CodeSums) -> Option<(f16,
 /// M format codes of `w` (`rows × cols`, `cols % group == 0`, `group % 32 == 0`), no rotation, each group's
 /// `(S, M)` from `pick` ([`search_scale_min`] or [`minmax_scale_min`]; groups split over the available cores).
 pub(crate) fn quantize_m(rows: usize, cols: usize, w: &[f32], group: usize, pick: fn(&[f32]) -> (f16, f16)) -> QMatrix {
-    let n = w.len();
-    let ng = n / group;
-    let mut sm = vec![(f16::ZERO, f16::ZERO); ng];
-    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).clamp(1, ng.max(1));
-    let per = ng.div_ceil(threads).max(1);
-    std::thread::scope(|sc| {
-        for (i, out) in sm.chunks_mut(per).enumerate() {
-            let wc = &w[i * per * group..][..out.len() * group];
-            sc.spawn(move || {
-                for (o, wg) in out.iter_mut().zip(wc.chunks_exact(group)) {
-                    *o = pick(wg);
-                }
-            });
-        }
-    });
+    let sm = par_chunks(w, group, pick);
     let mut m = m_matrix(rows, cols, group);
     for (g, wg) in w.chunks_exact(group).enumerate() {
         set_m_group(&mut m, g, wg, sm[g].0, sm[g].1);
     }
     m
+}
+
+/// `f` of every `chunk` values of `w` in order (`w.len() / chunk` results), the chunks split over the
+/// available cores in contiguous runs; each result depends only on its chunk, so the split never changes it.
+fn par_chunks<T: Send + Clone + Default>(w: &[f32], chunk: usize, f: impl Fn(&[f32]) -> T + Sync) -> Vec<T> {
+    let mut out = vec![T::default(); w.len() / chunk];
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).clamp(1, out.len().max(1));
+    let per = out.len().div_ceil(threads).max(1);
+    let f = &f;
+    std::thread::scope(|sc| {
+        for (i, o) in out.chunks_mut(per).enumerate() {
+            let wc = &w[i * per * chunk..][..o.len() * chunk];
+            sc.spawn(move || o.iter_mut().zip(wc.chunks_exact(chunk)).for_each(|(o, c)| *o = f(c)));
+        }
+    });
+    out
 }
 
 /// An M [`QMatrix`] of `rows × cols` with zero codes, scales and offsets, to be filled by [`set_m_group`].
@@ -425,7 +427,7 @@ pub const K_MAX: i32 = 63;
 /// The two-level grid of one K super-block (256 values): `S = d·sc`, `M = dmin·mn` with
 /// `sc, mn ∈ 0..=63` (f32 forms of f16 `d`, `dmin`; `dmin` may be negative, so the offsets of a super-block
 /// share one sign: a group whose offset has the other sign gets `mn = 0`).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct KGrid {
     /// Super-scale (f16 value, `≥ 0`).
     pub d: f32,
@@ -487,27 +489,17 @@ impl KGrid {
 /// the same grid), the codes the nearest ones. Groups split over the available cores.
 pub fn quantize_k(rows: usize, cols: usize, w: &[f32], pick: fn(&[f32]) -> (f16, f16)) -> QMatrix {
     assert!(cols.is_multiple_of(QK_SUPER) && w.len() == rows * cols, "quantize_k: {rows} × {cols}");
-    let nsb = w.len() / QK_SUPER;
     let gps = QK_SUPER / K_GROUP;
-    let mut out = vec![(KGrid { d: 0.0, dmin: 0.0 }, [(0i8, 0i8); QK_SUPER / K_GROUP]); nsb];
-    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).clamp(1, nsb.max(1));
-    let per = nsb.div_ceil(threads).max(1);
-    std::thread::scope(|sc| {
-        for (i, out) in out.chunks_mut(per).enumerate() {
-            let wc = &w[i * per * QK_SUPER..][..out.len() * QK_SUPER];
-            sc.spawn(move || {
-                for (o, wsb) in out.iter_mut().zip(wc.chunks_exact(QK_SUPER)) {
-                    let f32s = |(s, m): (f16, f16)| (s.to_f32(), m.to_f32());
-                    let picked: Vec<(f32, f32)> = wsb.chunks_exact(K_GROUP).map(|wg| f32s(pick(wg))).collect();
-                    let grid = KGrid::fit(&picked);
-                    o.0 = grid;
-                    for (g, wg) in wsb.chunks_exact(K_GROUP).enumerate() {
-                        let (sc, mn, _) = grid.pick(wg, &[picked[g], f32s(minmax_scale_min(wg))]);
-                        o.1[g] = (sc as i8, mn as i8);
-                    }
-                }
-            });
+    let out = par_chunks(w, QK_SUPER, |wsb| {
+        let f32s = |(s, m): (f16, f16)| (s.to_f32(), m.to_f32());
+        let picked: Vec<(f32, f32)> = wsb.chunks_exact(K_GROUP).map(|wg| f32s(pick(wg))).collect();
+        let grid = KGrid::fit(&picked);
+        let mut mults = [(0i8, 0i8); QK_SUPER / K_GROUP];
+        for (g, wg) in wsb.chunks_exact(K_GROUP).enumerate() {
+            let (sc, mn, _) = grid.pick(wg, &[picked[g], f32s(minmax_scale_min(wg))]);
+            mults[g] = (sc as i8, mn as i8);
         }
+        (grid, mults)
     });
     let mut m = k_matrix(rows, cols);
     for (b, (grid, mults)) in out.iter().enumerate() {
@@ -573,33 +565,25 @@ pub fn k6_search_scale(wg: &[f32]) -> f32 {
 pub fn quantize_k6(rows: usize, cols: usize, w: &[f32]) -> QMatrix {
     assert!(cols.is_multiple_of(QK_SUPER) && w.len() == rows * cols, "quantize_k6: {rows} × {cols}");
     let n = rows * cols;
-    let gps = QK_SUPER / K6_GROUP;
-    let mut d = vec![0f32; n / QK_SUPER];
-    let mut sc = vec![0i8; n / K6_GROUP];
-    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).clamp(1, d.len().max(1));
-    let per = d.len().div_ceil(threads).max(1);
-    std::thread::scope(|scope| {
-        for (i, (dc, scc)) in d.chunks_mut(per).zip(sc.chunks_mut(per * gps)).enumerate() {
-            let wc = &w[i * per * QK_SUPER..][..dc.len() * QK_SUPER];
-            scope.spawn(move || {
-                for ((dd, scs), wsb) in dc.iter_mut().zip(scc.chunks_exact_mut(gps)).zip(wc.chunks_exact(QK_SUPER)) {
-                    let s: Vec<f32> = wsb.chunks_exact(K6_GROUP).map(k6_search_scale).collect();
-                    let smax = s.iter().fold(0f32, |a, &x| a.max(x.abs()));
-                    let dv = f16_toward(smax / 127.0, true).to_f32();
-                    *dd = if dv.is_finite() { dv } else { 0.0 };
-                    for ((o, &sg), wg) in scs.iter_mut().zip(&s).zip(wsb.chunks_exact(K6_GROUP)) {
-                        if *dd == 0.0 {
-                            continue;
-                        }
-                        let c = (sg / *dd).round().clamp(-127.0, 127.0) as i32;
-                        let cands = [(c - 1).max(-127), c, (c + 1).min(127)];
-                        let e = |m: i32| k6_error(wg, *dd * m as f32);
-                        *o = cands.into_iter().min_by(|&a, &b| e(a).total_cmp(&e(b))).unwrap_or(c) as i8;
-                    }
-                }
-            });
+    let per_sb = par_chunks(w, QK_SUPER, |wsb| {
+        let s: Vec<f32> = wsb.chunks_exact(K6_GROUP).map(k6_search_scale).collect();
+        let smax = s.iter().fold(0f32, |a, &x| a.max(x.abs()));
+        let dv = f16_toward(smax / 127.0, true).to_f32();
+        let dd = if dv.is_finite() { dv } else { 0.0 };
+        let mut scs = [0i8; QK_SUPER / K6_GROUP];
+        for ((o, &sg), wg) in scs.iter_mut().zip(&s).zip(wsb.chunks_exact(K6_GROUP)) {
+            if dd == 0.0 {
+                continue;
+            }
+            let c = (sg / dd).round().clamp(-127.0, 127.0) as i32;
+            let cands = [(c - 1).max(-127), c, (c + 1).min(127)];
+            let e = |m: i32| k6_error(wg, dd * m as f32);
+            *o = cands.into_iter().min_by(|&a, &b| e(a).total_cmp(&e(b))).unwrap_or(c) as i8;
         }
+        (dd, scs)
     });
+    let d: Vec<f32> = per_sb.iter().map(|p| p.0).collect();
+    let sc: Vec<i8> = per_sb.iter().flat_map(|p| p.1).collect();
     let mut lo = vec![0u8; n / 2];
     let mut hi = vec![0u8; n / QK * 8];
     for (b, wb) in w.chunks_exact(QK).enumerate() {
