@@ -107,11 +107,8 @@ pub fn run(a: BenchArgs) -> R<()> {
         return Err(format!("--endpoint: '{endpoint}' is not an http:// or https:// URL"));
     }
     if let Some(out) = &a.out {
-        // Fail before the run, not after it: the file must be creatable next to where it goes.
-        let dir = out.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-        let probe = dir.join(format!(".eddy-bench-probe-{}", std::process::id()));
-        std::fs::File::create(&probe).map_err(|e| format!("--out {}: cannot write into {}: {e}", out.display(), dir.display()))?;
-        let _ = std::fs::remove_file(&probe);
+        // Fail before the run, not after it.
+        crate::check_writable("--out", out).map_err(|e| e.to_string())?;
     }
     if a.num == 0 {
         return Err("--num: must be at least 1".into());

@@ -278,6 +278,15 @@ impl Tensors {
             packed: None,
             rotation,
         };
+        // F16 super-block scales `[rows, cols/256]` of format k or k6.
+        let sup = |suffix: &str, format: &str| -> Result<Vec<f32>> {
+            let want = vec![rows, cols / QK_SUPER];
+            match half(suffix)? {
+                Some((v, s)) if s == want => Ok(v.iter().map(|h| h.to_f32()).collect()),
+                Some((_, s)) => Err(bad(format!("{suffix} of shape {s:?}, expected {want:?}"))),
+                None => Err(bad(format!("format {format} codes without their .{suffix}"))),
+            }
+        };
         if let Some((hs, hi)) = self.get(&format!("{name}.high_bits")) {
             // K6: 6-bit codes (low nibbles in NAME, bit planes 4 and 5 in .high_bits), i8 multipliers per 16
             // values, f16 super-scales per 256.
@@ -303,11 +312,7 @@ impl Tensors {
                 }
                 None => return Err(bad("format k6 codes without their .scales".into())),
             };
-            let d = match half("super_scales")? {
-                Some((v, s)) if s == [rows, cols / QK_SUPER] => v.iter().map(|h| h.to_f32()).collect(),
-                Some((_, s)) => return Err(bad(format!("super_scales of shape {s:?}, expected [{rows}, {}]", cols / QK_SUPER))),
-                None => return Err(bad("format k6 codes without their .super_scales".into())),
-            };
+            let d = sup("super_scales", "k6")?;
             if self.get(&format!("{name}.zero_points")).is_some() {
                 return Err(bad("format k6 takes no zero_points".into()));
             }
@@ -328,19 +333,11 @@ impl Tensors {
                     None => Err(bad(format!("format k codes without their .{suffix}"))),
                 }
             };
-            let sup = |suffix: &str| -> Result<Vec<f32>> {
-                let want = vec![rows, cols / QK_SUPER];
-                match half(suffix)? {
-                    Some((v, s)) if s == want => Ok(v.iter().map(|h| h.to_f32()).collect()),
-                    Some((_, s)) => Err(bad(format!("{suffix} of shape {s:?}, expected {want:?}"))),
-                    None => Err(bad(format!("format k codes without their .{suffix}"))),
-                }
-            };
             m.scales = GroupScales::SuperI8 {
                 sc: packed("scales")?,
                 mn: Some(packed("zero_points")?),
-                d: sup("super_scales")?,
-                dmin: sup("super_zero_points")?,
+                d: sup("super_scales", "k")?,
+                dmin: sup("super_zero_points", "k")?,
             };
             return Ok(WeightMatrix::Q(m));
         }
