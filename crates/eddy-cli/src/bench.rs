@@ -174,11 +174,14 @@ pub fn run(a: BenchArgs) -> R<()> {
     Ok(())
 }
 
+/// The first model id of `base`/models; errors name the URL, and hint at `/v1` when `base` lacks it (the
+/// usual mistake: `--endpoint http://host:port`).
 fn first_model(agent: &ureq::Agent, base: &str) -> R<String> {
     let url = format!("{base}/models");
-    let mut resp = agent.get(&url).call().map_err(|e| format!("{url}: {e}"))?;
-    let v: Value = resp.body_mut().read_json().map_err(|e| format!("{url}: not a JSON model list ({e}); give --model"))?;
-    v["data"][0]["id"].as_str().map(str::to_string).ok_or_else(|| format!("{url}: lists no model; give --model"))
+    let hint = if base.trim_end_matches('/').ends_with("/v1") { "" } else { " (OpenAI endpoints end in /v1: is --endpoint missing it?)" };
+    let mut resp = agent.get(&url).call().map_err(|e| format!("{url}: {e}{hint}"))?;
+    let v: Value = resp.body_mut().read_json().map_err(|e| format!("{url}: not a JSON model list ({e}); give --model{hint}"))?;
+    v["data"][0]["id"].as_str().map(str::to_string).ok_or_else(|| format!("{url}: lists no model; give --model{hint}"))
 }
 
 /// One streamed chat completion, timed.

@@ -35,6 +35,7 @@ enum Cmd {
     Perplexity(PplArgs),
     /// Re-quantize a GGUF file or a Hugging Face model folder into eddy's M (int4) or L (int8) format with the block
     /// Hadamard rotation, written as an eddy model folder (docs/quant-formats.md) that --model loads.
+    #[command(allow_negative_numbers = true)]
     Quantize(QuantizeArgs),
     /// Raw model speed like llama-bench: prefill of -p tokens and decode of -n tokens (synthetic token
     /// ids, end-of-generation ignored), repeated -r times; prints the mean and spread as JSON lines.

@@ -255,6 +255,7 @@ fn quantize_bad_inputs_and_a_good_run() {
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--head-format", "x", "-o", o], "--head-format");
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--embed-group", "48", "-o", o], "--embed-group");
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib-damp=nan", "-o", o], "--calib-damp");
+    fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib-damp", "-1", "-o", o], "got -1");
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib", "/no-such-calib.txt", "-o", o], "no-such-calib");
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib-tokens", "0", "-o", o], "--calib-tokens");
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--tensor-format", ",,", "-o", o], "holds no rule");

@@ -33,6 +33,10 @@ fn bench_measures_an_eddy_server_and_compares_runs() {
     let Some(model) = common::smol() else { return };
     let addr = start_server(&model);
     let endpoint = format!("http://{addr}/v1");
+    // An endpoint that is not the API's root (no /v1): the error hints at it.
+    let o = eddy(&["bench", "--endpoint", &format!("http://{addr}/api"), "--prompt", "x", "--num", "1", "--warmup", "0"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.code() == Some(2) && err.contains("is --endpoint missing it?"), "{err}");
     let data = common::tmp("bench", "prompts.jsonl");
     std::fs::write(&data, "{\"prompt\": \"Count from one to twenty in words.\"}\n\"Name the planets of the solar system.\"\n").unwrap();
     let out_a = common::tmp("bench", "a.json");
@@ -173,22 +177,9 @@ fn bench_option_errors_are_one_line() {
 /// The real `eddy serve` binary (with --no-prefix-cache, on an ephemeral port), measured by `eddy bench`.
 #[test]
 fn serve_binary_with_no_prefix_cache_is_benchmarked() {
-    use std::io::BufRead;
     let Some(model) = common::smol() else { return };
-    let mut child = Command::new(env!("CARGO_BIN_EXE_eddy"))
-        .args(["serve", "--model", model.to_str().unwrap(), "--threads", "1", "--ctx", "512", "--port", "0", "--no-prefix-cache"])
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    let addr = loop {
-        line.clear();
-        assert!(err.read_line(&mut line).unwrap() > 0, "eddy serve exited before listening");
-        if let Some(a) = line.trim().split("listening on http://").nth(1) {
-            break a.to_string();
-        }
-    };
+    let (mut child, addr, _err) =
+        common::spawn_serve(&["--model", model.to_str().unwrap(), "--threads", "1", "--ctx", "512", "--port", "0", "--no-prefix-cache"]);
     let out = common::tmp("bench", "serve.json");
     let o = eddy(&[
         "bench",

@@ -366,3 +366,39 @@ fn speed_inputs() {
     assert_eq!(v["test"], "pp4");
     assert_eq!(v["threads"], 1);
 }
+
+/// `eddy serve` on SIGTERM drains: the stream in flight runs to its end (`[DONE]`), then the process exits 0.
+#[test]
+fn serve_drains_requests_in_flight_on_sigterm() {
+    use std::io::BufRead;
+    let Some(smol) = smol() else { return };
+    let (mut child, addr, mut err) =
+        common::spawn_serve(&["--model", smol.to_str().unwrap(), "--threads", "1", "--ctx", "512", "--port", "0"]);
+    let mut line = String::new();
+    let body = r#"{"messages":[{"role":"user","content":"List the numbers from 1 to 300, one per line."}],"stream":true,"max_tokens":200,"temperature":0}"#;
+    let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+    write!(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+    let mut reader = std::io::BufReader::new(conn);
+    // Wait for the first content chunk, then signal.
+    let mut seen = String::new();
+    loop {
+        line.clear();
+        assert!(reader.read_line(&mut line).unwrap() > 0, "stream ended early: {seen}");
+        seen.push_str(&line);
+        if line.starts_with("data: {") && line.contains("\"content\"") {
+            break;
+        }
+    }
+    let kill = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    assert!(kill.success());
+    let mut rest = String::new();
+    reader.read_to_string(&mut rest).unwrap();
+    let after = rest.lines().filter(|l| l.starts_with("data: {")).count();
+    assert!(rest.contains("data: [DONE]"), "the stream in flight was cut: {rest}");
+    assert!(after >= 10, "the request ended before the signal; {after} chunks after it");
+    let status = child.wait().unwrap();
+    let mut log = String::new();
+    err.read_to_string(&mut log).unwrap();
+    assert_eq!(status.code(), Some(0), "{log}");
+    assert!(log.contains("finishing the requests in flight") && log.contains("eddy serve: stopped"), "{log}");
+}

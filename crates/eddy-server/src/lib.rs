@@ -120,15 +120,56 @@ pub async fn serve(listener: tokio::net::TcpListener, engine: Engine, opts: Serv
     axum::serve(listener, router(engine, opts)?).await
 }
 
-/// Blocking entry point for the CLI: binds `host:port`, builds a Tokio runtime and serves.
+/// Blocking entry point for the CLI: binds `host:port`, builds a Tokio runtime and serves until the first
+/// SIGINT or SIGTERM, then drains: no new connections are accepted, the requests in flight (streams included)
+/// run to their end, and the call returns `Ok`. A second signal during the drain exits the process at once
+/// (status 130), as llama-server and vLLM do on a repeated Ctrl-C.
 pub fn run_blocking(host: &str, port: u16, engine: Engine, opts: ServeOptions) -> std::io::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind((host, port)).await?;
         let id = opts.aliases.first().cloned().unwrap_or_else(|| model_id_for(&engine));
         eprintln!("eddy serve: model `{id}`, context {} tokens, listening on http://{}", engine.ctx(), listener.local_addr()?);
-        serve(listener, engine, opts).await
+        axum::serve(listener, router(engine, opts)?).with_graceful_shutdown(drain_on_signal()).await?;
+        eprintln!("eddy serve: stopped");
+        Ok(())
     })
+}
+
+/// Resolves on the first SIGINT/SIGTERM (the start of the drain); from then on a second one exits at once.
+async fn drain_on_signal() {
+    stop_signal().await;
+    eprintln!("eddy serve: stopping: finishing the requests in flight, accepting no new ones (signal again to stop now)");
+    tokio::spawn(async {
+        stop_signal().await;
+        eprintln!("eddy serve: stopped with requests in flight");
+        std::process::exit(130);
+    });
+}
+
+/// The next SIGINT (Ctrl-C) or, on Unix, SIGTERM. If a handler cannot be installed the signal keeps its
+/// default action (the process ends), so this only waits for the other one.
+async fn stop_signal() {
+    let int = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = int => {}
+        _ = term => {}
+    }
 }
 
 /// The axum router with the engine thread started behind it.
@@ -163,6 +204,11 @@ pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router>
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
+        // The same API without the /v1 prefix, as llama-server answers it (clients given a bare host).
+        .route("/chat/completions", post(chat_completions))
+        .route("/completions", post(completions))
+        .route("/models", get(models))
+        .route("/models/{id}", get(model))
         .route("/health", get(health))
         .route("/metrics", get(prometheus))
         .fallback(not_found)
@@ -191,8 +237,17 @@ fn cors_layer(origins: &[String]) -> std::io::Result<Option<tower_http::cors::Co
         let list = origins
             .iter()
             .map(|o| {
-                axum::http::HeaderValue::from_str(o.trim_end_matches('/'))
-                    .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("--cors-origin: invalid origin `{o}`")))
+                let bad = || {
+                    std::io::Error::new(
+                        std::io::ErrorKind::InvalidInput,
+                        format!("--cors-origin: `{o}` is not an origin (`*` or scheme://host[:port], e.g. http://localhost:3000)"),
+                    )
+                };
+                let o = o.trim_end_matches('/');
+                if !is_origin(o) {
+                    return Err(bad());
+                }
+                axum::http::HeaderValue::from_str(o).map_err(|_| bad())
             })
             .collect::<std::io::Result<Vec<_>>>()?;
         AllowOrigin::list(list)
@@ -206,6 +261,19 @@ fn cors_layer(origins: &[String]) -> std::io::Result<Option<tower_http::cors::Co
             .allow_headers(AllowHeaders::mirror_request())
             .max_age(Duration::from_secs(600)),
     ))
+}
+
+/// Whether `o` is a serialized origin as browsers send it in `Origin` (RFC 6454): `scheme://host[:port]` with
+/// an http(s) or other scheme, a host, no user info, path, query or fragment. Anything else could never
+/// match a request, so `--cors-origin` refuses it instead of silently allowing nothing.
+fn is_origin(o: &str) -> bool {
+    let Ok(uri) = o.parse::<axum::http::Uri>() else { return false };
+    let (Some(scheme), Some(auth)) = (uri.scheme_str(), uri.authority()) else { return false };
+    !scheme.is_empty()
+        && !auth.host().is_empty()
+        && !auth.as_str().contains('@')
+        && uri.path_and_query().is_none_or(|pq| pq.as_str().is_empty() || pq.as_str() == "/")
+        && !o.contains('#')
 }
 
 /// Counts every answered request by endpoint and status.
@@ -897,5 +965,23 @@ impl futures_core::Stream for SseBody {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cors_origins_are_checked() {
+        for ok in ["http://localhost:3000", "https://app.example", "http://127.0.0.1:8080", "http://[::1]:5173"] {
+            assert!(is_origin(ok), "{ok}");
+        }
+        for bad in ["localhost:3000", "app.example", "http://", "http://a/b", "http://a?x=1", "http://u@a", "http://a#f", "", "null"] {
+            assert!(!is_origin(bad), "{bad}");
+        }
+        assert!(cors_layer(&["http://localhost:3000/".into()]).is_ok());
+        let e = cors_layer(&["localhost:3000".into()]).unwrap_err().to_string();
+        assert!(e.contains("--cors-origin") && e.contains("not an origin"), "{e}");
     }
 }

@@ -99,9 +99,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// URLs cannot grow the label set).
 pub fn endpoint_label(path: &str) -> &'static str {
     match path {
-        "/v1/chat/completions" => "/v1/chat/completions",
-        "/v1/completions" => "/v1/completions",
-        "/v1/models" => "/v1/models",
+        "/v1/chat/completions" | "/chat/completions" => "/v1/chat/completions",
+        "/v1/completions" | "/completions" => "/v1/completions",
+        "/v1/models" | "/models" => "/v1/models",
         "/health" => "/health",
         "/metrics" => "/metrics",
         _ => "other",

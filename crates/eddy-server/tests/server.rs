@@ -436,6 +436,13 @@ fn models_and_health() {
     assert_eq!(m.json()["id"], "SmolLM2-135M-Instruct.Q4_1");
     assert_eq!(m.json()["context_length"], CTX);
     assert_error(&request(addr, "GET", "/v1/models/gpt-4o-mini", ""), 404, "gpt-4o-mini");
+    // Without the /v1 prefix (as llama-server): the same answers.
+    assert_eq!(request(addr, "GET", "/models", "").json(), v);
+    assert_eq!(request(addr, "GET", "/models/SmolLM2-135M-Instruct.Q4_1", "").json()["id"], "SmolLM2-135M-Instruct.Q4_1");
+    let c = post(addr, "/chat/completions", chat_body(Q, json!({"max_tokens": 2}))).json();
+    assert_eq!(c["object"], "chat.completion", "{c}");
+    let t = post(addr, "/completions", json!({"prompt": "Hi", "max_tokens": 2})).json();
+    assert_eq!(t["object"], "text_completion", "{t}");
 }
 
 #[test]

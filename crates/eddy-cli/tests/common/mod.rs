@@ -25,3 +25,29 @@ pub fn tmp(suite: &str, name: &str) -> PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     d.join(name)
 }
+
+/// Start the real `eddy serve` binary with `args` after `serve` (give `--port 0`); returns the child, the
+/// address it listens on (from its "listening on http://ADDR" line) and its stderr, read up to that line.
+#[allow(clippy::zombie_processes)] // the child is returned: the caller kills and waits for it
+pub fn spawn_serve(args: &[&str]) -> (std::process::Child, String, std::io::BufReader<std::process::ChildStderr>) {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_eddy"))
+        .arg("serve")
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if err.read_line(&mut line).unwrap_or(0) == 0 {
+            let status = child.wait();
+            panic!("eddy serve exited before listening: {status:?}");
+        }
+        if let Some(a) = line.trim().split("listening on http://").nth(1) {
+            return (child, a.to_string(), err);
+        }
+    }
+}

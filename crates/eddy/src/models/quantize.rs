@@ -704,12 +704,35 @@ fn write_atomically(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Resu
         return Err(Error::model(out, "already exists (eddy quantize never overwrites; remove it or pick another -o)"));
     }
     let file_name = out.file_name().ok_or_else(|| Error::model(out, "not a folder name"))?.to_string_lossy().into_owned();
+    remove_stale_temporaries(out, &file_name);
     let tmp = out.with_file_name(format!(".{file_name}.tmp-{}", std::process::id()));
     let result = write(&tmp).and_then(|()| std::fs::rename(&tmp, out).map_err(|e| Error::Io { path: out.to_path_buf(), source: e }));
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&tmp);
     }
     result
+}
+
+/// Remove `.NAME.tmp-PID` folders next to `out` left by an earlier write of the same output that was killed
+/// (SIGKILL/SIGTERM skip [`write_atomically`]'s cleanup) and whose process no longer runs (Linux: no
+/// `/proc/PID`; elsewhere nothing is removed). Failures are ignored: a stale folder only costs disk space.
+fn remove_stale_temporaries(out: &Path, file_name: &str) {
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    let prefix = format!(".{file_name}.tmp-");
+    let Ok(entries) = std::fs::read_dir(&parent) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name.strip_prefix(&prefix).and_then(|p| p.parse::<u32>().ok()) else { continue };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
 }
 
 /// One tensor to serialize: name, dtype, shape, little-endian bytes.
@@ -869,6 +892,29 @@ fn write_into(src: &Source, model: &Model, opts: &QuantizeOptions, tmp: &Path) -
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A killed quantize's `.NAME.tmp-PID` folder (its PID gone) is removed by the next write of NAME; folders
+    /// of running processes, of this process and of other outputs are kept.
+    #[test]
+    fn stale_temporary_folders_of_dead_writers_are_removed() {
+        if !Path::new("/proc/self").exists() {
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("eddy-stale-tmp-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let dead = dir.join(".out.tmp-4194305"); // above Linux's largest pid_max (2^22)
+        let live = dir.join(".out.tmp-1");
+        let own = dir.join(format!(".out.tmp-{}", std::process::id()));
+        let other = dir.join(".other.tmp-4194305");
+        for d in [&dead, &live, &own, &other] {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::write(d.join("model.safetensors"), b"partial").unwrap();
+        }
+        remove_stale_temporaries(&dir.join("out"), "out");
+        assert!(!dead.exists());
+        assert!(live.exists() && own.exists() && other.exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     /// A K (and a K6) matrix written as a folder's tensors ([`matrix_tensors`], [`write_tensors`]) loads back
     /// (`Tensors::matrix`) as the same [`QMatrix`]: codes, multipliers, super-scales; the side tensors with a
