@@ -657,6 +657,24 @@ fn model_matches_cpu(name: &str) {
     assert!(stepped == one_by_one, "{name}: the decode step differs from 1-token forward passes");
     // The decode steps ran as replays of one captured graph (the 1-token passes above already captured it).
     assert!(after.replayed - before.replayed >= 14, "{name}: graph use {before:?} -> {after:?}");
+    // Programmatic dependent launch changes when kernels start, never what they compute: the same steps with
+    // it switched the other way (graphs captured again) give the same bits; on sm_90 the captured graphs
+    // carry programmatic edges.
+    let pdl = be.programmatic_launch();
+    if pdl && std::env::var_os("EDDY_CUDA_GRAPHS").is_none_or(|v| v != "0") {
+        assert!(after.programmatic_edges > 0, "{name}: PDL on but no programmatic edge captured: {after:?}");
+    }
+    be.set_programmatic_launch(!pdl);
+    for _ in 0..2 {
+        gst.truncate(base);
+        let mut again = Vec::new();
+        for &t in &toks {
+            decode(&gm, &be, &mut gws, &mut gst, t, &mut gl).unwrap();
+            again.extend_from_slice(&gl);
+        }
+        assert!(again == one_by_one, "{name}: decode steps with PDL {} differ from those with PDL {pdl}", be.programmatic_launch());
+    }
+    be.set_programmatic_launch(pdl);
     println!("{name}: graph use over the test: {after:?}");
     println!("{name}: 16-node verify, 16-token pass and 16 `decode` steps bit-identical to 16 one-token passes");
 }

@@ -12,6 +12,31 @@
 
 #define FULL 0xffffffffu
 
+// Programmatic dependent launch (docs/cuda.md, "Programmatic dependent launch"): on sm_90 the host may launch
+// a kernel with the programmatic-stream-serialization attribute, so that it starts while the kernel before it
+// still runs. Every kernel calls pdl_wait() before it touches memory another kernel of the pass writes or reads
+// (in practice: first, except the products' weight prefetch): `griddepcontrol.wait` returns once the previous
+// grid has completed and its writes are visible (at once for a launch without the attribute), so each kernel
+// still sees exactly what a serialized launch would, and the chain of waits keeps the order transitive. Then
+// `griddepcontrol.launch_dependents` lets the next kernel launch (its blocks are scheduled while this one
+// runs). Neither changes any arithmetic. Older targets (the compute_80 PTX) compile them away.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// A hint to bring the 128-byte line at `p` into L2 (no register, no result): the products prefetch their
+// weights, which no kernel writes, before pdl_wait().
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+
+// Prefetch `bytes` bytes from `p` into L2, the 32 lanes of a warp one line each in turn.
+__device__ __forceinline__ void prefetch_l2_range(const void* p, long long bytes, int lane) {
+    const char* c = reinterpret_cast<const char*>(p);
+    for (long long o = (long long)lane * 128; o < bytes; o += 32 * 128) prefetch_l2(c + o);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     // xor butterfly: every lane ends with the same value (float addition is commutative).
     for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(FULL, v, o));
@@ -81,6 +106,7 @@ __device__ __forceinline__ void quant_group(float v, int lane, long long gid, co
 extern "C" __global__ void quantize_q8(const float* __restrict__ x, int n, int cols, const float* __restrict__ signs,
                                        int8_t* __restrict__ q, float* __restrict__ scale, int* __restrict__ sum,
                                        float* __restrict__ dsum, int* __restrict__ sum16) {
+    pdl_wait();
     const int lane = threadIdx.x & 31;
     const long long G = cols >> 5;
     const long long gid = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -111,8 +137,15 @@ __device__ __forceinline__ void mm_q_impl(int bx, const uint8_t* __restrict__ co
     const int lane = threadIdx.x & 31;
     const int row = bx * MM_ROWS + (threadIdx.x >> 5);
     const int t0 = blockIdx.y * TT;
-    if (row >= rows) return;
     const int nblk = cols >> 5;
+    if (row < rows && blockIdx.y == 0) {
+        // The row's weights (read by no other kernel's writes) towards L2 while the previous kernel finishes.
+        prefetch_l2_range(codes + (long long)row * nblk * (P4 ? 16 : 32), (long long)nblk * (P4 ? 16 : 32), lane);
+        prefetch_l2_range(sc + (long long)row * nblk * (g16 ? 2 : 1), (long long)nblk * (g16 ? 8 : 4), lane);
+        if (mn != nullptr) prefetch_l2_range(mn + (long long)row * nblk, (long long)nblk * 4, lane);
+    }
+    pdl_wait();
+    if (row >= rows) return;
     const int nt = min(TT, n - t0);
     float acc[TT];
 #pragma unroll
@@ -380,6 +413,7 @@ __device__ __forceinline__ void mm_qw_impl(const QParts& PT, int cols, int half,
     const int g = lane >> 2, q = lane & 3;
     const int t0 = blockIdx.y * NT, h = blockIdx.z;
     const int off = S == 1 ? 0 : (S == 2 ? h : ((h >> 1) | ((h & 1) << 1)));  // revS(h)
+    pdl_wait();
     const int ntiles = PT.tiles();
     if ((int)blockIdx.x >= ntiles) return;  // whole block: no barrier skipped by part of it
     const int nblk = cols >> 5, nsteps = (nblk + 31) >> 5;
@@ -660,6 +694,7 @@ template <int TT, bool BF>
 __device__ __forceinline__ void mm_f_impl(const void* __restrict__ wv, int rows, int cols,
                                           const float* __restrict__ x, int n, const float* __restrict__ bias,
                                           float* __restrict__ out) {
+    pdl_wait();
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * MM_ROWS + (threadIdx.x >> 5);
     const int t0 = blockIdx.y * TT;
@@ -723,6 +758,7 @@ __device__ __forceinline__ bool hadamard_block(int len, int i, int* start, int* 
 // Output side of a rotated product: y <- D_out (H y) on every Hadamard block of every token's row. One thread
 // per (token, block), the CPU's butterfly order.
 extern "C" __global__ void rotate_out(float* __restrict__ y, int n, int rows, int nblocks, const float* __restrict__ signs) {
+    pdl_wait();
     const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (id >= (long long)n * nblocks) return;
     const int t = (int)(id / nblocks), bi = (int)(id % nblocks);
@@ -770,6 +806,7 @@ extern "C" __global__ void embed(const void* __restrict__ w, int wtype, int rows
                                  const float* __restrict__ in_signs, const float* __restrict__ out_signs,
                                  const uint32_t* __restrict__ tokens, float scale, int has_scale,
                                  float* __restrict__ x) {
+    pdl_wait();
     const int t = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const long long r = tokens[t];
@@ -840,6 +877,7 @@ __device__ __forceinline__ float norm_row(float (&v)[NORM_KMAX], float* x, const
 
 extern "C" __global__ void rms_norm(const float* x, float* out, const float* __restrict__ w, int d, float eps,
                                     int nrows) {
+    pdl_wait();
     __shared__ float red[32];
     const long long row = blockIdx.x;
     if (row >= nrows) return;
@@ -862,6 +900,7 @@ extern "C" __global__ void rms_norm_quant(float* x, const float* __restrict__ re
                                           const float* __restrict__ signs, int8_t* __restrict__ q,
                                           float* __restrict__ scale, int* __restrict__ sum,
                                           float* __restrict__ dsum, int* __restrict__ sum16) {
+    pdl_wait();
     __shared__ float red[32];
     const long long row = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -884,11 +923,13 @@ extern "C" __global__ void rms_norm_quant(float* x, const float* __restrict__ re
 // ---------------------------------------------------------------------------------------------------------
 // Elementwise.
 extern "C" __global__ void add(float* __restrict__ x, const float* __restrict__ y, long long len) {
+    pdl_wait();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) x[i] = __fadd_rn(x[i], y[i]);
 }
 
 extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restrict__ b, int width, long long len) {
+    pdl_wait();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) x[i] = __fadd_rn(x[i], b[i % width]);
 }
@@ -902,6 +943,7 @@ __device__ __forceinline__ float activate(int act, float x) {
 }
 
 extern "C" __global__ void gated_act(int act, float* __restrict__ g, const float* __restrict__ u, long long len) {
+    pdl_wait();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= len) return;
     g[i] = __fmul_rn(activate(act, g[i]), u[i]);
@@ -913,6 +955,7 @@ extern "C" __global__ void gated_act_quant(int act, float* __restrict__ g, const
                                            int cols, const float* __restrict__ signs, int8_t* __restrict__ q,
                                            float* __restrict__ scale, int* __restrict__ sum,
                                            float* __restrict__ dsum, int* __restrict__ sum16) {
+    pdl_wait();
     const int lane = threadIdx.x & 31;
     const long long G = cols >> 5;
     const long long gid = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -927,17 +970,20 @@ extern "C" __global__ void gated_act_quant(int act, float* __restrict__ g, const
 // from device memory so that a captured decode step replays at any position.
 extern "C" __global__ void store_rows(const float* __restrict__ src, long long len, int width, float* __restrict__ dst,
                                       const int* __restrict__ row0) {
+    pdl_wait();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) dst[(long long)row0[0] * width + i] = src[i];
 }
 
 extern "C" __global__ void mul_sigmoid(float* __restrict__ x, const float* __restrict__ g, long long len) {
+    pdl_wait();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) x[i] = __fmul_rn(x[i], __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g[i]))));
 }
 
 extern "C" __global__ void split_gate(const float* __restrict__ qg, int n, int heads, int hd, float* __restrict__ q,
                                       float* __restrict__ gate) {
+    pdl_wait();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long qd = (long long)heads * hd;
     if (i >= n * qd) return;
@@ -949,6 +995,7 @@ extern "C" __global__ void split_gate(const float* __restrict__ qg, int n, int h
 
 extern "C" __global__ void concat_rows(const float* __restrict__ a, const float* __restrict__ b, int n, int width,
                                        float* __restrict__ out) {
+    pdl_wait();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n * 2 * width) return;
     const long long t = i / (2 * width), c = i % (2 * width);
@@ -980,6 +1027,7 @@ __device__ __forceinline__ void rope_pair(float* p, float* copy, int i, int half
 
 extern "C" __global__ void rope(float* __restrict__ q, int qw, float* __restrict__ k, int kw, int hd, int nrows,
                                 const int* __restrict__ pos, const float* __restrict__ inv_freq, int half, int neox) {
+    pdl_wait();
     long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long nq = (long long)nrows * (qw / hd) * half;
     float* x = q;
@@ -1005,6 +1053,7 @@ extern "C" __global__ void rope_store(float* __restrict__ q, int qw, float* __re
                                       int nrows, const int* __restrict__ pos, const float* __restrict__ inv_freq,
                                       int half, int neox, const float* __restrict__ v, float* __restrict__ kc,
                                       float* __restrict__ vc, const int* __restrict__ row0) {
+    pdl_wait();
     long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long nq = (long long)nrows * (qw / hd) * half;
     if (id < nq) {
@@ -1068,6 +1117,7 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
                                      float softcap, const float* __restrict__ qsigns, int8_t* __restrict__ qq,
                                      float* __restrict__ qscale, int* __restrict__ qsum,
                                      float* __restrict__ qdsum, int* __restrict__ qsum16) {
+    pdl_wait();
     __shared__ __align__(16) float qs[ATT_MAX_HD];
     __shared__ float sc[ATT_CHUNK];
     __shared__ float sp[4][ATT_CHUNK];
@@ -1221,6 +1271,7 @@ __device__ __forceinline__ void argmax_pick(float& bv, int& bi, float v, int i) 
 }
 
 extern "C" __global__ void argmax_rows(const float* __restrict__ x, int width, unsigned int* __restrict__ out) {
+    pdl_wait();
     const float* row = x + (long long)blockIdx.x * width;
     float bv = -INFINITY;
     int bi = 0x7fffffff;
@@ -1323,6 +1374,7 @@ __device__ void cand_sort(unsigned long long* buf) {
 // meet in a halving tree — `sampling::row_candidates`' order.
 extern "C" __global__ void __launch_bounds__(CAND_THREADS, 1)
     candidate_rows(const float* __restrict__ x, int width, float inv_t, int k, unsigned int* __restrict__ out) {
+    pdl_wait();
     __shared__ unsigned long long buf[CAND_THREADS];
     __shared__ double lane[CAND_THREADS];
     __shared__ unsigned int hist[256];
