@@ -28,14 +28,14 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     echo "== GPU tests"
     "$bin" --ignored --test-threads 1 --skip timing --skip profile --skip smollm2 --skip gemma3 --nocapture 2>&1 | grep -v "^$"
 fi
-timing() { "$bin" --ignored --test-threads 1 --nocapture decode_and_verify_timing 2>&1 | grep -E "decode|verify|queue|prefill|graph"; }
+timing() { "$bin" --ignored --test-threads 1 --nocapture decode_and_verify_timing 2>&1 | grep -E "decode|verify|queue|prefill|graph|empty"; }
 echo "== timing, graphs on"
 timing
 echo "== timing, graphs off"
 EDDY_CUDA_GRAPHS=0 timing
 for v in ${TIMING_ENVS:-}; do
     echo "== timing, $v"
-    env "$v" "$bin" --ignored --test-threads 1 --nocapture decode_and_verify_timing 2>&1 | grep -E "decode|verify|queue|prefill|graph"
+    env "$v" "$bin" --ignored --test-threads 1 --nocapture decode_and_verify_timing 2>&1 | grep -E "decode|verify|queue|prefill|graph|empty"
 done
 if [ -n "$llama" ]; then
     if [ -f "$llama" ]; then tar xzf "$llama" -C /tmp && llama=/tmp; fi

@@ -747,6 +747,27 @@ fn decode_and_verify_timing() {
         done += t0.elapsed().as_secs_f64() / 32.0;
     }
     println!("{file}: a step without logits: {:.3} ms to queue, {:.3} ms until the GPU is done", 1e3 * queued, 1e3 * done);
+    // The same step with an empty kernel launched in place of each kernel (same grids): what the launches and
+    // the gaps between kernels cost; the rest of the step above is the kernels' own time.
+    be.set_empty_kernels(true);
+    let before = st.n_past();
+    let mut empty = 0f64;
+    for i in 0..35 {
+        be.synchronize();
+        let t0 = std::time::Instant::now();
+        forward(&gm, &be, &mut ws, &mut st, &[next], Logits::None, &mut logits).unwrap();
+        be.synchronize();
+        if i >= 3 {
+            empty += t0.elapsed().as_secs_f64() / 32.0;
+        }
+    }
+    be.set_empty_kernels(false);
+    st.truncate(before);
+    println!(
+        "{file}: the same step with every kernel empty: {:.3} ms until the GPU is done (launches and gaps); kernels {:.3} ms",
+        1e3 * empty,
+        1e3 * (done - empty)
+    );
     // The verify-cost curve: a chain of n nodes as a tree from the same committed state, repeated, against
     // the decode step.
     st.truncate(base);

@@ -163,6 +163,8 @@ struct Queue {
     /// Whether a kernel that follows a kernel is launched with programmatic stream serialization (PDL,
     /// [`Cuda::set_programmatic_launch`]).
     pdl: bool,
+    /// The empty kernel launched in place of every kernel, or 0 ([`Cuda::set_empty_kernels`]).
+    noop: usize,
 }
 
 /// Staging slots of [`Queue::staged`].
@@ -233,6 +235,7 @@ impl Queue {
             plan: GraphPlan::new(if graphs { MAX_GRAPHS } else { 0 }),
             stats: GraphStats::default(),
             pdl: false,
+            noop: 0,
         }
     }
 
@@ -321,7 +324,7 @@ impl Queue {
                 let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
                 // SAFETY: our stream; the launches below are recorded, not run, until the graph is launched.
                 check(unsafe { result::stream::begin_capture(stream, mode) }, "stream capture");
-                run_ops(&ops, stream, self.pdl);
+                run_ops(&ops, stream, self.pdl, self.noop);
                 // SAFETY: the capture begun above.
                 let g = check(unsafe { result::stream::end_capture(stream) }, "end of stream capture");
                 self.stats.programmatic_edges += programmatic_edges(g);
@@ -341,7 +344,7 @@ impl Queue {
             }
             Plan::Eager => {
                 self.stats.eager += 1;
-                run_ops(&ops, stream, self.pdl);
+                run_ops(&ops, stream, self.pdl, self.noop);
                 self.ops = ops;
                 self.ops.clear();
             }
@@ -374,8 +377,9 @@ fn programmatic_edges(g: sys::CUgraph) -> u64 {
 }
 
 /// Launch `ops` on `stream` in order; with `pdl`, each kernel that follows a kernel with programmatic stream
-/// serialization (it may start before its predecessor ends and waits for it in `pdl_wait`, kernels.cu).
-fn run_ops(ops: &[Op], stream: sys::CUstream, pdl: bool) {
+/// serialization (it may start before its predecessor ends and waits for it in `pdl_wait`, kernels.cu). With
+/// `noop` not 0, that kernel is launched in place of each kernel (same grid, block and shared memory).
+fn run_ops(ops: &[Op], stream: sys::CUstream, pdl: bool, noop: usize) {
     let mut after_kernel = false;
     for op in ops {
         match *op {
@@ -407,7 +411,10 @@ fn run_ops(ops: &[Op], stream: sys::CUstream, pdl: bool) {
                 // right sizes (checked when queued; buffers are not freed while operations are queued). The
                 // config and its attribute live through the call.
                 check(
-                    unsafe { sys::cuLaunchKernelEx(&config, f as sys::CUfunction, ptrs.as_mut_ptr(), std::ptr::null_mut()).result() },
+                    unsafe {
+                        let f = if noop != 0 { noop } else { f };
+                        sys::cuLaunchKernelEx(&config, f as sys::CUfunction, ptrs.as_mut_ptr(), std::ptr::null_mut()).result()
+                    },
                     "kernel launch",
                 );
                 after_kernel = true;
@@ -598,6 +605,8 @@ struct Kernels {
     mm_q: [[Func; 2]; 2],
     /// The same for up to three matrices in one launch.
     mm_q3: [[Func; 2]; 2],
+    /// The empty kernel ([`Cuda::set_empty_kernels`]).
+    noop: Func,
     /// Five or more tokens, on the tensor cores (`mm_qw{1,2}_f{form}_{p4,p8}_s{S}`): `[split (MMA_SPLITS)][tile
     /// (mma_tile)][form (qform)][bits 4 packed / bytes]`.
     mm_qw: [[[[Func; 2]; 3]; 2]; 3],
@@ -795,6 +804,7 @@ impl Cuda {
             quantize: get("quantize_q8")?,
             mm_q: [[get("mm_q_t1_p4")?, get("mm_q_t1_p8")?], [get("mm_q_t8_p4")?, get("mm_q_t8_p8")?]],
             mm_q3: [[get("mm_q3_t1_p4")?, get("mm_q3_t1_p8")?], [get("mm_q3_t8_p4")?, get("mm_q3_t8_p8")?]],
+            noop: get("noop")?,
             mm_qw: qw("mm_qw")?,
             mm_q3w: qw("mm_q3w")?,
             mm_qw_smem: smem,
@@ -935,6 +945,19 @@ impl Cuda {
     /// How queued passes have run so far: one by one, captured into a graph, or replayed from one.
     pub fn graph_stats(&self) -> GraphStats {
         self.ctx.queue().stats
+    }
+
+    /// Launch an empty kernel in place of every kernel (same grid, block and shared memory; copies still run),
+    /// or the real ones again: runs the queued work and drops the kept graphs. A pass then costs only its
+    /// launches and the gaps between them (its results are meaningless); for measurements only.
+    pub fn set_empty_kernels(&self, on: bool) {
+        self.synchronize();
+        let mut q = self.ctx.queue();
+        q.noop = if on { self.k.noop.0 as usize } else { 0 };
+        for g in q.plan.drain() {
+            // SAFETY: the graphs' work is done (synchronized above) and nothing refers to them any more.
+            let _ = unsafe { result::graph::exec_destroy(g.0) };
+        }
     }
 
     /// Whether kernels are launched with programmatic dependent launch (PDL): on compute capability 9.0 and
@@ -1263,6 +1286,17 @@ impl Drop for Cuda {
     }
 }
 
+/// Whether two quantized matrices share the layout one product launch needs (width, code packing, scale and
+/// offset forms, input rotation).
+fn same_form(a: &CudaQ, b: &CudaQ) -> bool {
+    a.cols == b.cols
+        && a.packed4 == b.packed4
+        && a.g16 == b.g16
+        && a.half == b.half
+        && a.mins.is_some() == b.mins.is_some()
+        && a.in_signs.as_ref().map(|s| s.0) == b.in_signs.as_ref().map(|s| s.0)
+}
+
 /// Upload of a host weight matrix into the device layout.
 fn upload_matrix(be: &Cuda, w: &WeightMatrix) -> CudaWeights {
     match w {
@@ -1449,15 +1483,7 @@ impl Backend for Cuda {
                 _ => None,
             })
             .collect();
-        let same = |a: &CudaQ, b: &CudaQ| {
-            a.cols == b.cols
-                && a.packed4 == b.packed4
-                && a.g16 == b.g16
-                && a.half == b.half
-                && a.mins.is_some() == b.mins.is_some()
-                && a.in_signs.as_ref().map(|s| s.0) == b.in_signs.as_ref().map(|s| s.0)
-        };
-        if n == 0 || !(2..=3).contains(&parts.len()) || qs.len() != parts.len() || !qs.iter().all(|q| same(q, qs[0])) {
+        if n == 0 || !(2..=3).contains(&parts.len()) || qs.len() != parts.len() || !qs.iter().all(|q| same_form(q, qs[0])) {
             for (w, bias, out) in parts.iter_mut() {
                 self.matmul_bias(w, x, xq, n, *bias, out);
             }
