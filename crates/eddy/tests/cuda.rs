@@ -657,6 +657,24 @@ fn model_matches_cpu(name: &str) {
     assert!(stepped == one_by_one, "{name}: the decode step differs from 1-token forward passes");
     // The decode steps ran as replays of one captured graph (the 1-token passes above already captured it).
     assert!(after.replayed - before.replayed >= 14, "{name}: graph use {before:?} -> {after:?}");
+    // Programmatic dependent launch changes when kernels start, never what they compute: the same steps with
+    // it switched the other way (graphs captured again) give the same bits; on sm_90 the captured graphs
+    // carry programmatic edges.
+    let pdl = be.programmatic_launch();
+    if pdl && std::env::var_os("EDDY_CUDA_GRAPHS").is_none_or(|v| v != "0") {
+        assert!(after.programmatic_edges > 0, "{name}: PDL on but no programmatic edge captured: {after:?}");
+    }
+    be.set_programmatic_launch(!pdl);
+    for _ in 0..2 {
+        gst.truncate(base);
+        let mut again = Vec::new();
+        for &t in &toks {
+            decode(&gm, &be, &mut gws, &mut gst, t, &mut gl).unwrap();
+            again.extend_from_slice(&gl);
+        }
+        assert!(again == one_by_one, "{name}: decode steps with PDL {} differ from those with PDL {pdl}", be.programmatic_launch());
+    }
+    be.set_programmatic_launch(pdl);
     println!("{name}: graph use over the test: {after:?}");
     println!("{name}: 16-node verify, 16-token pass and 16 `decode` steps bit-identical to 16 one-token passes");
 }
@@ -729,6 +747,27 @@ fn decode_and_verify_timing() {
         done += t0.elapsed().as_secs_f64() / 32.0;
     }
     println!("{file}: a step without logits: {:.3} ms to queue, {:.3} ms until the GPU is done", 1e3 * queued, 1e3 * done);
+    // The same step with an empty kernel launched in place of each kernel (same grids): what the launches and
+    // the gaps between kernels cost; the rest of the step above is the kernels' own time.
+    be.set_empty_kernels(true);
+    let before = st.n_past();
+    let mut empty = 0f64;
+    for i in 0..35 {
+        be.synchronize();
+        let t0 = std::time::Instant::now();
+        forward(&gm, &be, &mut ws, &mut st, &[next], Logits::None, &mut logits).unwrap();
+        be.synchronize();
+        if i >= 3 {
+            empty += t0.elapsed().as_secs_f64() / 32.0;
+        }
+    }
+    be.set_empty_kernels(false);
+    st.truncate(before);
+    println!(
+        "{file}: the same step with every kernel empty: {:.3} ms until the GPU is done (launches and gaps); kernels {:.3} ms",
+        1e3 * empty,
+        1e3 * (done - empty)
+    );
     // The verify-cost curve: a chain of n nodes as a tree from the same committed state, repeated, against
     // the decode step.
     st.truncate(base);

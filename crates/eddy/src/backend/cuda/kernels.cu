@@ -12,6 +12,31 @@
 
 #define FULL 0xffffffffu
 
+// Programmatic dependent launch (docs/cuda.md, "Programmatic dependent launch"): on sm_90 the host may launch
+// a kernel with the programmatic-stream-serialization attribute, so that it starts while the kernel before it
+// still runs. Every kernel calls pdl_wait() before it touches memory another kernel of the pass writes or reads
+// (in practice: first, except the products' weight prefetch): `griddepcontrol.wait` returns once the previous
+// grid has completed and its writes are visible (at once for a launch without the attribute), so each kernel
+// still sees exactly what a serialized launch would, and the chain of waits keeps the order transitive. Then
+// `griddepcontrol.launch_dependents` lets the next kernel launch (its blocks are scheduled while this one
+// runs). Neither changes any arithmetic. Older targets (the compute_80 PTX) compile them away.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// A hint to bring the 128-byte line at `p` into L2 (no register, no result): the products prefetch their
+// weights, which no kernel writes, before pdl_wait().
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+
+// Prefetch `bytes` bytes from `p` into L2, the 32 lanes of a warp one line each in turn.
+__device__ __forceinline__ void prefetch_l2_range(const void* p, long long bytes, int lane) {
+    const char* c = reinterpret_cast<const char*>(p);
+    for (long long o = (long long)lane * 128; o < bytes; o += 32 * 128) prefetch_l2(c + o);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     // xor butterfly: every lane ends with the same value (float addition is commutative).
     for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(FULL, v, o));
@@ -81,6 +106,7 @@ __device__ __forceinline__ void quant_group(float v, int lane, long long gid, co
 extern "C" __global__ void quantize_q8(const float* __restrict__ x, int n, int cols, const float* __restrict__ signs,
                                        int8_t* __restrict__ q, float* __restrict__ scale, int* __restrict__ sum,
                                        float* __restrict__ dsum, int* __restrict__ sum16) {
+    pdl_wait();
     const int lane = threadIdx.x & 31;
     const long long G = cols >> 5;
     const long long gid = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -111,31 +137,18 @@ __device__ __forceinline__ void mm_q_impl(int bx, const uint8_t* __restrict__ co
     const int lane = threadIdx.x & 31;
     const int row = bx * MM_ROWS + (threadIdx.x >> 5);
     const int t0 = blockIdx.y * TT;
-    if (row >= rows) return;
     const int nblk = cols >> 5;
-    const int nt = min(TT, n - t0);
-    float acc[TT];
-#pragma unroll
-    for (int i = 0; i < TT; ++i) acc[i] = 0.0f;
-#pragma unroll 2
-    for (int b = lane; b < nblk; b += 32) {
+    // Block b's codes (c1: the second 16 bytes of 8-bit codes), scales and offset.
+    auto load = [&](int b, uint4& c0, uint4& c1, float& s0, float& s1, float& m) {
         const long long blk = (long long)row * nblk + b;
-        uint32_t w[8];
         if (P4) {
-            const uint4 c = *reinterpret_cast<const uint4*>(codes + blk * 16);
-            const uint32_t L[4] = {c.x, c.y, c.z, c.w};
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                w[k] = L[k] & 0x0F0F0F0Fu;
-                w[k + 4] = (L[k] >> 4) & 0x0F0F0F0Fu;
-            }
+            c0 = *reinterpret_cast<const uint4*>(codes + blk * 16);
         } else {
-            const uint4 c0 = *reinterpret_cast<const uint4*>(codes + blk * 32);
-            const uint4 c1 = *reinterpret_cast<const uint4*>(codes + blk * 32 + 16);
-            w[0] = c0.x; w[1] = c0.y; w[2] = c0.z; w[3] = c0.w;
-            w[4] = c1.x; w[5] = c1.y; w[6] = c1.z; w[7] = c1.w;
+            c0 = *reinterpret_cast<const uint4*>(codes + blk * 32);
+            c1 = *reinterpret_cast<const uint4*>(codes + blk * 32 + 16);
         }
-        float s0, s1 = 0.0f, m = 0.0f;
+        s1 = 0.0f;
+        m = 0.0f;
         if (g16) {
             s0 = sc[2 * blk];
             s1 = sc[2 * blk + 1];
@@ -143,6 +156,21 @@ __device__ __forceinline__ void mm_q_impl(int bx, const uint8_t* __restrict__ co
             s0 = sc[blk];
         }
         if (mn != nullptr) m = mn[blk];
+    };
+    // Block b's term added to each token's accumulator.
+    auto step = [&](int b, const uint4& c0, const uint4& c1, float s0, float s1, float m, float (&acc)[TT], int nt) {
+        uint32_t w[8];
+        if (P4) {
+            const uint32_t L[4] = {c0.x, c0.y, c0.z, c0.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                w[k] = L[k] & 0x0F0F0F0Fu;
+                w[k + 4] = (L[k] >> 4) & 0x0F0F0F0Fu;
+            }
+        } else {
+            w[0] = c0.x; w[1] = c0.y; w[2] = c0.z; w[3] = c0.w;
+            w[4] = c1.x; w[5] = c1.y; w[6] = c1.z; w[7] = c1.w;
+        }
 #pragma unroll
         for (int i = 0; i < TT; ++i) {
             if (i < nt) {
@@ -176,6 +204,31 @@ __device__ __forceinline__ void mm_q_impl(int bx, const uint8_t* __restrict__ co
                 acc[i] = a;
             }
         }
+    };
+    // Before the wait (programmatic dependent launch), what no kernel writes: the lane's first block into
+    // registers, the rest of the row's weights towards L2.
+    uint4 pc0 = make_uint4(0, 0, 0, 0), pc1 = pc0;
+    float ps0 = 0.0f, ps1 = 0.0f, pm = 0.0f;
+    const bool first = row < rows && lane < nblk;
+    if (first) load(lane, pc0, pc1, ps0, ps1, pm);
+    if (row < rows && blockIdx.y == 0 && nblk > 32) {
+        prefetch_l2_range(codes + ((long long)row * nblk + 32) * (P4 ? 16 : 32), (long long)(nblk - 32) * (P4 ? 16 : 32), lane);
+        prefetch_l2_range(sc + ((long long)row * nblk + 32) * (g16 ? 2 : 1), (long long)(nblk - 32) * (g16 ? 8 : 4), lane);
+        if (mn != nullptr) prefetch_l2_range(mn + (long long)row * nblk + 32, (long long)(nblk - 32) * 4, lane);
+    }
+    pdl_wait();
+    if (row >= rows) return;
+    const int nt = min(TT, n - t0);
+    float acc[TT];
+#pragma unroll
+    for (int i = 0; i < TT; ++i) acc[i] = 0.0f;
+    if (first) step(lane, pc0, pc1, ps0, ps1, pm, acc, nt);
+#pragma unroll 2
+    for (int b = lane + 32; b < nblk; b += 32) {
+        uint4 c0, c1 = make_uint4(0, 0, 0, 0);
+        float s0, s1, m;
+        load(b, c0, c1, s0, s1, m);
+        step(b, c0, c1, s0, s1, m, acc, nt);
     }
 #pragma unroll
     for (int i = 0; i < TT; ++i) {
@@ -380,6 +433,7 @@ __device__ __forceinline__ void mm_qw_impl(const QParts& PT, int cols, int half,
     const int g = lane >> 2, q = lane & 3;
     const int t0 = blockIdx.y * NT, h = blockIdx.z;
     const int off = S == 1 ? 0 : (S == 2 ? h : ((h >> 1) | ((h & 1) << 1)));  // revS(h)
+    pdl_wait();
     const int ntiles = PT.tiles();
     if ((int)blockIdx.x >= ntiles) return;  // whole block: no barrier skipped by part of it
     const int nblk = cols >> 5, nsteps = (nblk + 31) >> 5;
@@ -660,6 +714,7 @@ template <int TT, bool BF>
 __device__ __forceinline__ void mm_f_impl(const void* __restrict__ wv, int rows, int cols,
                                           const float* __restrict__ x, int n, const float* __restrict__ bias,
                                           float* __restrict__ out) {
+    pdl_wait();
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * MM_ROWS + (threadIdx.x >> 5);
     const int t0 = blockIdx.y * TT;
@@ -723,6 +778,7 @@ __device__ __forceinline__ bool hadamard_block(int len, int i, int* start, int* 
 // Output side of a rotated product: y <- D_out (H y) on every Hadamard block of every token's row. One thread
 // per (token, block), the CPU's butterfly order.
 extern "C" __global__ void rotate_out(float* __restrict__ y, int n, int rows, int nblocks, const float* __restrict__ signs) {
+    pdl_wait();
     const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (id >= (long long)n * nblocks) return;
     const int t = (int)(id / nblocks), bi = (int)(id % nblocks);
@@ -770,6 +826,7 @@ extern "C" __global__ void embed(const void* __restrict__ w, int wtype, int rows
                                  const float* __restrict__ in_signs, const float* __restrict__ out_signs,
                                  const uint32_t* __restrict__ tokens, float scale, int has_scale,
                                  float* __restrict__ x) {
+    pdl_wait();
     const int t = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const long long r = tokens[t];
@@ -838,8 +895,14 @@ __device__ __forceinline__ float norm_row(float (&v)[NORM_KMAX], float* x, const
     return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(tot, (float)d), eps)));
 }
 
+// A kernel that does nothing but take part in programmatic dependent launch: run in place of every kernel of a
+// pass (same grid, block and shared memory; Cuda::set_empty_kernels) it measures what the launches and the gaps
+// between them cost.
+extern "C" __global__ void noop() { pdl_wait(); }
+
 extern "C" __global__ void rms_norm(const float* x, float* out, const float* __restrict__ w, int d, float eps,
                                     int nrows) {
+    pdl_wait();
     __shared__ float red[32];
     const long long row = blockIdx.x;
     if (row >= nrows) return;
@@ -865,15 +928,23 @@ extern "C" __global__ void rms_norm_quant(float* x, const float* __restrict__ re
     __shared__ float red[32];
     const long long row = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int G = d >> 5;
+    // The norm's weights (written by no kernel) into registers before the wait.
+    float wv[NORM_KMAX];
+#pragma unroll
+    for (int k = 0; k < NORM_KMAX; ++k) {
+        const int g = warp + k * nw;
+        wv[k] = g < G ? w[g * 32 + lane] : 0.0f;
+    }
+    pdl_wait();
     float v[NORM_KMAX];
     const float inv = norm_row(v, x + row * d, res != nullptr ? res + row * d : nullptr, d, eps, red);
-    const int G = d >> 5;
 #pragma unroll
     for (int k = 0; k < NORM_KMAX; ++k) {
         const int g = warp + k * nw;
         if (g < G) {
             const int c = g * 32 + lane;
-            const float hv = __fmul_rn(__fmul_rn(v[k], inv), w[c]);
+            const float hv = __fmul_rn(__fmul_rn(v[k], inv), wv[k]);
             h[row * d + c] = hv;
             quant_group(hv, lane, row * G + g, signs != nullptr ? signs + g * 32 : nullptr, q, scale, sum, dsum,
                         sum16);
@@ -884,11 +955,13 @@ extern "C" __global__ void rms_norm_quant(float* x, const float* __restrict__ re
 // ---------------------------------------------------------------------------------------------------------
 // Elementwise.
 extern "C" __global__ void add(float* __restrict__ x, const float* __restrict__ y, long long len) {
+    pdl_wait();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) x[i] = __fadd_rn(x[i], y[i]);
 }
 
 extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restrict__ b, int width, long long len) {
+    pdl_wait();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) x[i] = __fadd_rn(x[i], b[i % width]);
 }
@@ -902,6 +975,7 @@ __device__ __forceinline__ float activate(int act, float x) {
 }
 
 extern "C" __global__ void gated_act(int act, float* __restrict__ g, const float* __restrict__ u, long long len) {
+    pdl_wait();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= len) return;
     g[i] = __fmul_rn(activate(act, g[i]), u[i]);
@@ -913,6 +987,7 @@ extern "C" __global__ void gated_act_quant(int act, float* __restrict__ g, const
                                            int cols, const float* __restrict__ signs, int8_t* __restrict__ q,
                                            float* __restrict__ scale, int* __restrict__ sum,
                                            float* __restrict__ dsum, int* __restrict__ sum16) {
+    pdl_wait();
     const int lane = threadIdx.x & 31;
     const long long G = cols >> 5;
     const long long gid = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -927,17 +1002,20 @@ extern "C" __global__ void gated_act_quant(int act, float* __restrict__ g, const
 // from device memory so that a captured decode step replays at any position.
 extern "C" __global__ void store_rows(const float* __restrict__ src, long long len, int width, float* __restrict__ dst,
                                       const int* __restrict__ row0) {
+    pdl_wait();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) dst[(long long)row0[0] * width + i] = src[i];
 }
 
 extern "C" __global__ void mul_sigmoid(float* __restrict__ x, const float* __restrict__ g, long long len) {
+    pdl_wait();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) x[i] = __fmul_rn(x[i], __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g[i]))));
 }
 
 extern "C" __global__ void split_gate(const float* __restrict__ qg, int n, int heads, int hd, float* __restrict__ q,
                                       float* __restrict__ gate) {
+    pdl_wait();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long qd = (long long)heads * hd;
     if (i >= n * qd) return;
@@ -949,6 +1027,7 @@ extern "C" __global__ void split_gate(const float* __restrict__ qg, int n, int h
 
 extern "C" __global__ void concat_rows(const float* __restrict__ a, const float* __restrict__ b, int n, int width,
                                        float* __restrict__ out) {
+    pdl_wait();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n * 2 * width) return;
     const long long t = i / (2 * width), c = i % (2 * width);
@@ -960,12 +1039,17 @@ extern "C" __global__ void concat_rows(const float* __restrict__ a, const float*
 // every head rotated by pos*inv_freq[i], cos/sin of the f64 angle rounded to f32 (as the CPU). neox: pairs
 // (i, i + half), else (2i, 2i + 1).
 // Pair i of the head at `p` rotated by pos*inv_freq[i]; the rotated pair also written to `copy` when not null.
-__device__ __forceinline__ void rope_pair(float* p, float* copy, int i, int half, int neox, int pos,
-                                          const float* __restrict__ inv_freq) {
+// cos and sin of pair i's angle at `pos`.
+__device__ __forceinline__ void rope_cs(int i, int pos, const float* __restrict__ inv_freq, float& c, float& s) {
     const double ang = (double)pos * (double)inv_freq[i];
     double sd, cd;
     sincos(ang, &sd, &cd);
-    const float c = (float)cd, s = (float)sd;
+    c = (float)cd;
+    s = (float)sd;
+}
+
+// Pair i of the head at `p` rotated by the angle of cos c, sin s; the rotated pair also written to `copy`.
+__device__ __forceinline__ void rope_rotate(float* p, float* copy, int i, int half, int neox, float c, float s) {
     const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
     const float x0 = p[a], x1 = p[b];
     const float y0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
@@ -978,8 +1062,16 @@ __device__ __forceinline__ void rope_pair(float* p, float* copy, int i, int half
     }
 }
 
+__device__ __forceinline__ void rope_pair(float* p, float* copy, int i, int half, int neox, int pos,
+                                          const float* __restrict__ inv_freq) {
+    float c, s;
+    rope_cs(i, pos, inv_freq, c, s);
+    rope_rotate(p, copy, i, half, neox, c, s);
+}
+
 extern "C" __global__ void rope(float* __restrict__ q, int qw, float* __restrict__ k, int kw, int hd, int nrows,
                                 const int* __restrict__ pos, const float* __restrict__ inv_freq, int half, int neox) {
+    pdl_wait();
     long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long nq = (long long)nrows * (qw / hd) * half;
     float* x = q;
@@ -1005,20 +1097,31 @@ extern "C" __global__ void rope_store(float* __restrict__ q, int qw, float* __re
                                       int nrows, const int* __restrict__ pos, const float* __restrict__ inv_freq,
                                       int half, int neox, const float* __restrict__ v, float* __restrict__ kc,
                                       float* __restrict__ vc, const int* __restrict__ row0) {
+    // The positions, frequencies and first cache row come from the pass's arena, copied before the pass and
+    // written by no kernel: this thread's cos and sin are computed before the wait.
     long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long nq = (long long)nrows * (qw / hd) * half;
+    const int kper = hd - half;  // half pairs + (hd - 2 half) unrotated dims
+    const long long nk = (long long)nrows * (kw / hd) * kper;
+    float c = 0.0f, s = 0.0f;
+    if (id < nq) {
+        const long long t = id / half / (qw / hd);
+        rope_cs((int)(id % half), pos[t], inv_freq, c, s);
+    } else if (id - nq < nk && (int)((id - nq) % kper) < half) {
+        const long long t = (id - nq) / kper / (kw / hd);
+        rope_cs((int)((id - nq) % kper), pos[t], inv_freq, c, s);
+    }
+    const long long r0 = row0[0];
+    pdl_wait();
     if (id < nq) {
         const int heads = qw / hd;
         const int i = (int)(id % half);
         const long long rh = id / half;
         const long long t = rh / heads;
-        rope_pair(q + t * qw + (long long)(rh % heads) * hd, nullptr, i, half, neox, pos[t], inv_freq);
+        rope_rotate(q + t * qw + (long long)(rh % heads) * hd, nullptr, i, half, neox, c, s);
         return;
     }
     id -= nq;
-    const int kper = hd - half;  // half pairs + (hd - 2 half) unrotated dims
-    const long long nk = (long long)nrows * (kw / hd) * kper;
-    const long long r0 = row0[0];
     if (id < nk) {
         const int heads = kw / hd;
         const int j = (int)(id % kper);
@@ -1026,12 +1129,12 @@ extern "C" __global__ void rope_store(float* __restrict__ q, int qw, float* __re
         const long long t = rh / heads;
         const long long off = (long long)(rh % heads) * hd;
         float* p = k + t * kw + off;
-        float* c = kc + (r0 + t) * kw + off;
+        float* cp = kc + (r0 + t) * kw + off;
         if (j < half) {
-            rope_pair(p, c, j, half, neox, pos[t], inv_freq);
+            rope_rotate(p, cp, j, half, neox, c, s);
         } else {
             const int d = 2 * half + (j - half);
-            c[d] = p[d];
+            cp[d] = p[d];
         }
         return;
     }
@@ -1068,6 +1171,7 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
                                      float softcap, const float* __restrict__ qsigns, int8_t* __restrict__ qq,
                                      float* __restrict__ qscale, int* __restrict__ qsum,
                                      float* __restrict__ qdsum, int* __restrict__ qsum16) {
+    pdl_wait();
     __shared__ __align__(16) float qs[ATT_MAX_HD];
     __shared__ float sc[ATT_CHUNK];
     __shared__ float sp[4][ATT_CHUNK];
@@ -1221,6 +1325,7 @@ __device__ __forceinline__ void argmax_pick(float& bv, int& bi, float v, int i) 
 }
 
 extern "C" __global__ void argmax_rows(const float* __restrict__ x, int width, unsigned int* __restrict__ out) {
+    pdl_wait();
     const float* row = x + (long long)blockIdx.x * width;
     float bv = -INFINITY;
     int bi = 0x7fffffff;
@@ -1323,6 +1428,7 @@ __device__ void cand_sort(unsigned long long* buf) {
 // meet in a halving tree — `sampling::row_candidates`' order.
 extern "C" __global__ void __launch_bounds__(CAND_THREADS, 1)
     candidate_rows(const float* __restrict__ x, int width, float inv_t, int k, unsigned int* __restrict__ out) {
+    pdl_wait();
     __shared__ unsigned long long buf[CAND_THREADS];
     __shared__ double lane[CAND_THREADS];
     __shared__ unsigned int hist[256];

@@ -160,6 +160,11 @@ struct Queue {
     plan: GraphPlan<Vec<Op>, Exec>,
     /// Passes run as graphs, eagerly, and graphs captured (counters for tests and timings).
     stats: GraphStats,
+    /// Whether a kernel that follows a kernel is launched with programmatic stream serialization (PDL,
+    /// [`Cuda::set_programmatic_launch`]).
+    pdl: bool,
+    /// The empty kernel launched in place of every kernel, or 0 ([`Cuda::set_empty_kernels`]).
+    noop: usize,
 }
 
 /// Staging slots of [`Queue::staged`].
@@ -179,6 +184,9 @@ pub struct GraphStats {
     pub captured: u64,
     /// Lists run by replaying a kept graph.
     pub replayed: u64,
+    /// Programmatic (PDL) edges in the graphs captured so far: kernels that may start before the kernel
+    /// they follow has finished (0 with programmatic launches off).
+    pub programmatic_edges: u64,
 }
 
 thread_local! {
@@ -226,6 +234,8 @@ impl Queue {
             staged: Default::default(),
             plan: GraphPlan::new(if graphs { MAX_GRAPHS } else { 0 }),
             stats: GraphStats::default(),
+            pdl: false,
+            noop: 0,
         }
     }
 
@@ -314,9 +324,10 @@ impl Queue {
                 let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
                 // SAFETY: our stream; the launches below are recorded, not run, until the graph is launched.
                 check(unsafe { result::stream::begin_capture(stream, mode) }, "stream capture");
-                run_ops(&ops, stream);
+                run_ops(&ops, stream, self.pdl, self.noop);
                 // SAFETY: the capture begun above.
                 let g = check(unsafe { result::stream::end_capture(stream) }, "end of stream capture");
+                self.stats.programmatic_edges += programmatic_edges(g);
                 // SAFETY: `g` is the captured graph; it is destroyed once instantiated.
                 let exec = unsafe {
                     let mut e = std::mem::MaybeUninit::uninit();
@@ -333,7 +344,7 @@ impl Queue {
             }
             Plan::Eager => {
                 self.stats.eager += 1;
-                run_ops(&ops, stream);
+                run_ops(&ops, stream, self.pdl, self.noop);
                 self.ops = ops;
                 self.ops.clear();
             }
@@ -345,8 +356,31 @@ impl Queue {
     }
 }
 
-/// Launch `ops` on `stream` in order.
-fn run_ops(ops: &[Op], stream: sys::CUstream) {
+/// The programmatic edges of graph `g` (0 when the driver cannot list them).
+fn programmatic_edges(g: sys::CUgraph) -> u64 {
+    let mut n = 0usize;
+    // SAFETY: a query of the edge count (null arrays), then of at most `n` edges into arrays of `n` entries.
+    unsafe {
+        let null = std::ptr::null_mut();
+        if sys::cuGraphGetEdges_v2(g, null, null, std::ptr::null_mut(), &mut n) != sys::CUresult::CUDA_SUCCESS || n == 0 {
+            return 0;
+        }
+        let mut from = vec![std::ptr::null_mut(); n];
+        let mut to = vec![std::ptr::null_mut(); n];
+        let mut data = vec![sys::CUgraphEdgeData { from_port: 0, to_port: 0, type_: 0, reserved: [0; 5] }; n];
+        if sys::cuGraphGetEdges_v2(g, from.as_mut_ptr(), to.as_mut_ptr(), data.as_mut_ptr(), &mut n) != sys::CUresult::CUDA_SUCCESS {
+            return 0;
+        }
+        let programmatic = sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8;
+        data[..n.min(data.len())].iter().filter(|e| e.type_ == programmatic).count() as u64
+    }
+}
+
+/// Launch `ops` on `stream` in order; with `pdl`, each kernel that follows a kernel with programmatic stream
+/// serialization (it may start before its predecessor ends and waits for it in `pdl_wait`, kernels.cu). With
+/// `noop` not 0, that kernel is launched in place of each kernel (same grid, block and shared memory).
+fn run_ops(ops: &[Op], stream: sys::CUstream, pdl: bool, noop: usize) {
+    let mut after_kernel = false;
     for op in ops {
         match *op {
             Op::Kernel { f, grid, block, smem, n, args } => {
@@ -354,26 +388,41 @@ fn run_ops(ops: &[Op], stream: sys::CUstream) {
                 for (p, v) in ptrs.iter_mut().zip(&args[..n as usize]) {
                     *p = v as *const u64 as *mut c_void;
                 }
+                let mut attr = sys::CUlaunchAttribute {
+                    id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                    pad: [0; 4],
+                    value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
+                };
+                let programmatic = pdl && after_kernel;
+                let config = sys::CUlaunchConfig {
+                    gridDimX: grid[0],
+                    gridDimY: grid[1],
+                    gridDimZ: grid[2],
+                    blockDimX: block,
+                    blockDimY: 1,
+                    blockDimZ: 1,
+                    sharedMemBytes: smem,
+                    hStream: stream,
+                    attrs: &mut attr,
+                    numAttrs: programmatic as u32,
+                };
                 // SAFETY: `f` is a kernel of our module whose parameters match `args` (each call site follows
                 // the signature in kernels.cu); the buffers it addresses are live device allocations of the
-                // right sizes (checked when queued; buffers are not freed while operations are queued).
+                // right sizes (checked when queued; buffers are not freed while operations are queued). The
+                // config and its attribute live through the call.
                 check(
                     unsafe {
-                        result::launch_kernel(
-                            f as sys::CUfunction,
-                            (grid[0], grid[1], grid[2]),
-                            (block, 1, 1),
-                            smem,
-                            stream,
-                            &mut ptrs[..n as usize],
-                        )
+                        let f = if noop != 0 { noop } else { f };
+                        sys::cuLaunchKernelEx(&config, f as sys::CUfunction, ptrs.as_mut_ptr(), std::ptr::null_mut()).result()
                     },
                     "kernel launch",
                 );
+                after_kernel = true;
             }
             Op::Copy { dst, src, bytes } => {
                 // SAFETY: both ranges lie in live allocations (checked when queued) and do not overlap.
                 check(unsafe { result::memcpy_dtod_async(dst, src, bytes, stream) }, "device-to-device copy");
+                after_kernel = false;
             }
         }
     }
@@ -556,6 +605,8 @@ struct Kernels {
     mm_q: [[Func; 2]; 2],
     /// The same for up to three matrices in one launch.
     mm_q3: [[Func; 2]; 2],
+    /// The empty kernel ([`Cuda::set_empty_kernels`]).
+    noop: Func,
     /// Five or more tokens, on the tensor cores (`mm_qw{1,2}_f{form}_{p4,p8}_s{S}`): `[split (MMA_SPLITS)][tile
     /// (mma_tile)][form (qform)][bits 4 packed / bytes]`.
     mm_qw: [[[[Func; 2]; 3]; 2]; 3],
@@ -753,6 +804,7 @@ impl Cuda {
             quantize: get("quantize_q8")?,
             mm_q: [[get("mm_q_t1_p4")?, get("mm_q_t1_p8")?], [get("mm_q_t8_p4")?, get("mm_q_t8_p8")?]],
             mm_q3: [[get("mm_q3_t1_p4")?, get("mm_q3_t1_p8")?], [get("mm_q3_t8_p4")?, get("mm_q3_t8_p8")?]],
+            noop: get("noop")?,
             mm_qw: qw("mm_qw")?,
             mm_q3w: qw("mm_q3w")?,
             mm_qw_smem: smem,
@@ -794,6 +846,8 @@ impl Cuda {
                 .map_err(|e| no(format!("shared memory of {b} bytes for a product kernel: {e:?}")))?;
             }
         }
+        // Programmatic dependent launch needs sm_90 (`griddepcontrol`); EDDY_CUDA_PDL=0 turns it off.
+        ctx.queue().pdl = capability.0 >= 9 && std::env::var("EDDY_CUDA_PDL").map_or(true, |v| v != "0");
         let split = std::env::var("EDDY_CUDA_SPLIT").ok().and_then(|v| v.parse().ok()).filter(|s| MMA_SPLITS.contains(s)).unwrap_or(0);
         let persist = std::env::var("EDDY_CUDA_PERSIST").map_or(true, |v| v != "0");
         Ok(Cuda {
@@ -891,6 +945,39 @@ impl Cuda {
     /// How queued passes have run so far: one by one, captured into a graph, or replayed from one.
     pub fn graph_stats(&self) -> GraphStats {
         self.ctx.queue().stats
+    }
+
+    /// Launch an empty kernel in place of every kernel (same grid, block and shared memory; copies still run),
+    /// or the real ones again: runs the queued work and drops the kept graphs. A pass then costs only its
+    /// launches and the gaps between them (its results are meaningless); for measurements only.
+    pub fn set_empty_kernels(&self, on: bool) {
+        self.synchronize();
+        let mut q = self.ctx.queue();
+        q.noop = if on { self.k.noop.0 as usize } else { 0 };
+        for g in q.plan.drain() {
+            // SAFETY: the graphs' work is done (synchronized above) and nothing refers to them any more.
+            let _ = unsafe { result::graph::exec_destroy(g.0) };
+        }
+    }
+
+    /// Whether kernels are launched with programmatic dependent launch (PDL): on compute capability 9.0 and
+    /// later unless `EDDY_CUDA_PDL=0` (docs/cuda.md, "Programmatic dependent launch").
+    pub fn programmatic_launch(&self) -> bool {
+        self.ctx.queue().pdl
+    }
+
+    /// Turn programmatic dependent launch on or off (on only where the GPU has it): runs the queued work and
+    /// drops the kept graphs, so later passes are captured again with the new launches. The results do not
+    /// depend on it (each kernel waits for its predecessor before touching memory); for tests and
+    /// measurements.
+    pub fn set_programmatic_launch(&self, on: bool) {
+        self.synchronize();
+        let mut q = self.ctx.queue();
+        q.pdl = on && self.capability.0 >= 9;
+        for g in q.plan.drain() {
+            // SAFETY: the graphs' work is done (synchronized above) and nothing refers to them any more.
+            let _ = unsafe { result::graph::exec_destroy(g.0) };
+        }
     }
 
     fn launch(&self, f: Func, grid: (usize, usize), block: u32, args: Args) {
@@ -1199,6 +1286,17 @@ impl Drop for Cuda {
     }
 }
 
+/// Whether two quantized matrices share the layout one product launch needs (width, code packing, scale and
+/// offset forms, input rotation).
+fn same_form(a: &CudaQ, b: &CudaQ) -> bool {
+    a.cols == b.cols
+        && a.packed4 == b.packed4
+        && a.g16 == b.g16
+        && a.half == b.half
+        && a.mins.is_some() == b.mins.is_some()
+        && a.in_signs.as_ref().map(|s| s.0) == b.in_signs.as_ref().map(|s| s.0)
+}
+
 /// Upload of a host weight matrix into the device layout.
 fn upload_matrix(be: &Cuda, w: &WeightMatrix) -> CudaWeights {
     match w {
@@ -1385,15 +1483,7 @@ impl Backend for Cuda {
                 _ => None,
             })
             .collect();
-        let same = |a: &CudaQ, b: &CudaQ| {
-            a.cols == b.cols
-                && a.packed4 == b.packed4
-                && a.g16 == b.g16
-                && a.half == b.half
-                && a.mins.is_some() == b.mins.is_some()
-                && a.in_signs.as_ref().map(|s| s.0) == b.in_signs.as_ref().map(|s| s.0)
-        };
-        if n == 0 || !(2..=3).contains(&parts.len()) || qs.len() != parts.len() || !qs.iter().all(|q| same(q, qs[0])) {
+        if n == 0 || !(2..=3).contains(&parts.len()) || qs.len() != parts.len() || !qs.iter().all(|q| same_form(q, qs[0])) {
             for (w, bias, out) in parts.iter_mut() {
                 self.matmul_bias(w, x, xq, n, *bias, out);
             }
