@@ -33,8 +33,9 @@ enum Cmd {
     /// Perplexity of a text file: non-overlapping windows of --ctx tokens, tokens 1..n-1 of each scored.
     #[command(allow_negative_numbers = true)]
     Perplexity(PplArgs),
-    /// Re-quantize a GGUF file or a Hugging Face model folder into eddy's M (int4) or L (int8) format with the block
-    /// Hadamard rotation, written as an eddy model folder (docs/quant-formats.md) that --model loads.
+    /// Re-quantize a GGUF file or a Hugging Face model folder into eddy's formats — M (int4, zero points), L
+    /// (int8), K (int4, two-level scales), K6 (6-bit) — with the block Hadamard rotation (unless
+    /// --no-rotation), written as an eddy model folder (docs/quant-formats.md) that --model loads.
     #[command(allow_negative_numbers = true)]
     Quantize(QuantizeArgs),
     /// Raw model speed like llama-bench: prefill of -p tokens and decode of -n tokens (synthetic token
@@ -226,19 +227,17 @@ fn spec_options(a: &SpecArgs) -> eddy::Result<(Option<SpeculatorKind>, Budget)> 
 
 /// Median milliseconds of one DFlash block pass of the drafter in `dir` (int8) over a context of `context`
 /// rows (synthetic features: the cost does not depend on their values), over `reps` passes.
-fn dflash_pass_ms(engine: &Engine, dir: &std::path::Path, context: usize, reps: usize) -> eddy::Result<f64> {
-    let mut d = DFlashDrafter::load(dir, Quant::Q8)?;
-    d.bind(&engine.lm.model)?;
+fn dflash_pass_ms(engine: &Engine, d: &DFlashDrafter, context: usize, reps: usize) -> eddy::Result<f64> {
     let pool = engine.backend().pool();
-    let mut seq = DFlashSeq::new(&d, context);
+    let mut seq = DFlashSeq::new(d, context);
     let features: Vec<f32> = (0..context * d.config.feature_dim()).map(|i| ((i % 97) as f32 - 48.0) / 16.0).collect();
-    seq.add_context(&d, pool, &features);
+    seq.add_context(d, pool, &features);
     let m = &engine.lm.model;
     let mut logits = Vec::new();
     let mut times = Vec::new();
     for i in 0..reps + 1 {
         let t = std::time::Instant::now();
-        seq.draft(&d, pool, &m.embed, m.config.embed_scale, d.head(m.lm_head()), ((1000 + i) % m.config.vocab_size) as u32, &mut logits)?;
+        seq.draft(d, pool, &m.embed, m.config.embed_scale, d.head(m.lm_head()), ((1000 + i) % m.config.vocab_size) as u32, &mut logits)?;
         if i > 0 {
             times.push(t.elapsed().as_secs_f64() * 1e3);
         }
@@ -400,6 +399,7 @@ fn serve(
     spec: &SpecArgs,
 ) -> eddy::Result<()> {
     let (spec_kind, spec_budget) = spec_options(spec)?;
+    opts.validate().map_err(|e| eddy::Error::Input(e.to_string()))?;
     let (mut engine, _) = engine_with(&model, model.ctx.unwrap_or(DEFAULT_CTX), prefix_cache)?;
     attach_speculators(&mut engine, spec, spec_kind, spec_budget)?;
     eddy_server::run_blocking(host, port, engine, opts).map_err(|e| eddy::Error::Input(format!("server: {e}")))
@@ -736,6 +736,7 @@ fn print_stats(s: &GenerationStats, energy_err: Option<&String>, total_j: Option
     if json {
         let v = serde_json::json!({
             "time_to_first_token_s": s.ttft.as_secs_f64(),
+            "speculation_calibration_s": s.calibration_time.as_secs_f64(),
             "prefill_speed_tps": s.prefill_speed(),
             "generation_speed_tps": s.generation_speed(),
             "tokens_per_forward_pass": s.tokens_per_pass(),
@@ -761,7 +762,12 @@ fn print_stats(s: &GenerationStats, energy_err: Option<&String>, total_j: Option
     }
     let na = |why: &str| format!("n/a ({why})");
     let why = energy_err.map(|s| s.as_str()).unwrap_or("unavailable");
-    let _ = writeln!(err, "time to first token: {:.2} s", s.ttft.as_secs_f64());
+    let calib = if s.calibration_time.is_zero() {
+        String::new()
+    } else {
+        format!(" ({:.2} s of it measuring verify costs for speculation, once)", s.calibration_time.as_secs_f64())
+    };
+    let _ = writeln!(err, "time to first token: {:.2} s{calib}", s.ttft.as_secs_f64());
     let _ = writeln!(err, "prefill speed: {:.2} t/s", s.prefill_speed());
     let _ = writeln!(err, "generation speed: {:.2} t/s", s.generation_speed());
     let _ = writeln!(err, "tokens per forward pass: {:.2} t/f", s.tokens_per_pass());
@@ -868,7 +874,7 @@ fn perplexity(a: PplArgs) -> eddy::Result<()> {
 fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
     use eddy::models::quantize::{gguf_to_hf_layout, quantize_model, write_folder, QuantizeOptions, Source, TensorRule};
     use eddy::quant::rtn::{Format, GROUPS};
-    let parse = |flag: &str, v: &str| Format::parse(v).ok_or_else(|| bad(flag, format!("unknown format '{v}' (expected m, l or k)")));
+    let parse = |flag: &str, v: &str| Format::parse(v).ok_or_else(|| bad(flag, format!("unknown format '{v}' (expected m, l, k or k6)")));
     let format = parse("--format", &a.format)?;
     let head_format = parse("--head-format", &a.head_format)?;
     let (head_group, embed_group) = (a.head_group.unwrap_or(a.group), a.embed_group.unwrap_or(a.group));
@@ -930,6 +936,8 @@ fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
         return Err(bad(&a.model, what));
     } else if eddy::models::qwen35::is_qwen35_dir(src) {
         return Err(bad(&a.model, "hybrid (Qwen3.5) models cannot be written as eddy folders yet"));
+    } else {
+        eddy::models::quantize::refuse_quantized_source(src)?;
     }
     let mut lm = load_with_progress(Some(&a.model), Quant::None)?;
     if is_gguf {
@@ -954,6 +962,10 @@ fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
         if !r.layers.is_empty() && matches!(r.kind, eddy::models::quantize::TensorKind::Embed | eddy::models::quantize::TensorKind::Head) {
             return Err(bad("--tensor-format", "embed_tokens and lm_head take no @LAYERS"));
         }
+    }
+    let gptq_format = |f: Format| matches!(f, Format::M | Format::K);
+    if a.calib.is_some() && !gptq_format(format) && !gptq_format(head_format) && !rules.iter().any(|r| gptq_format(r.format)) {
+        return Err(bad("--calib", "GPTQ rounds m and k matrices only, and this run writes none (l and k6 are rounded to nearest)"));
     }
     let opts =
         QuantizeOptions { format, group: a.group, head_format, head_group, embed_group, rotate: !a.no_rotation, seed: a.seed, rules };
@@ -1027,6 +1039,18 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
         return Err(bad("--verify-sizes", "tree sizes must be 1..=1024 nodes"));
     }
     let (mut engine, threads) = engine_for(&a.model)?;
+    // The drafter is loaded and checked against the model before the runs (its errors come first).
+    let dflash = match a.draft_model.clone().or_else(|| find_next_to(&engine.lm.source)) {
+        Some(dir) => {
+            if !is_dflash_dir(&dir) {
+                return Err(bad("--draft-model", format!("{}: eddy speed times a DFlash drafter folder; this is not one", dir.display())));
+            }
+            let mut d = DFlashDrafter::load(&dir, Quant::Q8)?;
+            d.bind(&engine.lm.model)?;
+            Some((dir, d))
+        }
+        None => None,
+    };
     if a.prompt_tokens + a.gen_tokens > engine.ctx() {
         return Err(bad(
             "--ctx",
@@ -1077,10 +1101,9 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
             .to_string(),
         )?;
     }
-    let dflash = a.draft_model.clone().or_else(|| find_next_to(&engine.lm.source));
-    if let Some(dir) = dflash {
+    if let Some((dir, d)) = dflash {
         let step = if tm > 0.0 { Some(1.0 / tm) } else { None };
-        let ms = dflash_pass_ms(&engine, &dir, a.prompt_tokens, a.repetitions.max(5))?;
+        let ms = dflash_pass_ms(&engine, &d, a.prompt_tokens, a.repetitions.max(5))?;
         let mut j = serde_json::json!({"model": model, "test": "dflash_pass", "drafter": dir.display().to_string(), "threads": threads,
             "context": a.prompt_tokens, "ms": ms});
         if let Some(step) = step {

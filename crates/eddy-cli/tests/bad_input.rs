@@ -300,6 +300,25 @@ fn quantize_bad_inputs_and_a_good_run() {
         assert_eq!(mode & 0o044, 0o044, "the weights must be readable by others like the folder's other files: {mode:o}");
     }
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "-o", o], "already exists");
+    // An eddy folder (already quantized) as the source: refused before any work, nothing written.
+    let again = dir.join("again");
+    fails(&["quantize", "--model", o, "--format", "m", "-o", again.to_str().unwrap()], "already quantized");
+    assert!(!again.exists());
+    // --calib where no matrix is rounded by GPTQ (l everywhere).
+    fails(
+        &[
+            "quantize",
+            "--model",
+            fixture.to_str().unwrap(),
+            "--format",
+            "l",
+            "--calib",
+            calib.to_str().unwrap(),
+            "-o",
+            again.to_str().unwrap(),
+        ],
+        "--calib: GPTQ rounds m and k matrices only",
+    );
     let names: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     assert!(names.iter().all(|n| !n.contains(".tmp-")), "{names:?}");
     let text = dir.join("t.txt");

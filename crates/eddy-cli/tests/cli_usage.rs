@@ -223,6 +223,15 @@ fn panel_json_and_seeds() {
     let v: serde_json::Value = serde_json::from_str(&err).unwrap();
     assert_eq!(v["generated_tokens"].as_u64().map(|n| n <= 2), Some(true), "{v}");
     assert!(v["prefill_speed_tps"].as_f64().is_some_and(|x| x.is_finite() && x > 0.0), "{v}");
+    assert_eq!(v["speculation_calibration_s"], 0.0, "{v}");
+    // With a speculator the first request measures the verify costs: inside the TTFT, outside prefill speed.
+    let out = run_smol(&smol, &["-n", "2", "--json", "--speculator", "suffix", "-m", "hi"]);
+    let v: serde_json::Value = serde_json::from_str(&String::from_utf8(out.stderr).unwrap()).unwrap();
+    let (ttft, calib) = (v["time_to_first_token_s"].as_f64().unwrap(), v["speculation_calibration_s"].as_f64().unwrap());
+    assert!(calib > 0.0 && calib < ttft, "{v}");
+    let pp = v["prefill_speed_tps"].as_f64().unwrap();
+    let prompt = v["prompt_tokens"].as_f64().unwrap();
+    assert!((pp - prompt / (ttft - calib)).abs() <= 1e-6 * pp.max(1.0), "{v}");
     // Same seed, same output; the random default differs between runs only by chance.
     let story = ["-n", "12", "--seed", "7", "--temperature", "1.0", "-m", "Tell me a story about a fox."];
     let a = run_smol(&smol, &story).stdout;
@@ -365,6 +374,11 @@ fn speed_inputs() {
     let v: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
     assert_eq!(v["test"], "pp4");
     assert_eq!(v["threads"], 1);
+    // A --draft-model that is not a DFlash folder is refused before the runs (nothing on stdout).
+    let out = eddy(&["speed", "--model", s, "--threads", "1", "-p", "4", "-n", "2", "-r", "1", "--draft-model", s]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.code() == Some(2) && err.contains("--draft-model") && err.contains("not one"), "{err}");
+    assert!(out.stdout.is_empty());
 }
 
 /// `eddy serve` on SIGTERM drains: the stream in flight runs to its end (`[DONE]`), then the process exits 0.
@@ -401,4 +415,18 @@ fn serve_drains_requests_in_flight_on_sigterm() {
     err.read_to_string(&mut log).unwrap();
     assert_eq!(status.code(), Some(0), "{log}");
     assert!(log.contains("finishing the requests in flight") && log.contains("eddy serve: stopped"), "{log}");
+}
+
+/// Options of `eddy serve` that need no model are refused before it loads (no "listening" line).
+#[test]
+fn serve_option_errors_come_before_listening() {
+    let Some(smol) = smol() else { return };
+    let s = smol.to_str().unwrap();
+    for (args, needle) in [(&["--alias="][..], "--alias"), (&["--cors-origin", "localhost:3000"][..], "--cors-origin")] {
+        let mut all = vec!["serve", "--model", s, "--threads", "1", "--port", "0"];
+        all.extend_from_slice(args);
+        let out = eddy(&all);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.code() == Some(2) && err.contains(needle) && !err.contains("listening"), "{args:?}: {err}");
+    }
 }

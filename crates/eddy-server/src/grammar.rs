@@ -15,8 +15,8 @@ use llguidance::{Matcher, ParserFactory};
 use serde_json::Value;
 use std::sync::Arc;
 
-/// Plain text (bytes) to token ids, special-token spellings read as text.
-pub(crate) type Tokenize = Box<dyn Fn(&[u8]) -> Vec<TokenId> + Send + Sync>;
+/// Plain text to token ids, special-token spellings read as text.
+pub(crate) type Tokenize = Box<dyn Fn(&str) -> Vec<TokenId> + Send + Sync>;
 
 /// The tokenizer as llguidance sees it.
 struct Env {
@@ -30,8 +30,12 @@ impl TokenizerEnv for Env {
         &self.trie
     }
 
+    /// llguidance tokenizes the bytes a grammar forces, which may cut a character (an enum's `🦀` and `🦩`
+    /// share their first three bytes): valid UTF-8 runs go through the tokenizer, the bytes between them
+    /// through the trie's greedy byte matching — never a lossy decoding, whose U+FFFD is a real token the
+    /// grammar then rejects (the reply would end mid-string).
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
-        (self.tokenize)(s)
+        self.trie.tokenize_with_greedy_fallback(s, |t| (self.tokenize)(t))
     }
 }
 
@@ -47,11 +51,7 @@ impl Grammars {
         let n_vocab = n_vocab.max(tok.vocab_size());
         let words = token_bytes(tok, n_vocab);
         let tok = tok.clone();
-        Grammars::from_vocab(
-            words,
-            &tok.stop_ids.clone(),
-            Box::new(move |s| tok.encode_plain(&String::from_utf8_lossy(s)).unwrap_or_default()),
-        )
+        Grammars::from_vocab(words, &tok.stop_ids.clone(), Box::new(move |s| tok.encode_plain(s).unwrap_or_default()))
     }
 
     /// For a vocabulary given as each token id's bytes (special tokens as `0xFF` + their text), its

@@ -87,6 +87,19 @@ impl Default for ServeOptions {
     }
 }
 
+impl ServeOptions {
+    /// Checks what needs no model (so the CLI can refuse before loading one): no empty `--alias`, every
+    /// `--cors-origin` `*` or an origin.
+    ///
+    /// Errors: `InvalidInput` naming the option.
+    pub fn validate(&self) -> std::io::Result<()> {
+        if self.aliases.iter().any(|a| a.trim().is_empty()) {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "--alias: a model name must not be empty"));
+        }
+        cors_layer(&self.cors_origins).map(|_| ())
+    }
+}
+
 /// The id a model is served under: the file (or folder) name without `.gguf`.
 pub fn model_id_for(engine: &Engine) -> String {
     let src = &engine.lm.source;
@@ -123,14 +136,17 @@ pub async fn serve(listener: tokio::net::TcpListener, engine: Engine, opts: Serv
 /// Blocking entry point for the CLI: binds `host:port`, builds a Tokio runtime and serves until the first
 /// SIGINT or SIGTERM, then drains: no new connections are accepted, the requests in flight (streams included)
 /// run to their end, and the call returns `Ok`. A second signal during the drain exits the process at once
-/// (status 130), as llama-server and vLLM do on a repeated Ctrl-C.
+/// (status 128 + the signal's number: 130 for SIGINT, 143 for SIGTERM), as llama-server and vLLM do on a
+/// repeated Ctrl-C.
 pub fn run_blocking(host: &str, port: u16, engine: Engine, opts: ServeOptions) -> std::io::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async {
-        let listener = tokio::net::TcpListener::bind((host, port)).await?;
         let id = opts.aliases.first().cloned().unwrap_or_else(|| model_id_for(&engine));
-        eprintln!("eddy serve: model `{id}`, context {} tokens, listening on http://{}", engine.ctx(), listener.local_addr()?);
-        axum::serve(listener, router(engine, opts)?).with_graceful_shutdown(drain_on_signal()).await?;
+        let ctx = engine.ctx();
+        let app = router(engine, opts)?;
+        let listener = tokio::net::TcpListener::bind((host, port)).await?;
+        eprintln!("eddy serve: model `{id}`, context {ctx} tokens, listening on http://{}", listener.local_addr()?);
+        axum::serve(listener, app).with_graceful_shutdown(drain_on_signal()).await?;
         eprintln!("eddy serve: stopped");
         Ok(())
     })
@@ -141,15 +157,15 @@ async fn drain_on_signal() {
     stop_signal().await;
     eprintln!("eddy serve: stopping: finishing the requests in flight, accepting no new ones (signal again to stop now)");
     tokio::spawn(async {
-        stop_signal().await;
+        let signal = stop_signal().await;
         eprintln!("eddy serve: stopped with requests in flight");
-        std::process::exit(130);
+        std::process::exit(128 + signal);
     });
 }
 
-/// The next SIGINT (Ctrl-C) or, on Unix, SIGTERM. If a handler cannot be installed the signal keeps its
-/// default action (the process ends), so this only waits for the other one.
-async fn stop_signal() {
+/// The next SIGINT (Ctrl-C) or, on Unix, SIGTERM, as its number (2 or 15). If a handler cannot be installed
+/// the signal keeps its default action (the process ends), so this only waits for the other one.
+async fn stop_signal() -> i32 {
     let int = async {
         if tokio::signal::ctrl_c().await.is_err() {
             std::future::pending::<()>().await;
@@ -167,16 +183,14 @@ async fn stop_signal() {
     #[cfg(not(unix))]
     let term = std::future::pending::<()>();
     tokio::select! {
-        _ = int => {}
-        _ = term => {}
+        _ = int => 2,
+        _ = term => 15,
     }
 }
 
 /// The axum router with the engine thread started behind it.
 pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router> {
-    if opts.aliases.iter().any(|a| a.trim().is_empty()) {
-        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "--alias: a model name must not be empty"));
-    }
+    opts.validate()?;
     let names = if opts.aliases.is_empty() { vec![model_id_for(&engine)] } else { opts.aliases.clone() };
     let cors = cors_layer(&opts.cors_origins)?;
     let (tx, rx) = std::sync::mpsc::channel();
@@ -447,7 +461,7 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
     if prompt.len() >= st.ctx {
         return Err(ApiError::invalid(
             Some(what),
-            format!("This model's maximum context length is {} tokens. However, the {what} has {} tokens, leaving no room for the completion. Please reduce the length of the {what}.", st.ctx, prompt.len()),
+            format!("This model's maximum context length is {} tokens. However, the {what} {} {} tokens, leaving no room for the completion. Please reduce the length of the {what}.", st.ctx, if kind == Kind::Chat { "have" } else { "has" }, prompt.len()),
         )
         .with_status(StatusCode::BAD_REQUEST, "invalid_request_error", Some("context_length_exceeded")));
     }

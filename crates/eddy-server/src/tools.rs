@@ -868,7 +868,7 @@ mod tests {
             words.push(w);
         }
         let eos = 256 + SPECIALS.len() as u32 - 1;
-        Grammars::from_vocab(words, &[eos], Box::new(|s| s.iter().map(|&b| b as u32).collect())).unwrap()
+        Grammars::from_vocab(words, &[eos], Box::new(|s| s.bytes().map(u32::from).collect())).unwrap()
     }
 
     fn byte_tokens(mut text: &str) -> Vec<u32> {

@@ -1533,6 +1533,17 @@ fn structured_outputs_follow_the_schema() {
     sb["stream"] = json!(true);
     let (s, _) = streamed(addr, c, sb);
     assert_eq!(s, text);
+    // Enum values whose characters the vocabulary splits into bytes (🦀 and 🦩 share their first three, 日本語
+    // has no whole-character tokens in SmolLM2): the forced bytes are tokenized as bytes, never as U+FFFD.
+    for values in [json!(["🦀 crab", "🦩 flamingo"]), json!(["日本語", "中文"]), json!(["😀"])] {
+        let schema = json!({"type": "object", "properties": {"v": {"enum": values}}, "required": ["v"]});
+        let rf = json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}});
+        let v = post(addr, c, chat_body("Pick one.", json!({"max_tokens": 40, "response_format": rf}))).json();
+        let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+        let o: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert!(values.as_array().unwrap().contains(&o["v"]), "{o} not in {values}");
+    }
     // Completions take a response_format too.
     let v = post(addr, "/v1/completions", json!({"prompt": "A cat:", "max_tokens": 120, "temperature": 0, "response_format": rf})).json();
     let t = v["choices"][0]["text"].as_str().unwrap();

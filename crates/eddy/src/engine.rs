@@ -692,8 +692,10 @@ impl Engine {
         self.exec.truncate(keep);
         stats.cached_tokens = keep;
         if !self.speculators.is_empty() && !self.cost.is_calibrated() {
-            // Once per engine, in the prefill time: the verify-cost curve of this machine.
+            // Once per engine, inside the TTFT (not counted as prefill): the verify-cost curve of this machine.
+            let t = Instant::now();
             self.calibrate(prompt[0])?;
+            stats.calibration_time = t.elapsed();
         }
         for s in self.speculators.iter_mut() {
             s.prefill(self.exec.host(), prompt)?;

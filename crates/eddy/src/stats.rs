@@ -14,6 +14,9 @@ pub struct GenerationStats {
     pub decode_passes: usize,
     /// From the start of prefill to the first sampled token.
     pub ttft: Duration,
+    /// The part of `ttft` spent measuring the verify-cost curve: once per engine, at its first request with a
+    /// speculator (zero otherwise). Not prefill work, so [`GenerationStats::prefill_speed`] leaves it out.
+    pub calibration_time: Duration,
     /// From the first sampled token to the last.
     pub decode_time: Duration,
     /// Whole call.
@@ -46,9 +49,9 @@ pub enum FinishReason {
 }
 
 impl GenerationStats {
-    /// Prompt tokens ÷ TTFT (tokens/s).
+    /// Prompt tokens ÷ (TTFT − the speculation calibration), tokens/s.
     pub fn prefill_speed(&self) -> f64 {
-        self.prompt_tokens as f64 / self.ttft.as_secs_f64().max(1e-9)
+        self.prompt_tokens as f64 / self.ttft.saturating_sub(self.calibration_time).as_secs_f64().max(1e-9)
     }
     /// (generated − 1) ÷ (time of last token − time of first token), tokens/s; 0 with fewer than 2 tokens.
     pub fn generation_speed(&self) -> f64 {

@@ -126,7 +126,7 @@ impl TensorRule {
                 Some((f, g)) => (f.trim(), Some(g.trim())),
                 None => (rhs.trim(), None),
             };
-            let format = Format::parse(f).ok_or_else(|| bad(format!("unknown format '{f}' (expected m, l or k)")))?;
+            let format = Format::parse(f).ok_or_else(|| bad(format!("unknown format '{f}' (expected m, l, k or k6)")))?;
             let group = match g {
                 Some(g) => g.parse::<usize>().map_err(|_| bad(format!("bad group '{g}'")))?,
                 None => default_group,
@@ -684,6 +684,32 @@ fn gguf_vectors(model: &Model) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     out
 }
 
+/// Refuse a safetensors folder whose `config.json` has a `quantization_config` (an eddy folder, or a
+/// GPTQ/AWQ/bitsandbytes checkpoint) as a source: its matrices are already rounded to a grid and their
+/// side tensors (scales, zero points, signs) are not model weights, so re-quantizing would compound the
+/// error and mix old side tensors into the new folder. A folder without a readable config is left to the
+/// loader's own errors.
+///
+/// Errors: [`Error::Model`] naming the folder and the quantization method.
+pub fn refuse_quantized_source(dir: &Path) -> Result<()> {
+    let cfg = dir.join(crate::model_dir::CONFIG_FILE);
+    let Ok(text) = std::fs::read_to_string(&cfg) else { return Ok(()) };
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else { return Ok(()) };
+    match v.get("quantization_config") {
+        Some(q) if !q.is_null() => {
+            let method = q.get("quant_method").and_then(|m| m.as_str()).unwrap_or("unknown");
+            Err(Error::model(
+                dir,
+                format!(
+                    "already quantized (quantization_config.quant_method = {method}); give the original GGUF or \
+                     unquantized safetensors model"
+                ),
+            ))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Write `model` — re-quantized by [`quantize_model`] with `opts` — as an eddy model folder `out`
 /// (`docs/quant-formats.md`, "Model folder"): config, tokenizer and the other tensors from `src` (see
 /// [`Source`]), `config.json` with a `quantization_config` added, and `model.safetensors` with the
@@ -816,6 +842,9 @@ fn io(p: &Path) -> impl FnOnce(std::io::Error) -> Error {
 
 fn write_into(src: &Source, model: &Model, opts: &QuantizeOptions, tmp: &Path) -> Result<()> {
     use crate::model_dir::{CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_INDEX_FILE};
+    if let Source::Hf(src) = src {
+        refuse_quantized_source(src)?;
+    }
     std::fs::create_dir_all(tmp).map_err(io(tmp))?;
     let mut cfg = match src {
         Source::Hf(src) => {
