@@ -61,7 +61,7 @@ pub(crate) struct XLine(#[allow(dead_code)] [u8; 64]);
 
 /// Most tokens per packed tile of a `bits`-bit matrix (each unpacked block is dotted with all of them):
 /// 16 for bits 5/6, whose bit-plane unpacking costs as much as the 4-bit codes' whole epilogue (measured
-/// on Sapphire Rapids, 8960×1536 Q6_K at n = 128: 1.15× over 8), else 8 (16 measured 0.95× for Q4_K).
+/// on Sapphire Rapids, 8960×1536 Q6_K at n = 128: 1.13× over 8), else 8 (16 measured 0.92× for Q4_K).
 const fn packed_tokens(bits: u8) -> usize {
     if bits == 5 || bits == 6 {
         16
