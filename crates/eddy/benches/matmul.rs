@@ -36,7 +36,6 @@ impl Rng {
 
 fn qm(bits: u8, rows: usize, cols: usize, rng: &mut Rng) -> WeightMatrix {
     let n = rows * cols;
-    let planes = if bits == 5 || bits == 6 { bits as usize - 4 } else { 0 };
     let group = if bits == 6 { 16 } else { QK };
     let ng = n / group;
     let scales = match bits {
@@ -52,6 +51,12 @@ fn qm(bits: u8, rows: usize, cols: usize, rng: &mut Rng) -> WeightMatrix {
         },
         _ => GroupScales::F16 { scale: (0..ng).map(|_| f16::from_f32(0.001 + 0.01 * rng.f())).collect(), min: None },
     };
+    qmatrix(bits, rows, cols, group, scales, rng)
+}
+
+fn qmatrix(bits: u8, rows: usize, cols: usize, group: usize, scales: GroupScales, rng: &mut Rng) -> WeightMatrix {
+    let n = rows * cols;
+    let planes = if bits == 5 || bits == 6 { bits as usize - 4 } else { 0 };
     WeightMatrix::Q(QMatrix {
         rows,
         cols,
@@ -75,6 +80,28 @@ fn q6(r: usize, c: usize, g: &mut Rng) -> WeightMatrix {
 }
 fn q8(r: usize, c: usize, g: &mut Rng) -> WeightMatrix {
     qm(8, r, c, g)
+}
+/// Bits 4, group 32, k-quant scales with offsets (Q4_K, eddy's `k`), prepacked.
+fn q4k(rows: usize, cols: usize, rng: &mut Rng) -> WeightMatrix {
+    let n = rows * cols;
+    let scales = GroupScales::SuperI8 {
+        sc: (0..n / QK).map(|_| (rng.next() % 64) as i8).collect(),
+        mn: Some((0..n / QK).map(|_| (rng.next() % 64) as i8).collect()),
+        d: (0..n / 256).map(|_| 0.0001 * rng.f()).collect(),
+        dmin: (0..n / 256).map(|_| -0.0001 * rng.f()).collect(),
+    };
+    packed(qmatrix(4, rows, cols, QK, scales, rng))
+}
+/// [`q6`] (Q6_K, eddy's `k6`), prepacked.
+fn q6k(rows: usize, cols: usize, rng: &mut Rng) -> WeightMatrix {
+    packed(qm(6, rows, cols, rng))
+}
+fn packed(mut w: WeightMatrix) -> WeightMatrix {
+    if let WeightMatrix::Q(m) = &mut w {
+        m.prepack();
+        m.drop_natural();
+    }
+    w
 }
 type Make = fn(usize, usize, &mut Rng) -> WeightMatrix;
 const FORMATS: [(&str, Make); 4] = [("q4", q4), ("q5", q5), ("q6", q6), ("q8", q8)];
@@ -214,5 +241,62 @@ fn small_cold(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench, cold, small, small_cold);
+/// The k-quant formats on the prepacked layout (the layout models run on): `q4k` (Q4_K, eddy's `k`) and
+/// `q6k` (Q6_K, eddy's `k6`), 8960×1536 rotating through ≥ 384 MB of copies, 1 and 2 threads. `n1`: decode,
+/// throughput = weight bytes per call; `n128`: prefill, throughput in GOP/s as in `gemm_*`.
+fn packed_k(c: &mut Criterion) {
+    let mut rng = Rng(13);
+    let pools = [ThreadPool::new(1), ThreadPool::new(2)];
+    let (rows, cols) = (8960, 1536);
+    const K: [(&str, Make); 2] = [("q4k", q4k), ("q6k", q6k)];
+    for (name, make) in K {
+        let ws = dram_copies(make, rows, cols, &mut rng);
+        let mut g = c.benchmark_group(format!("packed_{name}"));
+        for n in [1usize, 128] {
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.f() * 2.0 - 1.0).collect();
+            let mut xq = QuantizedActivations::new();
+            quantize_activations(&pools[0], &x, n, cols, &mut xq);
+            let mut out = vec![0f32; n * rows];
+            if n == 1 {
+                g.throughput(Throughput::Bytes(ws[0].nbytes() as u64));
+            } else {
+                g.sample_size(10);
+                g.throughput(Throughput::Elements((2 * rows * cols * n) as u64));
+            }
+            for pool in &pools {
+                let mut i = 0;
+                g.bench_function(format!("{rows}x{cols}_n{n}/t{}", pool.n_threads()), |b| {
+                    b.iter(|| {
+                        i = (i + 1) % ws.len();
+                        matmul(pool, black_box(&ws[i]), &[], &xq, n, &mut out)
+                    })
+                });
+            }
+            // One thread timed by its own CPU time (the calling thread runs the whole product): robust
+            // to other processes on a shared machine, for A/B comparisons of the kernels.
+            let mut i = 0;
+            g.bench_function(format!("{rows}x{cols}_n{n}/t1_cpu"), |b| {
+                b.iter_custom(|iters| {
+                    let t = thread_cpu_time();
+                    for _ in 0..iters {
+                        i = (i + 1) % ws.len();
+                        matmul(&pools[0], black_box(&ws[i]), &[], &xq, n, &mut out);
+                    }
+                    thread_cpu_time() - t
+                })
+            });
+        }
+        g.finish();
+    }
+}
+
+/// CPU time of the calling thread.
+fn thread_cpu_time() -> std::time::Duration {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid out-pointer; CLOCK_THREAD_CPUTIME_ID is always available on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+criterion_group!(benches, bench, cold, small, small_cold, packed_k);
 criterion_main!(benches);

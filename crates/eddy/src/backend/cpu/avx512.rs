@@ -26,7 +26,9 @@
 //!   time): the GEMM's lane-per-row form without the per-call repack. The codes are stored at their
 //!   width in lane-per-row lines (see [`crate::quant::Packed`]) and unpacked with and/shift/ternlog;
 //!   scales are the same values in lane order, `S`/`M` formed as `scale_min` forms them. Token tiles of
-//!   up to 8 per row block. Measured faster than both kernels above at every `n` on Zen 4 (also `n = 1`:
+//!   up to 8 per row block (16 for bits 5/6, whose unpacking costs more); the tiles' activations are laid
+//!   out once per product ([`fill_xtiles`]) so that every field a tile reads (codes, scales, the offset
+//!   terms `−2^(bits−1)·Σq_x` or `dsum`) sits at a constant offset from one pointer per code block. Measured faster than both kernels above at every `n` on Zen 4 (also `n = 1`:
 //!   no horizontal reductions), so it is used whenever present.
 //!
 //! Weight groups of 64 or 128 values (eddy's M/L formats, F16 scales) run on the packed kernel only: the
@@ -52,9 +54,82 @@ pub(crate) unsafe fn rows(_: &super::Ctx, _: usize, _: std::ops::Range<usize>) {
     unreachable!("AVX-512 kernel on a non-x86 target")
 }
 
+/// One 64-byte line of the token-tile activation layout ([`fill_xtiles`]).
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub(crate) struct XLine(#[allow(dead_code)] [u8; 64]);
+
+/// Most tokens per packed tile of a `bits`-bit matrix (each unpacked block is dotted with all of them):
+/// 16 for bits 5/6, whose bit-plane unpacking costs as much as the 4-bit codes' whole epilogue (measured
+/// on Sapphire Rapids, 8960×1536 Q6_K at n = 128: 1.13× over 8), else 8 (16 measured 0.92× for Q4_K).
+const fn packed_tokens(bits: u8) -> usize {
+    if bits == 5 || bits == 6 {
+        16
+    } else {
+        8
+    }
+}
+
+/// Bytes per token and code block of 32 values in [`fill_xtiles`]'s layout: 32 codes, the f32 scale, and
+/// per weight group in the block (1, or 2 for groups of 16) one 4-byte term.
+const fn xtile_bytes(gpb: usize) -> usize {
+    36 + 4 * gpb
+}
+
+/// Lay out the activations of tokens `0..n` for the packed kernel on `m` (into `buf`, grown if
+/// needed): tokens in tiles of `P` = [`packed_tokens`] (the packed kernel's tiles: `t0 = 0, P, 2P, ..`;
+/// the last one `T = n − t0 ≤ P`), and per tile and code block `b` a record of `T·xtile_bytes(gpb)` bytes at
+/// byte `(t0·nblk + b·T)·xtile_bytes(gpb)`: the `T` tokens' 32 codes (`32·t`), their scales `d`
+/// (f32 at `32·T + 4·t`), then per weight group `h` of the block (`gpb` = 32 / group, units of 32
+/// for groups of 64/128) at `36·T + 4·(h·T + t)` the offset term: with the implicit offset the i32
+/// `−2^(bits−1)·Σq_x` over the group's values (the start of `D'`), else the f32 `dsum`. Every field of
+/// a tile is then at a constant offset from the record, so the kernel needs one pointer per tile.
+pub(crate) fn fill_xtiles(m: &crate::quant::QMatrix, xq: &super::QuantizedActivations, n: usize, buf: &mut Vec<XLine>) {
+    use crate::quant::QK;
+    let cols = xq.cols;
+    let nblk = cols / QK;
+    let g16 = m.group == 16;
+    let gpb = if g16 { 2 } else { 1 };
+    let r1 = xtile_bytes(gpb);
+    let bytes = n * nblk * r1;
+    let lines = bytes.div_ceil(64);
+    if buf.len() < lines {
+        buf.resize(lines, XLine([0; 64]));
+    }
+    // SAFETY: `buf` holds `bytes`; every write below is inside it (offsets as documented above).
+    let out = unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr() as *mut u8, bytes) };
+    let imp = m.implicit_min();
+    let half = m.bits as u32 - 1;
+    let codes: &[u8] = unsafe { std::slice::from_raw_parts(xq.q.as_ptr() as *const u8, xq.q.len()) };
+    let tile = packed_tokens(m.bits);
+    for t in 0..n {
+        let t0 = t / tile * tile;
+        let tn = (n - t0).min(tile);
+        let ti = t - t0;
+        let xc = &codes[t * cols..(t + 1) * cols];
+        for b in 0..nblk {
+            let rec = &mut out[(t0 * nblk + b * tn) * r1..][..tn * r1];
+            rec[32 * ti..32 * ti + 32].copy_from_slice(&xc[b * QK..b * QK + QK]);
+            let xi = t * nblk + b;
+            rec[32 * tn + 4 * ti..][..4].copy_from_slice(&xq.scale[xi].to_le_bytes());
+            for h in 0..gpb {
+                let v = if !imp {
+                    xq.dsum[xi].to_le_bytes()
+                } else if g16 {
+                    (-(xq.sum16[2 * xi + h] << half)).to_le_bytes()
+                } else {
+                    (-(xq.sum[xi] << half)).to_le_bytes()
+                };
+                rec[36 * tn + 4 * (h * tn + ti)..][..4].copy_from_slice(&v);
+            }
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod imp {
     use super::super::{Ctx, ROW_BLOCK};
+    use super::{packed_tokens, xtile_bytes};
     use crate::quant::{GroupScales, Packed, QMatrix, WeightMatrix, PACK_ROWS, QK, QK_SUPER};
     use std::arch::x86_64::*;
     use std::cell::RefCell;
@@ -903,21 +978,20 @@ mod imp {
     /// Smallest batch that uses the prepacked kernel when the matrix has [`QMatrix::packed`] (measured
     /// on Zen 4, 8960×1536 from DRAM: faster than the natural-layout GEMV at `n = 1` too).
     const PACKED_MIN_N: usize = 1;
-    /// Most tokens per packed tile (each unpacked block is dotted with all of them).
-    const PACKED_TOKENS: usize = 8;
     /// Packed-code prefetch distance in lines (into L2).
     const PF_LINES: usize = 64;
 
     /// Prepacked kernel: the 16-row blocks of `range` (`range.start % 16 == 0`) × all `n` tokens, token
-    /// tiles of up to [`PACKED_TOKENS`]; the same operations per (row, token) as [`gemm_tile`].
+    /// tiles of up to [`packed_tokens`]; the same operations per (row, token) as [`gemm_tile`].
     unsafe fn packed_rows<const B: u8, const G16: bool>(ctx: &Ctx, m: &QMatrix, pk: &Packed, n: usize, range: Range<usize>) {
         assert!(range.start.is_multiple_of(PACK_ROWS), "packed rows start on a 16-row block");
+        assert!(!ctx.xt.get().is_null(), "packed kernel without its activation tiles (matmul_with lays them out)");
         let mut r = range.start;
         while r < range.end {
             let nr = (range.end - r).min(PACK_ROWS);
             let mut t = 0;
             while t < n {
-                let nt = (n - t).min(PACKED_TOKENS);
+                let nt = (n - t).min(packed_tokens(B));
                 macro_rules! go {
                     ($($k:literal)*) => {
                         match nt {
@@ -926,7 +1000,11 @@ mod imp {
                         }
                     };
                 }
-                go!(1 2 3 4 5 6 7 8);
+                if packed_tokens(B) == 8 {
+                    go!(1 2 3 4 5 6 7 8)
+                } else {
+                    go!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+                }
                 t += nt;
             }
             r += nr;
@@ -969,7 +1047,10 @@ mod imp {
         let lpb = Packed::lines_per_block(B);
         let rb = r0 / PACK_ROWS;
         let imp = m.implicit_min();
-        let (xp, xs, xds, xsum) = token_ptrs::<G16, T>(ctx, t0);
+        // This tile's activation records ([`super::fill_xtiles`]): one per code block, fields at
+        // constant offsets.
+        let r1 = xtile_bytes(gpb);
+        let xt = ctx.xt.get().add(t0 * nblk * r1) as *const u8;
         let lines = pk.lines.as_ptr().add(rb * nblk * lpb) as *const __m512i;
         // Scale streams of this row block: per group 16 lanes; `d`/`dmin` per super-block.
         let g0 = rb * (cols / m.group) * PACK_ROWS;
@@ -1049,15 +1130,17 @@ mod imp {
                     let h16 = |p: *const u8| _mm512_cvtph_ps(_mm256_loadu_si256(p.add(2 * gl) as *const __m256i));
                     (h16(f16s), if imp { _mm512_setzero_ps() } else { h16(f16m) })
                 };
+                let rec = xt.add(b * T * r1);
                 for t in 0..T {
-                    let mut d = if imp { _mm512_set1_epi32(-(*xsum[t].add(w) << (B - 1))) } else { zero };
+                    let term = rec.add(36 * T + 4 * (hg * T + t));
+                    let mut d = if imp { _mm512_set1_epi32((term as *const i32).read_unaligned()) } else { zero };
                     for j in 0..qpg {
-                        let e = b * QK + 4 * (hg * qpg + j);
-                        let xb = _mm512_set1_epi32((xp[t].add(e) as *const i32).read_unaligned());
+                        let xb = _mm512_set1_epi32((rec.add(32 * t + 4 * (hg * qpg + j)) as *const i32).read_unaligned());
                         d = _mm512_dpbusd_epi32(d, q[hg * qpg + j], xb);
                     }
-                    let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, _mm512_set1_ps(*xs[t].add(b))), acc[t][c]);
-                    acc[t][c] = if imp { a } else { _mm512_fmadd_ps(mv, _mm512_set1_ps(*xds[t].add(w)), a) };
+                    let xs = (rec.add(32 * T + 4 * t) as *const f32).read_unaligned();
+                    let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, _mm512_set1_ps(xs)), acc[t][c]);
+                    acc[t][c] = if imp { a } else { _mm512_fmadd_ps(mv, _mm512_set1_ps((term as *const f32).read_unaligned()), a) };
                 }
             }
         }

@@ -161,6 +161,9 @@ pub(crate) struct Ctx<'a> {
     pub(crate) rows: usize,
     pub(crate) cols: usize,
     pub(crate) out: SyncPtr<f32>,
+    /// The activations in the token-tile layout of the AVX-512 packed kernel (built once per product by
+    /// the calling thread, read by every worker), or null.
+    pub(crate) xt: SyncPtr<u8>,
 }
 
 /// Matrix product `out[t*rows + r] = Σ_c W[r][c] · x[t][c]` for `t in 0..n`, on the [`Kernel::active`]
@@ -220,7 +223,24 @@ pub fn matmul_with(kernel: Kernel, pool: &ThreadPool, w: &WeightMatrix, x: &[f32
     if n == 0 || rows == 0 {
         return;
     }
-    let ctx = Ctx { w, x, xq, rows, cols, out: SyncPtr(out.as_mut_ptr()) };
+    // The packed AVX-512 kernel reads the activations in its token-tile layout, laid out once here (on
+    // the calling thread, into a buffer kept per thread) for all workers.
+    let packed = matches!(w, WeightMatrix::Q(m) if m.packed.is_some()) && kernel == Kernel::Avx512;
+    let mut xt = if packed { XTILES.with(|b| b.take()) } else { Vec::new() };
+    if packed {
+        if let WeightMatrix::Q(m) = w {
+            avx512::fill_xtiles(m, xq, n, &mut xt);
+        }
+    }
+    let ctx = Ctx {
+        w,
+        x,
+        xq,
+        rows,
+        cols,
+        out: SyncPtr(out.as_mut_ptr()),
+        xt: SyncPtr(if packed { xt.as_mut_ptr() as *mut u8 } else { std::ptr::null_mut() }),
+    };
     // Rows per claimed chunk: a multiple of the 16-row GEMM block (of the 32-row Hadamard block with an
     // output rotation, so that every block lies in one chunk), and at least ~64 K multiply-adds.
     let align = if out_signs.is_some() { 32 } else { 16 };
@@ -238,6 +258,14 @@ pub fn matmul_with(kernel: Kernel, pool: &ThreadPool, w: &WeightMatrix, x: &[f32
     } else {
         pool.parallel_for(rows, min_chunk, chunk);
     }
+    if packed {
+        XTILES.with(|b| b.replace(xt));
+    }
+}
+
+thread_local! {
+    /// The calling thread's buffer for [`Ctx::xt`]: grows to the largest product, then reused.
+    static XTILES: std::cell::Cell<Vec<avx512::XLine>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// Epilogue of a product with an output rotation: `y ← D_out ⊙ (H·y)` on the Hadamard blocks of rows
