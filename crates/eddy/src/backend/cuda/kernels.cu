@@ -1451,13 +1451,14 @@ __device__ void cand_sort(unsigned long long* buf) {
 //  2. `cand_select`, one 1024-thread block per row: n, the maximum, and a threshold above which at least k
 //     keys lie: the k-th largest lane maximum (1: every finite logit); zeroes the gather count.
 //  3. `cand_gather`, grid (CAND_PARTS, rows) × 256, the lanes as in 1: the keys at or above the threshold
-//     (up to 1024 kept), and per lane the mass: its values' exp_det(s_i − max) are formed 8 at a time by the
-//     8 warps and added by warp 0 in index order in f64 — `sampling::row_candidates`' order.
+//     (up to 1024 kept), and per lane the mass: its values' exp_det(s_i − max) are formed CAND_CHUNK at a time
+//     by the 8 warps and added by warp 0 in index order in f64 — `sampling::row_candidates`' order.
 //  4. `cand_finish`, one 1024-thread block per row: when more than 1024 keys lie above the threshold (many
 //     equal values) a radix select over the key's bytes (256-bin histogram per byte, from the top) finds
 //     the exact threshold and gathers again; the keys are sorted, the first kk written, and the 1024 lanes'
 //     masses meet in a halving tree.
 #define CAND_PARTS 32
+#define CAND_CHUNK 32
 #define CAND_WORK 3104
 #define CW_MASS 1024
 #define CW_GATH 2048
@@ -1520,7 +1521,7 @@ extern "C" __global__ void __launch_bounds__(CAND_THREADS, 1)
 extern "C" __global__ void __launch_bounds__(256)
     cand_gather(const float* __restrict__ x, int width, float inv_t, unsigned long long* __restrict__ work) {
     pdl_wait();
-    __shared__ double se[8][32];
+    __shared__ double se[CAND_CHUNK][32];
     const float* row = x + (long long)blockIdx.y * width;
     unsigned long long* w = work + (long long)blockIdx.y * CAND_WORK;
     const int lane = blockIdx.x * 32 + (threadIdx.x & 31), s = threadIdx.x >> 5;
@@ -1530,13 +1531,21 @@ extern "C" __global__ void __launch_bounds__(256)
     const bool mass = n > 0 && isfinite(mx);
     unsigned long long* count = w + CW_SEL + 2;
     double acc = 0.0;
-    for (int j0 = 0; j0 * CAND_THREADS < width; j0 += 8) {
-        const int i = lane + (j0 + s) * CAND_THREADS;
-        double e = 0.0;
-        if (i < width) {
-            const float l = row[i];
-            if (isfinite(l)) {
-                const float sc = __fmul_rn(l, inv_t);
+    // Chunks of CAND_CHUNK values a lane: warp s forms values j0 + s, j0 + s + 8, … (its loads issued together),
+    // then warp 0 adds the chunk's values in index order.
+    for (int j0 = 0; j0 * CAND_THREADS < width; j0 += CAND_CHUNK) {
+        float l[CAND_CHUNK / 8];
+#pragma unroll
+        for (int q = 0; q < CAND_CHUNK / 8; ++q) {
+            const int i = lane + (j0 + s + 8 * q) * CAND_THREADS;
+            l[q] = i < width ? row[i] : NAN;
+        }
+#pragma unroll
+        for (int q = 0; q < CAND_CHUNK / 8; ++q) {
+            const int i = lane + (j0 + s + 8 * q) * CAND_THREADS;
+            double e = 0.0;
+            if (isfinite(l[q])) {
+                const float sc = __fmul_rn(l[q], inv_t);
                 const unsigned long long key = cand_key(sc, i);
                 if (key >= thr) {
                     const unsigned long long slot = atomicAdd(count, 1ull);
@@ -1544,11 +1553,11 @@ extern "C" __global__ void __launch_bounds__(256)
                 }
                 if (mass) e = (double)exp_det(__fsub_rn(sc, mx));
             }
+            se[s + 8 * q][threadIdx.x & 31] = e;
         }
-        se[s][threadIdx.x & 31] = e;
         __syncthreads();
         if (s == 0)
-            for (int q = 0; q < 8; ++q) acc = __dadd_rn(acc, se[q][threadIdx.x]);
+            for (int q = 0; q < CAND_CHUNK; ++q) acc = __dadd_rn(acc, se[q][threadIdx.x]);
         __syncthreads();
     }
     if (s == 0) reinterpret_cast<double*>(w + CW_MASS)[lane] = acc;
