@@ -728,6 +728,7 @@ fn decode_and_verify_timing() {
     }
     let dt = t0.elapsed().as_secs_f64() / steps as f64;
     let launches = (be.launches() - l0) as f64 / steps as f64;
+    let last_row = logits[logits.len() - vocab..].to_vec();
     println!(
         "{file} on {}: decode {:.3} ms/step = {:.0} tok/s, {launches:.0} kernel launches + copies per step",
         be.device_name(),
@@ -820,6 +821,46 @@ fn decode_and_verify_timing() {
         println!("{file}: device argmax: {n}-node verify {:.3} ms ({:.2}× a decode step)", 1e3 * dv, dv / da);
     }
     ws.argmax_head = false;
+    // The same with the sampling head (candidates at T = 0.8, k = 40: `eddy speed`'s step), then where the
+    // head's tail goes: the argmax and the candidates of one logits row alone (kernels, the copy back and the
+    // wait), and the same calls with every kernel empty (launches, copy and wait only).
+    ws.sample_head = Some((1.0 / 0.8, 40));
+    st.truncate(base);
+    for _ in 0..8 {
+        forward(&gm, &be, &mut ws, &mut st, &[tok], Logits::Last, &mut logits).unwrap();
+    }
+    let t0 = std::time::Instant::now();
+    for _ in 0..steps {
+        forward(&gm, &be, &mut ws, &mut st, &[tok], Logits::Last, &mut logits).unwrap();
+        tok = ws.cands.row(0).top[0].1;
+    }
+    let ds = t0.elapsed().as_secs_f64() / steps as f64;
+    println!("{file}: device candidates: decode {:.3} ms/step = {:.0} tok/s", 1e3 * ds, 1.0 / ds);
+    ws.sample_head = None;
+    st.truncate(base);
+    let row = be.upload(&last_row);
+    let (mut ids, mut cands) = (vec![0u32; 1], eddy::sampling::Candidates::default());
+    for empty in [false, true] {
+        be.set_empty_kernels(empty);
+        let reps = 64;
+        for _ in 0..4 {
+            be.argmax_rows(&row, 1, vocab, &mut ids);
+            be.candidate_rows(&row, 1, vocab, 1.0 / 0.8, 40, &mut cands);
+        }
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps {
+            be.argmax_rows(&row, 1, vocab, &mut ids);
+        }
+        let am = t0.elapsed().as_secs_f64() / reps as f64;
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps {
+            be.candidate_rows(&row, 1, vocab, 1.0 / 0.8, 40, &mut cands);
+        }
+        let cr = t0.elapsed().as_secs_f64() / reps as f64;
+        let what = if empty { "empty kernels" } else { "kernels" };
+        println!("{file}: one row alone, {what}: argmax {:.1} µs, candidates {:.1} µs (launch, copy back, wait)", 1e6 * am, 1e6 * cr);
+    }
+    be.set_empty_kernels(false);
     // Prefill of 512 tokens (runs of 64), as llama-bench's pp512.
     let long: Vec<u32> = prompt.iter().cycle().take(512).copied().collect();
     let mut pst = gm.new_state(&be, 1024);
@@ -897,9 +938,11 @@ fn argmax_rows_match_the_host() {
     let mut rng = Rng(17);
     for &width in &[1usize, 7, 256, 257, 1000, 4096, 151_936] {
         let mut rows: Vec<Vec<f32>> = (0..6).map(|_| rng.vec(width)).collect();
-        // The maximum repeated at spots a thread's stride apart, in other warps, and at the ends.
+        // The maximum repeated at spots a thread's stride apart, in other warps, in other blocks of the row's
+        // split (256 values a block, 128 blocks), and at the ends.
         let m = 5.0;
-        for (r, spots) in [(0usize, vec![3usize, 3 + 256, 700]), (1, vec![width - 1, 0]), (2, vec![40, 41, 9, 300])] {
+        let spread = vec![3 + 256 * 5, 3 + 32_768, 3 + 256, 700, 3 + 256 * 127, 3];
+        for (r, spots) in [(0usize, spread), (1, vec![width - 1, 0]), (2, vec![40, 41, 9, 300, 33_000, 1_000])] {
             for &i in spots.iter().filter(|&&i| i < width) {
                 rows[r][i] = m;
             }

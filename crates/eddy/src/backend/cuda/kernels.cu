@@ -1314,9 +1314,13 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
 
 // ---------------------------------------------------------------------------------------------------------
 // Greedy sampling: the index of the largest value of each row (sampling.rs `argmax`: lowest index on ties,
-// NaN never wins, 0 when no value exceeds -inf). One 256-thread block per row; each thread scans the values
-// i = tid, tid + 256, ... keeping the first strict maximum, then a tree over the threads keeps the larger
-// value and on equal values the lower index. Exact (comparisons only), so any order gives the host's answer.
+// NaN never wins, 0 when no value exceeds -inf), in two kernels so that the row is read by many blocks at
+// once: `argmax_part`, grid (AM_PARTS, rows) of 256 threads, block b of a row scans the values
+// i = b·256 + tid + j·AM_PARTS·256 keeping each thread's first strict maximum, then a tree over the threads
+// keeps the larger value and on equal values the lower index, and writes the block's (value, index);
+// `argmax_finish`, one AM_PARTS-thread block per row, reduces the parts the same way. Exact (comparisons
+// only), so any split and order give the host's answer.
+#define AM_PARTS 128
 __device__ __forceinline__ void argmax_pick(float& bv, int& bi, float v, int i) {
     if (v > bv || (v == bv && i < bi)) {
         bv = v;
@@ -1324,18 +1328,8 @@ __device__ __forceinline__ void argmax_pick(float& bv, int& bi, float v, int i) 
     }
 }
 
-extern "C" __global__ void argmax_rows(const float* __restrict__ x, int width, unsigned int* __restrict__ out) {
-    pdl_wait();
-    const float* row = x + (long long)blockIdx.x * width;
-    float bv = -INFINITY;
-    int bi = 0x7fffffff;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        const float v = row[i];
-        if (v > bv) {
-            bv = v;
-            bi = i;
-        }
-    }
+// The block's (value, index) by the rule above into thread 0 (blockDim.x a multiple of 32, at most 1024).
+__device__ __forceinline__ void argmax_block(float& bv, int& bi) {
     for (int o = 16; o > 0; o >>= 1) {
         const float v = __shfl_xor_sync(FULL, bv, o);
         const int i = __shfl_xor_sync(FULL, bi, o);
@@ -1357,8 +1351,37 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int width, u
             const int i = __shfl_xor_sync(FULL, bi, o);
             argmax_pick(bv, bi, v, i);
         }
-        if (lane == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0u : (unsigned int)bi;
     }
+}
+
+// `part` holds AM_PARTS values (f32) then AM_PARTS indices (i32) per row.
+extern "C" __global__ void argmax_part(const float* __restrict__ x, int width, float* __restrict__ part) {
+    pdl_wait();
+    const float* row = x + (long long)blockIdx.y * width;
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < width; i += AM_PARTS * blockDim.x) {
+        const float v = row[i];
+        if (v > bv) {
+            bv = v;
+            bi = i;
+        }
+    }
+    argmax_block(bv, bi);
+    if (threadIdx.x == 0) {
+        float* p = part + (long long)blockIdx.y * 2 * AM_PARTS;
+        p[blockIdx.x] = bv;
+        reinterpret_cast<int*>(p)[AM_PARTS + blockIdx.x] = bi;
+    }
+}
+
+extern "C" __global__ void argmax_finish(const float* __restrict__ part, unsigned int* __restrict__ out) {
+    pdl_wait();
+    const float* p = part + (long long)blockIdx.x * 2 * AM_PARTS;
+    float bv = p[threadIdx.x];
+    int bi = reinterpret_cast<const int*>(p)[AM_PARTS + threadIdx.x];
+    argmax_block(bv, bi);
+    if (threadIdx.x == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0u : (unsigned int)bi;
 }
 
 // ---- Sampling candidates (`Backend::candidate_rows`; the host reference is `sampling::row_candidates`). ----
@@ -1417,34 +1440,42 @@ __device__ void cand_sort(unsigned long long* buf) {
     __syncthreads();
 }
 
-// One 1024-thread block per row of `x` (`width` logits): the row's sampling candidates at inverse
-// temperature `inv_t` into a record of `2k + 4` words at `out + row·(2k + 4)`: the first min(k, n) scaled
-// logits (f32 bits) in the sampler's order, their ids, n (finite logits), 0, and the mass (f64, lo word
-// first). Finite logits are scaled by one rounded product; thread `t` keeps the largest key of values
-// t, t + 1024, …; the k-th largest of those maxima is a threshold above which at least k keys lie (usually
-// few more): those keys are gathered and sorted. When more than 1024 lie above it (many equal values), a
-// radix select over the key's bytes (256-bin histogram per byte, from the top) finds the exact threshold.
-// The mass: thread t sums exp_det(s_i − max) over its values in index order in f64, then the 1024 lanes
-// meet in a halving tree — `sampling::row_candidates`' order.
-extern "C" __global__ void __launch_bounds__(CAND_THREADS, 1)
-    candidate_rows(const float* __restrict__ x, int width, float inv_t, int k, unsigned int* __restrict__ out) {
+// The candidates of each row of `x` (`width` logits) at inverse temperature `inv_t`, in four kernels so that
+// the row is read by many blocks: a record of `2k + 4` words at `out + row·(2k + 4)`: the first min(k, n)
+// scaled logits (f32 bits) in the sampler's order, their ids, n (finite logits), 0, and the mass (f64, lo word
+// first). Finite logits are scaled by one rounded product. Value i belongs to lane i mod 1024; the row's
+// work area (`CAND_WORK` u64 words at `work + row·CAND_WORK`) holds per lane its largest key and its mass,
+// the gathered keys, the selection and the blocks' finite counts.
+//  1. `cand_lanes`, grid (CAND_PARTS, rows) × 256: block b takes lanes 32b … 32b + 31, its 8 warps the
+//     values of those lanes in turn; per lane the largest key, per block the finite count.
+//  2. `cand_select`, one 1024-thread block per row: n, the maximum, and a threshold above which at least k
+//     keys lie: the k-th largest lane maximum (1: every finite logit); zeroes the gather count.
+//  3. `cand_gather`, grid (CAND_PARTS, rows) × 256, the lanes as in 1: the keys at or above the threshold
+//     (up to 1024 kept), and per lane the mass: its values' exp_det(s_i − max) are formed CAND_CHUNK at a time
+//     by the 8 warps and added by warp 0 in index order in f64 — `sampling::row_candidates`' order.
+//  4. `cand_finish`, one 1024-thread block per row: when more than 1024 keys lie above the threshold (many
+//     equal values) a radix select over the key's bytes (256-bin histogram per byte, from the top) finds
+//     the exact threshold and gathers again; the keys are sorted, the first kk written, and the 1024 lanes'
+//     masses meet in a halving tree.
+#define CAND_PARTS 32
+#define CAND_CHUNK 32
+#define CAND_WORK 3104
+#define CW_MASS 1024
+#define CW_GATH 2048
+#define CW_SEL 3072
+#define CW_CNT 3080
+
+extern "C" __global__ void __launch_bounds__(256)
+    cand_lanes(const float* __restrict__ x, int width, float inv_t, unsigned long long* __restrict__ work) {
     pdl_wait();
-    __shared__ unsigned long long buf[CAND_THREADS];
-    __shared__ double lane[CAND_THREADS];
-    __shared__ unsigned int hist[256];
-    __shared__ unsigned int s_n, s_count;
-    __shared__ unsigned long long s_thr;
-    const float* row = x + (long long)blockIdx.x * width;
-    unsigned int* rec = out + (long long)blockIdx.x * (2 * k + 4);
-    const int t = threadIdx.x;
-    if (t == 0) {
-        s_n = 0;
-        s_count = 0;
-    }
-    // Pass 1: finite count and each thread's largest key.
+    __shared__ unsigned long long smax[8][32];
+    __shared__ unsigned int scnt[8];
+    const float* row = x + (long long)blockIdx.y * width;
+    unsigned long long* w = work + (long long)blockIdx.y * CAND_WORK;
+    const int lane = blockIdx.x * 32 + (threadIdx.x & 31), s = threadIdx.x >> 5;
     unsigned int cnt = 0;
     unsigned long long mine = 0;
-    for (int i = t; i < width; i += CAND_THREADS) {
+    for (int i = lane + s * CAND_THREADS; i < width; i += 8 * CAND_THREADS) {
         const float l = row[i];
         if (isfinite(l)) {
             cnt++;
@@ -1452,34 +1483,107 @@ extern "C" __global__ void __launch_bounds__(CAND_THREADS, 1)
             mine = key > mine ? key : mine;
         }
     }
-    buf[t] = mine;
+    smax[s][threadIdx.x & 31] = mine;
+    for (int o = 16; o > 0; o >>= 1) cnt += __shfl_xor_sync(FULL, cnt, o);
+    if ((threadIdx.x & 31) == 0) scnt[s] = cnt;
     __syncthreads();
-    atomicAdd(&s_n, cnt);
-    cand_sort(buf);
-    const unsigned int n = s_n;
-    const int kk = (int)min((unsigned int)k, n);
-    const float mx = n > 0 ? cand_value(buf[0]) : 0.0f;
-    // Keys at or above the threshold are gathered (1: every finite logit).
-    unsigned long long thr = (int)n <= k || buf[k - 1] == 0 ? 1ull : buf[k - 1];
-    __syncthreads();
-    // Pass 2: gather, and the mass.
-    double acc = 0.0;
-    const bool mass = n > 0 && isfinite(mx);
-    for (int i = t; i < width; i += CAND_THREADS) {
-        const float l = row[i];
-        if (isfinite(l)) {
-            const float s = __fmul_rn(l, inv_t);
-            const unsigned long long key = cand_key(s, i);
-            if (key >= thr) {
-                const unsigned int slot = atomicAdd(&s_count, 1u);
-                if (slot < CAND_THREADS) buf[slot] = key;
-            }
-            if (mass) acc = __dadd_rn(acc, (double)exp_det(__fsub_rn(s, mx)));
+    if (s == 0) {
+        unsigned long long m = smax[0][threadIdx.x];
+        for (int q = 1; q < 8; ++q) m = smax[q][threadIdx.x] > m ? smax[q][threadIdx.x] : m;
+        w[lane] = m;
+        if (threadIdx.x == 0) {
+            unsigned int c = 0;
+            for (int q = 0; q < 8; ++q) c += scnt[q];
+            reinterpret_cast<unsigned int*>(w + CW_CNT)[blockIdx.x] = c;
         }
     }
-    lane[t] = acc;
-    __syncthreads();
-    if (s_count > CAND_THREADS) {
+}
+
+// The selection record (`w + CW_SEL`): threshold key, then (max bits | n << 32), then the gather count.
+extern "C" __global__ void __launch_bounds__(CAND_THREADS, 1)
+    cand_select(int k, unsigned long long* __restrict__ work) {
+    pdl_wait();
+    __shared__ unsigned long long buf[CAND_THREADS];
+    unsigned long long* w = work + (long long)blockIdx.x * CAND_WORK;
+    const int t = threadIdx.x;
+    buf[t] = w[t];
+    unsigned int n = 0;
+    for (int q = 0; q < CAND_PARTS; ++q) n += reinterpret_cast<const unsigned int*>(w + CW_CNT)[q];
+    cand_sort(buf);
+    if (t == 0) {
+        const float mx = n > 0 ? cand_value(buf[0]) : 0.0f;
+        w[CW_SEL] = (int)n <= k || buf[k - 1] == 0 ? 1ull : buf[k - 1];
+        w[CW_SEL + 1] = (unsigned long long)__float_as_uint(mx) | ((unsigned long long)n << 32);
+        w[CW_SEL + 2] = 0;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    cand_gather(const float* __restrict__ x, int width, float inv_t, unsigned long long* __restrict__ work) {
+    pdl_wait();
+    __shared__ double se[CAND_CHUNK][32];
+    const float* row = x + (long long)blockIdx.y * width;
+    unsigned long long* w = work + (long long)blockIdx.y * CAND_WORK;
+    const int lane = blockIdx.x * 32 + (threadIdx.x & 31), s = threadIdx.x >> 5;
+    const unsigned long long thr = w[CW_SEL], sel = w[CW_SEL + 1];
+    const float mx = __uint_as_float((unsigned int)(sel & 0xffffffffu));
+    const unsigned int n = (unsigned int)(sel >> 32);
+    const bool mass = n > 0 && isfinite(mx);
+    unsigned long long* count = w + CW_SEL + 2;
+    double acc = 0.0;
+    // Chunks of CAND_CHUNK values a lane: warp s forms values j0 + s, j0 + s + 8, … (its loads issued together),
+    // then warp 0 adds the chunk's values in index order.
+    for (int j0 = 0; j0 * CAND_THREADS < width; j0 += CAND_CHUNK) {
+        float l[CAND_CHUNK / 8];
+#pragma unroll
+        for (int q = 0; q < CAND_CHUNK / 8; ++q) {
+            const int i = lane + (j0 + s + 8 * q) * CAND_THREADS;
+            l[q] = i < width ? row[i] : NAN;
+        }
+#pragma unroll
+        for (int q = 0; q < CAND_CHUNK / 8; ++q) {
+            const int i = lane + (j0 + s + 8 * q) * CAND_THREADS;
+            double e = 0.0;
+            if (isfinite(l[q])) {
+                const float sc = __fmul_rn(l[q], inv_t);
+                const unsigned long long key = cand_key(sc, i);
+                if (key >= thr) {
+                    const unsigned long long slot = atomicAdd(count, 1ull);
+                    if (slot < CAND_THREADS) w[CW_GATH + slot] = key;
+                }
+                if (mass) e = (double)exp_det(__fsub_rn(sc, mx));
+            }
+            se[s + 8 * q][threadIdx.x & 31] = e;
+        }
+        __syncthreads();
+        if (s == 0)
+            for (int q = 0; q < CAND_CHUNK; ++q) acc = __dadd_rn(acc, se[q][threadIdx.x]);
+        __syncthreads();
+    }
+    if (s == 0) reinterpret_cast<double*>(w + CW_MASS)[lane] = acc;
+}
+
+extern "C" __global__ void __launch_bounds__(CAND_THREADS, 1)
+    cand_finish(const float* __restrict__ x, int width, float inv_t, int k, const unsigned long long* __restrict__ work,
+                unsigned int* __restrict__ out) {
+    pdl_wait();
+    __shared__ unsigned long long buf[CAND_THREADS];
+    __shared__ double lane[CAND_THREADS];
+    __shared__ unsigned int hist[256];
+    __shared__ unsigned int s_count;
+    __shared__ unsigned long long s_thr;
+    const float* row = x + (long long)blockIdx.x * width;
+    const unsigned long long* w = work + (long long)blockIdx.x * CAND_WORK;
+    unsigned int* rec = out + (long long)blockIdx.x * (2 * k + 4);
+    const int t = threadIdx.x;
+    const unsigned long long sel = w[CW_SEL + 1], gathered = w[CW_SEL + 2];
+    const unsigned int n = (unsigned int)(sel >> 32);
+    const bool mass = n > 0 && isfinite(__uint_as_float((unsigned int)(sel & 0xffffffffu)));
+    const int kk = (int)min((unsigned int)k, n);
+    lane[t] = reinterpret_cast<const double*>(w + CW_MASS)[t];
+    buf[t] = (unsigned long long)t < gathered ? w[CW_GATH + t] : 0ull;
+    unsigned int got = (unsigned int)min(gathered, (unsigned long long)CAND_THREADS);
+    if (gathered > CAND_THREADS) {
         // Too many keys above the threshold: radix select of the kk-th largest key, a byte at a time.
         unsigned long long prefix = 0;
         unsigned int need = (unsigned int)kk;
@@ -1511,8 +1615,9 @@ extern "C" __global__ void __launch_bounds__(CAND_THREADS, 1)
             __syncthreads();
             if (done || bits == 64) break;
         }
-        thr = bits == 64 ? prefix : prefix << (64 - bits);
+        const unsigned long long thr = bits == 64 ? prefix : prefix << (64 - bits);
         if (t == 0) s_count = 0;
+        buf[t] = 0;
         __syncthreads();
         for (int i = t; i < width; i += CAND_THREADS) {
             const float l = row[i];
@@ -1522,9 +1627,9 @@ extern "C" __global__ void __launch_bounds__(CAND_THREADS, 1)
             }
         }
         __syncthreads();
+        got = min(s_count, (unsigned int)CAND_THREADS);
+        if (t >= (int)got) buf[t] = 0;
     }
-    const unsigned int got = min(s_count, (unsigned int)CAND_THREADS);
-    if (t >= (int)got) buf[t] = 0;
     cand_sort(buf);
     if (t < kk) {
         const unsigned long long key = buf[t];

@@ -46,6 +46,12 @@ static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/eddy_kernels.fa
 
 /// Threads per block of the elementwise kernels.
 const THREADS: u32 = 256;
+/// Blocks per row of the argmax (`AM_PARTS` in `kernels.cu`).
+const AM_PARTS: usize = 128;
+/// Blocks per row of the candidates' row passes and u64 words of a row's work area (`CAND_PARTS`,
+/// `CAND_WORK` in `kernels.cu`).
+const CAND_PARTS: usize = 32;
+const CAND_WORK: usize = 3104;
 /// Weight rows per block of the product kernels (one warp each; `MM_ROWS` in kernels.cu).
 const MM_ROWS: usize = 4;
 /// Tokens per block of the product kernels for batches of more than one token (`TT` of the `mm_f*_t8` and
@@ -631,8 +637,12 @@ struct Kernels {
     concat_rows: Func,
     rope: Func,
     attention: Func,
-    argmax_rows: Func,
-    candidate_rows: Func,
+    argmax_part: Func,
+    argmax_finish: Func,
+    cand_lanes: Func,
+    cand_select: Func,
+    cand_gather: Func,
+    cand_finish: Func,
 }
 
 /// Device scratch of the operations (grows; host staging vectors reused).
@@ -644,6 +654,10 @@ struct Scratch {
     logits: DevVec,
     /// The token ids of [`Backend::argmax_rows`] / [`Backend::matmul_argmax`].
     ids: DevVec,
+    /// The argmax blocks' (value, index) per row (`AM_PARTS` f32 values, then as many i32 indices).
+    am_part: DevVec,
+    /// The candidates kernels' work area, `CAND_WORK` u64 words per row (`kernels.cu`, `cand_lanes`).
+    cand_work: DevVec,
     /// The records of [`Backend::candidate_rows`] (`2k + 4` words per row) and their host copy.
     cands: DevVec,
     cands_host: Vec<u32>,
@@ -824,8 +838,12 @@ impl Cuda {
             concat_rows: get("concat_rows")?,
             rope: get("rope")?,
             attention: get("attention")?,
-            argmax_rows: get("argmax_rows")?,
-            candidate_rows: get("candidate_rows")?,
+            argmax_part: get("argmax_part")?,
+            argmax_finish: get("argmax_finish")?,
+            cand_lanes: get("cand_lanes")?,
+            cand_select: get("cand_select")?,
+            cand_gather: get("cand_gather")?,
+            cand_finish: get("cand_finish")?,
         };
         let mut bus = [0 as std::ffi::c_char; 32];
         // SAFETY: `bus` holds 32 bytes, the length passed; the driver writes a NUL-terminated string.
@@ -1054,7 +1072,9 @@ impl Cuda {
         }
         let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let ids = self.ensure(&mut s.ids, 4 * n, false);
-        self.launch(self.k.argmax_rows, (n, 1), THREADS, Args::new().p(src).i(width).p(ids));
+        let part = self.ensure(&mut s.am_part, 8 * AM_PARTS * n, false);
+        self.launch(self.k.argmax_part, (AM_PARTS, n), THREADS, Args::new().p(src).i(width).p(part));
+        self.launch(self.k.argmax_finish, (n, 1), AM_PARTS as u32, Args::new().p(part).p(ids));
         self.dtoh(out, ids);
     }
 
@@ -1598,7 +1618,13 @@ impl Backend for Cuda {
         let stride = 2 * k + 4;
         let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let dev = self.ensure(&mut s.cands, 4 * n * stride, false);
-        self.launch(self.k.candidate_rows, (n, 1), 1024, Args::new().p(x.ptr()).i(width).f(inv_t).i(k).p(dev));
+        let work = self.ensure(&mut s.cand_work, 8 * CAND_WORK * n, false);
+        let lanes = Args::new().p(x.ptr()).i(width).f(inv_t).p(work);
+        self.launch(self.k.cand_lanes, (CAND_PARTS, n), THREADS, lanes);
+        self.launch(self.k.cand_select, (n, 1), 1024, Args::new().i(k).p(work));
+        self.launch(self.k.cand_gather, (CAND_PARTS, n), THREADS, Args::new().p(x.ptr()).i(width).f(inv_t).p(work));
+        let fin = Args::new().p(x.ptr()).i(width).f(inv_t).i(k).p(work).p(dev);
+        self.launch(self.k.cand_finish, (n, 1), 1024, fin);
         let mut host = std::mem::take(&mut s.cands_host);
         host.resize(n * stride, 0);
         self.dtoh(&mut host, dev);
