@@ -294,6 +294,11 @@ struct QuantizeArgs {
     /// Quantize the weights as they are, without the block Hadamard rotation.
     #[arg(long)]
     no_rotation: bool,
+    /// Leave these matrices unrotated (comma-separated; q_proj, k_proj and v_proj together, gate_proj and
+    /// up_proj together, as they read one input), e.g. `gate_proj,up_proj`: on Qwen2.5-Coder-1.5B at m g128
+    /// the rotation lowers the KL of the attention and down products but raises that of gate/up.
+    #[arg(long, value_name = "NAMES")]
+    no_rotation_for: Option<String>,
     /// Seed of the rotation's random signs.
     #[arg(long, default_value_t = 14)]
     seed: u64,
@@ -967,8 +972,24 @@ fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
     if a.calib.is_some() && !gptq_format(format) && !gptq_format(head_format) && !rules.iter().any(|r| gptq_format(r.format)) {
         return Err(bad("--calib", "GPTQ rounds m and k matrices only, and this run writes none (l and k6 are rounded to nearest)"));
     }
-    let opts =
-        QuantizeOptions { format, group: a.group, head_format, head_group, embed_group, rotate: !a.no_rotation, seed: a.seed, rules };
+    let unrotated = match &a.no_rotation_for {
+        Some(text) => eddy::models::quantize::TensorKind::parse_unrotated(text)?,
+        None => Vec::new(),
+    };
+    if a.no_rotation && !unrotated.is_empty() {
+        return Err(bad("--no-rotation-for", "has no effect with --no-rotation (nothing is rotated)"));
+    }
+    let opts = QuantizeOptions {
+        format,
+        group: a.group,
+        head_format,
+        head_group,
+        embed_group,
+        rotate: !a.no_rotation,
+        unrotated,
+        seed: a.seed,
+        rules,
+    };
     let calib = match &calib_text {
         Some(text) => {
             let mut tokens = lm.tokenizer.encode(text, true)?;

@@ -300,6 +300,38 @@ fn quantize_bad_inputs_and_a_good_run() {
         assert_eq!(mode & 0o044, 0o044, "the weights must be readable by others like the folder's other files: {mode:o}");
     }
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "-o", o], "already exists");
+    // --no-rotation-for: whole input sites only; with it the named matrices carry no signs, the rest do.
+    let none = dir.join("none");
+    let n_o = none.to_str().unwrap();
+    fails(
+        &["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--no-rotation-for", "gate_proj", "-o", n_o],
+        "share its rotation",
+    );
+    fails(
+        &["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--no-rotation-for", "lm_head", "-o", n_o],
+        "--no-rotation-for",
+    );
+    let sel = dir.join("sel");
+    let ok = eddy(&[
+        "quantize",
+        "--model",
+        fixture.to_str().unwrap(),
+        "--format",
+        "m",
+        "--group",
+        "32",
+        "--no-rotation-for",
+        "gate_proj,up_proj",
+        "-o",
+        sel.to_str().unwrap(),
+    ]);
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    let st = std::fs::read(sel.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(st[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&st[8..8 + n]).unwrap();
+    let keys: Vec<&String> = header.as_object().unwrap().keys().collect();
+    let signed = |m: &str| keys.iter().any(|k| k.contains(m) && k.ends_with(".input_signs"));
+    assert!(!signed("gate_proj") && !signed("up_proj") && signed("q_proj") && signed("down_proj"), "{keys:?}");
     // An eddy folder (already quantized) as the source: refused before any work, nothing written.
     let again = dir.join("again");
     fails(&["quantize", "--model", o, "--format", "m", "-o", again.to_str().unwrap()], "already quantized");

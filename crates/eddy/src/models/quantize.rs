@@ -58,6 +58,37 @@ pub enum TensorKind {
 }
 
 impl TensorKind {
+    /// Parse the comma-separated matrix names whose rotation is left out (`--no-rotation-for`): any of
+    /// `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`. Matrices that read the
+    /// same input share its rotation (the activations are quantized once for them), so q/k/v go together
+    /// and gate/up go together.
+    ///
+    /// Errors: an unknown name, embed_tokens/lm_head (their input signs are shared with the embedding),
+    /// or a partial q/k/v or gate/up set, as `Error::Input`.
+    pub fn parse_unrotated(text: &str) -> Result<Vec<TensorKind>> {
+        let mut out = Vec::new();
+        for name in text.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            let kind = TensorKind::NAMES.iter().find(|(n, _)| *n == name).map(|&(_, k)| k);
+            match kind {
+                Some(TensorKind::Embed | TensorKind::Head) | None => {
+                    return Err(Error::Input(format!(
+                        "--no-rotation-for: '{name}' (expected q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj or down_proj)"
+                    )))
+                }
+                Some(k) => out.push(k),
+            }
+        }
+        for set in [&[TensorKind::Q, TensorKind::K, TensorKind::V][..], &[TensorKind::Gate, TensorKind::Up]] {
+            let n = set.iter().filter(|k| out.contains(k)).count();
+            if n != 0 && n != set.len() {
+                return Err(Error::Input(
+                    "--no-rotation-for: q_proj, k_proj and v_proj read one input and share its rotation (name all three or none); so do gate_proj and up_proj".into(),
+                ));
+            }
+        }
+        Ok(out)
+    }
+
     const NAMES: [(&'static str, TensorKind); 9] = [
         ("embed_tokens", TensorKind::Embed),
         ("lm_head", TensorKind::Head),
@@ -159,6 +190,8 @@ pub struct QuantizeOptions {
     pub embed_group: usize,
     /// Apply the block Hadamard rotation (both sides; input side only for the embedding / LM head).
     pub rotate: bool,
+    /// Matrices left unrotated when `rotate` is set ([`TensorKind::parse_unrotated`]: whole input sites).
+    pub unrotated: Vec<TensorKind>,
     /// Seed of the random signs.
     pub seed: u64,
     /// Per-tensor formats overriding the above (the last matching rule wins).
@@ -166,6 +199,11 @@ pub struct QuantizeOptions {
 }
 
 impl QuantizeOptions {
+    /// Whether matrices of `kind` are rotated (`None`: a matrix no rule names, rotated with the rest).
+    fn rotates(&self, kind: Option<TensorKind>) -> bool {
+        self.rotate && !kind.is_some_and(|k| self.unrotated.contains(&k))
+    }
+
     /// `format` at `group` for every matrix but the LM head (L at `group`), rotated, seed 14.
     pub fn new(format: Format, group: usize) -> Self {
         QuantizeOptions {
@@ -175,6 +213,7 @@ impl QuantizeOptions {
             head_group: group,
             embed_group: group,
             rotate: true,
+            unrotated: Vec::new(),
             seed: 14,
             rules: Vec::new(),
         }
@@ -187,17 +226,17 @@ const HEAD: u64 = u64::MAX;
 /// Input sites of the matrices of `model` that read activations, one matrix per site (the others of the
 /// site read the same rows): `(matrix address, site, input width)`; the site numbering of
 /// [`quantize_model`]. The address is only compared, never dereferenced.
-fn tapped_sites(model: &Model) -> Vec<(usize, u64, usize)> {
-    let at = |w: &WeightMatrix, site: u64| (w as *const WeightMatrix as usize, site, w.cols());
-    let mut v = vec![at(model.lm_head(), HEAD)];
+fn tapped_sites(model: &Model) -> Vec<(usize, u64, usize, Option<TensorKind>)> {
+    let at = |w: &WeightMatrix, site: u64, kind| (w as *const WeightMatrix as usize, site, w.cols(), kind);
+    let mut v = vec![at(model.lm_head(), HEAD, Some(TensorKind::Head))];
     for (l, layer) in model.layers.iter().enumerate() {
         let l = l as u64;
         if let Mixer::Attention(a) = &layer.mixer {
-            v.push(at(&a.wq, 4 * l));
-            v.push(at(&a.wo, 4 * l + 1));
+            v.push(at(&a.wq, 4 * l, Some(TensorKind::Q)));
+            v.push(at(&a.wo, 4 * l + 1, Some(TensorKind::O)));
         }
-        v.push(at(&layer.w_gate, 4 * l + 2));
-        v.push(at(&layer.w_down, 4 * l + 3));
+        v.push(at(&layer.w_gate, 4 * l + 2, Some(TensorKind::Gate)));
+        v.push(at(&layer.w_down, 4 * l + 3, Some(TensorKind::Down)));
     }
     v
 }
@@ -230,9 +269,11 @@ pub fn calibrate(model: &Model, opts: &QuantizeOptions, tokens: &[u32], window: 
         return Err(Error::Input("eddy quantize: the calibration text has no tokens".into()));
     }
     // Input width of every site, and the signs its quantized matrices will carry.
-    let widths: std::collections::HashMap<u64, usize> = tapped_sites(model).into_iter().map(|(_, site, cols)| (site, cols)).collect();
-    let sites: std::collections::HashMap<usize, (u64, Option<Arc<Signs>>)> =
-        tapped_sites(model).into_iter().map(|(a, site, cols)| (a, (site, opts.rotate.then(|| site_signs(opts, site, cols))))).collect();
+    let widths: std::collections::HashMap<u64, usize> = tapped_sites(model).into_iter().map(|(_, site, cols, _)| (site, cols)).collect();
+    let sites: std::collections::HashMap<usize, (u64, Option<Arc<Signs>>)> = tapped_sites(model)
+        .into_iter()
+        .map(|(a, site, cols, kind)| (a, (site, opts.rotates(kind).then(|| site_signs(opts, site, cols)))))
+        .collect();
     let acc: Arc<Mutex<std::collections::HashMap<u64, Hessian>>> =
         Arc::new(Mutex::new(widths.iter().map(|(&site, &cols)| (site, Hessian::new(cols))).collect()));
     let acc_tap = Arc::clone(&acc);
@@ -372,7 +413,7 @@ pub fn quantize_model(
         let group = [want, 64, 32].into_iter().find(|&g| g <= want && cols.is_multiple_of(g));
         let new = match group {
             Some(group) => {
-                let rotation = if opts.rotate {
+                let rotation = if opts.rotates(job.kind.map(|(k, _)| k)) {
                     Rotation {
                         input: Some(site_signs(opts, job.site, cols)),
                         output: job.output.then(|| site_signs(opts, (1u64 << 40) + i as u64, rows)),
@@ -882,6 +923,10 @@ fn write_into(src: &Source, model: &Model, opts: &QuantizeOptions, tmp: &Path) -
         "group_size": if matches!(opts.format, Format::K | Format::K6) { rtn::K_GROUP } else { opts.group }, "rotation": opts.rotate, "seed": opts.seed,
         "layout": "docs/quant-formats.md of eddy"
     });
+    if opts.rotate && !opts.unrotated.is_empty() {
+        let names: Vec<&str> = TensorKind::NAMES.iter().filter(|(_, k)| opts.unrotated.contains(k)).map(|(n, _)| *n).collect();
+        cfg["quantization_config"]["unrotated"] = serde_json::json!(names);
+    }
     let out_cfg = tmp.join(CONFIG_FILE);
     std::fs::write(&out_cfg, serde_json::to_string_pretty(&cfg).unwrap_or_default()).map_err(io(&out_cfg))?;
     let mut tensors = Vec::new();
