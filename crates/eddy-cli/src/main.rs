@@ -219,6 +219,9 @@ fn spec_options(a: &SpecArgs) -> eddy::Result<(Option<SpeculatorKind>, Budget)> 
     if kind == Some(SpeculatorKind::Draft) && a.draft_model.is_none() {
         return Err(bad("--speculator", "draft needs --draft-model PATH"));
     }
+    if kind == Some(SpeculatorKind::None) && matches!(budget, Budget::Fixed(_)) {
+        return Err(bad("--spec-budget", "has no effect with --speculator none"));
+    }
     if a.draft_model.is_some() && kind.is_some_and(|k| !k.uses_drafter()) {
         return Err(bad("--draft-model", "is only used with --speculator draft, dflash, dflash-chain or auto"));
     }
@@ -743,8 +746,9 @@ fn print_stats(s: &GenerationStats, energy_err: Option<&String>, total_j: Option
             "time_to_first_token_s": s.ttft.as_secs_f64(),
             "speculation_calibration_s": s.calibration_time.as_secs_f64(),
             "prefill_speed_tps": s.prefill_speed(),
-            "generation_speed_tps": s.generation_speed(),
-            "tokens_per_forward_pass": s.tokens_per_pass(),
+            // No decode pass (one token or none): no decode speed to report.
+            "generation_speed_tps": (s.decode_passes > 0).then(|| s.generation_speed()),
+            "tokens_per_forward_pass": (s.decode_passes > 0).then(|| s.tokens_per_pass()),
             "memory_used_gb": mem_gb,
             "total_energy_j": e_total,
             "input_energy_per_token_j": e_in,
@@ -774,8 +778,13 @@ fn print_stats(s: &GenerationStats, energy_err: Option<&String>, total_j: Option
     };
     let _ = writeln!(err, "time to first token: {:.2} s{calib}", s.ttft.as_secs_f64());
     let _ = writeln!(err, "prefill speed: {:.2} t/s", s.prefill_speed());
-    let _ = writeln!(err, "generation speed: {:.2} t/s", s.generation_speed());
-    let _ = writeln!(err, "tokens per forward pass: {:.2} t/f", s.tokens_per_pass());
+    if s.decode_passes > 0 {
+        let _ = writeln!(err, "generation speed: {:.2} t/s", s.generation_speed());
+        let _ = writeln!(err, "tokens per forward pass: {:.2} t/f", s.tokens_per_pass());
+    } else {
+        let _ = writeln!(err, "generation speed: {}", na("one token: no decode pass"));
+        let _ = writeln!(err, "tokens per forward pass: {}", na("one token: no decode pass"));
+    }
     let _ = writeln!(err, "memory used: {}", mem_gb.map(|g| format!("{g:.2} GB")).unwrap_or_else(|| na("no /proc/self/status")));
     let src = sources.map(|s| format!(" ({s})")).unwrap_or_default();
     let _ = writeln!(err, "total energy: {}", e_total.map(|j| format!("{j:.2} J{src}")).unwrap_or_else(|| na(why)));

@@ -104,6 +104,7 @@ fn bad_option_values_are_named_before_the_model_loads() {
     );
     expect_error(&run_args(&["--speculator", "none", "--draft-model", "x"]), "--draft-model: is only used with --speculator draft, dflash");
     expect_error(&run_args(&["--speculator", "draft"]), "--speculator: draft needs --draft-model PATH");
+    expect_error(&run_args(&["--speculator", "none", "--spec-budget", "8"]), "--spec-budget: has no effect with --speculator none");
     expect_error(&["run", "--model", NO_MODEL, "-m", ""], "--message: the message is empty");
     expect_error(&["run", "--model", NO_MODEL, "-m", "  \n"], "--message: the message is empty");
     expect_error_stdin(&["run", "--model", NO_MODEL, "-m", "-"], Some(b""), "stdin: the message is empty");
@@ -213,9 +214,14 @@ fn panel_json_and_seeds() {
     for (l, p) in lines.iter().zip(PANEL) {
         assert!(l.starts_with(p), "expected '{p}…', got '{l}'");
     }
-    // -n 1: one token, still the full panel.
+    // -n 1: one token, still the full panel, with no decode speed to report.
     let out = run_smol(&smol, &["-n", "1", "--temperature", "0", "-m", "hi"]);
-    assert_eq!(String::from_utf8(out.stderr).unwrap().lines().count(), 9);
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(err.lines().count(), 9);
+    assert!(err.contains("generation speed: n/a (one token: no decode pass)"), "{err}");
+    let out = run_smol(&smol, &["-n", "1", "--json", "-m", "hi"]);
+    let v: serde_json::Value = serde_json::from_str(&String::from_utf8(out.stderr).unwrap()).unwrap();
+    assert!(v["generation_speed_tps"].is_null() && v["tokens_per_forward_pass"].is_null(), "{v}");
     // --json: one JSON object on stderr.
     let out = run_smol(&smol, &["-n", "2", "--json", "-m", "hi"]);
     let err = String::from_utf8(out.stderr).unwrap();

@@ -119,6 +119,8 @@ struct AppState {
     ctx: usize,
     /// Token ids a prompt may hold: below the vocabulary of both the tokenizer and the model.
     vocab: usize,
+    /// Bytes of text that surely hold more tokens than the context ([`surely_too_long`]).
+    max_prompt_bytes: usize,
     jobs: std::sync::mpsc::Sender<Job>,
     queue: Arc<Queue>,
     max_body_bytes: usize,
@@ -204,6 +206,7 @@ pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router>
         template: engine.lm.template.take(),
         ctx: engine.ctx(),
         vocab: engine.lm.tokenizer.vocab_size().min(engine.lm.model.config.vocab_size),
+        max_prompt_bytes: max_prompt_bytes(&engine.lm.tokenizer, engine.ctx()),
         jobs: tx,
         queue: queue.clone(),
         max_body_bytes: opts.max_body_bytes,
@@ -288,6 +291,28 @@ fn is_origin(o: &str) -> bool {
         && !auth.as_str().contains('@')
         && uri.path_and_query().is_none_or(|pq| pq.as_str().is_empty() || pq.as_str() == "/")
         && !o.contains('#')
+}
+
+/// A text longer than this many bytes cannot fit in `ctx` tokens: no token's spelling is longer than the
+/// longest vocabulary entry (in its stored form, which is never shorter than the text it stands for: byte-level
+/// BPE and SentencePiece entries spell each byte with one to six bytes), with a factor of 4 for normalizers
+/// that shorten text. Lets a prompt of megabytes be refused before tokenizing it (seconds of work and
+/// gigabytes of peak memory for an answer known in advance).
+fn max_prompt_bytes(tok: &Tokenizer, ctx: usize) -> usize {
+    let longest = (0..tok.vocab_size() as u32).filter_map(|i| tok.token_str(i)).map(|s| s.len()).max().unwrap_or(1).max(1);
+    ctx.saturating_mul(longest).saturating_mul(4)
+}
+
+/// The 400 for a prompt whose text (`bytes` long) is longer than [`AppState::max_prompt_bytes`], worded as the
+/// counted case (OpenAI's `context_length_exceeded`).
+fn surely_too_long(st: &AppState, what: &str, bytes: usize) -> Option<ApiError> {
+    (bytes > st.max_prompt_bytes).then(|| {
+        ApiError::invalid(
+            Some(what),
+            format!("This model's maximum context length is {} tokens. However, the {what} text is {bytes} bytes long, more than that many tokens can hold. Please reduce the length of the {what}.", st.ctx),
+        )
+        .with_status(StatusCode::BAD_REQUEST, "invalid_request_error", Some("context_length_exceeded"))
+    })
 }
 
 /// Counts every answered request by endpoint and status.
@@ -445,11 +470,19 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
             if let Some(tools) = kwargs.get("tools") {
                 api::string_leaves(tools, &mut untrusted);
             }
+            if let Some(e) = surely_too_long(st, "messages", text.len()) {
+                return Err(e);
+            }
             encode_chat_guarded(&st.tokenizer, &text, &untrusted).map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
         }
         Kind::Text => match api::parse_prompt(&o, st.vocab)? {
             api::Prompt::Tokens(ids) => ids,
-            api::Prompt::Text(text) => st.tokenizer.encode(&text, true).map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?,
+            api::Prompt::Text(text) => {
+                if let Some(e) = surely_too_long(st, "prompt", text.len()) {
+                    return Err(e);
+                }
+                st.tokenizer.encode(&text, true).map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?
+            }
         },
     };
     let what = if kind == Kind::Chat { "messages" } else { "prompt" };

@@ -411,6 +411,15 @@ fn errors() {
     let v = assert_error(&post(addr, c, chat_body(&long, json!({"max_tokens": 4}))), 400, "messages");
     assert_eq!(v["error"]["param"], "messages");
     assert_eq!(v["error"]["code"], "context_length_exceeded");
+    // Megabytes of text: refused from its length, before tokenizing (same error, both endpoints).
+    let huge = "x".repeat(8 << 20);
+    for (path, body, param) in [
+        ("/v1/completions", json!({"prompt": huge, "max_tokens": 1}), "prompt"),
+        (c, chat_body(&huge, json!({"max_tokens": 1})), "messages"),
+    ] {
+        let v = assert_error(&post(addr, path, body), 400, "bytes long");
+        assert_eq!((v["error"]["param"].as_str(), v["error"]["code"].as_str()), (Some(param), Some("context_length_exceeded")), "{v}");
+    }
     let r = request(addr, "GET", "/v1/nope", "");
     assert_error(&r, 404, "/v1/nope");
     // Unknown fields are ignored; content as text parts; developer role accepted.
