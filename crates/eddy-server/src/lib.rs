@@ -315,10 +315,26 @@ fn surely_too_long(st: &AppState, what: &str, bytes: usize) -> Option<ApiError> 
     })
 }
 
-/// Counts every answered request by endpoint and status.
+/// Status code counted for a request whose client left before its answer was ready (nginx's "client
+/// closed request"; no response is sent).
+const CLIENT_CLOSED: u16 = 499;
+
+/// Counts every request by endpoint and status: answered ones with their status, those whose client
+/// disconnected before the answer (axum then drops the handler) as [`CLIENT_CLOSED`].
 async fn count_requests(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    /// Counts the request as [`CLIENT_CLOSED`] if dropped before the answer.
+    struct Unanswered<'a>(&'a metrics::Metrics, &'static str, bool);
+    impl Drop for Unanswered<'_> {
+        fn drop(&mut self) {
+            if !self.2 {
+                self.0.request(self.1, CLIENT_CLOSED);
+            }
+        }
+    }
     let endpoint = metrics::endpoint_label(req.uri().path());
+    let mut guard = Unanswered(&st.metrics, endpoint, false);
     let resp = next.run(req).await;
+    guard.2 = true;
     st.metrics.request(endpoint, resp.status().as_u16());
     resp
 }

@@ -1307,6 +1307,9 @@ fn queued_client_that_leaves_frees_its_place() {
     }
     let m = request(addr, "GET", "/metrics", "").body;
     assert_eq!(metric(&m, "eddy_requests_running"), 1.0);
+    // The client that left unanswered is counted as 499 (client closed request), the refused one as 503.
+    assert_eq!(metric(&m, "eddy_requests_total{endpoint=\"/v1/completions\",status=\"499\"}"), 1.0, "{m}");
+    assert!(metric(&m, "eddy_requests_total{endpoint=\"/v1/completions\",status=\"503\"}") >= 1.0, "{m}");
 }
 
 /// Fields that change the meaning of a request and that eddy does not implement are refused (null is

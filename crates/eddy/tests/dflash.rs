@@ -223,6 +223,9 @@ fn bad_drafters_get_clear_errors() {
     assert!(e.contains("attention bias"), "{e}");
     let e = load_err(&variant("block", |c| c["block_size"] = 1.into(), &[]));
     assert!(e.contains("block_size"), "{e}");
+    // A huge block would size buffers from it: refused when the config is read.
+    let e = load_err(&variant("block-huge", |c| c["block_size"] = 1_000_000_000u64.into(), &[]));
+    assert!(e.contains("block_size 1000000000 must be between 2 and 64"), "{e}");
     // Default target layers come from num_target_layers when the config names none.
     let dir = variant("default-layers", |c| c["dflash_config"] = serde_json::json!({"mask_token_id": 255}), &[]);
     let dd = DFlashDrafter::load(&dir, Quant::Q8).unwrap();

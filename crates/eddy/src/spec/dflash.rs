@@ -53,6 +53,10 @@ pub const ARCHITECTURE: &str = "DFlashDraftModel";
 pub const DRAFT_VOCAB_FILE: &str = "draft_vocab.json";
 /// Candidates kept per depth from the marginals.
 pub const TOP_K: usize = 8;
+/// Largest `block_size` a drafter may declare: its block is drafted in one pass and verified as a tree of
+/// at most [`super::MAX_AUTO_NODES`] nodes (published DFlash drafters use 16); a larger value is refused
+/// when the config is read, before any buffer is sized from it.
+pub const MAX_BLOCK_SIZE: usize = super::MAX_AUTO_NODES;
 
 /// Whether `path` is a folder holding a DFlash drafter (`config.json` whose `architectures` names
 /// [`ARCHITECTURE`]).
@@ -215,8 +219,8 @@ impl DFlashConfig {
         if c.n_layers == 0 || c.target_layer_ids.is_empty() {
             return Err(bad("a DFlash drafter needs at least one layer and one target layer".into()));
         }
-        if c.block_size < 2 {
-            return Err(bad(format!("block_size {} must be at least 2", c.block_size)));
+        if !(2..=MAX_BLOCK_SIZE).contains(&c.block_size) {
+            return Err(bad(format!("block_size {} must be between 2 and {MAX_BLOCK_SIZE}", c.block_size)));
         }
         if c.n_heads == 0 || c.n_kv_heads == 0 || !c.n_heads.is_multiple_of(c.n_kv_heads) || !c.head_dim.is_multiple_of(2) {
             return Err(bad(format!(
