@@ -67,7 +67,17 @@ pub fn parse_object(body: &[u8]) -> R<Map<String, Value>> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(m)) => Ok(m),
         Ok(_) => Err(ApiError::invalid(None, "the request body must be a JSON object")),
-        Err(e) => Err(ApiError::invalid(None, format!("invalid JSON in the request body: {e}"))),
+        Err(e) => {
+            // serde_json's words for a lone UTF-16 surrogate escape (`"\ud83d"` alone, which Python's json.dumps
+            // writes for a string cut inside a character) do not say what is wrong with the text.
+            let m = e.to_string();
+            let hint = if m.contains("hex escape") || m.contains("surrogate") || m.contains("unicode code point") {
+                " (a \\u escape must spell Unicode text: surrogates U+D800–U+DFFF only as high-low pairs)"
+            } else {
+                ""
+            };
+            Err(ApiError::invalid(None, format!("invalid JSON in the request body: {m}{hint}")))
+        }
     }
 }
 

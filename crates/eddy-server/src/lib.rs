@@ -529,7 +529,7 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
                 .get_or_init(|| grammar::Grammars::new(&st.tokenizer, st.n_logits))
                 .as_ref()
                 .map_err(|e| ApiError::invalid(Some(param), format!("structured output is not available for this model: {e}")))?;
-            let c = gs.lark(g).map_err(|e| ApiError::invalid(Some(param), format!("invalid {param}: {e}")))?;
+            let c = gs.lark(g).map_err(|e| ApiError::invalid(Some(param), grammar_error(param, &e)))?;
             Some(Box::new(c) as Box<dyn eddy::sampling::LogitMask>)
         }
     };
@@ -538,15 +538,33 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
     Ok(Prepared { common, prompt, thinking, max_tokens, calls, mask })
 }
 
-/// The Lark grammar of JSON matching `schema`, written compactly (`, ` and `: ` separators, as Python's
-/// `json.dumps`), so a small model cannot wander off into whitespace.
+/// The Lark grammar of JSON matching `schema`, with [`tools::grammar_options`] where the schema's own
+/// `x-guidance` leaves them out.
 fn schema_grammar(schema: &Value) -> Result<String, ApiError> {
     let mut s = schema.clone();
     if let Some(o) = s.as_object_mut() {
-        o.entry("x-guidance").or_insert(json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}));
+        // The schema's own `x-guidance` options (llguidance's) are kept; eddy's defaults fill in the ones
+        // it leaves out.
+        let g = o.entry("x-guidance").or_insert(json!({}));
+        if let (Some(g), Value::Object(d)) = (g.as_object_mut(), tools::grammar_options()) {
+            for (k, v) in d {
+                g.entry(k).or_insert(v);
+            }
+        }
     }
     let text = serde_json::to_string(&s).map_err(|e| ApiError::invalid(Some("response_format"), e.to_string()))?;
     Ok(format!("start: body\nbody: %json {text}\n"))
+}
+
+/// The 400 message for a grammar of `param` that the compiler refused (`e`); for a `response_format`
+/// schema, with how to set the llguidance option the message names, where it names one.
+fn grammar_error(param: &str, e: &str) -> String {
+    let hint = if param == "response_format" && e.contains("lenient") {
+        " (to let unsupported keywords through unchecked, add \"x-guidance\": {\"lenient\": true} at the top level of the schema)"
+    } else {
+        ""
+    };
+    format!("invalid {param}: {e}{hint}")
 }
 
 /// A chat request with tools: how to read the calls back.

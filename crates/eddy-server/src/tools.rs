@@ -102,7 +102,7 @@ impl Family {
         };
         let parallel = tools.parallel && !matches!(tools.choice, ToolChoice::Named(_));
         let args_key = if self == Family::Llama3 { "parameters" } else { "arguments" };
-        let compact = json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
+        let compact = grammar_options();
         let one: Vec<Value> = allowed
             .iter()
             .map(|t| {
@@ -698,6 +698,14 @@ fn partial_suffix(s: &str, marker: &str) -> usize {
         .rev()
         .find(|&n| s.is_char_boundary(s.len() - n) && marker.starts_with(&s[s.len() - n..]))
         .unwrap_or(0)
+}
+
+/// llguidance options (`x-guidance`) of every JSON grammar eddy builds: JSON written compactly (`, ` and
+/// `: ` separators, as Python's `json.dumps`) so that a small model cannot wander off into whitespace, and
+/// `oneOf` accepted as `anyOf` (as llama.cpp's JSON-schema converter does: a value matching more than one
+/// branch is let through; tool schemas in the wild use `oneOf` where branches rarely overlap).
+pub fn grammar_options() -> Value {
+    json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": ", "coerce_one_of": true})
 }
 
 #[cfg(test)]

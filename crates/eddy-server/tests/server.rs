@@ -383,6 +383,9 @@ fn errors() {
     let addr = server_or_skip!();
     let c = "/v1/chat/completions";
     assert_error(&request(addr, "POST", c, "{\"messages\": ["), 400, "invalid JSON");
+    // A lone surrogate escape (a string cut inside a character): a 400 saying what is wrong.
+    let lone = r#"{"messages": [{"role": "user", "content": "hi \ud83d"}]}"#;
+    assert_error(&request(addr, "POST", c, lone), 400, "surrogates U+D800–U+DFFF only as high-low pairs");
     let v = assert_error(&post(addr, c, chat_body("hi", json!({"temperature": "hot"}))), 400, "temperature");
     assert_eq!(v["error"]["type"], "invalid_request_error");
     assert_eq!(v["error"]["param"], "temperature");
@@ -1571,6 +1574,25 @@ fn structured_outputs_follow_the_schema() {
         let v = assert_error(&r, 400, "");
         assert_eq!(v["error"]["param"], "response_format", "{v}");
     }
+    // oneOf is accepted as anyOf (as llama.cpp's converter does); the schema's own x-guidance options are
+    // kept (here strict: the oneOf is refused, with the option named), eddy's compact separators fill in.
+    // (Overlapping branches: llguidance takes a oneOf it can prove disjoint without the option.)
+    let one_of = json!({"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 3}]});
+    let rf = json!({"type": "json_schema", "json_schema": {"name": "o", "schema": one_of}});
+    let v = post(addr, c, chat_body("Pick a number.", json!({"max_tokens": 12, "response_format": rf}))).json();
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    let o: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {v}"));
+    assert!(o.is_number(), "{o}");
+    let mut strict = one_of.clone();
+    strict["x-guidance"] = json!({"coerce_one_of": false});
+    let rf = json!({"type": "json_schema", "json_schema": {"name": "o", "schema": strict}});
+    assert_error(&post(addr, c, chat_body("hi", json!({"response_format": rf}))), 400, "oneOf");
+    let spaced = json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                        "additionalProperties": false, "x-guidance": {"lenient": true}});
+    let rf = json!({"type": "json_schema", "json_schema": {"name": "s", "schema": spaced}});
+    let v = post(addr, c, chat_body("Give a.", json!({"max_tokens": 20, "response_format": rf}))).json();
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(text.starts_with("{\"a\": "), "compact separators kept with the schema's own options: {text}");
     // A schema that admits nothing but a fixed value: the reply is that value, and ends cleanly.
     let v = post(
         addr,
