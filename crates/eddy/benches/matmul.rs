@@ -243,7 +243,8 @@ fn small_cold(c: &mut Criterion) {
 
 /// The k-quant formats on the prepacked layout (the layout models run on): `q4k` (Q4_K, eddy's `k`) and
 /// `q6k` (Q6_K, eddy's `k6`), 8960×1536 rotating through ≥ 384 MB of copies, 1 and 2 threads. `n1`: decode,
-/// throughput = weight bytes per call; `n128`: prefill, throughput in GOP/s as in `gemm_*`.
+/// throughput = weight bytes per call; `n128`: prefill, throughput in GOP/s as in `gemm_*`; `n4`..`n64`
+/// (tree verification sizes, AMX from n = 2): `t1_cpu` only.
 fn packed_k(c: &mut Criterion) {
     let mut rng = Rng(13);
     let pools = [ThreadPool::new(1), ThreadPool::new(2)];
@@ -252,7 +253,7 @@ fn packed_k(c: &mut Criterion) {
     for (name, make) in K {
         let ws = dram_copies(make, rows, cols, &mut rng);
         let mut g = c.benchmark_group(format!("packed_{name}"));
-        for n in [1usize, 128] {
+        for n in [1usize, 4, 8, 16, 64, 128] {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.f() * 2.0 - 1.0).collect();
             let mut xq = QuantizedActivations::new();
             quantize_activations(&pools[0], &x, n, cols, &mut xq);
@@ -263,7 +264,7 @@ fn packed_k(c: &mut Criterion) {
                 g.sample_size(10);
                 g.throughput(Throughput::Elements((2 * rows * cols * n) as u64));
             }
-            for pool in &pools {
+            for pool in pools.iter().filter(|_| n == 1 || n == 128) {
                 let mut i = 0;
                 g.bench_function(format!("{rows}x{cols}_n{n}/t{}", pool.n_threads()), |b| {
                     b.iter(|| {

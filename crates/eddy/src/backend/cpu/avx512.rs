@@ -30,6 +30,15 @@
 //!   out once per product ([`fill_xtiles`]) so that every field a tile reads (codes, scales, the offset
 //!   terms `−2^(bits−1)·Σq_x` or `dsum`) sits at a constant offset from one pointer per code block. Measured faster than both kernels above at every `n` on Zen 4 (also `n = 1`:
 //!   no horizontal reductions), so it is used whenever present.
+//! * Packed on AMX (`tdpbsud`; where the CPU and OS allow it, `EDDY_AMX=0` off, from n = 16 for groups of
+//!   32 or more: [`amx_pays`]): the same tiles with `D_g` from tile dot products. `A` = the tile's tokens'
+//!   codes straight from the activation record (row = token, 32 bytes, or 16 per half block for groups
+//!   of 16), `B` = the block's 8 unpacked quad lines (the packed lines themselves for bits 8), which are
+//!   exactly the VNNI `B` layout with lane = row, so row `t` of the i32 `C` tile is the vector over the
+//!   16 rows that the epilogue consumes for token `t`. `C` is stored, the implicit-offset term added as
+//!   an integer (exact), and the float epilogue is the same code, so outputs are bit-identical to the
+//!   `vpdpbusd` path. Token tiles of 16 ([`AMX_TOKENS`]); blocks unpacked once per row block (by the
+//!   first token tile, one chunk ahead of the tile loads) into a per-thread buffer.
 //!
 //! Weight groups of 64 or 128 values (eddy's M/L formats, F16 scales) run on the packed kernel only: the
 //! order above with `g` counting units of 32 values (one activation scale each), each unit using the
@@ -59,15 +68,56 @@ pub(crate) unsafe fn rows(_: &super::Ctx, _: usize, _: std::ops::Range<usize>) {
 #[derive(Clone, Copy)]
 pub(crate) struct XLine(#[allow(dead_code)] [u8; 64]);
 
-/// Most tokens per packed tile of a `bits`-bit matrix (each unpacked block is dotted with all of them):
-/// 16 for bits 5/6, whose bit-plane unpacking costs as much as the 4-bit codes' whole epilogue (measured
-/// on Sapphire Rapids, 8960×1536 Q6_K at n = 128: 1.13× over 8), else 8 (16 measured 0.92× for Q4_K).
-const fn packed_tokens(bits: u8) -> usize {
-    if bits == 5 || bits == 6 {
+/// Most tokens per packed tile of a `bits`-bit matrix (each unpacked block is dotted with all of them).
+/// VNNI: 16 for bits 5/6, whose bit-plane unpacking costs as much as the 4-bit codes' whole epilogue
+/// (measured on Sapphire Rapids, 8960×1536 Q6_K at n = 128: 1.13× over 8), else 8 (16 measured 0.92× for
+/// Q4_K). AMX: [`AMX_TOKENS`].
+pub(crate) const fn packed_tokens(bits: u8, amx: bool) -> usize {
+    if amx {
+        AMX_TOKENS
+    } else if bits == 5 || bits == 6 {
         16
     } else {
         8
     }
+}
+
+/// Tokens per AMX tile (the rows of the `A` and `C` tiles, at most 16); 8 measured 0.83× of 16 at
+/// n = 64 (Q4_K-like 8960×1536).
+const AMX_TOKENS: usize = 16;
+
+/// Whether a product of `n` tokens on `m` runs the packed kernel's dots on AMX (where available and
+/// wanted): from n = 16, groups of 32 or more. Measured on Sapphire Rapids (8960×1536, one thread,
+/// AMX/VNNI): Q4_K-like 0.74× at n = 8, 1.0–1.1× at 16, 1.3–1.5× at 64; Q6_K-like (groups of 16: dots of
+/// K = 16, twice the tile work and epilogue per value) 0.87–1.03× at every n, so those stay on `vpdpbusd`.
+pub(crate) fn amx_pays(m: &crate::quant::QMatrix, n: usize) -> bool {
+    n >= 16 && m.group != 16
+}
+
+/// Whether the CPU has AMX-TILE and AMX-INT8 and the OS lets this process use the tile registers
+/// (Linux: `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, requested once per process, for every
+/// thread). Any failure means no AMX, silently.
+pub(crate) fn amx_available() -> bool {
+    static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OK.get_or_init(|| {
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        {
+            use std::arch::x86_64::__cpuid_count;
+            // Leaf 7 (read only if the CPU reports it), EDX bit 24 AMX-TILE, bit 25 AMX-INT8.
+            let cpu = __cpuid_count(0, 0).eax >= 7 && (__cpuid_count(7, 0).edx >> 24) & 3 == 3;
+            if !cpu || !is_x86_feature_detected!("avx512vnni") {
+                return false;
+            }
+            const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+            const XFEATURE_XTILEDATA: libc::c_long = 18;
+            // SAFETY: a plain system call with integer arguments; it only changes this process's permissions.
+            unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
+        }
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+        {
+            false
+        }
+    })
 }
 
 /// Bytes per token and code block of 32 values in [`fill_xtiles`]'s layout: 32 codes, the f32 scale, and
@@ -77,14 +127,14 @@ const fn xtile_bytes(gpb: usize) -> usize {
 }
 
 /// Lay out the activations of tokens `0..n` for the packed kernel on `m` (into `buf`, grown if
-/// needed): tokens in tiles of `P` = [`packed_tokens`] (the packed kernel's tiles: `t0 = 0, P, 2P, ..`;
+/// needed): tokens in tiles of `P` = `tile` ([`packed_tokens`]: the packed kernel's tiles: `t0 = 0, P, 2P, ..`;
 /// the last one `T = n − t0 ≤ P`), and per tile and code block `b` a record of `T·xtile_bytes(gpb)` bytes at
 /// byte `(t0·nblk + b·T)·xtile_bytes(gpb)`: the `T` tokens' 32 codes (`32·t`), their scales `d`
 /// (f32 at `32·T + 4·t`), then per weight group `h` of the block (`gpb` = 32 / group, units of 32
 /// for groups of 64/128) at `36·T + 4·(h·T + t)` the offset term: with the implicit offset the i32
 /// `−2^(bits−1)·Σq_x` over the group's values (the start of `D'`), else the f32 `dsum`. Every field of
 /// a tile is then at a constant offset from the record, so the kernel needs one pointer per tile.
-pub(crate) fn fill_xtiles(m: &crate::quant::QMatrix, xq: &super::QuantizedActivations, n: usize, buf: &mut Vec<XLine>) {
+pub(crate) fn fill_xtiles(m: &crate::quant::QMatrix, xq: &super::QuantizedActivations, n: usize, tile: usize, buf: &mut Vec<XLine>) {
     use crate::quant::QK;
     let cols = xq.cols;
     let nblk = cols / QK;
@@ -101,7 +151,6 @@ pub(crate) fn fill_xtiles(m: &crate::quant::QMatrix, xq: &super::QuantizedActiva
     let imp = m.implicit_min();
     let half = m.bits as u32 - 1;
     let codes: &[u8] = unsafe { std::slice::from_raw_parts(xq.q.as_ptr() as *const u8, xq.q.len()) };
-    let tile = packed_tokens(m.bits);
     for t in 0..n {
         let t0 = t / tile * tile;
         let tn = (n - t0).min(tile);
@@ -131,6 +180,7 @@ mod imp {
     use super::super::{Ctx, ROW_BLOCK};
     use super::{packed_tokens, xtile_bytes};
     use crate::quant::{GroupScales, Packed, QMatrix, WeightMatrix, PACK_ROWS, QK, QK_SUPER};
+    use std::arch::asm;
     use std::arch::x86_64::*;
     use std::cell::RefCell;
     use std::ops::Range;
@@ -161,6 +211,9 @@ mod imp {
         static SCRATCH: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
         /// GEMV activations in chunk layout ([`fill_xperm`]); grows once per thread, then reused.
         static XPERM: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
+        /// The AMX `B` tiles of one row block (8 lines per code block): unpacked by its first token tile,
+        /// reused by the others; grows, then reused.
+        static AMX_W: std::cell::Cell<Vec<Line>> = const { std::cell::Cell::new(Vec::new()) };
     }
 
     /// Compute outputs for rows `range` and all `n` tokens.
@@ -986,21 +1039,25 @@ mod imp {
     unsafe fn packed_rows<const B: u8, const G16: bool>(ctx: &Ctx, m: &QMatrix, pk: &Packed, n: usize, range: Range<usize>) {
         assert!(range.start.is_multiple_of(PACK_ROWS), "packed rows start on a 16-row block");
         assert!(!ctx.xt.get().is_null(), "packed kernel without its activation tiles (matmul_with lays them out)");
+        if ctx.amx {
+            return packed_rows_amx::<B, G16>(ctx, m, pk, n, range);
+        }
+        let tile = packed_tokens(B, false);
         let mut r = range.start;
         while r < range.end {
             let nr = (range.end - r).min(PACK_ROWS);
             let mut t = 0;
             while t < n {
-                let nt = (n - t).min(packed_tokens(B));
+                let nt = (n - t).min(tile);
                 macro_rules! go {
                     ($($k:literal)*) => {
                         match nt {
-                            $($k => packed_tile::<B, G16, $k>(ctx, m, pk, r, nr, t),)*
+                            $($k => packed_tile::<B, G16, $k, false>(ctx, m, pk, r, nr, t, std::ptr::null_mut(), false),)*
                             _ => unreachable!(),
                         }
                     };
                 }
-                if packed_tokens(B) == 8 {
+                if tile == 8 {
                     go!(1 2 3 4 5 6 7 8)
                 } else {
                     go!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
@@ -1009,6 +1066,74 @@ mod imp {
             }
             r += nr;
         }
+    }
+
+    /// Weight groups per AMX chunk (one [`amx_chunk`] step): their `C` tiles are all stored before the
+    /// epilogue reads them. Measured 8960×1536 Q4_K-like, n = 64: chunks of 16 groups 295 GOP/s, 8 360, 4
+    /// 378 (the `C` buffer's L1 footprint).
+    const AMX_CHUNK: usize = 4;
+
+    /// 64-byte AMX tile configuration (palette 1): `colsb[16]` at byte 16, `rows[16]` at byte 48.
+    #[repr(C, align(64))]
+    struct TileCfg([u8; 64]);
+
+    /// Tiles of the packed AMX kernel ([`amx_chunk`]) for `t` tokens and dots of `gs` values: `C` tiles
+    /// tmm0/1/6/7 (`t` × 16 i32: token × row), `A` tiles tmm2/3 (`t` × `gs` activation bytes), `B` tiles
+    /// tmm4/5 (`gs/4` × 64 bytes: VNNI quads, lane = row).
+    fn amx_config(t: usize, gs: usize) -> TileCfg {
+        let mut c = TileCfg([0; 64]);
+        c.0[0] = 1;
+        let mut set = |tmm: usize, rows: usize, colsb: usize| {
+            c.0[16 + 2 * tmm..18 + 2 * tmm].copy_from_slice(&(colsb as u16).to_le_bytes());
+            c.0[48 + tmm] = rows as u8;
+        };
+        for h in 0..2 {
+            set(h, t, 64);
+            set(6 + h, t, 64);
+            set(2 + h, t, gs);
+            set(4 + h, gs / 4, 64);
+        }
+        c
+    }
+
+    /// [`packed_rows`] with the integer dots on AMX (`tdpbsud`): the same tiles' operations, token tiles
+    /// of up to [`super::AMX_TOKENS`]. Loads the tile configuration in this thread (again when the tile
+    /// size changes) and releases the tiles before returning.
+    unsafe fn packed_rows_amx<const B: u8, const G16: bool>(ctx: &Ctx, m: &QMatrix, pk: &Packed, n: usize, range: Range<usize>) {
+        let tile = packed_tokens(B, true);
+        let gs = if G16 { 16 } else { 32 };
+        let mut wbuf = AMX_W.with(|b| b.take());
+        if B != 8 && wbuf.len() < 8 * (ctx.cols / QK) {
+            wbuf.resize(8 * (ctx.cols / QK), Line([0; 64]));
+        }
+        let wb = wbuf.as_mut_ptr() as *mut u8;
+        let mut cfg_t = 0;
+        let mut r = range.start;
+        while r < range.end {
+            let nr = (range.end - r).min(PACK_ROWS);
+            let mut t = 0;
+            while t < n {
+                let nt = (n - t).min(tile);
+                if nt != cfg_t {
+                    let cfg = amx_config(nt, gs);
+                    asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, preserves_flags, readonly));
+                    cfg_t = nt;
+                }
+                macro_rules! go {
+                    ($($k:literal)*) => {
+                        match nt {
+                            $($k => packed_tile::<B, G16, $k, true>(ctx, m, pk, r, nr, t, wb, t == 0),)*
+                            _ => unreachable!(),
+                        }
+                    };
+                }
+                go!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16);
+                t += nt;
+            }
+            r += nr;
+        }
+        asm!("tilerelease", options(nostack, preserves_flags, nomem));
+        AMX_W.with(|b| b.replace(wbuf));
     }
 
     /// Shift every 16-bit lane left by `s` (right by `−s`), `−4 ≤ s ≤ 4`; `s` is a constant after
@@ -1028,15 +1153,132 @@ mod imp {
         }
     }
 
-    /// Packed tile: rows `r0..r0+nr` (one 16-row block of [`Packed`]) × tokens `t0..t0+T`.
+    /// The 8 quad lines of one code block of [`Packed`] at `bl`: line `j` lane `r` = codes `4j..4j+4` of
+    /// row `r`, one byte each.
+    #[inline(always)]
+    unsafe fn unpack<const B: u8>(bl: *const __m512i) -> [__m512i; 8] {
+        let mut q = [_mm512_setzero_si512(); 8];
+        if B == 8 {
+            for j in 0..8 {
+                q[j] = _mm512_load_si512(bl.add(j));
+            }
+        } else {
+            let nib = _mm512_set1_epi8(0x0F);
+            for j in 0..4 {
+                let v = _mm512_load_si512(bl.add(j));
+                q[2 * j] = _mm512_and_si512(v, nib);
+                q[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib);
+            }
+            if B == 5 {
+                let h = _mm512_load_si512(bl.add(4));
+                let bit = _mm512_set1_epi8(0x10);
+                for i in 0..8 {
+                    q[i] = _mm512_ternarylogic_epi32::<0xF8>(q[i], shl16(h, 4 - i as i32), bit);
+                }
+            } else if B == 6 {
+                let bits = _mm512_set1_epi8(0x30);
+                for i in 0..8 {
+                    let h = _mm512_load_si512(bl.add(4 + i / 4));
+                    let s = 4 - 2 * (i % 4) as i32;
+                    q[i] = _mm512_ternarylogic_epi32::<0xF8>(q[i], shl16(h, s), bits);
+                }
+            }
+        }
+        q
+    }
+
+    /// Unpack code blocks `k0..k1` at `lines` (one [`Packed`] row block) to `dst` (8 lines each,
+    /// [`unpack`]): the AMX `B` tiles.
+    #[inline(always)]
+    unsafe fn unpack_to<const B: u8>(lines: *const __m512i, k0: usize, k1: usize, dst: *mut __m512i) {
+        let lpb = Packed::lines_per_block(B);
+        for k in k0..k1 {
+            let bl = lines.add(k * lpb);
+            for l in 0..lpb {
+                _mm_prefetch::<_MM_HINT_T1>(bl.wrapping_add(l + PF_LINES) as *const i8);
+            }
+            let q = unpack::<B>(bl);
+            for j in 0..8 {
+                _mm512_store_si512(dst.add(8 * (k - k0) + j), q[j]);
+            }
+        }
+    }
+
+    /// The AMX dots of `units` consecutive weight groups (`units` ≤ [`AMX_CHUNK`]; groups of 32 = code
+    /// blocks, or halves of them for `G16`) from the `B` lines at `w` (512 bytes per code block) and the
+    /// activation records at `x` (one per code block, [`super::fill_xtiles`]): group `u`'s `C` (`T` × 16
+    /// i32, token × row) to `c + 64·T·u`. Four groups per step on four `C` tiles (tmm0/1/6/7; `A`/`B`
+    /// alternate tmm2/4 and tmm3/5) so that one group's `tdpbsud` overlaps the others' stores.
+    #[inline(always)]
+    unsafe fn amx_chunk<const G16: bool, const T: usize>(w: *const u8, x: *const u8, c: *mut u8, units: usize) {
+        let r1 = xtile_bytes(if G16 { 2 } else { 1 });
+        // Offsets of group `u` of a step: `B` 256 (G16) or 512 bytes apart, `A` per code block `T·r1`.
+        let (wu, xu) = if G16 { (256, [0, 16, T * r1, T * r1 + 16]) } else { (512, [0, T * r1, 2 * T * r1, 3 * T * r1]) };
+        let xstep = if G16 { 2 * T * r1 } else { 4 * T * r1 };
+        let mut u = 0;
+        while u + 4 <= units {
+            let (wp, xp, cp) = (w.add(wu * u), x.add(xstep * (u / 4)), c.add(64 * T * u));
+            asm!(
+                "tileloadd tmm4, [{w} + {s64}*1]",
+                "tileloadd tmm2, [{x} + {s32}*1]",
+                "tilezero tmm0",
+                "tdpbsud tmm0, tmm2, tmm4",
+                "tileloadd tmm5, [{w} + {s64}*1 + {w1}]",
+                "tileloadd tmm3, [{x} + {s32}*1 + {x1}]",
+                "tilezero tmm1",
+                "tdpbsud tmm1, tmm3, tmm5",
+                "tilestored [{c} + {s64}*1], tmm0",
+                "tileloadd tmm4, [{w} + {s64}*1 + {w2}]",
+                "tileloadd tmm2, [{x} + {s32}*1 + {x2}]",
+                "tilezero tmm6",
+                "tdpbsud tmm6, tmm2, tmm4",
+                "tilestored [{c} + {s64}*1 + {c1}], tmm1",
+                "tileloadd tmm5, [{w} + {s64}*1 + {w3}]",
+                "tileloadd tmm3, [{x} + {s32}*1 + {x3}]",
+                "tilezero tmm7",
+                "tdpbsud tmm7, tmm3, tmm5",
+                "tilestored [{c} + {s64}*1 + {c2}], tmm6",
+                "tilestored [{c} + {s64}*1 + {c3}], tmm7",
+                w = in(reg) wp, x = in(reg) xp, c = in(reg) cp, s64 = in(reg) 64usize, s32 = in(reg) 32usize,
+                w1 = const if G16 { 256 } else { 512 }, w2 = const if G16 { 512 } else { 1024 }, w3 = const if G16 { 768 } else { 1536 },
+                x1 = const if G16 { 16 } else { T * xtile_bytes(1) },
+                x2 = const if G16 { T * xtile_bytes(2) } else { 2 * T * xtile_bytes(1) },
+                x3 = const if G16 { T * xtile_bytes(2) + 16 } else { 3 * T * xtile_bytes(1) },
+                c1 = const 64 * T, c2 = const 128 * T, c3 = const 192 * T,
+                options(nostack, preserves_flags),
+            );
+            u += 4;
+        }
+        while u < units {
+            let (wp, xp, cp) = (w.add(wu * u), x.add(xstep * (u / 4) + xu[u % 4]), c.add(64 * T * u));
+            asm!(
+                "tileloadd tmm4, [{w} + {s64}*1]",
+                "tileloadd tmm2, [{x} + {s32}*1]",
+                "tilezero tmm0",
+                "tdpbsud tmm0, tmm2, tmm4",
+                "tilestored [{c} + {s64}*1], tmm0",
+                w = in(reg) wp, x = in(reg) xp, c = in(reg) cp, s64 = in(reg) 64usize, s32 = in(reg) 32usize,
+                options(nostack, preserves_flags),
+            );
+            u += 1;
+        }
+    }
+
+    /// Packed tile: rows `r0..r0+nr` (one 16-row block of [`Packed`]) × tokens `t0..t0+T`. With `AMX`
+    /// the group dots `D_g` come from `tdpbsud` (tiles configured by [`packed_rows_amx`] for `T` tokens):
+    /// the unpacked quad lines are the VNNI `B` tile (lane = row), the record's codes the `A` tile (row =
+    /// token), so row `t` of `C` is token `t`'s i32 vector over the 16 rows; the epilogue is the same.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    unsafe fn packed_tile<const B: u8, const G16: bool, const T: usize>(
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn packed_tile<const B: u8, const G16: bool, const T: usize, const AMX: bool>(
         ctx: &Ctx,
         m: &QMatrix,
         pk: &Packed,
         r0: usize,
         nr: usize,
         t0: usize,
+        wb: *mut u8,
+        fill: bool,
     ) {
         let cols = ctx.cols;
         let gs = if G16 { 16 } else { 32 };
@@ -1078,39 +1320,40 @@ mod imp {
         };
         let sup = f16s.is_null();
         let i8v = |p: *const i8| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)));
-        let nib = _mm512_set1_epi8(0x0F);
         let zero = _mm512_setzero_si512();
         let mut acc = [[_mm512_setzero_ps(); 16]; T];
+        // AMX: the `C` tiles of a chunk of [`AMX_CHUNK`] groups (`T` lines each), all stored by one
+        // [`amx_chunk`] before the epilogue reads them.
+        let mut cbuf = [Line([0; 64]); AMX_CHUNK * 16];
+        let bpc = AMX_CHUNK / gpb;
         for b in 0..nblk {
             let bl = lines.add(b * lpb);
             let mut q = [zero; 8];
-            for l in 0..lpb {
-                _mm_prefetch::<_MM_HINT_T1>(bl.wrapping_add(l + PF_LINES) as *const i8);
+            if !AMX {
+                for l in 0..lpb {
+                    _mm_prefetch::<_MM_HINT_T1>(bl.wrapping_add(l + PF_LINES) as *const i8);
+                }
+                q = unpack::<B>(bl);
             }
-            if B == 8 {
-                for j in 0..8 {
-                    q[j] = _mm512_load_si512(bl.add(j));
-                }
-            } else {
-                for j in 0..4 {
-                    let v = _mm512_load_si512(bl.add(j));
-                    q[2 * j] = _mm512_and_si512(v, nib);
-                    q[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib);
-                }
-                if B == 5 {
-                    let h = _mm512_load_si512(bl.add(4));
-                    let bit = _mm512_set1_epi8(0x10);
-                    for i in 0..8 {
-                        q[i] = _mm512_ternarylogic_epi32::<0xF8>(q[i], shl16(h, 4 - i as i32), bit);
+            let rec = xt.add(b * T * r1);
+            if AMX && b % bpc == 0 {
+                // `B` tiles: bits 8 the packed lines themselves; else unpacked one chunk ahead into a ring
+                // of two chunks (stored well before a tile load reads them).
+                let wp = if B == 8 {
+                    bl as *const u8
+                } else {
+                    let wbv = wb as *mut __m512i;
+                    if fill {
+                        if b == 0 {
+                            unpack_to::<B>(lines, 0, bpc.min(nblk), wbv);
+                        }
+                        if b + bpc < nblk {
+                            unpack_to::<B>(lines, b + bpc, (b + 2 * bpc).min(nblk), wbv.add(8 * (b + bpc)));
+                        }
                     }
-                } else if B == 6 {
-                    let bits = _mm512_set1_epi8(0x30);
-                    for i in 0..8 {
-                        let h = _mm512_load_si512(bl.add(4 + i / 4));
-                        let s = 4 - 2 * (i % 4) as i32;
-                        q[i] = _mm512_ternarylogic_epi32::<0xF8>(q[i], shl16(h, s), bits);
-                    }
-                }
+                    wbv.add(8 * b) as *const u8
+                };
+                amx_chunk::<G16, T>(wp, xt.add(b * T * r1), cbuf.as_mut_ptr() as *mut u8, (nblk - b).min(bpc) * gpb);
             }
             for hg in 0..gpb {
                 let w = b * gpb + hg;
@@ -1130,13 +1373,18 @@ mod imp {
                     let h16 = |p: *const u8| _mm512_cvtph_ps(_mm256_loadu_si256(p.add(2 * gl) as *const __m256i));
                     (h16(f16s), if imp { _mm512_setzero_ps() } else { h16(f16m) })
                 };
-                let rec = xt.add(b * T * r1);
                 for t in 0..T {
                     let term = rec.add(36 * T + 4 * (hg * T + t));
                     let mut d = if imp { _mm512_set1_epi32((term as *const i32).read_unaligned()) } else { zero };
-                    for j in 0..qpg {
-                        let xb = _mm512_set1_epi32((rec.add(32 * t + 4 * (hg * qpg + j)) as *const i32).read_unaligned());
-                        d = _mm512_dpbusd_epi32(d, q[hg * qpg + j], xb);
+                    if AMX {
+                        // Integer sum: exact, the same `D_g` (or `D'_g`) as the `vpdpbusd` chain below.
+                        let ci = ((b % bpc) * gpb + hg) * T + t;
+                        d = _mm512_add_epi32(d, _mm512_load_si512(cbuf.as_ptr().add(ci) as *const __m512i));
+                    } else {
+                        for j in 0..qpg {
+                            let xb = _mm512_set1_epi32((rec.add(32 * t + 4 * (hg * qpg + j)) as *const i32).read_unaligned());
+                            d = _mm512_dpbusd_epi32(d, q[hg * qpg + j], xb);
+                        }
                     }
                     let xs = (rec.add(32 * T + 4 * t) as *const f32).read_unaligned();
                     let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, _mm512_set1_ps(xs)), acc[t][c]);

@@ -140,6 +140,21 @@ pub fn prepack_wanted() -> bool {
     *WANTED.get_or_init(|| Kernel::active() == Kernel::Avx512 && std::env::var("EDDY_PREPACK").map_or(true, |v| v.trim() != "0"))
 }
 
+/// Whether the AVX-512 packed kernel may compute its integer dots on AMX (tile `tdpbsud`; same bits as
+/// without), for the products where that measured faster (`avx512::amx_pays`): when the CPU and OS
+/// allow it ([`amx_available`]) and `EDDY_AMX=0` is not set. Decided once per process.
+pub fn amx_wanted() -> bool {
+    static WANTED: OnceLock<bool> = OnceLock::new();
+    *WANTED.get_or_init(|| {
+        Kernel::active() == Kernel::Avx512 && std::env::var("EDDY_AMX").map_or(true, |v| v.trim() != "0") && avx512::amx_available()
+    })
+}
+
+/// Whether this CPU and OS can run the packed kernel's AMX path (see [`amx_wanted`]).
+pub fn amx_available() -> bool {
+    avx512::amx_available()
+}
+
 /// A raw output pointer shared by workers that write disjoint elements.
 #[derive(Clone, Copy)]
 pub(crate) struct SyncPtr<T>(pub(crate) *mut T);
@@ -164,6 +179,8 @@ pub(crate) struct Ctx<'a> {
     /// The activations in the token-tile layout of the AVX-512 packed kernel (built once per product by
     /// the calling thread, read by every worker), or null.
     pub(crate) xt: SyncPtr<u8>,
+    /// The packed kernel runs its dots on AMX (decided per product; `xt` laid out for its token tiles).
+    pub(crate) amx: bool,
 }
 
 /// Matrix product `out[t*rows + r] = Σ_c W[r][c] · x[t][c]` for `t in 0..n`, on the [`Kernel::active`]
@@ -184,6 +201,24 @@ pub fn matmul(pool: &ThreadPool, w: &WeightMatrix, x: &[f32], xq: &QuantizedActi
 
 /// [`matmul`] on an explicitly chosen path. Panics if `kernel` is not available on this CPU.
 pub fn matmul_with(kernel: Kernel, pool: &ThreadPool, w: &WeightMatrix, x: &[f32], xq: &QuantizedActivations, n: usize, out: &mut [f32]) {
+    let amx = amx_wanted() && matches!(w, WeightMatrix::Q(m) if avx512::amx_pays(m, n));
+    matmul_amx(kernel, amx, pool, w, x, xq, n, out)
+}
+
+/// [`matmul_with`] with the packed kernel's AMX path on or off for this product, whatever `n` and the
+/// format (`amx` is ignored where AMX is not available, or the matrix is not packed), for tests that
+/// compare both paths in one process.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_amx(
+    kernel: Kernel,
+    amx: bool,
+    pool: &ThreadPool,
+    w: &WeightMatrix,
+    x: &[f32],
+    xq: &QuantizedActivations,
+    n: usize,
+    out: &mut [f32],
+) {
     assert!(kernel.is_available(), "kernel path {kernel:?} is not supported by this CPU");
     let (rows, cols) = (w.rows(), w.cols());
     assert_eq!(out.len(), n * rows, "out must hold n*rows values");
@@ -226,10 +261,11 @@ pub fn matmul_with(kernel: Kernel, pool: &ThreadPool, w: &WeightMatrix, x: &[f32
     // The packed AVX-512 kernel reads the activations in its token-tile layout, laid out once here (on
     // the calling thread, into a buffer kept per thread) for all workers.
     let packed = matches!(w, WeightMatrix::Q(m) if m.packed.is_some()) && kernel == Kernel::Avx512;
+    let amx = packed && amx && avx512::amx_available();
     let mut xt = if packed { XTILES.with(|b| b.take()) } else { Vec::new() };
     if packed {
         if let WeightMatrix::Q(m) = w {
-            avx512::fill_xtiles(m, xq, n, &mut xt);
+            avx512::fill_xtiles(m, xq, n, avx512::packed_tokens(m.bits, amx), &mut xt);
         }
     }
     let ctx = Ctx {
@@ -240,6 +276,7 @@ pub fn matmul_with(kernel: Kernel, pool: &ThreadPool, w: &WeightMatrix, x: &[f32
         cols,
         out: SyncPtr(out.as_mut_ptr()),
         xt: SyncPtr(if packed { xt.as_mut_ptr() as *mut u8 } else { std::ptr::null_mut() }),
+        amx,
     };
     // Rows per claimed chunk: a multiple of the 16-row GEMM block (of the 32-row Hadamard block with an
     // output rotation, so that every block lies in one chunk), and at least ~64 K multiply-adds.

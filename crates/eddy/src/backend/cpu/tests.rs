@@ -484,6 +484,71 @@ fn prepacked_matmul_is_bit_identical_to_unpacked() {
     }
 }
 
+/// The packed kernel's AMX path (`tdpbsud` dots) against its `vpdpbusd` path and the scalar reference:
+/// bit-identical to the VNNI path (and to one call per token) for every format the packed kernel takes
+/// (bits 4/5/6/8, groups 16/32/64/128, implicit and explicit offsets), n = 1..40 (AMX token tiles of 16
+/// and their tails), rows that are no multiple of 16, 1–3 threads. Both paths run in this process through
+/// [`matmul_amx`]; on a CPU without AMX (or where the OS refuses it) both calls run the VNNI path and the
+/// test compares it with itself (it says which ran). Rotation is not the kernel's business (quantizer and
+/// epilogue), and the rotated test below runs the default path, AMX where available.
+#[test]
+fn packed_amx_is_bit_identical_to_vnni_and_reference() {
+    if !Kernel::Avx512.is_available() {
+        eprintln!("skipped: no AVX-512 VNNI");
+        return;
+    }
+    eprintln!("AMX path {}", if amx_available() { "runs" } else { "not available: comparing VNNI with itself" });
+    let mut rng = Rng(41);
+    let pools: Vec<ThreadPool> = (1..=3).map(ThreadPool::new).collect();
+    let mut kinds = all_q_kinds();
+    kinds.extend([
+        Kind::Q(4, 64, Sc::F16Min),
+        Kind::Q(4, 128, Sc::F16Min),
+        Kind::Q(8, 64, Sc::F16Implicit),
+        Kind::Q(8, 128, Sc::F16Implicit),
+        Kind::Q(5, 128, Sc::F16Implicit),
+        Kind::Q(6, 64, Sc::F16Min),
+    ]);
+    for kind in kinds {
+        for &(rows, cols) in &[(37usize, 512usize), (100, 256)] {
+            let cols = cols_for(kind, cols);
+            let natural = rand_weights(kind, rows, cols, &mut rng);
+            let mut w = natural.clone();
+            if let WeightMatrix::Q(m) = &mut w {
+                m.prepack();
+                m.drop_natural();
+            }
+            let nmax = 40;
+            let x = rand_x(nmax, cols, &mut rng);
+            let xq_all = quantize(Kernel::Avx512, &x, nmax, cols);
+            let mut want = vec![0f32; nmax * rows];
+            matmul_reference(&natural, &x, &xq_all, nmax, &mut want);
+            let tol: Vec<f64> = (0..nmax * rows).map(|i| 1e-5 * magnitude(&natural, &x, &xq_all, i % rows, i / rows) + 1e-30).collect();
+            let mut single = vec![0f32; nmax * rows];
+            for t in 0..nmax {
+                let xq = quantize(Kernel::Avx512, &x[t * cols..(t + 1) * cols], 1, cols);
+                matmul_amx(Kernel::Avx512, false, &pools[0], &w, &[], &xq, 1, &mut single[t * rows..(t + 1) * rows]);
+            }
+            for n in 1..=nmax {
+                let xq = quantize(Kernel::Avx512, &x[..n * cols], n, cols);
+                for pool in &pools {
+                    let mut vnni = vec![f32::NAN; n * rows];
+                    matmul_amx(Kernel::Avx512, false, pool, &w, &[], &xq, n, &mut vnni);
+                    let mut amx = vec![f32::NAN; n * rows];
+                    matmul_amx(Kernel::Avx512, true, pool, &w, &[], &xq, n, &mut amx);
+                    for i in 0..n * rows {
+                        let (t, r) = (i / rows, i % rows);
+                        let what = format!("{kind:?} {rows}x{cols} n={n} threads={} t={t} r={r}", pool.n_threads());
+                        assert_eq!(amx[i].to_bits(), vnni[i].to_bits(), "{what}: AMX vs VNNI");
+                        assert_eq!(amx[i].to_bits(), single[i].to_bits(), "{what}: vs n=1");
+                        assert!(((amx[i] - want[i]) as f64).abs() <= tol[i], "{what}: vs reference {} {}", amx[i], want[i]);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Rotated M/L matrices of heavy-tailed random weights (`quant::rtn`), both sides rotated.
 fn rotated_matrix(format: crate::quant::rtn::Format, group: usize, rows: usize, cols: usize, rng: &mut Rng) -> WeightMatrix {
     use crate::quant::rotation::{Rotation, Signs};
