@@ -1049,23 +1049,36 @@ mod imp {
             let mut t = 0;
             while t < n {
                 let nt = (n - t).min(tile);
-                macro_rules! go {
-                    ($($k:literal)*) => {
-                        match nt {
-                            $($k => packed_tile::<B, G16, $k, false>(ctx, m, pk, r, nr, t, std::ptr::null_mut(), false),)*
-                            _ => unreachable!(),
-                        }
-                    };
-                }
-                if tile == 8 {
-                    go!(1 2 3 4 5 6 7 8)
-                } else {
-                    go!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
-                }
+                packed_tile_n::<B, G16, false>(nt, ctx, m, pk, r, nr, t, std::ptr::null_mut(), false);
                 t += nt;
             }
             r += nr;
         }
+    }
+
+    /// [`packed_tile`] for a token tile of `nt` tokens (1 to 16), the tile size chosen at run time.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn packed_tile_n<const B: u8, const G16: bool, const AMX: bool>(
+        nt: usize,
+        ctx: &Ctx,
+        m: &QMatrix,
+        pk: &Packed,
+        r0: usize,
+        nr: usize,
+        t0: usize,
+        wb: *mut u8,
+        fill: bool,
+    ) {
+        macro_rules! go {
+            ($($k:literal)*) => {
+                match nt {
+                    $($k => packed_tile::<B, G16, $k, AMX>(ctx, m, pk, r0, nr, t0, wb, fill),)*
+                    _ => unreachable!("token tile of {nt}"),
+                }
+            };
+        }
+        go!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
     }
 
     /// Weight groups per AMX chunk (one [`amx_chunk`] step): their `C` tiles are all stored before the
@@ -1119,15 +1132,7 @@ mod imp {
                     asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, preserves_flags, readonly));
                     cfg_t = nt;
                 }
-                macro_rules! go {
-                    ($($k:literal)*) => {
-                        match nt {
-                            $($k => packed_tile::<B, G16, $k, true>(ctx, m, pk, r, nr, t, wb, t == 0),)*
-                            _ => unreachable!(),
-                        }
-                    };
-                }
-                go!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16);
+                packed_tile_n::<B, G16, true>(nt, ctx, m, pk, r, nr, t, wb, t == 0);
                 t += nt;
             }
             r += nr;
