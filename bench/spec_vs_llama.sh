@@ -2,8 +2,8 @@
 # Speculative decoding on this machine, one script, one run (issue 4). Target Qwen2.5-Coder-1.5B-Instruct
 # Q4_K_M, draft Qwen2.5-Coder-0.5B-Instruct; the first NUM HumanEval prompts and NUM ShareGPT first turns,
 # chat, temperature 0, MAX_TOKENS tokens; `eddy bench` is the client of every server:
-#   eddy serve plain | eddy serve --speculator suffix | eddy serve --speculator auto (suffix + draft) (both
-#   with the auto budget) | llama-server plain | llama-server --spec-type draft-simple (n-max 4 and 8) |
+#   eddy serve plain | eddy serve --speculator suffix | eddy serve --speculator draft | eddy serve
+#   --speculator auto (suffix + draft) (all with the auto budget) | llama-server plain | llama-server --spec-type draft-simple (n-max 4 and 8) |
 #   llama-server --spec-type ngram-mod | with a DFlash drafter (DFLASH, default the trained one in the models
 #   folder): eddy serve --speculator dflash (best-first tree) / dflash-chain / auto (suffix + dflash, what
 #   eddy serve does by default when the drafter sits next to the model) | llama-server --spec-type
@@ -15,8 +15,8 @@
 # usage: bench/spec_vs_llama.sh   THREADS=2 NUM=20 MAX_TOKENS=256 PORT=8112 OUT=target/spec-bench
 #        CONFIGS="eddy-plain eddy-suffix ... verify" runs a subset (a quick look; ratios are against
 #        llama-plain when it ran, else against the first config).
-#        DEVICE=cuda: both servers on the GPU (eddy serve --device cuda; llama-server -ngl 99 -fa on, its
-#        draft model -ngld 99); eddy's draft model and DFlash drafter still run on the CPU next to it.
+#        DEVICE=cuda: both servers on the GPU (eddy serve --device cuda, its draft model on the GPU too;
+#        llama-server -ngl 99 -fa on, its draft model -ngld 99); eddy's DFlash drafter still runs on the CPU.
 #        On a machine prepared by hand (the lent GPU: no registry, no build): SETUP=0 skips fetching and
 #        building, EDDY=path of the eddy binary, LLAMA_BIN=folder of llama-server (then not built either),
 #        EDDY_MODELS / EDDY_DATA as usual (a ShareGPT file cut after its first conversations is enough).
@@ -50,7 +50,7 @@ EDDY=${EDDY:-target/release/eddy}
 mkdir -p "$OUT"
 
 . bench/server_ctl.sh
-CONFIGS=${CONFIGS:-eddy-plain eddy-suffix eddy-spec eddy-dflash eddy-dflash-chain eddy-dflash-auto llama-plain llama-draft4 llama-draft8 llama-ngram llama-dflash llama-dflash4 verify}
+CONFIGS=${CONFIGS:-eddy-plain eddy-suffix eddy-draft eddy-spec eddy-dflash eddy-dflash-chain eddy-dflash-auto llama-plain llama-draft4 llama-draft8 llama-ngram llama-dflash llama-dflash4 verify}
 case " $CONFIGS " in *" eddy-dflash"* | *" llama-dflash"*)
   [ -f "$DFLASH/config.json" ] || { echo "DFlash drafter $DFLASH missing (set DFLASH or drop the dflash configs)" >&2; exit 1; } ;;
 esac
@@ -79,6 +79,7 @@ fi
 # Explicitly plain: eddy serve speculates by default when a DFlash drafter sits next to the model.
 run_server eddy-plain "${ES[@]}" --speculator none
 run_server eddy-suffix "${ES[@]}" --speculator suffix --spec-budget auto
+run_server eddy-draft "${ES[@]}" --speculator draft --draft-model "$DRAFT" --spec-budget auto
 run_server eddy-spec "${ES[@]}" --speculator auto --draft-model "$DRAFT" --spec-budget auto
 run_server llama-plain "${LS[@]}"
 run_server llama-draft4 "${LS[@]}" --spec-type draft-simple -md "$DRAFT" --spec-draft-n-max 4 -td "$THREADS" "${LD[@]}"
@@ -111,7 +112,7 @@ import json, os, re, sys
 out, num, max_tokens, threads, configs, device, target = sys.argv[1:]
 labels = [l for l in configs.split() if os.path.exists(f"{out}/{l}.humaneval.json")]
 names = {"eddy-plain": "eddy serve, no speculation", "eddy-suffix": "eddy serve --speculator suffix",
-         "eddy-spec": "eddy serve --speculator auto (suffix + 0.5B draft)",
+         "eddy-draft": "eddy serve --speculator draft (0.5B draft)", "eddy-spec": "eddy serve --speculator auto (suffix + 0.5B draft)",
          "llama-plain": "llama-server", "llama-draft4": "llama-server draft-simple 0.5B, n-max 4",
          "llama-draft8": "llama-server draft-simple 0.5B, n-max 8", "llama-ngram": "llama-server ngram-mod",
          "eddy-dflash": "eddy serve --speculator dflash (best-first tree)", "eddy-dflash-chain": "eddy serve --speculator dflash-chain",

@@ -12,7 +12,7 @@ use eddy::load::{load, LoadedModel};
 use eddy::model_dir::Quant;
 use eddy::sampling::SamplerParams;
 use eddy::spec::dflash::{find_next_to, is_dflash_dir, DFlashDrafter, DFlashSeq};
-use eddy::spec::{build_speculators, Budget, Drafter, SpeculatorKind};
+use eddy::spec::{Budget, Drafter, SpeculatorKind};
 use eddy::stats::{peak_rss_bytes, EnergyMeter, GenerationStats};
 use eddy::tokenizer::StreamDecoder;
 use std::io::{Read, Write};
@@ -272,9 +272,7 @@ fn find_drafter(engine: &Engine, a: &SpecArgs, kind: Option<SpeculatorKind>) -> 
 fn attach_speculators(engine: &mut Engine, a: &SpecArgs, kind: Option<SpeculatorKind>, budget: Budget) -> eddy::Result<()> {
     let draft = find_drafter(engine, a, kind)?;
     let kind = kind.unwrap_or(if draft.is_some() { SpeculatorKind::Auto } else { SpeculatorKind::None });
-    let specs = build_speculators(kind, draft, &engine.lm, engine.ctx())?;
-    engine.set_speculation(specs, budget);
-    Ok(())
+    engine.speculate(kind, draft, budget)
 }
 
 #[derive(Args)]

@@ -1037,8 +1037,7 @@ fn spec_server() -> Option<SocketAddr> {
     *ADDR.get_or_init(|| {
         let p = model_path()?;
         let mut eng = engine(&p);
-        let specs = eddy::spec::build_speculators(eddy::spec::SpeculatorKind::Suffix, None, &eng.lm, eng.ctx()).unwrap();
-        eng.set_speculation(specs, eddy::spec::Budget::Fixed(8));
+        eng.speculate(eddy::spec::SpeculatorKind::Suffix, None, eddy::spec::Budget::Fixed(8)).unwrap();
         Some(start(eng, eddy_server::ServeOptions::default()))
     })
 }

@@ -21,7 +21,9 @@ use crate::load::LoadedModel;
 use crate::models::forward::{commit_tree, decode, forward, forward_tree, last_hidden, reusable_prefix, Logits, Workspace};
 use crate::models::Model;
 use crate::sampling::{LogitMask, Sampler, SamplerParams};
-use crate::spec::{accept_walk_into, Budget, CostModel, DraftTree, ProposeCtx, SelectScratch, Speculator, Walk};
+use crate::spec::{
+    accept_walk_into, build_speculators, Budget, CostModel, DraftTree, Drafter, ProposeCtx, SelectScratch, Speculator, SpeculatorKind, Walk,
+};
 use crate::state::{FeatureCapture, SeqState};
 use crate::stats::{FinishReason, GenerationStats};
 use crate::tree::TreePaths;
@@ -165,18 +167,20 @@ impl Emit<'_, '_> {
     }
 }
 
-/// A backend with the workspace and sequence state of the engine's one sequence.
+/// A backend with the workspace and sequence state of the engine's one sequence, and the speculators
+/// that draft for it (a draft model on this backend, host-side speculators through [`crate::spec::OnHost`]).
 struct Core<B: Backend> {
     be: B,
     ws: Workspace<B>,
     state: SeqState<B>,
+    specs: Vec<Box<dyn Speculator<B>>>,
 }
 
 impl<B: Backend> Core<B> {
     fn new(be: B, model: &Model<B>, ctx: usize, max_batch: usize) -> Self {
         let state = model.new_state(&be, ctx);
         let ws = Workspace::new(&be, model, max_batch);
-        Core { be, ws, state }
+        Core { be, ws, state, specs: Vec::new() }
     }
 }
 
@@ -222,6 +226,28 @@ macro_rules! on_core {
     };
 }
 
+/// `$body` with the active core's speculators `$s`, its backend `$be`, its sequence state `$st` and the CPU
+/// pool `$host` (on the CPU: the backend itself).
+macro_rules! on_specs {
+    ($exec:expr, |$s:ident, $be:ident, $st:ident, $host:ident| $body:expr) => {
+        match $exec {
+            Exec::Cpu(c) => {
+                let Core { be, specs: $s, state: $st, .. } = &mut **c;
+                #[allow(unused_variables)]
+                let ($be, $host, $st) = (&*be, &*be, &*$st);
+                $body
+            }
+            #[cfg(feature = "cuda")]
+            Exec::Cuda { core, host, .. } => {
+                let Core { be, specs: $s, state: $st, .. } = &mut **core;
+                #[allow(unused_variables)]
+                let ($be, $host, $st): (_, &Cpu, _) = (&*be, &*host, &*$st);
+                $body
+            }
+        }
+    };
+}
+
 impl Exec {
     /// The CPU pool host-side work runs on (drafters that run on the CPU).
     fn host(&self) -> &Cpu {
@@ -262,8 +288,11 @@ impl Exec {
     fn set_want_hidden(&mut self, on: bool) {
         on_core!(self, |c| c.state.want_hidden = on)
     }
-    fn last_hidden(&self) -> Option<&[f32]> {
-        on_core!(self, |c| last_hidden(&c.state))
+    fn speculating(&self) -> bool {
+        on_core!(self, |c| !c.specs.is_empty())
+    }
+    fn specs_want_hidden(&self) -> bool {
+        on_core!(self, |c| c.specs.iter().any(|s| s.wants_hidden()))
     }
 }
 
@@ -275,7 +304,6 @@ pub struct Engine {
     sampler: Sampler,
     logits: Vec<f32>,
     prefix_cache: bool,
-    speculators: Vec<Box<dyn Speculator>>,
     budget: Budget,
     cost: CostModel,
     step: StepScratch,
@@ -370,7 +398,6 @@ impl Engine {
             sampler: Sampler::default(),
             logits: Vec::new(),
             prefix_cache: opts.prefix_cache,
-            speculators: Vec::new(),
             budget: Budget::Auto,
             cost,
             step: StepScratch::default(),
@@ -409,24 +436,48 @@ impl Engine {
         self.device_sampled
     }
 
-    /// Speculate with `speculators` (merged into one tree per step) under `budget`; an empty list is
-    /// plain decoding.
+    /// Speculate with the host-side `speculators` (merged into one tree per step) under `budget`; an empty
+    /// list is plain decoding. They run on the CPU whatever the target runs on ([`crate::spec::OnHost`]); to run a draft
+    /// model on the target's device, use [`Engine::speculate`].
     pub fn set_speculation(&mut self, speculators: Vec<Box<dyn Speculator>>, budget: Budget) {
+        match &mut self.exec {
+            Exec::Cpu(c) => c.specs = speculators,
+            #[cfg(feature = "cuda")]
+            Exec::Cuda { core, .. } => {
+                core.specs = speculators.into_iter().map(|s| Box::new(crate::spec::OnHost(s)) as Box<dyn Speculator<Cuda>>).collect()
+            }
+        }
+        self.speculators_changed(budget);
+    }
+
+    /// Speculate with the speculators of `kind` ([`build_speculators`]) under `budget`, built for the
+    /// backend the target runs on: a draft model in `draft` is moved there (on a GPU: uploaded, its KV cache
+    /// on the device), host-side speculators run on the CPU.
+    ///
+    /// Errors: as [`build_speculators`]; the engine keeps its previous speculators then.
+    pub fn speculate(&mut self, kind: SpeculatorKind, draft: Option<Drafter>, budget: Budget) -> Result<()> {
+        let ctx = self.ctx();
+        let lm = &self.lm;
+        on_core!(&mut self.exec, |c| c.specs = build_speculators(kind, draft, lm, ctx, &c.be)?);
+        self.speculators_changed(budget);
+        Ok(())
+    }
+
+    fn speculators_changed(&mut self, budget: Budget) {
         // The target captures the features of the first speculator that reads its intermediate layers.
-        let layers = speculators.iter().map(|s| s.feature_layers()).find(|l| !l.is_empty()).unwrap_or(&[]).to_vec();
+        let layers = on_core!(&self.exec, |c| c.specs.iter().map(|s| s.feature_layers()).find(|l| !l.is_empty()).unwrap_or(&[]).to_vec());
         self.exec.features_mut().rows.clear();
         if !layers.is_empty() {
             // A new feature drafter has seen none of the cached rows: prefill from scratch next time.
             self.exec.clear();
         }
         self.exec.features_mut().layers = layers;
-        self.speculators = speculators;
         self.budget = budget;
     }
 
     /// Names of the active speculators.
     pub fn speculator_names(&self) -> Vec<&'static str> {
-        self.speculators.iter().map(|s| s.name()).collect()
+        on_core!(&self.exec, |c| c.specs.iter().map(|s| s.name()).collect())
     }
 
     /// The CPU backend (its worker threads): the one the model runs on, or on a device the pool that
@@ -691,16 +742,18 @@ impl Engine {
         let keep = if self.prefix_cache { on_device!(&self.exec, &self.lm.model, |c, m| reusable_prefix(m, &c.state, prompt)) } else { 0 };
         self.exec.truncate(keep);
         stats.cached_tokens = keep;
-        if !self.speculators.is_empty() && !self.cost.is_calibrated() {
+        if self.exec.speculating() && !self.cost.is_calibrated() {
             // Once per engine, inside the TTFT (not counted as prefill): the verify-cost curve of this machine.
             let t = Instant::now();
             self.calibrate(prompt[0])?;
             stats.calibration_time = t.elapsed();
         }
-        for s in self.speculators.iter_mut() {
-            s.prefill(self.exec.host(), prompt)?;
-        }
-        let want_hidden = self.speculators.iter().any(|s| s.wants_hidden());
+        on_specs!(&mut self.exec, |specs, be, _st, host| {
+            for s in specs.iter_mut() {
+                s.prefill(be, host, prompt)?;
+            }
+        });
+        let want_hidden = self.exec.specs_want_hidden();
         let want_features = !self.exec.features().layers.is_empty();
         let piece = self.exec.max_batch().next_multiple_of(crate::state::GDN_CHUNK);
         let mut at = keep;
@@ -723,19 +776,21 @@ impl Engine {
             ));
             self.exec.set_want_hidden(false);
             prefilled?;
-            if want_hidden {
-                if let Some(h) = self.exec.last_hidden() {
-                    for s in self.speculators.iter_mut().filter(|s| s.wants_hidden()) {
-                        s.observe(self.exec.host(), prompt, at, h)?;
+            on_specs!(&mut self.exec, |specs, _be, st, host| {
+                if want_hidden {
+                    if let Some(h) = last_hidden(st) {
+                        for s in specs.iter_mut().filter(|s| s.wants_hidden()) {
+                            s.observe(host, prompt, at, h)?;
+                        }
                     }
                 }
-            }
-            if want_features {
-                let f = self.exec.features();
-                for s in self.speculators.iter_mut().filter(|s| s.feature_layers() == f.layers) {
-                    s.observe(self.exec.host(), prompt, at, &f.rows)?;
+                if want_features {
+                    let f = &st.features;
+                    for s in specs.iter_mut().filter(|s| s.feature_layers() == f.layers) {
+                        s.observe(host, prompt, at, &f.rows)?;
+                    }
                 }
-            }
+            });
             at = end;
         }
         Ok(true)
@@ -763,25 +818,21 @@ impl Engine {
         let params = out.params;
         let vocab = self.lm.model.config.vocab_size;
         let lp_k = params.logprobs;
-        let want_hidden = self.speculators.iter().any(|s| s.wants_hidden());
+        let want_hidden = self.exec.specs_want_hidden();
         let want_features = !self.exec.features().layers.is_empty();
         let room = self.ctx() - self.exec.n_past();
         let left = params.max_tokens - out.stats.generated_tokens;
         let max_nodes = (room - 1).min(left.saturating_sub(1));
         sc.draft.reset(tok);
         let mut draft_cost = 0.0;
-        if !self.speculators.is_empty() && max_nodes > 0 {
-            let ctx = ProposeCtx {
-                backend: self.exec.host(),
-                budget: self.budget,
-                max_nodes,
-                cost: &self.cost,
-                temperature: params.sampler.temperature,
-                target: Some(&self.lm.model),
-            };
-            for s in self.speculators.iter_mut() {
-                draft_cost += s.propose(&ctx, &out.history, &mut sc.draft)?;
-            }
+        if self.exec.speculating() && max_nodes > 0 {
+            let (budget, cost, temperature, target) = (self.budget, &self.cost, params.sampler.temperature, Some(&self.lm.model));
+            on_specs!(&mut self.exec, |specs, be, _st, host| {
+                let ctx = ProposeCtx { backend: be, host, budget, max_nodes, cost, temperature, target };
+                for s in specs.iter_mut() {
+                    draft_cost += s.propose(&ctx, &out.history, &mut sc.draft)?;
+                }
+            });
         }
         if let Some(m) = out.mask.as_deref_mut() {
             if sc.draft.len() > 1 {
@@ -908,28 +959,31 @@ impl Engine {
         for d in 0..accepted {
             stats.accepted_at_depth[d] += 1;
         }
-        if want_hidden {
-            // The accepted path's hidden states (tree node order → position order), before the
-            // commit moves on.
-            if let Some(h) = self.exec.last_hidden() {
-                let d = h.len() / tree.len();
-                rows.clear();
-                rows.extend(walk.path.iter().flat_map(|&i| h[i * d..(i + 1) * d].iter().copied()));
-                for s in self.speculators.iter_mut().filter(|s| s.wants_hidden()) {
-                    s.observe(self.exec.host(), &out.history, n_committed, rows)?;
+        let history = &out.history;
+        on_specs!(&mut self.exec, |specs, _be, st, host| {
+            if want_hidden {
+                // The accepted path's hidden states (tree node order → position order), before the
+                // commit moves on.
+                if let Some(h) = last_hidden(st) {
+                    let d = h.len() / tree.len();
+                    rows.clear();
+                    rows.extend(walk.path.iter().flat_map(|&i| h[i * d..(i + 1) * d].iter().copied()));
+                    for s in specs.iter_mut().filter(|s| s.wants_hidden()) {
+                        s.observe(host, history, n_committed, rows)?;
+                    }
                 }
             }
-        }
-        if want_features {
-            // The accepted path's feature rows (tree node order → position order).
-            let f = self.exec.features();
-            let w = f.rows.len() / tree.len();
-            rows.clear();
-            rows.extend(walk.path.iter().flat_map(|&i| f.rows[i * w..(i + 1) * w].iter().copied()));
-            for s in self.speculators.iter_mut().filter(|s| s.feature_layers() == f.layers) {
-                s.observe(self.exec.host(), &out.history, n_committed, rows)?;
+            if want_features {
+                // The accepted path's feature rows (tree node order → position order).
+                let f = &st.features;
+                let w = f.rows.len() / tree.len();
+                rows.clear();
+                rows.extend(walk.path.iter().flat_map(|&i| f.rows[i * w..(i + 1) * w].iter().copied()));
+                for s in specs.iter_mut().filter(|s| s.feature_layers() == f.layers) {
+                    s.observe(host, history, n_committed, rows)?;
+                }
             }
-        }
+        });
         if tree.len() > 1 {
             on_device!(&mut self.exec, &self.lm.model, |c, m| commit_tree(m, &c.be, &mut c.state, &tree.tokens, &walk.path))?;
         }

@@ -1133,3 +1133,63 @@ fn device_sampling_generates_what_the_host_path_does() {
         }
     }
 }
+
+/// A draft model on the GPU next to its target (`Engine::speculate`: Qwen2.5-Coder-0.5B drafting for the
+/// 1.5B, or for itself when the 1.5B is absent) gives plain decoding's tokens greedily and sampled with a
+/// seed, and proposes trees that are accepted (tokens per pass above 1 on code); the same draft model on the
+/// host CPU pool (`set_speculation`) gives the same tokens. Prints each run's decode speed and tokens per
+/// pass.
+#[test]
+#[ignore = "needs an NVIDIA GPU and the model files"]
+fn draft_model_on_the_gpu_is_lossless() {
+    use eddy::engine::{Device, Engine, EngineOptions, GenerateParams};
+    use eddy::sampling::SamplerParams;
+    use eddy::spec::{draft::DraftModel, Budget, Drafter, SpeculatorKind};
+    let dir = eddy::load::models_dir();
+    let draft_path = dir.join("qwen2.5-coder-0.5b-instruct.gguf");
+    let big = dir.join("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
+    let target_path = if big.exists() { big } else { draft_path.clone() };
+    let load = |p: &std::path::Path| eddy::load::load_gguf(p, &mut |_, _| {}).unwrap();
+    let lm = load(&target_path);
+    let prompt = lm.tokenizer.encode(PROMPT, true).unwrap();
+    let opts = EngineOptions { ctx: 1024, ..Default::default() };
+    let mut e = Engine::on_device(lm, &opts, Device::Cuda).unwrap();
+    let settings = [
+        ("greedy", SamplerParams { temperature: 0.0, ..Default::default() }),
+        ("T 0.8", SamplerParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, seed: 5, ..Default::default() }),
+    ];
+    for (name, sp) in &settings {
+        let params = GenerateParams { max_tokens: 200, sampler: sp.clone(), ignore_eos: true, logprobs: None };
+        let run = |e: &mut Engine, what: &str| {
+            e.clear_cache();
+            let mut toks = Vec::new();
+            let stats = e
+                .generate(&prompt, &params, &mut |t| {
+                    toks.push(t);
+                    true
+                })
+                .unwrap();
+            println!(
+                "{}: {name}, {what}: {} tokens, decode {:.1} t/s, {:.2} tokens/pass",
+                target_path.display(),
+                toks.len(),
+                stats.generation_speed(),
+                stats.tokens_per_pass()
+            );
+            (toks, stats.tokens_per_pass())
+        };
+        e.set_speculation(Vec::new(), Budget::Auto);
+        let (plain, _) = run(&mut e, "plain");
+        assert_eq!(plain.len(), 200);
+        e.speculate(SpeculatorKind::Draft, Some(Drafter::Model(Box::new(load(&draft_path)))), Budget::Auto).unwrap();
+        let (on_gpu, tpp) = run(&mut e, "draft model on the GPU");
+        assert_eq!(on_gpu, plain, "{name}: the draft model on the GPU changed the output");
+        if sp.temperature == 0.0 {
+            assert!(tpp > 1.2, "{name}: the draft model's trees were hardly accepted ({tpp:.2} tokens per pass)");
+        }
+        let host = DraftModel::new(load(&draft_path), &e.lm.tokenizer, e.ctx(), e.backend()).unwrap();
+        e.set_speculation(vec![Box::new(host)], Budget::Auto);
+        let (on_host, _) = run(&mut e, "draft model on the host CPU");
+        assert_eq!(on_host, plain, "{name}: the draft model on the host changed the output");
+    }
+}

@@ -23,7 +23,7 @@ use eddy::model_dir::Quant;
 use eddy::quant::WeightMatrix;
 use eddy::sampling::SamplerParams;
 use eddy::spec::dflash::{grow_tree, DFlashDrafter, DFlashSeq, DFlashSpeculator, TreeShape};
-use eddy::spec::{build_speculators, Budget, DraftTree, Drafter, ProposeCtx, Speculator, SpeculatorKind};
+use eddy::spec::{Budget, DraftTree, Drafter, ProposeCtx, Speculator, SpeculatorKind};
 use std::path::{Path, PathBuf};
 
 fn fixture_dir() -> PathBuf {
@@ -351,8 +351,8 @@ impl Speculator for Oracle {
     fn name(&self) -> &'static str {
         "oracle"
     }
-    fn prefill(&mut self, backend: &Cpu, prompt: &[u32]) -> eddy::Result<()> {
-        self.inner.prefill(backend, prompt)
+    fn prefill(&mut self, backend: &Cpu, host: &Cpu, prompt: &[u32]) -> eddy::Result<()> {
+        self.inner.prefill(backend, host, prompt)
     }
     fn feature_layers(&self) -> &[usize] {
         self.inner.feature_layers()
@@ -399,8 +399,7 @@ fn check_target(target: &str, draft_vocab: Option<usize>, max_tokens: usize, kin
         let (plain, _) = generate(&mut engine, &prompt, t, max_tokens);
         let truth: Vec<u32> = prompt.iter().chain(&plain).copied().collect();
         for &(kind, budget) in kinds {
-            let specs = build_speculators(kind, Some(Drafter::DFlash(Box::new(load()))), &engine.lm, engine.ctx()).unwrap();
-            engine.set_speculation(specs, budget);
+            engine.speculate(kind, Some(Drafter::DFlash(Box::new(load()))), budget).unwrap();
             let (out, st) = generate(&mut engine, &prompt, t, max_tokens);
             assert_eq!(out, plain, "{target}: {kind:?} with budget {budget:?} at temperature {t} changed the output of {msg:?}");
             assert!(st.draft_tokens > 0, "{kind:?}: nothing was drafted");
@@ -464,8 +463,7 @@ fn lossless_with_the_trained_drafter() {
                 (SpeculatorKind::Auto, Budget::Auto),
             ] {
                 let d = DFlashDrafter::load(&dir, Quant::Q8).unwrap();
-                let specs = build_speculators(kind, Some(Drafter::DFlash(Box::new(d))), &engine.lm, engine.ctx()).unwrap();
-                engine.set_speculation(specs, budget);
+                engine.speculate(kind, Some(Drafter::DFlash(Box::new(d))), budget).unwrap();
                 let (out, st) = generate(&mut engine, &prompt, t, 32);
                 assert_eq!(out, plain, "trained drafter, {kind:?} {budget:?} at temperature {t} changed the output of {msg:?}");
                 accepted += st.draft_accepted;
@@ -479,12 +477,12 @@ fn lossless_with_the_trained_drafter() {
 /// A drafter that does not fit the target is refused when the speculators are built.
 #[test]
 fn mismatched_drafter_is_refused_for_a_real_target() {
-    let Some(engine) = common::engine(QWEN05, 256) else {
+    let Some(mut engine) = common::engine(QWEN05, 256) else {
         return;
     };
     let d = DFlashDrafter::load(&fixture_dir().join("tiny"), Quant::Q8).unwrap();
-    let e = build_speculators(SpeculatorKind::DFlash, Some(Drafter::DFlash(Box::new(d))), &engine.lm, engine.ctx()).err().expect("refused");
+    let e = engine.speculate(SpeculatorKind::DFlash, Some(Drafter::DFlash(Box::new(d))), Budget::Auto).expect_err("refused");
     assert!(e.to_string().contains("hidden_size 64") && e.to_string().contains("896"), "{e}");
-    let e = build_speculators(SpeculatorKind::DFlash, None, &engine.lm, engine.ctx()).err().expect("refused").to_string();
+    let e = engine.speculate(SpeculatorKind::DFlash, None, Budget::Auto).expect_err("refused").to_string();
     assert!(e.contains("needs a DFlash drafter"), "{e}");
 }

@@ -82,7 +82,7 @@ fn prefill_and_decode_logits_are_bit_identical() {
 #[test]
 fn logprobs_are_the_raw_distribution_and_speculation_keeps_them() {
     use eddy::engine::TokenLogprobs;
-    use eddy::spec::{build_speculators, Budget, SpeculatorKind};
+    use eddy::spec::{Budget, SpeculatorKind};
     let Some(mut engine) = common::engine(DEFAULT, 1024) else { return };
     // Repetitive text, so suffix drafts are accepted and tokens come from tree nodes.
     let prompt = chat_prompt(&engine, "Repeat exactly, three times: the quick brown fox jumps over the lazy dog.");
@@ -112,7 +112,7 @@ fn logprobs_are_the_raw_distribution_and_speculation_keeps_them() {
     }
     let hot = SamplerParams { temperature: 0.8, seed: 7, top_k: 40, ..SamplerParams::default() };
     let (plain_hot, _) = run(&mut engine, hot.clone());
-    engine.set_speculation(build_speculators(SpeculatorKind::Suffix, None, &engine.lm, engine.ctx()).unwrap(), Budget::Fixed(8));
+    engine.speculate(SpeculatorKind::Suffix, None, Budget::Fixed(8)).unwrap();
     let (spec, st) = run(&mut engine, SamplerParams::default());
     assert!(st.draft_accepted > 0, "no draft accepted: the test does not exercise tree logits");
     assert_eq!(spec, plain);

@@ -702,7 +702,15 @@ fn mtp_speculator_drafts_the_reference_chain() {
     };
     let cost = CostModel::default();
     let propose = |spec: &mut MtpSpeculator, n: usize| {
-        let ctx = ProposeCtx { backend: &be, budget: Budget::Fixed(8), max_nodes: 8, cost: &cost, temperature: 0.0, target: Some(&target) };
+        let ctx = ProposeCtx {
+            backend: &be,
+            host: &be,
+            budget: Budget::Fixed(8),
+            max_nodes: 8,
+            cost: &cost,
+            temperature: 0.0,
+            target: Some(&target),
+        };
         let mut tree = DraftTree::new(history[n]);
         spec.propose(&ctx, &history[..=n], &mut tree).unwrap();
         tree

@@ -11,7 +11,7 @@ mod common;
 
 use eddy::engine::{Engine, GenerateParams};
 use eddy::sampling::SamplerParams;
-use eddy::spec::{build_speculators, Budget, SpeculatorKind};
+use eddy::spec::{Budget, SpeculatorKind};
 
 const QWEN05: &str = "qwen2.5-coder-0.5b-instruct.gguf";
 const QWEN15: &str = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf";
@@ -88,8 +88,7 @@ fn check_target(target: &str, draft: &str) {
                     SpeculatorKind::Suffix => None,
                     _ => Some(eddy::spec::Drafter::Model(Box::new(eddy::load::load_gguf(&draft_path, &mut |_, _| {}).unwrap()))),
                 };
-                let specs = build_speculators(kind, d, &engine.lm, engine.ctx()).unwrap();
-                engine.set_speculation(specs, budget);
+                engine.speculate(kind, d, budget).unwrap();
                 for (j, &t) in temps.iter().enumerate() {
                     let (out, st) = generate(&mut engine, p, t);
                     assert_eq!(
@@ -147,8 +146,7 @@ fn lossless_on_qwen35_tiny() {
         let (plain, _) = run(&mut engine, t);
         for kind in [SpeculatorKind::Suffix, SpeculatorKind::Mtp, SpeculatorKind::Auto] {
             for budget in [Budget::Fixed(4), Budget::Fixed(8), Budget::Auto] {
-                let specs = build_speculators(kind, None, &engine.lm, engine.ctx()).unwrap();
-                engine.set_speculation(specs, budget);
+                engine.speculate(kind, None, budget).unwrap();
                 let (out, st) = run(&mut engine, t);
                 assert_eq!(out, plain, "Qwen3.5 speculation ({kind:?}, {budget:?}, T={t}) changed the output");
                 if budget != Budget::Auto {

@@ -66,14 +66,14 @@ pub use cpu::Cpu;
 /// start of its buffers unless a row offset says otherwise. Every operation must be batch invariant: a
 /// row's result does not depend on `n` or on the other rows (speculative decoding relies on it to be
 /// lossless), and deterministic for a given backend.
-pub trait Backend: Send + Sync {
+pub trait Backend: Send + Sync + 'static {
     /// A buffer of `f32` values in the backend's memory.
-    type Buf: Send + Sync;
+    type Buf: Send + Sync + 'static;
     /// A weight matrix (`rows × cols`, HF orientation: out × in) in the backend's layout.
-    type Weights: Send + Sync;
+    type Weights: Send + Sync + 'static;
     /// Activations quantized to int8 per token and group of 32 (the input of [`Backend::matmul`] for
     /// quantized weights).
-    type QAct: Send + Sync;
+    type QAct: Send + Sync + 'static;
 
     /// A zeroed buffer of `len` values.
     fn alloc(&self, len: usize) -> Self::Buf;

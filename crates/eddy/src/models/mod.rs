@@ -298,6 +298,21 @@ impl<B: Backend> Layer<B> {
 }
 
 impl Model {
+    /// This model on backend `be`: moved as it is when `B` is the CPU (its host layout is the CPU's), else
+    /// uploaded by [`Model::to_backend`] and the host copy dropped.
+    ///
+    /// Errors: as [`Model::to_backend`].
+    pub fn into_backend<B: Backend>(self, be: &B) -> Result<Model<B>> {
+        let any: Box<dyn std::any::Any> = Box::new(self);
+        match any.downcast::<Model<B>>() {
+            Ok(same) => Ok(*same),
+            Err(any) => {
+                let host = any.downcast::<Model>().expect("a host model");
+                host.to_backend(be)
+            }
+        }
+    }
+
     /// This model's weights and norms uploaded to backend `be` (every [`Backend::Buf`] and
     /// [`crate::quant::WeightMatrix`] copied into its memory and layout; the CPU model is unchanged).
     ///

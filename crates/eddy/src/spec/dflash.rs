@@ -890,7 +890,7 @@ impl Speculator for DFlashSpeculator {
         "dflash"
     }
 
-    fn prefill(&mut self, _backend: &Cpu, _prompt: &[u32]) -> Result<()> {
+    fn prefill(&mut self, _backend: &Cpu, _host: &Cpu, _prompt: &[u32]) -> Result<()> {
         self.stats.clear_chain();
         Ok(())
     }

@@ -14,10 +14,11 @@
 //! step with what the target accepted.
 
 use super::{probs_of, top_k, Budget, CostModel, DraftTree, DrafterStats, ProposeCtx, Ranked, Speculator};
-use crate::backend::Cpu;
+use crate::backend::{Backend, Cpu};
 use crate::error::{Error, Result};
 use crate::load::LoadedModel;
 use crate::models::forward::{commit_tree, forward, forward_tree, Logits, Workspace};
+use crate::models::Model;
 use crate::state::SeqState;
 use crate::tokenizer::Tokenizer;
 use crate::tree::{TreePaths, NO_PARENT};
@@ -31,11 +32,12 @@ const WIDTH: usize = 4;
 /// Deepest draft node below the root.
 const MAX_DEPTH: usize = 16;
 
-/// A draft model and its own sequence state.
-pub struct DraftModel {
-    lm: LoadedModel,
-    ws: Workspace,
-    state: SeqState,
+/// A draft model and its own sequence state, on the engine's backend `B` (on a GPU next to the target;
+/// only its sampled rows' logits come back to the host).
+pub struct DraftModel<B: Backend = Cpu> {
+    model: Model<B>,
+    ws: Workspace<B>,
+    state: SeqState<B>,
     logits: Vec<f32>,
     /// Nodes run through the draft this round (hanging off its committed sequence): tokens, parents.
     tokens: Vec<u32>,
@@ -66,24 +68,23 @@ pub fn check_same_vocab(target: &Tokenizer, draft: &Tokenizer) -> Result<()> {
     Ok(())
 }
 
-impl DraftModel {
-    /// Wrap `lm` as a draft for a target with tokenizer `target` and context `ctx` tokens.
+impl<B: Backend> DraftModel<B> {
+    /// Wrap `lm` as a draft for a target with tokenizer `target` and context `ctx` tokens, running on `be`
+    /// (its weights moved there: [`Model::into_backend`]), with its KV cache and workspace there.
     ///
-    /// Errors: the tokenizers differ.
-    pub fn new(lm: LoadedModel, target: &Tokenizer, ctx: usize) -> Result<DraftModel> {
+    /// Errors: the tokenizers differ; a model `be` cannot run.
+    pub fn new(lm: LoadedModel, target: &Tokenizer, ctx: usize, be: &B) -> Result<DraftModel<B>> {
         check_same_vocab(target, &lm.tokenizer)?;
-        let c = &lm.model.config;
-        let ctx = ctx.min(c.train_ctx).max(1);
-        // The CPU backend allocates host memory: a handle without worker threads serves for the buffers.
-        let host = Cpu::new(1);
-        let state = lm.model.new_state(&host, ctx);
-        let ws = Workspace::new(&host, &lm.model, 256);
-        Ok(DraftModel { ws, state, logits: Vec::new(), tokens: Vec::new(), parents: Vec::new(), stats: DrafterStats::default(), lm })
+        let ctx = ctx.min(lm.model.config.train_ctx).max(1);
+        let model = lm.model.into_backend(be)?;
+        let state = model.new_state(be, ctx);
+        let ws = Workspace::new(be, &model, 256);
+        Ok(DraftModel { ws, state, logits: Vec::new(), tokens: Vec::new(), parents: Vec::new(), stats: DrafterStats::default(), model })
     }
 
     /// Bring the draft's committed sequence to `history` and leave the logits after its last token in
     /// `self.logits`.
-    fn catch_up(&mut self, backend: &Cpu, history: &[u32]) -> Result<()> {
+    fn catch_up(&mut self, backend: &B, history: &[u32]) -> Result<()> {
         let committed = &self.state.tokens;
         if history.len() > committed.len() && history.starts_with(committed) && !self.tokens.is_empty() {
             // Compact the accepted nodes that were already run.
@@ -104,7 +105,7 @@ impl DraftModel {
             debug_assert!(path.iter().enumerate().all(|(d, &i)| paths.depth(i) == d));
             if !path.is_empty() {
                 let toks = self.tokens.clone();
-                commit_tree(&self.lm.model, backend, &mut self.state, &toks, &path)?;
+                commit_tree(&self.model, backend, &mut self.state, &toks, &path)?;
             }
         }
         self.tokens.clear();
@@ -113,7 +114,7 @@ impl DraftModel {
         let keep = common.min(history.len() - 1);
         self.state.truncate(keep);
         let t0 = Instant::now();
-        forward(&self.lm.model, backend, &mut self.ws, &mut self.state, &history[keep..], Logits::Last, &mut self.logits)?;
+        forward(&self.model, backend, &mut self.ws, &mut self.state, &history[keep..], Logits::Last, &mut self.logits)?;
         if history.len() - keep <= WIDTH {
             self.stats.record_pass(t0.elapsed().as_secs_f64());
         }
@@ -133,12 +134,12 @@ struct Cand {
 
 type Scored = Ranked<Cand>;
 
-impl Speculator for DraftModel {
+impl<B: Backend> Speculator<B> for DraftModel<B> {
     fn name(&self) -> &'static str {
         "draft"
     }
 
-    fn prefill(&mut self, backend: &Cpu, prompt: &[u32]) -> Result<()> {
+    fn prefill(&mut self, backend: &B, _host: &Cpu, prompt: &[u32]) -> Result<()> {
         self.tokens.clear();
         self.parents.clear();
         self.stats.clear_chain();
@@ -149,14 +150,14 @@ impl Speculator for DraftModel {
         let body = &prompt[..prompt.len() - 1];
         let common = self.state.tokens.iter().zip(body).take_while(|(a, b)| a == b).count();
         self.state.truncate(common);
-        forward(&self.lm.model, backend, &mut self.ws, &mut self.state, &body[common..], Logits::None, &mut self.logits)
+        forward(&self.model, backend, &mut self.ws, &mut self.state, &body[common..], Logits::None, &mut self.logits)
     }
 
-    fn propose(&mut self, ctx: &ProposeCtx, history: &[u32], tree: &mut DraftTree) -> Result<f64> {
+    fn propose(&mut self, ctx: &ProposeCtx<B>, history: &[u32], tree: &mut DraftTree) -> Result<f64> {
         let t0 = Instant::now();
         self.stats.score_chain(history);
         // Tokens the draft has not run yet must be in its vocabulary (the committed ones were run).
-        let vocab = self.lm.model.config.vocab_size;
+        let vocab = self.model.config.vocab_size;
         if history[self.state.tokens.len().min(history.len())..].iter().any(|&t| t as usize >= vocab) {
             return Ok(0.0);
         }
@@ -224,16 +225,7 @@ impl Speculator for DraftModel {
                     }
                     let paths = TreePaths::new(&self.parents)?;
                     let tp = Instant::now();
-                    forward_tree(
-                        &self.lm.model,
-                        ctx.backend,
-                        &mut self.ws,
-                        &mut self.state,
-                        &self.tokens,
-                        &paths,
-                        first,
-                        &mut self.logits,
-                    )?;
+                    forward_tree(&self.model, ctx.backend, &mut self.ws, &mut self.state, &self.tokens, &paths, first, &mut self.logits)?;
                     self.stats.record_pass(tp.elapsed().as_secs_f64());
                     for (j, (c, node)) in frontier.iter().enumerate() {
                         let row = self.logits[j * vocab..(j + 1) * vocab].to_vec();

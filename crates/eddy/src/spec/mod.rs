@@ -22,7 +22,7 @@ pub mod draft;
 pub mod mtp;
 pub mod suffix;
 
-use crate::backend::Cpu;
+use crate::backend::{Backend, Cpu};
 use crate::error::Result;
 use crate::tree::NO_PARENT;
 
@@ -321,9 +321,11 @@ impl CostModel {
 }
 
 /// What a speculator may use while proposing.
-pub struct ProposeCtx<'a> {
-    /// The engine's backend (draft models run on it).
-    pub backend: &'a Cpu,
+pub struct ProposeCtx<'a, B: Backend = Cpu> {
+    /// The backend this speculator runs on: the engine's (a draft model runs on it, next to the target).
+    pub backend: &'a B,
+    /// The CPU pool for host-side work (the engine's backend itself on the CPU).
+    pub host: &'a Cpu,
     /// Node budget of this step.
     pub budget: Budget,
     /// Hard cap on nodes below the root (KV room, tokens left).
@@ -333,25 +335,30 @@ pub struct ProposeCtx<'a> {
     /// Target sampling temperature (0 = greedy); draft probabilities are taken at this temperature (1 for
     /// greedy) as acceptance estimates.
     pub temperature: f32,
-    /// The target model (drafters that share its weights, like an MTP head, run on it); `None` in unit
-    /// tests of speculators that do not need it.
+    /// The target model's host copy (drafters that share its weights, like an MTP head or a DFlash
+    /// drafter's embedding and LM head, read them on the CPU); `None` in unit tests of speculators that do
+    /// not need it.
     pub target: Option<&'a crate::models::Model>,
 }
 
 /// A source of draft tokens. Implementations keep whatever incremental state they need (a suffix
 /// automaton, a draft model's KV cache) in step with the sequence they are shown.
-pub trait Speculator: Send {
+///
+/// `B` is the backend the speculator runs on. Host-side speculators (suffix lookup, the MTP head, DFlash)
+/// implement `Speculator<Cpu>` and serve an engine on any backend through [`OnHost`]; a draft model runs
+/// on the engine's own backend ([`draft::DraftModel`] is generic over it).
+pub trait Speculator<B: Backend = Cpu>: Send {
     /// Short name (`suffix`, `draft`).
     fn name(&self) -> &'static str;
 
     /// A new sequence starts with `prompt` (prefill time): build state for it. The next
     /// [`Speculator::propose`] call's history starts with `prompt`.
-    fn prefill(&mut self, backend: &Cpu, prompt: &[u32]) -> Result<()>;
+    fn prefill(&mut self, backend: &B, host: &Cpu, prompt: &[u32]) -> Result<()>;
 
     /// Add candidate nodes below the root of `tree` (node 0, whose token is `history`'s last) for the
     /// sequence `history` (prompt, every token generated so far, the root last). Returns the seconds
     /// spent, which count as this round's drafting cost.
-    fn propose(&mut self, ctx: &ProposeCtx, history: &[u32], tree: &mut DraftTree) -> Result<f64>;
+    fn propose(&mut self, ctx: &ProposeCtx<B>, history: &[u32], tree: &mut DraftTree) -> Result<f64>;
 
     /// Whether this speculator drafts from the target's final-normed hidden states
     /// ([`Speculator::observe`] gets them).
@@ -368,11 +375,46 @@ pub trait Speculator: Send {
 
     /// The target committed positions `start..start + n` and computed their hidden states `hidden`
     /// (position order): the final-normed states (`n × d_model`) when [`Speculator::wants_hidden`], or
-    /// the outputs of [`Speculator::feature_layers`] concatenated (`n × layers·d_model`). `history` holds
-    /// the sequence's tokens through position `start` at least. Called after each prefill piece (its
-    /// rows) and after every verify step (the accepted path), only for speculators that want either.
-    fn observe(&mut self, _backend: &Cpu, _history: &[u32], _start: usize, _hidden: &[f32]) -> Result<()> {
+    /// the outputs of [`Speculator::feature_layers`] concatenated (`n × layers·d_model`), in host memory.
+    /// `history` holds the sequence's tokens through position `start` at least. Called after each prefill
+    /// piece (its rows) and after every verify step (the accepted path), only for speculators that want
+    /// either; `host` is the CPU pool.
+    fn observe(&mut self, _host: &Cpu, _history: &[u32], _start: usize, _hidden: &[f32]) -> Result<()> {
         Ok(())
+    }
+}
+
+/// A host-side speculator ([`Speculator<Cpu>`]: suffix lookup, the MTP head, DFlash) serving an engine on
+/// any backend: it runs on the CPU pool ([`ProposeCtx::host`]) whatever the target runs on.
+pub struct OnHost(pub Box<dyn Speculator>);
+
+impl<B: Backend> Speculator<B> for OnHost {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    fn prefill(&mut self, _backend: &B, host: &Cpu, prompt: &[u32]) -> Result<()> {
+        self.0.prefill(host, host, prompt)
+    }
+    fn propose(&mut self, ctx: &ProposeCtx<B>, history: &[u32], tree: &mut DraftTree) -> Result<f64> {
+        let on_host = ProposeCtx {
+            backend: ctx.host,
+            host: ctx.host,
+            budget: ctx.budget,
+            max_nodes: ctx.max_nodes,
+            cost: ctx.cost,
+            temperature: ctx.temperature,
+            target: ctx.target,
+        };
+        self.0.propose(&on_host, history, tree)
+    }
+    fn wants_hidden(&self) -> bool {
+        self.0.wants_hidden()
+    }
+    fn feature_layers(&self) -> &[usize] {
+        self.0.feature_layers()
+    }
+    fn observe(&mut self, host: &Cpu, history: &[u32], start: usize, hidden: &[f32]) -> Result<()> {
+        self.0.observe(host, history, start, hidden)
     }
 }
 
@@ -492,45 +534,51 @@ pub enum Drafter {
     DFlash(Box<dflash::DFlashDrafter>),
 }
 
-/// Build the speculators of `kind` for the target `target` with a context of `ctx` tokens.
+/// Build the speculators of `kind` for the target `target` with a context of `ctx` tokens, for an engine
+/// whose target runs on `be`: a draft model is moved there ([`draft::DraftModel`]); the host-side
+/// speculators run on the CPU through [`OnHost`].
 ///
 /// Errors: `Draft`/`DFlash` without a drafter (or with the other kind of drafter: a DFlash folder is
 /// only run by `Draft`, `DFlash`, `DFlashChain` and `Auto`), a drafter given to `None`/`Suffix`/`Mtp`,
-/// a draft model whose tokenizer differs from the target's, a DFlash drafter that does not fit the target
-/// ([`dflash::DFlashDrafter::bind`]), `Mtp` for a target without an MTP head.
-pub fn build_speculators(
+/// a draft model whose tokenizer differs from the target's or that `be` cannot run, a DFlash drafter that
+/// does not fit the target ([`dflash::DFlashDrafter::bind`]), `Mtp` for a target without an MTP head.
+pub fn build_speculators<B: Backend>(
     kind: SpeculatorKind,
     draft: Option<Drafter>,
     target: &crate::load::LoadedModel,
     ctx: usize,
-) -> Result<Vec<Box<dyn Speculator>>> {
+    be: &B,
+) -> Result<Vec<Box<dyn Speculator<B>>>> {
     use crate::error::Error;
     let tok = &target.tokenizer;
-    let mtp = || -> Option<Box<dyn Speculator>> {
+    let host = |s: Box<dyn Speculator>| -> Box<dyn Speculator<B>> { Box::new(OnHost(s)) };
+    let mtp = || -> Option<Box<dyn Speculator<B>>> {
         target.model.mtp.as_ref()?;
-        Some(Box::new(mtp::MtpSpeculator::new(&target.model.config, ctx)))
+        Some(host(Box::new(mtp::MtpSpeculator::new(&target.model.config, ctx))))
     };
-    let dflash = |mut d: Box<dflash::DFlashDrafter>, shape| -> Result<Box<dyn Speculator>> {
+    let dflash = |mut d: Box<dflash::DFlashDrafter>, shape| -> Result<Box<dyn Speculator<B>>> {
         d.bind(&target.model)?;
-        Ok(Box::new(dflash::DFlashSpeculator::new(*d, ctx, shape)))
+        Ok(host(Box::new(dflash::DFlashSpeculator::new(*d, ctx, shape))))
     };
-    let mut out: Vec<Box<dyn Speculator>> = Vec::new();
+    let draft_model =
+        |d: Box<crate::load::LoadedModel>| -> Result<Box<dyn Speculator<B>>> { Ok(Box::new(draft::DraftModel::new(*d, tok, ctx, be)?)) };
+    let mut out: Vec<Box<dyn Speculator<B>>> = Vec::new();
     match (kind, draft) {
         (SpeculatorKind::None, None) => {}
-        (SpeculatorKind::Suffix, None) => out.push(Box::new(suffix::SuffixSpeculator::default())),
+        (SpeculatorKind::Suffix, None) => out.push(host(Box::<suffix::SuffixSpeculator>::default())),
         (SpeculatorKind::Mtp, None) => out.push(mtp().ok_or_else(|| {
             Error::Input("speculator `mtp` needs a model with a multi-token-prediction head (Qwen3.5 with mtp.* weights)".into())
         })?),
         (SpeculatorKind::Auto, d) => {
-            out.push(Box::new(suffix::SuffixSpeculator::default()));
+            out.push(host(Box::<suffix::SuffixSpeculator>::default()));
             out.extend(mtp());
             match d {
-                Some(Drafter::Model(d)) => out.push(Box::new(draft::DraftModel::new(*d, tok, ctx)?)),
+                Some(Drafter::Model(d)) => out.push(draft_model(d)?),
                 Some(Drafter::DFlash(d)) => out.push(dflash(d, dflash::TreeShape::Best)?),
                 None => {}
             }
         }
-        (SpeculatorKind::Draft, Some(Drafter::Model(d))) => out.push(Box::new(draft::DraftModel::new(*d, tok, ctx)?)),
+        (SpeculatorKind::Draft, Some(Drafter::Model(d))) => out.push(draft_model(d)?),
         (SpeculatorKind::Draft | SpeculatorKind::DFlash, Some(Drafter::DFlash(d))) => out.push(dflash(d, dflash::TreeShape::Best)?),
         (SpeculatorKind::DFlashChain, Some(Drafter::DFlash(d))) => out.push(dflash(d, dflash::TreeShape::Chain)?),
         (SpeculatorKind::Draft, None) => return Err(Error::Input("speculator `draft` needs a draft model (--draft-model PATH)".into())),

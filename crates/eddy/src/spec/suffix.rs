@@ -199,7 +199,7 @@ impl Speculator for SuffixSpeculator {
         "suffix"
     }
 
-    fn prefill(&mut self, _backend: &Cpu, prompt: &[u32]) -> Result<()> {
+    fn prefill(&mut self, _backend: &Cpu, _host: &Cpu, prompt: &[u32]) -> Result<()> {
         self.sync(prompt);
         Ok(())
     }
@@ -304,10 +304,18 @@ mod tests {
     fn proposes_a_tree_and_learns_hit_rates() {
         let backend = Cpu::new(1);
         let cost = CostModel::default();
-        let ctx = ProposeCtx { backend: &backend, budget: Budget::Fixed(8), max_nodes: 8, cost: &cost, temperature: 0.0, target: None };
+        let ctx = ProposeCtx {
+            backend: &backend,
+            host: &backend,
+            budget: Budget::Fixed(8),
+            max_nodes: 8,
+            cost: &cost,
+            temperature: 0.0,
+            target: None,
+        };
         let mut s = SuffixSpeculator::default();
         let mut hist: Vec<u32> = vec![5, 6, 7, 8, 9, 1, 2, 3, 5, 6];
-        s.prefill(&backend, &hist[..4]).unwrap();
+        s.prefill(&backend, &backend, &hist[..4]).unwrap();
         let mut tree = DraftTree::new(6);
         s.propose(&ctx, &hist, &mut tree).unwrap();
         // "5 6" occurred before, followed by 7 8 9 1 …: a chain 7 → 8 → 9 ….
