@@ -21,7 +21,8 @@
 #      with `pip install gguf==0.19.0 numpy` when missing), TEXT (held-out text; default the first 8500
 #      bytes of CPython's Lib/fractions.py, ~2k tokens), CALIB (calibration text for --calib; default the
 #      first 10000 bytes of CPython's Lib/argparse.py, ~2.2k tokens), EDDY_VARIANTS ("NAME|FLAGS ...", % for a space in FLAGS),
-#      EDDY (default target/release/eddy), THREADS (2).
+#      EDDY (default target/release/eddy), THREADS (2), LLAMA_TYPES (default "Q4_K_M Q4_0 IQ4_XS Q8_0"),
+#      EDDY_WHOLE and EDDY_MIXES (mixed recipes assembled from whole-format folders, see the end of the loop).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${QUANT_DIR:-$HOME/.cache/eddy/quant-quality}
@@ -104,7 +105,7 @@ for m in "$@"; do
   fi
   # The source's own damage: the noisy F16 source against the original GGUF (the original as the base).
   kl "$m-source-vs-original" "$src" "$orig"
-  for t in Q4_K_M Q4_0 IQ4_XS Q8_0; do
+  for t in ${LLAMA_TYPES:-Q4_K_M Q4_0 IQ4_XS Q8_0}; do
     [ -s "$OUT/results/$m-$t.json" ] && continue
     f=$OUT/$m-$t.gguf
     [ -s "$f" ] || nice "$LLAMA_BIN/llama-quantize" "$src" "$f" "$t" "$THREADS" >"$OUT/$m-$t.log" 2>&1
@@ -177,6 +178,35 @@ PY
     kl "$name" "$d" "$logits"
     rm -rf "$d"
   done
+  # Mixed recipes assembled by bench/mix_folders.py from folders quantized whole, unrotated (a matrix's codes
+  # then depend only on its own values and format, so a mix equals what `eddy quantize --tensor-format`
+  # writes for the same rules). EDDY_WHOLE: "NAME|FLAGS ..." (% for a space), each quantized once into
+  # $OUT/$m-whole-NAME; EDDY_MIXES: "NAME|BASE%RULE%RULE..." with BASE a whole NAME and RULE
+  # WHOLE_NAME:TENSOR[@LAYERS] (mix_folders.py's rules). Each mix is scored as a variant ($m-mix-NAME) and
+  # deleted; the whole folders are deleted once every mix is scored.
+  if [ -n "${EDDY_MIXES:-}" ]; then
+    for v in ${EDDY_WHOLE:-}; do
+      d=$OUT/$m-whole-${v%%|*}
+      [ -s "$d/model.safetensors" ] && continue
+      flags=${v#*|}
+      rm -rf "$d"
+      # shellcheck disable=SC2086
+      nice "$EDDY" quantize --model "$src" ${flags//%/ } -o "$d" >"$d.log" 2>&1
+    done
+    for v in $EDDY_MIXES; do
+      name=$m-mix-${v%%|*}
+      [ -s "$OUT/results/$name.json" ] && continue
+      IFS=% read -r -a spec <<<"${v#*|}"
+      rules=()
+      for r in "${spec[@]:1}"; do rules+=("$OUT/$m-whole-$r"); done
+      d=$OUT/$name
+      rm -rf "$d" "$d.tmp"
+      "$PY" bench/mix_folders.py "$d" "$OUT/$m-whole-${spec[0]}" "${rules[@]}" >/dev/null
+      kl "$name" "$d" "$logits"
+      rm -rf "$d"
+    done
+    [ -n "${EDDY_KEEP_WHOLE:-}" ] || for v in ${EDDY_WHOLE:-}; do rm -rf "$OUT/$m-whole-${v%%|*}"; done
+  fi
 done
 
 "$PY" - "$OUT/results" <<'PY'

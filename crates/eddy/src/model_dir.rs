@@ -233,9 +233,9 @@ impl Tensors {
     /// 4 bits, `[rows, cols]` for 8), F16 `name.scales` `[rows, cols/group]`, F16 `name.zero_points` (4
     /// bits only, same shape), optional I8 `name.input_signs` `[cols]` / `name.output_signs` `[rows]`
     /// (±1). Format K (U8 `name.scales`): 4-bit codes, `name.scales` and `name.zero_points` U8
-    /// `[rows, 3·cols/128]` (6-bit multipliers packed 4 to 3 bytes, [`crate::quant::rtn::unpack6`]), F16
-    /// `name.super_scales` and `name.super_zero_points` `[rows, cols/256]`. Errors name the file and the tensor
-    /// at fault.
+    /// `[rows, 3·⌈cols/128⌉]` (6-bit multipliers packed 4 to 3 bytes per row, [`crate::quant::rtn::unpack6_rows`]),
+    /// F16 `name.super_scales` and `name.super_zero_points` `[rows, ⌈cols/256⌉]` (a row's last super-block
+    /// partial when `cols % 256 != 0`). Errors name the file and the tensor at fault.
     fn eddy_matrix(&self, name: &str, rows: usize, cols: usize, shard: &Shard, info: &TensorInfo) -> Result<WeightMatrix> {
         use crate::quant::rotation::{Rotation, Signs};
         use crate::quant::{rtn, GroupScales, QMatrix, QK_SUPER};
@@ -278,9 +278,10 @@ impl Tensors {
             packed: None,
             rotation,
         };
-        // F16 super-block scales `[rows, cols/256]` of format k or k6.
+        // F16 super-block scales `[rows, ⌈cols/256⌉]` of format k or k6 (a row's last super-block partial when
+        // `cols % 256 != 0`).
         let sup = |suffix: &str, format: &str| -> Result<Vec<f32>> {
-            let want = vec![rows, cols / QK_SUPER];
+            let want = vec![rows, cols.div_ceil(QK_SUPER)];
             match half(suffix)? {
                 Some((v, s)) if s == want => Ok(v.iter().map(|h| h.to_f32()).collect()),
                 Some((_, s)) => Err(bad(format!("{suffix} of shape {s:?}, expected {want:?}"))),
@@ -290,9 +291,9 @@ impl Tensors {
         if let Some((hs, hi)) = self.get(&format!("{name}.high_bits")) {
             // K6: 6-bit codes (low nibbles in NAME, bit planes 4 and 5 in .high_bits), i8 multipliers per 16
             // values, f16 super-scales per 256.
-            if bits != 4 || !cols.is_multiple_of(QK_SUPER) || hi.dtype != Dtype::U8 || hi.shape != [rows, cols / 4] {
+            if bits != 4 || hi.dtype != Dtype::U8 || hi.shape != [rows, cols / 4] {
                 return Err(bad(format!(
-                    "high_bits {} {:?} (format k6 needs U8 [{rows}, {}], 4-bit low codes and cols % 256 == 0)",
+                    "high_bits {} {:?} (format k6 needs U8 [{rows}, {}] and 4-bit low codes)",
                     dtype_name(hi.dtype),
                     hi.shape,
                     cols / 4
@@ -321,14 +322,16 @@ impl Tensors {
             return Ok(WeightMatrix::Q(m));
         }
         if self.get(&format!("{name}.scales")).is_some_and(|(_, i)| i.dtype == Dtype::U8) {
-            // K: 6-bit multipliers packed 4 to 3 bytes per row, f16 super-scales per 256 values.
-            if bits != 4 || !cols.is_multiple_of(QK_SUPER) {
-                return Err(bad(format!("U8 .scales (format k) need 4-bit codes and cols % 256 == 0 ({rows} × {cols})")));
+            // K: 6-bit multipliers packed 4 to 3 bytes per row (the last triple of a row padded when its
+            // group count is not a multiple of 4), f16 super-scales per 256 values.
+            if bits != 4 {
+                return Err(bad(format!("U8 .scales (format k) need 4-bit codes ({rows} × {cols})")));
             }
+            let gpr = cols / rtn::K_GROUP;
             let packed = |suffix: &str| -> Result<Vec<i8>> {
-                let want = [rows, 3 * cols / rtn::K_GROUP / 4];
+                let want = [rows, 3 * gpr.div_ceil(4)];
                 match self.get(&format!("{name}.{suffix}")) {
-                    Some((s, i)) if i.dtype == Dtype::U8 && i.shape == want => Ok(rtn::unpack6(s.bytes(i))),
+                    Some((s, i)) if i.dtype == Dtype::U8 && i.shape == want && gpr > 0 => Ok(rtn::unpack6_rows(s.bytes(i), gpr)),
                     Some((_, i)) => Err(bad(format!("{suffix} is {} {:?}, expected U8 {want:?} (format k)", dtype_name(i.dtype), i.shape))),
                     None => Err(bad(format!("format k codes without their .{suffix}"))),
                 }

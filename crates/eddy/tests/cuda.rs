@@ -22,7 +22,7 @@ use eddy::backend::{parity, Attend, AttnShape, Backend, Cpu, Visibility};
 use eddy::models::forward::{decode, forward, forward_tree, Logits, Workspace};
 use eddy::quant::import::{quantize_f32, QuantKind};
 use eddy::quant::rotation::{Rotation, Signs};
-use eddy::quant::{rtn, GroupScales, QMatrix, WeightMatrix, QK, QK_SUPER};
+use eddy::quant::{rtn, super_blocks, GroupScales, QMatrix, WeightMatrix, QK};
 use eddy::tree::TreePaths;
 use std::sync::Arc;
 
@@ -74,8 +74,8 @@ fn random_q(rng: &mut Rng, rows: usize, cols: usize, bits: u8, group: usize, exp
         Scales::SuperI8 => GroupScales::SuperI8 {
             sc: (0..ng).map(|_| (rng.next() % 63 + 1) as i8).collect(),
             mn: explicit.then(|| (0..ng).map(|_| (rng.next() % 127) as i8 - 63).collect()),
-            d: (0..n / QK_SUPER).map(|_| 0.001 + 0.001 * rng.f().abs()).collect(),
-            dmin: if explicit { (0..n / QK_SUPER).map(|_| 0.002 * rng.f()).collect() } else { Vec::new() },
+            d: (0..rows * super_blocks(cols)).map(|_| 0.001 + 0.001 * rng.f().abs()).collect(),
+            dmin: if explicit { (0..rows * super_blocks(cols)).map(|_| 0.002 * rng.f()).collect() } else { Vec::new() },
         },
     };
     let m = QMatrix {
@@ -120,8 +120,9 @@ fn gpu_layout_round_trips_every_form() {
     let forms = all_forms();
     assert!(forms.len() >= 20, "{} forms", forms.len());
     for (bits, group, explicit, sc) in forms {
-        for prepacked in [false, true] {
-            let (rows, cols) = (19, 512);
+        // 896 = 3·256 + 128: SuperI8 scales with a partial last super-block per row.
+        for (prepacked, cols) in [(false, 512), (true, 512), (false, 896), (true, 896)] {
+            let rows = 19;
             let mut m = random_q(&mut rng, rows, cols, bits, group, explicit, sc);
             if prepacked {
                 m.prepack();

@@ -20,7 +20,8 @@
 //!
 //! Group: a matrix whose row length is not a multiple of the asked group (e.g. width 576 at group 128)
 //! takes the largest of 64, 32 that divides it; a row length that is not a multiple of 32 stays f32. K is
-//! always group 32; a K matrix whose row length is not a multiple of 256 is stored as M g32.
+//! always group 32 and K6 group 16, under super-blocks of 256 values (the last one of a row partial when its
+//! length is not a multiple of 256).
 
 use super::{Arch, Mixer, Model};
 use crate::backend::{Cpu, RopeMode};
@@ -426,7 +427,7 @@ pub fn quantize_model(
                     Some(h) => {
                         let mut w = data.clone();
                         rotation.rotate_matrix(&mut w, rows, cols);
-                        let k = format == Format::K && cols.is_multiple_of(crate::quant::QK_SUPER);
+                        let k = format == Format::K;
                         let q = if k {
                             gptq::quantize_k(rows, cols, &w, h, threads)
                         } else {
@@ -530,19 +531,22 @@ fn matrix_tensors(name: &str, w: &WeightMatrix) -> Vec<(String, safetensors::Dty
         }
         crate::quant::GroupScales::SuperI8 { sc, mn: None, d, .. } => {
             // K6: the high bit planes, i8 multipliers per 16, f16 super-scales.
-            let nsb = rows * cols / crate::quant::QK_SUPER;
+            let sbpr = crate::quant::super_blocks(cols);
             out.push((format!("{name}.high_bits"), Dtype::U8, vec![rows, cols / 4], std::mem::take(&mut high)));
             out.push((format!("{name}.scales"), Dtype::I8, vec![rows, cols / m.group], sc[..ng].iter().map(|&x| x as u8).collect()));
-            let sup: Vec<half::f16> = d[..nsb].iter().map(|&x| half::f16::from_f32(x)).collect();
-            out.push((format!("{name}.super_scales"), Dtype::F16, vec![rows, cols / crate::quant::QK_SUPER], f16b(&sup)));
+            let sup: Vec<half::f16> = d[..rows * sbpr].iter().map(|&x| half::f16::from_f32(x)).collect();
+            out.push((format!("{name}.super_scales"), Dtype::F16, vec![rows, sbpr], f16b(&sup)));
         }
         crate::quant::GroupScales::SuperI8 { sc, mn: Some(mn), d, dmin } => {
-            // K: 6-bit multipliers packed 4 to 3 bytes, f16 super-scales (exact: the grid holds f16 values).
-            let (per_row, nsb) = (3 * cols / m.group / 4, rows * cols / crate::quant::QK_SUPER);
-            let sup = |v: &[f32]| v[..nsb].iter().map(|&x| half::f16::from_f32(x)).collect::<Vec<_>>();
-            let sb_shape = vec![rows, cols / crate::quant::QK_SUPER];
-            out.push((format!("{name}.scales"), Dtype::U8, vec![rows, per_row], rtn::pack6(&sc[..ng])));
-            out.push((format!("{name}.zero_points"), Dtype::U8, vec![rows, per_row], rtn::pack6(&mn[..ng])));
+            // K: 6-bit multipliers packed 4 to 3 bytes per row (a row's last triple padded with zero
+            // multipliers when its group count is not a multiple of 4), f16 super-scales (exact: the grid
+            // holds f16 values).
+            let sbpr = crate::quant::super_blocks(cols);
+            let per_row = 3 * (cols / m.group).div_ceil(4);
+            let sup = |v: &[f32]| v[..rows * sbpr].iter().map(|&x| half::f16::from_f32(x)).collect::<Vec<_>>();
+            let sb_shape = vec![rows, sbpr];
+            out.push((format!("{name}.scales"), Dtype::U8, vec![rows, per_row], rtn::pack6_rows(&sc[..ng], cols / m.group)));
+            out.push((format!("{name}.zero_points"), Dtype::U8, vec![rows, per_row], rtn::pack6_rows(&mn[..ng], cols / m.group)));
             out.push((format!("{name}.super_scales"), Dtype::F16, sb_shape.clone(), f16b(&sup(d))));
             out.push((format!("{name}.super_zero_points"), Dtype::F16, sb_shape, f16b(&sup(dmin))));
         }
@@ -992,15 +996,21 @@ mod tests {
 
     /// A K (and a K6) matrix written as a folder's tensors ([`matrix_tensors`], [`write_tensors`]) loads back
     /// (`Tensors::matrix`) as the same [`QMatrix`]: codes, multipliers, super-scales; the side tensors with a
-    /// wrong shape or dtype, or missing, are errors naming the tensor (no panic). A row length that is not a
-    /// multiple of 256 is stored as M g32 (f16 scales).
+    /// wrong shape or dtype, or missing, are errors naming the tensor (no panic). Rows of 512 (whole super-blocks),
+    /// 896 (3·256 + a partial super-block of 128) and 864 (27 groups: the packed multipliers of a row padded).
     #[test]
     fn k_matrix_folder_round_trip_and_bad_tensors() {
+        for cols in [512, 896, 864] {
+            k_matrix_folder_round_trip_at(cols);
+        }
+    }
+
+    fn k_matrix_folder_round_trip_at(cols: usize) {
         use crate::model_dir::Quant;
         use crate::quant::GroupScales;
         use safetensors::Dtype;
-        let (rows, cols) = (24, 512);
-        let mut s = 9u64;
+        let rows = 24;
+        let mut s = 9u64 + cols as u64;
         let w: Vec<f32> = (0..rows * cols)
             .map(|_| {
                 let u = (splitmix64(&mut s) >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
@@ -1013,12 +1023,14 @@ mod tests {
             .collect();
         let q = rtn::quantize(rows, cols, &w, Format::K, 32, Rotation::default());
         let WeightMatrix::Q(m) = &q else { panic!("not quantized") };
-        let tmp = std::env::temp_dir().join(format!("eddy-k-folder-{}", std::process::id()));
+        assert!(m.cols == cols && m.bits == 4 && matches!(m.scales, GroupScales::SuperI8 { mn: Some(_), .. }), "not K");
+        let tmp = std::env::temp_dir().join(format!("eddy-k-folder-{}-{cols}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).unwrap();
         let ts = matrix_tensors("w", &q);
-        // Codes, 6-bit multipliers, super-scales: 4.5 bits per weight.
-        assert_eq!(ts.iter().map(|t| t.3.len()).sum::<usize>() * 8, rows * cols * 9 / 2);
+        // Codes, 6-bit multipliers (packed per row), super-scales: 4.5 bits per weight at cols % 256 == 0.
+        let (tri, sbpr) = (3 * (cols / 32).div_ceil(4), cols.div_ceil(256));
+        assert_eq!(ts.iter().map(|t| t.3.len()).sum::<usize>(), rows * (cols / 2 + 2 * tri + 4 * sbpr));
         write_tensors(&tmp, &ts).unwrap();
         let back = crate::model_dir::Tensors::open(&tmp).unwrap().matrix("w", rows, cols, Quant::None, false).unwrap();
         let WeightMatrix::Q(b) = &back else { panic!("not quantized") };
@@ -1032,10 +1044,10 @@ mod tests {
         assert!(sc.iter().any(|&x| x > 1) && mn.as_ref().unwrap().iter().any(|&x| x > 1), "trivial multipliers");
         assert_eq!((sc, mn, d, dmin), (sc2, mn2, d2, dmin2));
         for (victim, dtype, shape) in [
-            ("w.scales", Dtype::U8, vec![rows, 3 * cols / 128 - 3]),
-            ("w.zero_points", Dtype::I8, vec![rows, 3 * cols / 128]),
-            ("w.super_scales", Dtype::F16, vec![rows, cols / 256 + 1]),
-            ("w.super_zero_points", Dtype::F32, vec![rows, cols / 256]),
+            ("w.scales", Dtype::U8, vec![rows, tri - 3]),
+            ("w.zero_points", Dtype::I8, vec![rows, tri]),
+            ("w.super_scales", Dtype::F16, vec![rows, sbpr + 1]),
+            ("w.super_zero_points", Dtype::F32, vec![rows, sbpr]),
             ("w.super_zero_points", Dtype::U8, vec![0, 0]),
         ] {
             let mut bad: Vec<RawTensor> = ts.iter().filter(|t| t.0 != victim).cloned().collect();
@@ -1061,7 +1073,7 @@ mod tests {
         let q6 = rtn::quantize(rows, cols, &w, Format::K6, 32, Rotation::default());
         let WeightMatrix::Q(m6) = &q6 else { panic!("not quantized") };
         let ts6 = matrix_tensors("w", &q6);
-        assert_eq!(ts6.iter().map(|t| t.3.len()).sum::<usize>() * 128, rows * cols * 105);
+        assert_eq!(ts6.iter().map(|t| t.3.len()).sum::<usize>(), rows * (cols / 2 + cols / 4 + cols / 16 + 2 * sbpr));
         let dir6 = tmp.join("k6");
         std::fs::create_dir_all(&dir6).unwrap();
         write_tensors(&dir6, &ts6).unwrap();
@@ -1083,10 +1095,6 @@ mod tests {
             let err = crate::model_dir::Tensors::open(&dir).unwrap().matrix("w", rows, cols, Quant::None, false).unwrap_err().to_string();
             assert!(err.contains(victim.trim_start_matches("w.")), "{victim}: {err}");
         }
-        // 384 columns: not whole super-blocks, so M g32.
-        let q = rtn::quantize(2, 384, &w[..768], Format::K, 32, Rotation::default());
-        let WeightMatrix::Q(m) = &q else { panic!("not quantized") };
-        assert!(matches!(m.scales, GroupScales::F16 { min: Some(_), .. }) && m.group == 32);
         let _ = std::fs::remove_dir_all(&tmp);
     }
 

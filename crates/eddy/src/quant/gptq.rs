@@ -17,7 +17,7 @@
 //! never fired (zero diagonal) gets a diagonal of 1.
 
 use super::rtn::{m_code, minmax_scale_min, search_scale_min, KGrid, K_GROUP};
-use super::{GroupScales, QMatrix, QK, QK_SUPER};
+use super::{super_blocks, GroupScales, QMatrix, QK, QK_SUPER};
 use half::f16;
 
 /// Largest column segment over which `H` is kept whole.
@@ -319,19 +319,23 @@ pub fn quantize_m(rows: usize, cols: usize, w: &[f32], group: usize, h: &Hessian
 /// not clipped by the 6-bit multipliers.
 pub const K_GRID_HEADROOM: f32 = 1.05;
 
-/// K codes ([`super::rtn::Format::K`], `cols % 256 == 0`) of `w` by LDLQ against `h`, as [`quantize_m`]. The
+/// K codes ([`super::rtn::Format::K`], `cols % 32 == 0`; the last super-block of a row partial when
+/// `cols % 256 != 0`, [`super::super_blocks`]) of `w` by LDLQ against `h`, as [`quantize_m`]. The
 /// super-block grids are fixed first ([`KGrid::fit`] of each group's searched `(S, M)` on the original
 /// values, times [`K_GRID_HEADROOM`]); when a group's first column comes up its `(S, M)` is searched on the
 /// fed-back values and its multipliers picked on that grid ([`KGrid::pick`]).
 ///
-/// Errors and panics as [`quantize_m`]; panics if `cols % 256 != 0`.
+/// Errors and panics as [`quantize_m`]; panics if `cols % 32 != 0`.
 pub fn quantize_k(rows: usize, cols: usize, w: &[f32], h: &Hessian, threads: usize) -> Result<QMatrix, String> {
-    assert!(cols.is_multiple_of(QK_SUPER), "gptq: K needs cols % 256 == 0, got {cols}");
+    assert!(cols.is_multiple_of(QK) && cols > 0, "gptq: K needs cols % 32 == 0, got {cols}");
     let f32s = |(s, m): (f16, f16)| (s.to_f32() * K_GRID_HEADROOM, m.to_f32() * K_GRID_HEADROOM);
+    // One grid per super-block, row-major: `super_blocks(cols)` per row.
     let grids: Vec<KGrid> = w
-        .chunks_exact(QK_SUPER)
+        .chunks_exact(cols)
+        .flat_map(|row| row.chunks(QK_SUPER))
         .map(|sb| KGrid::fit(&sb.chunks_exact(K_GROUP).map(|g| f32s(search_scale_min(g))).collect::<Vec<_>>()))
         .collect();
+    let sbpr = super_blocks(cols);
     let (codes, sm) = ldlq(rows, cols, w, K_GROUP, Some(&grids), h, threads)?;
     let mut m = super::rtn::k_matrix(rows, cols);
     let GroupScales::SuperI8 { sc, mn: Some(mn), d, dmin } = &mut m.scales else { unreachable!("K matrix") };
@@ -340,8 +344,9 @@ pub fn quantize_k(rows: usize, cols: usize, w: &[f32], h: &Hessian, threads: usi
     }
     // `sm` holds the f32 products `d·sc`, `dmin·mn` of small integers: the quotients round back exactly.
     let mult = |v: f32, step: f32| if step == 0.0 { 0 } else { (v / step).round() as i8 };
+    let gpr = cols / K_GROUP;
     for (gi, &(s, m)) in sm.iter().enumerate() {
-        let g = grids[gi * K_GROUP / QK_SUPER];
+        let g = grids[gi / gpr * sbpr + gi % gpr * K_GROUP / QK_SUPER];
         (sc[gi], mn[gi]) = (mult(s, g.d), mult(m, g.dmin));
     }
     pack_codes(&codes, &mut m.lo);
@@ -395,7 +400,8 @@ fn ldlq(
                     for (ti, c, s) in mine {
                         let r0 = ti * TILE_ROWS;
                         let nr = c.len() / cols;
-                        let g = grids.map(|g| &g[r0 * cols / QK_SUPER..(r0 + nr) * cols / QK_SUPER]);
+                        let sbpr = super_blocks(cols);
+                        let g = grids.map(|g| &g[r0 * sbpr..(r0 + nr) * sbpr]);
                         ldlq_tile(&w[r0 * cols..(r0 + nr) * cols], nr, cols, s0, len, group, g, u, c, s);
                     }
                 });
@@ -460,7 +466,7 @@ fn ldlq_tile(
                     sm[gi] = match grids {
                         None => f32s(search_scale_min(vals)),
                         Some(gs) => {
-                            let g = gs[(r * cols + s0 + k) / QK_SUPER];
+                            let g = gs[r * super_blocks(cols) + (s0 + k) / QK_SUPER];
                             let (sc, mn, _) = g.pick(vals, &[f32s(search_scale_min(vals)), f32s(minmax_scale_min(vals))]);
                             g.value(sc, mn)
                         }
@@ -581,8 +587,8 @@ mod tests {
     #[test]
     fn gptq_output_error_is_below_rtn() {
         let mut rng = Rng(9);
-        // Group 0: format K (group 32 under 256-value super-blocks).
-        for (rows, cols, group) in [(48, 256, 64), (40, 2560, 128), (33, 192, 32), (24, 512, 0)] {
+        // Group 0: format K (group 32 under 256-value super-blocks; 896 = 3·256 + a partial super-block of 128).
+        for (rows, cols, group) in [(48, 256, 64), (40, 2560, 128), (33, 192, 32), (24, 512, 0), (20, 896, 0)] {
             let n = 300;
             let x = inputs(n, cols, &mut rng);
             let w: Vec<f32> = (0..rows * cols).map(|_| 0.05 * (rng.uni() + rng.uni() + rng.uni())).collect();

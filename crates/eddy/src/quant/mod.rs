@@ -26,6 +26,13 @@ pub const QK: usize = 32;
 /// Values per super-block of [`GroupScales::SuperI8`].
 pub const QK_SUPER: usize = 256;
 
+/// Super-blocks per row of `cols` values under [`GroupScales::SuperI8`]: each row is cut into super-blocks of
+/// [`QK_SUPER`] values from its start, the last one partial (`cols % 256` values) when `cols` is not a
+/// multiple of 256 (formats k/k6 on rows of e.g. 896 = 3·256 + 128).
+pub const fn super_blocks(cols: usize) -> usize {
+    cols.div_ceil(QK_SUPER)
+}
+
 /// Per group scale `S_g` and offset `M_g` of a [`QMatrix`]: `value = S_g·q + M_g`.
 #[derive(Debug, Clone)]
 pub enum GroupScales {
@@ -63,7 +70,8 @@ pub enum GroupScales {
 pub struct QMatrix {
     /// Output features.
     pub rows: usize,
-    /// Input features (a multiple of 32; of 256 with [`GroupScales::SuperI8`]).
+    /// Input features (a multiple of 32; with [`GroupScales::SuperI8`] the last super-block of a row may be
+    /// partial, [`super_blocks`]).
     pub cols: usize,
     /// Code width: 4, 5, 6 or 8; codes are `0 ≤ q < 2^bits`.
     pub bits: u8,
@@ -209,7 +217,7 @@ impl QMatrix {
         match &self.scales {
             GroupScales::F16 { scale, min } => (scale[gi].to_f32(), min.as_ref().map(|m| m[gi].to_f32())),
             GroupScales::SuperI8 { sc, mn, d, dmin } => {
-                let sb = (r * self.cols + g * self.group) / QK_SUPER;
+                let sb = r * super_blocks(self.cols) + g * self.group / QK_SUPER;
                 (d[sb] * sc[gi] as f32, mn.as_ref().map(|mn| dmin[sb] * mn[gi] as f32))
             }
         }
@@ -317,7 +325,7 @@ impl QMatrix {
                 GroupScales::F16 { scale: lane_order(scale, rows, wgpr), min: min.as_ref().map(|m| lane_order(m, rows, wgpr)) }
             }
             GroupScales::SuperI8 { sc, mn, d, dmin } => {
-                let sbpr = cols / QK_SUPER;
+                let sbpr = super_blocks(cols);
                 GroupScales::SuperI8 {
                     sc: lane_order(sc, rows, wgpr),
                     mn: mn.as_ref().map(|m| lane_order(m, rows, wgpr)),
@@ -356,9 +364,9 @@ impl QMatrix {
                 assert!(scale.len() >= ng && min.as_ref().is_none_or(|m| m.len() >= ng), "QMatrix scales too short")
             }
             GroupScales::SuperI8 { sc, mn, d, dmin } => {
-                assert!(self.cols.is_multiple_of(QK_SUPER), "SuperI8 scales need cols % 256 == 0");
-                assert!(sc.len() >= ng && d.len() >= n / QK_SUPER, "QMatrix scales too short");
-                assert!(mn.as_ref().is_none_or(|m| m.len() >= ng && dmin.len() >= n / QK_SUPER), "QMatrix offsets too short");
+                let nsb = self.rows * super_blocks(self.cols);
+                assert!(sc.len() >= ng && d.len() >= nsb, "QMatrix scales too short");
+                assert!(mn.as_ref().is_none_or(|m| m.len() >= ng && dmin.len() >= nsb), "QMatrix offsets too short");
             }
         }
     }

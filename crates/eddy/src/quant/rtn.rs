@@ -15,7 +15,7 @@
 //! hold codes (blocks of 32 never straddle rows) and stay `F32`, unrotated.
 
 use super::rotation::Rotation;
-use super::{GroupScales, QMatrix, WeightMatrix, QK, QK_SUPER};
+use super::{super_blocks, GroupScales, QMatrix, WeightMatrix, QK, QK_SUPER};
 use half::f16;
 
 /// eddy's own weight formats.
@@ -27,11 +27,13 @@ pub enum Format {
     L,
     /// int4 codes, group 32, with two-level scales ([`GroupScales::SuperI8`]): per group a 6-bit scale
     /// multiplier and a 6-bit offset multiplier, per super-block of 256 values an f16 super-scale and an f16
-    /// super-offset-scale ([`quantize_k`]). Rows whose length is not a multiple of 256 are stored as M g32.
+    /// super-offset-scale ([`quantize_k`]); a row whose length is not a multiple of 256 ends in a partial
+    /// super-block (e.g. 896 = 3·256 + 128: 4 groups under the last `d`, `dmin`).
     K,
     /// 6-bit symmetric codes, group 16, with an i8 scale multiplier per group and an f16 super-scale per
     /// 256 values ([`GroupScales::SuperI8`] with the implicit offset, as GGUF Q6_K; [`quantize_k6`]): the
-    /// companion of K for sensitive matrices. Rows whose length is not a multiple of 256 are stored as L g32.
+    /// companion of K for sensitive matrices; a row whose length is not a multiple of 256 ends in a partial
+    /// super-block, as K's.
     K6,
 }
 
@@ -149,10 +151,8 @@ fn quantize_by(
     let mut m = match format {
         Format::M => quantize_m(rows, cols, w, group, pick),
         Format::L => quantize_l(rows, cols, w, group),
-        Format::K if cols.is_multiple_of(QK_SUPER) => quantize_k(rows, cols, w, pick),
-        Format::K => quantize_m(rows, cols, w, K_GROUP, pick),
-        Format::K6 if cols.is_multiple_of(QK_SUPER) => quantize_k6(rows, cols, w),
-        Format::K6 => quantize_l(rows, cols, w, QK),
+        Format::K => quantize_k(rows, cols, w, pick),
+        Format::K6 => quantize_k6(rows, cols, w),
     };
     m.rotation = rotation;
     m.check();
@@ -482,30 +482,38 @@ impl KGrid {
     }
 }
 
-/// K format ([`Format::K`]) codes of `w` (`rows × cols`, `cols % 256 == 0`), no rotation: each group's
-/// `(S, M)` from `pick` ([`search_scale_min`] or [`minmax_scale_min`]), then per super-block the grid
+/// K format ([`Format::K`]) codes of `w` (`rows × cols`, `cols % 32 == 0`), no rotation: each group's
+/// `(S, M)` from `pick` ([`search_scale_min`] or [`minmax_scale_min`]), then per super-block (256 values of a
+/// row, the last one of a row partial when `cols % 256 != 0`, [`super::super_blocks`]) the grid
 /// [`KGrid::fit`] of those, and per group the multipliers with the least error among the grid neighbours of
 /// the picked `(S, M)` and of the min/max `(S, M)` ([`KGrid::pick`]: so never worse than min/max rounded to
-/// the same grid), the codes the nearest ones. Groups split over the available cores.
+/// the same grid), the codes the nearest ones. Rows split over the available cores.
 pub fn quantize_k(rows: usize, cols: usize, w: &[f32], pick: fn(&[f32]) -> (f16, f16)) -> QMatrix {
-    assert!(cols.is_multiple_of(QK_SUPER) && w.len() == rows * cols, "quantize_k: {rows} × {cols}");
-    let gps = QK_SUPER / K_GROUP;
-    let out = par_chunks(w, QK_SUPER, |wsb| {
-        let f32s = |(s, m): (f16, f16)| (s.to_f32(), m.to_f32());
-        let picked: Vec<(f32, f32)> = wsb.chunks_exact(K_GROUP).map(|wg| f32s(pick(wg))).collect();
-        let grid = KGrid::fit(&picked);
-        let mut mults = [(0i8, 0i8); QK_SUPER / K_GROUP];
-        for (g, wg) in wsb.chunks_exact(K_GROUP).enumerate() {
-            let (sc, mn, _) = grid.pick(wg, &[picked[g], f32s(minmax_scale_min(wg))]);
-            mults[g] = (sc as i8, mn as i8);
+    assert!(cols.is_multiple_of(QK) && w.len() == rows * cols, "quantize_k: {rows} × {cols}");
+    let out = par_chunks(w, cols.max(1), |row| {
+        let mut res = Vec::with_capacity(super_blocks(cols));
+        for wsb in row.chunks(QK_SUPER) {
+            let f32s = |(s, m): (f16, f16)| (s.to_f32(), m.to_f32());
+            let picked: Vec<(f32, f32)> = wsb.chunks_exact(K_GROUP).map(|wg| f32s(pick(wg))).collect();
+            let grid = KGrid::fit(&picked);
+            let mults: Vec<(i8, i8)> = wsb
+                .chunks_exact(K_GROUP)
+                .enumerate()
+                .map(|(g, wg)| {
+                    let (sc, mn, _) = grid.pick(wg, &[picked[g], f32s(minmax_scale_min(wg))]);
+                    (sc as i8, mn as i8)
+                })
+                .collect();
+            res.push((grid, mults));
         }
-        (grid, mults)
+        res
     });
     let mut m = k_matrix(rows, cols);
-    for (b, (grid, mults)) in out.iter().enumerate() {
-        for (g, &(sc, mn)) in mults.iter().enumerate() {
-            let gi = b * gps + g;
+    let mut gi = 0;
+    for (grid, mults) in out.iter().flatten() {
+        for &(sc, mn) in mults {
             set_k_group(&mut m, gi, &w[gi * K_GROUP..][..K_GROUP], *grid, sc, mn);
+            gi += 1;
         }
     }
     m
@@ -558,39 +566,45 @@ pub fn k6_search_scale(wg: &[f32]) -> f32 {
     best.1
 }
 
-/// K6 format ([`Format::K6`]) codes of `w` (`rows × cols`, `cols % 256 == 0`), no rotation: each group's
-/// scale searched ([`k6_search_scale`]), per super-block `d` the f16 at or above `max |S|/127`, per group
-/// the multiplier `sc ∈ −127..=127` nearest to `S/d` or its neighbours with the least error, the codes
-/// the nearest levels + 32. Rows split over the available cores.
+/// K6 format ([`Format::K6`]) codes of `w` (`rows × cols`, `cols % 32 == 0`), no rotation: each group's
+/// scale searched ([`k6_search_scale`]), per super-block (256 values of a row, the last one of a row partial
+/// when `cols % 256 != 0`) `d` the f16 at or above `max |S|/127`, per group the multiplier `sc ∈ −127..=127`
+/// nearest to `S/d` or its neighbours with the least error, the codes the nearest levels + 32. Rows split
+/// over the available cores.
 pub fn quantize_k6(rows: usize, cols: usize, w: &[f32]) -> QMatrix {
-    assert!(cols.is_multiple_of(QK_SUPER) && w.len() == rows * cols, "quantize_k6: {rows} × {cols}");
+    assert!(cols.is_multiple_of(QK) && w.len() == rows * cols, "quantize_k6: {rows} × {cols}");
     let n = rows * cols;
-    let per_sb = par_chunks(w, QK_SUPER, |wsb| {
-        let s: Vec<f32> = wsb.chunks_exact(K6_GROUP).map(k6_search_scale).collect();
-        let smax = s.iter().fold(0f32, |a, &x| a.max(x.abs()));
-        let dv = f16_toward(smax / 127.0, true).to_f32();
-        let dd = if dv.is_finite() { dv } else { 0.0 };
-        let mut scs = [0i8; QK_SUPER / K6_GROUP];
-        for ((o, &sg), wg) in scs.iter_mut().zip(&s).zip(wsb.chunks_exact(K6_GROUP)) {
-            if dd == 0.0 {
-                continue;
+    let per_row = par_chunks(w, cols.max(1), |row| {
+        let mut res = Vec::with_capacity(super_blocks(cols));
+        for wsb in row.chunks(QK_SUPER) {
+            let s: Vec<f32> = wsb.chunks_exact(K6_GROUP).map(k6_search_scale).collect();
+            let smax = s.iter().fold(0f32, |a, &x| a.max(x.abs()));
+            let dv = f16_toward(smax / 127.0, true).to_f32();
+            let dd = if dv.is_finite() { dv } else { 0.0 };
+            let mut scs = vec![0i8; s.len()];
+            for ((o, &sg), wg) in scs.iter_mut().zip(&s).zip(wsb.chunks_exact(K6_GROUP)) {
+                if dd == 0.0 {
+                    continue;
+                }
+                let c = (sg / dd).round().clamp(-127.0, 127.0) as i32;
+                let cands = [(c - 1).max(-127), c, (c + 1).min(127)];
+                let e = |m: i32| k6_error(wg, dd * m as f32);
+                *o = cands.into_iter().min_by(|&a, &b| e(a).total_cmp(&e(b))).unwrap_or(c) as i8;
             }
-            let c = (sg / dd).round().clamp(-127.0, 127.0) as i32;
-            let cands = [(c - 1).max(-127), c, (c + 1).min(127)];
-            let e = |m: i32| k6_error(wg, dd * m as f32);
-            *o = cands.into_iter().min_by(|&a, &b| e(a).total_cmp(&e(b))).unwrap_or(c) as i8;
+            res.push((dd, scs));
         }
-        (dd, scs)
+        res
     });
-    let d: Vec<f32> = per_sb.iter().map(|p| p.0).collect();
-    let sc: Vec<i8> = per_sb.iter().flat_map(|p| p.1).collect();
+    let d: Vec<f32> = per_row.iter().flatten().map(|p| p.0).collect();
+    let sc: Vec<i8> = per_row.iter().flatten().flat_map(|p| p.1.iter().copied()).collect();
+    let sbpr = super_blocks(cols);
     let mut lo = vec![0u8; n / 2];
     let mut hi = vec![0u8; n / QK * 8];
     for (b, wb) in w.chunks_exact(QK).enumerate() {
         let mut q = [0u8; QK];
         for (j, &x) in wb.iter().enumerate() {
             let e = b * QK + j;
-            let s = d[e / QK_SUPER] * sc[e / K6_GROUP] as f32;
+            let s = d[e / cols * sbpr + e % cols / QK_SUPER] * sc[e / K6_GROUP] as f32;
             q[j] = if s == 0.0 || !s.is_finite() { 32 } else { (k6_level(x, s) + 32) as u8 };
         }
         for k in 0..QK / 2 {
@@ -626,6 +640,27 @@ pub fn pack6(v: &[i8]) -> Vec<u8> {
         .collect()
 }
 
+/// [`pack6`] of each row of `per_row` values of `v` (`v.len() % per_row == 0`), a row's values padded with
+/// zeros to a multiple of 4 (so rows never share a byte): `3·⌈per_row/4⌉` bytes per row.
+pub fn pack6_rows(v: &[i8], per_row: usize) -> Vec<u8> {
+    assert!(per_row > 0 && v.len().is_multiple_of(per_row), "pack6_rows: {} values in rows of {per_row}", v.len());
+    let padded = per_row.div_ceil(4) * 4;
+    let mut row = vec![0i8; padded];
+    v.chunks_exact(per_row)
+        .flat_map(|r| {
+            row[..per_row].copy_from_slice(r);
+            pack6(&row)
+        })
+        .collect()
+}
+
+/// Inverse of [`pack6_rows`]: rows of `3·⌈per_row/4⌉` bytes, `per_row` values each.
+pub fn unpack6_rows(b: &[u8], per_row: usize) -> Vec<i8> {
+    let bytes = 3 * per_row.div_ceil(4);
+    assert!(per_row > 0 && b.len().is_multiple_of(bytes), "unpack6_rows: {} bytes in rows of {bytes}", b.len());
+    b.chunks_exact(bytes).flat_map(|r| unpack6(r).into_iter().take(per_row)).collect()
+}
+
 /// Inverse of [`pack6`]: `4·len/3` values `0..=63` (`len % 3 == 0`).
 pub fn unpack6(b: &[u8]) -> Vec<i8> {
     b.chunks_exact(3)
@@ -636,10 +671,11 @@ pub fn unpack6(b: &[u8]) -> Vec<i8> {
         .collect()
 }
 
-/// A K [`QMatrix`] of `rows × cols` (`cols % 256 == 0`) with zero codes, multipliers and super-scales, to
+/// A K [`QMatrix`] of `rows × cols` (`cols % 32 == 0`) with zero codes, multipliers and super-scales, to
 /// be filled by [`set_k_group`].
 pub(crate) fn k_matrix(rows: usize, cols: usize) -> QMatrix {
     let n = rows * cols;
+    let nsb = rows * super_blocks(cols);
     QMatrix {
         rows,
         cols,
@@ -647,12 +683,7 @@ pub(crate) fn k_matrix(rows: usize, cols: usize) -> QMatrix {
         group: K_GROUP,
         lo: vec![0u8; n / 2],
         hi: Vec::new(),
-        scales: GroupScales::SuperI8 {
-            sc: vec![0; n / K_GROUP],
-            mn: Some(vec![0; n / K_GROUP]),
-            d: vec![0.0; n / QK_SUPER],
-            dmin: vec![0.0; n / QK_SUPER],
-        },
+        scales: GroupScales::SuperI8 { sc: vec![0; n / K_GROUP], mn: Some(vec![0; n / K_GROUP]), d: vec![0.0; nsb], dmin: vec![0.0; nsb] },
         packed: None,
         rotation: Rotation::default(),
     }
@@ -663,7 +694,8 @@ pub(crate) fn k_matrix(rows: usize, cols: usize) -> QMatrix {
 /// `S = 0`).
 pub(crate) fn set_k_group(m: &mut QMatrix, gi: usize, wg: &[f32], grid: KGrid, sc: i8, mn: i8) {
     let GroupScales::SuperI8 { sc: scs, mn: Some(mns), d, dmin } = &mut m.scales else { unreachable!("K matrix") };
-    let sb = gi * K_GROUP / QK_SUPER;
+    let gpr = m.cols / K_GROUP;
+    let sb = gi / gpr * super_blocks(m.cols) + gi % gpr * K_GROUP / QK_SUPER;
     (d[sb], dmin[sb], scs[gi], mns[gi]) = (grid.d, grid.dmin, sc, mn);
     let (s, mv) = grid.value(sc as i32, mn as i32);
     let codes = &mut m.lo[gi * K_GROUP / 2..(gi + 1) * K_GROUP / 2];
@@ -801,8 +833,20 @@ mod tests {
     /// min/max scales. The multipliers pack and unpack exactly.
     #[test]
     fn k_is_close_to_m_g32_and_never_worse_than_minmax_on_its_grid() {
+        // 896 = 3·256 + 128: each row ends in a partial super-block of 4 groups.
+        for cols in [512, 896] {
+            k_is_close_at(cols);
+        }
+        let v: Vec<i8> = (0..64).map(|i| ((i * 37) % 64) as i8).collect();
+        assert_eq!(unpack6(&pack6(&v)), v);
+        let v: Vec<i8> = (0..3 * 27).map(|i| ((i * 37) % 64) as i8).collect();
+        assert_eq!(pack6_rows(&v, 27).len(), 3 * 21);
+        assert_eq!(unpack6_rows(&pack6_rows(&v, 27), 27), v);
+    }
+
+    fn k_is_close_at(cols: usize) {
         let mut s = 78u64;
-        let (rows, cols) = (40, 512);
+        let rows = 40;
         let w = outlier_values(&mut s, rows * cols);
         let WeightMatrix::Q(k) = quantize(rows, cols, &w, Format::K, 32, Rotation::default()) else { panic!() };
         let GroupScales::SuperI8 { d, dmin, .. } = &k.scales else { panic!("K has two-level scales") };
@@ -816,7 +860,7 @@ mod tests {
                     assert_eq!(k.code(r, g * K_GROUP + c), m_code(x, step, off), "not the nearest code");
                 }
                 let e = m_group_error(wg, step, off);
-                let sb = (r * cols + g * K_GROUP) / QK_SUPER;
+                let sb = r * super_blocks(cols) + g * K_GROUP / QK_SUPER;
                 let grid = KGrid { d: d[sb], dmin: dmin[sb] };
                 let (s0, m0) = minmax_scale_min(wg);
                 let (_, _, e0) = grid.pick(wg, &[(s0.to_f32(), m0.to_f32())]);
@@ -829,8 +873,59 @@ mod tests {
         }
         eprintln!("K {ek:e}, M g32 searched {em:e} ({:.3}×), M g32 min/max {emm:e}", ek / em);
         assert!(ek < 1.08 * em && ek < emm, "K {ek:e} vs M g32 {em:e}, min/max {emm:e}");
-        let v: Vec<i8> = (0..64).map(|i| ((i * 37) % 64) as i8).collect();
-        assert_eq!(unpack6(&pack6(&v)), v);
+    }
+
+    /// Rows whose length is not a multiple of 256 (896 = 3·256 + 128, 864 = 3·256 + 96): each super-block is
+    /// quantized on its own values only, the last one of a row partial, so K and K6 of a `rows × 896` matrix
+    /// dequantize bit for bit to those of its first 768 columns and its last 128 quantized as matrices of
+    /// their own; a row's super-scales number `⌈cols/256⌉`; and the dequantized values are close to the
+    /// source (K within m g32's error bounds, K6 within 1/3 of K's).
+    #[test]
+    fn partial_super_blocks_round_trip() {
+        let deq = |m: &QMatrix, r: usize, c: usize| {
+            let (s, mn) = m.scale_min(r, c / m.group);
+            s * m.code(r, c) as f32 + mn.unwrap_or(-((1 << (m.bits - 1)) as f32) * s)
+        };
+        for cols in [896usize, 864] {
+            let (rows, head) = (12, 768);
+            let tail = cols - head;
+            let mut s = 80u64 + cols as u64;
+            let w = outlier_values(&mut s, rows * cols);
+            let part = |c0: usize, n: usize| -> Vec<f32> { (0..rows).flat_map(|r| w[r * cols + c0..][..n].to_vec()).collect() };
+            let (wh, wt) = (part(0, head), part(head, tail));
+            let mut errs = Vec::new();
+            for format in [Format::K, Format::K6] {
+                let q = |n: usize, v: &[f32]| match quantize(rows, n, v, format, 32, Rotation::default()) {
+                    WeightMatrix::Q(m) => m,
+                    _ => panic!("not quantized"),
+                };
+                let (full, h, t) = (q(cols, &w), q(head, &wh), q(tail, &wt));
+                let GroupScales::SuperI8 { d, .. } = &full.scales else { panic!("{format:?} has two-level scales") };
+                assert_eq!(d.len(), rows * cols.div_ceil(QK_SUPER));
+                let mut e = 0f64;
+                for r in 0..rows {
+                    for c in 0..cols {
+                        let want = if c < head { deq(&h, r, c) } else { deq(&t, r, c - head) };
+                        let got = deq(&full, r, c);
+                        assert_eq!(got.to_bits(), want.to_bits(), "{format:?} cols {cols} ({r}, {c})");
+                        e += ((got - w[r * cols + c]) as f64).powi(2);
+                    }
+                }
+                // The same through the prepacked copy (what the AVX-512 kernels and embedding rows read).
+                let mut p = full.clone();
+                p.prepack();
+                p.drop_natural();
+                assert!((0..rows).all(|r| (0..cols).all(|c| deq(&p, r, c).to_bits() == deq(&full, r, c).to_bits())));
+                errs.push(e);
+            }
+            let WeightMatrix::Q(m32) = quantize(rows, cols, &w, Format::M, 32, Rotation::default()) else { panic!() };
+            let em: f64 = (0..rows)
+                .flat_map(|r| (0..cols).map(move |c| (r, c)))
+                .map(|(r, c)| ((deq(&m32, r, c) - w[r * cols + c]) as f64).powi(2))
+                .sum();
+            eprintln!("cols {cols}: K {:e}, K6 {:e}, M g32 {em:e}", errs[0], errs[1]);
+            assert!(errs[0] < 1.08 * em && errs[1] < 0.3 * errs[0], "cols {cols}: K {:e}, K6 {:e}, M g32 {em:e}", errs[0], errs[1]);
+        }
     }
 
     /// K6 on random groups with outliers: every code the nearest level (+32) for its group's `S = d·sc`,
@@ -838,8 +933,14 @@ mod tests {
     /// below the plain `max|w|/31` rule's, and far below K's (6 against 4 bits).
     #[test]
     fn k6_codes_are_nearest_and_the_grid_costs_little() {
+        for cols in [512, 896] {
+            k6_codes_at(cols);
+        }
+    }
+
+    fn k6_codes_at(cols: usize) {
         let mut s = 79u64;
-        let (rows, cols) = (20, 512);
+        let rows = 20;
         let w = outlier_values(&mut s, rows * cols);
         let WeightMatrix::Q(k6) = quantize(rows, cols, &w, Format::K6, 32, Rotation::default()) else { panic!() };
         assert_eq!((k6.bits, k6.group), (6, K6_GROUP));

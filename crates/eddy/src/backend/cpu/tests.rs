@@ -45,11 +45,11 @@ const KINDS: [Kind; 18] = [
     Kind::Bf16,
 ];
 
-/// Row length to test `kind` at for a requested `cols` (SuperI8 scales need multiples of 256).
+/// Row length to test `kind` at for a requested `cols` (a multiple of 32 and of the group; SuperI8 scales
+/// take any multiple of 32, a row's last super-block partial, e.g. 96, 576 = 2·256 + 64, 896 = 3·256 + 128).
 fn cols_for(kind: Kind, cols: usize) -> usize {
     match kind {
-        Kind::Q(_, _, Sc::SuperMin | Sc::SuperImplicit) => cols.next_multiple_of(256),
-        Kind::Q(_, group, _) => cols.next_multiple_of(group),
+        Kind::Q(_, group, _) => cols.next_multiple_of(group.max(QK)),
         _ => cols,
     }
 }
@@ -69,8 +69,12 @@ fn rand_weights(kind: Kind, rows: usize, cols: usize, rng: &mut Rng) -> WeightMa
                 Sc::SuperMin | Sc::SuperImplicit => GroupScales::SuperI8 {
                     sc: (0..ng).map(|_| rng.next() as i8).collect(),
                     mn: (sc == Sc::SuperMin).then(|| (0..ng).map(|_| rng.next() as i8).collect()),
-                    d: (0..n / 256).map(|_| rng.nz(0.00002, 0.0002)).collect(),
-                    dmin: if sc == Sc::SuperMin { (0..n / 256).map(|_| rng.nz(0.0001, 0.002)).collect() } else { vec![] },
+                    d: (0..rows * crate::quant::super_blocks(cols)).map(|_| rng.nz(0.00002, 0.0002)).collect(),
+                    dmin: if sc == Sc::SuperMin {
+                        (0..rows * crate::quant::super_blocks(cols)).map(|_| rng.nz(0.0001, 0.002)).collect()
+                    } else {
+                        vec![]
+                    },
                 },
             };
             WeightMatrix::Q(QMatrix {
@@ -422,7 +426,7 @@ fn prepacked_matmul_is_bit_identical_to_unpacked() {
     let mut rng = Rng(6);
     let pools: Vec<ThreadPool> = (1..=2).map(ThreadPool::new).collect();
     for kind in all_q_kinds() {
-        for &(rows, cols) in &[(37usize, 512usize), (100, 256), (37, 1536), (16, 96)] {
+        for &(rows, cols) in &[(37usize, 512usize), (100, 256), (37, 1536), (16, 96), (37, 896)] {
             let cols = cols_for(kind, cols);
             let w = rand_weights(kind, rows, cols, &mut rng);
             let mut wp = w.clone();
@@ -510,7 +514,7 @@ fn packed_amx_is_bit_identical_to_vnni_and_reference() {
         Kind::Q(6, 64, Sc::F16Min),
     ]);
     for kind in kinds {
-        for &(rows, cols) in &[(37usize, 512usize), (100, 256)] {
+        for &(rows, cols) in &[(37usize, 512usize), (100, 256), (21, 896)] {
             let cols = cols_for(kind, cols);
             let natural = rand_weights(kind, rows, cols, &mut rng);
             let mut w = natural.clone();
