@@ -238,7 +238,7 @@ impl Tensors {
     /// partial when `cols % 256 != 0`). Errors name the file and the tensor at fault.
     fn eddy_matrix(&self, name: &str, rows: usize, cols: usize, shard: &Shard, info: &TensorInfo) -> Result<WeightMatrix> {
         use crate::quant::rotation::{Rotation, Signs};
-        use crate::quant::{rtn, GroupScales, QMatrix, QK_SUPER};
+        use crate::quant::{rtn, super_blocks, GroupScales, QMatrix};
         let bad = |m: String| Error::model(&shard.path, format!("tensor {name}: {m}"));
         let bits = match info.shape[..] {
             [r, c] if r == rows && c == cols => 8,
@@ -281,7 +281,7 @@ impl Tensors {
         // F16 super-block scales `[rows, ⌈cols/256⌉]` of format k or k6 (a row's last super-block partial when
         // `cols % 256 != 0`).
         let sup = |suffix: &str, format: &str| -> Result<Vec<f32>> {
-            let want = vec![rows, cols.div_ceil(QK_SUPER)];
+            let want = vec![rows, super_blocks(cols)];
             match half(suffix)? {
                 Some((v, s)) if s == want => Ok(v.iter().map(|h| h.to_f32()).collect()),
                 Some((_, s)) => Err(bad(format!("{suffix} of shape {s:?}, expected {want:?}"))),

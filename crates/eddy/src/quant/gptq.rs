@@ -17,7 +17,7 @@
 //! never fired (zero diagonal) gets a diagonal of 1.
 
 use super::rtn::{m_code, minmax_scale_min, search_scale_min, KGrid, K_GROUP};
-use super::{super_blocks, GroupScales, QMatrix, QK, QK_SUPER};
+use super::{super_block, super_blocks, GroupScales, QMatrix, QK, QK_SUPER};
 use half::f16;
 
 /// Largest column segment over which `H` is kept whole.
@@ -335,7 +335,6 @@ pub fn quantize_k(rows: usize, cols: usize, w: &[f32], h: &Hessian, threads: usi
         .flat_map(|row| row.chunks(QK_SUPER))
         .map(|sb| KGrid::fit(&sb.chunks_exact(K_GROUP).map(|g| f32s(search_scale_min(g))).collect::<Vec<_>>()))
         .collect();
-    let sbpr = super_blocks(cols);
     let (codes, sm) = ldlq(rows, cols, w, K_GROUP, Some(&grids), h, threads)?;
     let mut m = super::rtn::k_matrix(rows, cols);
     let GroupScales::SuperI8 { sc, mn: Some(mn), d, dmin } = &mut m.scales else { unreachable!("K matrix") };
@@ -346,7 +345,7 @@ pub fn quantize_k(rows: usize, cols: usize, w: &[f32], h: &Hessian, threads: usi
     let mult = |v: f32, step: f32| if step == 0.0 { 0 } else { (v / step).round() as i8 };
     let gpr = cols / K_GROUP;
     for (gi, &(s, m)) in sm.iter().enumerate() {
-        let g = grids[gi / gpr * sbpr + gi % gpr * K_GROUP / QK_SUPER];
+        let g = grids[super_block(cols, gi / gpr, gi % gpr * K_GROUP)];
         (sc[gi], mn[gi]) = (mult(s, g.d), mult(m, g.dmin));
     }
     pack_codes(&codes, &mut m.lo);
@@ -466,7 +465,7 @@ fn ldlq_tile(
                     sm[gi] = match grids {
                         None => f32s(search_scale_min(vals)),
                         Some(gs) => {
-                            let g = gs[r * super_blocks(cols) + (s0 + k) / QK_SUPER];
+                            let g = gs[super_block(cols, r, s0 + k)];
                             let (sc, mn, _) = g.pick(vals, &[f32s(search_scale_min(vals)), f32s(minmax_scale_min(vals))]);
                             g.value(sc, mn)
                         }

@@ -33,6 +33,12 @@ pub const fn super_blocks(cols: usize) -> usize {
     cols.div_ceil(QK_SUPER)
 }
 
+/// Index of the super-block (into `d`, `dmin` of [`GroupScales::SuperI8`]) that holds value `(r, c)` of a
+/// matrix of `cols` columns: row `r`'s [`super_blocks`] come one after the other.
+pub const fn super_block(cols: usize, r: usize, c: usize) -> usize {
+    r * super_blocks(cols) + c / QK_SUPER
+}
+
 /// Per group scale `S_g` and offset `M_g` of a [`QMatrix`]: `value = S_g·q + M_g`.
 #[derive(Debug, Clone)]
 pub enum GroupScales {
@@ -217,7 +223,7 @@ impl QMatrix {
         match &self.scales {
             GroupScales::F16 { scale, min } => (scale[gi].to_f32(), min.as_ref().map(|m| m[gi].to_f32())),
             GroupScales::SuperI8 { sc, mn, d, dmin } => {
-                let sb = r * super_blocks(self.cols) + g * self.group / QK_SUPER;
+                let sb = super_block(self.cols, r, g * self.group);
                 (d[sb] * sc[gi] as f32, mn.as_ref().map(|mn| dmin[sb] * mn[gi] as f32))
             }
         }

@@ -15,7 +15,7 @@
 //! hold codes (blocks of 32 never straddle rows) and stay `F32`, unrotated.
 
 use super::rotation::Rotation;
-use super::{super_blocks, GroupScales, QMatrix, WeightMatrix, QK, QK_SUPER};
+use super::{super_block, super_blocks, GroupScales, QMatrix, WeightMatrix, QK, QK_SUPER};
 use half::f16;
 
 /// eddy's own weight formats.
@@ -597,14 +597,13 @@ pub fn quantize_k6(rows: usize, cols: usize, w: &[f32]) -> QMatrix {
     });
     let d: Vec<f32> = per_row.iter().flatten().map(|p| p.0).collect();
     let sc: Vec<i8> = per_row.iter().flatten().flat_map(|p| p.1.iter().copied()).collect();
-    let sbpr = super_blocks(cols);
     let mut lo = vec![0u8; n / 2];
     let mut hi = vec![0u8; n / QK * 8];
     for (b, wb) in w.chunks_exact(QK).enumerate() {
         let mut q = [0u8; QK];
         for (j, &x) in wb.iter().enumerate() {
             let e = b * QK + j;
-            let s = d[e / cols * sbpr + e % cols / QK_SUPER] * sc[e / K6_GROUP] as f32;
+            let s = d[super_block(cols, e / cols, e % cols)] * sc[e / K6_GROUP] as f32;
             q[j] = if s == 0.0 || !s.is_finite() { 32 } else { (k6_level(x, s) + 32) as u8 };
         }
         for k in 0..QK / 2 {
@@ -695,7 +694,7 @@ pub(crate) fn k_matrix(rows: usize, cols: usize) -> QMatrix {
 pub(crate) fn set_k_group(m: &mut QMatrix, gi: usize, wg: &[f32], grid: KGrid, sc: i8, mn: i8) {
     let GroupScales::SuperI8 { sc: scs, mn: Some(mns), d, dmin } = &mut m.scales else { unreachable!("K matrix") };
     let gpr = m.cols / K_GROUP;
-    let sb = gi / gpr * super_blocks(m.cols) + gi % gpr * K_GROUP / QK_SUPER;
+    let sb = super_block(m.cols, gi / gpr, gi % gpr * K_GROUP);
     (d[sb], dmin[sb], scs[gi], mns[gi]) = (grid.d, grid.dmin, sc, mn);
     let (s, mv) = grid.value(sc as i32, mn as i32);
     let codes = &mut m.lo[gi * K_GROUP / 2..(gi + 1) * K_GROUP / 2];
@@ -860,7 +859,7 @@ mod tests {
                     assert_eq!(k.code(r, g * K_GROUP + c), m_code(x, step, off), "not the nearest code");
                 }
                 let e = m_group_error(wg, step, off);
-                let sb = r * super_blocks(cols) + g * K_GROUP / QK_SUPER;
+                let sb = super_block(cols, r, g * K_GROUP);
                 let grid = KGrid { d: d[sb], dmin: dmin[sb] };
                 let (s0, m0) = minmax_scale_min(wg);
                 let (_, _, e0) = grid.pick(wg, &[(s0.to_f32(), m0.to_f32())]);

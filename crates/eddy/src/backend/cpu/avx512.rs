@@ -179,7 +179,7 @@ pub(crate) fn fill_xtiles(m: &crate::quant::QMatrix, xq: &super::QuantizedActiva
 mod imp {
     use super::super::{Ctx, ROW_BLOCK};
     use super::{packed_tokens, xtile_bytes};
-    use crate::quant::{super_blocks, GroupScales, Packed, QMatrix, WeightMatrix, PACK_ROWS, QK, QK_SUPER};
+    use crate::quant::{super_block, super_blocks, GroupScales, Packed, QMatrix, WeightMatrix, PACK_ROWS, QK, QK_SUPER};
     use std::arch::asm;
     use std::arch::x86_64::*;
     use std::cell::RefCell;
@@ -399,7 +399,7 @@ mod imp {
                 (s, mn)
             }
             GroupScales::SuperI8 { sc, mn, d, dmin } => {
-                let sb = row * super_blocks(m.cols) + g * gs / QK_SUPER;
+                let sb = super_block(m.cols, row, g * gs);
                 // 16 groups of 32 span super-blocks sb (lanes 0..8) and sb+1; 16 groups of 16 span sb.
                 let two = |v: &[f32]| {
                     if G16 || nb <= 8 {
