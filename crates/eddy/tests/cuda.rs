@@ -989,6 +989,23 @@ fn engine_05b_on_gpu() -> (eddy::engine::Engine, Vec<u32>) {
     (Engine::on_device(lm, &opts, Device::Cuda).unwrap(), prompt)
 }
 
+/// `prompt` generated from an empty cache under `params`: the tokens and the run's statistics.
+fn generate_from_scratch(
+    e: &mut eddy::engine::Engine,
+    prompt: &[u32],
+    params: &eddy::engine::GenerateParams,
+) -> (Vec<u32>, eddy::stats::GenerationStats) {
+    e.clear_cache();
+    let mut toks = Vec::new();
+    let stats = e
+        .generate(prompt, params, &mut |t| {
+            toks.push(t);
+            true
+        })
+        .unwrap();
+    (toks, stats)
+}
+
 /// Greedy generation through the engine on the GPU, with the argmax on the device and with the logits copied
 /// to the host, gives the same tokens (plain decoding and suffix speculation, whose verify passes take one id
 /// per tree node); prints both decode speeds.
@@ -1006,14 +1023,7 @@ fn device_argmax_generates_what_the_host_path_does() {
         let mut runs = Vec::new();
         for on in [true, false, true] {
             e.set_device_argmax(on);
-            e.clear_cache();
-            let mut toks = Vec::new();
-            let stats = e
-                .generate(&prompt, &params, &mut |t| {
-                    toks.push(t);
-                    true
-                })
-                .unwrap();
+            let (toks, stats) = generate_from_scratch(&mut e, &prompt, &params);
             println!(
                 "speculation {spec}, device argmax {on}: {} tokens, decode {:.1} t/s, {:.2} tokens/pass",
                 toks.len(),
@@ -1105,15 +1115,8 @@ fn device_sampling_generates_what_the_host_path_does() {
             let mut runs = Vec::new();
             for on in [true, false] {
                 e.set_device_sampling(on);
-                e.clear_cache();
                 let before = e.device_sampled_rows();
-                let mut toks = Vec::new();
-                let stats = e
-                    .generate(&prompt, &params, &mut |t| {
-                        toks.push(t);
-                        true
-                    })
-                    .unwrap();
+                let (toks, stats) = generate_from_scratch(&mut e, &prompt, &params);
                 let after = e.device_sampled_rows();
                 println!(
                     "{name}, speculation {spec}, device sampling {on}: {} tokens, decode {:.1} t/s, {:.2} tokens/pass, \
@@ -1162,14 +1165,7 @@ fn draft_model_on_the_gpu_is_lossless() {
     for (name, sp) in &settings {
         let params = GenerateParams { max_tokens: 200, sampler: sp.clone(), ignore_eos: true, logprobs: None };
         let run = |e: &mut Engine, what: &str| {
-            e.clear_cache();
-            let mut toks = Vec::new();
-            let stats = e
-                .generate(&prompt, &params, &mut |t| {
-                    toks.push(t);
-                    true
-                })
-                .unwrap();
+            let (toks, stats) = generate_from_scratch(e, &prompt, &params);
             println!(
                 "{}: {name}, {what}: {} tokens, decode {:.1} t/s, {:.2} tokens/pass",
                 target_path.display(),

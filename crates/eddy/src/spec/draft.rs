@@ -32,8 +32,8 @@ const WIDTH: usize = 4;
 /// Deepest draft node below the root.
 const MAX_DEPTH: usize = 16;
 
-/// A draft model and its own sequence state, on the engine's backend `B` (on a GPU next to the target;
-/// only its sampled rows' logits come back to the host).
+/// A draft model and its own sequence state, on the engine's backend `B` (on a GPU next to the target, its
+/// KV cache there; each pass's logits rows come back to the host for the tree's top-k).
 pub struct DraftModel<B: Backend = Cpu> {
     model: Model<B>,
     ws: Workspace<B>,
