@@ -202,7 +202,8 @@ struct SpecArgs {
     /// Drafter for --speculator draft|dflash|auto: a draft model (GGUF file, Hugging Face folder or hub id)
     /// or a DFlash drafter folder (config.json naming DFlashDraftModel; loaded as int8). Without it, a
     /// DFlash drafter next to the model is used: `<model stem>.dflash/` or `dflash-<prefix of the model's
-    /// file name>/`.
+    /// file name>/`. A draft model runs where the model runs (--device: on a GPU next to it); a DFlash
+    /// drafter runs on the CPU.
     #[arg(long, value_name = "PATH")]
     draft_model: Option<String>,
     /// Draft tokens verified per target forward pass: a node count, or auto (chosen each step from the
