@@ -217,7 +217,7 @@ impl Tensors {
                 cols,
                 data: shard.bytes(info).chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect(),
             },
-            (None, _) => WeightMatrix::F32 { rows, cols, data: to_f32(shard, name, info)? },
+            (None, _) => WeightMatrix::f32(rows, cols, to_f32(shard, name, info)?),
             (Some(k), _) => quantize_f32(rows, cols, &to_f32(shard, name, info)?, k),
         })
     }

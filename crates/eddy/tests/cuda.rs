@@ -297,7 +297,7 @@ fn rows_do_not_depend_on_the_batch() {
         ("5-bit g32 offsets", WeightMatrix::Q(random_q(&mut rng, rows, cols, 5, 32, true, Scales::F16))),
         ("M g64 rotated", rtn::quantize(rows, cols, &data, rtn::Format::M, 64, rot())),
         ("L g128 rotated", rtn::quantize(rows, cols, &data, rtn::Format::L, 128, rot())),
-        ("F32", WeightMatrix::F32 { rows, cols, data: data.clone() }),
+        ("F32", WeightMatrix::f32(rows, cols, data.clone())),
     ];
     let n = 16;
     let x = rng.vec(n * cols);

@@ -48,7 +48,7 @@ fn reference() -> std::collections::HashMap<String, (Vec<usize>, Vec<f32>)> {
 }
 
 fn f32_matrix(shape: &[usize], data: &[f32]) -> WeightMatrix {
-    WeightMatrix::F32 { rows: shape[0], cols: shape[1], data: data.to_vec() }
+    WeightMatrix::f32(shape[0], shape[1], data.to_vec())
 }
 
 /// Run the fixture's two rounds through `d`; returns the two logit blocks (15 × head rows each).

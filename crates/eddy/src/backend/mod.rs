@@ -374,7 +374,7 @@ mod tests {
             data[row * c] = v;
         }
         data[5 * c + 1] = 10.0;
-        let w = be.upload_weights(WeightMatrix::F32 { rows: r, cols: c, data });
+        let w = be.upload_weights(WeightMatrix::f32(r, c, data));
         let mut x = vec![0.0; 2 * c];
         x[0] = 1.0;
         x[c + 1] = 1.0;

@@ -110,7 +110,7 @@ pub fn check_matmul<B: Backend>(be: &B) -> Result<(), String> {
         ("Q4", quantize_f32(rows, cols, &data, QuantKind::Q4)),
         ("M g64 rotated", rtn::quantize(rows, cols, &data, rtn::Format::M, 64, rot())),
         ("L g128 rotated", rtn::quantize(rows, cols, &data, rtn::Format::L, 128, rot())),
-        ("F32", WeightMatrix::F32 { rows, cols, data: data.clone() }),
+        ("F32", WeightMatrix::f32(rows, cols, data.clone())),
     ];
     for (kind, host) in hosts {
         let w = be.upload_weights(host.clone());
@@ -163,7 +163,7 @@ pub fn check_fused<B: Backend>(be: &B) -> Result<(), String> {
         ("Q8", quantize_f32(rows, cols, &data, QuantKind::Q8)),
         ("Q4", quantize_f32(rows, cols, &data, QuantKind::Q4)),
         ("M g64 rotated", rtn::quantize(rows, cols, &data, rtn::Format::M, 64, rot())),
-        ("F32", WeightMatrix::F32 { rows, cols, data: data.clone() }),
+        ("F32", WeightMatrix::f32(rows, cols, data.clone())),
     ];
     let same = |what: String, a: Vec<f32>, b: Vec<f32>| if a == b { Ok(()) } else { Err(format!("{what}: the fused operation differs")) };
     for (kind, host) in hosts {
@@ -414,7 +414,7 @@ pub fn check_rows<B: Backend>(be: &B) -> Result<(), String> {
     }
     let (vocab, d) = (17, 64);
     let table = rng.vec(vocab * d);
-    let wt = be.upload_weights(WeightMatrix::F32 { rows: vocab, cols: d, data: table.clone() });
+    let wt = be.upload_weights(WeightMatrix::f32(vocab, d, table.clone()));
     let tokens = [3u32, 16, 0, 3];
     let mut x = be.alloc(tokens.len() * d);
     be.embed(&wt, &tokens, Some(0.5), &mut x);

@@ -330,23 +330,8 @@ struct Job<'a> {
     kind: Option<(TensorKind, Option<usize>)>,
 }
 
-/// Re-quantize every matrix of `model` to `opts` (see the module docs), then upload them to the CPU
-/// backend (prepack). With `calib` ([`calibrate`] of the same model and options), every M matrix whose
-/// input site has a Hessian is rounded by GPTQ/LDLQ ([`gptq::quantize_m`]) instead of to nearest (a
-/// segment whose Hessian cannot be factored falls back to round to nearest, with a warning on stderr).
-/// `progress(done, total)` is called after each matrix. Returns the bits per weight of the converted
-/// matrices as a folder stores them (the bytes of their tensors, rotation signs included, over their
-/// weights; f32 leftovers count 32).
-pub fn quantize_model(
-    model: &mut Model,
-    opts: &QuantizeOptions,
-    calib: Option<&Calibration>,
-    progress: &mut dyn FnMut(usize, usize),
-) -> f64 {
-    for g in [opts.group, opts.head_group, opts.embed_group].into_iter().chain(opts.rules.iter().map(|r| r.group)) {
-        assert!(rtn::GROUPS.contains(&g), "group {g} (expected 32, 64 or 128)");
-    }
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+/// Every matrix [`quantize_model`] converts, in its order (the order numbers the output signs).
+fn jobs(model: &mut Model) -> Vec<Job<'_>> {
     let n_layers = model.layers.len() as u64;
     let mut jobs: Vec<Job> = Vec::new();
     let tied = model.output.is_none();
@@ -383,6 +368,59 @@ pub fn quantize_model(
         jobs.push(Job { w: &mut layer.w_up, site: f_in, output: true, head: false, reads: true, kind: k(TensorKind::Up) });
         jobs.push(Job { w: &mut layer.w_down, site: f_down, output: true, head: false, reads: true, kind: k(TensorKind::Down) });
     }
+    jobs
+}
+
+/// The rotation of job `i` (`rows × cols`, `cols` a multiple of 32) under `opts`: input signs of its
+/// site, output signs of its own when its output side is rotated; none for a kind left unrotated.
+fn job_rotation(opts: &QuantizeOptions, job: &Job, i: usize, rows: usize, cols: usize) -> Rotation {
+    if !opts.rotates(job.kind.map(|(k, _)| k)) {
+        return Rotation::default();
+    }
+    Rotation { input: Some(site_signs(opts, job.site, cols)), output: job.output.then(|| site_signs(opts, (1u64 << 40) + i as u64, rows)) }
+}
+
+/// The rotation alone, without rounding: every matrix [`quantize_model`] would rotate under `opts` (rows
+/// a multiple of 32 long, a kind not in [`QuantizeOptions::unrotated`]) becomes f32
+/// `W′ = H·D_out·W·D_in·H` with the signs `quantize_model` would draw (same seed, the same sharing
+/// between matrices that read one input); the rest stay as they are; formats and groups are ignored.
+/// The model then computes what it computed before, up to f32 rounding: the check that the run-time
+/// rotations (each product's input and output sides, the embedding lookup's inverse) compose to the
+/// identity (`tests/quant_model.rs`). Runs on the CPU backend only.
+pub fn rotate_model(model: &mut Model, opts: &QuantizeOptions) {
+    for (i, job) in jobs(model).into_iter().enumerate() {
+        let (rows, cols) = (job.w.rows(), job.w.cols());
+        if !cols.is_multiple_of(crate::quant::QK) {
+            continue;
+        }
+        let rotation = job_rotation(opts, &job, i, rows, cols);
+        let mut data = vec![0f32; rows * cols];
+        for (r, row) in data.chunks_exact_mut(cols).enumerate() {
+            job.w.dequant_row(r, row);
+        }
+        rotation.rotate_matrix(&mut data, rows, cols);
+        *job.w = WeightMatrix::F32 { rows, cols, data, rotation };
+    }
+}
+
+/// Re-quantize every matrix of `model` to `opts` (see the module docs), then upload them to the CPU
+/// backend (prepack). With `calib` ([`calibrate`] of the same model and options), every M matrix whose
+/// input site has a Hessian is rounded by GPTQ/LDLQ ([`gptq::quantize_m`]) instead of to nearest (a
+/// segment whose Hessian cannot be factored falls back to round to nearest, with a warning on stderr).
+/// `progress(done, total)` is called after each matrix. Returns the bits per weight of the converted
+/// matrices as a folder stores them (the bytes of their tensors, rotation signs included, over their
+/// weights; f32 leftovers count 32).
+pub fn quantize_model(
+    model: &mut Model,
+    opts: &QuantizeOptions,
+    calib: Option<&Calibration>,
+    progress: &mut dyn FnMut(usize, usize),
+) -> f64 {
+    for g in [opts.group, opts.head_group, opts.embed_group].into_iter().chain(opts.rules.iter().map(|r| r.group)) {
+        assert!(rtn::GROUPS.contains(&g), "group {g} (expected 32, 64 or 128)");
+    }
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let jobs = jobs(model);
     let total = jobs.len();
     let (mut bits, mut weights) = (0f64, 0f64);
     for (i, job) in jobs.into_iter().enumerate() {
@@ -414,14 +452,7 @@ pub fn quantize_model(
         let group = [want, 64, 32].into_iter().find(|&g| g <= want && cols.is_multiple_of(g));
         let new = match group {
             Some(group) => {
-                let rotation = if opts.rotates(job.kind.map(|(k, _)| k)) {
-                    Rotation {
-                        input: Some(site_signs(opts, job.site, cols)),
-                        output: job.output.then(|| site_signs(opts, (1u64 << 40) + i as u64, rows)),
-                    }
-                } else {
-                    Rotation::default()
-                };
+                let rotation = job_rotation(opts, &job, i, rows, cols);
                 let h = calib.filter(|_| job.reads && matches!(format, Format::M | Format::K) && cols.is_multiple_of(crate::quant::QK));
                 match h.and_then(|c| c.sites.get(&job.site)).filter(|h| h.cols == cols) {
                     Some(h) => {
@@ -447,7 +478,7 @@ pub fn quantize_model(
                     None => rtn::quantize(rows, cols, &data, format, group, rotation),
                 }
             }
-            None => WeightMatrix::F32 { rows, cols, data },
+            None => WeightMatrix::f32(rows, cols, data),
         };
         bits += 8.0 * matrix_tensors("", &new).iter().map(|t| t.3.len()).sum::<usize>() as f64;
         weights += (rows * cols) as f64;
@@ -494,7 +525,8 @@ fn matrix_tensors(name: &str, w: &WeightMatrix) -> Vec<(String, safetensors::Dty
             let mut data = vec![0f32; cols];
             let mut bytes = Vec::with_capacity(rows * cols * 4);
             for r in 0..rows {
-                w.stored_row(r, &mut data);
+                // The values the matrix stands for (a rotated f32 matrix of `rotate_model` unrotated).
+                w.dequant_row(r, &mut data);
                 bytes.extend(data.iter().flat_map(|v| v.to_le_bytes()));
             }
             return vec![(name.to_string(), Dtype::F32, vec![rows, cols], bytes)];
@@ -618,7 +650,7 @@ pub fn gguf_to_hf_layout(model: &mut Model) -> Result<()> {
         for (r, row) in data.chunks_exact_mut(cols).enumerate() {
             w.dequant_row(r, row);
         }
-        *w = WeightMatrix::F32 { rows, cols, data: unpermute_rows(&data, cols) };
+        *w = WeightMatrix::f32(rows, cols, unpermute_rows(&data, cols));
     };
     for layer in &mut model.layers {
         let Mixer::Attention(a) = &mut layer.mixer else { continue };

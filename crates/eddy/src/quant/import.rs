@@ -325,9 +325,9 @@ pub fn import_matrix(path: &Path, info: &TensorInfo, bytes: &[u8]) -> Result<Wei
     let bv = gt::block_size(t).map_or(1, |b| b.0);
     let grouped = cols % QK == 0 && cols % bv == 0;
     Ok(match t {
-        gt::F32 | gt::F16 => WeightMatrix::F32 { rows, cols, data: dequantize(path, info, bytes)? },
+        gt::F32 | gt::F16 => WeightMatrix::f32(rows, cols, dequantize(path, info, bytes)?),
         gt::BF16 => WeightMatrix::Bf16 { rows, cols, data: bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect() },
-        _ if !grouped => WeightMatrix::F32 { rows, cols, data: dequantize(path, info, bytes)? },
+        _ if !grouped => WeightMatrix::f32(rows, cols, dequantize(path, info, bytes)?),
         gt::Q4_0 | gt::Q4_1 | gt::Q5_0 | gt::Q5_1 | gt::Q8_0 => WeightMatrix::Q(import_legacy(t, rows, cols, n, bytes)),
         gt::Q4_K | gt::Q5_K | gt::Q6_K => WeightMatrix::Q(import_k(t, rows, cols, n, bytes)),
         _ => unreachable!("validate() accepts only supported types"),
@@ -544,7 +544,7 @@ mod tests {
         }
         let i = info("t", vec![16, 2], gt::Q4_0);
         let m = import_matrix(Path::new("m.gguf"), &i, &blk).unwrap();
-        let WeightMatrix::F32 { rows: 2, cols: 16, data } = m else { panic!("expected F32") };
+        let WeightMatrix::F32 { rows: 2, cols: 16, data, .. } = m else { panic!("expected F32") };
         assert_eq!(data, dequantize_blocks(gt::Q4_0, &blk, 32).unwrap());
     }
 

@@ -419,8 +419,11 @@ fn release_free_memory() {
 /// A 2-D weight in one of eddy's formats.
 #[derive(Debug, Clone)]
 pub enum WeightMatrix {
-    /// `rows × cols` f32, row-major.
-    F32 { rows: usize, cols: usize, data: Vec<f32> },
+    /// `rows × cols` f32, row-major. With a `rotation` ([`Rotation::default`] = none) the stored values
+    /// are `W′ = H·D_out·W·D_in·H` and the products rotate their f32 input and output rows themselves
+    /// (the rotation alone, without rounding: [`crate::models::quantize::rotate_model`], a check that the
+    /// run-time rotations compose to the identity; the CPU runs it, the GPU refuses it).
+    F32 { rows: usize, cols: usize, data: Vec<f32>, rotation: Rotation },
     /// `rows × cols` bf16 bit patterns, row-major.
     Bf16 { rows: usize, cols: usize, data: Vec<u16> },
     /// See [`QMatrix`].
@@ -428,6 +431,19 @@ pub enum WeightMatrix {
 }
 
 impl WeightMatrix {
+    /// Unrotated f32 weights: `rows × cols` values, row-major.
+    pub fn f32(rows: usize, cols: usize, data: Vec<f32>) -> WeightMatrix {
+        WeightMatrix::F32 { rows, cols, data, rotation: Rotation::default() }
+    }
+    /// The rotation the stored values carry ([`QMatrix::rotation`], or a rotated f32 matrix's); `None`
+    /// for bf16.
+    pub fn rotation(&self) -> Option<&Rotation> {
+        match self {
+            WeightMatrix::F32 { rotation, .. } => Some(rotation),
+            WeightMatrix::Bf16 { .. } => None,
+            WeightMatrix::Q(m) => Some(&m.rotation),
+        }
+    }
     /// Output features.
     pub fn rows(&self) -> usize {
         match self {
@@ -455,12 +471,12 @@ impl WeightMatrix {
     /// `W = D_out·H·W′·H·D_in`: the stored row of `W′` ([`WeightMatrix::stored_row`]) transformed by
     /// `D_in·H` (the output side mixes the stored rows of `r`'s Hadamard block, decoded into a temporary).
     pub fn dequant_row(&self, r: usize, out: &mut [f32]) {
-        let WeightMatrix::Q(m) = self else { return self.stored_row(r, out) };
-        match &m.rotation.output {
+        let Some(rot) = self.rotation() else { return self.stored_row(r, out) };
+        match &rot.output {
             None => self.stored_row(r, out),
             Some(signs) => {
-                let (s, n) = rotation::blocks(m.rows).find(|&(s, n)| r < s + n).expect("row inside the matrix");
-                let mut tmp = vec![0f32; m.cols];
+                let (s, n) = rotation::blocks(self.rows()).find(|&(s, n)| r < s + n).expect("row inside the matrix");
+                let mut tmp = vec![0f32; self.cols()];
                 out.fill(0.0);
                 let norm = 1.0 / (n as f32).sqrt();
                 for j in 0..n {
@@ -472,7 +488,7 @@ impl WeightMatrix {
                 out.iter_mut().for_each(|o| *o *= signs.v[r]);
             }
         }
-        if let Some(signs) = &m.rotation.input {
+        if let Some(signs) = &rot.input {
             rotation::hadamard(out);
             out.iter_mut().zip(&signs.v).for_each(|(o, s)| *o *= s);
         }

@@ -137,7 +137,7 @@ fn quantize_by(
     assert_eq!(Some(data.len()), rows.checked_mul(cols), "quantize: data is not rows × cols");
     assert!(GROUPS.contains(&group), "quantize: group {group} (expected 32, 64 or 128)");
     if !cols.is_multiple_of(QK) || !cols.is_multiple_of(group) {
-        return WeightMatrix::F32 { rows, cols, data: data.to_vec() };
+        return WeightMatrix::f32(rows, cols, data.to_vec());
     }
     let rotated;
     let w = if rotation.input.is_some() || rotation.output.is_some() {

@@ -386,7 +386,7 @@ impl DFlashDrafter {
             lm_head.dequant_row(id as usize, row);
         }
         let mut head = match lm_head {
-            WeightMatrix::F32 { .. } | WeightMatrix::Bf16 { .. } => WeightMatrix::F32 { rows: ids.len(), cols: d, data },
+            WeightMatrix::F32 { .. } | WeightMatrix::Bf16 { .. } => WeightMatrix::f32(ids.len(), d, data),
             WeightMatrix::Q(_) => quantize_f32(ids.len(), d, &data, QuantKind::Q8),
         };
         if crate::backend::cpu::prepack_wanted() {

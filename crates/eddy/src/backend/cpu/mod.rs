@@ -253,11 +253,29 @@ pub(crate) fn matmul_amx(
             assert_eq!(xq.rotation, want, "activations quantized for another input rotation than these weights' (quantize_rotated_with)");
             m.rotation.output.as_deref()
         }
-        _ => None,
+        WeightMatrix::F32 { rotation, .. } => rotation.output.as_deref(),
+        WeightMatrix::Bf16 { .. } => None,
     };
     if n == 0 || rows == 0 {
         return;
     }
+    // Rotated f32 weights (the rotation alone, a check, not a product format): their input side on a copy
+    // of the activations.
+    let rotated_x: Vec<f32>;
+    let x = match w {
+        WeightMatrix::F32 { rotation, .. } if rotation.input.is_some() => {
+            rotated_x = x[..n * cols]
+                .chunks_exact(cols)
+                .flat_map(|row| {
+                    let mut row = row.to_vec();
+                    rotation.rotate_input(&mut row);
+                    row
+                })
+                .collect();
+            &rotated_x[..]
+        }
+        _ => x,
+    };
     // The packed AVX-512 kernel reads the activations in its token-tile layout, laid out once here (on
     // the calling thread, into a buffer kept per thread) for all workers.
     let packed = matches!(w, WeightMatrix::Q(m) if m.packed.is_some()) && kernel == Kernel::Avx512;

@@ -11,7 +11,8 @@ use crate::quant::{WeightMatrix, QK};
 ///   activation codes and scales of `xq` (`d_g` of the 32-group containing the weight group; a weight
 ///   group of 64 or 128 is summed per 32-group of activations; the implicit offset is `M = −2^(bits−1)·S`).
 ///
-/// A rotated matrix's output side is applied per token ([`crate::quant::rotation::Rotation::rotate_output`]);
+/// A rotated f32 matrix rotates each input row first (`H·(D_in ⊙ x)`). A rotated matrix's output side is
+/// applied per token ([`crate::quant::rotation::Rotation::rotate_output`]);
 /// `xq` must already hold the rotated activations. Integer dots are exact; only the f64 sum of group
 /// terms rounds.
 pub fn matmul_reference(w: &WeightMatrix, x: &[f32], xq: &QuantizedActivations, n: usize, out: &mut [f32]) {
@@ -20,7 +21,11 @@ pub fn matmul_reference(w: &WeightMatrix, x: &[f32], xq: &QuantizedActivations, 
     for t in 0..n {
         for r in 0..rows {
             let v: f64 = match w {
-                WeightMatrix::F32 { data, .. } => (0..cols).map(|c| data[r * cols + c] as f64 * x[t * cols + c] as f64).sum(),
+                WeightMatrix::F32 { data, rotation, .. } => {
+                    let mut xr = x[t * cols..(t + 1) * cols].to_vec();
+                    rotation.rotate_input(&mut xr);
+                    (0..cols).map(|c| data[r * cols + c] as f64 * xr[c] as f64).sum()
+                }
                 WeightMatrix::Bf16 { data, .. } => {
                     (0..cols).map(|c| f32::from_bits((data[r * cols + c] as u32) << 16) as f64 * x[t * cols + c] as f64).sum()
                 }
@@ -49,8 +54,8 @@ pub fn matmul_reference(w: &WeightMatrix, x: &[f32], xq: &QuantizedActivations, 
             };
             out[t * rows + r] = v as f32;
         }
-        if let WeightMatrix::Q(m) = w {
-            m.rotation.rotate_output(&mut out[t * rows..(t + 1) * rows]);
+        if let Some(rotation) = w.rotation() {
+            rotation.rotate_output(&mut out[t * rows..(t + 1) * rows]);
         }
     }
 }

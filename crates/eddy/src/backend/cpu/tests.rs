@@ -89,7 +89,7 @@ fn rand_weights(kind: Kind, rows: usize, cols: usize, rng: &mut Rng) -> WeightMa
                 rotation: Default::default(),
             })
         }
-        Kind::F32 => WeightMatrix::F32 { rows, cols, data: (0..rows * cols).map(|_| rng.nz(0.001, 0.1)).collect() },
+        Kind::F32 => WeightMatrix::f32(rows, cols, (0..rows * cols).map(|_| rng.nz(0.001, 0.1)).collect()),
         Kind::Bf16 => {
             WeightMatrix::Bf16 { rows, cols, data: (0..rows * cols).map(|_| (rng.nz(0.001, 0.1).to_bits() >> 16) as u16).collect() }
         }

@@ -1320,7 +1320,11 @@ fn same_form(a: &CudaQ, b: &CudaQ) -> bool {
 /// Upload of a host weight matrix into the device layout.
 fn upload_matrix(be: &Cuda, w: &WeightMatrix) -> CudaWeights {
     match w {
-        WeightMatrix::F32 { rows, cols, data } => CudaWeights::F32 { rows: *rows, cols: *cols, data: be.mem_from(&data[..rows * cols]) },
+        WeightMatrix::F32 { rows, cols, data, rotation } => {
+            // Only `models::quantize::rotate_model` makes them (a check of the rotation on the CPU).
+            assert!(rotation.input.is_none() && rotation.output.is_none(), "rotated f32 weights run on the CPU only");
+            CudaWeights::F32 { rows: *rows, cols: *cols, data: be.mem_from(&data[..rows * cols]) }
+        }
         WeightMatrix::Bf16 { rows, cols, data } => CudaWeights::Bf16 { rows: *rows, cols: *cols, data: be.mem_from(&data[..rows * cols]) },
         WeightMatrix::Q(m) => {
             let g = GpuQ::from_qmatrix(m);
