@@ -931,7 +931,9 @@ impl Speculator for DFlashSpeculator {
         let Some(target) = ctx.target else {
             return Ok(0.0);
         };
-        if want == 0 || !self.stats.worth_a_pass(ctx.budget == Budget::Auto, ctx.cost) {
+        if want == 0
+            || self.stats.plan_round(ctx.budget == Budget::Auto, ctx.cost, self.drafter.config.block_size - 1) == super::Round::Skip
+        {
             return Ok(t0.elapsed().as_secs_f64());
         }
         let shape = self.shape;

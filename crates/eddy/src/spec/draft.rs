@@ -13,7 +13,7 @@
 //! proposal as leaves. The draft's committed state is never changed by drafting itself, so it stays in
 //! step with what the target accepted.
 
-use super::{probs_of, top_k, Budget, CostModel, DraftTree, DrafterStats, ProposeCtx, Ranked, Speculator};
+use super::{probs_of, top_k, Budget, CostModel, DraftTree, DrafterStats, ProposeCtx, Ranked, Round, Speculator};
 use crate::backend::{Backend, Cpu};
 use crate::error::{Error, Result};
 use crate::load::LoadedModel;
@@ -166,7 +166,11 @@ impl<B: Backend> Speculator<B> for DraftModel<B> {
         let hit = self.stats.hit_rate();
         let cost = ctx.cost;
         let c_pass = self.stats.pass_cost();
-        if want == 0 || !self.stats.worth_a_pass(auto, cost) {
+        if want == 0 {
+            return Ok(0.0);
+        }
+        let round = self.stats.plan_round(auto, cost, 1);
+        if round == Round::Skip {
             return Ok(0.0);
         }
         if self.state.ctx < history.len() + 1 {
@@ -208,8 +212,12 @@ impl<B: Backend> Speculator<B> for DraftModel<B> {
             // draft's top-1 hit rate) beats every candidate already known.
             let best_known = heap.peek().map_or(0.0, |c| c.score as f64);
             unexpanded.sort_by(|x, y| y.0.score.total_cmp(&x.0.score));
-            let n_expand =
-                unexpanded.iter().take(WIDTH).take_while(|(c, _)| c.score as f64 * hit > best_known && c.item.depth < MAX_DEPTH).count();
+            // (An exploring round drafts from the catch-up pass only.)
+            let n_expand = if round == Round::Explore {
+                0
+            } else {
+                unexpanded.iter().take(WIDTH).take_while(|(c, _)| c.score as f64 * hit > best_known && c.item.depth < MAX_DEPTH).count()
+            };
             if n_expand > 0 && self.tokens.len() + n_expand <= room {
                 let frontier: Vec<(Scored, usize)> = unexpanded.drain(..n_expand).collect();
                 let go = !auto || {
@@ -226,7 +234,6 @@ impl<B: Backend> Speculator<B> for DraftModel<B> {
                     let paths = TreePaths::new(&self.parents)?;
                     let tp = Instant::now();
                     forward_tree(&self.model, ctx.backend, &mut self.ws, &mut self.state, &self.tokens, &paths, first, &mut self.logits)?;
-                    self.stats.record_pass(tp.elapsed().as_secs_f64());
                     for (j, (c, node)) in frontier.iter().enumerate() {
                         let row = self.logits[j * vocab..(j + 1) * vocab].to_vec();
                         if c.item.draft_parent == chain_tail && chain.last() == Some(&c.item.token) {
@@ -236,6 +243,9 @@ impl<B: Backend> Speculator<B> for DraftModel<B> {
                         }
                         push_children(&mut heap, &mut seq, &row, c.score, *node, first + j, c.item.depth + 1);
                     }
+                    // A pass costs its forward and the host's work on its rows (their top-k): on a GPU
+                    // the second is of the order of the first.
+                    self.stats.record_pass(tp.elapsed().as_secs_f64());
                     spent = t0.elapsed().as_secs_f64();
                     continue;
                 }

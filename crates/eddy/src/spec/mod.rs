@@ -472,17 +472,54 @@ impl DrafterStats {
         }
     }
 
-    /// Whether this round should draft at all: always for a fixed budget; with the automatic one, while
-    /// one pass is expected to raise tokens per second (`s·C(1) > E(1)·ΔC` for a single node at the hit
-    /// rate), and every 16th round regardless so that the hit rate can recover.
-    pub(crate) fn worth_a_pass(&mut self, auto: bool, cost: &CostModel) -> bool {
+    /// What this round should do ([`Round`]). A fixed budget always drafts. With the automatic one a round
+    /// drafts while the best chain it could draft is expected to beat plain decoding's rate: with hit rate
+    /// `h`, pass cost `p` (everything a drafting pass costs, [`DrafterStats::record_pass`]) and verify costs
+    /// `c(n)`, a chain of `k` drafted tokens yields `1 + h + … + h^k` tokens in `⌈k/block⌉·p + c(k+1)`
+    /// seconds, against plain decoding's one token in `c(1)`; `block` is how many chain tokens one pass
+    /// drafts (1 for a draft model or an MTP head, the block for DFlash). When no depth pays, every 16th
+    /// round explores ([`Round::Explore`]) so the hit rate and the pass cost can recover; otherwise the round
+    /// is skipped. (The rule compares whole rounds with plain decoding; the expansion inside a round then
+    /// only adds what raises that round's own rate.)
+    pub(crate) fn plan_round(&mut self, auto: bool, cost: &CostModel, block: usize) -> Round {
         self.rounds += 1;
-        if !auto || self.pass_cost.is_none() || self.rounds.is_multiple_of(16) {
-            return true;
+        if !auto || self.pass_cost.is_none() || !cost.is_calibrated() {
+            return Round::Draft;
         }
-        let c1 = cost.verify_cost(1);
-        CostModel::pays(1.0, c1, self.hit_rate(), self.pass_cost() + cost.verify_cost(2) - c1)
+        if chain_pays(self.hit_rate(), self.pass_cost(), cost, block) {
+            Round::Draft
+        } else if self.rounds.is_multiple_of(16) {
+            Round::Explore
+        } else {
+            Round::Skip
+        }
     }
+}
+
+/// Whether some chain of `1..=MAX_CHAIN` drafted tokens is expected to yield more tokens per second than
+/// plain decoding ([`DrafterStats::plan_round`]).
+fn chain_pays(h: f64, pass: f64, cost: &CostModel, block: usize) -> bool {
+    /// Deepest chain considered (the drafters' own depth limits are 16).
+    const MAX_CHAIN: usize = 16;
+    let plain = cost.verify_cost(1);
+    let (mut tokens, mut hk) = (1.0, 1.0);
+    (1..=MAX_CHAIN).any(|k| {
+        hk *= h;
+        tokens += hk;
+        let secs = k.div_ceil(block.max(1)) as f64 * pass + cost.verify_cost(k + 1);
+        tokens * plain > secs
+    })
+}
+
+/// What a model drafter does this round ([`DrafterStats::plan_round`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Round {
+    /// Draft as the budget allows.
+    Draft,
+    /// No depth pays, but draft from one pass only, to keep measuring the hit rate and the pass cost.
+    Explore,
+    /// Do not draft.
+    Skip,
 }
 
 /// Which speculators to run (`--speculator`).
@@ -686,6 +723,66 @@ pub fn probs_of(x: &[f32], top: &[(u32, f32)], temperature: f32) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Verify costs `c(n) = c1 + slope·(n − 1)` for n = 1, 2, 4, 8, 16, 32.
+    fn linear_costs(c1: f64, slope: f64) -> CostModel {
+        let mut c = CostModel::default();
+        for n in [1, 2, 4, 8, 16, 32] {
+            c.record_verify(n, c1 + slope * (n - 1) as f64);
+        }
+        c
+    }
+
+    /// A drafter with `hits` of `trials` chain tokens hit and a pass cost of `pass` seconds.
+    fn drafter(hits: u32, trials: u32, pass: f64) -> DrafterStats {
+        let mut d = DrafterStats { hits: (hits, trials), ..Default::default() };
+        d.record_pass(pass);
+        d
+    }
+
+    #[test]
+    fn a_round_drafts_only_when_some_chain_beats_plain_decoding() {
+        // The GPU case of docs/cuda.md: a 1.5B target at 1.4 ms a step, a 0.5B draft whose pass (forward
+        // and top-k on the host) costs 2 ms; even at a 95 % hit rate every chain loses: 1 + 0.95 + … over
+        // k passes of 2 ms never reaches one token per 1.4 ms.
+        let gpu = linear_costs(1.4e-3, 0.2e-3);
+        assert!(!chain_pays(0.95, 2.0e-3, &gpu, 1));
+        // A draft pass of 0.3 ms pays there.
+        assert!(chain_pays(0.95, 0.3e-3, &gpu, 1));
+        // The CPU case: a 45 ms step, verify nearly flat, a 15 ms draft pass at a 70 % hit rate.
+        let cpu = linear_costs(45e-3, 1e-3);
+        assert!(chain_pays(0.7, 15e-3, &cpu, 1));
+        // A rate of 40 % does not pay a 20 ms pass one chain token at a time (1.4 tokens in 66 ms against
+        // one in 45); a block drafter whose one pass drafts 15 does (1.62 tokens in 20 + 48 ms at k = 3).
+        assert!(!chain_pays(0.4, 20e-3, &cpu, 1));
+        assert!(chain_pays(0.4, 20e-3, &cpu, 15));
+        // Deeper chains can pay when one token does not (the single-node rule's verdict): a verify of 2+
+        // nodes costs 15 ms against a 10 ms step, a pass 5 ms, 90 % hit: 1.9 tokens in 20 ms at k = 1, 4.1
+        // in 35 ms at k = 4.
+        let mut step = CostModel::default();
+        step.record_verify(1, 10e-3);
+        for n in [2, 4, 8, 16, 32] {
+            step.record_verify(n, 15e-3);
+        }
+        assert!(!CostModel::pays(1.0, 10e-3, 0.9, 5e-3 + 15e-3 - 10e-3));
+        assert!(chain_pays(0.9, 5e-3, &step, 1));
+    }
+
+    #[test]
+    fn a_losing_drafter_explores_one_round_in_sixteen() {
+        let gpu = linear_costs(1.4e-3, 0.2e-3);
+        let mut d = drafter(95, 100, 2.0e-3);
+        let rounds: Vec<Round> = (0..32).map(|_| d.plan_round(true, &gpu, 1)).collect();
+        let explore: Vec<usize> = (0..32).filter(|&i| rounds[i] == Round::Explore).collect();
+        assert_eq!(explore, vec![15, 31]);
+        assert!(rounds.iter().all(|&r| r != Round::Draft));
+        // A fixed budget always drafts; so does a drafter not measured yet.
+        assert_eq!(d.plan_round(false, &gpu, 1), Round::Draft);
+        assert_eq!(DrafterStats::default().plan_round(true, &gpu, 1), Round::Draft);
+        // A fast drafter drafts every round.
+        let mut fast = drafter(95, 100, 0.3e-3);
+        assert!((0..32).all(|_| fast.plan_round(true, &gpu, 1) == Round::Draft));
+    }
 
     fn sample_tree() -> DraftTree {
         let mut t = DraftTree::new(7);

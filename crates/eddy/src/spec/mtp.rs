@@ -143,10 +143,13 @@ impl Speculator for MtpSpeculator {
         let hit = self.stats.hit_rate();
         let cost = ctx.cost;
         let c_step = self.stats.pass_cost();
-        // When not even one MTP step pays, the committed rows wait and go in one batch next time.
-        if !self.stats.worth_a_pass(auto, cost) {
+        // When no chain of MTP steps pays, the committed rows wait and go in one batch next time; an
+        // exploring round drafts from the first step only.
+        let round = self.stats.plan_round(auto, cost, 1);
+        if round == super::Round::Skip {
             return Ok(0.0);
         }
+        let max_depth = if round == super::Round::Explore { 1 } else { MAX_DEPTH };
         self.state.truncate(self.rows);
         let toks = &history[from + 1..=n];
         let hs = &self.hid[(from - self.hid_start) * d..(n - self.hid_start) * d];
@@ -168,7 +171,7 @@ impl Speculator for MtpSpeculator {
         let (mut parent, mut score, mut added, mut expected) = (0usize, 1.0f32, 0usize, 1.0f64);
         let mut chain = Vec::new();
         let mut spent = t0.elapsed().as_secs_f64();
-        for depth in 1..=MAX_DEPTH {
+        for depth in 1..=max_depth {
             let top = top_k(&row, TOP_K);
             let probs = probs_of(&row, &top, temp);
             // The chain's next node (top-1, scaled by the measured hit rate) and its alternatives.
@@ -196,7 +199,7 @@ impl Speculator for MtpSpeculator {
             }
             let Some((node, tok, s)) = next else { break };
             chain.push(tok);
-            if depth == MAX_DEPTH || added >= want {
+            if depth == max_depth || added >= want {
                 break;
             }
             // Another MTP step pays if the chain's next node is likely enough.
