@@ -22,7 +22,8 @@ use crate::models::forward::{commit_tree, decode, forward, forward_tree, last_hi
 use crate::models::Model;
 use crate::sampling::{LogitMask, Sampler, SamplerParams};
 use crate::spec::{
-    accept_walk_into, build_speculators, Budget, CostModel, DraftTree, Drafter, ProposeCtx, SelectScratch, Speculator, SpeculatorKind, Walk,
+    accept_walk_into, build_speculators, Budget, CostModel, DraftTree, Drafter, ProposeCtx, SelectScratch, SpecGate, Speculator,
+    SpeculatorKind, Walk,
 };
 use crate::state::{FeatureCapture, SeqState};
 use crate::stats::{FinishReason, GenerationStats};
@@ -315,6 +316,8 @@ pub struct Engine {
     /// Rows sampled from device candidates, and rows among them read back in full (the candidates did not
     /// decide the sample).
     device_sampled: (u64, u64),
+    /// Measured rates with and without drafts; pauses speculation that loses (automatic budget).
+    gate: SpecGate,
 }
 
 /// What one decode step builds, kept between steps so that a warm decode loop allocates nothing: the
@@ -404,6 +407,7 @@ impl Engine {
             device_argmax: std::env::var("EDDY_DEVICE_ARGMAX").map_or(true, |v| v != "0"),
             device_sampling: std::env::var("EDDY_DEVICE_SAMPLING").map_or(true, |v| v != "0"),
             device_sampled: (0, 0),
+            gate: SpecGate::default(),
             lm,
         }
     }
@@ -473,6 +477,7 @@ impl Engine {
         }
         self.exec.features_mut().layers = layers;
         self.budget = budget;
+        self.gate = SpecGate::default();
     }
 
     /// Names of the active speculators.
@@ -824,8 +829,10 @@ impl Engine {
         let left = params.max_tokens - out.stats.generated_tokens;
         let max_nodes = (room - 1).min(left.saturating_sub(1));
         sc.draft.reset(tok);
+        let t_round = Instant::now();
         let mut draft_cost = 0.0;
-        if self.exec.speculating() && max_nodes > 0 {
+        let gated = self.budget == Budget::Auto && !self.gate.allow();
+        if self.exec.speculating() && max_nodes > 0 && !gated {
             let (budget, cost, temperature, target) = (self.budget, &self.cost, params.sampler.temperature, Some(&self.lm.model));
             on_specs!(&mut self.exec, |specs, be, _st, host| {
                 let ctx = ProposeCtx { backend: be, host, budget, max_nodes, cost, temperature, target };
@@ -885,9 +892,12 @@ impl Engine {
             c.ws.sample_head = None;
         });
         verified?;
-        self.cost.record_verify(tree.len(), tv.elapsed().as_secs_f64());
+        let verify_secs = tv.elapsed().as_secs_f64();
+        self.cost.record_verify(tree.len(), verify_secs);
         let stats = &mut *out.stats_mut();
         stats.decode_passes += 1;
+        stats.draft_time += tv.duration_since(t_round);
+        stats.verify_time += std::time::Duration::from_secs_f64(verify_secs);
         // Walk with the target's samples (the walk's samples join `history` for the penalties, and
         // leave it again below); every sample but the bonus is emitted after the commit.
         let history = &mut out.history;
@@ -987,6 +997,8 @@ impl Engine {
         if tree.len() > 1 {
             on_device!(&mut self.exec, &self.lm.model, |c, m| commit_tree(m, &c.be, &mut c.state, &tree.tokens, &walk.path))?;
         }
+        // The round's wall time so far (drafting, verify, accept walk, commit; not the emission below).
+        self.gate.record(tree.len() > 1, t_round.elapsed().as_secs_f64(), accepted + 1);
         // Emit the accepted draft tokens (all but the last sample), then continue with the bonus.
         for (i, &y) in walk.samples[..accepted].iter().enumerate() {
             if let Some(f) = out.emit(y, walk_lp.get(i), self.lm.tokenizer.is_stop(y), false) {

@@ -34,6 +34,12 @@ pub struct GenerationStats {
     pub accepted_at_depth: Vec<usize>,
     /// Verify passes whose tree reached depth `d + 1`.
     pub proposed_at_depth: Vec<usize>,
+    /// Part of `decode_time` spent before each verify pass: the speculators' proposals and the tree's
+    /// selection.
+    pub draft_time: Duration,
+    /// Part of `decode_time` spent in the target's decode and verify passes (their logits or token ids
+    /// back on the host).
+    pub verify_time: Duration,
 }
 
 /// Why generation stopped.

@@ -474,7 +474,7 @@ impl DrafterStats {
 
     /// What this round should do ([`Round`]). A fixed budget always drafts. With the automatic one a round
     /// drafts while the best chain it could draft is expected to beat plain decoding's rate: with hit rate
-    /// `h`, pass cost `p` (everything a drafting pass costs, [`DrafterStats::record_pass`]) and verify costs
+    /// `h`, pass cost `p` (the drafter's forward pass, [`DrafterStats::record_pass`]) and verify costs
     /// `c(n)`, a chain of `k` drafted tokens yields `1 + h + … + h^k` tokens in `⌈k/block⌉·p + c(k+1)`
     /// seconds, against plain decoding's one token in `c(1)`; `block` is how many chain tokens one pass
     /// drafts (1 for a draft model or an MTP head, the block for DFlash). When no depth pays, every 16th
@@ -520,6 +520,95 @@ pub(crate) enum Round {
     Explore,
     /// Do not draft.
     Skip,
+}
+
+/// Measured decode rates of rounds that verified drafts and of plain rounds: the engine's check that
+/// speculation pays on this machine and this text, whatever the speculators' cost models predict (on a GPU a
+/// round costs syncs, read-backs and commits they do not price). With the automatic budget, once both rates
+/// are known (4 rounds each; plain rounds are forced for a moment when speculation left none), rounds with
+/// drafts running below 0.95× the plain rate pause speculation for 8, 16, … up to 256 rounds (doubling
+/// while it keeps losing, back to 8 once it wins), then try again with fresh measurements; the first drafted
+/// round after a pause (the speculators' catch-up on what they missed) is not measured.
+#[derive(Debug, Default)]
+pub struct SpecGate {
+    spec: RateEma,
+    plain: RateEma,
+    /// Rounds left to decode without drafting.
+    pause: u32,
+    /// Length of the last pause forced by losing rounds (0 after a win).
+    backoff: u32,
+    /// Leave the next drafted round unmeasured.
+    skip_next: bool,
+}
+
+/// Decayed sums of seconds and tokens (factor 0.9 per round) and the rounds seen.
+#[derive(Debug, Default, Clone, Copy)]
+struct RateEma {
+    secs: f64,
+    tokens: f64,
+    rounds: u32,
+}
+
+impl RateEma {
+    fn add(&mut self, secs: f64, tokens: usize) {
+        self.secs = 0.9 * self.secs + secs;
+        self.tokens = 0.9 * self.tokens + tokens as f64;
+        self.rounds += 1;
+    }
+    /// Tokens per second.
+    fn rate(&self) -> f64 {
+        self.tokens / self.secs.max(1e-12)
+    }
+}
+
+impl SpecGate {
+    /// Rounds measured before the rates are compared.
+    const MIN_ROUNDS: u32 = 4;
+
+    /// Whether this round may draft (false during a pause, which it counts down).
+    pub fn allow(&mut self) -> bool {
+        if self.pause > 0 {
+            self.pause -= 1;
+            return false;
+        }
+        true
+    }
+
+    /// Record a finished round: `secs` of wall time (drafting, verify, commit) that produced `tokens` tokens
+    /// (accepted drafts and the bonus); `drafted` when its tree had drafts.
+    pub fn record(&mut self, drafted: bool, secs: f64, tokens: usize) {
+        if !drafted {
+            self.plain.add(secs, tokens);
+            return;
+        }
+        if std::mem::take(&mut self.skip_next) {
+            return;
+        }
+        self.spec.add(secs, tokens);
+        if self.spec.rounds < Self::MIN_ROUNDS {
+            return;
+        }
+        if self.plain.rounds < Self::MIN_ROUNDS {
+            // No plain baseline yet: measure plain decoding for a moment.
+            self.pause = Self::MIN_ROUNDS - self.plain.rounds;
+            self.skip_next = true;
+            return;
+        }
+        if self.spec.rate() < 0.95 * self.plain.rate() {
+            self.backoff = (2 * self.backoff).clamp(8, 256);
+            self.pause = self.backoff;
+            self.skip_next = true;
+            self.spec = RateEma::default();
+        } else if self.spec.rate() >= self.plain.rate() {
+            self.backoff = 0;
+        }
+    }
+
+    /// (tokens per second with drafts, without), as measured so far (0 when unmeasured).
+    pub fn rates(&self) -> (f64, f64) {
+        let r = |e: &RateEma| if e.rounds == 0 { 0.0 } else { e.rate() };
+        (r(&self.spec), r(&self.plain))
+    }
 }
 
 /// Which speculators to run (`--speculator`).
@@ -766,6 +855,38 @@ mod tests {
         }
         assert!(!CostModel::pays(1.0, 10e-3, 0.9, 5e-3 + 15e-3 - 10e-3));
         assert!(chain_pays(0.9, 5e-3, &step, 1));
+    }
+
+    #[test]
+    fn the_gate_pauses_speculation_that_loses_and_keeps_what_wins() {
+        // Plain rounds: 1 token in 1.4 ms (714 t/s); drafted rounds: 2.8 tokens in 7 ms (400 t/s).
+        let mut g = SpecGate::default();
+        let mut drafted_rounds = 0;
+        for _ in 0..400 {
+            if g.allow() {
+                drafted_rounds += 1;
+                g.record(true, 7e-3, 3);
+            } else {
+                g.record(false, 1.4e-3, 1);
+            }
+        }
+        // 4 to start, 4 after the plain baseline's pause, then 4 after each pause of 8, 16, …, 256.
+        assert!(drafted_rounds < 40, "{drafted_rounds} of 400 rounds drafted");
+        assert!(g.backoff == 256, "{g:?}");
+        // Drafted rounds that win (3 tokens in 2.5 ms) keep speculating every round.
+        let mut g = SpecGate::default();
+        let mut paused = 0;
+        for _ in 0..400 {
+            if g.allow() {
+                g.record(true, 2.5e-3, 3);
+            } else {
+                paused += 1;
+                g.record(false, 1.4e-3, 1);
+            }
+        }
+        assert_eq!(paused, 4, "only the plain baseline's rounds: {g:?}");
+        let (spec, plain) = g.rates();
+        assert!((spec - 1200.0).abs() < 1.0 && (plain - 714.3).abs() < 1.0, "{spec} {plain}");
     }
 
     #[test]
