@@ -97,6 +97,13 @@ pub trait Backend: Send + Sync + 'static {
     fn passes_to_steady_state(&self) -> usize {
         1
     }
+    /// Whether [`Backend::candidate_rows`] runs where the buffers live (a GPU reduces each logits row to its
+    /// candidates on the device and copies back only those), so that a caller wanting the top of a few
+    /// logits rows should ask for candidates rather than read the rows. False for host memory, where the
+    /// default reads the rows anyway.
+    fn reduces_on_device(&self) -> bool {
+        false
+    }
 
     /// `x[i] = scale · embedding row tokens[i]` (`d_model` each; `scale` None = 1).
     fn embed(&self, table: &Self::Weights, tokens: &[u32], scale: Option<f32>, x: &mut Self::Buf);

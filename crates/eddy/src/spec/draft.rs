@@ -33,7 +33,7 @@ const WIDTH: usize = 4;
 const MAX_DEPTH: usize = 16;
 
 /// A draft model and its own sequence state, on the engine's backend `B` (on a GPU next to the target, its
-/// KV cache there; each pass's logits rows come back to the host for the tree's top-k).
+/// KV cache there; each pass sends back only its rows' top candidates, reduced on the device).
 pub struct DraftModel<B: Backend = Cpu> {
     model: Model<B>,
     ws: Workspace<B>,
@@ -80,6 +80,40 @@ impl<B: Backend> DraftModel<B> {
         let state = model.new_state(be, ctx);
         let ws = Workspace::new(be, &model, 256);
         Ok(DraftModel { ws, state, logits: Vec::new(), tokens: Vec::new(), parents: Vec::new(), stats: DrafterStats::default(), model })
+    }
+
+    /// The top [`TOP_K`] tokens of each of the last pass's `n` logits rows with their probabilities at
+    /// inverse temperature `inv_t`: on a backend that reduces rows where they live
+    /// ([`Backend::reduces_on_device`]: the GPU sends back `n × TOP_K` candidates, not `n` rows of the
+    /// vocabulary; [`Workspace::sample_head`], set by [`Speculator::propose`]) from those candidates,
+    /// `exp(s − s_max) / mass` of each scaled logit `s` ([`crate::sampling::CandidateRow`]; none for a row
+    /// without a finite logit); else (the CPU, or a model whose head is not reduced: a final logit
+    /// soft-cap) from the rows in `self.logits` ([`top_k`], [`probs_of`]).
+    fn children(&mut self, n: usize, inv_t: f32) -> Vec<Vec<(u32, f32)>> {
+        if self.ws.cands.rows() < n {
+            let v = self.model.config.vocab_size;
+            return self
+                .logits
+                .chunks_exact(v)
+                .take(n)
+                .map(|row| {
+                    let top = top_k(row, TOP_K);
+                    let probs = probs_of(row, &top, 1.0 / inv_t);
+                    top.iter().zip(probs).map(|(&(id, _), p)| (id, p)).collect()
+                })
+                .collect();
+        }
+        let cands = &self.ws.cands;
+        (0..n)
+            .map(|r| {
+                let row = cands.row(r);
+                let Some(&(max, _)) = row.top.first() else { return Vec::new() };
+                if row.mass <= 0.0 {
+                    return Vec::new();
+                }
+                row.top.iter().map(|&(s, id)| (id, (((s - max) as f64).exp() / row.mass) as f32)).collect()
+            })
+            .collect()
     }
 
     /// Bring the draft's committed sequence to `history` and leave the logits after its last token in
@@ -176,31 +210,36 @@ impl<B: Backend> Speculator<B> for DraftModel<B> {
         if self.state.ctx < history.len() + 1 {
             return Ok(0.0);
         }
+        let temp = if ctx.temperature > 0.0 { ctx.temperature } else { 1.0 };
+        let inv_t = 1.0 / temp.max(1e-3);
+        // On a GPU each logits row comes back as its top candidates, reduced on the device; on the CPU the
+        // rows are in host memory already.
+        self.ws.sample_head = ctx.backend.reduces_on_device().then_some((inv_t, TOP_K));
         self.catch_up(ctx.backend, history)?;
         let n_past = self.state.n_past();
         let room = self.state.ctx - n_past;
-        let temp = if ctx.temperature > 0.0 { ctx.temperature } else { 1.0 };
         let mut heap = BinaryHeap::new();
         let mut seq = 0usize;
         let push_children = |heap: &mut BinaryHeap<Scored>,
                              seq: &mut usize,
-                             row: &[f32],
+                             children: &[(u32, f32)],
                              score: f32,
                              tree_parent: usize,
                              draft_parent: usize,
                              depth: usize| {
-            let top = top_k(row, TOP_K);
-            let probs = probs_of(row, &top, temp);
-            for (&(tok, _), &p) in top.iter().zip(&probs) {
+            for &(tok, p) in children {
                 *seq += 1;
                 heap.push(Ranked { score: score * p, seq: *seq, item: Cand { tree_parent, draft_parent, token: tok, depth } });
             }
         };
-        let first_row = self.logits[..vocab].to_vec();
+        let first_row = self.children(1, inv_t).swap_remove(0);
+        let Some(&(top1, _)) = first_row.first() else {
+            return Ok(t0.elapsed().as_secs_f64());
+        };
         push_children(&mut heap, &mut seq, &first_row, 1.0, 0, NO_PARENT, 1);
         // The draft's greedy chain (to learn its hit rate from what the target does next), and the draft
         // node its last token hangs from.
-        let mut chain = vec![top_k(&first_row, 1)[0].0];
+        let mut chain = vec![top1];
         let mut chain_tail = NO_PARENT;
         let mut added = 0usize;
         let mut spent = t0.elapsed().as_secs_f64();
@@ -234,18 +273,18 @@ impl<B: Backend> Speculator<B> for DraftModel<B> {
                     let paths = TreePaths::new(&self.parents)?;
                     let tp = Instant::now();
                     forward_tree(&self.model, ctx.backend, &mut self.ws, &mut self.state, &self.tokens, &paths, first, &mut self.logits)?;
-                    for (j, (c, node)) in frontier.iter().enumerate() {
-                        let row = self.logits[j * vocab..(j + 1) * vocab].to_vec();
+                    self.stats.record_pass(tp.elapsed().as_secs_f64());
+                    let rows = self.children(frontier.len(), inv_t);
+                    for (j, ((c, node), row)) in frontier.iter().zip(&rows).enumerate() {
                         if c.item.draft_parent == chain_tail && chain.last() == Some(&c.item.token) {
                             // The draft's own greedy chain continues through this node.
                             chain_tail = first + j;
-                            chain.push(top_k(&row, 1)[0].0);
+                            if let Some(&(tok, _)) = row.first() {
+                                chain.push(tok);
+                            }
                         }
-                        push_children(&mut heap, &mut seq, &row, c.score, *node, first + j, c.item.depth + 1);
+                        push_children(&mut heap, &mut seq, row, c.score, *node, first + j, c.item.depth + 1);
                     }
-                    // A pass costs its forward and the host's work on its rows (their top-k): on a GPU
-                    // the second is of the order of the first.
-                    self.stats.record_pass(tp.elapsed().as_secs_f64());
                     spent = t0.elapsed().as_secs_f64();
                     continue;
                 }

@@ -1363,6 +1363,10 @@ impl Backend for Cuda {
         }
     }
 
+    fn reduces_on_device(&self) -> bool {
+        true
+    }
+
     fn alloc(&self, len: usize) -> CudaBuf {
         let mem = DevMem::new(&self.ctx, 4 * len);
         if len > 0 {
