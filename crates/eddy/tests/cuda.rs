@@ -343,6 +343,15 @@ fn rows_do_not_depend_on_the_batch() {
         for (i, (&g, &w)) in all.iter().zip(&want).enumerate() {
             assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "n_past {n_past} hd {hd} window {window:?}: element {i}: GPU {g} CPU {w}");
         }
+        // Any number of blocks per (query, head), each walking every Z-th chunk, gives the same bits.
+        // So does the kernel: one block per query head or per KV head (its 7 query heads sharing the keys).
+        for (z, per_kv) in [(1, false), (2, false), (3, true), (5, true), (64, false), (64, true)] {
+            be.force_attention_launch(Some(z), Some(per_kv));
+            let mut oz = be.alloc(n * qd);
+            be.attention(Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t: n, vis: Visibility::Causal }, &mut oz);
+            assert!(read(&be, &oz, n * qd) == all, "n_past {n_past} hd {hd}: {z} blocks, per KV head {per_kv}: differs");
+        }
+        be.force_attention_launch(None, None);
         let chain = TreePaths::chain(n);
         let mut tree_out = be.alloc(n * qd);
         let vis = Visibility::Tree { first: 0, paths: &chain };

@@ -237,8 +237,9 @@ __device__ __forceinline__ void mm_q_impl(int bx, const uint8_t* __restrict__ co
     }
 }
 
-// mm_q_t8 serves 2..4 tokens (below the tensor-core kernels' crossover, docs/cuda.md): one tile of 8 whose
-// rows past n are skipped.
+// mm_q_t2 serves 2 tokens, mm_q_t4 3..4 (below the tensor-core kernels' crossover, docs/cuda.md; a tile's rows
+// past n are skipped). A tile of TT tokens keeps TT accumulators in registers: t1 42 registers a thread, t2 64,
+// t4 96; a tile of 8 took 142, a quarter of t1's warps per multiprocessor, and cost 1.4x t2's time at 2 tokens.
 #define MM_Q(NAME, TT, P4)                                                                                   \
     extern "C" __global__ void NAME(const uint8_t* codes, const float* sc, const float* mn, int rows,       \
                                     int cols, int half, int g16, const int8_t* xq, const float* xs,         \
@@ -249,8 +250,10 @@ __device__ __forceinline__ void mm_q_impl(int bx, const uint8_t* __restrict__ co
     }
 MM_Q(mm_q_t1_p4, 1, true)
 MM_Q(mm_q_t1_p8, 1, false)
-MM_Q(mm_q_t8_p4, 8, true)
-MM_Q(mm_q_t8_p8, 8, false)
+MM_Q(mm_q_t2_p4, 2, true)
+MM_Q(mm_q_t2_p8, 2, false)
+MM_Q(mm_q_t4_p4, 4, true)
+MM_Q(mm_q_t4_p8, 4, false)
 
 // ---------------------------------------------------------------------------------------------------------
 // The same products for 5 and more tokens (DP4A_MAX in mod.rs) on the tensor cores (mma.sync m16n8k32 /
@@ -319,8 +322,10 @@ __device__ __forceinline__ void mma_k16(int (&c)[4], uint32_t a0, uint32_t a1, i
 #define NO_BOUNDS
 MM_Q3(mm_q3_t1_p4, (mm_q_impl<1, true>), MM_ROWS, NO_BOUNDS)
 MM_Q3(mm_q3_t1_p8, (mm_q_impl<1, false>), MM_ROWS, NO_BOUNDS)
-MM_Q3(mm_q3_t8_p4, (mm_q_impl<8, true>), MM_ROWS, NO_BOUNDS)
-MM_Q3(mm_q3_t8_p8, (mm_q_impl<8, false>), MM_ROWS, NO_BOUNDS)
+MM_Q3(mm_q3_t2_p4, (mm_q_impl<2, true>), MM_ROWS, NO_BOUNDS)
+MM_Q3(mm_q3_t2_p8, (mm_q_impl<2, false>), MM_ROWS, NO_BOUNDS)
+MM_Q3(mm_q3_t4_p4, (mm_q_impl<4, true>), MM_ROWS, NO_BOUNDS)
+MM_Q3(mm_q3_t4_p8, (mm_q_impl<4, false>), MM_ROWS, NO_BOUNDS)
 
 // ---------------------------------------------------------------------------------------------------------
 // mm_qw*: the block walks a list of work items — (row tile, step of 32 blocks) for its row tiles blockIdx.x,
@@ -1146,9 +1151,10 @@ extern "C" __global__ void rope_store(float* __restrict__ q, int qw, float* __re
 // Attention, split over the keys (flash-decoding). Query i sees the cache rows info[i].x .. info[i].y (committed,
 // in order) then info[i].w rows listed at paths[info[i].z ..] (its tree ancestors and itself, root first): keys
 // in position order, exactly as a chain would visit them. Key j of that list belongs to chunk j / ATT_CHUNK;
-// one block of ATT_THREADS per (query head, query, chunk) (grid.z covers the most chunks the cache can hold;
-// blocks past the query's last chunk exit at once). Fixed order per (query, head), independent of the query
-// count and of which blocks run when:
+// blocks of ATT_THREADS on a grid (query head, query, Z): block z takes the chunks z, z + Z, z + 2Z, ... of its
+// (query, head) in turn (Z is fixed per launch shape by the host, so graphs replay; blocks past the query's last
+// chunk exit at once). Fixed order per (query, head), independent of the query count, of Z, of the kernel
+// (`attention_kv` below computes the same values) and of which blocks run when:
 //  * per chunk: score_j = (((p_0 + p_1) + p_2) + p_3) * scale with p_i = q·k_j over the i-th quarter of the
 //    head dimension, an fma chain in dimension order, then the soft-cap; m = max_j score_j (exact); e_j = expf(score_j - m); z = the two
 //    warps' xor-tree sums of e_j added; o[d] = sum_j e_j v_j[d]: part p of P = ATT_THREADS / hd (at least 1)
@@ -1164,6 +1170,29 @@ extern "C" __global__ void rope_store(float* __restrict__ q, int qw, float* __re
 #define ATT_CHUNK 64
 #define ATT_MAX_HD 512
 
+// The combination of one (query, head)'s `nch` chunk records (m, z, o[hd]) at `base` (read through L2: other
+// blocks wrote them): M = max m_c into `M`; returns 1/Z with Z the fma chain of z_c·expf(m_c − M) in chunk order.
+__device__ __forceinline__ float att_combine_norm(const float* base, int nch, int hd, float& M) {
+    M = -INFINITY;
+    for (int cc = 0; cc < nch; ++cc) M = fmaxf(M, __ldcg(base + (long long)cc * (hd + 2)));
+    float Z = 0.0f;
+    for (int cc = 0; cc < nch; ++cc) {
+        const float* b = base + (long long)cc * (hd + 2);
+        Z = __fmaf_rn(__ldcg(b + 1), expf(__fsub_rn(__ldcg(b), M)), Z);
+    }
+    return __fdiv_rn(1.0f, Z);
+}
+
+// Output value `d` of the combination before the 1/Z: the fma chain of o_c[d]·expf(m_c − M) in chunk order.
+__device__ __forceinline__ float att_combine_value(const float* base, int nch, int hd, float M, int d) {
+    float acc = 0.0f;
+    for (int cc = 0; cc < nch; ++cc) {
+        const float* b = base + (long long)cc * (hd + 2);
+        acc = __fmaf_rn(__ldcg(b + 2 + d), expf(__fsub_rn(__ldcg(b), M)), acc);
+    }
+    return acc;
+}
+
 extern "C" __global__ void attention(const float* __restrict__ q, const float* __restrict__ k,
                                      const float* __restrict__ v, float* __restrict__ out,
                                      const int4* __restrict__ info, const int* __restrict__ paths, float* part,
@@ -1178,15 +1207,14 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
     __shared__ float red[ATT_THREADS];
     __shared__ long long rows[ATT_CHUNK];
     __shared__ int last;
-    const int h = blockIdx.x, i = blockIdx.y, c = blockIdx.z, tid = threadIdx.x;
+    const int h = blockIdx.x, i = blockIdx.y, tid = threadIdx.x;
     const int4 qi = info[i];
     const int nc = qi.y - qi.x, nk = nc + qi.w;
     const int nch = (nk + ATT_CHUNK - 1) / ATT_CHUNK;
     const long long qd = (long long)n_heads * hd, kvd = (long long)n_kv_heads * hd;
-    float* o = out + i * qd + (long long)h * hd;
-    // Output value `d` of this (query, head), quantized with its warp's 32 values when asked.
+    // Output value `d` of (query i, head h), quantized with its warp's 32 values when asked.
     auto put = [&](int d, float val) {
-        o[d] = val;
+        out[i * qd + (long long)h * hd + d] = val;
         if (qq != nullptr) {
             const long long g = ((long long)h * hd + d) >> 5;
             quant_group(val, tid & 31, i * (qd >> 5) + g, qsigns != nullptr ? qsigns + g * 32 : nullptr, qq, qscale,
@@ -1194,121 +1222,259 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
         }
     };
     if (nk <= 0) {
-        if (c == 0)
+        if (blockIdx.z == 0)
             for (int d = tid; d < hd; d += ATT_THREADS) put(d, 0.0f);
         return;
     }
-    if (c >= nch) return;
+    if ((int)blockIdx.z >= nch) return;
     const int kvh = h / (n_heads / n_kv_heads);
-    const int j0 = c * ATT_CHUNK, cnt = min(ATT_CHUNK, nk - j0);
     const float* qh = q + i * qd + (long long)h * hd;
     for (int d = tid; d < hd; d += ATT_THREADS) qs[d] = qh[d];
-    if (tid < cnt) {
-        const int jj = j0 + tid;
-        rows[tid] = jj < nc ? (long long)qi.x + jj : (long long)paths[qi.z + jj - nc];
-    }
-    __syncthreads();
-    {
-        const int j = tid % ATT_CHUNK, qt = tid / ATT_CHUNK;
-        if (j < cnt) {
-            const int d0 = qt * (hd >> 2);
-            const float4* kr = reinterpret_cast<const float4*>(k + rows[j] * kvd + (long long)kvh * hd + d0);
-            const float* qq = qs + d0;
-            float p = 0.0f;
-#pragma unroll 4
-            for (int d4 = 0; d4 < (hd >> 4); ++d4) {
-                const float4 kv = kr[d4];
-                p = __fmaf_rn(qq[4 * d4], kv.x, p);
-                p = __fmaf_rn(qq[4 * d4 + 1], kv.y, p);
-                p = __fmaf_rn(qq[4 * d4 + 2], kv.z, p);
-                p = __fmaf_rn(qq[4 * d4 + 3], kv.w, p);
-            }
-            sp[qt][j] = p;
-        }
-    }
-    __syncthreads();
-    if (tid < ATT_CHUNK) {
-        float s = -INFINITY;
-        if (tid < cnt) {
-            s = __fmul_rn(__fadd_rn(__fadd_rn(__fadd_rn(sp[0][tid], sp[1][tid]), sp[2][tid]), sp[3][tid]), scale);
-            if (softcap > 0.0f) s = __fmul_rn(softcap, tanhf(__fdiv_rn(s, softcap)));
-            sc[tid] = s;
-        }
-        const float m = warp_max(s);
-        if ((tid & 31) == 0) red[tid >> 5] = m;
-    }
-    __syncthreads();
-    const float m = fmaxf(red[0], red[1]);
-    if (tid < ATT_CHUNK) {
-        float e = 0.0f;
-        if (tid < cnt) e = expf(__fsub_rn(sc[tid], m));
-        sc[tid] = e;
-        const float z = warp_sum(e);
-        if ((tid & 31) == 0) red[2 + (tid >> 5)] = z;
-    }
-    __syncthreads();
-    const float z = __fadd_rn(red[2], red[3]);
-    __syncthreads();
-    // One chunk: the combination below would be exact (w_0 = 1), so the block writes the output itself.
     const bool single = nch == 1;
-    const float inv1 = __fdiv_rn(1.0f, z);
-    float* pp = part + (((long long)i * n_heads + h) * nmax + c) * (hd + 2);
     const float* vb = v + (long long)kvh * hd;
-    if (hd <= ATT_THREADS) {
-        const int P = ATT_THREADS / hd;
-        const int d = tid % hd, pt = tid / hd;
-        if (pt < P) {
-            float acc = 0.0f;
-#pragma unroll 8
-            for (int jj = pt; jj < cnt; jj += P) acc = __fmaf_rn(sc[jj], vb[rows[jj] * kvd + d], acc);
-            red[pt * hd + d] = acc;
+    // Chunks blockIdx.z, blockIdx.z + gridDim.z, ... in increasing order: a block's last chunk is the only one
+    // whose completion can be the (query, head)'s last.
+    for (int c = blockIdx.z; c < nch; c += gridDim.z) {
+        const int j0 = c * ATT_CHUNK, cnt = min(ATT_CHUNK, nk - j0);
+        __syncthreads();  // the previous chunk's readers of rows/sc/red are done
+        if (tid < cnt) {
+            const int jj = j0 + tid;
+            rows[tid] = jj < nc ? (long long)qi.x + jj : (long long)paths[qi.z + jj - nc];
         }
         __syncthreads();
-        if (tid < hd) {
-            float acc = red[tid];
-            for (int p = 1; p < P; ++p) acc = __fadd_rn(acc, red[p * hd + tid]);
-            if (single) put(tid, __fmul_rn(acc, inv1));
-            else pp[2 + tid] = acc;
+        {
+            const int j = tid % ATT_CHUNK, qt = tid / ATT_CHUNK;
+            if (j < cnt) {
+                const int d0 = qt * (hd >> 2);
+                const float4* kr = reinterpret_cast<const float4*>(k + rows[j] * kvd + (long long)kvh * hd + d0);
+                const float* qq = qs + d0;
+                float p = 0.0f;
+#pragma unroll 4
+                for (int d4 = 0; d4 < (hd >> 4); ++d4) {
+                    const float4 kv = kr[d4];
+                    p = __fmaf_rn(qq[4 * d4], kv.x, p);
+                    p = __fmaf_rn(qq[4 * d4 + 1], kv.y, p);
+                    p = __fmaf_rn(qq[4 * d4 + 2], kv.z, p);
+                    p = __fmaf_rn(qq[4 * d4 + 3], kv.w, p);
+                }
+                sp[qt][j] = p;
+            }
         }
-    } else {
-        for (int d = tid; d < hd; d += ATT_THREADS) {
-            float acc = 0.0f;
+        __syncthreads();
+        if (tid < ATT_CHUNK) {
+            float s = -INFINITY;
+            if (tid < cnt) {
+                s = __fmul_rn(__fadd_rn(__fadd_rn(__fadd_rn(sp[0][tid], sp[1][tid]), sp[2][tid]), sp[3][tid]), scale);
+                if (softcap > 0.0f) s = __fmul_rn(softcap, tanhf(__fdiv_rn(s, softcap)));
+                sc[tid] = s;
+            }
+            const float m = warp_max(s);
+            if ((tid & 31) == 0) red[tid >> 5] = m;
+        }
+        __syncthreads();
+        const float m = fmaxf(red[0], red[1]);
+        if (tid < ATT_CHUNK) {
+            float e = 0.0f;
+            if (tid < cnt) e = expf(__fsub_rn(sc[tid], m));
+            sc[tid] = e;
+            const float z = warp_sum(e);
+            if ((tid & 31) == 0) red[2 + (tid >> 5)] = z;
+        }
+        __syncthreads();
+        const float z = __fadd_rn(red[2], red[3]);
+        __syncthreads();
+        // One chunk: the combination below would be exact (w_0 = 1), so the block writes the output itself.
+        const float inv1 = __fdiv_rn(1.0f, z);
+        float* pp = part + (((long long)i * n_heads + h) * nmax + c) * (hd + 2);
+        if (hd <= ATT_THREADS) {
+            const int P = ATT_THREADS / hd;
+            const int d = tid % hd, pt = tid / hd;
+            if (pt < P) {
+                float acc = 0.0f;
 #pragma unroll 8
-            for (int jj = 0; jj < cnt; ++jj) acc = __fmaf_rn(sc[jj], vb[rows[jj] * kvd + d], acc);
-            if (single) put(d, __fmul_rn(acc, inv1));
-            else pp[2 + d] = acc;
+                for (int jj = pt; jj < cnt; jj += P) acc = __fmaf_rn(sc[jj], vb[rows[jj] * kvd + d], acc);
+                red[pt * hd + d] = acc;
+            }
+            __syncthreads();
+            if (tid < hd) {
+                float acc = red[tid];
+                for (int p = 1; p < P; ++p) acc = __fadd_rn(acc, red[p * hd + tid]);
+                if (single) put(tid, __fmul_rn(acc, inv1));
+                else pp[2 + tid] = acc;
+            }
+        } else {
+            for (int d = tid; d < hd; d += ATT_THREADS) {
+                float acc = 0.0f;
+#pragma unroll 8
+                for (int jj = 0; jj < cnt; ++jj) acc = __fmaf_rn(sc[jj], vb[rows[jj] * kvd + d], acc);
+                if (single) put(d, __fmul_rn(acc, inv1));
+                else pp[2 + d] = acc;
+            }
         }
-    }
-    if (single) return;
-    if (tid == 0) {
-        pp[0] = m;
-        pp[1] = z;
-    }
-    // The last block of this (query, head) to finish combines the chunks.
-    __threadfence();
-    __syncthreads();
-    int* cnt_at = count + (long long)i * n_heads + h;
-    if (tid == 0) last = atomicAdd(cnt_at, 1) == nch - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    if (tid == 0) *cnt_at = 0;
-    const float* base = part + ((long long)i * n_heads + h) * nmax * (hd + 2);
-    float M = -INFINITY;
-    for (int cc = 0; cc < nch; ++cc) M = fmaxf(M, __ldcg(base + (long long)cc * (hd + 2)));
-    float Z = 0.0f;
-    for (int cc = 0; cc < nch; ++cc) {
-        const float* b = base + (long long)cc * (hd + 2);
-        Z = __fmaf_rn(__ldcg(b + 1), expf(__fsub_rn(__ldcg(b), M)), Z);
-    }
-    const float inv_z = __fdiv_rn(1.0f, Z);
-    for (int d = tid; d < hd; d += ATT_THREADS) {
-        float acc = 0.0f;
-        for (int cc = 0; cc < nch; ++cc) {
-            const float* b = base + (long long)cc * (hd + 2);
-            acc = __fmaf_rn(__ldcg(b + 2 + d), expf(__fsub_rn(__ldcg(b), M)), acc);
+        if (single) continue;
+        if (tid == 0) {
+            pp[0] = m;
+            pp[1] = z;
         }
-        put(d, __fmul_rn(acc, inv_z));
+        // The last block of this (query, head) to finish a chunk combines the chunks.
+        __threadfence();
+        __syncthreads();
+        int* cnt_at = count + (long long)i * n_heads + h;
+        if (tid == 0) last = atomicAdd(cnt_at, 1) == nch - 1;
+        __syncthreads();
+        if (!last) continue;
+        __threadfence();
+        if (tid == 0) *cnt_at = 0;
+        const float* base = part + ((long long)i * n_heads + h) * nmax * (hd + 2);
+        float M;
+        const float inv_z = att_combine_norm(base, nch, hd, M);
+        for (int d = tid; d < hd; d += ATT_THREADS) {
+            put(d, __fmul_rn(att_combine_value(base, nch, hd, M, d), inv_z));
+        }
+        return;
+    }
+}
+
+// The same attention with one block per (KV head, query, z) for launches of several queries (prefill and
+// verify): the block stages each chunk's keys and values of its KV head in shared memory once, and its warps
+// take the query heads that share them (warp w the heads w, w + 8, ...), so the g = n_heads / n_kv_heads heads
+// read them once instead of g times and a launch has g times fewer blocks. Every value is computed by the
+// operations `attention` uses, in its order: the four quarter chains of a score (one lane computes all four
+// for its key, lane l the keys l and l + 32), the max and the exponential sum as its two warps' trees (here one
+// warp's two trees), each output value's P = ATT_THREADS / hd fma chains over the keys p, p + P, ... added in
+// order, the same chunk records and combination; so each (query, head) gets the same bits from either kernel.
+// Dynamic shared memory: keys and values [ATT_CHUNK][hd + 1] each (padded: lane l reads row l), the g query
+// rows [g][hd] and the warps' exponentials [8][ATT_CHUNK] (`att_kv_smem` on the host). hd: a multiple of 16 up
+// to ATT_KV_MAX_HD.
+#define ATT_KV_MAX_HD 128
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_kv(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                 float* __restrict__ out, const int4* __restrict__ info, const int* __restrict__ paths, float* part,
+                 int* count, int nmax, int n_heads, int n_kv_heads, int hd, float scale, float softcap,
+                 const float* __restrict__ qsigns, int8_t* __restrict__ qq, float* __restrict__ qscale,
+                 int* __restrict__ qsum, float* __restrict__ qdsum, int* __restrict__ qsum16) {
+    pdl_wait();
+    extern __shared__ __align__(16) float att_smem[];
+    __shared__ long long rows[ATT_CHUNK];
+    const int kvh = blockIdx.x, i = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = n_heads / n_kv_heads, h0 = kvh * g, ld = hd + 1, q4 = hd >> 2;
+    float* ks = att_smem;
+    float* vs = ks + ATT_CHUNK * ld;
+    float* qs = vs + ATT_CHUNK * ld;
+    float* es = qs + g * hd + warp * ATT_CHUNK;
+    const int4 qi = info[i];
+    const int nc = qi.y - qi.x, nk = nc + qi.w;
+    const int nch = (nk + ATT_CHUNK - 1) / ATT_CHUNK;
+    const long long qd = (long long)n_heads * hd, kvd = (long long)n_kv_heads * hd;
+    // Output value `d` of (query i, head h), quantized with its warp's 32 values when asked (lane = d % 32).
+    auto put = [&](int h, int d, float val) {
+        out[i * qd + (long long)h * hd + d] = val;
+        if (qq != nullptr) {
+            const long long gi = ((long long)h * hd + d) >> 5;
+            quant_group(val, lane, i * (qd >> 5) + gi, qsigns != nullptr ? qsigns + gi * 32 : nullptr, qq, qscale,
+                        qsum, qdsum, qsum16);
+        }
+    };
+    if (nk <= 0) {
+        if (blockIdx.z == 0)
+            for (int r = warp; r < g; r += ATT_THREADS / 32)
+                for (int d = lane; d < hd; d += 32) put(h0 + r, d, 0.0f);
+        return;
+    }
+    if ((int)blockIdx.z >= nch) return;
+    for (int x = tid; x < g * hd; x += ATT_THREADS) qs[x] = q[i * qd + (long long)h0 * hd + x];
+    const bool single = nch == 1;
+    const int P = ATT_THREADS / hd;
+    for (int c = blockIdx.z; c < nch; c += gridDim.z) {
+        const int j0 = c * ATT_CHUNK, cnt = min(ATT_CHUNK, nk - j0);
+        __syncthreads();  // the previous chunk's readers of rows, keys and values are done
+        if (tid < cnt) {
+            const int jj = j0 + tid;
+            rows[tid] = jj < nc ? (long long)qi.x + jj : (long long)paths[qi.z + jj - nc];
+        }
+        __syncthreads();
+        for (int x = tid; x < cnt * q4; x += ATT_THREADS) {
+            const int j = x / q4, d = 4 * (x % q4);
+            const long long at = rows[j] * kvd + (long long)kvh * hd + d;
+            const float4 kv = *reinterpret_cast<const float4*>(k + at);
+            const float4 vv = *reinterpret_cast<const float4*>(v + at);
+            float* kd = ks + j * ld + d;
+            float* vd = vs + j * ld + d;
+            kd[0] = kv.x, kd[1] = kv.y, kd[2] = kv.z, kd[3] = kv.w;
+            vd[0] = vv.x, vd[1] = vv.y, vd[2] = vv.z, vd[3] = vv.w;
+        }
+        __syncthreads();
+        for (int r = warp; r < g; r += ATT_THREADS / 32) {
+            const int h = h0 + r;
+            const float* qr = qs + r * hd;
+            float s[2];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int j = lane + 32 * half;
+                float sv = -INFINITY;
+                if (j < cnt) {
+                    const float* kr = ks + j * ld;
+                    float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, p3 = 0.0f;
+#pragma unroll 4
+                    for (int d = 0; d < q4; ++d) {
+                        p0 = __fmaf_rn(qr[d], kr[d], p0);
+                        p1 = __fmaf_rn(qr[q4 + d], kr[q4 + d], p1);
+                        p2 = __fmaf_rn(qr[2 * q4 + d], kr[2 * q4 + d], p2);
+                        p3 = __fmaf_rn(qr[3 * q4 + d], kr[3 * q4 + d], p3);
+                    }
+                    sv = __fmul_rn(__fadd_rn(__fadd_rn(__fadd_rn(p0, p1), p2), p3), scale);
+                    if (softcap > 0.0f) sv = __fmul_rn(softcap, tanhf(__fdiv_rn(sv, softcap)));
+                }
+                s[half] = sv;
+            }
+            const float m = fmaxf(warp_max(s[0]), warp_max(s[1]));
+            const float e0 = lane < cnt ? expf(__fsub_rn(s[0], m)) : 0.0f;
+            const float e1 = lane + 32 < cnt ? expf(__fsub_rn(s[1], m)) : 0.0f;
+            const float z = __fadd_rn(warp_sum(e0), warp_sum(e1));
+            es[lane] = e0;
+            es[lane + 32] = e1;
+            __syncwarp();
+            const float inv1 = __fdiv_rn(1.0f, z);
+            float* pp = part + (((long long)i * n_heads + h) * nmax + c) * (hd + 2);
+            for (int d0 = 0; d0 < hd; d0 += 32) {
+                const int d = d0 + lane;
+                float acc = 0.0f;
+                if (d < hd) {
+                    for (int pt = 0; pt < P; ++pt) {
+                        float a = 0.0f;
+#pragma unroll 8
+                        for (int jj = pt; jj < cnt; jj += P) a = __fmaf_rn(es[jj], vs[jj * ld + d], a);
+                        acc = pt == 0 ? a : __fadd_rn(acc, a);
+                    }
+                    if (!single) pp[2 + d] = acc;
+                }
+                if (single && d < hd) put(h, d, __fmul_rn(acc, inv1));
+            }
+            __syncwarp();  // es is rewritten by the warp's next head
+            if (single) continue;
+            if (lane == 0) {
+                pp[0] = m;
+                pp[1] = z;
+            }
+            // The last block of this (query, head) to finish a chunk combines the chunks.
+            __threadfence();
+            __syncwarp();
+            int* cnt_at = count + (long long)i * n_heads + h;
+            int last = 0;
+            if (lane == 0) last = atomicAdd(cnt_at, 1) == nch - 1;
+            last = __shfl_sync(FULL, last, 0);
+            if (!last) continue;
+            __threadfence();
+            if (lane == 0) *cnt_at = 0;
+            const float* base = part + ((long long)i * n_heads + h) * nmax * (hd + 2);
+            float M;
+            const float inv_z = att_combine_norm(base, nch, hd, M);
+            for (int d0 = 0; d0 < hd; d0 += 32) {
+                const int d = d0 + lane;
+                if (d >= hd) break;  // hd % 32 != 0 (never with quantization, which needs whole groups)
+                put(h, d, __fmul_rn(att_combine_value(base, nch, hd, M, d), inv_z));
+            }
+        }
     }
 }
 

@@ -54,12 +54,14 @@ const CAND_PARTS: usize = 32;
 const CAND_WORK: usize = 3104;
 /// Weight rows per block of the product kernels (one warp each; `MM_ROWS` in kernels.cu).
 const MM_ROWS: usize = 4;
-/// Tokens per block of the product kernels for batches of more than one token (`TT` of the `mm_f*_t8` and
-/// `mm_q*_t8` kernels).
+/// Tokens per block of the f32/bf16 product kernels for batches of more than one token (`TT` of `mm_f*_t8`), and
+/// the most tokens `EDDY_CUDA_DP4A_MAX` may put on the `dp4a` kernels.
 const MM_TT: usize = 8;
-/// Most tokens of a quantized product on the `dp4a` kernels (`mm_q*_t8` from 2 tokens); more go to the tensor
-/// cores. Measured on the H200 (docs/cuda.md): a 2-node verify 1.49 ms with `dp4a`, 1.71 ms with `mma`; 4 nodes
-/// 1.88 / 2.01 ms; 8 nodes 2.57 / 2.42 ms. Both give the same bits (batch invariance), so the cut is free.
+/// Most tokens of a quantized product on the `dp4a` kernels (`mm_q*_t2` for 2 tokens, `mm_q*_t4` for 3–4); more
+/// go to the tensor cores. Measured on the H200 (docs/cuda.md, session 16; 0.5B, argmax on the device): a 2-node
+/// verify 0.97 ms with `mm_q_t2` (1.38 with the former 8-token tile), 4 nodes 1.20 with `mm_q_t4` (1.59), 8
+/// nodes 1.46 on two `mm_q_t4` tiles against 1.38 with `mma`. Every kernel gives the same bits (batch
+/// invariance), so the cut is free.
 const DP4A_MAX: usize = 4;
 /// Weight rows per block of the tensor-core quantized products (`MMA_ROWS`; `QW_WARPS` warps each).
 const MMA_ROWS: usize = 16;
@@ -108,6 +110,34 @@ fn norm_threads(d: usize) -> u32 {
 const ATT_MAX_HD: usize = 512;
 /// Keys per block of the attention kernel (`ATT_CHUNK`).
 const ATT_CHUNK: usize = 64;
+/// Attention blocks per multiprocessor the chunk grid aims at (256 threads each: a full multiprocessor).
+const ATT_BLOCKS_PER_SM: usize = 8;
+/// Fewest queries of an attention launch that runs `attention_kv` (one block per KV head and query: its query
+/// heads share each chunk's keys and values in shared memory); `EDDY_CUDA_ATT_KV_MIN` overrides it (0: never).
+/// Measured on the H200 (docs/cuda.md, session 16; 0.5B, 7 query heads per KV head): a 64-token prefill pass's
+/// attention 98 → 26 µs a layer; 16-node verify after 512 tokens 3.25 ms against 3.6–3.7 per query head; with 2
+/// nodes 1.28–1.38 against 1.14, and a decode step 0.90 against 0.83 ms (fewer, longer blocks).
+const ATT_KV_MIN_T: usize = 16;
+/// Largest head dimension of `attention_kv` (`ATT_KV_MAX_HD`), and most query heads per KV head it takes.
+const ATT_KV_MAX_HD: usize = 128;
+const ATT_KV_MAX_GROUP: usize = 16;
+
+/// Dynamic shared memory bytes of `attention_kv` for `group` query heads per KV head of dimension `hd`: keys
+/// and values `[ATT_CHUNK][hd + 1]`, the query rows `[group][hd]`, the 8 warps' exponentials `[8][ATT_CHUNK]`.
+fn att_kv_smem(group: usize, hd: usize) -> usize {
+    4 * (2 * ATT_CHUNK * (hd + 1) + group * hd + (ATT_THREADS as usize / 32) * ATT_CHUNK)
+}
+
+/// The attention grid's third dimension `Z` for `blocks_per_query` blocks over the heads of each of `t`
+/// queries and key lists of at most `nmax` chunks on a GPU of `sms` multiprocessors: block z of a (query,
+/// heads) takes its chunks z, z + Z, … (see the kernel), so any `Z` in 1..=nmax gives the same bits. The grid
+/// is sized to about one wave of resident blocks instead of `nmax` (the cache's capacity in chunks: at 4096
+/// rows 64, nearly all of them past a prefill or verify query's keys, whose blocks cost a scheduling slot
+/// each). It depends on the launch shape only, so a captured graph replays it for any context length.
+fn att_chunk_blocks(blocks_per_query: usize, t: usize, nmax: usize, sms: usize) -> usize {
+    let target = ATT_BLOCKS_PER_SM * sms.max(1);
+    target.div_ceil((blocks_per_query * t).max(1)).clamp(1, nmax.max(1))
+}
 /// Fewest operations a queued list needs to be considered for a graph (smaller ones run eagerly).
 const GRAPH_MIN_OPS: usize = 32;
 /// Graphs kept per backend (decode, and verify of each node count in use).
@@ -607,10 +637,10 @@ unsafe impl Sync for Func {}
 /// Handles of every kernel of the module.
 struct Kernels {
     quantize: Func,
-    /// `dp4a` kernels: `[1 token (mm_q_t1) / 2..=DP4A_MAX tokens (mm_q_t8)][bits 4 packed / bytes]`.
-    mm_q: [[Func; 2]; 2],
+    /// `dp4a` kernels: `[1 token (mm_q_t1) / 2 (mm_q_t2) / tiles of 4 (mm_q_t4)][bits 4 packed / bytes]`.
+    mm_q: [[Func; 2]; 3],
     /// The same for up to three matrices in one launch.
-    mm_q3: [[Func; 2]; 2],
+    mm_q3: [[Func; 2]; 3],
     /// The empty kernel ([`Cuda::set_empty_kernels`]).
     noop: Func,
     /// Five or more tokens, on the tensor cores (`mm_qw{1,2}_f{form}_{p4,p8}_s{S}`): `[split (MMA_SPLITS)][tile
@@ -637,6 +667,8 @@ struct Kernels {
     concat_rows: Func,
     rope: Func,
     attention: Func,
+    /// The attention with one block per KV head (`attention_kv`; dynamic shared memory `att_kv_smem`).
+    attention_kv: Func,
     argmax_part: Func,
     argmax_finish: Func,
     cand_lanes: Func,
@@ -713,10 +745,18 @@ pub struct Cuda {
     forced_split: AtomicUsize,
     /// Most blocks over the row tiles of a tensor-core product, or 0 (by the launch's size).
     forced_row_blocks: AtomicUsize,
+    /// Attention blocks per (query, heads), or 0 (by the launch's size: [`att_chunk_blocks`]);
+    /// `EDDY_CUDA_ATT_BLOCKS` at start (a large value: one block per chunk the cache holds, as before).
+    forced_att_blocks: AtomicUsize,
+    /// Whether the attention runs one block per KV head (`attention_kv`: 2) or per query head (1), or 0 (by
+    /// the launch's size: from `att_kv_min` queries on, where the shapes allow).
+    forced_att_kernel: AtomicUsize,
+    /// Fewest queries whose attention runs `attention_kv` ([`ATT_KV_MIN_T`]).
+    att_kv_min: usize,
     /// Whether large tensor-core products run on a grid of at most the blocks that fit at once, each walking
     /// several row tiles with the next one's loads in flight (`EDDY_CUDA_PERSIST=0`: one row tile per block).
     persist: bool,
-    /// Most tokens of a quantized product on the `dp4a` kernels: `DP4A_MAX`, or `EDDY_CUDA_DP4A_MAX` (1 to 4;
+    /// Most tokens of a quantized product on the `dp4a` kernels: `DP4A_MAX`, or `EDDY_CUDA_DP4A_MAX` (1 to 8;
     /// to measure the crossover).
     dp4a_max: usize,
     name: String,
@@ -816,8 +856,16 @@ impl Cuda {
         let sms = (attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).max(1)) as usize;
         let k = Kernels {
             quantize: get("quantize_q8")?,
-            mm_q: [[get("mm_q_t1_p4")?, get("mm_q_t1_p8")?], [get("mm_q_t8_p4")?, get("mm_q_t8_p8")?]],
-            mm_q3: [[get("mm_q3_t1_p4")?, get("mm_q3_t1_p8")?], [get("mm_q3_t8_p4")?, get("mm_q3_t8_p8")?]],
+            mm_q: [
+                [get("mm_q_t1_p4")?, get("mm_q_t1_p8")?],
+                [get("mm_q_t2_p4")?, get("mm_q_t2_p8")?],
+                [get("mm_q_t4_p4")?, get("mm_q_t4_p8")?],
+            ],
+            mm_q3: [
+                [get("mm_q3_t1_p4")?, get("mm_q3_t1_p8")?],
+                [get("mm_q3_t2_p4")?, get("mm_q3_t2_p8")?],
+                [get("mm_q3_t4_p4")?, get("mm_q3_t4_p8")?],
+            ],
             noop: get("noop")?,
             mm_qw: qw("mm_qw")?,
             mm_q3w: qw("mm_q3w")?,
@@ -838,6 +886,7 @@ impl Cuda {
             concat_rows: get("concat_rows")?,
             rope: get("rope")?,
             attention: get("attention")?,
+            attention_kv: get("attention_kv")?,
             argmax_part: get("argmax_part")?,
             argmax_finish: get("argmax_finish")?,
             cand_lanes: get("cand_lanes")?,
@@ -864,6 +913,15 @@ impl Cuda {
                 .map_err(|e| no(format!("shared memory of {b} bytes for a product kernel: {e:?}")))?;
             }
         }
+        // SAFETY: a kernel of the loaded module; the size is under every supported GPU's per-block limit (99 KB).
+        unsafe {
+            result::function::set_function_attribute(
+                k.attention_kv.0,
+                sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                att_kv_smem(ATT_KV_MAX_GROUP, ATT_KV_MAX_HD) as i32,
+            )
+        }
+        .map_err(|e| no(format!("shared memory for the attention kernel: {e:?}")))?;
         // Programmatic dependent launch needs sm_90 (`griddepcontrol`); EDDY_CUDA_PDL=0 turns it off.
         ctx.queue().pdl = capability.0 >= 9 && std::env::var("EDDY_CUDA_PDL").map_or(true, |v| v != "0");
         let split = std::env::var("EDDY_CUDA_SPLIT").ok().and_then(|v| v.parse().ok()).filter(|s| MMA_SPLITS.contains(s)).unwrap_or(0);
@@ -876,11 +934,20 @@ impl Cuda {
             sms,
             forced_split: AtomicUsize::new(split),
             forced_row_blocks: AtomicUsize::new(0),
+            forced_att_blocks: AtomicUsize::new(std::env::var("EDDY_CUDA_ATT_BLOCKS").ok().and_then(|v| v.parse().ok()).unwrap_or(0)),
+            forced_att_kernel: AtomicUsize::new(0),
+            att_kv_min: std::env::var("EDDY_CUDA_ATT_KV_MIN").ok().and_then(|v| v.parse().ok()).map_or(ATT_KV_MIN_T, |m: usize| {
+                if m == 0 {
+                    usize::MAX
+                } else {
+                    m
+                }
+            }),
             persist,
             dp4a_max: std::env::var("EDDY_CUDA_DP4A_MAX")
                 .ok()
                 .and_then(|v| v.parse().ok())
-                .filter(|m| (1..=DP4A_MAX).contains(m))
+                .filter(|m| (1..=MM_TT).contains(m))
                 .unwrap_or(DP4A_MAX),
             name,
             capability,
@@ -925,6 +992,30 @@ impl Cuda {
         assert!(row_blocks != Some(0), "a grid of 0 row blocks");
         self.forced_split.store(s, Ordering::Relaxed);
         self.forced_row_blocks.store(row_blocks.unwrap_or(0), Ordering::Relaxed);
+    }
+
+    /// Run the attention with `blocks` blocks per (query, heads), each walking every `blocks`-th key chunk
+    /// (clamped to 1..=the chunks the cache holds), and with one block per KV head (`attention_kv`:
+    /// `Some(true)`, where the head dimension and group allow it) or per query head (`Some(false)`); `None`
+    /// chooses by the launch's size (the default). The results do not depend on either (batch invariance);
+    /// for tests and measurements.
+    ///
+    /// # Panics
+    /// On `Some(0)` blocks.
+    pub fn force_attention_launch(&self, blocks: Option<usize>, per_kv_head: Option<bool>) {
+        assert!(blocks != Some(0), "0 attention blocks per (query, heads)");
+        self.forced_att_blocks.store(blocks.unwrap_or(0), Ordering::Relaxed);
+        self.forced_att_kernel.store(per_kv_head.map_or(0, |k| if k { 2 } else { 1 }), Ordering::Relaxed);
+    }
+
+    /// The `dp4a` kernel for `n` tokens (at most `DP4A_MAX`, or `MM_TT` through `EDDY_CUDA_DP4A_MAX`): (index
+    /// into `mm_q` / `mm_q3`, tokens per tile): 1 → t1, 2 → t2, more → t4 (tiles of 4).
+    fn dp4a_tile(n: usize) -> (usize, usize) {
+        match n {
+            1 => (0, 1),
+            2 => (1, 2),
+            _ => (2, 4),
+        }
     }
 
     /// The launch of a tensor-core product over `tiles` row tiles of 16 and `n` tokens: (index into
@@ -1163,7 +1254,8 @@ impl Cuda {
                     .p(out);
                 let p = if q.packed4 { 0 } else { 1 };
                 if n <= self.dp4a_max {
-                    self.launch(self.k.mm_q[tile][p], grid, (32 * MM_ROWS) as u32, a);
+                    let (ti, tt) = Self::dp4a_tile(n);
+                    self.launch(self.k.mm_q[ti][p], (rows.div_ceil(MM_ROWS), n.div_ceil(tt)), (32 * MM_ROWS) as u32, a);
                 } else {
                     let (v, nt) = mma_tile(n);
                     let tiles = rows.div_ceil(MMA_ROWS);
@@ -1244,7 +1336,24 @@ impl Cuda {
             .p(qa[3])
             .p(qa[4])
             .p(qa[5]);
-        self.launch3(self.k.attention, (s.n_heads, t, nmax), ATT_THREADS, a);
+        // One block per KV head and query from `att_kv_min` queries on (prefill, verify), where the shapes fit.
+        let group = s.n_heads / s.n_kv_heads;
+        let fits = s.head_dim <= ATT_KV_MAX_HD && group <= ATT_KV_MAX_GROUP;
+        let per_kv = fits
+            && match self.forced_att_kernel.load(Ordering::Relaxed) {
+                0 => t >= self.att_kv_min,
+                f => f == 2,
+            };
+        let heads = if per_kv { s.n_kv_heads } else { s.n_heads };
+        let z = match self.forced_att_blocks.load(Ordering::Relaxed) {
+            0 => att_chunk_blocks(heads, t, nmax, self.sms),
+            f => f.min(nmax),
+        };
+        if per_kv {
+            self.launch_smem(self.k.attention_kv, (heads, t, z), ATT_THREADS, att_kv_smem(group, s.head_dim) as u32, a);
+        } else {
+            self.launch3(self.k.attention, (heads, t, z), ATT_THREADS, a);
+        }
     }
 
     /// The key lists of `t` queries (see the attention kernel): per query `(lo, hi, path offset, path
@@ -1554,7 +1663,8 @@ impl Backend for Cuda {
         }
         let p = if q0.packed4 { 0 } else { 1 };
         if n <= self.dp4a_max {
-            self.launch(self.k.mm_q3[(n > 1) as usize][p], (blocks, 1), (32 * MM_ROWS) as u32, a);
+            let (ti, tt) = Self::dp4a_tile(n);
+            self.launch(self.k.mm_q3[ti][p], (blocks, n.div_ceil(tt)), (32 * MM_ROWS) as u32, a);
         } else {
             let (v, nt) = mma_tile(n);
             let (si, grid) = self.mma_plan(blocks, n);
