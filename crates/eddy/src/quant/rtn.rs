@@ -68,15 +68,20 @@ impl Format {
         }
     }
 
-    /// Bits per weight at `group` values per group (codes plus f16 scales and offsets).
-    pub fn bits_per_weight(self, group: usize) -> f64 {
+    /// Bits per weight of rows of `cols` values at `group` values per group (codes plus f16 scales and
+    /// offsets; `cols` a multiple of the group, rotation signs not counted). K and K6 store their f16
+    /// super-scales per super-block of 256 values cut from the row's start, the last one partial (rows of 896:
+    /// 3 whole and one of 128), so their rate depends on `cols`: 4.5 and 6.5625 bits for whole super-blocks,
+    /// 4.518 and 6.571 at 896.
+    pub fn bits_per_weight(self, group: usize, cols: usize) -> f64 {
+        let supers = cols.div_ceil(QK_SUPER) as f64 / cols.max(1) as f64;
         match self {
             Format::M => 4.0 + 32.0 / group as f64,
             Format::L => 8.0 + 16.0 / group as f64,
-            // Two 6-bit multipliers per 32 values, two f16 per 256 (`group` is always 32).
-            Format::K => 4.0 + 12.0 / K_GROUP as f64 + 32.0 / QK_SUPER as f64,
-            // An i8 multiplier per 16 values, one f16 per 256.
-            Format::K6 => 6.0 + 8.0 / K6_GROUP as f64 + 16.0 / QK_SUPER as f64,
+            // Two 6-bit multipliers per 32 values, two f16 per super-block (`group` is always 32).
+            Format::K => 4.0 + 12.0 / K_GROUP as f64 + 32.0 * supers,
+            // An i8 multiplier per 16 values, one f16 per super-block.
+            Format::K6 => 6.0 + 8.0 / K6_GROUP as f64 + 16.0 * supers,
         }
     }
 }
@@ -737,6 +742,32 @@ mod tests {
             m.dequant_row(r, row);
         }
         out
+    }
+
+    /// The bit rate counts what the quantizer stores: per value its code, per group its multipliers (k: 6-bit
+    /// scale and offset per 32, k6: an i8 per 16) or f16 scale (and offset), and per super-block actually
+    /// stored (the row's last one partial) its f16 super-scales; rows whole and partial in super-blocks.
+    #[test]
+    fn bits_per_weight_counts_the_stored_super_blocks() {
+        let rows = 3;
+        for cols in [256, 512, 864, 896, 1536] {
+            let w = heavy(rows * cols, 5);
+            for (format, mult_bits, group, super_f16) in [(Format::K, 12.0, K_GROUP, 2.0), (Format::K6, 8.0, K6_GROUP, 1.0)] {
+                let q = quantize(rows, cols, &w, format, 32, Rotation::default());
+                let WeightMatrix::Q(m) = &q else { panic!("not quantized") };
+                let GroupScales::SuperI8 { d, .. } = &m.scales else { panic!("{format:?}: not super-block scales") };
+                let supers = (d.len() / rows) as f64;
+                let stored = format.bits() as f64 + mult_bits / group as f64 + 16.0 * super_f16 * supers / cols as f64;
+                let got = format.bits_per_weight(32, cols);
+                assert!((got - stored).abs() < 1e-12, "{format:?} at {cols}: {got} bits per weight, {stored} stored");
+            }
+            for g in GROUPS {
+                assert_eq!(Format::M.bits_per_weight(g, cols), 4.0 + 32.0 / g as f64);
+                assert_eq!(Format::L.bits_per_weight(g, cols), 8.0 + 16.0 / g as f64);
+            }
+        }
+        assert_eq!(Format::K.bits_per_weight(32, 1536), 4.5);
+        assert!((Format::K.bits_per_weight(32, 896) - 4048.0 / 896.0).abs() < 1e-12);
     }
 
     /// L: every value is within half a step of the stored (f16) scale, and the scale is the ideal one to
