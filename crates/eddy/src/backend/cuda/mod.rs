@@ -1220,15 +1220,13 @@ impl Cuda {
         if n == 0 || rows == 0 {
             return;
         }
-        let tile = if n == 1 { 0 } else { 1 };
-        let tt = if n == 1 { 1 } else { MM_TT };
-        let grid = (rows.div_ceil(MM_ROWS), n.div_ceil(tt));
         match w {
             CudaWeights::F32 { data, .. } | CudaWeights::Bf16 { data, .. } => {
                 assert!(x.len >= n * cols, "matmul: x holds {} values, {n}×{cols} needed", x.len);
                 let bf = matches!(w, CudaWeights::Bf16 { .. }) as usize;
+                let (tile, tt) = if n == 1 { (0, 1) } else { (1, MM_TT) };
                 let a = Args::new().p(data.ptr).i(rows).i(cols).p(x.ptr()).i(n).p(bias).p(out);
-                self.launch(self.k.mm_f[bf][tile], grid, (32 * MM_ROWS) as u32, a);
+                self.launch(self.k.mm_f[bf][tile], (rows.div_ceil(MM_ROWS), n.div_ceil(tt)), (32 * MM_ROWS) as u32, a);
             }
             CudaWeights::Q(q) => {
                 assert_eq!(cols % QK, 0, "quantized weights need cols % 32 == 0");
