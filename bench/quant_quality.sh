@@ -140,7 +140,8 @@ PY
   done
   # eddy variants: NAME|FLAGS, % for a space in FLAGS. m at <= Q4_K_M's bits: g64 with the LM head in l (4.99-5.00 bits on the
   # 1.5B), g32 with the LM head in m g32 and the untied embedding in m g64 (4.94); each to nearest (with
-  # the per-group scale search) and with GPTQ (--calib), rotated and not.
+  # the per-group scale search) and with GPTQ (--calib), rotated and not. "rot" variants rotate every matrix
+  # (--no-rotation-for none; eddy quantize's default leaves gate/up unrotated since session 17).
   # Session 10's mixed precision (--tensor-format): m g32 with the LM head in m g32, unrotated, plus per-tensor
   # formats: k/v projections in l g32, the embedding in m g128, and more bits for q/o, down or fewer for gate/up;
   # Q4_K_M's own split (l g32 for k/v and for ffn_down of the layers llama.cpp's use_more_bits picks, m g64 for
@@ -148,14 +149,14 @@ PY
   M32="--format%m%--group%32%--head-format%m%--head-group%32%--no-rotation"
   KV8="k_proj=l/32,v_proj=l/32"
   Q4KM_DOWN="0-2+5+8+11+14+17+20+23+25-27"
-  for v in ${EDDY_VARIANTS:-"l-g64-rot|--format%l%--group%64" \
-    "m-g64-rot|--format%m%--group%64" "m-g64-norot|--format%m%--group%64%--no-rotation" \
-    "m-g64-rot-gptq|--format%m%--group%64%--calib%CALIB" "m-g64-norot-gptq|--format%m%--group%64%--no-rotation%--calib%CALIB" \
-    "m-g32h32e64-rot|--format%m%--group%32%--head-format%m%--head-group%32%--embed-group%64" \
+  for v in ${EDDY_VARIANTS:-"l-g64-rot|--format%l%--group%64%--no-rotation-for%none" \
+    "m-g64-rot|--format%m%--group%64%--no-rotation-for%none" "m-g64-norot|--format%m%--group%64%--no-rotation" \
+    "m-g64-rot-gptq|--format%m%--group%64%--calib%CALIB%--no-rotation-for%none" "m-g64-norot-gptq|--format%m%--group%64%--no-rotation%--calib%CALIB" \
+    "m-g32h32e64-rot|--format%m%--group%32%--head-format%m%--head-group%32%--embed-group%64%--no-rotation-for%none" \
     "m-g32h32e64-norot|--format%m%--group%32%--head-format%m%--head-group%32%--embed-group%64%--no-rotation" \
-    "m-g32h32e64-rot-gptq|--format%m%--group%32%--head-format%m%--head-group%32%--embed-group%64%--calib%CALIB" \
+    "m-g32h32e64-rot-gptq|--format%m%--group%32%--head-format%m%--head-group%32%--embed-group%64%--calib%CALIB%--no-rotation-for%none" \
     "m-g32h32e64-norot-gptq|--format%m%--group%32%--head-format%m%--head-group%32%--embed-group%64%--no-rotation%--calib%CALIB" \
-    "m-g128-norot-s|--format%m%--group%128%--no-rotation" "m-g128-rot-s|--format%m%--group%128" \
+    "m-g128-norot-s|--format%m%--group%128%--no-rotation" "m-g128-rot-s|--format%m%--group%128%--no-rotation-for%none" \
     "m-g32-kv8-norot|$M32%--embed-group%64%--tensor-format%k_proj=l/32,v_proj=l/32" \
     "mix-m32kv8-e128|$M32%--tensor-format%$KV8,embed_tokens=m/128" \
     "mix-m32kv8-e128-d2|$M32%--tensor-format%$KV8,embed_tokens=m/128,down_proj@0+27=l/32" \
@@ -165,6 +166,7 @@ PY
     "mix-q4kmlike-h64|--format%m%--group%64%--head-format%m%--head-group%64%--embed-group%128%--no-rotation%--tensor-format%$KV8,down_proj@$Q4KM_DOWN=l/32" \
     "k-all-norot|--format%k%--head-format%k%--no-rotation" \
     "k-k6mix-norot|--format%k%--head-format%k%--no-rotation%--tensor-format%k_proj=k6,v_proj=k6,q_proj=k6,o_proj=k6,down_proj@0-10+17-27=k6,embed_tokens=m/128" \
+    "k-k6mix-rotnogu|--format%k%--head-format%k%--tensor-format%k_proj=k6,v_proj=k6,q_proj=k6,o_proj=k6,down_proj@0-10+17-27=k6,embed_tokens=m/128" \
     "mix-q4kmlike-h32|--format%m%--group%64%--head-format%m%--head-group%32%--embed-group%128%--no-rotation%--tensor-format%$KV8,down_proj@0-2+5+8+11+17+20+23+25-27=l/32"}; do
     name=$m-eddy-${v%%|*}
     flags=${v#*|}

@@ -128,6 +128,17 @@ fn corrupt_hyperparameters() {
         };
         expect_error(&p, &[], needle);
     }
+    for (key, value, needle) in [
+        ("llama.rope.freq_base", f32::NAN, "invalid RoPE base (rope_theta / rope.freq_base): NaN"),
+        ("llama.attention.layer_norm_rms_epsilon", -1.0, "invalid RMSNorm epsilon: -1"),
+    ] {
+        let Some(p) = modified(&format!("{key}-{value}.gguf"), |m, _| {
+            m.insert(key.into(), GgufValue::F32(value));
+        }) else {
+            return;
+        };
+        expect_error(&p, &[], needle);
+    }
 }
 
 #[test]
@@ -254,16 +265,54 @@ fn quantize_bad_inputs_and_a_good_run() {
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--group", "48", "-o", o], "--group");
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--head-format", "x", "-o", o], "--head-format");
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--embed-group", "48", "-o", o], "--embed-group");
-    fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib-damp=nan", "-o", o], "--calib-damp");
-    fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib-damp", "-1", "-o", o], "got -1");
+    fails(
+        &["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib", "c.txt", "--calib-damp=nan", "-o", o],
+        "--calib-damp",
+    );
+    fails(
+        &["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib", "c.txt", "--calib-damp", "-1", "-o", o],
+        "got -1",
+    );
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib", "/no-such-calib.txt", "-o", o], "no-such-calib");
-    fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib-tokens", "0", "-o", o], "--calib-tokens");
+    fails(
+        &["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib", "c.txt", "--calib-tokens", "0", "-o", o],
+        "--calib-tokens",
+    );
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--tensor-format", ",,", "-o", o], "holds no rule");
     fails(
         &["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--tensor-format", "k_proj@99=l", "-o", o],
         "beyond the model",
     );
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--tensor-format", "lm_head@0=l", "-o", o], "no @LAYERS");
+    // Calibration settings without --calib, an empty --no-rotation-for, a rule that names no matrix of this
+    // (tied) model, a group given to a format with its own.
+    fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib-damp", "0.5", "-o", o], "--calib");
+    fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib-tokens", "99", "-o", o], "--calib");
+    fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--no-rotation-for", "", "-o", o], "names no matrix");
+    fails(
+        &["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--tensor-format", "embed_tokens=l", "-o", o],
+        "the rule for embed_tokens applies to no matrix of this model",
+    );
+    fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--tensor-format", "k_proj=k/64", "-o", o], "drop the /64");
+    // A NaN weight is refused by name, not quantized into a zeroed group.
+    let nanf = dir.join("nan");
+    std::fs::create_dir_all(&nanf).unwrap();
+    for e in std::fs::read_dir(&fixture).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, nanf.join(p.file_name().unwrap())).unwrap();
+    }
+    let mut st = std::fs::read(nanf.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(st[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&st[8..8 + n]).unwrap();
+    let t = &header["model.layers.1.mlp.down_proj.weight"];
+    assert_eq!(t["dtype"], "F32");
+    let at = 8 + n + t["data_offsets"][0].as_u64().unwrap() as usize + 4 * 70;
+    st[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(nanf.join("model.safetensors"), st).unwrap();
+    fails(
+        &["quantize", "--model", nanf.to_str().unwrap(), "--format", "m", "-o", o],
+        "down_proj of layer 1 holds a non-finite value (NaN at row 0, column 70)",
+    );
     // An output folder that cannot be written is refused before any work.
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "l", "-o", "/proc/eddy-q-out"], "cannot write into /proc");
     let empty = dir.join("empty.txt");
@@ -311,27 +360,31 @@ fn quantize_bad_inputs_and_a_good_run() {
         &["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--no-rotation-for", "lm_head", "-o", n_o],
         "--no-rotation-for",
     );
-    let sel = dir.join("sel");
-    let ok = eddy(&[
-        "quantize",
-        "--model",
-        fixture.to_str().unwrap(),
-        "--format",
-        "m",
-        "--group",
-        "32",
-        "--no-rotation-for",
-        "gate_proj,up_proj",
-        "-o",
-        sel.to_str().unwrap(),
-    ]);
-    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
-    let st = std::fs::read(sel.join("model.safetensors")).unwrap();
-    let n = u64::from_le_bytes(st[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Value = serde_json::from_slice(&st[8..8 + n]).unwrap();
-    let keys: Vec<&String> = header.as_object().unwrap().keys().collect();
-    let signed = |m: &str| keys.iter().any(|k| k.contains(m) && k.ends_with(".input_signs"));
-    assert!(!signed("gate_proj") && !signed("up_proj") && signed("q_proj") && signed("down_proj"), "{keys:?}");
+    // gate/up are left unrotated by default (named or not); `none` rotates every matrix.
+    let signed_in = |flags: &[&str], name: &str| -> Vec<String> {
+        let sel = dir.join(name);
+        let mut args = vec!["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--group", "32"];
+        args.extend_from_slice(flags);
+        args.extend_from_slice(&["-o", sel.to_str().unwrap()]);
+        let ok = eddy(&args);
+        assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+        let st = std::fs::read(sel.join("model.safetensors")).unwrap();
+        let n = u64::from_le_bytes(st[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Value = serde_json::from_slice(&st[8..8 + n]).unwrap();
+        let kinds = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+        kinds
+            .iter()
+            .filter(|m| header.as_object().unwrap().keys().any(|k| k.contains(*m) && k.ends_with(".input_signs")))
+            .map(|m| m.to_string())
+            .collect()
+    };
+    let rotated_but_gate_up = ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"];
+    assert_eq!(signed_in(&["--no-rotation-for", "gate_proj,up_proj"], "sel"), rotated_but_gate_up);
+    assert_eq!(signed_in(&[], "default"), rotated_but_gate_up);
+    assert_eq!(
+        signed_in(&["--no-rotation-for", "none"], "all"),
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    );
     // An eddy folder (already quantized) as the source: refused before any work, nothing written.
     let again = dir.join("again");
     fails(&["quantize", "--model", o, "--format", "m", "-o", again.to_str().unwrap()], "already quantized");
@@ -391,4 +444,90 @@ fn cuda_without_a_gpu_or_build() {
     let out = Command::new(env!("CARGO_BIN_EXE_eddy")).args(["run", "--device", "tpu", "-m", "hi"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown device 'tpu'"));
+}
+
+/// A damaged eddy folder — a rotation sign tensor renamed or missing, more layers in the weights than
+/// config.json counts, a non-finite or negative norm epsilon or RoPE base — is refused at load with a
+/// one-line error (it used to run into a kernel assertion or compute garbage silently).
+#[test]
+fn damaged_eddy_folders_are_refused() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../eddy/tests/fixtures/hf/llama");
+    let dir = tmp("damaged");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = dir.join("good");
+    let out = Command::new(env!("CARGO_BIN_EXE_eddy"))
+        .args(["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--group", "32", "-o", good.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let ok = Command::new(env!("CARGO_BIN_EXE_eddy"))
+        .args(["run", "--model", good.to_str().unwrap(), "-m", "hi", "--temperature", "0", "-n", "4"])
+        .output()
+        .unwrap();
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    // A copy of the good folder with its safetensors header and config edited.
+    let damaged =
+        |name: &str, header: &dyn Fn(&mut serde_json::Map<String, serde_json::Value>), config: &dyn Fn(&mut serde_json::Value)| {
+            let d = dir.join(name);
+            std::fs::create_dir_all(&d).unwrap();
+            for e in std::fs::read_dir(&good).unwrap() {
+                let p = e.unwrap().path();
+                std::fs::copy(&p, d.join(p.file_name().unwrap())).unwrap();
+            }
+            let st = std::fs::read(good.join("model.safetensors")).unwrap();
+            let n = u64::from_le_bytes(st[..8].try_into().unwrap()) as usize;
+            let mut h: serde_json::Value = serde_json::from_slice(&st[8..8 + n]).unwrap();
+            header(h.as_object_mut().unwrap());
+            // The remaining tensors' bytes laid out again without gaps (safetensors wants them contiguous).
+            let data = &st[8 + n..];
+            let mut entries: Vec<(String, usize, usize)> = h
+                .as_object()
+                .unwrap()
+                .iter()
+                .filter(|(k, _)| *k != "__metadata__")
+                .map(|(k, v)| (k.clone(), v["data_offsets"][0].as_u64().unwrap() as usize, v["data_offsets"][1].as_u64().unwrap() as usize))
+                .collect();
+            entries.sort_by_key(|e| e.1);
+            let mut body = Vec::new();
+            for (k, a, b) in entries {
+                h[&k]["data_offsets"] = serde_json::json!([body.len(), body.len() + b - a]);
+                body.extend_from_slice(&data[a..b]);
+            }
+            let text = serde_json::to_vec(&h).unwrap();
+            let mut file = (text.len() as u64).to_le_bytes().to_vec();
+            file.extend(text);
+            file.extend(body);
+            std::fs::write(d.join("model.safetensors"), file).unwrap();
+            let mut c: serde_json::Value = serde_json::from_slice(&std::fs::read(good.join("config.json")).unwrap()).unwrap();
+            config(&mut c);
+            std::fs::write(d.join("config.json"), serde_json::to_vec(&c).unwrap()).unwrap();
+            d
+        };
+    let q = "model.layers.1.self_attn.q_proj.weight";
+    let same = |_: &mut serde_json::Value| {};
+    let keep = |_: &mut serde_json::Map<String, serde_json::Value>| {};
+    let renamed = damaged(
+        "renamed",
+        &|h| {
+            let v = h.remove(&format!("{q}.input_signs")).unwrap();
+            h.insert(format!("{q}.input_signz"), v);
+        },
+        &same,
+    );
+    expect_error(&renamed, &[], "unknown side tensor");
+    let no_in = damaged("no-in", &|h| drop(h.remove(&format!("{q}.input_signs")).unwrap()), &same);
+    expect_error(&no_in, &[], "q_proj, k_proj and v_proj read one input but carry different input signs");
+    let no_out = damaged("no-out", &|h| drop(h.remove(&format!("{q}.output_signs")).unwrap()), &same);
+    expect_error(&no_out, &[], "layer 1: q_proj has input signs but no output signs");
+    let down = "model.layers.0.mlp.down_proj.weight";
+    let no_down_in = damaged("no-down-in", &|h| drop(h.remove(&format!("{down}.input_signs")).unwrap()), &same);
+    expect_error(&no_down_in, &[], "layer 0: down_proj has output signs but no input signs");
+    let fewer = damaged("fewer-layers", &keep, &|c| c["num_hidden_layers"] = 1.into());
+    expect_error(&fewer, &[], "num_hidden_layers is 1, but the weights hold layer 1");
+    let eps = damaged("eps", &keep, &|c| c["rms_norm_eps"] = (-1.0).into());
+    expect_error(&eps, &[], "invalid RMSNorm epsilon: -1");
+    let theta = damaged("theta", &keep, &|c| c["rope_parameters"]["rope_theta"] = (-5.0).into());
+    expect_error(&theta, &[], "invalid RoPE base");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1076,18 +1076,33 @@ impl Engine {
     /// scored once, compared with many models): windows and positions as in [`Engine::perplexity`]. Layout
     /// (little-endian): the 8 bytes [`LOGITS_MAGIC`], u64 vocabulary size, u64 window, u64 token count, the
     /// tokens as u32, then per window of at least 2 tokens its first `len − 1` rows of `vocab` f32 logits.
-    /// Written to `path` + `.tmp` and renamed.
+    /// Written to [`logits_temp_path`] and renamed; removed on an error. An existing file at `path` is
+    /// replaced only when it is itself a logits file.
     ///
-    /// Errors: as [`Engine::perplexity`]; an I/O failure.
+    /// Errors: as [`Engine::perplexity`]; `path` holds something other than a logits file; an I/O failure.
     pub fn save_logits(&mut self, tokens: &[u32], window: usize, path: &std::path::Path) -> Result<()> {
-        use std::io::Write;
         if window < 2 || window > self.ctx() {
             return Err(Error::Input(format!("perplexity window of {window} tokens: must be 2 to the context of {}", self.ctx())));
         }
+        if path.exists() && !is_logits_file(path) {
+            return Err(Error::model(path, "exists and is not an eddy logits file: not overwritten (pick another path)"));
+        }
+        let tmp = logits_temp_path(path);
+        let result = self
+            .write_logits(tokens, window, &tmp)
+            .and_then(|()| std::fs::rename(&tmp, path).map_err(|e| Error::Io { path: path.to_path_buf(), source: e }));
+        if result.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        result
+    }
+
+    /// [`Engine::save_logits`]'s file, written at `tmp`.
+    fn write_logits(&mut self, tokens: &[u32], window: usize, tmp: &std::path::Path) -> Result<()> {
+        use std::io::Write;
         let vocab = self.lm.model.config.vocab_size;
-        let tmp = path.with_extension("tmp");
-        let io = |e: std::io::Error| Error::Io { path: tmp.clone(), source: e };
-        let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp).map_err(io)?);
+        let io = |e: std::io::Error| Error::Io { path: tmp.to_path_buf(), source: e };
+        let mut f = std::io::BufWriter::new(std::fs::File::create(tmp).map_err(io)?);
         f.write_all(LOGITS_MAGIC).map_err(io)?;
         for v in [vocab as u64, window as u64, tokens.len() as u64] {
             f.write_all(&v.to_le_bytes()).map_err(io)?;
@@ -1099,8 +1114,7 @@ impl Engine {
             let rows: Vec<u8> = logits[..(w.len() - 1) * vocab].iter().flat_map(|x| x.to_le_bytes()).collect();
             f.write_all(&rows).map_err(io)?;
         }
-        f.into_inner().map_err(|e| io(e.into_error()))?.sync_all().map_err(io)?;
-        std::fs::rename(&tmp, path).map_err(|e| Error::Io { path: path.to_path_buf(), source: e })
+        f.into_inner().map_err(|e| io(e.into_error()))?.sync_all().map_err(io)
     }
 
     /// [`Engine::kl_divergence`] against a base model's logits written by [`Engine::save_logits`] for the
@@ -1129,6 +1143,13 @@ impl Engine {
         if window < 2 || window > self.ctx() {
             return Err(Error::Input(format!("perplexity window of {window} tokens: must be 2 to the context of {}", self.ctx())));
         }
+        let rows: usize = tokens.chunks(window).filter(|w| w.len() >= 2).map(|w| w.len() - 1).sum();
+        let want_len = 32 + 4 * n as u64 + 4 * (rows * vocab) as u64;
+        let len = std::fs::metadata(path).map_err(|e| bad(format!("cannot read: {e}")))?.len();
+        if len != want_len {
+            let what = if len < want_len { "truncated" } else { "longer than its header says" };
+            return Err(bad(format!("{what}: {len} bytes where {want_len} are expected")));
+        }
         let mut tb = vec![0u8; 4 * n];
         f.read_exact(&mut tb).map_err(|_| bad("truncated".into()))?;
         if tb.chunks_exact(4).zip(tokens).any(|(b, &t)| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) != t) {
@@ -1137,7 +1158,11 @@ impl Engine {
         let mut read_rows = |w: &[u32]| -> Result<Vec<f32>> {
             let mut b = vec![0u8; 4 * (w.len() - 1) * vocab];
             f.read_exact(&mut b).map_err(|_| bad("truncated".into()))?;
-            Ok(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+            let v: Vec<f32> = b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+                return Err(bad(format!("holds a non-finite logit ({} at position {} of a window)", v[i], i / vocab)));
+            }
+            Ok(v)
         };
         self.kl_against(&mut read_rows, tokens, window)
     }
@@ -1192,6 +1217,21 @@ impl Engine {
 
 /// First 8 bytes of a logits file written by [`Engine::save_logits`].
 pub const LOGITS_MAGIC: &[u8; 8] = b"EDDYLGT1";
+
+/// Whether `path` is a file that starts with [`LOGITS_MAGIC`].
+pub fn is_logits_file(path: &std::path::Path) -> bool {
+    let mut magic = [0u8; 8];
+    path.is_file()
+        && std::fs::File::open(path).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic)).is_ok()
+        && &magic == LOGITS_MAGIC
+}
+
+/// The temporary file [`Engine::save_logits`] writes before renaming it to `path`: `.NAME.tmp-PID` next to
+/// it (a caller that handles signals removes it when interrupted).
+pub fn logits_temp_path(path: &std::path::Path) -> std::path::PathBuf {
+    let name = path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+    path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
+}
 
 /// [`Engine::kl_divergence`]'s result over `n` scored positions (KL in nats).
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -240,6 +240,11 @@ impl Tensors {
         use crate::quant::rotation::{Rotation, Signs};
         use crate::quant::{rtn, super_blocks, GroupScales, QMatrix};
         let bad = |m: String| Error::model(&shard.path, format!("tensor {name}: {m}"));
+        const SIDE: [&str; 7] = ["scales", "zero_points", "super_scales", "super_zero_points", "high_bits", "input_signs", "output_signs"];
+        let prefix = format!("{name}.");
+        if let Some(other) = self.names().find(|n| n.strip_prefix(&prefix).is_some_and(|s| !SIDE.contains(&s))) {
+            return Err(bad(format!("unknown side tensor {other} (expected .{})", SIDE.join(", ."))));
+        }
         let bits = match info.shape[..] {
             [r, c] if r == rows && c == cols => 8,
             [r, c] if r == rows && 2 * c == cols => 4,

@@ -163,8 +163,27 @@ fn kl_divergence_report_matches_a_direct_computation() {
     std::fs::write(&path, &bytes[..bytes.len() - 4]).unwrap();
     let e = q.kl_divergence_file(&path, &tokens, window).unwrap_err().to_string();
     assert!(e.contains("truncated"), "{e}");
+    // Bytes after the last row, and a NaN logit, are refused too.
+    std::fs::write(&path, [&bytes[..], b"junk"].concat()).unwrap();
+    let e = q.kl_divergence_file(&path, &tokens, window).unwrap_err().to_string();
+    assert!(e.contains("longer than its header says"), "{e}");
+    let mut nan = bytes.clone();
+    let at = bytes.len() - 4 * (vocab / 2);
+    nan[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&path, &nan).unwrap();
+    let e = q.kl_divergence_file(&path, &tokens, window).unwrap_err().to_string();
+    assert!(e.contains("non-finite logit"), "{e}");
     std::fs::write(&path, b"GGUF and more bytes than a header needs, but not a logits file").unwrap();
     assert!(q.kl_divergence_file(&path, &tokens, window).is_err());
+    // save_logits replaces a logits file, never anything else (here the text it scores, say), and leaves
+    // no temporary behind.
+    let e = base.save_logits(&tokens, window, &path).unwrap_err().to_string();
+    assert!(e.contains("not an eddy logits file: not overwritten"), "{e}");
+    assert_eq!(std::fs::read(&path).unwrap(), b"GGUF and more bytes than a header needs, but not a logits file");
+    std::fs::write(&path, &nan).unwrap();
+    base.save_logits(&tokens, window, &path).unwrap();
+    assert_eq!(std::fs::read(&path).unwrap(), bytes);
+    assert!(!eddy::engine::logits_temp_path(&path).exists());
     let _ = std::fs::remove_file(&path);
 }
 

@@ -557,7 +557,22 @@ impl<'a> DirLoader<'a> {
             })?;
             Some(self.matrix(name, c.vocab_size, d, Role::Vocab)?)
         };
+        // Layers the config does not count (num_hidden_layers smaller than the weights) would be dropped
+        // silently and the model compute garbage.
+        let layers_prefix = format!("{pre}layers.");
+        let extra = self.t.names().filter_map(|n| n.strip_prefix(&layers_prefix)?.split('.').next()?.parse::<usize>().ok()).max();
+        if let Some(last) = extra.filter(|&l| l >= c.n_layers) {
+            return Err(Error::model(
+                &plan.config_path,
+                format!(
+                    "num_hidden_layers is {}, but the weights hold layer {last} ({} in the folder)",
+                    c.n_layers,
+                    self.t.listing.display()
+                ),
+            ));
+        }
         let mut m = Model { config: c, embed, layers, output_norm, output, mtp: None };
+        m.check_rotations().map_err(|e| Error::model(&self.t.listing, format!("{e} (a damaged eddy folder?)")))?;
         m.prepack();
         Ok(m)
     }

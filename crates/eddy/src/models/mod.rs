@@ -119,10 +119,25 @@ impl ModelConfig {
         self.n_heads * self.head_dim
     }
 
-    /// Checks that the attention shape is consistent and that the widths suit eddy's kernels (multiples of
-    /// 32); the problem in words otherwise.
+    /// Checks that the attention shape is consistent, that the widths suit eddy's kernels (multiples of
+    /// 32) and that the float settings (norm epsilon, RoPE bases and scale, attention scale, embedding scale,
+    /// soft-cap) are finite and positive; the problem in words otherwise.
     pub fn check_shapes(&self) -> std::result::Result<(), String> {
         let c = self;
+        let floats = [
+            ("RMSNorm epsilon", Some(c.norm_eps)),
+            ("RoPE base (rope_theta / rope.freq_base)", Some(c.rope_theta)),
+            ("RoPE base of the sliding-window layers", Some(c.rope_theta_local)),
+            ("RoPE scaling factor", Some(c.rope_scale)),
+            ("attention scale", Some(c.attn_scale)),
+            ("embedding scale", c.embed_scale),
+            ("final logit soft-cap", c.final_softcap),
+        ];
+        for (what, v) in floats {
+            if let Some(v) = v.filter(|v| !(v.is_finite() && *v > 0.0)) {
+                return Err(format!("invalid {what}: {v} (must be a finite number > 0)"));
+            }
+        }
         if c.n_layers == 0 || c.d_model == 0 || c.ffn_dim == 0 || c.vocab_size == 0 || c.train_ctx == 0 || c.rope_dims == 0 {
             return Err(format!(
                 "empty model: {} layers, d_model {}, ffn {}, vocabulary {}, context length {}, rope dims {} (each must be at least 1)",
@@ -298,6 +313,35 @@ impl<B: Backend> Layer<B> {
 }
 
 impl Model {
+    /// Checks that the stored rotations fit together (`docs/quant-formats.md`, "Rotation"): matrices that
+    /// read one input (q/k/v, gate/up) carry the same input signs or none, and every layer matrix is
+    /// rotated on both sides or on neither. A folder that breaks this (a sign tensor missing or renamed)
+    /// would compute garbage, or stop at a product whose activations were rotated for other weights.
+    ///
+    /// Errors: the first mismatch in words (layer and matrices).
+    pub fn check_rotations(&self) -> std::result::Result<(), String> {
+        let id = |w: &WeightMatrix| w.rotation().and_then(|r| r.input.as_ref().map(|s| s.id));
+        for (l, layer) in self.layers.iter().enumerate() {
+            let mut mats = vec![("gate_proj", &layer.w_gate), ("up_proj", &layer.w_up), ("down_proj", &layer.w_down)];
+            if let Mixer::Attention(a) = &layer.mixer {
+                if id(&a.wq) != id(&a.wk) || id(&a.wq) != id(&a.wv) {
+                    return Err(format!("layer {l}: q_proj, k_proj and v_proj read one input but carry different input signs"));
+                }
+                mats.extend([("q_proj", &a.wq), ("k_proj", &a.wk), ("v_proj", &a.wv), ("o_proj", &a.wo)]);
+            }
+            if id(&layer.w_gate) != id(&layer.w_up) {
+                return Err(format!("layer {l}: gate_proj and up_proj read one input but carry different input signs"));
+            }
+            for (name, w) in mats {
+                if let Some(r) = w.rotation().filter(|r| r.input.is_some() != r.output.is_some()) {
+                    let (has, lacks) = if r.input.is_some() { ("input", "output") } else { ("output", "input") };
+                    return Err(format!("layer {l}: {name} has {has} signs but no {lacks} signs"));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// This model on backend `be`: moved as it is when `B` is the CPU (its host layout is the CPU's), else
     /// uploaded by [`Model::to_backend`] and the host copy dropped.
     ///

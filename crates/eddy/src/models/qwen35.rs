@@ -105,6 +105,11 @@ impl Qwen35Config {
                 return Err(format!("unsupported shape: {what} {v} must be a positive multiple of 32"));
             }
         }
+        for (what, v) in [("RMSNorm epsilon", self.norm_eps), ("RoPE base", self.rope_theta)] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(format!("invalid {what}: {v} (must be a finite number > 0)"));
+            }
+        }
         Ok(())
     }
 }
