@@ -118,7 +118,8 @@ struct ModelArgs {
     #[arg(long, short = 't')]
     threads: Option<usize>,
     /// Context length in tokens (KV cache size; at least 2, capped at the model's training context);
-    /// default 4096. For `perplexity`, the window length; default 512.
+    /// default 4096. For `perplexity`, the window length (default 512), which must fit in the training
+    /// context (not capped: a different window scores differently).
     #[arg(long)]
     ctx: Option<usize>,
     /// Quantize a safetensors model's weights at load: q8 (int8) or q4 (int4 projections, int8 embedding
@@ -437,6 +438,9 @@ fn remove_on_signal(paths: Vec<std::path::PathBuf>) {
 }
 
 fn check_writable(flag: &str, path: &std::path::Path) -> eddy::Result<()> {
+    if !path.exists() && path.symlink_metadata().is_ok() {
+        return Err(bad(flag, format!("{} is a link to nothing (a dangling symbolic link): not written through", path.display())));
+    }
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => std::path::Path::new("."),

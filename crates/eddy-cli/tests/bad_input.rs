@@ -315,6 +315,12 @@ fn quantize_bad_inputs_and_a_good_run() {
     );
     // An output folder that cannot be written is refused before any work.
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "l", "-o", "/proc/eddy-q-out"], "cannot write into /proc");
+    #[cfg(unix)]
+    {
+        let link = dir.join("dangling");
+        std::os::unix::fs::symlink("/nonexistent/eddy-out", &link).unwrap();
+        fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "l", "-o", link.to_str().unwrap()], "dangling symbolic link");
+    }
     let empty = dir.join("empty.txt");
     std::fs::write(&empty, " \n").unwrap();
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib", empty.to_str().unwrap(), "-o", o], "empty");
