@@ -318,8 +318,9 @@ struct QuantizeArgs {
     /// out nearly the same). Must have the source's layers and widths.
     #[arg(long, value_name = "MODEL", requires = "calib")]
     calib_model: Option<String>,
-    /// GPTQ dampening: this fraction of the mean diagonal of each Hessian is added to its diagonal.
-    #[arg(long, default_value_t = 0.01, requires = "calib")]
+    /// GPTQ dampening: this fraction of the mean diagonal of each Hessian is added to its diagonal (1.0:
+    /// measured best for a few thousand calibration tokens, docs/quant-formats.md).
+    #[arg(long, default_value_t = eddy::quant::gptq::DAMP, requires = "calib")]
     calib_damp: f64,
     /// Format of the LM head (a tied embedding included): l (default), m, k or k6.
     #[arg(long, value_name = "m|l|k|k6", default_value = "l")]
@@ -839,6 +840,9 @@ fn perplexity(a: PplArgs) -> eddy::Result<()> {
     }
     if let Some(path) = &a.save_logits {
         check_writable("--save-logits", path)?;
+    }
+    if a.kl_base.as_ref().is_some_and(|b| b.trim().is_empty()) {
+        return Err(bad("--kl-base", "empty: a model or a logits file written by --save-logits is needed"));
     }
     let window = a.model.ctx.unwrap_or(DEFAULT_PPL_CTX);
     let (mut engine, _) = engine_with_ctx(&a.model, window)?;
