@@ -677,6 +677,9 @@ fn run(a: RunArgs) -> eddy::Result<()> {
             }
             msgs.push(ChatMessage { role: "user".into(), content: message });
             let text = t.render(&msgs, true, &kwargs)?;
+            if text.is_empty() {
+                return Err(bad("chat template", "renders the conversation to nothing (an empty template?)"));
+            }
             encode_chat(&lm.tokenizer, &text)?
         }
         (None, false) => {
@@ -1116,6 +1119,18 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
             "--ctx",
             format!("-p {} + -n {} tokens do not fit in the context of {} tokens", a.prompt_tokens, a.gen_tokens, engine.ctx()),
         ));
+    }
+    if let Some(&largest) = a.verify_sizes.iter().max() {
+        if a.prompt_tokens == 0 || a.prompt_tokens + largest > engine.ctx() {
+            return Err(bad(
+                "--verify-sizes",
+                format!(
+                    "the verify timing needs a prompt (-p ≥ 1) and room for it plus a tree of {largest} nodes: -p {} in a context of {}",
+                    a.prompt_tokens,
+                    engine.ctx()
+                ),
+            ));
+        }
     }
     let vocab = engine.lm.tokenizer.vocab_size().min(engine.lm.model.config.vocab_size) as u64;
     // Deterministic pseudo-random prompt (as llama-bench uses random tokens), avoiding the first 256 ids

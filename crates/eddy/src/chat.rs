@@ -50,6 +50,12 @@ impl std::fmt::Debug for ChatTemplate {
 
 const TEMPLATE_NAME: &str = "chat_template";
 
+/// Most template instructions one render may run (minijinja's fuel): real chat templates, tools and long
+/// conversations included, run well under a million; a runaway loop (nested `range`s that each stay under
+/// minijinja's own range limit) is stopped at this many — about a second — with an error instead of
+/// holding a core and the request forever.
+pub const TEMPLATE_FUEL: u64 = 50_000_000;
+
 impl ChatTemplate {
     /// Compiles `source`; `bos_token`/`eos_token` are the strings the template sees under those names.
     /// A syntax error is an [`Error::Text`].
@@ -62,6 +68,7 @@ impl ChatTemplate {
             .build()
             .map_err(|e| Error::Text(format!("chat template: {e}")))?;
         env.set_syntax(syntax);
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         minijinja_contrib::add_to_environment(&mut env);
         env.set_formatter(python_formatter);
@@ -309,6 +316,7 @@ pub fn encode_chat_guarded(tok: &Tokenizer, rendered: &str, untrusted: &[&str]) 
 /// One-line description of a minijinja error (with the template's message for `raise_exception`).
 fn describe(e: &minijinja::Error) -> String {
     let mut s = match (e.kind(), e.detail()) {
+        (ErrorKind::OutOfFuel, _) => format!("rendering ran past {TEMPLATE_FUEL} template instructions (a runaway loop?)"),
         (ErrorKind::InvalidOperation, Some(d)) => d.to_string(),
         _ => e.to_string(),
     };
@@ -697,6 +705,22 @@ mod tests {
         let conv = [user, ChatMessage::new("assistant", "abc")];
         let e = upper.render_continue(&conv, &kw).unwrap_err().to_string();
         assert!(e.contains("cannot be continued"), "{e}");
+    }
+
+    /// A template that would loop 10¹² times (each `range` under minijinja's own limit) stops at
+    /// [`TEMPLATE_FUEL`] with an error naming it; ChatML over a long conversation stays far below it.
+    #[test]
+    fn runaway_template_runs_out_of_fuel() {
+        let looping =
+            "{% for a in range(10000) %}{% for b in range(10000) %}{% for c in range(10000) %}{% endfor %}{% endfor %}{% endfor %}x";
+        let t = ChatTemplate::new(looping, None, None).unwrap();
+        let kw = serde_json::Map::new();
+        let e = t.render(&[ChatMessage::new("user", "hi")], true, &kw).unwrap_err().to_string();
+        assert!(e.contains("runaway loop") && e.contains(&TEMPLATE_FUEL.to_string()), "{e}");
+        let long: Vec<ChatMessage> =
+            (0..2000).map(|i| ChatMessage::new(if i % 2 == 0 { "user" } else { "assistant" }, "some words")).collect();
+        let out = ChatTemplate::new(CHATML, None, None).unwrap().render(&long, true, &kw).unwrap();
+        assert_eq!(out.matches("<|im_start|>").count(), 2001);
     }
 
     #[test]
