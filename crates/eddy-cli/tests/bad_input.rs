@@ -296,11 +296,7 @@ fn quantize_bad_inputs_and_a_good_run() {
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--tensor-format", "k_proj=k/64", "-o", o], "drop the /64");
     // A NaN weight is refused by name, not quantized into a zeroed group.
     let nanf = dir.join("nan");
-    std::fs::create_dir_all(&nanf).unwrap();
-    for e in std::fs::read_dir(&fixture).unwrap() {
-        let p = e.unwrap().path();
-        std::fs::copy(&p, nanf.join(p.file_name().unwrap())).unwrap();
-    }
+    copy_folder(&fixture, &nanf);
     let mut st = std::fs::read(nanf.join("model.safetensors")).unwrap();
     let n = u64::from_le_bytes(st[..8].try_into().unwrap()) as usize;
     let header: serde_json::Value = serde_json::from_slice(&st[8..8 + n]).unwrap();
@@ -452,6 +448,15 @@ fn cuda_without_a_gpu_or_build() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown device 'tpu'"));
 }
 
+/// Copy the files of folder `src` (not recursive) into a new folder `dst`.
+fn copy_folder(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst).unwrap();
+    for e in std::fs::read_dir(src).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, dst.join(p.file_name().unwrap())).unwrap();
+    }
+}
+
 /// A damaged eddy folder — a rotation sign tensor renamed or missing, more layers in the weights than
 /// config.json counts, a non-finite or negative norm epsilon or RoPE base — is refused at load with a
 /// one-line error (it used to run into a kernel assertion or compute garbage silently).
@@ -476,11 +481,7 @@ fn damaged_eddy_folders_are_refused() {
     let damaged =
         |name: &str, header: &dyn Fn(&mut serde_json::Map<String, serde_json::Value>), config: &dyn Fn(&mut serde_json::Value)| {
             let d = dir.join(name);
-            std::fs::create_dir_all(&d).unwrap();
-            for e in std::fs::read_dir(&good).unwrap() {
-                let p = e.unwrap().path();
-                std::fs::copy(&p, d.join(p.file_name().unwrap())).unwrap();
-            }
+            copy_folder(&good, &d);
             let st = std::fs::read(good.join("model.safetensors")).unwrap();
             let n = u64::from_le_bytes(st[..8].try_into().unwrap()) as usize;
             let mut h: serde_json::Value = serde_json::from_slice(&st[8..8 + n]).unwrap();

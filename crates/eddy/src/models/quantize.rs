@@ -98,6 +98,11 @@ impl TensorKind {
         Ok(out)
     }
 
+    /// The matrix name rules and messages use (`q_proj`, `embed_tokens`, …).
+    pub fn name(self) -> &'static str {
+        TensorKind::NAMES.iter().find(|(_, k)| *k == self).map_or("?", |(n, _)| *n)
+    }
+
     const NAMES: [(&'static str, TensorKind); 9] = [
         ("embed_tokens", TensorKind::Embed),
         ("lm_head", TensorKind::Head),
@@ -363,7 +368,7 @@ pub fn check_source(model: &mut Model, opts: &QuantizeOptions) -> Result<()> {
     let jobs = jobs(model);
     for r in &opts.rules {
         if !jobs.iter().any(|j| j.kind.is_some_and(|(k, l)| r.applies(k, l))) {
-            let name = TensorKind::NAMES.iter().find(|(_, k)| *k == r.kind).map_or("?", |(n, _)| *n);
+            let name = r.kind.name();
             let hint = if r.kind == TensorKind::Embed { " (the embedding is tied to the LM head here: name lm_head)" } else { "" };
             return Err(Error::Input(format!("--tensor-format: the rule for {name} applies to no matrix of this model{hint}")));
         }
@@ -375,10 +380,7 @@ pub fn check_source(model: &mut Model, opts: &QuantizeOptions) -> Result<()> {
             job.w.dequant_row(r, &mut row);
             if let Some(c) = row.iter().position(|v| !v.is_finite()) {
                 let name = match job.kind {
-                    Some((k, l)) => {
-                        let n = TensorKind::NAMES.iter().find(|(_, kk)| *kk == k).map_or("?", |(n, _)| *n);
-                        l.map_or(n.to_string(), |l| format!("{n} of layer {l}"))
-                    }
+                    Some((k, l)) => l.map_or(k.name().to_string(), |l| format!("{} of layer {l}", k.name())),
                     None => "a Gated DeltaNet or MTP matrix".to_string(),
                 };
                 return Err(Error::Input(format!(
