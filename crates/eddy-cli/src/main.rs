@@ -157,7 +157,7 @@ struct RunArgs {
     #[arg(long)]
     raw: bool,
     /// Extra variables for the chat template as a JSON object, e.g. '{"enable_thinking": false}'.
-    #[arg(long, value_name = "JSON")]
+    #[arg(long, value_name = "JSON", conflicts_with = "raw")]
     chat_template_kwargs: Option<String>,
     /// Sampling temperature; 0 = greedy.
     #[arg(long, default_value_t = 0.8)]
@@ -274,6 +274,9 @@ fn find_drafter(engine: &Engine, a: &SpecArgs, kind: Option<SpeculatorKind>) -> 
 fn attach_speculators(engine: &mut Engine, a: &SpecArgs, kind: Option<SpeculatorKind>, budget: Budget) -> eddy::Result<()> {
     let draft = find_drafter(engine, a, kind)?;
     let kind = kind.unwrap_or(if draft.is_some() { SpeculatorKind::Auto } else { SpeculatorKind::None });
+    if kind == SpeculatorKind::None && matches!(budget, Budget::Fixed(_)) {
+        return Err(bad("--spec-budget", "has no effect: no speculator runs (no drafter found; name one with --speculator)"));
+    }
     engine.speculate(kind, draft, budget)
 }
 

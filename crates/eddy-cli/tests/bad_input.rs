@@ -111,6 +111,24 @@ fn unsupported_tensor_type() {
     expect_error(&p, &[], "Q3_K");
 }
 
+/// A fixed draft budget where no speculator runs (SmolLM2 has no drafter next to it) is named, not ignored.
+#[test]
+fn spec_budget_without_a_speculator() {
+    let Some(p) = smol() else { return };
+    expect_error(&p, &["--spec-budget", "8"], "--spec-budget: has no effect: no speculator runs");
+}
+
+/// A tensor type eddy has never heard of (a newer GGUF): named, not reported as the data offset it throws off.
+#[test]
+fn unknown_tensor_type() {
+    let Some(p) = modified("type99.gguf", |_, ts| {
+        ts.iter_mut().find(|t| t.0 == "blk.0.attn_q.weight").unwrap().2 = 99;
+    }) else {
+        return;
+    };
+    expect_error(&p, &[], "blk.0.attn_q.weight\" has ggml type 99, which eddy does not know");
+}
+
 /// Header values that would run a model silently wrong: no layers, fewer layers than the file holds, no
 /// rotary dimensions, no context.
 #[test]

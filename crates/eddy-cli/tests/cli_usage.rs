@@ -98,6 +98,7 @@ fn bad_option_values_are_named_before_the_model_loads() {
     expect_error(&run_args(&["--chat-template-kwargs", "{bad"]), "--chat-template-kwargs: invalid JSON");
     expect_error(&run_args(&["--chat-template-kwargs", "[1]"]), "--chat-template-kwargs: must be a JSON object");
     expect_error(&run_args(&["--chat-template-kwargs", ""]), "--chat-template-kwargs:");
+    expect_error(&run_args(&["--raw", "--chat-template-kwargs", "{}"]), "--chat-template-kwargs");
     expect_error(
         &run_args(&["--speculator", "flash"]),
         "--speculator: speculator must be none, suffix, draft, mtp, dflash, dflash-chain or auto",

@@ -327,14 +327,27 @@ impl GgufFile {
         // specification's writers lay them out and llama.cpp's reader requires): any other offset is
         // a corrupt header, not a layout to honour.
         let mut expected = 0u64;
+        let mut prev: Option<&TensorInfo> = None;
         for t in &tensors {
             if t.offset != expected {
+                // An unknown type before it has no known size: name that, not the offset it threw off.
+                if let Some(p) = prev.filter(|p| ggml_type::block_size(p.ggml_type).is_none()) {
+                    return Err(Error::model(
+                        path,
+                        format!(
+                            "tensor {} has ggml type {}, which eddy does not know (a newer or corrupt GGUF file)",
+                            shown(&p.name),
+                            p.ggml_type
+                        ),
+                    ));
+                }
                 return Err(Error::model(
                     path,
                     format!("corrupt GGUF: tensor {} has data offset {}, expected {expected}", shown(&t.name), t.offset),
                 ));
             }
             expected = t.offset.saturating_add(t.nbytes).div_ceil(align as u64).saturating_mul(align as u64);
+            prev = Some(t);
         }
         for t in &tensors {
             if t.offset.checked_add(t.nbytes).is_none_or(|end| end > data_len) {
