@@ -289,9 +289,10 @@ struct QuantizeArgs {
     model: String,
     /// m: 4-bit codes with an f16 scale and offset per group; l: 8-bit symmetric codes; k: 4-bit codes in
     /// groups of 32 with 6-bit scale and offset multipliers under f16 super-scales per 256 values (4.5 bits
-    /// per weight; ignores --group; rows not a multiple of 256 long are stored as m at group 32); k6: 6-bit
-    /// symmetric codes in groups of 16 with i8 scale multipliers under f16 super-scales per 256 values (6.5625
-    /// bits per weight; rows not a multiple of 256 long are stored as l at group 32).
+    /// per weight; ignores --group); k6: 6-bit symmetric codes in groups of 16 with i8 scale multipliers under
+    /// f16 super-scales per 256 values (6.5625 bits per weight; ignores --group; a `k6/32` rule of
+    /// --tensor-format takes groups of 32: 6.3125 bits, a faster prefill). Rows not a multiple of 256 long
+    /// end in a partial super-block.
     #[arg(long, value_name = "m|l|k|k6")]
     format: String,
     /// Values per scale: 32, 64 or 128 (a row length it does not divide takes 64 or 32).
@@ -336,8 +337,9 @@ struct QuantizeArgs {
     embed_group: Option<usize>,
     /// Per-tensor formats overriding the above, comma-separated `NAME[@LAYERS]=FORMAT[/GROUP]` (the last
     /// matching rule wins; repeatable): NAME one of embed_tokens, lm_head, q_proj, k_proj, v_proj,
-    /// o_proj, gate_proj, up_proj, down_proj; LAYERS `+`-separated layers or ranges (`0-3+24-27`);
-    /// GROUP 32, 64 or 128 (default --group). Example: `k_proj=l/32,v_proj=l/32,embed_tokens=m/128`.
+    /// o_proj, gate_proj, up_proj, down_proj; LAYERS `+`-separated layers or ranges (`0-3+24-27`); FORMAT
+    /// m, l, k or k6; GROUP 32, 64 or 128 for m and l (default --group), 16 (default) or 32 for k6, none for
+    /// k. Example: `k_proj=l/32,v_proj=l/32,embed_tokens=m/128`.
     #[arg(long, value_name = "RULES")]
     tensor_format: Vec<String>,
     /// Output folder (must not exist; written atomically).

@@ -312,6 +312,10 @@ fn quantize_bad_inputs_and_a_good_run() {
         "the rule for embed_tokens applies to no matrix of this model",
     );
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--tensor-format", "k_proj=k/64", "-o", o], "drop the /64");
+    fails(
+        &["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--tensor-format", "k_proj=k6/64", "-o", o],
+        "16 (the default) or 32",
+    );
     // A NaN weight is refused by name, not quantized into a zeroed group.
     let nanf = dir.join("nan");
     copy_folder(&fixture, &nanf);

@@ -96,6 +96,17 @@ fn q4k(rows: usize, cols: usize, rng: &mut Rng) -> WeightMatrix {
 fn q6k(rows: usize, cols: usize, rng: &mut Rng) -> WeightMatrix {
     packed(qm(6, rows, cols, rng))
 }
+/// Bits 6, group 32, k-quant scales with the implicit offset (eddy's `k6` at group 32), prepacked.
+fn q6k32(rows: usize, cols: usize, rng: &mut Rng) -> WeightMatrix {
+    let n = rows * cols;
+    let scales = GroupScales::SuperI8 {
+        sc: (0..n / QK).map(|_| rng.next() as i8).collect(),
+        mn: None,
+        d: (0..n / 256).map(|_| 0.0001 * rng.f()).collect(),
+        dmin: vec![],
+    };
+    packed(qmatrix(6, rows, cols, QK, scales, rng))
+}
 fn packed(mut w: WeightMatrix) -> WeightMatrix {
     if let WeightMatrix::Q(m) = &mut w {
         m.prepack();
@@ -241,15 +252,15 @@ fn small_cold(c: &mut Criterion) {
     }
 }
 
-/// The k-quant formats on the prepacked layout (the layout models run on): `q4k` (Q4_K, eddy's `k`) and
-/// `q6k` (Q6_K, eddy's `k6`), 8960×1536 rotating through ≥ 384 MB of copies, 1 and 2 threads. `n1`: decode,
+/// The k-quant formats on the prepacked layout (the layout models run on): `q4k` (Q4_K, eddy's `k`),
+/// `q6k` (Q6_K, eddy's `k6`) and `q6k32` (eddy's `k6/32`: groups of 32, run on AMX where `q6k` is not), 8960×1536 rotating through ≥ 384 MB of copies, 1 and 2 threads. `n1`: decode,
 /// throughput = weight bytes per call; `n128`: prefill, throughput in GOP/s as in `gemm_*`; `n4`..`n64`
 /// (tree verification sizes, AMX from n = 2): `t1_cpu` only.
 fn packed_k(c: &mut Criterion) {
     let mut rng = Rng(13);
     let pools = [ThreadPool::new(1), ThreadPool::new(2)];
     let (rows, cols) = (8960, 1536);
-    const K: [(&str, Make); 2] = [("q4k", q4k), ("q6k", q6k)];
+    const K: [(&str, Make); 3] = [("q4k", q4k), ("q6k", q6k), ("q6k32", q6k32)];
     for (name, make) in K {
         let ws = dram_copies(make, rows, cols, &mut rng);
         let mut g = c.benchmark_group(format!("packed_{name}"));

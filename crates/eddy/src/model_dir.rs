@@ -295,7 +295,7 @@ impl Tensors {
         };
         if let Some((hs, hi)) = self.get(&format!("{name}.high_bits")) {
             // K6: 6-bit codes (low nibbles in NAME, bit planes 4 and 5 in .high_bits), i8 multipliers per 16
-            // values, f16 super-scales per 256.
+            // or 32 values, f16 super-scales per 256.
             if bits != 4 || hi.dtype != Dtype::U8 || hi.shape != [rows, cols / 4] {
                 return Err(bad(format!(
                     "high_bits {} {:?} (format k6 needs U8 [{rows}, {}] and 4-bit low codes)",
@@ -304,16 +304,28 @@ impl Tensors {
                     cols / 4
                 )));
             }
-            let sc = match self.get(&format!("{name}.scales")) {
-                Some((s, i)) if i.dtype == Dtype::I8 && i.shape == [rows, cols / rtn::K6_GROUP] => {
-                    s.bytes(i).iter().map(|&b| b as i8).collect()
+            // The group is the one of K6_GROUPS whose multiplier count the `.scales` shape holds.
+            let (sc, group) = match self.get(&format!("{name}.scales")) {
+                Some((s, i)) if i.dtype == Dtype::I8 && i.shape.len() == 2 && i.shape[0] == rows => {
+                    match rtn::K6_GROUPS.into_iter().find(|&g| i.shape[1] * g == cols) {
+                        Some(g) => (s.bytes(i).iter().map(|&b| b as i8).collect(), g),
+                        None => {
+                            return Err(bad(format!(
+                                "scales of shape {:?}, expected [{rows}, {}] or [{rows}, {}] (format k6: groups of 16 or 32)",
+                                i.shape,
+                                cols / 16,
+                                cols / 32
+                            )))
+                        }
+                    }
                 }
                 Some((_, i)) => {
                     return Err(bad(format!(
-                        "scales is {} {:?}, expected I8 [{rows}, {}] (format k6)",
+                        "scales is {} {:?}, expected I8 [{rows}, {}] or [{rows}, {}] (format k6)",
                         dtype_name(i.dtype),
                         i.shape,
-                        cols / 16
+                        cols / 16,
+                        cols / 32
                     )))
                 }
                 None => return Err(bad("format k6 codes without their .scales".into())),
@@ -322,7 +334,7 @@ impl Tensors {
             if self.get(&format!("{name}.zero_points")).is_some() {
                 return Err(bad("format k6 takes no zero_points".into()));
             }
-            (m.bits, m.group, m.hi) = (6, rtn::K6_GROUP, hs.bytes(hi).to_vec());
+            (m.bits, m.group, m.hi) = (6, group, hs.bytes(hi).to_vec());
             m.scales = GroupScales::SuperI8 { sc, mn: None, d, dmin: Vec::new() };
             return Ok(WeightMatrix::Q(m));
         }

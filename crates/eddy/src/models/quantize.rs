@@ -128,17 +128,18 @@ pub struct TensorRule {
     pub layers: Vec<(usize, usize)>,
     /// Their format.
     pub format: Format,
-    /// Their values per scale (32, 64 or 128).
+    /// Their values per scale: 32, 64 or 128 for m and l, 16 or 32 for k6, 32 for k.
     pub group: usize,
 }
 
 impl TensorRule {
     /// Parse a comma-separated list of rules `NAME[@LAYERS]=FORMAT[/GROUP]`: NAME one of `embed_tokens`,
     /// `lm_head`, `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`; LAYERS
-    /// `+`-separated layer numbers or inclusive ranges `a-b` (e.g. `0-3+25-27`); FORMAT `m` or `l`; GROUP
-    /// 32, 64 or 128 (default `default_group`). Example: `v_proj=l/32,down_proj@0-3+24-27=l/64`.
+    /// `+`-separated layer numbers or inclusive ranges `a-b` (e.g. `0-3+25-27`); FORMAT `m`, `l`, `k` or `k6`;
+    /// GROUP 32, 64 or 128 for m and l (default `default_group`), 16 (default) or 32 for k6, none for k.
+    /// Example: `v_proj=l/32,down_proj@0-3+24-27=k6/32`.
     ///
-    /// Errors: an unknown name or format, a malformed layer list, a group other than 32/64/128, as
+    /// Errors: an unknown name or format, a malformed layer list, a group the format does not take, as
     /// `Error::Input` naming the rule.
     pub fn parse_list(text: &str, default_group: usize) -> Result<Vec<TensorRule>> {
         let mut out = Vec::new();
@@ -174,16 +175,21 @@ impl TensorRule {
             let format = Format::parse(f).ok_or_else(|| bad(format!("unknown format '{f}' (expected m, l, k or k6)")))?;
             let group = match g {
                 Some(g) => g.parse::<usize>().map_err(|_| bad(format!("bad group '{g}'")))?,
+                None if format == Format::K => rtn::K_GROUP,
+                None if format == Format::K6 => rtn::K6_GROUP,
                 None => default_group,
             };
-            if !rtn::GROUPS.contains(&group) {
-                return Err(bad(format!("group must be 32, 64 or 128, got {group}")));
-            }
-            if g.is_some() && matches!(format, Format::K | Format::K6) {
-                return Err(bad(format!(
-                    "format {} has its own groups (k 32, k6 16 under super-blocks of 256): drop the /{group}",
-                    format.name()
-                )));
+            match format {
+                Format::K if g.is_some() => {
+                    return Err(bad(format!("format k has its own groups (32 under super-blocks of 256): drop the /{group}")))
+                }
+                Format::K6 if !rtn::K6_GROUPS.contains(&group) => {
+                    return Err(bad(format!("format k6 takes groups of 16 (the default) or 32, got {group}")))
+                }
+                Format::M | Format::L if !rtn::GROUPS.contains(&group) => {
+                    return Err(bad(format!("group must be 32, 64 or 128, got {group}")))
+                }
+                _ => {}
             }
             out.push(TensorRule { kind, layers, format, group });
         }
@@ -503,14 +509,16 @@ pub fn quantize_model(
         } else {
             (opts.format, opts.group)
         };
+        // K's and K6's own groups (32; 16 unless a rule says k6/32) under super-blocks.
+        match format {
+            Format::K => want = rtn::K_GROUP,
+            Format::K6 => want = rtn::K6_GROUP,
+            _ => {}
+        }
         if let Some((kind, layer)) = job.kind {
             if let Some(r) = opts.rules.iter().rev().find(|r| r.applies(kind, layer)) {
                 (format, want) = (r.format, r.group);
             }
-        }
-        if matches!(format, Format::K | Format::K6) {
-            // Their own groups (32 and 16) under super-blocks; 32 is what their fallbacks (M, L) take.
-            want = rtn::K_GROUP;
         }
         let group = [want, 64, 32].into_iter().find(|&g| g <= want && cols.is_multiple_of(g));
         let new = match group {
@@ -1026,7 +1034,7 @@ fn write_into(src: &Source, model: &Model, opts: &QuantizeOptions, tmp: &Path) -
     let fmt = opts.format.name();
     cfg["quantization_config"] = serde_json::json!({
         "quant_method": "eddy", "format": fmt,
-        "group_size": if matches!(opts.format, Format::K | Format::K6) { rtn::K_GROUP } else { opts.group }, "rotation": opts.rotate, "seed": opts.seed,
+        "group_size": match opts.format { Format::K => rtn::K_GROUP, Format::K6 => rtn::K6_GROUP, _ => opts.group }, "rotation": opts.rotate, "seed": opts.seed,
         "layout": "docs/quant-formats.md of eddy"
     });
     if opts.rotate && !opts.unrotated.is_empty() {
@@ -1171,31 +1179,39 @@ mod tests {
             let short = victim.trim_start_matches("w.");
             assert!(err.contains("tensor w") && err.contains(short), "{victim} {dtype:?} {shape:?}: {err}");
         }
-        // K6: the same round trip; its side tensors checked too.
-        let q6 = rtn::quantize(rows, cols, &w, Format::K6, 32, Rotation::default());
-        let WeightMatrix::Q(m6) = &q6 else { panic!("not quantized") };
-        let ts6 = matrix_tensors("w", &q6);
-        assert_eq!(ts6.iter().map(|t| t.3.len()).sum::<usize>(), rows * (cols / 2 + cols / 4 + cols / 16 + 2 * sbpr));
-        let dir6 = tmp.join("k6");
-        std::fs::create_dir_all(&dir6).unwrap();
-        write_tensors(&dir6, &ts6).unwrap();
-        let back6 = crate::model_dir::Tensors::open(&dir6).unwrap().matrix("w", rows, cols, Quant::None, false).unwrap();
-        let WeightMatrix::Q(b6) = &back6 else { panic!("not quantized") };
-        assert_eq!((b6.bits, b6.group, &b6.lo, &b6.hi), (6, rtn::K6_GROUP, &m6.lo, &m6.hi));
-        let (GroupScales::SuperI8 { sc, mn: None, d, .. }, GroupScales::SuperI8 { sc: sc2, mn: None, d: d2, .. }) =
-            (&m6.scales, &b6.scales)
-        else {
-            panic!("not K6 scales")
-        };
-        assert_eq!((sc, d), (sc2, d2));
-        for (victim, dtype, shape) in [("w.high_bits", Dtype::U8, vec![rows, cols / 2]), ("w.scales", Dtype::U8, vec![rows, cols / 16])] {
-            let mut bad: Vec<RawTensor> = ts6.iter().filter(|t| t.0 != victim).cloned().collect();
-            bad.push((victim.to_string(), dtype, shape.clone(), vec![1u8; shape.iter().product()]));
-            let dir = tmp.join(format!("bad6-{victim}"));
-            std::fs::create_dir_all(&dir).unwrap();
-            write_tensors(&dir, &bad).unwrap();
-            let err = crate::model_dir::Tensors::open(&dir).unwrap().matrix("w", rows, cols, Quant::None, false).unwrap_err().to_string();
-            assert!(err.contains(victim.trim_start_matches("w.")), "{victim}: {err}");
+        // K6 at both groups: the same round trip; its side tensors checked too.
+        for group in rtn::K6_GROUPS {
+            let q6 = rtn::quantize(rows, cols, &w, Format::K6, group, Rotation::default());
+            let WeightMatrix::Q(m6) = &q6 else { panic!("not quantized") };
+            let ts6 = matrix_tensors("w", &q6);
+            assert_eq!(ts6.iter().map(|t| t.3.len()).sum::<usize>(), rows * (cols / 2 + cols / 4 + cols / group + 2 * sbpr));
+            let dir6 = tmp.join(format!("k6-{group}"));
+            std::fs::create_dir_all(&dir6).unwrap();
+            write_tensors(&dir6, &ts6).unwrap();
+            let back6 = crate::model_dir::Tensors::open(&dir6).unwrap().matrix("w", rows, cols, Quant::None, false).unwrap();
+            let WeightMatrix::Q(b6) = &back6 else { panic!("not quantized") };
+            assert_eq!((b6.bits, b6.group, &b6.lo, &b6.hi), (6, group, &m6.lo, &m6.hi));
+            let (GroupScales::SuperI8 { sc, mn: None, d, .. }, GroupScales::SuperI8 { sc: sc2, mn: None, d: d2, .. }) =
+                (&m6.scales, &b6.scales)
+            else {
+                panic!("not K6 scales")
+            };
+            assert_eq!((sc, d), (sc2, d2));
+            let bad_victims = [
+                ("w.high_bits", Dtype::U8, vec![rows, cols / 2]),
+                ("w.scales", Dtype::U8, vec![rows, cols / group]),
+                ("w.scales", Dtype::I8, vec![rows, cols / 64]),
+            ];
+            for (victim, dtype, shape) in bad_victims {
+                let mut bad: Vec<RawTensor> = ts6.iter().filter(|t| t.0 != victim).cloned().collect();
+                bad.push((victim.to_string(), dtype, shape.clone(), vec![1u8; shape.iter().product()]));
+                let dir = tmp.join(format!("bad6-{group}-{victim}-{dtype:?}"));
+                std::fs::create_dir_all(&dir).unwrap();
+                write_tensors(&dir, &bad).unwrap();
+                let err =
+                    crate::model_dir::Tensors::open(&dir).unwrap().matrix("w", rows, cols, Quant::None, false).unwrap_err().to_string();
+                assert!(err.contains(victim.trim_start_matches("w.")), "{victim}: {err}");
+            }
         }
         let _ = std::fs::remove_dir_all(&tmp);
     }

@@ -30,10 +30,10 @@ pub enum Format {
     /// super-offset-scale ([`quantize_k`]); a row whose length is not a multiple of 256 ends in a partial
     /// super-block (e.g. 896 = 3·256 + 128: 4 groups under the last `d`, `dmin`).
     K,
-    /// 6-bit symmetric codes, group 16, with an i8 scale multiplier per group and an f16 super-scale per
-    /// 256 values ([`GroupScales::SuperI8`] with the implicit offset, as GGUF Q6_K; [`quantize_k6`]): the
-    /// companion of K for sensitive matrices; a row whose length is not a multiple of 256 ends in a partial
-    /// super-block, as K's.
+    /// 6-bit symmetric codes in groups of 16 (as GGUF Q6_K) or 32 ([`K6_GROUPS`]), with an i8 scale
+    /// multiplier per group and an f16 super-scale per 256 values ([`GroupScales::SuperI8`] with the
+    /// implicit offset; [`quantize_k6`]): the companion of K for sensitive matrices; a row whose length is not
+    /// a multiple of 256 ends in a partial super-block, as K's.
     K6,
 }
 
@@ -71,8 +71,8 @@ impl Format {
     /// Bits per weight of rows of `cols` values at `group` values per group (codes plus f16 scales and
     /// offsets; `cols` a multiple of the group, rotation signs not counted). K and K6 store their f16
     /// super-scales per super-block of 256 values cut from the row's start, the last one partial (rows of 896:
-    /// 3 whole and one of 128), so their rate depends on `cols`: 4.5 and 6.5625 bits for whole super-blocks,
-    /// 4.518 and 6.571 at 896.
+    /// 3 whole and one of 128), so their rate depends on `cols`: 4.5 and 6.5625 bits (K6 at group 16;
+    /// 6.3125 at 32) for whole super-blocks, 4.518 and 6.571 at 896. K ignores `group` (always 32).
     pub fn bits_per_weight(self, group: usize, cols: usize) -> f64 {
         let supers = cols.div_ceil(QK_SUPER) as f64 / cols.max(1) as f64;
         match self {
@@ -80,8 +80,8 @@ impl Format {
             Format::L => 8.0 + 16.0 / group as f64,
             // Two 6-bit multipliers per 32 values, two f16 per super-block (`group` is always 32).
             Format::K => 4.0 + 12.0 / K_GROUP as f64 + 32.0 * supers,
-            // An i8 multiplier per 16 values, one f16 per super-block.
-            Format::K6 => 6.0 + 8.0 / K6_GROUP as f64 + 16.0 * supers,
+            // An i8 multiplier per group (16 or 32 values), one f16 per super-block.
+            Format::K6 => 6.0 + 8.0 / group as f64 + 16.0 * supers,
         }
     }
 }
@@ -116,8 +116,8 @@ pub(crate) fn f16_toward(x: f32, up: bool) -> f16 {
 /// no panic).
 ///
 /// # Panics
-/// If `data.len() != rows·cols`, `group` is not one of [`GROUPS`], or the rotation's signs do not match
-/// the shape.
+/// If `data.len() != rows·cols`, `group` is not one of [`GROUPS`] ([`K6_GROUPS`] for K6; K takes 32), or
+/// the rotation's signs do not match the shape.
 pub fn quantize(rows: usize, cols: usize, data: &[f32], format: Format, group: usize, rotation: Rotation) -> WeightMatrix {
     quantize_by(rows, cols, data, format, group, rotation, search_scale_min)
 }
@@ -140,7 +140,11 @@ fn quantize_by(
     pick: fn(&[f32]) -> (f16, f16),
 ) -> WeightMatrix {
     assert_eq!(Some(data.len()), rows.checked_mul(cols), "quantize: data is not rows × cols");
-    assert!(GROUPS.contains(&group), "quantize: group {group} (expected 32, 64 or 128)");
+    if format == Format::K6 {
+        assert!(K6_GROUPS.contains(&group), "quantize: k6 group {group} (expected 16 or 32)");
+    } else {
+        assert!(GROUPS.contains(&group), "quantize: group {group} (expected 32, 64 or 128)");
+    }
     if !cols.is_multiple_of(QK) || !cols.is_multiple_of(group) {
         return WeightMatrix::f32(rows, cols, data.to_vec());
     }
@@ -157,7 +161,7 @@ fn quantize_by(
         Format::M => quantize_m(rows, cols, w, group, pick),
         Format::L => quantize_l(rows, cols, w, group),
         Format::K => quantize_k(rows, cols, w, pick),
-        Format::K6 => quantize_k6(rows, cols, w),
+        Format::K6 => quantize_k6(rows, cols, w, group),
     };
     m.rotation = rotation;
     m.check();
@@ -524,8 +528,13 @@ pub fn quantize_k(rows: usize, cols: usize, w: &[f32], pick: fn(&[f32]) -> (f16,
     m
 }
 
-/// Values per group of [`Format::K6`].
+/// Values per group of [`Format::K6`] unless a rule says otherwise (`k6/32`): 16, as GGUF Q6_K.
 pub const K6_GROUP: usize = 16;
+
+/// The groups [`Format::K6`] takes. 16 spends 0.5 bit per weight on multipliers, 32 half that; the CPU's
+/// prefill product runs groups of 32 on AMX tiles and groups of 16 on `vpdpbusd` (8960×1536 at 128 tokens,
+/// one thread, Sapphire Rapids: 432 against 228 GOP/s, `cargo bench --bench matmul packed_q6k`).
+pub const K6_GROUPS: [usize; 2] = [16, 32];
 
 /// The K6 level of `x` at scale `s ≠ 0`: `round(x/s)` clamped to `−32..=31` (the code is the level + 32).
 #[inline]
@@ -571,23 +580,24 @@ pub fn k6_search_scale(wg: &[f32]) -> f32 {
     best.1
 }
 
-/// K6 format ([`Format::K6`]) codes of `w` (`rows × cols`, `cols % 32 == 0`), no rotation: each group's
-/// scale searched ([`k6_search_scale`]), per super-block (256 values of a row, the last one of a row partial
-/// when `cols % 256 != 0`) `d` the f16 at or above `max |S|/127`, per group the multiplier `sc ∈ −127..=127`
-/// nearest to `S/d` or its neighbours with the least error, the codes the nearest levels + 32. Rows split
-/// over the available cores.
-pub fn quantize_k6(rows: usize, cols: usize, w: &[f32]) -> QMatrix {
+/// K6 format ([`Format::K6`]) codes of `w` (`rows × cols`, `cols % 32 == 0`) in groups of `group` values
+/// (one of [`K6_GROUPS`]), no rotation: each group's scale searched ([`k6_search_scale`]), per super-block
+/// (256 values of a row, the last one of a row partial when `cols % 256 != 0`) `d` the f16 at or above
+/// `max |S|/127`, per group the multiplier `sc ∈ −127..=127` nearest to `S/d` or its neighbours with the least
+/// error, the codes the nearest levels + 32. Rows split over the available cores.
+pub fn quantize_k6(rows: usize, cols: usize, w: &[f32], group: usize) -> QMatrix {
     assert!(cols.is_multiple_of(QK) && w.len() == rows * cols, "quantize_k6: {rows} × {cols}");
+    assert!(K6_GROUPS.contains(&group), "quantize_k6: group {group}");
     let n = rows * cols;
     let per_row = par_chunks(w, cols.max(1), |row| {
         let mut res = Vec::with_capacity(super_blocks(cols));
         for wsb in row.chunks(QK_SUPER) {
-            let s: Vec<f32> = wsb.chunks_exact(K6_GROUP).map(k6_search_scale).collect();
+            let s: Vec<f32> = wsb.chunks_exact(group).map(k6_search_scale).collect();
             let smax = s.iter().fold(0f32, |a, &x| a.max(x.abs()));
             let dv = f16_toward(smax / 127.0, true).to_f32();
             let dd = if dv.is_finite() { dv } else { 0.0 };
             let mut scs = vec![0i8; s.len()];
-            for ((o, &sg), wg) in scs.iter_mut().zip(&s).zip(wsb.chunks_exact(K6_GROUP)) {
+            for ((o, &sg), wg) in scs.iter_mut().zip(&s).zip(wsb.chunks_exact(group)) {
                 if dd == 0.0 {
                     continue;
                 }
@@ -608,7 +618,7 @@ pub fn quantize_k6(rows: usize, cols: usize, w: &[f32]) -> QMatrix {
         let mut q = [0u8; QK];
         for (j, &x) in wb.iter().enumerate() {
             let e = b * QK + j;
-            let s = d[super_block(cols, e / cols, e % cols)] * sc[e / K6_GROUP] as f32;
+            let s = d[super_block(cols, e / cols, e % cols)] * sc[e / group] as f32;
             q[j] = if s == 0.0 || !s.is_finite() { 32 } else { (k6_level(x, s) + 32) as u8 };
         }
         for k in 0..QK / 2 {
@@ -623,7 +633,7 @@ pub fn quantize_k6(rows: usize, cols: usize, w: &[f32]) -> QMatrix {
         rows,
         cols,
         bits: 6,
-        group: K6_GROUP,
+        group,
         lo,
         hi,
         scales: GroupScales::SuperI8 { sc, mn: None, d, dmin: Vec::new() },
@@ -752,13 +762,15 @@ mod tests {
         let rows = 3;
         for cols in [256, 512, 864, 896, 1536] {
             let w = heavy(rows * cols, 5);
-            for (format, mult_bits, group, super_f16) in [(Format::K, 12.0, K_GROUP, 2.0), (Format::K6, 8.0, K6_GROUP, 1.0)] {
-                let q = quantize(rows, cols, &w, format, 32, Rotation::default());
+            for (format, mult_bits, group, super_f16) in
+                [(Format::K, 12.0, K_GROUP, 2.0), (Format::K6, 8.0, 16, 1.0), (Format::K6, 8.0, 32, 1.0)]
+            {
+                let q = quantize(rows, cols, &w, format, group, Rotation::default());
                 let WeightMatrix::Q(m) = &q else { panic!("not quantized") };
                 let GroupScales::SuperI8 { d, .. } = &m.scales else { panic!("{format:?}: not super-block scales") };
                 let supers = (d.len() / rows) as f64;
                 let stored = format.bits() as f64 + mult_bits / group as f64 + 16.0 * super_f16 * supers / cols as f64;
-                let got = format.bits_per_weight(32, cols);
+                let got = format.bits_per_weight(group, cols);
                 assert!((got - stored).abs() < 1e-12, "{format:?} at {cols}: {got} bits per weight, {stored} stored");
             }
             for g in GROUPS {
@@ -964,24 +976,26 @@ mod tests {
     #[test]
     fn k6_codes_are_nearest_and_the_grid_costs_little() {
         for cols in [512, 896] {
-            k6_codes_at(cols);
+            for group in K6_GROUPS {
+                k6_codes_at(cols, group);
+            }
         }
     }
 
-    fn k6_codes_at(cols: usize) {
+    fn k6_codes_at(cols: usize, group: usize) {
         let mut s = 79u64;
         let rows = 20;
         let w = outlier_values(&mut s, rows * cols);
-        let WeightMatrix::Q(k6) = quantize(rows, cols, &w, Format::K6, 32, Rotation::default()) else { panic!() };
-        assert_eq!((k6.bits, k6.group), (6, K6_GROUP));
+        let WeightMatrix::Q(k6) = quantize(rows, cols, &w, Format::K6, group, Rotation::default()) else { panic!() };
+        assert_eq!((k6.bits, k6.group), (6, group));
         let (mut e6, mut esearch, mut eplain) = (0f64, 0f64, 0f64);
         for r in 0..rows {
-            for g in 0..cols / K6_GROUP {
-                let wg = &w[r * cols + g * K6_GROUP..][..K6_GROUP];
+            for g in 0..cols / group {
+                let wg = &w[r * cols + g * group..][..group];
                 let (step, off) = k6.scale_min(r, g);
                 assert!(off.is_none() && step != 0.0);
                 for (c, &x) in wg.iter().enumerate() {
-                    assert_eq!(k6.code(r, g * K6_GROUP + c) as i32, k6_level(x, step) + 32, "not the nearest level");
+                    assert_eq!(k6.code(r, g * group + c) as i32, k6_level(x, step) + 32, "not the nearest level");
                 }
                 e6 += k6_error(wg, step);
                 esearch += k6_error(wg, k6_search_scale(wg));
@@ -1000,8 +1014,8 @@ mod tests {
                     .sum::<f64>()
             })
             .sum();
-        eprintln!("K6 {e6:e}, searched f32 scales {esearch:e}, max/31 {eplain:e}, K {ek:e}");
-        assert!(e6 < 1.1 * esearch && e6 < eplain && e6 < 0.2 * ek, "K6 {e6:e}, search {esearch:e}, plain {eplain:e}, K {ek:e}");
+        eprintln!("K6/{group} {e6:e}, searched f32 scales {esearch:e}, max/31 {eplain:e}, K {ek:e}");
+        assert!(e6 < 1.1 * esearch && e6 < eplain && e6 < 0.2 * ek, "K6/{group} {e6:e}, search {esearch:e}, plain {eplain:e}, K {ek:e}");
     }
 
     /// The search as it was before the f32 passes (session 9: f64 sums, a division per code, u8 codes): the

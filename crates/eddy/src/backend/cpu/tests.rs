@@ -612,9 +612,16 @@ fn rotated_matmul_matches_reference_and_is_batch_invariant() {
     use crate::quant::rtn::Format;
     let mut rng = Rng(22);
     let pools: Vec<ThreadPool> = (1..=3).map(ThreadPool::new).collect();
-    for (format, group) in
-        [(Format::M, 32), (Format::M, 64), (Format::M, 128), (Format::L, 32), (Format::L, 128), (Format::K, 32), (Format::K6, 32)]
-    {
+    for (format, group) in [
+        (Format::M, 32),
+        (Format::M, 64),
+        (Format::M, 128),
+        (Format::L, 32),
+        (Format::L, 128),
+        (Format::K, 32),
+        (Format::K6, 16),
+        (Format::K6, 32),
+    ] {
         for &(rows, cols) in &[(1usize, 128usize), (7, 256), (45, 384), (100, 640), (203, 1024)] {
             let w = rotated_matrix(format, group, rows, cols, &mut rng);
             let mut wp = w.clone();
