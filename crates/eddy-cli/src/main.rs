@@ -919,6 +919,17 @@ fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
     let parse = |flag: &str, v: &str| Format::parse(v).ok_or_else(|| bad(flag, format!("unknown format '{v}' (expected m, l, k or k6)")));
     let format = parse("--format", &a.format)?;
     let head_format = parse("--head-format", &a.head_format)?;
+    // k and k6 have their own groups (k6/32 through a rule): a group flag for them would be ignored.
+    let own = |f: Format| matches!(f, Format::K | Format::K6);
+    if a.head_group.is_some() && own(head_format) {
+        return Err(bad("--head-group", "has no effect on --head-format k or k6 (for k6 in groups of 32: --tensor-format lm_head=k6/32)"));
+    }
+    if a.embed_group.is_some() && own(format) {
+        return Err(bad(
+            "--embed-group",
+            "has no effect with --format k or k6 (for k6 in groups of 32: --tensor-format embed_tokens=k6/32)",
+        ));
+    }
     let (head_group, embed_group) = (a.head_group.unwrap_or(a.group), a.embed_group.unwrap_or(a.group));
     for (flag, g) in [("--group", a.group), ("--head-group", head_group), ("--embed-group", embed_group)] {
         if !GROUPS.contains(&g) {

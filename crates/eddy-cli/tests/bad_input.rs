@@ -284,6 +284,10 @@ fn quantize_bad_inputs_and_a_good_run() {
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--head-format", "x", "-o", o], "--head-format");
     fails(&["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--embed-group", "48", "-o", o], "--embed-group");
     fails(
+        &["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--head-format", "k6", "--head-group", "32", "-o", o],
+        "--head-group: has no effect on --head-format k or k6",
+    );
+    fails(
         &["quantize", "--model", fixture.to_str().unwrap(), "--format", "m", "--calib", "c.txt", "--calib-damp=nan", "-o", o],
         "--calib-damp",
     );

@@ -254,10 +254,15 @@ impl Tensors {
             let n = format!("{name}.{suffix}");
             match self.get(&n) {
                 None => Ok(None),
-                Some((s, i)) if i.dtype == Dtype::F16 => Ok(Some((
-                    s.bytes(i).chunks_exact(2).map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect(),
-                    i.shape.clone(),
-                ))),
+                Some((s, i)) if i.dtype == Dtype::F16 => {
+                    let v: Vec<half::f16> =
+                        s.bytes(i).chunks_exact(2).map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect();
+                    // A NaN or infinite scale or offset would run the matrix as NaN or silent zeros.
+                    if let Some(at) = v.iter().position(|x| !x.is_finite()) {
+                        return Err(bad(format!("{suffix} holds a non-finite value ({} at index {at})", v[at])));
+                    }
+                    Ok(Some((v, i.shape.clone())))
+                }
                 Some((_, i)) => Err(bad(format!("{suffix} has dtype {}, expected F16", dtype_name(i.dtype)))),
             }
         };
@@ -296,9 +301,16 @@ impl Tensors {
         if let Some((hs, hi)) = self.get(&format!("{name}.high_bits")) {
             // K6: 6-bit codes (low nibbles in NAME, bit planes 4 and 5 in .high_bits), i8 multipliers per 16
             // or 32 values, f16 super-scales per 256.
-            if bits != 4 || hi.dtype != Dtype::U8 || hi.shape != [rows, cols / 4] {
+            if bits != 4 {
                 return Err(bad(format!(
-                    "high_bits {} {:?} (format k6 needs U8 [{rows}, {}] and 4-bit low codes)",
+                    "codes of shape {:?} are 8-bit; format k6 (it has .high_bits) needs 4-bit low codes U8 [{rows}, {}]",
+                    info.shape,
+                    cols / 2
+                )));
+            }
+            if hi.dtype != Dtype::U8 || hi.shape != [rows, cols / 4] {
+                return Err(bad(format!(
+                    "high_bits is {} {:?}, expected U8 [{rows}, {}] (format k6)",
                     dtype_name(hi.dtype),
                     hi.shape,
                     cols / 4
@@ -360,6 +372,9 @@ impl Tensors {
                 dmin: sup("super_zero_points", "k")?,
             };
             return Ok(WeightMatrix::Q(m));
+        }
+        if self.get(&format!("{name}.scales")).is_some_and(|(_, i)| i.dtype == Dtype::I8) {
+            return Err(bad("I8 .scales (format k6) without the codes' .high_bits".into()));
         }
         let (scale, shape) = half("scales")?.ok_or_else(|| bad("codes without their .scales".into()))?;
         let group = match shape[..] {

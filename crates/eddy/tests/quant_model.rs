@@ -82,13 +82,14 @@ fn requantized_smollm2_tracks_its_source() {
 }
 
 /// `--tensor-format` rules reach exactly the matrices they name: SmolLM2 (30 layers, width 576) in M g64
-/// with v_proj in L g32, down_proj of layers 0, 2, 3 in L (the default group), the LM head (tied) in M g32;
-/// the returned bits per weight count each matrix at its own format, with its rotation signs (as stored).
+/// with v_proj in L g32, down_proj of layers 0, 2, 3 in L (the default group), q_proj of layer 1 in k6 (groups of
+/// 16) and o_proj of layer 1 in k6/32, the LM head (tied) in M g32; the returned bits per weight count each matrix
+/// at its own format, with its rotation signs (as stored).
 #[test]
 fn tensor_rules_set_the_named_matrices() {
     let Some(p) = common::model_path(MODEL) else { return };
     let mut lm = eddy::load::load_gguf(&p, &mut |_, _| {}).unwrap();
-    let rules = TensorRule::parse_list("v_proj=l/32,down_proj@0+2-3=l,lm_head=m/32", 64).unwrap();
+    let rules = TensorRule::parse_list("v_proj=l/32,down_proj@0+2-3=l,lm_head=m/32,q_proj@1=k6,o_proj@1=k6/32", 64).unwrap();
     let opts = QuantizeOptions { rules, ..QuantizeOptions::new(Format::M, 64) };
     let bpw = quantize_model(&mut lm.model, &opts, None, &mut |_, _| {});
     let fmt = |w: &eddy::quant::WeightMatrix| match w {
@@ -101,7 +102,12 @@ fn tensor_rules_set_the_named_matrices() {
     let (mut bits, mut n) = (0f64, 0f64);
     let mut count = |w: &eddy::quant::WeightMatrix| {
         let (b, g) = fmt(w);
-        bits += (w.rows() * w.cols()) as f64 * if b == 4 { 4.0 + 32.0 / g as f64 } else { 8.0 + 16.0 / g as f64 };
+        let format = match b {
+            4 => Format::M,
+            6 => Format::K6,
+            _ => Format::L,
+        };
+        bits += (w.rows() * w.cols()) as f64 * format.bits_per_weight(g, w.cols());
         // The rotation's signs as the folder stores them: one byte each.
         let eddy::quant::WeightMatrix::Q(m) = w else { unreachable!() };
         bits += 8.0 * (m.rotation.input.as_ref().map_or(0, |_| w.cols()) + m.rotation.output.as_ref().map_or(0, |_| w.rows())) as f64;
@@ -110,7 +116,8 @@ fn tensor_rules_set_the_named_matrices() {
     count(&model.embed);
     for (l, layer) in model.layers.iter().enumerate() {
         let eddy::models::Mixer::Attention(a) = &layer.mixer else { panic!("attention") };
-        assert_eq!((fmt(&a.wq), fmt(&a.wk), fmt(&a.wv), fmt(&a.wo)), ((4, 64), (4, 64), (8, 32), (4, 64)), "layer {l}");
+        let (q, o) = if l == 1 { ((6, 16), (6, 32)) } else { ((4, 64), (4, 64)) };
+        assert_eq!((fmt(&a.wq), fmt(&a.wk), fmt(&a.wv), fmt(&a.wo)), (q, (4, 64), (8, 32), o), "layer {l}");
         assert_eq!((fmt(&layer.w_gate), fmt(&layer.w_up)), ((4, 64), (4, 64)), "layer {l}");
         assert_eq!(fmt(&layer.w_down), if [0, 2, 3].contains(&l) { (8, 64) } else { (4, 64) }, "layer {l}");
         for w in [&a.wq, &a.wk, &a.wv, &a.wo, &layer.w_gate, &layer.w_up, &layer.w_down] {

@@ -485,8 +485,16 @@ pub fn quantize_model(
     calib: Option<&Calibration>,
     progress: &mut dyn FnMut(usize, usize),
 ) -> f64 {
-    for g in [opts.group, opts.head_group, opts.embed_group].into_iter().chain(opts.rules.iter().map(|r| r.group)) {
+    for g in [opts.group, opts.head_group, opts.embed_group] {
         assert!(rtn::GROUPS.contains(&g), "group {g} (expected 32, 64 or 128)");
+    }
+    for r in &opts.rules {
+        let ok = match r.format {
+            Format::K => r.group == rtn::K_GROUP,
+            Format::K6 => rtn::K6_GROUPS.contains(&r.group),
+            Format::M | Format::L => rtn::GROUPS.contains(&r.group),
+        };
+        assert!(ok, "rule group {} for format {} ([`TensorRule::parse_list`] refuses it)", r.group, r.format.name());
     }
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let jobs = jobs(model);
