@@ -183,10 +183,10 @@ impl TensorRule {
                 Format::K if g.is_some() => {
                     return Err(bad(format!("format k has its own groups (32 under super-blocks of 256): drop the /{group}")))
                 }
-                Format::K6 if !rtn::K6_GROUPS.contains(&group) => {
+                Format::K6 if !format.takes_group(group) => {
                     return Err(bad(format!("format k6 takes groups of 16 (the default) or 32, got {group}")))
                 }
-                Format::M | Format::L if !rtn::GROUPS.contains(&group) => {
+                Format::M | Format::L if !format.takes_group(group) => {
                     return Err(bad(format!("group must be 32, 64 or 128, got {group}")))
                 }
                 _ => {}
@@ -489,12 +489,7 @@ pub fn quantize_model(
         assert!(rtn::GROUPS.contains(&g), "group {g} (expected 32, 64 or 128)");
     }
     for r in &opts.rules {
-        let ok = match r.format {
-            Format::K => r.group == rtn::K_GROUP,
-            Format::K6 => rtn::K6_GROUPS.contains(&r.group),
-            Format::M | Format::L => rtn::GROUPS.contains(&r.group),
-        };
-        assert!(ok, "rule group {} for format {} ([`TensorRule::parse_list`] refuses it)", r.group, r.format.name());
+        assert!(r.format.takes_group(r.group), "rule group {} for format {} (parse_list refuses it)", r.group, r.format.name());
     }
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let jobs = jobs(model);

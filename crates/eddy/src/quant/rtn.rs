@@ -68,6 +68,16 @@ impl Format {
         }
     }
 
+    /// Whether the format stores groups of `group` values: [`GROUPS`] for M and L, [`K6_GROUPS`] for K6,
+    /// 32 for K.
+    pub fn takes_group(self, group: usize) -> bool {
+        match self {
+            Format::M | Format::L => GROUPS.contains(&group),
+            Format::K => group == K_GROUP,
+            Format::K6 => K6_GROUPS.contains(&group),
+        }
+    }
+
     /// Bits per weight of rows of `cols` values at `group` values per group (codes plus f16 scales and
     /// offsets; `cols` a multiple of the group, rotation signs not counted). K and K6 store their f16
     /// super-scales per super-block of 256 values cut from the row's start, the last one partial (rows of 896:
@@ -140,11 +150,9 @@ fn quantize_by(
     pick: fn(&[f32]) -> (f16, f16),
 ) -> WeightMatrix {
     assert_eq!(Some(data.len()), rows.checked_mul(cols), "quantize: data is not rows × cols");
-    if format == Format::K6 {
-        assert!(K6_GROUPS.contains(&group), "quantize: k6 group {group} (expected 16 or 32)");
-    } else {
-        assert!(GROUPS.contains(&group), "quantize: group {group} (expected 32, 64 or 128)");
-    }
+    // K ignores `group` (its own is 32); M, L and K6 take theirs.
+    let ok = if format == Format::K { GROUPS.contains(&group) } else { format.takes_group(group) };
+    assert!(ok, "quantize: group {group} for format {}", format.name());
     if !cols.is_multiple_of(QK) || !cols.is_multiple_of(group) {
         return WeightMatrix::f32(rows, cols, data.to_vec());
     }
