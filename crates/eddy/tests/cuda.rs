@@ -402,9 +402,11 @@ fn multi_token_products_equal_the_one_token_kernel() {
                 ones.extend_from_slice(&one);
             }
             // Every launch shape of the tensor-core kernels: the split of a row tile over 1, 2, 4 blocks and
-            // grids of one block walking every row tile or two walking half each (next tile's loads in flight).
-            for (split, row_blocks) in LAUNCHES {
+            // grids of one block walking every row tile or two walking half each (next tile's loads in flight);
+            // then the large-tile kernels (mm_qt) for every n from 5.
+            for (split, row_blocks, tiled) in LAUNCHES.into_iter().map(|(s, r)| (s, r, Some(false))).chain([(None, None, Some(true))]) {
                 be.force_product_launch(split, row_blocks);
+                be.force_tiled_products(tiled);
                 for &n in &ns {
                     let mut xq = be.new_qact();
                     be.quantize(&xb, n, cols, &w, &mut xq);
@@ -414,7 +416,7 @@ fn multi_token_products_equal_the_one_token_kernel() {
                         let (got, want) = (&all[t * rows..(t + 1) * rows], &ones[t * rows..(t + 1) * rows]);
                         if let Some(r) = (0..rows).find(|&r| got[r].to_bits() != want[r].to_bits()) {
                             panic!(
-                                "{name} {rows}×{cols}: n = {n}, token {t}, row {r}, split {split:?}, row blocks {row_blocks:?}: {} vs one-token {}",
+                                "{name} {rows}×{cols}: n = {n}, token {t}, row {r}, split {split:?}, row blocks {row_blocks:?}, tiled {tiled:?}: {} vs one-token {}",
                                 got[r], want[r]
                             );
                         }
@@ -422,6 +424,7 @@ fn multi_token_products_equal_the_one_token_kernel() {
                 }
             }
             be.force_product_launch(None, None);
+            be.force_tiled_products(None);
         }
     }
     // Several matrices of one format in one launch (q/k/v with biases), against one-token products.
@@ -430,8 +433,10 @@ fn multi_token_products_equal_the_one_token_kernel() {
     for kind in [QuantKind::Q8, QuantKind::Q4] {
         let ws: Vec<_> = rows_of.iter().map(|&r| be.upload_weights(quantize_f32(r, cols, &rng.vec(r * cols), kind))).collect();
         let biases: Vec<_> = rows_of.iter().map(|&r| be.upload(&rng.vec(r))).collect();
-        for (n, (split, row_blocks)) in [3usize, 24].into_iter().flat_map(|n| LAUNCHES.into_iter().map(move |l| (n, l))) {
+        let launches = [3usize, 24].into_iter().flat_map(|n| LAUNCHES.into_iter().map(move |(s, r)| (n, s, r, Some(false))));
+        for (n, split, row_blocks, tiled) in launches.chain([(24, None, None, Some(true)), (70, None, None, None)]) {
             be.force_product_launch(split, row_blocks);
+            be.force_tiled_products(tiled);
             let x = rng.vec(n * cols);
             let mut xq = be.new_qact();
             let xb = be.upload(&x);
@@ -455,13 +460,14 @@ fn multi_token_products_equal_the_one_token_kernel() {
                     be.read(&outs[i], t, 1, r, &mut all);
                     assert!(
                         read(&be, &ones[i], r) == all,
-                        "{kind:?} matmul_parts part {i}: token {t} of n = {n} differs from n = 1 (split {split:?}, row blocks {row_blocks:?})"
+                        "{kind:?} matmul_parts part {i}: token {t} of n = {n} differs from n = 1 (split {split:?}, row blocks {row_blocks:?}, tiled {tiled:?})"
                     );
                 }
             }
         }
     }
     be.force_product_launch(None, None);
+    be.force_tiled_products(None);
 }
 
 /// Launch shapes of the tensor-core products the tests force (split, most row blocks): as chosen, and each

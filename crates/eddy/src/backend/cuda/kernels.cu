@@ -713,6 +713,357 @@ MM_QW(2, 0)
 MM_QW(2, 1)
 MM_QW(2, 2)
 
+// ---------------------------------------------------------------------------------------------------------
+// mm_qt*: the large products (prefill) on the tensor cores with large tiles, in mm_q_t1's float order.
+//
+// mm_q_t1's output is T(0, 32), the binary tree over the visits i = 0..31 of the classes rev5(i) (above), and
+// class c's chain P_c runs over the row's blocks c, c + 32, ... in increasing order. A chain reads its own blocks
+// only, so one warp can run the chains one after the other in visit order and build the tree as it goes
+// (pairwise summation: after visit i its chain meets the finished subtrees of i's trailing one bits,
+// T(i + 1 - 2^k, 2^k) = T(i + 1 - 2^k, 2^(k-1)) + T(i + 1 - 2^(k-1), 2^(k-1))). Per output that keeps one running
+// chain and at most five subtree sums alive instead of 32 chains, so no sums cross warps and the tiles can
+// grow: warp w of QT_WARPS = 8 covers 16 rows x 8·NJ tokens of the whole row (rows 16·(w % 4), tokens
+// 8·NJ·(w / 4)), the block 64 rows x 16·NJ tokens. The row's blocks are visited in the order of the chains (the
+// sequence seq: class rev5(0)'s blocks, then rev5(1)'s, ...), staged QT_G at a time in shared memory with
+// cp.async, QtSmem::STAGES deep (offsets in 32 bits: the host keeps a matrix's codes and a launch's activation
+// codes under 2^31 bytes); a stage's positions run unrolled, and after a chain's last block (fin) the chain
+// merges, then the empty chains of the visits after it (classes past the row's last block) merge as 0. Per block and mma the int32 dots come from one m16n8k32 per 8 tokens (two m16n8k16
+// for group-16 scales); the accumulator input C carries 0x4B400000 - half·Σx, so the result's bits are the float
+// 1.5·2^23 + (dot - half·Σx) (|dot - half·Σx| < 2^22) and one subtraction gives exactly the float mm_q_t1's
+// conversion gives, at the full float rate; then mm_q_t1's one or two __fmaf_rn. Fragments by ldmatrix
+// (PTX ISA, "Warp-level matrix load instruction: ldmatrix"; 8-bit codes as pairs of 16-bit elements: matrix 0
+// rows 0-7 bytes 0-15 gives a0, matrix 1 rows 8-15 a1, matrix 2 rows 0-7 bytes 16-31 a2, matrix 3 a3).
+#define QT_WARPS 8
+#define QT_ROWS 64
+#define QT_G 8
+// Most 32-value blocks of a row (the visit sequence's table in shared memory, 16 bits each).
+#define QT_MAXB 1024
+#define QT_SMEM_MAX (99 * 1024)
+
+template <int NJ, bool P4, int FORM>
+struct QtSmem {
+    static constexpr int BN = 16 * NJ;             // tokens per block
+    static constexpr int CS = P4 ? 16 : 32;        // code bytes per block of 32
+    static constexpr int CPB = CS / 16;            // 16-byte copies per block of codes
+    static constexpr int RS = QT_G * CS + 16;      // bytes per weight row of a stage (padded: ldmatrix rows hit distinct banks)
+    static constexpr int AS = QT_G * 32 + 16;      // bytes per token of a stage (padded)
+    static constexpr int SPB = FORM == 2 ? 2 : 1;  // scales (and token sums) per block
+    static constexpr int codes = 0;
+    static constexpr int acts = codes + QT_ROWS * RS;
+    static constexpr int scales = acts + BN * AS;                     // [slot·SPB + k][row] f32
+    static constexpr int mins = scales + QT_G * SPB * QT_ROWS * 4;    // [slot][row] f32 (FORM 1)
+    static constexpr int xs = mins + (FORM == 1 ? QT_G * QT_ROWS * 4 : 0);  // [slot][token] f32
+    static constexpr int hs = xs + QT_G * BN * 4;                     // [slot·SPB + k][token] i32 (f32 bits for FORM 1)
+    static constexpr int stage = (hs + QT_G * SPB * BN * 4 + 127) / 128 * 128;
+    static constexpr int STAGES = 3 * stage + 3 * QT_MAXB <= QT_SMEM_MAX ? 3 : 2;
+    static constexpr int seq = STAGES * stage;                        // the visit sequence, u16 per block
+    static constexpr int bytes = seq + 3 * QT_MAXB;  // seq (u16) and fin (u8) per block
+    static_assert(bytes <= QT_SMEM_MAX, "the stages and the sequence in QT_SMEM_MAX bytes");
+};
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const void* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+}
+__device__ __forceinline__ void mma_k32c(int (&c)[4], const uint32_t (&a)[4], int b0, int b1, int e0, int e1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%10,%11};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(e0), "r"(e1));
+}
+__device__ __forceinline__ void mma_k16c(int (&c)[4], uint32_t a0, uint32_t a1, int b0, int e0, int e1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%7,%8};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0), "r"(e0), "r"(e1));
+}
+// The float of an mma result whose accumulator input carried QT_BIAS: exact for |value| < 2^22.
+#define QT_BIAS 0x4B400000
+__device__ __forceinline__ float qt_float(int r) { return __fsub_rn(__int_as_float(r), 12582912.0f); }
+
+// Blocks of class c in a row of nblk blocks.
+__device__ __forceinline__ int qt_count(int c, int nblk) { return c < nblk ? ((nblk - 1 - c) >> 5) + 1 : 0; }
+
+template <int NJ, bool P4, int FORM>
+__device__ __forceinline__ void mm_qt_impl(const QParts& PT, int cols, int half, const int8_t* __restrict__ xq,
+                                           const float* __restrict__ xs, const int* __restrict__ xsum,
+                                           const float* __restrict__ xdsum, const int* __restrict__ xsum16, int n) {
+    using L = QtSmem<NJ, P4, FORM>;
+    constexpr int T = 32 * QT_WARPS, BN = L::BN, CS = L::CS, CPB = L::CPB, SPB = L::SPB, G = QT_G;
+    constexpr int NE = 4 * NJ;  // outputs of a thread
+    extern __shared__ __align__(128) unsigned char qt_smem[];  // L::bytes (mm_qt_smem)
+    unsigned char* const sm = qt_smem;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
+    const int wr = warp & 3, wt = warp >> 2;
+    const int nblk = cols >> 5;
+    // Row tile -> part (QParts counts tiles of MMA_ROWS; here of QT_ROWS: the host passes tile counts in nb0/nb1).
+    const int tile = blockIdx.x;
+    int r0, p;
+    if (tile >= PT.nb0 + PT.nb1) {
+        p = 2;
+        r0 = (tile - PT.nb0 - PT.nb1) * QT_ROWS;
+    } else if (tile >= PT.nb0) {
+        p = 1;
+        r0 = (tile - PT.nb0) * QT_ROWS;
+    } else {
+        p = 0;
+        r0 = tile * QT_ROWS;
+    }
+    const uint8_t* __restrict__ codes = QParts::pick(PT.c, p);
+    const float* __restrict__ sc = QParts::pick(PT.s, p);
+    const float* __restrict__ mn = QParts::pick(PT.m, p);
+    const int rows = QParts::pick(PT.r, p);
+    const int t0 = blockIdx.y * BN;
+    // The visit sequence: block b (class c = b % 32, j = b / 32) at position start(rev5(c)) + j.
+    uint16_t* const seq = reinterpret_cast<uint16_t*>(sm + L::seq);
+    unsigned char* const fin = sm + L::seq + 2 * QT_MAXB;
+    for (int b = tid; b < nblk; b += T) {
+        const int v = rev5(b & 31);
+        int s = 0;
+        for (int i = 0; i < v; ++i) s += qt_count(rev5(i), nblk);
+        seq[s + (b >> 5)] = (uint16_t)b;
+        fin[s + (b >> 5)] = b + 32 >= nblk;  // the last block of its class
+    }
+    const int nst = (nblk + G - 1) / G;  // stages of the row
+    pdl_wait();
+    __syncthreads();  // the sequence is written
+    // Stage k: positions k·G .. k·G + G - 1 of the sequence.
+    auto issue = [&](int k, unsigned char* buf) {
+        const int p0 = k * G, ns = min(G, nblk - p0);
+#pragma unroll
+        for (int u = 0; u < (QT_ROWS * G * CPB + T - 1) / T; ++u) {
+            const int i = tid + u * T, r = i / (G * CPB), sl = (i / CPB) % G, h = i % CPB;
+            if (i < QT_ROWS * G * CPB && sl < ns) {
+                const int bk = seq[p0 + sl];
+                cp_async16(buf + L::codes + r * L::RS + sl * CS + h * 16,
+                           codes + ((unsigned)(min(r0 + r, rows - 1) * nblk + bk) * CS + h * 16));
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < (BN * G * 2 + T - 1) / T; ++u) {
+            const int i = tid + u * T, t = i / (2 * G), sl = (i >> 1) % G, h = i & 1;
+            if (i < BN * G * 2 && sl < ns) {
+                const int bk = seq[p0 + sl];
+                cp_async16(buf + L::acts + t * L::AS + sl * 32 + h * 16,
+                           xq + ((unsigned)min(t0 + t, n - 1) * cols + bk * 32 + h * 16));
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < (QT_ROWS * G * SPB + T - 1) / T; ++u) {
+            const int i = tid + u * T, r = i % QT_ROWS, sk = i / QT_ROWS, sl = sk / SPB;
+            if (i < QT_ROWS * G * SPB && sl < ns) {
+                const int bk = seq[p0 + sl];
+                cp_async4(buf + L::scales + (sk * QT_ROWS + r) * 4,
+                          sc + ((unsigned)(min(r0 + r, rows - 1) * nblk + bk) * SPB + sk % SPB));
+            }
+        }
+        if (FORM == 1) {
+#pragma unroll
+            for (int u = 0; u < (QT_ROWS * G + T - 1) / T; ++u) {
+                const int i = tid + u * T, r = i % QT_ROWS, sl = i / QT_ROWS;
+                if (i < QT_ROWS * G && sl < ns)
+                    cp_async4(buf + L::mins + (sl * QT_ROWS + r) * 4, mn + ((unsigned)min(r0 + r, rows - 1) * nblk + seq[p0 + sl]));
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < (BN * G + T - 1) / T; ++u) {
+            const int i = tid + u * T, t = i % BN, sl = i / BN;
+            if (i < BN * G && sl < ns)
+                cp_async4(buf + L::xs + (sl * BN + t) * 4, xs + ((unsigned)min(t0 + t, n - 1) * nblk + seq[p0 + sl]));
+        }
+#pragma unroll
+        for (int u = 0; u < (BN * G * SPB + T - 1) / T; ++u) {
+            const int i = tid + u * T, t = i % BN, sk = i / BN, sl = sk / SPB;
+            if (i < BN * G * SPB && sl < ns) {
+                const unsigned at = (unsigned)min(t0 + t, n - 1) * nblk + seq[p0 + sl];
+                const void* src = FORM == 2 ? (const void*)(xsum16 + 2 * at + sk % SPB)
+                                            : (FORM == 1 ? (const void*)(xdsum + at) : (const void*)(xsum + at));
+                cp_async4(buf + L::hs + (sk * BN + t) * 4, src);
+            }
+        }
+    };
+#pragma unroll
+    for (int k = 0; k < L::STAGES - 1; ++k) {
+        if (k < nst) issue(k, sm + k * L::stage);
+        cp_async_commit();
+    }
+    // This lane's ldmatrix rows: weights (row, byte offset) and tokens of each pair of mma columns.
+    const int arow = 16 * wr + (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 16;
+    const int brow = 8 * NJ * wt + (lane & 7) + (lane >> 4) * 8, bcol = ((lane >> 3) & 1) * 16;
+    const int tb = 8 * NJ * wt;  // the warp's first token in the tile
+    float cur[NE], st[5][NE];
+#pragma unroll
+    for (int e = 0; e < NE; ++e) {
+        cur[e] = 0.0f;
+#pragma unroll
+        for (int l = 0; l < 5; ++l) st[l][e] = 0.0f;
+    }
+    // After the last block of visit v's chain: the chain meets the finished subtrees of v's trailing one bits
+    // (warp-uniform branch), then the chain restarts at 0.
+    auto merge = [&](int v) {
+        switch (__ffs(~v) - 1) {
+            case 0:
+#pragma unroll
+                for (int e = 0; e < NE; ++e) st[0][e] = cur[e];
+                break;
+            case 1:
+#pragma unroll
+                for (int e = 0; e < NE; ++e) st[1][e] = __fadd_rn(st[0][e], cur[e]);
+                break;
+            case 2:
+#pragma unroll
+                for (int e = 0; e < NE; ++e) st[2][e] = __fadd_rn(st[1][e], __fadd_rn(st[0][e], cur[e]));
+                break;
+            case 3:
+#pragma unroll
+                for (int e = 0; e < NE; ++e) st[3][e] = __fadd_rn(st[2][e], __fadd_rn(st[1][e], __fadd_rn(st[0][e], cur[e])));
+                break;
+            case 4:
+#pragma unroll
+                for (int e = 0; e < NE; ++e)
+                    st[4][e] = __fadd_rn(st[3][e], __fadd_rn(st[2][e], __fadd_rn(st[1][e], __fadd_rn(st[0][e], cur[e]))));
+                break;
+            default:  // v = 31: the whole tree, kept in cur
+#pragma unroll
+                for (int e = 0; e < NE; ++e)
+                    cur[e] = __fadd_rn(st[4][e], __fadd_rn(st[3][e], __fadd_rn(st[2][e], __fadd_rn(st[1][e], __fadd_rn(st[0][e], cur[e])))));
+                return;
+        }
+#pragma unroll
+        for (int e = 0; e < NE; ++e) cur[e] = 0.0f;
+    };
+    // Visits whose class has no block before the first block: none in practice (visit 0 is class 0, which has a
+    // block whenever the row has one), kept as the general rule.
+    int vis = 0;
+    while (qt_count(rev5(vis), nblk) == 0) merge(vis++);
+#pragma unroll 1
+    for (int k = 0; k < nst; ++k) {
+        cp_async_wait<L::STAGES - 2>();
+        __syncthreads();  // stage k visible to all; stage k - 1's buffer free
+        if (k + L::STAGES - 1 < nst) issue(k + L::STAGES - 1, sm + ((k + L::STAGES - 1) % L::STAGES) * L::stage);
+        cp_async_commit();
+        const unsigned char* const cb = sm + (k % L::STAGES) * L::stage;
+        const float* const cf = reinterpret_cast<const float*>(cb);
+        const int* const ci = reinterpret_cast<const int*>(cb);
+        const int ns = min(G, nblk - k * G);
+#pragma unroll
+        for (int sl = 0; sl < G; ++sl) {
+            if (sl < ns) {
+            uint32_t a[4];
+            if (P4) {
+                uint32_t w2[2];
+                ldsm_x2(w2, cb + L::codes + arow * L::RS + sl * CS);
+                a[0] = w2[0] & 0x0F0F0F0Fu;
+                a[1] = w2[1] & 0x0F0F0F0Fu;
+                a[2] = (w2[0] >> 4) & 0x0F0F0F0Fu;
+                a[3] = (w2[1] >> 4) & 0x0F0F0F0Fu;
+            } else {
+                ldsm_x4(a, cb + L::codes + arow * L::RS + sl * CS + acol);
+            }
+            float s[2][SPB], m[2];
+#pragma unroll
+            for (int ri = 0; ri < 2; ++ri) {
+#pragma unroll
+                for (int k2 = 0; k2 < SPB; ++k2) s[ri][k2] = cf[L::scales / 4 + (sl * SPB + k2) * QT_ROWS + 16 * wr + g + 8 * ri];
+                m[ri] = FORM == 1 ? cf[L::mins / 4 + sl * QT_ROWS + 16 * wr + g + 8 * ri] : 0.0f;
+            }
+#pragma unroll
+            for (int jp = 0; jp < NJ / 2; ++jp) {
+                uint32_t b[4];
+                ldsm_x4(b, cb + L::acts + (brow + 16 * jp) * L::AS + sl * 32 + bcol);
+#pragma unroll
+                for (int jj = 0; jj < 2; ++jj) {
+                    const int j = 2 * jp + jj, tok = tb + 8 * j + 2 * q;
+                    const float2 d = *reinterpret_cast<const float2*>(cf + L::xs / 4 + sl * BN + tok);
+                    const float dd[2] = {d.x, d.y};
+                    int r[4], r2[4];
+                    int2 h0 = make_int2(0, 0), h1 = h0;
+                    if (FORM != 1) h0 = *reinterpret_cast<const int2*>(ci + L::hs / 4 + (sl * SPB) * BN + tok);
+                    if (FORM == 2) h1 = *reinterpret_cast<const int2*>(ci + L::hs / 4 + (sl * SPB + 1) * BN + tok);
+                    if (FORM == 2) {
+                        mma_k16c(r, a[0], a[1], (int)b[2 * jj], QT_BIAS - half * h0.x, QT_BIAS - half * h0.y);
+                        mma_k16c(r2, a[2], a[3], (int)b[2 * jj + 1], QT_BIAS - half * h1.x, QT_BIAS - half * h1.y);
+                    } else if (FORM == 1) {
+                        mma_k32c(r, a, (int)b[2 * jj], (int)b[2 * jj + 1], QT_BIAS, QT_BIAS);
+                    } else {
+                        mma_k32c(r, a, (int)b[2 * jj], (int)b[2 * jj + 1], QT_BIAS - half * h0.x, QT_BIAS - half * h0.y);
+                    }
+                    float ds[2] = {0.0f, 0.0f};
+                    if (FORM == 1) {
+                        const float2 x2 = *reinterpret_cast<const float2*>(cf + L::hs / 4 + sl * BN + tok);
+                        ds[0] = x2.x;
+                        ds[1] = x2.y;
+                    }
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int ri = e >> 1, ti = e & 1;  // row g or g+8; token 2q or 2q+1
+                        float acc = cur[4 * j + e];
+                        acc = __fmaf_rn(__fmul_rn(s[ri][0], dd[ti]), qt_float(r[e]), acc);
+                        if (FORM == 2) acc = __fmaf_rn(__fmul_rn(s[ri][SPB - 1], dd[ti]), qt_float(r2[e]), acc);
+                        if (FORM == 1) acc = __fmaf_rn(m[ri], ds[ti], acc);
+                        cur[4 * j + e] = acc;
+                    }
+                }
+            }
+            // The last block of visit vis's chain: merge it, and the empty chains of the visits after it.
+            if (fin[k * G + sl]) {
+                merge(vis++);
+                while (vis < 32 && qt_count(rev5(vis), nblk) == 0) merge(vis++);
+            }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    const float* __restrict__ bias = QParts::pick(PT.b, p);
+    float* __restrict__ out = QParts::pick(PT.o, p);
+#pragma unroll
+    for (int e = 0; e < NE; ++e) {
+        const int j = e >> 2, gr = r0 + 16 * wr + g + 8 * ((e >> 1) & 1), t = t0 + tb + 8 * j + 2 * q + (e & 1);
+        if (gr < rows && t < n) out[(long long)t * rows + gr] = bias != nullptr ? __fadd_rn(cur[e], bias[gr]) : cur[e];
+    }
+}
+
+// Dynamic shared memory bytes of each variant, [FORM][p4, p8], read by the host. (NJ = 4, a 64 x 64 tile,
+// needs more than the 128 registers two blocks a multiprocessor allow: it spilled and ran 15 % slower.)
+#define QTB(NJ, F) QtSmem<NJ, true, F>::bytes, QtSmem<NJ, false, F>::bytes
+extern "C" __device__ const int mm_qt_smem[6] = {QTB(2, 0), QTB(2, 1), QTB(2, 2)};
+
+// One matrix (`mm_qt{NJ}_f{F}_{p4,p8}`) and up to three (`mm_q3t…`, the parts' arguments as MM_Q3's). Grid: (row
+// tiles of QT_ROWS, summed over the parts; token tiles of 16·NJ).
+#define QT_BOUNDS __launch_bounds__(32 * QT_WARPS, 2)
+#define MM_QT_P(NJ, F, P4, PS)                                                                               \
+    extern "C" __global__ void QT_BOUNDS mm_qt##NJ##_f##F##_##PS(                                             \
+        const uint8_t* codes, const float* sc, const float* mn, int rows, int cols, int half, int g16,       \
+        const int8_t* xq, const float* xs, const int* xsum, const float* xdsum, const int* xsum16, int n,    \
+        const float* bias, float* out) {                                                                     \
+        (void)g16;                                                                                           \
+        const QParts pt = {{codes, nullptr, nullptr}, {sc, nullptr, nullptr}, {mn, nullptr, nullptr},        \
+                           {bias, nullptr, nullptr},  {out, nullptr, nullptr}, {rows, 0, 0},                  \
+                           (rows + QT_ROWS - 1) / QT_ROWS, 0};                                               \
+        mm_qt_impl<NJ, P4, F>(pt, cols, half, xq, xs, xsum, xdsum, xsum16, n);                              \
+    }                                                                                                        \
+    extern "C" __global__ void QT_BOUNDS mm_q3t##NJ##_f##F##_##PS(                                            \
+        int cols, int half, int g16, const int8_t* xq, const float* xs, const int* xsum, const float* xdsum, \
+        const int* xsum16, int n, const uint8_t* c0, const float* s0, const float* m0, int r0,               \
+        const float* b0, float* o0, const uint8_t* c1, const float* s1, const float* m1, int r1,             \
+        const float* b1, float* o1, const uint8_t* c2, const float* s2, const float* m2, int r2,             \
+        const float* b2, float* o2) {                                                                        \
+        (void)g16;                                                                                           \
+        const QParts pt = {{c0, c1, c2}, {s0, s1, s2}, {m0, m1, m2}, {b0, b1, b2}, {o0, o1, o2}, {r0, r1, r2}, \
+                           (r0 + QT_ROWS - 1) / QT_ROWS, (r1 + QT_ROWS - 1) / QT_ROWS};                      \
+        mm_qt_impl<NJ, P4, F>(pt, cols, half, xq, xs, xsum, xdsum, xsum16, n);                              \
+    }
+#define MM_QT(NJ, F)                \
+    MM_QT_P(NJ, F, true, p4)        \
+    MM_QT_P(NJ, F, false, p8)
+MM_QT(2, 0)
+MM_QT(2, 1)
+MM_QT(2, 2)
+
 // Float weights (f32, or bf16 when BF) times f32 activations: one warp per row, lane l sums columns
 // l, l + 32, ... with fused multiply-adds, then the xor tree.
 template <int TT, bool BF>
@@ -1347,6 +1698,35 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
 // rows [g][hd] and the warps' exponentials [8][ATT_CHUNK] (`att_kv_smem` on the host). hd: a multiple of 16 up
 // to ATT_KV_MAX_HD.
 #define ATT_KV_MAX_HD 128
+#define ATT_KV_ND (ATT_KV_MAX_HD / 32)  // output values a lane computes at once
+// Output values lane + 32·u (u < ND) of a (query, head) and chunk into acc[u]: per value the P chains over the
+// keys pt, pt + P, ... (weights es, values vs with row stride ld) in order, then their sum in order.
+struct AttAcc {
+    float v[ATT_KV_ND];
+};
+template <int ND>
+__device__ __forceinline__ AttAcc att_kv_values(const float* es, const float* vs, int ld, int lane, int hd, int P, int cnt) {
+    AttAcc r;
+    float* acc = r.v;
+#pragma unroll
+    for (int u = 0; u < ATT_KV_ND; ++u) acc[u] = 0.0f;
+    for (int pt = 0; pt < P; ++pt) {
+        float a[ND];
+#pragma unroll
+        for (int u = 0; u < ND; ++u) a[u] = 0.0f;
+#pragma unroll 4
+        for (int jj = pt; jj < cnt; jj += P) {
+            const float e = es[jj];
+            const float* vr = vs + jj * ld + lane;
+#pragma unroll
+            for (int u = 0; u < ND; ++u)
+                if (lane + 32 * u < hd) a[u] = __fmaf_rn(e, vr[32 * u], a[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < ND; ++u) acc[u] = pt == 0 ? a[u] : __fadd_rn(acc[u], a[u]);
+    }
+    return r;
+}
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_kv(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                  float* __restrict__ out, const int4* __restrict__ info, const int* __restrict__ paths, float* part,
@@ -1407,22 +1787,37 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
         for (int r = warp; r < g; r += ATT_THREADS / 32) {
             const int h = h0 + r;
             const float* qr = qs + r * hd;
+            // The four quarter chains of both keys, a quarter at a time: four query values at once from shared
+            // memory (one broadcast load) serve both keys' chains, each chain still in increasing d.
+            float pc[2][4];
+#pragma unroll
+            for (int k4 = 0; k4 < 4; ++k4) {
+                pc[0][k4] = 0.0f;
+                pc[1][k4] = 0.0f;
+                const float* kq = qr + k4 * q4;
+                for (int d = 0; d < q4; d += 4) {
+                    const float4 qv = *reinterpret_cast<const float4*>(kq + d);
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const int j = lane + 32 * half;
+                        if (j < cnt) {
+                            const float* kr = ks + j * ld + k4 * q4 + d;
+                            float a = pc[half][k4];
+                            a = __fmaf_rn(qv.x, kr[0], a);
+                            a = __fmaf_rn(qv.y, kr[1], a);
+                            a = __fmaf_rn(qv.z, kr[2], a);
+                            a = __fmaf_rn(qv.w, kr[3], a);
+                            pc[half][k4] = a;
+                        }
+                    }
+                }
+            }
             float s[2];
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const int j = lane + 32 * half;
                 float sv = -INFINITY;
-                if (j < cnt) {
-                    const float* kr = ks + j * ld;
-                    float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, p3 = 0.0f;
-#pragma unroll 4
-                    for (int d = 0; d < q4; ++d) {
-                        p0 = __fmaf_rn(qr[d], kr[d], p0);
-                        p1 = __fmaf_rn(qr[q4 + d], kr[q4 + d], p1);
-                        p2 = __fmaf_rn(qr[2 * q4 + d], kr[2 * q4 + d], p2);
-                        p3 = __fmaf_rn(qr[3 * q4 + d], kr[3 * q4 + d], p3);
-                    }
-                    sv = __fmul_rn(__fadd_rn(__fadd_rn(__fadd_rn(p0, p1), p2), p3), scale);
+                if (lane + 32 * half < cnt) {
+                    sv = __fmul_rn(__fadd_rn(__fadd_rn(__fadd_rn(pc[half][0], pc[half][1]), pc[half][2]), pc[half][3]), scale);
                     if (softcap > 0.0f) sv = __fmul_rn(softcap, tanhf(__fdiv_rn(sv, softcap)));
                 }
                 s[half] = sv;
@@ -1436,19 +1831,19 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
             __syncwarp();
             const float inv1 = __fdiv_rn(1.0f, z);
             float* pp = part + (((long long)i * n_heads + h) * nmax + c) * (hd + 2);
-            for (int d0 = 0; d0 < hd; d0 += 32) {
-                const int d = d0 + lane;
-                float acc = 0.0f;
-                if (d < hd) {
-                    for (int pt = 0; pt < P; ++pt) {
-                        float a = 0.0f;
-#pragma unroll 8
-                        for (int jj = pt; jj < cnt; jj += P) a = __fmaf_rn(es[jj], vs[jj * ld + d], a);
-                        acc = pt == 0 ? a : __fadd_rn(acc, a);
-                    }
-                    if (!single) pp[2 + d] = acc;
+            // Output values lane, lane + 32, ... at once (two for head dims up to 64, else ATT_KV_ND): each
+            // exponential read serves all of them; per value the P chains over the keys pt, pt + P, ... and their
+            // sum in order, as before.
+            const AttAcc va = hd <= 64 ? att_kv_values<2>(es, vs, ld, lane, hd, P, cnt)
+                                       : att_kv_values<ATT_KV_ND>(es, vs, ld, lane, hd, P, cnt);
+            const float* acc = va.v;
+#pragma unroll
+            for (int u = 0; u < ATT_KV_ND; ++u) {
+                const int d = lane + 32 * u;
+                if (32 * u < hd) {  // warp-uniform (put quantizes with the whole warp)
+                    if (d < hd && !single) pp[2 + d] = acc[u];
+                    if (single && d < hd) put(h, d, __fmul_rn(acc[u], inv1));
                 }
-                if (single && d < hd) put(h, d, __fmul_rn(acc, inv1));
             }
             __syncwarp();  // es is rewritten by the warp's next head
             if (single) continue;

@@ -72,6 +72,18 @@ const MMA_THREADS: u32 = 512;
 const MMA_BLOCKS_PER_SM: usize = 2;
 /// Splits of a row tile over blocks (`S` of `mm_qw*_s{S}`; index in `Kernels::mm_qw`).
 const MMA_SPLITS: [usize; 3] = [1, 2, 4];
+/// Weight rows per block of the large-tile tensor-core products (`QT_ROWS` of `mm_qt*`).
+const QT_ROWS: usize = 64;
+/// Threads per block of `mm_qt*` (`32·QT_WARPS`).
+const QT_THREADS: u32 = 256;
+/// Most 32-value blocks of a row `mm_qt*` takes (`QT_MAXB`: its visit sequence in shared memory).
+const QT_MAXB: usize = 1024;
+/// Fewest tokens of a quantized product on `mm_qt*` (`EDDY_CUDA_QT_MIN`; fewer take `mm_qw*`).
+const QT_MIN: usize = 64;
+/// Waves of blocks (two a multiprocessor) from which a product runs on `mm_qt*` ([`Cuda::tiled_for`]).
+const QT_WAVES: usize = 2;
+/// Tokens per block of `mm_qt*` (`16·NJ`, NJ = 2 mma columns of 8 per warp).
+const QT_TOKENS: usize = 32;
 
 /// The tensor-core product for `n` tokens (n ≥ 2): the kernel variant (tiles of 8 or 16 tokens: `NJ` = 1 or 2
 /// mma columns of 8) and the tokens per block.
@@ -650,6 +662,13 @@ struct Kernels {
     mm_q3w: [[[[Func; 2]; 3]; 2]; 3],
     /// Dynamic shared memory bytes of `mm_qw` / `mm_q3w` (the kernels' table `mm_qw_smem`, same index).
     mm_qw_smem: [[[[u32; 2]; 3]; 2]; 3],
+    /// Large products on the tensor cores with large tiles (`mm_qt2_f{form}_{p4,p8}`): `[form (qform)][bits 4
+    /// packed / bytes]`.
+    mm_qt: [[Func; 2]; 3],
+    /// The same for up to three matrices in one launch.
+    mm_q3t: [[Func; 2]; 3],
+    /// Dynamic shared memory bytes of `mm_qt` / `mm_q3t` (the kernels' table `mm_qt_smem`, same index).
+    mm_qt_smem: [[u32; 2]; 3],
     /// `[f32 / bf16][tokens per block 1 / 8]`.
     mm_f: [[Func; 2]; 2],
     rotate_out: Func,
@@ -759,6 +778,11 @@ pub struct Cuda {
     /// Most tokens of a quantized product on the `dp4a` kernels: `DP4A_MAX`, or `EDDY_CUDA_DP4A_MAX` (1 to 8;
     /// to measure the crossover).
     dp4a_max: usize,
+    /// Whether products of 5+ tokens run on `mm_qt*`: 0 by the launch's size (from `qt_min` tokens), 1 never,
+    /// 2 always where the width allows ([`Cuda::force_tiled_products`]).
+    forced_tiled: AtomicUsize,
+    /// Fewest tokens on `mm_qt*` (`QT_MIN`, or `EDDY_CUDA_QT_MIN`).
+    qt_min: usize,
     name: String,
     capability: (i32, i32),
     /// The GPU's PCI address (`domain:bus:device.function`), when the driver gives it.
@@ -838,21 +862,31 @@ impl Cuda {
             Ok([sp(1)?, sp(2)?, sp(4)?])
         };
         // The tensor-core products' shared memory (two stages each: beyond the 48 KB a launch gets unasked).
-        let mut smem = [[[[0u32; 2]; 3]; 2]; 3];
-        {
+        // The products' shared-memory tables (i32 bytes per variant, beyond the 48 KB a launch gets unasked).
+        let table = |name: &str, len: usize| -> Result<Vec<i32>> {
             // SAFETY: a global of the loaded module; the copy reads its `size` bytes into a buffer of that size.
-            let (ptr, size) = unsafe { result::module::get_global(module, CString::new("mm_qw_smem").expect("name")) }
-                .map_err(|e| no(format!("mm_qw_smem missing from the fatbin: {e:?}")))?;
-            let mut table = vec![0i32; 36];
-            if size != 4 * table.len() {
-                return Err(no(format!("mm_qw_smem holds {size} bytes, 144 expected")));
+            let (ptr, size) = unsafe { result::module::get_global(module, CString::new(name).expect("name")) }
+                .map_err(|e| no(format!("{name} missing from the fatbin: {e:?}")))?;
+            let mut t = vec![0i32; len];
+            if size != 4 * len {
+                return Err(no(format!("{name} holds {size} bytes, {} expected", 4 * len)));
             }
-            // SAFETY: `table` holds `size` bytes; the context is bound.
-            unsafe { result::memcpy_dtoh_sync(&mut table, ptr) }.map_err(|e| no(format!("reading mm_qw_smem: {e:?}")))?;
-            for (i, &b) in table.iter().enumerate() {
-                smem[i / 12][i / 6 % 2][i / 2 % 3][i % 2] = b as u32;
-            }
+            // SAFETY: `t` holds `size` bytes; the context is bound.
+            unsafe { result::memcpy_dtoh_sync(&mut t, ptr) }.map_err(|e| no(format!("reading {name}: {e:?}")))?;
+            Ok(t)
+        };
+        let mut smem = [[[[0u32; 2]; 3]; 2]; 3];
+        for (i, &b) in table("mm_qw_smem", 36)?.iter().enumerate() {
+            smem[i / 12][i / 6 % 2][i / 2 % 3][i % 2] = b as u32;
         }
+        let mut qt_smem = [[0u32; 2]; 3];
+        for (i, &b) in table("mm_qt_smem", 6)?.iter().enumerate() {
+            qt_smem[i / 2][i % 2] = b as u32;
+        }
+        let qt = |base: &str| -> Result<[[Func; 2]; 3]> {
+            let f = |form: usize, p: &str| get(&format!("{base}2_f{form}_{p}"));
+            Ok([[f(0, "p4")?, f(0, "p8")?], [f(1, "p4")?, f(1, "p8")?], [f(2, "p4")?, f(2, "p8")?]])
+        };
         let sms = (attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).max(1)) as usize;
         let k = Kernels {
             quantize: get("quantize_q8")?,
@@ -870,6 +904,9 @@ impl Cuda {
             mm_qw: qw("mm_qw")?,
             mm_q3w: qw("mm_q3w")?,
             mm_qw_smem: smem,
+            mm_qt: qt("mm_qt")?,
+            mm_q3t: qt("mm_q3t")?,
+            mm_qt_smem: qt_smem,
             mm_f: [[get("mm_f32_t1")?, get("mm_f32_t8")?], [get("mm_bf16_t1")?, get("mm_bf16_t8")?]],
             rotate_out: get("rotate_out")?,
             embed: get("embed")?,
@@ -899,7 +936,9 @@ impl Cuda {
         let pci_bus_id = (unsafe { sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as i32, dev) } == sys::CUresult::CUDA_SUCCESS)
             // SAFETY: NUL-terminated by the driver (the last byte is never written past the length).
             .then(|| unsafe { std::ffi::CStr::from_ptr(bus.as_ptr()) }.to_string_lossy().into_owned());
-        for (fs, bs) in [&k.mm_qw, &k.mm_q3w].into_iter().flat_map(|t| t.iter().flatten().flatten().zip(smem.iter().flatten().flatten())) {
+        let qw_all = [&k.mm_qw, &k.mm_q3w].into_iter().flat_map(|t| t.iter().flatten().flatten().zip(smem.iter().flatten().flatten()));
+        let qt_all = [&k.mm_qt, &k.mm_q3t].into_iter().flat_map(|t| t.iter().zip(qt_smem.iter()));
+        for (fs, bs) in qw_all.chain(qt_all) {
             for (f, &b) in fs.iter().zip(bs) {
                 // SAFETY: a kernel of the loaded module; its table entry is at most the device's limit (checked
                 // by the attribute call).
@@ -949,6 +988,8 @@ impl Cuda {
                 .and_then(|v| v.parse().ok())
                 .filter(|m| (1..=MM_TT).contains(m))
                 .unwrap_or(DP4A_MAX),
+            forced_tiled: AtomicUsize::new(0),
+            qt_min: std::env::var("EDDY_CUDA_QT_MIN").ok().and_then(|v| v.parse().ok()).unwrap_or(QT_MIN),
             name,
             capability,
             pci_bus_id,
@@ -992,6 +1033,30 @@ impl Cuda {
         assert!(row_blocks != Some(0), "a grid of 0 row blocks");
         self.forced_split.store(s, Ordering::Relaxed);
         self.forced_row_blocks.store(row_blocks.unwrap_or(0), Ordering::Relaxed);
+    }
+
+    /// Run every quantized product of 5+ tokens on the large-tile kernels `mm_qt*` (`Some(true)`, where the row
+    /// has at most `QT_MAXB` blocks of 32), never (`Some(false)`), or from `QT_MIN` tokens (`None`, the
+    /// default). The results do not depend on it (batch invariance); for tests and measurements.
+    pub fn force_tiled_products(&self, tiled: Option<bool>) {
+        self.forced_tiled.store(tiled.map_or(0, |t| if t { 2 } else { 1 }), Ordering::Relaxed);
+    }
+
+    /// Whether a product of `n > dp4a_max` tokens over `rows × cols` (all parts' rows) runs on `mm_qt*` (else
+    /// `mm_qw*`). By default `mm_qt*` from `qt_min` tokens when its grid fills the
+    /// GPU twice (`QT_WAVES` waves of two blocks a multiprocessor): with fewer, larger blocks than `mm_qw*`'s, a
+    /// grid under one wave leaves multiprocessors idle (measured: o and ffn_down of the 0.5B at 256 tokens, 112
+    /// blocks, 16–24 % slower on `mm_qt*`; gate/up, 1,216 blocks, 22 % faster). Offsets inside the kernel are
+    /// 32-bit: matrices of 2^31 code bytes or more, and activations of 2^31 codes, stay on `mm_qw*`.
+    fn tiled_for(&self, n: usize, rows: usize, cols: usize) -> bool {
+        let fits = cols / QK <= QT_MAXB && rows * cols < 1 << 31 && n * cols < 1 << 31;
+        let blocks = rows.div_ceil(QT_ROWS) * n.div_ceil(QT_TOKENS);
+        let on = match self.forced_tiled.load(Ordering::Relaxed) {
+            1 => false,
+            2 => true,
+            _ => n >= self.qt_min && blocks >= QT_WAVES * 2 * self.sms,
+        };
+        on && fits
     }
 
     /// Run the attention with `blocks` blocks per (query, heads), each walking every `blocks`-th key chunk
@@ -1254,6 +1319,10 @@ impl Cuda {
                 if n <= self.dp4a_max {
                     let (ti, tt) = Self::dp4a_tile(n);
                     self.launch(self.k.mm_q[ti][p], (rows.div_ceil(MM_ROWS), n.div_ceil(tt)), (32 * MM_ROWS) as u32, a);
+                } else if self.tiled_for(n, rows, cols) {
+                    let grid = (rows.div_ceil(QT_ROWS), n.div_ceil(QT_TOKENS), 1);
+                    let smem = self.k.mm_qt_smem[qform(q)][p];
+                    self.launch_smem(self.k.mm_qt[qform(q)][p], grid, QT_THREADS, smem, a);
                 } else {
                     let (v, nt) = mma_tile(n);
                     let tiles = rows.div_ceil(MMA_ROWS);
@@ -1644,10 +1713,19 @@ impl Backend for Cuda {
             .p(xq.sum16.ptr())
             .i(n);
         let mut blocks = 0;
+        let all_rows: usize = qs.iter().map(|q| q.rows).sum();
+        let tiled = n > self.dp4a_max && self.tiled_for(n, all_rows, q0.cols);
+        let tile_rows = if n <= self.dp4a_max {
+            MM_ROWS
+        } else if tiled {
+            QT_ROWS
+        } else {
+            MMA_ROWS
+        };
         for (q, (_, bias, out)) in qs.iter().zip(parts.iter()) {
             assert!(out.len >= n * q.rows, "matmul: out holds {} values, {n}×{} needed", out.len, q.rows);
             assert!(bias.is_none_or(|b| b.len == q.rows), "matmul_bias: the bias must hold one value per row");
-            blocks += q.rows.div_ceil(if n <= self.dp4a_max { MM_ROWS } else { MMA_ROWS });
+            blocks += q.rows.div_ceil(tile_rows);
             a = a
                 .p(q.codes.ptr)
                 .p(q.scales.ptr)
@@ -1663,6 +1741,9 @@ impl Backend for Cuda {
         if n <= self.dp4a_max {
             let (ti, tt) = Self::dp4a_tile(n);
             self.launch(self.k.mm_q3[ti][p], (blocks, n.div_ceil(tt)), (32 * MM_ROWS) as u32, a);
+        } else if tiled {
+            let smem = self.k.mm_qt_smem[qform(q0)][p];
+            self.launch_smem(self.k.mm_q3t[qform(q0)][p], (blocks, n.div_ceil(QT_TOKENS), 1), QT_THREADS, smem, a);
         } else {
             let (v, nt) = mma_tile(n);
             let (si, grid) = self.mma_plan(blocks, n);
