@@ -862,7 +862,7 @@ fn perplexity(a: PplArgs) -> eddy::Result<()> {
         return Err(bad(&file, format!("{} token(s): nothing to score (at least 2 are needed)", tokens.len())));
     }
     if let Some(path) = &a.save_logits {
-        remove_on_signal(vec![eddy::engine::logits_temp_path(path)]);
+        remove_on_signal(vec![eddy::load::temp_sibling(path)]);
         engine.save_logits(&tokens, window, path)?;
     }
     let logits_file = a.kl_base.as_ref().map(std::path::Path::new).filter(|p| eddy::engine::is_logits_file(p));
@@ -957,7 +957,7 @@ fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
         return Err(bad(&a.out.display().to_string(), "already exists (eddy quantize never overwrites)"));
     }
     check_writable("-o", &a.out)?;
-    remove_on_signal(vec![eddy::models::quantize::temp_folder(&a.out)]);
+    remove_on_signal(vec![eddy::load::temp_sibling(&a.out)]);
     let src = std::path::Path::new(&a.model);
     if src.is_dir() && eddy::spec::dflash::is_dflash_dir(src) {
         // A DFlash drafter runs with int8 matrices (groups of 32, no rotation): store exactly those.

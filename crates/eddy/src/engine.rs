@@ -1076,7 +1076,7 @@ impl Engine {
     /// scored once, compared with many models): windows and positions as in [`Engine::perplexity`]. Layout
     /// (little-endian): the 8 bytes [`LOGITS_MAGIC`], u64 vocabulary size, u64 window, u64 token count, the
     /// tokens as u32, then per window of at least 2 tokens its first `len − 1` rows of `vocab` f32 logits.
-    /// Written to [`logits_temp_path`] and renamed; removed on an error. An existing file at `path` is
+    /// Written to [`crate::load::temp_sibling`] and renamed; removed on an error. An existing file at `path` is
     /// replaced only when it is itself a logits file.
     ///
     /// Errors: as [`Engine::perplexity`]; `path` holds something other than a logits file; an I/O failure.
@@ -1087,7 +1087,7 @@ impl Engine {
         if path.exists() && !is_logits_file(path) {
             return Err(Error::model(path, "exists and is not an eddy logits file: not overwritten (pick another path)"));
         }
-        let tmp = logits_temp_path(path);
+        let tmp = crate::load::temp_sibling(path);
         let result = self
             .write_logits(tokens, window, &tmp)
             .and_then(|()| std::fs::rename(&tmp, path).map_err(|e| Error::Io { path: path.to_path_buf(), source: e }));
@@ -1224,13 +1224,6 @@ pub fn is_logits_file(path: &std::path::Path) -> bool {
     path.is_file()
         && std::fs::File::open(path).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic)).is_ok()
         && &magic == LOGITS_MAGIC
-}
-
-/// The temporary file [`Engine::save_logits`] writes before renaming it to `path`: `.NAME.tmp-PID` next to
-/// it (a caller that handles signals removes it when interrupted).
-pub fn logits_temp_path(path: &std::path::Path) -> std::path::PathBuf {
-    let name = path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
-    path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
 }
 
 /// [`Engine::kl_divergence`]'s result over `n` scored positions (KL in nats).

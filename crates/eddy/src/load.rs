@@ -18,6 +18,14 @@ use std::path::{Path, PathBuf};
 /// File name of the default model inside the models folder.
 pub const DEFAULT_MODEL_FILE: &str = "qwen2.5-coder-0.5b-instruct.gguf";
 
+/// The temporary sibling an atomic write of `path` (a file or a folder) fills before renaming it to `path`:
+/// `.NAME.tmp-PID` in the same folder, so the rename stays on one file system; a caller that handles signals
+/// removes it when interrupted (the CLI's `eddy quantize` and `eddy perplexity --save-logits`).
+pub fn temp_sibling(path: &Path) -> PathBuf {
+    let name = path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+    path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
+}
+
 /// The folder `tools/fetch_models.sh` fills: `$EDDY_MODELS`, else `$HOME/.cache/eddy/models`.
 pub fn models_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("EDDY_MODELS") {

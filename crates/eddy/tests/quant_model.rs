@@ -190,7 +190,7 @@ fn kl_divergence_report_matches_a_direct_computation() {
     std::fs::write(&path, &nan).unwrap();
     base.save_logits(&tokens, window, &path).unwrap();
     assert_eq!(std::fs::read(&path).unwrap(), bytes);
-    assert!(!eddy::engine::logits_temp_path(&path).exists());
+    assert!(!eddy::load::temp_sibling(&path).exists());
     let _ = std::fs::remove_file(&path);
 }
 

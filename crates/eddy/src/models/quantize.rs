@@ -175,9 +175,7 @@ impl TensorRule {
             let format = Format::parse(f).ok_or_else(|| bad(format!("unknown format '{f}' (expected m, l, k or k6)")))?;
             let group = match g {
                 Some(g) => g.parse::<usize>().map_err(|_| bad(format!("bad group '{g}'")))?,
-                None if format == Format::K => rtn::K_GROUP,
-                None if format == Format::K6 => rtn::K6_GROUP,
-                None => default_group,
+                None => format.own_group().unwrap_or(default_group),
             };
             match format {
                 Format::K if g.is_some() => {
@@ -513,11 +511,7 @@ pub fn quantize_model(
             (opts.format, opts.group)
         };
         // K's and K6's own groups (32; 16 unless a rule says k6/32) under super-blocks.
-        match format {
-            Format::K => want = rtn::K_GROUP,
-            Format::K6 => want = rtn::K6_GROUP,
-            _ => {}
-        }
+        want = format.own_group().unwrap_or(want);
         if let Some((kind, layer)) = job.kind {
             if let Some(r) = opts.rules.iter().rev().find(|r| r.applies(kind, layer)) {
                 (format, want) = (r.format, r.group);
@@ -882,19 +876,12 @@ fn write_atomically(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Resu
     }
     let file_name = out.file_name().ok_or_else(|| Error::model(out, "not a folder name"))?.to_string_lossy().into_owned();
     remove_stale_temporaries(out, &file_name);
-    let tmp = temp_folder(out);
+    let tmp = crate::load::temp_sibling(out);
     let result = write(&tmp).and_then(|()| std::fs::rename(&tmp, out).map_err(|e| Error::Io { path: out.to_path_buf(), source: e }));
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&tmp);
     }
     result
-}
-
-/// The temporary folder [`write_folder`] writes into before renaming it to `out`: `.NAME.tmp-PID` next to
-/// it (a caller that handles signals removes it when interrupted).
-pub fn temp_folder(out: &Path) -> std::path::PathBuf {
-    let file_name = out.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
-    out.with_file_name(format!(".{file_name}.tmp-{}", std::process::id()))
 }
 
 /// Remove `.NAME.tmp-PID` folders next to `out` left by an earlier write of the same output that was killed
@@ -1037,7 +1024,7 @@ fn write_into(src: &Source, model: &Model, opts: &QuantizeOptions, tmp: &Path) -
     let fmt = opts.format.name();
     cfg["quantization_config"] = serde_json::json!({
         "quant_method": "eddy", "format": fmt,
-        "group_size": match opts.format { Format::K => rtn::K_GROUP, Format::K6 => rtn::K6_GROUP, _ => opts.group }, "rotation": opts.rotate, "seed": opts.seed,
+        "group_size": opts.format.own_group().unwrap_or(opts.group), "rotation": opts.rotate, "seed": opts.seed,
         "layout": "docs/quant-formats.md of eddy"
     });
     if opts.rotate && !opts.unrotated.is_empty() {

@@ -68,6 +68,16 @@ impl Format {
         }
     }
 
+    /// The group a format takes when none is asked: K's 32 ([`K_GROUP`]) and K6's 16 ([`K6_GROUP`]) under
+    /// super-blocks of 256; `None` for M and L, whose group the user chooses.
+    pub fn own_group(self) -> Option<usize> {
+        match self {
+            Format::K => Some(K_GROUP),
+            Format::K6 => Some(K6_GROUP),
+            Format::M | Format::L => None,
+        }
+    }
+
     /// Whether the format stores groups of `group` values: [`GROUPS`] for M and L, [`K6_GROUPS`] for K6,
     /// 32 for K.
     pub fn takes_group(self, group: usize) -> bool {
