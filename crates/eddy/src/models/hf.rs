@@ -37,6 +37,7 @@ use std::path::{Path, PathBuf};
 /// `model_type`, unsupported settings, missing weights, tensors that are missing, of the wrong shape or of
 /// an unsupported dtype.
 pub fn load_model(dir: &Path, quant: Quant, progress: &mut dyn FnMut(usize, usize)) -> Result<Model> {
+    refuse_foreign_quantization(dir)?;
     if super::qwen35::is_qwen35_dir(dir) {
         return super::qwen35::load_dir(dir, quant);
     }
@@ -48,11 +49,37 @@ pub fn load_model(dir: &Path, quant: Quant, progress: &mut dyn FnMut(usize, usiz
 
 /// The hyper-parameters of a Hugging Face folder's `config.json` as eddy's [`ModelConfig`].
 pub fn read_config(dir: &Path) -> Result<ModelConfig> {
+    refuse_foreign_quantization(dir)?;
     if super::qwen35::is_qwen35_dir(dir) {
         return super::qwen35::config_from_dir(dir);
     }
     let hf = HfConfig::read(dir)?;
     Ok(Plan::new(&hf, &dir.join(CONFIG_FILE))?.config)
+}
+
+/// Refuse a folder whose `config.json` names a `quantization_config` eddy does not read (GPTQ, AWQ, FP8,
+/// bitsandbytes, …: their tensors are packed codes under other names), with what to give instead; eddy's own
+/// (`quant_method` "eddy", written by `eddy quantize`) passes. A folder without `config.json`, or with one that
+/// does not parse, passes too: the config reader reports those.
+fn refuse_foreign_quantization(dir: &Path) -> Result<()> {
+    let path = dir.join(CONFIG_FILE);
+    let Some(cfg) = std::fs::read_to_string(&path).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok()) else {
+        return Ok(());
+    };
+    let Some(q) = cfg.get("quantization_config").or_else(|| cfg.get("text_config").and_then(|t| t.get("quantization_config"))) else {
+        return Ok(());
+    };
+    let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("an unnamed method");
+    if method == "eddy" {
+        return Ok(());
+    }
+    Err(Error::model(
+        &path,
+        format!(
+            "the weights are quantized by {method} (quantization_config), which eddy does not read: give the original \
+             (unquantized) safetensors folder, a GGUF file, or a folder written by `eddy quantize`"
+        ),
+    ))
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -669,6 +696,25 @@ mod tests {
         assert!(err(r#"{"model_type": "gemma3_text", "attn_logit_softcapping": 50.0}"#).contains("soft-capping"));
         assert!(err(r#"{"model_type": "llama", "hidden_size": 80, "num_attention_heads": 4}"#).contains("multiples of 32"));
         assert!(err(r#"{"model_type": "qwen3", "num_hidden_layers": 2, "layer_types": ["full_attention"]}"#).contains("layer_types"));
+    }
+
+    #[test]
+    fn foreign_quantization_is_refused() {
+        let dir = std::env::temp_dir().join(format!("eddy-hf-quant-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let write = |json: &str| std::fs::write(dir.join(CONFIG_FILE), json).unwrap();
+        let load = || load_model(&dir, Quant::None, &mut |_, _| {}).err().expect("no weights: must fail").to_string();
+        write(r#"{"model_type": "qwen2", "quantization_config": {"quant_method": "gptq", "bits": 4}}"#);
+        let e = load();
+        assert!(e.contains("quantized by gptq") && e.contains("eddy quantize"), "{e}");
+        assert!(read_config(&dir).unwrap_err().to_string().contains("quantized by gptq"));
+        write(r#"{"model_type": "qwen2", "quantization_config": {"bits": 4}}"#);
+        assert!(load().contains("quantized by an unnamed method"));
+        // eddy's own folders pass this check (and here fail later: the folder holds no weights).
+        write(r#"{"model_type": "qwen2", "quantization_config": {"quant_method": "eddy", "format": "m"}}"#);
+        let e = load();
+        assert!(!e.contains("quantized by"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
