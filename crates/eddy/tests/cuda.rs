@@ -376,9 +376,10 @@ fn rows_do_not_depend_on_the_batch() {
 fn multi_token_products_equal_the_one_token_kernel() {
     let be = gpu();
     let mut rng = Rng(19);
-    let ns = [2usize, 3, 4, 5, 8, 9, 16, 17, 31, 33, 64];
-    let nmax = 64;
-    for (rows, cols) in [(45usize, 768usize), (37, 2304)] {
+    let ns = [2usize, 3, 4, 5, 8, 9, 16, 17, 31, 33, 64, 100];
+    let nmax = 100;
+    // Widths of 24, 72 and 28 blocks (a partial last stage of mm_qt's 8), rows of one to three 64-row tiles.
+    for (rows, cols) in [(45usize, 768usize), (37, 2304), (150, 896)] {
         let x = rng.vec(nmax * cols);
         let xb = be.upload(&x);
         let mut forms: Vec<(String, WeightMatrix)> = all_forms()

@@ -1049,7 +1049,7 @@ impl Cuda {
     /// blocks, 16–24 % slower on `mm_qt*`; gate/up, 1,216 blocks, 22 % faster). Offsets inside the kernel are
     /// 32-bit: matrices of 2^31 code bytes or more, and activations of 2^31 codes, stay on `mm_qw*`.
     fn tiled_for(&self, n: usize, rows: usize, cols: usize) -> bool {
-        let fits = cols / QK <= QT_MAXB && rows * cols < 1 << 31 && n * cols < 1 << 31;
+        let fits = (1..=QT_MAXB).contains(&(cols / QK)) && rows * cols < 1 << 31 && n * cols < 1 << 31;
         let blocks = rows.div_ceil(QT_ROWS) * n.div_ceil(QT_TOKENS);
         let on = match self.forced_tiled.load(Ordering::Relaxed) {
             1 => false,
