@@ -861,7 +861,6 @@ impl Cuda {
             let sp = |s: usize| -> Result<[[[Func; 2]; 3]; 2]> { Ok([tile(base, 1, s)?, tile(base, 2, s)?]) };
             Ok([sp(1)?, sp(2)?, sp(4)?])
         };
-        // The tensor-core products' shared memory (two stages each: beyond the 48 KB a launch gets unasked).
         // The products' shared-memory tables (i32 bytes per variant, beyond the 48 KB a launch gets unasked).
         let table = |name: &str, len: usize| -> Result<Vec<i32>> {
             // SAFETY: a global of the loaded module; the copy reads its `size` bytes into a buffer of that size.
