@@ -110,8 +110,9 @@ struct SpeedArgs {
 
 #[derive(Args)]
 struct ModelArgs {
-    /// GGUF file, Hugging Face model folder, or hub id org/name (default: Qwen2.5-Coder-0.5B-Instruct
-    /// from the eddy models folder, see tools/fetch_models.sh).
+    /// GGUF file, Hugging Face model folder (unquantized, or written by eddy quantize; GPTQ/AWQ/FP8 folders
+    /// are refused), or hub id org/name (default: Qwen2.5-Coder-0.5B-Instruct from the eddy models folder, see
+    /// tools/fetch_models.sh).
     #[arg(long)]
     model: Option<String>,
     /// Worker threads (default: all available cores; more than the cores available are capped).
