@@ -204,8 +204,7 @@ struct SpecArgs {
     /// Drafter for --speculator draft|dflash|auto: a draft model (GGUF file, Hugging Face folder or hub id)
     /// or a DFlash drafter folder (config.json naming DFlashDraftModel; loaded as int8). Without it, a
     /// DFlash drafter next to the model is used: `<model stem>.dflash/` or `dflash-<prefix of the model's
-    /// file name>/`. A draft model runs where the model runs (--device: on a GPU next to it); a DFlash
-    /// drafter runs on the CPU.
+    /// file name>/`. The drafter runs where the model runs (--device: on a GPU next to it).
     #[arg(long, value_name = "PATH")]
     draft_model: Option<String>,
     /// Draft tokens verified per target forward pass: a node count, or auto (chosen each step from the
@@ -232,18 +231,19 @@ fn spec_options(a: &SpecArgs) -> eddy::Result<(Option<SpeculatorKind>, Budget)> 
 }
 
 /// Median milliseconds of one DFlash block pass of the drafter in `dir` (int8) over a context of `context`
-/// rows (synthetic features: the cost does not depend on their values), over `reps` passes.
+/// rows (synthetic features: the cost does not depend on their values), over `reps` passes, on the CPU.
 fn dflash_pass_ms(engine: &Engine, d: &DFlashDrafter, context: usize, reps: usize) -> eddy::Result<f64> {
-    let pool = engine.backend().pool();
-    let mut seq = DFlashSeq::new(d, context);
+    let be = engine.backend();
+    let mut seq = DFlashSeq::new(be, d, context);
     let features: Vec<f32> = (0..context * d.config.feature_dim()).map(|i| ((i % 97) as f32 - 48.0) / 16.0).collect();
-    seq.add_context(d, pool, &features);
+    seq.add_context(be, d, &features);
     let m = &engine.lm.model;
     let mut logits = Vec::new();
     let mut times = Vec::new();
     for i in 0..reps + 1 {
         let t = std::time::Instant::now();
-        seq.draft(d, pool, &m.embed, m.config.embed_scale, d.head(m.lm_head()), ((1000 + i) % m.config.vocab_size) as u32, &mut logits)?;
+        let root = ((1000 + i) % m.config.vocab_size) as u32;
+        seq.draft(be, d, &m.embed, m.config.embed_scale, d.head(m.lm_head()), d.head_rows(), root, &mut logits)?;
         if i > 0 {
             times.push(t.elapsed().as_secs_f64() * 1e3);
         }

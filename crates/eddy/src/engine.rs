@@ -227,22 +227,22 @@ macro_rules! on_core {
     };
 }
 
-/// `$body` with the active core's speculators `$s`, its backend `$be`, its sequence state `$st` and the CPU
-/// pool `$host` (on the CPU: the backend itself).
+/// `$body` with the active core's speculators `$s`, its backend `$be`, its sequence state `$st`, the CPU
+/// pool `$host` (on the CPU: the backend itself) and the model the backend runs `$m` (for the CPU, `$lm`).
 macro_rules! on_specs {
-    ($exec:expr, |$s:ident, $be:ident, $st:ident, $host:ident| $body:expr) => {
+    ($exec:expr, $lm:expr, |$s:ident, $be:ident, $st:ident, $host:ident, $m:ident| $body:expr) => {
         match $exec {
             Exec::Cpu(c) => {
                 let Core { be, specs: $s, state: $st, .. } = &mut **c;
                 #[allow(unused_variables)]
-                let ($be, $host, $st) = (&*be, &*be, &*$st);
+                let ($be, $host, $st, $m) = (&*be, &*be, &*$st, $lm);
                 $body
             }
             #[cfg(feature = "cuda")]
-            Exec::Cuda { core, host, .. } => {
+            Exec::Cuda { core, host, model } => {
                 let Core { be, specs: $s, state: $st, .. } = &mut **core;
                 #[allow(unused_variables)]
-                let ($be, $host, $st): (_, &Cpu, _) = (&*be, &*host, &*$st);
+                let ($be, $host, $st, $m): (_, &Cpu, _, _) = (&*be, &*host, &*$st, &**model);
                 $body
             }
         }
@@ -455,8 +455,8 @@ impl Engine {
     }
 
     /// Speculate with the speculators of `kind` ([`build_speculators`]) under `budget`, built for the
-    /// backend the target runs on: a draft model in `draft` is moved there (on a GPU: uploaded, its KV cache
-    /// on the device), host-side speculators run on the CPU.
+    /// backend the target runs on: a draft model or DFlash drafter in `draft` is moved there (on a GPU:
+    /// uploaded, its KV cache on the device), host-side speculators run on the CPU.
     ///
     /// Errors: as [`build_speculators`]; the engine keeps its previous speculators then.
     pub fn speculate(&mut self, kind: SpeculatorKind, draft: Option<Drafter>, budget: Budget) -> Result<()> {
@@ -753,7 +753,7 @@ impl Engine {
             self.calibrate(prompt[0])?;
             stats.calibration_time = t.elapsed();
         }
-        on_specs!(&mut self.exec, |specs, be, _st, host| {
+        on_specs!(&mut self.exec, &self.lm.model, |specs, be, _st, host, _m| {
             for s in specs.iter_mut() {
                 s.prefill(be, host, prompt)?;
             }
@@ -781,18 +781,18 @@ impl Engine {
             ));
             self.exec.set_want_hidden(false);
             prefilled?;
-            on_specs!(&mut self.exec, |specs, _be, st, host| {
+            on_specs!(&mut self.exec, &self.lm.model, |specs, be, st, host, _m| {
                 if want_hidden {
                     if let Some(h) = last_hidden(st) {
                         for s in specs.iter_mut().filter(|s| s.wants_hidden()) {
-                            s.observe(host, prompt, at, h)?;
+                            s.observe(be, host, prompt, at, h)?;
                         }
                     }
                 }
                 if want_features {
                     let f = &st.features;
                     for s in specs.iter_mut().filter(|s| s.feature_layers() == f.layers) {
-                        s.observe(host, prompt, at, &f.rows)?;
+                        s.observe(be, host, prompt, at, &f.rows)?;
                     }
                 }
             });
@@ -834,8 +834,8 @@ impl Engine {
         let gated = self.budget == Budget::Auto && !self.gate.allow();
         if self.exec.speculating() && max_nodes > 0 && !gated {
             let (budget, cost, temperature, target) = (self.budget, &self.cost, params.sampler.temperature, Some(&self.lm.model));
-            on_specs!(&mut self.exec, |specs, be, _st, host| {
-                let ctx = ProposeCtx { backend: be, host, budget, max_nodes, cost, temperature, target };
+            on_specs!(&mut self.exec, &self.lm.model, |specs, be, _st, host, model| {
+                let ctx = ProposeCtx { backend: be, host, budget, max_nodes, cost, temperature, target, model: Some(model) };
                 for s in specs.iter_mut() {
                     draft_cost += s.propose(&ctx, &out.history, &mut sc.draft)?;
                 }
@@ -970,7 +970,7 @@ impl Engine {
             stats.accepted_at_depth[d] += 1;
         }
         let history = &out.history;
-        on_specs!(&mut self.exec, |specs, _be, st, host| {
+        on_specs!(&mut self.exec, &self.lm.model, |specs, be, st, host, _m| {
             if want_hidden {
                 // The accepted path's hidden states (tree node order → position order), before the
                 // commit moves on.
@@ -979,7 +979,7 @@ impl Engine {
                     rows.clear();
                     rows.extend(walk.path.iter().flat_map(|&i| h[i * d..(i + 1) * d].iter().copied()));
                     for s in specs.iter_mut().filter(|s| s.wants_hidden()) {
-                        s.observe(host, history, n_committed, rows)?;
+                        s.observe(be, host, history, n_committed, rows)?;
                     }
                 }
             }
@@ -990,7 +990,7 @@ impl Engine {
                 rows.clear();
                 rows.extend(walk.path.iter().flat_map(|&i| f.rows[i * w..(i + 1) * w].iter().copied()));
                 for s in specs.iter_mut().filter(|s| s.feature_layers() == f.layers) {
-                    s.observe(host, history, n_committed, rows)?;
+                    s.observe(be, host, history, n_committed, rows)?;
                 }
             }
         });

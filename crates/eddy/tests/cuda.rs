@@ -1214,3 +1214,98 @@ fn draft_model_on_the_gpu_is_lossless() {
         assert_eq!(on_host, plain, "{name}: the draft model on the host changed the output");
     }
 }
+
+/// The DFlash fixture's two block passes (`tests/fixtures/dflash`, the numpy reference of `tests/dflash.rs`)
+/// through the drafter on backend `be`: the logits of both rounds.
+fn dflash_rounds<B: Backend>(be: &B, quant: eddy::model_dir::Quant) -> Vec<f32> {
+    use eddy::spec::dflash::{DFlashDrafter, DFlashSeq};
+    let dir = fixture("dflash");
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let get = |name: &str| -> (Vec<usize>, Vec<f32>) {
+        let t = st.tensor(name).unwrap();
+        let vals = match t.dtype() {
+            safetensors::Dtype::F32 => t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            _ => t.data().chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32).collect(),
+        };
+        (t.shape().to_vec(), vals)
+    };
+    let ((es, e), (ls, l), roots) = (get("embed"), get("lm_head"), get("roots").1);
+    let embed = WeightMatrix::f32(es[0], es[1], e);
+    let lm = be.upload_weights(WeightMatrix::f32(ls[0], ls[1], l));
+    let d = DFlashDrafter::load(&dir.join("tiny"), quant).unwrap().into_backend(be);
+    let mut seq = DFlashSeq::new(be, &d, 64);
+    let (mut out, mut logits) = (Vec::new(), Vec::new());
+    for (features, root) in [("features1", roots[0]), ("features2", roots[1])] {
+        seq.add_context(be, &d, &get(features).1);
+        seq.draft(be, &d, &embed, None, d.head(&lm), d.head_rows(), root as u32, &mut logits).unwrap();
+        out.extend_from_slice(&logits);
+    }
+    out
+}
+
+/// A DFlash drafter on the GPU: its block passes (context K/V on the device, the shared decoder blocks with
+/// block attention) give the CPU's logits within float reassociation (f32 weights) and within the int8
+/// products' spread (int8 weights); and drafting with it on the GPU is lossless through the engine (the
+/// trained 1.5B drafter when present, greedy and at 0.8, the best-first tree under a fixed and the automatic
+/// budget), its tokens equal to plain decoding's and to the same drafter's on the host CPU pool. Prints the
+/// tokens per pass and the drafting time of each run.
+#[test]
+#[ignore = "needs an NVIDIA GPU (and the models for the engine part)"]
+fn dflash_drafts_match_the_cpu() {
+    use eddy::engine::{Device, Engine, EngineOptions, GenerateParams};
+    use eddy::model_dir::Quant;
+    use eddy::sampling::SamplerParams;
+    use eddy::spec::dflash::{DFlashDrafter, DFlashSpeculator, TreeShape};
+    use eddy::spec::{Budget, Drafter, SpeculatorKind};
+    let (be, cpu) = (gpu(), Cpu::new(2));
+    for (quant, bound) in [(Quant::None, 1e-3f32), (Quant::Q8, 0.05)] {
+        let (g, c) = (dflash_rounds(&be, quant), dflash_rounds(&cpu, quant));
+        assert_eq!(g.len(), c.len());
+        let err = g.iter().zip(&c).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        let agree = g.chunks_exact(256).zip(c.chunks_exact(256)).filter(|(a, b)| argmax(a) == argmax(b)).count();
+        println!("DFlash fixture {quant:?}: GPU vs CPU max |Δlogit| {err:.2e}, top-1 agreement {agree}/30");
+        assert!(err <= bound, "{quant:?}: GPU logits differ from the CPU's by {err}");
+    }
+    let models = eddy::load::models_dir();
+    let (target, drafter) = (models.join("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"), models.join("dflash-qwen2.5-coder-1.5b"));
+    if !target.exists() || !drafter.join("config.json").is_file() {
+        println!("skipping the engine part: no 1.5B target or trained drafter in {}", models.display());
+        return;
+    }
+    let lm = eddy::load::load_gguf(&target, &mut |_, _| {}).unwrap();
+    let prompt = lm.tokenizer.encode(PROMPT, true).unwrap();
+    let mut e = Engine::on_device(lm, &EngineOptions { ctx: 1024, ..Default::default() }, Device::Cuda).unwrap();
+    let load = || DFlashDrafter::load(&drafter, Quant::Q8).unwrap();
+    for sp in [
+        SamplerParams { temperature: 0.0, ..Default::default() },
+        SamplerParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, seed: 5, ..Default::default() },
+    ] {
+        let params = GenerateParams { max_tokens: 200, sampler: sp.clone(), ignore_eos: true, logprobs: None };
+        let run = |e: &mut Engine, what: &str| {
+            let (toks, s) = generate_from_scratch(e, &prompt, &params);
+            println!(
+                "1.5B T {}: {what}: decode {:.1} t/s, {:.2} tokens/pass, drafting {:.1} ms, verify {:.1} ms",
+                sp.temperature,
+                s.generation_speed(),
+                s.tokens_per_pass(),
+                s.draft_time.as_secs_f64() * 1e3,
+                s.verify_time.as_secs_f64() * 1e3
+            );
+            toks
+        };
+        e.set_speculation(Vec::new(), Budget::Auto);
+        let plain = run(&mut e, "plain");
+        for budget in [Budget::Fixed(16), Budget::Auto] {
+            e.speculate(SpeculatorKind::DFlash, Some(Drafter::DFlash(Box::new(load()))), budget).unwrap();
+            let got = run(&mut e, &format!("DFlash on the GPU, {budget:?}"));
+            assert_eq!(got, plain, "T {}: DFlash on the GPU ({budget:?}) changed the output", sp.temperature);
+        }
+        let mut d = load();
+        d.bind(&e.lm.model).unwrap();
+        let host = DFlashSpeculator::new(e.backend(), d, e.ctx(), TreeShape::Best);
+        e.set_speculation(vec![Box::new(host)], Budget::Fixed(16));
+        let got = run(&mut e, "DFlash on the host CPU, Fixed(16)");
+        assert_eq!(got, plain, "T {}: DFlash on the host changed the output", sp.temperature);
+    }
+}

@@ -16,7 +16,6 @@
 
 mod common;
 
-use eddy::backend::cpu::ThreadPool;
 use eddy::backend::Cpu;
 use eddy::engine::{Engine, GenerateParams};
 use eddy::model_dir::Quant;
@@ -54,17 +53,17 @@ fn f32_matrix(shape: &[usize], data: &[f32]) -> WeightMatrix {
 /// Run the fixture's two rounds through `d`; returns the two logit blocks (15 × head rows each).
 fn run_rounds(d: &DFlashDrafter) -> (Vec<f32>, Vec<f32>) {
     let r = reference();
-    let pool = ThreadPool::new(common::threads());
+    let be = Cpu::new(common::threads());
     let embed = f32_matrix(&r["embed"].0, &r["embed"].1);
     let lm = f32_matrix(&r["lm_head"].0, &r["lm_head"].1);
     let roots = &r["roots"].1;
-    let mut seq = DFlashSeq::new(d, 64);
+    let mut seq = DFlashSeq::new(&be, d, 64);
     let (mut l1, mut l2) = (Vec::new(), Vec::new());
-    seq.add_context(d, &pool, &r["features1"].1);
-    seq.draft(d, &pool, &embed, None, d.head(&lm), roots[0] as u32, &mut l1).unwrap();
-    seq.add_context(d, &pool, &r["features2"].1);
+    seq.add_context(&be, d, &r["features1"].1);
+    seq.draft(&be, d, &embed, None, d.head(&lm), d.head_rows(), roots[0] as u32, &mut l1).unwrap();
+    seq.add_context(&be, d, &r["features2"].1);
     assert_eq!((seq.base, seq.rows), (0, 12));
-    seq.draft(d, &pool, &embed, None, d.head(&lm), roots[1] as u32, &mut l2).unwrap();
+    seq.draft(&be, d, &embed, None, d.head(&lm), d.head_rows(), roots[1] as u32, &mut l2).unwrap();
     (l1, l2)
 }
 
@@ -357,13 +356,13 @@ impl Speculator for Oracle {
     fn feature_layers(&self) -> &[usize] {
         self.inner.feature_layers()
     }
-    fn observe(&mut self, backend: &Cpu, history: &[u32], start: usize, hidden: &[f32]) -> eddy::Result<()> {
-        self.inner.observe(backend, history, start, hidden)
+    fn observe(&mut self, backend: &Cpu, host: &Cpu, history: &[u32], start: usize, hidden: &[f32]) -> eddy::Result<()> {
+        self.inner.observe(backend, host, history, start, hidden)
     }
     fn propose(&mut self, ctx: &ProposeCtx, history: &[u32], tree: &mut DraftTree) -> eddy::Result<f64> {
         let n = history.len() - 1;
         assert_eq!(history, &self.truth[..=n], "the history left the plain output");
-        let Some(m) = self.inner.marginals(ctx.backend.pool(), ctx.target.unwrap(), history, ctx.temperature)? else {
+        let Some(m) = self.inner.marginals(ctx.backend, ctx.target.unwrap(), ctx.model.unwrap(), history, ctx.temperature)? else {
             panic!("the drafter's context does not reach the root at {n}")
         };
         let mut m = m.clone();
@@ -407,7 +406,7 @@ fn check_target(target: &str, draft_vocab: Option<usize>, max_tokens: usize, kin
         for &shape in shapes {
             let mut d = load();
             d.bind(&engine.lm.model).unwrap();
-            let oracle = Oracle { inner: DFlashSpeculator::new(d, engine.ctx(), shape), truth: truth.clone(), shape };
+            let oracle = Oracle { inner: DFlashSpeculator::new(engine.backend(), d, engine.ctx(), shape), truth: truth.clone(), shape };
             engine.set_speculation(vec![Box::new(oracle)], Budget::Fixed(16));
             let (out, st) = generate(&mut engine, &prompt, t, max_tokens);
             assert_eq!(out, plain, "{target}: oracle {shape:?} at temperature {t} changed the output of {msg:?}");

@@ -710,6 +710,7 @@ fn mtp_speculator_drafts_the_reference_chain() {
             cost: &cost,
             temperature: 0.0,
             target: Some(&target),
+            model: Some(&target),
         };
         let mut tree = DraftTree::new(history[n]);
         spec.propose(&ctx, &history[..=n], &mut tree).unwrap();
@@ -718,14 +719,14 @@ fn mtp_speculator_drafts_the_reference_chain() {
     let mut spec = MtpSpeculator::new(&m.config, 256);
     // Round 1: the prompt is history[..20], the root history[20].
     let (hidden, y1, y2) = reference(20);
-    spec.observe(&be, &history[..20], 0, &hidden).unwrap();
+    spec.observe(&be, &be, &history[..20], 0, &hidden).unwrap();
     let tree = propose(&mut spec, 20);
     let d1 = tree.child(0, y1).expect("depth-1 chain token");
     assert!(tree.child(d1, y2).is_some(), "depth-2 chain token {y2} missing: {tree:?}");
     // Round 2: the target accepted history[21..24] (root 20 + 3 drafts; bonus history[24]): it observes
     // positions 20..24, and the next round adds those rows to the MTP cache.
     let (hidden, y1, y2) = reference(24);
-    spec.observe(&be, &history[..24], 20, &hidden[20 * d..24 * d]).unwrap();
+    spec.observe(&be, &be, &history[..24], 20, &hidden[20 * d..24 * d]).unwrap();
     let tree = propose(&mut spec, 24);
     let d1 = tree.child(0, y1).expect("depth-1 chain token after an incremental round");
     assert!(tree.child(d1, y2).is_some(), "depth-2 chain token {y2} missing: {tree:?}");

@@ -39,13 +39,13 @@ pub struct Workspace<B: Backend = Cpu> {
     /// Largest batch processed at once; longer inputs are split into runs ending at multiples of it
     /// (rounded up to a multiple of [`GDN_CHUNK`] for hybrid models).
     pub max_batch: usize,
-    x: B::Buf,
-    h: B::Buf,
-    q: B::Buf,
-    k: B::Buf,
-    v: B::Buf,
+    pub(crate) x: B::Buf,
+    pub(crate) h: B::Buf,
+    pub(crate) q: B::Buf,
+    pub(crate) k: B::Buf,
+    pub(crate) v: B::Buf,
     att: B::Buf,
-    o: B::Buf,
+    pub(crate) o: B::Buf,
     /// FFN gate and up rows; the mixers reuse them (the FFN runs after the mixer): the gated attention's
     /// `wq` output (`2·q_dim`) and gate (`q_dim`), the Gated DeltaNet's pre-conv and post-conv streams
     /// (`conv_dim`). One set of buffers keeps a prefill's working set small (as the old bump scratch did).
@@ -56,12 +56,13 @@ pub struct Workspace<B: Backend = Cpu> {
     go: B::Buf,
     ga: B::Buf,
     gb: B::Buf,
-    /// MTP: the normed hidden rows (`d_model`) and `[norm(embed) ; norm(hidden)]` rows (`2·d_model`).
+    /// MTP: the normed hidden rows (`d_model`) and `[norm(embed) ; norm(hidden)]` rows (`2·d_model`); a
+    /// DFlash drafter's feature rows in `cat` ([`Workspace::for_blocks`]).
     h2: B::Buf,
-    cat: B::Buf,
-    xq: B::QAct,
+    pub(crate) cat: B::Buf,
+    pub(crate) xq: B::QAct,
     /// Host: RoPE position and tree parent of each row, and `0..max_batch` (chain paths).
-    positions: Vec<usize>,
+    pub(crate) positions: Vec<usize>,
     parents: Vec<usize>,
     iota: Vec<usize>,
     /// Host copy of captured residual rows (feature capture for DFlash; grows to `max_batch·d_model`).
@@ -90,10 +91,21 @@ impl<B: Backend> Workspace<B> {
     /// Allocate for `model` and batches of up to `max_batch` tokens.
     pub fn new(be: &B, model: &Model<B>, max_batch: usize) -> Self {
         let c = &model.config;
-        let max_batch = if c.gdn.is_some() { max_batch.max(1).next_multiple_of(GDN_CHUNK) } else { max_batch.max(1) };
-        let z = |n: usize| be.alloc(n * max_batch);
         let mixers = || model.layers.iter().chain(model.mtp.as_ref().map(|m| &m.layer)).map(|l| &l.mixer);
         let gated = mixers().any(|m| matches!(m, Mixer::Attention(Attention { gated: true, .. })));
+        Self::sized(be, c, gated, if model.mtp.is_some() { 2 * c.d_model } else { 0 }, max_batch)
+    }
+
+    /// Allocate for a stack of plain attention blocks of shape `c` (no gated attention, no Gated DeltaNet)
+    /// run by [`blocks`], batches of up to `max_batch` rows, and `input` values per row of a drafter's own
+    /// input rows (DFlash's target features).
+    pub(crate) fn for_blocks(be: &B, c: &ModelConfig, max_batch: usize, input: usize) -> Self {
+        Self::sized(be, c, false, input, max_batch)
+    }
+
+    fn sized(be: &B, c: &ModelConfig, gated: bool, cat: usize, max_batch: usize) -> Self {
+        let max_batch = if c.gdn.is_some() { max_batch.max(1).next_multiple_of(GDN_CHUNK) } else { max_batch.max(1) };
+        let z = |n: usize| be.alloc(n * max_batch);
         let s = c.gdn.unwrap_or(GdnShape { n_k_heads: 0, n_v_heads: 0, d_k: 0, d_v: 0, kernel: 1, v_tiled: false });
         Workspace {
             max_batch,
@@ -110,8 +122,8 @@ impl<B: Backend> Workspace<B> {
             go: z(s.value_dim()),
             ga: z(s.n_v_heads),
             gb: z(s.n_v_heads),
-            h2: z(if model.mtp.is_some() { c.d_model } else { 0 }),
-            cat: z(if model.mtp.is_some() { 2 * c.d_model } else { 0 }),
+            h2: z(if cat > 0 { c.d_model } else { 0 }),
+            cat: z(cat),
             xq: be.new_qact(),
             positions: Vec::with_capacity(max_batch),
             parents: Vec::with_capacity(max_batch),
@@ -690,6 +702,31 @@ fn delta_net_mixer<B: Backend>(
     be.gdn_gated_norm(go, gz, &w.norm, c.norm_eps, t * vd);
     be.quantize(go, t, vd, &w.w_out, xq);
     be.matmul(&w.w_out, go, xq, t, o);
+}
+
+/// The decoder blocks `layers` (plain attention mixers) of a model of shape `c` over the `t` rows of
+/// `ws.x` at the positions `ws.positions`: each layer's K/V rows go to rows `row0..row0 + t` of its cache in
+/// `kv` and its queries see the rows `vis` lets them (a DFlash draft block: [`Visibility::Block`]). The
+/// residual stream is left in `ws.x`, every block's output added.
+///
+/// Panics if a state is not an attention layer's or the rows do not fit the workspace or the cache.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn blocks<B: Backend>(
+    be: &B,
+    c: &ModelConfig,
+    layers: &[Layer<B>],
+    kv: &mut [LayerState<B>],
+    ws: &mut Workspace<B>,
+    t: usize,
+    row0: usize,
+    vis: Visibility,
+) {
+    assert!(t <= ws.max_batch && ws.positions.len() == t, "blocks: {t} rows, {} positions, batch {}", ws.positions.len(), ws.max_batch);
+    let p = Pass { c, t, n_past: row0, row0, vis, tree: false };
+    for (l, (layer, st)) in layers.iter().zip(kv.iter_mut()).enumerate() {
+        block(be, &p, layer, st, None, ws, l > 0);
+    }
+    be.add(&mut ws.x, &ws.o, t * c.d_model);
 }
 
 /// Run the MTP head for `tokens.len()` steps: row i takes the next token `tokens[i]` and the hidden state

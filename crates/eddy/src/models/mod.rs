@@ -302,13 +302,59 @@ impl<B: Backend> Layer<B> {
     }
 
     /// The matrices of this block, mixer first.
-    fn matrices_mut(&mut self) -> Vec<&mut B::Weights> {
+    pub(crate) fn matrices_mut(&mut self) -> Vec<&mut B::Weights> {
         let mut v: Vec<&mut B::Weights> = match &mut self.mixer {
             Mixer::Attention(a) => vec![&mut a.wq, &mut a.wk, &mut a.wv, &mut a.wo],
             Mixer::DeltaNet(g) => vec![&mut g.w_qkv, &mut g.w_z, &mut g.w_b, &mut g.w_a, &mut g.w_out],
         };
         v.extend([&mut self.w_gate, &mut self.w_up, &mut self.w_down]);
         v
+    }
+}
+
+impl Layer {
+    /// This block's weights and norms uploaded to backend `be` (see [`Model::to_backend`]).
+    pub fn to_backend<B: Backend>(&self, be: &B) -> Layer<B> {
+        let buf = |v: &Vec<f32>| be.upload(v);
+        let opt = |v: &Option<Vec<f32>>| v.as_ref().map(|v| be.upload(v));
+        let w = |m: &WeightMatrix| be.upload_weights(m.clone());
+        let l = self;
+        Layer {
+            attn_norm: buf(&l.attn_norm),
+            mixer: match &l.mixer {
+                Mixer::Attention(a) => Mixer::Attention(Attention {
+                    wq: w(&a.wq),
+                    wk: w(&a.wk),
+                    wv: w(&a.wv),
+                    bq: opt(&a.bq),
+                    bk: opt(&a.bk),
+                    bv: opt(&a.bv),
+                    q_norm: opt(&a.q_norm),
+                    k_norm: opt(&a.k_norm),
+                    wo: w(&a.wo),
+                    gated: a.gated,
+                    rope: a.rope.clone(),
+                    window: a.window,
+                }),
+                Mixer::DeltaNet(g) => Mixer::DeltaNet(DeltaNet {
+                    w_qkv: w(&g.w_qkv),
+                    w_z: w(&g.w_z),
+                    w_b: w(&g.w_b),
+                    w_a: w(&g.w_a),
+                    conv: buf(&g.conv),
+                    a_neg: buf(&g.a_neg),
+                    dt_bias: buf(&g.dt_bias),
+                    norm: buf(&g.norm),
+                    w_out: w(&g.w_out),
+                }),
+            },
+            post_attn_norm: opt(&l.post_attn_norm),
+            ffn_norm: buf(&l.ffn_norm),
+            w_gate: w(&l.w_gate),
+            w_up: w(&l.w_up),
+            w_down: w(&l.w_down),
+            post_ffn_norm: opt(&l.post_ffn_norm),
+        }
     }
 }
 
@@ -371,44 +417,8 @@ impl Model {
             )));
         }
         let buf = |v: &Vec<f32>| be.upload(v);
-        let opt = |v: &Option<Vec<f32>>| v.as_ref().map(|v| be.upload(v));
         let w = |m: &WeightMatrix| be.upload_weights(m.clone());
-        let layer = |l: &Layer| Layer {
-            attn_norm: buf(&l.attn_norm),
-            mixer: match &l.mixer {
-                Mixer::Attention(a) => Mixer::Attention(Attention {
-                    wq: w(&a.wq),
-                    wk: w(&a.wk),
-                    wv: w(&a.wv),
-                    bq: opt(&a.bq),
-                    bk: opt(&a.bk),
-                    bv: opt(&a.bv),
-                    q_norm: opt(&a.q_norm),
-                    k_norm: opt(&a.k_norm),
-                    wo: w(&a.wo),
-                    gated: a.gated,
-                    rope: a.rope.clone(),
-                    window: a.window,
-                }),
-                Mixer::DeltaNet(g) => Mixer::DeltaNet(DeltaNet {
-                    w_qkv: w(&g.w_qkv),
-                    w_z: w(&g.w_z),
-                    w_b: w(&g.w_b),
-                    w_a: w(&g.w_a),
-                    conv: buf(&g.conv),
-                    a_neg: buf(&g.a_neg),
-                    dt_bias: buf(&g.dt_bias),
-                    norm: buf(&g.norm),
-                    w_out: w(&g.w_out),
-                }),
-            },
-            post_attn_norm: opt(&l.post_attn_norm),
-            ffn_norm: buf(&l.ffn_norm),
-            w_gate: w(&l.w_gate),
-            w_up: w(&l.w_up),
-            w_down: w(&l.w_down),
-            post_ffn_norm: opt(&l.post_ffn_norm),
-        };
+        let layer = |l: &Layer| l.to_backend(be);
         Ok(Model {
             config: self.config.clone(),
             embed: w(&self.embed),

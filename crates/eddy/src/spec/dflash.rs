@@ -20,6 +20,11 @@
 //! cached per draft layer and appended as tokens are committed ([`DFlashSeq`]); the block's K/V go to
 //! scratch rows after them and are overwritten next round.
 //!
+//! The draft layers are the models' own Qwen3 blocks ([`Layer`] with q/k norms), run on the target's
+//! backend by the shared `models::forward::blocks` with [`Visibility::Block`] attention, so the drafter runs
+//! wherever the target runs (its context K/V in that backend's memory); only the feature rows go in and
+//! the block's logits come out through the host.
+//!
 //! Drafts ([`DFlashSpeculator`]): the per-depth top-k of the marginals ([`Marginals`], probabilities at
 //! the target's temperature as acceptance estimates) become either the argmax chain or the DDTree
 //! best-first tree (`algorithms.md` §3.2: path score = product of the marginals along it; a child never
@@ -31,17 +36,14 @@
 //! gathered from the target's head once, when the drafter is bound to the target ([`DFlashDrafter::bind`]).
 
 use super::{probs_of, top_k, Budget, DraftTree, DrafterStats, ProposeCtx, Ranked, Speculator};
-use crate::backend::cpu::activation::{gated_act, Activation};
-use crate::backend::cpu::attention::{attention, AttnShape, Visibility};
-use crate::backend::cpu::norm::{rms_norm, rms_norm_inplace};
-use crate::backend::cpu::rope::{Rope, RopeMode};
-use crate::backend::cpu::{matmul, quantize_activations, QuantizedActivations, ThreadPool};
-use crate::backend::Cpu;
+use crate::backend::{Activation, Backend, Cpu, Rope, RopeMode, Visibility};
 use crate::error::{Error, Result};
 use crate::model_dir::{Quant, Tensors};
-use crate::models::Model;
+use crate::models::forward::{self, Workspace};
+use crate::models::{Arch, Attention, Layer, Mixer, Model, ModelConfig};
 use crate::quant::import::{quantize_f32, QuantKind};
 use crate::quant::WeightMatrix;
+use crate::state::LayerState;
 use serde_json::Value;
 use std::collections::BinaryHeap;
 use std::path::{Path, PathBuf};
@@ -256,39 +258,60 @@ impl DFlashConfig {
     pub fn feature_dim(&self) -> usize {
         self.target_layer_ids.len() * self.d_model
     }
+
+    /// The draft layers' shape as a dense model's (Qwen3 blocks: q/k RMSNorm, NeoX RoPE over the whole
+    /// head, scores scaled by `1/√head_dim`, SiLU), for the shared block code.
+    pub fn decoder(&self) -> ModelConfig {
+        ModelConfig {
+            arch: Arch::Qwen3,
+            n_layers: self.n_layers,
+            d_model: self.d_model,
+            n_heads: self.n_heads,
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+            ffn_dim: self.ffn_dim,
+            vocab_size: self.vocab_size,
+            train_ctx: 0,
+            norm_eps: self.norm_eps,
+            rope_mode: RopeMode::Neox,
+            rope_dims: self.head_dim,
+            rope_theta: self.rope_theta,
+            rope_scale: 1.0,
+            rope_theta_local: self.rope_theta,
+            attn_scale: 1.0 / (self.head_dim as f32).sqrt(),
+            sliding_window: None,
+            sliding_pattern: 0,
+            embed_scale: None,
+            activation: Activation::Silu,
+            post_norms: false,
+            final_softcap: None,
+            gdn: None,
+        }
+    }
 }
 
-/// Weights of one draft layer.
-struct DLayer {
-    in_norm: Vec<f32>,
-    post_norm: Vec<f32>,
-    q_norm: Vec<f32>,
-    k_norm: Vec<f32>,
-    wq: WeightMatrix,
-    wk: WeightMatrix,
-    wv: WeightMatrix,
-    wo: WeightMatrix,
-    w_gate: WeightMatrix,
-    w_up: WeightMatrix,
-    w_down: WeightMatrix,
-}
-
-/// A loaded DFlash drafter: configuration, weights in eddy's formats, the optional reduced draft
+/// A loaded DFlash drafter on backend `B`: configuration, its decoder blocks and projections (loaded on the
+/// CPU by [`DFlashDrafter::load`], moved by [`DFlashDrafter::into_backend`]), the optional reduced draft
 /// vocabulary. The embedding and the LM head are the target's.
-pub struct DFlashDrafter {
+pub struct DFlashDrafter<B: Backend = Cpu> {
     /// Hyper-parameters.
     pub config: DFlashConfig,
     /// Folder it was loaded from.
     pub source: PathBuf,
-    fc: WeightMatrix,
-    hidden_norm: Vec<f32>,
-    norm: Vec<f32>,
-    layers: Vec<DLayer>,
-    rope: Rope,
+    /// The draft blocks as a model's: Qwen3 blocks (q/k RMSNorm, NeoX RoPE, SiLU), run by the shared
+    /// [`forward::blocks`].
+    decoder: ModelConfig,
+    fc: B::Weights,
+    hidden_norm: B::Buf,
+    norm: B::Buf,
+    /// Draft layers: `input_layernorm` as the attention norm, `post_attention_layernorm` as the FFN norm.
+    layers: Vec<Layer<B>>,
     /// Token ids of the reduced draft vocabulary (`None`: the full vocabulary).
     vocab_ids: Option<Vec<u32>>,
     /// The target LM head's rows of `vocab_ids` (built by [`DFlashDrafter::bind`]).
-    head: Option<WeightMatrix>,
+    head: Option<B::Weights>,
+    /// Bytes of the layers' matrices (what one block pass streams besides `fc` and the LM head).
+    weight_bytes: usize,
 }
 
 impl DFlashDrafter {
@@ -307,36 +330,48 @@ impl DFlashDrafter {
         let mut layers = Vec::with_capacity(c.n_layers);
         for l in 0..c.n_layers {
             let p = |s: &str| format!("layers.{l}.{s}");
-            layers.push(DLayer {
-                in_norm: v(&p("input_layernorm.weight"), d)?,
-                post_norm: v(&p("post_attention_layernorm.weight"), d)?,
-                q_norm: v(&p("self_attn.q_norm.weight"), hd)?,
-                k_norm: v(&p("self_attn.k_norm.weight"), hd)?,
-                wq: m(&p("self_attn.q_proj.weight"), qd, d)?,
-                wk: m(&p("self_attn.k_proj.weight"), kvd, d)?,
-                wv: m(&p("self_attn.v_proj.weight"), kvd, d)?,
-                wo: m(&p("self_attn.o_proj.weight"), d, qd)?,
+            layers.push(Layer {
+                attn_norm: v(&p("input_layernorm.weight"), d)?,
+                mixer: Mixer::Attention(Attention {
+                    wq: m(&p("self_attn.q_proj.weight"), qd, d)?,
+                    wk: m(&p("self_attn.k_proj.weight"), kvd, d)?,
+                    wv: m(&p("self_attn.v_proj.weight"), kvd, d)?,
+                    bq: None,
+                    bk: None,
+                    bv: None,
+                    q_norm: Some(v(&p("self_attn.q_norm.weight"), hd)?),
+                    k_norm: Some(v(&p("self_attn.k_norm.weight"), hd)?),
+                    wo: m(&p("self_attn.o_proj.weight"), d, qd)?,
+                    gated: false,
+                    rope: Rope::new(RopeMode::Neox, hd, c.rope_theta, 1.0),
+                    window: None,
+                }),
+                post_attn_norm: None,
+                ffn_norm: v(&p("post_attention_layernorm.weight"), d)?,
                 w_gate: m(&p("mlp.gate_proj.weight"), c.ffn_dim, d)?,
                 w_up: m(&p("mlp.up_proj.weight"), c.ffn_dim, d)?,
                 w_down: m(&p("mlp.down_proj.weight"), d, c.ffn_dim)?,
+                post_ffn_norm: None,
             });
         }
         let mut drafter = DFlashDrafter {
             fc: m("fc.weight", d, c.feature_dim())?,
             hidden_norm: v("hidden_norm.weight", d)?,
             norm: v("norm.weight", d)?,
+            decoder: c.decoder(),
             layers,
-            rope: Rope::new(RopeMode::Neox, hd, c.rope_theta, 1.0),
             vocab_ids: read_draft_vocab(dir, c.vocab_size)?,
             head: None,
             source: dir.to_path_buf(),
             config: c,
+            weight_bytes: 0,
         };
+        let mut ws: Vec<&mut WeightMatrix> = vec![&mut drafter.fc];
+        for l in &mut drafter.layers {
+            ws.extend(l.matrices_mut());
+        }
+        drafter.weight_bytes = ws[1..].iter().map(|w| w.nbytes()).sum();
         if crate::backend::cpu::prepack_wanted() {
-            let mut ws: Vec<&mut WeightMatrix> = vec![&mut drafter.fc];
-            for l in &mut drafter.layers {
-                ws.extend([&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.w_gate, &mut l.w_up, &mut l.w_down]);
-            }
             crate::quant::prepack_all(ws);
         }
         Ok(drafter)
@@ -395,25 +430,56 @@ impl DFlashDrafter {
         self.head = Some(head);
     }
 
+    /// This drafter on backend `be`: moved as it is when `B` is the CPU, else its matrices and norms
+    /// uploaded (the gathered draft-vocabulary head too, so bind before moving).
+    pub fn into_backend<B: Backend>(self, be: &B) -> DFlashDrafter<B> {
+        let any: Box<dyn std::any::Any> = Box::new(self);
+        match any.downcast::<DFlashDrafter<B>>() {
+            Ok(same) => *same,
+            Err(any) => {
+                let d = any.downcast::<DFlashDrafter>().expect("a host drafter");
+                DFlashDrafter {
+                    config: d.config.clone(),
+                    source: d.source.clone(),
+                    decoder: d.decoder.clone(),
+                    fc: be.upload_weights(d.fc.clone()),
+                    hidden_norm: be.upload(&d.hidden_norm),
+                    norm: be.upload(&d.norm),
+                    layers: d.layers.iter().map(|l| l.to_backend(be)).collect(),
+                    vocab_ids: d.vocab_ids.clone(),
+                    head: d.head.as_ref().map(|h| be.upload_weights(h.clone())),
+                    weight_bytes: d.weight_bytes,
+                }
+            }
+        }
+    }
+}
+
+impl<B: Backend> DFlashDrafter<B> {
     /// Token ids of the draft vocabulary (`None`: all of them).
     pub fn vocab_ids(&self) -> Option<&[u32]> {
         self.vocab_ids.as_deref()
     }
 
+    /// Token ids of the rows of the LM head a block pass multiplies by ([`DFlashDrafter::head`]): the draft
+    /// vocabulary once its head is gathered ([`DFlashDrafter::bind`]), else `None` (the target's head).
+    pub fn head_ids(&self) -> Option<&[u32]> {
+        self.head.as_ref().and(self.vocab_ids.as_deref())
+    }
+
+    /// Rows of the LM head a block pass multiplies by ([`DFlashDrafter::head`]).
+    pub fn head_rows(&self) -> usize {
+        self.head_ids().map_or(self.config.vocab_size, <[u32]>::len)
+    }
+
     /// The LM head the block pass multiplies by: the gathered draft-vocabulary head, else `target_head`.
-    pub fn head<'a>(&'a self, target_head: &'a WeightMatrix) -> &'a WeightMatrix {
+    pub fn head<'a>(&'a self, target_head: &'a B::Weights) -> &'a B::Weights {
         self.head.as_ref().unwrap_or(target_head)
     }
 
-    /// Bytes of the drafter's own weights (what one block pass streams besides the LM head).
+    /// Bytes of the drafter's own layer weights (what one block pass streams besides `fc` and the LM head).
     pub fn weight_bytes(&self) -> usize {
-        let mut n = 0;
-        for l in &self.layers {
-            for w in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
-                n += w.nbytes();
-            }
-        }
-        n
+        self.weight_bytes
     }
 }
 
@@ -438,62 +504,37 @@ fn read_draft_vocab(dir: &Path, vocab: usize) -> Result<Option<Vec<u32>>> {
     Ok(Some(ids.into_iter().map(|i| i as u32).collect()))
 }
 
-/// Per-sequence state of a drafter: the cached context K/V of every draft layer and scratch buffers.
+/// Context rows a [`DFlashSeq`] projects per pass (longer feature runs are cut into pieces of this many).
+const CONTEXT_BATCH: usize = 128;
+
+/// Per-sequence state of a drafter on backend `B`: the cached context K/V of every draft layer (in the
+/// backend's memory, one attention [`LayerState`] per layer) and the scratch of its passes.
 ///
 /// Context rows cover positions `base..base + rows` (cache row `r` is position `base + r`); the block's
 /// `B` rows follow them.
-pub struct DFlashSeq {
+pub struct DFlashSeq<B: Backend = Cpu> {
     /// Rows per layer (context plus one block).
     cap: usize,
-    k: Vec<f32>,
-    v: Vec<f32>,
+    /// Values per K (or V) row.
+    kv_dim: usize,
+    kv: Vec<LayerState<B>>,
     /// First position with a context row.
     pub base: usize,
     /// Context rows held.
     pub rows: usize,
-    // Scratch (grown to the largest batch once).
-    x: Vec<f32>,
-    h: Vec<f32>,
-    q: Vec<f32>,
-    kb: Vec<f32>,
-    vb: Vec<f32>,
-    att: Vec<f32>,
-    o: Vec<f32>,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    xq: QuantizedActivations,
+    ws: Workspace<B>,
+    /// Host rows of the block's input (its tokens' embeddings).
+    input: Vec<f32>,
 }
 
-fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
-    if v.len() < n {
-        v.resize(n, 0.0);
-    }
-    &mut v[..n]
-}
-
-impl DFlashSeq {
-    /// State for `d` with room for `ctx` context positions.
-    pub fn new(d: &DFlashDrafter, ctx: usize) -> DFlashSeq {
+impl<B: Backend> DFlashSeq<B> {
+    /// State for `d` on `be` with room for `ctx` context positions.
+    pub fn new(be: &B, d: &DFlashDrafter<B>, ctx: usize) -> DFlashSeq<B> {
         let c = &d.config;
         let cap = ctx + c.block_size;
-        let n = c.n_layers * cap * c.kv_dim();
-        DFlashSeq {
-            cap,
-            k: vec![0.0; n],
-            v: vec![0.0; n],
-            base: 0,
-            rows: 0,
-            x: Vec::new(),
-            h: Vec::new(),
-            q: Vec::new(),
-            kb: Vec::new(),
-            vb: Vec::new(),
-            att: Vec::new(),
-            o: Vec::new(),
-            gate: Vec::new(),
-            up: Vec::new(),
-            xq: QuantizedActivations::new(),
-        }
+        let kv = (0..c.n_layers).map(|_| LayerState::Kv { k: be.alloc(cap * c.kv_dim()), v: be.alloc(cap * c.kv_dim()) }).collect();
+        let ws = Workspace::for_blocks(be, &d.decoder, CONTEXT_BATCH.max(c.block_size), c.feature_dim());
+        DFlashSeq { cap, kv_dim: c.kv_dim(), kv, base: 0, rows: 0, ws, input: Vec::new() }
     }
 
     /// Forget every context row; the next one will be at position `base`.
@@ -513,61 +554,61 @@ impl DFlashSeq {
     }
 
     /// Append the context rows of `m = features.len() / feature_dim` committed positions
-    /// `base + rows ..` from their target features (`m × feature_dim`, position order): `hidden_norm(fc·f)`
-    /// projected by every layer's `k_proj` (then `k_norm`, RoPE) and `v_proj`.
+    /// `base + rows ..` from their target features (`m × feature_dim` host f32, position order):
+    /// `c = hidden_norm(fc·f)` projected by every layer's `k_proj` (then `k_norm`, RoPE) and `v_proj`.
     ///
     /// Panics if the rows do not fit ([`DFlashSeq::room`]) or `features` is not whole rows (callers check).
-    pub fn add_context(&mut self, d: &DFlashDrafter, pool: &ThreadPool, features: &[f32]) {
+    pub fn add_context(&mut self, be: &B, d: &DFlashDrafter<B>, features: &[f32]) {
         let c = &d.config;
-        let (dm, kvd, fd) = (c.d_model, c.kv_dim(), c.feature_dim());
+        let (dm, kvd, fd, eps) = (c.d_model, c.kv_dim(), c.feature_dim(), c.norm_eps);
         assert!(features.len().is_multiple_of(fd), "features must be whole rows of {fd}");
-        let m = features.len() / fd;
-        assert!(m <= self.room(c.block_size), "context rows beyond the drafter's room");
-        if m == 0 {
-            return;
-        }
-        let ctx = grow(&mut self.h, m * dm);
-        quantize_activations(pool, features, m, fd, &mut self.xq);
-        matmul(pool, &d.fc, features, &self.xq, m, ctx);
-        rms_norm_inplace(ctx, &d.hidden_norm, c.norm_eps);
-        quantize_activations(pool, ctx, m, dm, &mut self.xq);
-        let kb = grow(&mut self.kb, m * kvd);
-        let vb = grow(&mut self.vb, m * kvd);
-        let r0 = self.rows;
-        for (l, layer) in d.layers.iter().enumerate() {
-            matmul(pool, &layer.wk, ctx, &self.xq, m, kb);
-            matmul(pool, &layer.wv, ctx, &self.xq, m, vb);
-            rms_norm_inplace(kb, &layer.k_norm, c.norm_eps);
-            for (i, row) in kb.chunks_exact_mut(kvd).enumerate() {
-                d.rope.apply(row, c.head_dim, self.base + r0 + i);
+        assert!(features.len() / fd <= self.room(c.block_size), "context rows beyond the drafter's room");
+        for piece in features.chunks(self.ws.max_batch * fd) {
+            let m = piece.len() / fd;
+            let Workspace { x, h, q, k, v, cat, xq, positions, .. } = &mut self.ws;
+            be.write(piece, cat);
+            be.quantize(cat, m, fd, &d.fc, xq);
+            be.matmul(&d.fc, cat, xq, m, x);
+            be.rms_norm(x, 0, m, &d.hidden_norm, eps, h);
+            positions.clear();
+            positions.extend(self.base + self.rows..self.base + self.rows + m);
+            for (layer, st) in d.layers.iter().zip(self.kv.iter_mut()) {
+                let (Some(a), LayerState::Kv { k: kc, v: vc }) = (layer.attention(), st) else {
+                    unreachable!("DFlash layers are attention layers with K/V caches")
+                };
+                be.quantize(h, m, dm, &a.wk, xq);
+                be.matmul_parts(&mut [(&a.wk, None, &mut *k), (&a.wv, None, &mut *v)], h, xq, m);
+                if let Some(w) = &a.k_norm {
+                    be.rms_norm_inplace(k, m * kvd, w, eps);
+                }
+                // Keys only: no query rows (width 0).
+                be.rope_store(&a.rope, q, 0, k, v, kvd, c.head_dim, positions, kc, vc, self.rows);
             }
-            let at = (l * self.cap + r0) * kvd;
-            self.k[at..at + m * kvd].copy_from_slice(kb);
-            self.v[at..at + m * kvd].copy_from_slice(vb);
+            self.rows += m;
         }
-        self.rows += m;
     }
 
     /// One block pass: the root `root` at position `base + rows` followed by `B − 1` MASK tokens, over
-    /// every context row; the logits of slots `1..B` (`(B − 1) × head.rows()` f32, slot order) are
-    /// written to `logits`. `embed` is the target's token embedding (rows scaled by `embed_scale` when
-    /// set), `head` the LM head ([`DFlashDrafter::head`]). The context is not changed.
+    /// every context row; the logits of slots `1..B` (`(B − 1) × head_rows` f32, slot order) are written to
+    /// `logits`. `embed` is the target's token embedding on the host (rows scaled by `embed_scale` when
+    /// set), `head` the LM head on `be` ([`DFlashDrafter::head`]) of `head_rows` rows
+    /// ([`DFlashDrafter::head_rows`]). The context is not changed (the block's K/V go to scratch rows).
     ///
     /// Errors: `root` or the mask token outside the embedding.
     #[allow(clippy::too_many_arguments)]
     pub fn draft(
         &mut self,
-        d: &DFlashDrafter,
-        pool: &ThreadPool,
+        be: &B,
+        d: &DFlashDrafter<B>,
         embed: &WeightMatrix,
         embed_scale: Option<f32>,
-        head: &WeightMatrix,
+        head: &B::Weights,
+        head_rows: usize,
         root: u32,
         logits: &mut Vec<f32>,
     ) -> Result<()> {
         let c = &d.config;
-        let (dm, qd, kvd, hd, fd) = (c.d_model, c.q_dim(), c.kv_dim(), c.head_dim, c.ffn_dim);
-        let b = c.block_size;
+        let (dm, b) = (c.d_model, c.block_size);
         for tok in [root, c.mask_token_id] {
             if tok as usize >= embed.rows() {
                 return Err(Error::Input(format!("DFlash: token id {tok} is outside the vocabulary of {}", embed.rows())));
@@ -575,78 +616,30 @@ impl DFlashSeq {
         }
         assert!(self.rows + b <= self.cap, "no room for the block");
         let n = self.base + self.rows;
-        let x = grow(&mut self.x, b * dm);
-        for (i, row) in x.chunks_exact_mut(dm).enumerate() {
+        self.input.resize(b * dm, 0.0);
+        for (i, row) in self.input.chunks_exact_mut(dm).enumerate() {
             embed.dequant_row(if i == 0 { root } else { c.mask_token_id } as usize, row);
             if let Some(s) = embed_scale {
                 row.iter_mut().for_each(|e| *e *= s);
             }
         }
-        let h = grow(&mut self.h, b * dm);
-        let q = grow(&mut self.q, b * qd);
-        let kb = grow(&mut self.kb, b * kvd);
-        let vb = grow(&mut self.vb, b * kvd);
-        let att = grow(&mut self.att, b * qd);
-        let o = grow(&mut self.o, b * dm);
-        let gate = grow(&mut self.gate, b * fd);
-        let up = grow(&mut self.up, b * fd);
-        let shape = AttnShape {
-            n_heads: c.n_heads,
-            n_kv_heads: c.n_kv_heads,
-            head_dim: hd,
-            scale: 1.0 / (hd as f32).sqrt(),
-            window: None,
-            softcap: None,
-        };
-        let seen = self.rows + b;
-        for (l, layer) in d.layers.iter().enumerate() {
-            rms_norm(x, &layer.in_norm, c.norm_eps, h);
-            quantize_activations(pool, h, b, dm, &mut self.xq);
-            matmul(pool, &layer.wq, h, &self.xq, b, q);
-            matmul(pool, &layer.wk, h, &self.xq, b, kb);
-            matmul(pool, &layer.wv, h, &self.xq, b, vb);
-            rms_norm_inplace(q, &layer.q_norm, c.norm_eps);
-            rms_norm_inplace(kb, &layer.k_norm, c.norm_eps);
-            for i in 0..b {
-                let (qi, ki) = (&mut q[i * qd..(i + 1) * qd], &mut kb[i * kvd..(i + 1) * kvd]);
-                d.rope.apply_all(&mut [qi, ki], hd, n + i);
-            }
-            let lk = &mut self.k[l * self.cap * kvd..(l + 1) * self.cap * kvd];
-            lk[self.rows * kvd..seen * kvd].copy_from_slice(kb);
-            let lv = &mut self.v[l * self.cap * kvd..(l + 1) * self.cap * kvd];
-            lv[self.rows * kvd..seen * kvd].copy_from_slice(vb);
-            attention(pool, &shape, q, lk, lv, 0, b, Visibility::Block { rows: seen }, att);
-            quantize_activations(pool, att, b, qd, &mut self.xq);
-            matmul(pool, &layer.wo, att, &self.xq, b, o);
-            add_into(x, o);
-            rms_norm(x, &layer.post_norm, c.norm_eps, h);
-            quantize_activations(pool, h, b, dm, &mut self.xq);
-            matmul(pool, &layer.w_gate, h, &self.xq, b, gate);
-            matmul(pool, &layer.w_up, h, &self.xq, b, up);
-            gated_act(Activation::Silu, gate, up);
-            quantize_activations(pool, gate, b, fd, &mut self.xq);
-            matmul(pool, &layer.w_down, gate, &self.xq, b, o);
-            add_into(x, o);
-        }
+        let ws = &mut self.ws;
+        be.write(&self.input, &mut ws.x);
+        ws.positions.clear();
+        ws.positions.extend(n..n + b);
+        forward::blocks(be, &d.decoder, &d.layers, &mut self.kv, ws, b, self.rows, Visibility::Block { rows: self.rows + b });
         let rows = b - 1;
-        let hs = &mut h[..rows * dm];
-        rms_norm(&x[dm..], &d.norm, c.norm_eps, hs);
-        quantize_activations(pool, hs, rows, dm, &mut self.xq);
+        be.rms_norm(&ws.x, 1, rows, &d.norm, c.norm_eps, &mut ws.h);
+        be.quantize(&ws.h, rows, dm, head, &mut ws.xq);
         logits.clear();
-        logits.resize(rows * head.rows(), 0.0);
-        matmul(pool, head, hs, &self.xq, rows, logits);
+        logits.resize(rows * head_rows, 0.0);
+        be.matmul_to_host(head, &ws.h, &ws.xq, rows, logits);
         Ok(())
     }
 
     /// Bytes of the context K/V cache.
     pub fn nbytes(&self) -> usize {
-        (self.k.len() + self.v.len()) * 4
-    }
-}
-
-fn add_into(x: &mut [f32], y: &[f32]) {
-    for (a, &b) in x.iter_mut().zip(y) {
-        *a += b;
+        2 * self.kv.len() * self.cap * self.kv_dim * 4
     }
 }
 
@@ -746,10 +739,11 @@ pub fn grow_tree(m: &Marginals, shape: TreeShape, max_nodes: usize, tree: &mut D
 
 /// A DFlash drafter as a [`Speculator`]: keeps its context rows in step with the committed sequence from
 /// the target's features ([`Speculator::observe`]), runs one block pass per round and proposes the chain
-/// or the best-first tree of its marginals.
-pub struct DFlashSpeculator {
-    drafter: DFlashDrafter,
-    seq: DFlashSeq,
+/// or the best-first tree of its marginals. It runs on the target's backend `B` (its context K/V in that
+/// backend's memory); only the feature rows and the block's logits cross to and from the host.
+pub struct DFlashSpeculator<B: Backend = Cpu> {
+    drafter: DFlashDrafter<B>,
+    seq: DFlashSeq<B>,
     shape: TreeShape,
     /// The last sequence seen (`history` of the last call): the context rows of positions below its
     /// length were computed for these tokens.
@@ -828,12 +822,12 @@ impl Calibration {
     }
 }
 
-impl DFlashSpeculator {
-    /// Wrap `drafter` (already bound to the target with [`DFlashDrafter::bind`]) for a context of `ctx`
-    /// tokens.
-    pub fn new(drafter: DFlashDrafter, ctx: usize, shape: TreeShape) -> DFlashSpeculator {
+impl<B: Backend> DFlashSpeculator<B> {
+    /// Wrap `drafter` (already bound to the target with [`DFlashDrafter::bind`], then moved to `be`) for a
+    /// context of `ctx` tokens.
+    pub fn new(be: &B, drafter: DFlashDrafter<B>, ctx: usize, shape: TreeShape) -> DFlashSpeculator<B> {
         DFlashSpeculator {
-            seq: DFlashSeq::new(&drafter, ctx),
+            seq: DFlashSeq::new(be, &drafter, ctx),
             drafter,
             shape,
             seen: Vec::new(),
@@ -845,7 +839,7 @@ impl DFlashSpeculator {
     }
 
     /// The drafter.
-    pub fn drafter(&self) -> &DFlashDrafter {
+    pub fn drafter(&self) -> &DFlashDrafter<B> {
         &self.drafter
     }
 
@@ -854,11 +848,13 @@ impl DFlashSpeculator {
         self.stats.pass_cost()
     }
 
-    /// Run one block pass for the sequence `history` (root last) and return its marginals, or `None`
-    /// when the context rows do not reach the root (features missing) or there is no room.
+    /// Run one block pass on `be` for the sequence `history` (root last) and return its marginals, or
+    /// `None` when the context rows do not reach the root (features missing) or there is no room. `host` is
+    /// the target's host copy (the block's embedding rows), `target` the target on `be` (its LM head, when
+    /// the drafter has no draft vocabulary of its own).
     ///
     /// Errors: a token outside the target's vocabulary.
-    pub fn marginals(&mut self, pool: &ThreadPool, target: &Model, history: &[u32], temperature: f32) -> Result<Option<&Marginals>> {
+    pub fn marginals(&mut self, be: &B, host: &Model, target: &Model<B>, history: &[u32], temperature: f32) -> Result<Option<&Marginals>> {
         let n = history.len() - 1;
         self.note_tokens(history);
         let b = self.drafter.config.block_size;
@@ -866,10 +862,10 @@ impl DFlashSpeculator {
             return Ok(None);
         }
         let t = Instant::now();
-        let head = self.drafter.head(target.lm_head());
-        self.seq.draft(&self.drafter, pool, &target.embed, target.config.embed_scale, head, history[n], &mut self.logits)?;
+        let (head, rows) = (self.drafter.head(target.lm_head()), self.drafter.head_rows());
+        self.seq.draft(be, &self.drafter, &host.embed, host.config.embed_scale, head, rows, history[n], &mut self.logits)?;
         self.stats.record_pass(t.elapsed().as_secs_f64());
-        self.marginals.fill(&self.logits, head.rows(), self.drafter.vocab_ids(), TOP_K, temperature);
+        self.marginals.fill(&self.logits, rows, self.drafter.head_ids(), TOP_K, temperature);
         Ok(Some(&self.marginals))
     }
 
@@ -885,12 +881,12 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-impl Speculator for DFlashSpeculator {
+impl<B: Backend> Speculator<B> for DFlashSpeculator<B> {
     fn name(&self) -> &'static str {
         "dflash"
     }
 
-    fn prefill(&mut self, _backend: &Cpu, _host: &Cpu, _prompt: &[u32]) -> Result<()> {
+    fn prefill(&mut self, _backend: &B, _host: &Cpu, _prompt: &[u32]) -> Result<()> {
         self.stats.clear_chain();
         Ok(())
     }
@@ -899,7 +895,7 @@ impl Speculator for DFlashSpeculator {
         &self.drafter.config.target_layer_ids
     }
 
-    fn observe(&mut self, backend: &Cpu, history: &[u32], start: usize, features: &[f32]) -> Result<()> {
+    fn observe(&mut self, backend: &B, _host: &Cpu, history: &[u32], start: usize, features: &[f32]) -> Result<()> {
         let fd = self.drafter.config.feature_dim();
         if !features.len().is_multiple_of(fd) {
             return Err(Error::Input(format!("DFlash: {} feature values are not rows of {fd}", features.len())));
@@ -918,17 +914,17 @@ impl Speculator for DFlashSpeculator {
         }
         self.note_tokens(history);
         let m = (features.len() / fd).min(self.seq.room(self.drafter.config.block_size));
-        self.seq.add_context(&self.drafter, backend.pool(), &features[..m * fd]);
+        self.seq.add_context(backend, &self.drafter, &features[..m * fd]);
         Ok(())
     }
 
-    fn propose(&mut self, ctx: &ProposeCtx, history: &[u32], tree: &mut DraftTree) -> Result<f64> {
+    fn propose(&mut self, ctx: &ProposeCtx<B>, history: &[u32], tree: &mut DraftTree) -> Result<f64> {
         let t0 = Instant::now();
         self.stats.score_chain(history);
         self.calibration.score(history);
         self.note_tokens(history);
         let want = ctx.max_nodes.min(ctx.budget.max_nodes());
-        let Some(target) = ctx.target else {
+        let (Some(host), Some(target)) = (ctx.target, ctx.model) else {
             return Ok(0.0);
         };
         if want == 0
@@ -937,7 +933,7 @@ impl Speculator for DFlashSpeculator {
             return Ok(t0.elapsed().as_secs_f64());
         }
         let shape = self.shape;
-        if self.marginals(ctx.backend.pool(), target, history, ctx.temperature)?.is_none() {
+        if self.marginals(ctx.backend, host, target, history, ctx.temperature)?.is_none() {
             return Ok(t0.elapsed().as_secs_f64());
         }
         let m = &mut self.marginals;

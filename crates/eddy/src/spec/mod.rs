@@ -339,14 +339,18 @@ pub struct ProposeCtx<'a, B: Backend = Cpu> {
     /// drafter's embedding and LM head, read them on the CPU); `None` in unit tests of speculators that do
     /// not need it.
     pub target: Option<&'a crate::models::Model>,
+    /// The target as backend `backend` runs it (drafters on that backend that share its LM head: DFlash);
+    /// on the CPU the same model as `target`. `None` in unit tests of speculators that do not need it.
+    pub model: Option<&'a crate::models::Model<B>>,
 }
 
 /// A source of draft tokens. Implementations keep whatever incremental state they need (a suffix
 /// automaton, a draft model's KV cache) in step with the sequence they are shown.
 ///
-/// `B` is the backend the speculator runs on. Host-side speculators (suffix lookup, the MTP head, DFlash)
-/// implement `Speculator<Cpu>` and serve an engine on any backend through [`OnHost`]; a draft model runs
-/// on the engine's own backend ([`draft::DraftModel`] is generic over it).
+/// `B` is the backend the speculator runs on. Host-side speculators (suffix lookup, the MTP head)
+/// implement `Speculator<Cpu>` and serve an engine on any backend through [`OnHost`]; a draft model and a
+/// DFlash drafter run on the engine's own backend ([`draft::DraftModel`] and [`dflash::DFlashSpeculator`]
+/// are generic over it).
 pub trait Speculator<B: Backend = Cpu>: Send {
     /// Short name (`suffix`, `draft`).
     fn name(&self) -> &'static str;
@@ -378,13 +382,13 @@ pub trait Speculator<B: Backend = Cpu>: Send {
     /// the outputs of [`Speculator::feature_layers`] concatenated (`n × layers·d_model`), in host memory.
     /// `history` holds the sequence's tokens through position `start` at least. Called after each prefill
     /// piece (its rows) and after every verify step (the accepted path), only for speculators that want
-    /// either; `host` is the CPU pool.
-    fn observe(&mut self, _host: &Cpu, _history: &[u32], _start: usize, _hidden: &[f32]) -> Result<()> {
+    /// either; `backend` is the engine's backend and `host` the CPU pool.
+    fn observe(&mut self, _backend: &B, _host: &Cpu, _history: &[u32], _start: usize, _hidden: &[f32]) -> Result<()> {
         Ok(())
     }
 }
 
-/// A host-side speculator ([`Speculator<Cpu>`]: suffix lookup, the MTP head, DFlash) serving an engine on
+/// A host-side speculator ([`Speculator<Cpu>`]: suffix lookup, the MTP head) serving an engine on
 /// any backend: it runs on the CPU pool ([`ProposeCtx::host`]) whatever the target runs on.
 pub struct OnHost(pub Box<dyn Speculator>);
 
@@ -404,6 +408,7 @@ impl<B: Backend> Speculator<B> for OnHost {
             cost: ctx.cost,
             temperature: ctx.temperature,
             target: ctx.target,
+            model: ctx.target,
         };
         self.0.propose(&on_host, history, tree)
     }
@@ -413,8 +418,8 @@ impl<B: Backend> Speculator<B> for OnHost {
     fn feature_layers(&self) -> &[usize] {
         self.0.feature_layers()
     }
-    fn observe(&mut self, host: &Cpu, history: &[u32], start: usize, hidden: &[f32]) -> Result<()> {
-        self.0.observe(host, history, start, hidden)
+    fn observe(&mut self, _backend: &B, host: &Cpu, history: &[u32], start: usize, hidden: &[f32]) -> Result<()> {
+        self.0.observe(host, host, history, start, hidden)
     }
 }
 
@@ -661,8 +666,8 @@ pub enum Drafter {
 }
 
 /// Build the speculators of `kind` for the target `target` with a context of `ctx` tokens, for an engine
-/// whose target runs on `be`: a draft model is moved there ([`draft::DraftModel`]); the host-side
-/// speculators run on the CPU through [`OnHost`].
+/// whose target runs on `be`: a draft model or a DFlash drafter is moved there ([`draft::DraftModel`],
+/// [`dflash::DFlashSpeculator`]); the host-side speculators run on the CPU through [`OnHost`].
 ///
 /// Errors: `Draft`/`DFlash` without a drafter (or with the other kind of drafter: a DFlash folder is
 /// only run by `Draft`, `DFlash`, `DFlashChain` and `Auto`), a drafter given to `None`/`Suffix`/`Mtp`,
@@ -684,7 +689,7 @@ pub fn build_speculators<B: Backend>(
     };
     let dflash = |mut d: Box<dflash::DFlashDrafter>, shape| -> Result<Box<dyn Speculator<B>>> {
         d.bind(&target.model)?;
-        Ok(host(Box::new(dflash::DFlashSpeculator::new(*d, ctx, shape))))
+        Ok(Box::new(dflash::DFlashSpeculator::new(be, d.into_backend(be), ctx, shape)))
     };
     let draft_model =
         |d: Box<crate::load::LoadedModel>| -> Result<Box<dyn Speculator<B>>> { Ok(Box::new(draft::DraftModel::new(*d, tok, ctx, be)?)) };

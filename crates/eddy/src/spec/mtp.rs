@@ -88,7 +88,7 @@ impl Speculator for MtpSpeculator {
         true
     }
 
-    fn observe(&mut self, _backend: &Cpu, history: &[u32], start: usize, hidden: &[f32]) -> Result<()> {
+    fn observe(&mut self, _backend: &Cpu, _host: &Cpu, history: &[u32], start: usize, hidden: &[f32]) -> Result<()> {
         let d = self.d_model;
         if !hidden.len().is_multiple_of(d) {
             return Err(Error::Input(format!("MTP: {} hidden values are not rows of {d}", hidden.len())));

@@ -312,6 +312,7 @@ mod tests {
             cost: &cost,
             temperature: 0.0,
             target: None,
+            model: None,
         };
         let mut s = SuffixSpeculator::default();
         let mut hist: Vec<u32> = vec![5, 6, 7, 8, 9, 1, 2, 3, 5, 6];
