@@ -11,7 +11,7 @@ use eddy::engine::{default_threads, Device, Engine, EngineOptions, GenerateParam
 use eddy::load::{load, LoadedModel};
 use eddy::model_dir::Quant;
 use eddy::sampling::SamplerParams;
-use eddy::spec::dflash::{find_next_to, is_dflash_dir, DFlashDrafter, DFlashSeq};
+use eddy::spec::dflash::{find_next_to, is_dflash_dir, DFlashDrafter, DFlashSeq, TOP_K};
 use eddy::spec::{Budget, Drafter, SpeculatorKind};
 use eddy::stats::{peak_rss_bytes, EnergyMeter, GenerationStats};
 use eddy::tokenizer::StreamDecoder;
@@ -231,19 +231,21 @@ fn spec_options(a: &SpecArgs) -> eddy::Result<(Option<SpeculatorKind>, Budget)> 
 }
 
 /// Median milliseconds of one DFlash block pass of the drafter in `dir` (int8) over a context of `context`
-/// rows (synthetic features: the cost does not depend on their values), over `reps` passes, on the CPU.
+/// rows (synthetic features: the cost does not depend on their values), over `reps` passes, on the CPU: the
+/// block pass and its reduction to the per-depth candidates, as the speculator runs it.
 fn dflash_pass_ms(engine: &Engine, d: &DFlashDrafter, context: usize, reps: usize) -> eddy::Result<f64> {
     let be = engine.backend();
     let mut seq = DFlashSeq::new(be, d, context);
     let features: Vec<f32> = (0..context * d.config.feature_dim()).map(|i| ((i % 97) as f32 - 48.0) / 16.0).collect();
     seq.add_context(be, d, &features);
     let m = &engine.lm.model;
-    let mut logits = Vec::new();
+    let mut cands = eddy::sampling::Candidates::default();
     let mut times = Vec::new();
     for i in 0..reps + 1 {
         let t = std::time::Instant::now();
         let root = ((1000 + i) % m.config.vocab_size) as u32;
-        seq.draft(be, d, &m.embed, m.config.embed_scale, d.head(m.lm_head()), d.head_rows(), root, &mut logits)?;
+        let head = d.head(m.lm_head());
+        seq.draft_candidates(be, d, &m.embed, m.config.embed_scale, head, d.head_rows(), root, 1.0, TOP_K, &mut cands)?;
         if i > 0 {
             times.push(t.elapsed().as_secs_f64() * 1e3);
         }

@@ -23,7 +23,8 @@
 //! The draft layers are the models' own Qwen3 blocks ([`Layer`] with q/k norms), run on the target's
 //! backend by the shared `models::forward::blocks` with [`Visibility::Block`] attention, so the drafter runs
 //! wherever the target runs (its context K/V in that backend's memory); only the feature rows go in and
-//! the block's logits come out through the host.
+//! each block pass's logits are reduced where they are to the per-depth top-k and the row mass
+//! ([`Backend::candidate_rows`]), which alone come back to the host.
 //!
 //! Drafts ([`DFlashSpeculator`]): the per-depth top-k of the marginals ([`Marginals`], probabilities at
 //! the target's temperature as acceptance estimates) become either the argmax chain or the DDTree
@@ -35,7 +36,7 @@
 //! object with such an array under `token_ids`) runs the LM head only over those rows: a sub-matrix
 //! gathered from the target's head once, when the drafter is bound to the target ([`DFlashDrafter::bind`]).
 
-use super::{probs_of, top_k, Budget, DraftTree, DrafterStats, ProposeCtx, Ranked, Speculator};
+use super::{Budget, DraftTree, DrafterStats, ProposeCtx, Ranked, Speculator};
 use crate::backend::{Activation, Backend, Cpu, Rope, RopeMode, Visibility};
 use crate::error::{Error, Result};
 use crate::model_dir::{Quant, Tensors};
@@ -43,6 +44,7 @@ use crate::models::forward::{self, Workspace};
 use crate::models::{Arch, Attention, Layer, Mixer, Model, ModelConfig};
 use crate::quant::import::{quantize_f32, QuantKind};
 use crate::quant::WeightMatrix;
+use crate::sampling::{exp_det, Candidates};
 use crate::state::LayerState;
 use serde_json::Value;
 use std::collections::BinaryHeap;
@@ -525,6 +527,9 @@ pub struct DFlashSeq<B: Backend = Cpu> {
     ws: Workspace<B>,
     /// Host rows of the block's input (its tokens' embeddings).
     input: Vec<f32>,
+    /// The last block pass's logits (`(B − 1) × head rows`), in the backend's memory, and their capacity.
+    logits: Option<B::Buf>,
+    logits_len: usize,
 }
 
 impl<B: Backend> DFlashSeq<B> {
@@ -534,7 +539,7 @@ impl<B: Backend> DFlashSeq<B> {
         let cap = ctx + c.block_size;
         let kv = (0..c.n_layers).map(|_| LayerState::Kv { k: be.alloc(cap * c.kv_dim()), v: be.alloc(cap * c.kv_dim()) }).collect();
         let ws = Workspace::for_blocks(be, &d.decoder, CONTEXT_BATCH.max(c.block_size), c.feature_dim());
-        DFlashSeq { cap, kv_dim: c.kv_dim(), kv, base: 0, rows: 0, ws, input: Vec::new() }
+        DFlashSeq { cap, kv_dim: c.kv_dim(), kv, base: 0, rows: 0, ws, input: Vec::new(), logits: None, logits_len: 0 }
     }
 
     /// Forget every context row; the next one will be at position `base`.
@@ -589,8 +594,8 @@ impl<B: Backend> DFlashSeq<B> {
     }
 
     /// One block pass: the root `root` at position `base + rows` followed by `B − 1` MASK tokens, over
-    /// every context row; the logits of slots `1..B` (`(B − 1) × head_rows` f32, slot order) are written to
-    /// `logits`. `embed` is the target's token embedding on the host (rows scaled by `embed_scale` when
+    /// every context row; the logits of slots `1..B` (`(B − 1) × head_rows` f32, slot order) are read back
+    /// into `logits`. `embed` is the target's token embedding on the host (rows scaled by `embed_scale` when
     /// set), `head` the LM head on `be` ([`DFlashDrafter::head`]) of `head_rows` rows
     /// ([`DFlashDrafter::head_rows`]). The context is not changed (the block's K/V go to scratch rows).
     ///
@@ -607,6 +612,48 @@ impl<B: Backend> DFlashSeq<B> {
         root: u32,
         logits: &mut Vec<f32>,
     ) -> Result<()> {
+        let out = self.block_pass(be, d, embed, embed_scale, head, head_rows, root)?;
+        logits.clear();
+        be.read(out, 0, d.config.block_size - 1, head_rows, logits);
+        Ok(())
+    }
+
+    /// [`DFlashSeq::draft`] reduced where the logits are: each slot's `k` most likely tokens at inverse
+    /// temperature `inv_t` and the row's mass, as [`Backend::candidate_rows`] gives them (slot order, ids
+    /// are head rows), into `out`; only those cross to the host.
+    ///
+    /// Errors: as [`DFlashSeq::draft`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn draft_candidates(
+        &mut self,
+        be: &B,
+        d: &DFlashDrafter<B>,
+        embed: &WeightMatrix,
+        embed_scale: Option<f32>,
+        head: &B::Weights,
+        head_rows: usize,
+        root: u32,
+        inv_t: f32,
+        k: usize,
+        out: &mut Candidates,
+    ) -> Result<()> {
+        let logits = self.block_pass(be, d, embed, embed_scale, head, head_rows, root)?;
+        be.candidate_rows(logits, d.config.block_size - 1, head_rows, inv_t, k, out);
+        Ok(())
+    }
+
+    /// The block pass of [`DFlashSeq::draft`]; returns the logits buffer.
+    #[allow(clippy::too_many_arguments)]
+    fn block_pass(
+        &mut self,
+        be: &B,
+        d: &DFlashDrafter<B>,
+        embed: &WeightMatrix,
+        embed_scale: Option<f32>,
+        head: &B::Weights,
+        head_rows: usize,
+        root: u32,
+    ) -> Result<&B::Buf> {
         let c = &d.config;
         let (dm, b) = (c.d_model, c.block_size);
         for tok in [root, c.mask_token_id] {
@@ -631,10 +678,13 @@ impl<B: Backend> DFlashSeq<B> {
         let rows = b - 1;
         be.rms_norm(&ws.x, 1, rows, &d.norm, c.norm_eps, &mut ws.h);
         be.quantize(&ws.h, rows, dm, head, &mut ws.xq);
-        logits.clear();
-        logits.resize(rows * head_rows, 0.0);
-        be.matmul_to_host(head, &ws.h, &ws.xq, rows, logits);
-        Ok(())
+        if self.logits.as_ref().is_none_or(|_| self.logits_len < rows * head_rows) {
+            self.logits = Some(be.alloc(rows * head_rows));
+            self.logits_len = rows * head_rows;
+        }
+        let out = self.logits.as_mut().expect("allocated above");
+        be.matmul(head, &ws.h, &ws.xq, rows, out);
+        Ok(out)
     }
 
     /// Bytes of the context K/V cache.
@@ -658,26 +708,57 @@ pub struct Marginals {
 }
 
 impl Marginals {
-    /// Fill from `logits` (`depth × row` f32, the block pass's output over the draft vocabulary `ids`,
-    /// or the full vocabulary when `None`), keeping `k` candidates per depth with probabilities
-    /// `softmax(logits / temperature)` (temperature 1 for greedy decoding).
-    pub fn fill(&mut self, logits: &[f32], row: usize, ids: Option<&[u32]>, k: usize, temperature: f32) {
-        let temp = if temperature > 0.0 { temperature } else { 1.0 };
-        self.depth = logits.len() / row;
-        self.k = k.min(row);
+    /// Fill from a block pass's candidates `c` ([`DFlashSeq::draft_candidates`]: one row per depth, ids
+    /// are rows of the head, i.e. indices into the draft vocabulary `ids`, or token ids when `None`):
+    /// `c.k` candidates per depth with probabilities `exp(s − s_max) / mass`, the softmax of the scaled
+    /// logits. A depth with fewer finite logits than `c.k` is padded with probability-0 entries (never
+    /// drafted).
+    pub fn fill(&mut self, c: &Candidates, ids: Option<&[u32]>) {
+        self.depth = c.rows();
+        self.k = c.k;
         self.tokens.clear();
         self.probs.clear();
-        for r in logits.chunks_exact(row) {
-            let top = top_k(r, self.k);
-            self.probs.extend(probs_of(r, &top, temp));
-            self.tokens.extend(top.iter().map(|&(i, _)| ids.map_or(i, |ids| ids[i as usize])));
+        for r in 0..c.rows() {
+            let row = c.row(r);
+            let max = row.top.first().map_or(0.0, |e| e.0);
+            for j in 0..c.k {
+                let (p, id) = match row.top.get(j) {
+                    Some(&(s, id)) if row.mass > 0.0 => ((exp_det(s - max) as f64 / row.mass) as f32, id),
+                    Some(&(_, id)) => (0.0, id),
+                    None => (0.0, row.top.first().map_or(0, |e| e.1)),
+                };
+                self.probs.push(p);
+                self.tokens.push(ids.map_or(id, |ids| ids[id as usize]));
+            }
         }
+    }
+
+    /// [`Marginals::fill`] from host logits (`depth × row` f32) at `temperature` (1 for greedy decoding),
+    /// `k` candidates per depth.
+    pub fn fill_logits(&mut self, logits: &[f32], row: usize, ids: Option<&[u32]>, k: usize, temperature: f32) {
+        let mut c = Candidates::default();
+        let n = logits.len() / row;
+        c.reset(n, k.min(row));
+        let mut scratch = Vec::new();
+        for (r, l) in logits.chunks_exact(row).enumerate() {
+            c.fill_row(r, l, inv_temperature(temperature), &mut scratch);
+        }
+        self.fill(&c, ids);
     }
 
     /// Token and probability of candidate `rank` at depth `depth` (1-based).
     pub fn at(&self, depth: usize, rank: usize) -> (u32, f32) {
         let i = (depth - 1) * self.k + rank;
         (self.tokens[i], self.probs[i])
+    }
+}
+
+/// Inverse temperature the marginals are taken at: the target's (clamped to 1e-3 and above), 1 for greedy.
+fn inv_temperature(temperature: f32) -> f32 {
+    if temperature > 0.0 {
+        1.0 / temperature.max(1e-3)
+    } else {
+        1.0
     }
 }
 
@@ -748,7 +829,7 @@ pub struct DFlashSpeculator<B: Backend = Cpu> {
     /// The last sequence seen (`history` of the last call): the context rows of positions below its
     /// length were computed for these tokens.
     seen: Vec<u32>,
-    logits: Vec<f32>,
+    cands: Candidates,
     marginals: Marginals,
     stats: DrafterStats,
     calibration: Calibration,
@@ -831,7 +912,7 @@ impl<B: Backend> DFlashSpeculator<B> {
             drafter,
             shape,
             seen: Vec::new(),
-            logits: Vec::new(),
+            cands: Candidates::default(),
             marginals: Marginals::default(),
             stats: DrafterStats::default(),
             calibration: Calibration::default(),
@@ -863,9 +944,10 @@ impl<B: Backend> DFlashSpeculator<B> {
         }
         let t = Instant::now();
         let (head, rows) = (self.drafter.head(target.lm_head()), self.drafter.head_rows());
-        self.seq.draft(be, &self.drafter, &host.embed, host.config.embed_scale, head, rows, history[n], &mut self.logits)?;
+        let (embed, scale, inv_t) = (&host.embed, host.config.embed_scale, inv_temperature(temperature));
+        self.seq.draft_candidates(be, &self.drafter, embed, scale, head, rows, history[n], inv_t, TOP_K, &mut self.cands)?;
         self.stats.record_pass(t.elapsed().as_secs_f64());
-        self.marginals.fill(&self.logits, rows, self.drafter.head_ids(), TOP_K, temperature);
+        self.marginals.fill(&self.cands, self.drafter.head_ids());
         Ok(Some(&self.marginals))
     }
 
@@ -1038,11 +1120,54 @@ mod tests {
         }
     }
 
+    /// The marginals from a pass's candidates are the top-k of the logits at the target's temperature and
+    /// their softmax probabilities (against a direct f64 softmax), on random rows; a row with fewer finite
+    /// logits than k is padded with probability-0 entries.
+    #[test]
+    fn marginals_are_the_softmax_top_k() {
+        let (depth, row, k) = (3, 300, TOP_K);
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut logits: Vec<f32> = (0..depth * row)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                (seed >> 40) as f32 / (1u64 << 24) as f32 * 12.0 - 6.0
+            })
+            .collect();
+        for t in [0.0f32, 0.7, 1.3] {
+            let mut m = Marginals::default();
+            m.fill_logits(&logits, row, None, k, t);
+            assert_eq!((m.depth, m.k), (depth, k));
+            let inv_t = if t > 0.0 { 1.0 / t as f64 } else { 1.0 };
+            for (d, r) in logits.chunks_exact(row).enumerate() {
+                let mut order: Vec<usize> = (0..row).collect();
+                order.sort_by(|&a, &b| r[b].total_cmp(&r[a]).then(a.cmp(&b)));
+                let max = r[order[0]] as f64 * inv_t;
+                let z: f64 = r.iter().map(|&v| (v as f64 * inv_t - max).exp()).sum();
+                for (rank, &i) in order[..k].iter().enumerate() {
+                    let (tok, p) = m.at(d + 1, rank);
+                    let want = ((r[i] as f64 * inv_t - max).exp() / z) as f32;
+                    assert_eq!(tok, i as u32, "t {t} depth {} rank {rank}", d + 1);
+                    assert!((p - want).abs() <= 1e-6 + 1e-5 * want, "t {t} depth {} rank {rank}: {p} vs {want}", d + 1);
+                }
+            }
+        }
+        // Only 2 finite logits in the last row.
+        for v in &mut logits[2 * row + 2..] {
+            *v = f32::NEG_INFINITY;
+        }
+        let mut m = Marginals::default();
+        m.fill_logits(&logits, row, None, k, 0.0);
+        let p: Vec<f32> = (0..k).map(|r| m.at(3, r).1).collect();
+        assert!((p[0] + p[1] - 1.0).abs() < 1e-6 && p[2..].iter().all(|&x| x == 0.0), "{p:?}");
+    }
+
     #[test]
     fn marginals_map_draft_vocabulary_ids() {
         let logits = [0.0f32, 2.0, 1.0, 5.0, 0.0, 0.0];
         let mut m = Marginals::default();
-        m.fill(&logits, 3, Some(&[100, 200, 300]), 2, 0.0);
+        m.fill_logits(&logits, 3, Some(&[100, 200, 300]), 2, 0.0);
         assert_eq!((m.depth, m.k), (2, 2));
         assert_eq!(m.tokens, vec![200, 300, 100, 200]);
         let z: f32 = [0.0f32, 2.0, 1.0].iter().map(|v| v.exp()).sum();

@@ -155,6 +155,15 @@ impl Backend for Cpu {
         attention(&self.pool, s, &a.q[..t * qd], a.k, a.v, a.n_past, t, a.vis, &mut out[..t * qd]);
     }
 
+    fn candidate_rows(&self, x: &Vec<f32>, n: usize, width: usize, inv_t: f32, k: usize, out: &mut crate::sampling::Candidates) {
+        // The trait's reduction on the rows where they are (no copy).
+        out.reset(n, k);
+        let mut scratch = Vec::new();
+        for (r, row) in x[..n * width].chunks_exact(width.max(1)).enumerate() {
+            out.fill_row(r, row, inv_t, &mut scratch);
+        }
+    }
+
     fn read(&self, buf: &Vec<f32>, row0: usize, n: usize, width: usize, out: &mut Vec<f32>) {
         out.extend_from_slice(&buf[row0 * width..(row0 + n) * width]);
     }
