@@ -27,7 +27,7 @@
 //!   width in lane-per-row lines (see [`crate::quant::Packed`]) and unpacked with and/shift/ternlog;
 //!   scales are the same values in lane order, `S`/`M` formed as `scale_min` forms them. Token tiles of
 //!   up to 8 per row block (16 for bits 5/6, whose unpacking costs more); the tiles' activations are laid
-//!   out once per product ([`fill_xtiles`]) so that every field a tile reads (codes, scales, the offset
+//!   out once per product ([`super::packed::fill_xtiles`]) so that every field a tile reads (codes, scales, the offset
 //!   terms `−2^(bits−1)·Σq_x` or `dsum`) sits at a constant offset from one pointer per code block. Measured faster than both kernels above at every `n` on Zen 4 (also `n = 1`:
 //!   no horizontal reductions), so it is used whenever present.
 //! * Packed on AMX (`tdpbsud`; where the CPU and OS allow it, `EDDY_AMX=0` off, from n = 16 for groups of
@@ -62,11 +62,6 @@ pub(crate) use imp::{hsum, rows};
 pub(crate) unsafe fn rows(_: &super::Ctx, _: usize, _: std::ops::Range<usize>) {
     unreachable!("AVX-512 kernel on a non-x86 target")
 }
-
-/// One 64-byte line of the token-tile activation layout ([`fill_xtiles`]).
-#[repr(C, align(64))]
-#[derive(Clone, Copy)]
-pub(crate) struct XLine(#[allow(dead_code)] [u8; 64]);
 
 /// Most tokens per packed tile of a `bits`-bit matrix (each unpacked block is dotted with all of them).
 /// VNNI: 16 for bits 5/6, whose bit-plane unpacking costs as much as the 4-bit codes' whole epilogue
@@ -120,66 +115,12 @@ pub(crate) fn amx_available() -> bool {
     })
 }
 
-/// Bytes per token and code block of 32 values in [`fill_xtiles`]'s layout: 32 codes, the f32 scale, and
-/// per weight group in the block (1, or 2 for groups of 16) one 4-byte term.
-const fn xtile_bytes(gpb: usize) -> usize {
-    36 + 4 * gpb
-}
-
-/// Lay out the activations of tokens `0..n` for the packed kernel on `m` (into `buf`, grown if
-/// needed): tokens in tiles of `P` = `tile` ([`packed_tokens`]: the packed kernel's tiles: `t0 = 0, P, 2P, ..`;
-/// the last one `T = n − t0 ≤ P`), and per tile and code block `b` a record of `T·xtile_bytes(gpb)` bytes at
-/// byte `(t0·nblk + b·T)·xtile_bytes(gpb)`: the `T` tokens' 32 codes (`32·t`), their scales `d`
-/// (f32 at `32·T + 4·t`), then per weight group `h` of the block (`gpb` = 32 / group, units of 32
-/// for groups of 64/128) at `36·T + 4·(h·T + t)` the offset term: with the implicit offset the i32
-/// `−2^(bits−1)·Σq_x` over the group's values (the start of `D'`), else the f32 `dsum`. Every field of
-/// a tile is then at a constant offset from the record, so the kernel needs one pointer per tile.
-pub(crate) fn fill_xtiles(m: &crate::quant::QMatrix, xq: &super::QuantizedActivations, n: usize, tile: usize, buf: &mut Vec<XLine>) {
-    use crate::quant::QK;
-    let cols = xq.cols;
-    let nblk = cols / QK;
-    let g16 = m.group == 16;
-    let gpb = if g16 { 2 } else { 1 };
-    let r1 = xtile_bytes(gpb);
-    let bytes = n * nblk * r1;
-    let lines = bytes.div_ceil(64);
-    if buf.len() < lines {
-        buf.resize(lines, XLine([0; 64]));
-    }
-    // SAFETY: `buf` holds `bytes`; every write below is inside it (offsets as documented above).
-    let out = unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr() as *mut u8, bytes) };
-    let imp = m.implicit_min();
-    let half = m.bits as u32 - 1;
-    let codes: &[u8] = unsafe { std::slice::from_raw_parts(xq.q.as_ptr() as *const u8, xq.q.len()) };
-    for t in 0..n {
-        let t0 = t / tile * tile;
-        let tn = (n - t0).min(tile);
-        let ti = t - t0;
-        let xc = &codes[t * cols..(t + 1) * cols];
-        for b in 0..nblk {
-            let rec = &mut out[(t0 * nblk + b * tn) * r1..][..tn * r1];
-            rec[32 * ti..32 * ti + 32].copy_from_slice(&xc[b * QK..b * QK + QK]);
-            let xi = t * nblk + b;
-            rec[32 * tn + 4 * ti..][..4].copy_from_slice(&xq.scale[xi].to_le_bytes());
-            for h in 0..gpb {
-                let v = if !imp {
-                    xq.dsum[xi].to_le_bytes()
-                } else if g16 {
-                    (-(xq.sum16[2 * xi + h] << half)).to_le_bytes()
-                } else {
-                    (-(xq.sum[xi] << half)).to_le_bytes()
-                };
-                rec[36 * tn + 4 * (h * tn + ti)..][..4].copy_from_slice(&v);
-            }
-        }
-    }
-}
-
 #[cfg(target_arch = "x86_64")]
 mod imp {
+    use super::super::packed::{xtile_bytes, ScaleStreams};
     use super::super::{Ctx, ROW_BLOCK};
-    use super::{packed_tokens, xtile_bytes};
-    use crate::quant::{super_block, super_blocks, GroupScales, Packed, QMatrix, WeightMatrix, PACK_ROWS, QK, QK_SUPER};
+    use super::packed_tokens;
+    use crate::quant::{super_block, GroupScales, Packed, QMatrix, WeightMatrix, PACK_ROWS, QK, QK_SUPER};
     use std::arch::asm;
     use std::arch::x86_64::*;
     use std::cell::RefCell;
@@ -1211,7 +1152,7 @@ mod imp {
 
     /// The AMX dots of `units` consecutive weight groups (`units` ≤ [`AMX_CHUNK`]; groups of 32 = code
     /// blocks, or halves of them for `G16`) from the `B` lines at `w` (512 bytes per code block) and the
-    /// activation records at `x` (one per code block, [`super::fill_xtiles`]): group `u`'s `C` (`T` × 16
+    /// activation records at `x` (one per code block, [`super::super::packed::fill_xtiles`]): group `u`'s `C` (`T` × 16
     /// i32, token × row) to `c + 64·T·u`. Four groups per step on four `C` tiles (tmm0/1/6/7; `A`/`B`
     /// alternate tmm2/4 and tmm3/5) so that one group's `tdpbsud` overlaps the others' stores.
     #[inline(always)]
@@ -1290,39 +1231,19 @@ mod imp {
         let gpb = QK / gs;
         let qpg = gs / 4;
         let nblk = cols / QK;
-        let sbpr = super_blocks(cols);
         let lpb = Packed::lines_per_block(B);
         let rb = r0 / PACK_ROWS;
         let imp = m.implicit_min();
-        // This tile's activation records ([`super::fill_xtiles`]): one per code block, fields at
+        // This tile's activation records ([`super::super::packed::fill_xtiles`]): one per code block, fields at
         // constant offsets.
         let r1 = xtile_bytes(gpb);
         let xt = ctx.xt.get().add(t0 * nblk * r1) as *const u8;
         let lines = pk.lines.as_ptr().add(rb * nblk * lpb) as *const __m512i;
-        // Scale streams of this row block: per group 16 lanes; `d`/`dmin` per super-block.
-        let g0 = rb * (cols / m.group) * PACK_ROWS;
         // Units of `gs` values per weight group (1, or 2/4 for groups of 64/128: the scale index is the
         // unit's >> sh; the chains still run per unit of 32, as in the module docs' order with `g` = unit).
         let sh = (m.group / gs).trailing_zeros();
-        let s0 = rb * sbpr * PACK_ROWS;
-        let (f16s, f16m, sc, mn, dd, dm) = match &pk.scales {
-            GroupScales::F16 { scale, min } => (
-                scale.as_ptr().add(g0) as *const u8,
-                min.as_ref().map_or(std::ptr::null(), |v| v.as_ptr().add(g0) as *const u8),
-                std::ptr::null(),
-                std::ptr::null(),
-                std::ptr::null(),
-                std::ptr::null(),
-            ),
-            GroupScales::SuperI8 { sc, mn, d, dmin } => (
-                std::ptr::null(),
-                std::ptr::null(),
-                sc.as_ptr().add(g0),
-                mn.as_ref().map_or(std::ptr::null(), |v| v.as_ptr().add(g0)),
-                d.as_ptr().add(s0),
-                if imp { std::ptr::null() } else { dmin.as_ptr().add(s0) },
-            ),
-        };
+        // Scale streams of this row block: per group 16 lanes; `d`/`dmin` per super-block.
+        let ScaleStreams { f16s, f16m, sc, mn, d: dd, dmin: dm } = ScaleStreams::new(m, pk, rb);
         let sup = f16s.is_null();
         let i8v = |p: *const i8| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)));
         let zero = _mm512_setzero_si512();

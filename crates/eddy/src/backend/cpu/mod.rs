@@ -7,7 +7,8 @@
 //!   for matrices prepacked at load time ([`prepack_wanted`], [`crate::quant::QMatrix::prepack`]), the
 //!   GEMM's form on the prepacked layout for every batch size; all produce identical bits (see
 //!   `avx512.rs`).
-//! * [`Kernel::Avx2`]: AVX2 + FMA (`vpmaddubsw` + `vpmaddwd`), `R rows × T tokens` register tiles.
+//! * [`Kernel::Avx2`]: AVX2 + FMA (`vpmaddubsw` + `vpmaddwd`): on prepacked matrices the AVX-512 packed
+//!   kernel's form on 8-row halves, bit-identical to it; otherwise `R rows × T tokens` register tiles.
 //! * [`Kernel::Scalar`]: portable loops.
 //!
 //! The environment variable `EDDY_KERNEL=scalar|avx2|avx512` caps the choice (a request for a path the
@@ -42,6 +43,7 @@ pub mod bandwidth;
 pub mod gdn;
 pub mod norm;
 mod ops;
+mod packed;
 mod pool;
 mod quantize;
 mod reference;
@@ -133,11 +135,11 @@ impl Kernel {
 }
 
 /// Whether loaded models should build the prepacked weight layout ([`crate::quant::QMatrix::prepack`]):
-/// only the [`Kernel::Avx512`] path uses it, and `EDDY_PREPACK=0` turns it off (it costs a second copy
-/// of every quantized matmul weight). Decided once per process.
+/// the [`Kernel::Avx512`] and [`Kernel::Avx2`] paths use it, and `EDDY_PREPACK=0` turns it off. Decided
+/// once per process.
 pub fn prepack_wanted() -> bool {
     static WANTED: OnceLock<bool> = OnceLock::new();
-    *WANTED.get_or_init(|| Kernel::active() == Kernel::Avx512 && std::env::var("EDDY_PREPACK").map_or(true, |v| v.trim() != "0"))
+    *WANTED.get_or_init(|| Kernel::active() >= Kernel::Avx2 && std::env::var("EDDY_PREPACK").map_or(true, |v| v.trim() != "0"))
 }
 
 /// Whether the AVX-512 packed kernel may compute its integer dots on AMX (tile `tdpbsud`; same bits as
@@ -225,8 +227,8 @@ pub(crate) fn matmul_amx(
     check_weights(w);
     if let WeightMatrix::Q(m) = w {
         assert!(
-            m.has_natural() || kernel == Kernel::Avx512,
-            "weights prepacked for AVX-512 without their natural codes need the AVX-512 kernel, not {kernel:?}"
+            m.has_natural() || (m.packed.is_some() && kernel >= Kernel::Avx2),
+            "prepacked weights without their natural codes need a packed kernel (AVX2 or AVX-512), not {kernel:?}"
         );
     }
     match w {
@@ -276,14 +278,15 @@ pub(crate) fn matmul_amx(
         }
         _ => x,
     };
-    // The packed AVX-512 kernel reads the activations in its token-tile layout, laid out once here (on
-    // the calling thread, into a buffer kept per thread) for all workers.
-    let packed = matches!(w, WeightMatrix::Q(m) if m.packed.is_some()) && kernel == Kernel::Avx512;
-    let amx = packed && amx && avx512::amx_available();
+    // The packed kernels (AVX-512, AVX2) read the activations in their token-tile layout, laid out once
+    // here (on the calling thread, into a buffer kept per thread) for all workers.
+    let packed = matches!(w, WeightMatrix::Q(m) if m.packed.is_some()) && kernel >= Kernel::Avx2;
+    let amx = packed && amx && kernel == Kernel::Avx512 && avx512::amx_available();
     let mut xt = if packed { XTILES.with(|b| b.take()) } else { Vec::new() };
     if packed {
         if let WeightMatrix::Q(m) = w {
-            avx512::fill_xtiles(m, xq, n, avx512::packed_tokens(m.bits, amx), &mut xt);
+            let tile = if kernel == Kernel::Avx512 { avx512::packed_tokens(m.bits, amx) } else { avx2::packed_tokens(m.bits) };
+            packed::fill_xtiles(m, xq, n, tile, &mut xt);
         }
     }
     let ctx = Ctx {
@@ -320,7 +323,7 @@ pub(crate) fn matmul_amx(
 
 thread_local! {
     /// The calling thread's buffer for [`Ctx::xt`]: grows to the largest product, then reused.
-    static XTILES: std::cell::Cell<Vec<avx512::XLine>> = const { std::cell::Cell::new(Vec::new()) };
+    static XTILES: std::cell::Cell<Vec<packed::XLine>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// Epilogue of a product with an output rotation: `y ← D_out ⊙ (H·y)` on the Hadamard blocks of rows
@@ -362,15 +365,17 @@ pub(crate) const ROW_BLOCK: usize = 32;
 
 /// Compute outputs for rows `range` and all `n` tokens.
 ///
-/// Scalar/AVX2: row blocks of [`ROW_BLOCK`], token tiles of 4, row tiles of 4 (1 at a row tail).
-/// AVX-512 has its own blocking (see `avx512.rs`).
+/// Scalar/AVX2: row blocks of [`ROW_BLOCK`], token tiles of 4, row tiles of 4 (1 at a row tail); AVX2 on a
+/// prepacked matrix: its packed kernel (`avx2.rs`). AVX-512 has its own blocking (see `avx512.rs`).
 unsafe fn process_rows(kernel: Kernel, ctx: &Ctx, n: usize, range: Range<usize>) {
-    // Weight groups of 64/128 (eddy's M/L formats): the AVX-512 packed kernel (unpacked: the scalar tile,
-    // see avx512.rs); the AVX2 path hands them to the scalar tile.
-    let kernel = if kernel == Kernel::Avx2 && matches!(ctx.w, WeightMatrix::Q(m) if m.group > QK) { Kernel::Scalar } else { kernel };
     if kernel == Kernel::Avx512 {
         return avx512::rows(ctx, n, range);
     }
+    if kernel == Kernel::Avx2 && matches!(ctx.w, WeightMatrix::Q(m) if m.packed.is_some()) {
+        return avx2::packed_rows(ctx, n, range);
+    }
+    // Weight groups of 64/128 (eddy's M/L formats) unpacked: the AVX2 path hands them to the scalar tile.
+    let kernel = if kernel == Kernel::Avx2 && matches!(ctx.w, WeightMatrix::Q(m) if m.group > QK) { Kernel::Scalar } else { kernel };
     let mut rb = range.start;
     while rb < range.end {
         let rb_end = (rb + ROW_BLOCK).min(range.end);

@@ -417,6 +417,30 @@ fn all_q_kinds() -> Vec<Kind> {
     v
 }
 
+/// [`all_q_kinds`] and the groups of 64/128 that only the packed kernels take.
+fn packed_kinds() -> Vec<Kind> {
+    let mut kinds = all_q_kinds();
+    kinds.extend([
+        Kind::Q(4, 64, Sc::F16Min),
+        Kind::Q(4, 128, Sc::F16Min),
+        Kind::Q(8, 64, Sc::F16Implicit),
+        Kind::Q(8, 128, Sc::F16Implicit),
+        Kind::Q(5, 128, Sc::F16Implicit),
+        Kind::Q(6, 64, Sc::F16Min),
+    ]);
+    kinds
+}
+
+/// `natural` prepacked, without its natural codes (what the CPU backend runs).
+fn packed_only(natural: &WeightMatrix) -> WeightMatrix {
+    let mut w = natural.clone();
+    if let WeightMatrix::Q(m) = &mut w {
+        m.prepack();
+        m.drop_natural();
+    }
+    w
+}
+
 #[test]
 fn prepacked_matmul_is_bit_identical_to_unpacked() {
     if !Kernel::Avx512.is_available() {
@@ -504,24 +528,11 @@ fn packed_amx_is_bit_identical_to_vnni_and_reference() {
     eprintln!("AMX path {}", if amx_available() { "runs" } else { "not available: comparing VNNI with itself" });
     let mut rng = Rng(41);
     let pools: Vec<ThreadPool> = (1..=3).map(ThreadPool::new).collect();
-    let mut kinds = all_q_kinds();
-    kinds.extend([
-        Kind::Q(4, 64, Sc::F16Min),
-        Kind::Q(4, 128, Sc::F16Min),
-        Kind::Q(8, 64, Sc::F16Implicit),
-        Kind::Q(8, 128, Sc::F16Implicit),
-        Kind::Q(5, 128, Sc::F16Implicit),
-        Kind::Q(6, 64, Sc::F16Min),
-    ]);
-    for kind in kinds {
+    for kind in packed_kinds() {
         for &(rows, cols) in &[(37usize, 512usize), (100, 256), (21, 896)] {
             let cols = cols_for(kind, cols);
             let natural = rand_weights(kind, rows, cols, &mut rng);
-            let mut w = natural.clone();
-            if let WeightMatrix::Q(m) = &mut w {
-                m.prepack();
-                m.drop_natural();
-            }
+            let w = packed_only(&natural);
             let nmax = 40;
             let x = rand_x(nmax, cols, &mut rng);
             let xq_all = quantize(Kernel::Avx512, &x, nmax, cols);
@@ -546,6 +557,61 @@ fn packed_amx_is_bit_identical_to_vnni_and_reference() {
                         assert_eq!(amx[i].to_bits(), vnni[i].to_bits(), "{what}: AMX vs VNNI");
                         assert_eq!(amx[i].to_bits(), single[i].to_bits(), "{what}: vs n=1");
                         assert!(((amx[i] - want[i]) as f64).abs() <= tol[i], "{what}: vs reference {} {}", amx[i], want[i]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The AVX2 packed kernel against the scalar reference, one call per token (batch invariance) and, where
+/// the CPU has it, the AVX-512 packed kernel (the same float operations: bit-identical), for every format
+/// the packed kernels take (bits 4/5/6/8, groups 16/32/64/128, implicit and explicit offsets), n = 1..20
+/// (token tiles of 8 or 16 and their tails), rows that are no multiple of 16 (a half-empty last block), 1–3
+/// threads, without the natural codes (what the CPU backend runs).
+#[test]
+fn avx2_packed_matches_reference_and_avx512() {
+    if !Kernel::Avx2.is_available() {
+        eprintln!("skipped: no AVX2");
+        return;
+    }
+    let avx512 = Kernel::Avx512.is_available();
+    eprintln!("AVX-512 {}", if avx512 { "available: compared bit for bit" } else { "not available: reference only" });
+    let mut rng = Rng(57);
+    let pools: Vec<ThreadPool> = (1..=3).map(ThreadPool::new).collect();
+    for kind in packed_kinds() {
+        for &(rows, cols) in &[(37usize, 512usize), (100, 256), (5, 896), (24, 1536)] {
+            let cols = cols_for(kind, cols);
+            let natural = rand_weights(kind, rows, cols, &mut rng);
+            let w = packed_only(&natural);
+            let nmax = 20;
+            let x = rand_x(nmax, cols, &mut rng);
+            let xq_all = quantize(Kernel::Avx2, &x, nmax, cols);
+            let mut want = vec![0f32; nmax * rows];
+            matmul_reference(&natural, &x, &xq_all, nmax, &mut want);
+            let mut single = vec![0f32; nmax * rows];
+            for t in 0..nmax {
+                let xq = quantize(Kernel::Avx2, &x[t * cols..(t + 1) * cols], 1, cols);
+                matmul_with(Kernel::Avx2, &pools[0], &w, &[], &xq, 1, &mut single[t * rows..(t + 1) * rows]);
+            }
+            for n in 1..=nmax {
+                let xq = quantize(Kernel::Avx2, &x[..n * cols], n, cols);
+                for pool in &pools {
+                    let mut got = vec![f32::NAN; n * rows];
+                    matmul_with(Kernel::Avx2, pool, &w, &[], &xq, n, &mut got);
+                    let mut other = vec![f32::NAN; n * rows];
+                    if avx512 {
+                        matmul_with(Kernel::Avx512, pool, &w, &[], &xq, n, &mut other);
+                    }
+                    for i in 0..n * rows {
+                        let (t, r) = (i / rows, i % rows);
+                        let what = format!("{kind:?} {rows}x{cols} n={n} threads={} t={t} r={r}", pool.n_threads());
+                        assert_eq!(got[i].to_bits(), single[i].to_bits(), "{what}: vs n=1");
+                        if avx512 {
+                            assert_eq!(got[i].to_bits(), other[i].to_bits(), "{what}: AVX2 vs AVX-512");
+                        }
+                        let tol = 1e-5 * magnitude(&natural, &x, &xq_all, r, t) + 1e-30;
+                        assert!(((got[i] - want[i]) as f64).abs() <= tol, "{what}: vs reference {} {}", got[i], want[i]);
                     }
                 }
             }
@@ -643,7 +709,7 @@ fn rotated_matmul_matches_reference_and_is_batch_invariant() {
             let mut want = vec![0f32; nmax * rows];
             matmul_reference(&w, &x, &xq_all, nmax, &mut want);
             for k in Kernel::available() {
-                let variants: Vec<&WeightMatrix> = if k == Kernel::Avx512 { vec![&w, &wp, &wd] } else { vec![&w] };
+                let variants: Vec<&WeightMatrix> = if k >= Kernel::Avx2 { vec![&w, &wp, &wd] } else { vec![&w] };
                 for (v, ww) in variants.into_iter().enumerate() {
                     let what = format!("{format:?} g{group} {k:?} variant {v} {rows}x{cols}");
                     let mut single = vec![0f32; nmax * rows];
