@@ -25,9 +25,10 @@
 //! KV head (all its query heads, or a slice of them when there are few queries) and walks the keys in
 //! blocks that stay in L1, so each K and V row is loaded once per block of queries instead of once per
 //! query (the FlashAttention idea, Dao 2023, §3, with a stored score row per (query, head) instead of the
-//! online rescaling, whose result would depend on the key blocking). The AVX-512 and the portable kernels
-//! follow the same order; the portable one uses separate multiply and add instead of `fma`, so results
-//! differ between the two, never between batches on one machine (the kernel is chosen once per CPU).
+//! online rescaling, whose result would depend on the key blocking). The AVX-512, AVX2 and portable kernels
+//! follow the same order; AVX2 holds each 16-lane chain in two 8-lane registers and computes exactly what
+//! AVX-512 does, the portable one uses separate multiply and add instead of `fma`, so its results differ,
+//! never between batches on one machine (the kernel is chosen once per CPU).
 
 use super::ThreadPool;
 use crate::tree::TreePaths;
@@ -87,6 +88,10 @@ enum Kernel {
     /// AVX-512F with `fma`.
     #[cfg(target_arch = "x86_64")]
     Avx512,
+    /// AVX2 with `fma`: the AVX-512 kernels' operations, each 16-lane chain as two 8-lane halves, so the
+    /// results are bit-identical to theirs.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
     /// Plain Rust, separate multiply and add.
     Portable,
 }
@@ -98,6 +103,10 @@ impl Kernel {
         #[cfg(target_arch = "x86_64")]
         if super::Kernel::active() == super::Kernel::Avx512 && std::arch::is_x86_feature_detected!("fma") {
             return Kernel::Avx512;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if super::Kernel::active() == super::Kernel::Avx2 {
+            return Kernel::Avx2;
         }
         Kernel::Portable
     }
@@ -112,6 +121,9 @@ impl Kernel {
             // SAFETY: features detected in `detect`; reads and writes are within the bounds asserted above.
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512 => unsafe { avx512::scores(q.as_ptr(), gn, hd, k.as_ptr(), offs, scale, out.as_mut_ptr(), stride) },
+            // SAFETY: as above (AVX2 + FMA, which `super::Kernel::Avx2` implies).
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => unsafe { avx2::scores(q.as_ptr(), gn, hd, k.as_ptr(), offs, scale, out.as_mut_ptr(), stride) },
             Kernel::Portable => {
                 for g in 0..gn {
                     let qg = &q[g * hd..(g + 1) * hd];
@@ -129,6 +141,9 @@ impl Kernel {
             // SAFETY: features detected in `detect`.
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512 => unsafe { avx512::exp_row(row) },
+            // SAFETY: features detected in `detect`.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => unsafe { avx2::exp_row(row) },
             Kernel::Portable => {
                 let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
                 let mut lanes = [0f32; 16];
@@ -151,6 +166,9 @@ impl Kernel {
             // SAFETY: features detected in `detect`; reads and writes are within the bounds asserted above.
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512 => unsafe { avx512::pv(w.as_ptr(), stride, gn, v.as_ptr(), offs, hd, o.as_mut_ptr()) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => unsafe { avx2::pv(w.as_ptr(), stride, gn, v.as_ptr(), offs, hd, o.as_mut_ptr()) },
             Kernel::Portable => {
                 for g in 0..gn {
                     let og = &mut o[g * hd..(g + 1) * hd];
@@ -163,6 +181,37 @@ impl Kernel {
                 }
             }
         }
+    }
+}
+
+/// The register tiles of a `scores` kernel: heads `g..g+r` (`r` ≤ 2) × keys `jj..jj+nj` (`nj` ≤ `jmax`),
+/// passed to `f(g, r, jj, nj)`, heads outer. Tiles only group independent chains.
+#[cfg(target_arch = "x86_64")]
+fn score_tiles(gn: usize, n_keys: usize, jmax: usize, mut f: impl FnMut(usize, usize, usize, usize)) {
+    let mut g = 0;
+    while g < gn {
+        let r = (gn - g).min(2);
+        let mut jj = 0;
+        while jj < n_keys {
+            let nj = (n_keys - jj).min(jmax);
+            f(g, r, jj, nj);
+            jj += nj;
+        }
+        g += r;
+    }
+}
+
+/// The register tiles of a `pv` kernel: heads `g..g+r` (`r` ≤ 2) × output elements `d0..` in up to
+/// `cmax` chunks of 16, passed to `f(g, r, d0, chunks)`.
+#[cfg(target_arch = "x86_64")]
+fn pv_tiles(gn: usize, hd: usize, cmax: usize, mut f: impl FnMut(usize, usize, usize, usize)) {
+    let mut g = 0;
+    while g < gn {
+        let r = (gn - g).min(2);
+        for d0 in (0..hd).step_by(16 * cmax) {
+            f(g, r, d0, (hd - d0).div_ceil(16).min(cmax));
+        }
+        g += r;
     }
 }
 
@@ -227,7 +276,8 @@ pub fn exp_portable(x: f32) -> f32 {
 }
 
 /// e^x for 16 lanes with AVX-512F: the steps of [`exp_portable`] with `fma`, and `vscalefps` for the
-/// final `·2^n` (one rounding, subnormal results exact to rounding). About 1 ulp; `−inf` and `x < −104`
+/// final `·2^n` (one rounding, subnormal results exact to rounding; the AVX2 kernel gets the same bits by
+/// multiplying with powers of two, in two steps where the result is subnormal). About 1 ulp; `−inf` and `x < −104`
 /// give `+0`, NaN stays NaN.
 ///
 /// # Safety
@@ -578,19 +628,10 @@ mod avx512 {
         out: *mut f32,
         stride: usize,
     ) {
-        let mut g = 0;
-        while g < gn {
-            let r = (gn - g).min(2);
-            let (qg, og) = (q.add(g * hd), out.add(g * stride));
-            let mut jj = 0;
-            while jj < offs.len() {
-                let nj = (offs.len() - jj).min(4);
-                let (o, ks) = (og.add(jj), &offs[jj..jj + nj]);
-                tile!(score_tile, r, nj, (qg, hd, k, ks, scale, o, stride));
-                jj += nj;
-            }
-            g += r;
-        }
+        super::score_tiles(gn, offs.len(), 4, |g, r, jj, nj| {
+            let (qg, o, ks) = (q.add(g * hd), out.add(g * stride + jj), &offs[jj..jj + nj]);
+            tile!(score_tile, r, nj, (qg, hd, k, ks, scale, o, stride));
+        });
     }
 
     #[inline]
@@ -628,15 +669,9 @@ mod avx512 {
     /// See [`super::Kernel::pv`]: tiles of up to 2 heads × 64 output elements held in registers.
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub(super) unsafe fn pv(w: *const f32, stride: usize, gn: usize, v: *const f32, offs: &[usize], hd: usize, o: *mut f32) {
-        let mut g = 0;
-        while g < gn {
-            let r = (gn - g).min(2);
-            let (wg, og) = (w.add(g * stride), o.add(g * hd));
-            for d0 in (0..hd).step_by(64) {
-                tile!(pv_tile, r, (hd - d0).div_ceil(16).min(4), (wg, stride, v, offs, hd, d0, og));
-            }
-            g += r;
-        }
+        super::pv_tiles(gn, hd, 4, |g, r, d0, chunks| {
+            tile!(pv_tile, r, chunks, (w.add(g * stride), stride, v, offs, hd, d0, o.add(g * hd)));
+        });
     }
 
     #[inline]
@@ -675,6 +710,249 @@ mod avx512 {
         for r in 0..R {
             for c in 0..C {
                 _mm512_mask_storeu_ps(o.add(r * hd + d0 + 16 * c), m[c], acc[r][c]);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! The AVX2 kernels of [`super::Kernel`]: the AVX-512 kernels' operations (module doc of `attention`)
+    //! with each 16-lane vector held as two 8-lane halves `[lo, hi]` (lanes 0–7, 8–15), so every result is
+    //! bit-identical to AVX-512's. Register tiles are smaller (16 registers), which changes no result.
+    #![allow(clippy::needless_range_loop)] // register tiles index parallel arrays
+    use super::{EXP_MAX, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO};
+    use std::arch::x86_64::*;
+
+    /// A 16-lane f32 vector as two halves.
+    type V16 = [__m256; 2];
+
+    /// Lane masks of the two halves for the first `min(n, 16)` lanes (all ones where loaded).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn mask(n: usize) -> [__m256i; 2] {
+        let n = n.min(16) as i32;
+        let idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        [_mm256_cmpgt_epi32(_mm256_set1_epi32(n), idx), _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), idx)]
+    }
+
+    /// Load 16 lanes at `p`, zero where `m` is off (`_mm512_maskz_loadu_ps`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn load(m: &[__m256i; 2], p: *const f32) -> V16 {
+        [_mm256_maskload_ps(p, m[0]), _mm256_maskload_ps(p.add(8), m[1])]
+    }
+
+    /// Store the lanes of `v` where `m` is on.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn store(m: &[__m256i; 2], p: *mut f32, v: V16) {
+        _mm256_maskstore_ps(p, m[0], v[0]);
+        _mm256_maskstore_ps(p.add(8), m[1], v[1]);
+    }
+
+    /// The canonical tree of `avx512::hsum`: `l + l+8`, then `+ l+4`, then `+ l+2`, then lane 0 + lane 1.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum(v: V16) -> f32 {
+        let s8 = _mm256_add_ps(v[0], v[1]);
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        let s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
+        _mm_cvtss_f32(s1)
+    }
+
+    /// e^x on 8 lanes: `avx512::exp`'s steps; its `vscalefps(p, n)` as `p·2^n` with exact powers of two
+    /// (`n > 127`: `p·2^(n−1)·2`; `n < −126`: `p·2^(n+64)·2^−64`, the only rounding in the last product),
+    /// which rounds exactly as `vscalefps` does.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn exp8(x: __m256) -> __m256 {
+        // `max`/`min` return their second operand when one is NaN, so NaN passes through.
+        let x = _mm256_min_ps(_mm256_set1_ps(EXP_MAX), _mm256_max_ps(_mm256_set1_ps(EXP_MIN), x));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+            x,
+            _mm256_set1_ps(std::f32::consts::LOG2_E),
+        ));
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+        let mut p = _mm256_set1_ps(EXP_POLY[0]);
+        for c in &EXP_POLY[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
+        }
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0));
+        // NaN lanes: `n` is NaN; its conversion gives i32::MIN, the clamps below keep the powers finite and
+        // `p` (NaN) carries the NaN through the products.
+        let ni = _mm256_cvtps_epi32(n);
+        let pow2 = |e: __m256i| _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(e, _mm256_set1_epi32(127))));
+        let big = _mm256_cmpgt_epi32(ni, _mm256_set1_epi32(127));
+        let small = _mm256_cmpgt_epi32(_mm256_set1_epi32(-126), ni);
+        // First factor: 2^(n−1) above 127, 2^(n+64) below −126, else 2^n; second: 2, 2^−64 or 1.
+        let e1 = _mm256_add_epi32(
+            ni,
+            _mm256_or_si256(_mm256_and_si256(big, _mm256_set1_epi32(-1)), _mm256_and_si256(small, _mm256_set1_epi32(64))),
+        );
+        let e1 = _mm256_max_epi32(_mm256_set1_epi32(-126), _mm256_min_epi32(_mm256_set1_epi32(127), e1));
+        let f2 = _mm256_blendv_ps(
+            _mm256_blendv_ps(_mm256_set1_ps(1.0), _mm256_set1_ps(2.0), _mm256_castsi256_ps(big)),
+            _mm256_set1_ps(f32::from_bits(((127 - 64) as u32) << 23)),
+            _mm256_castsi256_ps(small),
+        );
+        _mm256_mul_ps(_mm256_mul_ps(p, pow2(e1)), f2)
+    }
+
+    /// 16 lanes of e^x (what `avx512::exp` gives on the same lanes).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn exp(x: V16) -> V16 {
+        [exp8(x[0]), exp8(x[1])]
+    }
+
+    /// See [`super::Kernel::exp_row`].
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn exp_row(row: &mut [f32]) -> f32 {
+        let (n, p) = (row.len(), row.as_mut_ptr());
+        let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
+        let mut mx = [ninf; 2];
+        for d in (0..n).step_by(16) {
+            let k = mask(n - d);
+            let x = load(&k, p.add(d));
+            for h in 0..2 {
+                mx[h] = _mm256_max_ps(mx[h], _mm256_blendv_ps(ninf, x[h], _mm256_castsi256_ps(k[h])));
+            }
+        }
+        let mut a = [0f32; 16];
+        _mm256_storeu_ps(a.as_mut_ptr(), mx[0]);
+        _mm256_storeu_ps(a.as_mut_ptr().add(8), mx[1]);
+        let m = _mm256_set1_ps(a.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)));
+        let mut sum = [_mm256_setzero_ps(); 2];
+        for d in (0..n).step_by(16) {
+            let k = mask(n - d);
+            let x = load(&k, p.add(d));
+            let e = exp([_mm256_sub_ps(x[0], m), _mm256_sub_ps(x[1], m)]);
+            store(&k, p.add(d), e);
+            for h in 0..2 {
+                // Masked-off lanes keep their sum (adding +0 to a sum that is never −0).
+                sum[h] = _mm256_add_ps(sum[h], _mm256_and_ps(e[h], _mm256_castsi256_ps(k[h])));
+            }
+        }
+        hsum(sum)
+    }
+
+    /// Calls `$f::<R, N>(args)` with the constants `R = $r` (1 or 2) and `N = $n` (1 or 2).
+    macro_rules! tile {
+        ($f:ident, $r:expr, $n:expr, $args:tt) => {
+            match ($r, $n) {
+                (2, 2) => $f::<2, 2> $args,
+                (2, _) => $f::<2, 1> $args,
+                (_, 2) => $f::<1, 2> $args,
+                _ => $f::<1, 1> $args,
+            }
+        };
+    }
+
+    /// See [`super::Kernel::scores`]: tiles of up to 2 heads × 2 keys.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn scores(
+        q: *const f32,
+        gn: usize,
+        hd: usize,
+        k: *const f32,
+        offs: &[usize],
+        scale: f32,
+        out: *mut f32,
+        stride: usize,
+    ) {
+        super::score_tiles(gn, offs.len(), 2, |g, r, jj, nj| {
+            let (qg, o, ks) = (q.add(g * hd), out.add(g * stride + jj), &offs[jj..jj + nj]);
+            tile!(score_tile, r, nj, (qg, hd, k, ks, scale, o, stride));
+        });
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn score_tile<const R: usize, const J: usize>(
+        q: *const f32,
+        hd: usize,
+        k: *const f32,
+        offs: &[usize],
+        scale: f32,
+        out: *mut f32,
+        stride: usize,
+    ) {
+        let zero = [_mm256_setzero_ps(); 2];
+        let mut acc = [[zero; J]; R];
+        for d in (0..hd).step_by(16) {
+            let m = mask(hd - d);
+            let mut kv = [zero; J];
+            for j in 0..J {
+                kv[j] = load(&m, k.add(offs[j] + d));
+            }
+            for r in 0..R {
+                let qv = load(&m, q.add(r * hd + d));
+                for j in 0..J {
+                    for h in 0..2 {
+                        acc[r][j][h] = _mm256_fmadd_ps(qv[h], kv[j][h], acc[r][j][h]);
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for j in 0..J {
+                *out.add(r * stride + j) = hsum(acc[r][j]) * scale;
+            }
+        }
+    }
+
+    /// See [`super::Kernel::pv`]: tiles of up to 2 heads × 32 output elements held in registers.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn pv(w: *const f32, stride: usize, gn: usize, v: *const f32, offs: &[usize], hd: usize, o: *mut f32) {
+        super::pv_tiles(gn, hd, 2, |g, r, d0, chunks| {
+            tile!(pv_tile, r, chunks, (w.add(g * stride), stride, v, offs, hd, d0, o.add(g * hd)));
+        });
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn pv_tile<const R: usize, const C: usize>(
+        w: *const f32,
+        stride: usize,
+        v: *const f32,
+        offs: &[usize],
+        hd: usize,
+        d0: usize,
+        o: *mut f32,
+    ) {
+        let mut m = [[_mm256_setzero_si256(); 2]; C];
+        for c in 0..C {
+            m[c] = mask(hd - d0 - 16 * c);
+        }
+        let zero = [_mm256_setzero_ps(); 2];
+        let mut acc = [[zero; C]; R];
+        for r in 0..R {
+            for c in 0..C {
+                acc[r][c] = load(&m[c], o.add(r * hd + d0 + 16 * c));
+            }
+        }
+        for (jj, &x) in offs.iter().enumerate() {
+            let mut vv = [zero; C];
+            for c in 0..C {
+                vv[c] = load(&m[c], v.add(x + d0 + 16 * c));
+            }
+            for r in 0..R {
+                let wv = _mm256_set1_ps(*w.add(r * stride + jj));
+                for c in 0..C {
+                    for h in 0..2 {
+                        acc[r][c][h] = _mm256_fmadd_ps(wv, vv[c][h], acc[r][c][h]);
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for c in 0..C {
+                store(&m[c], o.add(r * hd + d0 + 16 * c), acc[r][c]);
             }
         }
     }
@@ -747,11 +1025,17 @@ mod tests {
         }
     }
 
-    /// The kernels this CPU can run.
+    /// The kernels this CPU can run (all of them, whatever `EDDY_KERNEL` says).
     fn kernels() -> Vec<Kernel> {
         let mut k = vec![Kernel::Portable];
-        if Kernel::detect() != Kernel::Portable {
-            k.push(Kernel::detect());
+        #[cfg(target_arch = "x86_64")]
+        {
+            if super::super::Kernel::Avx2.is_available() {
+                k.push(Kernel::Avx2);
+            }
+            if super::super::Kernel::Avx512.is_available() && std::arch::is_x86_feature_detected!("fma") {
+                k.push(Kernel::Avx512);
+            }
         }
         k
     }
@@ -786,7 +1070,32 @@ mod tests {
                         c.copy_from_slice(&a[..n]);
                     }
                 }
+                #[cfg(target_arch = "x86_64")]
+                Kernel::Avx2 => {
+                    for c in got.chunks_mut(16) {
+                        let mut a = [0f32; 16];
+                        a[..c.len()].copy_from_slice(c);
+                        // SAFETY: AVX2 + FMA were detected; `a` holds 16 floats.
+                        unsafe {
+                            use std::arch::x86_64::*;
+                            let v = avx2::exp([_mm256_loadu_ps(a.as_ptr()), _mm256_loadu_ps(a.as_ptr().add(8))]);
+                            _mm256_storeu_ps(a.as_mut_ptr(), v[0]);
+                            _mm256_storeu_ps(a.as_mut_ptr().add(8), v[1]);
+                        }
+                        let n = c.len();
+                        c.copy_from_slice(&a[..n]);
+                    }
+                }
                 Kernel::Portable => got.iter_mut().for_each(|x| *x = exp_portable(*x)),
+            }
+            if kernel != Kernel::Portable {
+                // NaN stays NaN, and past the top of the range e^x is +inf, as for `exp_portable`.
+                // e^88.5 ≈ 2.7e38 needs 2^128 (n = 128), a power of two past f32's exponent range.
+                let mut special = [f32::NAN, 100.0, 88.5, -0.0];
+                special.iter_mut().for_each(|x| *x = exp_lanes(kernel, *x));
+                assert!(special[0].is_nan() && special[1] == f32::INFINITY, "{kernel:?}: {special:?}");
+                assert!(special[2].is_finite() && ulps(special[2], 88.5f64.exp()) <= 2.0, "{kernel:?}: e^88.5 = {}", special[2]);
+                assert_eq!(special[3], 1.0, "{kernel:?}: e^-0");
             }
             let mut worst = (0f64, 0f32);
             for (&x, &y) in xs.iter().zip(&got) {
@@ -805,6 +1114,66 @@ mod tests {
             assert_eq!(at(-1e-30), 1.0);
             if kernel == Kernel::Portable {
                 assert!(exp_portable(f32::NAN).is_nan() && exp_portable(100.0) == f32::INFINITY);
+            }
+        }
+    }
+
+    /// e^x of one value on `kernel`'s vector exp (lane 0 of a register of `x`).
+    fn exp_lanes(kernel: Kernel, x: f32) -> f32 {
+        match kernel {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: only called for kernels in `kernels()`, whose features were detected.
+            Kernel::Avx512 => unsafe {
+                use std::arch::x86_64::*;
+                _mm_cvtss_f32(_mm512_castps512_ps128(exp_avx512(_mm512_set1_ps(x))))
+            },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Kernel::Avx2 => unsafe {
+                use std::arch::x86_64::*;
+                _mm_cvtss_f32(_mm256_castps256_ps128(avx2::exp([_mm256_set1_ps(x); 2])[0]))
+            },
+            Kernel::Portable => exp_portable(x),
+        }
+    }
+
+    /// The AVX2 kernels give the AVX-512 kernels' bits: e^x on every f32 bit pattern of a grid over the
+    /// whole range (subnormal results, the overflow edge, NaN, ±inf) and attention (causal with window
+    /// and soft-capping, trees, blocks; head sizes that leave partial 16-lane chunks) on random inputs.
+    /// Needs both paths (an AVX-512 CPU); on an AVX2-only CPU the other tests hold AVX2 to the reference.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn avx2_is_bit_identical_to_avx512() {
+        let ks = kernels();
+        if !ks.contains(&Kernel::Avx512) || !ks.contains(&Kernel::Avx2) {
+            eprintln!("skipped: needs AVX-512 and AVX2");
+            return;
+        }
+        for bits in (0..=u32::MAX).step_by(4099).chain([0x7f80_0000, 0xff80_0000, 0x7fc0_0000, 0xc2cf_ffff, 0x42b1_7218]) {
+            let x = f32::from_bits(bits);
+            let (a, b) = (exp_lanes(Kernel::Avx2, x), exp_lanes(Kernel::Avx512, x));
+            assert!(a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()), "e^{x:e} ({bits:#x}): {a:e} vs {b:e}");
+        }
+        let pool = ThreadPool::new(2);
+        let mut seed = 13u32;
+        for (n_heads, n_kv_heads, head_dim) in [(6, 2, 72), (4, 1, 128), (2, 2, 8), (8, 2, 256)] {
+            for (window, softcap) in [(None, None), (Some(33), Some(2.0))] {
+                let s = AttnShape { n_heads, n_kv_heads, head_dim, scale: 1.5 / (head_dim as f32).sqrt(), window, softcap };
+                let (qs, kvs) = (n_heads * head_dim, n_kv_heads * head_dim);
+                let (n_past, t) = (57, 21);
+                let q = random(t * qs, &mut seed);
+                let k = random((n_past + t) * kvs, &mut seed);
+                let v = random((n_past + t) * kvs, &mut seed);
+                let parents: Vec<usize> = (0..t).map(|i| if i == 0 { crate::tree::NO_PARENT } else { (i * 7 + 3) % i }).collect();
+                let paths = TreePaths::new(&parents).unwrap();
+                for vis in [Visibility::Causal, Visibility::Tree { first: 0, paths: &paths }, Visibility::Block { rows: n_past + t }] {
+                    let mut out = [vec![0f32; t * qs], vec![0f32; t * qs]];
+                    for (o, kernel) in out.iter_mut().zip([Kernel::Avx2, Kernel::Avx512]) {
+                        attention_with(kernel, &pool, &s, &q, &k, &v, n_past, t, vis, o);
+                    }
+                    let bits = |o: &[f32]| o.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert!(bits(&out[0]) == bits(&out[1]), "{s:?} {vis:?}");
+                }
             }
         }
     }
