@@ -136,6 +136,10 @@ pub fn axpy4(dst: &mut [f32], a: [f32; 4], src: [&[f32]; 4]) {
             // SAFETY: the features were just detected.
             return unsafe { axpy4_avx512(dst, a, src) };
         }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: the features were just detected.
+            return unsafe { axpy4_avx2(dst, a, src) };
+        }
     }
     axpy4_body(dst, a, src)
 }
@@ -143,6 +147,20 @@ pub fn axpy4(dst: &mut [f32], a: [f32; 4], src: [&[f32]; 4]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 unsafe fn axpy4_avx512(dst: &mut [f32], a: [f32; 4], src: [&[f32]; 4]) {
+    axpy4_fma(dst, a, src)
+}
+
+/// [`axpy4_avx512`]'s operations on 8-lane vectors: the same `fma`s per element, so the same bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpy4_avx2(dst: &mut [f32], a: [f32; 4], src: [&[f32]; 4]) {
+    axpy4_fma(dst, a, src)
+}
+
+/// `dst[c] = fma(s3, a3, fma(s2, a2, fma(s1, a1, fma(s0, a0, dst))))` per element (vectorized by the caller's
+/// target features).
+#[inline(always)]
+fn axpy4_fma(dst: &mut [f32], a: [f32; 4], src: [&[f32]; 4]) {
     let n = dst.len();
     let (s0, s1, s2, s3) = (&src[0][..n], &src[1][..n], &src[2][..n], &src[3][..n]);
     for c in 0..n {
@@ -250,6 +268,10 @@ fn dot4(rows: &[f64], n: usize, nb: usize, l: &[f64]) -> [f64; 4] {
             // SAFETY: the features were just detected.
             return unsafe { dot4_avx512(rows, n, nb, l) };
         }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: the features were just detected.
+            return unsafe { dot4_avx2(rows, n, nb, l) };
+        }
     }
     dot4_body(rows, n, nb, l)
 }
@@ -257,6 +279,13 @@ fn dot4(rows: &[f64], n: usize, nb: usize, l: &[f64]) -> [f64; 4] {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 unsafe fn dot4_avx512(rows: &[f64], n: usize, nb: usize, l: &[f64]) -> [f64; 4] {
+    dot4_body(rows, n, nb, l)
+}
+
+/// [`dot4_body`] vectorized for AVX2 (its 8 accumulators per row fix the order: the same bits).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot4_avx2(rows: &[f64], n: usize, nb: usize, l: &[f64]) -> [f64; 4] {
     dot4_body(rows, n, nb, l)
 }
 

@@ -161,6 +161,11 @@ fn rotate_group(kernel: Kernel, x: &[f32], signs: &[f32], out: &mut [f32]) {
         // SAFETY: the AVX-512 path was checked to be available; all slices hold 32 values.
         return unsafe { simd::rotate_avx512(x, signs, out) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx2 {
+        // SAFETY: the AVX2 path was checked to be available; all slices hold 32 values.
+        return unsafe { simd::rotate_avx2(x, signs, out) };
+    }
     let _ = kernel;
     for ((o, &v), &s) in out.iter_mut().zip(x).zip(signs) {
         *o = v * s;
@@ -169,7 +174,7 @@ fn rotate_group(kernel: Kernel, x: &[f32], signs: &[f32], out: &mut [f32]) {
 }
 
 /// `y ← signs ⊙ (H₃₂·y)` for one block of 32 outputs: the output side of a rotated product's epilogue
-/// (`crate::quant::rotation`). Bit-identical on every path: the AVX-512 butterfly does the scalar
+/// (`crate::quant::rotation`). Bit-identical on every path: the AVX-512 and AVX2 butterflies do the scalar
 /// [`crate::quant::rotation::fwht`]'s operations in its order, and a product with `±1` is exact.
 ///
 /// Panics (debug) if `y` or `signs` holds fewer than 32 values.
@@ -179,6 +184,11 @@ pub(crate) fn rotate_output_block(kernel: Kernel, y: &mut [f32], signs: &[f32]) 
     if kernel == Kernel::Avx512 {
         // SAFETY: the AVX-512 path was checked to be available; both slices hold 32 values.
         return unsafe { simd::rotate_output_avx512(y, signs) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx2 {
+        // SAFETY: the AVX2 path was checked to be available; both slices hold 32 values.
+        return unsafe { simd::rotate_output_avx2(y, signs) };
     }
     let _ = kernel;
     crate::quant::rotation::fwht(&mut y[..QK]);
@@ -291,6 +301,53 @@ mod simd {
             sc[g] = d;
             sm[g] = _mm512_reduce_add_epi32(_mm512_add_epi32(ia, ib));
         }
+    }
+
+    /// [`rotate_avx512`] with AVX2: `out = H₃₂·(signs ⊙ x)`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn rotate_avx2(x: &[f32], signs: &[f32], out: &mut [f32]) {
+        debug_assert!(x.len() >= QK && signs.len() >= QK && out.len() >= QK);
+        let v = std::array::from_fn(|i| _mm256_mul_ps(_mm256_loadu_ps(x.as_ptr().add(8 * i)), _mm256_loadu_ps(signs.as_ptr().add(8 * i))));
+        for (i, r) in butterfly32_avx2(v).into_iter().enumerate() {
+            _mm256_storeu_ps(out.as_mut_ptr().add(8 * i), r);
+        }
+    }
+
+    /// [`rotate_output_avx512`] with AVX2: `y ← signs ⊙ (H₃₂·y)`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn rotate_output_avx2(y: &mut [f32], signs: &[f32]) {
+        debug_assert!(y.len() >= QK && signs.len() >= QK);
+        let v = std::array::from_fn(|i| _mm256_loadu_ps(y.as_ptr().add(8 * i)));
+        for (i, r) in butterfly32_avx2(v).into_iter().enumerate() {
+            _mm256_storeu_ps(y.as_mut_ptr().add(8 * i), _mm256_mul_ps(r, _mm256_loadu_ps(signs.as_ptr().add(8 * i))));
+        }
+    }
+
+    /// `H₃₂·v` on four registers of 8 values: strides 1, 2, 4 inside each register (a lane permute, then
+    /// `a + b` in the lower lane of each pair and `a − b` in the upper), 8 and 16 across registers, then
+    /// `× 1/√32` — the scalar butterfly's operations in its order.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn butterfly32_avx2(mut v: [__m256; 4]) -> [__m256; 4] {
+        let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        for h in [1, 2, 4] {
+            let idx = _mm256_xor_si256(lane, _mm256_set1_epi32(h));
+            // Upper lanes of each pair (bit h set).
+            let hi = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(lane, _mm256_set1_epi32(h)), _mm256_set1_epi32(h)));
+            for r in &mut v {
+                let p = _mm256_permutevar8x32_ps(*r, idx);
+                *r = _mm256_blendv_ps(_mm256_add_ps(*r, p), _mm256_sub_ps(p, *r), hi);
+            }
+        }
+        let [a, b, c, d] = v;
+        let (a, b, c, d) = (_mm256_add_ps(a, b), _mm256_sub_ps(a, b), _mm256_add_ps(c, d), _mm256_sub_ps(c, d));
+        let s = _mm256_set1_ps(1.0 / (QK as f32).sqrt());
+        [
+            _mm256_mul_ps(_mm256_add_ps(a, c), s),
+            _mm256_mul_ps(_mm256_add_ps(b, d), s),
+            _mm256_mul_ps(_mm256_sub_ps(a, c), s),
+            _mm256_mul_ps(_mm256_sub_ps(b, d), s),
+        ]
     }
 
     #[target_feature(enable = "avx2,fma")]
