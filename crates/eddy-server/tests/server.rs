@@ -1544,7 +1544,9 @@ fn structured_outputs_follow_the_schema() {
     // Enum values whose characters the vocabulary splits into bytes (🦀 and 🦩 share their first three, 日本語
     // has no whole-character tokens in SmolLM2): the forced bytes are tokenized as bytes, never as U+FFFD.
     for values in [json!(["🦀 crab", "🦩 flamingo"]), json!(["日本語", "中文"]), json!(["😀"])] {
-        let schema = json!({"type": "object", "properties": {"v": {"enum": values}}, "required": ["v"]});
+        // No other keys: the object must close after "v" (with other keys allowed, a greedy SmolLM2 on an
+        // AVX2 CPU added "n" keys until max_tokens).
+        let schema = json!({"type": "object", "properties": {"v": {"enum": values}}, "required": ["v"], "additionalProperties": false});
         let rf = json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}});
         let v = post(addr, c, chat_body("Pick one.", json!({"max_tokens": 40, "response_format": rf}))).json();
         let text = v["choices"][0]["message"]["content"].as_str().unwrap();
