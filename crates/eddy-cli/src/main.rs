@@ -11,7 +11,7 @@ use eddy::engine::{default_threads, Device, Engine, EngineOptions, GenerateParam
 use eddy::load::{load, LoadedModel};
 use eddy::model_dir::Quant;
 use eddy::sampling::SamplerParams;
-use eddy::spec::dflash::{find_next_to, is_dflash_dir, DFlashDrafter, DFlashSeq, TOP_K};
+use eddy::spec::dflash::{find_next_to, is_dflash_dir, DFlashDrafter, DFlashSeq, TargetParts, TOP_K};
 use eddy::spec::{Budget, Drafter, SpeculatorKind};
 use eddy::stats::{peak_rss_bytes, EnergyMeter, GenerationStats};
 use eddy::tokenizer::StreamDecoder;
@@ -244,8 +244,7 @@ fn dflash_pass_ms(engine: &Engine, d: &DFlashDrafter, context: usize, reps: usiz
     for i in 0..reps + 1 {
         let t = std::time::Instant::now();
         let root = ((1000 + i) % m.config.vocab_size) as u32;
-        let head = d.head(m.lm_head());
-        seq.draft_candidates(be, d, &m.embed, m.config.embed_scale, head, d.head_rows(), root, 1.0, TOP_K, &mut cands)?;
+        seq.draft_candidates(be, d, TargetParts::new(m, m), root, 1.0, TOP_K, &mut cands)?;
         if i > 0 {
             times.push(t.elapsed().as_secs_f64() * 1e3);
         }

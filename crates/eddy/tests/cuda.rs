@@ -1218,7 +1218,7 @@ fn draft_model_on_the_gpu_is_lossless() {
 /// The DFlash fixture's two block passes (`tests/fixtures/dflash`, the numpy reference of `tests/dflash.rs`)
 /// through the drafter on backend `be`: the logits of both rounds.
 fn dflash_rounds<B: Backend>(be: &B, quant: eddy::model_dir::Quant) -> Vec<f32> {
-    use eddy::spec::dflash::{DFlashDrafter, DFlashSeq};
+    use eddy::spec::dflash::{DFlashDrafter, DFlashSeq, TargetParts};
     let dir = fixture("dflash");
     let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -1238,7 +1238,7 @@ fn dflash_rounds<B: Backend>(be: &B, quant: eddy::model_dir::Quant) -> Vec<f32> 
     let (mut out, mut logits) = (Vec::new(), Vec::new());
     for (features, root) in [("features1", roots[0]), ("features2", roots[1])] {
         seq.add_context(be, &d, &get(features).1);
-        seq.draft(be, &d, &embed, None, d.head(&lm), d.head_rows(), root as u32, &mut logits).unwrap();
+        seq.draft(be, &d, TargetParts { embed: &embed, embed_scale: None, lm_head: &lm }, root as u32, &mut logits).unwrap();
         out.extend_from_slice(&logits);
     }
     out

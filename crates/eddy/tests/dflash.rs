@@ -21,7 +21,7 @@ use eddy::engine::{Engine, GenerateParams};
 use eddy::model_dir::Quant;
 use eddy::quant::WeightMatrix;
 use eddy::sampling::SamplerParams;
-use eddy::spec::dflash::{grow_tree, DFlashDrafter, DFlashSeq, DFlashSpeculator, TreeShape};
+use eddy::spec::dflash::{grow_tree, DFlashDrafter, DFlashSeq, DFlashSpeculator, TargetParts, TreeShape};
 use eddy::spec::{Budget, DraftTree, Drafter, ProposeCtx, Speculator, SpeculatorKind};
 use std::path::{Path, PathBuf};
 
@@ -60,10 +60,10 @@ fn run_rounds(d: &DFlashDrafter) -> (Vec<f32>, Vec<f32>) {
     let mut seq = DFlashSeq::new(&be, d, 64);
     let (mut l1, mut l2) = (Vec::new(), Vec::new());
     seq.add_context(&be, d, &r["features1"].1);
-    seq.draft(&be, d, &embed, None, d.head(&lm), d.head_rows(), roots[0] as u32, &mut l1).unwrap();
+    seq.draft(&be, d, TargetParts { embed: &embed, embed_scale: None, lm_head: &lm }, roots[0] as u32, &mut l1).unwrap();
     seq.add_context(&be, d, &r["features2"].1);
     assert_eq!((seq.base, seq.rows), (0, 12));
-    seq.draft(&be, d, &embed, None, d.head(&lm), d.head_rows(), roots[1] as u32, &mut l2).unwrap();
+    seq.draft(&be, d, TargetParts { embed: &embed, embed_scale: None, lm_head: &lm }, roots[1] as u32, &mut l2).unwrap();
     (l1, l2)
 }
 

@@ -509,6 +509,34 @@ fn read_draft_vocab(dir: &Path, vocab: usize) -> Result<Option<Vec<u32>>> {
 /// Context rows a [`DFlashSeq`] projects per pass (longer feature runs are cut into pieces of this many).
 const CONTEXT_BATCH: usize = 128;
 
+/// What a block pass borrows from the target: its token embedding on the host (rows times `embed_scale`
+/// when set, Gemma's √d_model) and its LM head on the drafter's backend (a drafter with a draft vocabulary
+/// of its own uses its own head, [`DFlashDrafter::head`]).
+pub struct TargetParts<'a, B: Backend> {
+    /// Token embedding, `vocab × d_model`, on the host.
+    pub embed: &'a WeightMatrix,
+    /// Multiplier of embedding rows, or `None`.
+    pub embed_scale: Option<f32>,
+    /// LM head, `vocab × d_model`, on the backend.
+    pub lm_head: &'a B::Weights,
+}
+
+// Manual impls: a derive would ask `B: Clone`.
+impl<B: Backend> Clone for TargetParts<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B: Backend> Copy for TargetParts<'_, B> {}
+
+impl<'a, B: Backend> TargetParts<'a, B> {
+    /// The parts of a target held twice, as engines hold it: `host` (its embedding) and `on_backend` (its
+    /// LM head where the drafter runs).
+    pub fn new(host: &'a Model, on_backend: &'a Model<B>) -> Self {
+        TargetParts { embed: &host.embed, embed_scale: host.config.embed_scale, lm_head: on_backend.lm_head() }
+    }
+}
+
 /// Per-sequence state of a drafter on backend `B`: the cached context K/V of every draft layer (in the
 /// backend's memory, one attention [`LayerState`] per layer) and the scratch of its passes.
 ///
@@ -594,27 +622,15 @@ impl<B: Backend> DFlashSeq<B> {
     }
 
     /// One block pass: the root `root` at position `base + rows` followed by `B − 1` MASK tokens, over
-    /// every context row; the logits of slots `1..B` (`(B − 1) × head_rows` f32, slot order) are read back
-    /// into `logits`. `embed` is the target's token embedding on the host (rows scaled by `embed_scale` when
-    /// set), `head` the LM head on `be` ([`DFlashDrafter::head`]) of `head_rows` rows
-    /// ([`DFlashDrafter::head_rows`]). The context is not changed (the block's K/V go to scratch rows).
+    /// every context row; the logits of slots `1..B` (`(B − 1) × head_rows` f32, slot order, the head of
+    /// [`DFlashDrafter::head`] with [`DFlashDrafter::head_rows`] rows) are read back into `logits`. The
+    /// context is not changed (the block's K/V go to scratch rows).
     ///
     /// Errors: `root` or the mask token outside the embedding.
-    #[allow(clippy::too_many_arguments)]
-    pub fn draft(
-        &mut self,
-        be: &B,
-        d: &DFlashDrafter<B>,
-        embed: &WeightMatrix,
-        embed_scale: Option<f32>,
-        head: &B::Weights,
-        head_rows: usize,
-        root: u32,
-        logits: &mut Vec<f32>,
-    ) -> Result<()> {
-        let out = self.block_pass(be, d, embed, embed_scale, head, head_rows, root)?;
+    pub fn draft(&mut self, be: &B, d: &DFlashDrafter<B>, target: TargetParts<'_, B>, root: u32, logits: &mut Vec<f32>) -> Result<()> {
+        let out = self.block_pass(be, d, target, root)?;
         logits.clear();
-        be.read(out, 0, d.config.block_size - 1, head_rows, logits);
+        be.read(out, 0, d.config.block_size - 1, d.head_rows(), logits);
         Ok(())
     }
 
@@ -628,32 +644,21 @@ impl<B: Backend> DFlashSeq<B> {
         &mut self,
         be: &B,
         d: &DFlashDrafter<B>,
-        embed: &WeightMatrix,
-        embed_scale: Option<f32>,
-        head: &B::Weights,
-        head_rows: usize,
+        target: TargetParts<'_, B>,
         root: u32,
         inv_t: f32,
         k: usize,
         out: &mut Candidates,
     ) -> Result<()> {
-        let logits = self.block_pass(be, d, embed, embed_scale, head, head_rows, root)?;
-        be.candidate_rows(logits, d.config.block_size - 1, head_rows, inv_t, k, out);
+        let logits = self.block_pass(be, d, target, root)?;
+        be.candidate_rows(logits, d.config.block_size - 1, d.head_rows(), inv_t, k, out);
         Ok(())
     }
 
     /// The block pass of [`DFlashSeq::draft`]; returns the logits buffer.
-    #[allow(clippy::too_many_arguments)]
-    fn block_pass(
-        &mut self,
-        be: &B,
-        d: &DFlashDrafter<B>,
-        embed: &WeightMatrix,
-        embed_scale: Option<f32>,
-        head: &B::Weights,
-        head_rows: usize,
-        root: u32,
-    ) -> Result<&B::Buf> {
+    fn block_pass(&mut self, be: &B, d: &DFlashDrafter<B>, target: TargetParts<'_, B>, root: u32) -> Result<&B::Buf> {
+        let TargetParts { embed, embed_scale, lm_head } = target;
+        let (head, head_rows) = (d.head(lm_head), d.head_rows());
         let c = &d.config;
         let (dm, b) = (c.d_model, c.block_size);
         for tok in [root, c.mask_token_id] {
@@ -943,9 +948,8 @@ impl<B: Backend> DFlashSpeculator<B> {
             return Ok(None);
         }
         let t = Instant::now();
-        let (head, rows) = (self.drafter.head(target.lm_head()), self.drafter.head_rows());
-        let (embed, scale, inv_t) = (&host.embed, host.config.embed_scale, inv_temperature(temperature));
-        self.seq.draft_candidates(be, &self.drafter, embed, scale, head, rows, history[n], inv_t, TOP_K, &mut self.cands)?;
+        let parts = TargetParts::new(host, target);
+        self.seq.draft_candidates(be, &self.drafter, parts, history[n], inv_temperature(temperature), TOP_K, &mut self.cands)?;
         self.stats.record_pass(t.elapsed().as_secs_f64());
         self.marginals.fill(&self.cands, self.drafter.head_ids());
         Ok(Some(&self.marginals))
