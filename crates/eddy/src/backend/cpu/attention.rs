@@ -721,6 +721,7 @@ mod avx2 {
     //! with each 16-lane vector held as two 8-lane halves `[lo, hi]` (lanes 0–7, 8–15), so every result is
     //! bit-identical to AVX-512's. Register tiles are smaller (16 registers), which changes no result.
     #![allow(clippy::needless_range_loop)] // register tiles index parallel arrays
+    use super::super::avx2::lanes;
     use super::{EXP_MAX, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO};
     use std::arch::x86_64::*;
 
@@ -731,9 +732,8 @@ mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     fn mask(n: usize) -> [__m256i; 2] {
-        let n = n.min(16) as i32;
-        let idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        [_mm256_cmpgt_epi32(_mm256_set1_epi32(n), idx), _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), idx)]
+        let n = n.min(16);
+        [lanes(n), lanes(n.saturating_sub(8))]
     }
 
     /// Load 16 lanes at `p`, zero where `m` is off (`_mm512_maskz_loadu_ps`).

@@ -20,7 +20,7 @@
 #![allow(clippy::needless_range_loop)] // SIMD tiles index several parallel arrays
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use imp::{packed_rows, tile};
+pub(crate) use imp::{lanes, packed_rows, tile};
 
 /// Unreachable on non-x86 targets (the path is never available there).
 #[cfg(not(target_arch = "x86_64"))]
@@ -109,7 +109,7 @@ mod imp {
     /// Lane mask (all ones in lanes `< n`) for `vmaskmov`.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    fn lanes(n: usize) -> __m256i {
+    pub(crate) fn lanes(n: usize) -> __m256i {
         _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
     }
 
