@@ -256,30 +256,66 @@ pub fn row_candidates(logits: &[f32], inv_t: f32, k: usize, top: &mut Vec<(f32, 
 
 /// [`row_candidates`] without the mass: the first `min(k, n_finite)` candidates into `top`; returns
 /// `n_finite`.
+///
+/// For `k ≤` [`TOP_SCAN_MAX_K`] one pass in index order keeps the best `k` so far sorted in the sampler's
+/// order and inserts a value only when it beats the current `k`-th (a float `<` against it rejects most
+/// values; the rest are compared by the sampler's order itself), which leaves exactly the set and order a
+/// sort of the whole row gives; larger `k` select and sort the whole scaled row.
 pub fn row_top(logits: &[f32], inv_t: f32, k: usize, top: &mut Vec<(f32, u32)>) -> usize {
     top.clear();
-    top.extend(logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (l * inv_t, i as u32)));
-    let n = top.len();
-    if k < n {
-        top.select_nth_unstable_by(k.max(1) - 1, by_logit);
-        top.truncate(k);
+    if k > TOP_SCAN_MAX_K {
+        top.extend(logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (l * inv_t, i as u32)));
+        let n = top.len();
+        if k < n {
+            top.select_nth_unstable_by(k.max(1) - 1, by_logit);
+            top.truncate(k);
+        }
+        top.sort_unstable_by(by_logit);
+        return n;
     }
-    top.sort_unstable_by(by_logit);
+    let mut n = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if !l.is_finite() {
+            continue;
+        }
+        n += 1;
+        let e = (l * inv_t, i as u32);
+        if top.len() == k {
+            // `s < worst` (never true for a NaN on either side) means worse in the sampler's order too.
+            if k == 0 || e.0 < top[k - 1].0 || by_logit(&e, &top[k - 1]) != std::cmp::Ordering::Less {
+                continue;
+            }
+            top.pop();
+        }
+        let at = top.partition_point(|x| by_logit(x, &e) == std::cmp::Ordering::Less);
+        top.insert(at, e);
+    }
     n
 }
 
+/// Largest `k` for which [`row_top`] keeps a running sorted top-`k` (beyond it, a select over the row).
+pub const TOP_SCAN_MAX_K: usize = 64;
+
 /// [`CandidateRow::mass`] of a logits row whose largest finite scaled logit is `max`: 0 when `max` is not
-/// finite.
+/// finite. On CPUs with AVX2 (and `EDDY_KERNEL` not below it) eight values at a time, by the same f32
+/// operations as [`exp_det`] and the same f64 lane additions in the same order, so the same bits.
 pub fn row_mass(logits: &[f32], inv_t: f32, max: f32) -> f64 {
     if !max.is_finite() {
         return 0.0;
     }
-    // A non-finite logit adds 0 to its lane (a lane is never −0, so that leaves it unchanged).
     let mut lanes = [0f64; MASS_LANES];
-    for chunk in logits.chunks(MASS_LANES) {
-        for (lane, &l) in lanes.iter_mut().zip(chunk) {
-            *lane += if l.is_finite() { exp_det(l * inv_t - max) as f64 } else { 0.0 };
-        }
+    #[cfg(target_arch = "x86_64")]
+    let simd = crate::backend::cpu::Kernel::active() >= crate::backend::cpu::Kernel::Avx2;
+    #[cfg(not(target_arch = "x86_64"))]
+    let simd = false;
+    if simd {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 is available (the kernel path says so).
+        unsafe {
+            mass_lanes_avx2(logits, inv_t, max, &mut lanes)
+        };
+    } else {
+        mass_lanes(logits, inv_t, max, &mut lanes);
     }
     let mut h = MASS_LANES / 2;
     while h > 0 {
@@ -289,6 +325,64 @@ pub fn row_mass(logits: &[f32], inv_t: f32, max: f32) -> f64 {
         h /= 2;
     }
     lanes[0]
+}
+
+/// Add `exp_det(l·inv_t − max)` of every finite `l` to lane `i mod MASS_LANES` (index order), one at a time.
+fn mass_lanes(logits: &[f32], inv_t: f32, max: f32, lanes: &mut [f64; MASS_LANES]) {
+    // A non-finite logit adds 0 to its lane (a lane is never −0, so that leaves it unchanged).
+    for chunk in logits.chunks(MASS_LANES) {
+        for (lane, &l) in lanes.iter_mut().zip(chunk) {
+            *lane += if l.is_finite() { exp_det(l * inv_t - max) as f64 } else { 0.0 };
+        }
+    }
+}
+
+/// [`mass_lanes`] eight values at a time: [`exp_det`]'s operations on eight lanes (no fused
+/// multiply-adds; the clamp as `max`/`min`, whose result is masked out anyway for the NaN and `< −87`
+/// inputs where it could differ), each result widened to f64 and added to its lane as the scalar loop adds
+/// it. A chunk's tail of fewer than eight values goes through [`exp_det`].
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn mass_lanes_avx2(logits: &[f32], inv_t: f32, max: f32, lanes: &mut [f64; MASS_LANES]) {
+    use std::arch::x86_64::*;
+    let c = |bits: u32| _mm256_set1_ps(f32::from_bits(bits));
+    let (log2e, ln2_hi, ln2_lo) = (c(0x3fb8_aa3b), c(0x3f31_7200), c(0x35bf_be8e));
+    let round = _mm256_set1_ps(12_582_912.0);
+    let poly = [0x3950_0d01u32, 0x3ab6_0b61, 0x3c08_8889, 0x3d2a_aaab, 0x3e2a_aaab, 0x3f00_0000, 0x3f80_0000, 0x3f80_0000];
+    let (lo, hi) = (_mm256_set1_ps(-87.0), _mm256_setzero_ps());
+    let (vt, vmax) = (_mm256_set1_ps(inv_t), _mm256_set1_ps(max));
+    let inf = _mm256_set1_ps(f32::INFINITY);
+    for chunk in logits.chunks(MASS_LANES) {
+        let whole = chunk.len() / 8 * 8;
+        for j in (0..whole).step_by(8) {
+            let l = _mm256_loadu_ps(chunk.as_ptr().add(j));
+            // |l| < ∞ is false for ±∞ and NaN: the finite lanes.
+            let finite = _mm256_cmp_ps::<_CMP_LT_OQ>(_mm256_andnot_ps(_mm256_set1_ps(-0.0), l), inf);
+            let x = _mm256_sub_ps(_mm256_mul_ps(l, vt), vmax);
+            let xc = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+            let n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(xc, log2e), round), round);
+            let r = _mm256_sub_ps(xc, _mm256_mul_ps(n, ln2_hi));
+            let r = _mm256_sub_ps(r, _mm256_mul_ps(n, ln2_lo));
+            let mut p = c(poly[0]);
+            for &k in &poly[1..] {
+                p = _mm256_add_ps(_mm256_mul_ps(p, r), c(k));
+            }
+            let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)));
+            let v = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+            // Kept where the logit is finite and x ≥ −87 (false for NaN), else +0.
+            let keep = _mm256_and_ps(finite, _mm256_cmp_ps::<_CMP_GE_OQ>(x, lo));
+            let v = _mm256_and_ps(v, keep);
+            let a = lanes.as_mut_ptr().add(j);
+            _mm256_storeu_pd(a, _mm256_add_pd(_mm256_loadu_pd(a), _mm256_cvtps_pd(_mm256_castps256_ps128(v))));
+            _mm256_storeu_pd(a.add(4), _mm256_add_pd(_mm256_loadu_pd(a.add(4)), _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(v))));
+        }
+        for (lane, &l) in lanes[whole..].iter_mut().zip(&chunk[whole..]) {
+            *lane += if l.is_finite() { exp_det(l * inv_t - max) as f64 } else { 0.0 };
+        }
+    }
 }
 
 /// Reusable sampler state (candidate, weight and token-count buffers, so sampling allocates nothing per
@@ -613,6 +707,44 @@ pub(crate) mod tests {
                 }
             })
             .collect()
+    }
+
+    /// The running top-k of [`row_top`] against a sort of the whole scaled row, and the AVX2 mass against
+    /// the scalar lanes bit for bit, on random rows (spread, heavy ties, constant; with and without
+    /// non-finite holes; lengths that leave chunk tails; −0.0 among the logits).
+    #[test]
+    fn row_top_and_mass_match_their_references() {
+        let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+        for (len, kind, holes) in [(700, 0, false), (700, 1, true), (3000, 0, true), (2053, 2, false), (5, 1, true), (33000, 0, false)] {
+            let mut row = random_row(&mut rng, len, kind, holes);
+            row[len / 2] = -0.0;
+            for inv_t in [1.0f32, 0.37, 1000.0] {
+                let mut want: Vec<(f32, u32)> =
+                    row.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (l * inv_t, i as u32)).collect();
+                want.sort_by(by_logit);
+                let mut top = Vec::new();
+                for k in [0, 1, 8, 40, TOP_SCAN_MAX_K, TOP_SCAN_MAX_K + 1, 10_000] {
+                    let n = row_top(&row, inv_t, k, &mut top);
+                    assert_eq!(n, want.len(), "len {len} kind {kind} k {k}");
+                    let m = k.min(n);
+                    assert!(top.len() == m && top.iter().zip(&want[..m]).all(|(a, b)| a.0.to_bits() == b.0.to_bits() && a.1 == b.1));
+                }
+                let max = want.first().map_or(f32::NAN, |e| e.0);
+                if !max.is_finite() {
+                    continue;
+                }
+                let mut lanes = [0f64; MASS_LANES];
+                mass_lanes(&row, inv_t, max, &mut lanes);
+                #[cfg(target_arch = "x86_64")]
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    let mut simd = [0f64; MASS_LANES];
+                    // SAFETY: AVX2 checked above.
+                    unsafe { mass_lanes_avx2(&row, inv_t, max, &mut simd) };
+                    assert!(lanes.iter().zip(&simd).all(|(a, b)| a.to_bits() == b.to_bits()), "len {len} kind {kind} inv_t {inv_t}");
+                }
+                assert!(lanes.iter().sum::<f64>() >= 1.0);
+            }
+        }
     }
 
     #[test]

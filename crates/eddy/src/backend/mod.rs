@@ -399,17 +399,19 @@ mod tests {
 
     #[test]
     fn candidate_rows_are_the_samplers_candidates() {
-        let be = Cpu::new(1);
-        let mut rng = 7u64;
-        let (n, width) = (3, 700);
-        let rows: Vec<f32> = (0..n).flat_map(|r| crate::sampling::tests::random_row(&mut rng, width, r, r == 2)).collect();
-        let mut out = crate::sampling::Candidates::default();
-        be.candidate_rows(&be.upload(&rows), n, width, 1.25, 64, &mut out);
-        let mut top = Vec::new();
-        for r in 0..n {
-            let (nf, mass) = crate::sampling::row_candidates(&rows[r * width..(r + 1) * width], 1.25, 64, &mut top);
-            assert_eq!(out.row(r), crate::sampling::CandidateRow { top: &top, n_finite: nf, mass });
-            assert_eq!(top.len(), 64);
+        // One thread on short rows; two threads on rows long enough to be shared out over the pool.
+        for (threads, n, width) in [(1, 3, 700), (2, 5, 5000)] {
+            let be = Cpu::new(threads);
+            let mut rng = 7u64;
+            let rows: Vec<f32> = (0..n).flat_map(|r| crate::sampling::tests::random_row(&mut rng, width, r % 3, r % 3 == 2)).collect();
+            let mut out = crate::sampling::Candidates::default();
+            be.candidate_rows(&be.upload(&rows), n, width, 1.25, 64, &mut out);
+            let mut top = Vec::new();
+            for r in 0..n {
+                let (nf, mass) = crate::sampling::row_candidates(&rows[r * width..(r + 1) * width], 1.25, 64, &mut top);
+                assert_eq!(out.row(r), crate::sampling::CandidateRow { top: &top, n_finite: nf, mass });
+                assert_eq!(top.len(), 64);
+            }
         }
     }
 }

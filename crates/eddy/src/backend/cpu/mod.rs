@@ -7,7 +7,7 @@
 //!   for matrices prepacked at load time ([`prepack_wanted`], [`crate::quant::QMatrix::prepack`]), the
 //!   GEMM's form on the prepacked layout for every batch size; all produce identical bits (see
 //!   `avx512.rs`).
-//! * [`Kernel::Avx2`]: AVX2 + FMA (`vpmaddubsw` + `vpmaddwd`): on prepacked matrices the AVX-512 packed
+//! * [`Kernel::Avx2`]: AVX2 + FMA + F16C (`vpmaddubsw` + `vpmaddwd`): on prepacked matrices the AVX-512 packed
 //!   kernel's form on 8-row halves, bit-identical to it; otherwise `R rows × T tokens` register tiles.
 //! * [`Kernel::Scalar`]: portable loops.
 //!
@@ -67,7 +67,7 @@ pub use reference::matmul_reference;
 pub enum Kernel {
     /// Portable scalar code.
     Scalar,
-    /// AVX2 + FMA (x86-64).
+    /// AVX2 + FMA + F16C (x86-64; the packed kernel converts f16 group scales with `vcvtph2ps`).
     Avx2,
     /// AVX-512 F + BW + VL + VNNI (x86-64).
     Avx512,
@@ -87,7 +87,7 @@ impl Kernel {
             {
                 return Kernel::Avx512;
             }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
                 return Kernel::Avx2;
             }
         }

@@ -156,11 +156,33 @@ impl Backend for Cpu {
     }
 
     fn candidate_rows(&self, x: &Vec<f32>, n: usize, width: usize, inv_t: f32, k: usize, out: &mut crate::sampling::Candidates) {
-        // The trait's reduction on the rows where they are (no copy).
+        // The trait's reduction on the rows where they are (no copy); several long rows (a DFlash block's
+        // 15 readout rows) are shared out over the pool, one row per task (each row's answer is computed
+        // alone, so the split changes no bit).
         out.reset(n, k);
-        let mut scratch = Vec::new();
-        for (r, row) in x[..n * width].chunks_exact(width.max(1)).enumerate() {
-            out.fill_row(r, row, inv_t, &mut scratch);
+        let w = width.max(1);
+        if n < 2 || self.pool.n_threads() == 1 || width < 4096 {
+            let mut scratch = Vec::new();
+            for (r, row) in x[..n * width].chunks_exact(w).enumerate() {
+                out.fill_row(r, row, inv_t, &mut scratch);
+            }
+            return;
+        }
+        // Per row: its candidates, n_finite and mass.
+        type RowAnswer = (Vec<(f32, u32)>, usize, f64);
+        let rows: Vec<std::sync::Mutex<RowAnswer>> = (0..n).map(|_| Default::default()).collect();
+        self.pool.parallel_for(n, 1, |range| {
+            for r in range {
+                let mut g = rows[r].lock().unwrap_or_else(|e| e.into_inner());
+                let (top, nf, mass) = &mut *g;
+                (*nf, *mass) = crate::sampling::row_candidates(&x[r * w..(r + 1) * w], inv_t, k, top);
+            }
+        });
+        for (r, m) in rows.into_iter().enumerate() {
+            let (top, nf, mass) = m.into_inner().unwrap_or_else(|e| e.into_inner());
+            out.top[r * k..r * k + top.len()].copy_from_slice(&top);
+            out.n_finite[r] = nf;
+            out.mass[r] = mass;
         }
     }
 
