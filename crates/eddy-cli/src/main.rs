@@ -11,7 +11,7 @@ use eddy::engine::{default_threads, Device, Engine, EngineOptions, GenerateParam
 use eddy::load::{load, LoadedModel};
 use eddy::model_dir::Quant;
 use eddy::sampling::SamplerParams;
-use eddy::spec::dflash::{find_next_to, is_dflash_dir, DFlashDrafter, DFlashSeq, TargetParts, TOP_K};
+use eddy::spec::dflash::{find_next_to, is_dflash_dir, DFlashDrafter};
 use eddy::spec::{Budget, Drafter, SpeculatorKind};
 use eddy::stats::{peak_rss_bytes, EnergyMeter, GenerationStats};
 use eddy::tokenizer::StreamDecoder;
@@ -102,8 +102,8 @@ struct SpeedArgs {
     /// 1,2,4,8,16,32,64) after the -p prompt: the cost curve speculative decoding trades against.
     #[arg(long, value_name = "N,N,...", value_delimiter = ',')]
     verify_sizes: Vec<usize>,
-    /// DFlash drafter folder whose block pass to time after the -p prompt (a `dflash_pass` line; default:
-    /// a drafter found next to the model, as `eddy run` finds it).
+    /// DFlash drafter folder whose block pass to time, on the model's device, after the -p prompt (a
+    /// `dflash_pass` line; default: a drafter found next to the model, as `eddy run` finds it).
     #[arg(long, value_name = "DIR")]
     draft_model: Option<std::path::PathBuf>,
 }
@@ -228,29 +228,6 @@ fn spec_options(a: &SpecArgs) -> eddy::Result<(Option<SpeculatorKind>, Budget)> 
         return Err(bad("--draft-model", "is only used with --speculator draft, dflash, dflash-chain or auto"));
     }
     Ok((kind, budget))
-}
-
-/// Median milliseconds of one DFlash block pass of the drafter in `dir` (int8) over a context of `context`
-/// rows (synthetic features: the cost does not depend on their values), over `reps` passes, on the CPU: the
-/// block pass and its reduction to the per-depth candidates, as the speculator runs it.
-fn dflash_pass_ms(engine: &Engine, d: &DFlashDrafter, context: usize, reps: usize) -> eddy::Result<f64> {
-    let be = engine.backend();
-    let mut seq = DFlashSeq::new(be, d, context);
-    let features: Vec<f32> = (0..context * d.config.feature_dim()).map(|i| ((i % 97) as f32 - 48.0) / 16.0).collect();
-    seq.add_context(be, d, &features);
-    let m = &engine.lm.model;
-    let mut cands = eddy::sampling::Candidates::default();
-    let mut times = Vec::new();
-    for i in 0..reps + 1 {
-        let t = std::time::Instant::now();
-        let root = ((1000 + i) % m.config.vocab_size) as u32;
-        seq.draft_candidates(be, d, TargetParts::new(m, m), root, 1.0, TOP_K, &mut cands)?;
-        if i > 0 {
-            times.push(t.elapsed().as_secs_f64() * 1e3);
-        }
-    }
-    times.sort_by(|a, b| a.total_cmp(b));
-    Ok(times[times.len() / 2])
 }
 
 /// The drafter to use: `--draft-model`, else (for kinds that run one) a DFlash drafter next to the model.
@@ -1196,7 +1173,7 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
     }
     if let Some((dir, d)) = dflash {
         let step = if tm > 0.0 { Some(1.0 / tm) } else { None };
-        let ms = dflash_pass_ms(&engine, &d, a.prompt_tokens, a.repetitions.max(5))?;
+        let ms = engine.time_dflash_pass(d, a.prompt_tokens, a.repetitions.max(5))? * 1e3;
         let mut j = serde_json::json!({"model": model, "test": "dflash_pass", "drafter": dir.display().to_string(), "threads": threads,
             "context": a.prompt_tokens, "ms": ms});
         if let Some(step) = step {

@@ -21,11 +21,12 @@ use crate::load::LoadedModel;
 use crate::models::forward::{commit_tree, decode, forward, forward_tree, last_hidden, reusable_prefix, Logits, Workspace};
 use crate::models::Model;
 use crate::sampling::{LogitMask, Sampler, SamplerParams};
+use crate::spec::dflash::{time_block_pass, DFlashDrafter, TargetParts};
 use crate::spec::{
-    accept_walk_into, build_speculators, Budget, CostModel, DraftTree, Drafter, ProposeCtx, SelectScratch, SpecGate, Speculator,
-    SpeculatorKind, Walk,
+    accept_walk_into, build_speculators, Budget, CostModel, DraftTree, Drafter, FeatureRows, ProposeCtx, SelectScratch, SpecGate,
+    Speculator, SpeculatorKind, Walk,
 };
-use crate::state::{FeatureCapture, SeqState};
+use crate::state::SeqState;
 use crate::stats::{FinishReason, GenerationStats};
 use crate::tree::TreePaths;
 use std::time::Instant;
@@ -280,11 +281,12 @@ impl Exec {
     fn truncate(&mut self, n: usize) {
         on_core!(self, |c| c.state.truncate(n))
     }
-    fn features(&self) -> &FeatureCapture {
-        on_core!(self, |c| &c.state.features)
+    /// The decoder layers whose outputs the target captures for a feature drafter (empty: none).
+    fn feature_layers(&self) -> &[usize] {
+        on_core!(self, |c| &c.state.features.layers)
     }
-    fn features_mut(&mut self) -> &mut FeatureCapture {
-        on_core!(self, |c| &mut c.state.features)
+    fn set_feature_layers(&mut self, layers: Vec<usize>) {
+        on_core!(self, |c| c.state.features.set_layers(layers))
     }
     fn set_want_hidden(&mut self, on: bool) {
         on_core!(self, |c| c.state.want_hidden = on)
@@ -470,12 +472,11 @@ impl Engine {
     fn speculators_changed(&mut self, budget: Budget) {
         // The target captures the features of the first speculator that reads its intermediate layers.
         let layers = on_core!(&self.exec, |c| c.specs.iter().map(|s| s.feature_layers()).find(|l| !l.is_empty()).unwrap_or(&[]).to_vec());
-        self.exec.features_mut().rows.clear();
         if !layers.is_empty() {
             // A new feature drafter has seen none of the cached rows: prefill from scratch next time.
             self.exec.clear();
         }
-        self.exec.features_mut().layers = layers;
+        self.exec.set_feature_layers(layers);
         self.budget = budget;
         self.gate = SpecGate::default();
     }
@@ -489,6 +490,19 @@ impl Engine {
     /// host-side work (drafters on the CPU) uses.
     pub fn backend(&self) -> &Cpu {
         self.exec.host()
+    }
+
+    /// Median seconds of one block pass of the DFlash drafter `d` (bound to this engine's target) where the
+    /// engine would run it (the GPU for a GPU engine) over `context` context rows, `reps` passes
+    /// ([`crate::spec::dflash::time_block_pass`]).
+    ///
+    /// Errors: as [`crate::spec::dflash::DFlashSeq::draft`].
+    pub fn time_dflash_pass(&self, d: DFlashDrafter, context: usize, reps: usize) -> Result<f64> {
+        let host = &self.lm.model;
+        on_device!(&self.exec, host, |c, m| {
+            let d = d.into_backend(&c.be);
+            time_block_pass(&c.be, &d, TargetParts::new(host, m), context, reps)
+        })
     }
 
     /// The measured verify-cost model.
@@ -569,11 +583,15 @@ impl Engine {
     }
 
     /// Seconds of one verify pass over the chain `tokens` after the committed sequence (scratch rows only;
-    /// nothing is committed).
+    /// nothing is committed). On a device the head ends as greedy verify passes end there, in each row's
+    /// argmax on the device ([`Engine::set_device_argmax`]): the logits' copy to the host (10 MB for 16 rows
+    /// of a 152k vocabulary, ≈ 1.6 ms on the H200 machine) is not what a verify pass costs there.
     fn time_chain(&mut self, tokens: &[u32]) -> Result<f64> {
         let paths = TreePaths::chain(tokens.len());
+        let on_device_argmax = self.device_argmax && !matches!(self.exec, Exec::Cpu(_));
+        on_core!(&mut self.exec, |c| c.ws.argmax_head = on_device_argmax);
         let t = Instant::now();
-        on_device!(&mut self.exec, &self.lm.model, |c, m| forward_tree(
+        let r = on_device!(&mut self.exec, &self.lm.model, |c, m| forward_tree(
             m,
             &c.be,
             &mut c.ws,
@@ -582,8 +600,10 @@ impl Engine {
             &paths,
             0,
             &mut self.logits
-        ))?;
-        Ok(t.elapsed().as_secs_f64())
+        ));
+        let secs = t.elapsed().as_secs_f64();
+        on_core!(&mut self.exec, |c| c.ws.argmax_head = false);
+        r.map(|()| secs)
     }
 
     /// Context length in tokens.
@@ -759,7 +779,7 @@ impl Engine {
             }
         });
         let want_hidden = self.exec.specs_want_hidden();
-        let want_features = !self.exec.features().layers.is_empty();
+        let want_features = !self.exec.feature_layers().is_empty();
         let piece = self.exec.max_batch().next_multiple_of(crate::state::GDN_CHUNK);
         let mut at = keep;
         while at < prompt.len() {
@@ -781,7 +801,7 @@ impl Engine {
             ));
             self.exec.set_want_hidden(false);
             prefilled?;
-            on_specs!(&mut self.exec, &self.lm.model, |specs, be, st, host, _m| {
+            on_specs!(&mut self.exec, &self.lm.model, |specs, be, st, host, m| {
                 if want_hidden {
                     if let Some(h) = last_hidden(st) {
                         for s in specs.iter_mut().filter(|s| s.wants_hidden()) {
@@ -791,8 +811,12 @@ impl Engine {
                 }
                 if want_features {
                     let f = &st.features;
-                    for s in specs.iter_mut().filter(|s| s.feature_layers() == f.layers) {
-                        s.observe(be, host, prompt, at, &f.rows)?;
+                    if let Some(buf) = f.buf() {
+                        let rows: Vec<usize> = (0..f.rows()).collect();
+                        let width = f.row_len(m.config.d_model);
+                        for s in specs.iter_mut().filter(|s| s.feature_layers() == f.layers) {
+                            s.observe_features(be, host, prompt, at, FeatureRows { buf, width, rows: &rows })?;
+                        }
                     }
                 }
             });
@@ -824,7 +848,7 @@ impl Engine {
         let vocab = self.lm.model.config.vocab_size;
         let lp_k = params.logprobs;
         let want_hidden = self.exec.specs_want_hidden();
-        let want_features = !self.exec.features().layers.is_empty();
+        let want_features = !self.exec.feature_layers().is_empty();
         let room = self.ctx() - self.exec.n_past();
         let left = params.max_tokens - out.stats.generated_tokens;
         let max_nodes = (room - 1).min(left.saturating_sub(1));
@@ -970,7 +994,7 @@ impl Engine {
             stats.accepted_at_depth[d] += 1;
         }
         let history = &out.history;
-        on_specs!(&mut self.exec, &self.lm.model, |specs, be, st, host, _m| {
+        on_specs!(&mut self.exec, &self.lm.model, |specs, be, st, host, m| {
             if want_hidden {
                 // The accepted path's hidden states (tree node order → position order), before the
                 // commit moves on.
@@ -984,13 +1008,13 @@ impl Engine {
                 }
             }
             if want_features {
-                // The accepted path's feature rows (tree node order → position order).
+                // The accepted path's feature rows (their tree nodes, in position order).
                 let f = &st.features;
-                let w = f.rows.len() / tree.len();
-                rows.clear();
-                rows.extend(walk.path.iter().flat_map(|&i| f.rows[i * w..(i + 1) * w].iter().copied()));
-                for s in specs.iter_mut().filter(|s| s.feature_layers() == f.layers) {
-                    s.observe(be, host, history, n_committed, rows)?;
+                if let Some(buf) = f.buf() {
+                    let width = f.row_len(m.config.d_model);
+                    for s in specs.iter_mut().filter(|s| s.feature_layers() == f.layers) {
+                        s.observe_features(be, host, history, n_committed, FeatureRows { buf, width, rows: &walk.path })?;
+                    }
                 }
             }
         });

@@ -16,7 +16,7 @@
 //! pass). States reached by decoding are never reused: a cold prefill computes them differently (up to
 //! rounding).
 
-use crate::backend::{Backend, Cpu, GdnShape};
+use crate::backend::{Backend, Cols, Cpu, GdnShape};
 use crate::error::{Error, Result};
 
 /// Tokens per chunk of the chunked GDN prefill (transformers uses 64 too); chunk boundaries sit at
@@ -86,29 +86,77 @@ pub(crate) struct Capture<B: Backend> {
 
 /// Residual-stream rows captured after chosen decoder layers of the last forward pass, for drafters that
 /// read the target's intermediate features (DFlash: the outputs of its `target_layer_ids`, Hugging Face's
-/// `hidden_states[id + 1]`). Dense models only; empty `layers` captures nothing.
-#[derive(Debug, Clone, Default)]
-pub struct FeatureCapture {
+/// `hidden_states[id + 1]`). Dense models only; empty `layers` captures nothing. The rows stay in the
+/// backend's memory ([`Backend::gather_rows`] writes and reads them): a GPU pass runs without a readback.
+pub struct FeatureCapture<B: Backend = Cpu> {
     /// Decoder layers (0-based) whose outputs are captured, in feature order.
     pub layers: Vec<usize>,
-    /// `rows × (layers.len() · d_model)` f32: one row per token of the last [`crate::models::forward::forward`]
-    /// (batch order) or per computed node of the last `forward_tree` (node order), holding the outputs of
-    /// `layers` concatenated in that order.
-    pub rows: Vec<f32>,
+    /// `cap × row_len` f32: rows `0..rows` hold one row per token of the last
+    /// [`crate::models::forward::forward`] (batch order) or per computed node of the last `forward_tree`
+    /// (node order), the outputs of `layers` concatenated in that order.
+    buf: Option<B::Buf>,
+    cap: usize,
+    rows: usize,
 }
 
-impl FeatureCapture {
+impl<B: Backend> Default for FeatureCapture<B> {
+    fn default() -> Self {
+        FeatureCapture { layers: Vec::new(), buf: None, cap: 0, rows: 0 }
+    }
+}
+
+impl<B: Backend> Clone for FeatureCapture<B>
+where
+    B::Buf: Clone,
+{
+    fn clone(&self) -> Self {
+        FeatureCapture { layers: self.layers.clone(), buf: self.buf.clone(), cap: self.cap, rows: self.rows }
+    }
+}
+
+impl<B: Backend> FeatureCapture<B> {
     /// Values per captured row (`layers.len() × d_model`).
     pub fn row_len(&self, d_model: usize) -> usize {
         self.layers.len() * d_model
     }
 
-    /// Append `t` rows (a chunk of the forward pass is about to run); nothing when no layer is captured.
-    pub(crate) fn grow(&mut self, t: usize, d_model: usize) {
-        if !self.layers.is_empty() {
-            let n = self.rows.len() + t * self.row_len(d_model);
-            self.rows.resize(n, 0.0);
+    /// Rows captured by the last pass.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// The captured rows ([`FeatureCapture::rows`] of [`FeatureCapture::row_len`] values, backend memory);
+    /// `None` before the first capture.
+    pub fn buf(&self) -> Option<&B::Buf> {
+        self.buf.as_ref()
+    }
+
+    /// Capture the outputs of `layers` from now on (none for an empty list).
+    pub fn set_layers(&mut self, layers: Vec<usize>) {
+        *self = FeatureCapture { layers, ..FeatureCapture::default() };
+    }
+
+    /// Forget the rows of the last pass.
+    pub(crate) fn clear(&mut self) {
+        self.rows = 0;
+    }
+
+    /// Append `t` rows (a chunk of the forward pass is about to run; the buffer grows, keeping its rows,
+    /// when they do not fit); nothing when no layer is captured.
+    pub(crate) fn grow(&mut self, be: &B, t: usize, d_model: usize) {
+        if self.layers.is_empty() {
+            return;
         }
+        let w = self.row_len(d_model);
+        if self.rows + t > self.cap {
+            let cap = (self.rows + t).max(2 * self.cap);
+            let mut buf = be.alloc(cap * w);
+            if let Some(old) = &self.buf {
+                be.copy(old, &mut buf, self.rows * w);
+            }
+            (self.buf, self.cap) = (Some(buf), cap);
+        }
+        self.rows += t;
     }
 
     /// Whether the output of decoder layer `layer` is captured.
@@ -116,16 +164,15 @@ impl FeatureCapture {
         self.layers.contains(&layer)
     }
 
-    /// Copy the residual rows `x` (`t × d_model`, the output of decoder layer `layer`) into the last `t`
-    /// rows wherever `layer` is captured.
-    pub(crate) fn record(&mut self, layer: usize, x: &[f32], d_model: usize) {
+    /// Copy the residual rows `x` (rows `0..t`, `iota = [0, 1, …, t − 1]`, `d_model` each: the output of
+    /// decoder layer `layer`) into the last `t` rows, in the columns of each place `layer` is captured.
+    pub(crate) fn record(&mut self, be: &B, layer: usize, x: &B::Buf, iota: &[usize], d_model: usize) {
         let stride = self.row_len(d_model);
-        let t = x.len() / d_model;
+        let row0 = self.rows - iota.len();
+        let buf = self.buf.as_mut().expect("grow comes before record");
         for (j, _) in self.layers.iter().enumerate().filter(|(_, &l)| l == layer) {
-            let base = self.rows.len() - t * stride + j * d_model;
-            for (i, src) in x.chunks_exact(d_model).enumerate() {
-                self.rows[base + i * stride..][..d_model].copy_from_slice(src);
-            }
+            let to = Cols { stride, col: j * d_model, width: d_model };
+            be.gather_rows(x, Cols::whole(d_model), iota, buf, to, row0);
         }
     }
 }
@@ -160,7 +207,7 @@ pub struct SeqState<B: Backend = Cpu> {
     /// none is pending (a tree has at least its root).
     pub(crate) tree: Vec<usize>,
     /// Intermediate features captured by every forward pass, for a DFlash drafter.
-    pub features: FeatureCapture,
+    pub features: FeatureCapture<B>,
 }
 
 impl<B: Backend> SeqState<B> {
@@ -327,12 +374,8 @@ impl<B: Backend> SeqState<B> {
         for layer in self.layers.iter_mut() {
             match layer {
                 LayerState::Kv { k, v } => {
-                    for (d, &node) in path.iter().enumerate() {
-                        if node != d {
-                            be.copy_row(k, kvd, n_past + node, n_past + d);
-                            be.copy_row(v, kvd, n_past + node, n_past + d);
-                        }
-                    }
+                    be.commit_rows(k, kvd, n_past, path);
+                    be.commit_rows(v, kvd, n_past, path);
                 }
                 LayerState::Gdn { conv, rec, tree } => {
                     let s = self.gdn.expect("GDN layer");

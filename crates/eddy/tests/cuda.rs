@@ -714,12 +714,41 @@ fn gemma3_270m_matches_cpu() {
     model_matches_cpu("gemma3");
 }
 
-/// Time per decode step (1 token) and per 16-node verify on Qwen2.5-Coder-0.5B, and kernel launches per
-/// step: printed for comparison with llama.cpp (a measurement, not a pass/fail check).
+/// Seconds of one verify pass of `toks` as the tree `paths` over `st`'s committed rows: the mean of 48 passes
+/// after 3 (the graph captured by then).
+fn verify_secs(
+    gm: &eddy::models::Model<Cuda>,
+    be: &Cuda,
+    ws: &mut Workspace<Cuda>,
+    st: &mut eddy::state::SeqState<Cuda>,
+    toks: &[u32],
+    paths: &TreePaths,
+    logits: &mut Vec<f32>,
+) -> f64 {
+    for _ in 0..3 {
+        forward_tree(gm, be, ws, st, toks, paths, 0, logits).unwrap();
+    }
+    let reps = 48;
+    let t0 = std::time::Instant::now();
+    for _ in 0..reps {
+        forward_tree(gm, be, ws, st, toks, paths, 0, logits).unwrap();
+    }
+    t0.elapsed().as_secs_f64() / reps as f64
+}
+
+/// The GGUF file (in the models folder) the timing and profiling tests run: `$EDDY_CUDA_MODEL`, else
+/// Qwen2.5-Coder-0.5B.
+fn timing_model() -> String {
+    std::env::var("EDDY_CUDA_MODEL").unwrap_or_else(|_| "qwen2.5-coder-0.5b-instruct.gguf".into())
+}
+
+/// Time per decode step (1 token) and per 16-node verify on Qwen2.5-Coder-0.5B (or `$EDDY_CUDA_MODEL`), and
+/// kernel launches per step: printed for comparison with llama.cpp (a measurement, not a pass/fail check).
 #[test]
 #[ignore = "needs an NVIDIA GPU and the model files; prints timings"]
 fn decode_and_verify_timing() {
-    let file = "qwen2.5-coder-0.5b-instruct.gguf";
+    let file = timing_model();
+    let file = file.as_str();
     let path = eddy::load::models_dir().join(file);
     let lm = eddy::load::load_gguf(&path, &mut |_, _| {}).unwrap();
     let be = gpu();
@@ -824,19 +853,26 @@ fn decode_and_verify_timing() {
     st.truncate(base);
     for n in [1usize, 2, 4, 8, 16, 32, 48, 64] {
         let toks: Vec<u32> = prompt.iter().cycle().take(n).copied().collect();
-        let chain = TreePaths::chain(n);
-        for _ in 0..3 {
-            forward_tree(&gm, &be, &mut ws, &mut st, &toks, &chain, 0, &mut logits).unwrap();
-        }
-        let reps = 48;
-        let t0 = std::time::Instant::now();
-        for _ in 0..reps {
-            forward_tree(&gm, &be, &mut ws, &mut st, &toks, &chain, 0, &mut logits).unwrap();
-        }
+        let dv = verify_secs(&gm, &be, &mut ws, &mut st, &toks, &TreePaths::chain(n), &mut logits);
         assert_eq!(ws.ids.len(), n, "one id per node");
-        let dv = t0.elapsed().as_secs_f64() / reps as f64;
         println!("{file}: device argmax: {n}-node verify {:.3} ms ({:.2}× a decode step)", 1e3 * dv, dv / da);
     }
+    // A 16-node tree of a DFlash round's form (two children at each of the first depths, then a chain),
+    // without and with a DFlash drafter's feature capture (five layers' outputs kept on the device).
+    let parents = [usize::MAX, 0, 0, 1, 1, 3, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14];
+    let tree = TreePaths::new(&parents).unwrap();
+    let toks: Vec<u32> = prompt.iter().cycle().take(16).copied().collect();
+    let layers = gm.config.n_layers;
+    for capture in [false, true] {
+        st.features.set_layers(if capture { (0..5).map(|i| 1 + i * (layers - 2) / 4).collect() } else { Vec::new() });
+        let dv = verify_secs(&gm, &be, &mut ws, &mut st, &toks, &tree, &mut logits);
+        println!(
+            "{file}: device argmax: 16-node tree verify, feature capture {capture}: {:.3} ms ({:.2}× a decode step)",
+            1e3 * dv,
+            dv / da
+        );
+    }
+    st.features.set_layers(Vec::new());
     ws.argmax_head = false;
     // The same with the sampling head (candidates at T = 0.8, k = 40: `eddy speed`'s step), then where the
     // head's tail goes: the argmax and the candidates of one logits row alone (kernels, the copy back and the
@@ -904,14 +940,13 @@ fn decode_and_verify_timing() {
 }
 
 /// One 64-token prefill pass (after 256 tokens of context), one 16-node verify and one decode step of
-/// Qwen2.5-Coder-0.5B between `cuProfilerStart` and `cuProfilerStop`, for a kernel-time split under
-/// `ncu --profile-from-start off` (run with `EDDY_CUDA_GRAPHS=0` so the kernels launch one by one). Prints
-/// the passes' wall times; asserts nothing.
+/// Qwen2.5-Coder-0.5B (or `$EDDY_CUDA_MODEL`) between `cuProfilerStart` and `cuProfilerStop`, for a
+/// kernel-time split under `ncu --profile-from-start off` (run with `EDDY_CUDA_GRAPHS=0` so the kernels
+/// launch one by one). Prints the passes' wall times; asserts nothing.
 #[test]
 #[ignore = "needs an NVIDIA GPU and the model files; for profiling"]
 fn profile_prefill_verify_decode() {
-    let file = "qwen2.5-coder-0.5b-instruct.gguf";
-    let lm = eddy::load::load_gguf(&eddy::load::models_dir().join(file), &mut |_, _| {}).unwrap();
+    let lm = eddy::load::load_gguf(&eddy::load::models_dir().join(timing_model()), &mut |_, _| {}).unwrap();
     let be = gpu();
     let gm = lm.model.to_backend(&be).unwrap();
     let prompt = lm.tokenizer.encode(PROMPT, true).unwrap();
@@ -1237,7 +1272,7 @@ fn dflash_rounds<B: Backend>(be: &B, quant: eddy::model_dir::Quant) -> Vec<f32> 
     let mut seq = DFlashSeq::new(be, &d, 64);
     let (mut out, mut logits) = (Vec::new(), Vec::new());
     for (features, root) in [("features1", roots[0]), ("features2", roots[1])] {
-        seq.add_context(be, &d, &get(features).1);
+        seq.add_context_from_host(be, &d, &get(features).1);
         seq.draft(be, &d, TargetParts { embed: &embed, embed_scale: None, lm_head: &lm }, root as u32, &mut logits).unwrap();
         out.extend_from_slice(&logits);
     }
@@ -1296,7 +1331,8 @@ fn dflash_drafts_match_the_cpu() {
         };
         e.set_speculation(Vec::new(), Budget::Auto);
         let plain = run(&mut e, "plain");
-        for budget in [Budget::Fixed(16), Budget::Auto] {
+        // Fixed(15): trees of 16 nodes (one tensor-core token tile); Fixed(16): 17 nodes (two).
+        for budget in [Budget::Fixed(15), Budget::Fixed(16), Budget::Auto] {
             e.speculate(SpeculatorKind::DFlash, Some(Drafter::DFlash(Box::new(load()))), budget).unwrap();
             let got = run(&mut e, &format!("DFlash on the GPU, {budget:?}"));
             assert_eq!(got, plain, "T {}: DFlash on the GPU ({budget:?}) changed the output", sp.temperature);

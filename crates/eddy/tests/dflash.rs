@@ -22,7 +22,7 @@ use eddy::model_dir::Quant;
 use eddy::quant::WeightMatrix;
 use eddy::sampling::SamplerParams;
 use eddy::spec::dflash::{grow_tree, DFlashDrafter, DFlashSeq, DFlashSpeculator, TargetParts, TreeShape};
-use eddy::spec::{Budget, DraftTree, Drafter, ProposeCtx, Speculator, SpeculatorKind};
+use eddy::spec::{Budget, DraftTree, Drafter, FeatureRows, ProposeCtx, Speculator, SpeculatorKind};
 use std::path::{Path, PathBuf};
 
 fn fixture_dir() -> PathBuf {
@@ -59,9 +59,9 @@ fn run_rounds(d: &DFlashDrafter) -> (Vec<f32>, Vec<f32>) {
     let roots = &r["roots"].1;
     let mut seq = DFlashSeq::new(&be, d, 64);
     let (mut l1, mut l2) = (Vec::new(), Vec::new());
-    seq.add_context(&be, d, &r["features1"].1);
+    seq.add_context_from_host(&be, d, &r["features1"].1);
     seq.draft(&be, d, TargetParts { embed: &embed, embed_scale: None, lm_head: &lm }, roots[0] as u32, &mut l1).unwrap();
-    seq.add_context(&be, d, &r["features2"].1);
+    seq.add_context_from_host(&be, d, &r["features2"].1);
     assert_eq!((seq.base, seq.rows), (0, 12));
     seq.draft(&be, d, TargetParts { embed: &embed, embed_scale: None, lm_head: &lm }, roots[1] as u32, &mut l2).unwrap();
     (l1, l2)
@@ -356,8 +356,8 @@ impl Speculator for Oracle {
     fn feature_layers(&self) -> &[usize] {
         self.inner.feature_layers()
     }
-    fn observe(&mut self, backend: &Cpu, host: &Cpu, history: &[u32], start: usize, hidden: &[f32]) -> eddy::Result<()> {
-        self.inner.observe(backend, host, history, start, hidden)
+    fn observe_features(&mut self, backend: &Cpu, host: &Cpu, history: &[u32], start: usize, f: FeatureRows<'_, Cpu>) -> eddy::Result<()> {
+        self.inner.observe_features(backend, host, history, start, f)
     }
     fn propose(&mut self, ctx: &ProposeCtx, history: &[u32], tree: &mut DraftTree) -> eddy::Result<f64> {
         let n = history.len() - 1;

@@ -60,6 +60,25 @@ pub use cpu::gdn::GdnShape;
 pub use cpu::rope::{Rope, RopeMode};
 pub use cpu::Cpu;
 
+/// Columns `col..col + width` of a buffer's rows of `stride` values: where [`Backend::gather_rows`]
+/// reads or writes (`col + width ≤ stride`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cols {
+    /// Values per row of the buffer.
+    pub stride: usize,
+    /// First column.
+    pub col: usize,
+    /// Columns copied.
+    pub width: usize,
+}
+
+impl Cols {
+    /// All `width` columns of rows of `width` values.
+    pub fn whole(width: usize) -> Cols {
+        Cols { stride: width, col: 0, width }
+    }
+}
+
 /// The operations of a forward pass, on buffers owned by the implementation.
 ///
 /// Shapes are in rows of `width` values; `n` is the number of rows an operation reads/writes from the
@@ -252,8 +271,14 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// Copy rows `0..n` of `src` (`width` each) to rows `dst_row..dst_row + n` of `dst` (KV cache writes).
     fn store_rows(&self, src: &Self::Buf, n: usize, width: usize, dst: &mut Self::Buf, dst_row: usize);
-    /// Within `buf`: copy row `src_row` to row `dst_row` (`width` each; commit of an accepted tree node).
-    fn copy_row(&self, buf: &mut Self::Buf, width: usize, src_row: usize, dst_row: usize);
+    /// Row `dst_row + i` of `dst`, its columns `to` = row `rows[i]` of `src`, its columns `from`, for
+    /// `i < rows.len()` (`from.width == to.width`): a layer's output rows into its columns of the target's
+    /// feature rows, the accepted ones into a drafter's input rows (DFlash), without leaving the device.
+    fn gather_rows(&self, src: &Self::Buf, from: Cols, rows: &[usize], dst: &mut Self::Buf, to: Cols, dst_row: usize);
+    /// Within `buf` (rows of `width`): row `base + d` = row `base + path[d]` for `d = 1, 2, …` in that
+    /// order (`path[d] ≥ d`; a row may be read before a later `d` overwrites it): the commit of an accepted
+    /// tree path's K/V rows to consecutive positions.
+    fn commit_rows(&self, buf: &mut Self::Buf, width: usize, base: usize, path: &[usize]);
     /// Attention of `a.t` queries against the cache rows they see ([`Attend`]) into `out`
     /// (`t × n_heads·head_dim`).
     fn attention(&self, a: Attend<'_, Self::Buf>, out: &mut Self::Buf);

@@ -9,7 +9,7 @@
 //! kernel path in `backend/cpu/tests.rs`); attention 1e-5.
 
 use super::cpu::gdn::{chain_parents, conv_taps};
-use super::{reference, Activation, Attend, AttnShape, Backend, GdnShape, Rope, RopeMode, Visibility};
+use super::{reference, Activation, Attend, AttnShape, Backend, Cols, GdnShape, Rope, RopeMode, Visibility};
 use crate::quant::import::{quantize_f32, QuantKind};
 use crate::quant::rotation::{Rotation, Signs};
 use crate::quant::{rtn, WeightMatrix};
@@ -387,21 +387,37 @@ pub fn check_attention<B: Backend>(be: &B) -> Result<(), String> {
     Ok(())
 }
 
-/// Row copies (KV writes and commits), embedding rows and the row readout.
+/// Row copies (KV writes and commits, feature gathers), embedding rows and the row readout.
 pub fn check_rows<B: Backend>(be: &B) -> Result<(), String> {
     let mut rng = Rng(6);
     let (w, n) = (24, 3);
     let src = rng.vec(n * w);
     let mut dst = be.upload(&vec![7.0; 10 * w]);
     be.store_rows(&be.upload(&src), n, w, &mut dst, 4);
-    be.copy_row(&mut dst, w, 5, 8);
+    // Rows 4.. hold src's; the path [0, 2, 3, 5] from row 3: row 4 = row 5 (read before row 5 = row 6),
+    // row 5 = row 6, row 6 = row 8.
+    be.commit_rows(&mut dst, w, 3, &[0, 2, 3, 5]);
     let mut want = vec![7.0; 10 * w];
     want[4 * w..7 * w].copy_from_slice(&src);
-    want.copy_within(5 * w..6 * w, 8 * w);
+    for (d, node) in [(1, 2), (2, 3), (3, 5)] {
+        want.copy_within((3 + node) * w..(4 + node) * w, (3 + d) * w);
+    }
     let mut got = Vec::new();
     be.read(&dst, 2, 8, w, &mut got);
     if got != want[2 * w..] {
-        return Err("store_rows / copy_row / read: rows differ from the expected copy".into());
+        return Err("store_rows / commit_rows / read: rows differ from the expected copy".into());
+    }
+    // gather_rows: rows 4, 1, 4 of src's columns 3..11 (stride 24) to rows 2.. of columns 5..13 (stride 16).
+    let src = rng.vec(6 * w);
+    let mut dst = be.upload(&vec![7.0; 6 * 16]);
+    let (from, to) = (Cols { stride: w, col: 3, width: 8 }, Cols { stride: 16, col: 5, width: 8 });
+    be.gather_rows(&be.upload(&src), from, &[4, 1, 4], &mut dst, to, 2);
+    let mut want = vec![7.0; 6 * 16];
+    for (i, r) in [4usize, 1, 4].into_iter().enumerate() {
+        want[(2 + i) * 16 + 5..][..8].copy_from_slice(&src[r * w + 3..][..8]);
+    }
+    if read(be, &dst, want.len()) != want {
+        return Err("gather_rows: rows differ from the expected gather".into());
     }
     let (a, b) = (rng.vec(n * w), rng.vec(n * w));
     let mut ab = be.alloc(2 * n * w);

@@ -65,8 +65,6 @@ pub struct Workspace<B: Backend = Cpu> {
     pub(crate) positions: Vec<usize>,
     parents: Vec<usize>,
     iota: Vec<usize>,
-    /// Host copy of captured residual rows (feature capture for DFlash; grows to `max_batch·d_model`).
-    host: Vec<f32>,
     /// Greedy head: when set, a pass that computes logits takes the argmax of each logits row where they are
     /// computed ([`Backend::matmul_argmax`]) and leaves the token ids in [`Workspace::ids`] instead of the
     /// logits (the logits output stays empty). Models with a final logit soft-cap ignore it (their logits
@@ -128,7 +126,6 @@ impl<B: Backend> Workspace<B> {
             positions: Vec::with_capacity(max_batch),
             parents: Vec::with_capacity(max_batch),
             iota: (0..max_batch).collect(),
-            host: Vec::new(),
             argmax_head: false,
             ids: Vec::with_capacity(max_batch),
             sample_head: None,
@@ -237,7 +234,7 @@ fn prefill<B: Backend>(
     ws.ids.clear();
     ws.cands.reset(0, 0);
     state.hidden.clear();
-    state.features.rows.clear();
+    state.features.clear();
     let (start, end) = (state.n_past(), state.n_past() + tokens.len());
     if let Some(s) = state.gdn_shape() {
         // From an exact state, snapshot the GDN states at the last chunk boundary before the last token (the
@@ -314,7 +311,7 @@ pub fn decode<B: Backend>(
     ws.ids.clear();
     ws.cands.reset(0, 0);
     state.hidden.clear();
-    state.features.rows.clear();
+    state.features.clear();
     pass(model, be, ws, state, &tokens, Rows::Chain, 0..1, logits);
     state.tokens.push(token);
     if state.is_hybrid() {
@@ -376,7 +373,7 @@ pub fn forward_tree<B: Backend>(
     ws.ids.clear();
     ws.cands.reset(0, 0);
     state.hidden.clear();
-    state.features.rows.clear();
+    state.features.clear();
     if state.is_hybrid() {
         state.tree.clear();
         state.tree.extend((0..paths.len()).map(|i| parent_of(paths, i)));
@@ -478,7 +475,7 @@ fn pass<B: Backend>(
     let p = Pass { c, t, n_past, row0, vis, tree: matches!(rows, Rows::Tree { .. }) };
     be.embed(&model.embed, tokens, c.embed_scale, &mut ws.x);
     let SeqState { layers, capture, features, .. } = state;
-    features.grow(t, c.d_model);
+    features.grow(be, t, c.d_model);
     // Whether `ws.o` holds the last block's FFN output, not yet added to the residual stream (the add is
     // fused into the next block's norm).
     let mut pending = false;
@@ -490,9 +487,7 @@ fn pass<B: Backend>(
             // The residual stream after layer `l`, for a feature-reading drafter (DFlash).
             be.add(&mut ws.x, &ws.o, t * c.d_model);
             pending = false;
-            ws.host.clear();
-            be.read(&ws.x, 0, t, c.d_model, &mut ws.host);
-            features.record(l, &ws.host, c.d_model);
+            features.record(be, l, &ws.x, &ws.iota[..t], c.d_model);
         }
     }
     if pending {

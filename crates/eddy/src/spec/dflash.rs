@@ -36,8 +36,8 @@
 //! object with such an array under `token_ids`) runs the LM head only over those rows: a sub-matrix
 //! gathered from the target's head once, when the drafter is bound to the target ([`DFlashDrafter::bind`]).
 
-use super::{Budget, DraftTree, DrafterStats, ProposeCtx, Ranked, Speculator};
-use crate::backend::{Activation, Backend, Cpu, Rope, RopeMode, Visibility};
+use super::{Budget, DraftTree, DrafterStats, FeatureRows, ProposeCtx, Ranked, Speculator};
+use crate::backend::{Activation, Backend, Cols, Cpu, Rope, RopeMode, Visibility};
 use crate::error::{Error, Result};
 use crate::model_dir::{Quant, Tensors};
 use crate::models::forward::{self, Workspace};
@@ -586,20 +586,19 @@ impl<B: Backend> DFlashSeq<B> {
         self.cap - block - self.rows
     }
 
-    /// Append the context rows of `m = features.len() / feature_dim` committed positions
-    /// `base + rows ..` from their target features (`m × feature_dim` host f32, position order):
+    /// Append the context rows of `m = rows.len()` committed positions `base + rows ..` from their target
+    /// features, rows `rows` of `features` (`feature_dim` f32 each, backend memory, in position order):
     /// `c = hidden_norm(fc·f)` projected by every layer's `k_proj` (then `k_norm`, RoPE) and `v_proj`.
     ///
-    /// Panics if the rows do not fit ([`DFlashSeq::room`]) or `features` is not whole rows (callers check).
-    pub fn add_context(&mut self, be: &B, d: &DFlashDrafter<B>, features: &[f32]) {
+    /// Panics if the rows do not fit ([`DFlashSeq::room`]) or lie outside `features` (callers check).
+    pub fn add_context(&mut self, be: &B, d: &DFlashDrafter<B>, features: &B::Buf, rows: &[usize]) {
         let c = &d.config;
         let (dm, kvd, fd, eps) = (c.d_model, c.kv_dim(), c.feature_dim(), c.norm_eps);
-        assert!(features.len().is_multiple_of(fd), "features must be whole rows of {fd}");
-        assert!(features.len() / fd <= self.room(c.block_size), "context rows beyond the drafter's room");
-        for piece in features.chunks(self.ws.max_batch * fd) {
-            let m = piece.len() / fd;
+        assert!(rows.len() <= self.room(c.block_size), "context rows beyond the drafter's room");
+        for piece in rows.chunks(self.ws.max_batch) {
+            let m = piece.len();
             let Workspace { x, h, q, k, v, cat, xq, positions, .. } = &mut self.ws;
-            be.write(piece, cat);
+            be.gather_rows(features, Cols::whole(fd), piece, cat, Cols::whole(fd), 0);
             be.quantize(cat, m, fd, &d.fc, xq);
             be.matmul(&d.fc, cat, xq, m, x);
             be.rms_norm(x, 0, m, &d.hidden_norm, eps, h);
@@ -619,6 +618,17 @@ impl<B: Backend> DFlashSeq<B> {
             }
             self.rows += m;
         }
+    }
+
+    /// [`DFlashSeq::add_context`] of host rows (`features`: whole rows of `feature_dim` f32, position
+    /// order; fixtures and benchmarks).
+    ///
+    /// Panics as [`DFlashSeq::add_context`] does, or if `features` is not whole rows.
+    pub fn add_context_from_host(&mut self, be: &B, d: &DFlashDrafter<B>, features: &[f32]) {
+        let fd = d.config.feature_dim();
+        assert!(features.len().is_multiple_of(fd), "features must be whole rows of {fd}");
+        let rows: Vec<usize> = (0..features.len() / fd).collect();
+        self.add_context(be, d, &be.upload(features), &rows);
     }
 
     /// One block pass: the root `root` at position `base + rows` followed by `B − 1` MASK tokens, over
@@ -765,6 +775,33 @@ fn inv_temperature(temperature: f32) -> f32 {
     } else {
         1.0
     }
+}
+
+/// Median seconds of one block pass of `d` on `be` and its reduction to each depth's [`TOP_K`] candidates
+/// ([`DFlashSeq::draft_candidates`], as the speculator runs it, the candidates' copy to the host included)
+/// over a context of `context` rows of synthetic features (the cost does not depend on their values), over
+/// `reps` passes after the backend's warm-up passes ([`Backend::passes_to_steady_state`]). `eddy speed`'s
+/// `dflash_pass`.
+///
+/// Errors: as [`DFlashSeq::draft`].
+pub fn time_block_pass<B: Backend>(be: &B, d: &DFlashDrafter<B>, target: TargetParts<'_, B>, context: usize, reps: usize) -> Result<f64> {
+    let mut seq = DFlashSeq::new(be, d, context);
+    let features: Vec<f32> = (0..context * d.config.feature_dim()).map(|i| ((i % 97) as f32 - 48.0) / 16.0).collect();
+    seq.add_context_from_host(be, d, &features);
+    let vocab = target.embed.rows();
+    let mut cands = Candidates::default();
+    let mut times = Vec::with_capacity(reps);
+    let warm = be.passes_to_steady_state();
+    for i in 0..warm + reps.max(1) {
+        let t = Instant::now();
+        let root = ((1000 + i) % vocab) as u32;
+        seq.draft_candidates(be, d, target, root, 1.0, TOP_K, &mut cands)?;
+        if i >= warm {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(times[times.len() / 2])
 }
 
 /// How a DFlash speculator shapes its drafts.
@@ -981,10 +1018,10 @@ impl<B: Backend> Speculator<B> for DFlashSpeculator<B> {
         &self.drafter.config.target_layer_ids
     }
 
-    fn observe(&mut self, backend: &B, _host: &Cpu, history: &[u32], start: usize, features: &[f32]) -> Result<()> {
+    fn observe_features(&mut self, backend: &B, _host: &Cpu, history: &[u32], start: usize, f: FeatureRows<'_, B>) -> Result<()> {
         let fd = self.drafter.config.feature_dim();
-        if !features.len().is_multiple_of(fd) {
-            return Err(Error::Input(format!("DFlash: {} feature values are not rows of {fd}", features.len())));
+        if f.width != fd {
+            return Err(Error::Input(format!("DFlash: feature rows of {} values, the drafter reads {fd}", f.width)));
         }
         // Rows stay valid while their positions precede `start` and the tokens they were computed for
         // (every token up to their position) are still the sequence's.
@@ -999,8 +1036,8 @@ impl<B: Backend> Speculator<B> for DFlashSpeculator<B> {
             }
         }
         self.note_tokens(history);
-        let m = (features.len() / fd).min(self.seq.room(self.drafter.config.block_size));
-        self.seq.add_context(backend, &self.drafter, &features[..m * fd]);
+        let m = f.rows.len().min(self.seq.room(self.drafter.config.block_size));
+        self.seq.add_context(backend, &self.drafter, f.buf, &f.rows[..m]);
         Ok(())
     }
 

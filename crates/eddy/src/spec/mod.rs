@@ -377,15 +377,42 @@ pub trait Speculator<B: Backend = Cpu>: Send {
         &[]
     }
 
-    /// The target committed positions `start..start + n` and computed their hidden states `hidden`
-    /// (position order): the final-normed states (`n × d_model`) when [`Speculator::wants_hidden`], or
-    /// the outputs of [`Speculator::feature_layers`] concatenated (`n × layers·d_model`), in host memory.
-    /// `history` holds the sequence's tokens through position `start` at least. Called after each prefill
-    /// piece (its rows) and after every verify step (the accepted path), only for speculators that want
-    /// either; `backend` is the engine's backend and `host` the CPU pool.
+    /// The target committed positions `start..start + n` and computed their final-normed hidden states
+    /// `hidden` (`n × d_model`, position order, host memory). `history` holds the sequence's tokens through
+    /// position `start` at least. Called after each prefill piece (its rows) and after every verify step
+    /// (the accepted path), only when [`Speculator::wants_hidden`]; `backend` is the engine's backend and
+    /// `host` the CPU pool.
     fn observe(&mut self, _backend: &B, _host: &Cpu, _history: &[u32], _start: usize, _hidden: &[f32]) -> Result<()> {
         Ok(())
     }
+
+    /// The target committed positions `start..start + features.rows.len()` and computed the outputs of
+    /// [`Speculator::feature_layers`] for them, where they are (the engine's backend memory; see
+    /// [`FeatureRows`]). Called as [`Speculator::observe`] is, only for speculators whose feature layers are
+    /// the ones the target captures.
+    fn observe_features(
+        &mut self,
+        _backend: &B,
+        _host: &Cpu,
+        _history: &[u32],
+        _start: usize,
+        _features: FeatureRows<'_, B>,
+    ) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Feature rows of committed positions for [`Speculator::observe_features`]: position `start + i` has row
+/// `rows[i]` of `buf` (`width` f32 a row: the captured layers' outputs concatenated; tree node order for a
+/// verify pass, so the accepted path picks its nodes' rows).
+#[derive(Clone, Copy)]
+pub struct FeatureRows<'a, B: Backend> {
+    /// The target's captured rows ([`crate::state::FeatureCapture::buf`]).
+    pub buf: &'a B::Buf,
+    /// Values per row.
+    pub width: usize,
+    /// The rows of the committed positions, in position order.
+    pub rows: &'a [usize],
 }
 
 /// A host-side speculator ([`Speculator<Cpu>`]: suffix lookup, the MTP head) serving an engine on
@@ -420,6 +447,15 @@ impl<B: Backend> Speculator<B> for OnHost {
     }
     fn observe(&mut self, _backend: &B, host: &Cpu, history: &[u32], start: usize, hidden: &[f32]) -> Result<()> {
         self.0.observe(host, host, history, start, hidden)
+    }
+    fn observe_features(&mut self, backend: &B, host: &Cpu, history: &[u32], start: usize, f: FeatureRows<'_, B>) -> Result<()> {
+        // Rows in the engine's backend memory cross to the CPU pool's.
+        let mut v = Vec::with_capacity(f.rows.len() * f.width);
+        for &r in f.rows {
+            backend.read(f.buf, r, 1, f.width, &mut v);
+        }
+        let (buf, rows): (_, Vec<usize>) = (host.upload(&v), (0..f.rows.len()).collect());
+        self.0.observe_features(host, host, history, start, FeatureRows { buf: &buf, width: f.width, rows: &rows })
     }
 }
 

@@ -8,7 +8,7 @@ use super::gdn::{self, GdnShape};
 use super::norm::{rms_norm, rms_norm_inplace};
 use super::rope::Rope;
 use super::{matmul, quantize_rotated_with, Kernel, QuantizedActivations, ThreadPool};
-use crate::backend::{Attend, Backend};
+use crate::backend::{Attend, Backend, Cols};
 use crate::quant::WeightMatrix;
 
 /// A hook that sees the input of every product: `(weights, x, n)` with `x` the `n × cols` f32 rows the
@@ -145,8 +145,22 @@ impl Backend for Cpu {
         dst[dst_row * width..(dst_row + n) * width].copy_from_slice(&src[..n * width]);
     }
 
-    fn copy_row(&self, buf: &mut Vec<f32>, width: usize, src_row: usize, dst_row: usize) {
-        buf.copy_within(src_row * width..(src_row + 1) * width, dst_row * width);
+    fn gather_rows(&self, src: &Vec<f32>, from: Cols, rows: &[usize], dst: &mut Vec<f32>, to: Cols, dst_row: usize) {
+        assert!(
+            from.width == to.width && from.col + from.width <= from.stride && to.col + to.width <= to.stride,
+            "gather_rows: bad columns"
+        );
+        for (i, &r) in rows.iter().enumerate() {
+            let s = r * from.stride + from.col;
+            let d = (dst_row + i) * to.stride + to.col;
+            dst[d..d + to.width].copy_from_slice(&src[s..s + from.width]);
+        }
+    }
+
+    fn commit_rows(&self, buf: &mut Vec<f32>, width: usize, base: usize, path: &[usize]) {
+        for (d, &node) in path.iter().enumerate().filter(|&(d, &node)| node != d) {
+            buf.copy_within((base + node) * width..(base + node + 1) * width, (base + d) * width);
+        }
     }
 
     fn attention(&self, a: Attend<'_, Vec<f32>>, out: &mut Vec<f32>) {

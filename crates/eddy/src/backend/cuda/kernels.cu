@@ -1363,6 +1363,31 @@ extern "C" __global__ void store_rows(const float* __restrict__ src, long long l
     if (i < len) dst[(long long)row0[0] * width + i] = src[i];
 }
 
+// Row dst_row + i of dst (columns dcol.., stride dstride) = row rows[i] of src (columns scol.., stride sstride)
+// for i < n, width values a row; at = [dst_row, rows[0..n]] (staged, so a graph replays for other rows).
+extern "C" __global__ void gather_rows(const float* __restrict__ src, int sstride, int scol, float* __restrict__ dst,
+                                       int dstride, int dcol, int n, int width, const int* __restrict__ at) {
+    pdl_wait();
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n * width) return;
+    const int r = (int)(i / width), c = (int)(i % width);
+    dst[(long long)(at[0] + r) * dstride + dcol + c] = src[(long long)at[1 + r] * sstride + scol + c];
+}
+
+// Within buf (rows of width): row base + d = row base + path[d] for d = 1, 2, ... in order, at = [base, len,
+// path[0..len]] (staged). One thread per column walks the rows in order, so a row is read before a later d
+// overwrites it (path[d] >= d), as the CPU's sequential copies do.
+extern "C" __global__ void commit_rows(float* __restrict__ buf, int width, const int* __restrict__ at) {
+    pdl_wait();
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= width) return;
+    const long long base = at[0];
+    for (int d = 1; d < at[1]; d++) {
+        const int node = at[2 + d];
+        if (node != d) buf[(base + d) * width + c] = buf[(base + node) * width + c];
+    }
+}
+
 extern "C" __global__ void mul_sigmoid(float* __restrict__ x, const float* __restrict__ g, long long len) {
     pdl_wait();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;

@@ -31,7 +31,7 @@ mod layout;
 pub use graph::{GraphPlan, Plan};
 pub use layout::GpuQ;
 
-use super::{Activation, Attend, AttnShape, Backend, GdnShape, Rope, RopeMode, Visibility};
+use super::{Activation, Attend, AttnShape, Backend, Cols, GdnShape, Rope, RopeMode, Visibility};
 use crate::error::{Error, Result};
 use crate::quant::rotation::blocks;
 use crate::quant::{WeightMatrix, QK};
@@ -152,8 +152,8 @@ fn att_chunk_blocks(blocks_per_query: usize, t: usize, nmax: usize, sms: usize) 
 }
 /// Fewest operations a queued list needs to be considered for a graph (smaller ones run eagerly).
 const GRAPH_MIN_OPS: usize = 32;
-/// Graphs kept per backend (decode, and verify of each node count in use).
-const MAX_GRAPHS: usize = 24;
+/// Graphs kept per backend (decode, verify of each node count in use, a DFlash round of each accepted length).
+const MAX_GRAPHS: usize = 64;
 /// Initial bytes of the per-pass host-data arena (a pass of 64 tree nodes stages about 10 KiB per distinct
 /// key list).
 const ARENA_BYTES: usize = 1 << 20;
@@ -213,6 +213,9 @@ struct Queue {
     pdl: bool,
     /// The empty kernel launched in place of every kernel, or 0 ([`Cuda::set_empty_kernels`]).
     noop: usize,
+    /// `EDDY_CUDA_TRACE=1`: each flush prints its list's length, hash and plan to stderr (why a pass
+    /// does not replay: a list that changes every time never does).
+    trace: bool,
 }
 
 /// Staging slots of [`Queue::staged`].
@@ -284,6 +287,7 @@ impl Queue {
             stats: GraphStats::default(),
             pdl: false,
             noop: 0,
+            trace: std::env::var("EDDY_CUDA_TRACE").is_ok_and(|v| v == "1"),
         }
     }
 
@@ -359,6 +363,9 @@ impl Queue {
         let hash = std::mem::take(&mut self.hash);
         let ops = std::mem::take(&mut self.ops);
         let plan = if ops.len() >= GRAPH_MIN_OPS { self.plan.decide(hash, &ops) } else { Plan::Eager };
+        if self.trace {
+            eprintln!("eddy cuda: list of {} ops, hash {hash:016x}: {plan:?}", ops.len());
+        }
         match plan {
             Plan::Replay(i) => {
                 self.stats.replayed += 1;
@@ -677,6 +684,8 @@ struct Kernels {
     rms_norm_quant: Func,
     gated_act_quant: Func,
     store_rows: Func,
+    gather_rows: Func,
+    commit_rows: Func,
     rope_store: Func,
     add: Func,
     add_bias: Func,
@@ -913,6 +922,8 @@ impl Cuda {
             rms_norm_quant: get("rms_norm_quant")?,
             gated_act_quant: get("gated_act_quant")?,
             store_rows: get("store_rows")?,
+            gather_rows: get("gather_rows")?,
+            commit_rows: get("commit_rows")?,
             rope_store: get("rope_store")?,
             add: get("add")?,
             add_bias: get("add_bias")?,
@@ -1962,13 +1973,36 @@ impl Backend for Cuda {
         self.launch_1d(self.k.store_rows, n * width, a);
     }
 
-    fn copy_row(&self, buf: &mut CudaBuf, width: usize, src_row: usize, dst_row: usize) {
-        assert!(buf.len >= (src_row.max(dst_row) + 1) * width, "copy_row: row outside the buffer");
-        if src_row == dst_row {
+    fn gather_rows(&self, src: &CudaBuf, from: Cols, rows: &[usize], dst: &mut CudaBuf, to: Cols, dst_row: usize) {
+        let (n, w) = (rows.len(), to.width);
+        assert!(from.width == w && from.col + w <= from.stride && to.col + w <= to.stride, "gather_rows: bad columns");
+        assert!(rows.iter().all(|&r| src.len >= r * from.stride + from.col + w), "gather_rows: a row outside the source");
+        assert!(n == 0 || dst.len >= (dst_row + n - 1) * to.stride + to.col + w, "gather_rows: rows outside the destination");
+        if n == 0 || w == 0 {
             return;
         }
         self.ctx.bind();
-        self.dtod(buf.at(dst_row * width), buf.at(src_row * width), width);
+        let at: Vec<i32> =
+            std::iter::once(dst_row).chain(rows.iter().copied()).map(|v| i32::try_from(v).expect("gather_rows: row exceeds i32")).collect();
+        let at = self.stage(SLOTS, &at);
+        let a = Args::new().p(src.ptr()).i(from.stride).i(from.col).p(dst.ptr()).i(to.stride).i(to.col).i(n).i(w).p(at);
+        self.launch_1d(self.k.gather_rows, n * w, a);
+    }
+
+    fn commit_rows(&self, buf: &mut CudaBuf, width: usize, base: usize, path: &[usize]) {
+        assert!(path.iter().all(|&r| buf.len >= (base + r + 1) * width), "commit_rows: a row outside the buffer");
+        if path.iter().enumerate().all(|(d, &node)| node == d) || width == 0 {
+            return;
+        }
+        self.ctx.bind();
+        // Staged [base, len, path…]: a graph of this list replays for any path and position.
+        let at: Vec<i32> = [base, path.len()]
+            .into_iter()
+            .chain(path.iter().copied())
+            .map(|v| i32::try_from(v).expect("commit_rows: row exceeds i32"))
+            .collect();
+        let at = self.stage(SLOTS, &at);
+        self.launch_1d(self.k.commit_rows, width, Args::new().p(buf.ptr()).i(width).p(at));
     }
 
     fn attention(&self, a: Attend<'_, CudaBuf>, out: &mut CudaBuf) {
