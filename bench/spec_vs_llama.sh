@@ -16,7 +16,7 @@
 #        CONFIGS="eddy-plain eddy-suffix ... verify" runs a subset (a quick look; ratios are against
 #        llama-plain when it ran, else against the first config).
 #        DEVICE=cuda: both servers on the GPU (eddy serve --device cuda, its draft model on the GPU too;
-#        llama-server -ngl 99 -fa on, its draft model -ngld 99); eddy's DFlash drafter still runs on the CPU.
+#        llama-server -ngl 99 -fa on, its draft model -ngld 99); eddy's DFlash drafter runs on the GPU too.
 #        On a machine prepared by hand (the lent GPU: no registry, no build): SETUP=0 skips fetching and
 #        building, EDDY=path of the eddy binary, LLAMA_BIN=folder of llama-server (then not built either),
 #        EDDY_MODELS / EDDY_DATA as usual (a ShareGPT file cut after its first conversations is enough).

@@ -106,6 +106,39 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// The settings most architectures share, for struct-update syntax (`ModelConfig { n_layers, …,
+    /// ..ModelConfig::plain(arch, head_dim, rope_theta) }`): NeoX RoPE over the whole head with base
+    /// `rope_theta` (also for local layers) and no scaling, scores scaled by `1/√head_dim`, SiLU, no sliding
+    /// window, embedding scale, post-norms, soft-cap or Gated DeltaNet; RMSNorm epsilon 1e-6. The shape
+    /// fields (layers, widths, heads, vocabulary, training context) are 0: set them.
+    pub fn plain(arch: Arch, head_dim: usize, rope_theta: f32) -> ModelConfig {
+        ModelConfig {
+            arch,
+            n_layers: 0,
+            d_model: 0,
+            n_heads: 0,
+            n_kv_heads: 0,
+            head_dim,
+            ffn_dim: 0,
+            vocab_size: 0,
+            train_ctx: 0,
+            norm_eps: 1e-6,
+            rope_mode: RopeMode::Neox,
+            rope_dims: head_dim,
+            rope_theta,
+            rope_scale: 1.0,
+            rope_theta_local: rope_theta,
+            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            sliding_window: None,
+            sliding_pattern: 0,
+            embed_scale: None,
+            activation: Activation::Silu,
+            post_norms: false,
+            final_softcap: None,
+            gdn: None,
+        }
+    }
+
     /// Whether layer `l` uses the sliding window.
     pub fn is_sliding(&self, l: usize) -> bool {
         self.sliding_window.is_some() && self.sliding_pattern > 0 && !(l + 1).is_multiple_of(self.sliding_pattern)
@@ -631,29 +664,17 @@ pub(crate) fn common_config(g: &GgufFile, arch: Arch, name: &str) -> Result<Mode
     };
     let rope_theta = hp_f32_or(g, name, "rope.freq_base", 10000.0)?;
     let c = ModelConfig {
-        arch,
         n_layers: hp(g, name, "block_count")?,
         d_model,
         n_heads,
         n_kv_heads,
-        head_dim,
         ffn_dim: hp(g, name, "feed_forward_length")?,
         vocab_size,
         train_ctx: hp(g, name, "context_length")?,
         norm_eps: hp_f32_or(g, name, "attention.layer_norm_rms_epsilon", 1e-6)?,
-        rope_mode: RopeMode::Neox,
         rope_dims,
-        rope_theta,
         rope_scale: hp_f32_or(g, name, "rope.scaling.factor", 1.0)?,
-        rope_theta_local: rope_theta,
-        attn_scale: 1.0 / (head_dim as f32).sqrt(),
-        sliding_window: None,
-        sliding_pattern: 0,
-        embed_scale: None,
-        activation: Activation::Silu,
-        post_norms: false,
-        final_softcap: None,
-        gdn: None,
+        ..ModelConfig::plain(arch, head_dim, rope_theta)
     };
     c.check_shapes().map_err(|m| Error::model(&g.path, m))?;
     // Layers the header does not count would be silently left out of the forward.

@@ -23,7 +23,7 @@
 //!   `silu(in_proj_z(h))`; `out_proj`.
 
 use crate::backend::cpu::gdn;
-use crate::backend::{Activation, GdnShape, Rope, RopeMode};
+use crate::backend::{GdnShape, Rope, RopeMode};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::model_dir::{Quant, Tensors, CONFIG_FILE};
@@ -117,29 +117,17 @@ impl Qwen35Config {
 /// The shared [`ModelConfig`] of a Qwen3.5 config.
 pub fn model_config(c: &Qwen35Config) -> ModelConfig {
     ModelConfig {
-        arch: Arch::Qwen35,
         n_layers: c.n_layers,
         d_model: c.d_model,
         n_heads: c.n_heads,
         n_kv_heads: c.n_kv_heads,
-        head_dim: c.head_dim,
         ffn_dim: c.ffn_dim,
         vocab_size: c.vocab_size,
         train_ctx: c.train_ctx,
         norm_eps: c.norm_eps,
-        rope_mode: RopeMode::Neox,
         rope_dims: c.rope_dims,
-        rope_theta: c.rope_theta,
-        rope_scale: 1.0,
-        rope_theta_local: c.rope_theta,
-        attn_scale: 1.0 / (c.head_dim as f32).sqrt(),
-        sliding_window: None,
-        sliding_pattern: 0,
-        embed_scale: None,
-        activation: Activation::Silu,
-        post_norms: false,
-        final_softcap: None,
         gdn: Some(c.gdn),
+        ..ModelConfig::plain(Arch::Qwen35, c.head_dim, c.rope_theta)
     }
 }
 

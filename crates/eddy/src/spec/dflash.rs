@@ -37,7 +37,7 @@
 //! gathered from the target's head once, when the drafter is bound to the target ([`DFlashDrafter::bind`]).
 
 use super::{Budget, DraftTree, DrafterStats, FeatureRows, ProposeCtx, Ranked, Speculator};
-use crate::backend::{Activation, Backend, Cols, Cpu, Rope, RopeMode, Visibility};
+use crate::backend::{Backend, Cols, Cpu, Rope, RopeMode, Visibility};
 use crate::error::{Error, Result};
 use crate::model_dir::{Quant, Tensors};
 use crate::models::forward::{self, Workspace};
@@ -265,29 +265,14 @@ impl DFlashConfig {
     /// head, scores scaled by `1/√head_dim`, SiLU), for the shared block code.
     pub fn decoder(&self) -> ModelConfig {
         ModelConfig {
-            arch: Arch::Qwen3,
             n_layers: self.n_layers,
             d_model: self.d_model,
             n_heads: self.n_heads,
             n_kv_heads: self.n_kv_heads,
-            head_dim: self.head_dim,
             ffn_dim: self.ffn_dim,
             vocab_size: self.vocab_size,
-            train_ctx: 0,
             norm_eps: self.norm_eps,
-            rope_mode: RopeMode::Neox,
-            rope_dims: self.head_dim,
-            rope_theta: self.rope_theta,
-            rope_scale: 1.0,
-            rope_theta_local: self.rope_theta,
-            attn_scale: 1.0 / (self.head_dim as f32).sqrt(),
-            sliding_window: None,
-            sliding_pattern: 0,
-            embed_scale: None,
-            activation: Activation::Silu,
-            post_norms: false,
-            final_softcap: None,
-            gdn: None,
+            ..ModelConfig::plain(Arch::Qwen3, self.head_dim, self.rope_theta)
         }
     }
 }
