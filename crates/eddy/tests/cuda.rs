@@ -402,11 +402,14 @@ fn multi_token_products_equal_the_one_token_kernel() {
                 be.matmul_to_host(&w, &xt, &q1, 1, &mut one);
                 ones.extend_from_slice(&one);
             }
-            // Every launch shape of the tensor-core kernels: the split of a row tile over 1, 2, 4 blocks and
-            // grids of one block walking every row tile or two walking half each (next tile's loads in flight);
-            // then the large-tile kernels (mm_qt) for every n from 5.
-            for (split, row_blocks, tiled) in LAUNCHES.into_iter().map(|(s, r)| (s, r, Some(false))).chain([(None, None, Some(true))]) {
+            // Every launch shape of the tensor-core kernels: mm_qw's split of a row tile over 1, 2, 4 blocks and
+            // grids of one block walking every row tile or two walking half each (next tile's loads in flight),
+            // mm_qv with 4, 8, 16 warps a tile; then the large-tile kernels (mm_qt) for every n from 5.
+            for (split, row_blocks, qv, tiled) in
+                LAUNCHES.into_iter().map(|(s, r, v)| (s, r, v, Some(false))).chain([(None, None, None, Some(true))])
+            {
                 be.force_product_launch(split, row_blocks);
+                be.force_verify_products(qv);
                 be.force_tiled_products(tiled);
                 for &n in &ns {
                     let mut xq = be.new_qact();
@@ -417,7 +420,7 @@ fn multi_token_products_equal_the_one_token_kernel() {
                         let (got, want) = (&all[t * rows..(t + 1) * rows], &ones[t * rows..(t + 1) * rows]);
                         if let Some(r) = (0..rows).find(|&r| got[r].to_bits() != want[r].to_bits()) {
                             panic!(
-                                "{name} {rows}×{cols}: n = {n}, token {t}, row {r}, split {split:?}, row blocks {row_blocks:?}, tiled {tiled:?}: {} vs one-token {}",
+                                "{name} {rows}×{cols}: n = {n}, token {t}, row {r}, split {split:?}, row blocks {row_blocks:?}, qv {qv:?}, tiled {tiled:?}: {} vs one-token {}",
                                 got[r], want[r]
                             );
                         }
@@ -425,6 +428,7 @@ fn multi_token_products_equal_the_one_token_kernel() {
                 }
             }
             be.force_product_launch(None, None);
+            be.force_verify_products(None);
             be.force_tiled_products(None);
         }
     }
@@ -434,9 +438,10 @@ fn multi_token_products_equal_the_one_token_kernel() {
     for kind in [QuantKind::Q8, QuantKind::Q4] {
         let ws: Vec<_> = rows_of.iter().map(|&r| be.upload_weights(quantize_f32(r, cols, &rng.vec(r * cols), kind))).collect();
         let biases: Vec<_> = rows_of.iter().map(|&r| be.upload(&rng.vec(r))).collect();
-        let launches = [3usize, 24].into_iter().flat_map(|n| LAUNCHES.into_iter().map(move |(s, r)| (n, s, r, Some(false))));
-        for (n, split, row_blocks, tiled) in launches.chain([(24, None, None, Some(true)), (70, None, None, None)]) {
+        let launches = [3usize, 24].into_iter().flat_map(|n| LAUNCHES.into_iter().map(move |(s, r, v)| (n, s, r, v, Some(false))));
+        for (n, split, row_blocks, qv, tiled) in launches.chain([(24, None, None, None, Some(true)), (70, None, None, None, None)]) {
             be.force_product_launch(split, row_blocks);
+            be.force_verify_products(qv);
             be.force_tiled_products(tiled);
             let x = rng.vec(n * cols);
             let mut xq = be.new_qact();
@@ -461,27 +466,33 @@ fn multi_token_products_equal_the_one_token_kernel() {
                     be.read(&outs[i], t, 1, r, &mut all);
                     assert!(
                         read(&be, &ones[i], r) == all,
-                        "{kind:?} matmul_parts part {i}: token {t} of n = {n} differs from n = 1 (split {split:?}, row blocks {row_blocks:?}, tiled {tiled:?})"
+                        "{kind:?} matmul_parts part {i}: token {t} of n = {n} differs from n = 1 (split {split:?}, row blocks {row_blocks:?}, qv {qv:?}, tiled {tiled:?})"
                     );
                 }
             }
         }
     }
     be.force_product_launch(None, None);
+    be.force_verify_products(None);
     be.force_tiled_products(None);
 }
 
-/// Launch shapes of the tensor-core products the tests force (split, most row blocks): as chosen, and each
-/// split on one block walking every row tile and on two.
-const LAUNCHES: [(Option<usize>, Option<usize>); 8] = [
-    (None, None),
-    (Some(1), None),
-    (Some(2), None),
-    (Some(4), None),
-    (Some(1), Some(1)),
-    (Some(2), Some(1)),
-    (Some(4), Some(2)),
-    (Some(1), Some(2)),
+/// Launch shapes of the tensor-core products the tests force (mm_qw's split, most row blocks; mm_qv's warps a
+/// tile, Some(0) for mm_qw): as chosen, each split of mm_qw on one block walking every row tile and on two,
+/// and mm_qv with each warp count.
+const LAUNCHES: [(Option<usize>, Option<usize>, Option<usize>); 12] = [
+    (None, None, None),
+    (None, None, Some(0)),
+    (Some(1), None, Some(0)),
+    (Some(2), None, Some(0)),
+    (Some(4), None, Some(0)),
+    (Some(1), Some(1), Some(0)),
+    (Some(2), Some(1), Some(0)),
+    (Some(4), Some(2), Some(0)),
+    (Some(1), Some(2), Some(0)),
+    (None, None, Some(4)),
+    (None, None, Some(8)),
+    (None, None, Some(16)),
 ];
 
 /// A hybrid (Gated DeltaNet) model is refused with an error, before any GPU operation.
@@ -740,6 +751,114 @@ fn verify_secs(
 /// Qwen2.5-Coder-0.5B.
 fn timing_model() -> String {
     std::env::var("EDDY_CUDA_MODEL").unwrap_or_else(|_| "qwen2.5-coder-0.5b-instruct.gguf".into())
+}
+
+/// The verify-size products on each kernel (`mm_qw*`, and `mm_qv*` as chosen and with 4, 8, 16 warps a tile):
+/// the model's product shapes (`$EDDY_CUDA_MODEL`, else the 0.5B) on random weights of Q4_K's form (4 bits,
+/// group 32, offsets; the LM head Q6_K's: 6 bits, group 16), µs per launch; then the verify curve with the
+/// head's argmax on the device. Printed (a measurement, not a pass/fail check).
+#[test]
+#[ignore = "needs an NVIDIA GPU and the model files; prints timings"]
+fn verify_products_timing() {
+    let file = timing_model();
+    let path = eddy::load::models_dir().join(&file);
+    // Without the file: Qwen2.5-Coder-1.5B's shapes, and no verify curve.
+    let lm = path.exists().then(|| eddy::load::load_gguf(&path, &mut |_, _| {}).unwrap());
+    let be = gpu();
+    let c = lm.as_ref().map_or_else(
+        || eddy::models::ModelConfig {
+            n_heads: 12,
+            n_kv_heads: 2,
+            d_model: 1536,
+            ffn_dim: 8960,
+            vocab_size: 151936,
+            ..eddy::models::ModelConfig::plain(eddy::models::Arch::Qwen2, 128, 1e6)
+        },
+        |lm| lm.model.config.clone(),
+    );
+    let mut rng = Rng(31);
+    let (d, f, kv) = (c.d_model, c.ffn_dim, c.n_kv_heads * c.head_dim);
+    let q4 = |rng: &mut Rng, r: usize, k: usize| be.upload_weights(WeightMatrix::Q(random_q(rng, r, k, 4, 32, true, Scales::SuperI8)));
+    // (name, parts' rows, cols, 6-bit g16)
+    let shapes: [(&str, Vec<usize>, usize, bool); 5] = [
+        ("qkv", vec![c.n_heads * c.head_dim, kv, kv], d, false),
+        ("o", vec![d], c.n_heads * c.head_dim, false),
+        ("gate/up", vec![f, f], d, false),
+        ("down", vec![d], f, false),
+        ("lm head", vec![c.vocab_size], d, true),
+    ];
+    let settings: [(&str, Option<usize>); 5] =
+        [("mm_qw", Some(0)), ("mm_qv auto", None), ("mm_qv w4", Some(4)), ("mm_qv w8", Some(8)), ("mm_qv w16", Some(16))];
+    for (name, rows, cols, g16) in shapes {
+        let ws: Vec<_> = rows
+            .iter()
+            .map(|&r| {
+                if g16 {
+                    be.upload_weights(WeightMatrix::Q(random_q(&mut rng, r, cols, 6, 16, false, Scales::SuperI8)))
+                } else {
+                    q4(&mut rng, r, cols)
+                }
+            })
+            .collect();
+        for n in [8usize, 16, 32] {
+            let xb = be.upload(&rng.vec(n * cols));
+            let mut xq = be.new_qact();
+            be.quantize(&xb, n, cols, &ws[0], &mut xq);
+            let mut outs: Vec<_> = rows.iter().map(|&r| be.alloc(n * r)).collect();
+            let mut line = format!("{file}: {name} {rows:?}×{cols}, {n} tokens:");
+            for (sname, qv) in settings {
+                be.force_verify_products(qv);
+                let mut run = |reps: usize| {
+                    for _ in 0..reps {
+                        let mut parts: Vec<_> = ws.iter().zip(outs.iter_mut()).map(|(w, o)| (w, None, o)).collect();
+                        be.matmul_parts(&mut parts, &xb, &xq, n);
+                    }
+                    be.synchronize();
+                };
+                run(5);
+                let reps = 200;
+                let t0 = std::time::Instant::now();
+                run(reps);
+                line += &format!(" {sname} {:.1} µs,", 1e6 * t0.elapsed().as_secs_f64() / reps as f64);
+            }
+            println!("{line}");
+        }
+    }
+    be.force_verify_products(None);
+    // The verify curve (device argmax) on each setting.
+    let Some(lm) = lm else { return };
+    let gm = lm.model.to_backend(&be).unwrap();
+    let prompt = lm.tokenizer.encode(PROMPT, true).unwrap();
+    let (mut ws, mut st) = (Workspace::new(&be, &gm, 64), gm.new_state(&be, 1024));
+    let mut logits = Vec::new();
+    forward(&gm, &be, &mut ws, &mut st, &prompt, Logits::Last, &mut logits).unwrap();
+    ws.argmax_head = true;
+    let base = st.n_past();
+    let mut tok = 0u32;
+    for _ in 0..8 {
+        forward(&gm, &be, &mut ws, &mut st, &[tok], Logits::Last, &mut logits).unwrap();
+        tok = ws.ids[0];
+    }
+    let steps = 128;
+    let t0 = std::time::Instant::now();
+    for _ in 0..steps {
+        forward(&gm, &be, &mut ws, &mut st, &[tok], Logits::Last, &mut logits).unwrap();
+        tok = ws.ids[0];
+    }
+    let da = t0.elapsed().as_secs_f64() / steps as f64;
+    println!("{file}: device argmax: decode {:.3} ms/step", 1e3 * da);
+    st.truncate(base);
+    for (sname, qv) in settings {
+        be.force_verify_products(qv);
+        let mut line = format!("{file}: {sname}: verify");
+        for n in [5usize, 8, 12, 16, 17, 24, 32, 48, 64] {
+            let toks: Vec<u32> = prompt.iter().cycle().take(n).copied().collect();
+            let dv = verify_secs(&gm, &be, &mut ws, &mut st, &toks, &TreePaths::chain(n), &mut logits);
+            line += &format!(" {n}: {:.3} ms ({:.2}×),", 1e3 * dv, dv / da);
+        }
+        println!("{line}");
+    }
+    be.force_verify_products(None);
 }
 
 /// Time per decode step (1 token) and per 16-node verify on Qwen2.5-Coder-0.5B (or `$EDDY_CUDA_MODEL`), and

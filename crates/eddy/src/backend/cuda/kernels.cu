@@ -76,10 +76,31 @@ __device__ __forceinline__ float warp_fwht32(float v, int lane) {
 // `quant_group` quantizes the group `gid` whose value `v` lane `lane` holds (`signs`: the group's 32 input
 // signs, or null); the fused kernels below call it on values they computed, so their codes equal those of
 // quantize_q8 on the stored values.
+//
+// Where `tq` is not null it also writes the same values in the token-tiled copy the verify-size products
+// (mm_qv*) read, so that a warp's loads of 8 tokens' operands for one block of 32 touch one or two 128-byte
+// lines instead of 8: group (token t, block b) at position p = ((t / 8)·G + b)·8 + t % 8 of `tg` positions
+// (tokens padded to a multiple of 8): codes at tq + 32p with the 4-byte words in the order 0, 4, 1, 5, 2, 6,
+// 3, 7 (a B fragment's two words side by side), then from tq + 32·tg the scales (f32, p), the sums (i32, p),
+// d·sums (f32, p) and the half sums (i32 pairs, 2p).
+struct QActOut {
+    int8_t* __restrict__ q;
+    float* __restrict__ scale;
+    int* __restrict__ sum;
+    float* __restrict__ dsum;
+    int* __restrict__ sum16;
+    unsigned char* __restrict__ tq;
+    long long tg;  // positions of the tiled copy
+    long long G;   // groups of 32 per token
+};
+
 __device__ __forceinline__ void quant_group(float v, int lane, long long gid, const float* __restrict__ signs,
-                                            int8_t* __restrict__ q, float* __restrict__ scale,
-                                            int* __restrict__ sum, float* __restrict__ dsum,
-                                            int* __restrict__ sum16) {
+                                            const QActOut& o) {
+    int8_t* __restrict__ q = o.q;
+    float* __restrict__ scale = o.scale;
+    int* __restrict__ sum = o.sum;
+    float* __restrict__ dsum = o.dsum;
+    int* __restrict__ sum16 = o.sum16;
     if (signs != nullptr) {
         v = __fmul_rn(v, signs[lane]);
         v = warp_fwht32(v, lane);
@@ -101,18 +122,31 @@ __device__ __forceinline__ void quant_group(float v, int lane, long long gid, co
         sum16[2 * gid] = lo;
         sum16[2 * gid + 1] = s - lo;
     }
+    if (o.tq != nullptr) {
+        const long long t = gid / o.G, b = gid % o.G, p = ((t >> 3) * o.G + b) * 8 + (t & 7);
+        const int w = lane >> 2;
+        o.tq[p * 32 + (w < 4 ? 2 * w : 2 * (w - 4) + 1) * 4 + (lane & 3)] = (int8_t)qi;
+        if (lane == 0) {
+            reinterpret_cast<float*>(o.tq + 32 * o.tg)[p] = d;
+            reinterpret_cast<int*>(o.tq + 36 * o.tg)[p] = s;
+            reinterpret_cast<float*>(o.tq + 40 * o.tg)[p] = __fmul_rn(d, (float)s);
+            reinterpret_cast<int*>(o.tq + 44 * o.tg)[2 * p] = lo;
+            reinterpret_cast<int*>(o.tq + 44 * o.tg)[2 * p + 1] = s - lo;
+        }
+    }
 }
 
 extern "C" __global__ void quantize_q8(const float* __restrict__ x, int n, int cols, const float* __restrict__ signs,
                                        int8_t* __restrict__ q, float* __restrict__ scale, int* __restrict__ sum,
-                                       float* __restrict__ dsum, int* __restrict__ sum16) {
+                                       float* __restrict__ dsum, int* __restrict__ sum16, unsigned char* tq,
+                                       long long tg) {
     pdl_wait();
     const int lane = threadIdx.x & 31;
     const long long G = cols >> 5;
     const long long gid = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (gid >= (long long)n * G) return;
-    quant_group(x[gid * 32 + lane], lane, gid, signs != nullptr ? signs + (gid % G) * 32 : nullptr, q, scale, sum,
-                dsum, sum16);
+    const QActOut o = {q, scale, sum, dsum, sum16, tq, tg, G};
+    quant_group(x[gid * 32 + lane], lane, gid, signs != nullptr ? signs + (gid % G) * 32 : nullptr, o);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -293,6 +327,25 @@ __device__ __forceinline__ void mma_k16(int (&c)[4], uint32_t a0, uint32_t a1, i
                  : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
                  : "r"(a0), "r"(a1), "r"(b0), "r"(0));
 }
+
+__device__ __forceinline__ void mma_k32c(int (&c)[4], const uint32_t (&a)[4], int b0, int b1, int e0, int e1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%10,%11};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(e0), "r"(e1));
+}
+__device__ __forceinline__ void mma_k16c(int (&c)[4], uint32_t a0, uint32_t a1, int b0, int e0, int e1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%7,%8};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0), "r"(e0), "r"(e1));
+}
+// The same with accumulator inputs (e0 for the C fragment's tokens 2q, e1 for 2q + 1). With e = QT_BIAS - h
+// (h = half·Σx of the token's block, or 0) the result's bits are the float 1.5·2^23 + (dot - h), exact for
+// |dot - h| < 2^22 (32 codes under 256 times activations within ±127, h under 2^19): qt_float subtracts
+// 1.5·2^23, exactly, which gives the float mm_q_t1's int-to-float conversion gives, at the full float rate (the
+// conversion instruction runs at a sixteenth of it: the bound of the many-token products' epilogues).
+#define QT_BIAS 0x4B400000
+__device__ __forceinline__ float qt_float(int r) { return __fsub_rn(__int_as_float(r), 12582912.0f); }
+
 
 // Up to three matrices of one format and width that read the same activations (q/k/v, gate/up) in one launch:
 // the grid's block rows cover part 0's rows, then part 1's, then part 2's (rows 0 for an absent part), RPB rows
@@ -676,6 +729,10 @@ extern "C" __device__ const int mm_qw_smem[36] = {QWB_S(1), QWB_S(2), QWB_S(4)};
 
 // One matrix (`mm_qw{NJ}_f{F}_{p4,p8}_s{S}`) and up to three (`mm_q3w…`, the parts' arguments as MM_Q3's).
 // `part` and `count` (zeroed, one per (row tile, token tile)) serve the split (S > 1); null otherwise.
+// The three parts of a `mm_q3*` kernel's arguments (c0, s0, m0, r0, b0, o0, then part 1's and part 2's).
+#define QPARTS3                                                                                                \
+    {{c0, c1, c2}, {s0, s1, s2}, {m0, m1, m2}, {b0, b1, b2}, {o0, o1, o2}, {r0, r1, r2},                       \
+     (r0 + MMA_ROWS - 1) / MMA_ROWS, (r1 + MMA_ROWS - 1) / MMA_ROWS}
 #define QW_BOUNDS __launch_bounds__(32 * QW_WARPS, 2)
 #define MM_QW_P(NJ, F, P4, PS, S)                                                                            \
     extern "C" __global__ void QW_BOUNDS mm_qw##NJ##_f##F##_##PS##_s##S(                                      \
@@ -695,23 +752,267 @@ extern "C" __device__ const int mm_qw_smem[36] = {QWB_S(1), QWB_S(2), QWB_S(4)};
         const float* b1, float* o1, const uint8_t* c2, const float* s2, const float* m2, int r2,             \
         const float* b2, float* o2, float* part, int* count) {                                               \
         (void)g16;                                                                                           \
-        const QParts pt = {{c0, c1, c2}, {s0, s1, s2}, {m0, m1, m2}, {b0, b1, b2}, {o0, o1, o2}, {r0, r1, r2}, \
-                           (r0 + MMA_ROWS - 1) / MMA_ROWS, (r1 + MMA_ROWS - 1) / MMA_ROWS};                  \
+        const QParts pt = QPARTS3;                                                                           \
         mm_qw_impl<NJ, P4, F, S>(pt, cols, half, xq, xs, xsum, xdsum, xsum16, n, part, count);              \
     }
-#define MM_QW_S(NJ, F, S)          \
-    MM_QW_P(NJ, F, true, p4, S)    \
-    MM_QW_P(NJ, F, false, p8, S)
-#define MM_QW(NJ, F)  \
-    MM_QW_S(NJ, F, 1) \
-    MM_QW_S(NJ, F, 2) \
-    MM_QW_S(NJ, F, 4)
-MM_QW(1, 0)
-MM_QW(1, 1)
-MM_QW(1, 2)
-MM_QW(2, 0)
-MM_QW(2, 1)
-MM_QW(2, 2)
+// A family's kernels for both code packings, three launch variants (S) and every (NJ, FORM).
+#define MM_PACKINGS(P, NJ, F, S) P(NJ, F, true, p4, S) P(NJ, F, false, p8, S)
+#define MM_FAMILY(P, S0, S1, S2)                                                                         \
+    MM_PACKINGS(P, 1, 0, S0) MM_PACKINGS(P, 1, 0, S1) MM_PACKINGS(P, 1, 0, S2) MM_PACKINGS(P, 1, 1, S0) \
+    MM_PACKINGS(P, 1, 1, S1) MM_PACKINGS(P, 1, 1, S2) MM_PACKINGS(P, 1, 2, S0) MM_PACKINGS(P, 1, 2, S1) \
+    MM_PACKINGS(P, 1, 2, S2) MM_PACKINGS(P, 2, 0, S0) MM_PACKINGS(P, 2, 0, S1) MM_PACKINGS(P, 2, 0, S2) \
+    MM_PACKINGS(P, 2, 1, S0) MM_PACKINGS(P, 2, 1, S1) MM_PACKINGS(P, 2, 1, S2) MM_PACKINGS(P, 2, 2, S0) \
+    MM_PACKINGS(P, 2, 2, S1) MM_PACKINGS(P, 2, 2, S2)
+MM_FAMILY(MM_QW_P, 1, 2, 4)
+
+// ---------------------------------------------------------------------------------------------------------
+// mm_qv*: the same products for the verify sizes (a few to a few dozen tokens), each warp on its own, in
+// mm_q_t1's float order. mm_qw's blocks stage every (row tile, step) through shared memory behind barriers,
+// activations included, and hold too few weight bytes in flight to stream them (session 23: a third of the
+// one-token kernel's rate at 16 tokens). Here a block of S warps (S = 4, 8, 16) computes one tile of 16 rows
+// x 8·NJ tokens, warp w owning the V = 32/S consecutive visits V·w .. V·w + V - 1, i.e. the subtree
+// T(V·w, V) of mm_q_t1's tree (above: visit i is class rev5(i), whose chain runs over the blocks rev5(i),
+// rev5(i) + 32, ... in increasing order). The warp runs its chains one after the other in visit order, each
+// block's int32 dots from one mma per 8 tokens (two k16 ones for group-16 scales) and its term added with
+// mm_q_t1's one or two __fmaf_rn, and builds its subtree as the chains finish (pairwise: chain k meets the
+// finished subtrees of k's trailing one bits, as mm_qt's walk); an empty chain adds 0, as mm_q_t1's idle
+// lanes do. The S subtree sums meet in the binary tree over consecutive warps through shared memory, then the
+// bias: every output bit-identical to mm_q_t1's.
+// Each warp streams its blocks' weights (16 rows of codes, scales, offsets) through a ring of QvSmem::D
+// stages of its own with cp.async, D blocks ahead of the one it computes, so D blocks' bytes per warp are in
+// flight without registers; no barrier but the final one. The activations (a few KB, read by every tile)
+// come through L1 from the token-tiled copy (QActOut): per block, 8 tokens' B fragments are one 8-byte load
+// a lane from 256 contiguous bytes, their scales and sums one load from 32 or 64; token-major they were 8
+// lines a load, and the L1 wavefronts of those loads bounded the kernel (measured: 16 tokens through the LM
+// head of the 1.5B 275 against 126 µs with every lane reading one token).
+template <bool P4, int FORM, int S>
+struct QvSmem {
+    static constexpr int CS = P4 ? 16 : 32;          // code bytes per block and row
+    static constexpr int RS = P4 ? 16 : 48;          // bytes per row in a stage (8-bit rows padded: no bank conflicts)
+    static constexpr int SPB = FORM == 2 ? 2 : 1;    // scales per block and row
+    static constexpr int scales = MMA_ROWS * RS;
+    static constexpr int mins = scales + MMA_ROWS * SPB * 4;
+    static constexpr int stage = mins + (FORM == 1 ? MMA_ROWS * 4 : 0);
+    static constexpr int D = S == 4 ? 8 : (S == 8 ? 4 : 2);  // stages a warp (under 48 KB a block with QvRed)
+};
+
+template <int NJ, int S>
+struct QvRed {
+    float v[S][16 * 8 * NJ];
+};
+
+template <int NJ, bool P4, int FORM, int S>
+__device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half, const unsigned char* __restrict__ tq,
+                                           long long tg, int n) {
+    using L = QvSmem<P4, FORM, S>;
+    constexpr int V = 32 / S, LV = V == 8 ? 3 : (V == 4 ? 2 : (V == 2 ? 1 : 0)), NT = 8 * NJ;
+    constexpr int CS = L::CS, RS = L::RS, SPB = L::SPB, D = L::D;
+    static_assert(S == 4 || S == 8 || S == 16, "4, 8 or 16 warps a tile");
+    static_assert(L::stage % 16 == 0, "16-byte aligned stages");
+    __shared__ __align__(16) unsigned char ring_all[S][D][L::stage];
+    __shared__ QvRed<NJ, S> red;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, q = lane & 3;
+    const int tile = blockIdx.x, t0 = blockIdx.y * NT;
+    int r0;
+    const int p = PT.part(tile, r0);
+    const uint8_t* __restrict__ codes = QParts::pick(PT.c, p);
+    const float* __restrict__ sc = QParts::pick(PT.s, p);
+    const float* __restrict__ mn = QParts::pick(PT.m, p);
+    const int rows = QParts::pick(PT.r, p), nblk = cols >> 5;
+    unsigned char(&ring)[D][L::stage] = ring_all[warp];
+    // This lane's copies of a stage: P4 lanes 0..15 row `lane`'s 16 code bytes, 8-bit lanes 0..31 half `lane & 1`
+    // of row `lane >> 1`'s 32; lanes under 16·SPB one scale (row lane / SPB); lanes under 16 one offset (FORM 1).
+    const int crow = P4 ? lane : lane >> 1, srow = lane / SPB;
+    const uint8_t* __restrict__ cbase = codes + (long long)min(r0 + min(crow, 15), rows - 1) * nblk * CS + (P4 ? 0 : (lane & 1) * 16);
+    const float* __restrict__ sbase = sc + (long long)min(r0 + min(srow, 15), rows - 1) * nblk * SPB + lane % SPB;
+    const float* __restrict__ mbase = FORM == 1 ? mn + (long long)min(r0 + min(lane, 15), rows - 1) * nblk : nullptr;
+    const int cdst = P4 ? lane * 16 : (lane >> 1) * RS + (lane & 1) * 16;
+    // The issue cursor: visit ki's block bi, D blocks ahead of the compute walk (ki = V: past the end).
+    int ki = 0, bi = rev5(V * warp);
+    auto norm = [&]() {
+        while (ki < V && bi >= nblk) {
+            ++ki;
+            bi = ki < V ? rev5(V * warp + ki) : nblk;
+        }
+    };
+    auto issue = [&](int slot) {
+        if (ki < V) {
+            unsigned char* st = ring[slot];
+            if (P4 ? lane < 16 : true) cp_async16(st + cdst, cbase + (long long)bi * CS);
+            if (lane < MMA_ROWS * SPB) cp_async4(st + L::scales + lane * 4, sbase + (long long)bi * SPB);
+            if (FORM == 1 && lane < MMA_ROWS) cp_async4(st + L::mins + lane * 4, mbase + bi);
+            bi += 32;
+            norm();
+        }
+        cp_async_commit();
+    };
+    norm();
+    // Weights are never written by a kernel: the first stages fly before the wait (programmatic launch).
+#pragma unroll
+    for (int i = 0; i < D; ++i) issue(i);
+    pdl_wait();
+    // This lane's operands in the tiled copy, per column j of 8 tokens (tile (t0 + 8j)/8; rows past n hold
+    // whatever the buffer held: their outputs are not stored): the B fragment's words at 8g + 2q.. of the block's
+    // 64 words; the scales and sums of tokens 2q, 2q + 1 side by side.
+    const int2* pq[NJ];
+    const float2* px[NJ];
+    const int* ph[NJ];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        const long long base = (long long)((t0 >> 3) + j) * nblk * 8;  // position of (tile, block 0, token 0)
+        pq[j] = reinterpret_cast<const int2*>(tq + base * 32) + 4 * g + q;
+        px[j] = reinterpret_cast<const float2*>(tq + 32 * tg) + (base >> 1) + q;
+        ph[j] = FORM == 2 ? reinterpret_cast<const int*>(tq + 44 * tg) + 2 * base + 4 * q
+                          : reinterpret_cast<const int*>(tq + (FORM == 1 ? 40 : 36) * tg) + base + 2 * q;
+    }
+    // The walk: visit k's chain (class rev5(V·warp + k)) block by block from the ring; after each chain, the
+    // pairwise merge (compile time).
+    float cur[NJ][4], st[LV > 0 ? LV : 1][NJ][4];
+    int slot = 0;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) cur[j][e] = 0.0f;
+#pragma unroll 1
+        for (int b = rev5(V * warp + k); b < nblk; b += 32) {
+            cp_async_wait<D - 1>();
+            __syncwarp();
+            const unsigned char* stg = ring[slot];
+            uint32_t a[4];
+            if (P4) {
+                const uint32_t wa = *reinterpret_cast<const uint32_t*>(stg + g * RS + 4 * q);
+                const uint32_t wb = *reinterpret_cast<const uint32_t*>(stg + (g + 8) * RS + 4 * q);
+                a[0] = wa & 0x0F0F0F0Fu;
+                a[1] = wb & 0x0F0F0F0Fu;
+                a[2] = (wa >> 4) & 0x0F0F0F0Fu;
+                a[3] = (wb >> 4) & 0x0F0F0F0Fu;
+            } else {
+                a[0] = *reinterpret_cast<const uint32_t*>(stg + g * RS + 4 * q);
+                a[1] = *reinterpret_cast<const uint32_t*>(stg + (g + 8) * RS + 4 * q);
+                a[2] = *reinterpret_cast<const uint32_t*>(stg + g * RS + 16 + 4 * q);
+                a[3] = *reinterpret_cast<const uint32_t*>(stg + (g + 8) * RS + 16 + 4 * q);
+            }
+            const float* ss = reinterpret_cast<const float*>(stg + L::scales);
+            float s[2][2], m[2];
+#pragma unroll
+            for (int ri = 0; ri < 2; ++ri) {
+                s[ri][0] = ss[(g + 8 * ri) * SPB];
+                s[ri][1] = FORM == 2 ? ss[(g + 8 * ri) * SPB + 1] : 0.0f;
+                m[ri] = FORM == 1 ? reinterpret_cast<const float*>(stg + L::mins)[g + 8 * ri] : 0.0f;
+            }
+            __syncwarp();  // every lane has read the stage: refill it with the block D ahead
+            issue(slot);
+            slot = (slot + 1) & (D - 1);
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                const int2 bb = __ldg(pq[j] + 32 * b);  // block b's 8 tokens: 256 bytes, 32 int2
+                const int b0 = bb.x, b1 = bb.y;
+                // Tokens 2q, 2q + 1 of the column: their activation scales and (half·)sums; the dots arrive as
+                // floats (mma_k32c's accumulator inputs).
+                const float2 dd = __ldg(px[j] + 4 * b);
+                const float d[2] = {dd.x, dd.y};
+                int hx[2], hy[2];
+                if (FORM == 2) {
+                    const int4 hh = __ldg(reinterpret_cast<const int4*>(ph[j] + 16 * b));
+                    hx[0] = hh.x;
+                    hy[0] = hh.y;
+                    hx[1] = hh.z;
+                    hy[1] = hh.w;
+                } else {
+                    const int2 hh = __ldg(reinterpret_cast<const int2*>(ph[j] + 8 * b));
+                    hx[0] = hh.x;
+                    hx[1] = hh.y;
+                    hy[0] = hy[1] = 0;
+                }
+                int d0[4], d1[4];
+                if (FORM == 2) {
+                    mma_k16c(d0, a[0], a[1], b0, QT_BIAS - half * hx[0], QT_BIAS - half * hx[1]);
+                    mma_k16c(d1, a[2], a[3], b1, QT_BIAS - half * hy[0], QT_BIAS - half * hy[1]);
+                } else if (FORM == 1) {
+                    mma_k32c(d0, a, b0, b1, QT_BIAS, QT_BIAS);
+                } else {
+                    mma_k32c(d0, a, b0, b1, QT_BIAS - half * hx[0], QT_BIAS - half * hx[1]);
+                }
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {  // row g (e < 2) or g + 8, token 2q + (e & 1)
+                    const int ri = e >> 1, h = e & 1;
+                    float acc = cur[j][e];
+                    acc = __fmaf_rn(__fmul_rn(s[ri][0], d[h]), qt_float(d0[e]), acc);
+                    if (FORM == 2) acc = __fmaf_rn(__fmul_rn(s[ri][1], d[h]), qt_float(d1[e]), acc);
+                    if (FORM == 1) acc = __fmaf_rn(m[ri], __int_as_float(hx[h]), acc);
+                    cur[j][e] = acc;
+                }
+            }
+        }
+        // Chain k meets the finished subtrees of k's trailing one bits (T(i, 2s) = T(i, s) + T(i + s, s)).
+        int l = 0;
+#pragma unroll
+        for (; l < LV && ((k >> l) & 1); ++l)
+#pragma unroll
+            for (int j = 0; j < NJ; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) cur[j][e] = __fadd_rn(st[l][j][e], cur[j][e]);
+        if (l < LV) {
+#pragma unroll
+            for (int j = 0; j < NJ; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) st[l][j][e] = cur[j][e];
+        }
+    }
+    cp_async_wait<0>();  // no copy outlives the block (the tail's issues were empty groups)
+    // After the last visit (k = V - 1, all ones) cur holds the warp's subtree T(V·warp, V).
+    float(&res)[NJ][4] = cur;
+    // The warps' subtrees meet in the binary tree over consecutive warps, then the bias.
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) red.v[warp][(8 * j + 2 * q + (e & 1)) * MMA_ROWS + g + 8 * (e >> 1)] = res[j][e];
+    __syncthreads();
+    const float* __restrict__ bias = QParts::pick(PT.b, p);
+    float* __restrict__ out = QParts::pick(PT.o, p);
+    for (int o = tid; o < MMA_ROWS * NT; o += 32 * S) {
+        float x[S];
+#pragma unroll
+        for (int i = 0; i < S; ++i) x[i] = red.v[i][o];
+#pragma unroll
+        for (int s = 1; s < S; s <<= 1)
+#pragma unroll
+            for (int i = 0; i < S; i += 2 * s) x[i] = __fadd_rn(x[i], x[i + s]);
+        const int gr = r0 + o % MMA_ROWS, t = t0 + o / MMA_ROWS;
+        if (gr < rows && t < n) out[(long long)t * rows + gr] = bias != nullptr ? __fadd_rn(x[0], bias[gr]) : x[0];
+    }
+}
+
+// One matrix (`mm_qv{NJ}_f{F}_{p4,p8}_w{S}`) and up to three (`mm_q3v…`, the parts' arguments as MM_Q3's).
+// Grid: (row tiles of 16, summed over the parts; token tiles of 8·NJ); block 32·S threads.
+// Blocks a multiprocessor should hold at once (registers capped to fit them): 1 (no cap; capping to 24 warps
+// spilled the group-16 variants).
+#define QV_MINB(S) 1
+#define MM_QV_P(NJ, F, P4, PS, S)                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * S, QV_MINB(S)) mm_qv##NJ##_f##F##_##PS##_w##S(                      \
+        const uint8_t* codes, const float* sc, const float* mn, int rows, int cols, int half, int g16,       \
+        const int8_t* xq, const float* xs, const int* xsum, const float* xdsum, const int* xsum16, int n,    \
+        const float* bias, float* out, const unsigned char* tq, long long tg) {                              \
+        (void)g16, (void)xq, (void)xs, (void)xsum, (void)xdsum, (void)xsum16;                                \
+        const QParts pt = {{codes, nullptr, nullptr}, {sc, nullptr, nullptr}, {mn, nullptr, nullptr},        \
+                           {bias, nullptr, nullptr},  {out, nullptr, nullptr}, {rows, 0, 0},                  \
+                           (rows + MMA_ROWS - 1) / MMA_ROWS, 0};                                             \
+        mm_qv_impl<NJ, P4, F, S>(pt, cols, half, tq, tg, n);                                                \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(32 * S, QV_MINB(S)) mm_q3v##NJ##_f##F##_##PS##_w##S(                     \
+        int cols, int half, int g16, const int8_t* xq, const float* xs, const int* xsum, const float* xdsum, \
+        const int* xsum16, int n, const uint8_t* c0, const float* s0, const float* m0, int r0,               \
+        const float* b0, float* o0, const uint8_t* c1, const float* s1, const float* m1, int r1,             \
+        const float* b1, float* o1, const uint8_t* c2, const float* s2, const float* m2, int r2,             \
+        const float* b2, float* o2, const unsigned char* tq, long long tg) {                                 \
+        (void)g16, (void)xq, (void)xs, (void)xsum, (void)xdsum, (void)xsum16;                                \
+        const QParts pt = QPARTS3;                                                                           \
+        mm_qv_impl<NJ, P4, F, S>(pt, cols, half, tq, tg, n);                                                \
+    }
+MM_FAMILY(MM_QV_P, 4, 8, 16)
 
 // ---------------------------------------------------------------------------------------------------------
 // mm_qt*: the large products (prefill) on the tensor cores with large tiles, in mm_q_t1's float order.
@@ -771,20 +1072,6 @@ __device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const void* p) {
     const unsigned a = (unsigned)__cvta_generic_to_shared(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
 }
-__device__ __forceinline__ void mma_k32c(int (&c)[4], const uint32_t (&a)[4], int b0, int b1, int e0, int e1) {
-    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%10,%11};"
-        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(e0), "r"(e1));
-}
-__device__ __forceinline__ void mma_k16c(int (&c)[4], uint32_t a0, uint32_t a1, int b0, int e0, int e1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%7,%8};"
-        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-        : "r"(a0), "r"(a1), "r"(b0), "r"(e0), "r"(e1));
-}
-// The float of an mma result whose accumulator input carried QT_BIAS: exact for |value| < 2^22.
-#define QT_BIAS 0x4B400000
-__device__ __forceinline__ float qt_float(int r) { return __fsub_rn(__int_as_float(r), 12582912.0f); }
-
 // Blocks of class c in a row of nblk blocks.
 __device__ __forceinline__ int qt_count(int c, int nblk) { return c < nblk ? ((nblk - 1 - c) >> 5) + 1 : 0; }
 
@@ -1280,7 +1567,8 @@ extern "C" __global__ void rms_norm_quant(float* x, const float* __restrict__ re
                                           const float* __restrict__ w, int d, float eps,
                                           const float* __restrict__ signs, int8_t* __restrict__ q,
                                           float* __restrict__ scale, int* __restrict__ sum,
-                                          float* __restrict__ dsum, int* __restrict__ sum16) {
+                                          float* __restrict__ dsum, int* __restrict__ sum16, unsigned char* tq,
+                                          long long tg) {
     __shared__ float red[32];
     const long long row = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -1295,6 +1583,7 @@ extern "C" __global__ void rms_norm_quant(float* x, const float* __restrict__ re
     pdl_wait();
     float v[NORM_KMAX];
     const float inv = norm_row(v, x + row * d, res != nullptr ? res + row * d : nullptr, d, eps, red);
+    const QActOut o = {q, scale, sum, dsum, sum16, tq, tg, G};
 #pragma unroll
     for (int k = 0; k < NORM_KMAX; ++k) {
         const int g = warp + k * nw;
@@ -1302,8 +1591,7 @@ extern "C" __global__ void rms_norm_quant(float* x, const float* __restrict__ re
             const int c = g * 32 + lane;
             const float hv = __fmul_rn(__fmul_rn(v[k], inv), wv[k]);
             h[row * d + c] = hv;
-            quant_group(hv, lane, row * G + g, signs != nullptr ? signs + g * 32 : nullptr, q, scale, sum, dsum,
-                        sum16);
+            quant_group(hv, lane, row * G + g, signs != nullptr ? signs + g * 32 : nullptr, o);
         }
     }
 }
@@ -1342,7 +1630,8 @@ extern "C" __global__ void gated_act(int act, float* __restrict__ g, const float
 extern "C" __global__ void gated_act_quant(int act, float* __restrict__ g, const float* __restrict__ u, int n,
                                            int cols, const float* __restrict__ signs, int8_t* __restrict__ q,
                                            float* __restrict__ scale, int* __restrict__ sum,
-                                           float* __restrict__ dsum, int* __restrict__ sum16) {
+                                           float* __restrict__ dsum, int* __restrict__ sum16, unsigned char* tq,
+                                           long long tg) {
     pdl_wait();
     const int lane = threadIdx.x & 31;
     const long long G = cols >> 5;
@@ -1351,7 +1640,8 @@ extern "C" __global__ void gated_act_quant(int act, float* __restrict__ g, const
     const long long i = gid * 32 + lane;
     const float v = __fmul_rn(activate(act, g[i]), u[i]);
     g[i] = v;
-    quant_group(v, lane, gid, signs != nullptr ? signs + (gid % G) * 32 : nullptr, q, scale, sum, dsum, sum16);
+    const QActOut o = {q, scale, sum, dsum, sum16, tq, tg, G};
+    quant_group(v, lane, gid, signs != nullptr ? signs + (gid % G) * 32 : nullptr, o);
 }
 
 // dst rows row0[0] .. row0[0] + len/width (width values each) = src: the KV cache write, its first row read
@@ -1575,7 +1865,8 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
                                      int* count, int nmax, int n_heads, int n_kv_heads, int hd, float scale,
                                      float softcap, const float* __restrict__ qsigns, int8_t* __restrict__ qq,
                                      float* __restrict__ qscale, int* __restrict__ qsum,
-                                     float* __restrict__ qdsum, int* __restrict__ qsum16) {
+                                     float* __restrict__ qdsum, int* __restrict__ qsum16, unsigned char* qtq,
+                                     long long qtg) {
     pdl_wait();
     __shared__ __align__(16) float qs[ATT_MAX_HD];
     __shared__ float sc[ATT_CHUNK];
@@ -1593,8 +1884,8 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
         out[i * qd + (long long)h * hd + d] = val;
         if (qq != nullptr) {
             const long long g = ((long long)h * hd + d) >> 5;
-            quant_group(val, tid & 31, i * (qd >> 5) + g, qsigns != nullptr ? qsigns + g * 32 : nullptr, qq, qscale,
-                        qsum, qdsum, qsum16);
+            const QActOut o = {qq, qscale, qsum, qdsum, qsum16, qtq, qtg, qd >> 5};
+            quant_group(val, tid & 31, i * (qd >> 5) + g, qsigns != nullptr ? qsigns + g * 32 : nullptr, o);
         }
     };
     if (nk <= 0) {
@@ -1757,7 +2048,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
                  float* __restrict__ out, const int4* __restrict__ info, const int* __restrict__ paths, float* part,
                  int* count, int nmax, int n_heads, int n_kv_heads, int hd, float scale, float softcap,
                  const float* __restrict__ qsigns, int8_t* __restrict__ qq, float* __restrict__ qscale,
-                 int* __restrict__ qsum, float* __restrict__ qdsum, int* __restrict__ qsum16) {
+                 int* __restrict__ qsum, float* __restrict__ qdsum, int* __restrict__ qsum16, unsigned char* qtq,
+                 long long qtg) {
     pdl_wait();
     extern __shared__ __align__(16) float att_smem[];
     __shared__ long long rows[ATT_CHUNK];
@@ -1776,8 +2068,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
         out[i * qd + (long long)h * hd + d] = val;
         if (qq != nullptr) {
             const long long gi = ((long long)h * hd + d) >> 5;
-            quant_group(val, lane, i * (qd >> 5) + gi, qsigns != nullptr ? qsigns + gi * 32 : nullptr, qq, qscale,
-                        qsum, qdsum, qsum16);
+            const QActOut o = {qq, qscale, qsum, qdsum, qsum16, qtq, qtg, qd >> 5};
+            quant_group(val, lane, i * (qd >> 5) + gi, qsigns != nullptr ? qsigns + gi * 32 : nullptr, o);
         }
     };
     if (nk <= 0) {

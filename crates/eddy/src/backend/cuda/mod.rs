@@ -68,6 +68,17 @@ const MMA_ROWS: usize = 16;
 /// Threads per block of the tensor-core quantized products (`32·QW_WARPS`).
 const MMA_THREADS: u32 = 512;
 
+/// Warps per row tile of the verify-size tensor-core products (`S` of `mm_qv*_w{S}`; index in `Kernels::mm_qv`).
+const QV_WARPS: [usize; 3] = [4, 8, 16];
+/// Most tokens of a quantized product on `mm_qv*` by default (more take `mm_qw*` or `mm_qt*`).
+const QV_MAX: usize = 64;
+/// Most tokens whose quantized activations also get the token-tiled copy `mm_qv*` reads (bytes: 52 per token
+/// and group of 32).
+const QV_TILED_MAX: usize = 64;
+/// Warps per multiprocessor a `mm_qv*` launch should bring at least, where fewer warps per tile allow it
+/// ([`Cuda::qv_plan`]).
+const QV_MIN_WARPS_PER_SM: usize = 16;
+
 /// Blocks of a tensor-core product that run at once on one multiprocessor (`__launch_bounds__(512, 2)`).
 const MMA_BLOCKS_PER_SM: usize = 2;
 /// Splits of a row tile over blocks (`S` of `mm_qw*_s{S}`; index in `Kernels::mm_qw`).
@@ -608,6 +619,12 @@ pub struct CudaQAct {
     sum: DevVec,
     dsum: DevVec,
     sum16: DevVec,
+    /// The same values in the token-tiled layout `mm_qv*` reads (`QActOut` in kernels.cu), for batches of 2 to
+    /// `QV_TILED_MAX` tokens: `tg` positions (tokens padded to a multiple of 8, times groups of 32), 52 bytes
+    /// each.
+    tiled: DevVec,
+    /// Positions of `tiled` (0: no tiled copy).
+    tg: usize,
 }
 
 /// Most parameters of a kernel (`mm_q3w*` has 29).
@@ -667,6 +684,11 @@ struct Kernels {
     mm_qw: [[[[Func; 2]; 3]; 2]; 3],
     /// The same for up to three matrices in one launch.
     mm_q3w: [[[[Func; 2]; 3]; 2]; 3],
+    /// The verify sizes on the tensor cores, warps with loads of their own (`mm_qv{1,2}_f{form}_{p4,p8}_w{S}`):
+    /// `[warps per row tile (QV_WARPS)][tile (mma_tile)][form (qform)][bits 4 packed / bytes]`.
+    mm_qv: [[[[Func; 2]; 3]; 2]; 3],
+    /// The same for up to three matrices in one launch.
+    mm_q3v: [[[[Func; 2]; 3]; 2]; 3],
     /// Dynamic shared memory bytes of `mm_qw` / `mm_q3w` (the kernels' table `mm_qw_smem`, same index).
     mm_qw_smem: [[[[u32; 2]; 3]; 2]; 3],
     /// Large products on the tensor cores with large tiles (`mm_qt2_f{form}_{p4,p8}`): `[form (qform)][bits 4
@@ -792,6 +814,10 @@ pub struct Cuda {
     forced_tiled: AtomicUsize,
     /// Fewest tokens on `mm_qt*` (`QT_MIN`, or `EDDY_CUDA_QT_MIN`).
     qt_min: usize,
+    /// Whether products of 5+ tokens below the large-tile kernels run on `mm_qv*`: 0 by the launch's size
+    /// (up to `QV_MAX` tokens, warps per tile by [`Cuda::qv_plan`]), 1 never (`mm_qw*`), else always with that
+    /// many warps per row tile (4, 8, 16); `EDDY_CUDA_QV` at start, [`Cuda::force_verify_products`].
+    forced_qv: AtomicUsize,
     name: String,
     capability: (i32, i32),
     /// The GPU's PCI address (`domain:bus:device.function`), when the driver gives it.
@@ -862,13 +888,17 @@ impl Cuda {
                 .map(Func)
                 .map_err(|e| no(format!("kernel {n} missing from the fatbin: {e:?}")))
         };
-        let tile = |base: &str, nj: usize, sp: usize| -> Result<[[Func; 2]; 3]> {
-            let f = |form: usize, p: &str| get(&format!("{base}{nj}_f{form}_{p}_s{sp}"));
+        let tile = |base: &str, nj: usize, sp: &str| -> Result<[[Func; 2]; 3]> {
+            let f = |form: usize, p: &str| get(&format!("{base}{nj}_f{form}_{p}_{sp}"));
             Ok([[f(0, "p4")?, f(0, "p8")?], [f(1, "p4")?, f(1, "p8")?], [f(2, "p4")?, f(2, "p8")?]])
         };
         let qw = |base: &str| -> Result<[[[[Func; 2]; 3]; 2]; 3]> {
-            let sp = |s: usize| -> Result<[[[Func; 2]; 3]; 2]> { Ok([tile(base, 1, s)?, tile(base, 2, s)?]) };
-            Ok([sp(1)?, sp(2)?, sp(4)?])
+            let sp = |s: &str| -> Result<[[[Func; 2]; 3]; 2]> { Ok([tile(base, 1, s)?, tile(base, 2, s)?]) };
+            if base.ends_with('v') {
+                Ok([sp("w4")?, sp("w8")?, sp("w16")?])
+            } else {
+                Ok([sp("s1")?, sp("s2")?, sp("s4")?])
+            }
         };
         // The products' shared-memory tables (i32 bytes per variant, beyond the 48 KB a launch gets unasked).
         let table = |name: &str, len: usize| -> Result<Vec<i32>> {
@@ -911,6 +941,8 @@ impl Cuda {
             noop: get("noop")?,
             mm_qw: qw("mm_qw")?,
             mm_q3w: qw("mm_q3w")?,
+            mm_qv: qw("mm_qv")?,
+            mm_q3v: qw("mm_q3v")?,
             mm_qw_smem: smem,
             mm_qt: qt("mm_qt")?,
             mm_q3t: qt("mm_q3t")?,
@@ -1000,6 +1032,11 @@ impl Cuda {
                 .unwrap_or(DP4A_MAX),
             forced_tiled: AtomicUsize::new(0),
             qt_min: std::env::var("EDDY_CUDA_QT_MIN").ok().and_then(|v| v.parse().ok()).unwrap_or(QT_MIN),
+            forced_qv: AtomicUsize::new(match std::env::var("EDDY_CUDA_QV").ok().and_then(|v| v.parse::<usize>().ok()) {
+                Some(0) => 1,
+                Some(w) if QV_WARPS.contains(&w) => w,
+                _ => 0,
+            }),
             name,
             capability,
             pci_bus_id,
@@ -1067,6 +1104,47 @@ impl Cuda {
             _ => n >= self.qt_min && blocks >= QT_WAVES * 2 * self.sms,
         };
         on && fits
+    }
+
+    /// Run every quantized product of 5+ tokens that does not take the large-tile kernels on `mm_qv*` with
+    /// `warps` warps per row tile (`Some(4 | 8 | 16)`), on `mm_qw*` (`Some(0)`), or choose by the launch's size
+    /// (`None`, the default). The results do not depend on it (batch invariance); for tests and measurements.
+    ///
+    /// # Panics
+    /// On other warp counts.
+    pub fn force_verify_products(&self, warps: Option<usize>) {
+        let v = match warps {
+            None => 0,
+            Some(0) => 1,
+            Some(w) => {
+                assert!(QV_WARPS.contains(&w), "{w} warps a row tile: 4, 8 or 16");
+                w
+            }
+        };
+        self.forced_qv.store(v, Ordering::Relaxed);
+    }
+
+    /// The `mm_qv*` launch for a product of `n` tokens (below the large-tile kernels) over `tiles` row tiles of
+    /// 16 from `xq`: `Some((index into QV_WARPS, grid))`, grid `(tiles, token tiles, 1)`, or `None` for
+    /// `mm_qw*` (always where `xq` has no tiled copy: more than `QV_TILED_MAX` tokens). By default up to
+    /// `QV_MAX` tokens, with 8 warps a tile where that brings `QV_MIN_WARPS_PER_SM` warps to every
+    /// multiprocessor, else 16 (measured on the 1.5B's shapes, random Q4_K/Q6_K-form weights, 8–32 tokens: 8
+    /// beat 4 everywhere, e.g. the LM head at 16 tokens 166 against 186 µs, and 16 gains where tiles are few).
+    fn qv_plan(&self, tiles: usize, n: usize, xq: &CudaQAct) -> Option<(usize, (usize, usize, usize))> {
+        if xq.tg == 0 {
+            return None;
+        }
+        let (_, nt) = mma_tile(n);
+        let ttiles = n.div_ceil(nt);
+        let warps = match self.forced_qv.load(Ordering::Relaxed) {
+            1 => return None,
+            0 if n > QV_MAX => return None,
+            0 if tiles * ttiles * 8 >= QV_MIN_WARPS_PER_SM * self.sms => 8,
+            0 => 16,
+            w => w,
+        };
+        let wi = QV_WARPS.iter().position(|&w| w == warps).expect("a warp count of QV_WARPS");
+        Some((wi, (tiles, ttiles, 1)))
     }
 
     /// Run the attention with `blocks` blocks per (query, heads), each walking every `blocks`-th key chunk
@@ -1268,7 +1346,7 @@ impl Cuda {
 
     /// Size `xq` for `n` rows of `cols` values quantized for `w`; the kernel arguments (signs, codes, scales,
     /// sums, d·sums, half sums) of the quantization.
-    fn prepare_qact(&self, xq: &mut CudaQAct, n: usize, cols: usize, w: &CudaWeights) -> [u64; 6] {
+    fn prepare_qact(&self, xq: &mut CudaQAct, n: usize, cols: usize, w: &CudaWeights) -> [u64; 8] {
         assert_eq!(cols % QK, 0, "quantize: cols must be a multiple of 32");
         let signs = match w {
             CudaWeights::Q(q) => q.in_signs.as_ref(),
@@ -1283,10 +1361,12 @@ impl Cuda {
         let sm = self.ensure(&mut xq.sum, 4 * groups, false);
         let ds = self.ensure(&mut xq.dsum, 4 * groups, false);
         let s16 = self.ensure(&mut xq.sum16, 8 * groups, false);
+        xq.tg = if (2..=QV_TILED_MAX).contains(&n) { n.next_multiple_of(8) * (cols / QK) } else { 0 };
+        let tq = if xq.tg > 0 { self.ensure(&mut xq.tiled, 52 * xq.tg, false) } else { 0 };
         xq.n = n;
         xq.cols = cols;
         xq.rotation = signs.map_or(0, |s| s.0);
-        [signs.map_or(0, |s| s.1.ptr), q, sc, sm, ds, s16]
+        [signs.map_or(0, |s| s.1.ptr), q, sc, sm, ds, s16, tq, xq.tg as u64]
     }
 
     /// `out[t·rows + r]` (plus `bias[r]` when `bias` is not 0) for `t < n` into device memory at `out`.
@@ -1333,6 +1413,10 @@ impl Cuda {
                     let grid = (rows.div_ceil(QT_ROWS), n.div_ceil(QT_TOKENS), 1);
                     let smem = self.k.mm_qt_smem[qform(q)][p];
                     self.launch_smem(self.k.mm_qt[qform(q)][p], grid, QT_THREADS, smem, a);
+                } else if let Some((wi, grid)) = self.qv_plan(rows.div_ceil(MMA_ROWS), n, xq) {
+                    let (v, _) = mma_tile(n);
+                    let a = a.p(xq.tiled.ptr()).l(xq.tg);
+                    self.launch_smem(self.k.mm_qv[wi][v][qform(q)][p], grid, (32 * QV_WARPS[wi]) as u32, 0, a);
                 } else {
                     let (v, nt) = mma_tile(n);
                     let tiles = rows.div_ceil(MMA_ROWS);
@@ -1385,7 +1469,7 @@ impl Cuda {
         // The output's quantization (signs, codes, scales, sums, d·sums, half sums; codes 0: none).
         let qa = match quant {
             Some((w, xq)) => self.prepare_qact(xq, t, qd, w),
-            None => [0; 6],
+            None => [0; 8],
         };
         // Staged after the `ensure`s (which may flush the queue and so reuse the arena).
         let info_dev = self.stage(SLOT_INFO, &info);
@@ -1412,7 +1496,9 @@ impl Cuda {
             .p(qa[2])
             .p(qa[3])
             .p(qa[4])
-            .p(qa[5]);
+            .p(qa[5])
+            .p(qa[6])
+            .l(qa[7] as usize);
         // One block per KV head and query from `att_kv_min` queries on (prefill, verify), where the shapes fit.
         let group = s.n_heads / s.n_kv_heads;
         let fits = s.head_dim <= ATT_KV_MAX_HD && group <= ATT_KV_MAX_GROUP;
@@ -1623,8 +1709,8 @@ impl Backend for Cuda {
     fn quantize(&self, x: &CudaBuf, n: usize, cols: usize, w: &CudaWeights, xq: &mut CudaQAct) {
         assert!(x.len >= n * cols, "quantize: x holds {} values, {n}×{cols} needed", x.len);
         self.ctx.bind();
-        let [signs, q, sc, sm, ds, s16] = self.prepare_qact(xq, n, cols, w);
-        let a = Args::new().p(x.ptr()).i(n).i(cols).p(signs).p(q).p(sc).p(sm).p(ds).p(s16);
+        let [signs, q, sc, sm, ds, s16, tq, tg] = self.prepare_qact(xq, n, cols, w);
+        let a = Args::new().p(x.ptr()).i(n).i(cols).p(signs).p(q).p(sc).p(sm).p(ds).p(s16).p(tq).l(tg as usize);
         self.launch(self.k.quantize, ((n * cols / QK).div_ceil((THREADS / 32) as usize), 1), THREADS, a);
     }
 
@@ -1647,7 +1733,7 @@ impl Backend for Cuda {
             return;
         }
         self.ctx.bind();
-        let [signs, q, sc, sm, ds, s16] = self.prepare_qact(xq, n, d, qw);
+        let [signs, q, sc, sm, ds, s16, tq, tg] = self.prepare_qact(xq, n, d, qw);
         let a = Args::new()
             .p(x.ptr())
             .p(residual.map_or(0, |r| r.ptr()))
@@ -1660,7 +1746,9 @@ impl Backend for Cuda {
             .p(sc)
             .p(sm)
             .p(ds)
-            .p(s16);
+            .p(s16)
+            .p(tq)
+            .l(tg as usize);
         self.launch(self.k.rms_norm_quant, (n, 1), norm_threads(d), a);
     }
 
@@ -1677,12 +1765,12 @@ impl Backend for Cuda {
     ) {
         assert!(gate.len >= n * width && up.len >= n * width, "gated_act_quantize: buffers too short");
         self.ctx.bind();
-        let [signs, q, sc, sm, ds, s16] = self.prepare_qact(xq, n, width, w);
+        let [signs, q, sc, sm, ds, s16, tq, tg] = self.prepare_qact(xq, n, width, w);
         let act = match act {
             Activation::Silu => 0,
             Activation::GeluTanh => 1,
         };
-        let a = Args::new().i(act).p(gate.ptr()).p(up.ptr()).i(n).i(width).p(signs).p(q).p(sc).p(sm).p(ds).p(s16);
+        let a = Args::new().i(act).p(gate.ptr()).p(up.ptr()).i(n).i(width).p(signs).p(q).p(sc).p(sm).p(ds).p(s16).p(tq).l(tg as usize);
         self.launch(self.k.gated_act_quant, ((n * width / QK).div_ceil((THREADS / 32) as usize), 1), THREADS, a);
     }
 
@@ -1754,6 +1842,10 @@ impl Backend for Cuda {
         } else if tiled {
             let smem = self.k.mm_qt_smem[qform(q0)][p];
             self.launch_smem(self.k.mm_q3t[qform(q0)][p], (blocks, n.div_ceil(QT_TOKENS), 1), QT_THREADS, smem, a);
+        } else if let Some((wi, grid)) = self.qv_plan(blocks, n, xq) {
+            let (v, _) = mma_tile(n);
+            let a = a.p(xq.tiled.ptr()).l(xq.tg);
+            self.launch_smem(self.k.mm_q3v[wi][v][qform(q0)][p], grid, (32 * QV_WARPS[wi]) as u32, 0, a);
         } else {
             let (v, nt) = mma_tile(n);
             let (si, grid) = self.mma_plan(blocks, n);
