@@ -770,7 +770,7 @@ MM_FAMILY(MM_QW_P, 1, 2, 4)
 // mm_q_t1's float order. mm_qw's blocks stage every (row tile, step) through shared memory behind barriers,
 // activations included, and hold too few weight bytes in flight to stream them (session 23: a third of the
 // one-token kernel's rate at 16 tokens). Here a block of S warps (S = 4, 8, 16) computes one tile of 16 rows
-// x 8·NJ tokens, warp w owning the V = 32/S consecutive visits V·w .. V·w + V - 1, i.e. the subtree
+// x 8·NJ tokens (NJ = 1, 2, 4), warp w owning the V = 32/S consecutive visits V·w .. V·w + V - 1, i.e. the subtree
 // T(V·w, V) of mm_q_t1's tree (above: visit i is class rev5(i), whose chain runs over the blocks rev5(i),
 // rev5(i) + 32, ... in increasing order). The warp runs its chains one after the other in visit order, each
 // block's int32 dots from one mma per 8 tokens (two k16 ones for group-16 scales) and its term added with
@@ -793,12 +793,13 @@ struct QvSmem {
     static constexpr int scales = MMA_ROWS * RS;
     static constexpr int mins = scales + MMA_ROWS * SPB * 4;
     static constexpr int stage = mins + (FORM == 1 ? MMA_ROWS * 4 : 0);
-    static constexpr int D = S == 4 ? 8 : (S == 8 ? 4 : 2);  // stages a warp (under 48 KB a block with QvRed)
-};
-
-template <int NJ, int S>
-struct QvRed {
-    float v[S][16 * 8 * NJ];
+    static constexpr int D = S == 4 ? 8 : (S == 8 ? 4 : 2);  // stages a warp
+    static constexpr int ring = S * D * stage;
+    // The block's shared memory: the warps' rings, then (after a barrier) the warps' subtree sums over them.
+    template <int NJ>
+    __host__ __device__ static constexpr int bytes() {
+        return ring > S * MMA_ROWS * 8 * NJ * 4 ? ring : S * MMA_ROWS * 8 * NJ * 4;
+    }
 };
 
 template <int NJ, bool P4, int FORM, int S>
@@ -809,8 +810,10 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
     constexpr int CS = L::CS, RS = L::RS, SPB = L::SPB, D = L::D;
     static_assert(S == 4 || S == 8 || S == 16, "4, 8 or 16 warps a tile");
     static_assert(L::stage % 16 == 0, "16-byte aligned stages");
-    __shared__ __align__(16) unsigned char ring_all[S][D][L::stage];
-    __shared__ QvRed<NJ, S> red;
+    __shared__ __align__(16) unsigned char smem[L::template bytes<NJ>()];
+    static_assert(L::template bytes<NJ>() <= 48 * 1024, "static shared memory");
+    unsigned char(&ring_all)[S][D][L::stage] = *reinterpret_cast<unsigned char(*)[S][D][L::stage]>(smem);
+    float(&red)[S][MMA_ROWS * NT] = *reinterpret_cast<float(*)[S][MMA_ROWS * NT]>(smem);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, q = lane & 3;
     const int tile = blockIdx.x, t0 = blockIdx.y * NT;
@@ -963,20 +966,21 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
         }
     }
     cp_async_wait<0>();  // no copy outlives the block (the tail's issues were empty groups)
+    __syncthreads();     // every warp is done with its ring: the sums go over the rings
     // After the last visit (k = V - 1, all ones) cur holds the warp's subtree T(V·warp, V).
     float(&res)[NJ][4] = cur;
     // The warps' subtrees meet in the binary tree over consecutive warps, then the bias.
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) red.v[warp][(8 * j + 2 * q + (e & 1)) * MMA_ROWS + g + 8 * (e >> 1)] = res[j][e];
+        for (int e = 0; e < 4; ++e) red[warp][(8 * j + 2 * q + (e & 1)) * MMA_ROWS + g + 8 * (e >> 1)] = res[j][e];
     __syncthreads();
     const float* __restrict__ bias = QParts::pick(PT.b, p);
     float* __restrict__ out = QParts::pick(PT.o, p);
     for (int o = tid; o < MMA_ROWS * NT; o += 32 * S) {
         float x[S];
 #pragma unroll
-        for (int i = 0; i < S; ++i) x[i] = red.v[i][o];
+        for (int i = 0; i < S; ++i) x[i] = red[i][o];
 #pragma unroll
         for (int s = 1; s < S; s <<= 1)
 #pragma unroll
@@ -1013,6 +1017,9 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
         mm_qv_impl<NJ, P4, F, S>(pt, cols, half, tq, tg, n);                                                \
     }
 MM_FAMILY(MM_QV_P, 4, 8, 16)
+// And tiles of 32 tokens (17–32 in one pass over the weights).
+#define MM_QV4(F, S) MM_PACKINGS(MM_QV_P, 4, F, S)
+MM_QV4(0, 4) MM_QV4(0, 8) MM_QV4(0, 16) MM_QV4(1, 4) MM_QV4(1, 8) MM_QV4(1, 16) MM_QV4(2, 4) MM_QV4(2, 8) MM_QV4(2, 16)
 
 // ---------------------------------------------------------------------------------------------------------
 // mm_qt*: the large products (prefill) on the tensor cores with large tiles, in mm_q_t1's float order.

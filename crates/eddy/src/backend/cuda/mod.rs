@@ -106,6 +106,20 @@ fn mma_tile(n: usize) -> (usize, usize) {
     }
 }
 
+/// The `mm_qv*` tile for `n` tokens (n ≥ 2): the kernel variant (`NJ` = 1, 2, 4 mma columns of 8) and the
+/// tokens per block. Above 32 tokens, tiles of 32 unless they would pad 16 tokens or more (measured on the
+/// 1.5B, session 24: a 48-node verify 4.69 ms on three tiles of 16, 4.99 on two of 32; 17–32 nodes 3.11–3.29
+/// ms on one tile of 32, 3.49–3.60 on two of 16).
+fn qv_tile(n: usize) -> (usize, usize) {
+    match n {
+        ..=8 => (0, 8),
+        9..=16 => (1, 16),
+        17..=32 => (2, 32),
+        _ if n.next_multiple_of(32) - n < 16 => (2, 32),
+        _ => (1, 16),
+    }
+}
+
 /// The epilogue form of a quantized matrix (`FORM` of `mm_qw*`): 0 implicit offset, 1 explicit offsets,
 /// 2 group-16 scales (which take precedence, as in `mm_q_impl`).
 fn qform(q: &CudaQ) -> usize {
@@ -684,11 +698,11 @@ struct Kernels {
     mm_qw: [[[[Func; 2]; 3]; 2]; 3],
     /// The same for up to three matrices in one launch.
     mm_q3w: [[[[Func; 2]; 3]; 2]; 3],
-    /// The verify sizes on the tensor cores, warps with loads of their own (`mm_qv{1,2}_f{form}_{p4,p8}_w{S}`):
-    /// `[warps per row tile (QV_WARPS)][tile (mma_tile)][form (qform)][bits 4 packed / bytes]`.
-    mm_qv: [[[[Func; 2]; 3]; 2]; 3],
+    /// The verify sizes on the tensor cores, warps with loads of their own (`mm_qv{1,2,4}_f{form}_{p4,p8}_w{S}`):
+    /// `[warps per row tile (QV_WARPS)][tile (qv_tile)][form (qform)][bits 4 packed / bytes]`.
+    mm_qv: [[[[Func; 2]; 3]; 3]; 3],
     /// The same for up to three matrices in one launch.
-    mm_q3v: [[[[Func; 2]; 3]; 2]; 3],
+    mm_q3v: [[[[Func; 2]; 3]; 3]; 3],
     /// Dynamic shared memory bytes of `mm_qw` / `mm_q3w` (the kernels' table `mm_qw_smem`, same index).
     mm_qw_smem: [[[[u32; 2]; 3]; 2]; 3],
     /// Large products on the tensor cores with large tiles (`mm_qt2_f{form}_{p4,p8}`): `[form (qform)][bits 4
@@ -894,11 +908,11 @@ impl Cuda {
         };
         let qw = |base: &str| -> Result<[[[[Func; 2]; 3]; 2]; 3]> {
             let sp = |s: &str| -> Result<[[[Func; 2]; 3]; 2]> { Ok([tile(base, 1, s)?, tile(base, 2, s)?]) };
-            if base.ends_with('v') {
-                Ok([sp("w4")?, sp("w8")?, sp("w16")?])
-            } else {
-                Ok([sp("s1")?, sp("s2")?, sp("s4")?])
-            }
+            Ok([sp("s1")?, sp("s2")?, sp("s4")?])
+        };
+        let qv = |base: &str| -> Result<[[[[Func; 2]; 3]; 3]; 3]> {
+            let sp = |s: &str| -> Result<[[[Func; 2]; 3]; 3]> { Ok([tile(base, 1, s)?, tile(base, 2, s)?, tile(base, 4, s)?]) };
+            Ok([sp("w4")?, sp("w8")?, sp("w16")?])
         };
         // The products' shared-memory tables (i32 bytes per variant, beyond the 48 KB a launch gets unasked).
         let table = |name: &str, len: usize| -> Result<Vec<i32>> {
@@ -941,8 +955,8 @@ impl Cuda {
             noop: get("noop")?,
             mm_qw: qw("mm_qw")?,
             mm_q3w: qw("mm_q3w")?,
-            mm_qv: qw("mm_qv")?,
-            mm_q3v: qw("mm_q3v")?,
+            mm_qv: qv("mm_qv")?,
+            mm_q3v: qv("mm_q3v")?,
             mm_qw_smem: smem,
             mm_qt: qt("mm_qt")?,
             mm_q3t: qt("mm_q3t")?,
@@ -1134,7 +1148,7 @@ impl Cuda {
         if xq.tg == 0 {
             return None;
         }
-        let (_, nt) = mma_tile(n);
+        let (_, nt) = qv_tile(n);
         let ttiles = n.div_ceil(nt);
         let warps = match self.forced_qv.load(Ordering::Relaxed) {
             1 => return None,
@@ -1414,7 +1428,7 @@ impl Cuda {
                     let smem = self.k.mm_qt_smem[qform(q)][p];
                     self.launch_smem(self.k.mm_qt[qform(q)][p], grid, QT_THREADS, smem, a);
                 } else if let Some((wi, grid)) = self.qv_plan(rows.div_ceil(MMA_ROWS), n, xq) {
-                    let (v, _) = mma_tile(n);
+                    let (v, _) = qv_tile(n);
                     let a = a.p(xq.tiled.ptr()).l(xq.tg);
                     self.launch_smem(self.k.mm_qv[wi][v][qform(q)][p], grid, (32 * QV_WARPS[wi]) as u32, 0, a);
                 } else {
@@ -1843,7 +1857,7 @@ impl Backend for Cuda {
             let smem = self.k.mm_qt_smem[qform(q0)][p];
             self.launch_smem(self.k.mm_q3t[qform(q0)][p], (blocks, n.div_ceil(QT_TOKENS), 1), QT_THREADS, smem, a);
         } else if let Some((wi, grid)) = self.qv_plan(blocks, n, xq) {
-            let (v, _) = mma_tile(n);
+            let (v, _) = qv_tile(n);
             let a = a.p(xq.tiled.ptr()).l(xq.tg);
             self.launch_smem(self.k.mm_q3v[wi][v][qform(q0)][p], grid, (32 * QV_WARPS[wi]) as u32, 0, a);
         } else {
