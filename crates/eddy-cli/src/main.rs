@@ -1174,8 +1174,8 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
     if let Some((dir, d)) = dflash {
         let step = if tm > 0.0 { Some(1.0 / tm) } else { None };
         let ms = engine.time_dflash_pass(d, a.prompt_tokens, a.repetitions.max(5))? * 1e3;
-        let mut j = serde_json::json!({"model": model, "test": "dflash_pass", "drafter": dir.display().to_string(), "threads": threads,
-            "context": a.prompt_tokens, "ms": ms});
+        let mut j = serde_json::json!({"model": model, "test": "dflash_pass", "drafter": dir.display().to_string(), "device": engine.device(),
+            "threads": threads, "context": a.prompt_tokens, "ms": ms});
         if let Some(step) = step {
             j["vs_decode_step"] = serde_json::json!(ms / (step * 1e3));
         }
@@ -1185,7 +1185,8 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
         let times = engine.verify_times(&prompt, &a.verify_sizes, a.repetitions.max(3))?;
         let one = times.iter().find(|t| t.0 == 1).map(|t| t.1);
         for (n, secs) in times {
-            let mut j = serde_json::json!({"model": model, "test": format!("verify{n}"), "threads": threads, "nodes": n, "ms": secs * 1e3});
+            let mut j = serde_json::json!({"model": model, "test": format!("verify{n}"), "device": engine.device(), "threads": threads,
+                "nodes": n, "ms": secs * 1e3});
             if let Some(one) = one {
                 j["vs_one_node"] = serde_json::json!(secs / one);
                 j["vs_sequential_decode"] = serde_json::json!(secs / (one * n as f64));

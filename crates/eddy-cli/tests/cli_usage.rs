@@ -381,6 +381,17 @@ fn speed_inputs() {
     let v: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
     assert_eq!(v["test"], "pp4");
     assert_eq!(v["threads"], 1);
+    // The verify-cost lines name the device they ran on, as the pp/tg lines do.
+    let out = eddy(&["speed", "--model", s, "--threads", "1", "-p", "4", "-n", "0", "-r", "1", "--verify-sizes", "1,3"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let tests: Vec<&str> = lines.iter().map(|v| v["test"].as_str().unwrap()).collect();
+    assert_eq!(tests, ["pp4", "verify1", "verify3"]);
+    for v in &lines {
+        assert_eq!(v["device"], lines[0]["device"], "{v}");
+        assert!(v["device"].as_str().is_some_and(|d| !d.is_empty()), "{v}");
+    }
+    assert!(lines[2]["ms"].as_f64().is_some_and(|ms| ms > 0.0) && lines[2]["nodes"] == 3, "{}", lines[2]);
     // A --draft-model that is not a DFlash folder is refused before the runs (nothing on stdout).
     let out = eddy(&["speed", "--model", s, "--threads", "1", "-p", "4", "-n", "2", "-r", "1", "--draft-model", s]);
     let err = String::from_utf8_lossy(&out.stderr);
