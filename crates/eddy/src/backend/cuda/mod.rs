@@ -1375,7 +1375,10 @@ impl Cuda {
         let sm = self.ensure(&mut xq.sum, 4 * groups, false);
         let ds = self.ensure(&mut xq.dsum, 4 * groups, false);
         let s16 = self.ensure(&mut xq.sum16, 8 * groups, false);
-        xq.tg = if (2..=QV_TILED_MAX).contains(&n) { n.next_multiple_of(8) * (cols / QK) } else { 0 };
+        // The token-tiled copy only where an `mm_qv*` kernel may read it: past the dp4a kernels' token counts,
+        // up to QV_TILED_MAX, with `mm_qv*` enabled.
+        let qv_on = self.forced_qv.load(Ordering::Relaxed) != 1;
+        xq.tg = if qv_on && n > self.dp4a_max && n <= QV_TILED_MAX { n.next_multiple_of(8) * (cols / QK) } else { 0 };
         let tq = if xq.tg > 0 { self.ensure(&mut xq.tiled, 52 * xq.tg, false) } else { 0 };
         xq.n = n;
         xq.cols = cols;
