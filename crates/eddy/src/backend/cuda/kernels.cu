@@ -1844,36 +1844,68 @@ extern "C" __global__ void rope_store(float* __restrict__ q, int qw, float* __re
 #define ATT_MAX_HD 512
 
 // The combination of one (query, head)'s `nch` chunk records (m, z, o[hd]) at `base` (read through L2: other
-// blocks wrote them): M = max m_c into `M`; returns 1/Z with Z the fma chain of z_c·expf(m_c − M) in chunk order.
-__device__ __forceinline__ float att_combine_norm(const float* base, int nch, int hd, float& M) {
-    M = -INFINITY;
-    for (int cc = 0; cc < nch; ++cc) M = fmaxf(M, __ldcg(base + (long long)cc * (hd + 2)));
-    float Z = 0.0f;
-    for (int cc = 0; cc < nch; ++cc) {
-        const float* b = base + (long long)cc * (hd + 2);
-        Z = __fmaf_rn(__ldcg(b + 1), expf(__fsub_rn(__ldcg(b), M)), Z);
+// blocks wrote them), in two memory round trips for up to ATT_CB chunks: M = max m_c; then output value `d`
+// before the 1/Z, the fma chain of o_c[d]·expf(m_c − M) in chunk order, with Z, the fma chain of
+// z_c·expf(m_c − M) in chunk order, into `Z`.
+#define ATT_CB 8
+__device__ __forceinline__ float att_combine_max(const float* base, int nch, int hd) {
+    float M = -INFINITY;
+    for (int c0 = 0; c0 < nch; c0 += ATT_CB) {
+        float m[ATT_CB];
+#pragma unroll
+        for (int u = 0; u < ATT_CB; ++u) m[u] = c0 + u < nch ? __ldcg(base + (long long)(c0 + u) * (hd + 2)) : -INFINITY;
+#pragma unroll
+        for (int u = 0; u < ATT_CB; ++u) M = fmaxf(M, m[u]);
     }
-    return __fdiv_rn(1.0f, Z);
+    return M;
 }
-
-// Output value `d` of the combination before the 1/Z: the fma chain of o_c[d]·expf(m_c − M) in chunk order.
-__device__ __forceinline__ float att_combine_value(const float* base, int nch, int hd, float M, int d) {
+__device__ __forceinline__ float att_combine_value(const float* base, int nch, int hd, float M, int d, float& Z) {
     float acc = 0.0f;
-    for (int cc = 0; cc < nch; ++cc) {
-        const float* b = base + (long long)cc * (hd + 2);
-        acc = __fmaf_rn(__ldcg(b + 2 + d), expf(__fsub_rn(__ldcg(b), M)), acc);
+    Z = 0.0f;
+    for (int c0 = 0; c0 < nch; c0 += ATT_CB) {
+        float m[ATT_CB], z[ATT_CB], o[ATT_CB];
+#pragma unroll
+        for (int u = 0; u < ATT_CB; ++u) {
+            if (c0 + u < nch) {
+                const float* b = base + (long long)(c0 + u) * (hd + 2);
+                m[u] = __ldcg(b);
+                z[u] = __ldcg(b + 1);
+                o[u] = __ldcg(b + 2 + d);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < ATT_CB; ++u) {
+            if (c0 + u < nch) {
+                const float w = expf(__fsub_rn(m[u], M));
+                Z = __fmaf_rn(z[u], w, Z);
+                acc = __fmaf_rn(o[u], w, acc);
+            }
+        }
     }
     return acc;
 }
 
-extern "C" __global__ void attention(const float* __restrict__ q, const float* __restrict__ k,
-                                     const float* __restrict__ v, float* __restrict__ out,
-                                     const int4* __restrict__ info, const int* __restrict__ paths, float* part,
-                                     int* count, int nmax, int n_heads, int n_kv_heads, int hd, float scale,
-                                     float softcap, const float* __restrict__ qsigns, int8_t* __restrict__ qq,
-                                     float* __restrict__ qscale, int* __restrict__ qsum,
-                                     float* __restrict__ qdsum, int* __restrict__ qsum16, unsigned char* qtq,
-                                     long long qtg) {
+// Loads per thread issued together before their use (each batch one memory round trip): key float4s of the
+// score chains, value rows of the output chains.
+#define ATT_KB 8
+#define ATT_VB 32
+// The values vb[rows[j]·kvd + d] for the keys j = j0, j0 + P, ... (ATT_VB of them, those below cnt) into v.
+__device__ __forceinline__ void att_load_values(float (&v)[ATT_VB], const float* __restrict__ vb,
+                                                const long long* rows, long long kvd, int d, int j0, int P, int cnt) {
+#pragma unroll
+    for (int u = 0; u < ATT_VB; ++u) {
+        const int jj = j0 + u * P;
+        v[u] = jj < cnt ? vb[rows[jj] * kvd + d] : 0.0f;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2)
+    attention(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+              float* __restrict__ out, const int4* __restrict__ info, const int* __restrict__ paths, float* part,
+              int* count, int nmax, int n_heads, int n_kv_heads, int hd, float scale, float softcap,
+              const float* __restrict__ qsigns, int8_t* __restrict__ qq, float* __restrict__ qscale,
+              int* __restrict__ qsum, float* __restrict__ qdsum, int* __restrict__ qsum16, unsigned char* qtq,
+              long long qtg) {
     pdl_wait();
     __shared__ __align__(16) float qs[ATT_MAX_HD];
     __shared__ float sc[ATT_CHUNK];
@@ -1882,10 +1914,12 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
     __shared__ long long rows[ATT_CHUNK];
     __shared__ int last;
     const int h = blockIdx.x, i = blockIdx.y, tid = threadIdx.x;
+    const long long qd = (long long)n_heads * hd, kvd = (long long)n_kv_heads * hd;
+    const float* qh = q + i * qd + (long long)h * hd;
+    const float q0 = tid < hd ? qh[tid] : 0.0f;  // loaded with the key list's bounds
     const int4 qi = info[i];
     const int nc = qi.y - qi.x, nk = nc + qi.w;
     const int nch = (nk + ATT_CHUNK - 1) / ATT_CHUNK;
-    const long long qd = (long long)n_heads * hd, kvd = (long long)n_kv_heads * hd;
     // Output value `d` of (query i, head h), quantized with its warp's 32 values when asked.
     auto put = [&](int d, float val) {
         out[i * qd + (long long)h * hd + d] = val;
@@ -1902,8 +1936,7 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
     }
     if ((int)blockIdx.z >= nch) return;
     const int kvh = h / (n_heads / n_kv_heads);
-    const float* qh = q + i * qd + (long long)h * hd;
-    for (int d = tid; d < hd; d += ATT_THREADS) qs[d] = qh[d];
+    for (int d = tid; d < hd; d += ATT_THREADS) qs[d] = d == tid ? q0 : qh[d];
     const bool single = nch == 1;
     const float* vb = v + (long long)kvh * hd;
     // Chunks blockIdx.z, blockIdx.z + gridDim.z, ... in increasing order: a block's last chunk is the only one
@@ -1916,6 +1949,12 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
             rows[tid] = jj < nc ? (long long)qi.x + jj : (long long)paths[qi.z + jj - nc];
         }
         __syncthreads();
+        // This thread's values of the chunk (output value d = tid % hd, part pt = tid / hd: keys pt, pt + P, ...)
+        // are loaded now, with its key quarter below, so that the two loads share one memory round trip.
+        const int P = hd <= ATT_THREADS ? ATT_THREADS / hd : 1;
+        const int vd = tid % hd, vpt = tid / hd;
+        float vpre[ATT_VB];
+        if (hd <= ATT_THREADS && vpt < P) att_load_values(vpre, vb, rows, kvd, vd, vpt, P, cnt);
         {
             const int j = tid % ATT_CHUNK, qt = tid / ATT_CHUNK;
             if (j < cnt) {
@@ -1923,13 +1962,22 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
                 const float4* kr = reinterpret_cast<const float4*>(k + rows[j] * kvd + (long long)kvh * hd + d0);
                 const float* qq = qs + d0;
                 float p = 0.0f;
-#pragma unroll 4
-                for (int d4 = 0; d4 < (hd >> 4); ++d4) {
-                    const float4 kv = kr[d4];
-                    p = __fmaf_rn(qq[4 * d4], kv.x, p);
-                    p = __fmaf_rn(qq[4 * d4 + 1], kv.y, p);
-                    p = __fmaf_rn(qq[4 * d4 + 2], kv.z, p);
-                    p = __fmaf_rn(qq[4 * d4 + 3], kv.w, p);
+                // The quarter's keys ATT_KB float4 at a time, all loaded before the chain uses them.
+                for (int b = 0; b < (hd >> 4); b += ATT_KB) {
+                    float4 kv[ATT_KB];
+#pragma unroll
+                    for (int u = 0; u < ATT_KB; ++u)
+                        if (b + u < (hd >> 4)) kv[u] = kr[b + u];
+#pragma unroll
+                    for (int u = 0; u < ATT_KB; ++u) {
+                        if (b + u < (hd >> 4)) {
+                            const int d4 = b + u;
+                            p = __fmaf_rn(qq[4 * d4], kv[u].x, p);
+                            p = __fmaf_rn(qq[4 * d4 + 1], kv[u].y, p);
+                            p = __fmaf_rn(qq[4 * d4 + 2], kv[u].z, p);
+                            p = __fmaf_rn(qq[4 * d4 + 3], kv[u].w, p);
+                        }
+                    }
                 }
                 sp[qt][j] = p;
             }
@@ -1961,12 +2009,24 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
         const float inv1 = __fdiv_rn(1.0f, z);
         float* pp = part + (((long long)i * n_heads + h) * nmax + c) * (hd + 2);
         if (hd <= ATT_THREADS) {
-            const int P = ATT_THREADS / hd;
-            const int d = tid % hd, pt = tid / hd;
+            const int d = vd, pt = vpt;
             if (pt < P) {
+                // The fma chain over the keys pt, pt + P, ... in order: the first ATT_VB values were loaded above,
+                // the rest (P·ATT_VB < cnt: head dims above 128) ATT_VB at a time.
                 float acc = 0.0f;
-#pragma unroll 8
-                for (int jj = pt; jj < cnt; jj += P) acc = __fmaf_rn(sc[jj], vb[rows[jj] * kvd + d], acc);
+#pragma unroll
+                for (int u = 0; u < ATT_VB; ++u) {
+                    const int jj = pt + u * P;
+                    if (jj < cnt) acc = __fmaf_rn(sc[jj], vpre[u], acc);
+                }
+                for (int jb = pt + ATT_VB * P; jb < cnt; jb += ATT_VB * P) {
+                    att_load_values(vpre, vb, rows, kvd, d, jb, P, cnt);
+#pragma unroll
+                    for (int u = 0; u < ATT_VB; ++u) {
+                        const int jj = jb + u * P;
+                        if (jj < cnt) acc = __fmaf_rn(sc[jj], vpre[u], acc);
+                    }
+                }
                 red[pt * hd + d] = acc;
             }
             __syncthreads();
@@ -2000,10 +2060,11 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
         __threadfence();
         if (tid == 0) *cnt_at = 0;
         const float* base = part + ((long long)i * n_heads + h) * nmax * (hd + 2);
-        float M;
-        const float inv_z = att_combine_norm(base, nch, hd, M);
+        const float M = att_combine_max(base, nch, hd);
         for (int d = tid; d < hd; d += ATT_THREADS) {
-            put(d, __fmul_rn(att_combine_value(base, nch, hd, M, d), inv_z));
+            float Z;
+            const float o = att_combine_value(base, nch, hd, M, d, Z);
+            put(d, __fmul_rn(o, __fdiv_rn(1.0f, Z)));
         }
         return;
     }
@@ -2022,6 +2083,9 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
 // to ATT_KV_MAX_HD.
 #define ATT_KV_MAX_HD 128
 #define ATT_KV_ND (ATT_KV_MAX_HD / 32)  // output values a lane computes at once
+#define ATT_KVB 4                       // float4s of keys (and of values) a thread loads at once
+#define ATT_KV_MAX_GROUP 16
+#define ATT_KV_QB (ATT_KV_MAX_GROUP * ATT_KV_MAX_HD / ATT_THREADS)  // query values a thread loads
 // Output values lane + 32·u (u < ND) of a (query, head) and chunk into acc[u]: per value the P chains over the
 // keys pt, pt + P, ... (weights es, values vs with row stride ld) in order, then their sum in order.
 struct AttAcc {
@@ -2050,7 +2114,7 @@ __device__ __forceinline__ AttAcc att_kv_values(const float* es, const float* vs
     }
     return r;
 }
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2)
     attention_kv(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                  float* __restrict__ out, const int4* __restrict__ info, const int* __restrict__ paths, float* part,
                  int* count, int nmax, int n_heads, int n_kv_heads, int hd, float scale, float softcap,
@@ -2066,10 +2130,17 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     float* vs = ks + ATT_CHUNK * ld;
     float* qs = vs + ATT_CHUNK * ld;
     float* es = qs + g * hd + warp * ATT_CHUNK;
+    const long long qd = (long long)n_heads * hd, kvd = (long long)n_kv_heads * hd;
+    // The group's query rows, loaded with the key list's bounds (g·hd ≤ ATT_KV_QB·ATT_THREADS values).
+    float qpre[ATT_KV_QB];
+#pragma unroll
+    for (int u = 0; u < ATT_KV_QB; ++u) {
+        const int x = tid + u * ATT_THREADS;
+        qpre[u] = x < g * hd ? q[i * qd + (long long)h0 * hd + x] : 0.0f;
+    }
     const int4 qi = info[i];
     const int nc = qi.y - qi.x, nk = nc + qi.w;
     const int nch = (nk + ATT_CHUNK - 1) / ATT_CHUNK;
-    const long long qd = (long long)n_heads * hd, kvd = (long long)n_kv_heads * hd;
     // Output value `d` of (query i, head h), quantized with its warp's 32 values when asked (lane = d % 32).
     auto put = [&](int h, int d, float val) {
         out[i * qd + (long long)h * hd + d] = val;
@@ -2086,7 +2157,9 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
         return;
     }
     if ((int)blockIdx.z >= nch) return;
-    for (int x = tid; x < g * hd; x += ATT_THREADS) qs[x] = q[i * qd + (long long)h0 * hd + x];
+#pragma unroll
+    for (int u = 0; u < ATT_KV_QB; ++u)
+        if (tid + u * ATT_THREADS < g * hd) qs[tid + u * ATT_THREADS] = qpre[u];
     const bool single = nch == 1;
     const int P = ATT_THREADS / hd;
     for (int c = blockIdx.z; c < nch; c += gridDim.z) {
@@ -2097,15 +2170,29 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
             rows[tid] = jj < nc ? (long long)qi.x + jj : (long long)paths[qi.z + jj - nc];
         }
         __syncthreads();
-        for (int x = tid; x < cnt * q4; x += ATT_THREADS) {
-            const int j = x / q4, d = 4 * (x % q4);
-            const long long at = rows[j] * kvd + (long long)kvh * hd + d;
-            const float4 kv = *reinterpret_cast<const float4*>(k + at);
-            const float4 vv = *reinterpret_cast<const float4*>(v + at);
-            float* kd = ks + j * ld + d;
-            float* vd = vs + j * ld + d;
-            kd[0] = kv.x, kd[1] = kv.y, kd[2] = kv.z, kd[3] = kv.w;
-            vd[0] = vv.x, vd[1] = vv.y, vd[2] = vv.z, vd[3] = vv.w;
+        // The chunk's keys and values ATT_KVB float4s of each a thread at a time, all loaded before they are
+        // stored (one memory round trip for a chunk of hd ≤ 128).
+        for (int x0 = tid; x0 < cnt * q4; x0 += ATT_KVB * ATT_THREADS) {
+            float4 kv[ATT_KVB], vv[ATT_KVB];
+#pragma unroll
+            for (int u = 0; u < ATT_KVB; ++u) {
+                const int x = x0 + u * ATT_THREADS;
+                if (x < cnt * q4) {
+                    const long long at = rows[x / q4] * kvd + (long long)kvh * hd + 4 * (x % q4);
+                    kv[u] = *reinterpret_cast<const float4*>(k + at);
+                    vv[u] = *reinterpret_cast<const float4*>(v + at);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < ATT_KVB; ++u) {
+                const int x = x0 + u * ATT_THREADS;
+                if (x < cnt * q4) {
+                    float* kd = ks + (x / q4) * ld + 4 * (x % q4);
+                    float* vd = vs + (x / q4) * ld + 4 * (x % q4);
+                    kd[0] = kv[u].x, kd[1] = kv[u].y, kd[2] = kv[u].z, kd[3] = kv[u].w;
+                    vd[0] = vv[u].x, vd[1] = vv[u].y, vd[2] = vv[u].z, vd[3] = vv[u].w;
+                }
+            }
         }
         __syncthreads();
         for (int r = warp; r < g; r += ATT_THREADS / 32) {
@@ -2186,12 +2273,13 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
             __threadfence();
             if (lane == 0) *cnt_at = 0;
             const float* base = part + ((long long)i * n_heads + h) * nmax * (hd + 2);
-            float M;
-            const float inv_z = att_combine_norm(base, nch, hd, M);
+            const float M = att_combine_max(base, nch, hd);
             for (int d0 = 0; d0 < hd; d0 += 32) {
                 const int d = d0 + lane;
                 if (d >= hd) break;  // hd % 32 != 0 (never with quantization, which needs whole groups)
-                put(h, d, __fmul_rn(att_combine_value(base, nch, hd, M, d), inv_z));
+                float Z;
+                const float o = att_combine_value(base, nch, hd, M, d, Z);
+                put(h, d, __fmul_rn(o, __fdiv_rn(1.0f, Z)));
             }
         }
     }
