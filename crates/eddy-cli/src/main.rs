@@ -197,14 +197,16 @@ struct SpecArgs {
     /// model with the same tokenizer, --draft-model), mtp (the model's own multi-token-prediction head,
     /// Qwen3.5), dflash / dflash-chain (a DFlash block drafter: the best-first tree of its marginals / its
     /// argmax chain), or auto (suffix, plus the MTP head if the model has one, plus the drafter if given or
-    /// found). Default: auto when a DFlash drafter is found next to the model (or --draft-model is given),
-    /// else none.
+    /// found). Default: auto when --draft-model is given or, on the CPU, when a DFlash drafter is found next
+    /// to the model; else none (on a GPU a found drafter is not used unless asked for: there a verify pass
+    /// costs too many decode steps for today's drafters to pay, BENCHMARKS.md, session 25).
     #[arg(long, value_name = "none|suffix|draft|mtp|dflash|dflash-chain|auto")]
     speculator: Option<String>,
     /// Drafter for --speculator draft|dflash|auto: a draft model (GGUF file, Hugging Face folder or hub id)
     /// or a DFlash drafter folder (config.json naming DFlashDraftModel; loaded as int8). Without it, a
     /// DFlash drafter next to the model is used: `<model stem>.dflash/` or `dflash-<prefix of the model's
-    /// file name>/`. The drafter runs where the model runs (--device: on a GPU next to it).
+    /// file name>/` (on a GPU only with --speculator). The drafter runs where the model runs (--device: on a
+    /// GPU next to it).
     #[arg(long, value_name = "PATH")]
     draft_model: Option<String>,
     /// Draft tokens verified per target forward pass: a node count, or auto (chosen each step from the
@@ -230,7 +232,8 @@ fn spec_options(a: &SpecArgs) -> eddy::Result<(Option<SpeculatorKind>, Budget)> 
     Ok((kind, budget))
 }
 
-/// The drafter to use: `--draft-model`, else (for kinds that run one) a DFlash drafter next to the model.
+/// The drafter to use: `--draft-model`, else (for kinds that run one) a DFlash drafter next to the model;
+/// without `--speculator`, only on the CPU ([`implicit_drafter`]).
 fn find_drafter(engine: &Engine, a: &SpecArgs, kind: Option<SpeculatorKind>) -> eddy::Result<Option<Drafter>> {
     if let Some(p) = &a.draft_model {
         let dir = std::path::Path::new(p);
@@ -240,13 +243,21 @@ fn find_drafter(engine: &Engine, a: &SpecArgs, kind: Option<SpeculatorKind>) -> 
             Drafter::Model(Box::new(load_with_progress(Some(p), Quant::default())?))
         }));
     }
-    if !kind.is_none_or(|k| k.uses_drafter()) {
+    if !kind.is_none_or(|k| k.uses_drafter()) || (kind.is_none() && !implicit_drafter(engine.device())) {
         return Ok(None);
     }
     match find_next_to(&engine.lm.source) {
         Some(dir) => Ok(Some(Drafter::DFlash(Box::new(DFlashDrafter::load(&dir, Quant::Q8)?)))),
         None => Ok(None),
     }
+}
+
+/// Whether a drafter found next to the model turns speculation on by itself (no `--speculator`, no
+/// `--draft-model`) on `device` ([`Engine::device`]): on the CPU, where it pays (issue 12's benchmark: 2.03× /
+/// 1.29× plain decoding on HumanEval / ShareGPT); not on a GPU, where on the H200 the same default served
+/// 0.92× / 0.97× plain decoding (a 16-node verify costs 1.9 decode steps there; BENCHMARKS.md, session 25).
+fn implicit_drafter(device: &str) -> bool {
+    device == "cpu"
 }
 
 /// Load the drafter (if any) and attach the speculators to `engine`.
