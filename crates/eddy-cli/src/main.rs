@@ -265,7 +265,12 @@ fn attach_speculators(engine: &mut Engine, a: &SpecArgs, kind: Option<Speculator
     let draft = find_drafter(engine, a, kind)?;
     let kind = kind.unwrap_or(if draft.is_some() { SpeculatorKind::Auto } else { SpeculatorKind::None });
     if kind == SpeculatorKind::None && matches!(budget, Budget::Fixed(_)) {
-        return Err(bad("--spec-budget", "has no effect: no speculator runs (no drafter found; name one with --speculator)"));
+        let why = if !implicit_drafter(engine.device()) && find_next_to(&engine.lm.source).is_some() {
+            "a drafter next to the model runs on a GPU only when asked"
+        } else {
+            "no drafter found"
+        };
+        return Err(bad("--spec-budget", format!("has no effect: no speculator runs ({why}; name one with --speculator)")));
     }
     engine.speculate(kind, draft, budget)
 }
