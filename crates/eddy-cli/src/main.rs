@@ -243,7 +243,7 @@ fn find_drafter(engine: &Engine, a: &SpecArgs, kind: Option<SpeculatorKind>) -> 
             Drafter::Model(Box::new(load_with_progress(Some(p), Quant::default())?))
         }));
     }
-    if !kind.is_none_or(|k| k.uses_drafter()) || (kind.is_none() && !implicit_drafter(engine.device())) {
+    if !kind.is_none_or(|k| k.uses_drafter()) || (kind.is_none() && !implicit_drafter(engine.runs_on())) {
         return Ok(None);
     }
     match find_next_to(&engine.lm.source) {
@@ -253,11 +253,11 @@ fn find_drafter(engine: &Engine, a: &SpecArgs, kind: Option<SpeculatorKind>) -> 
 }
 
 /// Whether a drafter found next to the model turns speculation on by itself (no `--speculator`, no
-/// `--draft-model`) on `device` ([`Engine::device`]): on the CPU, where it pays (issue 12's benchmark: 2.03× /
+/// `--draft-model`) on `device` ([`Engine::runs_on`]): on the CPU, where it pays (issue 12's benchmark: 2.03× /
 /// 1.29× plain decoding on HumanEval / ShareGPT); not on a GPU, where on the H200 the same default served
 /// 0.92× / 0.97× plain decoding (a 16-node verify costs 1.9 decode steps there; BENCHMARKS.md, session 25).
-fn implicit_drafter(device: &str) -> bool {
-    device == "cpu"
+fn implicit_drafter(device: Device) -> bool {
+    device == Device::Cpu
 }
 
 /// Load the drafter (if any) and attach the speculators to `engine`.
@@ -265,7 +265,7 @@ fn attach_speculators(engine: &mut Engine, a: &SpecArgs, kind: Option<Speculator
     let draft = find_drafter(engine, a, kind)?;
     let kind = kind.unwrap_or(if draft.is_some() { SpeculatorKind::Auto } else { SpeculatorKind::None });
     if kind == SpeculatorKind::None && matches!(budget, Budget::Fixed(_)) {
-        let why = if !implicit_drafter(engine.device()) && find_next_to(&engine.lm.source).is_some() {
+        let why = if !implicit_drafter(engine.runs_on()) && find_next_to(&engine.lm.source).is_some() {
             "a drafter next to the model runs on a GPU only when asked"
         } else {
             "no drafter found"

@@ -372,12 +372,20 @@ impl Engine {
         }
     }
 
-    /// Which backend runs the model: `cpu` or `cuda`.
-    pub fn device(&self) -> &'static str {
+    /// Which backend runs the model: [`Device::Cpu`] or [`Device::Cuda`] (never `Auto`).
+    pub fn runs_on(&self) -> Device {
         match self.exec {
-            Exec::Cpu(_) => "cpu",
+            Exec::Cpu(_) => Device::Cpu,
             #[cfg(feature = "cuda")]
-            Exec::Cuda { .. } => "cuda",
+            Exec::Cuda { .. } => Device::Cuda,
+        }
+    }
+
+    /// [`Engine::runs_on`] as a name: `cpu` or `cuda` (stats and JSON lines).
+    pub fn device(&self) -> &'static str {
+        match self.runs_on() {
+            Device::Cuda => "cuda",
+            Device::Cpu | Device::Auto => "cpu",
         }
     }
 

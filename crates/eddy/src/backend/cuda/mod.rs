@@ -70,6 +70,8 @@ const MMA_THREADS: u32 = 512;
 
 /// Warps per row tile of the verify-size tensor-core products (`S` of `mm_qv*_w{S}`; index in `Kernels::mm_qv`).
 const QV_WARPS: [usize; 3] = [4, 8, 16];
+/// `Cuda::forced_qv`'s value for "never `mm_qv*`" (not a warp count of [`QV_WARPS`]).
+const QV_OFF: usize = 1;
 /// Most tokens of a quantized product on `mm_qv*` by default (more take `mm_qw*` or `mm_qt*`).
 const QV_MAX: usize = 64;
 /// Most tokens whose quantized activations also get the token-tiled copy `mm_qv*` reads (bytes: 52 per token
@@ -829,7 +831,7 @@ pub struct Cuda {
     /// Fewest tokens on `mm_qt*` (`QT_MIN`, or `EDDY_CUDA_QT_MIN`).
     qt_min: usize,
     /// Whether products of 5+ tokens below the large-tile kernels run on `mm_qv*`: 0 by the launch's size
-    /// (up to `QV_MAX` tokens, warps per tile by [`Cuda::qv_plan`]), 1 never (`mm_qw*`), else always with that
+    /// (up to `QV_MAX` tokens, warps per tile by [`Cuda::qv_plan`]), [`QV_OFF`] never (`mm_qw*`), else always with that
     /// many warps per row tile (4, 8, 16); `EDDY_CUDA_QV` at start, [`Cuda::force_verify_products`].
     forced_qv: AtomicUsize,
     name: String,
@@ -1047,7 +1049,7 @@ impl Cuda {
             forced_tiled: AtomicUsize::new(0),
             qt_min: std::env::var("EDDY_CUDA_QT_MIN").ok().and_then(|v| v.parse().ok()).unwrap_or(QT_MIN),
             forced_qv: AtomicUsize::new(match std::env::var("EDDY_CUDA_QV").ok().and_then(|v| v.parse::<usize>().ok()) {
-                Some(0) => 1,
+                Some(0) => QV_OFF,
                 Some(w) if QV_WARPS.contains(&w) => w,
                 _ => 0,
             }),
@@ -1129,13 +1131,20 @@ impl Cuda {
     pub fn force_verify_products(&self, warps: Option<usize>) {
         let v = match warps {
             None => 0,
-            Some(0) => 1,
+            Some(0) => QV_OFF,
             Some(w) => {
                 assert!(QV_WARPS.contains(&w), "{w} warps a row tile: 4, 8 or 16");
                 w
             }
         };
         self.forced_qv.store(v, Ordering::Relaxed);
+    }
+
+    /// Whether the `mm_qv*` kernels may run at all (not turned off by `EDDY_CUDA_QV=0` or
+    /// [`Cuda::force_verify_products`]`(Some(0))`): [`Cuda::qv_plan`] picks them, and the quantizing kernels
+    /// write their token-tiled activations, only then.
+    fn qv_enabled(&self) -> bool {
+        self.forced_qv.load(Ordering::Relaxed) != QV_OFF
     }
 
     /// The `mm_qv*` launch for a product of `n` tokens (below the large-tile kernels) over `tiles` row tiles of
@@ -1151,7 +1160,7 @@ impl Cuda {
         let (_, nt) = qv_tile(n);
         let ttiles = n.div_ceil(nt);
         let warps = match self.forced_qv.load(Ordering::Relaxed) {
-            1 => return None,
+            QV_OFF => return None,
             0 if n > QV_MAX => return None,
             0 if tiles * ttiles * 8 >= QV_MIN_WARPS_PER_SM * self.sms => 8,
             0 => 16,
@@ -1377,8 +1386,7 @@ impl Cuda {
         let s16 = self.ensure(&mut xq.sum16, 8 * groups, false);
         // The token-tiled copy only where an `mm_qv*` kernel may read it: past the dp4a kernels' token counts,
         // up to QV_TILED_MAX, with `mm_qv*` enabled.
-        let qv_on = self.forced_qv.load(Ordering::Relaxed) != 1;
-        xq.tg = if qv_on && n > self.dp4a_max && n <= QV_TILED_MAX { n.next_multiple_of(8) * (cols / QK) } else { 0 };
+        xq.tg = if self.qv_enabled() && n > self.dp4a_max && n <= QV_TILED_MAX { n.next_multiple_of(8) * (cols / QK) } else { 0 };
         let tq = if xq.tg > 0 { self.ensure(&mut xq.tiled, 52 * xq.tg, false) } else { 0 };
         xq.n = n;
         xq.cols = cols;
