@@ -458,9 +458,23 @@ pub fn parse_tools(o: &Map<String, Value>) -> R<Option<Tools>> {
         if tools.iter().any(|t: &Tool| t.name == name) {
             return Err(bad(&format!(".function.name `{name}` is given twice")));
         }
+        // A call's arguments are a JSON object (OpenAI refuses other schemas too); a schema without a type
+        // is read as one, so that the call grammar never lets a model write a string or a list there.
         let parameters = match f.get("parameters") {
             None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
-            Some(p @ Value::Object(_)) => p.clone(),
+            Some(Value::Object(p)) => match p.get("type") {
+                None => {
+                    let mut p = p.clone();
+                    p.insert("type".into(), json!("object"));
+                    Value::Object(p)
+                }
+                Some(t) if t == "object" => Value::Object(p.clone()),
+                Some(t) => {
+                    return Err(bad(&format!(
+                        ".function.parameters must be a JSON schema of \"type\": \"object\" (a call's arguments are an object), got \"type\": {t}"
+                    )))
+                }
+            },
             Some(_) => return Err(bad(".function.parameters must be a JSON schema object")),
         };
         tools.push(Tool { name: name.to_string(), parameters });

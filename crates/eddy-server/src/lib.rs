@@ -112,6 +112,9 @@ struct AppState {
     names: Vec<String>,
     /// Compiled on the first constrained request (the token trie takes a moment to build).
     grammars: std::sync::OnceLock<Result<grammar::Grammars, String>>,
+    /// Hashes of the tool lists (with their call syntax) whose call grammar compiled: agents send the same
+    /// tools with every turn, and a list is checked once ([`check_tools`]).
+    checked_tools: std::sync::Mutex<std::collections::HashSet<u64>>,
     /// Tokens per row of the model's logits.
     n_logits: usize,
     tokenizer: Tokenizer,
@@ -146,7 +149,9 @@ pub fn run_blocking(host: &str, port: u16, engine: Engine, opts: ServeOptions) -
         let id = opts.aliases.first().cloned().unwrap_or_else(|| model_id_for(&engine));
         let ctx = engine.ctx();
         let app = router(engine, opts)?;
-        let listener = tokio::net::TcpListener::bind((host, port)).await?;
+        let listener = tokio::net::TcpListener::bind((host, port))
+            .await
+            .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {host}:{port} (--host, --port): {e}")))?;
         eprintln!("eddy serve: model `{id}`, context {ctx} tokens, listening on http://{}", listener.local_addr()?);
         axum::serve(listener, app).with_graceful_shutdown(drain_on_signal()).await?;
         eprintln!("eddy serve: stopped");
@@ -201,6 +206,7 @@ pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router>
     let state = Arc::new(AppState {
         names,
         grammars: std::sync::OnceLock::new(),
+        checked_tools: std::sync::Mutex::new(std::collections::HashSet::new()),
         n_logits: engine.lm.model.config.vocab_size,
         tokenizer: engine.lm.tokenizer.clone(),
         template: engine.lm.template.take(),
@@ -460,10 +466,11 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
                         "response_format cannot be combined with a tool_choice that forces a call",
                     ));
                 }
+                let g = family.call_grammar(tools, |name| st.tokenizer.token_id(name));
                 if matches!(tools.choice, api::ToolChoice::Required | api::ToolChoice::Named(_)) {
-                    let g =
-                        family.call_grammar(tools, |name| st.tokenizer.token_id(name)).map_err(|e| ApiError::invalid(Some("tools"), e))?;
-                    grammar = Some(("tools", g));
+                    grammar = Some(("tools", g.map_err(|e| ApiError::invalid(Some("tools"), e))?));
+                } else if let Ok(g) = g {
+                    check_tools(st, &g)?;
                 }
                 calls = Some(Calls { family, parallel: tools.parallel, names: tools.tools.iter().map(|t| t.name.clone()).collect() });
             }
@@ -536,6 +543,31 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
     // Presence and frequency penalties count the generated tokens only.
     common.sampler.prompt_len = prompt.len();
     Ok(Prepared { common, prompt, thinking, max_tokens, calls, mask })
+}
+
+/// With `tool_choice` `auto` no grammar constrains the reply, but the tools' schemas are checked as a forced
+/// call would check them: `g` (the call grammar of every tool) is compiled once per distinct list, so a
+/// malformed schema is a 400 with `auto` as with the forced choices (which compile it anyway). With `none` the
+/// tools only reach the prompt and are not checked.
+fn check_tools(st: &AppState, g: &str) -> Result<(), ApiError> {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    g.hash(&mut h);
+    let key = h.finish();
+    if st.checked_tools.lock().unwrap_or_else(|e| e.into_inner()).contains(&key) {
+        return Ok(());
+    }
+    // Without grammars for this model (no end-of-sequence token) only the forced choices are refused.
+    let Ok(gs) = st.grammars.get_or_init(|| grammar::Grammars::new(&st.tokenizer, st.n_logits)).as_ref() else {
+        return Ok(());
+    };
+    gs.lark(g.to_string()).map_err(|e| ApiError::invalid(Some("tools"), grammar_error("tools", &e)))?;
+    let mut seen = st.checked_tools.lock().unwrap_or_else(|e| e.into_inner());
+    if seen.len() >= 1024 {
+        seen.clear();
+    }
+    seen.insert(key);
+    Ok(())
 }
 
 /// The Lark grammar of JSON matching `schema`, with [`tools::grammar_options`] where the schema's own
@@ -755,7 +787,7 @@ impl Formatter {
                     message["reasoning_content"] = json!(reasoning);
                 }
                 if let Some(c) = &self.calls {
-                    let (content, mut calls) = c.family.parse(&text, &c.names);
+                    let (content, mut calls) = c.family.parse_reply(&text, &c.names, finish == "length");
                     if !c.parallel {
                         calls.truncate(1);
                     }

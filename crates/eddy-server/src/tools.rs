@@ -157,6 +157,13 @@ impl Family {
     /// calls as `(name, arguments JSON text as written)`, read as a stream read in one step. When a call's
     /// arguments are not a JSON object (a malformed call), the whole reply is content.
     pub fn parse(self, text: &str, names: &[String]) -> (Option<String>, Vec<(String, String)>) {
+        self.parse_reply(text, names, false)
+    }
+
+    /// [`Family::parse`] of a reply that may have been `cut` off by the token limit (finish reason
+    /// `length`): then the last call's arguments may be unfinished and are kept as written, as a streamed
+    /// reply has already sent them (OpenAI's behaviour too); every other call must still be well formed.
+    pub fn parse_reply(self, text: &str, names: &[String], cut: bool) -> (Option<String>, Vec<(String, String)>) {
         let mut s = CallStreamer::new(self, names.to_vec());
         let mut pieces = s.push(text);
         pieces.extend(s.finish());
@@ -173,7 +180,8 @@ impl Family {
                 }
             }
         }
-        let valid = calls.iter().all(|(_, a)| serde_json::from_str::<Value>(a).is_ok_and(|v| v.is_object()));
+        let whole = calls.len() - usize::from(cut && !calls.is_empty());
+        let valid = calls[..whole].iter().all(|(_, a)| serde_json::from_str::<Value>(a).is_ok_and(|v| v.is_object()));
         if !valid {
             return (Some(text.trim().to_string()).filter(|t| !t.is_empty()), Vec::new());
         }
@@ -789,6 +797,24 @@ mod tests {
         assert_eq!(Family::Llama3.parse("Paris.", &[]), (Some("Paris.".into()), vec![]));
         assert_eq!(Family::Llama3.parse("{\"a\": 1}", &[]), (Some("{\"a\": 1}".into()), vec![]));
         assert_eq!(Family::Mistral.parse("No tools needed.", &[]), (Some("No tools needed.".into()), vec![]));
+    }
+
+    #[test]
+    fn a_reply_cut_off_keeps_its_calls_as_streamed() {
+        let text = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}\n</tool_call>\n<tool_call>\n{\"name\": \"g\", \"arguments\": {\"city";
+        let want = vec![("f".to_string(), "{\"x\": 1}".to_string()), ("g".to_string(), "{\"city".to_string())];
+        assert_eq!(Family::Hermes.parse_reply(text, &[], true), (None, want.clone()));
+        for step in 1..9 {
+            assert_eq!(gather(&streamed(Family::Hermes, text, step, &[])), (String::new(), want.clone()), "step {step}");
+        }
+        // Not cut off, the unfinished call makes the reply content, as before.
+        assert_eq!(Family::Hermes.parse(text, &[]), (Some(text.into()), vec![]));
+        // A block that is no call (its arguments are no object) stays content in both readings.
+        let early = "<tool_call>\n{\"name\": \"f\", \"arguments\": \"x\"}\n</tool_call>\n<tool_call>\n{\"name\": \"g\", \"arguments\": {";
+        let (content, calls) = Family::Hermes.parse_reply(early, &[], true);
+        assert_eq!(calls, vec![("g".to_string(), "{".to_string())]);
+        let (streamed_content, streamed_calls) = gather(&streamed(Family::Hermes, early, 3, &[]));
+        assert_eq!((streamed_content.trim(), streamed_calls), (content.unwrap().as_str(), calls));
     }
 
     #[test]

@@ -399,6 +399,10 @@ fn errors() {
     let f = |name: &str| json!({"type": "function", "function": {"name": name}});
     assert_error(&post(addr, c, chat_body("hi", json!({"tools": [f("a\"</tool_call>")]}))), 400, "tools[0].function.name");
     assert_error(&post(addr, c, chat_body("hi", json!({"tools": [f("get_time"), f("get_time")]}))), 400, "given twice");
+    // A call's arguments are an object; a malformed schema is refused whether or not a call is forced.
+    let p = |params: Value| json!({"type": "function", "function": {"name": "ping", "parameters": params}});
+    let v = assert_error(&post(addr, c, chat_body("hi", json!({"tools": [p(json!({"type": "string"}))]}))), 400, "\"type\": \"object\"");
+    assert_eq!(v["error"]["param"], "tools[0]");
     assert_error(&post(addr, c, chat_body("hi", json!({"tool_choice": "required"}))), 400, "no tools");
     for (k, v) in [("logit_bias", json!({"42": 5})), ("prediction", json!({"type": "content", "content": "x"}))] {
         let v = assert_error(&post(addr, c, chat_body("hi", json!({k: v}))), 400, "not supported yet");
@@ -1752,6 +1756,25 @@ fn tool_calls_whole_and_streamed_on_qwen() {
     assert!(a["usage"]["prompt_tokens"].as_u64().unwrap() > plain["usage"]["prompt_tokens"].as_u64().unwrap() + 20, "{a}");
 }
 
+/// A tool schema that does not compile is a 400 whatever `tool_choice` says (not only when a call is forced),
+/// and a good list after it is still served.
+#[test]
+fn malformed_tool_schemas_are_refused_whatever_tool_choice() {
+    let Some(addr) = qwen05_server() else { return };
+    let c = "/v1/chat/completions";
+    let tool = |params: Value| json!({"type": "function", "function": {"name": "ping", "parameters": params}});
+    for choice in [json!("auto"), json!("required"), json!({"type": "function", "function": {"name": "ping"}}), Value::Null] {
+        let bad = json!({"type": "object", "properties": {"x": {"type": "banana"}}});
+        let v = assert_error(&post(addr, c, chat_body("hi", json!({"tools": [tool(bad)], "tool_choice": choice}))), 400, "banana");
+        assert_eq!(v["error"]["param"], "tools", "tool_choice {choice}");
+    }
+    let good = tool(json!({"type": "object", "properties": {"x": {"type": "string"}}}));
+    for _ in 0..2 {
+        let r = post(addr, c, chat_body("hi", json!({"tools": [good.clone()], "max_tokens": 2})));
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+}
+
 /// A long call's arguments stream in many fragments (raw SSE), which add up to the arguments of the same
 /// request answered whole.
 #[test]
@@ -1783,6 +1806,20 @@ fn long_tool_call_arguments_stream_in_fragments() {
     assert_eq!(fragments.concat(), args);
     let v: Value = serde_json::from_str(args).unwrap();
     assert!(v["text"].as_str().unwrap().len() >= 40, "{v}");
+    // Cut off by max_tokens inside the arguments: the call is kept with the arguments written so far, whole
+    // as streamed (finish_reason length), not turned into content.
+    let mut cut = body.clone();
+    cut["max_tokens"] = json!(24);
+    let (text, ev) = streamed(addr, "/v1/chat/completions", cut.clone());
+    let streamed_args: String =
+        ev.iter().filter_map(|e| e["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"].as_str()).collect();
+    cut["stream"] = json!(false);
+    let w = post(addr, "/v1/chat/completions", cut).json();
+    let c = &w["choices"][0];
+    assert_eq!(c["finish_reason"], "length", "{w}");
+    assert_eq!(c["message"]["tool_calls"][0]["function"]["arguments"].as_str(), Some(streamed_args.as_str()), "{w}");
+    assert!(serde_json::from_str::<Value>(&streamed_args).is_err(), "not cut: {streamed_args}");
+    assert!(c["message"]["content"].is_null() && text.trim().is_empty(), "{w} / {text:?}");
 }
 
 /// tool_choice "none": the tools still reach the prompt (the model knows them and answers in text), and
