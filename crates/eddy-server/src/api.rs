@@ -71,10 +71,12 @@ pub fn parse_object(body: &[u8]) -> R<Map<String, Value>> {
             // serde_json's words for a lone UTF-16 surrogate escape (`"\ud83d"` alone, which Python's json.dumps
             // writes for a string cut inside a character) do not say what is wrong with the text.
             let m = e.to_string();
-            let hint = if m.contains("hex escape") || m.contains("surrogate") || m.contains("unicode code point") {
-                " (a \\u escape must spell Unicode text: surrogates U+D800–U+DFFF only as high-low pairs)"
+            let hint = if let Err(u) = std::str::from_utf8(body) {
+                format!(" (the body is not UTF-8: invalid bytes at byte {})", u.valid_up_to())
+            } else if m.contains("hex escape") || m.contains("surrogate") || m.contains("unicode code point") {
+                " (a \\u escape must spell Unicode text: surrogates U+D800–U+DFFF only as high-low pairs)".to_string()
             } else {
-                ""
+                String::new()
             };
             Err(ApiError::invalid(None, format!("invalid JSON in the request body: {m}{hint}")))
         }
@@ -539,10 +541,24 @@ pub fn parse_response_format(o: &Map<String, Value>) -> R<Option<Value>> {
 
 /// `chat_template_kwargs` (an object, default empty).
 pub fn parse_kwargs(o: &Map<String, Value>) -> R<Map<String, Value>> {
+    let p = Some("chat_template_kwargs");
     match get(o, "chat_template_kwargs") {
         None => Ok(Map::new()),
-        Some(Value::Object(m)) => Ok(m.clone()),
-        Some(_) => Err(ApiError::invalid(Some("chat_template_kwargs"), "chat_template_kwargs must be an object")),
+        Some(Value::Object(m)) => {
+            // The variables the server itself sets come from their own fields, checked there: a `tools` given
+            // here would reach the prompt unchecked and its calls would not be read back.
+            for (k, how) in [
+                ("tools", "give the tools as `tools`"),
+                ("messages", "give them as `messages`"),
+                ("add_generation_prompt", "a last assistant message is continued instead"),
+            ] {
+                if m.contains_key(k) {
+                    return Err(ApiError::invalid(p, format!("chat_template_kwargs.{k} is set by the server ({how})")));
+                }
+            }
+            Ok(m.clone())
+        }
+        Some(_) => Err(ApiError::invalid(p, "chat_template_kwargs must be an object")),
     }
 }
 
@@ -603,4 +619,20 @@ pub(crate) fn random_seed() -> u64 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
     h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A body that is not UTF-8 is told so (not that a `\u` escape is wrong); a lone surrogate escape in
+    /// valid UTF-8 still gets the escape hint.
+    #[test]
+    fn invalid_json_errors_say_what_is_wrong() {
+        let msg = |body: &[u8]| parse_object(body).expect_err("refused").body()["error"]["message"].as_str().unwrap().to_string();
+        let m = msg(b"{\"messages\": [{\"role\": \"user\", \"content\": \"\xff\xfe\"}]}");
+        assert!(m.contains("not UTF-8: invalid bytes at byte 43") && !m.contains("escape"), "{m}");
+        let m = msg(br#"{"content": "hi \ud83d"}"#);
+        assert!(m.contains("high-low pairs") && !m.contains("UTF-8"), "{m}");
+    }
 }

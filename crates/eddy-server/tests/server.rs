@@ -404,6 +404,10 @@ fn errors() {
     let v = assert_error(&post(addr, c, chat_body("hi", json!({"tools": [p(json!({"type": "string"}))]}))), 400, "\"type\": \"object\"");
     assert_eq!(v["error"]["param"], "tools[0]");
     assert_error(&post(addr, c, chat_body("hi", json!({"tool_choice": "required"}))), 400, "no tools");
+    for k in ["tools", "messages", "add_generation_prompt"] {
+        let v = assert_error(&post(addr, c, chat_body("hi", json!({"chat_template_kwargs": {k: "x"}}))), 400, "set by the server");
+        assert_eq!(v["error"]["param"], "chat_template_kwargs");
+    }
     for (k, v) in [("logit_bias", json!({"42": 5})), ("prediction", json!({"type": "content", "content": "x"}))] {
         let v = assert_error(&post(addr, c, chat_body("hi", json!({k: v}))), 400, "not supported yet");
         assert_eq!(v["error"]["param"], k);

@@ -324,14 +324,44 @@ pub fn import_matrix(path: &Path, info: &TensorInfo, bytes: &[u8]) -> Result<Wei
     let t = info.ggml_type;
     let bv = gt::block_size(t).map_or(1, |b| b.0);
     let grouped = cols % QK == 0 && cols % bv == 0;
-    Ok(match t {
+    let w = match t {
         gt::F32 | gt::F16 => WeightMatrix::f32(rows, cols, dequantize(path, info, bytes)?),
         gt::BF16 => WeightMatrix::Bf16 { rows, cols, data: bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect() },
         _ if !grouped => WeightMatrix::f32(rows, cols, dequantize(path, info, bytes)?),
         gt::Q4_0 | gt::Q4_1 | gt::Q5_0 | gt::Q5_1 | gt::Q8_0 => WeightMatrix::Q(import_legacy(t, rows, cols, n, bytes)),
         gt::Q4_K | gt::Q5_K | gt::Q6_K => WeightMatrix::Q(import_k(t, rows, cols, n, bytes)),
         _ => unreachable!("validate() accepts only supported types"),
-    })
+    };
+    match non_finite_row(&w) {
+        Some(r) => Err(Error::model(
+            path,
+            format!("tensor {} holds a NaN or infinite value or scale (row {r}): the model file is corrupt", info.name),
+        )),
+        None => Ok(w),
+    }
+}
+
+/// The first row of `w` with a non-finite value (f32/bf16 weights) or scale or offset (quantized: codes are
+/// integers, so only the scales can be NaN or infinite), or `None`. A corrupt file's bytes make such values;
+/// no trained model has them, and one would turn every logit after it into NaN.
+fn non_finite_row(w: &WeightMatrix) -> Option<usize> {
+    let first = |len: usize, bad: &dyn Fn(usize) -> bool| (0..len).find(|&i| bad(i));
+    match w {
+        WeightMatrix::F32 { cols, data, .. } => first(data.len(), &|i| !data[i].is_finite()).map(|i| i / cols.max(&1)),
+        WeightMatrix::Bf16 { cols, data, .. } => first(data.len(), &|i| data[i] & 0x7f80 == 0x7f80).map(|i| i / cols.max(&1)),
+        WeightMatrix::Q(m) => {
+            let per_row = (m.cols / m.group).max(1);
+            match &m.scales {
+                GroupScales::F16 { scale, min } => first(scale.len(), &|i| !scale[i].is_finite())
+                    .or_else(|| min.as_ref().and_then(|v| first(v.len(), &|i| !v[i].is_finite())))
+                    .map(|i| i / per_row),
+                GroupScales::SuperI8 { d, dmin, .. } => {
+                    let per_row = m.cols.div_ceil(256).max(1);
+                    first(d.len(), &|i| !d[i].is_finite()).or_else(|| first(dmin.len(), &|i| !dmin[i].is_finite())).map(|i| i / per_row)
+                }
+            }
+        }
+    }
 }
 
 /// Pack 32 codes (each `< 2^bits`) into one block: `lo` (16 bytes, or 32 for bits 8) and `hi`
@@ -532,6 +562,34 @@ mod tests {
         }
         assert!(matches!(quantize_f32(1, 31, &[0.5; 31], QuantKind::Q4), WeightMatrix::F32 { .. }));
         assert!(matches!(quantize_f32(2, 32, &[0.0; 64], QuantKind::Q8), WeightMatrix::Q(QMatrix { bits: 8, .. })));
+    }
+
+    /// A corrupt file's bytes (here 0xFF, an f16 NaN) in a scale or an f32/f16 value make the import fail,
+    /// naming the tensor and the row; the same tensor with finite bytes imports.
+    #[test]
+    fn non_finite_scales_and_values_are_refused() {
+        let path = Path::new("m.gguf");
+        // Q4_K: 3 rows of 256; super-block scale d at bytes 0..2 of each 144-byte block.
+        let mut q4k = vec![0x11u8; 3 * 144];
+        for b in 0..3 {
+            q4k[144 * b..144 * b + 4].copy_from_slice(&[0x00, 0x3c, 0x00, 0x3c]);
+        }
+        // Q8_0: 2 rows of 32; f16 scale at bytes 0..2 of each 34-byte block.
+        let mut q8 = vec![0x05u8; 2 * 34];
+        q8[0..2].copy_from_slice(&[0x00, 0x3c]);
+        q8[34..36].copy_from_slice(&[0x00, 0x3c]);
+        // F16: 2 rows of 4.
+        let mut f16s = [0x00u8, 0x3c].repeat(8);
+        for (t, dims, bytes, at) in
+            [(gt::Q4_K, vec![256u64, 3], &mut q4k, 2 * 144), (gt::Q8_0, vec![32, 2], &mut q8, 34), (gt::F16, vec![4, 2], &mut f16s, 8 + 2)]
+        {
+            let i = info("blk.0.w", dims, t);
+            assert!(import_matrix(path, &i, bytes).is_ok(), "{}", gt::name(t));
+            bytes[at..at + 2].copy_from_slice(&[0xff, 0xff]);
+            let e = import_matrix(path, &i, bytes).err().unwrap_or_else(|| panic!("{}: NaN accepted", gt::name(t))).to_string();
+            let row = at / (bytes.len() / i.dims[1] as usize);
+            assert!(e.contains("blk.0.w") && e.contains("corrupt") && e.contains(&format!("row {row}")), "{}: {e}", gt::name(t));
+        }
     }
 
     #[test]
