@@ -52,7 +52,8 @@ enum Cmd {
         /// Port to listen on.
         #[arg(long, default_value_t = 8000)]
         port: u16,
-        /// Requests that may wait for the engine; more are answered 503.
+        /// Requests that may wait for the engine; more are answered 503 (0: none wait, so a request that
+        /// arrives while another one runs is answered 503).
         #[arg(long, default_value_t = 16)]
         max_queue: usize,
         /// Turn off the prefix cache (by default a request that starts with the tokens of the previous

@@ -63,7 +63,8 @@ pub struct ServeOptions {
     /// Origins browsers may call the API from (CORS, `--cors-origin`, repeatable; `*` = any); empty: no
     /// CORS headers.
     pub cors_origins: Vec<String>,
-    /// Jobs that may wait for the engine thread; more are answered 503.
+    /// Jobs that may wait for the engine thread; more are answered 503 (0: none wait, a request arriving
+    /// while another runs is answered 503).
     pub max_queue: usize,
     /// Period of the `: keep-alive` SSE comments sent while a streaming request waits for its first
     /// token; `None` sends none.
