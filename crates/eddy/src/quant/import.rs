@@ -345,22 +345,17 @@ pub fn import_matrix(path: &Path, info: &TensorInfo, bytes: &[u8]) -> Result<Wei
 /// integers, so only the scales can be NaN or infinite), or `None`. A corrupt file's bytes make such values;
 /// no trained model has them, and one would turn every logit after it into NaN.
 fn non_finite_row(w: &WeightMatrix) -> Option<usize> {
-    let first = |len: usize, bad: &dyn Fn(usize) -> bool| (0..len).find(|&i| bad(i));
+    let bad = |v: &[f32]| v.iter().position(|x| !x.is_finite());
+    let bad16 = |v: &[f16]| v.iter().position(|x| !x.is_finite());
     match w {
-        WeightMatrix::F32 { cols, data, .. } => first(data.len(), &|i| !data[i].is_finite()).map(|i| i / cols.max(&1)),
-        WeightMatrix::Bf16 { cols, data, .. } => first(data.len(), &|i| data[i] & 0x7f80 == 0x7f80).map(|i| i / cols.max(&1)),
-        WeightMatrix::Q(m) => {
-            let per_row = (m.cols / m.group).max(1);
-            match &m.scales {
-                GroupScales::F16 { scale, min } => first(scale.len(), &|i| !scale[i].is_finite())
-                    .or_else(|| min.as_ref().and_then(|v| first(v.len(), &|i| !v[i].is_finite())))
-                    .map(|i| i / per_row),
-                GroupScales::SuperI8 { d, dmin, .. } => {
-                    let per_row = m.cols.div_ceil(256).max(1);
-                    first(d.len(), &|i| !d[i].is_finite()).or_else(|| first(dmin.len(), &|i| !dmin[i].is_finite())).map(|i| i / per_row)
-                }
+        WeightMatrix::F32 { cols, data, .. } => bad(data).map(|i| i / cols.max(&1)),
+        WeightMatrix::Bf16 { cols, data, .. } => data.iter().position(|&x| x & 0x7f80 == 0x7f80).map(|i| i / cols.max(&1)),
+        WeightMatrix::Q(m) => match &m.scales {
+            GroupScales::F16 { scale, min } => {
+                bad16(scale).or_else(|| min.as_deref().and_then(bad16)).map(|i| i / (m.cols / m.group).max(1))
             }
-        }
+            GroupScales::SuperI8 { d, dmin, .. } => bad(d).or_else(|| bad(dmin)).map(|i| i / m.cols.div_ceil(256).max(1)),
+        },
     }
 }
 
