@@ -57,7 +57,8 @@ enum Cmd {
         #[arg(long, default_value_t = 16)]
         max_queue: usize,
         /// Turn off the prefix cache (by default a request that starts with the tokens of the previous
-        /// one reuses their KV and prefills only the rest; output is identical either way).
+        /// one reuses their KV and prefills only the rest; output is identical either way on the CPU, and on
+        /// a GPU up to the last bits of the reused rows: docs/cuda.md, "Batch invariance").
         #[arg(long)]
         no_prefix_cache: bool,
         /// A name `/v1/models` lists for the model (repeatable, the first is the one responses carry);

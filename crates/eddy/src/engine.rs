@@ -53,7 +53,10 @@ pub struct EngineOptions {
     /// Largest batch of one forward pass (prefill chunk).
     pub max_batch: usize,
     /// Reuse the KV of the longest common prefix with the previous request instead of prefilling it
-    /// again (`eddy serve --no-prefix-cache` turns it off). Output is identical either way.
+    /// again (`eddy serve --no-prefix-cache` turns it off). Output is identical either way on the CPU. On a
+    /// GPU a prompt's KV rows depend in their last bits on whether its tokens were prefilled in a pass of more
+    /// than 64 tokens (products in block order) or decoded, so a reused prefix that holds a previous reply
+    /// can change later tokens slightly, as in llama.cpp (docs/cuda.md, "Batch invariance").
     pub prefix_cache: bool,
 }
 
@@ -859,7 +862,9 @@ impl Engine {
         let want_features = !self.exec.feature_layers().is_empty();
         let room = self.ctx() - self.exec.n_past();
         let left = params.max_tokens - out.stats.generated_tokens;
-        let max_nodes = (room - 1).min(left.saturating_sub(1));
+        // A verify pass holds the root and its nodes: at most the backend's batch-invariant pass (lossless).
+        let invariant = on_core!(&self.exec, |c| c.be.invariant_tokens());
+        let max_nodes = (room - 1).min(left.saturating_sub(1)).min(invariant.saturating_sub(1));
         sc.draft.reset(tok);
         let t_round = Instant::now();
         let mut draft_cost = 0.0;

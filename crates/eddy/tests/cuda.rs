@@ -251,7 +251,8 @@ fn quantized_products_match_the_integer_reference() {
                 assert!((g - r).abs() <= 1e-5 * r.abs().max(0.1), "{name}: embedding row {t} column {c}: {g} vs {r}");
             }
         }
-        for n in [1usize, 3, 16, 40] {
+        // 100 tokens: a prefill run's products (mm_qp*, block order), within the same tolerance.
+        for n in [1usize, 3, 16, 40, 100] {
             let x = rng.vec(n * cols);
             let xb = be.upload(&x);
             let mut xq = be.new_qact();
@@ -370,14 +371,15 @@ fn rows_do_not_depend_on_the_batch() {
 /// tokens) against the one-token kernel, bit for bit: every weight form, a row count that is not a multiple of
 /// the 16-row tile, widths of fewer and of more than 32 blocks (24 and 72: empty lane classes, classes of 2
 /// and 3 blocks), n from 2 to 64 (partial token tiles, several tiles); and the one-launch products of several
-/// matrices (`matmul_parts`, with biases) likewise.
+/// matrices (`matmul_parts`, with biases) likewise. Above 64 tokens (prefill runs, `mm_qp*` in block order):
+/// every token's rows the same bits for any n, and within float reassociation of the one-token kernel's.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn multi_token_products_equal_the_one_token_kernel() {
     let be = gpu();
     let mut rng = Rng(19);
-    let ns = [2usize, 3, 4, 5, 8, 9, 16, 17, 31, 33, 64, 100];
-    let nmax = 100;
+    let ns = [2usize, 3, 4, 5, 8, 9, 16, 17, 31, 33, 64];
+    let nmax = 130;
     // Widths of 24, 72 and 28 blocks (a partial last stage of mm_qt's 8), rows of one to three 64-row tiles.
     for (rows, cols) in [(45usize, 768usize), (37, 2304), (150, 896)] {
         let x = rng.vec(nmax * cols);
@@ -430,6 +432,27 @@ fn multi_token_products_equal_the_one_token_kernel() {
             be.force_product_launch(None, None);
             be.force_verify_products(None);
             be.force_tiled_products(None);
+            // Prefill runs on mm_qp*: one or several token tiles (65: one token past the first; 130: three, the
+            // last partial).
+            let mut first: Option<Vec<f32>> = None;
+            for n in [65usize, 100, 130] {
+                let mut xq = be.new_qact();
+                be.quantize(&xb, n, cols, &w, &mut xq);
+                let mut all = vec![f32::NAN; n * rows];
+                be.matmul_to_host(&w, &xb, &xq, n, &mut all);
+                for (i, (&g, &r)) in all.iter().zip(&ones).enumerate() {
+                    let tol = 1e-4 * r.abs().max(1.0);
+                    assert!((g - r).abs() <= tol, "{name} {rows}×{cols}: n = {n}: element {i}: {g} vs one-token {r}");
+                }
+                let head = &all[..65 * rows];
+                match &first {
+                    None => first = Some(head.to_vec()),
+                    Some(f) => assert!(
+                        f.iter().zip(head).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{name} {rows}×{cols}: n = {n}: the first 65 tokens' rows differ from n = 65's"
+                    ),
+                }
+            }
         }
     }
     // Several matrices of one format in one launch (q/k/v with biases), against one-token products.
@@ -439,7 +462,7 @@ fn multi_token_products_equal_the_one_token_kernel() {
         let ws: Vec<_> = rows_of.iter().map(|&r| be.upload_weights(quantize_f32(r, cols, &rng.vec(r * cols), kind))).collect();
         let biases: Vec<_> = rows_of.iter().map(|&r| be.upload(&rng.vec(r))).collect();
         let launches = [3usize, 24].into_iter().flat_map(|n| LAUNCHES.into_iter().map(move |(s, r, v)| (n, s, r, v, Some(false))));
-        for (n, split, row_blocks, qv, tiled) in launches.chain([(24, None, None, None, Some(true)), (70, None, None, None, None)]) {
+        for (n, split, row_blocks, qv, tiled) in launches.chain([(24, None, None, None, Some(true)), (64, None, None, None, None)]) {
             be.force_product_launch(split, row_blocks);
             be.force_verify_products(qv);
             be.force_tiled_products(tiled);
@@ -469,6 +492,26 @@ fn multi_token_products_equal_the_one_token_kernel() {
                         "{kind:?} matmul_parts part {i}: token {t} of n = {n} differs from n = 1 (split {split:?}, row blocks {row_blocks:?}, qv {qv:?}, tiled {tiled:?})"
                     );
                 }
+            }
+        }
+        // Prefill runs: one launch of the three parts (mm_q3p*) equals a launch per part (mm_qp*) bit for bit.
+        for n in [70usize, 130] {
+            let x = rng.vec(n * cols);
+            let mut xq = be.new_qact();
+            let xb = be.upload(&x);
+            be.quantize(&xb, n, cols, &ws[0], &mut xq);
+            let mut outs: Vec<_> = rows_of.iter().map(|&r| be.alloc(n * r)).collect();
+            {
+                let mut parts: Vec<_> = ws.iter().zip(&biases).zip(outs.iter_mut()).map(|((w, b), o)| (w, Some(b), o)).collect();
+                be.matmul_parts(&mut parts, &xb, &xq, n);
+            }
+            for (i, &r) in rows_of.iter().enumerate() {
+                let mut one = be.alloc(n * r);
+                be.matmul_bias(&ws[i], &xb, &xq, n, Some(&biases[i]), &mut one);
+                assert!(
+                    read(&be, &one, n * r) == read(&be, &outs[i], n * r),
+                    "{kind:?} matmul_parts part {i}, n = {n}: the three-part launch differs from the part's own"
+                );
             }
         }
     }
@@ -753,6 +796,41 @@ fn timing_model() -> String {
     std::env::var("EDDY_CUDA_MODEL").unwrap_or_else(|_| "qwen2.5-coder-0.5b-instruct.gguf".into())
 }
 
+/// Seconds per launch of `matmul_parts` over `ws` (after 5 unmeasured launches), `reps` launches timed.
+fn parts_secs(
+    be: &Cuda,
+    ws: &[<Cuda as Backend>::Weights],
+    xb: &<Cuda as Backend>::Buf,
+    xq: &<Cuda as Backend>::QAct,
+    n: usize,
+    outs: &mut [<Cuda as Backend>::Buf],
+    reps: usize,
+) -> f64 {
+    let mut run = |reps: usize| {
+        for _ in 0..reps {
+            let mut parts: Vec<_> = ws.iter().zip(outs.iter_mut()).map(|(w, o)| (w, None, o)).collect();
+            be.matmul_parts(&mut parts, xb, xq, n);
+        }
+        be.synchronize();
+    };
+    run(5);
+    let t0 = std::time::Instant::now();
+    run(reps);
+    t0.elapsed().as_secs_f64() / reps as f64
+}
+
+/// Qwen2.5-Coder-1.5B's shapes, for the product timings without the model file.
+fn qwen25_15b_shapes() -> eddy::models::ModelConfig {
+    eddy::models::ModelConfig {
+        n_heads: 12,
+        n_kv_heads: 2,
+        d_model: 1536,
+        ffn_dim: 8960,
+        vocab_size: 151936,
+        ..eddy::models::ModelConfig::plain(eddy::models::Arch::Qwen2, 128, 1e6)
+    }
+}
+
 /// The verify-size products on each kernel (`mm_qw*`, and `mm_qv*` as chosen and with 4, 8, 16 warps a tile):
 /// the model's product shapes (`$EDDY_CUDA_MODEL`, else the 0.5B) on random weights of Q4_K's form (4 bits,
 /// group 32, offsets; the LM head Q6_K's: 6 bits, group 16), µs per launch; then the verify curve with the
@@ -765,17 +843,7 @@ fn verify_products_timing() {
     // Without the file: Qwen2.5-Coder-1.5B's shapes, and no verify curve.
     let lm = path.exists().then(|| eddy::load::load_gguf(&path, &mut |_, _| {}).unwrap());
     let be = gpu();
-    let c = lm.as_ref().map_or_else(
-        || eddy::models::ModelConfig {
-            n_heads: 12,
-            n_kv_heads: 2,
-            d_model: 1536,
-            ffn_dim: 8960,
-            vocab_size: 151936,
-            ..eddy::models::ModelConfig::plain(eddy::models::Arch::Qwen2, 128, 1e6)
-        },
-        |lm| lm.model.config.clone(),
-    );
+    let c = lm.as_ref().map_or_else(qwen25_15b_shapes, |lm| lm.model.config.clone());
     let mut rng = Rng(31);
     let (d, f, kv) = (c.d_model, c.ffn_dim, c.n_kv_heads * c.head_dim);
     let q4 = |rng: &mut Rng, r: usize, k: usize| be.upload_weights(WeightMatrix::Q(random_q(rng, r, k, 4, 32, true, Scales::SuperI8)));
@@ -808,18 +876,7 @@ fn verify_products_timing() {
             let mut line = format!("{file}: {name} {rows:?}×{cols}, {n} tokens:");
             for (sname, qv) in settings {
                 be.force_verify_products(qv);
-                let mut run = |reps: usize| {
-                    for _ in 0..reps {
-                        let mut parts: Vec<_> = ws.iter().zip(outs.iter_mut()).map(|(w, o)| (w, None, o)).collect();
-                        be.matmul_parts(&mut parts, &xb, &xq, n);
-                    }
-                    be.synchronize();
-                };
-                run(5);
-                let reps = 200;
-                let t0 = std::time::Instant::now();
-                run(reps);
-                line += &format!(" {sname} {:.1} µs,", 1e6 * t0.elapsed().as_secs_f64() / reps as f64);
+                line += &format!(" {sname} {:.1} µs,", 1e6 * parts_secs(&be, &ws, &xb, &xq, n, &mut outs, 200));
             }
             println!("{line}");
         }
@@ -859,6 +916,47 @@ fn verify_products_timing() {
         println!("{line}");
     }
     be.force_verify_products(None);
+}
+
+/// Prefill-run products (256 and 512 tokens) on `mm_qp*` and on the kernels in `mm_q_t1`'s order (`mm_qt*` /
+/// `mm_qw*`); the 1.5B's shapes (or the model's of
+/// `$EDDY_CUDA_MODEL`, when the file is there) on random weights of Q4_K's form, µs per launch and int8 TOPS.
+/// Printed (a measurement, not a pass/fail check).
+#[test]
+#[ignore = "needs an NVIDIA GPU; prints timings"]
+fn prefill_products_timing() {
+    let file = timing_model();
+    let path = eddy::load::models_dir().join(&file);
+    let c = if path.exists() { eddy::load::load_gguf(&path, &mut |_, _| {}).unwrap().model.config.clone() } else { qwen25_15b_shapes() };
+    let be = gpu();
+    let mut rng = Rng(37);
+    let (d, f, kv) = (c.d_model, c.ffn_dim, c.n_kv_heads * c.head_dim);
+    let shapes: [(&str, Vec<usize>, usize); 4] = [
+        ("qkv", vec![c.n_heads * c.head_dim, kv, kv], d),
+        ("o", vec![d], c.n_heads * c.head_dim),
+        ("gate/up", vec![f, f], d),
+        ("down", vec![d], f),
+    ];
+    let settings = [("tree order", false), ("mm_qp", true)];
+    for (name, rows, cols) in shapes {
+        let ws: Vec<_> =
+            rows.iter().map(|&r| be.upload_weights(WeightMatrix::Q(random_q(&mut rng, r, cols, 4, 32, true, Scales::SuperI8)))).collect();
+        for n in [256usize, 512] {
+            let xb = be.upload(&rng.vec(n * cols));
+            let mut xq = be.new_qact();
+            be.quantize(&xb, n, cols, &ws[0], &mut xq);
+            let mut outs: Vec<_> = rows.iter().map(|&r| be.alloc(n * r)).collect();
+            let ops = 2.0 * (rows.iter().sum::<usize>() * cols * n) as f64;
+            let mut line = format!("{name} {rows:?}×{cols}, {n} tokens:");
+            for (sname, on) in settings {
+                be.force_prefill_products(on);
+                let secs = parts_secs(&be, &ws, &xb, &xq, n, &mut outs, 100);
+                line += &format!(" {sname} {:.1} µs ({:.0} TOPS),", 1e6 * secs, ops / secs / 1e12);
+            }
+            println!("{line}");
+        }
+    }
+    be.force_prefill_products(true);
 }
 
 /// Time per decode step (1 token) and per 16-node verify on Qwen2.5-Coder-0.5B (or `$EDDY_CUDA_MODEL`), and
@@ -1045,16 +1143,19 @@ fn decode_and_verify_timing() {
     }
     let dp = t0.elapsed().as_secs_f64() / reps as f64;
     println!("{file}: prefill of 512 tokens {:.2} ms = {:.0} tok/s", 1e3 * dp, 512.0 / dp);
-    // The same in runs of 256 tokens (the engine's default `max_batch`).
-    let mut ws256 = Workspace::new(&be, &gm, 256);
-    forward(&gm, &be, &mut ws256, &mut pst, &long, Logits::Last, &mut logits).unwrap();
-    let t0 = std::time::Instant::now();
-    for _ in 0..reps {
+    // The same in runs of 256 tokens (the engine's default `max_batch`) and in one run (llama-bench's ubatch).
+    for run in [256usize, 512] {
+        let mut wsr = Workspace::new(&be, &gm, run);
         pst.truncate(0);
-        forward(&gm, &be, &mut ws256, &mut pst, &long, Logits::Last, &mut logits).unwrap();
+        forward(&gm, &be, &mut wsr, &mut pst, &long, Logits::Last, &mut logits).unwrap();
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps {
+            pst.truncate(0);
+            forward(&gm, &be, &mut wsr, &mut pst, &long, Logits::Last, &mut logits).unwrap();
+        }
+        let dp = t0.elapsed().as_secs_f64() / reps as f64;
+        println!("{file}: prefill of 512 tokens in runs of {run} {:.2} ms = {:.0} tok/s", 1e3 * dp, 512.0 / dp);
     }
-    let dp = t0.elapsed().as_secs_f64() / reps as f64;
-    println!("{file}: prefill of 512 tokens in runs of 256 {:.2} ms = {:.0} tok/s", 1e3 * dp, 512.0 / dp);
     println!("{file}: graph use {:?}", be.graph_stats());
 }
 
@@ -1096,6 +1197,39 @@ fn profile_prefill_verify_decode() {
             unsafe { cudarc::driver::sys::cuProfilerStop() };
         }
         println!("profiled {profiled}: 64-token prefill pass {tp:?}, 16-node verify {tv:?}, decode step {td:?}");
+    }
+}
+
+/// A 512-token prefill as `eddy speed`'s pp512 runs it (`$EDDY_CUDA_RUN` tokens a pass, default 256), between
+/// `cuProfilerStart` and `cuProfilerStop` for `ncu --profile-from-start off` (after one unprofiled run); the wall
+/// time of an unprofiled run printed.
+#[test]
+#[ignore = "needs an NVIDIA GPU and the model files; for profilers"]
+fn profile_prefill_runs() {
+    let lm = eddy::load::load_gguf(&eddy::load::models_dir().join(timing_model()), &mut |_, _| {}).unwrap();
+    let be = gpu();
+    let gm = lm.model.to_backend(&be).unwrap();
+    let prompt = lm.tokenizer.encode(PROMPT, true).unwrap();
+    let long: Vec<u32> = prompt.iter().cycle().take(512).copied().collect();
+    let run = std::env::var("EDDY_CUDA_RUN").ok().and_then(|v| v.parse().ok()).unwrap_or(256);
+    let (mut ws, mut st) = (Workspace::new(&be, &gm, run), gm.new_state(&be, 1024));
+    let mut logits = Vec::new();
+    for profiled in [false, false, true] {
+        st.truncate(0);
+        be.synchronize();
+        if profiled {
+            // SAFETY: a plain driver call in the backend's context (bound on this thread).
+            unsafe { cudarc::driver::sys::cuProfilerStart() };
+        }
+        let t0 = std::time::Instant::now();
+        forward(&gm, &be, &mut ws, &mut st, &long, Logits::Last, &mut logits).unwrap();
+        be.synchronize();
+        let tp = t0.elapsed();
+        if profiled {
+            // SAFETY: as above.
+            unsafe { cudarc::driver::sys::cuProfilerStop() };
+        }
+        println!("profiled {profiled}: 512-token prefill in runs of {run}: {tp:?}");
     }
 }
 

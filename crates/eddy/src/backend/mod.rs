@@ -124,6 +124,14 @@ pub trait Backend: Send + Sync + 'static {
         false
     }
 
+    /// Most tokens of a pass whose rows equal those of one-token passes bit for bit (batch invariance): the
+    /// engine verifies at most this many tokens a pass, so that speculative decoding stays token-for-token equal
+    /// to plain decoding. Passes of more tokens (prefill runs) may sum in another, fixed order. Unbounded here:
+    /// the CPU's kernels keep one order for any count.
+    fn invariant_tokens(&self) -> usize {
+        usize::MAX
+    }
+
     /// `x[i] = scale · embedding row tokens[i]` (`d_model` each; `scale` None = 1).
     fn embed(&self, table: &Self::Weights, tokens: &[u32], scale: Option<f32>, x: &mut Self::Buf);
     /// Quantize rows `0..n` of `x` (`cols` each) to int8 into `xq`, as the input of products with `w` (and

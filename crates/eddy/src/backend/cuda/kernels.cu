@@ -457,17 +457,17 @@ struct QParts {
     int r[3];
     int nb0, nb1;
     __device__ __forceinline__ int tiles() const { return nb0 + nb1 + (r[2] + MMA_ROWS - 1) / MMA_ROWS; }
-    // The part of row tile `tile` and its first row there.
-    __device__ __forceinline__ int part(int tile, int& r0) const {
+    // The part of row tile `tile` and its first row there, for tiles of `tr` rows (nb0 / nb1 counted in them).
+    __device__ __forceinline__ int part(int tile, int& r0, int tr = MMA_ROWS) const {
         if (tile >= nb0 + nb1) {
-            r0 = (tile - nb0 - nb1) * MMA_ROWS;
+            r0 = (tile - nb0 - nb1) * tr;
             return 2;
         }
         if (tile >= nb0) {
-            r0 = (tile - nb0) * MMA_ROWS;
+            r0 = (tile - nb0) * tr;
             return 1;
         }
-        r0 = tile * MMA_ROWS;
+        r0 = tile * tr;
         return 0;
     }
     // Part p's entries by selects (no local-memory array indexed at run time).
@@ -1094,19 +1094,9 @@ __device__ __forceinline__ void mm_qt_impl(const QParts& PT, int cols, int half,
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
     const int wr = warp & 3, wt = warp >> 2;
     const int nblk = cols >> 5;
-    // Row tile -> part (QParts counts tiles of MMA_ROWS; here of QT_ROWS: the host passes tile counts in nb0/nb1).
-    const int tile = blockIdx.x;
-    int r0, p;
-    if (tile >= PT.nb0 + PT.nb1) {
-        p = 2;
-        r0 = (tile - PT.nb0 - PT.nb1) * QT_ROWS;
-    } else if (tile >= PT.nb0) {
-        p = 1;
-        r0 = (tile - PT.nb0) * QT_ROWS;
-    } else {
-        p = 0;
-        r0 = tile * QT_ROWS;
-    }
+    // Row tile -> part (the host passes the parts' tile counts of QT_ROWS rows in nb0 / nb1).
+    int r0;
+    const int p = PT.part(blockIdx.x, r0, QT_ROWS);
     const uint8_t* __restrict__ codes = QParts::pick(PT.c, p);
     const float* __restrict__ sc = QParts::pick(PT.s, p);
     const float* __restrict__ mn = QParts::pick(PT.m, p);
@@ -1357,6 +1347,272 @@ extern "C" __device__ const int mm_qt_smem[6] = {QTB(2, 0), QTB(2, 1), QTB(2, 2)
 MM_QT(2, 0)
 MM_QT(2, 1)
 MM_QT(2, 2)
+
+// ---------------------------------------------------------------------------------------------------------
+// mm_qp*: products of more than QV_MAX (64) tokens — prefill runs — in block order.
+//
+// Batch invariance is owed to 1..64 tokens only (speculation verifies at most 64 tokens a pass; the engine caps
+// trees to Backend::invariant_tokens). A prefill run's rows need not equal a one-token product's bits, only be
+// deterministic, so these kernels drop mm_q_t1's tree: every output adds its blocks' terms (the same term as
+// mm_q_t1's: the exact int32 dot, then its one or two __fmaf_rn) in increasing block order, one chain per output.
+// The result depends only on the row's and the token's data, never on n, the tile or the grid (so one token's
+// rows are the same in every launch of 65+ tokens), and it differs from mm_q_t1's by the float reassociation of a
+// sum only. What that buys: no per-class chains, merges or visit tables (mm_qt* spends ~50 instructions a mma on
+// them), and warp tiles of 32 rows × 32 tokens (8 mma a block of 32 from 2 A and 2 B fragment loads).
+//
+// Block: WR × QP_WT = 2 × 2 warps, tile BM = 32·WR = 64 rows × QP_BN = 64 tokens; warp (wr, wt) owns rows
+// 32·wr .. 32·wr + 31 and tokens 32·wt .. 32·wt + 31 of it (two m16 × four n8 mma tiles). (Tiles of 32 rows, WR = 1,
+// twice the blocks for launches that do not fill the GPU, measured slower at every 1.5B shape, 256 and 512 tokens:
+// docs/cuda.md.) The row's
+// blocks are staged QP_G at a time in shared memory with cp.async, QP_STAGES deep: codes and activation codes by
+// 16-byte copies (rows padded by 16 bytes so the ldmatrix rows hit distinct banks), scales, offsets, token
+// scales and token sums by 4-byte copies in each row's (token's) order, stored per slot with 8 words of padding.
+// The accumulator input carries QT_BIAS − half·Σx as in mm_qt (one float subtraction gives mm_q_t1's converted
+// dot exactly).
+#define QP_WT 2
+#define QP_BN 64
+#define QP_G 4
+#define QP_STAGES 3
+
+template <int WR, bool P4, int FORM>
+struct QpSmem {
+    static constexpr int BM = 32 * WR;               // rows per block
+    static constexpr int BN = QP_BN;                 // tokens per block
+    static constexpr int G = QP_G;                   // blocks of 32 per stage
+    static constexpr int CS = P4 ? 16 : 32;          // code bytes per block of 32
+    static constexpr int CPB = CS / 16;              // 16-byte copies per block of codes
+    static constexpr int RS = G * CS + 16;           // bytes per weight row of a stage (padded)
+    static constexpr int AS = G * 32 + 16;           // bytes per token of a stage (padded)
+    static constexpr int SPB = FORM == 2 ? 2 : 1;    // scales (and token sums) per block
+    static constexpr int MP = BM + 8;                // words per slot of row data (padded)
+    static constexpr int NP = BN + 8;                // words per slot of token data (padded)
+    static constexpr int codes = 0;
+    static constexpr int acts = codes + BM * RS;
+    static constexpr int scales = acts + BN * AS;                       // [slot·SPB + k][MP] f32
+    static constexpr int mins = scales + G * SPB * MP * 4;              // [slot][MP] f32 (FORM 1)
+    static constexpr int xs = mins + (FORM == 1 ? G * MP * 4 : 0);      // [slot][NP] f32
+    static constexpr int hs = xs + G * NP * 4;                          // [slot·SPB + k][NP] i32 (f32 for FORM 1)
+    static constexpr int stage = (hs + G * SPB * NP * 4 + 127) / 128 * 128;
+    static constexpr int bytes = QP_STAGES * stage;
+};
+
+template <int WR, bool P4, int FORM>
+__device__ __forceinline__ void mm_qp_impl(const QParts& PT, int cols, int half, const int8_t* __restrict__ xq,
+                                           const float* __restrict__ xs, const int* __restrict__ xsum,
+                                           const float* __restrict__ xdsum, const int* __restrict__ xsum16, int n) {
+    using L = QpSmem<WR, P4, FORM>;
+    constexpr int T = 32 * WR * QP_WT, BM = L::BM, BN = L::BN, CS = L::CS, CPB = L::CPB, SPB = L::SPB, G = QP_G;
+    constexpr int MP = L::MP, NP = L::NP;
+    extern __shared__ __align__(128) unsigned char qp_smem[];  // L::bytes (mm_qp_smem)
+    unsigned char* const sm = qp_smem;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
+    const int wr = warp % WR, wt = warp / WR;
+    const int nblk = cols >> 5;
+    // Row tile -> part (the host passes the parts' tile counts of BM rows in nb0 / nb1).
+    int r0;
+    const int p = PT.part(blockIdx.x, r0, BM);
+    const uint8_t* __restrict__ codes = QParts::pick(PT.c, p);
+    const float* __restrict__ sc = QParts::pick(PT.s, p);
+    const float* __restrict__ mn = QParts::pick(PT.m, p);
+    const int rows = QParts::pick(PT.r, p);
+    const int t0 = blockIdx.y * BN;
+    const int nst = (nblk + G - 1) / G;  // stages of the row
+    pdl_wait();
+    // Stage k: blocks k·G .. k·G + G − 1 of every row of the tile and of every token.
+    auto issue = [&](int k, unsigned char* buf) {
+        const int b0 = k * G, ns = min(G, nblk - b0);
+#pragma unroll
+        for (int u = 0; u < (BM * G * CPB + T - 1) / T; ++u) {
+            const int i = tid + u * T, r = i / (G * CPB), sl = (i / CPB) % G, h = i % CPB;
+            if (i < BM * G * CPB && sl < ns)
+                cp_async16(buf + L::codes + r * L::RS + sl * CS + h * 16,
+                           codes + ((size_t)min(r0 + r, rows - 1) * nblk + b0 + sl) * CS + h * 16);
+        }
+#pragma unroll
+        for (int u = 0; u < (BN * G * 2 + T - 1) / T; ++u) {
+            const int i = tid + u * T, t = i / (2 * G), sl = (i >> 1) % G, h = i & 1;
+            if (i < BN * G * 2 && sl < ns)
+                cp_async16(buf + L::acts + t * L::AS + sl * 32 + h * 16,
+                           xq + (size_t)min(t0 + t, n - 1) * cols + (b0 + sl) * 32 + h * 16);
+        }
+#pragma unroll
+        for (int u = 0; u < (BM * G * SPB + T - 1) / T; ++u) {
+            const int i = tid + u * T, sk = i % (G * SPB), r = i / (G * SPB), sl = sk / SPB;
+            if (i < BM * G * SPB && sl < ns)
+                cp_async4(buf + L::scales + (sk * MP + r) * 4, sc + ((size_t)min(r0 + r, rows - 1) * nblk + b0) * SPB + sk);
+        }
+        if (FORM == 1) {
+#pragma unroll
+            for (int u = 0; u < (BM * G + T - 1) / T; ++u) {
+                const int i = tid + u * T, sl = i % G, r = i / G;
+                if (i < BM * G && sl < ns)
+                    cp_async4(buf + L::mins + (sl * MP + r) * 4, mn + (size_t)min(r0 + r, rows - 1) * nblk + b0 + sl);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < (BN * G + T - 1) / T; ++u) {
+            const int i = tid + u * T, sl = i % G, t = i / G;
+            if (i < BN * G && sl < ns)
+                cp_async4(buf + L::xs + (sl * NP + t) * 4, xs + (size_t)min(t0 + t, n - 1) * nblk + b0 + sl);
+        }
+#pragma unroll
+        for (int u = 0; u < (BN * G * SPB + T - 1) / T; ++u) {
+            const int i = tid + u * T, sk = i % (G * SPB), t = i / (G * SPB), sl = sk / SPB;
+            if (i < BN * G * SPB && sl < ns) {
+                const size_t at = (size_t)min(t0 + t, n - 1) * nblk + b0;
+                const void* src = FORM == 2 ? (const void*)(xsum16 + 2 * at + sk)
+                                            : (FORM == 1 ? (const void*)(xdsum + at + sk) : (const void*)(xsum + at + sk));
+                cp_async4(buf + L::hs + (sk * NP + t) * 4, src);
+            }
+        }
+    };
+#pragma unroll
+    for (int k = 0; k < QP_STAGES - 1; ++k) {
+        if (k < nst) issue(k, sm + k * L::stage);
+        cp_async_commit();
+    }
+    // This lane's ldmatrix rows: weights (row, byte offset) and tokens (row, byte offset) of a pair of n8 tiles.
+    const int arow = 32 * wr + (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 16;
+    const int brow = 32 * wt + (lane & 7) + (lane >> 4) * 8, bcol = ((lane >> 3) & 1) * 16;
+    // acc[mi][j][e]: row 32·wr + 16·mi + g (+ 8 for e ≥ 2), token 32·wt + 8·j + 2·q (+ 1 for odd e).
+    float acc[2][4][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mi][j][e] = 0.0f;
+#pragma unroll 1
+    for (int k = 0; k < nst; ++k) {
+        cp_async_wait<QP_STAGES - 2>();
+        __syncthreads();  // stage k visible to all; stage k − 1's buffer free
+        if (k + QP_STAGES - 1 < nst) issue(k + QP_STAGES - 1, sm + ((k + QP_STAGES - 1) % QP_STAGES) * L::stage);
+        cp_async_commit();
+        const unsigned char* const cb = sm + (k % QP_STAGES) * L::stage;
+        const float* const cf = reinterpret_cast<const float*>(cb);
+        const int* const ci = reinterpret_cast<const int*>(cb);
+        const int ns = min(G, nblk - k * G);
+#pragma unroll
+        for (int sl = 0; sl < G; ++sl) {
+            if (sl < ns) {
+                uint32_t a[2][4];
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) {
+                    if (P4) {
+                        uint32_t w2[2];
+                        ldsm_x2(w2, cb + L::codes + (arow + 16 * mi) * L::RS + sl * CS);
+                        a[mi][0] = w2[0] & 0x0F0F0F0Fu;
+                        a[mi][1] = w2[1] & 0x0F0F0F0Fu;
+                        a[mi][2] = (w2[0] >> 4) & 0x0F0F0F0Fu;
+                        a[mi][3] = (w2[1] >> 4) & 0x0F0F0F0Fu;
+                    } else {
+                        ldsm_x4(a[mi], cb + L::codes + (arow + 16 * mi) * L::RS + sl * CS + acol);
+                    }
+                }
+                uint32_t b[2][4];
+#pragma unroll
+                for (int jp = 0; jp < 2; ++jp) ldsm_x4(b[jp], cb + L::acts + (brow + 16 * jp) * L::AS + sl * 32 + bcol);
+                // Row data of the lane's four rows: s[mi][ri][k], m[mi][ri].
+                float s[2][2][SPB], m[2][2];
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                    for (int ri = 0; ri < 2; ++ri) {
+                        const int r = 32 * wr + 16 * mi + g + 8 * ri;
+#pragma unroll
+                        for (int k2 = 0; k2 < SPB; ++k2) s[mi][ri][k2] = cf[L::scales / 4 + (sl * SPB + k2) * MP + r];
+                        m[mi][ri] = FORM == 1 ? cf[L::mins / 4 + sl * MP + r] : 0.0f;
+                    }
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int tok = 32 * wt + 8 * j + 2 * q;
+                    const float2 d = *reinterpret_cast<const float2*>(cf + L::xs / 4 + sl * NP + tok);
+                    const float dd[2] = {d.x, d.y};
+                    int2 h0 = make_int2(0, 0), h1 = h0;
+                    float ds[2] = {0.0f, 0.0f};
+                    if (FORM != 1) h0 = *reinterpret_cast<const int2*>(ci + L::hs / 4 + (sl * SPB) * NP + tok);
+                    if (FORM == 2) h1 = *reinterpret_cast<const int2*>(ci + L::hs / 4 + (sl * SPB + 1) * NP + tok);
+                    if (FORM == 1) {
+                        const float2 x2 = *reinterpret_cast<const float2*>(cf + L::hs / 4 + sl * NP + tok);
+                        ds[0] = x2.x;
+                        ds[1] = x2.y;
+                    }
+                    const int e0 = QT_BIAS - half * h0.x, e1 = QT_BIAS - half * h0.y;
+                    const int f0 = QT_BIAS - half * h1.x, f1 = QT_BIAS - half * h1.y;
+                    const int b0 = (int)b[j >> 1][2 * (j & 1)], b1 = (int)b[j >> 1][2 * (j & 1) + 1];
+#pragma unroll
+                    for (int mi = 0; mi < 2; ++mi) {
+                        int r[4], r2[4];
+                        if (FORM == 2) {
+                            mma_k16c(r, a[mi][0], a[mi][1], b0, e0, e1);
+                            mma_k16c(r2, a[mi][2], a[mi][3], b1, f0, f1);
+                        } else if (FORM == 1) {
+                            mma_k32c(r, a[mi], b0, b1, QT_BIAS, QT_BIAS);
+                        } else {
+                            mma_k32c(r, a[mi], b0, b1, e0, e1);
+                        }
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int ri = e >> 1, ti = e & 1;  // row g or g + 8; token 2q or 2q + 1
+                            float v = acc[mi][j][e];
+                            v = __fmaf_rn(__fmul_rn(s[mi][ri][0], dd[ti]), qt_float(r[e]), v);
+                            if (FORM == 2) v = __fmaf_rn(__fmul_rn(s[mi][ri][SPB - 1], dd[ti]), qt_float(r2[e]), v);
+                            if (FORM == 1) v = __fmaf_rn(m[mi][ri], ds[ti], v);
+                            acc[mi][j][e] = v;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    const float* __restrict__ bias = QParts::pick(PT.b, p);
+    float* __restrict__ out = QParts::pick(PT.o, p);
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int gr = r0 + 32 * wr + 16 * mi + g + 8 * (e >> 1), t = t0 + 32 * wt + 8 * j + 2 * q + (e & 1);
+                if (gr < rows && t < n) out[(size_t)t * rows + gr] = bias != nullptr ? __fadd_rn(acc[mi][j][e], bias[gr]) : acc[mi][j][e];
+            }
+}
+
+// Dynamic shared memory bytes of each variant, [FORM][p4, p8], read by the host.
+#define QPB(WR, F) QpSmem<WR, true, F>::bytes, QpSmem<WR, false, F>::bytes
+extern "C" __device__ const int mm_qp_smem[6] = {QPB(2, 0), QPB(2, 1), QPB(2, 2)};
+
+// One matrix (`mm_qp{WR}_f{F}_{p4,p8}`) and up to three (`mm_q3p…`, the parts' arguments as MM_Q3's). Grid: (row
+// tiles of 32·WR rows, summed over the parts; token tiles of QP_BN).
+#define MM_QP_P(WR, F, P4, PS)                                                                               \
+    extern "C" __global__ void __launch_bounds__(32 * WR * QP_WT, 6 / WR) mm_qp##WR##_f##F##_##PS(           \
+        const uint8_t* codes, const float* sc, const float* mn, int rows, int cols, int half, int g16,       \
+        const int8_t* xq, const float* xs, const int* xsum, const float* xdsum, const int* xsum16, int n,    \
+        const float* bias, float* out) {                                                                     \
+        (void)g16;                                                                                           \
+        const QParts pt = {{codes, nullptr, nullptr}, {sc, nullptr, nullptr}, {mn, nullptr, nullptr},        \
+                           {bias, nullptr, nullptr},  {out, nullptr, nullptr}, {rows, 0, 0},                  \
+                           (rows + 32 * WR - 1) / (32 * WR), 0};                                             \
+        mm_qp_impl<WR, P4, F>(pt, cols, half, xq, xs, xsum, xdsum, xsum16, n);                              \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(32 * WR * QP_WT, 6 / WR) mm_q3p##WR##_f##F##_##PS(          \
+        int cols, int half, int g16, const int8_t* xq, const float* xs, const int* xsum, const float* xdsum, \
+        const int* xsum16, int n, const uint8_t* c0, const float* s0, const float* m0, int r0,               \
+        const float* b0, float* o0, const uint8_t* c1, const float* s1, const float* m1, int r1,             \
+        const float* b1, float* o1, const uint8_t* c2, const float* s2, const float* m2, int r2,             \
+        const float* b2, float* o2) {                                                                        \
+        (void)g16;                                                                                           \
+        const QParts pt = {{c0, c1, c2}, {s0, s1, s2}, {m0, m1, m2}, {b0, b1, b2}, {o0, o1, o2}, {r0, r1, r2}, \
+                           (r0 + 32 * WR - 1) / (32 * WR), (r1 + 32 * WR - 1) / (32 * WR)};                  \
+        mm_qp_impl<WR, P4, F>(pt, cols, half, xq, xs, xsum, xdsum, xsum16, n);                              \
+    }
+#define MM_QP(WR, F)                \
+    MM_QP_P(WR, F, true, p4)        \
+    MM_QP_P(WR, F, false, p8)
+MM_QP(2, 0)
+MM_QP(2, 1)
+MM_QP(2, 2)
 
 // Float weights (f32, or bf16 when BF) times f32 activations: one warp per row, lane l sums columns
 // l, l + 32, ... with fused multiply-adds, then the xor tree.

@@ -38,7 +38,7 @@ use crate::quant::{WeightMatrix, QK};
 use crate::sampling::{Candidates, MAX_CANDIDATES};
 use cudarc::driver::{result, sys};
 use std::ffi::{c_void, CString};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// The kernels, compiled by build.rs.
@@ -97,6 +97,17 @@ const QT_MIN: usize = 64;
 const QT_WAVES: usize = 2;
 /// Tokens per block of `mm_qt*` (`16·NJ`, NJ = 2 mma columns of 8 per warp).
 const QT_TOKENS: usize = 32;
+
+/// Most tokens of a pass whose product rows equal a one-token pass's bit for bit ([`Backend::invariant_tokens`]):
+/// the largest verify pass. Launches of more tokens (prefill runs) take `mm_qp*`, whose float order is the plain
+/// block order instead of `mm_q_t1`'s tree (docs/cuda.md, "Prefill products in block order").
+const INVARIANT_TOKENS: usize = 64;
+/// Token tile of `mm_qp*` (`QP_BN`).
+const QP_TOKENS: usize = 64;
+/// Weight rows per block of `mm_qp*` (`32·WR`).
+const QP_ROWS: usize = 64;
+/// Threads per block of `mm_qp*` (`64·WR`).
+const QP_THREADS: u32 = 128;
 
 /// The tensor-core product for `n` tokens (n ≥ 2): the kernel variant (tiles of 8 or 16 tokens: `NJ` = 1 or 2
 /// mma columns of 8) and the tokens per block.
@@ -714,6 +725,13 @@ struct Kernels {
     mm_q3t: [[Func; 2]; 3],
     /// Dynamic shared memory bytes of `mm_qt` / `mm_q3t` (the kernels' table `mm_qt_smem`, same index).
     mm_qt_smem: [[u32; 2]; 3],
+    /// Products of more than [`INVARIANT_TOKENS`] tokens in block order (`mm_qp2_f{form}_{p4,p8}`): `[form
+    /// (qform)][bits 4 packed / bytes]`.
+    mm_qp: [[Func; 2]; 3],
+    /// The same for up to three matrices in one launch.
+    mm_q3p: [[Func; 2]; 3],
+    /// Dynamic shared memory bytes of `mm_qp` / `mm_q3p` (the kernels' table `mm_qp_smem`, same index).
+    mm_qp_smem: [[u32; 2]; 3],
     /// `[f32 / bf16][tokens per block 1 / 8]`.
     mm_f: [[Func; 2]; 2],
     rotate_out: Func,
@@ -830,6 +848,9 @@ pub struct Cuda {
     forced_tiled: AtomicUsize,
     /// Fewest tokens on `mm_qt*` (`QT_MIN`, or `EDDY_CUDA_QT_MIN`).
     qt_min: usize,
+    /// Whether products of more than [`INVARIANT_TOKENS`] tokens run on `mm_qp*` (else on the kernels in
+    /// `mm_q_t1`'s order, to measure against them): `EDDY_CUDA_QP=0` at start, [`Cuda::force_prefill_products`].
+    prefill_qp: AtomicBool,
     /// Whether products of 5+ tokens below the large-tile kernels run on `mm_qv*`: 0 by the launch's size
     /// (up to `QV_MAX` tokens, warps per tile by [`Cuda::qv_plan`]), [`QV_OFF`] never (`mm_qw*`), else always with that
     /// many warps per row tile (4, 8, 16); `EDDY_CUDA_QV` at start, [`Cuda::force_verify_products`].
@@ -937,6 +958,10 @@ impl Cuda {
         for (i, &b) in table("mm_qt_smem", 6)?.iter().enumerate() {
             qt_smem[i / 2][i % 2] = b as u32;
         }
+        let mut qp_smem = [[0u32; 2]; 3];
+        for (i, &b) in table("mm_qp_smem", 6)?.iter().enumerate() {
+            qp_smem[i / 2][i % 2] = b as u32;
+        }
         let qt = |base: &str| -> Result<[[Func; 2]; 3]> {
             let f = |form: usize, p: &str| get(&format!("{base}2_f{form}_{p}"));
             Ok([[f(0, "p4")?, f(0, "p8")?], [f(1, "p4")?, f(1, "p8")?], [f(2, "p4")?, f(2, "p8")?]])
@@ -963,6 +988,9 @@ impl Cuda {
             mm_qt: qt("mm_qt")?,
             mm_q3t: qt("mm_q3t")?,
             mm_qt_smem: qt_smem,
+            mm_qp: qt("mm_qp")?,
+            mm_q3p: qt("mm_q3p")?,
+            mm_qp_smem: qp_smem,
             mm_f: [[get("mm_f32_t1")?, get("mm_f32_t8")?], [get("mm_bf16_t1")?, get("mm_bf16_t8")?]],
             rotate_out: get("rotate_out")?,
             embed: get("embed")?,
@@ -996,19 +1024,19 @@ impl Cuda {
             .then(|| unsafe { std::ffi::CStr::from_ptr(bus.as_ptr()) }.to_string_lossy().into_owned());
         let qw_all = [&k.mm_qw, &k.mm_q3w].into_iter().flat_map(|t| t.iter().flatten().flatten().zip(smem.iter().flatten().flatten()));
         let qt_all = [&k.mm_qt, &k.mm_q3t].into_iter().flat_map(|t| t.iter().zip(qt_smem.iter()));
-        for (fs, bs) in qw_all.chain(qt_all) {
-            for (f, &b) in fs.iter().zip(bs) {
-                // SAFETY: a kernel of the loaded module; its table entry is at most the device's limit (checked
-                // by the attribute call).
-                unsafe {
-                    result::function::set_function_attribute(
-                        f.0,
-                        sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        b as i32,
-                    )
-                }
-                .map_err(|e| no(format!("shared memory of {b} bytes for a product kernel: {e:?}")))?;
+        let qp_all = [&k.mm_qp, &k.mm_q3p].into_iter().flat_map(|t| t.iter().zip(qp_smem.iter()));
+        let pairs = qw_all.chain(qt_all).chain(qp_all).flat_map(|(fs, bs)| fs.iter().zip(bs.iter()));
+        for (f, &b) in pairs {
+            // SAFETY: a kernel of the loaded module; its table entry is at most the device's limit (checked by
+            // the attribute call).
+            unsafe {
+                result::function::set_function_attribute(
+                    f.0,
+                    sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    b as i32,
+                )
             }
+            .map_err(|e| no(format!("shared memory of {b} bytes for a kernel: {e:?}")))?;
         }
         // SAFETY: a kernel of the loaded module; the size is under every supported GPU's per-block limit (99 KB).
         unsafe {
@@ -1048,6 +1076,7 @@ impl Cuda {
                 .unwrap_or(DP4A_MAX),
             forced_tiled: AtomicUsize::new(0),
             qt_min: std::env::var("EDDY_CUDA_QT_MIN").ok().and_then(|v| v.parse().ok()).unwrap_or(QT_MIN),
+            prefill_qp: AtomicBool::new(std::env::var("EDDY_CUDA_QP").map_or(true, |v| v != "0")),
             forced_qv: AtomicUsize::new(match std::env::var("EDDY_CUDA_QV").ok().and_then(|v| v.parse::<usize>().ok()) {
                 Some(0) => QV_OFF,
                 Some(w) if QV_WARPS.contains(&w) => w,
@@ -1111,6 +1140,18 @@ impl Cuda {
     /// grid under one wave leaves multiprocessors idle (measured: o and ffn_down of the 0.5B at 256 tokens, 112
     /// blocks, 16–24 % slower on `mm_qt*`; gate/up, 1,216 blocks, 22 % faster). Offsets inside the kernel are
     /// 32-bit: matrices of 2^31 code bytes or more, and activations of 2^31 codes, stay on `mm_qw*`.
+    /// Whether a product of `n` tokens runs on `mm_qp*`: `n` above [`INVARIANT_TOKENS`] (a prefill run), unless
+    /// turned off.
+    fn prefill_products(&self, n: usize) -> bool {
+        n > INVARIANT_TOKENS && self.prefill_qp.load(Ordering::Relaxed)
+    }
+
+    /// Run products of more than [`INVARIANT_TOKENS`] tokens on `mm_qp*` in block order (`true`, the default) or
+    /// on the kernels in `mm_q_t1`'s order (`false`); for tests and measurements.
+    pub fn force_prefill_products(&self, on: bool) {
+        self.prefill_qp.store(on, Ordering::Relaxed);
+    }
+
     fn tiled_for(&self, n: usize, rows: usize, cols: usize) -> bool {
         let fits = (1..=QT_MAXB).contains(&(cols / QK)) && rows * cols < 1 << 31 && n * cols < 1 << 31;
         let blocks = rows.div_ceil(QT_ROWS) * n.div_ceil(QT_TOKENS);
@@ -1434,6 +1475,10 @@ impl Cuda {
                 if n <= self.dp4a_max {
                     let (ti, tt) = Self::dp4a_tile(n);
                     self.launch(self.k.mm_q[ti][p], (rows.div_ceil(MM_ROWS), n.div_ceil(tt)), (32 * MM_ROWS) as u32, a);
+                } else if self.prefill_products(n) {
+                    let smem = self.k.mm_qp_smem[qform(q)][p];
+                    let grid = (rows.div_ceil(QP_ROWS), n.div_ceil(QP_TOKENS), 1);
+                    self.launch_smem(self.k.mm_qp[qform(q)][p], grid, QP_THREADS, smem, a);
                 } else if self.tiled_for(n, rows, cols) {
                     let grid = (rows.div_ceil(QT_ROWS), n.div_ceil(QT_TOKENS), 1);
                     let smem = self.k.mm_qt_smem[qform(q)][p];
@@ -1660,6 +1705,10 @@ impl Backend for Cuda {
         }
     }
 
+    fn invariant_tokens(&self) -> usize {
+        INVARIANT_TOKENS
+    }
+
     fn reduces_on_device(&self) -> bool {
         true
     }
@@ -1837,9 +1886,12 @@ impl Backend for Cuda {
             .i(n);
         let mut blocks = 0;
         let all_rows: usize = qs.iter().map(|q| q.rows).sum();
-        let tiled = n > self.dp4a_max && self.tiled_for(n, all_rows, q0.cols);
+        let prefill = self.prefill_products(n);
+        let tiled = n > self.dp4a_max && !prefill && self.tiled_for(n, all_rows, q0.cols);
         let tile_rows = if n <= self.dp4a_max {
             MM_ROWS
+        } else if prefill {
+            QP_ROWS
         } else if tiled {
             QT_ROWS
         } else {
@@ -1864,6 +1916,9 @@ impl Backend for Cuda {
         if n <= self.dp4a_max {
             let (ti, tt) = Self::dp4a_tile(n);
             self.launch(self.k.mm_q3[ti][p], (blocks, n.div_ceil(tt)), (32 * MM_ROWS) as u32, a);
+        } else if prefill {
+            let smem = self.k.mm_qp_smem[qform(q0)][p];
+            self.launch_smem(self.k.mm_q3p[qform(q0)][p], (blocks, n.div_ceil(QP_TOKENS), 1), QP_THREADS, smem, a);
         } else if tiled {
             let smem = self.k.mm_qt_smem[qform(q0)][p];
             self.launch_smem(self.k.mm_q3t[qform(q0)][p], (blocks, n.div_ceil(QT_TOKENS), 1), QT_THREADS, smem, a);
