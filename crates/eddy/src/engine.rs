@@ -50,7 +50,8 @@ pub struct EngineOptions {
     pub threads: usize,
     /// Context length in tokens (KV cache rows); capped at the model's training context.
     pub ctx: usize,
-    /// Largest batch of one forward pass (prefill chunk).
+    /// Largest batch of one forward pass (prefill piece); 0 (the default) takes the backend's
+    /// [`Backend::prefill_tokens`] (256 on the CPU, 512 on a GPU).
     pub max_batch: usize,
     /// Reuse the KV of the longest common prefix with the previous request instead of prefilling it
     /// again (`eddy serve --no-prefix-cache` turns it off). Output is identical either way on the CPU. On a
@@ -62,7 +63,7 @@ pub struct EngineOptions {
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { threads: default_threads(), ctx: 4096, max_batch: 256, prefix_cache: true }
+        EngineOptions { threads: default_threads(), ctx: 4096, max_batch: 0, prefix_cache: true }
     }
 }
 
@@ -182,8 +183,10 @@ struct Core<B: Backend> {
 }
 
 impl<B: Backend> Core<B> {
+    /// `max_batch` 0: the backend's [`Backend::prefill_tokens`].
     fn new(be: B, model: &Model<B>, ctx: usize, max_batch: usize) -> Self {
         let state = model.new_state(&be, ctx);
+        let max_batch = if max_batch == 0 { be.prefill_tokens() } else { max_batch };
         let ws = Workspace::new(&be, model, max_batch);
         Core { be, ws, state, specs: Vec::new() }
     }
@@ -340,7 +343,7 @@ struct StepScratch {
 impl Engine {
     /// Allocate the KV cache and workspace for `opts.ctx` tokens.
     pub fn new(lm: LoadedModel, opts: &EngineOptions) -> Self {
-        let core = Core::new(Cpu::new(opts.threads.max(1)), &lm.model, Self::ctx_for(&lm, opts), opts.max_batch.max(1));
+        let core = Core::new(Cpu::new(opts.threads.max(1)), &lm.model, Self::ctx_for(&lm, opts), opts.max_batch);
         Self::with_exec(lm, opts, Exec::Cpu(Box::new(core)))
     }
 
@@ -358,7 +361,7 @@ impl Engine {
                 let gpu = Cuda::new().and_then(|be| Ok((lm.model.to_backend(&be)?, be)));
                 match gpu {
                     Ok((model, be)) => {
-                        let core = Core::new(be, &model, Self::ctx_for(&lm, opts), opts.max_batch.max(1));
+                        let core = Core::new(be, &model, Self::ctx_for(&lm, opts), opts.max_batch);
                         let exec = Exec::Cuda { core: Box::new(core), model: Box::new(model), host: Cpu::new(opts.threads.max(1)) };
                         Ok(Self::with_exec(lm, opts, exec))
                     }

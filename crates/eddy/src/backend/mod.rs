@@ -132,6 +132,13 @@ pub trait Backend: Send + Sync + 'static {
         usize::MAX
     }
 
+    /// Tokens per prefill pass this backend runs best at: the engine's default piece
+    /// ([`crate::engine::EngineOptions::max_batch`] 0). 256 here: on the CPU a larger piece gains little
+    /// and delays the check for a client that has gone (made between pieces).
+    fn prefill_tokens(&self) -> usize {
+        256
+    }
+
     /// `x[i] = scale · embedding row tokens[i]` (`d_model` each; `scale` None = 1).
     fn embed(&self, table: &Self::Weights, tokens: &[u32], scale: Option<f32>, x: &mut Self::Buf);
     /// Quantize rows `0..n` of `x` (`cols` each) to int8 into `xq`, as the input of products with `w` (and
