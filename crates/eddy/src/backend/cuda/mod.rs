@@ -1138,12 +1138,6 @@ impl Cuda {
         self.forced_tiled.store(tiled.map_or(0, |t| if t { 2 } else { 1 }), Ordering::Relaxed);
     }
 
-    /// Whether a product of `n > dp4a_max` tokens over `rows × cols` (all parts' rows) runs on `mm_qt*` (else
-    /// `mm_qw*`). By default `mm_qt*` from `qt_min` tokens when its grid fills the
-    /// GPU twice (`QT_WAVES` waves of two blocks a multiprocessor): with fewer, larger blocks than `mm_qw*`'s, a
-    /// grid under one wave leaves multiprocessors idle (measured: o and ffn_down of the 0.5B at 256 tokens, 112
-    /// blocks, 16–24 % slower on `mm_qt*`; gate/up, 1,216 blocks, 22 % faster). Offsets inside the kernel are
-    /// 32-bit: matrices of 2^31 code bytes or more, and activations of 2^31 codes, stay on `mm_qw*`.
     /// Whether a product of `n` tokens runs on `mm_qp*`: `n` above [`INVARIANT_TOKENS`] (a prefill run), unless
     /// turned off.
     fn prefill_products(&self, n: usize) -> bool {
@@ -1156,6 +1150,12 @@ impl Cuda {
         self.prefill_qp.store(on, Ordering::Relaxed);
     }
 
+    /// Whether a product of `n > dp4a_max` tokens over `rows × cols` (all parts' rows) runs on `mm_qt*` (else
+    /// `mm_qw*`). By default `mm_qt*` from `qt_min` tokens when its grid fills the
+    /// GPU twice (`QT_WAVES` waves of two blocks a multiprocessor): with fewer, larger blocks than `mm_qw*`'s, a
+    /// grid under one wave leaves multiprocessors idle (measured: o and ffn_down of the 0.5B at 256 tokens, 112
+    /// blocks, 16–24 % slower on `mm_qt*`; gate/up, 1,216 blocks, 22 % faster). Offsets inside the kernel are
+    /// 32-bit: matrices of 2^31 code bytes or more, and activations of 2^31 codes, stay on `mm_qw*`.
     fn tiled_for(&self, n: usize, rows: usize, cols: usize) -> bool {
         let fits = (1..=QT_MAXB).contains(&(cols / QK)) && rows * cols < 1 << 31 && n * cols < 1 << 31;
         let blocks = rows.div_ceil(QT_ROWS) * n.div_ceil(QT_TOKENS);
