@@ -178,9 +178,10 @@ struct RunArgs {
     /// Repetition penalty over the last 64 tokens, > 0 (1 = off; above 1 discourages repeats).
     #[arg(long, default_value_t = 1.0)]
     repetition_penalty: f32,
-    /// Random seed: the same seed and options give the same output. Default: a random seed.
-    #[arg(long)]
-    seed: Option<u64>,
+    /// Random seed: the same seed and options give the same output. Default (or -1, as in llama.cpp and
+    /// `eddy serve`'s `seed`): a random seed.
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_seed)]
+    seed: Option<Seed>,
     /// Most tokens to generate (at least 1); generation also stops at an end-of-turn token or when the
     /// context is full.
     #[arg(long, short = 'n', default_value_t = 1024)]
@@ -627,7 +628,7 @@ fn sampler_params(a: &RunArgs) -> eddy::Result<SamplerParams> {
         min_p: a.min_p,
         repetition_penalty: a.repetition_penalty,
         repeat_last_n: 64,
-        seed: a.seed.unwrap_or_else(random_seed),
+        seed: a.seed.and_then(|s| s.0).unwrap_or_else(random_seed),
         ..SamplerParams::default()
     };
     sampler.validate().map_err(|e| bad("sampling", e))?;
@@ -742,6 +743,21 @@ fn with_system(system: &Option<String>, message: &str) -> String {
     match system {
         Some(s) => format!("{s}\n\n{message}"),
         None => message.to_string(),
+    }
+}
+
+/// `--seed`: a fixed seed, or `None` for -1 (a random one).
+#[derive(Debug, Clone, Copy)]
+struct Seed(Option<u64>);
+
+/// `--seed N`: an integer from 0 to 2^64 − 1, or -1 for a random seed.
+fn parse_seed(s: &str) -> Result<Seed, String> {
+    match s.trim() {
+        "-1" => Ok(Seed(None)),
+        t => t
+            .parse()
+            .map(|v| Seed(Some(v)))
+            .map_err(|_| format!("`{s}` is not a seed (an integer from 0 to 2^64 - 1, or -1 for a random one)")),
     }
 }
 

@@ -76,6 +76,7 @@ fn parse_errors_are_one_line() {
     expect_error(&["run", "-m", "hi", "--threads", "abc"], "--threads: invalid value 'abc'");
     expect_error(&["run", "-m", "hi", "-n", "-1"], "--max-tokens: invalid value '-1'");
     expect_error(&["run", "-m", "hi", "--seed", "-5"], "--seed: invalid value '-5'");
+    expect_error(&["run", "-m", "hi", "--seed", "x"], "or -1 for a random one");
     expect_error(&["run", "-m", "hi", "--quant", "q5"], "--quant: invalid value 'q5'");
     expect_error(&["run", "-m", "hi", "extra"], "extra: unexpected argument");
     expect_error(&["run", "-m", "hi", "--temperature"], "--temperature: a value is required");
@@ -116,6 +117,8 @@ fn bad_option_values_are_named_before_the_model_loads() {
     expect_error(&["bandwidth", "--threads", "0"], "--threads: must be at least 1");
     // With valid options the model is what is wrong.
     expect_error(&run_args(&[]), "eddy-test-model.gguf: no such file");
+    // --seed -1 is a random seed (llama.cpp's convention, and the server's): it gets past the options.
+    expect_error(&run_args(&["--seed", "-1"]), "eddy-test-model.gguf: no such file");
 }
 
 #[test]

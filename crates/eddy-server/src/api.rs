@@ -249,12 +249,18 @@ pub fn parse_common(o: &Map<String, Value>, chat: bool) -> R<Common> {
         let param = e.split_whitespace().next().map(str::to_string);
         return Err(ApiError::invalid(param.as_deref(), e));
     }
+    // -1 asks for a random seed (llama.cpp's convention, and `eddy run --seed -1`), as no seed does.
     match get(o, "seed") {
         None => {}
         Some(v) => match (v.as_u64(), v.as_i64()) {
             (Some(x), _) => s.seed = x,
-            (None, Some(x)) => s.seed = x as u64,
-            _ => return Err(ApiError::invalid(Some("seed"), format!("seed must be an integer, got {v}"))),
+            (None, Some(-1)) => {}
+            _ => {
+                return Err(ApiError::invalid(
+                    Some("seed"),
+                    format!("seed must be an integer from 0 to 2^64 - 1, or -1 for a random seed, got {v}"),
+                ))
+            }
         },
     }
     let stops = match get(o, "stop") {
@@ -584,13 +590,30 @@ pub fn parse_prompt(o: &Map<String, Value>, vocab: usize) -> R<Prompt> {
     };
     match list.first() {
         None => Err(ApiError::invalid(p, "prompt must not be an empty array")),
-        Some(Value::String(_) | Value::Array(_)) if list.len() > 1 => {
-            Err(ApiError::invalid(p, format!("only one prompt per request is supported, got {}", list.len())))
+        Some(first @ (Value::String(_) | Value::Array(_))) if list.len() > 1 => {
+            // A batch of prompts (all strings, or all arrays) is refused as such; a mixed array is malformed.
+            let same = |v: &Value| matches!((first, v), (Value::String(_), Value::String(_)) | (Value::Array(_), Value::Array(_)));
+            match list.iter().position(|v| !same(v)) {
+                Some(i) => Err(ApiError::invalid(p, format!("{shape}; prompt[0] is {} but prompt[{i}] is {}", kind(first), list[i]))),
+                None => Err(ApiError::invalid(p, format!("only one prompt per request is supported, got {}", list.len()))),
+            }
         }
         Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
         Some(Value::Array(ids)) if ids.is_empty() => Err(ApiError::invalid(p, "prompt[0] must not be an empty array")),
         Some(Value::Array(ids)) => token_ids(ids, "prompt[0]", vocab).map(Prompt::Tokens),
         Some(_) => token_ids(list, "prompt", vocab).map(Prompt::Tokens),
+    }
+}
+
+/// What a JSON value is, for error messages: "a string", "an array", ...
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
     }
 }
 
@@ -634,5 +657,38 @@ mod tests {
         assert!(m.contains("not UTF-8: invalid bytes at byte 43") && !m.contains("escape"), "{m}");
         let m = msg(br#"{"content": "hi \ud83d"}"#);
         assert!(m.contains("high-low pairs") && !m.contains("UTF-8"), "{m}");
+    }
+
+    fn obj(v: Value) -> Map<String, Value> {
+        v.as_object().expect("an object").clone()
+    }
+
+    /// `seed`: any u64 as given; -1 a random seed (two requests differ); other negatives refused.
+    #[test]
+    fn seed_minus_one_is_random() {
+        let seed = |v: Value| parse_common(&obj(serde_json::json!({ "seed": v })), true).map(|c| c.sampler.seed);
+        assert_eq!(seed(serde_json::json!(7)).unwrap(), 7);
+        assert_eq!(seed(serde_json::json!(u64::MAX)).unwrap(), u64::MAX);
+        assert_ne!(seed(serde_json::json!(-1)).unwrap(), seed(serde_json::json!(-1)).unwrap());
+        for bad in [serde_json::json!(-2), serde_json::json!(i64::MIN), serde_json::json!(1.5), serde_json::json!("7")] {
+            let e = seed(bad.clone()).expect_err("refused");
+            let m = e.body()["error"]["message"].as_str().unwrap().to_string();
+            assert!(m.contains("or -1 for a random seed"), "{bad}: {m}");
+        }
+    }
+
+    /// A prompt array mixing strings and token ids is malformed (not "2 prompts"); a batch of strings is
+    /// refused as a batch.
+    #[test]
+    fn mixed_prompt_arrays_are_named() {
+        let err = |v: Value| {
+            let e = parse_prompt(&obj(serde_json::json!({ "prompt": v })), 100).expect_err("refused");
+            e.body()["error"]["message"].as_str().unwrap().to_string()
+        };
+        let m = err(serde_json::json!(["a", 1]));
+        assert!(m.contains("prompt[0] is a string but prompt[1] is 1"), "{m}");
+        let m = err(serde_json::json!([[1, 2], "b"]));
+        assert!(m.contains("prompt[0] is an array but prompt[1] is \"b\""), "{m}");
+        assert!(err(serde_json::json!(["a", "b"])).contains("only one prompt per request is supported, got 2"));
     }
 }

@@ -941,7 +941,7 @@ mod fuzz {
             "top_k" => (0i64..100).prop_map(Value::from).boxed(),
             "presence_penalty" | "frequency_penalty" => Just(json!(0)).boxed(),
             "repetition_penalty" => f(0.5, 2.0),
-            "seed" => any::<i64>().prop_map(Value::from).boxed(),
+            "seed" => prop_oneof![Just(-1i64), 0i64..=i64::MAX].prop_map(Value::from).boxed(),
             "stop" => prop_oneof![".{0,4}".prop_map(Value::from), prop::collection::vec(".{0,4}", 0..3).prop_map(Value::from),].boxed(),
             "n" | "best_of" => Just(json!(1)).boxed(),
             "logprobs" => prop_oneof![any::<bool>().prop_map(Value::from), (0u64..25).prop_map(Value::from)].boxed(),
