@@ -213,7 +213,8 @@ struct SpecArgs {
     #[arg(long, value_name = "PATH")]
     draft_model: Option<String>,
     /// Draft tokens verified per target forward pass: a node count, or auto (chosen each step from the
-    /// measured verify cost and the drafts' confidence).
+    /// measured verify cost and the drafts' confidence). On a GPU at most 63 (a verify pass of 64 tokens is
+    /// the largest whose rows equal plain decoding's bit for bit).
     #[arg(long, default_value = "auto", value_name = "N|auto")]
     spec_budget: String,
 }
