@@ -6,6 +6,11 @@
 //! as a space), special tokens marked as such (llguidance allows them only where a grammar names them),
 //! and the ids the model has beyond the tokenizer as special placeholders. The end-of-sequence set is the
 //! tokenizer's stop tokens: when the grammar is complete only they are allowed, so generation ends there.
+//!
+//! Two rules on top of the schemas, as llama.cpp's and vLLM's JSON grammars have them: a number's digit runs
+//! are bounded ([`MAX_DIGITS`]: JSON's grammar lets a number run on forever, and small models do write
+//! `1.000000…` until the token limit), and an object schema that lists `properties` admits no other keys
+//! unless it says so ([`close_objects`]).
 
 use eddy::sampling::LogitMask;
 use eddy::tokenizer::Tokenizer;
@@ -39,10 +44,102 @@ impl TokenizerEnv for Env {
     }
 }
 
+/// The longest run of ASCII digits a constrained reply may write outside JSON strings: a number's integer
+/// part, its fraction and its exponent each have at most this many digits. 20 holds every 64-bit integer and
+/// a double's 17 significant digits (llama.cpp's converter allows 16 in each part).
+pub const MAX_DIGITS: u32 = 20;
+
 /// Compiles grammars for one model (the token trie and llguidance's tables are built once).
 pub struct Grammars {
     factory: ParserFactory,
     n_vocab: usize,
+    lex: Arc<TokenLex>,
+}
+
+/// The tokens' bytes as the digit bound reads them.
+struct TokenLex {
+    /// Each token id's bytes (special tokens: `0xFF` + their text).
+    words: Vec<Vec<u8>>,
+    /// The ids whose bytes start with an ASCII digit, with how many digits lead.
+    digit_led: Vec<(u32, u32)>,
+    /// The most leading digits of any token.
+    max_lead: u32,
+    /// Bit `id` set: the token starts with a digit (the layout of llguidance's token masks).
+    digit_bits: Vec<u32>,
+}
+
+impl TokenLex {
+    fn new(words: Vec<Vec<u8>>) -> TokenLex {
+        let digit_led: Vec<(u32, u32)> = words
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| w.first() != Some(&TokTrie::SPECIAL_TOKEN_MARKER))
+            .map(|(i, w)| (i as u32, w.iter().take_while(|b| b.is_ascii_digit()).count() as u32))
+            .filter(|&(_, n)| n > 0)
+            .collect();
+        let max_lead = digit_led.iter().map(|&(_, n)| n).max().unwrap_or(0);
+        let mut digit_bits = vec![0u32; words.len().div_ceil(32)];
+        for &(id, _) in &digit_led {
+            digit_bits[id as usize / 32] |= 1 << (id % 32);
+        }
+        TokenLex { words, digit_led, max_lead, digit_bits }
+    }
+
+    /// Whether the token is digits only (a run it fills stays open after it).
+    fn all_digits(&self, id: u32) -> bool {
+        self.words.get(id as usize).is_some_and(|w| !w.is_empty() && w.iter().all(u8::is_ascii_digit))
+    }
+
+    fn lead(&self, id: u32) -> u32 {
+        let w = self.words.get(id as usize).map_or(&[][..], |w| w.as_slice());
+        if w.first() == Some(&TokTrie::SPECIAL_TOKEN_MARKER) {
+            return 0;
+        }
+        w.iter().take_while(|b| b.is_ascii_digit()).count() as u32
+    }
+}
+
+/// Where a reply's bytes stand for the digit bound: inside a JSON string (after a backslash or not) or outside, and
+/// the digits written since the last other byte outside strings.
+#[derive(Clone, Copy, Default)]
+struct Scan {
+    in_string: bool,
+    escape: bool,
+    run: u32,
+}
+
+impl Scan {
+    fn feed(&mut self, w: &[u8]) {
+        if w.first() == Some(&TokTrie::SPECIAL_TOKEN_MARKER) {
+            self.run = 0;
+            return;
+        }
+        for &b in w {
+            if self.in_string {
+                match (self.escape, b) {
+                    (true, _) => self.escape = false,
+                    (false, b'\\') => self.escape = true,
+                    (false, b'"') => self.in_string = false,
+                    _ => {}
+                }
+            } else if b.is_ascii_digit() {
+                self.run += 1;
+            } else {
+                self.run = 0;
+                self.in_string = b == b'"';
+            }
+        }
+    }
+
+    /// Whether a token with `lead` leading digits would make a digit run longer than [`MAX_DIGITS`].
+    fn refuses(&self, lead: u32) -> bool {
+        !self.in_string && lead > 0 && self.run + lead > MAX_DIGITS
+    }
+
+    /// Whether a token with `lead` leading digits brings the run to exactly [`MAX_DIGITS`].
+    fn fills(&self, lead: u32) -> bool {
+        !self.in_string && lead > 0 && self.run + lead == MAX_DIGITS
+    }
 }
 
 impl Grammars {
@@ -58,6 +155,7 @@ impl Grammars {
     /// end-of-sequence ids `stops` (the first is the main one) and its plain-text tokenizer.
     pub(crate) fn from_vocab(words: Vec<Vec<u8>>, stops: &[u32], tokenize: Tokenize) -> Result<Grammars, String> {
         let n_vocab = words.len();
+        let lex = Arc::new(TokenLex::new(words.clone()));
         let stops: Vec<TokenId> = stops.iter().copied().filter(|&t| (t as usize) < n_vocab).collect();
         let Some(&eos) = stops.first() else {
             return Err("the tokenizer has no end-of-sequence token, so a constrained reply could not end".into());
@@ -70,7 +168,7 @@ impl Grammars {
         let env: TokEnv = Arc::new(Env { trie, tokenize });
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| format!("llguidance: {e}"))?;
         factory.quiet();
-        Ok(Grammars { factory, n_vocab })
+        Ok(Grammars { factory, n_vocab, lex })
     }
 
     /// A constraint to JSON matching `schema` (llguidance's JSON-schema subset; an unsupported or invalid
@@ -90,7 +188,7 @@ impl Grammars {
         if let Some(e) = m.get_error() {
             return Err(e);
         }
-        Ok(Constraint { m, n_vocab: self.n_vocab })
+        Ok(Constraint { m, n_vocab: self.n_vocab, lex: self.lex.clone(), scan: Scan::default(), dead_end: None })
     }
 }
 
@@ -98,6 +196,44 @@ impl Grammars {
 pub struct Constraint {
     m: Matcher,
     n_vocab: usize,
+    lex: Arc<TokenLex>,
+    /// The reply so far, for the digit bound.
+    scan: Scan,
+    /// Set when the digit bound left no token (a number the schema wants longer than the bound).
+    dead_end: Option<String>,
+}
+
+impl Constraint {
+    /// Whether the digit bound lets `tokens[last]` through, `tokens` continuing what was consumed and
+    /// allowed by the grammar, `scan` the reply before the last: not past the bound, and a token that
+    /// fills the run with digits only must leave the grammar a way to end the number (some next token
+    /// that does not start with a digit, or the end), checked by consuming `tokens` and rolling back.
+    /// Without that look-ahead a number the schema keeps open (`multipleOf`, a `minimum` not yet
+    /// reached) would run into the bound with nothing left to write.
+    fn digits_allow(&mut self, scan: &Scan, tokens: &[u32]) -> bool {
+        let Some(&t) = tokens.last() else {
+            return true;
+        };
+        let lead = self.lex.lead(t);
+        if scan.refuses(lead) {
+            return false;
+        }
+        if !scan.fills(lead) || !self.lex.all_digits(t) {
+            return true;
+        }
+        let Ok(k) = self.m.try_consume_tokens(tokens) else {
+            return false;
+        };
+        let ends = k == tokens.len()
+            && (self.m.is_stopped()
+                || self.m.compute_mask().is_ok_and(|m| {
+                    let (a, d) = (m.as_slice(), &self.lex.digit_bits);
+                    a.iter().zip(d).any(|(&a, &d)| a & !d != 0) || a.iter().skip(d.len()).any(|&a| a != 0)
+                }));
+        // A failed roll-back leaves the matcher in its error state: the reply then fails, reported.
+        let _ = self.m.rollback(k);
+        ends
+    }
 }
 
 impl LogitMask for Constraint {
@@ -121,18 +257,108 @@ impl LogitMask for Constraint {
             }
         }
         debug_assert!(logits.len() <= self.n_vocab.next_multiple_of(32));
+        if self.scan.in_string || self.scan.run + self.lex.max_lead < MAX_DIGITS {
+            return true;
+        }
+        let lex = self.lex.clone();
+        let scan = self.scan;
+        let mut refused = false;
+        for &(id, _) in &lex.digit_led {
+            let open = logits.get(id as usize).is_some_and(|&l| l != f32::NEG_INFINITY);
+            if open && !self.digits_allow(&scan, &[id]) {
+                logits[id as usize] = f32::NEG_INFINITY;
+                refused = true;
+            }
+        }
+        if refused && logits.iter().all(|&l| l == f32::NEG_INFINITY) {
+            self.dead_end = Some(format!("a number reached {MAX_DIGITS} digits where the schema allows no end"));
+            return false;
+        }
         true
     }
 
     fn consume(&mut self, token: u32) {
         // A token the grammar refuses (never sampled under the mask) leaves the matcher in its error
-        // state: the next mask is empty and generation ends.
-        let _ = self.m.consume_token(token);
+        // state: the next mask is empty and generation ends. Once the grammar has ended only the
+        // end-of-sequence token was allowed; the matcher takes nothing more (it would call that an error).
+        if !self.m.is_stopped() {
+            let _ = self.m.consume_token(token);
+        }
+        if let Some(w) = self.lex.words.get(token as usize) {
+            self.scan.feed(w);
+        }
     }
 
+    /// The grammar's accepted prefix, cut at the first token the digit bound refuses: the same tokens
+    /// [`LogitMask::apply`] would let through one at a time, so speculation stays lossless.
     fn accepted_prefix(&mut self, tokens: &[u32]) -> usize {
-        self.m.validate_tokens(tokens).unwrap_or(0)
+        let n = self.m.validate_tokens(tokens).unwrap_or(0);
+        let mut scan = self.scan;
+        for i in 0..n {
+            if !self.digits_allow(&scan, &tokens[..=i]) {
+                return i;
+            }
+            if let Some(w) = self.lex.words.get(tokens[i] as usize) {
+                scan.feed(w);
+            }
+        }
+        n
     }
+
+    /// The matcher's error (llguidance builds its lexer lazily, so a schema can compile and still prove too
+    /// large at some position of the reply).
+    fn failure(&self) -> Option<String> {
+        self.m.get_error().or_else(|| self.dead_end.clone())
+    }
+}
+
+/// Gives every object schema in `schema` that lists `properties` (or `patternProperties`) and says nothing
+/// of `additionalProperties` / `unevaluatedProperties` an `"additionalProperties": false`, as llama.cpp's
+/// converter and vLLM's default treat them (JSON Schema itself, and llguidance, let other keys through;
+/// a small model then invents keys until the token limit). Free-form objects (no `properties`) stay open,
+/// and so do the direct members of an `allOf` (closing each would refuse the other members' keys).
+/// Only schema positions are visited: `enum`, `const`, `default` and `examples` values are data.
+pub fn close_objects(schema: &mut Value) {
+    fn walk(v: &mut Value, all_of_member: bool) {
+        let Value::Object(o) = v else {
+            return;
+        };
+        let lists = o.contains_key("properties") || o.contains_key("patternProperties");
+        if lists && !all_of_member && !o.contains_key("additionalProperties") && !o.contains_key("unevaluatedProperties") {
+            o.insert("additionalProperties".into(), Value::Bool(false));
+        }
+        for (k, sub) in o.iter_mut() {
+            match k.as_str() {
+                "properties" | "patternProperties" | "$defs" | "definitions" | "dependentSchemas" => {
+                    if let Value::Object(m) = sub {
+                        m.values_mut().for_each(|s| walk(s, false));
+                    }
+                }
+                "anyOf" | "oneOf" | "prefixItems" | "allOf" => {
+                    if let Value::Array(a) = sub {
+                        let member = k == "allOf" && a.len() > 1;
+                        a.iter_mut().for_each(|s| walk(s, member));
+                    }
+                }
+                "items" => match sub {
+                    Value::Array(a) => a.iter_mut().for_each(|s| walk(s, false)),
+                    s => walk(s, false),
+                },
+                "additionalProperties"
+                | "additionalItems"
+                | "contains"
+                | "not"
+                | "if"
+                | "then"
+                | "else"
+                | "propertyNames"
+                | "unevaluatedItems"
+                | "unevaluatedProperties" => walk(sub, false),
+                _ => {}
+            }
+        }
+    }
+    walk(schema, false);
 }
 
 /// The bytes of every token id below `n_vocab`, special tokens as `0xFF` + their text (toktrie's
@@ -180,4 +406,144 @@ fn byte_alphabet() -> std::collections::HashMap<char, u8> {
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// Grammars over a vocabulary of the 256 bytes, the two-byte tokens `"12"` and `"3,"`, and an
+    /// end-of-sequence special token (the last id).
+    fn grammars() -> (Grammars, u32) {
+        let mut words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+        words.push(b"12".to_vec());
+        words.push(b"3,".to_vec());
+        let mut eos = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+        eos.extend_from_slice(b"</s>");
+        words.push(eos);
+        let eos = words.len() as u32 - 1;
+        let g = Grammars::from_vocab(words, &[eos], Box::new(|s| s.bytes().map(u32::from).collect())).unwrap();
+        (g, eos)
+    }
+
+    fn allowed(c: &mut Constraint, n: usize) -> Vec<bool> {
+        let mut l = vec![0.0f32; n];
+        c.apply(&mut l);
+        l.iter().map(|&x| x != f32::NEG_INFINITY).collect()
+    }
+
+    /// A number's digit runs stop at MAX_DIGITS in `apply` and in `accepted_prefix` alike (speculation
+    /// accepts what plain decoding would sample), each part of the number counted on its own, and digits
+    /// inside strings are never counted.
+    #[test]
+    fn number_digit_runs_are_bounded() {
+        let (g, eos) = grammars();
+        let n = eos as usize + 1;
+        let schema = json!({"type": "object", "properties": {"p": {"type": "number"}, "s": {"type": "string"}}, "required": ["p", "s"]});
+        let mut c = g.json_schema(&schema).unwrap();
+        for &b in br#"{"p":"# {
+            c.consume(b as u32);
+        }
+        let digits: Vec<u32> = std::iter::repeat_n(b'7' as u32, 30).collect();
+        assert_eq!(c.accepted_prefix(&digits), MAX_DIGITS as usize);
+        for _ in 0..MAX_DIGITS - 1 {
+            assert!(allowed(&mut c, n)[b'7' as usize]);
+            c.consume(b'7' as u32);
+        }
+        // One digit left: the single digits pass, the two-digit token does not.
+        let a = allowed(&mut c, n);
+        assert!(a[b'7' as usize] && !a[256], "one digit left");
+        assert_eq!(c.accepted_prefix(&[256]), 0);
+        c.consume(b'7' as u32);
+        let a = allowed(&mut c, n);
+        assert!(!a[b'7' as usize] && !a[256] && !a[257], "the run is full");
+        assert!(a[b'.' as usize] && a[b',' as usize], "the number may still end or go on to its fraction");
+        c.consume(b'.' as u32);
+        assert_eq!(c.accepted_prefix(&digits), MAX_DIGITS as usize, "the fraction has its own bound");
+        c.consume(b'5' as u32);
+        c.consume(257); // "3,": the run ends with the number
+        for &b in br#""s":"# {
+            c.consume(b as u32);
+        }
+        assert_eq!(c.accepted_prefix(&[b'"' as u32]), 1);
+        c.consume(b'"' as u32);
+        assert_eq!(c.accepted_prefix(&digits), 30, "digits in a string are text");
+        for &b in br#"a"}"# {
+            c.consume(b as u32);
+        }
+        // The grammar has ended: only end-of-sequence, and taking it is not a failure.
+        let a = allowed(&mut c, n);
+        assert_eq!(a.iter().filter(|&&x| x).count(), 1);
+        assert!(a[eos as usize]);
+        c.consume(eos);
+        assert!(c.failure().is_none(), "{:?}", c.failure());
+    }
+
+    /// A number the schema keeps open (`multipleOf`) cannot run into the bound with nothing left: the
+    /// digit that fills the run must be one after which the number can end, in `apply` and in
+    /// `accepted_prefix` alike.
+    #[test]
+    fn the_last_digit_lets_the_number_end() {
+        let (g, eos) = grammars();
+        let n = eos as usize + 1;
+        let mut c = g.json_schema(&json!({"type": "integer", "multipleOf": 7})).unwrap();
+        let mut value: u128 = 0;
+        for _ in 0..MAX_DIGITS - 1 {
+            c.consume(b'1' as u32);
+            value = value * 10 + 1;
+        }
+        let a = allowed(&mut c, n);
+        let ok: Vec<u128> = (0..10u128).filter(|&d| a[b'0' as usize + d as usize]).collect();
+        assert!(!ok.is_empty() && ok.iter().all(|d| (value * 10 + d).is_multiple_of(7)), "{ok:?}");
+        assert!(!a[256], "two digits would pass the bound");
+        for d in 0..10u128 {
+            let t = b'0' as u32 + d as u32;
+            assert_eq!(c.accepted_prefix(&[t, eos]), if ok.contains(&d) { 2 } else { 0 }, "digit {d}");
+        }
+        c.consume(b'0' as u32 + ok[0] as u32);
+        let a = allowed(&mut c, n);
+        assert_eq!((a.iter().filter(|&&x| x).count(), a[eos as usize]), (1, true), "only the end is left");
+        assert!(c.failure().is_none());
+    }
+
+    /// Object schemas that list properties are closed unless they say otherwise; free-form objects, data
+    /// (`enum`, `const`, `default`) and the members of an `allOf` are left as they are.
+    #[test]
+    fn object_schemas_are_closed() {
+        let mut s = json!({
+            "type": "object",
+            "properties": {
+                "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+                "free": {"type": "object"},
+                "open": {"type": "object", "properties": {"y": {}}, "additionalProperties": true},
+                "list": {"type": "array", "items": {"properties": {"z": {}}}},
+                "either": {"anyOf": [{"properties": {"u": {}}}, {"type": "null"}]},
+                "both": {"allOf": [{"properties": {"v": {}}}, {"properties": {"w": {}}}]},
+                "data": {"const": {"properties": {"k": 1}}, "default": {"properties": {}}}
+            },
+            "$defs": {"D": {"type": "object", "properties": {"q": {}}}}
+        });
+        close_objects(&mut s);
+        let p = &s["properties"];
+        assert_eq!(s["additionalProperties"], false);
+        assert_eq!(p["a"]["additionalProperties"], false);
+        assert!(p["free"].get("additionalProperties").is_none());
+        assert_eq!(p["open"]["additionalProperties"], true);
+        assert_eq!(p["list"]["items"]["additionalProperties"], false);
+        assert_eq!(p["either"]["anyOf"][0]["additionalProperties"], false);
+        assert!(p["both"]["allOf"][0].get("additionalProperties").is_none());
+        assert_eq!(p["data"]["const"], json!({"properties": {"k": 1}}));
+        assert_eq!(p["data"]["default"], json!({"properties": {}}));
+        assert_eq!(s["$defs"]["D"]["additionalProperties"], false);
+        // Through llguidance: the closed schema refuses a key it does not list.
+        let (g, _) = grammars();
+        let mut closed = json!({"type": "object", "properties": {"name": {"type": "string"}}});
+        let text: Vec<u32> = br#"{"name": "x", "age": 3}"#.iter().map(|&b| b as u32).collect();
+        let open_len = g.json_schema(&closed).unwrap().accepted_prefix(&text);
+        close_objects(&mut closed);
+        let closed_len = g.json_schema(&closed).unwrap().accepted_prefix(&text);
+        assert_eq!(open_len, text.len());
+        assert_eq!(closed_len, br#"{"name": "x""#.len(), "no room for another key: the object must close");
+    }
 }

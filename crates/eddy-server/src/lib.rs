@@ -439,7 +439,7 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
     let schema = api::parse_response_format(&o)?;
     let mut thinking = None;
     let mut calls = None;
-    let mut grammar: Option<(&str, String)> = None;
+    let mut grammar: Option<(&'static str, String)> = None;
     let prompt = match kind {
         Kind::Chat => {
             let messages = api::parse_messages(&o)?;
@@ -473,11 +473,18 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
                 } else if let Ok(g) = g {
                     check_tools(st, &g)?;
                 }
-                calls = Some(Calls { family, parallel: tools.parallel, names: tools.tools.iter().map(|t| t.name.clone()).collect() });
+                calls = Some(Calls {
+                    family,
+                    parallel: tools.parallel,
+                    names: tools.tools.iter().map(|t| t.name.clone()).collect(),
+                    forced: matches!(tools.choice, api::ToolChoice::Required | api::ToolChoice::Named(_)),
+                });
             }
             // An assistant message last is continued (the reply extends it), as vLLM's and
-            // llama-server's prefill of the assistant turn.
-            let text = if messages.last().is_some_and(|m| m["role"] == "assistant") {
+            // llama-server's prefill of the assistant turn; one that made tool calls is a finished turn
+            // (vLLM renders it and opens a new one: its results may still be coming).
+            let made_calls = |m: &Value| m.get("tool_calls").is_some_and(|c| c.as_array().is_some_and(|a| !a.is_empty()));
+            let text = if messages.last().is_some_and(|m| m["role"] == "assistant" && !made_calls(m)) {
                 t.render_continue_json(&messages, &kwargs)
             } else {
                 t.render_json(&messages, true, &kwargs)
@@ -527,6 +534,9 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
     if grammar.is_none() {
         if let Some(schema) = &schema {
             grammar = Some(("response_format", schema_grammar(schema)?));
+            // The reply is the requested JSON (the grammar leaves no room for call markup): a JSON
+            // object that happens to look like a call is content, as vLLM reads it.
+            calls = None;
         }
     }
     let mask = match grammar {
@@ -538,7 +548,7 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
                 .as_ref()
                 .map_err(|e| ApiError::invalid(Some(param), format!("structured output is not available for this model: {e}")))?;
             let c = gs.lark(g).map_err(|e| ApiError::invalid(Some(param), grammar_error(param, &e)))?;
-            Some(Box::new(c) as Box<dyn eddy::sampling::LogitMask>)
+            Some((Box::new(c) as Box<dyn eddy::sampling::LogitMask>, param))
         }
     };
     // Presence and frequency penalties count the generated tokens only.
@@ -575,6 +585,7 @@ fn check_tools(st: &AppState, g: &str) -> Result<(), ApiError> {
 /// `x-guidance` leaves them out.
 fn schema_grammar(schema: &Value) -> Result<String, ApiError> {
     let mut s = schema.clone();
+    grammar::close_objects(&mut s);
     if let Some(o) = s.as_object_mut() {
         // The schema's own `x-guidance` options (llguidance's) are kept; eddy's defaults fill in the ones
         // it leaves out.
@@ -607,6 +618,9 @@ struct Calls {
     parallel: bool,
     /// The tools' names (calls written bare must name one).
     names: Vec<String>,
+    /// `tool_choice` forces a call: the reply is call markup under a grammar, never content, and its
+    /// last call may be cut (by the token limit or a stop string) whatever the finish reason.
+    forced: bool,
 }
 
 /// A validated request, its prompt tokenized.
@@ -616,7 +630,7 @@ struct Prepared {
     thinking: Option<Start>,
     max_tokens: usize,
     calls: Option<Calls>,
-    mask: Option<Box<dyn eddy::sampling::LogitMask>>,
+    mask: Option<(Box<dyn eddy::sampling::LogitMask>, &'static str)>,
 }
 
 /// Validate, tokenize (on the blocking pool), queue, and answer (whole or streamed).
@@ -704,7 +718,10 @@ fn usage(s: &GenerationStats, completion: usize) -> Value {
 }
 
 /// llama-server's `timings` object: `prompt_n` counts the prompt tokens actually prefilled, `cache_n`
-/// those reused from the prefix cache; `draft_n` / `draft_n_accepted` count speculation drafts.
+/// those reused from the prefix cache; `draft_n` / `draft_n_accepted` count speculation drafts. The
+/// decode rate is eddy's: the tokens after the first over the time from the first to the last
+/// (`predicted_per_second` and `predicted_per_token_ms` are reciprocals); llama-server divides all
+/// `predicted_n` tokens by that time, about one token's worth faster on short replies.
 fn timings(s: &GenerationStats, completion_tokens: usize) -> Value {
     let prompt_n = s.prompt_tokens.saturating_sub(s.cached_tokens);
     let prompt_ms = s.ttft.as_secs_f64() * 1e3;
@@ -718,7 +735,7 @@ fn timings(s: &GenerationStats, completion_tokens: usize) -> Value {
         "prompt_per_second": if prompt_ms > 0.0 { prompt_n as f64 * 1e3 / prompt_ms } else { 0.0 },
         "predicted_n": completion_tokens,
         "predicted_ms": predicted_ms,
-        "predicted_per_token_ms": per(completion_tokens.saturating_sub(1), predicted_ms),
+        "predicted_per_token_ms": per(s.generated_tokens.saturating_sub(1), predicted_ms),
         "predicted_per_second": s.generation_speed(),
         "draft_n": s.draft_tokens,
         "draft_n_accepted": s.draft_accepted,
@@ -788,17 +805,20 @@ impl Formatter {
                     message["reasoning_content"] = json!(reasoning);
                 }
                 if let Some(c) = &self.calls {
-                    let (content, mut calls) = c.family.parse_reply(&text, &c.names, finish == "length");
+                    let (content, mut calls) = c.family.parse_reply(&text, &c.names, c.forced || finish == "length");
                     if !c.parallel {
                         calls.truncate(1);
                     }
-                    if !calls.is_empty() {
-                        message["content"] = json!(content);
-                        message["tool_calls"] = calls
-                            .into_iter()
-                            .map(|(name, args)| json!({"id": c.family.call_id(), "type": "function", "function": {"name": name, "arguments": args}}))
-                            .collect();
-                        if finish == "stop" {
+                    if !calls.is_empty() || c.forced {
+                        message["content"] = json!(if c.forced { None } else { content });
+                        let complete = calls.last().is_some_and(|(_, a)| complete_arguments(a));
+                        if !calls.is_empty() {
+                            message["tool_calls"] = calls
+                                .into_iter()
+                                .map(|(name, args)| json!({"id": c.family.call_id(), "type": "function", "function": {"name": name, "arguments": args}}))
+                                .collect();
+                        }
+                        if finish == "stop" && complete {
                             finish = "tool_calls";
                         }
                     }
@@ -867,9 +887,16 @@ async fn whole_response(fmt: Formatter, mut rx: Reply, _c: &Common) -> Result<Re
                 return Ok(Json(fmt.whole(text, &lps, finish, completion_tokens, &stats)).into_response());
             }
             Event::Error(e) => return Err(server_error(e)),
+            Event::Invalid { param, message } => return Err(ApiError::invalid(Some(param), message)),
         }
     }
     Err(server_error("the engine dropped the request".into()))
+}
+
+/// Whether a call's arguments text is a whole JSON object (not cut off by the token limit or a stop
+/// string): only then is the finish reason `tool_calls`.
+fn complete_arguments(args: &str) -> bool {
+    serde_json::from_str::<Value>(args).is_ok_and(|v| v.is_object())
 }
 
 fn server_error(msg: String) -> ApiError {
@@ -896,6 +923,7 @@ fn stream_response(fmt: Formatter, rx: Reply, keep_alive: Option<Duration>) -> R
         lp_pending: Vec::new(),
         calls,
         n_calls: 0,
+        last_args: String::new(),
         skipping: false,
     };
     Response::builder()
@@ -923,6 +951,8 @@ struct SseBody {
     calls: Option<CallStreamer>,
     /// Tool calls sent so far.
     n_calls: usize,
+    /// The arguments text sent for the last call.
+    last_args: String,
     /// The current call is dropped (a second call when `parallel_tool_calls` is false).
     skipping: bool,
 }
@@ -956,12 +986,15 @@ impl SseBody {
         let mut out = Vec::new();
         for p in pieces {
             match p {
+                // A forced call's markup (a call cut before its name was read) is never content.
+                tools::Piece::Content(_) if self.fmt.calls.as_ref().is_some_and(|c| c.forced) => {}
                 tools::Piece::Content(c) => out.push(self.fmt.chunk(false, Some(&c), None)),
                 tools::Piece::Call(name) => {
                     self.skipping = !parallel && self.n_calls > 0;
                     if self.skipping {
                         continue;
                     }
+                    self.last_args.clear();
                     let index = self.n_calls;
                     self.n_calls += 1;
                     let id = self.fmt.calls.as_ref().map(|c| c.family.call_id()).unwrap_or_default();
@@ -974,6 +1007,7 @@ impl SseBody {
                     if self.skipping || args.is_empty() || self.n_calls == 0 {
                         continue;
                     }
+                    self.last_args.push_str(&args);
                     let mut body = self.fmt.chunk(false, None, None);
                     body["choices"][0]["delta"] = json!({"tool_calls": [{"index": self.n_calls - 1, "function": {"arguments": args}}]});
                     out.push(body);
@@ -1019,7 +1053,8 @@ impl SseBody {
                     let chunks = self.piece_chunks(pieces);
                     self.queue(chunks);
                 }
-                let finish = if self.n_calls > 0 && finish == "stop" { "tool_calls" } else { finish };
+                let finish =
+                    if self.n_calls > 0 && finish == "stop" && complete_arguments(&self.last_args) { "tool_calls" } else { finish };
                 let mut last = self.fmt.chunk(false, None, Some(finish));
                 if self.fmt.kind == Kind::Chat {
                     last["choices"][0]["delta"] = json!({});
@@ -1038,6 +1073,10 @@ impl SseBody {
             }
             Some(Event::Error(e)) => {
                 self.queued.push_back(sse(&server_error(e).body()));
+                self.finish();
+            }
+            Some(Event::Invalid { param, message }) => {
+                self.queued.push_back(sse(&ApiError::invalid(Some(param), message).body()));
                 self.finish();
             }
             None => {

@@ -103,10 +103,16 @@ impl Family {
         let parallel = tools.parallel && !matches!(tools.choice, ToolChoice::Named(_));
         let args_key = if self == Family::Llama3 { "parameters" } else { "arguments" };
         let compact = grammar_options();
+        // Arguments admit only the keys a tool's schema lists, unless it says otherwise.
+        let params = |t: &Tool| {
+            let mut p = t.parameters.clone();
+            crate::grammar::close_objects(&mut p);
+            p
+        };
         let one: Vec<Value> = allowed
             .iter()
             .map(|t| {
-                json!({"type": "object", "properties": {"name": {"const": t.name}, args_key: t.parameters},
+                json!({"type": "object", "properties": {"name": {"const": t.name}, args_key: params(t)},
                        "required": ["name", args_key], "additionalProperties": false})
             })
             .collect();
@@ -144,7 +150,7 @@ impl Family {
                     (0..allowed.len()).map(|i| format!("fn{i}")).collect::<Vec<_>>().join(" | ")
                 );
                 for (i, t) in allowed.iter().enumerate() {
-                    let schema = json!({"allOf": [t.parameters], "x-guidance": compact});
+                    let schema = json!({"allOf": [params(t)], "x-guidance": compact});
                     g.push_str(&format!("fn{i}: {} <[{args}]> args{i}\nargs{i}: %json {}\n", text(&json!(t.name))?, text(&schema)?));
                 }
                 g

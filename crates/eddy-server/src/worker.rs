@@ -23,8 +23,9 @@ pub(crate) struct Job {
     pub queued_at: Instant,
     /// Its place in the queue, given back when the engine thread takes the job.
     pub slot: Slot,
-    /// The constraint on the output (a JSON schema, a tool call), if any.
-    pub mask: Option<Box<dyn LogitMask>>,
+    /// The constraint on the output (a JSON schema, a tool call), if any, and the request field it
+    /// comes from (`response_format` or `tools`).
+    pub mask: Option<(Box<dyn LogitMask>, &'static str)>,
     /// Decode special tokens into the text (a tool-call marker that is a control token).
     pub keep_special: bool,
     /// Reuse the prefix cache (`false`: the prompt is prefilled cold).
@@ -173,6 +174,9 @@ pub(crate) enum Event {
     Done { finish: &'static str, completion_tokens: usize, stats: GenerationStats },
     /// The engine failed.
     Error(String),
+    /// The request's grammar (request field `param`) failed while the reply was generated: the
+    /// request's fault, a 400.
+    Invalid { param: &'static str, message: String },
 }
 
 /// Start the engine thread; jobs are read from `rx` until every sender is dropped. Every job taken from
@@ -229,8 +233,8 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) ->
     };
     // A client that leaves during the prefill stops it at the next prefill piece.
     let left = || tx.is_closed();
-    let mask = mask.as_mut().map(|m| m.as_mut() as &mut dyn LogitMask);
-    let r = engine.generate_masked(&prompt, &params, &left, mask, &mut |id, lp| {
+    let constraint = mask.as_mut().map(|(m, _)| m.as_mut() as &mut dyn LogitMask);
+    let r = engine.generate_masked(&prompt, &params, &left, constraint, &mut |id, lp| {
         if tx.is_closed() {
             return false;
         }
@@ -265,6 +269,15 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) ->
             metrics.generation(&stats, n);
             if stats.finish == FinishReason::Cancelled && !hit {
                 return None; // client gone
+            }
+            // A grammar that failed (rather than ended) is the request's error, not a finished reply
+            // (llguidance's message, without the parser state it appends).
+            if let Some(((_, param), e)) = mask.as_ref().and_then(|m| Some((m, m.0.failure()?))).filter(|_| !hit) {
+                let e = e.lines().next().unwrap_or_default();
+                return Some(Event::Invalid {
+                    param,
+                    message: format!("invalid {param}: its grammar failed after {n} generated tokens: {e}"),
+                });
             }
             if !hit {
                 if let Ok(Some(mut text)) = dec.finish() {

@@ -1851,3 +1851,94 @@ fn tool_choice_none_keeps_the_tools_in_the_prompt() {
     assert!(ev.iter().all(|e| e["choices"][0]["delta"].get("tool_calls").is_none()), "{ev:?}");
     assert_eq!(text, c["message"]["content"].as_str().unwrap());
 }
+
+/// A forced call cut short is never content: before its name is read (3 tokens) the reply has neither
+/// content nor calls, whole and streamed; cut inside its arguments by a stop string, the partial call is
+/// kept and the finish reason stays `stop` (not `tool_calls`: the call is not whole).
+#[test]
+fn a_forced_call_cut_short_shows_no_markup() {
+    let Some(addr) = qwen05_server() else { return };
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+    let body = |extra: Value| {
+        let mut b = json!({"messages": [{"role": "user", "content": "Weather in Tokyo?"}], "tools": tools,
+            "tool_choice": "required", "temperature": 0});
+        b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        b
+    };
+    let v = post(addr, "/v1/chat/completions", body(json!({"max_tokens": 3}))).json();
+    let c = &v["choices"][0];
+    assert_eq!((c["finish_reason"].as_str(), &c["message"]["content"]), (Some("length"), &Value::Null), "{v}");
+    assert!(c["message"].get("tool_calls").is_none(), "{v}");
+    let (text, ev) = streamed(addr, "/v1/chat/completions", body(json!({"max_tokens": 3, "stream": true})));
+    assert!(text.is_empty(), "{text:?}");
+    assert_eq!(ev.iter().rev().find_map(|e| e["choices"][0]["finish_reason"].as_str()), Some("length"));
+    let v = post(addr, "/v1/chat/completions", body(json!({"max_tokens": 40, "stop": ["}"]}))).json();
+    let c = &v["choices"][0];
+    assert_eq!(c["finish_reason"], "stop", "{v}");
+    assert_eq!(c["message"]["content"], Value::Null, "{v}");
+    let args = c["message"]["tool_calls"][0]["function"]["arguments"].as_str().unwrap();
+    assert!(args.starts_with("{\"city\": ") && serde_json::from_str::<Value>(args).is_err(), "{v}");
+}
+
+/// An assistant message with tool calls as the last message is a finished turn: its calls reach the
+/// prompt (a new assistant turn follows), where a plain assistant message last is continued.
+#[test]
+fn an_assistant_turn_with_calls_last_is_not_continued() {
+    let Some(addr) = qwen05_server() else { return };
+    let user = json!({"role": "user", "content": "Weather in Tokyo?"});
+    let call = json!({"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": "{\"city\": \"Tokyo\"}"}}]});
+    let tokens = |msgs: Value| {
+        post(addr, "/v1/chat/completions", json!({"messages": msgs, "max_tokens": 1})).json()["usage"]["prompt_tokens"].as_u64().unwrap()
+    };
+    let (alone, with_call) = (tokens(json!([user])), tokens(json!([user, call])));
+    assert!(with_call > alone + 10, "{alone} vs {with_call}: the calls were dropped");
+}
+
+/// Structured outputs end as JSON where the 0.5B would write digits to the token limit
+/// (`multipleOf` at T 0: the last digit allowed is one that makes a multiple), and an object schema
+/// that lists its properties admits no other key (the 0.5B adds `age`, `city`, … otherwise).
+#[test]
+fn structured_outputs_stay_bounded_and_closed() {
+    let Some(addr) = qwen05_server() else { return };
+    let ask = |schema: Value| {
+        let v = post(addr, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": "Describe a fictional person as JSON."}],
+            "temperature": 0, "max_tokens": 64, "response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}}))
+        .json();
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+        let text = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+        (serde_json::from_str::<Value>(&text).unwrap(), text)
+    };
+    // (Read as text: the value may pass u64's range, which serde_json reads as a float.)
+    let (_, age) = ask(json!({"type": "object", "properties": {"age": {"type": "integer", "multipleOf": 7}}, "required": ["age"]}));
+    let digits = age.trim_start_matches("{\"age\": ").trim_end_matches('}');
+    assert!(digits.len() <= 20 && digits.bytes().fold(0u32, |r, d| (r * 10 + (d - b'0') as u32) % 7) == 0, "{age}");
+    let (person, _) = ask(json!({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}));
+    assert_eq!(person.as_object().unwrap().keys().collect::<Vec<_>>(), ["name"], "{person}");
+}
+
+/// A schema that compiles but whose grammar fails while the reply is generated (llguidance builds its
+/// lexer lazily: a pattern of a million `a`s) is a 400 naming `response_format`, not a reply cut short;
+/// and with `auto` tools and a `response_format` the reply is content even when it looks like a call.
+#[test]
+fn grammar_failures_are_errors_and_json_replies_are_content() {
+    let Some(addr) = qwen05_server() else { return };
+    let schema = json!({"type": "string", "pattern": "^a{1000000}$"});
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}});
+    let v = assert_error(&post(addr, "/v1/chat/completions", body), 400, "grammar failed");
+    assert_eq!(v["error"]["param"], "response_format", "{v}");
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+    let v = post(
+        addr,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "Weather in Tokyo? Answer as JSON."}],
+        "tools": tools, "temperature": 0, "max_tokens": 40, "response_format": {"type": "json_object"}}),
+    )
+    .json();
+    let m = &v["choices"][0]["message"];
+    assert!(m.get("tool_calls").is_none(), "{v}");
+    assert!(serde_json::from_str::<Value>(m["content"].as_str().unwrap()).is_ok_and(|j| j.is_object()), "{v}");
+}

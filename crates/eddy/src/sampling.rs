@@ -101,6 +101,11 @@ pub trait LogitMask: Send {
     /// How many leading tokens of `tokens`, continuing what was consumed, the constraint allows (its state
     /// unchanged).
     fn accepted_prefix(&mut self, tokens: &[u32]) -> usize;
+    /// Why the constraint allowed no token, when that was a failure (its own error) rather than the end of
+    /// what it accepts; `None` otherwise.
+    fn failure(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Philox4x32-10: 4×32-bit counter, 2×32-bit key, 10 rounds. Returns 4 random words.
