@@ -134,6 +134,9 @@ pub struct Common {
     /// llama-server's `cache_prompt` (default true): `false` prefills the whole prompt, reusing nothing
     /// from the prefix cache (benchmarks measure a cold time to first token with it).
     pub cache_prompt: bool,
+    /// Text completions' `echo`: the reply starts with the prompt (its tokens' log-probabilities too
+    /// when `logprobs` is set; `max_tokens` may then be 0: the prompt scored, nothing generated).
+    pub echo: bool,
 }
 
 /// Most alternatives per token `logprobs` / `top_logprobs` may ask for (OpenAI's limit).
@@ -200,8 +203,9 @@ pub fn parse_common(o: &Map<String, Value>, chat: bool) -> R<Common> {
         (Some(k), None) if k > 0 => return Err(ApiError::invalid(Some("top_logprobs"), "top_logprobs needs logprobs: true")),
         (_, l) => l,
     };
-    if boolean(o, "echo")? == Some(true) {
-        return Err(ApiError::unsupported("echo", "echo"));
+    let echo = boolean(o, "echo")? == Some(true);
+    if echo && chat {
+        return Err(ApiError::unsupported("echo", "echo on chat completions (/v1/completions has it)"));
     }
     if get(o, "suffix").is_some() {
         return Err(ApiError::unsupported("suffix", "suffix"));
@@ -216,8 +220,10 @@ pub fn parse_common(o: &Map<String, Value>, chat: bool) -> R<Common> {
             return Err(ApiError::invalid(Some("best_of"), format!("only best_of=1 is supported, got {n}")));
         }
     }
-    let mut max_tokens = integer(o, "max_tokens", 1)?;
-    if let Some(m) = integer(o, "max_completion_tokens", 1)? {
+    // 0 only with echo: the prompt is scored, nothing generated (lm-eval's log-likelihood requests).
+    let least = if echo { 0 } else { 1 };
+    let mut max_tokens = integer(o, "max_tokens", least)?;
+    if let Some(m) = integer(o, "max_completion_tokens", least)? {
         max_tokens = Some(m);
     }
     let mut s = SamplerParams { temperature: 1.0, seed: random_seed(), ..SamplerParams::default() };
@@ -294,6 +300,7 @@ pub fn parse_common(o: &Map<String, Value>, chat: bool) -> R<Common> {
         include_usage,
         logprobs,
         cache_prompt: boolean(o, "cache_prompt")?.unwrap_or(true),
+        echo,
     })
 }
 

@@ -658,6 +658,7 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
         mask,
         keep_special: calls.as_ref().is_some_and(|c| c.family.keeps_special_tokens()),
         cache_prompt: common.cache_prompt,
+        echo: common.echo,
     };
     if st.jobs.send(job).is_err() {
         return Err(server_error("the engine thread has stopped".into()));
@@ -754,12 +755,12 @@ impl Formatter {
         }
         match self.kind {
             Kind::Chat => {
-                let entry = |t: &TokenText, l: f32| json!({"token": t.text, "logprob": l, "bytes": t.bytes});
+                let entry = |t: &TokenText, l: Option<f32>| json!({"token": t.text, "logprob": l, "bytes": t.bytes});
                 let content: Vec<Value> = lps
                     .iter()
                     .map(|l| {
                         let mut e = entry(&l.token, l.logprob);
-                        e["top_logprobs"] = l.top.iter().map(|(t, v)| entry(t, *v)).collect();
+                        e["top_logprobs"] = l.top.iter().map(|(t, v)| entry(t, Some(*v))).collect();
                         e
                     })
                     .collect();
@@ -767,8 +768,14 @@ impl Formatter {
             }
             Kind::Text => {
                 let text_offset: Vec<usize> = lps.iter().map(|l| l.offset).collect();
-                let top: Vec<Value> =
-                    lps.iter().map(|l| Value::Object(l.top.iter().map(|(t, v)| (t.text.clone(), json!(v))).collect())).collect();
+                // An echoed prompt's first token: null log-probability and alternatives (OpenAI's legacy API).
+                let top: Vec<Value> = lps
+                    .iter()
+                    .map(|l| match l.logprob {
+                        None => Value::Null,
+                        Some(_) => Value::Object(l.top.iter().map(|(t, v)| (t.text.clone(), json!(v))).collect()),
+                    })
+                    .collect();
                 json!({
                     "tokens": lps.iter().map(|l| l.token.text.as_str()).collect::<Vec<_>>(),
                     "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),

@@ -30,6 +30,9 @@ pub(crate) struct Job {
     pub keep_special: bool,
     /// Reuse the prefix cache (`false`: the prompt is prefilled cold).
     pub cache_prompt: bool,
+    /// Text completions' `echo`: the prompt's text (and with `logprobs` its tokens' log-probabilities)
+    /// comes first, as the reply's first delta.
+    pub echo: bool,
 }
 
 /// Admission to the engine thread's queue: at most `max` jobs wait at a time. A job holds its place
@@ -143,11 +146,12 @@ fn byte_alphabet_byte(c: char) -> Option<u8> {
 
 /// A generated token's log-probability and its top alternatives, and where its text begins in the
 /// completion (in characters; a token that completes a character begun by earlier tokens begins where
-/// that character does).
+/// that character does). An echoed prompt's first token has no log-probability (`None`, and no
+/// alternatives).
 #[derive(Debug, Clone)]
 pub(crate) struct Logprob {
     pub token: TokenText,
-    pub logprob: f32,
+    pub logprob: Option<f32>,
     pub top: Vec<(TokenText, f32)>,
     pub offset: usize,
 }
@@ -156,7 +160,7 @@ impl Logprob {
     fn new(tok: &Tokenizer, lp: &TokenLogprobs, offset: usize) -> Logprob {
         Logprob {
             token: TokenText::new(tok, lp.id),
-            logprob: lp.logprob,
+            logprob: Some(lp.logprob),
             top: lp.top.iter().map(|&(id, l)| (TokenText::new(tok, id), l)).collect(),
             offset,
         }
@@ -213,9 +217,25 @@ pub(crate) fn spawn(
 
 /// Generates one job, sending its text deltas; returns the last event to send (none when the client left).
 fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) -> Option<Event> {
-    let Job { prompt, params, stops, tx, mut mask, keep_special, cache_prompt, .. } = job;
+    let Job { prompt, params, stops, tx, mut mask, keep_special, cache_prompt, echo, .. } = job;
     if !cache_prompt {
         engine.clear_cache();
+    }
+    let mut echoed_chars = 0;
+    if echo {
+        match echo_prompt(engine, tok, &prompt, params.logprobs, keep_special) {
+            Ok((text, lps)) => {
+                echoed_chars = text.chars().count();
+                if !text.is_empty() || !lps.is_empty() {
+                    let _ = tx.send(Event::Delta(text, lps));
+                }
+            }
+            Err(e) => return Some(Event::Error(e.to_string())),
+        }
+        if params.max_tokens == 0 {
+            let stats = GenerationStats { prompt_tokens: prompt.len(), finish: FinishReason::Length, ..Default::default() };
+            return Some(Event::Done { finish: "length", completion_tokens: 0, stats });
+        }
     }
     let mut last_token: Option<Instant> = None;
     let mut dec = StreamDecoder::new(tok, !keep_special);
@@ -225,7 +245,7 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) ->
     let mut n = 0usize;
     let mut hit = false;
     let want_lp = params.logprobs.is_some();
-    let mut lpq = LogprobQueue::default();
+    let mut lpq = LogprobQueue { decoded_chars: echoed_chars, ..Default::default() };
     let send = |text: String, lps: Vec<Logprob>| {
         if !text.is_empty() || !lps.is_empty() {
             let _ = tx.send(Event::Delta(text, lps));
@@ -306,6 +326,43 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) ->
             Some(Event::Done { finish, completion_tokens: n, stats })
         }
     }
+}
+
+/// The text of `prompt` as a completion's `echo` gives it, decoded as generated text is (special tokens
+/// skipped unless `keep_special`), and with `logprobs` (`Some(k)` alternatives) an entry per prompt token
+/// at its character offset: the first without a log-probability, the others from
+/// [`Engine::prompt_logprobs`].
+fn echo_prompt(
+    engine: &mut Engine,
+    tok: &Tokenizer,
+    prompt: &[u32],
+    logprobs: Option<usize>,
+    keep_special: bool,
+) -> eddy::Result<(String, Vec<Logprob>)> {
+    let mut dec = StreamDecoder::new(tok, !keep_special);
+    let mut text = String::new();
+    let (mut offsets, mut chars) = (Vec::with_capacity(prompt.len()), 0);
+    for &id in prompt {
+        offsets.push(chars);
+        if let Some(t) = dec.push(id)? {
+            chars += t.chars().count();
+            text.push_str(&t);
+        }
+    }
+    if let Some(t) = dec.finish()? {
+        text.push_str(&t);
+    }
+    let Some(k) = logprobs else {
+        return Ok((text, Vec::new()));
+    };
+    let mut lps = Vec::with_capacity(prompt.len());
+    if let Some(&first) = prompt.first() {
+        lps.push(Logprob { token: TokenText::new(tok, first), logprob: None, top: Vec::new(), offset: 0 });
+    }
+    for (lp, &offset) in engine.prompt_logprobs(prompt, k)?.iter().zip(&offsets[1..]) {
+        lps.push(Logprob::new(tok, lp, offset));
+    }
+    Ok((text, lps))
 }
 
 /// Whether the raw bytes of `ids` end inside a UTF-8 character (a token sequence cut mid-character).

@@ -1942,3 +1942,47 @@ fn grammar_failures_are_errors_and_json_replies_are_content() {
     assert!(m.get("tool_calls").is_none(), "{v}");
     assert!(serde_json::from_str::<Value>(m["content"].as_str().unwrap()).is_ok_and(|j| j.is_object()), "{v}");
 }
+
+/// Text completions' `echo` (lm-eval's log-likelihood requests): the reply starts with the prompt, and
+/// with `logprobs` each prompt token has its log-probability (the first none), at its character offset.
+/// Scoring a prompt that ends with a generated token gives that token the log-probability it had when it
+/// was generated (CPU products do not depend on the batch).
+#[test]
+fn echo_scores_the_prompt() {
+    let Some(addr) = qwen05_server() else { return };
+    let prompt = "def add(a, b):\n    return";
+    let a = post(addr, "/v1/completions", json!({"prompt": prompt, "echo": true, "logprobs": 2, "max_tokens": 1, "temperature": 0})).json();
+    let c = &a["choices"][0];
+    let text = c["text"].as_str().unwrap();
+    assert!(text.starts_with(prompt) && text.len() > prompt.len(), "{a}");
+    let lp = &c["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    let n_prompt = a["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    assert_eq!(tokens.len(), n_prompt + 1, "{a}");
+    assert_eq!(tokens.concat(), text);
+    assert_eq!(lp["token_logprobs"][0], Value::Null);
+    assert_eq!(lp["top_logprobs"][0], Value::Null);
+    let offsets: Vec<usize> = lp["text_offset"].as_array().unwrap().iter().map(|o| o.as_u64().unwrap() as usize).collect();
+    let mut at = 0;
+    for (i, t) in tokens.iter().enumerate() {
+        assert_eq!(offsets[i], at, "token {i} {t:?}");
+        at += t.chars().count();
+        if i > 0 {
+            let l = lp["token_logprobs"][i].as_f64().unwrap();
+            assert!(l <= 0.0, "{l}");
+            assert_eq!(lp["top_logprobs"][i].as_object().unwrap().len(), 2, "{a}");
+        }
+    }
+    let generated = lp["token_logprobs"][n_prompt].as_f64().unwrap();
+    let b = post(addr, "/v1/completions", json!({"prompt": text, "echo": true, "logprobs": 0, "max_tokens": 0})).json();
+    let c = &b["choices"][0];
+    assert_eq!((c["text"].as_str(), c["finish_reason"].as_str()), (Some(text), Some("length")), "{b}");
+    assert_eq!(b["usage"]["completion_tokens"], 0);
+    let scored: Vec<&str> = c["logprobs"]["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(scored, tokens, "the text retokenizes as it was generated");
+    let last = c["logprobs"]["token_logprobs"][n_prompt].as_f64().unwrap();
+    assert!((last - generated).abs() < 1e-4, "scored {last} vs generated {generated}");
+    // max_tokens 0 needs echo; chat has no echo.
+    assert_error(&post(addr, "/v1/completions", json!({"prompt": "x", "max_tokens": 0})), 400, "max_tokens");
+    assert_error(&post(addr, "/v1/chat/completions", chat_body("hi", json!({"echo": true}))), 400, "echo");
+}

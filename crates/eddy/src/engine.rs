@@ -1063,6 +1063,37 @@ impl Engine {
         Ok(out)
     }
 
+    /// The log-probability of each token of `tokens` after the first, given those before it (OpenAI's
+    /// `echo` with `logprobs`: entry i is token i + 1, its `k` most likely alternatives with it), computed
+    /// from an empty state in pieces of the prefill batch, so memory stays at one piece's logits. The
+    /// prefix cache is cleared (the next request prefills cold).
+    ///
+    /// Errors: more tokens than the context; ids outside the vocabulary; a backend failure.
+    pub fn prompt_logprobs(&mut self, tokens: &[u32], k: usize) -> Result<Vec<TokenLogprobs>> {
+        if tokens.len() > self.ctx() {
+            return Err(Error::Input(format!("{} tokens exceed the context of {}", tokens.len(), self.ctx())));
+        }
+        let vocab = self.lm.model.config.vocab_size;
+        let piece = self.exec.max_batch().max(1);
+        self.exec.clear();
+        let mut out = Vec::with_capacity(tokens.len().saturating_sub(1));
+        let mut logits = Vec::new();
+        let mut r = Ok(());
+        for (p, w) in tokens.chunks(piece).enumerate() {
+            // The last piece's last row predicts nothing in `tokens`.
+            let rows = (tokens.len() - 1 - p * piece).min(w.len());
+            r = on_device!(&mut self.exec, &self.lm.model, |c, m| forward(m, &c.be, &mut c.ws, &mut c.state, w, Logits::All, &mut logits));
+            if r.is_err() {
+                break;
+            }
+            for i in 0..rows {
+                out.push(TokenLogprobs::new(&logits[i * vocab..(i + 1) * vocab], tokens[p * piece + i + 1], k));
+            }
+        }
+        self.exec.clear();
+        r.map(|()| out)
+    }
+
     /// Perplexity over non-overlapping windows of `window` tokens: each window starts from an empty state,
     /// tokens 1..n−1 of each window are scored (as `llama-perplexity` and the transformers recipe do without
     /// stride). Returns (perplexity, scored tokens). A last window shorter than 2 tokens is dropped.
