@@ -4,7 +4,8 @@
 //! The bridge to llguidance is a token trie of the model's vocabulary: each token id's bytes (byte-level BPE
 //! entries mapped back through the GPT-2 byte alphabet, SentencePiece `<0xHH>` entries as their byte and `▁`
 //! as a space), special tokens marked as such (llguidance allows them only where a grammar names them),
-//! and the ids the model has beyond the tokenizer as special placeholders. The end-of-sequence set is the
+//! and the ids the model has beyond the tokenizer or that its GGUF marks UNUSED (Qwen2.5's `[PAD…]` rows,
+//! text a JSON string would otherwise admit) as special placeholders. The end-of-sequence set is the
 //! tokenizer's stop tokens: when the grammar is complete only they are allowed, so generation ends there.
 //!
 //! Two rules on top of the schemas, as llama.cpp's and vLLM's JSON grammars have them: a number's digit runs
@@ -376,6 +377,9 @@ fn token_bytes(tok: &Tokenizer, n_vocab: usize) -> Vec<Vec<u8>> {
             };
             if let Some(t) = added.get(&id) {
                 return if t.special { special(&t.content) } else { t.content.clone().into_bytes() };
+            }
+            if tok.unused_ids.binary_search(&id).is_ok() {
+                return special(&format!("<[{id}]>"));
             }
             let Some(entry) = tok.token_str(id) else {
                 return special(&format!("<[{id}]>"));

@@ -1986,3 +1986,24 @@ fn echo_scores_the_prompt() {
     assert_error(&post(addr, "/v1/completions", json!({"prompt": "x", "max_tokens": 0})), 400, "max_tokens");
     assert_error(&post(addr, "/v1/chat/completions", chat_body("hi", json!({"echo": true}))), 400, "echo");
 }
+
+/// Qwen2.5's UNUSED rows (`[PAD151665]`…, never trained; at temperature 2 one was sampled inside a JSON
+/// string) are never allowed by a grammar, where an ordinary text token is.
+#[test]
+fn grammars_never_allow_unused_rows() {
+    if model_path().is_none() {
+        return;
+    }
+    let p = eddy::load::models_dir().join(eddy::load::DEFAULT_MODEL_FILE);
+    let tok = eddy::tokenizer::Tokenizer::from_gguf(&eddy::gguf::GgufFile::open(&p).unwrap()).unwrap();
+    assert_eq!((tok.unused_ids.len(), tok.unused_ids.first(), tok.unused_ids.last()), (271, Some(&151665), Some(&151935)));
+    let g = eddy_server::grammar::Grammars::new(&tok, 151936).unwrap();
+    let mut c = g.json_schema(&json!({"type": "string"})).unwrap();
+    use eddy::sampling::LogitMask;
+    c.consume(tok.encode_plain("\"").unwrap()[0]);
+    let mut logits = vec![0.0f32; 151936];
+    assert!(c.apply(&mut logits));
+    let text = tok.encode_plain("PAD").unwrap()[0] as usize;
+    assert!(logits[text].is_finite(), "ordinary text is allowed inside the string");
+    assert!(tok.unused_ids.iter().all(|&id| logits[id as usize] == f32::NEG_INFINITY));
+}

@@ -105,6 +105,9 @@ pub struct Tokenizer {
     /// Ids that end generation: EOS plus those of `<|im_end|>`, `<|endoftext|>`, `<end_of_turn>`, `<|eot_id|>`,
     /// `<|end_of_text|>`, `<|end|>`, `<|eom_id|>`, `<|return|>` that exist as added tokens.
     pub stop_ids: Vec<u32>,
+    /// Ids a GGUF file marks UNUSED (placeholder rows that were never trained, e.g. Qwen2.5's
+    /// `[PAD151665]`…`[PAD151935]`), ascending; constrained decoding never allows them.
+    pub unused_ids: Vec<u32>,
     /// `inner` set to encode special-token text as plain text (built on first use, shared by clones).
     plain: std::sync::Arc<std::sync::OnceLock<tk::Tokenizer>>,
 }
@@ -267,7 +270,10 @@ impl Tokenizer {
         let pp = template_processor(add_bos.then_some(bos.as_ref()).flatten(), add_eos.then_some(eos.as_ref()).flatten()).map_err(bad)?;
         inner.with_post_processor(Some(pp));
 
-        Ok(Self::finish(inner, path.to_path_buf(), n, false, bos_id, eos_id, add_bos))
+        let mut tok = Self::finish(inner, path.to_path_buf(), n, false, bos_id, eos_id, add_bos);
+        // GGUF token type 5: UNUSED.
+        tok.unused_ids = t.token_types.iter().flatten().enumerate().filter(|&(_, &ty)| ty == 5).map(|(i, _)| i as u32).collect();
+        Ok(tok)
     }
 
     /// Loads a Hugging Face tokenizer: `tokenizer.json` as it is (its post-processor decides what
@@ -332,7 +338,18 @@ impl Tokenizer {
                 }
             }
         }
-        Tokenizer { inner, source, n_vocab, cleanup_spaces, bos_id, eos_id, add_bos, stop_ids, plain: Default::default() }
+        Tokenizer {
+            inner,
+            source,
+            n_vocab,
+            cleanup_spaces,
+            bos_id,
+            eos_id,
+            add_bos,
+            stop_ids,
+            unused_ids: Vec::new(),
+            plain: Default::default(),
+        }
     }
 
     /// Encodes `text`. With `add_special` the model's special tokens are added around it (BOS when
