@@ -97,6 +97,14 @@ pub fn run(a: BenchArgs) -> R<()> {
         if a.endpoint.is_some() || a.prompt.is_some() || a.dataset.is_some() {
             return Err("--compare: reads saved runs; it takes no --endpoint, --prompt or --dataset".into());
         }
+        if let Some(p) = &a.plot {
+            check_output(
+                "--plot",
+                p,
+                |f| std::fs::read(f).is_ok_and(|b| b.starts_with(b"<svg") || b.starts_with(b"<?xml")),
+                "an SVG file",
+            )?;
+        }
         return compare(&a.compare, a.plot.as_deref());
     }
     let Some(endpoint) = a.endpoint.as_deref() else {
@@ -108,7 +116,7 @@ pub fn run(a: BenchArgs) -> R<()> {
     }
     if let Some(out) = &a.out {
         // Fail before the run, not after it.
-        crate::check_writable("--out", out).map_err(|e| e.to_string())?;
+        check_output("--out", out, |f| read_run(f).is_ok(), "a run written by eddy bench --out")?;
     }
     if a.num == 0 {
         return Err("--num: must be at least 1".into());
@@ -334,6 +342,19 @@ fn summary_text(run: &Value) -> String {
     t.trim_end().to_string()
 }
 
+/// An output path checked before any work: writable, not a directory, and an existing file replaced only
+/// when `ours` says it is `what` (an earlier output of the same kind), never a user's other file (such as a
+/// `--compare` input named as `--plot`).
+fn check_output(flag: &str, p: &Path, ours: impl Fn(&Path) -> bool, what: &str) -> R<()> {
+    if p.is_dir() {
+        return Err(format!("{flag} {}: is a directory", p.display()));
+    }
+    if p.exists() && !ours(p) {
+        return Err(format!("{flag} {}: exists and is not {what}: not overwritten (pick another path)", p.display()));
+    }
+    crate::check_writable(flag, p).map_err(|e| e.to_string())
+}
+
 fn read_run(p: &Path) -> R<Value> {
     let text = std::fs::read_to_string(p).map_err(|e| format!("{}: cannot read: {e}", p.display()))?;
     let v: Value = serde_json::from_str(&text).map_err(|e| format!("{}: not JSON ({e})", p.display()))?;
@@ -468,7 +489,7 @@ fn load_dataset(name: &str, n: usize) -> R<Vec<String>> {
         "humaneval" => {
             let p = named("HumanEval.jsonl", "humaneval")?;
             let text = String::from_utf8_lossy(&read(&p)?).into_owned();
-            let prompts = jsonl_prompts(&text, n);
+            let prompts = jsonl_prompts(&text, n).map_err(|e| format!("--dataset {}: {e}", p.display()))?;
             Ok(prompts.into_iter().map(|p| format!("Complete this Python function:\n\n{p}")).collect())
         }
         "sharegpt" => {
@@ -482,7 +503,7 @@ fn load_dataset(name: &str, n: usize) -> R<Vec<String>> {
             }
             let text = String::from_utf8(read(p)?).map_err(|e| format!("--dataset {file}: not UTF-8 text ({e})"))?;
             Ok(if file.ends_with(".jsonl") {
-                jsonl_prompts(&text, n)
+                jsonl_prompts(&text, n).map_err(|e| format!("--dataset {file}: {e}"))?
             } else {
                 text.lines().filter(|l| !l.trim().is_empty()).take(n).map(str::to_string).collect()
             })
@@ -490,17 +511,30 @@ fn load_dataset(name: &str, n: usize) -> R<Vec<String>> {
     }
 }
 
-/// Prompts of a JSONL text: each line a JSON string or an object with `prompt` (or `text`); other lines
-/// are skipped.
-fn jsonl_prompts(text: &str, n: usize) -> Vec<String> {
-    text.lines()
-        .filter_map(|l| match serde_json::from_str::<Value>(l).ok()? {
-            Value::String(s) => Some(s),
-            v => v.get("prompt").or_else(|| v.get("text"))?.as_str().map(str::to_string),
-        })
-        .filter(|s| !s.trim().is_empty())
-        .take(n)
-        .collect()
+/// The first `n` prompts of a JSONL text: each line a JSON string or an object with a string `prompt` (or
+/// `text`); blank lines and empty prompts are skipped, any other line is an error naming it (a prompt
+/// silently dropped would change what a run measures).
+fn jsonl_prompts(text: &str, n: usize) -> R<Vec<String>> {
+    let mut out = Vec::new();
+    for (i, l) in text.lines().enumerate() {
+        if out.len() == n {
+            break;
+        }
+        if l.trim().is_empty() {
+            continue;
+        }
+        let prompt = match serde_json::from_str::<Value>(l) {
+            Ok(Value::String(s)) => Some(s),
+            Ok(v) => v.get("prompt").or_else(|| v.get("text")).and_then(Value::as_str).map(str::to_string),
+            Err(_) => None,
+        };
+        match prompt {
+            Some(p) if p.trim().is_empty() => {}
+            Some(p) => out.push(p),
+            None => return Err(format!("line {} is neither a JSON string nor an object with a string prompt (or text)", i + 1)),
+        }
+    }
+    Ok(out)
 }
 
 /// The first human turn of the first `n` complete conversations of a ShareGPT JSON array, read element by
@@ -558,9 +592,13 @@ mod tests {
 
     #[test]
     fn jsonl_strings_and_objects() {
-        let t = "\"plain\"\n{\"prompt\": \"p\", \"x\": 1}\nnot json\n{\"text\": \"t\"}\n{\"other\": 1}\n\"\"\n";
-        assert_eq!(jsonl_prompts(t, 10), vec!["plain", "p", "t"]);
-        assert_eq!(jsonl_prompts(t, 2), vec!["plain", "p"]);
+        let t = "\"plain\"\n{\"prompt\": \"p\", \"x\": 1}\n\n{\"text\": \"t\"}\n\"\"\n";
+        assert_eq!(jsonl_prompts(t, 10).unwrap(), vec!["plain", "p", "t"]);
+        assert_eq!(jsonl_prompts(t, 2).unwrap(), vec!["plain", "p"]);
+        for bad in ["not json", "{\"other\": 1}", "{\"prompt\": 5}", "[1]"] {
+            let e = jsonl_prompts(&format!("\"a\"\n{bad}\n\"b\"\n"), 10).unwrap_err();
+            assert!(e.starts_with("line 2 "), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -460,6 +460,21 @@ fn check_writable(flag: &str, path: &std::path::Path) -> eddy::Result<()> {
     }
 }
 
+/// Most bytes a text input (a message from stdin, a perplexity or calibration file) may have: far past any
+/// context (128k tokens are about 0.5 MB of text), and a stream that never ends (`/dev/zero`) is refused at
+/// this size instead of filling the memory.
+const MAX_TEXT_BYTES: u64 = 256 << 20;
+
+/// All of `r`, at most [`MAX_TEXT_BYTES`]; `what` names the input in errors.
+fn read_text_bytes(r: impl std::io::Read, what: &str) -> eddy::Result<Vec<u8>> {
+    let mut buf = Vec::new();
+    r.take(MAX_TEXT_BYTES + 1).read_to_end(&mut buf).map_err(|e| bad(what, format!("cannot read: {e}")))?;
+    if buf.len() as u64 > MAX_TEXT_BYTES {
+        return Err(bad(what, format!("more than {} MiB of text: refused", MAX_TEXT_BYTES >> 20)));
+    }
+    Ok(buf)
+}
+
 /// Collapse a message to one line (errors are one line, whatever the library or a parser wrote).
 fn one_line(s: &str) -> String {
     s.split(['\n', '\r']).map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ")
@@ -658,8 +673,7 @@ fn run(a: RunArgs) -> eddy::Result<()> {
         },
     };
     let (message, source) = if a.message == "-" {
-        let mut buf = Vec::new();
-        std::io::stdin().read_to_end(&mut buf).map_err(|e| bad("stdin", format!("cannot read the message: {e}")))?;
+        let buf = read_text_bytes(std::io::stdin(), "stdin")?;
         let s = String::from_utf8(buf).map_err(|e| bad("stdin", format!("the message is not UTF-8 text ({e})")))?;
         // `echo hi | eddy run -m -` sends "hi", not "hi\n".
         (s.trim_end_matches(['\n', '\r']).to_string(), "stdin")
@@ -855,8 +869,8 @@ fn print_stats(s: &GenerationStats, energy_err: Option<&String>, total_j: Option
 
 fn perplexity(a: PplArgs) -> eddy::Result<()> {
     let file = a.file.display().to_string();
-    let bytes = std::fs::read(&a.file).map_err(|e| eddy::Error::Io { path: a.file.clone(), source: e })?;
-    let text = String::from_utf8(bytes).map_err(|e| bad(&file, format!("not UTF-8 text ({e})")))?;
+    let f = std::fs::File::open(&a.file).map_err(|e| eddy::Error::Io { path: a.file.clone(), source: e })?;
+    let text = String::from_utf8(read_text_bytes(f, &file)?).map_err(|e| bad(&file, format!("not UTF-8 text ({e})")))?;
     if text.is_empty() {
         return Err(bad(&file, "the file is empty: nothing to score"));
     }
@@ -958,8 +972,9 @@ fn quantize(a: QuantizeArgs) -> eddy::Result<()> {
     }
     let calib_text = match &a.calib {
         Some(p) => {
-            let bytes = std::fs::read(p).map_err(|e| eddy::Error::Io { path: p.clone(), source: e })?;
-            let text = String::from_utf8(bytes).map_err(|e| bad(&p.display().to_string(), format!("not UTF-8 text ({e})")))?;
+            let f = std::fs::File::open(p).map_err(|e| eddy::Error::Io { path: p.clone(), source: e })?;
+            let name = p.display().to_string();
+            let text = String::from_utf8(read_text_bytes(f, &name)?).map_err(|e| bad(&name, format!("not UTF-8 text ({e})")))?;
             if text.trim().is_empty() {
                 return Err(bad(&p.display().to_string(), "the calibration text is empty"));
             }

@@ -153,6 +153,13 @@ fn bench_measures_an_eddy_server_and_compares_runs() {
 
 #[test]
 fn bench_option_errors_are_one_line() {
+    let notes_path = common::tmp("bench", "notes.txt");
+    std::fs::write(&notes_path, "my notes\n").unwrap();
+    let bad_path = common::tmp("bench", "bad.jsonl");
+    std::fs::write(&bad_path, "\"a\"\nnot json\n").unwrap();
+    let (notes, bad_jsonl) = (notes_path.to_str().unwrap(), bad_path.to_str().unwrap());
+    let dir = std::env::temp_dir();
+    let dir = dir.to_str().unwrap();
     let cases: &[(&[&str], &str)] = &[
         (&["bench", "--prompt", "x"], "--endpoint: required"),
         (&["bench", "--endpoint", "localhost:1/v1", "--prompt", "x"], "not an http"),
@@ -162,6 +169,11 @@ fn bench_option_errors_are_one_line() {
         (&["bench", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m", "--prompt", "x", "--warmup", "0"], "127.0.0.1:9"),
         (&["bench", "--compare", "/nonexistent/a.json"], "cannot read"),
         (&["bench", "--plot", "x.svg"], "--compare"),
+        // Outputs are checked before any request, and a user's other files are never overwritten.
+        (&["bench", "--compare", "/nonexistent/a.json", "--plot", notes], "not overwritten"),
+        (&["bench", "--endpoint", "http://127.0.0.1:9/v1", "--prompt", "x", "--out", notes], "not overwritten"),
+        (&["bench", "--endpoint", "http://127.0.0.1:9/v1", "--prompt", "x", "--out", dir], "is a directory"),
+        (&["bench", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m", "--dataset", bad_jsonl], "line 2 is neither"),
     ];
     for (args, needle) in cases {
         let o = eddy(args);
@@ -172,6 +184,7 @@ fn bench_option_errors_are_one_line() {
         assert_eq!(err.lines().filter(|l| l.starts_with("error")).count(), 1, "{args:?}: {err}");
         assert!(last.starts_with("error: ") && last.contains(needle), "{args:?}: {err}");
     }
+    assert_eq!(std::fs::read_to_string(&notes_path).unwrap(), "my notes\n");
 }
 
 /// The real `eddy serve` binary (with --no-prefix-cache, on an ephemeral port), measured by `eddy bench`.

@@ -147,9 +147,42 @@ fn model_paths() {
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.starts_with("error: foo/bar: HF_HUB_OFFLINE"), "{err}");
 
+    // EDDY_OFFLINE keeps hub ids off the network as HF_HUB_OFFLINE does.
+    let out = Command::new(env!("CARGO_BIN_EXE_eddy"))
+        .args(["run", "--model", "foo/bar", "-m", "hi"])
+        .env("EDDY_OFFLINE", "1")
+        .env_remove("HF_HUB_OFFLINE")
+        .env("HF_HOME", &hf_home)
+        .env_remove("HF_HUB_CACHE")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.code() == Some(2) && err.starts_with("error: foo/bar: EDDY_OFFLINE is set"), "{err}");
+    // Missing paths are paths, not hub ids: a link to nothing, a name inside a folder that exists.
+    let link = tmp("dangling.gguf");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(tmp("nothing-here"), &link).unwrap();
+    expect_error(&["run", "--model", link.to_str().unwrap(), "-m", "hi"], "symbolic link to nothing");
+    expect_error(&["run", "--model", "tests/missing", "-m", "hi"], "tests is a folder here");
+
     let Some(smol) = smol() else { return };
     let s = smol.to_str().unwrap();
     expect_error(&["run", "--model", s, "--quant", "q8", "-m", "hi"], "--quant q8 is for Hugging Face safetensors");
+    // A NaN in a norm weight is a corrupt file, as one in a matrix is (it used to load and babble).
+    let g = eddy::gguf::GgufFile::open(&smol).unwrap();
+    let nan = f32::NAN.to_le_bytes().repeat(576);
+    let tensors: Vec<(String, Vec<u64>, u32, &[u8])> = g
+        .tensors
+        .iter()
+        .map(|t| {
+            let data = if t.name == "output_norm.weight" { &nan[..] } else { g.tensor_data(t).unwrap() };
+            (t.name.clone(), t.dims.clone(), t.ggml_type, data)
+        })
+        .collect();
+    let bad = tmp("nan-norm.gguf");
+    eddy::gguf::write_gguf(&bad, &g.metadata, &tensors).unwrap();
+    expect_error(&["run", "--model", bad.to_str().unwrap(), "-m", "hi"], "tensor output_norm.weight holds a NaN");
+    let _ = std::fs::remove_file(&bad);
     // A folder of GGUF files (such as the models folder) names the files to pass instead.
     let folder = tmp("gguf-folder");
     std::fs::create_dir_all(&folder).unwrap();
@@ -361,6 +394,8 @@ fn perplexity_inputs() {
     expect_error(&strs(&ppl(&fox, &["--ctx", "1"])), "--ctx: must be at least 2");
     expect_error(&strs(&ppl(&fox, &["--ctx", "100000"])), "--ctx: a window of 100000 tokens is longer than the model's training context");
     expect_error(&strs(&ppl(&tmp("ppl-missing.txt"), &[])), "ppl-missing.txt:");
+    // A stream that never ends is refused at the text limit instead of filling the memory.
+    expect_error(&strs(&ppl(Path::new("/dev/zero"), &[])), "/dev/zero: more than 256 MiB of text");
     for ctx in ["2", "4096"] {
         let out = eddy(&strs(&ppl(&fox, &["--ctx", ctx, "--json"])));
         assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));

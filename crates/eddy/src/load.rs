@@ -2,7 +2,7 @@
 //!
 //! A model is named by a GGUF file path, a Hugging Face model folder (loaded by [`crate::model_dir`]), or a
 //! hub id `org/name` (downloaded with hf-hub into the standard Hugging Face cache; `HF_HOME` and
-//! `HF_HUB_OFFLINE` are honoured): a repository with `.gguf` files gives its GGUF (preferring Q4_K_M), any
+//! `HF_HUB_OFFLINE` are honoured, `EDDY_OFFLINE` as well): a repository with `.gguf` files gives its GGUF (preferring Q4_K_M), any
 //! other its safetensors folder (`config.json`, tokenizer files, chat template, `model.safetensors` or the
 //! index and its shards). Without a name, the default model (Qwen2.5-Coder-0.5B-Instruct GGUF, fetched by
 //! `tools/fetch_models.sh`) is used.
@@ -107,6 +107,17 @@ fn resolve(spec: &str) -> Result<PathBuf> {
     if p.exists() {
         return Ok(p.to_path_buf());
     }
+    // A link to nothing, or a name inside a folder that exists here, is a path that is missing, not a
+    // hub id (`models/x.gguf` would otherwise be asked of the hub).
+    if p.symlink_metadata().is_ok() {
+        return Err(Error::model(p, "is a symbolic link to nothing (or a link loop)"));
+    }
+    if let Some(d) = p.parent().filter(|d| !d.as_os_str().is_empty() && d.is_dir()) {
+        return Err(Error::model(
+            p,
+            format!("no such file or directory ({} is a folder here, so this is read as a path, not a hub id)", d.display()),
+        ));
+    }
     let looks_like_hub_id = spec.matches('/').count() == 1
         && !spec.starts_with('.')
         && !spec.starts_with('/')
@@ -130,11 +141,11 @@ fn hub_download(repo_id: &str) -> Result<PathBuf> {
     if let Some(p) = cached_folder(&repo_dir) {
         return Ok(p);
     }
-    let offline = std::env::var("HF_HUB_OFFLINE").map(|v| v == "1" || v.eq_ignore_ascii_case("true")).unwrap_or(false);
-    if offline {
+    let set = |k: &str| std::env::var(k).is_ok_and(|v| ["1", "true", "yes"].iter().any(|t| v.eq_ignore_ascii_case(t)));
+    if let Some(k) = ["HF_HUB_OFFLINE", "EDDY_OFFLINE"].into_iter().find(|k| set(k)) {
         return Err(Error::model(
             repo_id,
-            format!("HF_HUB_OFFLINE is set and the model is not in the Hugging Face cache ({})", cache.path().display()),
+            format!("{k} is set and the model is not in the Hugging Face cache ({})", cache.path().display()),
         ));
     }
     let api = hf_hub::api::sync::ApiBuilder::from_cache(cache)

@@ -492,7 +492,7 @@ impl<'a> DirLoader<'a> {
     }
 
     fn vector(&mut self, name: &str, n: usize) -> Result<Vec<f32>> {
-        let v = self.t.f32_tensor(name, &[n])?;
+        let v = crate::quant::import::finite_vector(&self.t.listing, name, self.t.f32_tensor(name, &[n])?)?;
         self.tick();
         Ok(v)
     }

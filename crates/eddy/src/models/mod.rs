@@ -551,7 +551,7 @@ impl GgufLoader<'_> {
         if info.n_elements() != n as u64 {
             return Err(Error::model(&self.g.path, format!("tensor {name} has shape {:?}, expected [{n}]", info.dims)));
         }
-        let v = import::dequantize(&self.g.path, info, self.g.tensor_data(info)?)?;
+        let v = import::finite_vector(&self.g.path, name, import::dequantize(&self.g.path, info, self.g.tensor_data(info)?)?)?;
         self.tick();
         Ok(v)
     }

@@ -506,7 +506,7 @@ impl Source for HfLoader<'_> {
         if shape.iter().product::<usize>() != n {
             return Err(Error::model(&self.t.listing, format!("tensor {name} has shape {shape:?}, expected {n} values")));
         }
-        self.t.f32_tensor(name, &shape)
+        import::finite_vector(&self.t.listing, name, self.t.f32_tensor(name, &shape)?)
     }
     fn has(&self, name: &str) -> bool {
         self.t.contains(name)
@@ -578,7 +578,7 @@ impl Source for GgufLoader<'_> {
         if info.n_elements() != n as u64 {
             return Err(Error::model(&self.g.path, format!("tensor {name} has shape {:?}, expected {n} values", info.dims)));
         }
-        import::dequantize(&self.g.path, info, self.g.tensor_data(info)?)
+        import::finite_vector(&self.g.path, name, import::dequantize(&self.g.path, info, self.g.tensor_data(info)?)?)
     }
     fn has(&self, name: &str) -> bool {
         self.g.tensor(name).is_some()

@@ -341,6 +341,16 @@ pub fn import_matrix(path: &Path, info: &TensorInfo, bytes: &[u8]) -> Result<Wei
     }
 }
 
+/// `v` (a vector tensor `name` of the file at `path`: a norm weight, a bias) when every value is finite;
+/// else the same corrupt-file error as a matrix's (a NaN norm weight turns every logit after it into NaN,
+/// and the reply into noise with nothing said).
+pub fn finite_vector(path: &Path, name: &str, v: Vec<f32>) -> Result<Vec<f32>> {
+    match v.iter().position(|x| !x.is_finite()) {
+        Some(i) => Err(Error::model(path, format!("tensor {name} holds a NaN or infinite value (element {i}): the model file is corrupt"))),
+        None => Ok(v),
+    }
+}
+
 /// The first row of `w` with a non-finite value (f32/bf16 weights) or scale or offset (quantized: codes are
 /// integers, so only the scales can be NaN or infinite), or `None`. A corrupt file's bytes make such values;
 /// no trained model has them, and one would turn every logit after it into NaN.
