@@ -574,6 +574,9 @@ fn bandwidth(threads: Option<usize>) -> eddy::Result<()> {
 }
 
 fn load_with_progress(spec: Option<&str>, quant: Quant) -> eddy::Result<LoadedModel> {
+    if let Some(p) = spec.map(std::path::Path::new).filter(|p| eddy::spec::dflash::is_dflash_dir(p)) {
+        return Err(eddy::Error::model(p, "is a DFlash drafter, not a model: pass it as --draft-model with its target as --model"));
+    }
     if spec.is_none() && eddy::load::default_model_path().is_err() {
         // First use: download the default model into the models folder (unless offline).
         let dir = eddy::load::models_dir();

@@ -138,6 +138,7 @@ fn corrupt_hyperparameters() {
         ("llama.block_count", 10, "lies beyond llama.block_count = 10"),
         ("llama.rope.dimension_count", 0, "rope dims 0"),
         ("llama.context_length", 0, "context length 0"),
+        ("llama.embedding_length", 0, "head_dim 0"),
     ] {
         let Some(p) = modified(&format!("{key}-{value}.gguf"), |m, _| {
             m.insert(key.into(), GgufValue::U32(value));

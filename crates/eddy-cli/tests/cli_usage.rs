@@ -168,6 +168,9 @@ fn model_paths() {
     let Some(smol) = smol() else { return };
     let s = smol.to_str().unwrap();
     expect_error(&["run", "--model", s, "--quant", "q8", "-m", "hi"], "--quant q8 is for Hugging Face safetensors");
+    let drafter = eddy::load::models_dir().join("dflash-qwen2.5-coder-1.5b");
+    assert!(drafter.is_dir(), "{} is missing: run tools/fetch_models.sh", drafter.display());
+    expect_error(&["run", "--model", drafter.to_str().unwrap(), "-m", "hi"], "is a DFlash drafter, not a model");
     // A NaN in a norm weight is a corrupt file, as one in a matrix is (it used to load and babble).
     let g = eddy::gguf::GgufFile::open(&smol).unwrap();
     let nan = f32::NAN.to_le_bytes().repeat(576);

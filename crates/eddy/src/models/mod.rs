@@ -157,6 +157,20 @@ impl ModelConfig {
     /// soft-cap) are finite and positive; the problem in words otherwise.
     pub fn check_shapes(&self) -> std::result::Result<(), String> {
         let c = self;
+        // Sizes first: a head_dim of 0 would otherwise be reported as an infinite attention scale.
+        if c.n_layers == 0
+            || c.d_model == 0
+            || c.ffn_dim == 0
+            || c.vocab_size == 0
+            || c.train_ctx == 0
+            || c.rope_dims == 0
+            || c.head_dim == 0
+        {
+            return Err(format!(
+                "empty model: {} layers, d_model {}, ffn {}, vocabulary {}, context length {}, rope dims {}, head_dim {} (each must be at least 1)",
+                c.n_layers, c.d_model, c.ffn_dim, c.vocab_size, c.train_ctx, c.rope_dims, c.head_dim
+            ));
+        }
         let floats = [
             ("RMSNorm epsilon", Some(c.norm_eps)),
             ("RoPE base (rope_theta / rope.freq_base)", Some(c.rope_theta)),
@@ -170,12 +184,6 @@ impl ModelConfig {
             if let Some(v) = v.filter(|v| !(v.is_finite() && *v > 0.0)) {
                 return Err(format!("invalid {what}: {v} (must be a finite number > 0)"));
             }
-        }
-        if c.n_layers == 0 || c.d_model == 0 || c.ffn_dim == 0 || c.vocab_size == 0 || c.train_ctx == 0 || c.rope_dims == 0 {
-            return Err(format!(
-                "empty model: {} layers, d_model {}, ffn {}, vocabulary {}, context length {}, rope dims {} (each must be at least 1)",
-                c.n_layers, c.d_model, c.ffn_dim, c.vocab_size, c.train_ctx, c.rope_dims
-            ));
         }
         if c.n_heads == 0
             || c.n_kv_heads == 0
