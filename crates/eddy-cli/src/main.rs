@@ -936,7 +936,19 @@ fn perplexity(a: PplArgs) -> eddy::Result<()> {
             ))
         };
     }
-    let (ppl, n) = engine.perplexity(&tokens, window)?;
+    // A running line per window on a terminal (llama-perplexity's `[i]ppl`); nothing when piped.
+    let bar = indicatif::ProgressBar::with_draw_target(None, indicatif::ProgressDrawTarget::stderr());
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} windows, {elapsed}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let r = engine.perplexity_with(&tokens, window, &mut |done, total, ppl| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+        bar.set_message(format!("perplexity {ppl:.4}"));
+    });
+    bar.finish_and_clear();
+    let (ppl, n) = r?;
     if a.json {
         print_line(&serde_json::json!({"perplexity": ppl, "scored_tokens": n, "window": window}).to_string())
     } else {

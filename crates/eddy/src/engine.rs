@@ -1098,6 +1098,12 @@ impl Engine {
     /// tokens 1..n−1 of each window are scored (as `llama-perplexity` and the transformers recipe do without
     /// stride). Returns (perplexity, scored tokens). A last window shorter than 2 tokens is dropped.
     pub fn perplexity(&mut self, tokens: &[u32], window: usize) -> Result<(f64, usize)> {
+        self.perplexity_with(tokens, window, &mut |_, _, _| {})
+    }
+
+    /// [`Engine::perplexity`], calling `progress(windows done, windows in all, perplexity so far)` after
+    /// each window (llama-perplexity's running `[i]ppl` line).
+    pub fn perplexity_with(&mut self, tokens: &[u32], window: usize, progress: &mut dyn FnMut(usize, usize, f64)) -> Result<(f64, usize)> {
         if window < 2 {
             return Err(Error::Input("perplexity window must be at least 2 tokens".into()));
         }
@@ -1106,16 +1112,15 @@ impl Engine {
         }
         let vocab = self.lm.model.config.vocab_size;
         let (mut nll, mut n) = (0f64, 0usize);
-        for w in tokens.chunks(window) {
-            if w.len() < 2 {
-                continue;
-            }
+        let total = tokens.chunks(window).filter(|w| w.len() >= 2).count();
+        for (k, w) in tokens.chunks(window).filter(|w| w.len() >= 2).enumerate() {
             let logits = self.score(w)?;
             for i in 0..w.len() - 1 {
                 let row = &logits[i * vocab..(i + 1) * vocab];
                 nll += log_sum_exp(row) - row[w[i + 1] as usize] as f64;
                 n += 1;
             }
+            progress(k + 1, total, (nll / n as f64).exp());
         }
         if n == 0 {
             return Err(Error::Input("the text has fewer than 2 tokens: nothing to score".into()));

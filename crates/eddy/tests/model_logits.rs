@@ -102,7 +102,13 @@ fn check_model(name: &str) {
     let p = &fx["perplexity"];
     let text = std::fs::read_to_string(format!("{}/../../{}", env!("CARGO_MANIFEST_DIR"), p["text_file"].as_str().unwrap())).unwrap();
     let tokens = engine.lm.tokenizer.encode(&text, true).unwrap();
-    let (ppl, n) = engine.perplexity(&tokens, p["ctx"].as_u64().unwrap() as usize).unwrap();
+    let mut seen = Vec::new();
+    let ctx = p["ctx"].as_u64().unwrap() as usize;
+    let (ppl, n) = engine.perplexity_with(&tokens, ctx, &mut |done, total, so_far| seen.push((done, total, so_far))).unwrap();
+    // One progress call per window, in order, the last with the final perplexity.
+    let windows = tokens.chunks(ctx).filter(|w| w.len() >= 2).count();
+    assert_eq!(seen.iter().map(|s| (s.0, s.1)).collect::<Vec<_>>(), (1..=windows).map(|k| (k, windows)).collect::<Vec<_>>());
+    assert_eq!(seen.last().unwrap().2, ppl);
     let want = p["ppl"].as_f64().unwrap();
     eprintln!("{name}: perplexity {ppl:.4} (transformers {want:.4}), {n} tokens");
     assert_eq!(n as u64, p["scored"].as_u64().unwrap());
