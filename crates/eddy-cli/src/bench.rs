@@ -101,7 +101,11 @@ pub fn run(a: BenchArgs) -> R<()> {
             check_output(
                 "--plot",
                 p,
-                |f| std::fs::read(f).is_ok_and(|b| b.starts_with(b"<svg") || b.starts_with(b"<?xml")),
+                |f| {
+                    let mut head = [0u8; 5];
+                    let read = std::fs::File::open(f).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut head));
+                    read.is_ok() && (head.starts_with(b"<svg") || head == *b"<?xml")
+                },
                 "an SVG file",
             )?;
         }
@@ -349,7 +353,8 @@ fn check_output(flag: &str, p: &Path, ours: impl Fn(&Path) -> bool, what: &str) 
     if p.is_dir() {
         return Err(format!("{flag} {}: is a directory", p.display()));
     }
-    if p.exists() && !ours(p) {
+    // Special files (/dev/null) are written through; a regular file only if it is an earlier output.
+    if p.is_file() && !ours(p) {
         return Err(format!("{flag} {}: exists and is not {what}: not overwritten (pick another path)", p.display()));
     }
     crate::check_writable(flag, p).map_err(|e| e.to_string())

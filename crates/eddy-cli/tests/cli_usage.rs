@@ -145,7 +145,7 @@ fn model_paths() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");
-    assert!(err.starts_with("error: foo/bar: HF_HUB_OFFLINE"), "{err}");
+    assert!(err.starts_with("error: foo/bar: no such file or folder here, and as a hub id: HF_HUB_OFFLINE"), "{err}");
 
     // EDDY_OFFLINE keeps hub ids off the network as HF_HUB_OFFLINE does.
     let out = Command::new(env!("CARGO_BIN_EXE_eddy"))
@@ -157,13 +157,17 @@ fn model_paths() {
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.code() == Some(2) && err.starts_with("error: foo/bar: EDDY_OFFLINE is set"), "{err}");
-    // Missing paths are paths, not hub ids: a link to nothing, a name inside a folder that exists.
+    assert!(
+        out.status.code() == Some(2)
+            && err.starts_with("error: foo/bar: no such file or folder here, and as a hub id: EDDY_OFFLINE is set"),
+        "{err}"
+    );
+    // A link to nothing is a missing path, not a hub id; a name that is neither says both.
     let link = tmp("dangling.gguf");
     let _ = std::fs::remove_file(&link);
     std::os::unix::fs::symlink(tmp("nothing-here"), &link).unwrap();
     expect_error(&["run", "--model", link.to_str().unwrap(), "-m", "hi"], "symbolic link to nothing");
-    expect_error(&["run", "--model", "tests/missing", "-m", "hi"], "tests is a folder here");
+    expect_error(&["run", "--model", "tests/missing", "-m", "hi"], "no such file or folder here, and as a hub id: HF_HUB_OFFLINE is set");
 
     let Some(smol) = smol() else { return };
     let s = smol.to_str().unwrap();

@@ -208,10 +208,10 @@ impl Constraint {
     /// Whether the digit bound lets `tokens[last]` through, `tokens` continuing what was consumed and
     /// allowed by the grammar, `scan` the reply before the last: not past the bound, and a token that
     /// fills the run with digits only must leave the grammar a way to end the number (some next token
-    /// that does not start with a digit, or the end), checked by consuming `tokens` and rolling back.
+    /// that does not start with a digit, or the end), checked on a clone of the matcher.
     /// Without that look-ahead a number the schema keeps open (`multipleOf`, a `minimum` not yet
     /// reached) would run into the bound with nothing left to write.
-    fn digits_allow(&mut self, scan: &Scan, tokens: &[u32]) -> bool {
+    fn digits_allow(&self, scan: &Scan, tokens: &[u32]) -> bool {
         let Some(&t) = tokens.last() else {
             return true;
         };
@@ -222,18 +222,15 @@ impl Constraint {
         if !scan.fills(lead) || !self.lex.all_digits(t) {
             return true;
         }
-        let Ok(k) = self.m.try_consume_tokens(tokens) else {
-            return false;
-        };
-        let ends = k == tokens.len()
-            && (self.m.is_stopped()
-                || self.m.compute_mask().is_ok_and(|m| {
-                    let (a, d) = (m.as_slice(), &self.lex.digit_bits);
+        // On a clone: a failure there (a lazy-lexer limit after a token plain decoding would never
+        // sample) must not touch the request's own matcher.
+        let mut m = self.m.clone();
+        m.try_consume_tokens(tokens).is_ok_and(|k| k == tokens.len())
+            && (m.is_stopped()
+                || m.compute_mask().is_ok_and(|mask| {
+                    let (a, d) = (mask.as_slice(), &self.lex.digit_bits);
                     a.iter().zip(d).any(|(&a, &d)| a & !d != 0) || a.iter().skip(d.len()).any(|&a| a != 0)
-                }));
-        // A failed roll-back leaves the matcher in its error state: the reply then fails, reported.
-        let _ = self.m.rollback(k);
-        ends
+                }))
     }
 }
 
@@ -316,50 +313,93 @@ impl LogitMask for Constraint {
 /// Gives every object schema in `schema` that lists `properties` (or `patternProperties`) and says nothing
 /// of `additionalProperties` / `unevaluatedProperties` an `"additionalProperties": false`, as llama.cpp's
 /// converter and vLLM's default treat them (JSON Schema itself, and llguidance, let other keys through;
-/// a small model then invents keys until the token limit). Free-form objects (no `properties`) stay open,
-/// and so do the direct members of an `allOf` (closing each would refuse the other members' keys).
-/// Only schema positions are visited: `enum`, `const`, `default` and `examples` values are data.
+/// a small model then invents keys until the token limit). Left open: free-form objects (no `properties`),
+/// and every object that llguidance merges with another (it merges `allOf` members, `anyOf`/`oneOf` members
+/// with properties listed beside them, and `$ref` targets with their siblings, and a key listed by one side
+/// falls under the other side's `additionalProperties`, so closing either would refuse the other's keys):
+/// a node with `allOf`/`anyOf`/`oneOf`/`$ref`, an `allOf` member, an `anyOf`/`oneOf` member whose parent
+/// lists properties, and a `$defs`/`definitions` entry that such a node refers to. Only schema positions
+/// are visited: `enum`, `const`, `default` and `examples` values are data.
 pub fn close_objects(schema: &mut Value) {
-    fn walk(v: &mut Value, all_of_member: bool) {
-        let Value::Object(o) = v else {
-            return;
-        };
-        let lists = o.contains_key("properties") || o.contains_key("patternProperties");
-        if lists && !all_of_member && !o.contains_key("additionalProperties") && !o.contains_key("unevaluatedProperties") {
-            o.insert("additionalProperties".into(), Value::Bool(false));
-        }
-        for (k, sub) in o.iter_mut() {
-            match k.as_str() {
-                "properties" | "patternProperties" | "$defs" | "definitions" | "dependentSchemas" => {
-                    if let Value::Object(m) = sub {
-                        m.values_mut().for_each(|s| walk(s, false));
+    let mut merged_refs = std::collections::HashSet::new();
+    collect_merged_refs(schema, false, &mut merged_refs);
+    close_walk(schema, false, &merged_refs);
+}
+
+/// Whether the object schema `o` is merged with other schemas by llguidance (composition or `$ref` here).
+fn composes(o: &serde_json::Map<String, Value>) -> bool {
+    ["allOf", "anyOf", "oneOf", "$ref"].iter().any(|k| o.contains_key(*k))
+}
+
+/// Whether `o` lists keys of its own.
+fn lists(o: &serde_json::Map<String, Value>) -> bool {
+    o.contains_key("properties") || o.contains_key("patternProperties")
+}
+
+/// Calls `f(child, merged)` on each subschema of the object schema `o`; `merged`: llguidance merges the
+/// child with a sibling schema (an `allOf` member, an `anyOf`/`oneOf` member beside listed properties).
+fn each_subschema(o: &mut serde_json::Map<String, Value>, f: &mut dyn FnMut(&str, &mut Value, bool)) {
+    let with_properties = lists(o);
+    for (k, sub) in o.iter_mut() {
+        match k.as_str() {
+            "properties" | "patternProperties" | "$defs" | "definitions" | "dependentSchemas" => {
+                if let Value::Object(m) = sub {
+                    for (name, s) in m.iter_mut() {
+                        f(&format!("{k}/{name}"), s, false);
                     }
                 }
-                "anyOf" | "oneOf" | "prefixItems" | "allOf" => {
-                    if let Value::Array(a) = sub {
-                        let member = k == "allOf" && a.len() > 1;
-                        a.iter_mut().for_each(|s| walk(s, member));
-                    }
-                }
-                "items" => match sub {
-                    Value::Array(a) => a.iter_mut().for_each(|s| walk(s, false)),
-                    s => walk(s, false),
-                },
-                "additionalProperties"
-                | "additionalItems"
-                | "contains"
-                | "not"
-                | "if"
-                | "then"
-                | "else"
-                | "propertyNames"
-                | "unevaluatedItems"
-                | "unevaluatedProperties" => walk(sub, false),
-                _ => {}
             }
+            "allOf" | "anyOf" | "oneOf" | "prefixItems" => {
+                let merged = k == "allOf" || (k != "prefixItems" && with_properties);
+                if let Value::Array(a) = sub {
+                    a.iter_mut().for_each(|s| f(k, s, merged));
+                }
+            }
+            "items" => match sub {
+                Value::Array(a) => a.iter_mut().for_each(|s| f(k, s, false)),
+                s => f(k, s, false),
+            },
+            "additionalProperties"
+            | "additionalItems"
+            | "contains"
+            | "not"
+            | "if"
+            | "then"
+            | "else"
+            | "propertyNames"
+            | "unevaluatedItems"
+            | "unevaluatedProperties" => f(k, sub, false),
+            _ => {}
         }
     }
-    walk(schema, false);
+}
+
+/// The `$ref`s of nodes llguidance merges with something else (see [`close_objects`]).
+fn collect_merged_refs(v: &mut Value, merged: bool, out: &mut std::collections::HashSet<String>) {
+    let Value::Object(o) = v else {
+        return;
+    };
+    if let Some(r) = o.get("$ref").and_then(Value::as_str) {
+        let siblings = o.keys().any(|k| !matches!(k.as_str(), "$ref" | "description" | "title" | "default" | "examples" | "$comment"));
+        if merged || siblings {
+            out.insert(r.to_string());
+        }
+    }
+    each_subschema(o, &mut |_, s, m| collect_merged_refs(s, m, out));
+}
+
+fn close_walk(v: &mut Value, merged: bool, merged_refs: &std::collections::HashSet<String>) {
+    let Value::Object(o) = v else {
+        return;
+    };
+    if lists(o) && !merged && !composes(o) && !o.contains_key("additionalProperties") && !o.contains_key("unevaluatedProperties") {
+        o.insert("additionalProperties".into(), Value::Bool(false));
+    }
+    each_subschema(o, &mut |at, s, m| {
+        // A definition that a merged node refers to is merged too.
+        let shared = (at.starts_with("$defs/") || at.starts_with("definitions/")) && merged_refs.contains(&format!("#/{at}"));
+        close_walk(s, m || shared, merged_refs)
+    });
 }
 
 /// The bytes of every token id below `n_vocab`, special tokens as `0xFF` + their text (toktrie's
@@ -549,5 +589,29 @@ mod tests {
         let closed_len = g.json_schema(&closed).unwrap().accepted_prefix(&text);
         assert_eq!(open_len, text.len());
         assert_eq!(closed_len, br#"{"name": "x""#.len(), "no room for another key: the object must close");
+        // Schemas llguidance merges stay satisfiable: a $ref'd definition under allOf (OpenAPI's
+        // inheritance), anyOf members beside listed properties, a one-member allOf beside properties.
+        for (schema, instance) in [
+            (
+                json!({"$defs": {"Pet": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}},
+                       "allOf": [{"$ref": "#/$defs/Pet"}, {"properties": {"breed": {"type": "string"}}, "required": ["breed"]}]}),
+                r#"{"name": "a", "breed": "b"}"#,
+            ),
+            (
+                json!({"type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"],
+                       "anyOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]}, {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]}),
+                r#"{"kind": "k", "a": 1}"#,
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "integer"}}, "allOf": [{"properties": {"b": {"type": "integer"}}}]}),
+                r#"{"a": 1, "b": 2}"#,
+            ),
+        ] {
+            let mut closed = schema.clone();
+            close_objects(&mut closed);
+            let text: Vec<u32> = instance.bytes().map(u32::from).collect();
+            let c = g.json_schema(&closed);
+            assert_eq!(c.map(|mut c| c.accepted_prefix(&text)), Ok(text.len()), "{closed}");
+        }
     }
 }

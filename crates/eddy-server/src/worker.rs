@@ -223,7 +223,7 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) ->
     }
     let mut echoed_chars = 0;
     if echo {
-        match echo_prompt(engine, tok, &prompt, params.logprobs, keep_special) {
+        match echo_prompt(engine, tok, &prompt, params.logprobs) {
             Ok((text, lps)) => {
                 echoed_chars = text.chars().count();
                 if !text.is_empty() || !lps.is_empty() {
@@ -238,7 +238,12 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) ->
         }
     }
     let mut last_token: Option<Instant> = None;
-    let mut dec = StreamDecoder::new(tok, !keep_special);
+    // After an echoed prompt the reply's text continues it (its first word keeps a SentencePiece space).
+    let mut dec = match echo {
+        true => StreamDecoder::with_context(tok, !keep_special, &prompt[prompt.len().saturating_sub(8)..])
+            .unwrap_or_else(|_| StreamDecoder::new(tok, !keep_special)),
+        false => StreamDecoder::new(tok, !keep_special),
+    };
     // Tokens whose text the decoder still holds (an incomplete character), for the cut at the end.
     let mut held: Vec<u32> = Vec::new();
     let mut stop = StopMatcher::new(stops);
@@ -328,22 +333,19 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) ->
     }
 }
 
-/// The text of `prompt` as a completion's `echo` gives it, decoded as generated text is (special tokens
-/// skipped unless `keep_special`), and with `logprobs` (`Some(k)` alternatives) an entry per prompt token
-/// at its character offset: the first without a log-probability, the others from
-/// [`Engine::prompt_logprobs`].
-fn echo_prompt(
-    engine: &mut Engine,
-    tok: &Tokenizer,
-    prompt: &[u32],
-    logprobs: Option<usize>,
-    keep_special: bool,
-) -> eddy::Result<(String, Vec<Logprob>)> {
-    let mut dec = StreamDecoder::new(tok, !keep_special);
+/// The text of `prompt` as a completion's `echo` gives it: decoded with its special tokens (a prompt in a
+/// chat format comes back as it was sent) but without a leading BOS (which the tokenizer adds, not the
+/// user), and with `logprobs` (`Some(k)` alternatives) an entry per prompt token at its character offset:
+/// the first without a log-probability, the others from [`Engine::prompt_logprobs`].
+fn echo_prompt(engine: &mut Engine, tok: &Tokenizer, prompt: &[u32], logprobs: Option<usize>) -> eddy::Result<(String, Vec<Logprob>)> {
+    let mut dec = StreamDecoder::new(tok, false);
     let mut text = String::new();
     let (mut offsets, mut chars) = (Vec::with_capacity(prompt.len()), 0);
-    for &id in prompt {
+    for (i, &id) in prompt.iter().enumerate() {
         offsets.push(chars);
+        if i == 0 && Some(id) == tok.bos_id {
+            continue;
+        }
         if let Some(t) = dec.push(id)? {
             chars += t.chars().count();
             text.push_str(&t);

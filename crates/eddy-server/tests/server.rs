@@ -1982,6 +1982,10 @@ fn echo_scores_the_prompt() {
     assert_eq!(scored, tokens, "the text retokenizes as it was generated");
     let last = c["logprobs"]["token_logprobs"][n_prompt].as_f64().unwrap();
     assert!((last - generated).abs() < 1e-4, "scored {last} vs generated {generated}");
+    // A prompt in a chat format comes back as sent, its special tokens included.
+    let chat = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n";
+    let v = post(addr, "/v1/completions", json!({"prompt": chat, "echo": true, "max_tokens": 0})).json();
+    assert_eq!(v["choices"][0]["text"], chat, "{v}");
     // max_tokens 0 needs echo; chat has no echo.
     assert_error(&post(addr, "/v1/completions", json!({"prompt": "x", "max_tokens": 0})), 400, "max_tokens");
     assert_error(&post(addr, "/v1/chat/completions", chat_body("hi", json!({"echo": true}))), 400, "echo");

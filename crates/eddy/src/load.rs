@@ -107,16 +107,9 @@ fn resolve(spec: &str) -> Result<PathBuf> {
     if p.exists() {
         return Ok(p.to_path_buf());
     }
-    // A link to nothing, or a name inside a folder that exists here, is a path that is missing, not a
-    // hub id (`models/x.gguf` would otherwise be asked of the hub).
+    // A link to nothing is a path that is missing, not a hub id.
     if p.symlink_metadata().is_ok() {
         return Err(Error::model(p, "is a symbolic link to nothing (or a link loop)"));
-    }
-    if let Some(d) = p.parent().filter(|d| !d.as_os_str().is_empty() && d.is_dir()) {
-        return Err(Error::model(
-            p,
-            format!("no such file or directory ({} is a folder here, so this is read as a path, not a hub id)", d.display()),
-        ));
     }
     let looks_like_hub_id = spec.matches('/').count() == 1
         && !spec.starts_with('.')
@@ -145,14 +138,19 @@ fn hub_download(repo_id: &str) -> Result<PathBuf> {
     if let Some(k) = ["HF_HUB_OFFLINE", "EDDY_OFFLINE"].into_iter().find(|k| set(k)) {
         return Err(Error::model(
             repo_id,
-            format!("{k} is set and the model is not in the Hugging Face cache ({})", cache.path().display()),
+            format!(
+                "no such file or folder here, and as a hub id: {k} is set and the model is not in the Hugging Face cache ({})",
+                cache.path().display()
+            ),
         ));
     }
     let api = hf_hub::api::sync::ApiBuilder::from_cache(cache)
         .build()
         .map_err(|e| Error::model(repo_id, format!("cannot start the hub client: {e}")))?;
     let repo = api.model(repo_id.to_string());
-    let info = repo.info().map_err(|e| Error::model(repo_id, format!("cannot reach the Hugging Face hub: {e}")))?;
+    let info = repo.info().map_err(|e| {
+        Error::model(repo_id, format!("no such file or folder here, and as a hub id the Hugging Face hub could not be asked: {e}"))
+    })?;
     let files: Vec<String> = info.siblings.iter().map(|s| s.rfilename.clone()).collect();
     let get = |f: &str| repo.get(f).map_err(|e| Error::model(repo_id, format!("download of {f} failed: {e}")));
     if let Some(gguf) = files.iter().filter(|f| f.ends_with(".gguf")).min_by_key(|f| (!f.to_lowercase().contains("q4_k_m"), f.len())) {

@@ -637,6 +637,14 @@ impl<'a> StreamDecoder<'a> {
         StreamDecoder { tok, skip_special, ids: Vec::new(), n_context: 0, context_text: String::new() }
     }
 
+    /// A decoder whose text continues `context` (ids already shown, e.g. an echoed prompt's last few): the
+    /// first new token decodes as it would after them (a SentencePiece word's leading space is kept,
+    /// where a decode from nothing strips it).
+    pub fn with_context(tok: &'a Tokenizer, skip_special: bool, context: &[u32]) -> Result<Self> {
+        let context_text = tok.decode(context, skip_special)?;
+        Ok(StreamDecoder { tok, skip_special, ids: context.to_vec(), n_context: context.len(), context_text })
+    }
+
     /// Adds one id; returns the text it completes, or `None` when nothing new is complete yet.
     pub fn push(&mut self, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
