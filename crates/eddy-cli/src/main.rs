@@ -178,6 +178,10 @@ struct RunArgs {
     /// Repetition penalty over the last 64 tokens, > 0 (1 = off; above 1 discourages repeats).
     #[arg(long, default_value_t = 1.0)]
     repetition_penalty: f32,
+    /// Add BIAS (in [-100, 100]) to token ID's logit before sampling, as llama.cpp's `--logit-bias`: e.g.
+    /// `--logit-bias 15043+1.5`, or `--logit-bias 15043-100` to all but ban it (repeatable).
+    #[arg(long, short = 'l', value_name = "ID(+|-)BIAS", allow_hyphen_values = true, value_parser = parse_logit_bias)]
+    logit_bias: Vec<LogitBias>,
     /// Random seed: the same seed and options give the same output. Default (or -1, as in llama.cpp and
     /// `eddy serve`'s `seed`): a random seed.
     #[arg(long, allow_negative_numbers = true, value_parser = parse_seed)]
@@ -648,6 +652,7 @@ fn sampler_params(a: &RunArgs) -> eddy::Result<SamplerParams> {
         repetition_penalty: a.repetition_penalty,
         repeat_last_n: 64,
         seed: a.seed.and_then(|s| s.0).unwrap_or_else(random_seed),
+        logit_bias: a.logit_bias.iter().map(|b| (b.0, b.1)).collect(),
         ..SamplerParams::default()
     };
     sampler.validate().map_err(|e| bad("sampling", e))?;
@@ -690,6 +695,10 @@ fn run(a: RunArgs) -> eddy::Result<()> {
     let (mut engine, _) = engine_for(&a.model)?;
     attach_speculators(&mut engine, &a.spec, spec_kind, spec_budget)?;
     let lm = &engine.lm;
+    let vocab = lm.tokenizer.vocab_size();
+    if let Some(b) = a.logit_bias.iter().find(|b| b.0 as usize >= vocab) {
+        return Err(bad("--logit-bias", format!("token id {} is out of range (the vocabulary has {vocab} tokens)", b.0)));
+    }
     let prompt = match (&lm.template, a.raw) {
         (Some(t), false) => {
             let mut msgs = Vec::new();
@@ -762,6 +771,20 @@ fn with_system(system: &Option<String>, message: &str) -> String {
         Some(s) => format!("{s}\n\n{message}"),
         None => message.to_string(),
     }
+}
+
+/// `--logit-bias ID(+|-)BIAS`: a token id and the bias added to its logit.
+#[derive(Debug, Clone, Copy)]
+struct LogitBias(u32, f32);
+
+/// `--logit-bias 15043+1.5` / `15043-100`: llama.cpp's spelling; the bias in [-100, 100].
+fn parse_logit_bias(s: &str) -> Result<LogitBias, String> {
+    let usage = || format!("`{s}` is not ID+BIAS or ID-BIAS (a token id, then a signed bias in [-100, 100], e.g. 15043-100)");
+    let t = s.trim();
+    let at = t.find(['+', '-']).filter(|&i| i > 0).ok_or_else(usage)?;
+    let id = t[..at].parse::<u32>().map_err(|_| usage())?;
+    let bias = t[at..].parse::<f32>().ok().filter(|b| (-100.0..=100.0).contains(b)).ok_or_else(usage)?;
+    Ok(LogitBias(id, bias))
 }
 
 /// `--seed`: a fixed seed, or `None` for -1 (a random one).

@@ -93,6 +93,9 @@ fn bad_option_values_are_named_before_the_model_loads() {
     expect_error(&run_args(&["--min-p", "NaN"]), "--min-p:");
     expect_error(&run_args(&["--repetition-penalty", "0"]), "--repetition-penalty:");
     expect_error(&run_args(&["-n", "0"]), "--max-tokens: must be at least 1");
+    for v in ["15043", "x+1", "+1", "15043+101", "15043-nan", "15043+1e400", "-5+1", "15043*2"] {
+        expect_error(&run_args(&["--logit-bias", v]), "--logit-bias: invalid value");
+    }
     expect_error(&run_args(&["--ctx", "1"]), "--ctx: must be at least 2");
     expect_error(&run_args(&["--ctx", "0"]), "--ctx:");
     expect_error(&["run", "--model", NO_MODEL, "--threads", "0", "-m", "hi"], "--threads: must be at least 1");
@@ -293,6 +296,15 @@ fn panel_json_and_seeds() {
         let tiny = run_smol(&smol, &["-n", "6", "--seed", "1", "--temperature", t, "-m", "What is 2+2?"]).stdout;
         assert_eq!(String::from_utf8_lossy(&tiny), String::from_utf8_lossy(&greedy), "--temperature {t}");
     }
+    // --logit-bias: +100 makes greedy decoding repeat a token; ids are checked against the vocabulary.
+    let tok = eddy::tokenizer::Tokenizer::from_gguf(&eddy::gguf::GgufFile::open(&smol).unwrap()).unwrap();
+    let x = tok.encode(" fox", false).unwrap()[0];
+    let forced = run_smol(&smol, &["-n", "3", "--temperature", "0", "--logit-bias", &format!("{x}+100"), "-m", "hi"]).stdout;
+    assert_eq!(String::from_utf8(forced).unwrap().trim_end(), tok.decode(&[x; 3], true).unwrap());
+    let far = format!("{}-1", tok.vocab_size());
+    let out = eddy(&["run", "--model", smol.to_str().unwrap(), "--threads", "1", "-n", "1", "-l", &far, "-m", "hi"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--logit-bias: token id"), "{out:?}");
     // --top-k 0 (off) works; stdin message, trailing newline dropped, equals the argument.
     run_smol(&smol, &["-n", "2", "--top-k", "0", "--seed", "1", "-m", "hi"]);
     let mut args = vec!["run", "--model", smol.to_str().unwrap(), "--threads", "1", "-n", "4", "--temperature", "0", "-m", "-"];

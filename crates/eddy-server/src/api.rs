@@ -134,10 +134,17 @@ pub struct Common {
     /// llama-server's `cache_prompt` (default true): `false` prefills the whole prompt, reusing nothing
     /// from the prefix cache (benchmarks measure a cold time to first token with it).
     pub cache_prompt: bool,
+    /// OpenAI's `n`: choices generated one after another, choice `i` with seed `seed + i` (wrapping), so
+    /// each is the reply a request with `n` 1 and that seed gets.
+    pub n: usize,
     /// Text completions' `echo`: the reply starts with the prompt (its tokens' log-probabilities too
     /// when `logprobs` is set; `max_tokens` may then be 0: the prompt scored, nothing generated).
     pub echo: bool,
 }
+
+/// Most choices one request may ask for (`n`): they are generated one after another, each as long as
+/// `max_tokens` allows.
+pub const MAX_CHOICES: usize = 16;
 
 /// Most alternatives per token `logprobs` / `top_logprobs` may ask for (OpenAI's limit).
 pub const MAX_LOGPROBS: usize = 20;
@@ -158,12 +165,6 @@ pub fn parse_common(o: &Map<String, Value>, chat: bool) -> R<Common> {
                 return Err(ApiError::invalid(Some(k), format!("{k} is only accepted by /v1/chat/completions")));
             }
         }
-    }
-    match get(o, "logit_bias") {
-        None => {}
-        Some(Value::Object(m)) if m.is_empty() => {}
-        Some(Value::Object(_)) => return Err(ApiError::unsupported("logit_bias", "logit_bias")),
-        Some(_) => return Err(ApiError::invalid(Some("logit_bias"), "logit_bias must be an object")),
     }
     for k in ["audio", "prediction", "web_search_options", "functions", "function_call", "reasoning_effort"] {
         if get(o, k).is_some() {
@@ -210,14 +211,16 @@ pub fn parse_common(o: &Map<String, Value>, chat: bool) -> R<Common> {
     if get(o, "suffix").is_some() {
         return Err(ApiError::unsupported("suffix", "suffix"));
     }
-    if let Some(n) = integer(o, "n", 1)? {
-        if n != 1 {
-            return Err(ApiError::invalid(Some("n"), format!("only n=1 is supported, got n={n}")));
+    let n = match integer(o, "n", 1)? {
+        Some(n) if n > MAX_CHOICES as i64 => {
+            return Err(ApiError::invalid(Some("n"), format!("n must be from 1 to {MAX_CHOICES}, got {n}")))
         }
-    }
-    if let Some(n) = integer(o, "best_of", 1)? {
-        if n != 1 {
-            return Err(ApiError::invalid(Some("best_of"), format!("only best_of=1 is supported, got {n}")));
+        n => n.map_or(1, |n| n as usize),
+    };
+    // best_of > n would rank candidates the reply leaves out; eddy returns every choice it generates.
+    if let Some(b) = integer(o, "best_of", 1)? {
+        if b != n as i64 {
+            return Err(ApiError::invalid(Some("best_of"), format!("best_of must equal n ({n}) when given, got {b}")));
         }
     }
     // 0 only with echo: the prompt is scored, nothing generated (lm-eval's log-likelihood requests).
@@ -250,6 +253,7 @@ pub fn parse_common(o: &Map<String, Value>, chat: bool) -> R<Common> {
     if let Some(p) = penalty("frequency_penalty")? {
         s.frequency_penalty = p;
     }
+    s.logit_bias = logit_bias(o)?;
     // Whatever the sampler would refuse is a 400 here, not an engine error later.
     if let Err(e) = s.validate() {
         let param = e.split_whitespace().next().map(str::to_string);
@@ -301,6 +305,7 @@ pub fn parse_common(o: &Map<String, Value>, chat: bool) -> R<Common> {
         logprobs,
         cache_prompt: boolean(o, "cache_prompt")?.unwrap_or(true),
         echo,
+        n,
     })
 }
 
@@ -621,6 +626,49 @@ fn kind(v: &Value) -> &'static str {
         Value::String(_) => "a string",
         Value::Array(_) => "an array",
         Value::Object(_) => "an object",
+    }
+}
+
+/// OpenAI's `logit_bias`: an object from token ids (decimal strings) to biases in [-100, 100], or null;
+/// returned in id order. The ids are checked against the vocabulary by [`check_logit_bias`].
+fn logit_bias(o: &Map<String, Value>) -> R<Vec<(u32, f32)>> {
+    let m = match get(o, "logit_bias") {
+        None => return Ok(Vec::new()),
+        Some(Value::Object(m)) => m,
+        Some(v) => {
+            return Err(ApiError::invalid(
+                Some("logit_bias"),
+                format!("logit_bias must be an object from token ids to biases, like {{\"1734\": -100}}, got {v}"),
+            ))
+        }
+    };
+    let mut out = Vec::with_capacity(m.len());
+    for (k, v) in m {
+        let id = k.parse::<u32>().map_err(|_| {
+            ApiError::invalid(Some("logit_bias"), format!("logit_bias keys must be token ids (decimal integers), got {k:?}"))
+        })?;
+        let b = v
+            .as_f64()
+            .filter(|b| (-100.0..=100.0).contains(b))
+            .ok_or_else(|| ApiError::invalid(Some("logit_bias"), format!("logit_bias[{k:?}] must be a number in [-100, 100], got {v}")))?;
+        out.push((id, b as f32));
+    }
+    // "7" and "007" name one token: a request naming it twice is ambiguous.
+    out.sort_by_key(|e| e.0);
+    if let Some(w) = out.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(ApiError::invalid(Some("logit_bias"), format!("logit_bias names token {} twice", w[0].0)));
+    }
+    Ok(out)
+}
+
+/// Every `logit_bias` id must be below `vocab` (the tokens the model's tokenizer knows).
+pub fn check_logit_bias(s: &SamplerParams, vocab: usize) -> R<()> {
+    match s.logit_bias.iter().find(|e| e.0 as usize >= vocab) {
+        Some(e) => Err(ApiError::invalid(
+            Some("logit_bias"),
+            format!("logit_bias: token id {} is out of range (the vocabulary has {vocab} tokens)", e.0),
+        )),
+        None => Ok(()),
     }
 }
 

@@ -193,7 +193,9 @@ impl Grammars {
     }
 }
 
-/// One request's grammar state: the mask of the tokens allowed next.
+/// One request's grammar state: the mask of the tokens allowed next. A clone continues independently
+/// (each choice of a request with `n` > 1 gets its own).
+#[derive(Clone)]
 pub struct Constraint {
     m: Matcher,
     n_vocab: usize,

@@ -52,7 +52,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tools::CallStreamer;
-use worker::{Event, Job, Logprob, Queue, SlotGuard, TokenText};
+use worker::{Choice, Event, Job, Logprob, Queue, SlotGuard, TokenText};
 
 /// Server options.
 #[derive(Debug, Clone)]
@@ -436,6 +436,7 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
 fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError> {
     let o = api::parse_object(body)?;
     let mut common = api::parse_common(&o, kind == Kind::Chat)?;
+    api::check_logit_bias(&common.sampler, st.vocab)?;
     let schema = api::parse_response_format(&o)?;
     let mut thinking = None;
     let mut calls = None;
@@ -548,12 +549,19 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
                 .as_ref()
                 .map_err(|e| ApiError::invalid(Some(param), format!("structured output is not available for this model: {e}")))?;
             let c = gs.lark(g).map_err(|e| ApiError::invalid(Some(param), grammar_error(param, &e)))?;
-            Some((Box::new(c) as Box<dyn eddy::sampling::LogitMask>, param))
+            Some((c, param))
         }
     };
+    // Each choice samples with its own seed and constraint state.
+    let choices = (0..common.n)
+        .map(|i| Choice {
+            seed: common.sampler.seed.wrapping_add(i as u64),
+            mask: mask.as_ref().map(|(c, param)| (Box::new(c.clone()) as Box<dyn eddy::sampling::LogitMask>, *param)),
+        })
+        .collect();
     // Presence and frequency penalties count the generated tokens only.
     common.sampler.prompt_len = prompt.len();
-    Ok(Prepared { common, prompt, thinking, max_tokens, calls, mask })
+    Ok(Prepared { common, prompt, thinking, max_tokens, calls, choices })
 }
 
 /// With `tool_choice` `auto` no grammar constrains the reply, but the tools' schemas are checked as a forced
@@ -630,13 +638,14 @@ struct Prepared {
     thinking: Option<Start>,
     max_tokens: usize,
     calls: Option<Calls>,
-    mask: Option<(Box<dyn eddy::sampling::LogitMask>, &'static str)>,
+    /// One per choice (OpenAI's `n`).
+    choices: Vec<Choice>,
 }
 
 /// Validate, tokenize (on the blocking pool), queue, and answer (whole or streamed).
 async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, ApiError> {
     let s = st.clone();
-    let Prepared { common, prompt, thinking, max_tokens, calls, mask } = tokio::task::spawn_blocking(move || prepare(&s, kind, &body))
+    let Prepared { common, prompt, thinking, max_tokens, calls, choices } = tokio::task::spawn_blocking(move || prepare(&s, kind, &body))
         .await
         .map_err(|e| server_error(format!("preparing the request failed: {e}")))??;
     let Some(slot) = st.queue.admit() else {
@@ -655,7 +664,7 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
         tx,
         queued_at: Instant::now(),
         slot,
-        mask,
+        choices,
         keep_special: calls.as_ref().is_some_and(|c| c.family.keeps_special_tokens()),
         cache_prompt: common.cache_prompt,
         echo: common.echo,
@@ -676,6 +685,7 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
         thinking,
         logprobs: common.logprobs.is_some(),
         calls,
+        n: common.n,
     };
     if common.stream {
         Ok(stream_response(fmt, rx, st.keep_alive))
@@ -704,6 +714,35 @@ struct Formatter {
     logprobs: bool,
     /// A chat request with tools: tool calls are read out of the text.
     calls: Option<Calls>,
+    /// Choices asked for (OpenAI's `n`).
+    n: usize,
+}
+
+/// The statistics of a request's choices together: the prompt's (prefill, cached tokens, TTFT) from the
+/// first choice, the decoding counts and times summed over all.
+#[derive(Default)]
+struct Totals {
+    stats: GenerationStats,
+    completion_tokens: usize,
+    choices: usize,
+}
+
+impl Totals {
+    fn add(&mut self, s: GenerationStats, completion_tokens: usize) {
+        self.completion_tokens += completion_tokens;
+        self.choices += 1;
+        if self.choices == 1 {
+            self.stats = s;
+            return;
+        }
+        let t = &mut self.stats;
+        t.generated_tokens += s.generated_tokens;
+        t.decode_passes += s.decode_passes;
+        t.decode_time += s.decode_time;
+        t.duration += s.duration;
+        t.draft_tokens += s.draft_tokens;
+        t.draft_accepted += s.draft_accepted;
+    }
 }
 
 /// The OpenAI `usage` object, with `prompt_tokens_details.cached_tokens` (prefix cache) and
@@ -794,9 +833,10 @@ impl Formatter {
         }
     }
 
-    fn whole(&self, text: String, lps: &[Logprob], finish: &str, completion_tokens: usize, stats: &GenerationStats) -> Value {
+    /// Choice `index` of a whole reply.
+    fn choice(&self, index: usize, text: String, lps: &[Logprob], finish: &str) -> Value {
         let logprobs = self.logprobs(lps);
-        let choice = match self.kind {
+        match self.kind {
             Kind::Chat => {
                 let mut finish = finish;
                 let (text, reasoning) = match self.thinking {
@@ -830,17 +870,21 @@ impl Formatter {
                         }
                     }
                 }
-                json!({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish})
+                json!({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
             }
             Kind::Text => {
-                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
+                json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
             }
-        };
+        }
+    }
+
+    /// A whole reply of `choices` (from [`Formatter::choice`]).
+    fn whole(&self, choices: Vec<Value>, t: &Totals) -> Value {
         json!({
             "id": self.id, "object": self.object(false), "created": self.created, "model": self.model,
-            "choices": [choice],
-            "usage": usage(stats, completion_tokens),
-            "timings": timings(stats, completion_tokens),
+            "choices": choices,
+            "usage": usage(&t.stats, t.completion_tokens),
+            "timings": timings(&t.stats, t.completion_tokens),
         })
     }
 
@@ -884,6 +928,8 @@ impl Formatter {
 async fn whole_response(fmt: Formatter, mut rx: Reply, _c: &Common) -> Result<Response, ApiError> {
     let mut text = String::new();
     let mut lps = Vec::new();
+    let mut choices = Vec::with_capacity(fmt.n);
+    let mut totals = Totals::default();
     while let Some(ev) = rx.rx.recv().await {
         match ev {
             Event::Delta(t, l) => {
@@ -891,7 +937,11 @@ async fn whole_response(fmt: Formatter, mut rx: Reply, _c: &Common) -> Result<Re
                 lps.extend(l);
             }
             Event::Done { finish, completion_tokens, stats } => {
-                return Ok(Json(fmt.whole(text, &lps, finish, completion_tokens, &stats)).into_response());
+                choices.push(fmt.choice(choices.len(), std::mem::take(&mut text), &std::mem::take(&mut lps), finish));
+                totals.add(stats, completion_tokens);
+                if choices.len() == fmt.n {
+                    return Ok(Json(fmt.whole(choices, &totals)).into_response());
+                }
             }
             Event::Error(e) => return Err(server_error(e)),
             Event::Invalid { param, message } => return Err(ApiError::invalid(Some(param), message)),
@@ -932,6 +982,8 @@ fn stream_response(fmt: Formatter, rx: Reply, keep_alive: Option<Duration>) -> R
         n_calls: 0,
         last_args: String::new(),
         skipping: false,
+        choice: 0,
+        totals: Totals::default(),
     };
     Response::builder()
         .status(StatusCode::OK)
@@ -962,6 +1014,10 @@ struct SseBody {
     last_args: String,
     /// The current call is dropped (a second call when `parallel_tool_calls` is false).
     skipping: bool,
+    /// The choice being streamed (choices come one after another).
+    choice: usize,
+    /// The finished choices' statistics.
+    totals: Totals,
 }
 
 const KEEP_ALIVE: &[u8] = b": keep-alive\n\n";
@@ -1024,8 +1080,11 @@ impl SseBody {
         out
     }
 
-    /// Queue `chunks`, the last one carrying the log-probabilities not yet sent.
+    /// Queue `chunks` (of the current choice), the last one carrying the log-probabilities not yet sent.
     fn queue(&mut self, mut chunks: Vec<Value>) {
+        for c in &mut chunks {
+            c["choices"][0]["index"] = json!(self.choice);
+        }
         if let Some(last) = chunks.last_mut() {
             if self.fmt.logprobs {
                 let lps = std::mem::take(&mut self.lp_pending);
@@ -1063,6 +1122,7 @@ impl SseBody {
                 let finish =
                     if self.n_calls > 0 && finish == "stop" && complete_arguments(&self.last_args) { "tool_calls" } else { finish };
                 let mut last = self.fmt.chunk(false, None, Some(finish));
+                last["choices"][0]["index"] = json!(self.choice);
                 if self.fmt.kind == Kind::Chat {
                     last["choices"][0]["delta"] = json!({});
                 }
@@ -1072,9 +1132,14 @@ impl SseBody {
                     last["choices"][0]["logprobs"] = self.fmt.logprobs(&lps);
                 }
                 self.queued.push_back(sse(&last));
+                self.totals.add(stats, completion_tokens);
+                if self.totals.choices < self.fmt.n {
+                    self.next_choice();
+                    return;
+                }
                 let f = &self.fmt;
                 if f.include_usage {
-                    self.queued.push_back(sse(&f.usage_chunk(&stats, completion_tokens)));
+                    self.queued.push_back(sse(&f.usage_chunk(&self.totals.stats, self.totals.completion_tokens)));
                 }
                 self.finish();
             }
@@ -1090,6 +1155,22 @@ impl SseBody {
                 self.queued.push_back(sse(&server_error("the engine dropped the request".into()).body()));
                 self.finish();
             }
+        }
+    }
+
+    /// The next choice starts: the per-choice state from scratch, and a chat choice's first chunk (its role).
+    fn next_choice(&mut self) {
+        self.choice += 1;
+        self.splitter = self.fmt.thinking.map(ReasoningSplitter::new);
+        self.calls = self.fmt.calls.as_ref().map(|c| CallStreamer::new(c.family, c.names.clone()));
+        self.lp_pending.clear();
+        self.n_calls = 0;
+        self.last_args.clear();
+        self.skipping = false;
+        if self.fmt.kind == Kind::Chat {
+            let mut role = self.fmt.chunk(true, Some(""), None);
+            role["choices"][0]["index"] = json!(self.choice);
+            self.queued.push_back(sse(&role));
         }
     }
 

@@ -23,9 +23,8 @@ pub(crate) struct Job {
     pub queued_at: Instant,
     /// Its place in the queue, given back when the engine thread takes the job.
     pub slot: Slot,
-    /// The constraint on the output (a JSON schema, a tool call), if any, and the request field it
-    /// comes from (`response_format` or `tools`).
-    pub mask: Option<(Box<dyn LogitMask>, &'static str)>,
+    /// The choices to generate (OpenAI's `n`, at least one), one after another.
+    pub choices: Vec<Choice>,
     /// Decode special tokens into the text (a tool-call marker that is a control token).
     pub keep_special: bool,
     /// Reuse the prefix cache (`false`: the prompt is prefilled cold).
@@ -33,6 +32,15 @@ pub(crate) struct Job {
     /// Text completions' `echo`: the prompt's text (and with `logprobs` its tokens' log-probabilities)
     /// comes first, as the reply's first delta.
     pub echo: bool,
+}
+
+/// One choice of a [`Job`]: the job's generation with its own seed and constraint state.
+pub(crate) struct Choice {
+    /// Replaces the job's sampler seed.
+    pub seed: u64,
+    /// The constraint on the output (a JSON schema, a tool call), if any, and the request field it
+    /// comes from (`response_format` or `tools`).
+    pub mask: Option<(Box<dyn LogitMask>, &'static str)>,
 }
 
 /// Admission to the engine thread's queue: at most `max` jobs wait at a time. A job holds its place
@@ -167,14 +175,15 @@ impl Logprob {
     }
 }
 
-/// What the engine thread sends back for a job.
+/// What the engine thread sends back for a job. A job of several choices sends each choice's events in
+/// turn, each ending with its `Done`; the events after the k-th `Done` belong to choice k.
 #[derive(Debug)]
 pub(crate) enum Event {
     /// New text (valid UTF-8, never containing or ending in the start of a stop string), and the
     /// log-probabilities (when asked for) of the tokens whose text it completes. A token cut by a stop
     /// string is reported with the text before the stop string.
     Delta(String, Vec<Logprob>),
-    /// Generation ended normally.
+    /// Generation (of one choice) ended normally.
     Done { finish: &'static str, completion_tokens: usize, stats: GenerationStats },
     /// The engine failed.
     Error(String),
@@ -193,7 +202,7 @@ pub(crate) fn spawn(
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new().name("eddy-engine".into()).spawn(move || {
         let tok = engine.lm.tokenizer.clone();
-        while let Ok(job) = rx.recv() {
+        while let Ok(mut job) = rx.recv() {
             job.slot.release();
             if job.tx.is_closed() {
                 continue; // the client left while the job was queued
@@ -202,7 +211,20 @@ pub(crate) fn spawn(
             metrics.queue_time(job.queued_at.elapsed());
             let tx = job.tx.clone();
             metrics.running_delta(1);
-            let r = std::panic::catch_unwind(AssertUnwindSafe(|| run_job(&mut engine, &tok, job, &metrics)));
+            // Choices run one after another; each but the last ends with its own `Done`.
+            let choices = std::mem::take(&mut job.choices);
+            let count = choices.len();
+            let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                for (i, c) in choices.into_iter().enumerate() {
+                    match run_job(&mut engine, &tok, &job, c, &metrics) {
+                        Some(ev @ Event::Done { .. }) if i + 1 < count => {
+                            let _ = tx.send(ev);
+                        }
+                        ev => return ev,
+                    }
+                }
+                None
+            }));
             // Counted out before the last event goes: a client that scrapes /metrics right after its
             // answer sees the job finished.
             metrics.running_delta(-1);
@@ -215,16 +237,25 @@ pub(crate) fn spawn(
     })
 }
 
-/// Generates one job, sending its text deltas; returns the last event to send (none when the client left).
-fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) -> Option<Event> {
-    let Job { prompt, params, stops, tx, mut mask, keep_special, cache_prompt, echo, .. } = job;
+/// Generates one choice of a job, sending its text deltas; returns the last event to send (none when the
+/// client left).
+fn run_job(engine: &mut Engine, tok: &Tokenizer, job: &Job, choice: Choice, metrics: &Metrics) -> Option<Event> {
+    let Job { prompt, params, stops, tx, keep_special, cache_prompt, echo, .. } = job;
+    let (prompt, keep_special, echo) = (&prompt[..], *keep_special, *echo);
+    let Choice { seed, mut mask } = choice;
+    if tx.is_closed() {
+        return None; // the client left (between two choices)
+    }
+    let mut params = params.clone();
+    params.sampler.seed = seed;
     if !cache_prompt {
         engine.clear_cache();
     }
     let mut echoed_chars = 0;
     if echo {
-        match echo_prompt(engine, tok, &prompt, params.logprobs) {
-            Ok((text, lps)) => {
+        match echo_prompt(engine, tok, prompt, params.logprobs, &|| tx.is_closed()) {
+            Ok(None) => return None, // client gone
+            Ok(Some((text, lps))) => {
                 echoed_chars = text.chars().count();
                 if !text.is_empty() || !lps.is_empty() {
                     let _ = tx.send(Event::Delta(text, lps));
@@ -246,7 +277,7 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) ->
     };
     // Tokens whose text the decoder still holds (an incomplete character), for the cut at the end.
     let mut held: Vec<u32> = Vec::new();
-    let mut stop = StopMatcher::new(stops);
+    let mut stop = StopMatcher::new(stops.clone());
     let mut n = 0usize;
     let mut hit = false;
     let want_lp = params.logprobs.is_some();
@@ -259,7 +290,7 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) ->
     // A client that leaves during the prefill stops it at the next prefill piece.
     let left = || tx.is_closed();
     let constraint = mask.as_mut().map(|(m, _)| m.as_mut() as &mut dyn LogitMask);
-    let r = engine.generate_masked(&prompt, &params, &left, constraint, &mut |id, lp| {
+    let r = engine.generate_masked(prompt, &params, &left, constraint, &mut |id, lp| {
         if tx.is_closed() {
             return false;
         }
@@ -336,8 +367,15 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: Job, metrics: &Metrics) ->
 /// The text of `prompt` as a completion's `echo` gives it: decoded with its special tokens (a prompt in a
 /// chat format comes back as it was sent) but without a leading BOS (which the tokenizer adds, not the
 /// user), and with `logprobs` (`Some(k)` alternatives) an entry per prompt token at its character offset:
-/// the first without a log-probability, the others from [`Engine::prompt_logprobs`].
-fn echo_prompt(engine: &mut Engine, tok: &Tokenizer, prompt: &[u32], logprobs: Option<usize>) -> eddy::Result<(String, Vec<Logprob>)> {
+/// the first without a log-probability, the others from [`Engine::prompt_logprobs`]. `None` when
+/// `cancelled` (the client left) stopped the scoring.
+fn echo_prompt(
+    engine: &mut Engine,
+    tok: &Tokenizer,
+    prompt: &[u32],
+    logprobs: Option<usize>,
+    cancelled: &dyn Fn() -> bool,
+) -> eddy::Result<Option<(String, Vec<Logprob>)>> {
     let mut dec = StreamDecoder::new(tok, false);
     let mut text = String::new();
     let (mut offsets, mut chars) = (Vec::with_capacity(prompt.len()), 0);
@@ -355,16 +393,19 @@ fn echo_prompt(engine: &mut Engine, tok: &Tokenizer, prompt: &[u32], logprobs: O
         text.push_str(&t);
     }
     let Some(k) = logprobs else {
-        return Ok((text, Vec::new()));
+        return Ok(Some((text, Vec::new())));
     };
     let mut lps = Vec::with_capacity(prompt.len());
     if let Some(&first) = prompt.first() {
         lps.push(Logprob { token: TokenText::new(tok, first), logprob: None, top: Vec::new(), offset: 0 });
     }
-    for (lp, &offset) in engine.prompt_logprobs(prompt, k)?.iter().zip(&offsets[1..]) {
+    let Some(scored) = engine.prompt_logprobs(prompt, k, cancelled)? else {
+        return Ok(None);
+    };
+    for (lp, &offset) in scored.iter().zip(&offsets[1..]) {
         lps.push(Logprob::new(tok, lp, offset));
     }
-    Ok((text, lps))
+    Ok(Some((text, lps)))
 }
 
 /// Whether the raw bytes of `ids` end inside a UTF-8 character (a token sequence cut mid-character).

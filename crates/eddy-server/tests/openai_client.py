@@ -1,7 +1,8 @@
 """The official `openai` Python SDK against eddy serve: chat and text completions, streaming and not.
 
 usage: openai_client.py BASE_URL MODEL  -> prints one JSON object on stdout:
-  {"chat": {...}, "chat_stream": {...}, "completion": {...}, "completion_stream": {...}, "models": [...]}
+  {"chat": {...}, "chat_stream": {...}, "completion": {...}, "completion_stream": {...}, "chat_n": {...},
+   "chat_n_stream": {...}, "models": [...], "error": {...}}
 Each entry holds the text, finish_reason and usage the SDK parsed; the Rust test compares them with the raw
 HTTP answers. Exits non-zero if the SDK raises (it validates the response shapes as it parses them).
 """
@@ -61,10 +62,23 @@ for chunk in client.completions.create(model=model, prompt=prompt, temperature=0
             finish = chunk.choices[0].finish_reason
 out["completion_stream"] = {"text": "".join(text), "finish_reason": finish}
 
+# n=2: the choices whole, and streamed (chunks of both indexes, gathered by index).
+r = client.chat.completions.create(model=model, messages=messages, temperature=1.0, seed=5, max_tokens=16, n=2)
+out["chat_n"] = {"texts": [c.message.content for c in sorted(r.choices, key=lambda c: c.index)],
+                 "usage": r.usage.model_dump(exclude_none=True)}
+texts, finishes = {}, {}
+for chunk in client.chat.completions.create(model=model, messages=messages, temperature=1.0, seed=5, max_tokens=16,
+                                            n=2, stream=True):
+    for c in chunk.choices:
+        texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+        if c.finish_reason is not None:
+            finishes[c.index] = c.finish_reason
+out["chat_n_stream"] = {"texts": [texts[i] for i in sorted(texts)], "finishes": len(finishes)}
+
 # An error the SDK maps to its exception type, with the OpenAI error object parsed.
 try:
-    client.chat.completions.create(model=model, messages=messages, n=2)
-    raise SystemExit("n=2 was accepted")
+    client.chat.completions.create(model=model, messages=messages, n=17)
+    raise SystemExit("n=17 was accepted")
 except openai.BadRequestError as e:
     out["error"] = {"status": e.status_code, "param": e.param, "code": e.code}
 

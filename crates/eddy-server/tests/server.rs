@@ -393,7 +393,6 @@ fn errors() {
     assert_error(&post(addr, c, chat_body("hi", json!({"max_tokens": -1}))), 400, "max_tokens");
     assert_error(&post(addr, c, json!({"messages": "hi"})), 400, "messages");
     assert_error(&post(addr, c, json!({"messages": [{"role": "robot", "content": "hi"}]})), 400, "robot");
-    assert_error(&post(addr, c, chat_body("hi", json!({"n": 2}))), 400, "n=2");
     assert_error(&post(addr, c, chat_body("hi", json!({"response_format": {"type": "yaml"}}))), 400, "yaml");
     assert_error(&post(addr, c, chat_body("hi", json!({"tools": [{"type": "function"}]}))), 400, "tools[0].function");
     let f = |name: &str| json!({"type": "function", "function": {"name": name}});
@@ -408,10 +407,9 @@ fn errors() {
         let v = assert_error(&post(addr, c, chat_body("hi", json!({"chat_template_kwargs": {k: "x"}}))), 400, "set by the server");
         assert_eq!(v["error"]["param"], "chat_template_kwargs");
     }
-    for (k, v) in [("logit_bias", json!({"42": 5})), ("prediction", json!({"type": "content", "content": "x"}))] {
-        let v = assert_error(&post(addr, c, chat_body("hi", json!({k: v}))), 400, "not supported yet");
-        assert_eq!(v["error"]["param"], k);
-    }
+    let v =
+        assert_error(&post(addr, c, chat_body("hi", json!({"prediction": {"type": "content", "content": "x"}}))), 400, "not supported yet");
+    assert_eq!(v["error"]["param"], "prediction");
     assert_eq!(post(addr, c, chat_body("hi", json!({"presence_penalty": 0, "max_tokens": 1}))).status, 200);
     assert_error(&post(addr, "/v1/completions", json!({"prompt": 5})), 400, "prompt");
     // A prompt that does not fit: the error names the prompt (max_tokens is clamped, never at fault).
@@ -760,6 +758,16 @@ fn openai_python_sdk() {
     }
     assert_eq!(v["completion"]["usage"]["completion_tokens"], 12);
     assert_eq!(v["error"], json!({"status": 400, "param": "n", "code": null}));
+    // n=2: the SDK reads both choices; each is the reply of its seed (5 and 6), streamed alike.
+    let texts: Vec<Value> = [5, 6]
+        .iter()
+        .map(|seed| {
+            let b = chat_body(Q, json!({"temperature": 1.0, "seed": seed, "max_tokens": 16}));
+            post(addr, "/v1/chat/completions", b).json()["choices"][0]["message"]["content"].clone()
+        })
+        .collect();
+    assert_eq!(v["chat_n"]["texts"], json!(texts));
+    assert_eq!(v["chat_n_stream"], json!({"texts": texts, "finishes": 2}));
 }
 
 /// Prefix-cache equivalence: a server with the cache on answers every request exactly as a server with
@@ -953,7 +961,9 @@ mod fuzz {
             "response_format" => Just(json!({"type": "text"})).boxed(),
             "tools" | "functions" => Just(json!([])).boxed(),
             "tool_choice" => prop_oneof![Just(json!("none")), Just(json!("auto"))].boxed(),
-            "logit_bias" => Just(json!({})).boxed(),
+            "logit_bias" => {
+                prop_oneof![Just(json!({})), (0u32..1000, -100.0f64..=100.0).prop_map(|(t, b)| json!({t.to_string(): b}))].boxed()
+            }
             "modalities" => Just(json!(["text"])).boxed(),
             _ => any_json().boxed(),
         }
@@ -1147,6 +1157,19 @@ fn float_fields_are_checked_after_conversion_to_f32() {
     assert_eq!(r.status, 200, "{}", r.body);
 }
 
+/// The engine's reply to `ids` (at most `max_tokens` tokens, sampled under `sampler`): the reference the
+/// server's sampling options are checked against.
+fn engine_reply(e: &mut Engine, ids: &[u32], max_tokens: usize, sampler: SamplerParams) -> Vec<u32> {
+    let params = GenerateParams { max_tokens, sampler, ignore_eos: false, logprobs: None };
+    let mut out = Vec::new();
+    e.generate(ids, &params, &mut |id| {
+        out.push(id);
+        true
+    })
+    .unwrap();
+    out
+}
+
 /// presence_penalty / frequency_penalty: OpenAI's semantics over the generated tokens, exactly as the
 /// engine applies them with the same parameters; out of [-2, 2] is a 400.
 #[test]
@@ -1164,22 +1187,145 @@ fn presence_and_frequency_penalties() {
     // Reference: the engine, penalties counted over the generated tokens (after the prompt).
     let mut e = engine(&model_path().unwrap());
     let ids = e.lm.tokenizer.encode(prompt, true).unwrap();
-    let params = GenerateParams {
-        max_tokens: 24,
-        sampler: SamplerParams { presence_penalty: 0.5, frequency_penalty: 1.5, prompt_len: ids.len(), ..Default::default() },
-        ignore_eos: false,
-        logprobs: None,
-    };
-    let mut out = Vec::new();
-    e.generate(&ids, &params, &mut |id| {
-        out.push(id);
-        true
-    })
-    .unwrap();
+    let sampler = SamplerParams { presence_penalty: 0.5, frequency_penalty: 1.5, prompt_len: ids.len(), ..Default::default() };
+    let out = engine_reply(&mut e, &ids, 24, sampler);
     assert_eq!(penalized, e.lm.tokenizer.decode(&out, true).unwrap());
     for k in ["presence_penalty", "frequency_penalty"] {
         let v = assert_error(&post(addr, "/v1/completions", json!({"prompt": "Hi", k: 2.5})), 400, "[-2, 2]");
         assert_eq!(v["error"]["param"], k);
+    }
+}
+
+/// logit_bias: +100 on a token makes greedy decoding repeat it, −100 on the greedy reply's first token
+/// gives the engine's reply under the same bias (that token never appears), a speculating server samples
+/// under a bias exactly as the plain one; malformed maps and unknown ids are 400s naming the field.
+#[test]
+fn logit_bias_forces_and_bans_tokens() {
+    let addr = server_or_skip!();
+    let tok = tokenizer();
+    let prompt = "The capital of France is";
+    let c = "/v1/completions";
+    let text = |r: Resp| {
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let body = |bias: Value, extra: Value| {
+        let mut b = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "logit_bias": bias});
+        b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        b
+    };
+    // The engine's greedy reply, then the one with its first token banned.
+    let mut e = engine(&model_path().unwrap());
+    let ids = tok.encode(prompt, true).unwrap();
+    let mut reply = |bias: Vec<(u32, f32)>| {
+        engine_reply(&mut e, &ids, 8, SamplerParams { logit_bias: bias, prompt_len: ids.len(), ..Default::default() })
+    };
+    let plain = reply(vec![]);
+    let banned = reply(vec![(plain[0], -100.0)]);
+    assert!(!banned.contains(&plain[0]), "{plain:?} {banned:?}");
+    assert_eq!(text(post(addr, c, body(json!({plain[0].to_string(): -100}), json!({})))), tok.decode(&banned, true).unwrap());
+    let x = tok.encode(" banana", false).unwrap()[0];
+    assert_eq!(text(post(addr, c, body(json!({x.to_string(): 100}), json!({})))), tok.decode(&[x; 8], true).unwrap());
+    // Sampling under a moderate bias, with and without speculation.
+    if let Some(spec) = spec_server() {
+        let b = body(json!({x.to_string(): 4.5, plain[0].to_string(): -2}), json!({"temperature": 0.8, "seed": 11, "max_tokens": 24}));
+        assert_eq!(text(post(spec, c, b.clone())), text(post(addr, c, b)));
+    }
+    let vocab = tok.vocab_size();
+    for (bias, needle) in [
+        (json!({"a": 1}), "token ids"),
+        (json!({"-3": 1}), "token ids"),
+        (json!({"5": 100.5}), "[-100, 100]"),
+        (json!({"5": "1"}), "[-100, 100]"),
+        (json!([[5, 1]]), "must be an object"),
+        (json!({"5": 1, "05": 2}), "token 5 twice"),
+        (json!({vocab.to_string(): 1}), "out of range"),
+    ] {
+        let v = assert_error(&post(addr, c, body(bias.clone(), json!({}))), 400, needle);
+        assert_eq!(v["error"]["param"], "logit_bias", "{bias}");
+    }
+}
+
+/// `n`: choice i is the reply a request with `n` 1 and seed `seed + i` gets (whole and streamed, chat and
+/// completions, under a grammar too); usage counts the prompt once and every choice's tokens; a stream
+/// gives each choice its role chunk, deltas and finish chunk under its index. `n` above 16 and a
+/// `best_of` other than `n` are 400s.
+#[test]
+fn n_choices_are_the_replies_of_consecutive_seeds() {
+    let addr = server_or_skip!();
+    let c = "/v1/completions";
+    let one = |seed: u64| {
+        let v = post(addr, c, json!({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": seed})).json();
+        (v["choices"][0]["text"].as_str().unwrap().to_string(), v["usage"]["completion_tokens"].as_u64().unwrap())
+    };
+    let singles: Vec<_> = (0..3).map(|i| one(40 + i)).collect();
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 40, "n": 3, "best_of": 3});
+    let v = post(addr, c, body.clone()).json();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{v}");
+    for (i, (ch, (text, _))) in choices.iter().zip(&singles).enumerate() {
+        assert_eq!(ch["index"], i);
+        assert_eq!(ch["text"], text.as_str(), "choice {i}");
+    }
+    assert!(singles[0].0 != singles[1].0 || singles[1].0 != singles[2].0, "three seeds, one reply: {singles:?}");
+    let completion: u64 = singles.iter().map(|s| s.1).sum();
+    assert_eq!(v["usage"]["completion_tokens"], completion);
+    let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(v["usage"]["total_tokens"], prompt + completion);
+    // Streamed: the same choices, each under its index, finished once.
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    sb["stream_options"] = json!({"include_usage": true});
+    let (_, events) = streamed(addr, c, sb);
+    let mut texts = vec![String::new(); 3];
+    let mut finishes = [0; 3];
+    for e in &events {
+        if let Some(ch) = e["choices"].get(0) {
+            let i = ch["index"].as_u64().unwrap() as usize;
+            texts[i] += ch["text"].as_str().unwrap();
+            finishes[i] += ch["finish_reason"].is_string() as usize;
+        }
+    }
+    assert_eq!(texts, singles.iter().map(|s| s.0.clone()).collect::<Vec<_>>());
+    assert_eq!(finishes, [1, 1, 1]);
+    assert_eq!(events.last().unwrap()["usage"]["completion_tokens"], completion);
+    // Chat under a grammar: every choice is a whole object of the schema, streamed as given whole.
+    let schema = json!({"type": "object", "properties": {"v": {"enum": ["red", "green", "blue"]}}, "required": ["v"], "additionalProperties": false});
+    let rf = json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}});
+    let body = chat_body("Pick a color.", json!({"max_tokens": 40, "response_format": rf, "n": 2, "temperature": 1.0, "seed": 9}));
+    let v = post(addr, "/v1/chat/completions", body.clone()).json();
+    let whole: Vec<String> =
+        v["choices"].as_array().unwrap().iter().map(|ch| ch["message"]["content"].as_str().unwrap().to_string()).collect();
+    assert_eq!(whole.len(), 2, "{v}");
+    for t in &whole {
+        let o: Value = serde_json::from_str(t).unwrap_or_else(|e| panic!("{e}: {t}"));
+        assert!(o["v"].is_string(), "{o}");
+    }
+    let mut sb = body;
+    sb["stream"] = json!(true);
+    let (_, events) = streamed(addr, "/v1/chat/completions", sb);
+    let mut texts = vec![String::new(); 2];
+    let mut roles = [0; 2];
+    for e in &events {
+        let ch = &e["choices"][0];
+        let i = ch["index"].as_u64().unwrap() as usize;
+        texts[i] += ch["delta"]["content"].as_str().unwrap_or("");
+        roles[i] += (ch["delta"]["role"] == "assistant") as usize;
+    }
+    assert_eq!(texts, whole);
+    assert_eq!(roles, [1, 1]);
+    for (extra, param, needle) in [
+        (json!({"n": 17}), "n", "from 1 to 16"),
+        (json!({"n": 0}), "n", "at least 1"),
+        (json!({"n": 2, "best_of": 3}), "best_of", "must equal n"),
+        (json!({"best_of": 2}), "best_of", "must equal n"),
+    ] {
+        let v = assert_error(
+            &post(addr, c, json!({"prompt": "Hi", "max_tokens": 2, "n": extra["n"], "best_of": extra["best_of"]})),
+            400,
+            needle,
+        );
+        assert_eq!(v["error"]["param"], param, "{extra}");
     }
 }
 

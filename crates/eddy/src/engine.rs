@@ -898,9 +898,7 @@ impl Engine {
         let on_device_argmax = self.device_argmax
             && !matches!(self.exec, Exec::Cpu(_))
             && sp.temperature == 0.0
-            && sp.repetition_penalty == 1.0
-            && sp.presence_penalty == 0.0
-            && sp.frequency_penalty == 0.0
+            && !sp.modifies_logits()
             && lp_k.is_none()
             && out.mask.is_none()
             && self.lm.model.config.final_softcap.is_none();
@@ -1066,10 +1064,11 @@ impl Engine {
     /// The log-probability of each token of `tokens` after the first, given those before it (OpenAI's
     /// `echo` with `logprobs`: entry i is token i + 1, its `k` most likely alternatives with it), computed
     /// from an empty state in pieces of the prefill batch, so memory stays at one piece's logits. The
-    /// prefix cache is cleared (the next request prefills cold).
+    /// prefix cache is cleared (the next request prefills cold). `cancelled` is asked before each piece:
+    /// `true` stops the scoring (`Ok(None)`).
     ///
     /// Errors: more tokens than the context; ids outside the vocabulary; a backend failure.
-    pub fn prompt_logprobs(&mut self, tokens: &[u32], k: usize) -> Result<Vec<TokenLogprobs>> {
+    pub fn prompt_logprobs(&mut self, tokens: &[u32], k: usize, cancelled: &dyn Fn() -> bool) -> Result<Option<Vec<TokenLogprobs>>> {
         if tokens.len() > self.ctx() {
             return Err(Error::Input(format!("{} tokens exceed the context of {}", tokens.len(), self.ctx())));
         }
@@ -1080,6 +1079,10 @@ impl Engine {
         let mut logits = Vec::new();
         let mut r = Ok(());
         for (p, w) in tokens.chunks(piece).enumerate() {
+            if cancelled() {
+                self.exec.clear();
+                return Ok(None);
+            }
             // The last piece's last row predicts nothing in `tokens`.
             let rows = (tokens.len() - 1 - p * piece).min(w.len());
             r = on_device!(&mut self.exec, &self.lm.model, |c, m| forward(m, &c.be, &mut c.ws, &mut c.state, w, Logits::All, &mut logits));
@@ -1091,7 +1094,7 @@ impl Engine {
             }
         }
         self.exec.clear();
-        r.map(|()| out)
+        r.map(|()| Some(out))
     }
 
     /// Perplexity over non-overlapping windows of `window` tokens: each window starts from an empty state,

@@ -5,7 +5,7 @@
 //! nothing but the seed and the position. Plain decoding and speculative verification of any tree therefore
 //! draw the same sample at the same position: the accept walk only has to follow the target's own samples.
 //!
-//! Pipeline (as llama.cpp / transformers order it): repetition penalty → presence and frequency
+//! Pipeline (as llama.cpp / transformers order it): logit bias → repetition penalty → presence and frequency
 //! penalties → temperature → top-k → top-p → min-p → inverse-CDF draw. Temperature 0 is greedy (argmax, lowest id on ties).
 //!
 //! After the penalties a row is reduced to its candidates ([`row_candidates`]: the first `k` scaled logits in
@@ -41,6 +41,11 @@ pub struct SamplerParams {
     pub prompt_len: usize,
     /// Seed of the position-keyed generator.
     pub seed: u64,
+    /// OpenAI's and llama.cpp's logit bias: `(token id, bias)` pairs, each bias (in [-100, 100], logit
+    /// units) added to its token's raw logit before anything else; −100 all but bans a token, +100 all but
+    /// forces it. Ids at or beyond a row's length are ignored (callers check them against the vocabulary);
+    /// an id listed twice gets both biases. Empty = off.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplerParams {
@@ -56,6 +61,7 @@ impl Default for SamplerParams {
             frequency_penalty: 0.0,
             prompt_len: 0,
             seed: 0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -80,7 +86,17 @@ impl SamplerParams {
                 return Err(format!("{name} must be in [-2, 2], got {v}"));
             }
         }
+        if let Some(&(t, b)) = self.logit_bias.iter().find(|e| !(-100.0..=100.0).contains(&e.1)) {
+            return Err(format!("logit_bias of token {t} must be in [-100, 100], got {b}"));
+        }
         Ok(())
+    }
+
+    /// Whether anything changes a row's logits before the temperature (a penalty or a logit bias): then
+    /// the sampler reads the whole row, and a device's argmax or candidates, taken from the raw row, cannot
+    /// stand for it.
+    pub fn modifies_logits(&self) -> bool {
+        self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || !self.logit_bias.is_empty()
     }
 }
 
@@ -403,19 +419,15 @@ impl Sampler {
     /// How many candidates per logits row decide sampling under `p` (the `k` of [`row_candidates`] and of
     /// [`crate::backend::Backend::candidate_rows`]): `p.top_k` when set, else [`DEVICE_CANDIDATES`]. `None`
     /// when candidates cannot stand for the row: greedy (temperature 0, or so small that `1/T` overflows:
-    /// the argmax decides), a repetition/presence/frequency penalty (they change logits the candidates
-    /// were taken from), or a top-k above [`MAX_CANDIDATES`].
+    /// the argmax decides), a penalty or logit bias ([`SamplerParams::modifies_logits`]: they change logits
+    /// the candidates were taken from), or a top-k above [`MAX_CANDIDATES`].
     pub fn candidate_count(p: &SamplerParams) -> Option<usize> {
-        let plain = p.temperature > 0.0
-            && (1.0 / p.temperature).is_finite()
-            && p.repetition_penalty == 1.0
-            && p.presence_penalty == 0.0
-            && p.frequency_penalty == 0.0
-            && p.top_k <= MAX_CANDIDATES;
+        let plain = p.temperature > 0.0 && (1.0 / p.temperature).is_finite() && !p.modifies_logits() && p.top_k <= MAX_CANDIDATES;
         plain.then_some(if p.top_k > 0 { p.top_k } else { DEVICE_CANDIDATES })
     }
 
-    /// Sample the token at absolute position `pos` from `logits` (modified in place by the penalties),
+    /// Sample the token at absolute position `pos` from `logits` (modified in place by the logit bias and
+    /// the penalties),
     /// given `history` (all tokens before `pos`, prompt included; its first `p.prompt_len` are the
     /// prompt).
     ///
@@ -425,6 +437,11 @@ impl Sampler {
     /// returns a row's candidates instead of the row gets this function's token whenever
     /// `sample_candidates` answers.
     pub fn sample(&mut self, p: &SamplerParams, logits: &mut [f32], history: &[u32], pos: usize) -> u32 {
+        for &(t, b) in &p.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
         if p.repetition_penalty != 1.0 {
             let start = history.len().saturating_sub(p.repeat_last_n);
             // Each distinct token is penalized once, as in transformers and llama.cpp.
@@ -640,6 +657,35 @@ pub(crate) mod tests {
         // Out of range values are refused.
         let bad = SamplerParams { frequency_penalty: 2.5, ..Default::default() };
         assert!(bad.validate().unwrap_err().contains("frequency_penalty"));
+    }
+
+    #[test]
+    fn logit_bias_is_added_first_and_needs_the_whole_row() {
+        let mut s = Sampler::default();
+        // Added to the raw logits, before the repetition penalty divides them: (2 + 4) / 2 = 3 beats 2.5;
+        // the id beyond the row is ignored; an id listed twice gets both biases.
+        let p =
+            SamplerParams { repetition_penalty: 2.0, logit_bias: vec![(0, 4.0), (7, 100.0), (1, -1.0), (1, -0.25)], ..Default::default() };
+        let mut l = vec![2.0f32, 1.0, 2.5];
+        assert_eq!(s.sample(&p, &mut l, &[0], 1), 0);
+        assert_eq!(l, vec![3.0, -0.25, 2.5]);
+        // −100 bans the likeliest token at any position's draw; +100 forces an unlikely one.
+        let logits = [9.0f32, 8.0, 0.5, -3.0];
+        for pos in 0..50 {
+            let ban = SamplerParams { temperature: 1.0, seed: 5, logit_bias: vec![(0, -100.0)], ..Default::default() };
+            assert_ne!(s.sample(&ban, &mut logits.clone(), &[], pos), 0);
+            let force = SamplerParams { temperature: 1.0, seed: 5, logit_bias: vec![(3, 100.0)], ..Default::default() };
+            assert_eq!(s.sample(&force, &mut logits.clone(), &[], pos), 3);
+        }
+        // A device's candidates or argmax, taken from the raw row, cannot stand for a biased one.
+        let biased = SamplerParams { temperature: 1.0, logit_bias: vec![(2, 0.5)], ..Default::default() };
+        assert!(biased.modifies_logits());
+        assert_eq!(Sampler::candidate_count(&biased), None);
+        assert!(Sampler::candidate_count(&SamplerParams { logit_bias: vec![], ..biased }).is_some());
+        for b in [100.5f32, -101.0, f32::NAN, f32::NEG_INFINITY] {
+            let bad = SamplerParams { logit_bias: vec![(3, 1.0), (9, b)], ..Default::default() };
+            assert!(bad.validate().unwrap_err().starts_with("logit_bias of token 9"), "{b}");
+        }
     }
 
     /// The sampler as it was before candidates (full row, sorted; std `exp`): the reference the
