@@ -43,6 +43,7 @@ enum Cmd {
     #[command(allow_negative_numbers = true)]
     Speed(SpeedArgs),
     /// Serve the OpenAI-compatible HTTP API (chat and text completions, streaming) on --host:--port.
+    #[command(allow_negative_numbers = true)]
     Serve {
         #[command(flatten)]
         model: ModelArgs,
@@ -75,6 +76,7 @@ enum Cmd {
     /// Benchmark an OpenAI-compatible endpoint (eddy serve, llama-server, ...): per streamed request the
     /// time to first token, decode speed and tokens per pass; median, p10 and p90 as text and JSON.
     /// `--compare a.json b.json --plot out.svg` sets saved runs side by side.
+    #[command(allow_negative_numbers = true)]
     Bench(bench::BenchArgs),
     /// Memory read bandwidth with --threads workers, printed as a bare number of GB/s (the limit decode
     /// speed is measured against).

@@ -118,6 +118,8 @@ fn bad_option_values_are_named_before_the_model_loads() {
     expect_error(&["speed", "--model", NO_MODEL, "-n", "1"], "-n/--gen-tokens:");
     expect_error(&["speed", "--model", NO_MODEL, "-r", "0"], "-r/--repetitions: must be at least 1");
     expect_error(&["bandwidth", "--threads", "0"], "--threads: must be at least 1");
+    expect_error(&["serve", "--port", "-1"], "--port: invalid value '-1'");
+    expect_error(&["bench", "--num", "-3"], "--num: invalid value '-3'");
     // With valid options the model is what is wrong.
     expect_error(&run_args(&[]), "eddy-test-model.gguf: no such file");
     // --seed -1 is a random seed (llama.cpp's convention, and the server's): it gets past the options.

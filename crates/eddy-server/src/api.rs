@@ -208,8 +208,10 @@ pub fn parse_common(o: &Map<String, Value>, chat: bool) -> R<Common> {
     if echo && chat {
         return Err(ApiError::unsupported("echo", "echo on chat completions (/v1/completions has it)"));
     }
-    if get(o, "suffix").is_some() {
-        return Err(ApiError::unsupported("suffix", "suffix"));
+    match get(o, "suffix") {
+        Some(_) if chat => return Err(ApiError::invalid(Some("suffix"), "suffix is only accepted by /v1/completions")),
+        Some(_) if echo => return Err(ApiError::invalid(Some("suffix"), "suffix cannot be combined with echo")),
+        _ => {}
     }
     let n = match integer(o, "n", 1)? {
         Some(n) if n > MAX_CHOICES as i64 => {
@@ -587,6 +589,16 @@ pub enum Prompt {
     Text(String),
     /// Token ids, used as given.
     Tokens(Vec<u32>),
+}
+
+/// Text completions' `suffix` (OpenAI's insertion: the text after the gap the completion fills), or
+/// `None` when absent or null.
+pub fn parse_suffix(o: &Map<String, Value>) -> R<Option<String>> {
+    match get(o, "suffix") {
+        None => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(v) => Err(ApiError::invalid(Some("suffix"), format!("suffix must be a string, got {v}"))),
+    }
 }
 
 /// `prompt` of a text completion: a string, an array of token ids, or a one-element array of either.

@@ -507,13 +507,26 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
             }
             encode_chat_guarded(&st.tokenizer, &text, &untrusted).map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
         }
-        Kind::Text => match api::parse_prompt(&o, st.vocab)? {
-            api::Prompt::Tokens(ids) => ids,
-            api::Prompt::Text(text) => {
-                if let Some(e) = surely_too_long(st, "prompt", text.len()) {
+        Kind::Text => match (api::parse_prompt(&o, st.vocab)?, api::parse_suffix(&o)?) {
+            (api::Prompt::Tokens(ids), None) => ids,
+            (api::Prompt::Tokens(_), Some(_)) => {
+                return Err(ApiError::invalid(Some("suffix"), "suffix needs the prompt as text (the text before the gap), not token ids"))
+            }
+            (api::Prompt::Text(text), suffix) => {
+                if let Some(e) = surely_too_long(st, "prompt", text.len() + suffix.as_ref().map_or(0, String::len)) {
                     return Err(e);
                 }
-                st.tokenizer.encode(&text, true).map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?
+                let bad = |e: eddy::Error| ApiError::invalid(Some("prompt"), e.to_string());
+                match suffix {
+                    None => st.tokenizer.encode(&text, true).map_err(bad)?,
+                    // Fill in the middle: the model writes what goes between the prompt and the suffix.
+                    Some(suffix) => st.tokenizer.fim_prompt(&text, &suffix).map_err(bad)?.ok_or_else(|| {
+                        ApiError::invalid(
+                            Some("suffix"),
+                            "suffix needs a fill-in-the-middle model (one whose vocabulary has FIM tokens such as <|fim_prefix|>); this one has none",
+                        )
+                    })?,
+                }
             }
         },
     };

@@ -1818,6 +1818,42 @@ fn qwen05_server() -> Option<SocketAddr> {
     *ADDR.get_or_init(|| qwen(eddy::load::DEFAULT_MODEL_FILE))
 }
 
+/// `suffix` (fill in the middle) on Qwen2.5-Coder-0.5B: the reply is the engine's greedy continuation of
+/// the model's FIM prompt (`<|fim_prefix|>` prompt `<|fim_suffix|>` suffix `<|fim_middle|>`), it fills the
+/// gap with the obvious code, whole and streamed. A model without FIM tokens, a
+/// chat request, echo, token-id prompts and non-strings are 400s naming `suffix`.
+#[test]
+fn suffix_fills_in_the_middle() {
+    let Some(addr) = qwen05_server() else { return };
+    let c = "/v1/completions";
+    let (pre, suf) = ("def add(a, b):\n    return ", "\n\n\nprint(add(1, 2))\n");
+    let body = json!({"prompt": pre, "suffix": suf, "max_tokens": 24, "temperature": 0});
+    let v = post(addr, c, body.clone()).json();
+    let text = v["choices"][0]["text"].as_str().unwrap().to_string();
+    // (The instruct model then writes on past the gap, as editors' stop strings expect.)
+    assert!(text.starts_with("a + b"), "{text:?}");
+    // The engine on the prompt the model card documents.
+    let dir = eddy::load::models_dir();
+    let mut e = engine(&dir.join(eddy::load::DEFAULT_MODEL_FILE));
+    let ids = e.lm.tokenizer.encode(&format!("<|fim_prefix|>{pre}<|fim_suffix|>{suf}<|fim_middle|>"), false).unwrap();
+    assert_eq!(v["usage"]["prompt_tokens"], ids.len());
+    let out = engine_reply(&mut e, &ids, 24, SamplerParams::default());
+    assert_eq!(text, e.lm.tokenizer.decode(&out, true).unwrap());
+    let mut sb = body;
+    sb["stream"] = json!(true);
+    assert_eq!(streamed(addr, c, sb).0, text);
+    for (addr, path, b, needle) in [
+        (server_or_skip!(), c, json!({"prompt": "a", "suffix": "b"}), "fill-in-the-middle model"),
+        (addr, c, json!({"prompt": [1, 2], "suffix": "b"}), "as text"),
+        (addr, c, json!({"prompt": "a", "suffix": 5}), "must be a string"),
+        (addr, c, json!({"prompt": "a", "suffix": "b", "echo": true}), "echo"),
+        (addr, "/v1/chat/completions", chat_body("hi", json!({"suffix": "b"})), "only accepted by /v1/completions"),
+    ] {
+        let v = assert_error(&post(addr, path, b.clone()), 400, needle);
+        assert_eq!(v["error"]["param"], "suffix", "{b}");
+    }
+}
+
 /// Qwen2.5-Coder-1.5B (tool calls: the 0.5B does not use tool results reliably).
 fn qwen15_server() -> Option<SocketAddr> {
     static ADDR: OnceLock<Option<SocketAddr>> = OnceLock::new();

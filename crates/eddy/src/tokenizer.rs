@@ -40,9 +40,40 @@ use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::processors::PostProcessorWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
-/// Names of end-of-generation tokens: when present as added tokens they join [`Tokenizer::stop_ids`].
-const STOP_TOKEN_NAMES: &[&str] =
-    &["<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "<|eom_id|>", "<|return|>"];
+/// Names of end-of-generation tokens: when present as added tokens they join [`Tokenizer::stop_ids`]. The
+/// fill-in-the-middle pad, repository and file separators end a reply too (llama.cpp's end-of-generation
+/// set): a FIM model writes them after the middle it was asked for.
+const STOP_TOKEN_NAMES: &[&str] = &[
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<end_of_turn>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<|end|>",
+    "<|eom_id|>",
+    "<|return|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+];
+
+/// Fill-in-the-middle control tokens (prefix, suffix, middle) as FIM-trained code models name them:
+/// Qwen2.5-Coder; StarCoder and SantaCoder; DeepSeek-Coder (begin, hole, end).
+const FIM_NAMES: &[[&str; 3]] = &[
+    ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"],
+    ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"],
+    ["<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"],
+];
+
+/// The control tokens of fill-in-the-middle prompts in PSM order (Bavarian et al. 2022, "Efficient
+/// Training of Language Models to Fill in the Middle"): `prefix` + the code before the gap, `suffix` +
+/// the code after it, `middle`; the model then writes the gap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FimTokens {
+    pub prefix: u32,
+    pub suffix: u32,
+    pub middle: u32,
+}
 
 /// Split regexes transformers applies for `tokenizer.ggml.pre` values (followed by `ByteLevel` without regex).
 const LLAMA3_SPLIT: &str =
@@ -108,6 +139,8 @@ pub struct Tokenizer {
     /// Ids a GGUF file marks UNUSED (placeholder rows that were never trained, e.g. Qwen2.5's
     /// `[PAD151665]`…`[PAD151935]`), ascending; constrained decoding never allows them.
     pub unused_ids: Vec<u32>,
+    /// The fill-in-the-middle tokens, when the vocabulary has all three as added tokens ([`FIM_NAMES`]).
+    pub fim: Option<FimTokens>,
     /// `inner` set to encode special-token text as plain text (built on first use, shared by clones).
     plain: std::sync::Arc<std::sync::OnceLock<tk::Tokenizer>>,
 }
@@ -338,6 +371,9 @@ impl Tokenizer {
                 }
             }
         }
+        let added_id = |name: &str| inner.token_to_id(name).filter(|id| added.contains_key(id));
+        let fim =
+            FIM_NAMES.iter().find_map(|[p, s, m]| Some(FimTokens { prefix: added_id(p)?, suffix: added_id(s)?, middle: added_id(m)? }));
         Tokenizer {
             inner,
             source,
@@ -348,6 +384,7 @@ impl Tokenizer {
             add_bos,
             stop_ids,
             unused_ids: Vec::new(),
+            fim,
             plain: Default::default(),
         }
     }
@@ -375,6 +412,23 @@ impl Tokenizer {
         let enc =
             plain.encode_fast(text, false).map_err(|e| Error::Text(format!("cannot tokenize text ({}): {e}", self.source.display())))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// The prompt that asks a fill-in-the-middle model for the text between `prefix` and `suffix` (PSM
+    /// order, [`FimTokens`]): BOS when the model adds one, then `prefix`, `suffix` and `middle` each
+    /// followed by its text, encoded as plain text ([`encode_plain`](Self::encode_plain): control-token
+    /// text in the code stays text). `None` when the vocabulary has no FIM tokens.
+    pub fn fim_prompt(&self, prefix: &str, suffix: &str) -> Result<Option<Vec<u32>>> {
+        let Some(f) = self.fim else {
+            return Ok(None);
+        };
+        let mut ids: Vec<u32> = self.bos_id.filter(|_| self.add_bos).into_iter().collect();
+        ids.push(f.prefix);
+        ids.extend(self.encode_plain(prefix)?);
+        ids.push(f.suffix);
+        ids.extend(self.encode_plain(suffix)?);
+        ids.push(f.middle);
+        Ok(Some(ids))
     }
 
     /// The texts of the special (control) added tokens, e.g. `<|im_start|>`.

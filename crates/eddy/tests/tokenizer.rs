@@ -232,6 +232,35 @@ fn stop_ids_cover_chat_end_tokens() {
     assert!(!tok.is_stop(tok.encode("hello", false).unwrap()[0]));
 }
 
+/// Qwen2.5-Coder's fill-in-the-middle prompt is its documented `<|fim_prefix|>P<|fim_suffix|>S<|fim_middle|>`
+/// (the same ids as that text encoded with its control tokens), control-token text inside the code stays
+/// text, and the FIM pad/repo/file tokens end generation; models without FIM tokens have none.
+#[test]
+fn fim_prompt_is_psm_with_the_code_as_plain_text() {
+    let Some(path) = model_file("qwen2.5-coder-0.5b-instruct.gguf") else { return };
+    let tok = Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+    let f = tok.fim.expect("Qwen2.5-Coder has FIM tokens");
+    assert_eq!(
+        (tok.token_str(f.prefix), tok.token_str(f.suffix), tok.token_str(f.middle)),
+        (Some("<|fim_prefix|>".into()), Some("<|fim_suffix|>".into()), Some("<|fim_middle|>".into()))
+    );
+    let (pre, suf) = ("def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n");
+    let want = tok.encode(&format!("<|fim_prefix|>{pre}<|fim_suffix|>{suf}<|fim_middle|>"), false).unwrap();
+    assert_eq!(tok.fim_prompt(pre, suf).unwrap().unwrap(), want);
+    let ids = tok.fim_prompt("x = '<|im_start|>'", "").unwrap().unwrap();
+    assert!(!ids.contains(&tok.token_id("<|im_start|>").unwrap()), "{ids:?}");
+    assert_eq!(ids.last(), Some(&f.middle));
+    for name in ["<|fim_pad|>", "<|file_sep|>", "<|repo_name|>"] {
+        assert!(tok.is_stop(tok.token_id(name).unwrap()), "{name}");
+    }
+    for name in ["SmolLM2-135M-Instruct.Q4_1.gguf", "gemma-3-270m-q4_k_m.gguf"] {
+        let Some(path) = model_file(name) else { return };
+        let tok = Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+        assert_eq!(tok.fim, None, "{name}");
+        assert_eq!(tok.fim_prompt("a", "b").unwrap(), None);
+    }
+}
+
 /// A Hugging Face folder (tokenizer.json + tokenizer_config.json) loads as transformers loads it.
 #[test]
 fn hf_tokenizer_json_matches_transformers() {
