@@ -591,6 +591,46 @@ pub enum Prompt {
     Tokens(Vec<u32>),
 }
 
+/// A `/tokenize` request (llama-server's `content`, or vLLM's `prompt`).
+#[derive(Debug)]
+pub struct Tokenize {
+    pub text: String,
+    /// Add the model's special tokens (BOS when it wants one): `add_special` or `add_special_tokens`;
+    /// default false with `content` (llama-server), true with `prompt` (vLLM).
+    pub add_special: bool,
+    /// Return each token as `{id, piece}` (llama-server's `with_pieces`).
+    pub with_pieces: bool,
+}
+
+/// Parses a `/tokenize` body: `content` or `prompt` (a string, one of them), `add_special` /
+/// `add_special_tokens`, `with_pieces`.
+pub fn parse_tokenize(o: &Map<String, Value>) -> R<Tokenize> {
+    let (key, text) = match (get(o, "content"), get(o, "prompt")) {
+        (Some(_), Some(_)) => return Err(ApiError::invalid(Some("prompt"), "give content or prompt, not both")),
+        (Some(v), None) => ("content", v),
+        (None, Some(v)) => ("prompt", v),
+        (None, None) => return Err(ApiError::invalid(Some("content"), "content (the text to tokenize) is required")),
+    };
+    let Value::String(text) = text else {
+        return Err(ApiError::invalid(Some(key), format!("{key} must be a string, got {text}")));
+    };
+    let add_special = match (boolean(o, "add_special")?, boolean(o, "add_special_tokens")?) {
+        (Some(a), None) | (None, Some(a)) => a,
+        (Some(_), Some(_)) => return Err(ApiError::invalid(Some("add_special"), "give add_special or add_special_tokens, not both")),
+        (None, None) => key == "prompt",
+    };
+    Ok(Tokenize { text: text.clone(), add_special, with_pieces: boolean(o, "with_pieces")?.unwrap_or(false) })
+}
+
+/// Parses a `/detokenize` body: `tokens`, an array of ids below `vocab`.
+pub fn parse_detokenize(o: &Map<String, Value>, vocab: usize) -> R<Vec<u32>> {
+    match get(o, "tokens") {
+        Some(Value::Array(a)) => token_ids(a, "tokens", "tokens", vocab),
+        Some(v) => Err(ApiError::invalid(Some("tokens"), format!("tokens must be an array of token ids, got {v}"))),
+        None => Err(ApiError::invalid(Some("tokens"), "tokens (an array of token ids) is required")),
+    }
+}
+
 /// Text completions' `suffix` (OpenAI's insertion: the text after the gap the completion fills), or
 /// `None` when absent or null.
 pub fn parse_suffix(o: &Map<String, Value>) -> R<Option<String>> {
@@ -624,8 +664,8 @@ pub fn parse_prompt(o: &Map<String, Value>, vocab: usize) -> R<Prompt> {
         }
         Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
         Some(Value::Array(ids)) if ids.is_empty() => Err(ApiError::invalid(p, "prompt[0] must not be an empty array")),
-        Some(Value::Array(ids)) => token_ids(ids, "prompt[0]", vocab).map(Prompt::Tokens),
-        Some(_) => token_ids(list, "prompt", vocab).map(Prompt::Tokens),
+        Some(Value::Array(ids)) => token_ids(ids, "prompt", "prompt[0]", vocab).map(Prompt::Tokens),
+        Some(_) => token_ids(list, "prompt", "prompt", vocab).map(Prompt::Tokens),
     }
 }
 
@@ -685,17 +725,16 @@ pub fn check_logit_bias(s: &SamplerParams, vocab: usize) -> R<()> {
 }
 
 /// An array of token ids, each an integer below `vocab`; errors name the first bad element.
-fn token_ids(a: &[Value], at: &str, vocab: usize) -> R<Vec<u32>> {
+fn token_ids(a: &[Value], param: &'static str, at: &str, vocab: usize) -> R<Vec<u32>> {
     a.iter()
         .enumerate()
         .map(|(i, v)| match v.as_u64() {
             Some(id) if id < vocab as u64 => Ok(id as u32),
-            Some(id) => Err(ApiError::invalid(
-                Some("prompt"),
-                format!("{at}[{i}]: token id {id} is out of range (the vocabulary has {vocab} tokens)"),
-            )),
+            Some(id) => {
+                Err(ApiError::invalid(Some(param), format!("{at}[{i}]: token id {id} is out of range (the vocabulary has {vocab} tokens)")))
+            }
             None => Err(ApiError::invalid(
-                Some("prompt"),
+                Some(param),
                 format!("{at}[{i}] must be a token id (an integer from 0 to {}), got {v}", vocab.saturating_sub(1)),
             )),
         })

@@ -233,6 +233,8 @@ pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router>
         .route("/completions", post(completions))
         .route("/models", get(models))
         .route("/models/{id}", get(model))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/health", get(health))
         .route("/metrics", get(prometheus))
         .fallback(not_found)
@@ -394,6 +396,46 @@ async fn not_allowed(method: Method, uri: Uri) -> ApiError {
 
 async fn health() -> Json<Value> {
     Json(json!({"status": "ok"}))
+}
+
+/// `POST /tokenize` (llama-server's and vLLM's): the token ids of `content` (or `prompt`), their `count`
+/// and the context length (`max_model_len`); with `with_pieces` each token is `{id, piece}`, the piece its
+/// text, or its bytes when they are not valid UTF-8 alone (as llama-server). Tokenized on the blocking pool.
+async fn tokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    let s = st.clone();
+    let run = move || -> Result<Value, ApiError> {
+        let t = api::parse_tokenize(&api::parse_object(&body)?)?;
+        let ids = s.tokenizer.encode(&t.text, t.add_special).map_err(|e| ApiError::invalid(None, e.to_string()))?;
+        let tokens: Vec<Value> = match t.with_pieces {
+            false => ids.iter().map(|&id| json!(id)).collect(),
+            true => ids
+                .iter()
+                .map(|&id| {
+                    let t = TokenText::new(&s.tokenizer, id);
+                    match String::from_utf8(t.bytes) {
+                        Ok(piece) => json!({"id": id, "piece": piece}),
+                        Err(e) => json!({"id": id, "piece": e.into_bytes()}),
+                    }
+                })
+                .collect(),
+        };
+        Ok(json!({"tokens": tokens, "count": ids.len(), "max_model_len": s.ctx}))
+    };
+    let v = tokio::task::spawn_blocking(run).await.map_err(|e| server_error(format!("tokenizing failed: {e}")))??;
+    Ok(Json(v))
+}
+
+/// `POST /detokenize`: the text of `tokens` (special tokens included), as `content` (llama-server) and
+/// `prompt` (vLLM).
+async fn detokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    let s = st.clone();
+    let run = move || -> Result<Value, ApiError> {
+        let ids = api::parse_detokenize(&api::parse_object(&body)?, s.vocab)?;
+        let text = s.tokenizer.decode(&ids, false).map_err(|e| ApiError::invalid(Some("tokens"), e.to_string()))?;
+        Ok(json!({"content": text, "prompt": text}))
+    };
+    let v = tokio::task::spawn_blocking(run).await.map_err(|e| server_error(format!("detokenizing failed: {e}")))??;
+    Ok(Json(v))
 }
 
 /// The model object of served name `id`: OpenAI's fields, and the context length (`context_length`, and

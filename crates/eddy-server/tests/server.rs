@@ -1134,6 +1134,52 @@ fn completion_prompt_as_token_ids_or_one_element_array() {
     }
 }
 
+/// `/tokenize` and `/detokenize` in llama-server's and vLLM's shapes: the tokenizer's ids (BOS by the
+/// key's default, or by either flag), the count and context length, pieces whose bytes spell the text, the
+/// text of ids with special tokens kept; malformed bodies and unknown ids are 400s naming the field.
+#[test]
+fn tokenize_and_detokenize() {
+    let addr = server_or_skip!();
+    let tok = tokenizer();
+    let text = "Hello, world! 日本語 <|im_start|>";
+    let (plain, with) = (tok.encode(text, false).unwrap(), tok.encode(text, true).unwrap());
+    let ids = |body: Value| post(addr, "/tokenize", body).json()["tokens"].clone();
+    let v = post(addr, "/tokenize", json!({"content": text})).json();
+    assert_eq!(v, json!({"tokens": plain, "count": plain.len(), "max_model_len": CTX}));
+    assert_eq!(ids(json!({"prompt": text})), json!(with));
+    assert_eq!(ids(json!({"content": text, "add_special": true})), json!(with));
+    assert_eq!(ids(json!({"prompt": text, "add_special_tokens": false})), json!(plain));
+    // Pieces: the ids again, and their bytes (strings, or byte arrays for a cut character) spell the text.
+    let mut bytes = Vec::new();
+    let pieces = ids(json!({"content": text, "with_pieces": true}));
+    for (p, id) in pieces.as_array().unwrap().iter().zip(&plain) {
+        assert_eq!(p["id"], *id);
+        match &p["piece"] {
+            Value::String(s) => bytes.extend_from_slice(s.as_bytes()),
+            Value::Array(a) => bytes.extend(a.iter().map(|b| b.as_u64().unwrap() as u8)),
+            v => panic!("piece {v}"),
+        }
+    }
+    assert_eq!(pieces.as_array().unwrap().len(), plain.len());
+    assert_eq!(String::from_utf8(bytes).unwrap(), tok.decode(&plain, false).unwrap());
+    let v = post(addr, "/detokenize", json!({"tokens": with})).json();
+    let want = tok.decode(&with, false).unwrap();
+    assert!(want.contains("<|im_start|>"), "{want}");
+    assert_eq!(v, json!({"content": want, "prompt": want}));
+    let vocab = tok.vocab_size();
+    for (path, body, param, needle) in [
+        ("/tokenize", json!({"content": 5}), "content", "must be a string"),
+        ("/tokenize", json!({}), "content", "required"),
+        ("/tokenize", json!({"content": "a", "prompt": "b"}), "prompt", "not both"),
+        ("/tokenize", json!({"content": "a", "with_pieces": "yes"}), "with_pieces", "boolean"),
+        ("/detokenize", json!({"tokens": [1, vocab]}), "tokens", "out of range"),
+        ("/detokenize", json!({"tokens": "abc"}), "tokens", "array of token ids"),
+    ] {
+        let v = assert_error(&post(addr, path, body.clone()), 400, needle);
+        assert_eq!(v["error"]["param"], param, "{body}");
+    }
+}
+
 /// Float fields are checked as the f32 the sampler uses: overflow to infinity or underflow to 0 is a
 /// 400 naming the field, streaming or not (before the stream starts).
 #[test]
