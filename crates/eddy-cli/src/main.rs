@@ -181,7 +181,8 @@ struct RunArgs {
     #[arg(long, default_value_t = 1.0)]
     repetition_penalty: f32,
     /// Add BIAS (in [-100, 100]) to token ID's logit before sampling, as llama.cpp's `--logit-bias`: e.g.
-    /// `--logit-bias 15043+1.5`, or `--logit-bias 15043-100` to all but ban it (repeatable).
+    /// `--logit-bias 15043+1.5`, `15043-100` to all but ban it, `15043-inf` to ban it (repeatable, one per
+    /// token).
     #[arg(long, short = 'l', value_name = "ID(+|-)BIAS", allow_hyphen_values = true, value_parser = parse_logit_bias)]
     logit_bias: Vec<LogitBias>,
     /// Random seed: the same seed and options give the same output. Default (or -1, as in llama.cpp and
@@ -646,6 +647,11 @@ fn sampler_params(a: &RunArgs) -> eddy::Result<SamplerParams> {
     if !(a.repetition_penalty.is_finite() && a.repetition_penalty > 0.0) {
         return Err(bad("--repetition-penalty", format!("must be a number > 0 (1 = off), got {}", a.repetition_penalty)));
     }
+    let mut ids: Vec<u32> = a.logit_bias.iter().map(|b| b.0).collect();
+    ids.sort_unstable();
+    if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+        return Err(bad("--logit-bias", format!("token {} is given twice (one bias per token)", w[0])));
+    }
     let sampler = SamplerParams {
         temperature: a.temperature,
         top_k: a.top_k,
@@ -779,13 +785,14 @@ fn with_system(system: &Option<String>, message: &str) -> String {
 #[derive(Debug, Clone, Copy)]
 struct LogitBias(u32, f32);
 
-/// `--logit-bias 15043+1.5` / `15043-100`: llama.cpp's spelling; the bias in [-100, 100].
+/// `--logit-bias 15043+1.5` / `15043-100` / `15043-inf`: llama.cpp's spelling; the bias in [-100, 100],
+/// or -inf (a ban).
 fn parse_logit_bias(s: &str) -> Result<LogitBias, String> {
-    let usage = || format!("`{s}` is not ID+BIAS or ID-BIAS (a token id, then a signed bias in [-100, 100], e.g. 15043-100)");
+    let usage = || format!("`{s}` is not ID+BIAS or ID-BIAS (a token id, then a signed bias in [-100, 100] or -inf, e.g. 15043-100)");
     let t = s.trim();
-    let at = t.find(['+', '-']).filter(|&i| i > 0).ok_or_else(usage)?;
+    let at = t.find(['+', '-']).filter(|&i| i > 0 && t[..i].bytes().all(|b| b.is_ascii_digit())).ok_or_else(usage)?;
     let id = t[..at].parse::<u32>().map_err(|_| usage())?;
-    let bias = t[at..].parse::<f32>().ok().filter(|b| (-100.0..=100.0).contains(b)).ok_or_else(usage)?;
+    let bias = t[at..].parse::<f32>().ok().filter(|b| (-100.0..=100.0).contains(b) || *b == f32::NEG_INFINITY).ok_or_else(usage)?;
     Ok(LogitBias(id, bias))
 }
 

@@ -93,9 +93,12 @@ fn bad_option_values_are_named_before_the_model_loads() {
     expect_error(&run_args(&["--min-p", "NaN"]), "--min-p:");
     expect_error(&run_args(&["--repetition-penalty", "0"]), "--repetition-penalty:");
     expect_error(&run_args(&["-n", "0"]), "--max-tokens: must be at least 1");
-    for v in ["15043", "x+1", "+1", "15043+101", "15043-nan", "15043+1e400", "-5+1", "15043*2"] {
+    for v in ["15043", "x+1", "+1", "+7+1", "15043+101", "15043-nan", "15043+inf", "15043+1e400", "-5+1", "15043*2"] {
         expect_error(&run_args(&["--logit-bias", v]), "--logit-bias: invalid value");
     }
+    expect_error(&run_args(&["-l", "7+1", "--logit-bias", "7-2"]), "--logit-bias: token 7 is given twice");
+    // -inf (a ban) gets past the options.
+    expect_error(&run_args(&["-l", "15043-inf"]), "eddy-test-model.gguf: no such file");
     expect_error(&run_args(&["--ctx", "1"]), "--ctx: must be at least 2");
     expect_error(&run_args(&["--ctx", "0"]), "--ctx:");
     expect_error(&["run", "--model", NO_MODEL, "--threads", "0", "-m", "hi"], "--threads: must be at least 1");

@@ -681,7 +681,8 @@ fn kind(v: &Value) -> &'static str {
     }
 }
 
-/// OpenAI's `logit_bias`: an object from token ids (decimal strings) to biases in [-100, 100], or null;
+/// OpenAI's `logit_bias`: an object from token ids (decimal strings) to biases in [-100, 100] or `false`
+/// (a ban, as llama-server), or null;
 /// returned in id order. The ids are checked against the vocabulary by [`check_logit_bias`].
 fn logit_bias(o: &Map<String, Value>) -> R<Vec<(u32, f32)>> {
     let m = match get(o, "logit_bias") {
@@ -696,14 +697,17 @@ fn logit_bias(o: &Map<String, Value>) -> R<Vec<(u32, f32)>> {
     };
     let mut out = Vec::with_capacity(m.len());
     for (k, v) in m {
-        let id = k.parse::<u32>().map_err(|_| {
+        let id = Some(k).filter(|k| k.bytes().all(|b| b.is_ascii_digit())).and_then(|k| k.parse::<u32>().ok()).ok_or_else(|| {
             ApiError::invalid(Some("logit_bias"), format!("logit_bias keys must be token ids (decimal integers), got {k:?}"))
         })?;
-        let b = v
-            .as_f64()
-            .filter(|b| (-100.0..=100.0).contains(b))
-            .ok_or_else(|| ApiError::invalid(Some("logit_bias"), format!("logit_bias[{k:?}] must be a number in [-100, 100], got {v}")))?;
-        out.push((id, b as f32));
+        // `false` bans the token (llama-server's spelling; JSON has no -inf).
+        let b = match v {
+            Value::Bool(false) => f32::NEG_INFINITY,
+            _ => v.as_f64().filter(|b| (-100.0..=100.0).contains(b)).ok_or_else(|| {
+                ApiError::invalid(Some("logit_bias"), format!("logit_bias[{k:?}] must be a number in [-100, 100] or false, got {v}"))
+            })? as f32,
+        };
+        out.push((id, b));
     }
     // "7" and "007" name one token: a request naming it twice is ambiguous.
     out.sort_by_key(|e| e.0);

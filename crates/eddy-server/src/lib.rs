@@ -483,6 +483,8 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
     let mut thinking = None;
     let mut calls = None;
     let mut grammar: Option<(&'static str, String)> = None;
+    // A BOS the tokenizer put before a text prompt (not echoed).
+    let mut bos_added = false;
     let prompt = match kind {
         Kind::Chat => {
             let messages = api::parse_messages(&o)?;
@@ -560,7 +562,11 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
                 }
                 let bad = |e: eddy::Error| ApiError::invalid(Some("prompt"), e.to_string());
                 match suffix {
-                    None => st.tokenizer.encode(&text, true).map_err(bad)?,
+                    None => {
+                        let ids = st.tokenizer.encode(&text, true).map_err(bad)?;
+                        bos_added = st.tokenizer.add_bos && st.tokenizer.bos_id.is_some() && ids.first() == st.tokenizer.bos_id.as_ref();
+                        ids
+                    }
                     // Fill in the middle: the model writes what goes between the prompt and the suffix.
                     Some(suffix) => st.tokenizer.fim_prompt(&text, &suffix).map_err(bad)?.ok_or_else(|| {
                         ApiError::invalid(
@@ -616,7 +622,8 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
         .collect();
     // Presence and frequency penalties count the generated tokens only.
     common.sampler.prompt_len = prompt.len();
-    Ok(Prepared { common, prompt, thinking, max_tokens, calls, choices })
+    let echo = common.echo.then_some(bos_added as usize);
+    Ok(Prepared { common, prompt, thinking, max_tokens, calls, choices, echo })
 }
 
 /// With `tool_choice` `auto` no grammar constrains the reply, but the tools' schemas are checked as a forced
@@ -695,14 +702,17 @@ struct Prepared {
     calls: Option<Calls>,
     /// One per choice (OpenAI's `n`).
     choices: Vec<Choice>,
+    /// `echo`: the prompt tokens not echoed ([`Job::echo`]).
+    echo: Option<usize>,
 }
 
 /// Validate, tokenize (on the blocking pool), queue, and answer (whole or streamed).
 async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, ApiError> {
     let s = st.clone();
-    let Prepared { common, prompt, thinking, max_tokens, calls, choices } = tokio::task::spawn_blocking(move || prepare(&s, kind, &body))
-        .await
-        .map_err(|e| server_error(format!("preparing the request failed: {e}")))??;
+    let Prepared { common, prompt, thinking, max_tokens, calls, choices, echo } =
+        tokio::task::spawn_blocking(move || prepare(&s, kind, &body))
+            .await
+            .map_err(|e| server_error(format!("preparing the request failed: {e}")))??;
     let Some(slot) = st.queue.admit() else {
         return Err(ApiError::invalid(None, "the server is busy: the request queue is full; retry later").with_status(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -722,7 +732,7 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
         choices,
         keep_special: calls.as_ref().is_some_and(|c| c.family.keeps_special_tokens()),
         cache_prompt: common.cache_prompt,
-        echo: common.echo,
+        echo,
     };
     if st.jobs.send(job).is_err() {
         return Err(server_error("the engine thread has stopped".into()));

@@ -30,8 +30,9 @@ pub(crate) struct Job {
     /// Reuse the prefix cache (`false`: the prompt is prefilled cold).
     pub cache_prompt: bool,
     /// Text completions' `echo`: the prompt's text (and with `logprobs` its tokens' log-probabilities)
-    /// comes first, as the reply's first delta.
-    pub echo: bool,
+    /// comes first, as each choice's first delta. `Some(skip)`: its first `skip` tokens are left out (1
+    /// for a BOS the tokenizer added to a text prompt, 0 otherwise).
+    pub echo: Option<usize>,
 }
 
 /// One choice of a [`Job`]: the job's generation with its own seed and constraint state.
@@ -215,8 +216,17 @@ pub(crate) fn spawn(
             let choices = std::mem::take(&mut job.choices);
             let count = choices.len();
             let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                // The echoed prompt (scored once: the same for every choice).
+                let echoed = match job.echo {
+                    None => None,
+                    Some(skip) => match echo_prompt(&mut engine, &tok, &job.prompt, skip, job.params.logprobs, &|| job.tx.is_closed()) {
+                        Ok(Some(e)) => Some(e),
+                        Ok(None) => return None, // client gone
+                        Err(e) => return Some(Event::Error(e.to_string())),
+                    },
+                };
                 for (i, c) in choices.into_iter().enumerate() {
-                    match run_job(&mut engine, &tok, &job, c, &metrics) {
+                    match run_job(&mut engine, &tok, &job, c, echoed.as_ref(), &metrics) {
                         Some(ev @ Event::Done { .. }) if i + 1 < count => {
                             let _ = tx.send(ev);
                         }
@@ -237,11 +247,18 @@ pub(crate) fn spawn(
     })
 }
 
-/// Generates one choice of a job, sending its text deltas; returns the last event to send (none when the
-/// client left).
-fn run_job(engine: &mut Engine, tok: &Tokenizer, job: &Job, choice: Choice, metrics: &Metrics) -> Option<Event> {
-    let Job { prompt, params, stops, tx, keep_special, cache_prompt, echo, .. } = job;
-    let (prompt, keep_special, echo) = (&prompt[..], *keep_special, *echo);
+/// Generates one choice of a job, sending its text deltas (after `echoed`, the echoed prompt's text and
+/// log-probabilities); returns the last event to send (none when the client left).
+fn run_job(
+    engine: &mut Engine,
+    tok: &Tokenizer,
+    job: &Job,
+    choice: Choice,
+    echoed: Option<&(String, Vec<Logprob>)>,
+    metrics: &Metrics,
+) -> Option<Event> {
+    let Job { prompt, params, stops, tx, keep_special, cache_prompt, .. } = job;
+    let (prompt, keep_special, echo) = (&prompt[..], *keep_special, echoed.is_some());
     let Choice { seed, mut mask } = choice;
     if tx.is_closed() {
         return None; // the client left (between two choices)
@@ -252,16 +269,10 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: &Job, choice: Choice, metr
         engine.clear_cache();
     }
     let mut echoed_chars = 0;
-    if echo {
-        match echo_prompt(engine, tok, prompt, params.logprobs, &|| tx.is_closed()) {
-            Ok(None) => return None, // client gone
-            Ok(Some((text, lps))) => {
-                echoed_chars = text.chars().count();
-                if !text.is_empty() || !lps.is_empty() {
-                    let _ = tx.send(Event::Delta(text, lps));
-                }
-            }
-            Err(e) => return Some(Event::Error(e.to_string())),
+    if let Some((text, lps)) = echoed {
+        echoed_chars = text.chars().count();
+        if !text.is_empty() || !lps.is_empty() {
+            let _ = tx.send(Event::Delta(text.clone(), lps.clone()));
         }
         if params.max_tokens == 0 {
             let stats = GenerationStats { prompt_tokens: prompt.len(), finish: FinishReason::Length, ..Default::default() };
@@ -364,26 +375,25 @@ fn run_job(engine: &mut Engine, tok: &Tokenizer, job: &Job, choice: Choice, metr
     }
 }
 
-/// The text of `prompt` as a completion's `echo` gives it: decoded with its special tokens (a prompt in a
-/// chat format comes back as it was sent) but without a leading BOS (which the tokenizer adds, not the
-/// user), and with `logprobs` (`Some(k)` alternatives) an entry per prompt token at its character offset:
-/// the first without a log-probability, the others from [`Engine::prompt_logprobs`]. `None` when
-/// `cancelled` (the client left) stopped the scoring.
+/// The text of `prompt[skip..]` as a completion's `echo` gives it: decoded with its special tokens (a
+/// prompt in a chat format comes back as it was sent; `skip` leaves out a BOS the tokenizer added, not the
+/// user), and with `logprobs` (`Some(k)` alternatives) an entry per echoed token at its character offset:
+/// `prompt[0]` without a log-probability, the others from [`Engine::prompt_logprobs`] over the whole
+/// prompt. `None` when `cancelled` (the client left) stopped the scoring.
 fn echo_prompt(
     engine: &mut Engine,
     tok: &Tokenizer,
     prompt: &[u32],
+    skip: usize,
     logprobs: Option<usize>,
     cancelled: &dyn Fn() -> bool,
 ) -> eddy::Result<Option<(String, Vec<Logprob>)>> {
     let mut dec = StreamDecoder::new(tok, false);
     let mut text = String::new();
-    let (mut offsets, mut chars) = (Vec::with_capacity(prompt.len()), 0);
-    for (i, &id) in prompt.iter().enumerate() {
+    let echoed = prompt.get(skip..).unwrap_or_default();
+    let (mut offsets, mut chars) = (Vec::with_capacity(echoed.len()), 0);
+    for &id in echoed {
         offsets.push(chars);
-        if i == 0 && Some(id) == tok.bos_id {
-            continue;
-        }
         if let Some(t) = dec.push(id)? {
             chars += t.chars().count();
             text.push_str(&t);
@@ -395,16 +405,17 @@ fn echo_prompt(
     let Some(k) = logprobs else {
         return Ok(Some((text, Vec::new())));
     };
-    let mut lps = Vec::with_capacity(prompt.len());
-    if let Some(&first) = prompt.first() {
-        lps.push(Logprob { token: TokenText::new(tok, first), logprob: None, top: Vec::new(), offset: 0 });
-    }
     let Some(scored) = engine.prompt_logprobs(prompt, k, cancelled)? else {
         return Ok(None);
     };
-    for (lp, &offset) in scored.iter().zip(&offsets[1..]) {
-        lps.push(Logprob::new(tok, lp, offset));
-    }
+    // `scored[i - 1]` is prompt token i.
+    let lps = (skip..prompt.len())
+        .zip(&offsets)
+        .map(|(i, &offset)| match i {
+            0 => Logprob { token: TokenText::new(tok, prompt[0]), logprob: None, top: Vec::new(), offset },
+            _ => Logprob::new(tok, &scored[i - 1], offset),
+        })
+        .collect();
     Ok(Some((text, lps)))
 }
 

@@ -1269,7 +1269,9 @@ fn logit_bias_forces_and_bans_tokens() {
     let plain = reply(vec![]);
     let banned = reply(vec![(plain[0], -100.0)]);
     assert!(!banned.contains(&plain[0]), "{plain:?} {banned:?}");
-    assert_eq!(text(post(addr, c, body(json!({plain[0].to_string(): -100}), json!({})))), tok.decode(&banned, true).unwrap());
+    for ban in [json!(-100), json!(false)] {
+        assert_eq!(text(post(addr, c, body(json!({plain[0].to_string(): ban}), json!({})))), tok.decode(&banned, true).unwrap());
+    }
     let x = tok.encode(" banana", false).unwrap()[0];
     assert_eq!(text(post(addr, c, body(json!({x.to_string(): 100}), json!({})))), tok.decode(&[x; 8], true).unwrap());
     // Sampling under a moderate bias, with and without speculation.
@@ -1280,6 +1282,8 @@ fn logit_bias_forces_and_bans_tokens() {
     let vocab = tok.vocab_size();
     for (bias, needle) in [
         (json!({"a": 1}), "token ids"),
+        (json!({"+7": 1}), "token ids"),
+        (json!({"7": true}), "or false"),
         (json!({"-3": 1}), "token ids"),
         (json!({"5": 100.5}), "[-100, 100]"),
         (json!({"5": "1"}), "[-100, 100]"),
@@ -2214,9 +2218,43 @@ fn echo_scores_the_prompt() {
     let chat = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n";
     let v = post(addr, "/v1/completions", json!({"prompt": chat, "echo": true, "max_tokens": 0})).json();
     assert_eq!(v["choices"][0]["text"], chat, "{v}");
+    // A prompt that starts with the BOS text (Qwen adds no BOS itself), as text or ids, comes back whole.
+    for p in [json!("<|endoftext|>Hello"), json!([151643, 9707])] {
+        let v = post(addr, "/v1/completions", json!({"prompt": p, "echo": true, "logprobs": 0, "max_tokens": 0})).json();
+        assert_eq!(v["choices"][0]["text"], "<|endoftext|>Hello", "{v}");
+        assert_eq!(v["choices"][0]["logprobs"]["tokens"], json!(["<|endoftext|>", "Hello"]), "{v}");
+    }
+    // n choices share the scored prompt.
+    let v = post(
+        addr,
+        "/v1/completions",
+        json!({"prompt": prompt, "echo": true, "logprobs": 1, "max_tokens": 2, "n": 2, "temperature": 1, "seed": 1}),
+    )
+    .json();
+    let [x, y] = [0, 1].map(|i| v["choices"][i]["logprobs"]["token_logprobs"].as_array().unwrap()[..n_prompt].to_vec());
+    assert_eq!(x, y, "{v}");
     // max_tokens 0 needs echo; chat has no echo.
     assert_error(&post(addr, "/v1/completions", json!({"prompt": "x", "max_tokens": 0})), 400, "max_tokens");
     assert_error(&post(addr, "/v1/chat/completions", chat_body("hi", json!({"echo": true}))), 400, "echo");
+}
+
+/// `echo` on a model whose tokenizer adds a BOS (Gemma 3): a text prompt comes back without the BOS the
+/// tokenizer put there, its first echoed token scored after it; a token-id prompt comes back whole.
+#[test]
+fn echo_leaves_out_only_the_bos_the_tokenizer_added() {
+    let Some(addr) = qwen("gemma-3-270m-q4_k_m.gguf") else { return };
+    let text = "Hello world, again";
+    let v = post(addr, "/v1/completions", json!({"prompt": text, "echo": true, "logprobs": 1, "max_tokens": 0})).json();
+    let c = &v["choices"][0];
+    assert_eq!(c["text"], text, "{v}");
+    let tokens: Vec<&str> = c["logprobs"]["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(tokens.concat(), text);
+    assert_eq!(v["usage"]["prompt_tokens"], tokens.len() + 1, "{v}");
+    assert!(c["logprobs"]["token_logprobs"][0].as_f64().is_some_and(|l| l < 0.0), "{v}");
+    assert_eq!(c["logprobs"]["text_offset"][0], 0);
+    let ids = post(addr, "/tokenize", json!({"prompt": text})).json()["tokens"].clone();
+    let v = post(addr, "/v1/completions", json!({"prompt": ids, "echo": true, "max_tokens": 0})).json();
+    assert_eq!(v["choices"][0]["text"], format!("<bos>{text}"), "{v}");
 }
 
 /// Qwen2.5's UNUSED rows (`[PAD151665]`…, never trained; at temperature 2 one was sampled inside a JSON

@@ -42,8 +42,8 @@ pub struct SamplerParams {
     /// Seed of the position-keyed generator.
     pub seed: u64,
     /// OpenAI's and llama.cpp's logit bias: `(token id, bias)` pairs, each bias (in [-100, 100], logit
-    /// units) added to its token's raw logit before anything else; −100 all but bans a token, +100 all but
-    /// forces it. Ids at or beyond a row's length are ignored (callers check them against the vocabulary);
+    /// units, or −∞: a ban, llama.cpp's `ID-inf`) added to its token's raw logit before anything else;
+    /// −100 all but bans a token, +100 all but forces it. Ids at or beyond a row's length are ignored (callers check them against the vocabulary);
     /// an id listed twice gets both biases. Empty = off.
     pub logit_bias: Vec<(u32, f32)>,
 }
@@ -86,8 +86,8 @@ impl SamplerParams {
                 return Err(format!("{name} must be in [-2, 2], got {v}"));
             }
         }
-        if let Some(&(t, b)) = self.logit_bias.iter().find(|e| !(-100.0..=100.0).contains(&e.1)) {
-            return Err(format!("logit_bias of token {t} must be in [-100, 100], got {b}"));
+        if let Some(&(t, b)) = self.logit_bias.iter().find(|e| !(-100.0..=100.0).contains(&e.1) && e.1 != f32::NEG_INFINITY) {
+            return Err(format!("logit_bias of token {t} must be in [-100, 100] or -inf, got {b}"));
         }
         Ok(())
     }
@@ -682,7 +682,13 @@ pub(crate) mod tests {
         assert!(biased.modifies_logits());
         assert_eq!(Sampler::candidate_count(&biased), None);
         assert!(Sampler::candidate_count(&SamplerParams { logit_bias: vec![], ..biased }).is_some());
-        for b in [100.5f32, -101.0, f32::NAN, f32::NEG_INFINITY] {
+        // −∞ bans: never drawn, even when everything else is far less likely.
+        let ban = SamplerParams { temperature: 1.0, seed: 5, logit_bias: vec![(0, f32::NEG_INFINITY)], ..Default::default() };
+        for pos in 0..50 {
+            assert_ne!(s.sample(&ban, &mut [50.0f32, -50.0, -60.0], &[], pos), 0);
+        }
+        assert!(ban.validate().is_ok());
+        for b in [100.5f32, -101.0, f32::NAN, f32::INFINITY] {
             let bad = SamplerParams { logit_bias: vec![(3, 1.0), (9, b)], ..Default::default() };
             assert!(bad.validate().unwrap_err().starts_with("logit_bias of token 9"), "{b}");
         }
