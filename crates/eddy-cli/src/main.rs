@@ -27,7 +27,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Generate a reply to one message, streamed to stdout; statistics go to stderr.
+    /// Generate a reply to one message, streamed to stdout; statistics go to stderr. Without --message: a
+    /// chat in the terminal (each line a message; the conversation is kept).
     #[command(allow_negative_numbers = true)]
     Run(RunArgs),
     /// Perplexity of a text file: non-overlapping windows of --ctx tokens, tokens 1..n-1 of each scored.
@@ -151,9 +152,11 @@ struct RunArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// The user message (must not be empty unless --raw); `-` reads it from stdin (trailing newlines
-    /// dropped).
+    /// dropped). Without it: a chat, each line read from stdin a user message (a line ending in `\` goes
+    /// on to the next), each reply streamed to stdout with a one-line summary on stderr; `/clear` starts
+    /// over, `/exit` or end of input ends it, Ctrl-C stops a reply (at the prompt: ends the chat).
     #[arg(long = "message", short = 'm', allow_hyphen_values = true)]
-    message: String,
+    message: Option<String>,
     /// A system message placed before the user message (with --raw or without a chat template: prepended
     /// to the message, followed by a blank line).
     #[arg(long, allow_hyphen_values = true)]
@@ -688,13 +691,16 @@ fn run(a: RunArgs) -> eddy::Result<()> {
             }
         },
     };
-    let (message, source) = if a.message == "-" {
-        let buf = read_text_bytes(std::io::stdin(), "stdin")?;
-        let s = String::from_utf8(buf).map_err(|e| bad("stdin", format!("the message is not UTF-8 text ({e})")))?;
-        // `echo hi | eddy run -m -` sends "hi", not "hi\n".
-        (s.trim_end_matches(['\n', '\r']).to_string(), "stdin")
-    } else {
-        (a.message.clone(), "--message")
+    let (message, source) = match a.message.as_deref() {
+        None if a.raw => return Err(bad("--raw", "needs --message (a chat goes through the chat template)")),
+        None => return chat(&a, sampler, &kwargs),
+        Some("-") => {
+            let buf = read_text_bytes(std::io::stdin(), "stdin")?;
+            let s = String::from_utf8(buf).map_err(|e| bad("stdin", format!("the message is not UTF-8 text ({e})")))?;
+            // `echo hi | eddy run -m -` sends "hi", not "hi\n".
+            (s.trim_end_matches(['\n', '\r']).to_string(), "stdin")
+        }
+        Some(m) => (m.to_string(), "--message"),
     };
     if message.trim().is_empty() && !a.raw {
         return Err(bad(source, "the message is empty"));
@@ -702,11 +708,8 @@ fn run(a: RunArgs) -> eddy::Result<()> {
     let (spec_kind, spec_budget) = spec_options(&a.spec)?;
     let (mut engine, _) = engine_for(&a.model)?;
     attach_speculators(&mut engine, &a.spec, spec_kind, spec_budget)?;
+    check_logit_bias(&engine, &a.logit_bias)?;
     let lm = &engine.lm;
-    let vocab = lm.tokenizer.vocab_size();
-    if let Some(b) = a.logit_bias.iter().find(|b| b.0 as usize >= vocab) {
-        return Err(bad("--logit-bias", format!("token id {} is out of range (the vocabulary has {vocab} tokens)", b.0)));
-    }
     let prompt = match (&lm.template, a.raw) {
         (Some(t), false) => {
             let mut msgs = Vec::new();
@@ -733,44 +736,197 @@ fn run(a: RunArgs) -> eddy::Result<()> {
     let energy = EnergyMeter::start_with_gpu(engine.gpu_pci_bus_id().as_deref());
     let mut e_first = None;
     let params = GenerateParams { max_tokens: a.max_tokens, sampler, ignore_eos: false, logprobs: None };
+    let stats = stream_reply(&mut engine, &prompt, &params, &mut || {
+        if e_first.is_none() {
+            e_first = Some(energy.as_ref().map(|m| m.joules()).unwrap_or(0.0));
+        }
+        true
+    })?
+    .stats;
+    let total_j = energy.as_ref().ok().map(|m| (m.joules(), m.sources()));
+    print_stats(&stats, energy.as_ref().err(), total_j, e_first.unwrap_or(0.0), a.json);
+    Ok(())
+}
+
+/// A reply [`stream_reply`] wrote to stdout.
+struct Streamed {
+    stats: GenerationStats,
+    /// The reply's text as written.
+    text: String,
+    /// The reader of stdout went away (broken pipe): generation stopped there.
+    broken_pipe: bool,
+}
+
+/// Generates the reply to `prompt`, writing its text to stdout as it comes and a newline after it; what is
+/// still pending at the end, an incomplete character cut by --max-tokens, is left out rather than printed as
+/// a U+FFFD the model never finished. `on_token` is asked before each token is written (`false` stops).
+/// A reader that goes away (broken pipe) stops generation; other write errors are errors.
+fn stream_reply(
+    engine: &mut Engine,
+    prompt: &[u32],
+    params: &GenerateParams,
+    on_token: &mut dyn FnMut() -> bool,
+) -> eddy::Result<Streamed> {
     let tok = engine.lm.tokenizer.clone();
     let mut dec = StreamDecoder::new(&tok, true);
     let mut out = std::io::stdout().lock();
     let mut write_err = None;
-    let stats = engine.generate(&prompt, &params, &mut |id| {
-        if e_first.is_none() {
-            e_first = Some(energy.as_ref().map(|m| m.joules()).unwrap_or(0.0));
+    let mut text = String::new();
+    let stats = engine.generate(prompt, params, &mut |id| {
+        if !on_token() {
+            return false;
         }
-        match dec.push(id) {
-            Ok(Some(text)) => {
-                if let Err(e) = out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
-                    write_err = Some(e);
-                    return false;
-                }
+        if let Ok(Some(t)) = dec.push(id) {
+            text.push_str(&t);
+            if let Err(e) = out.write_all(t.as_bytes()).and_then(|_| out.flush()) {
+                write_err = Some(e);
+                return false;
             }
-            Ok(None) => {}
-            Err(_) => {}
         }
         true
     })?;
     if write_err.is_none() {
-        // What is still pending at the end: an incomplete character (cut by --max-tokens) decodes to
-        // U+FFFD; leave it out rather than print a replacement character the model never finished.
-        if let Ok(Some(text)) = dec.finish() {
-            let _ = out.write_all(text.trim_end_matches('\u{FFFD}').as_bytes());
+        if let Ok(Some(t)) = dec.finish() {
+            let t = t.trim_end_matches('\u{FFFD}');
+            text.push_str(t);
+            let _ = out.write_all(t.as_bytes());
         }
         if let Err(e) = writeln!(out).and_then(|_| out.flush()) {
             write_err = Some(e);
         }
     }
-    drop(out);
-    if let Some(e) = write_err {
-        if e.kind() != std::io::ErrorKind::BrokenPipe {
-            return Err(bad("stdout", format!("cannot write the reply: {e}")));
+    match write_err {
+        Some(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(bad("stdout", format!("cannot write the reply: {e}"))),
+        e => Ok(Streamed { stats, text, broken_pipe: e.is_some() }),
+    }
+}
+
+/// Every --logit-bias id must be a token of the model's vocabulary.
+fn check_logit_bias(engine: &Engine, biases: &[LogitBias]) -> eddy::Result<()> {
+    let vocab = engine.lm.tokenizer.vocab_size();
+    match biases.iter().find(|b| b.0 as usize >= vocab) {
+        Some(b) => Err(bad("--logit-bias", format!("token id {} is out of range (the vocabulary has {vocab} tokens)", b.0))),
+        None => Ok(()),
+    }
+}
+
+/// Set by Ctrl-C while a chat reply is generated: the reply stops at the next token.
+static STOP_REPLY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// A chat reply is being generated (Ctrl-C stops it; otherwise Ctrl-C ends the chat).
+static GENERATING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// `eddy run` without --message: a conversation read from stdin, a line per user message (a line ending
+/// in `\` continues on the next). The whole conversation is rendered through the chat template each turn;
+/// the engine's prefix cache reuses the tokens it has already seen, so a turn prefills only what is new.
+/// A turn that no longer fits the context is refused (the conversation is kept, `/clear` empties it).
+fn chat(a: &RunArgs, sampler: SamplerParams, kwargs: &serde_json::Map<String, serde_json::Value>) -> eddy::Result<()> {
+    use std::io::{BufRead, IsTerminal};
+    use std::sync::atomic::Ordering::SeqCst;
+    let (spec_kind, spec_budget) = spec_options(&a.spec)?;
+    let (mut engine, _) = engine_for(&a.model)?;
+    attach_speculators(&mut engine, &a.spec, spec_kind, spec_budget)?;
+    check_logit_bias(&engine, &a.logit_bias)?;
+    let Some(template) = engine.lm.template.take() else {
+        return Err(bad("--message", "the model has no chat template, so it cannot hold a chat: give --message (sent as raw text)"));
+    };
+    let _ = ctrlc::set_handler(|| {
+        if GENERATING.load(SeqCst) {
+            STOP_REPLY.store(true, SeqCst);
+        } else {
+            eprintln!();
+            std::process::exit(130);
+        }
+    });
+    let tty = std::io::stdin().is_terminal();
+    if tty {
+        eprintln!("chat: a line is a message (end it with \\ to go on), /clear starts over, /exit or Ctrl-D ends; Ctrl-C stops a reply");
+    }
+    let system: Vec<ChatMessage> = a.system.iter().map(|s| ChatMessage { role: "system".into(), content: s.clone() }).collect();
+    let mut history = system.clone();
+    let tok = engine.lm.tokenizer.clone();
+    let mut stdin = std::io::stdin().lock();
+    loop {
+        if tty {
+            eprint!("> ");
+        }
+        // One message: lines joined while they end in a backslash.
+        let mut message = String::new();
+        let mut end = false;
+        loop {
+            let mut buf = Vec::new();
+            let n = (&mut stdin).take(MAX_TEXT_BYTES).read_until(b'\n', &mut buf).map_err(|e| bad("stdin", format!("cannot read: {e}")))?;
+            if n == 0 {
+                end = true;
+                break;
+            }
+            let Ok(line) = String::from_utf8(buf) else {
+                eprintln!("that line is not UTF-8 text: ignored");
+                message.clear();
+                continue;
+            };
+            let line = line.trim_end_matches(['\n', '\r']);
+            match line.strip_suffix('\\') {
+                Some(head) => {
+                    message.push_str(head);
+                    message.push('\n');
+                    if tty {
+                        eprint!(". ");
+                    }
+                }
+                None => {
+                    message.push_str(line);
+                    break;
+                }
+            }
+        }
+        match message.trim() {
+            "" if end => break,
+            "" => continue,
+            "/exit" | "/quit" => break,
+            "/clear" => {
+                history = system.clone();
+                continue;
+            }
+            _ => {}
+        }
+        history.push(ChatMessage { role: "user".into(), content: message });
+        let text = template.render(&history, true, kwargs)?;
+        let prompt = encode_chat(&tok, &text)?;
+        if prompt.len() >= engine.ctx() {
+            eprintln!(
+                "the conversation would be {} tokens, more than the context of {} leaves room for: message dropped (/clear starts over, --ctx sets a larger context)",
+                prompt.len(),
+                engine.ctx()
+            );
+            history.pop();
+            continue;
+        }
+        let params = GenerateParams { max_tokens: a.max_tokens, sampler: sampler.clone(), ignore_eos: false, logprobs: None };
+        STOP_REPLY.store(false, SeqCst);
+        GENERATING.store(true, SeqCst);
+        let r = stream_reply(&mut engine, &prompt, &params, &mut || !STOP_REPLY.load(SeqCst));
+        GENERATING.store(false, SeqCst);
+        let Streamed { stats, text: reply, broken_pipe } = r?;
+        if broken_pipe {
+            return Ok(());
+        }
+        // A reply stopped by Ctrl-C stays in the conversation as far as it got.
+        history.push(ChatMessage { role: "assistant".into(), content: reply });
+        if a.json {
+            print_stats(&stats, None, None, 0.0, true);
+        } else {
+            let stopped = if STOP_REPLY.load(SeqCst) { ", stopped" } else { "" };
+            eprintln!(
+                "[{} tokens, {:.1} t/s, {:.2} tokens/pass, {} prompt tokens ({} cached), TTFT {:.2} s{stopped}]",
+                stats.generated_tokens,
+                stats.generation_speed(),
+                stats.tokens_per_pass(),
+                stats.prompt_tokens,
+                stats.cached_tokens,
+                stats.ttft.as_secs_f64()
+            );
         }
     }
-    let total_j = energy.as_ref().ok().map(|m| (m.joules(), m.sources()));
-    print_stats(&stats, energy.as_ref().err(), total_j, e_first.unwrap_or(0.0), a.json);
     Ok(())
 }
 

@@ -70,7 +70,7 @@ fn parse_errors_are_one_line() {
     expect_error(&[], "no command given");
     expect_error(&["runn"], "runn: unknown command");
     expect_error(&["run", "--temp", "1", "-m", "hi"], "--temp: unknown option; did you mean '--temperature'");
-    expect_error(&["run"], "--message: required");
+    expect_error(&["run", "--model", NO_MODEL, "--raw"], "--raw: needs --message");
     expect_error(&["perplexity"], "--file: required");
     expect_error(&["run", "-m", "hi", "-n", "4", "-n", "5"], "--max-tokens: given more than once");
     expect_error(&["run", "-m", "hi", "--threads", "abc"], "--threads: invalid value 'abc'");
@@ -254,6 +254,48 @@ fn run_smol(smol: &Path, extra: &[&str]) -> Output {
     let out = eddy(&args);
     assert_eq!(out.status.code(), Some(0), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
     out
+}
+
+/// `eddy run` without --message: a chat on stdin. Each reply is the engine's greedy reply to the whole
+/// conversation so far through the chat template (the previous replies included); a blank line is skipped,
+/// a line ending in `\` goes on to the next, `/clear` starts over, the end of input ends the chat (exit 0);
+/// one summary line per turn on stderr.
+#[test]
+fn chat_on_stdin_keeps_the_conversation() {
+    use eddy::chat::{encode_chat, ChatMessage};
+    let Some(smol) = smol() else { return };
+    let input = b"What is 2+2?\n\nNow add 3 to it.\n/clear\nWhat is \\\n2+2?\n";
+    let args = ["run", "--model", smol.to_str().unwrap(), "--threads", "1", "-n", "12", "--temperature", "0"];
+    let out = eddy_stdin(&args, Some(input));
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    // The reference: the engine on each conversation, rendered and encoded as the CLI does.
+    let mut lm = eddy::load::load_gguf(&smol, &mut |_, _| {}).unwrap();
+    let template = lm.template.take().unwrap();
+    let tok = lm.tokenizer.clone();
+    let opts = eddy::engine::EngineOptions { threads: 1, ctx: 4096, ..Default::default() };
+    let mut engine = eddy::engine::Engine::new(lm, &opts);
+    let mut reply = |msgs: &[(&str, &str)]| {
+        let msgs: Vec<ChatMessage> = msgs.iter().map(|(r, c)| ChatMessage { role: r.to_string(), content: c.to_string() }).collect();
+        let prompt = encode_chat(&tok, &template.render(&msgs, true, &Default::default()).unwrap()).unwrap();
+        let params = eddy::engine::GenerateParams { max_tokens: 12, sampler: Default::default(), ignore_eos: false, logprobs: None };
+        let mut ids = Vec::new();
+        engine
+            .generate(&prompt, &params, &mut |id| {
+                ids.push(id);
+                true
+            })
+            .unwrap();
+        tok.decode(&ids, true).unwrap()
+    };
+    let r1 = reply(&[("user", "What is 2+2?")]);
+    let r2 = reply(&[("user", "What is 2+2?"), ("assistant", &r1), ("user", "Now add 3 to it.")]);
+    let r3 = reply(&[("user", "What is \n2+2?")]);
+    assert_ne!(r1, r2);
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), format!("{r1}\n{r2}\n{r3}\n"));
+    let turns: Vec<&str> = err.lines().filter(|l| l.starts_with('[')).collect();
+    assert_eq!(turns.len(), 3, "{err}");
+    assert!(turns[1].contains(" cached)") && !turns[1].contains("(0 cached)"), "the second turn reuses the first: {err}");
 }
 
 #[test]
