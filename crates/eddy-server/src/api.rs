@@ -641,32 +641,41 @@ pub fn parse_suffix(o: &Map<String, Value>) -> R<Option<String>> {
     }
 }
 
-/// `prompt` of a text completion: a string, an array of token ids, or a one-element array of either.
-/// Token ids must be below `vocab`. Several prompts (a batch) are refused, like `n` ≠ 1.
-pub fn parse_prompt(o: &Map<String, Value>, vocab: usize) -> R<Prompt> {
+/// Most prompts one text completion may send (each gets `n` choices).
+pub const MAX_PROMPTS: usize = 64;
+
+/// `prompt` of a text completion: a string, an array of token ids, or an array of prompts (strings, or
+/// arrays of token ids, not mixed), at most [`MAX_PROMPTS`]. Token ids must be below `vocab`.
+pub fn parse_prompts(o: &Map<String, Value>, vocab: usize) -> R<Vec<Prompt>> {
     let p = Some("prompt");
-    let shape = "prompt must be a string, an array of token ids, or a one-element array of either";
+    let shape = "prompt must be a string, an array of token ids, or an array of strings or of token-id arrays";
     let list = match get(o, "prompt") {
         None => return Err(ApiError::invalid(p, "prompt is required")),
-        Some(Value::String(s)) => return Ok(Prompt::Text(s.clone())),
+        Some(Value::String(s)) => return Ok(vec![Prompt::Text(s.clone())]),
         Some(Value::Array(a)) => a,
         Some(v) => return Err(ApiError::invalid(p, format!("{shape}, got {v}"))),
     };
-    match list.first() {
-        None => Err(ApiError::invalid(p, "prompt must not be an empty array")),
-        Some(first @ (Value::String(_) | Value::Array(_))) if list.len() > 1 => {
-            // A batch of prompts (all strings, or all arrays) is refused as such; a mixed array is malformed.
-            let same = |v: &Value| matches!((first, v), (Value::String(_), Value::String(_)) | (Value::Array(_), Value::Array(_)));
-            match list.iter().position(|v| !same(v)) {
-                Some(i) => Err(ApiError::invalid(p, format!("{shape}; prompt[0] is {} but prompt[{i}] is {}", kind(first), list[i]))),
-                None => Err(ApiError::invalid(p, format!("only one prompt per request is supported, got {}", list.len()))),
-            }
-        }
-        Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
-        Some(Value::Array(ids)) if ids.is_empty() => Err(ApiError::invalid(p, "prompt[0] must not be an empty array")),
-        Some(Value::Array(ids)) => token_ids(ids, "prompt", "prompt[0]", vocab).map(Prompt::Tokens),
-        Some(_) => token_ids(list, "prompt", "prompt", vocab).map(Prompt::Tokens),
+    let first = match list.first() {
+        None => return Err(ApiError::invalid(p, "prompt must not be an empty array")),
+        Some(first @ (Value::String(_) | Value::Array(_))) => first,
+        Some(_) => return token_ids(list, "prompt", "prompt", vocab).map(|ids| vec![Prompt::Tokens(ids)]),
+    };
+    // A batch: all strings, or all arrays.
+    let same = |v: &Value| matches!((first, v), (Value::String(_), Value::String(_)) | (Value::Array(_), Value::Array(_)));
+    if let Some(i) = list.iter().position(|v| !same(v)) {
+        return Err(ApiError::invalid(p, format!("{shape}; prompt[0] is {} but prompt[{i}] is {}", kind(first), list[i])));
     }
+    if list.len() > MAX_PROMPTS {
+        return Err(ApiError::invalid(p, format!("at most {MAX_PROMPTS} prompts per request, got {}", list.len())));
+    }
+    list.iter()
+        .enumerate()
+        .map(|(i, v)| match v {
+            Value::Array(ids) if ids.is_empty() => Err(ApiError::invalid(p, format!("prompt[{i}] must not be an empty array"))),
+            Value::Array(ids) => token_ids(ids, "prompt", &format!("prompt[{i}]"), vocab).map(Prompt::Tokens),
+            v => Ok(Prompt::Text(v.as_str().unwrap_or_default().to_string())),
+        })
+        .collect()
 }
 
 /// What a JSON value is, for error messages: "a string", "an array", ...
@@ -787,18 +796,29 @@ mod tests {
         }
     }
 
-    /// A prompt array mixing strings and token ids is malformed (not "2 prompts"); a batch of strings is
-    /// refused as a batch.
+    /// A prompt array mixing strings and token ids is malformed (not "2 prompts"); batches of strings or of
+    /// token arrays are prompts, up to [`MAX_PROMPTS`].
     #[test]
-    fn mixed_prompt_arrays_are_named() {
-        let err = |v: Value| {
-            let e = parse_prompt(&obj(serde_json::json!({ "prompt": v })), 100).expect_err("refused");
-            e.body()["error"]["message"].as_str().unwrap().to_string()
-        };
+    fn prompt_arrays() {
+        let parse = |v: Value| parse_prompts(&obj(serde_json::json!({ "prompt": v })), 100);
+        let err = |v: Value| parse(v).expect_err("refused").body()["error"]["message"].as_str().unwrap().to_string();
         let m = err(serde_json::json!(["a", 1]));
         assert!(m.contains("prompt[0] is a string but prompt[1] is 1"), "{m}");
         let m = err(serde_json::json!([[1, 2], "b"]));
         assert!(m.contains("prompt[0] is an array but prompt[1] is \"b\""), "{m}");
-        assert!(err(serde_json::json!(["a", "b"])).contains("only one prompt per request is supported, got 2"));
+        assert!(err(serde_json::json!([[1], []])).contains("prompt[1] must not be an empty array"));
+        assert!(err(serde_json::json!([[1], [2, 100]])).contains("prompt[1][1]: token id 100 is out of range"));
+        assert!(err(serde_json::json!(vec!["a"; MAX_PROMPTS + 1])).contains("at most 64 prompts"));
+        let texts = |v: Value| -> Vec<String> {
+            parse(v).unwrap().into_iter().map(|p| if let Prompt::Text(t) = p { t } else { panic!("tokens") }).collect()
+        };
+        assert_eq!(texts(serde_json::json!(["a", "b"])), ["a", "b"]);
+        assert_eq!(texts(serde_json::json!("a")), ["a"]);
+        let ids: Vec<Vec<u32>> = parse(serde_json::json!([[1, 2], [3]]))
+            .unwrap()
+            .into_iter()
+            .map(|p| if let Prompt::Tokens(t) = p { t } else { panic!("text") })
+            .collect();
+        assert_eq!(ids, [vec![1, 2], vec![3]]);
     }
 }

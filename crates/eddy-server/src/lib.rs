@@ -52,7 +52,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tools::CallStreamer;
-use worker::{Choice, Event, Job, Logprob, Queue, SlotGuard, TokenText};
+use worker::{Choice, Event, Job, JobPrompt, Logprob, Queue, SlotGuard, TokenText};
 
 /// Server options.
 #[derive(Debug, Clone)]
@@ -473,18 +473,55 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     handle(st, Kind::Text, body).await.unwrap_or_else(IntoResponse::into_response)
 }
 
+/// A text completion's prompts, each tokenized (BOS added when the model wants one, or as a fill-in-the-middle
+/// prompt with `suffix`), with whether the tokenizer put a BOS first.
+fn text_prompts(st: &AppState, o: &serde_json::Map<String, Value>) -> Result<Vec<(Vec<u32>, bool)>, ApiError> {
+    let suffix = api::parse_suffix(o)?;
+    let mut out = Vec::new();
+    for p in api::parse_prompts(o, st.vocab)? {
+        out.push(match (p, &suffix) {
+            (api::Prompt::Tokens(ids), None) => (ids, false),
+            (api::Prompt::Tokens(_), Some(_)) => {
+                return Err(ApiError::invalid(Some("suffix"), "suffix needs the prompt as text (the text before the gap), not token ids"))
+            }
+            (api::Prompt::Text(text), suffix) => {
+                if let Some(e) = surely_too_long(st, "prompt", text.len() + suffix.as_ref().map_or(0, String::len)) {
+                    return Err(e);
+                }
+                let bad = |e: eddy::Error| ApiError::invalid(Some("prompt"), e.to_string());
+                match suffix {
+                    None => {
+                        let ids = st.tokenizer.encode(&text, true).map_err(bad)?;
+                        let bos = st.tokenizer.add_bos && st.tokenizer.bos_id.is_some() && ids.first() == st.tokenizer.bos_id.as_ref();
+                        (ids, bos)
+                    }
+                    // Fill in the middle: the model writes what goes between the prompt and the suffix.
+                    Some(suffix) => {
+                        let ids = st.tokenizer.fim_prompt(&text, suffix).map_err(bad)?.ok_or_else(|| {
+                            ApiError::invalid(
+                                Some("suffix"),
+                                "suffix needs a fill-in-the-middle model (one whose vocabulary has FIM tokens such as <|fim_prefix|>); this one has none",
+                            )
+                        })?;
+                        (ids, false)
+                    }
+                }
+            }
+        });
+    }
+    Ok(out)
+}
+
 /// Parses and validates a request body, renders the chat template and tokenizes the prompt, and compiles
 /// its grammar: the CPU-heavy part of a request, run off the async workers.
 fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError> {
     let o = api::parse_object(body)?;
-    let mut common = api::parse_common(&o, kind == Kind::Chat)?;
+    let common = api::parse_common(&o, kind == Kind::Chat)?;
     api::check_logit_bias(&common.sampler, st.vocab)?;
     let schema = api::parse_response_format(&o)?;
     let mut thinking = None;
     let mut calls = None;
     let mut grammar: Option<(&'static str, String)> = None;
-    // A BOS the tokenizer put before a text prompt (not echoed).
-    let mut bos_added = false;
     let prompt = match kind {
         Kind::Chat => {
             let messages = api::parse_messages(&o)?;
@@ -551,48 +588,34 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
             }
             encode_chat_guarded(&st.tokenizer, &text, &untrusted).map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
         }
-        Kind::Text => match (api::parse_prompt(&o, st.vocab)?, api::parse_suffix(&o)?) {
-            (api::Prompt::Tokens(ids), None) => ids,
-            (api::Prompt::Tokens(_), Some(_)) => {
-                return Err(ApiError::invalid(Some("suffix"), "suffix needs the prompt as text (the text before the gap), not token ids"))
-            }
-            (api::Prompt::Text(text), suffix) => {
-                if let Some(e) = surely_too_long(st, "prompt", text.len() + suffix.as_ref().map_or(0, String::len)) {
-                    return Err(e);
-                }
-                let bad = |e: eddy::Error| ApiError::invalid(Some("prompt"), e.to_string());
-                match suffix {
-                    None => {
-                        let ids = st.tokenizer.encode(&text, true).map_err(bad)?;
-                        bos_added = st.tokenizer.add_bos && st.tokenizer.bos_id.is_some() && ids.first() == st.tokenizer.bos_id.as_ref();
-                        ids
-                    }
-                    // Fill in the middle: the model writes what goes between the prompt and the suffix.
-                    Some(suffix) => st.tokenizer.fim_prompt(&text, &suffix).map_err(bad)?.ok_or_else(|| {
-                        ApiError::invalid(
-                            Some("suffix"),
-                            "suffix needs a fill-in-the-middle model (one whose vocabulary has FIM tokens such as <|fim_prefix|>); this one has none",
-                        )
-                    })?,
-                }
-            }
-        },
+        Kind::Text => Vec::new(),
+    };
+    // (prompt tokens, a BOS the tokenizer added) of each prompt: one for chat, one or more for text.
+    let prompts = match kind {
+        Kind::Chat => vec![(prompt, false)],
+        Kind::Text => text_prompts(st, &o)?,
     };
     let what = if kind == Kind::Chat { "messages" } else { "prompt" };
-    if prompt.is_empty() {
-        return Err(ApiError::invalid(Some(what), format!("the {what} is empty")));
+    let mut job_prompts = Vec::with_capacity(prompts.len());
+    let many = prompts.len() > 1;
+    for (i, (ids, bos_added)) in prompts.into_iter().enumerate() {
+        let name = if many { format!("{what}[{i}]") } else { what.to_string() };
+        if ids.is_empty() {
+            return Err(ApiError::invalid(Some(what), format!("the {name} is empty")));
+        }
+        // The engine needs a prompt strictly shorter than the context; `max_tokens` beyond the room left
+        // is clamped to it (the reply then ends with finish_reason `length`), as llama-server does.
+        if ids.len() >= st.ctx {
+            return Err(ApiError::invalid(
+                Some(what),
+                format!("This model's maximum context length is {} tokens. However, the {name} {} {} tokens, leaving no room for the completion. Please reduce the length of the {what}.", st.ctx, if kind == Kind::Chat { "have" } else { "has" }, ids.len()),
+            )
+            .with_status(StatusCode::BAD_REQUEST, "invalid_request_error", Some("context_length_exceeded")));
+        }
+        let room = st.ctx - ids.len();
+        let max_tokens = common.max_tokens.map_or(room, |m| m.min(room));
+        job_prompts.push(JobPrompt { ids, max_tokens, echo_skip: bos_added as usize });
     }
-    // The engine needs the prompt strictly shorter than the context; `max_tokens` beyond the room left
-    // is clamped to it (the reply then ends with finish_reason `length`), as llama-server does.
-    if prompt.len() >= st.ctx {
-        return Err(ApiError::invalid(
-            Some(what),
-            format!("This model's maximum context length is {} tokens. However, the {what} {} {} tokens, leaving no room for the completion. Please reduce the length of the {what}.", st.ctx, if kind == Kind::Chat { "have" } else { "has" }, prompt.len()),
-        )
-        .with_status(StatusCode::BAD_REQUEST, "invalid_request_error", Some("context_length_exceeded")));
-    }
-    let room = st.ctx - prompt.len();
-    let max_tokens = common.max_tokens.map_or(room, |m| m.min(room));
     if grammar.is_none() {
         if let Some(schema) = &schema {
             grammar = Some(("response_format", schema_grammar(schema)?));
@@ -613,17 +636,15 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
             Some((c, param))
         }
     };
-    // Each choice samples with its own seed and constraint state.
-    let choices = (0..common.n)
+    // `n` choices per prompt, prompt by prompt; each samples with its own seed and constraint state.
+    let choices = (0..job_prompts.len() * common.n)
         .map(|i| Choice {
-            seed: common.sampler.seed.wrapping_add(i as u64),
+            prompt: i / common.n,
+            seed: common.sampler.seed.wrapping_add((i % common.n) as u64),
             mask: mask.as_ref().map(|(c, param)| (Box::new(c.clone()) as Box<dyn eddy::sampling::LogitMask>, *param)),
         })
         .collect();
-    // Presence and frequency penalties count the generated tokens only.
-    common.sampler.prompt_len = prompt.len();
-    let echo = common.echo.then_some(bos_added as usize);
-    Ok(Prepared { common, prompt, thinking, max_tokens, calls, choices, echo })
+    Ok(Prepared { common, prompts: job_prompts, thinking, calls, choices })
 }
 
 /// With `tool_choice` `auto` no grammar constrains the reply, but the tools' schemas are checked as a forced
@@ -696,23 +717,19 @@ struct Calls {
 /// A validated request, its prompt tokenized.
 struct Prepared {
     common: Common,
-    prompt: Vec<u32>,
+    prompts: Vec<JobPrompt>,
     thinking: Option<Start>,
-    max_tokens: usize,
     calls: Option<Calls>,
-    /// One per choice (OpenAI's `n`).
+    /// `n` per prompt, prompt by prompt.
     choices: Vec<Choice>,
-    /// `echo`: the prompt tokens not echoed ([`Job::echo`]).
-    echo: Option<usize>,
 }
 
 /// Validate, tokenize (on the blocking pool), queue, and answer (whole or streamed).
 async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, ApiError> {
     let s = st.clone();
-    let Prepared { common, prompt, thinking, max_tokens, calls, choices, echo } =
-        tokio::task::spawn_blocking(move || prepare(&s, kind, &body))
-            .await
-            .map_err(|e| server_error(format!("preparing the request failed: {e}")))??;
+    let Prepared { common, prompts, thinking, calls, choices } = tokio::task::spawn_blocking(move || prepare(&s, kind, &body))
+        .await
+        .map_err(|e| server_error(format!("preparing the request failed: {e}")))??;
     let Some(slot) = st.queue.admit() else {
         return Err(ApiError::invalid(None, "the server is busy: the request queue is full; retry later").with_status(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -722,9 +739,10 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
     };
     let guard = SlotGuard(slot.clone());
     let (tx, rx) = mpsc::unbounded_channel();
+    let n_choices = choices.len();
     let job = Job {
-        prompt,
-        params: GenerateParams { max_tokens, sampler: common.sampler.clone(), ignore_eos: false, logprobs: common.logprobs },
+        prompts,
+        params: GenerateParams { max_tokens: 0, sampler: common.sampler.clone(), ignore_eos: false, logprobs: common.logprobs },
         stops: common.stops.clone(),
         tx,
         queued_at: Instant::now(),
@@ -732,7 +750,7 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
         choices,
         keep_special: calls.as_ref().is_some_and(|c| c.family.keeps_special_tokens()),
         cache_prompt: common.cache_prompt,
-        echo,
+        echo: common.echo,
     };
     if st.jobs.send(job).is_err() {
         return Err(server_error("the engine thread has stopped".into()));
@@ -751,6 +769,7 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
         logprobs: common.logprobs.is_some(),
         calls,
         n: common.n,
+        choices: n_choices,
     };
     if common.stream {
         Ok(stream_response(fmt, rx, st.keep_alive))
@@ -779,12 +798,14 @@ struct Formatter {
     logprobs: bool,
     /// A chat request with tools: tool calls are read out of the text.
     calls: Option<Calls>,
-    /// Choices asked for (OpenAI's `n`).
+    /// Choices asked for per prompt (OpenAI's `n`).
     n: usize,
+    /// Choices in all: `n` for each prompt.
+    choices: usize,
 }
 
-/// The statistics of a request's choices together: the prompt's (prefill, cached tokens, TTFT) from the
-/// first choice, the decoding counts and times summed over all.
+/// The statistics of a request's choices together: each prompt's tokens and cached tokens counted once
+/// (from its first choice), the first choice's TTFT and prefill, the decoding counts and times summed.
 #[derive(Default)]
 struct Totals {
     stats: GenerationStats,
@@ -793,7 +814,8 @@ struct Totals {
 }
 
 impl Totals {
-    fn add(&mut self, s: GenerationStats, completion_tokens: usize) {
+    /// Adds the next choice (`n` choices per prompt, prompt by prompt).
+    fn add(&mut self, s: GenerationStats, completion_tokens: usize, n: usize) {
         self.completion_tokens += completion_tokens;
         self.choices += 1;
         if self.choices == 1 {
@@ -801,6 +823,10 @@ impl Totals {
             return;
         }
         let t = &mut self.stats;
+        if (self.choices - 1).is_multiple_of(n) {
+            t.prompt_tokens += s.prompt_tokens;
+            t.cached_tokens += s.cached_tokens;
+        }
         t.generated_tokens += s.generated_tokens;
         t.decode_passes += s.decode_passes;
         t.decode_time += s.decode_time;
@@ -993,7 +1019,7 @@ impl Formatter {
 async fn whole_response(fmt: Formatter, mut rx: Reply, _c: &Common) -> Result<Response, ApiError> {
     let mut text = String::new();
     let mut lps = Vec::new();
-    let mut choices = Vec::with_capacity(fmt.n);
+    let mut choices = Vec::with_capacity(fmt.choices);
     let mut totals = Totals::default();
     while let Some(ev) = rx.rx.recv().await {
         match ev {
@@ -1003,8 +1029,8 @@ async fn whole_response(fmt: Formatter, mut rx: Reply, _c: &Common) -> Result<Re
             }
             Event::Done { finish, completion_tokens, stats } => {
                 choices.push(fmt.choice(choices.len(), std::mem::take(&mut text), &std::mem::take(&mut lps), finish));
-                totals.add(stats, completion_tokens);
-                if choices.len() == fmt.n {
+                totals.add(stats, completion_tokens, fmt.n);
+                if choices.len() == fmt.choices {
                     return Ok(Json(fmt.whole(choices, &totals)).into_response());
                 }
             }
@@ -1197,8 +1223,8 @@ impl SseBody {
                     last["choices"][0]["logprobs"] = self.fmt.logprobs(&lps);
                 }
                 self.queued.push_back(sse(&last));
-                self.totals.add(stats, completion_tokens);
-                if self.totals.choices < self.fmt.n {
+                self.totals.add(stats, completion_tokens, self.fmt.n);
+                if self.totals.choices < self.fmt.choices {
                     self.next_choice();
                     return;
                 }

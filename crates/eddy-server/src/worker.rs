@@ -13,9 +13,12 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
-/// One generation request, prompt already tokenized.
+/// One generation request, its prompts already tokenized.
 pub(crate) struct Job {
-    pub prompt: Vec<u32>,
+    /// One prompt for chat, one or more for text completions.
+    pub prompts: Vec<JobPrompt>,
+    /// The sampling and log-probability parameters (`max_tokens`, `seed` and `prompt_len` are each
+    /// choice's own).
     pub params: GenerateParams,
     pub stops: Vec<String>,
     pub tx: UnboundedSender<Event>,
@@ -30,13 +33,23 @@ pub(crate) struct Job {
     /// Reuse the prefix cache (`false`: the prompt is prefilled cold).
     pub cache_prompt: bool,
     /// Text completions' `echo`: the prompt's text (and with `logprobs` its tokens' log-probabilities)
-    /// comes first, as each choice's first delta. `Some(skip)`: its first `skip` tokens are left out (1
-    /// for a BOS the tokenizer added to a text prompt, 0 otherwise).
-    pub echo: Option<usize>,
+    /// comes first, as each choice's first delta.
+    pub echo: bool,
 }
 
-/// One choice of a [`Job`]: the job's generation with its own seed and constraint state.
+/// One prompt of a [`Job`].
+pub(crate) struct JobPrompt {
+    pub ids: Vec<u32>,
+    /// The most tokens a reply may have: the request's `max_tokens`, at most the room the context leaves.
+    pub max_tokens: usize,
+    /// Leading tokens `echo` leaves out: 1 for a BOS the tokenizer added to a text prompt, else 0.
+    pub echo_skip: usize,
+}
+
+/// One choice of a [`Job`]: a generation from one of its prompts with its own seed and constraint state.
 pub(crate) struct Choice {
+    /// Index into [`Job::prompts`].
+    pub prompt: usize,
     /// Replaces the job's sampler seed.
     pub seed: u64,
     /// The constraint on the output (a JSON schema, a tool call), if any, and the request field it
@@ -216,17 +229,19 @@ pub(crate) fn spawn(
             let choices = std::mem::take(&mut job.choices);
             let count = choices.len();
             let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                // The echoed prompt (scored once: the same for every choice).
-                let echoed = match job.echo {
-                    None => None,
-                    Some(skip) => match echo_prompt(&mut engine, &tok, &job.prompt, skip, job.params.logprobs, &|| job.tx.is_closed()) {
-                        Ok(Some(e)) => Some(e),
-                        Ok(None) => return None, // client gone
-                        Err(e) => return Some(Event::Error(e.to_string())),
-                    },
-                };
+                // The echoed prompt (scored once per prompt: the same for each of its choices).
+                let mut echoed: Option<(usize, (String, Vec<Logprob>))> = None;
                 for (i, c) in choices.into_iter().enumerate() {
-                    match run_job(&mut engine, &tok, &job, c, echoed.as_ref(), &metrics) {
+                    if job.echo && echoed.as_ref().is_none_or(|e| e.0 != c.prompt) {
+                        let p = &job.prompts[c.prompt];
+                        let cancelled = || job.tx.is_closed();
+                        match echo_prompt(&mut engine, &tok, &p.ids, p.echo_skip, job.params.logprobs, &cancelled) {
+                            Ok(Some(e)) => echoed = Some((c.prompt, e)),
+                            Ok(None) => return None, // client gone
+                            Err(e) => return Some(Event::Error(e.to_string())),
+                        }
+                    }
+                    match run_job(&mut engine, &tok, &job, c, echoed.as_ref().map(|e| &e.1), &metrics) {
                         Some(ev @ Event::Done { .. }) if i + 1 < count => {
                             let _ = tx.send(ev);
                         }
@@ -257,14 +272,18 @@ fn run_job(
     echoed: Option<&(String, Vec<Logprob>)>,
     metrics: &Metrics,
 ) -> Option<Event> {
-    let Job { prompt, params, stops, tx, keep_special, cache_prompt, .. } = job;
+    let Job { prompts, params, stops, tx, keep_special, cache_prompt, .. } = job;
+    let Choice { prompt, seed, mut mask } = choice;
+    let JobPrompt { ids: prompt, max_tokens, .. } = &prompts[prompt];
     let (prompt, keep_special, echo) = (&prompt[..], *keep_special, echoed.is_some());
-    let Choice { seed, mut mask } = choice;
     if tx.is_closed() {
         return None; // the client left (between two choices)
     }
     let mut params = params.clone();
+    params.max_tokens = *max_tokens;
     params.sampler.seed = seed;
+    // Presence and frequency penalties count the generated tokens only.
+    params.sampler.prompt_len = prompt.len();
     if !cache_prompt {
         engine.clear_cache();
     }

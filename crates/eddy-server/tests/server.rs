@@ -1125,13 +1125,52 @@ fn completion_prompt_as_token_ids_or_one_element_array() {
         (json!([1, 2.5]), "prompt[1] must be a token id".to_string()),
         (json!([]), "empty".to_string()),
         (json!([[]]), "empty".to_string()),
-        (json!(["a", "b"]), "only one prompt".to_string()),
-        (json!([[1], [2]]), "only one prompt".to_string()),
+        (json!([[1], []]), "prompt[1] must not be an empty array".to_string()),
         (json!([1, "a"]), "prompt[1] must be a token id".to_string()),
     ] {
         let v = assert_error(&post(addr, c, json!({"prompt": prompt, "max_tokens": 2})), 400, &needle);
         assert_eq!(v["error"]["param"], "prompt", "{prompt}");
     }
+}
+
+/// Several prompts in one text completion (strings or token arrays): `n` choices per prompt, prompt by
+/// prompt (index = prompt × n + choice), each the reply a single request for that prompt and seed gets,
+/// whole and streamed; echo echoes each choice's own prompt; usage counts every prompt once; a prompt
+/// too long for the context is named by its index.
+#[test]
+fn several_prompts_in_one_completion() {
+    let addr = server_or_skip!();
+    let c = "/v1/completions";
+    let prompts = ["Once upon a time", "The capital of France is"];
+    let one = |prompt: &str, seed: u64| {
+        let v = post(addr, c, json!({"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": seed})).json();
+        (v["choices"][0]["text"].as_str().unwrap().to_string(), v["usage"]["prompt_tokens"].as_u64().unwrap())
+    };
+    let want: Vec<(String, u64)> = prompts.iter().flat_map(|p| [one(p, 3), one(p, 4)]).collect();
+    let ids: Vec<Vec<u32>> = prompts.iter().map(|p| tokenizer().encode(p, true).unwrap()).collect();
+    for prompt in [json!(prompts), json!(ids)] {
+        let body = json!({"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 2});
+        let v = post(addr, c, body.clone()).json();
+        let texts: Vec<&str> = v["choices"].as_array().unwrap().iter().map(|ch| ch["text"].as_str().unwrap()).collect();
+        assert_eq!(texts, want.iter().map(|w| w.0.as_str()).collect::<Vec<_>>(), "{v}");
+        assert_eq!(v["usage"]["prompt_tokens"], want[0].1 + want[2].1, "{v}");
+        let mut sb = body;
+        sb["stream"] = json!(true);
+        let (_, events) = streamed(addr, c, sb);
+        let mut streamed_texts = vec![String::new(); 4];
+        for e in &events {
+            let ch = &e["choices"][0];
+            streamed_texts[ch["index"].as_u64().unwrap() as usize] += ch["text"].as_str().unwrap();
+        }
+        assert_eq!(streamed_texts, texts);
+    }
+    let v = post(addr, c, json!({"prompt": prompts, "max_tokens": 1, "echo": true, "temperature": 0})).json();
+    for (ch, p) in v["choices"].as_array().unwrap().iter().zip(prompts) {
+        assert!(ch["text"].as_str().unwrap().starts_with(p), "{v}");
+    }
+    let long = "word ".repeat(600);
+    let v = assert_error(&post(addr, c, json!({"prompt": ["hi", long], "max_tokens": 2})), 400, "prompt[1] has");
+    assert_eq!(v["error"]["param"], "prompt");
 }
 
 /// `/tokenize` and `/detokenize` in llama-server's and vLLM's shapes: the tokenizer's ids (BOS by the
