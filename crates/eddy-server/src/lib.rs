@@ -21,6 +21,7 @@
 //! SSE comment `: keep-alive` every [`ServeOptions::keep_alive`], so that proxies and clients with read
 //! timeouts do not give up on it.
 
+mod anthropic;
 pub mod api;
 pub mod grammar;
 pub mod metrics;
@@ -233,6 +234,8 @@ pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router>
         .route("/completions", post(completions))
         .route("/models", get(models))
         .route("/models/{id}", get(model))
+        .route("/v1/messages", post(messages))
+        .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/health", get(health))
@@ -724,8 +727,20 @@ struct Prepared {
     choices: Vec<Choice>,
 }
 
+/// How a reply is written: OpenAI's chat or text completions, or Anthropic's Messages (`model`: the name
+/// the request gave).
+enum Dialect {
+    OpenAi,
+    Anthropic { model: String },
+}
+
 /// Validate, tokenize (on the blocking pool), queue, and answer (whole or streamed).
 async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, ApiError> {
+    answer(st, kind, body, Dialect::OpenAi).await
+}
+
+/// [`handle`] in either dialect.
+async fn answer(st: Arc<AppState>, kind: Kind, body: Bytes, dialect: Dialect) -> Result<Response, ApiError> {
     let s = st.clone();
     let Prepared { common, prompts, thinking, calls, choices } = tokio::task::spawn_blocking(move || prepare(&s, kind, &body))
         .await
@@ -740,6 +755,7 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
     let guard = SlotGuard(slot.clone());
     let (tx, rx) = mpsc::unbounded_channel();
     let n_choices = choices.len();
+    let input_tokens = prompts.first().map_or(0, |p| p.ids.len());
     let job = Job {
         prompts,
         params: GenerateParams { max_tokens: 0, sampler: common.sampler.clone(), ignore_eos: false, logprobs: common.logprobs },
@@ -771,11 +787,48 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
         n: common.n,
         choices: n_choices,
     };
-    if common.stream {
-        Ok(stream_response(fmt, rx, st.keep_alive))
-    } else {
-        whole_response(fmt, rx, &common).await
+    match (common.stream, dialect) {
+        (true, Dialect::OpenAi) => Ok(stream_response(fmt, rx, st.keep_alive, None)),
+        (true, Dialect::Anthropic { model }) => {
+            Ok(stream_response(fmt, rx, st.keep_alive, Some(anthropic::EventStream::new(model, input_tokens))))
+        }
+        (false, Dialect::OpenAi) => Ok(Json(whole_response(fmt, rx).await?).into_response()),
+        (false, Dialect::Anthropic { model }) => Ok(Json(anthropic::from_chat(&whole_response(fmt, rx).await?, &model)).into_response()),
     }
+}
+
+/// `POST /v1/messages`: Anthropic's Messages API, answered through the chat path ([`anthropic`]); errors
+/// in Anthropic's shape.
+async fn messages(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let r = async {
+        let req = anthropic::to_chat(&api::parse_object(&body)?)?;
+        let model = if req.model.is_empty() { st.names[0].clone() } else { req.model };
+        let chat = Bytes::from(serde_json::to_vec(&req.chat).map_err(|e| server_error(e.to_string()))?);
+        answer(st, Kind::Chat, chat, Dialect::Anthropic { model }).await
+    };
+    r.await.unwrap_or_else(|e| {
+        let (status, v) = anthropic::error(&e);
+        (status, Json(v)).into_response()
+    })
+}
+
+/// `POST /v1/messages/count_tokens`: the prompt tokens a Messages request would have (`input_tokens`).
+async fn count_tokens(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let r = async {
+        let mut o = api::parse_object(&body)?;
+        // A count needs no max_tokens.
+        o.entry("max_tokens").or_insert(json!(1));
+        let chat = serde_json::to_vec(&anthropic::to_chat(&o)?.chat).map_err(|e| server_error(e.to_string()))?;
+        let s = st.clone();
+        let p = tokio::task::spawn_blocking(move || prepare(&s, Kind::Chat, &chat))
+            .await
+            .map_err(|e| server_error(format!("preparing the request failed: {e}")))??;
+        Ok::<_, ApiError>(Json(json!({"input_tokens": p.prompts.first().map_or(0, |p| p.ids.len())})).into_response())
+    };
+    r.await.unwrap_or_else(|e| {
+        let (status, v) = anthropic::error(&e);
+        (status, Json(v)).into_response()
+    })
 }
 
 /// The engine's events for one request, and the request's place in the queue (given back when this is
@@ -1016,7 +1069,7 @@ impl Formatter {
     }
 }
 
-async fn whole_response(fmt: Formatter, mut rx: Reply, _c: &Common) -> Result<Response, ApiError> {
+async fn whole_response(fmt: Formatter, mut rx: Reply) -> Result<Value, ApiError> {
     let mut text = String::new();
     let mut lps = Vec::new();
     let mut choices = Vec::with_capacity(fmt.choices);
@@ -1031,7 +1084,7 @@ async fn whole_response(fmt: Formatter, mut rx: Reply, _c: &Common) -> Result<Re
                 choices.push(fmt.choice(choices.len(), std::mem::take(&mut text), &std::mem::take(&mut lps), finish));
                 totals.add(stats, completion_tokens, fmt.n);
                 if choices.len() == fmt.choices {
-                    return Ok(Json(fmt.whole(choices, &totals)).into_response());
+                    return Ok(fmt.whole(choices, &totals));
                 }
             }
             Event::Error(e) => return Err(server_error(e)),
@@ -1055,17 +1108,14 @@ fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
-fn stream_response(fmt: Formatter, rx: Reply, keep_alive: Option<Duration>) -> Response {
-    let mut queued = VecDeque::new();
-    if fmt.kind == Kind::Chat {
-        queued.push_back(sse(&fmt.chunk(true, Some(""), None)));
-    }
+fn stream_response(fmt: Formatter, rx: Reply, keep_alive: Option<Duration>, anthropic: Option<anthropic::EventStream>) -> Response {
+    let role = (fmt.kind == Kind::Chat).then(|| fmt.chunk(true, Some(""), None));
     let calls = fmt.calls.as_ref().map(|c| CallStreamer::new(c.family, c.names.clone()));
     let body = SseBody {
         splitter: fmt.thinking.map(ReasoningSplitter::new),
         fmt,
         rx,
-        queued,
+        queued: VecDeque::new(),
         finished: false,
         keep_alive: keep_alive.map(|d| (d, Box::pin(tokio::time::sleep(d)))),
         lp_pending: Vec::new(),
@@ -1075,7 +1125,12 @@ fn stream_response(fmt: Formatter, rx: Reply, keep_alive: Option<Duration>) -> R
         skipping: false,
         choice: 0,
         totals: Totals::default(),
+        anthropic,
     };
+    let mut body = body;
+    if let Some(role) = role {
+        body.emit(&role);
+    }
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "text/event-stream")
@@ -1109,6 +1164,8 @@ struct SseBody {
     choice: usize,
     /// The finished choices' statistics.
     totals: Totals,
+    /// Anthropic's Messages API: the chunks become its events.
+    anthropic: Option<anthropic::EventStream>,
 }
 
 const KEEP_ALIVE: &[u8] = b": keep-alive\n\n";
@@ -1183,7 +1240,7 @@ impl SseBody {
             }
         }
         for c in &chunks {
-            self.queued.push_back(sse(c));
+            self.emit(c);
         }
     }
 
@@ -1222,7 +1279,7 @@ impl SseBody {
                     let lps = std::mem::take(&mut self.lp_pending);
                     last["choices"][0]["logprobs"] = self.fmt.logprobs(&lps);
                 }
-                self.queued.push_back(sse(&last));
+                self.emit(&last);
                 self.totals.add(stats, completion_tokens, self.fmt.n);
                 if self.totals.choices < self.fmt.choices {
                     self.next_choice();
@@ -1230,20 +1287,21 @@ impl SseBody {
                 }
                 let f = &self.fmt;
                 if f.include_usage {
-                    self.queued.push_back(sse(&f.usage_chunk(&self.totals.stats, self.totals.completion_tokens)));
+                    let usage = f.usage_chunk(&self.totals.stats, self.totals.completion_tokens);
+                    self.emit(&usage);
                 }
                 self.finish();
             }
             Some(Event::Error(e)) => {
-                self.queued.push_back(sse(&server_error(e).body()));
+                self.emit(&server_error(e).body());
                 self.finish();
             }
             Some(Event::Invalid { param, message }) => {
-                self.queued.push_back(sse(&ApiError::invalid(Some(param), message).body()));
+                self.emit(&ApiError::invalid(Some(param), message).body());
                 self.finish();
             }
             None => {
-                self.queued.push_back(sse(&server_error("the engine dropped the request".into()).body()));
+                self.emit(&server_error("the engine dropped the request".into()).body());
                 self.finish();
             }
         }
@@ -1261,12 +1319,22 @@ impl SseBody {
         if self.fmt.kind == Kind::Chat {
             let mut role = self.fmt.chunk(true, Some(""), None);
             role["choices"][0]["index"] = json!(self.choice);
-            self.queued.push_back(sse(&role));
+            self.emit(&role);
+        }
+    }
+
+    /// Queues `v` (a chunk or an error object) as OpenAI's `data:` line, or as Anthropic's events.
+    fn emit(&mut self, v: &Value) {
+        match self.anthropic.as_mut() {
+            Some(a) => self.queued.extend(a.push(v)),
+            None => self.queued.push_back(sse(v)),
         }
     }
 
     fn finish(&mut self) {
-        self.queued.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+        if self.anthropic.is_none() {
+            self.queued.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+        }
         self.finished = true;
     }
 }

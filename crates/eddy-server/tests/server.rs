@@ -711,14 +711,25 @@ fn openai_python() -> PathBuf {
         assert!(py.status.success());
         let venv = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
         let python = venv.join("bin/python");
-        let ready = std::process::Command::new(&python).args(["-c", "import openai, pydantic"]).output().is_ok_and(|o| o.status.success());
+        let ready = std::process::Command::new(&python)
+            .args(["-c", "import openai, pydantic, anthropic"])
+            .output()
+            .is_ok_and(|o| o.status.success());
         if !ready {
             let run = |cmd: &mut std::process::Command| {
                 let o = cmd.output().unwrap();
                 assert!(o.status.success(), "{cmd:?}: {}", String::from_utf8_lossy(&o.stderr));
             };
             run(std::process::Command::new("python3").arg("-m").arg("venv").arg(&venv));
-            run(std::process::Command::new(&python).args(["-m", "pip", "install", "-q", "--disable-pip-version-check", "openai==3.57.0"]));
+            run(std::process::Command::new(&python).args([
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--disable-pip-version-check",
+                "openai==3.57.0",
+                "anthropic==2.17.0",
+            ]));
         }
         python
     })
@@ -768,6 +779,66 @@ fn openai_python_sdk() {
         .collect();
     assert_eq!(v["chat_n"]["texts"], json!(texts));
     assert_eq!(v["chat_n_stream"], json!({"texts": texts, "finishes": 2}));
+}
+
+/// Anthropic's Messages API through the official `anthropic` SDK: a reply whole and streamed equals the chat
+/// API's reply to the same conversation (system prompt included), with stop reason, usage and the model
+/// named by the request; count_tokens counts that prompt; an image block is a 400 the SDK raises as
+/// BadRequestError; on Qwen2.5-Coder-0.5B a forced call comes back as a tool_use block (whole and streamed)
+/// and its tool_result gets an answer. Raw errors are Anthropic's error objects.
+#[test]
+fn anthropic_messages_api() {
+    let addr = server_or_skip!();
+    let Some(tools) = qwen05_server() else { return };
+    let python = openai_python();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/anthropic_client.py");
+    let out =
+        std::process::Command::new(&python).arg(script).arg(format!("http://{addr}")).arg(format!("http://{tools}")).output().unwrap();
+    assert!(out.status.success(), "anthropic SDK client failed: {}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let chat = json!({"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": Q}], "temperature": 0, "max_tokens": 24});
+    let want = post(addr, "/v1/chat/completions", chat.clone()).json();
+    let text = want["choices"][0]["message"]["content"].as_str().unwrap();
+    let stop = if want["choices"][0]["finish_reason"] == "length" { "max_tokens" } else { "end_turn" };
+    assert_eq!(v["whole"]["text"], text, "{v}");
+    assert_eq!(v["whole"]["stop_reason"], stop);
+    assert_eq!(v["whole"]["model"], "claude-test");
+    let u = &v["whole"]["usage"];
+    assert_eq!(
+        u["input_tokens"].as_u64().unwrap() + u["cache_read_input_tokens"].as_u64().unwrap(),
+        want["usage"]["prompt_tokens"].as_u64().unwrap()
+    );
+    assert_eq!(u["output_tokens"], want["usage"]["completion_tokens"]);
+    assert_eq!(v["stream"], json!({"text": text, "final": text, "stop_reason": stop, "output_tokens": want["usage"]["completion_tokens"]}));
+    assert_eq!(v["count"], want["usage"]["prompt_tokens"]);
+    assert_eq!(v["error"], json!({"status": 400, "type": "invalid_request_error"}));
+    for k in ["tool", "tool_stream"] {
+        assert_eq!(v[k]["name"], "get_weather", "{v}");
+        assert!(v[k]["input"]["city"].as_str().is_some_and(|c| c.contains("Paris")), "{v}");
+        assert_eq!(v[k]["stop_reason"], "tool_use", "{v}");
+    }
+    // The round trip is the chat API's answer to the same conversation (call and tool result as chat messages).
+    let a = &v["answer"];
+    let tools_json = json!([{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+    let chat = json!({"temperature": 0, "max_tokens": 32, "tools": tools_json, "messages": [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": a["id"], "type": "function",
+            "function": {"name": "get_weather", "arguments": v["tool"]["input"].to_string()}}]},
+        {"role": "tool", "tool_call_id": a["id"], "content": "Sunny, 24 C"}]});
+    let want = post(tools, "/v1/chat/completions", chat).json();
+    let m = &want["choices"][0]["message"];
+    assert_eq!(a["text"], m["content"].as_str().unwrap_or(""), "{want}");
+    let names: Vec<&Value> = m["tool_calls"].as_array().into_iter().flatten().map(|c| &c["function"]["name"]).collect();
+    assert_eq!(a["calls"], json!(names), "{want}");
+    let stop = if names.is_empty() { "end_turn" } else { "tool_use" };
+    assert_eq!(a["stop_reason"], if want["choices"][0]["finish_reason"] == "length" { "max_tokens" } else { stop }, "{want}");
+    assert!(v["structured"]["city"].is_string(), "{v}");
+    // Raw: a missing max_tokens is Anthropic's error object; count_tokens needs none.
+    let r = post(addr, "/v1/messages", json!({"messages": [{"role": "user", "content": "hi"}]}));
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["type"], "invalid_request_error", "{}", r.body);
+    assert_eq!(r.json()["type"], "error");
 }
 
 /// Prefix-cache equivalence: a server with the cache on answers every request exactly as a server with

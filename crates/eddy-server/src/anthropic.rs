@@ -1,0 +1,495 @@
+//! Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`), the API Claude Code and
+//! the `anthropic` SDKs speak, on top of the chat path: a request is translated into the chat-completions
+//! request it means ([`to_chat`]: the system prompt becomes a system message, `tool_use` / `tool_result`
+//! blocks become tool calls and tool messages, tools and `tool_choice` become OpenAI's), answered by the same
+//! engine job, and the reply translated back: content blocks (`thinking`, `text`, `tool_use`), `stop_reason`
+//! and usage ([`from_chat`]), or, streamed, Anthropic's events ([`EventStream`]). Reference: Anthropic's
+//! API documentation, "Messages" and "Streaming Messages".
+
+use crate::api::ApiError;
+use axum::body::Bytes;
+use axum::http::StatusCode;
+use serde_json::{json, Map, Value};
+
+type R<T> = Result<T, ApiError>;
+
+/// A Messages request as the chat request it means.
+pub struct Request {
+    /// The chat-completions request body.
+    pub chat: Value,
+    /// The model the request names (echoed in the reply).
+    pub model: String,
+}
+
+fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+    ApiError::invalid(Some(param), message)
+}
+
+/// The text of `content`: a string, or an array of `text` blocks (joined); other blocks are refused.
+fn text_of(content: &Value, at: &str) -> R<String> {
+    match content {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(blocks) => {
+            let mut text = String::new();
+            for (j, b) in blocks.iter().enumerate() {
+                match (b.get("type").and_then(Value::as_str), b.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => text.push_str(t),
+                    (Some("text"), None) => return Err(invalid(at, format!("{at}[{j}].text must be a string"))),
+                    (Some(t), _) => return Err(invalid(at, format!("{at}[{j}]: {t} blocks are not supported here (text only)"))),
+                    (None, _) => return Err(invalid(at, format!("{at}[{j}] needs a type"))),
+                }
+            }
+            Ok(text)
+        }
+        Value::Null => Ok(String::new()),
+        v => Err(invalid(at, format!("{at} must be a string or an array of content blocks, got {v}"))),
+    }
+}
+
+/// Translates a Messages request body into the chat-completions request it means. `max_tokens` is required
+/// (as in Anthropic's API); `system`, `messages` (strings or content blocks: text, tool_use in assistant
+/// turns, tool_result in user turns; thinking blocks sent back are dropped, the template re-renders past
+/// turns), `tools`, `tool_choice` (`disable_parallel_tool_use` included), `stop_sequences`, `temperature`,
+/// `top_p`, `top_k`, `thinking` (the template's `enable_thinking`), `output_config.format` (a JSON schema
+/// the reply follows) and `stream` are read; images,
+/// documents and server tools are refused; other fields (metadata, service_tier) are ignored.
+pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
+    let model = match o.get("model") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(m)) => m.clone(),
+        Some(v) => return Err(invalid("model", format!("model must be a string, got {v}"))),
+    };
+    let Some(max_tokens) = o.get("max_tokens").filter(|v| !v.is_null()) else {
+        return Err(invalid("max_tokens", "max_tokens is required"));
+    };
+    let mut messages: Vec<Value> = Vec::new();
+    match o.get("system") {
+        None | Some(Value::Null) => {}
+        Some(s) => {
+            let text = text_of(s, "system")?;
+            if !text.is_empty() {
+                messages.push(json!({"role": "system", "content": text}));
+            }
+        }
+    }
+    let Some(Value::Array(msgs)) = o.get("messages") else {
+        return Err(invalid("messages", "messages must be an array of {role, content} objects"));
+    };
+    for (i, m) in msgs.iter().enumerate() {
+        let at = format!("messages[{i}]");
+        let role = match m.get("role").and_then(Value::as_str) {
+            Some(r @ ("user" | "assistant")) => r,
+            _ => return Err(invalid("messages", format!("{at}.role must be \"user\" or \"assistant\""))),
+        };
+        let blocks = match m.get("content") {
+            Some(Value::String(s)) => {
+                messages.push(json!({"role": role, "content": s}));
+                continue;
+            }
+            Some(Value::Array(b)) => b,
+            _ => return Err(invalid("messages", format!("{at}.content must be a string or an array of content blocks"))),
+        };
+        let (mut text, mut calls, mut results) = (String::new(), Vec::new(), Vec::new());
+        for (j, b) in blocks.iter().enumerate() {
+            let at = format!("{at}.content[{j}]");
+            let field = |k: &str| b.get(k).and_then(Value::as_str).ok_or_else(|| invalid("messages", format!("{at}.{k} must be a string")));
+            match (b.get("type").and_then(Value::as_str), role) {
+                (Some("text"), _) => text.push_str(field("text")?),
+                (Some("tool_use"), "assistant") => {
+                    let input = b.get("input").cloned().unwrap_or_else(|| json!({}));
+                    calls.push(json!({"id": field("id")?, "type": "function",
+                                      "function": {"name": field("name")?, "arguments": input.to_string()}}));
+                }
+                (Some("tool_result"), "user") => {
+                    let content = text_of(b.get("content").unwrap_or(&Value::Null), &format!("{at}.content"))
+                        .map_err(|e| invalid("messages", e.message))?;
+                    results.push(json!({"role": "tool", "tool_call_id": field("tool_use_id")?, "content": content}));
+                }
+                // The template renders past turns without their reasoning.
+                (Some("thinking" | "redacted_thinking"), "assistant") => {}
+                (Some(t), _) => return Err(invalid("messages", format!("{at}: {t} blocks are not supported in {role} messages"))),
+                (None, _) => return Err(invalid("messages", format!("{at} needs a type"))),
+            }
+        }
+        // Tool results answer the previous assistant turn: they come before the user's text.
+        messages.extend(results);
+        if role == "assistant" && (!text.is_empty() || !calls.is_empty()) {
+            let mut a = json!({"role": "assistant", "content": text});
+            if !calls.is_empty() {
+                a["tool_calls"] = Value::Array(calls);
+            }
+            messages.push(a);
+        } else if role == "user" && !text.is_empty() {
+            messages.push(json!({"role": "user", "content": text}));
+        }
+    }
+    let mut chat = json!({"model": model, "messages": messages, "max_tokens": max_tokens});
+    for k in ["temperature", "top_p", "top_k", "stream"] {
+        if let Some(v) = o.get(k).filter(|v| !v.is_null()) {
+            chat[k] = v.clone();
+        }
+    }
+    if let Some(v) = o.get("stop_sequences").filter(|v| !v.is_null()) {
+        chat["stop"] = v.clone();
+    }
+    match o.get("tools") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(tools)) => {
+            let mut out = Vec::with_capacity(tools.len());
+            for (i, t) in tools.iter().enumerate() {
+                if let Some(kind) = t.get("type").and_then(Value::as_str).filter(|k| *k != "custom") {
+                    return Err(invalid(
+                        "tools",
+                        format!("tools[{i}]: server tools ({kind}) are not supported; give name, description and input_schema"),
+                    ));
+                }
+                let Some(name) = t.get("name").and_then(Value::as_str) else {
+                    return Err(invalid("tools", format!("tools[{i}].name must be a string")));
+                };
+                let mut f =
+                    json!({"name": name, "parameters": t.get("input_schema").cloned().unwrap_or_else(|| json!({"type": "object"}))});
+                if let Some(d) = t.get("description").filter(|d| !d.is_null()) {
+                    f["description"] = d.clone();
+                }
+                out.push(json!({"type": "function", "function": f}));
+            }
+            chat["tools"] = Value::Array(out);
+        }
+        Some(v) => return Err(invalid("tools", format!("tools must be an array, got {v}"))),
+    }
+    if let Some(tc) = o.get("tool_choice").filter(|v| !v.is_null()) {
+        chat["tool_choice"] = match tc.get("type").and_then(Value::as_str) {
+            Some("auto") => json!("auto"),
+            Some("any") => json!("required"),
+            Some("none") => json!("none"),
+            Some("tool") => match tc.get("name").and_then(Value::as_str) {
+                Some(name) => json!({"type": "function", "function": {"name": name}}),
+                None => return Err(invalid("tool_choice", "tool_choice of type tool needs a name")),
+            },
+            _ => return Err(invalid("tool_choice", format!("tool_choice.type must be auto, any, tool or none, got {tc}"))),
+        };
+        if tc.get("disable_parallel_tool_use") == Some(&Value::Bool(true)) {
+            chat["parallel_tool_calls"] = json!(false);
+        }
+    }
+    // Structured outputs: `output_config.format` of type json_schema.
+    if let Some(f) = o.get("output_config").and_then(|c| c.get("format")).filter(|f| !f.is_null()) {
+        match (f.get("type").and_then(Value::as_str), f.get("schema")) {
+            (Some("json_schema"), Some(schema)) => {
+                chat["response_format"] = json!({"type": "json_schema", "json_schema": {"name": "output", "schema": schema}});
+            }
+            _ => return Err(invalid("output_config", "output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}")),
+        }
+    }
+    match o.get("thinking").and_then(|t| t.get("type")).and_then(Value::as_str) {
+        Some("enabled") => chat["chat_template_kwargs"] = json!({"enable_thinking": true}),
+        Some("disabled") => chat["chat_template_kwargs"] = json!({"enable_thinking": false}),
+        _ => {}
+    }
+    Ok(Request { chat, model })
+}
+
+/// Anthropic's `stop_reason` for a chat finish reason.
+fn stop_reason(finish: &str) -> &'static str {
+    match finish {
+        "tool_calls" => "tool_use",
+        "length" => "max_tokens",
+        _ => "end_turn",
+    }
+}
+
+/// A call's arguments as the `input` object of a `tool_use` block (a cut-off or malformed text: `{}`).
+fn tool_input(args: &str) -> Value {
+    serde_json::from_str::<Value>(args).ok().filter(Value::is_object).unwrap_or_else(|| json!({}))
+}
+
+/// The message id for a chat completion id (`chatcmpl-…` → `msg_…`).
+fn message_id(chat_id: &str) -> String {
+    format!("msg_{}", chat_id.trim_start_matches("chatcmpl-"))
+}
+
+/// A whole chat completion (one choice) as a Messages reply: content blocks in order (thinking, text,
+/// tool_use), the stop reason, and usage (`input_tokens` the prompt tokens prefilled,
+/// `cache_read_input_tokens` those reused from the prefix cache).
+pub fn from_chat(v: &Value, model: &str) -> Value {
+    let ch = &v["choices"][0];
+    let m = &ch["message"];
+    let mut content = Vec::new();
+    if let Some(r) = m["reasoning_content"].as_str().filter(|r| !r.is_empty()) {
+        content.push(json!({"type": "thinking", "thinking": r, "signature": ""}));
+    }
+    if let Some(t) = m["content"].as_str().filter(|t| !t.is_empty()) {
+        content.push(json!({"type": "text", "text": t}));
+    }
+    for c in m["tool_calls"].as_array().into_iter().flatten() {
+        let f = &c["function"];
+        content.push(
+            json!({"type": "tool_use", "id": c["id"], "name": f["name"], "input": tool_input(f["arguments"].as_str().unwrap_or(""))}),
+        );
+    }
+    let u = &v["usage"];
+    let (prompt, cached) = (u["prompt_tokens"].as_u64().unwrap_or(0), u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0));
+    json!({
+        "id": message_id(v["id"].as_str().unwrap_or("")),
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason(ch["finish_reason"].as_str().unwrap_or("stop")),
+        "stop_sequence": null,
+        "usage": {"input_tokens": prompt - cached.min(prompt), "output_tokens": u["completion_tokens"], "cache_read_input_tokens": cached},
+    })
+}
+
+/// Anthropic's error object for `e`, and its status.
+pub fn error(e: &ApiError) -> (StatusCode, Value) {
+    let kind = match e.status {
+        StatusCode::NOT_FOUND => "not_found_error",
+        StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
+        StatusCode::SERVICE_UNAVAILABLE => "overloaded_error",
+        s if s.is_server_error() => "api_error",
+        _ => "invalid_request_error",
+    };
+    (e.status, json!({"type": "error", "error": {"type": kind, "message": e.message}}))
+}
+
+fn event(name: &str, data: Value) -> Bytes {
+    Bytes::from(format!("event: {name}\ndata: {data}\n\n"))
+}
+
+/// The kind of the content block being streamed.
+#[derive(Clone, Copy, PartialEq)]
+enum Block {
+    Thinking,
+    Text,
+    Tool,
+}
+
+/// Turns the chat-completion chunks of one streamed reply into Anthropic's events: `message_start`, then per
+/// content block `content_block_start`, its deltas (`thinking_delta`, `text_delta`, `input_json_delta`) and
+/// `content_block_stop`, then `message_delta` (stop reason, output tokens) and `message_stop`; an error
+/// chunk becomes an `error` event.
+pub struct EventStream {
+    model: String,
+    input_tokens: usize,
+    started: bool,
+    /// The open block and its index.
+    open: Option<(usize, Block)>,
+    blocks: usize,
+}
+
+impl EventStream {
+    /// For a reply from `model` to a prompt of `input_tokens` tokens.
+    pub fn new(model: String, input_tokens: usize) -> EventStream {
+        EventStream { model, input_tokens, started: false, open: None, blocks: 0 }
+    }
+
+    fn close(&mut self, out: &mut Vec<Bytes>) {
+        if let Some((index, _)) = self.open.take() {
+            out.push(event("content_block_stop", json!({"type": "content_block_stop", "index": index})));
+        }
+    }
+
+    /// Opens a block of `kind` (closing the open one) unless one of that kind is open (`fresh`: always a
+    /// new one); returns its index.
+    fn open(&mut self, kind: Block, start: Value, fresh: bool, out: &mut Vec<Bytes>) -> usize {
+        if let Some((index, k)) = self.open.filter(|&(_, k)| k == kind && !fresh) {
+            debug_assert!(k == kind);
+            return index;
+        }
+        self.close(out);
+        let index = self.blocks;
+        self.blocks += 1;
+        self.open = Some((index, kind));
+        out.push(event("content_block_start", json!({"type": "content_block_start", "index": index, "content_block": start})));
+        index
+    }
+
+    /// The events for one chat chunk (or error object).
+    pub fn push(&mut self, chunk: &Value) -> Vec<Bytes> {
+        let mut out = Vec::new();
+        if let Some(e) = chunk.get("error") {
+            let kind = if e["type"] == "invalid_request_error" { "invalid_request_error" } else { "api_error" };
+            out.push(event("error", json!({"type": "error", "error": {"type": kind, "message": e["message"]}})));
+            return out;
+        }
+        if !self.started {
+            self.started = true;
+            let id = message_id(chunk["id"].as_str().unwrap_or(""));
+            out.push(event(
+                "message_start",
+                json!({"type": "message_start", "message": {"id": id, "type": "message", "role": "assistant", "model": self.model,
+                       "content": [], "stop_reason": null, "stop_sequence": null,
+                       "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}}),
+            ));
+        }
+        let Some(ch) = chunk["choices"].get(0) else { return out };
+        let delta = &ch["delta"];
+        if let Some(t) = delta["reasoning_content"].as_str().filter(|t| !t.is_empty()) {
+            let index = self.open(Block::Thinking, json!({"type": "thinking", "thinking": ""}), false, &mut out);
+            out.push(event(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": index, "delta": {"type": "thinking_delta", "thinking": t}}),
+            ));
+        }
+        if let Some(t) = delta["content"].as_str().filter(|t| !t.is_empty()) {
+            let index = self.open(Block::Text, json!({"type": "text", "text": ""}), false, &mut out);
+            out.push(event(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": t}}),
+            ));
+        }
+        for call in delta["tool_calls"].as_array().into_iter().flatten() {
+            let f = &call["function"];
+            if let Some(id) = call["id"].as_str() {
+                self.open(Block::Tool, json!({"type": "tool_use", "id": id, "name": f["name"], "input": {}}), true, &mut out);
+            }
+            if let (Some(args), Some((index, Block::Tool))) = (f["arguments"].as_str().filter(|a| !a.is_empty()), self.open) {
+                out.push(event(
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": index, "delta": {"type": "input_json_delta", "partial_json": args}}),
+                ));
+            }
+        }
+        if let Some(finish) = ch["finish_reason"].as_str() {
+            self.close(&mut out);
+            out.push(event(
+                "message_delta",
+                json!({"type": "message_delta", "delta": {"stop_reason": stop_reason(finish), "stop_sequence": null},
+                       "usage": {"output_tokens": chunk["timings"]["predicted_n"]}}),
+            ));
+            out.push(event("message_stop", json!({"type": "message_stop"})));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn obj(v: Value) -> Map<String, Value> {
+        v.as_object().unwrap().clone()
+    }
+
+    /// A conversation with a tool round trip becomes the chat request it means.
+    #[test]
+    fn requests_translate_to_chat() {
+        let r = to_chat(&obj(json!({
+            "model": "claude-x", "max_tokens": 64, "system": [{"type": "text", "text": "Be brief."}],
+            "stop_sequences": ["\n\n"], "temperature": 0.5,
+            "tools": [{"name": "get_time", "description": "Now.", "input_schema": {"type": "object", "properties": {}}}],
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": true},
+            "messages": [
+                {"role": "user", "content": "What time is it?"},
+                {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"},
+                    {"type": "text", "text": "Let me look."}, {"type": "tool_use", "id": "t1", "name": "get_time", "input": {"tz": "UTC"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "12:00"}]},
+                    {"type": "text", "text": "Thanks"}]},
+            ],
+        })))
+        .unwrap();
+        assert_eq!(r.model, "claude-x");
+        assert_eq!(
+            r.chat,
+            json!({"model": "claude-x", "max_tokens": 64, "temperature": 0.5, "stop": ["\n\n"],
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "What time is it?"},
+                    {"role": "assistant", "content": "Let me look.", "tool_calls": [{"id": "t1", "type": "function",
+                        "function": {"name": "get_time", "arguments": "{\"tz\":\"UTC\"}"}}]},
+                    {"role": "tool", "tool_call_id": "t1", "content": "12:00"},
+                    {"role": "user", "content": "Thanks"},
+                ],
+                "tools": [{"type": "function", "function": {"name": "get_time", "description": "Now.", "parameters": {"type": "object", "properties": {}}}}],
+                "tool_choice": "required", "parallel_tool_calls": false})
+        );
+        for (body, needle) in [
+            (json!({"messages": []}), "max_tokens is required"),
+            (json!({"max_tokens": 5}), "messages must be an array"),
+            (json!({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}), "messages[0].role"),
+            (json!({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}), "image blocks"),
+            (
+                json!({"max_tokens": 5, "messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "a"}]}]}),
+                "tool_result blocks",
+            ),
+            (json!({"max_tokens": 5, "messages": [], "tools": [{"type": "web_search_20250305", "name": "web_search"}]}), "server tools"),
+            (json!({"max_tokens": 5, "messages": [], "tool_choice": {"type": "tool"}}), "needs a name"),
+        ] {
+            let e = to_chat(&obj(body.clone())).err().unwrap_or_else(|| panic!("accepted: {body}"));
+            assert!(e.message.contains(needle), "{body}: {}", e.message);
+        }
+    }
+
+    /// A chat reply with reasoning, text and a call becomes the content blocks, stop reason and usage.
+    #[test]
+    fn replies_translate_back() {
+        let chat = json!({"id": "chatcmpl-abc", "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+            "role": "assistant", "content": "Checking.", "reasoning_content": "Need the time.",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{\"tz\": \"UTC\"}"}}]}}],
+            "usage": {"prompt_tokens": 30, "completion_tokens": 12, "prompt_tokens_details": {"cached_tokens": 10}}});
+        assert_eq!(
+            from_chat(&chat, "m"),
+            json!({"id": "msg_abc", "type": "message", "role": "assistant", "model": "m", "content": [
+                {"type": "thinking", "thinking": "Need the time.", "signature": ""},
+                {"type": "text", "text": "Checking."},
+                {"type": "tool_use", "id": "c1", "name": "get_time", "input": {"tz": "UTC"}}],
+                "stop_reason": "tool_use", "stop_sequence": null,
+                "usage": {"input_tokens": 20, "output_tokens": 12, "cache_read_input_tokens": 10}})
+        );
+    }
+
+    /// Chunks become Anthropic's event sequence, blocks opened and closed in order.
+    #[test]
+    fn chunks_become_events() {
+        let mut s = EventStream::new("m".into(), 7);
+        let chunk = |delta: Value, finish: Value| json!({"id": "chatcmpl-x", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], "timings": {"predicted_n": 5}});
+        let mut names = Vec::new();
+        let mut datas = Vec::new();
+        for c in [
+            chunk(json!({"role": "assistant", "content": ""}), Value::Null),
+            chunk(json!({"reasoning_content": "hm"}), Value::Null),
+            chunk(json!({"content": "Hi"}), Value::Null),
+            chunk(json!({"content": " there"}), Value::Null),
+            chunk(
+                json!({"tool_calls": [{"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": ""}}]}),
+                Value::Null,
+            ),
+            chunk(json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\": 1}"}}]}), Value::Null),
+            chunk(json!({}), json!("tool_calls")),
+        ] {
+            for b in s.push(&c) {
+                let t = String::from_utf8(b.to_vec()).unwrap();
+                let (name, data) = t.trim_end().split_once('\n').unwrap();
+                names.push(name.trim_start_matches("event: ").to_string());
+                datas.push(serde_json::from_str::<Value>(data.trim_start_matches("data: ")).unwrap());
+            }
+        }
+        assert_eq!(
+            names,
+            [
+                "message_start",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_stop",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_delta",
+                "content_block_stop",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_stop",
+                "message_delta",
+                "message_stop"
+            ]
+        );
+        assert_eq!(datas[0]["message"]["usage"]["input_tokens"], 7);
+        assert_eq!(datas[1]["content_block"]["type"], "thinking");
+        assert_eq!(datas[4], json!({"type": "content_block_start", "index": 1, "content_block": {"type": "text", "text": ""}}));
+        assert_eq!(datas[6]["delta"], json!({"type": "text_delta", "text": " there"}));
+        assert_eq!(datas[8]["content_block"], json!({"type": "tool_use", "id": "c1", "name": "f", "input": {}}));
+        assert_eq!(datas[9]["delta"], json!({"type": "input_json_delta", "partial_json": "{\"a\": 1}"}));
+        assert_eq!(datas[11]["delta"]["stop_reason"], "tool_use");
+        assert_eq!(datas[11]["usage"]["output_tokens"], 5);
+    }
+}
