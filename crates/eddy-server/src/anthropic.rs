@@ -367,10 +367,7 @@ impl EventStream {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn obj(v: Value) -> Map<String, Value> {
-        v.as_object().unwrap().clone()
-    }
+    use crate::api::{obj, sse_event};
 
     /// A conversation with a tool round trip becomes the chat request it means.
     #[test]
@@ -458,11 +455,9 @@ mod tests {
             chunk(json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\": 1}"}}]}), Value::Null),
             chunk(json!({}), json!("tool_calls")),
         ] {
-            for b in s.push(&c) {
-                let t = String::from_utf8(b.to_vec()).unwrap();
-                let (name, data) = t.trim_end().split_once('\n').unwrap();
-                names.push(name.trim_start_matches("event: ").to_string());
-                datas.push(serde_json::from_str::<Value>(data.trim_start_matches("data: ")).unwrap());
+            for (name, data) in s.push(&c).iter().map(|b| sse_event(b)) {
+                names.push(name);
+                datas.push(data);
             }
         }
         assert_eq!(

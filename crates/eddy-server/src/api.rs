@@ -763,6 +763,20 @@ pub(crate) fn random_seed() -> u64 {
     h.finish()
 }
 
+/// A JSON object literal as a request body's map (tests).
+#[cfg(test)]
+pub(crate) fn obj(v: Value) -> Map<String, Value> {
+    v.as_object().expect("an object").clone()
+}
+
+/// An SSE event `event: NAME\ndata: JSON\n\n` as (name, data) (tests).
+#[cfg(test)]
+pub(crate) fn sse_event(b: &[u8]) -> (String, Value) {
+    let t = std::str::from_utf8(b).expect("UTF-8");
+    let (name, data) = t.trim_end().split_once('\n').expect("two lines");
+    (name.trim_start_matches("event: ").to_string(), serde_json::from_str(data.trim_start_matches("data: ")).expect("JSON"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -776,10 +790,6 @@ mod tests {
         assert!(m.contains("not UTF-8: invalid bytes at byte 43") && !m.contains("escape"), "{m}");
         let m = msg(br#"{"content": "hi \ud83d"}"#);
         assert!(m.contains("high-low pairs") && !m.contains("UTF-8"), "{m}");
-    }
-
-    fn obj(v: Value) -> Map<String, Value> {
-        v.as_object().expect("an object").clone()
     }
 
     /// `seed`: any u64 as given; -1 a random seed (two requests differ); other negatives refused.

@@ -26,6 +26,7 @@ pub mod api;
 pub mod grammar;
 pub mod metrics;
 pub mod reasoning;
+mod responses;
 pub mod tools;
 pub mod worker;
 
@@ -234,6 +235,7 @@ pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router>
         .route("/completions", post(completions))
         .route("/models", get(models))
         .route("/models/{id}", get(model))
+        .route("/v1/responses", post(create_response))
         .route("/v1/messages", post(messages))
         .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/tokenize", post(tokenize))
@@ -727,11 +729,12 @@ struct Prepared {
     choices: Vec<Choice>,
 }
 
-/// How a reply is written: OpenAI's chat or text completions, or Anthropic's Messages (`model`: the name
-/// the request gave).
+/// How a reply is written: OpenAI's chat or text completions, Anthropic's Messages (`model`: the name the
+/// request gave), or OpenAI's Responses (`echo`: the request fields a response repeats).
 enum Dialect {
     OpenAi,
     Anthropic { model: String },
+    Responses { echo: serde_json::Map<String, Value> },
 }
 
 /// Validate, tokenize (on the blocking pool), queue, and answer (whole or streamed).
@@ -790,11 +793,26 @@ async fn answer(st: Arc<AppState>, kind: Kind, body: Bytes, dialect: Dialect) ->
     match (common.stream, dialect) {
         (true, Dialect::OpenAi) => Ok(stream_response(fmt, rx, st.keep_alive, None)),
         (true, Dialect::Anthropic { model }) => {
-            Ok(stream_response(fmt, rx, st.keep_alive, Some(anthropic::EventStream::new(model, input_tokens))))
+            let events = Events::Anthropic(anthropic::EventStream::new(model, input_tokens));
+            Ok(stream_response(fmt, rx, st.keep_alive, Some(events)))
+        }
+        (true, Dialect::Responses { echo }) => {
+            Ok(stream_response(fmt, rx, st.keep_alive, Some(Events::Responses(Box::new(responses::EventStream::new(echo))))))
         }
         (false, Dialect::OpenAi) => Ok(Json(whole_response(fmt, rx).await?).into_response()),
         (false, Dialect::Anthropic { model }) => Ok(Json(anthropic::from_chat(&whole_response(fmt, rx).await?, &model)).into_response()),
+        (false, Dialect::Responses { echo }) => Ok(Json(responses::from_chat(&whole_response(fmt, rx).await?, &echo)).into_response()),
     }
+}
+
+/// `POST /v1/responses`: OpenAI's Responses API, answered through the chat path ([`responses`]).
+async fn create_response(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+    let mut req = responses::to_chat(&api::parse_object(&body)?)?;
+    if req.echo["model"].is_null() {
+        req.echo.insert("model".into(), json!(st.names[0]));
+    }
+    let chat = Bytes::from(serde_json::to_vec(&req.chat).map_err(|e| server_error(e.to_string()))?);
+    answer(st, Kind::Chat, chat, Dialect::Responses { echo: req.echo }).await
 }
 
 /// `POST /v1/messages`: Anthropic's Messages API, answered through the chat path ([`anthropic`]); errors
@@ -1108,7 +1126,7 @@ fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
-fn stream_response(fmt: Formatter, rx: Reply, keep_alive: Option<Duration>, anthropic: Option<anthropic::EventStream>) -> Response {
+fn stream_response(fmt: Formatter, rx: Reply, keep_alive: Option<Duration>, events: Option<Events>) -> Response {
     let role = (fmt.kind == Kind::Chat).then(|| fmt.chunk(true, Some(""), None));
     let calls = fmt.calls.as_ref().map(|c| CallStreamer::new(c.family, c.names.clone()));
     let body = SseBody {
@@ -1125,7 +1143,7 @@ fn stream_response(fmt: Formatter, rx: Reply, keep_alive: Option<Duration>, anth
         skipping: false,
         choice: 0,
         totals: Totals::default(),
-        anthropic,
+        events,
     };
     let mut body = body;
     if let Some(role) = role {
@@ -1164,8 +1182,23 @@ struct SseBody {
     choice: usize,
     /// The finished choices' statistics.
     totals: Totals,
-    /// Anthropic's Messages API: the chunks become its events.
-    anthropic: Option<anthropic::EventStream>,
+    /// Anthropic's Messages or OpenAI's Responses API: the chunks become their events.
+    events: Option<Events>,
+}
+
+/// The events of a streamed reply in a wire format other than chat completions' chunks.
+enum Events {
+    Anthropic(anthropic::EventStream),
+    Responses(Box<responses::EventStream>),
+}
+
+impl Events {
+    fn push(&mut self, v: &Value) -> Vec<Bytes> {
+        match self {
+            Events::Anthropic(a) => a.push(v),
+            Events::Responses(r) => r.push(v),
+        }
+    }
 }
 
 const KEEP_ALIVE: &[u8] = b": keep-alive\n\n";
@@ -1325,14 +1358,14 @@ impl SseBody {
 
     /// Queues `v` (a chunk or an error object) as OpenAI's `data:` line, or as Anthropic's events.
     fn emit(&mut self, v: &Value) {
-        match self.anthropic.as_mut() {
-            Some(a) => self.queued.extend(a.push(v)),
+        match self.events.as_mut() {
+            Some(e) => self.queued.extend(e.push(v)),
             None => self.queued.push_back(sse(v)),
         }
     }
 
     fn finish(&mut self) {
-        if self.anthropic.is_none() {
+        if self.events.is_none() {
             self.queued.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
         }
         self.finished = true;

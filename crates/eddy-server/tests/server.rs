@@ -736,19 +736,19 @@ fn openai_python() -> PathBuf {
     .clone()
 }
 
+/// Runs `tests/<script>` with the SDKs' Python and `args`; its stdout, one JSON object (panics with the
+/// script's stderr when it fails).
+fn sdk_script(script: &str, args: &[String]) -> Value {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests").join(script);
+    let out = std::process::Command::new(openai_python()).arg(&path).args(args).output().unwrap();
+    assert!(out.status.success(), "{script} failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{script}: {e}: {}", String::from_utf8_lossy(&out.stdout)))
+}
+
 #[test]
 fn openai_python_sdk() {
     let addr = server_or_skip!();
-    let python = openai_python();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
-    let out = std::process::Command::new(&python)
-        .arg(script)
-        .arg(format!("http://{addr}/v1"))
-        .arg("SmolLM2-135M-Instruct.Q4_1")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "openai SDK client failed: {}", String::from_utf8_lossy(&out.stderr));
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = sdk_script("openai_client.py", &[format!("http://{addr}/v1"), "SmolLM2-135M-Instruct.Q4_1".into()]);
     assert_eq!(v["models"], json!(["SmolLM2-135M-Instruct.Q4_1"]));
 
     let whole = post(addr, "/v1/chat/completions", chat_body(Q, json!({}))).json();
@@ -781,6 +781,30 @@ fn openai_python_sdk() {
     assert_eq!(v["chat_n_stream"], json!({"texts": texts, "finishes": 2}));
 }
 
+/// The chat API's greedy reply to the SDK scripts' conversation: system "You are terse.", then [`Q`].
+fn terse_reply(addr: SocketAddr) -> Value {
+    let chat = json!({"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": Q}], "temperature": 0, "max_tokens": 24});
+    post(addr, "/v1/chat/completions", chat).json()
+}
+
+/// Checks an SDK script's weather tool round trip (a get_weather call `id` with `arguments`, answered "Sunny,
+/// 24 C") against the chat API's reply to the same messages: `text` its content, `calls` its call names.
+/// Returns that reply and the names.
+fn weather_round_trip(tools: SocketAddr, id: &Value, arguments: &str, text: &Value, calls: &Value) -> (Value, Vec<Value>) {
+    let tools_json = json!([{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+    let chat = json!({"temperature": 0, "max_tokens": 32, "tools": tools_json, "messages": [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": id, "content": "Sunny, 24 C"}]});
+    let want = post(tools, "/v1/chat/completions", chat).json();
+    let m = &want["choices"][0]["message"];
+    assert_eq!(*text, m["content"].as_str().unwrap_or(""), "{want}");
+    let names: Vec<Value> = m["tool_calls"].as_array().into_iter().flatten().map(|c| c["function"]["name"].clone()).collect();
+    assert_eq!(*calls, json!(names), "{want}");
+    (want, names)
+}
+
 /// Anthropic's Messages API through the official `anthropic` SDK: a reply whole and streamed equals the chat
 /// API's reply to the same conversation (system prompt included), with stop reason, usage and the model
 /// named by the request; count_tokens counts that prompt; an image block is a 400 the SDK raises as
@@ -790,14 +814,8 @@ fn openai_python_sdk() {
 fn anthropic_messages_api() {
     let addr = server_or_skip!();
     let Some(tools) = qwen05_server() else { return };
-    let python = openai_python();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/anthropic_client.py");
-    let out =
-        std::process::Command::new(&python).arg(script).arg(format!("http://{addr}")).arg(format!("http://{tools}")).output().unwrap();
-    assert!(out.status.success(), "anthropic SDK client failed: {}", String::from_utf8_lossy(&out.stderr));
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let chat = json!({"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": Q}], "temperature": 0, "max_tokens": 24});
-    let want = post(addr, "/v1/chat/completions", chat.clone()).json();
+    let v = sdk_script("anthropic_client.py", &[format!("http://{addr}"), format!("http://{tools}")]);
+    let want = terse_reply(addr);
     let text = want["choices"][0]["message"]["content"].as_str().unwrap();
     let stop = if want["choices"][0]["finish_reason"] == "length" { "max_tokens" } else { "end_turn" };
     assert_eq!(v["whole"]["text"], text, "{v}");
@@ -819,18 +837,7 @@ fn anthropic_messages_api() {
     }
     // The round trip is the chat API's answer to the same conversation (call and tool result as chat messages).
     let a = &v["answer"];
-    let tools_json = json!([{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
-    let chat = json!({"temperature": 0, "max_tokens": 32, "tools": tools_json, "messages": [
-        {"role": "user", "content": "What is the weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": a["id"], "type": "function",
-            "function": {"name": "get_weather", "arguments": v["tool"]["input"].to_string()}}]},
-        {"role": "tool", "tool_call_id": a["id"], "content": "Sunny, 24 C"}]});
-    let want = post(tools, "/v1/chat/completions", chat).json();
-    let m = &want["choices"][0]["message"];
-    assert_eq!(a["text"], m["content"].as_str().unwrap_or(""), "{want}");
-    let names: Vec<&Value> = m["tool_calls"].as_array().into_iter().flatten().map(|c| &c["function"]["name"]).collect();
-    assert_eq!(a["calls"], json!(names), "{want}");
+    let (want, names) = weather_round_trip(tools, &a["id"], &v["tool"]["input"].to_string(), &a["text"], &a["calls"]);
     let stop = if names.is_empty() { "end_turn" } else { "tool_use" };
     assert_eq!(a["stop_reason"], if want["choices"][0]["finish_reason"] == "length" { "max_tokens" } else { stop }, "{want}");
     assert!(v["structured"]["city"].is_string(), "{v}");
@@ -839,6 +846,36 @@ fn anthropic_messages_api() {
     assert_eq!(r.status, 400);
     assert_eq!(r.json()["error"]["type"], "invalid_request_error", "{}", r.body);
     assert_eq!(r.json()["type"], "error");
+}
+
+/// OpenAI's Responses API through the official `openai` SDK: a reply whole and streamed (the SDK's stream
+/// helper reads every event) equals the chat API's reply to the same conversation; on Qwen2.5-Coder-0.5B a
+/// forced call is a function_call item, the turn with its output equals the chat API's answer to the same
+/// messages, and text.format gives JSON of the schema; previous_response_id is a 400 naming it.
+#[test]
+fn responses_api() {
+    let addr = server_or_skip!();
+    let Some(tools) = qwen05_server() else { return };
+    let v = sdk_script("responses_client.py", &[format!("http://{addr}/v1"), format!("http://{tools}/v1")]);
+    let want = terse_reply(addr);
+    let text = want["choices"][0]["message"]["content"].as_str().unwrap();
+    let status = if want["choices"][0]["finish_reason"] == "length" { "incomplete" } else { "completed" };
+    assert_eq!(v["whole"]["text"], text, "{v}");
+    assert_eq!(v["whole"]["status"], status);
+    assert_eq!(v["whole"]["items"], json!(["message"]));
+    assert_eq!(v["whole"]["usage"]["input_tokens"], want["usage"]["prompt_tokens"]);
+    assert_eq!(v["whole"]["usage"]["output_tokens"], want["usage"]["completion_tokens"]);
+    assert_eq!(v["stream"]["text"], text);
+    assert_eq!(v["stream"]["status"], status);
+    assert_eq!(v["stream"]["first"], "response.created");
+    assert_eq!(v["stream"]["last"], format!("response.{status}"));
+    assert!(v["stream"]["deltas"].as_u64().unwrap() > 1, "{v}");
+    assert_eq!(v["call"]["name"], "get_weather");
+    assert!(v["call"]["arguments"]["city"].as_str().is_some_and(|c| c.contains("Paris")), "{v}");
+    let a = &v["answer"];
+    weather_round_trip(tools, &v["call"]["call_id"], a["arguments"].as_str().unwrap(), &a["text"], &a["calls"]);
+    assert!(v["structured"]["city"].is_string(), "{v}");
+    assert_eq!(v["error"], json!({"status": 400, "param": "previous_response_id"}));
 }
 
 /// Prefix-cache equivalence: a server with the cache on answers every request exactly as a server with
@@ -2027,16 +2064,7 @@ fn qwen15_server() -> Option<SocketAddr> {
 #[test]
 fn openai_python_sdk_tools_and_structured_outputs() {
     let (Some(tools), Some(schemas)) = (qwen15_server(), qwen05_server()) else { return };
-    let python = openai_python();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_tools.py");
-    let out = std::process::Command::new(&python)
-        .arg(script)
-        .arg(format!("http://{tools}/v1"))
-        .arg(format!("http://{schemas}/v1"))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "openai SDK tools client failed: {}", String::from_utf8_lossy(&out.stderr));
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = sdk_script("openai_tools.py", &[format!("http://{tools}/v1"), format!("http://{schemas}/v1")]);
     for k in ["round_trip", "round_trip_stream"] {
         assert!(!v[k]["calls"].as_array().unwrap().is_empty(), "{k}: {v}");
         assert!(!v[k]["answer"].as_str().unwrap().trim().is_empty(), "{k}: {v}");
