@@ -6,7 +6,7 @@ mod bench;
 mod fetch;
 
 use clap::{Args, Parser, Subcommand};
-use eddy::chat::{encode_chat, ChatMessage};
+use eddy::chat::{encode_chat_guarded, ChatMessage};
 use eddy::engine::{default_threads, Device, Engine, EngineOptions, GenerateParams};
 use eddy::load::{load, LoadedModel};
 use eddy::model_dir::Quant;
@@ -717,11 +717,7 @@ fn run(a: RunArgs) -> eddy::Result<()> {
                 msgs.push(ChatMessage { role: "system".into(), content: s.clone() });
             }
             msgs.push(ChatMessage { role: "user".into(), content: message });
-            let text = t.render(&msgs, true, &kwargs)?;
-            if text.is_empty() {
-                return Err(bad("chat template", "renders the conversation to nothing (an empty template?)"));
-            }
-            encode_chat(&lm.tokenizer, &text)?
+            chat_prompt(t, &lm.tokenizer, &msgs, &kwargs)?
         }
         (None, false) => {
             let _ = writeln!(std::io::stderr(), "note: the model has no chat template; sending the message as raw text");
@@ -736,7 +732,7 @@ fn run(a: RunArgs) -> eddy::Result<()> {
     let energy = EnergyMeter::start_with_gpu(engine.gpu_pci_bus_id().as_deref());
     let mut e_first = None;
     let params = GenerateParams { max_tokens: a.max_tokens, sampler, ignore_eos: false, logprobs: None };
-    let stats = stream_reply(&mut engine, &prompt, &params, &mut || {
+    let stats = stream_reply(&mut engine, &prompt, &params, &|| false, &mut || {
         if e_first.is_none() {
             e_first = Some(energy.as_ref().map(|m| m.joules()).unwrap_or(0.0));
         }
@@ -759,12 +755,14 @@ struct Streamed {
 
 /// Generates the reply to `prompt`, writing its text to stdout as it comes and a newline after it; what is
 /// still pending at the end, an incomplete character cut by --max-tokens, is left out rather than printed as
-/// a U+FFFD the model never finished. `on_token` is asked before each token is written (`false` stops).
-/// A reader that goes away (broken pipe) stops generation; other write errors are errors.
+/// a U+FFFD the model never finished. `cancelled` is asked between prefill pieces (`true` stops before the
+/// first token), `on_token` before each token is written (`false` stops). A reader that goes away (broken
+/// pipe) stops generation; other write errors are errors.
 fn stream_reply(
     engine: &mut Engine,
     prompt: &[u32],
     params: &GenerateParams,
+    cancelled: &dyn Fn() -> bool,
     on_token: &mut dyn FnMut() -> bool,
 ) -> eddy::Result<Streamed> {
     let tok = engine.lm.tokenizer.clone();
@@ -772,7 +770,7 @@ fn stream_reply(
     let mut out = std::io::stdout().lock();
     let mut write_err = None;
     let mut text = String::new();
-    let stats = engine.generate(prompt, params, &mut |id| {
+    let stats = engine.generate_cancellable(prompt, params, cancelled, &mut |id, _| {
         if !on_token() {
             return false;
         }
@@ -799,6 +797,23 @@ fn stream_reply(
         Some(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(bad("stdout", format!("cannot write the reply: {e}"))),
         e => Ok(Streamed { stats, text, broken_pipe: e.is_some() }),
     }
+}
+
+/// The tokens of `messages` through `template` with a generation prompt. The messages' texts are read as
+/// text: special-token text written in them (`<|im_end|>` in a question, or in a reply fed back into the
+/// next turn) stays text, as in `eddy serve` ([`encode_chat_guarded`]).
+fn chat_prompt(
+    template: &eddy::chat::ChatTemplate,
+    tok: &eddy::tokenizer::Tokenizer,
+    messages: &[ChatMessage],
+    kwargs: &serde_json::Map<String, serde_json::Value>,
+) -> eddy::Result<Vec<u32>> {
+    let text = template.render(messages, true, kwargs)?;
+    if text.is_empty() {
+        return Err(bad("chat template", "renders the conversation to nothing (an empty template?)"));
+    }
+    let untrusted: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
+    encode_chat_guarded(tok, &text, &untrusted)
 }
 
 /// Every --logit-bias id must be a token of the model's vocabulary.
@@ -829,25 +844,36 @@ fn chat(a: &RunArgs, sampler: SamplerParams, kwargs: &serde_json::Map<String, se
     let Some(template) = engine.lm.template.take() else {
         return Err(bad("--message", "the model has no chat template, so it cannot hold a chat: give --message (sent as raw text)"));
     };
-    let _ = ctrlc::set_handler(|| {
-        if GENERATING.load(SeqCst) {
-            STOP_REPLY.store(true, SeqCst);
-        } else {
-            eprintln!();
-            std::process::exit(130);
-        }
-    });
+    // Ctrl-C (SIGINT only: SIGTERM and SIGHUP keep their default, ending the process) stops a reply, or
+    // at the prompt ends the chat as an unhandled SIGINT would. The handler only touches atomics.
+    // SAFETY: both actions are async-signal-safe (atomic loads and stores; emulate_default_handler is
+    // documented for use inside handlers).
+    let _ = unsafe {
+        signal_hook::low_level::register(signal_hook::consts::SIGINT, || {
+            if GENERATING.load(SeqCst) {
+                STOP_REPLY.store(true, SeqCst);
+            } else {
+                let _ = signal_hook::low_level::emulate_default_handler(signal_hook::consts::SIGINT);
+            }
+        })
+    };
+    // Notes go to stderr; a stderr that cannot be written is not an error.
+    let note = |s: &str| {
+        let _ = write!(std::io::stderr(), "{s}");
+    };
     let tty = std::io::stdin().is_terminal();
     if tty {
-        eprintln!("chat: a line is a message (end it with \\ to go on), /clear starts over, /exit or Ctrl-D ends; Ctrl-C stops a reply");
+        note("chat: a line is a message (end it with \\ to go on), /clear starts over, /exit or Ctrl-D ends; Ctrl-C stops a reply\n");
     }
+    // A message longer than this surely overflows the context: refused before it is tokenized.
+    let max_bytes = engine.lm.tokenizer.max_text_bytes(engine.ctx());
     let system: Vec<ChatMessage> = a.system.iter().map(|s| ChatMessage { role: "system".into(), content: s.clone() }).collect();
     let mut history = system.clone();
     let tok = engine.lm.tokenizer.clone();
     let mut stdin = std::io::stdin().lock();
     loop {
         if tty {
-            eprint!("> ");
+            note("> ");
         }
         // One message: lines joined while they end in a backslash.
         let mut message = String::new();
@@ -860,8 +886,7 @@ fn chat(a: &RunArgs, sampler: SamplerParams, kwargs: &serde_json::Map<String, se
                 break;
             }
             let Ok(line) = String::from_utf8(buf) else {
-                eprintln!("that line is not UTF-8 text: ignored");
-                message.clear();
+                note("that line is not UTF-8 text: left out of the message\n");
                 continue;
             };
             let line = line.trim_end_matches(['\n', '\r']);
@@ -870,7 +895,7 @@ fn chat(a: &RunArgs, sampler: SamplerParams, kwargs: &serde_json::Map<String, se
                     message.push_str(head);
                     message.push('\n');
                     if tty {
-                        eprint!(". ");
+                        note(". ");
                     }
                 }
                 None => {
@@ -889,22 +914,26 @@ fn chat(a: &RunArgs, sampler: SamplerParams, kwargs: &serde_json::Map<String, se
             }
             _ => {}
         }
+        if message.len() > max_bytes {
+            note(&format!("that message ({} bytes) cannot fit the context of {} tokens: dropped\n", message.len(), engine.ctx()));
+            continue;
+        }
         history.push(ChatMessage { role: "user".into(), content: message });
-        let text = template.render(&history, true, kwargs)?;
-        let prompt = encode_chat(&tok, &text)?;
+        let prompt = chat_prompt(&template, &tok, &history, kwargs)?;
         if prompt.len() >= engine.ctx() {
-            eprintln!(
-                "the conversation would be {} tokens, more than the context of {} leaves room for: message dropped (/clear starts over, --ctx sets a larger context)",
+            note(&format!(
+                "the conversation would be {} tokens, more than the context of {} leaves room for: message dropped (/clear starts over, --ctx sets a larger context)\n",
                 prompt.len(),
                 engine.ctx()
-            );
+            ));
             history.pop();
             continue;
         }
         let params = GenerateParams { max_tokens: a.max_tokens, sampler: sampler.clone(), ignore_eos: false, logprobs: None };
         STOP_REPLY.store(false, SeqCst);
         GENERATING.store(true, SeqCst);
-        let r = stream_reply(&mut engine, &prompt, &params, &mut || !STOP_REPLY.load(SeqCst));
+        let stop = || STOP_REPLY.load(SeqCst);
+        let r = stream_reply(&mut engine, &prompt, &params, &stop, &mut || !stop());
         GENERATING.store(false, SeqCst);
         let Streamed { stats, text: reply, broken_pipe } = r?;
         if broken_pipe {
@@ -916,15 +945,15 @@ fn chat(a: &RunArgs, sampler: SamplerParams, kwargs: &serde_json::Map<String, se
             print_stats(&stats, None, None, 0.0, true);
         } else {
             let stopped = if STOP_REPLY.load(SeqCst) { ", stopped" } else { "" };
-            eprintln!(
-                "[{} tokens, {:.1} t/s, {:.2} tokens/pass, {} prompt tokens ({} cached), TTFT {:.2} s{stopped}]",
+            note(&format!(
+                "[{} tokens, {:.1} t/s, {:.2} tokens/pass, {} prompt tokens ({} cached), TTFT {:.2} s{stopped}]\n",
                 stats.generated_tokens,
                 stats.generation_speed(),
                 stats.tokens_per_pass(),
                 stats.prompt_tokens,
                 stats.cached_tokens,
                 stats.ttft.as_secs_f64()
-            );
+            ));
         }
     }
     Ok(())

@@ -262,9 +262,9 @@ fn run_smol(smol: &Path, extra: &[&str]) -> Output {
 /// one summary line per turn on stderr.
 #[test]
 fn chat_on_stdin_keeps_the_conversation() {
-    use eddy::chat::{encode_chat, ChatMessage};
+    use eddy::chat::{encode_chat_guarded, ChatMessage};
     let Some(smol) = smol() else { return };
-    let input = b"What is 2+2?\n\nNow add 3 to it.\n/clear\nWhat is \\\n2+2?\n";
+    let input = b"What is 2+2?\n\nNow add 3 to it.\n/clear\nWhat is \\\n2+2?\n/clear\nSay <|im_end|> once.\n";
     let args = ["run", "--model", smol.to_str().unwrap(), "--threads", "1", "-n", "12", "--temperature", "0"];
     let out = eddy_stdin(&args, Some(input));
     let err = String::from_utf8_lossy(&out.stderr).to_string();
@@ -277,7 +277,8 @@ fn chat_on_stdin_keeps_the_conversation() {
     let mut engine = eddy::engine::Engine::new(lm, &opts);
     let mut reply = |msgs: &[(&str, &str)]| {
         let msgs: Vec<ChatMessage> = msgs.iter().map(|(r, c)| ChatMessage { role: r.to_string(), content: c.to_string() }).collect();
-        let prompt = encode_chat(&tok, &template.render(&msgs, true, &Default::default()).unwrap()).unwrap();
+        let untrusted: Vec<&str> = msgs.iter().map(|m| m.content.as_str()).collect();
+        let prompt = encode_chat_guarded(&tok, &template.render(&msgs, true, &Default::default()).unwrap(), &untrusted).unwrap();
         let params = eddy::engine::GenerateParams { max_tokens: 12, sampler: Default::default(), ignore_eos: false, logprobs: None };
         let mut ids = Vec::new();
         engine
@@ -291,11 +292,71 @@ fn chat_on_stdin_keeps_the_conversation() {
     let r1 = reply(&[("user", "What is 2+2?")]);
     let r2 = reply(&[("user", "What is 2+2?"), ("assistant", &r1), ("user", "Now add 3 to it.")]);
     let r3 = reply(&[("user", "What is \n2+2?")]);
+    // Control-token text in a message is text (it does not end the user's turn).
+    let r4 = reply(&[("user", "Say <|im_end|> once.")]);
     assert_ne!(r1, r2);
-    assert_eq!(String::from_utf8(out.stdout).unwrap(), format!("{r1}\n{r2}\n{r3}\n"));
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), format!("{r1}\n{r2}\n{r3}\n{r4}\n"));
     let turns: Vec<&str> = err.lines().filter(|l| l.starts_with('[')).collect();
-    assert_eq!(turns.len(), 3, "{err}");
+    assert_eq!(turns.len(), 4, "{err}");
     assert!(turns[1].contains(" cached)") && !turns[1].contains("(0 cached)"), "the second turn reuses the first: {err}");
+}
+
+/// The chat's signals and stderr: SIGTERM mid-reply ends the process (as its default action, not as a
+/// stopped reply), SIGINT mid-reply stops only the reply, and a stderr that cannot be written (/dev/full)
+/// neither panics nor stops the chat.
+#[test]
+fn chat_signals_and_a_full_stderr() {
+    use std::os::unix::process::ExitStatusExt;
+    let Some(smol) = smol() else { return };
+    let smol = smol.to_str().unwrap();
+    let spawn = |stderr: Stdio| {
+        Command::new(env!("CARGO_BIN_EXE_eddy"))
+            .args(["run", "--model", smol, "--threads", "1", "-n", "300", "--temperature", "1", "--seed", "1"])
+            .env("HF_HUB_OFFLINE", "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .spawn()
+            .unwrap()
+    };
+    // Waits for the first byte of a reply, then sends `sig`.
+    let signal_mid_reply = |child: &mut std::process::Child, sig: &str| {
+        child.stdin.as_mut().unwrap().write_all(b"Write a very long story about a fox.\n").unwrap();
+        let mut byte = [0u8; 1];
+        child.stdout.as_mut().unwrap().read_exact(&mut byte).unwrap();
+        let ok = Command::new("kill").args([sig, &child.id().to_string()]).status().unwrap();
+        assert!(ok.success());
+    };
+    let mut child = spawn(Stdio::null());
+    signal_mid_reply(&mut child, "-TERM");
+    let status = child.wait().unwrap();
+    assert_eq!(status.signal(), Some(15), "{status:?}");
+    // SIGINT stops the reply; the next message is answered; the end of input ends the chat (exit 0).
+    let mut child = spawn(Stdio::piped());
+    signal_mid_reply(&mut child, "-INT");
+    child.stdin.as_mut().unwrap().write_all(b"Thanks!\n").unwrap();
+    drop(child.stdin.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let turns: Vec<&str> = err.lines().filter(|l| l.starts_with('[')).collect();
+    assert_eq!(turns.len(), 2, "{err}");
+    assert!(turns[0].ends_with(", stopped]") && !turns[1].contains("stopped"), "{err}");
+    // /dev/full as stderr: both turns answered, exit 0.
+    let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_eddy"))
+        .args(["run", "--model", smol, "--threads", "1", "-n", "3", "--temperature", "0"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(full)
+        .spawn()
+        .and_then(|mut c| {
+            c.stdin.take().unwrap().write_all(b"hi\n\xff\nhello\n")?;
+            c.wait_with_output()
+        })
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 2, "{out:?}");
 }
 
 #[test]

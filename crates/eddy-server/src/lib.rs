@@ -215,7 +215,7 @@ pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router>
         template: engine.lm.template.take(),
         ctx: engine.ctx(),
         vocab: engine.lm.tokenizer.vocab_size().min(engine.lm.model.config.vocab_size),
-        max_prompt_bytes: max_prompt_bytes(&engine.lm.tokenizer, engine.ctx()),
+        max_prompt_bytes: engine.lm.tokenizer.max_text_bytes(engine.ctx()),
         jobs: tx,
         queue: queue.clone(),
         max_body_bytes: opts.max_body_bytes,
@@ -305,16 +305,6 @@ fn is_origin(o: &str) -> bool {
         && !auth.as_str().contains('@')
         && uri.path_and_query().is_none_or(|pq| pq.as_str().is_empty() || pq.as_str() == "/")
         && !o.contains('#')
-}
-
-/// A text longer than this many bytes cannot fit in `ctx` tokens: no token's spelling is longer than the
-/// longest vocabulary entry (in its stored form, which is never shorter than the text it stands for: byte-level
-/// BPE and SentencePiece entries spell each byte with one to six bytes), with a factor of 4 for normalizers
-/// that shorten text. Lets a prompt of megabytes be refused before tokenizing it (seconds of work and
-/// gigabytes of peak memory for an answer known in advance).
-fn max_prompt_bytes(tok: &Tokenizer, ctx: usize) -> usize {
-    let longest = (0..tok.vocab_size() as u32).filter_map(|i| tok.token_str(i)).map(|s| s.len()).max().unwrap_or(1).max(1);
-    ctx.saturating_mul(longest).saturating_mul(4)
 }
 
 /// The 400 for a prompt whose text (`bytes` long) is longer than [`AppState::max_prompt_bytes`], worded as the
@@ -410,6 +400,10 @@ async fn tokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Json<V
     let s = st.clone();
     let run = move || -> Result<Value, ApiError> {
         let t = api::parse_tokenize(&api::parse_object(&body)?)?;
+        // A text that cannot be a prompt is not tokenized (the work and memory grow with its length).
+        if let Some(e) = surely_too_long(&s, "content", t.text.len()) {
+            return Err(e);
+        }
         let ids = s.tokenizer.encode(&t.text, t.add_special).map_err(|e| ApiError::invalid(None, e.to_string()))?;
         let tokens: Vec<Value> = match t.with_pieces {
             false => ids.iter().map(|&id| json!(id)).collect(),

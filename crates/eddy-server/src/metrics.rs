@@ -102,6 +102,11 @@ pub fn endpoint_label(path: &str) -> &'static str {
         "/v1/chat/completions" | "/chat/completions" => "/v1/chat/completions",
         "/v1/completions" | "/completions" => "/v1/completions",
         "/v1/models" | "/models" => "/v1/models",
+        "/v1/responses" => "/v1/responses",
+        "/v1/messages" => "/v1/messages",
+        "/v1/messages/count_tokens" => "/v1/messages/count_tokens",
+        "/tokenize" => "/tokenize",
+        "/detokenize" => "/detokenize",
         "/health" => "/health",
         "/metrics" => "/metrics",
         _ => "other",
@@ -247,6 +252,9 @@ mod tests {
         m.request("/v1/chat/completions", 200);
         m.request("/v1/chat/completions", 200);
         m.request(endpoint_label("/nope"), 404);
+        for route in ["/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize"] {
+            assert_eq!(endpoint_label(route), route);
+        }
         m.queue_delta(1);
         m.queue_delta(1);
         m.queue_delta(-1);

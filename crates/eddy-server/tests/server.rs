@@ -1321,6 +1321,8 @@ fn tokenize_and_detokenize() {
         ("/tokenize", json!({"content": "a", "with_pieces": "yes"}), "with_pieces", "boolean"),
         ("/detokenize", json!({"tokens": [1, vocab]}), "tokens", "out of range"),
         ("/detokenize", json!({"tokens": "abc"}), "tokens", "array of token ids"),
+        // A text that cannot be a prompt is refused from its length, before tokenizing.
+        ("/tokenize", json!({"content": "ab ".repeat(1_000_000)}), "content", "maximum context length"),
     ] {
         let v = assert_error(&post(addr, path, body.clone()), 400, needle);
         assert_eq!(v["error"]["param"], param, "{body}");

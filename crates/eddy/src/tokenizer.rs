@@ -55,6 +55,9 @@ const STOP_TOKEN_NAMES: &[&str] = &[
     "<|fim_pad|>",
     "<|repo_name|>",
     "<|file_sep|>",
+    "<fim_pad>",
+    "<file_sep>",
+    "<reponame>",
 ];
 
 /// Fill-in-the-middle control tokens (prefix, suffix, middle) as FIM-trained code models name them:
@@ -449,6 +452,16 @@ impl Tokenizer {
             .decode(ids, skip_special)
             .map_err(|e| Error::Text(format!("cannot decode token ids ({}): {e}", self.source.display())))?;
         Ok(if self.cleanup_spaces { clean_up_tokenization(&text) } else { text })
+    }
+
+    /// A text longer than this many bytes has more than `tokens` tokens: no token's spelling is longer than
+    /// the longest vocabulary entry (in its stored form, which is never shorter than the text it stands for:
+    /// byte-level BPE and SentencePiece entries spell each byte with one to six bytes), with a factor of 4
+    /// for normalizers that shorten text. Lets a text of megabytes be refused before it is tokenized
+    /// (seconds of work and gigabytes of peak memory for an answer known in advance). O(vocabulary).
+    pub fn max_text_bytes(&self, tokens: usize) -> usize {
+        let longest = (0..self.n_vocab as u32).filter_map(|i| self.token_str(i)).map(|s| s.len()).max().unwrap_or(1).max(1);
+        tokens.saturating_mul(longest).saturating_mul(4)
     }
 
     /// Number of token ids (the size of the id space, added tokens included).
