@@ -189,12 +189,14 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
     Ok(Request { chat, model })
 }
 
-/// Anthropic's `stop_reason` for a chat finish reason.
-fn stop_reason(finish: &str) -> &'static str {
-    match finish {
-        "tool_calls" => "tool_use",
-        "length" => "max_tokens",
-        _ => "end_turn",
+/// Anthropic's `stop_reason` and `stop_sequence` for a chat choice (its `finish_reason`, and the stop string
+/// that ended it in `stop_reason`, vLLM's field).
+fn stop_of(choice: &Value) -> (&'static str, Value) {
+    match (choice["finish_reason"].as_str(), &choice["stop_reason"]) {
+        (Some("stop"), Value::String(s)) => ("stop_sequence", json!(s)),
+        (Some("tool_calls"), _) => ("tool_use", Value::Null),
+        (Some("length"), _) => ("max_tokens", Value::Null),
+        _ => ("end_turn", Value::Null),
     }
 }
 
@@ -227,6 +229,7 @@ pub fn from_chat(v: &Value, model: &str) -> Value {
             json!({"type": "tool_use", "id": c["id"], "name": f["name"], "input": tool_input(f["arguments"].as_str().unwrap_or(""))}),
         );
     }
+    let (stop_reason, stop_sequence) = stop_of(ch);
     let u = &v["usage"];
     let (prompt, cached) = (u["prompt_tokens"].as_u64().unwrap_or(0), u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0));
     json!({
@@ -235,8 +238,8 @@ pub fn from_chat(v: &Value, model: &str) -> Value {
         "role": "assistant",
         "model": model,
         "content": content,
-        "stop_reason": stop_reason(ch["finish_reason"].as_str().unwrap_or("stop")),
-        "stop_sequence": null,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
         "usage": {"input_tokens": prompt - cached.min(prompt), "output_tokens": u["completion_tokens"], "cache_read_input_tokens": cached},
     })
 }
@@ -351,11 +354,12 @@ impl EventStream {
                 ));
             }
         }
-        if let Some(finish) = ch["finish_reason"].as_str() {
+        if ch["finish_reason"].is_string() {
             self.close(&mut out);
+            let (stop_reason, stop_sequence) = stop_of(ch);
             out.push(event(
                 "message_delta",
-                json!({"type": "message_delta", "delta": {"stop_reason": stop_reason(finish), "stop_sequence": null},
+                json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                        "usage": {"output_tokens": chunk["timings"]["predicted_n"]}}),
             ));
             out.push(event("message_stop", json!({"type": "message_stop"})));

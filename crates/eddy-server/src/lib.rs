@@ -989,8 +989,8 @@ impl Formatter {
         }
     }
 
-    /// Choice `index` of a whole reply.
-    fn choice(&self, index: usize, text: String, lps: &[Logprob], finish: &str) -> Value {
+    /// Choice `index` of a whole reply; `stop`: the stop string that ended it (vLLM's `stop_reason`).
+    fn choice(&self, index: usize, text: String, lps: &[Logprob], finish: &str, stop: Option<String>) -> Value {
         let logprobs = self.logprobs(lps);
         match self.kind {
             Kind::Chat => {
@@ -1026,10 +1026,10 @@ impl Formatter {
                         }
                     }
                 }
-                json!({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
+                json!({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop})
             }
             Kind::Text => {
-                json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
+                json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop})
             }
         }
     }
@@ -1092,8 +1092,8 @@ async fn whole_response(fmt: Formatter, mut rx: Reply) -> Result<Value, ApiError
                 text.push_str(&t);
                 lps.extend(l);
             }
-            Event::Done { finish, completion_tokens, stats } => {
-                choices.push(fmt.choice(choices.len(), std::mem::take(&mut text), &std::mem::take(&mut lps), finish));
+            Event::Done { finish, stop, completion_tokens, stats } => {
+                choices.push(fmt.choice(choices.len(), std::mem::take(&mut text), &std::mem::take(&mut lps), finish, stop));
                 totals.add(stats, completion_tokens, fmt.n);
                 if choices.len() == fmt.choices {
                     return Ok(fmt.whole(choices, &totals));
@@ -1285,7 +1285,7 @@ impl SseBody {
                 };
                 self.queue(chunks);
             }
-            Some(Event::Done { finish, completion_tokens, stats }) => {
+            Some(Event::Done { finish, stop, completion_tokens, stats }) => {
                 if let Some(s) = self.splitter.as_mut().map(ReasoningSplitter::finish) {
                     let chunks = self.split_chunks(s);
                     self.queue(chunks);
@@ -1298,6 +1298,7 @@ impl SseBody {
                     if self.n_calls > 0 && finish == "stop" && complete_arguments(&self.last_args) { "tool_calls" } else { finish };
                 let mut last = self.fmt.chunk(false, None, Some(finish));
                 last["choices"][0]["index"] = json!(self.choice);
+                last["choices"][0]["stop_reason"] = json!(stop);
                 if self.fmt.kind == Kind::Chat {
                     last["choices"][0]["delta"] = json!({});
                 }

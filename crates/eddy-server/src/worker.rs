@@ -197,8 +197,8 @@ pub(crate) enum Event {
     /// log-probabilities (when asked for) of the tokens whose text it completes. A token cut by a stop
     /// string is reported with the text before the stop string.
     Delta(String, Vec<Logprob>),
-    /// Generation (of one choice) ended normally.
-    Done { finish: &'static str, completion_tokens: usize, stats: GenerationStats },
+    /// Generation (of one choice) ended normally; `stop`: the stop string that ended it, if one did.
+    Done { stop: Option<String>, finish: &'static str, completion_tokens: usize, stats: GenerationStats },
     /// The engine failed.
     Error(String),
     /// The request's grammar (request field `param`) failed while the reply was generated: the
@@ -295,7 +295,7 @@ fn run_job(
         }
         if params.max_tokens == 0 {
             let stats = GenerationStats { prompt_tokens: prompt.len(), finish: FinishReason::Length, ..Default::default() };
-            return Some(Event::Done { finish: "length", completion_tokens: 0, stats });
+            return Some(Event::Done { finish: "length", stop: None, completion_tokens: 0, stats });
         }
     }
     let mut last_token: Option<Instant> = None;
@@ -389,7 +389,7 @@ fn run_job(
                 }
             }
             let finish = if hit || stats.finish == FinishReason::Stop { "stop" } else { "length" };
-            Some(Event::Done { finish, completion_tokens: n, stats })
+            Some(Event::Done { finish, stop: stop.matched().map(str::to_string), completion_tokens: n, stats })
         }
     }
 }
@@ -512,26 +512,35 @@ impl LogprobQueue {
 pub struct StopMatcher {
     stops: Vec<String>,
     pending: String,
+    /// The stop string found, once one is.
+    matched: Option<String>,
 }
 
 impl StopMatcher {
     /// A matcher for `stops` (empty strings are ignored).
     pub fn new(stops: Vec<String>) -> Self {
-        StopMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), pending: String::new() }
+        StopMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), pending: String::new(), matched: None }
     }
 
     /// Adds `text`; returns the text that is safe to emit, and whether a stop string was found (then the
     /// returned text is everything before it and the rest is dropped).
     pub fn push(&mut self, text: &str) -> (String, bool) {
         self.pending.push_str(text);
-        if let Some(i) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
+        // The earliest occurrence; at one position the first listed stop string.
+        if let Some((i, s)) = self.stops.iter().filter_map(|s| Some((self.pending.find(s.as_str())?, s))).min_by_key(|e| e.0) {
             let out = self.pending[..i].to_string();
+            self.matched = Some(s.clone());
             self.pending.clear();
             return (out, true);
         }
         let cut = self.pending.len() - self.holdback();
         let out: String = self.pending.drain(..cut).collect();
         (out, false)
+    }
+
+    /// The stop string that ended the text, if one did.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// Everything still held back (at the end of generation).
@@ -568,6 +577,10 @@ mod tests {
     fn stop_across_deltas_is_never_emitted() {
         let (out, hit) = run(&["END"], &["abc E", "N", "D tail"]);
         assert!(hit);
+        // The earliest match is the one reported.
+        let mut m = StopMatcher::new(vec!["b".into(), "END".into()]);
+        assert_eq!((m.push("xENDb"), m.matched()), (("x".to_string(), true), Some("END")));
+        assert_eq!(StopMatcher::new(vec!["z".into()]).matched(), None);
         assert_eq!(out, vec!["abc ", "", ""]);
     }
 

@@ -363,9 +363,22 @@ fn stop_string_across_tokens_is_not_emitted() {
     let v = post(addr, "/v1/chat/completions", chat_body(Q, json!({"max_tokens": 40, "stop": [stop.clone(), "\u{1}never"]}))).json();
     assert_eq!(v["choices"][0]["message"]["content"], want);
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    // vLLM's stop_reason: the stop string that matched (none without one).
+    assert_eq!(v["choices"][0]["stop_reason"], stop.as_str());
+    assert_eq!(whole["choices"][0]["stop_reason"], Value::Null);
     let (text, ev) = streamed(addr, "/v1/chat/completions", chat_body(Q, json!({"max_tokens": 40, "stop": stop, "stream": true})));
     assert_eq!(text, want);
     assert_eq!(ev.last().unwrap()["choices"][0]["finish_reason"], "stop");
+    assert_eq!(ev.last().unwrap()["choices"][0]["stop_reason"], stop.as_str());
+    // Anthropic's Messages API says which stop sequence ended the reply, whole and streamed.
+    let m = json!({"max_tokens": 40, "temperature": 0, "stop_sequences": [stop], "messages": [{"role": "user", "content": Q}]});
+    let v = post(addr, "/v1/messages", m.clone()).json();
+    assert_eq!((&v["stop_reason"], &v["stop_sequence"], &v["content"][0]["text"]), (&json!("stop_sequence"), &json!(stop), &json!(want)));
+    let mut m = m;
+    m["stream"] = json!(true);
+    let r = post(addr, "/v1/messages", m);
+    let delta = r.body.lines().filter_map(|l| l.strip_prefix("data: ")).find(|d| d.contains("message_delta")).unwrap();
+    assert_eq!(serde_json::from_str::<Value>(delta).unwrap()["delta"], json!({"stop_reason": "stop_sequence", "stop_sequence": stop}));
 }
 
 fn assert_error(r: &Resp, status: u16, needle: &str) -> Value {
