@@ -146,11 +146,13 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
                 let Some(name) = t.get("name").and_then(Value::as_str) else {
                     return Err(invalid("tools", format!("tools[{i}].name must be a string")));
                 };
-                let mut f =
-                    json!({"name": name, "parameters": t.get("input_schema").cloned().unwrap_or_else(|| json!({"type": "object"}))});
+                // In OpenAI's key order (name, description, parameters): the template writes the tools as given.
+                let mut f = Map::new();
+                f.insert("name".into(), json!(name));
                 if let Some(d) = t.get("description").filter(|d| !d.is_null()) {
-                    f["description"] = d.clone();
+                    f.insert("description".into(), d.clone());
                 }
+                f.insert("parameters".into(), t.get("input_schema").cloned().unwrap_or_else(|| json!({"type": "object"})));
                 out.push(json!({"type": "function", "function": f}));
             }
             chat["tools"] = Value::Array(out);
@@ -329,7 +331,7 @@ impl EventStream {
         let Some(ch) = chunk["choices"].get(0) else { return out };
         let delta = &ch["delta"];
         if let Some(t) = delta["reasoning_content"].as_str().filter(|t| !t.is_empty()) {
-            let index = self.open(Block::Thinking, json!({"type": "thinking", "thinking": ""}), false, &mut out);
+            let index = self.open(Block::Thinking, json!({"type": "thinking", "thinking": "", "signature": ""}), false, &mut out);
             out.push(event(
                 "content_block_delta",
                 json!({"type": "content_block_delta", "index": index, "delta": {"type": "thinking_delta", "thinking": t}}),
@@ -357,10 +359,12 @@ impl EventStream {
         if ch["finish_reason"].is_string() {
             self.close(&mut out);
             let (stop_reason, stop_sequence) = stop_of(ch);
+            // The final usage, as the whole reply has it (the prefix cache is known once the prompt ran).
+            let t = &chunk["timings"];
             out.push(event(
                 "message_delta",
                 json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                       "usage": {"output_tokens": chunk["timings"]["predicted_n"]}}),
+                       "usage": {"output_tokens": t["predicted_n"], "input_tokens": t["prompt_n"], "cache_read_input_tokens": t["cache_n"]}}),
             ));
             out.push(event("message_stop", json!({"type": "message_stop"})));
         }

@@ -346,10 +346,25 @@ async fn count_requests(State(st): State<Arc<AppState>>, req: Request, next: Nex
 /// Turns every error response that is not JSON (axum's own rejections: body too large, unreadable body)
 /// into an OpenAI error object with the same status.
 async fn json_errors(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let anthropic = req.uri().path().starts_with("/v1/messages");
     let resp = next.run(req).await;
     let status = resp.status();
     let json = resp.headers().get(header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
-    if json || !(status.is_client_error() || status.is_server_error()) {
+    if !(status.is_client_error() || status.is_server_error()) {
+        return resp;
+    }
+    if json && anthropic {
+        // An OpenAI error object from a fallback (404, 405) on Anthropic's routes: in Anthropic's shape.
+        let body = axum::body::to_bytes(resp.into_body(), 64 << 10).await.unwrap_or_default();
+        let v: Value = serde_json::from_slice(&body).unwrap_or_default();
+        if v["type"] == "error" {
+            return (status, Json(v)).into_response();
+        }
+        let message = v["error"]["message"].as_str().unwrap_or(status.canonical_reason().unwrap_or("error")).to_string();
+        let (status, v) = anthropic::error(&ApiError::invalid(None, message).with_status(status, "invalid_request_error", None));
+        return (status, Json(v)).into_response();
+    }
+    if json {
         return resp;
     }
     let (message, code) = if status == StatusCode::PAYLOAD_TOO_LARGE {
@@ -362,7 +377,13 @@ async fn json_errors(State(st): State<Arc<AppState>>, req: Request, next: Next) 
         (if text.is_empty() { reason.to_string() } else { text }, None)
     };
     let kind = if status.is_server_error() { "server_error" } else { "invalid_request_error" };
-    ApiError::invalid(None, message).with_status(status, kind, code).into_response()
+    let e = ApiError::invalid(None, message).with_status(status, kind, code);
+    if anthropic {
+        // Anthropic's routes answer in Anthropic's error shape, these too.
+        let (status, v) = anthropic::error(&e);
+        return (status, Json(v)).into_response();
+    }
+    e.into_response()
 }
 
 async fn prometheus(State(st): State<Arc<AppState>>) -> Response {
@@ -829,7 +850,9 @@ async fn count_tokens(State(st): State<Arc<AppState>>, body: Bytes) -> Response 
     let r = async {
         let mut o = api::parse_object(&body)?;
         // A count needs no max_tokens.
-        o.entry("max_tokens").or_insert(json!(1));
+        if o.get("max_tokens").is_none_or(Value::is_null) {
+            o.insert("max_tokens".into(), json!(1));
+        }
         let chat = serde_json::to_vec(&anthropic::to_chat(&o)?.chat).map_err(|e| server_error(e.to_string()))?;
         let s = st.clone();
         let p = tokio::task::spawn_blocking(move || prepare(&s, Kind::Chat, &chat))

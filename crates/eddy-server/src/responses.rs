@@ -56,15 +56,23 @@ fn text_of(content: &Value, at: &str) -> R<String> {
 /// `reasoning`, `truncation`, `include`, `user` are accepted and ignored.
 pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
     let get = |k: &str| o.get(k).filter(|v| !v.is_null());
-    if get("previous_response_id").is_some() {
-        return Err(invalid(
-            "previous_response_id",
-            "previous_response_id is not supported: this server keeps no responses; send the conversation in input",
-        ));
+    // State this server does not keep, or work it does not do in the background.
+    for k in ["previous_response_id", "conversation", "prompt"] {
+        if get(k).is_some() {
+            return Err(invalid(
+                k,
+                format!("{k} is not supported: this server keeps no responses, conversations or prompts; send the conversation in input"),
+            ));
+        }
+    }
+    if get("background") == Some(&Value::Bool(true)) {
+        return Err(invalid("background", "background responses are not supported"));
     }
     let mut messages: Vec<Value> = Vec::new();
     match get("instructions") {
         None => {}
+        // Empty instructions are none (a template's default system prompt stays).
+        Some(Value::String(s)) if s.is_empty() => {}
         Some(Value::String(s)) => messages.push(json!({"role": "system", "content": s})),
         Some(v) => return Err(invalid("instructions", format!("instructions must be a string, got {v}"))),
     }
@@ -169,6 +177,9 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
             }
         };
     }
+    if let Some(t) = get("text").filter(|t| !t.is_object()) {
+        return Err(invalid("text", format!("text must be an object like {{\"format\": {{\"type\": \"text\"}}}}, got {t}")));
+    }
     if let Some(f) = get("text").and_then(|t| t.get("format")).filter(|f| !f.is_null()) {
         chat["response_format"] = match f.get("type").and_then(Value::as_str) {
             Some("text") => json!({"type": "text"}),
@@ -271,6 +282,10 @@ pub fn from_chat(v: &Value, echo: &Map<String, Value>) -> Value {
         output.push(call_item(&format!("{id}_{i}"), &c["id"], &f["name"], f["arguments"].as_str().unwrap_or(""), "completed"));
     }
     let status = if ch["finish_reason"] == "length" { "incomplete" } else { "completed" };
+    // The item the token limit cut is incomplete too.
+    if let Some(last) = output.last_mut().filter(|_| status == "incomplete") {
+        last["status"] = json!("incomplete");
+    }
     response(&id, &v["created"], echo, output, Some(&v["usage"]), status)
 }
 
@@ -323,9 +338,13 @@ impl EventStream {
 
     /// Closes the open item: its `.done` events and `response.output_item.done`.
     fn close(&mut self, out: &mut Vec<Bytes>) {
+        self.close_as(out, "completed");
+    }
+
+    /// [`close`](Self::close) with the item's `status` (`incomplete`: cut by the token limit).
+    fn close_as(&mut self, out: &mut Vec<Bytes>, status: &str) {
         let (iid, index) = self.item_id();
         let Some(open) = self.open.take() else { return };
-        let status = "completed";
         let item = match open {
             Open::Reasoning { text } => {
                 let e = json!({"item_id": iid, "output_index": index, "content_index": 0, "text": text});
@@ -433,8 +452,8 @@ impl EventStream {
             }
         }
         if let Some(finish) = ch["finish_reason"].as_str() {
-            self.close(&mut out);
             let status = if finish == "length" { "incomplete" } else { "completed" };
+            self.close_as(&mut out, status);
             let t = &chunk["timings"];
             let (prompt, completion) =
                 (t["prompt_n"].as_u64().unwrap_or(0) + t["cache_n"].as_u64().unwrap_or(0), t["predicted_n"].as_u64().unwrap_or(0));
@@ -490,6 +509,10 @@ mod tests {
         for (body, needle) in [
             (json!({}), "input is required"),
             (json!({"input": "x", "previous_response_id": "resp_1"}), "keeps no responses"),
+            (json!({"input": "x", "conversation": "conv_1"}), "keeps no responses"),
+            (json!({"input": "x", "prompt": {"id": "p"}}), "keeps no responses"),
+            (json!({"input": "x", "background": true}), "background"),
+            (json!({"input": "x", "text": "json"}), "text must be an object"),
             (json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}), "input_image parts"),
             (json!({"input": [{"role": "tool", "content": "x"}]}), "input[0].role"),
             (json!({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}), "input[0].call_id"),
@@ -527,6 +550,9 @@ mod tests {
         cut["choices"][0]["finish_reason"] = json!("length");
         let r = from_chat(&cut, &Map::new());
         assert_eq!((r["status"].as_str(), &r["incomplete_details"]), (Some("incomplete"), &json!({"reason": "max_output_tokens"})));
+        assert_eq!((&r["output"][1]["status"], &r["output"][2]["status"]), (&json!("completed"), &json!("incomplete")));
+        let instr = to_chat(&obj(json!({"input": "x", "instructions": ""}))).unwrap();
+        assert_eq!(instr.chat["messages"], json!([{"role": "user", "content": "x"}]), "empty instructions are none");
     }
 
     /// Chunks become the event sequence, numbered, the final response holding every item.

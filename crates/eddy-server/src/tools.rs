@@ -109,14 +109,34 @@ impl Family {
             crate::grammar::close_objects(&mut p);
             p
         };
+        // A schema with references (`#/$defs/…`, `#`) sits in the root's `$defs` as `tool{i}`, its
+        // references rebased there, so that they resolve in the tool's own schema, not in the wrapper.
+        let mut defs = serde_json::Map::new();
+        let mut args = |i: usize, t: &Tool| {
+            let mut p = params(t);
+            if !has_internal_ref(&p) {
+                return p;
+            }
+            let at = format!("#/$defs/tool{i}");
+            rebase_refs(&mut p, &at);
+            defs.insert(format!("tool{i}"), p);
+            json!({"$ref": at})
+        };
         let one: Vec<Value> = allowed
             .iter()
-            .map(|t| {
-                json!({"type": "object", "properties": {"name": {"const": t.name}, args_key: params(t)},
+            .enumerate()
+            .map(|(i, t)| {
+                json!({"type": "object", "properties": {"name": {"const": t.name}, args_key: args(i, t)},
                        "required": ["name", args_key], "additionalProperties": false})
             })
             .collect();
-        let call = json!({"anyOf": one, "x-guidance": compact});
+        let with_defs = |mut v: Value| {
+            if !defs.is_empty() {
+                v["$defs"] = Value::Object(defs.clone());
+            }
+            v
+        };
+        let call = with_defs(json!({"anyOf": one, "x-guidance": compact}));
         let text = |v: &Value| serde_json::to_string(v).map_err(|e| e.to_string());
         let special = |name: &str| special_id(name).ok_or_else(|| format!("the tokenizer has no {name} token"));
         Ok(match self {
@@ -136,7 +156,7 @@ impl Family {
                         o
                     })
                     .collect();
-                let mut list = json!({"type": "array", "minItems": 1, "items": {"anyOf": items}, "x-guidance": compact});
+                let mut list = with_defs(json!({"type": "array", "minItems": 1, "items": {"anyOf": items}, "x-guidance": compact}));
                 if !parallel {
                     list["maxItems"] = json!(1);
                 }
@@ -150,7 +170,16 @@ impl Family {
                     (0..allowed.len()).map(|i| format!("fn{i}")).collect::<Vec<_>>().join(" | ")
                 );
                 for (i, t) in allowed.iter().enumerate() {
+                    // Each tool's arguments are a grammar of their own: its schema is the root.
                     let schema = json!({"allOf": [params(t)], "x-guidance": compact});
+                    let schema = match has_internal_ref(&schema["allOf"][0]) {
+                        false => schema,
+                        true => {
+                            let mut p = params(t);
+                            rebase_refs(&mut p, "#/$defs/tool");
+                            json!({"allOf": [{"$ref": "#/$defs/tool"}], "$defs": {"tool": p}, "x-guidance": compact})
+                        }
+                    };
                     g.push_str(&format!("fn{i}: {} <[{args}]> args{i}\nargs{i}: %json {}\n", text(&json!(t.name))?, text(&schema)?));
                 }
                 g
@@ -701,6 +730,40 @@ impl CallStreamer {
     }
 }
 
+/// Keys whose values are data, not schemas (a `$ref` inside them is not a reference).
+const DATA_KEYS: &[&str] = &["const", "enum", "default", "examples"];
+
+/// Whether `schema` holds a reference into itself (`$ref` starting with `#`).
+fn has_internal_ref(schema: &Value) -> bool {
+    match schema {
+        Value::Object(m) => m.iter().any(|(k, v)| match (k.as_str(), v) {
+            ("$ref", Value::String(r)) => r.starts_with('#'),
+            (k, _) if DATA_KEYS.contains(&k) => false,
+            _ => has_internal_ref(v),
+        }),
+        Value::Array(a) => a.iter().any(has_internal_ref),
+        _ => false,
+    }
+}
+
+/// Rewrites every reference into `schema` itself (`#` followed by a JSON pointer) to the same pointer
+/// under `base`, where the schema is placed in a larger one (`#/$defs/P` → `base/$defs/P`, `#` → `base`).
+fn rebase_refs(schema: &mut Value, base: &str) {
+    match schema {
+        Value::Object(m) => {
+            for (k, v) in m.iter_mut() {
+                match (k.as_str(), v) {
+                    ("$ref", Value::String(r)) if r.starts_with('#') => *r = format!("{base}{}", &r[1..]),
+                    (k, _) if DATA_KEYS.contains(&k) => {}
+                    (_, v) => rebase_refs(v, base),
+                }
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(|v| rebase_refs(v, base)),
+        _ => {}
+    }
+}
+
 /// A call object's text as (name, arguments JSON text).
 fn call_of_value_text(body: &str) -> Option<(String, String)> {
     call_of_value(&serde_json::from_str::<Value>(body.trim()).ok()?)
@@ -1033,6 +1096,44 @@ mod tests {
         check_template(&small, Family::MistralArgs, "<s>", "</s>");
         let qwen = format!("{head}{{%- elif m.tool_calls %}}[A]{{%- for t in m.tool_calls %}}{{%- if not loop.first %}}{{{{ '\\n' }}}}{{%- endif %}}<tool_call>\n{{{{ '{{\"name\": \"' + t.function.name + '\", \"arguments\": ' }}}}{{{{ t.function.arguments | tojson }}}}{{{{ '}}' }}}}\n</tool_call>{{%- endfor %}}<|im_end|>{tail}");
         check_template(&qwen, Family::Hermes, "", "<|im_end|>");
+    }
+
+    /// Tool schemas with references (`$defs`, `definitions`, `#` recursion; pydantic's nested models) resolve
+    /// in the tool's own schema in every family's grammar: the right shape is allowed, a wrong one refused,
+    /// and a `$ref` inside `const`/`enum` data is left alone.
+    #[test]
+    fn tool_schemas_with_references() {
+        let g = byte_grammars();
+        let nested = json!({"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"],
+            "$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}});
+        let old = json!({"type": "object", "properties": {"p": {"$ref": "#/definitions/P"}}, "required": ["p"],
+            "definitions": {"P": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}});
+        let tree = json!({"type": "object", "properties": {"label": {"type": "string"}, "child": {"$ref": "#"}}, "required": ["label"]});
+        let tools = |params: &Value| Tools {
+            tools: vec![Tool { name: "f".into(), parameters: params.clone() }, Tool { name: "g".into(), parameters: nested.clone() }],
+            json: json!([]),
+            choice: ToolChoice::Named("f".into()),
+            parallel: false,
+        };
+        let call = |f: Family, args: &str| match f {
+            Family::Hermes => format!("<tool_call>\n{{\"name\": \"f\", \"arguments\": {args}}}\n</tool_call>"),
+            Family::Llama3 => format!("{{\"name\": \"f\", \"parameters\": {args}}}"),
+            Family::Mistral => format!("[TOOL_CALLS][{{\"name\": \"f\", \"arguments\": {args}, \"id\": \"abcdefghi\"}}]"),
+            Family::MistralArgs => format!("[TOOL_CALLS]f[ARGS]{args}"),
+        };
+        for f in [Family::Hermes, Family::Llama3, Family::Mistral, Family::MistralArgs] {
+            for params in [&nested, &old] {
+                grammar_allows(&g, f, &tools(params), &call(f, "{\"p\": {\"x\": 1}}")).unwrap_or_else(|e| panic!("{f:?}: {e}"));
+                assert!(grammar_allows(&g, f, &tools(params), &call(f, "{\"p\": {\"y\": 1}}")).is_err(), "{f:?}");
+            }
+            let ok = "{\"label\": \"root\", \"child\": {\"label\": \"leaf\"}}";
+            grammar_allows(&g, f, &tools(&tree), &call(f, ok)).unwrap_or_else(|e| panic!("{f:?}: {e}"));
+            let wrapper = "{\"label\": \"root\", \"child\": {\"name\": \"f\", \"arguments\": {\"label\": \"x\"}}}";
+            assert!(grammar_allows(&g, f, &tools(&tree), &call(f, wrapper)).is_err(), "{f:?}: # is the tool's schema");
+        }
+        let mut data = json!({"properties": {"k": {"const": {"$ref": "#/x"}}, "r": {"$ref": "#/$defs/A"}}});
+        rebase_refs(&mut data, "#/$defs/tool0");
+        assert_eq!(data, json!({"properties": {"k": {"const": {"$ref": "#/x"}}, "r": {"$ref": "#/$defs/tool0/$defs/A"}}}));
     }
 
     /// The same against the real templates in llama.cpp's source tree (`models/templates`), when

@@ -854,11 +854,20 @@ fn anthropic_messages_api() {
     let stop = if names.is_empty() { "end_turn" } else { "tool_use" };
     assert_eq!(a["stop_reason"], if want["choices"][0]["finish_reason"] == "length" { "max_tokens" } else { stop }, "{want}");
     assert!(v["structured"]["city"].is_string(), "{v}");
-    // Raw: a missing max_tokens is Anthropic's error object; count_tokens needs none.
+    // Raw: a missing max_tokens is Anthropic's error object; count_tokens needs none (null is none).
     let r = post(addr, "/v1/messages", json!({"messages": [{"role": "user", "content": "hi"}]}));
     assert_eq!(r.status, 400);
     assert_eq!(r.json()["error"]["type"], "invalid_request_error", "{}", r.body);
     assert_eq!(r.json()["type"], "error");
+    let r = post(addr, "/v1/messages/count_tokens", json!({"max_tokens": null, "messages": [{"role": "user", "content": "hi"}]}));
+    assert!(r.json()["input_tokens"].as_u64().is_some_and(|n| n > 0), "{}", r.body);
+    // Errors raised before the handler (unknown route, wrong method) are in Anthropic's shape too.
+    for (method, path, status) in [("POST", "/v1/messages/batches", 404), ("GET", "/v1/messages", 405)] {
+        let r = request(addr, method, path, "{}");
+        assert_eq!(r.status, status, "{path}");
+        assert_eq!(r.json()["type"], "error", "{path}: {}", r.body);
+        assert!(r.json()["error"]["message"].is_string(), "{}", r.body);
+    }
 }
 
 /// OpenAI's Responses API through the official `openai` SDK: a reply whole and streamed (the SDK's stream
