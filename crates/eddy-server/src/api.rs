@@ -49,6 +49,36 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// The error in the names a translated request's client used: `renames` maps a chat-completions field
+    /// (`max_tokens`, `messages`, ...) to the client's (`max_output_tokens`, `input`, ...), in `param`
+    /// (its first path segment) and where the message names it.
+    pub fn renamed(mut self, renames: &[(&str, &str)]) -> ApiError {
+        for &(chat, client) in renames {
+            if let Some(p) = self.param.as_mut().filter(|p| p.split(['[', '.']).next() == Some(chat)) {
+                *p = format!("{client}{}", &p[chat.len()..]);
+            }
+            self.message = replace_word(&self.message, chat, client);
+        }
+        self
+    }
+}
+
+/// `text` with each whole-word `from` (not inside a longer identifier) replaced by `to`.
+fn replace_word(text: &str, from: &str, to: &str) -> String {
+    let ident = |c: Option<char>| c.is_some_and(|c| c.is_alphanumeric() || c == '_');
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find(from) {
+        let (before, after) = (rest[..i].chars().next_back(), rest[i + from.len()..].chars().next());
+        out.push_str(&rest[..i]);
+        out.push_str(if ident(before) || ident(after) { from } else { to });
+        rest = &rest[i + from.len()..];
+    }
+    out.push_str(rest);
+    out
+}
+
 impl IntoResponse for ApiError {
     /// The error object with its status; a 503 (queue full) carries `Retry-After: 1`.
     fn into_response(self) -> Response {
@@ -804,6 +834,18 @@ mod tests {
             let m = e.body()["error"]["message"].as_str().unwrap().to_string();
             assert!(m.contains("or -1 for a random seed"), "{bad}: {m}");
         }
+    }
+
+    /// Errors of a translated request use the client's field names, whole words only.
+    #[test]
+    fn errors_are_renamed_for_the_client() {
+        let e =
+            ApiError::invalid(Some("max_tokens"), "max_tokens must be at least 1, got 0").renamed(&[("max_tokens", "max_output_tokens")]);
+        assert_eq!((e.param.as_deref(), e.message.as_str()), (Some("max_output_tokens"), "max_output_tokens must be at least 1, got 0"));
+        let e = ApiError::invalid(Some("stop[1]"), "stop[1] stopped: no stop_x").renamed(&[("stop", "stop_sequences")]);
+        assert_eq!((e.param.as_deref(), e.message.as_str()), (Some("stop_sequences[1]"), "stop_sequences[1] stopped: no stop_x"));
+        let e = ApiError::invalid(Some("stops"), "x").renamed(&[("stop", "stop_sequences")]);
+        assert_eq!(e.param.as_deref(), Some("stops"));
     }
 
     /// A prompt array mixing strings and token ids is malformed (not "2 prompts"); batches of strings or of

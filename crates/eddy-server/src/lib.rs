@@ -827,7 +827,9 @@ async fn create_response(State(st): State<Arc<AppState>>, body: Bytes) -> Result
         req.echo.insert("model".into(), json!(st.names[0]));
     }
     let chat = Bytes::from(serde_json::to_vec(&req.chat).map_err(|e| server_error(e.to_string()))?);
-    answer(st, Kind::Chat, chat, Dialect::Responses { echo: req.echo }).await
+    // Errors of the chat request in the Responses API's names.
+    let renames = [("max_tokens", "max_output_tokens"), ("response_format", "text.format"), ("messages", "input")];
+    answer(st, Kind::Chat, chat, Dialect::Responses { echo: req.echo }).await.map_err(|e| e.renamed(&renames))
 }
 
 /// `POST /v1/messages`: Anthropic's Messages API, answered through the chat path ([`anthropic`]); errors
@@ -837,7 +839,9 @@ async fn messages(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
         let req = anthropic::to_chat(&api::parse_object(&body)?)?;
         let model = if req.model.is_empty() { st.names[0].clone() } else { req.model };
         let chat = Bytes::from(serde_json::to_vec(&req.chat).map_err(|e| server_error(e.to_string()))?);
-        answer(st, Kind::Chat, chat, Dialect::Anthropic { model }).await
+        // Errors of the chat request in the Messages API's names.
+        let renames = [("response_format", "output_config.format"), ("stop", "stop_sequences")];
+        answer(st, Kind::Chat, chat, Dialect::Anthropic { model }).await.map_err(|e| e.renamed(&renames))
     };
     r.await.unwrap_or_else(|e| {
         let (status, v) = anthropic::error(&e);

@@ -898,6 +898,11 @@ fn responses_api() {
     weather_round_trip(tools, &v["call"]["call_id"], a["arguments"].as_str().unwrap(), &a["text"], &a["calls"]);
     assert!(v["structured"]["city"].is_string(), "{v}");
     assert_eq!(v["error"], json!({"status": 400, "param": "previous_response_id"}));
+    // Errors of the translated request name the Responses API's fields.
+    let e = assert_error(&post(addr, "/v1/responses", json!({"input": "hi", "max_output_tokens": 0})), 400, "max_output_tokens must be");
+    assert_eq!(e["error"]["param"], "max_output_tokens");
+    let e = assert_error(&post(addr, "/v1/responses", json!({"input": []})), 400, "input");
+    assert_eq!(e["error"]["param"], "input");
 }
 
 /// Prefix-cache equivalence: a server with the cache on answers every request exactly as a server with
