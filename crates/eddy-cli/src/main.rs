@@ -818,7 +818,7 @@ fn chat_prompt(
 
 /// Every --logit-bias id must be a token of the model's vocabulary.
 fn check_logit_bias(engine: &Engine, biases: &[LogitBias]) -> eddy::Result<()> {
-    let vocab = engine.lm.tokenizer.vocab_size();
+    let vocab = engine.lm.tokenizer.vocab_size().min(engine.lm.model.config.vocab_size);
     match biases.iter().find(|b| b.0 as usize >= vocab) {
         Some(b) => Err(bad("--logit-bias", format!("token id {} is out of range (the vocabulary has {vocab} tokens)", b.0))),
         None => Ok(()),
@@ -875,34 +875,51 @@ fn chat(a: &RunArgs, sampler: SamplerParams, kwargs: &serde_json::Map<String, se
         if tty {
             note("> ");
         }
-        // One message: lines joined while they end in a backslash.
+        // One message: lines joined while they end in a backslash (decided on the raw bytes). What is read
+        // is bounded by `max_bytes`: a longer message is read to its end and dropped, never held.
         let mut message = String::new();
-        let mut end = false;
+        let (mut end, mut too_long) = (false, false);
         loop {
             let mut buf = Vec::new();
-            let n = (&mut stdin).take(MAX_TEXT_BYTES).read_until(b'\n', &mut buf).map_err(|e| bad("stdin", format!("cannot read: {e}")))?;
-            if n == 0 {
+            let mut read = |buf: &mut Vec<u8>, limit: u64| {
+                (&mut stdin).take(limit).read_until(b'\n', buf).map_err(|e| bad("stdin", format!("cannot read: {e}")))
+            };
+            if read(&mut buf, max_bytes as u64 + 2)? == 0 {
                 end = true;
                 break;
             }
-            let Ok(line) = String::from_utf8(buf) else {
-                note("that line is not UTF-8 text: left out of the message\n");
-                continue;
-            };
-            let line = line.trim_end_matches(['\n', '\r']);
-            match line.strip_suffix('\\') {
-                Some(head) => {
-                    message.push_str(head);
-                    message.push('\n');
-                    if tty {
-                        note(". ");
-                    }
-                }
-                None => {
-                    message.push_str(line);
-                    break;
-                }
+            if !buf.ends_with(b"\n") && buf.len() > max_bytes {
+                // The rest of an over-long line, read in bounded pieces and dropped.
+                too_long = true;
+                let mut rest = Vec::new();
+                while {
+                    rest.clear();
+                    read(&mut rest, 1 << 16)? > 0 && !rest.ends_with(b"\n")
+                } {}
+                buf = rest;
             }
+            let raw = buf.strip_suffix(b"\n").unwrap_or(&buf);
+            let raw = raw.strip_suffix(b"\r").unwrap_or(raw);
+            let (text, more) = match raw.strip_suffix(b"\\") {
+                Some(head) => (head, true),
+                None => (raw, false),
+            };
+            match std::str::from_utf8(text) {
+                Ok(_) if too_long || message.len() + text.len() > max_bytes => too_long = true,
+                Ok(t) => message.push_str(t),
+                Err(_) => note("that line is not UTF-8 text: left out of the message\n"),
+            }
+            if !more {
+                break;
+            }
+            message.push('\n');
+            if tty {
+                note(". ");
+            }
+        }
+        if too_long {
+            note(&format!("that message cannot fit the context of {} tokens: dropped\n", engine.ctx()));
+            continue;
         }
         match message.trim() {
             "" if end => break,
@@ -913,10 +930,6 @@ fn chat(a: &RunArgs, sampler: SamplerParams, kwargs: &serde_json::Map<String, se
                 continue;
             }
             _ => {}
-        }
-        if message.len() > max_bytes {
-            note(&format!("that message ({} bytes) cannot fit the context of {} tokens: dropped\n", message.len(), engine.ctx()));
-            continue;
         }
         history.push(ChatMessage { role: "user".into(), content: message });
         let prompt = chat_prompt(&template, &tok, &history, kwargs)?;
@@ -939,8 +952,13 @@ fn chat(a: &RunArgs, sampler: SamplerParams, kwargs: &serde_json::Map<String, se
         if broken_pipe {
             return Ok(());
         }
-        // A reply stopped by Ctrl-C stays in the conversation as far as it got.
-        history.push(ChatMessage { role: "assistant".into(), content: reply });
+        // A reply stopped by Ctrl-C stays in the conversation as far as it got; one stopped before its
+        // first token takes its message with it.
+        if stats.generated_tokens == 0 {
+            history.pop();
+        } else {
+            history.push(ChatMessage { role: "assistant".into(), content: reply });
+        }
         if a.json {
             print_stats(&stats, None, None, 0.0, true);
         } else {

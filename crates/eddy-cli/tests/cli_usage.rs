@@ -342,6 +342,15 @@ fn chat_signals_and_a_full_stderr() {
     let turns: Vec<&str> = err.lines().filter(|l| l.starts_with('[')).collect();
     assert_eq!(turns.len(), 2, "{err}");
     assert!(turns[0].ends_with(", stopped]") && !turns[1].contains("stopped"), "{err}");
+    // A line too long for the context is dropped unread (the chat goes on); an invalid UTF-8 line ends a
+    // continued message as its raw bytes say (no trailing backslash), and is left out of it.
+    let mut input = vec![b'a'; 200_000];
+    input.extend_from_slice(b"\nSay hi \\\n\xff\nThanks\n");
+    let out = eddy_stdin(&["run", "--model", smol, "--threads", "1", "-n", "3", "--ctx", "64", "--temperature", "0"], Some(&input));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("cannot fit the context of 64 tokens: dropped") && err.contains("not UTF-8"), "{err}");
+    assert_eq!(err.lines().filter(|l| l.starts_with('[')).count(), 2, "{err}");
     // /dev/full as stderr: both turns answered, exit 0.
     let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_eddy"))

@@ -671,7 +671,8 @@ pub fn parse_suffix(o: &Map<String, Value>) -> R<Option<String>> {
     }
 }
 
-/// Most prompts one text completion may send (each gets `n` choices).
+/// Most prompts one text completion may send (each gets `n` choices), and most choices (prompts × `n`) in
+/// one request.
 pub const MAX_PROMPTS: usize = 64;
 
 /// `prompt` of a text completion: a string, an array of token ids, or an array of prompts (strings, or

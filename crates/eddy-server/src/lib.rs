@@ -1,16 +1,18 @@
 //! `eddy serve`: an OpenAI-compatible HTTP server (axum).
 //!
-//! The server knows HTTP and the OpenAI wire formats only. Requests are validated, templated and tokenized
+//! The server knows HTTP and the wire formats only: OpenAI's chat and text completions, and, as translations
+//! around the chat path, OpenAI's Responses ([`responses`]) and Anthropic's Messages ([`anthropic`]). Requests are validated, templated and tokenized
 //! on Tokio's blocking pool (so that large bodies never stall the async workers); generation runs on one dedicated engine thread ([`worker`]) that owns the
 //! [`Engine`] and takes jobs from a bounded FIFO queue (full → 503 with `Retry-After`). Each job streams its
 //! text back over its own channel; a client that goes away closes that channel, which cancels the job at
 //! the next decode step (or skips it while still queued, its place in the queue given back at once).
 //!
 //! Every error, those axum produces included (body over [`ServeOptions::max_body_bytes`], bad
-//! requests), is an OpenAI error object.
+//! requests), is an OpenAI error object, or on `/v1/messages` an Anthropic one.
 //!
-//! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /v1/models/{id}`,
-//! `GET /health`, `GET /metrics` (Prometheus text).
+//! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses`, `POST /v1/messages`,
+//! `POST /v1/messages/count_tokens`, `POST /tokenize`, `POST /detokenize`, `GET /v1/models`,
+//! `GET /v1/models/{id}`, `GET /health`, `GET /metrics` (Prometheus text).
 //!
 //! The server has one model and answers a request naming any model with it (llama-server's behaviour;
 //! clients often send a fixed name): `model` in a response is the first served name. Chat requests may
@@ -656,6 +658,13 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
             Some((c, param))
         }
     };
+    // Every choice is a generation of up to max_tokens: their number is bounded as the prompts' is.
+    if job_prompts.len() * common.n > api::MAX_PROMPTS {
+        return Err(ApiError::invalid(
+            Some("n"),
+            format!("{} prompts × n = {} choices: at most {} choices per request", job_prompts.len(), common.n, api::MAX_PROMPTS),
+        ));
+    }
     // `n` choices per prompt, prompt by prompt; each samples with its own seed and constraint state.
     let choices = (0..job_prompts.len() * common.n)
         .map(|i| Choice {
@@ -843,10 +852,17 @@ async fn messages(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
         let renames = [("response_format", "output_config.format"), ("stop", "stop_sequences")];
         answer(st, Kind::Chat, chat, Dialect::Anthropic { model }).await.map_err(|e| e.renamed(&renames))
     };
-    r.await.unwrap_or_else(|e| {
-        let (status, v) = anthropic::error(&e);
-        (status, Json(v)).into_response()
-    })
+    r.await.unwrap_or_else(anthropic_error)
+}
+
+/// `e` in Anthropic's shape, with `Retry-After` on a 503 as OpenAI's errors have it.
+fn anthropic_error(e: ApiError) -> Response {
+    let (status, v) = anthropic::error(&e);
+    let mut r = (status, Json(v)).into_response();
+    if status == StatusCode::SERVICE_UNAVAILABLE {
+        r.headers_mut().insert(header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+    }
+    r
 }
 
 /// `POST /v1/messages/count_tokens`: the prompt tokens a Messages request would have (`input_tokens`).
@@ -864,10 +880,7 @@ async fn count_tokens(State(st): State<Arc<AppState>>, body: Bytes) -> Response 
             .map_err(|e| server_error(format!("preparing the request failed: {e}")))??;
         Ok::<_, ApiError>(Json(json!({"input_tokens": p.prompts.first().map_or(0, |p| p.ids.len())})).into_response())
     };
-    r.await.unwrap_or_else(|e| {
-        let (status, v) = anthropic::error(&e);
-        (status, Json(v)).into_response()
-    })
+    r.await.unwrap_or_else(anthropic_error)
 }
 
 /// The engine's events for one request, and the request's place in the queue (given back when this is
@@ -1157,6 +1170,7 @@ fn stream_response(fmt: Formatter, rx: Reply, keep_alive: Option<Duration>, even
         queued: VecDeque::new(),
         finished: false,
         keep_alive: keep_alive.map(|d| (d, Box::pin(tokio::time::sleep(d)))),
+        keep_alive_period: keep_alive,
         lp_pending: Vec::new(),
         calls,
         n_calls: 0,
@@ -1187,6 +1201,8 @@ struct SseBody {
     finished: bool,
     /// Period and timer of the keep-alive comments; dropped at the first text.
     keep_alive: Option<(Duration, Pin<Box<tokio::time::Sleep>>)>,
+    /// The keep-alive period, to re-arm the comments while a later choice's prompt is prefilled.
+    keep_alive_period: Option<Duration>,
     /// Thinking mode: splits the text into reasoning and content.
     splitter: Option<ReasoningSplitter>,
     /// Log-probabilities not yet sent (their text is held back by the reasoning splitter).
@@ -1365,6 +1381,7 @@ impl SseBody {
     /// The next choice starts: the per-choice state from scratch, and a chat choice's first chunk (its role).
     fn next_choice(&mut self) {
         self.choice += 1;
+        self.keep_alive = self.keep_alive_period.map(|d| (d, Box::pin(tokio::time::sleep(d))));
         self.splitter = self.fmt.thinking.map(ReasoningSplitter::new);
         self.calls = self.fmt.calls.as_ref().map(|c| CallStreamer::new(c.family, c.names.clone()));
         self.lp_pending.clear();

@@ -730,38 +730,66 @@ impl CallStreamer {
     }
 }
 
-/// Keys whose values are data, not schemas (a `$ref` inside them is not a reference).
+/// Keywords whose values are data, not schemas (a `$ref` inside them is not a reference).
 const DATA_KEYS: &[&str] = &["const", "enum", "default", "examples"];
+/// Keywords whose values map names to schemas (their keys are names, never keywords).
+const NAME_MAPS: &[&str] = &["properties", "patternProperties", "$defs", "definitions", "dependentSchemas"];
 
-/// Whether `schema` holds a reference into itself (`$ref` starting with `#`).
-fn has_internal_ref(schema: &Value) -> bool {
-    match schema {
-        Value::Object(m) => m.iter().any(|(k, v)| match (k.as_str(), v) {
-            ("$ref", Value::String(r)) => r.starts_with('#'),
-            (k, _) if DATA_KEYS.contains(&k) => false,
-            _ => has_internal_ref(v),
-        }),
-        Value::Array(a) => a.iter().any(has_internal_ref),
-        _ => false,
-    }
+/// A reference into the schema itself: `#`, or `#` and a JSON pointer (`#/…`).
+fn is_internal(r: &str) -> bool {
+    r == "#" || r.starts_with("#/")
 }
 
-/// Rewrites every reference into `schema` itself (`#` followed by a JSON pointer) to the same pointer
-/// under `base`, where the schema is placed in a larger one (`#/$defs/P` → `base/$defs/P`, `#` → `base`).
-fn rebase_refs(schema: &mut Value, base: &str) {
+/// Whether `schema` holds a reference into itself ([`is_internal`]).
+fn has_internal_ref(schema: &Value) -> bool {
+    let mut found = false;
+    visit_refs(schema, false, &mut |r| found |= is_internal(r));
+    found
+}
+
+/// Calls `f` on every `$ref` string of `schema` in keyword position (`names`: `schema` maps names to
+/// schemas), skipping data keywords.
+fn visit_refs(schema: &Value, names: bool, f: &mut dyn FnMut(&str)) {
     match schema {
         Value::Object(m) => {
-            for (k, v) in m.iter_mut() {
+            for (k, v) in m {
                 match (k.as_str(), v) {
-                    ("$ref", Value::String(r)) if r.starts_with('#') => *r = format!("{base}{}", &r[1..]),
+                    _ if names => visit_refs(v, false, f),
+                    ("$ref", Value::String(r)) => f(r),
                     (k, _) if DATA_KEYS.contains(&k) => {}
-                    (_, v) => rebase_refs(v, base),
+                    (k, v) => visit_refs(v, NAME_MAPS.contains(&k), f),
                 }
             }
         }
-        Value::Array(a) => a.iter_mut().for_each(|v| rebase_refs(v, base)),
+        Value::Array(a) => a.iter().for_each(|v| visit_refs(v, false, f)),
         _ => {}
     }
+}
+
+/// Rewrites every reference into `schema` itself (`#` or `#/…`) to the same pointer under `base`, where
+/// the schema is placed in a larger one (`#/$defs/P` → `base/$defs/P`, `#` → `base`). Property names such as
+/// `default` are names, not keywords: the schemas under them are rewritten too.
+fn rebase_refs(schema: &mut Value, base: &str) {
+    fn walk(v: &mut Value, names: bool, base: &str) {
+        match v {
+            Value::Object(m) => {
+                for (k, v) in m.iter_mut() {
+                    if names {
+                        walk(v, false, base);
+                        continue;
+                    }
+                    match (k.as_str(), v) {
+                        ("$ref", Value::String(r)) if is_internal(r) => *r = format!("{base}{}", &r[1..]),
+                        (k, _) if DATA_KEYS.contains(&k) => {}
+                        (k, v) => walk(v, NAME_MAPS.contains(&k), base),
+                    }
+                }
+            }
+            Value::Array(a) => a.iter_mut().for_each(|v| walk(v, false, base)),
+            _ => {}
+        }
+    }
+    walk(schema, false, base);
 }
 
 /// A call object's text as (name, arguments JSON text).
@@ -1131,9 +1159,15 @@ mod tests {
             let wrapper = "{\"label\": \"root\", \"child\": {\"name\": \"f\", \"arguments\": {\"label\": \"x\"}}}";
             assert!(grammar_allows(&g, f, &tools(&tree), &call(f, wrapper)).is_err(), "{f:?}: # is the tool's schema");
         }
-        let mut data = json!({"properties": {"k": {"const": {"$ref": "#/x"}}, "r": {"$ref": "#/$defs/A"}}});
+        let mut data = json!({"properties": {"k": {"const": {"$ref": "#/x"}}, "r": {"$ref": "#/$defs/A"},
+            "default": {"$ref": "#/$defs/M"}, "n": {"$ref": "#node"}}});
+        assert!(has_internal_ref(&json!({"properties": {"default": {"$ref": "#"}}})), "a property named default is a schema");
         rebase_refs(&mut data, "#/$defs/tool0");
-        assert_eq!(data, json!({"properties": {"k": {"const": {"$ref": "#/x"}}, "r": {"$ref": "#/$defs/tool0/$defs/A"}}}));
+        assert_eq!(
+            data,
+            json!({"properties": {"k": {"const": {"$ref": "#/x"}}, "r": {"$ref": "#/$defs/tool0/$defs/A"},
+                "default": {"$ref": "#/$defs/tool0/$defs/M"}, "n": {"$ref": "#node"}}})
+        );
     }
 
     /// The same against the real templates in llama.cpp's source tree (`models/templates`), when

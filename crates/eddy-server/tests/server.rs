@@ -1450,6 +1450,21 @@ fn logit_bias_forces_and_bans_tokens() {
     }
     let x = tok.encode(" banana", false).unwrap()[0];
     assert_eq!(text(post(addr, c, body(json!({x.to_string(): 100}), json!({})))), tok.decode(&[x; 8], true).unwrap());
+    // Banning the end of text does not override a grammar that allows nothing else: the reply is the JSON,
+    // ended there (a ban that would leave no token is not applied to that row).
+    let stops: serde_json::Map<String, Value> = tok.stop_ids.iter().map(|id| (id.to_string(), json!(false))).collect();
+    let schema =
+        json!({"type": "object", "properties": {"v": {"enum": ["red", "blue"]}}, "required": ["v"], "additionalProperties": false});
+    let rf = json!({"type": "json_schema", "json_schema": {"name": "c", "schema": schema}});
+    let v = post(
+        addr,
+        "/v1/chat/completions",
+        chat_body("Pick a color.", json!({"max_tokens": 40, "response_format": rf, "logit_bias": stops})),
+    )
+    .json();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let o: Value = serde_json::from_str(v["choices"][0]["message"]["content"].as_str().unwrap()).unwrap();
+    assert!(o["v"].is_string(), "{v}");
     // Sampling under a moderate bias, with and without speculation.
     if let Some(spec) = spec_server() {
         let b = body(json!({x.to_string(): 4.5, plain[0].to_string(): -2}), json!({"temperature": 0.8, "seed": 11, "max_tokens": 24}));
@@ -1545,12 +1560,11 @@ fn n_choices_are_the_replies_of_consecutive_seeds() {
         (json!({"n": 0}), "n", "at least 1"),
         (json!({"n": 2, "best_of": 3}), "best_of", "must equal n"),
         (json!({"best_of": 2}), "best_of", "must equal n"),
+        (json!({"n": 16, "prompt": ["a", "b", "c", "d", "e"]}), "n", "at most 64 choices"),
     ] {
-        let v = assert_error(
-            &post(addr, c, json!({"prompt": "Hi", "max_tokens": 2, "n": extra["n"], "best_of": extra["best_of"]})),
-            400,
-            needle,
-        );
+        let prompt = if extra["prompt"].is_null() { json!("Hi") } else { extra["prompt"].clone() };
+        let body = json!({"prompt": prompt, "max_tokens": 2, "n": extra["n"], "best_of": extra["best_of"]});
+        let v = assert_error(&post(addr, c, body), 400, needle);
         assert_eq!(v["error"]["param"], param, "{extra}");
     }
 }

@@ -430,7 +430,7 @@ impl Engine {
 
     /// Whether greedy decoding on a device (CUDA) takes the argmax of each verified row on the device and copies
     /// back only the token ids (default on; `EDDY_DEVICE_ARGMAX=0` turns it off): used for decode steps whose
-    /// sampling is a plain argmax (temperature 0, no repetition/presence/frequency penalty, no
+    /// sampling is a plain argmax (temperature 0, no penalty or logit bias, no
     /// log-probabilities, no constraint) on models without a final logit soft-cap. The tokens are the host
     /// path's (same argmax, same tie rule); the CPU always samples on the host.
     pub fn set_device_argmax(&mut self, on: bool) {
@@ -441,7 +441,7 @@ impl Engine {
     /// candidates there and copies back only those (default on; `EDDY_DEVICE_SAMPLING=0` turns it off): the
     /// first `k` scaled logits in the sampler's order, the count of finite logits and the row's mass
     /// ([`crate::sampling::row_candidates`], `k` from [`Sampler::candidate_count`]). Used for decode steps
-    /// with temperature > 0, no repetition/presence/frequency penalty, a top-k of at most
+    /// with temperature > 0, no penalty or logit bias, a top-k of at most
     /// [`crate::sampling::MAX_CANDIDATES`], no log-probabilities and no constraint, on models without a
     /// final logit soft-cap, when the verify pass computes at most `max_batch` rows. A row whose candidates
     /// do not decide the sample (a nucleus or a draw reaching past them) is read back in full: the tokens are

@@ -408,6 +408,20 @@ unsafe fn mass_lanes_avx2(logits: &[f32], inv_t: f32, max: f32, lanes: &mut [f64
 
 /// Reusable sampler state (candidate, weight and token-count buffers, so sampling allocates nothing per
 /// token once warm).
+/// Adds `bias` to `logits` (ids beyond the row ignored). Bans (−∞) that would leave the row without a
+/// finite logit, such as a grammar that allows only the end of text when the end-of-text token is banned,
+/// are not applied to that row: what the constraint allows wins over the ban, instead of a token nothing
+/// allows.
+fn apply_logit_bias(bias: &[(u32, f32)], logits: &mut [f32]) {
+    let banned = |i: usize| bias.iter().any(|&(t, b)| t as usize == i && b == f32::NEG_INFINITY);
+    let keep_bans = !bias.iter().any(|e| e.1 == f32::NEG_INFINITY) || logits.iter().enumerate().any(|(i, l)| l.is_finite() && !banned(i));
+    for &(t, b) in bias {
+        if let Some(l) = logits.get_mut(t as usize).filter(|_| keep_bans || b != f32::NEG_INFINITY) {
+            *l += b;
+        }
+    }
+}
+
 #[derive(Default)]
 pub struct Sampler {
     cand: Vec<(f32, u32)>,
@@ -437,10 +451,8 @@ impl Sampler {
     /// returns a row's candidates instead of the row gets this function's token whenever
     /// `sample_candidates` answers.
     pub fn sample(&mut self, p: &SamplerParams, logits: &mut [f32], history: &[u32], pos: usize) -> u32 {
-        for &(t, b) in &p.logit_bias {
-            if let Some(l) = logits.get_mut(t as usize) {
-                *l += b;
-            }
+        if !p.logit_bias.is_empty() {
+            apply_logit_bias(&p.logit_bias, logits);
         }
         if p.repetition_penalty != 1.0 {
             let start = history.len().saturating_sub(p.repeat_last_n);
@@ -688,6 +700,11 @@ pub(crate) mod tests {
             assert_ne!(s.sample(&ban, &mut [50.0f32, -50.0, -60.0], &[], pos), 0);
         }
         assert!(ban.validate().is_ok());
+        // A ban that would leave no token (a grammar that allows only the banned one) is not applied.
+        let only = SamplerParams { temperature: 1.0, seed: 5, logit_bias: vec![(1, f32::NEG_INFINITY), (2, 3.0)], ..Default::default() };
+        let mut row = [f32::NEG_INFINITY, 2.0, f32::NEG_INFINITY];
+        assert_eq!(s.sample(&only, &mut row, &[], 0), 1);
+        assert_eq!(row, [f32::NEG_INFINITY, 2.0, f32::NEG_INFINITY]);
         for b in [100.5f32, -101.0, f32::NAN, f32::INFINITY] {
             let bad = SamplerParams { logit_bias: vec![(3, 1.0), (9, b)], ..Default::default() };
             assert!(bad.validate().unwrap_err().starts_with("logit_bias of token 9"), "{b}");

@@ -418,8 +418,8 @@ impl Tokenizer {
     }
 
     /// The prompt that asks a fill-in-the-middle model for the text between `prefix` and `suffix` (PSM
-    /// order, [`FimTokens`]): BOS when the model adds one, then `prefix`, `suffix` and `middle` each
-    /// followed by its text, encoded as plain text ([`encode_plain`](Self::encode_plain): control-token
+    /// order, [`FimTokens`]): BOS when the model adds one, the prefix token and `prefix`, the suffix token
+    /// and `suffix`, then the middle token (the model writes what follows), the code encoded as plain text ([`encode_plain`](Self::encode_plain): control-token
     /// text in the code stays text). `None` when the vocabulary has no FIM tokens.
     pub fn fim_prompt(&self, prefix: &str, suffix: &str) -> Result<Option<Vec<u32>>> {
         let Some(f) = self.fim else {
