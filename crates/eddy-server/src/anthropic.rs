@@ -27,23 +27,7 @@ fn invalid(param: &str, message: impl Into<String>) -> ApiError {
 
 /// The text of `content`: a string, or an array of `text` blocks (joined); other blocks are refused.
 fn text_of(content: &Value, at: &str) -> R<String> {
-    match content {
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(blocks) => {
-            let mut text = String::new();
-            for (j, b) in blocks.iter().enumerate() {
-                match (b.get("type").and_then(Value::as_str), b.get("text").and_then(Value::as_str)) {
-                    (Some("text"), Some(t)) => text.push_str(t),
-                    (Some("text"), None) => return Err(invalid(at, format!("{at}[{j}].text must be a string"))),
-                    (Some(t), _) => return Err(invalid(at, format!("{at}[{j}]: {t} blocks are not supported here (text only)"))),
-                    (None, _) => return Err(invalid(at, format!("{at}[{j}] needs a type"))),
-                }
-            }
-            Ok(text)
-        }
-        Value::Null => Ok(String::new()),
-        v => Err(invalid(at, format!("{at} must be a string or an array of content blocks, got {v}"))),
-    }
+    crate::api::content_text(content, at, at, &["text"], "blocks")
 }
 
 /// Translates a Messages request body into the chat-completions request it means. `max_tokens` is required
@@ -101,8 +85,11 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
                                       "function": {"name": field("name")?, "arguments": input.to_string()}}));
                 }
                 (Some("tool_result"), "user") => {
-                    let content = text_of(b.get("content").unwrap_or(&Value::Null), &format!("{at}.content"))
-                        .map_err(|e| invalid("messages", e.message))?;
+                    // A tool result without content is an empty one.
+                    let content = match b.get("content") {
+                        None | Some(Value::Null) => String::new(),
+                        Some(c) => crate::api::content_text(c, &format!("{at}.content"), "messages", &["text"], "blocks")?,
+                    };
                     results.push(json!({"role": "tool", "tool_call_id": field("tool_use_id")?, "content": content}));
                 }
                 // The template renders past turns without their reasoning.

@@ -621,6 +621,29 @@ pub enum Prompt {
     Tokens(Vec<u32>),
 }
 
+/// The text of a translated API's content field (`at` in messages, `param` the request field): a string, or
+/// an array of parts whose `type` is one of `kinds`, their `text` joined; other parts (images, files) are
+/// refused, named as the API names them (`noun`: "blocks", "parts").
+pub fn content_text(content: &Value, at: &str, param: &str, kinds: &[&str], noun: &str) -> R<String> {
+    let bad = |m: String| ApiError::invalid(Some(param), m);
+    match content {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut text = String::new();
+            for (j, p) in parts.iter().enumerate() {
+                match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                    (Some(t), Some(s)) if kinds.contains(&t) => text.push_str(s),
+                    (Some(t), None) if kinds.contains(&t) => return Err(bad(format!("{at}[{j}].text must be a string"))),
+                    (Some(t), _) => return Err(bad(format!("{at}[{j}]: {t} {noun} are not supported (text only)"))),
+                    (None, _) => return Err(bad(format!("{at}[{j}] needs a type"))),
+                }
+            }
+            Ok(text)
+        }
+        v => Err(bad(format!("{at} must be a string or an array of content {noun}, got {v}"))),
+    }
+}
+
 /// A `/tokenize` request (llama-server's `content`, or vLLM's `prompt`).
 #[derive(Debug)]
 pub struct Tokenize {

@@ -27,24 +27,7 @@ fn invalid(param: &str, message: impl Into<String>) -> ApiError {
 
 /// The text of an input message's `content`: a string, or `input_text` / `output_text` parts (joined).
 fn text_of(content: &Value, at: &str) -> R<String> {
-    match content {
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(parts) => {
-            let mut text = String::new();
-            for (j, p) in parts.iter().enumerate() {
-                match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
-                    (Some("input_text" | "output_text" | "text"), Some(t)) => text.push_str(t),
-                    (Some(t @ ("input_text" | "output_text" | "text")), None) => {
-                        return Err(invalid("input", format!("{at}[{j}]: a {t} part needs a text string")))
-                    }
-                    (Some(t), _) => return Err(invalid("input", format!("{at}[{j}]: {t} parts are not supported (text only)"))),
-                    (None, _) => return Err(invalid("input", format!("{at}[{j}] needs a type"))),
-                }
-            }
-            Ok(text)
-        }
-        v => Err(invalid("input", format!("{at} must be a string or an array of content parts, got {v}"))),
-    }
+    crate::api::content_text(content, at, "input", &["input_text", "output_text", "text"], "parts")
 }
 
 /// Translates a Responses request body into the chat request it means. `input` (a string, or items:
