@@ -367,6 +367,52 @@ fn rows_do_not_depend_on_the_batch() {
     }
 }
 
+/// Causal attention of more than 64 queries (prefill runs: `attention_mma` on the tensor cores, head dims 64,
+/// 128, 256) against the CPU backend: scores in three TF32 products (about f32's precision), probabilities
+/// times values in one, so within 2e-3 of outputs that are averages of values in [-1, 1]; with and without
+/// windows and soft-caps, partial query tiles, contexts that start mid key tile.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn prefill_attention_matches_the_cpu() {
+    let be = gpu();
+    let cpu = Cpu::new(1);
+    let mut rng = Rng(41);
+    for (hd, n_heads, n_kv_heads) in [(64usize, 14usize, 2usize), (128, 12, 2), (256, 4, 1)] {
+        for (window, softcap, n_past, n) in [
+            (None, None, 0usize, 65usize),
+            (None, None, 37, 130),
+            (Some(100), None, 300, 200),
+            (None, Some(30.0), 5, 100),
+            (Some(20), Some(50.0), 0, 512),
+        ] {
+            let s = AttnShape { n_heads, n_kv_heads, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), window, softcap };
+            let (qd, kvd) = (n_heads * hd, n_kv_heads * hd);
+            let total = n_past + n;
+            // Keys with a large common component (as biased keys have): the scores' low bits matter.
+            let mut k = rng.vec(total * kvd);
+            k.iter_mut().enumerate().for_each(|(i, x)| *x = 4.0 * *x + if i % 3 == 0 { 20.0 } else { 0.0 });
+            let (q, v) = (rng.vec(n * qd), rng.vec(total * kvd));
+            let (qb, kb, vb) = (be.upload(&q), be.upload(&k), be.upload(&v));
+            let mut out = be.alloc(n * qd);
+            be.attention(Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t: n, vis: Visibility::Causal }, &mut out);
+            let got = read(&be, &out, n * qd);
+            let mut cpu_out = cpu.alloc(n * qd);
+            let (cq, ck, cv) = (cpu.upload(&q), cpu.upload(&k), cpu.upload(&v));
+            cpu.attention(Attend { shape: s, q: &cq, k: &ck, v: &cv, n_past, t: n, vis: Visibility::Causal }, &mut cpu_out);
+            let want = read(&cpu, &cpu_out, n * qd);
+            let worst = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0.0f32, f32::max);
+            for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (g - w).abs() <= 2e-3 * w.abs().max(1.0),
+                    "hd {hd} window {window:?} softcap {softcap:?} n_past {n_past} n {n}: element {i} (query {}): GPU {g} CPU {w}",
+                    i / qd
+                );
+            }
+            println!("hd {hd} window {window:?} softcap {softcap:?} n_past {n_past} n {n}: largest difference {worst:.2e}");
+        }
+    }
+}
+
 /// The multi-token quantized products (`dp4a` up to 4 tokens, the tensor cores from 5: tiles of 8 and 16
 /// tokens) against the one-token kernel, bit for bit: every weight form, a row count that is not a multiple of
 /// the 16-row tile, widths of fewer and of more than 32 blocks (24 and 72: empty lane classes, classes of 2

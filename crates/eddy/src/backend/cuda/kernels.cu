@@ -2878,3 +2878,211 @@ extern "C" __global__ void __launch_bounds__(CAND_THREADS, 1)
         rec[2 * k + 3] = (unsigned)(mb >> 32);
     }
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// attention_mma: causal attention of more than 64 queries (prefill runs) on the tensor cores, flash-attention
+// style (Dao, "FlashAttention-2", 2023: a query tile's rows stream the key tiles with an online softmax). Owed no
+// equality with `attention` (no verify pass holds more than 64 queries), only its value within float error.
+//
+// Block (query tile of FA_QT = 64 queries, query head), FA_WARPS = 4 warps of 16 queries. The query tile, then
+// each key tile of FA_KT = 64 rows of the head's KV head (keys and values), staged in shared memory by cp.async
+// (f32, rows padded by 4 floats so the fragment loads hit distinct banks). Scores S = Q·Kᵀ by mma.sync m16n8k8
+// TF32 in three products per step (hi·hi + hi·lo + lo·hi, x = hi + lo with hi = tf32(x): about f32's precision,
+// Ootomo & Yokota 2022), so large q·k (biased keys) keep their low bits; P·V by one TF32 product per step (P in
+// [0, 1]). The P operand comes straight from the score accumulators: the A fragment's column q stands for key
+// 2q and column q + 4 for key 2q + 1 of the 8-key step, and the V fragment is read with the same permutation, so
+// no shuffles. Masks: key j is visible to the query at position p when lo(p) ≤ j ≤ p (lo from the window).
+#define FA_QT 64
+#define FA_KT 64
+#define FA_WARPS 4
+
+__device__ __forceinline__ uint32_t tf32_hi(float x) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ void mma_tf32(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <int HD>
+struct FaSmem {
+    static constexpr int S = HD + 4;  // floats per staged row
+    static constexpr int q = 0, k = FA_QT * S, v = k + FA_KT * S;
+    static constexpr int bytes = 4 * (v + FA_KT * S);
+};
+
+template <int HD>
+__device__ __forceinline__ void attention_mma_impl(const float* __restrict__ q, const float* __restrict__ kc,
+                                                   const float* __restrict__ vc, float* __restrict__ out, int t,
+                                                   int n_past, int n_heads, int n_kv_heads, float scale,
+                                                   float softcap, int window) {
+    using L = FaSmem<HD>;
+    constexpr int S = L::S, NT = HD / 8;  // n8 tiles of the head dimension
+    extern __shared__ __align__(16) float fa_smem[];
+    float* const sq = fa_smem + L::q;
+    float* const sk = fa_smem + L::k;
+    float* const sv = fa_smem + L::v;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, qd4 = lane & 3;
+    const int q0 = blockIdx.x * FA_QT, h = blockIdx.y, kvh = h / (n_heads / n_kv_heads);
+    const int qd = n_heads * HD, kvd = n_kv_heads * HD;
+    constexpr int T = 32 * FA_WARPS, CPR = HD / 4;  // 16-byte copies per row
+    pdl_wait();
+    for (int i = tid; i < FA_QT * CPR; i += T) {
+        const int r = i / CPR, c = i % CPR;
+        cp_async16(sq + r * S + 4 * c, q + (size_t)min(q0 + r, t - 1) * qd + h * HD + 4 * c);
+    }
+    cp_async_commit();
+    // The tile's positions and its key range [klo, khi).
+    const int p_first = n_past + q0, p_last = n_past + min(q0 + FA_QT, t) - 1;
+    const int klo = window > 0 ? max(0, p_first + 1 - window) : 0, khi = p_last + 1;
+    // This lane's rows: r0 = 16·warp + g and r0 + 8; their positions and lowest visible keys.
+    const int r0 = 16 * warp + g;
+    int pos[2], lo[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        pos[i] = n_past + q0 + r0 + 8 * i;
+        lo[i] = window > 0 ? max(0, pos[i] + 1 - window) : 0;
+    }
+    const bool live = q0 + 16 * warp < t;  // the warp has a query row
+    float o[NT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[j][e] = 0.0f;
+    const float l2e = 1.4426950408889634f;
+    for (int k0 = klo / FA_KT * FA_KT; k0 < khi; k0 += FA_KT) {
+        __syncthreads();  // the previous tile's keys and values are no longer read
+        for (int i = tid; i < FA_KT * CPR; i += T) {
+            const int r = i / CPR, c = i % CPR, row = min(k0 + r, khi - 1);
+            cp_async16(sk + r * S + 4 * c, kc + (size_t)row * kvd + kvh * HD + 4 * c);
+        }
+        cp_async_commit();
+        for (int i = tid; i < FA_KT * CPR; i += T) {
+            const int r = i / CPR, c = i % CPR, row = min(k0 + r, khi - 1);
+            cp_async16(sv + r * S + 4 * c, vc + (size_t)row * kvd + kvh * HD + 4 * c);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();  // the queries (first tile) and this tile's keys
+        __syncthreads();
+        float s[FA_KT / 8][4];
+#pragma unroll
+        for (int j = 0; j < FA_KT / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
+        if (live) {
+#pragma unroll 4
+            for (int d0 = 0; d0 < HD; d0 += 8) {
+                const float* qa = sq + r0 * S + d0 + qd4;
+                const float x[4] = {qa[0], qa[8 * S], qa[4], qa[8 * S + 4]};
+                uint32_t ah[4], al[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    ah[e] = tf32_hi(x[e]);
+                    al[e] = tf32_hi(__fsub_rn(x[e], __uint_as_float(ah[e])));
+                }
+#pragma unroll
+                for (int j = 0; j < FA_KT / 8; ++j) {
+                    const float* kb = sk + (8 * j + g) * S + d0 + qd4;
+                    const float y0 = kb[0], y1 = kb[4];
+                    const uint32_t bh0 = tf32_hi(y0), bh1 = tf32_hi(y1);
+                    const uint32_t bl0 = tf32_hi(__fsub_rn(y0, __uint_as_float(bh0))), bl1 = tf32_hi(__fsub_rn(y1, __uint_as_float(bh1)));
+                    mma_tf32(s[j], al[0], al[1], al[2], al[3], bh0, bh1);
+                    mma_tf32(s[j], ah[0], ah[1], ah[2], ah[3], bl0, bl1);
+                    mma_tf32(s[j], ah[0], ah[1], ah[2], ah[3], bh0, bh1);
+                }
+            }
+        }
+        // Scores (log2 units), masks, the rows' new maxima.
+        float mt[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int j = 0; j < FA_KT / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = e >> 1, key = k0 + 8 * j + 2 * qd4 + (e & 1);
+                float v = __fmul_rn(s[j][e], scale);
+                if (softcap > 0.0f) v = __fmul_rn(softcap, tanhf(__fdiv_rn(v, softcap)));
+                v = (key >= lo[i] && key <= pos[i]) ? __fmul_rn(v, l2e) : -INFINITY;
+                s[j][e] = v;
+                mt[i] = fmaxf(mt[i], v);
+            }
+        float corr[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            mt[i] = fmaxf(mt[i], __shfl_xor_sync(FULL, mt[i], 1));
+            mt[i] = fmaxf(mt[i], __shfl_xor_sync(FULL, mt[i], 2));
+            const float mn = fmaxf(m[i], mt[i]);
+            corr[i] = mn == -INFINITY ? 1.0f : exp2f(m[i] - mn);
+            m[i] = mn;
+        }
+#pragma unroll
+        for (int j = 0; j < FA_KT / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = e >> 1;
+                const float p = m[i] == -INFINITY ? 0.0f : exp2f(s[j][e] - m[i]);
+                s[j][e] = p;
+            }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float rs = 0.0f;
+#pragma unroll
+            for (int j = 0; j < FA_KT / 8; ++j) rs += s[j][2 * i] + s[j][2 * i + 1];
+            l[i] = l[i] * corr[i] + rs;
+        }
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            o[j][0] *= corr[0];
+            o[j][1] *= corr[0];
+            o[j][2] *= corr[1];
+            o[j][3] *= corr[1];
+        }
+        cp_async_wait<0>();  // this tile's values
+        __syncthreads();
+        if (live) {
+#pragma unroll
+            for (int kk = 0; kk < FA_KT / 8; ++kk) {
+                // A: rows g, g + 8; column q ↔ key 2q, column q + 4 ↔ key 2q + 1 (the accumulator's layout).
+                const uint32_t a0 = tf32_hi(s[kk][0]), a1 = tf32_hi(s[kk][2]), a2 = tf32_hi(s[kk][1]), a3 = tf32_hi(s[kk][3]);
+                const float* vb = sv + (8 * kk + 2 * qd4) * S + g;
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    const uint32_t b0 = tf32_hi(vb[8 * j]), b1 = tf32_hi(vb[S + 8 * j]);
+                    mma_tf32(o[j], a0, a1, a2, a3, b0, b1);
+                }
+            }
+        }
+    }
+    // The rows' sums over their quads, then the outputs.
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l[i] += __shfl_xor_sync(FULL, l[i], 1);
+        l[i] += __shfl_xor_sync(FULL, l[i], 2);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int row = q0 + r0 + 8 * i;
+        if (row >= t) continue;
+        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+        float* dst = out + (size_t)row * qd + h * HD + 2 * qd4;
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+            *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
+    }
+}
+
+extern "C" __device__ const int attention_mma_smem[3] = {FaSmem<64>::bytes, FaSmem<128>::bytes, FaSmem<256>::bytes};
+
+// Grid: (query tiles of FA_QT, query heads). `window` 0: none.
+#define ATT_MMA(HD)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * FA_WARPS) attention_mma_hd##HD(                        \
+        const float* q, const float* k, const float* v, float* out, int t, int n_past, int n_heads,          \
+        int n_kv_heads, float scale, float softcap, int window) {                                            \
+        attention_mma_impl<HD>(q, k, v, out, t, n_past, n_heads, n_kv_heads, scale, softcap, window);        \
+    }
+ATT_MMA(64)
+ATT_MMA(128)
+ATT_MMA(256)

@@ -106,6 +106,10 @@ const INVARIANT_TOKENS: usize = 64;
 /// (docs/cuda.md, "Prefill products in block order"): 512 tokens of the 1.5B in one run 21.6 ms against 28.5 in
 /// runs of 256 (the products' grids twice as large, half the launches).
 const PREFILL_TOKENS: usize = 512;
+/// Queries per block of `attention_mma` (`FA_QT`).
+const FA_QUERIES: usize = 64;
+/// Threads per block of `attention_mma` (`32·FA_WARPS`).
+const FA_THREADS: u32 = 128;
 /// Token tile of `mm_qp*` (`QP_BN`).
 const QP_TOKENS: usize = 64;
 /// Weight rows per block of `mm_qp*` (`32·WR`).
@@ -757,6 +761,11 @@ struct Kernels {
     attention: Func,
     /// The attention with one block per KV head (`attention_kv`; dynamic shared memory `att_kv_smem`).
     attention_kv: Func,
+    /// Causal attention of prefill runs on the tensor cores (`attention_mma_hd{64,128,256}`).
+    attention_mma: [Func; 3],
+    /// Dynamic shared memory bytes of `attention_mma` (the kernels' table `attention_mma_smem`, same index; 0
+    /// where the device's shared memory is too small for the tiles).
+    attention_mma_smem: [u32; 3],
     argmax_part: Func,
     argmax_finish: Func,
     cand_lanes: Func,
@@ -855,6 +864,9 @@ pub struct Cuda {
     /// Whether products of more than [`INVARIANT_TOKENS`] tokens run on `mm_qp*` (else on the kernels in
     /// `mm_q_t1`'s order, to measure against them): `EDDY_CUDA_QP=0` at start, [`Cuda::force_prefill_products`].
     prefill_qp: AtomicBool,
+    /// Whether causal attention of more than [`INVARIANT_TOKENS`] queries runs `attention_mma` (`EDDY_CUDA_FA=0`,
+    /// [`Cuda::force_prefill_attention`]: on `attention_kv`, to measure against it).
+    prefill_fa: AtomicBool,
     /// Whether products of 5+ tokens below the large-tile kernels run on `mm_qv*`: 0 by the launch's size
     /// (up to `QV_MAX` tokens, warps per tile by [`Cuda::qv_plan`]), [`QV_OFF`] never (`mm_qw*`), else always with that
     /// many warps per row tile (4, 8, 16); `EDDY_CUDA_QV` at start, [`Cuda::force_verify_products`].
@@ -962,6 +974,13 @@ impl Cuda {
         for (i, &b) in table("mm_qt_smem", 6)?.iter().enumerate() {
             qt_smem[i / 2][i % 2] = b as u32;
         }
+        // `attention_mma` for head dims whose tiles fit the device's shared memory (hd 256 needs sm_90's 227 KB):
+        // 0 marks a kernel the device cannot run (`attention_into` then takes the other kernels).
+        let optin = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).max(0) as u32;
+        let mut fa_smem = [0u32; 3];
+        for (i, &b) in table("attention_mma_smem", 3)?.iter().enumerate() {
+            fa_smem[i] = if b as u32 <= optin { b as u32 } else { 0 };
+        }
         let mut qp_smem = [[0u32; 2]; 3];
         for (i, &b) in table("mm_qp_smem", 6)?.iter().enumerate() {
             qp_smem[i / 2][i % 2] = b as u32;
@@ -1014,6 +1033,8 @@ impl Cuda {
             rope: get("rope")?,
             attention: get("attention")?,
             attention_kv: get("attention_kv")?,
+            attention_mma: [get("attention_mma_hd64")?, get("attention_mma_hd128")?, get("attention_mma_hd256")?],
+            attention_mma_smem: fa_smem,
             argmax_part: get("argmax_part")?,
             argmax_finish: get("argmax_finish")?,
             cand_lanes: get("cand_lanes")?,
@@ -1030,7 +1051,8 @@ impl Cuda {
         let qt_all = [&k.mm_qt, &k.mm_q3t].into_iter().flat_map(|t| t.iter().zip(qt_smem.iter()));
         let qp_all = [&k.mm_qp, &k.mm_q3p].into_iter().flat_map(|t| t.iter().zip(qp_smem.iter()));
         let pairs = qw_all.chain(qt_all).chain(qp_all).flat_map(|(fs, bs)| fs.iter().zip(bs.iter()));
-        for (f, &b) in pairs {
+        let fa_all = k.attention_mma.iter().zip(fa_smem.iter()).filter(|(_, &b)| b > 0);
+        for (f, &b) in pairs.chain(fa_all) {
             // SAFETY: a kernel of the loaded module; its table entry is at most the device's limit (checked by
             // the attribute call).
             unsafe {
@@ -1081,6 +1103,7 @@ impl Cuda {
             forced_tiled: AtomicUsize::new(0),
             qt_min: std::env::var("EDDY_CUDA_QT_MIN").ok().and_then(|v| v.parse().ok()).unwrap_or(QT_MIN),
             prefill_qp: AtomicBool::new(std::env::var("EDDY_CUDA_QP").map_or(true, |v| v != "0")),
+            prefill_fa: AtomicBool::new(std::env::var("EDDY_CUDA_FA").map_or(true, |v| v != "0")),
             forced_qv: AtomicUsize::new(match std::env::var("EDDY_CUDA_QV").ok().and_then(|v| v.parse::<usize>().ok()) {
                 Some(0) => QV_OFF,
                 Some(w) if QV_WARPS.contains(&w) => w,
@@ -1148,6 +1171,13 @@ impl Cuda {
     /// on the kernels in `mm_q_t1`'s order (`false`); for tests and measurements.
     pub fn force_prefill_products(&self, on: bool) {
         self.prefill_qp.store(on, Ordering::Relaxed);
+    }
+
+    /// Run causal attention of more than [`INVARIANT_TOKENS`] queries on the tensor cores (`attention_mma`,
+    /// the default, head dims 64, 128 and 256) or not (`false`: the kernels every other size takes); for tests
+    /// and measurements.
+    pub fn force_prefill_attention(&self, on: bool) {
+        self.prefill_fa.store(on, Ordering::Relaxed);
     }
 
     /// Whether a product of `n > dp4a_max` tokens over `rows × cols` (all parts' rows) runs on `mm_qt*` (else
@@ -1528,6 +1558,35 @@ impl Cuda {
             return;
         }
         self.ctx.bind();
+        // Prefill runs: the tensor-core kernel (no batch invariance owed above INVARIANT_TOKENS queries).
+        let fa = [64, 128, 256].iter().position(|&d| d == s.head_dim).filter(|&i| self.k.attention_mma_smem[i] > 0);
+        if let (Some(fi), Visibility::Causal) = (fa, vis) {
+            if t > INVARIANT_TOKENS && self.prefill_fa.load(Ordering::Relaxed) {
+                let kvd = s.n_kv_heads * s.head_dim;
+                assert!(
+                    k.len >= (n_past + t) * kvd && v.len >= (n_past + t) * kvd,
+                    "attention: the cache holds fewer rows than the queries see"
+                );
+                let a = Args::new()
+                    .p(q.ptr())
+                    .p(k.ptr())
+                    .p(v.ptr())
+                    .p(out.ptr())
+                    .i(t)
+                    .i(n_past)
+                    .i(s.n_heads)
+                    .i(s.n_kv_heads)
+                    .f(s.scale)
+                    .f(s.softcap.unwrap_or(0.0))
+                    .i(s.window.unwrap_or(0));
+                let grid = (t.div_ceil(FA_QUERIES), s.n_heads, 1);
+                self.launch_smem(self.k.attention_mma[fi], grid, FA_THREADS, self.k.attention_mma_smem[fi], a);
+                if let Some((w, xq)) = quant {
+                    self.quantize(out, t, qd, w, xq);
+                }
+                return;
+            }
+        }
         let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let sc = &mut *guard;
         let (mut info, mut paths) = (std::mem::take(&mut sc.info_host), std::mem::take(&mut sc.paths_host));
