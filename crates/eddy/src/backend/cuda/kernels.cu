@@ -2882,7 +2882,9 @@ extern "C" __global__ void __launch_bounds__(CAND_THREADS, 1)
 // ---------------------------------------------------------------------------------------------------------
 // attention_mma: causal attention of more than 64 queries (prefill runs) on the tensor cores, flash-attention
 // style (Dao, "FlashAttention-2", 2023: a query tile's rows stream the key tiles with an online softmax). Owed no
-// equality with `attention` (no verify pass holds more than 64 queries), only its value within float error.
+// equality with `attention` (no verify pass holds more than 64 queries): the scores at about f32's precision, the
+// probabilities times values at TF32's (each term's relative error about 2^-11; ≈ 3e-4 of the output in a lane-level
+// emulation, 2e-3 allowed by the test).
 //
 // Block (query tile of FA_QT = 64 queries, query head), FA_WARPS = 4 warps of 16 queries. The query tile, then
 // each key tile of FA_KT = 64 rows of the head's KV head (keys and values), staged in shared memory by cp.async
