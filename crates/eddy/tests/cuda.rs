@@ -370,7 +370,7 @@ fn rows_do_not_depend_on_the_batch() {
 /// Causal attention of more than 64 queries (prefill runs: `attention_mma` on the tensor cores, head dims 64,
 /// 128, 256) against the CPU backend: scores in three TF32 products (about f32's precision), probabilities
 /// times values in one, so within 2e-3 of outputs that are averages of values in [-1, 1]; with and without
-/// windows and soft-caps, partial query tiles, contexts that start mid key tile.
+/// windows and soft-caps, partial query tiles, contexts that start mid key tile; and its fused quantization.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn prefill_attention_matches_the_cpu() {
@@ -409,6 +409,23 @@ fn prefill_attention_matches_the_cpu() {
                 );
             }
             println!("hd {hd} window {window:?} softcap {softcap:?} n_past {n_past} n {n}: largest difference {worst:.2e}");
+            // The fused form (the output quantized for the next product, as the o projection reads it): the
+            // same outputs, and activations that give the product the bits of a separate `quantize`.
+            let w = be.upload_weights(quantize_f32(40, qd, &rng.vec(40 * qd), QuantKind::Q8));
+            let (mut fused, mut xf) = (be.alloc(n * qd), be.new_qact());
+            be.attention_quantize(
+                Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t: n, vis: Visibility::Causal },
+                &mut fused,
+                &w,
+                &mut xf,
+            );
+            assert!(read(&be, &fused, n * qd) == got, "hd {hd}: attention_quantize's outputs differ from attention's");
+            let mut xs = be.new_qact();
+            be.quantize(&out, n, qd, &w, &mut xs);
+            let (mut pf, mut ps) = (vec![0f32; n * 40], vec![0f32; n * 40]);
+            be.matmul_to_host(&w, &fused, &xf, n, &mut pf);
+            be.matmul_to_host(&w, &out, &xs, n, &mut ps);
+            assert!(pf == ps, "hd {hd}: the fused quantization differs from a separate quantize");
         }
     }
 }
