@@ -369,65 +369,70 @@ fn rows_do_not_depend_on_the_batch() {
 
 /// Causal attention of more than 64 queries (prefill runs: `attention_mma` on the tensor cores, head dims 64,
 /// 128, 256) against the CPU backend: scores in three TF32 products (about f32's precision), probabilities
-/// times values in one, so within 2e-3 of outputs that are averages of values in [-1, 1]; with and without
-/// windows and soft-caps, partial query tiles, contexts that start mid key tile; and its fused quantization.
+/// times values in one (within 2e-3 of outputs that are averages of values in [-1, 1]) or three (the default:
+/// within 2e-5); with and without windows and soft-caps, partial query tiles, contexts that start mid key tile;
+/// and its fused quantization.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn prefill_attention_matches_the_cpu() {
     let be = gpu();
     let cpu = Cpu::new(1);
     let mut rng = Rng(41);
-    for (hd, n_heads, n_kv_heads) in [(64usize, 14usize, 2usize), (128, 12, 2), (256, 4, 1)] {
-        for (window, softcap, n_past, n) in [
-            (None, None, 0usize, 65usize),
-            (None, None, 37, 130),
-            (Some(100), None, 300, 200),
-            (None, Some(30.0), 5, 100),
-            (Some(20), Some(50.0), 0, 512),
-        ] {
-            let s = AttnShape { n_heads, n_kv_heads, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), window, softcap };
-            let (qd, kvd) = (n_heads * hd, n_kv_heads * hd);
-            let total = n_past + n;
-            // Keys with a large common component (as biased keys have): the scores' low bits matter.
-            let mut k = rng.vec(total * kvd);
-            k.iter_mut().enumerate().for_each(|(i, x)| *x = 4.0 * *x + if i % 3 == 0 { 20.0 } else { 0.0 });
-            let (q, v) = (rng.vec(n * qd), rng.vec(total * kvd));
-            let (qb, kb, vb) = (be.upload(&q), be.upload(&k), be.upload(&v));
-            let mut out = be.alloc(n * qd);
-            be.attention(Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t: n, vis: Visibility::Causal }, &mut out);
-            let got = read(&be, &out, n * qd);
-            let mut cpu_out = cpu.alloc(n * qd);
-            let (cq, ck, cv) = (cpu.upload(&q), cpu.upload(&k), cpu.upload(&v));
-            cpu.attention(Attend { shape: s, q: &cq, k: &ck, v: &cv, n_past, t: n, vis: Visibility::Causal }, &mut cpu_out);
-            let want = read(&cpu, &cpu_out, n * qd);
-            let worst = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0.0f32, f32::max);
-            for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
-                assert!(
-                    (g - w).abs() <= 2e-3 * w.abs().max(1.0),
-                    "hd {hd} window {window:?} softcap {softcap:?} n_past {n_past} n {n}: element {i} (query {}): GPU {g} CPU {w}",
+    for (pv, tol) in [(1usize, 2e-3f32), (3, 2e-5)] {
+        be.force_prefill_attention(pv);
+        for (hd, n_heads, n_kv_heads) in [(64usize, 14usize, 2usize), (128, 12, 2), (256, 4, 1)] {
+            for (window, softcap, n_past, n) in [
+                (None, None, 0usize, 65usize),
+                (None, None, 37, 130),
+                (Some(100), None, 300, 200),
+                (None, Some(30.0), 5, 100),
+                (Some(20), Some(50.0), 0, 512),
+            ] {
+                let s = AttnShape { n_heads, n_kv_heads, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), window, softcap };
+                let (qd, kvd) = (n_heads * hd, n_kv_heads * hd);
+                let total = n_past + n;
+                // Keys with a large common component (as biased keys have): the scores' low bits matter.
+                let mut k = rng.vec(total * kvd);
+                k.iter_mut().enumerate().for_each(|(i, x)| *x = 4.0 * *x + if i % 3 == 0 { 20.0 } else { 0.0 });
+                let (q, v) = (rng.vec(n * qd), rng.vec(total * kvd));
+                let (qb, kb, vb) = (be.upload(&q), be.upload(&k), be.upload(&v));
+                let mut out = be.alloc(n * qd);
+                be.attention(Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t: n, vis: Visibility::Causal }, &mut out);
+                let got = read(&be, &out, n * qd);
+                let mut cpu_out = cpu.alloc(n * qd);
+                let (cq, ck, cv) = (cpu.upload(&q), cpu.upload(&k), cpu.upload(&v));
+                cpu.attention(Attend { shape: s, q: &cq, k: &ck, v: &cv, n_past, t: n, vis: Visibility::Causal }, &mut cpu_out);
+                let want = read(&cpu, &cpu_out, n * qd);
+                let worst = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0.0f32, f32::max);
+                for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                    (g - w).abs() <= tol * w.abs().max(1.0),
+                    "P·V products {pv}, hd {hd} window {window:?} softcap {softcap:?} n_past {n_past} n {n}: element {i} (query {}): GPU {g} CPU {w}",
                     i / qd
                 );
+                }
+                println!("P·V products {pv}, hd {hd} window {window:?} softcap {softcap:?} n_past {n_past} n {n}: largest difference {worst:.2e}");
+                // The fused form (the output quantized for the next product, as the o projection reads it): the
+                // same outputs, and activations that give the product the bits of a separate `quantize`.
+                let w = be.upload_weights(quantize_f32(40, qd, &rng.vec(40 * qd), QuantKind::Q8));
+                let (mut fused, mut xf) = (be.alloc(n * qd), be.new_qact());
+                be.attention_quantize(
+                    Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t: n, vis: Visibility::Causal },
+                    &mut fused,
+                    &w,
+                    &mut xf,
+                );
+                assert!(read(&be, &fused, n * qd) == got, "hd {hd}: attention_quantize's outputs differ from attention's");
+                let mut xs = be.new_qact();
+                be.quantize(&out, n, qd, &w, &mut xs);
+                let (mut pf, mut ps) = (vec![0f32; n * 40], vec![0f32; n * 40]);
+                be.matmul_to_host(&w, &fused, &xf, n, &mut pf);
+                be.matmul_to_host(&w, &out, &xs, n, &mut ps);
+                assert!(pf == ps, "hd {hd}: the fused quantization differs from a separate quantize");
             }
-            println!("hd {hd} window {window:?} softcap {softcap:?} n_past {n_past} n {n}: largest difference {worst:.2e}");
-            // The fused form (the output quantized for the next product, as the o projection reads it): the
-            // same outputs, and activations that give the product the bits of a separate `quantize`.
-            let w = be.upload_weights(quantize_f32(40, qd, &rng.vec(40 * qd), QuantKind::Q8));
-            let (mut fused, mut xf) = (be.alloc(n * qd), be.new_qact());
-            be.attention_quantize(
-                Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t: n, vis: Visibility::Causal },
-                &mut fused,
-                &w,
-                &mut xf,
-            );
-            assert!(read(&be, &fused, n * qd) == got, "hd {hd}: attention_quantize's outputs differ from attention's");
-            let mut xs = be.new_qact();
-            be.quantize(&out, n, qd, &w, &mut xs);
-            let (mut pf, mut ps) = (vec![0f32; n * 40], vec![0f32; n * 40]);
-            be.matmul_to_host(&w, &fused, &xf, n, &mut pf);
-            be.matmul_to_host(&w, &out, &xs, n, &mut ps);
-            assert!(pf == ps, "hd {hd}: the fused quantization differs from a separate quantize");
         }
     }
+    be.force_prefill_attention(eddy::backend::cuda::FA_PV_PRODUCTS);
 }
 
 /// The multi-token quantized products (`dp4a` up to 4 tokens, the tensor cores from 5: tiles of 8 and 16
@@ -1024,6 +1029,50 @@ fn prefill_products_timing() {
 
 /// Time per decode step (1 token) and per 16-node verify on Qwen2.5-Coder-0.5B (or `$EDDY_CUDA_MODEL`), and
 /// kernel launches per step: printed for comparison with llama.cpp (a measurement, not a pass/fail check).
+/// Runs `pass` (a pass that leaves the state as it found it) with each kind of kernel of its list replaced by the
+/// empty kernel in turn (`Cuda::set_empty_kernels_named`) and prints what each kind costs inside the pass: the
+/// pass's time against the time with those launches empty (their own time after their predecessor's and the
+/// gaps they add; kinds overlap, so the costs need not add up to the pass).
+fn kernel_census(be: &Cuda, label: &str, pass: &mut dyn FnMut()) {
+    pass();
+    be.synchronize();
+    let names = be.last_list_kernels();
+    let mut kinds: Vec<(String, usize)> = Vec::new();
+    for n in &names {
+        match kinds.iter_mut().find(|(k, _)| k == n) {
+            Some(k) => k.1 += 1,
+            None => kinds.push((n.clone(), 1)),
+        }
+    }
+    println!("{label}: {} kernels: {kinds:?}", names.len());
+    let mut full = 0f64;
+    for (k, (name, count)) in std::iter::once(&(String::new(), 0)).chain(kinds.iter()).enumerate() {
+        be.set_empty_kernels_named(&[name.as_str()][..k.min(1)]);
+        let mut t = 0f64;
+        for i in 0..35 {
+            be.synchronize();
+            let t0 = std::time::Instant::now();
+            pass();
+            be.synchronize();
+            if i >= 3 {
+                t += t0.elapsed().as_secs_f64() / 32.0;
+            }
+        }
+        if k == 0 {
+            full = t;
+            println!("{label}: {:.3} ms", 1e3 * t);
+            continue;
+        }
+        println!(
+            "{label}: with {name} (x{count}) empty {:.3} ms: it costs {:.3} ms, {:.2} us a launch",
+            1e3 * t,
+            1e3 * (full - t),
+            1e6 * (full - t) / *count as f64
+        );
+    }
+    be.set_empty_kernels_named(&[]);
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU and the model files; prints timings"]
 fn decode_and_verify_timing() {
@@ -1095,6 +1144,13 @@ fn decode_and_verify_timing() {
         1e3 * empty,
         1e3 * (done - empty)
     );
+    // Per kernel: the step with only that kernel's launches empty, against the full step, is what the kernel
+    // costs inside the step (its time after its predecessor's and the gap it adds).
+    kernel_census(&be, &format!("{file}: decode step"), &mut || {
+        forward(&gm, &be, &mut ws, &mut st, &[next], Logits::None, &mut logits).unwrap();
+        st.truncate(before);
+    });
+    st.truncate(before);
     // The verify-cost curve: a chain of n nodes as a tree from the same committed state, repeated, against
     // the decode step.
     st.truncate(base);
@@ -1137,6 +1193,11 @@ fn decode_and_verify_timing() {
         assert_eq!(ws.ids.len(), n, "one id per node");
         println!("{file}: device argmax: {n}-node verify {:.3} ms ({:.2}× a decode step)", 1e3 * dv, dv / da);
     }
+    let toks: Vec<u32> = prompt.iter().cycle().take(16).copied().collect();
+    let chain = TreePaths::chain(16);
+    kernel_census(&be, &format!("{file}: 16-node verify, device argmax"), &mut || {
+        forward_tree(&gm, &be, &mut ws, &mut st, &toks, &chain, 0, &mut logits).unwrap();
+    });
     // A 16-node tree of a DFlash round's form (two children at each of the first depths, then a chain),
     // without and with a DFlash drafter's feature capture (five layers' outputs kept on the device).
     let parents = [usize::MAX, 0, 0, 1, 1, 3, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14];

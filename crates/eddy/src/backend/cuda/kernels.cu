@@ -2883,15 +2883,16 @@ extern "C" __global__ void __launch_bounds__(CAND_THREADS, 1)
 // attention_mma: causal attention of more than 64 queries (prefill runs) on the tensor cores, flash-attention
 // style (Dao, "FlashAttention-2", 2023: a query tile's rows stream the key tiles with an online softmax). Owed no
 // equality with `attention` (no verify pass holds more than 64 queries): the scores at about f32's precision, the
-// probabilities times values at TF32's (each term's relative error about 2^-11; ≈ 3e-4 of the output in a lane-level
-// emulation, 2e-3 allowed by the test).
+// probabilities times values too (`attention_mma3_*`, the default) or at TF32's (`attention_mma_*`: each term's
+// relative error about 2^-11, ≈ 3e-4 of the output in a lane-level emulation; 2e-3 allowed by the test, 2e-5 for
+// the three-product form).
 //
 // Block (query tile of FA_QT = 64 queries, query head), FA_WARPS = 4 warps of 16 queries. The query tile, then
 // each key tile of FA_KT = 64 rows of the head's KV head (keys and values), staged in shared memory by cp.async
 // (f32, rows padded by 4 floats so the fragment loads hit distinct banks). Scores S = Q·Kᵀ by mma.sync m16n8k8
 // TF32 in three products per step (hi·hi + hi·lo + lo·hi, x = hi + lo with hi = tf32(x): about f32's precision,
-// Ootomo & Yokota 2022), so large q·k (biased keys) keep their low bits; P·V by one TF32 product per step (P in
-// [0, 1]). The P operand comes straight from the score accumulators: the A fragment's column q stands for key
+// Ootomo & Yokota 2022), so large q·k (biased keys) keep their low bits; P·V (P in [0, 1]) the same way or by one
+// TF32 product per step (PV3 false). The P operand comes straight from the score accumulators: the A fragment's column q stands for key
 // 2q and column q + 4 for key 2q + 1 of the 8-key step, and the V fragment is read with the same permutation, so
 // no shuffles. Masks: key j is visible to the query at position p when lo(p) ≤ j ≤ p (lo from the window).
 #define FA_QT 64
@@ -2917,7 +2918,7 @@ struct FaSmem {
     static constexpr int bytes = 4 * (v + FA_KT * S);
 };
 
-template <int HD>
+template <int HD, bool PV3>
 __device__ __forceinline__ void attention_mma_impl(const float* __restrict__ q, const float* __restrict__ kc,
                                                    const float* __restrict__ vc, float* __restrict__ out, int t,
                                                    int n_past, int n_heads, int n_kv_heads, float scale,
@@ -3048,12 +3049,25 @@ __device__ __forceinline__ void attention_mma_impl(const float* __restrict__ q, 
 #pragma unroll
             for (int kk = 0; kk < FA_KT / 8; ++kk) {
                 // A: rows g, g + 8; column q ↔ key 2q, column q + 4 ↔ key 2q + 1 (the accumulator's layout).
-                const uint32_t a0 = tf32_hi(s[kk][0]), a1 = tf32_hi(s[kk][2]), a2 = tf32_hi(s[kk][1]), a3 = tf32_hi(s[kk][3]);
+                const float pa[4] = {s[kk][0], s[kk][2], s[kk][1], s[kk][3]};
+                uint32_t ah[4], al[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    ah[e] = tf32_hi(pa[e]);
+                    al[e] = PV3 ? tf32_hi(__fsub_rn(pa[e], __uint_as_float(ah[e]))) : 0u;
+                }
                 const float* vb = sv + (8 * kk + 2 * qd4) * S + g;
 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
-                    const uint32_t b0 = tf32_hi(vb[8 * j]), b1 = tf32_hi(vb[S + 8 * j]);
-                    mma_tf32(o[j], a0, a1, a2, a3, b0, b1);
+                    const float y0 = vb[8 * j], y1 = vb[S + 8 * j];
+                    const uint32_t b0 = tf32_hi(y0), b1 = tf32_hi(y1);
+                    if (PV3) {
+                        const uint32_t c0 = tf32_hi(__fsub_rn(y0, __uint_as_float(b0)));
+                        const uint32_t c1 = tf32_hi(__fsub_rn(y1, __uint_as_float(b1)));
+                        mma_tf32(o[j], al[0], al[1], al[2], al[3], b0, b1);
+                        mma_tf32(o[j], ah[0], ah[1], ah[2], ah[3], c0, c1);
+                    }
+                    mma_tf32(o[j], ah[0], ah[1], ah[2], ah[3], b0, b1);
                 }
             }
         }
@@ -3079,12 +3093,16 @@ __device__ __forceinline__ void attention_mma_impl(const float* __restrict__ q, 
 extern "C" __device__ const int attention_mma_smem[3] = {FaSmem<64>::bytes, FaSmem<128>::bytes, FaSmem<256>::bytes};
 
 // Grid: (query tiles of FA_QT, query heads). `window` 0: none.
-#define ATT_MMA(HD)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * FA_WARPS) attention_mma_hd##HD(                        \
+// `attention_mma_hd*`: P·V in one TF32 product; `attention_mma3_hd*`: in three, as the scores.
+#define ATT_MMA(NAME, HD, PV3)                                                                               \
+    extern "C" __global__ void __launch_bounds__(32 * FA_WARPS) NAME(                                        \
         const float* q, const float* k, const float* v, float* out, int t, int n_past, int n_heads,          \
         int n_kv_heads, float scale, float softcap, int window) {                                            \
-        attention_mma_impl<HD>(q, k, v, out, t, n_past, n_heads, n_kv_heads, scale, softcap, window);        \
+        attention_mma_impl<HD, PV3>(q, k, v, out, t, n_past, n_heads, n_kv_heads, scale, softcap, window);   \
     }
-ATT_MMA(64)
-ATT_MMA(128)
-ATT_MMA(256)
+ATT_MMA(attention_mma_hd64, 64, false)
+ATT_MMA(attention_mma_hd128, 128, false)
+ATT_MMA(attention_mma_hd256, 256, false)
+ATT_MMA(attention_mma3_hd64, 64, true)
+ATT_MMA(attention_mma3_hd128, 128, true)
+ATT_MMA(attention_mma3_hd256, 256, true)

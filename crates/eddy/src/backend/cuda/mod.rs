@@ -37,6 +37,7 @@ use crate::quant::rotation::blocks;
 use crate::quant::{WeightMatrix, QK};
 use crate::sampling::{Candidates, MAX_CANDIDATES};
 use cudarc::driver::{result, sys};
+use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -110,6 +111,10 @@ const PREFILL_TOKENS: usize = 512;
 const FA_QUERIES: usize = 64;
 /// Threads per block of `attention_mma` (`32·FA_WARPS`).
 const FA_THREADS: u32 = 128;
+/// TF32 products of `attention_mma`'s P·V by default (`EDDY_CUDA_FA`): 1. Three (about f32's precision) gave
+/// the same KL divergence from the CPU on a real model and a slower prefill (docs/cuda.md, "Flash attention for
+/// prefill runs").
+pub const FA_PV_PRODUCTS: usize = 1;
 /// Token tile of `mm_qp*` (`QP_BN`).
 const QP_TOKENS: usize = 64;
 /// Weight rows per block of `mm_qp*` (`32·WR`).
@@ -259,6 +264,10 @@ struct Queue {
     pdl: bool,
     /// The empty kernel launched in place of every kernel, or 0 ([`Cuda::set_empty_kernels`]).
     noop: usize,
+    /// With `noop` set, the kernels it replaces; empty: all of them ([`Cuda::set_empty_kernels_named`]).
+    empty_only: Vec<usize>,
+    /// The kernels of the last list of at least `GRAPH_MIN_OPS` operations, in order ([`Cuda::last_list_kernels`]).
+    last_list: Vec<usize>,
     /// `EDDY_CUDA_TRACE=1`: each flush prints its list's length, hash and plan to stderr (why a pass
     /// does not replay: a list that changes every time never does).
     trace: bool,
@@ -333,6 +342,8 @@ impl Queue {
             stats: GraphStats::default(),
             pdl: false,
             noop: 0,
+            empty_only: Vec::new(),
+            last_list: Vec::new(),
             trace: std::env::var("EDDY_CUDA_TRACE").is_ok_and(|v| v == "1"),
         }
     }
@@ -409,6 +420,13 @@ impl Queue {
         let hash = std::mem::take(&mut self.hash);
         let ops = std::mem::take(&mut self.ops);
         let plan = if ops.len() >= GRAPH_MIN_OPS { self.plan.decide(hash, &ops) } else { Plan::Eager };
+        if ops.len() >= GRAPH_MIN_OPS {
+            self.last_list.clear();
+            self.last_list.extend(ops.iter().filter_map(|op| match op {
+                Op::Kernel { f, .. } => Some(*f),
+                Op::Copy { .. } => None,
+            }));
+        }
         if self.trace {
             eprintln!("eddy cuda: list of {} ops, hash {hash:016x}: {plan:?}", ops.len());
         }
@@ -425,7 +443,7 @@ impl Queue {
                 let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
                 // SAFETY: our stream; the launches below are recorded, not run, until the graph is launched.
                 check(unsafe { result::stream::begin_capture(stream, mode) }, "stream capture");
-                run_ops(&ops, stream, self.pdl, self.noop);
+                run_ops(&ops, stream, self.pdl, self.noop, &self.empty_only);
                 // SAFETY: the capture begun above.
                 let g = check(unsafe { result::stream::end_capture(stream) }, "end of stream capture");
                 self.stats.programmatic_edges += programmatic_edges(g);
@@ -445,7 +463,7 @@ impl Queue {
             }
             Plan::Eager => {
                 self.stats.eager += 1;
-                run_ops(&ops, stream, self.pdl, self.noop);
+                run_ops(&ops, stream, self.pdl, self.noop, &self.empty_only);
                 self.ops = ops;
                 self.ops.clear();
             }
@@ -479,8 +497,9 @@ fn programmatic_edges(g: sys::CUgraph) -> u64 {
 
 /// Launch `ops` on `stream` in order; with `pdl`, each kernel that follows a kernel with programmatic stream
 /// serialization (it may start before its predecessor ends and waits for it in `pdl_wait`, kernels.cu). With
-/// `noop` not 0, that kernel is launched in place of each kernel (same grid, block and shared memory).
-fn run_ops(ops: &[Op], stream: sys::CUstream, pdl: bool, noop: usize) {
+/// `noop` not 0, that kernel is launched in place of each kernel (same grid, block and shared memory), or of
+/// each kernel in `only` when that is not empty.
+fn run_ops(ops: &[Op], stream: sys::CUstream, pdl: bool, noop: usize, only: &[usize]) {
     let mut after_kernel = false;
     for op in ops {
         match *op {
@@ -513,7 +532,7 @@ fn run_ops(ops: &[Op], stream: sys::CUstream, pdl: bool, noop: usize) {
                 // config and its attribute live through the call.
                 check(
                     unsafe {
-                        let f = if noop != 0 { noop } else { f };
+                        let f = if noop != 0 && (only.is_empty() || only.contains(&f)) { noop } else { f };
                         sys::cuLaunchKernelEx(&config, f as sys::CUfunction, ptrs.as_mut_ptr(), std::ptr::null_mut()).result()
                     },
                     "kernel launch",
@@ -761,8 +780,9 @@ struct Kernels {
     attention: Func,
     /// The attention with one block per KV head (`attention_kv`; dynamic shared memory `att_kv_smem`).
     attention_kv: Func,
-    /// Causal attention of prefill runs on the tensor cores (`attention_mma_hd{64,128,256}`).
-    attention_mma: [Func; 3],
+    /// Causal attention of prefill runs on the tensor cores: `[P·V in one TF32 product (attention_mma_hd*) /
+    /// three (attention_mma3_hd*)][hd 64, 128, 256]`.
+    attention_mma: [[Func; 3]; 2],
     /// Dynamic shared memory bytes of `attention_mma` (the kernels' table `attention_mma_smem`, same index; 0
     /// where the device's shared memory is too small for the tiles).
     attention_mma_smem: [u32; 3],
@@ -831,6 +851,9 @@ impl Drop for Pinned {
 pub struct Cuda {
     ctx: Arc<Ctx>,
     k: Kernels,
+    /// Each kernel's name by its function handle (for [`Cuda::set_empty_kernels_named`] and
+    /// [`Cuda::last_list_kernels`]).
+    kernel_names: HashMap<usize, String>,
     scratch: Mutex<Scratch>,
     /// The split products' partial sums and per-tile counters (apart from `scratch`, which callers of the
     /// products may hold).
@@ -864,9 +887,10 @@ pub struct Cuda {
     /// Whether products of more than [`INVARIANT_TOKENS`] tokens run on `mm_qp*` (else on the kernels in
     /// `mm_q_t1`'s order, to measure against them): `EDDY_CUDA_QP=0` at start, [`Cuda::force_prefill_products`].
     prefill_qp: AtomicBool,
-    /// Whether causal attention of more than [`INVARIANT_TOKENS`] queries runs `attention_mma` (`EDDY_CUDA_FA=0`,
-    /// [`Cuda::force_prefill_attention`]: on `attention_kv`, to measure against it).
-    prefill_fa: AtomicBool,
+    /// How causal attention of more than [`INVARIANT_TOKENS`] queries runs: 0 on `attention_kv` (to measure
+    /// against it), else on `attention_mma` with P·V in that many TF32 products (1 or 3); `EDDY_CUDA_FA` at
+    /// start (default [`FA_PV_PRODUCTS`]), [`Cuda::force_prefill_attention`].
+    prefill_fa: AtomicUsize,
     /// Whether products of 5+ tokens below the large-tile kernels run on `mm_qv*`: 0 by the launch's size
     /// (up to `QV_MAX` tokens, warps per tile by [`Cuda::qv_plan`]), [`QV_OFF`] never (`mm_qw*`), else always with that
     /// many warps per row tile (4, 8, 16); `EDDY_CUDA_QV` at start, [`Cuda::force_verify_products`].
@@ -935,11 +959,14 @@ impl Cuda {
         // SAFETY: a fatbin produced by nvcc; the context is bound.
         let module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }
             .map_err(|e| no(format!("loading eddy's kernels on {name} (compute {}.{}): {e:?}", capability.0, capability.1)))?;
+        let names = std::cell::RefCell::new(HashMap::new());
         let get = |n: &str| -> Result<Func> {
             // SAFETY: the module stays loaded for the life of the process.
-            unsafe { result::module::get_function(module, CString::new(n).expect("kernel name")) }
+            let f = unsafe { result::module::get_function(module, CString::new(n).expect("kernel name")) }
                 .map(Func)
-                .map_err(|e| no(format!("kernel {n} missing from the fatbin: {e:?}")))
+                .map_err(|e| no(format!("kernel {n} missing from the fatbin: {e:?}")))?;
+            names.borrow_mut().insert(f.0 as usize, n.to_string());
+            Ok(f)
         };
         let tile = |base: &str, nj: usize, sp: &str| -> Result<[[Func; 2]; 3]> {
             let f = |form: usize, p: &str| get(&format!("{base}{nj}_f{form}_{p}_{sp}"));
@@ -1033,7 +1060,10 @@ impl Cuda {
             rope: get("rope")?,
             attention: get("attention")?,
             attention_kv: get("attention_kv")?,
-            attention_mma: [get("attention_mma_hd64")?, get("attention_mma_hd128")?, get("attention_mma_hd256")?],
+            attention_mma: [
+                [get("attention_mma_hd64")?, get("attention_mma_hd128")?, get("attention_mma_hd256")?],
+                [get("attention_mma3_hd64")?, get("attention_mma3_hd128")?, get("attention_mma3_hd256")?],
+            ],
             attention_mma_smem: fa_smem,
             argmax_part: get("argmax_part")?,
             argmax_finish: get("argmax_finish")?,
@@ -1042,6 +1072,7 @@ impl Cuda {
             cand_gather: get("cand_gather")?,
             cand_finish: get("cand_finish")?,
         };
+        let kernel_names = names.into_inner();
         let mut bus = [0 as std::ffi::c_char; 32];
         // SAFETY: `bus` holds 32 bytes, the length passed; the driver writes a NUL-terminated string.
         let pci_bus_id = (unsafe { sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as i32, dev) } == sys::CUresult::CUDA_SUCCESS)
@@ -1051,7 +1082,7 @@ impl Cuda {
         let qt_all = [&k.mm_qt, &k.mm_q3t].into_iter().flat_map(|t| t.iter().zip(qt_smem.iter()));
         let qp_all = [&k.mm_qp, &k.mm_q3p].into_iter().flat_map(|t| t.iter().zip(qp_smem.iter()));
         let pairs = qw_all.chain(qt_all).chain(qp_all).flat_map(|(fs, bs)| fs.iter().zip(bs.iter()));
-        let fa_all = k.attention_mma.iter().zip(fa_smem.iter()).filter(|(_, &b)| b > 0);
+        let fa_all = k.attention_mma.iter().flat_map(|fs| fs.iter().zip(fa_smem.iter())).filter(|(_, &b)| b > 0);
         for (f, &b) in pairs.chain(fa_all) {
             // SAFETY: a kernel of the loaded module; its table entry is at most the device's limit (checked by
             // the attribute call).
@@ -1078,6 +1109,7 @@ impl Cuda {
         let split = std::env::var("EDDY_CUDA_SPLIT").ok().and_then(|v| v.parse().ok()).filter(|s| MMA_SPLITS.contains(s)).unwrap_or(0);
         let persist = std::env::var("EDDY_CUDA_PERSIST").map_or(true, |v| v != "0");
         Ok(Cuda {
+            kernel_names,
             ctx,
             k,
             scratch: Mutex::new(Scratch::default()),
@@ -1103,7 +1135,11 @@ impl Cuda {
             forced_tiled: AtomicUsize::new(0),
             qt_min: std::env::var("EDDY_CUDA_QT_MIN").ok().and_then(|v| v.parse().ok()).unwrap_or(QT_MIN),
             prefill_qp: AtomicBool::new(std::env::var("EDDY_CUDA_QP").map_or(true, |v| v != "0")),
-            prefill_fa: AtomicBool::new(std::env::var("EDDY_CUDA_FA").map_or(true, |v| v != "0")),
+            prefill_fa: AtomicUsize::new(match std::env::var("EDDY_CUDA_FA").as_deref() {
+                Ok("0") => 0,
+                Ok("3") => 3,
+                _ => FA_PV_PRODUCTS,
+            }),
             forced_qv: AtomicUsize::new(match std::env::var("EDDY_CUDA_QV").ok().and_then(|v| v.parse::<usize>().ok()) {
                 Some(0) => QV_OFF,
                 Some(w) if QV_WARPS.contains(&w) => w,
@@ -1174,10 +1210,14 @@ impl Cuda {
     }
 
     /// Run causal attention of more than [`INVARIANT_TOKENS`] queries on the tensor cores (`attention_mma`,
-    /// the default, head dims 64, 128 and 256) or not (`false`: the kernels every other size takes); for tests
-    /// and measurements.
-    pub fn force_prefill_attention(&self, on: bool) {
-        self.prefill_fa.store(on, Ordering::Relaxed);
+    /// the default, head dims 64, 128 and 256) with P·V in `pv_products` TF32 products (1, or 3: about f32's
+    /// precision, as the scores), or not (0: the kernels every other size takes); for tests and measurements.
+    ///
+    /// # Panics
+    /// If `pv_products` is not 0, 1 or 3.
+    pub fn force_prefill_attention(&self, pv_products: usize) {
+        assert!(matches!(pv_products, 0 | 1 | 3), "P·V products: 0 (off), 1 or 3");
+        self.prefill_fa.store(pv_products, Ordering::Relaxed);
     }
 
     /// Whether a product of `n > dp4a_max` tokens over `rows × cols` (all parts' rows) runs on `mm_qt*` (else
@@ -1311,9 +1351,31 @@ impl Cuda {
     /// or the real ones again: runs the queued work and drops the kept graphs. A pass then costs only its
     /// launches and the gaps between them (its results are meaningless); for measurements only.
     pub fn set_empty_kernels(&self, on: bool) {
+        self.set_empty(on, Vec::new());
+    }
+
+    /// Launch the empty kernel in place of each kernel named in `names` (none: the real kernels again), as
+    /// [`Cuda::set_empty_kernels`] does for all: a step's time without them, against the full step, is what
+    /// those kernels cost inside the step (their own time and the gaps they add). Unknown names match nothing.
+    /// For measurements only.
+    pub fn set_empty_kernels_named(&self, names: &[&str]) {
+        let only: Vec<usize> = self.kernel_names.iter().filter(|(_, n)| names.contains(&n.as_str())).map(|(&f, _)| f).collect();
+        let on = !only.is_empty();
+        self.set_empty(on, only);
+    }
+
+    /// The names of the kernels of the last list of operations long enough to be a graph (a decode step, a
+    /// verify or prefill pass), in launch order.
+    pub fn last_list_kernels(&self) -> Vec<String> {
+        let q = self.ctx.queue();
+        q.last_list.iter().map(|f| self.kernel_names.get(f).cloned().unwrap_or_else(|| "?".into())).collect()
+    }
+
+    fn set_empty(&self, on: bool, only: Vec<usize>) {
         self.synchronize();
         let mut q = self.ctx.queue();
         q.noop = if on { self.k.noop.0 as usize } else { 0 };
+        q.empty_only = only;
         for g in q.plan.drain() {
             // SAFETY: the graphs' work is done (synchronized above) and nothing refers to them any more.
             let _ = unsafe { result::graph::exec_destroy(g.0) };
@@ -1561,7 +1623,8 @@ impl Cuda {
         // Prefill runs: the tensor-core kernel (no batch invariance owed above INVARIANT_TOKENS queries).
         let fa = [64, 128, 256].iter().position(|&d| d == s.head_dim).filter(|&i| self.k.attention_mma_smem[i] > 0);
         if let (Some(fi), Visibility::Causal) = (fa, vis) {
-            if t > INVARIANT_TOKENS && self.prefill_fa.load(Ordering::Relaxed) {
+            let pv = self.prefill_fa.load(Ordering::Relaxed);
+            if t > INVARIANT_TOKENS && pv > 0 {
                 let kvd = s.n_kv_heads * s.head_dim;
                 assert!(
                     k.len >= (n_past + t) * kvd && v.len >= (n_past + t) * kvd,
@@ -1580,7 +1643,8 @@ impl Cuda {
                     .f(s.softcap.unwrap_or(0.0))
                     .i(s.window.unwrap_or(0));
                 let grid = (t.div_ceil(FA_QUERIES), s.n_heads, 1);
-                self.launch_smem(self.k.attention_mma[fi], grid, FA_THREADS, self.k.attention_mma_smem[fi], a);
+                let f = self.k.attention_mma[(pv == 3) as usize][fi];
+                self.launch_smem(f, grid, FA_THREADS, self.k.attention_mma_smem[fi], a);
                 if let Some((w, xq)) = quant {
                     self.quantize(out, t, qd, w, xq);
                 }
