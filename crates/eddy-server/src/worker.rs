@@ -121,11 +121,12 @@ pub(crate) struct TokenText {
 }
 
 impl TokenText {
-    /// Token `id` alone. Its bytes are those of its text unless the text is incomplete UTF-8 (a byte
-    /// fallback token, or a byte-level token that cuts a character), where they come from the
-    /// vocabulary entry: `<0xHH>`, or the GPT-2 byte alphabet.
+    /// Token `id` alone, as it reads after other tokens ([`Tokenizer::piece`]: a SentencePiece
+    /// word-start token keeps its leading space). Its bytes are those of its text unless the text is
+    /// incomplete UTF-8 (a byte fallback token, or a byte-level token that cuts a character), where they
+    /// come from the vocabulary entry: `<0xHH>`, or the GPT-2 byte alphabet.
     pub fn new(tok: &Tokenizer, id: u32) -> TokenText {
-        let text = tok.decode(&[id], false).unwrap_or_default();
+        let text = tok.piece(id).unwrap_or_default();
         if !text.contains('\u{FFFD}') {
             return TokenText { bytes: text.clone().into_bytes(), text };
         }

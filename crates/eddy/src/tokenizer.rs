@@ -454,6 +454,19 @@ impl Tokenizer {
         Ok(if self.cleanup_spaces { clean_up_tokenization(&text) } else { text })
     }
 
+    /// The text token `id` adds after other tokens (llama.cpp's token piece; OpenAI's log-probability
+    /// token): its one-token [`decode`](Self::decode), with the leading space of a SentencePiece word-start
+    /// entry (`▁Hello` → ` Hello`) put back where the decoder strips the first space of a text (Llama 2,
+    /// Mistral: a one-token decode reads `Hello`). Ids outside the vocabulary give `""`.
+    ///
+    /// # Errors
+    /// [`Error::Text`] if the decoder fails.
+    pub fn piece(&self, id: u32) -> Result<String> {
+        let text = self.decode(&[id], false)?;
+        let word_start = !self.is_byte_level() && self.token_str(id).is_some_and(|e| e.starts_with('\u{2581}'));
+        Ok(if word_start && !text.starts_with(' ') { format!(" {text}") } else { text })
+    }
+
     /// A text longer than this many bytes has more than `tokens` tokens: no token's spelling is longer than
     /// the longest vocabulary entry (in its stored form, which is never shorter than the text it stands for:
     /// byte-level BPE and SentencePiece entries spell each byte with one to six bytes), with a factor of 4

@@ -343,3 +343,45 @@ fn malformed_tokenizer_files_are_model_errors() {
     assert!(matches!(Tokenizer::from_gguf(&GgufFile::open(&p).unwrap()), Err(Error::Model { .. })));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A token's piece (the text it adds after other tokens) keeps the leading space of a SentencePiece word-start
+/// entry, which a one-token decode loses to the `Strip` decoder of Llama-2-style tokenizers; byte-fallback and
+/// other entries read as their decode.
+#[test]
+fn sentencepiece_pieces_keep_their_leading_space() {
+    let dir = std::env::temp_dir().join(format!("eddy-piece-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tokenizer.json");
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": {"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "first", "split": false},
+        "post_processor": null,
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
+            {"type": "ByteFallback"}, {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+            "vocab": {"<unk>": 0, "<s>": 1, "</s>": 2, "\u{2581}Hello": 3, "\u{2581}world": 4, "\u{2581}": 5,
+                      "<0x0A>": 6, "lo": 7},
+            "merges": []}
+    });
+    std::fs::write(&path, json.to_string()).unwrap();
+    let tok = Tokenizer::from_file(&path, None).unwrap();
+    assert!(!tok.is_byte_level());
+    assert_eq!(tok.decode(&[3], false).unwrap(), "Hello", "the decoder strips the first space");
+    assert_eq!(tok.decode(&[3, 4], false).unwrap(), "Hello world");
+    assert_eq!(tok.piece(3).unwrap(), " Hello");
+    assert_eq!(tok.piece(4).unwrap(), " world");
+    assert_eq!(tok.piece(5).unwrap(), " ");
+    assert_eq!(tok.piece(7).unwrap(), "lo");
+    assert_eq!(tok.piece(6).unwrap(), "\n");
+    assert_eq!(tok.piece(99).unwrap(), "", "ids outside the vocabulary read as nothing");
+    // A byte-level vocabulary's pieces are its decodes.
+    let q = Tokenizer::from_file(&fixtures().join("../hf/qwen2/tokenizer.json"), None).unwrap();
+    assert!(q.is_byte_level());
+    for id in 0..q.vocab_size() as u32 {
+        assert_eq!(q.piece(id).unwrap(), q.decode(&[id], false).unwrap(), "id {id}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
