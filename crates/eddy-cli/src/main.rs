@@ -946,7 +946,15 @@ fn chat(a: &RunArgs, sampler: SamplerParams, kwargs: &serde_json::Map<String, se
         STOP_REPLY.store(false, SeqCst);
         GENERATING.store(true, SeqCst);
         let stop = || STOP_REPLY.load(SeqCst);
-        let r = stream_reply(&mut engine, &prompt, &params, &stop, &mut || !stop());
+        // The turn's energy, as a one-shot run measures it (--json prints it per turn).
+        let energy = if a.json { Some(EnergyMeter::start_with_gpu(engine.gpu_pci_bus_id().as_deref())) } else { None };
+        let mut e_first = None;
+        let r = stream_reply(&mut engine, &prompt, &params, &stop, &mut || {
+            if let (None, Some(Ok(m))) = (e_first, &energy) {
+                e_first = Some(m.joules());
+            }
+            !stop()
+        });
         GENERATING.store(false, SeqCst);
         let Streamed { stats, text: reply, broken_pipe } = r?;
         if broken_pipe {
@@ -959,8 +967,9 @@ fn chat(a: &RunArgs, sampler: SamplerParams, kwargs: &serde_json::Map<String, se
         } else {
             history.push(ChatMessage { role: "assistant".into(), content: reply });
         }
-        if a.json {
-            print_stats(&stats, None, None, 0.0, true);
+        if let Some(energy) = &energy {
+            let total_j = energy.as_ref().ok().map(|m| (m.joules(), m.sources()));
+            print_stats(&stats, energy.as_ref().err(), total_j, e_first.unwrap_or(0.0), true);
         } else {
             let stopped = if STOP_REPLY.load(SeqCst) { ", stopped" } else { "" };
             note(&format!(

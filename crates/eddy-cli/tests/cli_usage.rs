@@ -301,6 +301,25 @@ fn chat_on_stdin_keeps_the_conversation() {
     assert!(turns[1].contains(" cached)") && !turns[1].contains("(0 cached)"), "the second turn reuses the first: {err}");
 }
 
+/// A chat with --json prints one JSON object per turn on stderr, with the turn's statistics and its energy
+/// (joules, or the reason none could be measured, as a one-shot run gives them).
+#[test]
+fn chat_json_reports_each_turn_with_its_energy() {
+    let Some(smol) = smol() else { return };
+    let args = ["run", "--model", smol.to_str().unwrap(), "--threads", "1", "-n", "4", "--temperature", "0", "--json"];
+    let out = eddy_stdin(&args, Some(b"Hi.\nAnd again.\n"));
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let turns: Vec<serde_json::Value> = err.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    assert_eq!(turns.len(), 2, "{err}");
+    for t in &turns {
+        assert_eq!(t["generated_tokens"], 4, "{t}");
+        let measured = t["total_energy_j"].as_f64().is_some_and(|j| j >= 0.0) && t["energy_sources"].is_string();
+        let explained = t["total_energy_j"].is_null() && t["energy_unavailable_reason"].as_str().is_some_and(|r| !r.is_empty());
+        assert!(measured != explained, "energy or the reason it is missing: {t}");
+    }
+}
+
 /// The chat's signals and stderr: SIGTERM mid-reply ends the process (as its default action, not as a
 /// stopped reply), SIGINT mid-reply stops only the reply, and a stderr that cannot be written (/dev/full)
 /// neither panics nor stops the chat.
