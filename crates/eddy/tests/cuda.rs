@@ -369,7 +369,7 @@ fn rows_do_not_depend_on_the_batch() {
 
 /// Causal attention of more than 64 queries (prefill runs: `attention_mma` on the tensor cores, head dims 64,
 /// 128, 256) against the CPU backend: scores in three TF32 products (about f32's precision), probabilities
-/// times values in one (within 2e-3 of outputs that are averages of values in [-1, 1]) or three (the default:
+/// times values in one (within 2e-3 of outputs that are averages of values in [-1, 1]) or three (
 /// within 2e-5); with and without windows and soft-caps, partial query tiles, contexts that start mid key tile;
 /// and its fused quantization.
 #[test]
@@ -1027,8 +1027,6 @@ fn prefill_products_timing() {
     be.force_prefill_products(true);
 }
 
-/// Time per decode step (1 token) and per 16-node verify on Qwen2.5-Coder-0.5B (or `$EDDY_CUDA_MODEL`), and
-/// kernel launches per step: printed for comparison with llama.cpp (a measurement, not a pass/fail check).
 /// Runs `pass` (a pass that leaves the state as it found it) with each kind of kernel of its list replaced by the
 /// empty kernel in turn (`Cuda::set_empty_kernels_named`) and prints what each kind costs inside the pass: the
 /// pass's time against the time with those launches empty (their own time after their predecessor's and the
@@ -1073,6 +1071,8 @@ fn kernel_census(be: &Cuda, label: &str, pass: &mut dyn FnMut()) {
     be.set_empty_kernels_named(&[]);
 }
 
+/// Time per decode step (1 token) and per 16-node verify on Qwen2.5-Coder-0.5B (or `$EDDY_CUDA_MODEL`), and
+/// kernel launches per step: printed for comparison with llama.cpp (a measurement, not a pass/fail check).
 #[test]
 #[ignore = "needs an NVIDIA GPU and the model files; prints timings"]
 fn decode_and_verify_timing() {

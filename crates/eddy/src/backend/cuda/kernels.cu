@@ -2883,7 +2883,7 @@ extern "C" __global__ void __launch_bounds__(CAND_THREADS, 1)
 // attention_mma: causal attention of more than 64 queries (prefill runs) on the tensor cores, flash-attention
 // style (Dao, "FlashAttention-2", 2023: a query tile's rows stream the key tiles with an online softmax). Owed no
 // equality with `attention` (no verify pass holds more than 64 queries): the scores at about f32's precision, the
-// probabilities times values too (`attention_mma3_*`, the default) or at TF32's (`attention_mma_*`: each term's
+// probabilities times values too (`attention_mma3_*`) or at TF32's (`attention_mma_*`, the default: each term's
 // relative error about 2^-11, ≈ 3e-4 of the output in a lane-level emulation; 2e-3 allowed by the test, 2e-5 for
 // the three-product form).
 //

@@ -887,9 +887,10 @@ pub struct Cuda {
     /// Whether products of more than [`INVARIANT_TOKENS`] tokens run on `mm_qp*` (else on the kernels in
     /// `mm_q_t1`'s order, to measure against them): `EDDY_CUDA_QP=0` at start, [`Cuda::force_prefill_products`].
     prefill_qp: AtomicBool,
-    /// How causal attention of more than [`INVARIANT_TOKENS`] queries runs: 0 on `attention_kv` (to measure
-    /// against it), else on `attention_mma` with P·V in that many TF32 products (1 or 3); `EDDY_CUDA_FA` at
-    /// start (default [`FA_PV_PRODUCTS`]), [`Cuda::force_prefill_attention`].
+    /// How causal attention of more than [`INVARIANT_TOKENS`] queries runs: 0 on the kernels every other
+    /// launch takes (`attention_kv`, or `attention` where its shapes do not fit; to measure against them),
+    /// else on `attention_mma` with P·V in that many TF32 products (1 or 3); `EDDY_CUDA_FA=0|1|3` at start
+    /// (unset or any other value: [`FA_PV_PRODUCTS`]), [`Cuda::force_prefill_attention`].
     prefill_fa: AtomicUsize,
     /// Whether products of 5+ tokens below the large-tile kernels run on `mm_qv*`: 0 by the launch's size
     /// (up to `QV_MAX` tokens, warps per tile by [`Cuda::qv_plan`]), [`QV_OFF`] never (`mm_qw*`), else always with that
@@ -1104,6 +1105,17 @@ impl Cuda {
             )
         }
         .map_err(|e| no(format!("shared memory for the attention kernel: {e:?}")))?;
+        // The empty kernel stands in for any kernel with that kernel's dynamic shared memory
+        // (`Cuda::set_empty_kernels`): it may ask for as much as the device grants one block.
+        // SAFETY: a kernel of the loaded module; `optin` is the device's own limit.
+        unsafe {
+            result::function::set_function_attribute(
+                k.noop.0,
+                sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                optin as i32,
+            )
+        }
+        .map_err(|e| no(format!("shared memory for the empty kernel: {e:?}")))?;
         // Programmatic dependent launch needs sm_90 (`griddepcontrol`); EDDY_CUDA_PDL=0 turns it off.
         ctx.queue().pdl = capability.0 >= 9 && std::env::var("EDDY_CUDA_PDL").map_or(true, |v| v != "0");
         let split = std::env::var("EDDY_CUDA_SPLIT").ok().and_then(|v| v.parse().ok()).filter(|s| MMA_SPLITS.contains(s)).unwrap_or(0);
@@ -1289,7 +1301,8 @@ impl Cuda {
     /// (clamped to 1..=the chunks the cache holds), and with one block per KV head (`attention_kv`:
     /// `Some(true)`, where the head dimension and group allow it) or per query head (`Some(false)`); `None`
     /// chooses by the launch's size (the default). The results do not depend on either (batch invariance);
-    /// for tests and measurements.
+    /// for tests and measurements. Causal runs of more than [`INVARIANT_TOKENS`] queries on `attention_mma`
+    /// ignore both ([`Cuda::force_prefill_attention`]`(0)` puts them back on these kernels).
     ///
     /// # Panics
     /// On `Some(0)` blocks.
