@@ -740,7 +740,9 @@ fn run(a: RunArgs) -> eddy::Result<()> {
     })?
     .stats;
     let total_j = energy.as_ref().ok().map(|m| (m.joules(), m.sources()));
-    print_stats(&stats, energy.as_ref().err(), total_j, e_first.unwrap_or(0.0), a.json);
+    // No token generated: all of it was prefill.
+    let prefill_j = e_first.or(total_j.as_ref().map(|t| t.0)).unwrap_or(0.0);
+    print_stats(&stats, energy.as_ref().err(), total_j, prefill_j, a.json);
     Ok(())
 }
 
@@ -870,6 +872,8 @@ fn chat(a: &RunArgs, sampler: SamplerParams, kwargs: &serde_json::Map<String, se
     let system: Vec<ChatMessage> = a.system.iter().map(|s| ChatMessage { role: "system".into(), content: s.clone() }).collect();
     let mut history = system.clone();
     let tok = engine.lm.tokenizer.clone();
+    // With --json each turn reports its energy: one meter for the session (NVML starts once), read per turn.
+    let energy = a.json.then(|| EnergyMeter::start_with_gpu(engine.gpu_pci_bus_id().as_deref()));
     let mut stdin = std::io::stdin().lock();
     loop {
         if tty {
@@ -946,12 +950,16 @@ fn chat(a: &RunArgs, sampler: SamplerParams, kwargs: &serde_json::Map<String, se
         STOP_REPLY.store(false, SeqCst);
         GENERATING.store(true, SeqCst);
         let stop = || STOP_REPLY.load(SeqCst);
-        // The turn's energy, as a one-shot run measures it (--json prints it per turn).
-        let energy = if a.json { Some(EnergyMeter::start_with_gpu(engine.gpu_pci_bus_id().as_deref())) } else { None };
+        // The turn's energy, as a one-shot run measures it (--json prints it per turn): the session's meter
+        // read at the turn's start, its first token and its end.
+        let j0 = match &energy {
+            Some(Ok(m)) => m.joules(),
+            _ => 0.0,
+        };
         let mut e_first = None;
         let r = stream_reply(&mut engine, &prompt, &params, &stop, &mut || {
             if let (None, Some(Ok(m))) = (e_first, &energy) {
-                e_first = Some(m.joules());
+                e_first = Some(m.joules() - j0);
             }
             !stop()
         });
@@ -968,8 +976,9 @@ fn chat(a: &RunArgs, sampler: SamplerParams, kwargs: &serde_json::Map<String, se
             history.push(ChatMessage { role: "assistant".into(), content: reply });
         }
         if let Some(energy) = &energy {
-            let total_j = energy.as_ref().ok().map(|m| (m.joules(), m.sources()));
-            print_stats(&stats, energy.as_ref().err(), total_j, e_first.unwrap_or(0.0), true);
+            let total_j = energy.as_ref().ok().map(|m| (m.joules() - j0, m.sources()));
+            let prefill_j = e_first.or(total_j.as_ref().map(|t| t.0)).unwrap_or(0.0);
+            print_stats(&stats, energy.as_ref().err(), total_j, prefill_j, true);
         } else {
             let stopped = if STOP_REPLY.load(SeqCst) { ", stopped" } else { "" };
             note(&format!(
@@ -1040,7 +1049,9 @@ fn print_stats(s: &GenerationStats, energy_err: Option<&String>, total_j: Option
     let (e_total, e_in, e_out) = match total_j {
         Some(t) => {
             let out_j = (t - prefill_j).max(0.0);
-            (Some(t), Some(prefill_j / s.prompt_tokens.max(1) as f64), Some(out_j / s.generated_tokens.max(1) as f64))
+            // Per prompt token prefilled (the prefix cache's tokens cost nothing).
+            let prefilled = s.prompt_tokens.saturating_sub(s.cached_tokens).max(1);
+            (Some(t), Some(prefill_j / prefilled as f64), Some(out_j / s.generated_tokens.max(1) as f64))
         }
         None => (None, None, None),
     };

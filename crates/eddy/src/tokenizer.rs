@@ -455,16 +455,25 @@ impl Tokenizer {
     }
 
     /// The text token `id` adds after other tokens (llama.cpp's token piece; OpenAI's log-probability
-    /// token): its one-token [`decode`](Self::decode), with the leading space of a SentencePiece word-start
-    /// entry (`▁Hello` → ` Hello`) put back where the decoder strips the first space of a text (Llama 2,
-    /// Mistral: a one-token decode reads `Hello`). Ids outside the vocabulary give `""`.
+    /// token): its one-token [`decode`](Self::decode), with the leading spaces of a SentencePiece entry
+    /// (`▁Hello` → ` Hello`, `▁▁▁▁` → four spaces) put back where the decoder takes them from the start of a
+    /// text (Llama 2, Mistral: a `Strip` decoder drops one, a `Metaspace` decoder every `▁` of the first
+    /// token). Ids outside the vocabulary give `""`.
     ///
     /// # Errors
     /// [`Error::Text`] if the decoder fails.
     pub fn piece(&self, id: u32) -> Result<String> {
         let text = self.decode(&[id], false)?;
-        let word_start = !self.is_byte_level() && self.token_str(id).is_some_and(|e| e.starts_with('\u{2581}'));
-        Ok(if word_start && !text.starts_with(' ') { format!(" {text}") } else { text })
+        if self.is_byte_level() {
+            return Ok(text);
+        }
+        let entry_spaces = self.token_str(id).map_or(0, |e| e.chars().take_while(|&c| c == '\u{2581}').count());
+        let text_spaces = text.chars().take_while(|&c| c == ' ').count();
+        if entry_spaces <= text_spaces {
+            return Ok(text);
+        }
+        let text = format!("{}{text}", " ".repeat(entry_spaces - text_spaces));
+        Ok(if self.cleanup_spaces { clean_up_tokenization(&text) } else { text })
     }
 
     /// A text longer than this many bytes has more than `tokens` tokens: no token's spelling is longer than

@@ -351,32 +351,55 @@ fn malformed_tokenizer_files_are_model_errors() {
 fn sentencepiece_pieces_keep_their_leading_space() {
     let dir = std::env::temp_dir().join(format!("eddy-piece-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("tokenizer.json");
-    let json = serde_json::json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
-        "pre_tokenizer": {"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "first", "split": false},
-        "post_processor": null,
-        "decoder": {"type": "Sequence", "decoders": [
-            {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
-            {"type": "ByteFallback"}, {"type": "Fuse"},
-            {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
-        "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
-            "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
-            "vocab": {"<unk>": 0, "<s>": 1, "</s>": 2, "\u{2581}Hello": 3, "\u{2581}world": 4, "\u{2581}": 5,
-                      "<0x0A>": 6, "lo": 7},
-            "merges": []}
-    });
-    std::fs::write(&path, json.to_string()).unwrap();
-    let tok = Tokenizer::from_file(&path, None).unwrap();
-    assert!(!tok.is_byte_level());
-    assert_eq!(tok.decode(&[3], false).unwrap(), "Hello", "the decoder strips the first space");
-    assert_eq!(tok.decode(&[3, 4], false).unwrap(), "Hello world");
-    assert_eq!(tok.piece(3).unwrap(), " Hello");
-    assert_eq!(tok.piece(4).unwrap(), " world");
-    assert_eq!(tok.piece(5).unwrap(), " ");
-    assert_eq!(tok.piece(7).unwrap(), "lo");
-    assert_eq!(tok.piece(6).unwrap(), "\n");
-    assert_eq!(tok.piece(99).unwrap(), "", "ids outside the vocabulary read as nothing");
+    let replace = serde_json::json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "});
+    let seq = |strip: bool| {
+        let mut d = vec![replace.clone(), serde_json::json!({"type": "ByteFallback"}), serde_json::json!({"type": "Fuse"})];
+        if strip {
+            d.push(serde_json::json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+        }
+        serde_json::json!({"type": "Sequence", "decoders": d})
+    };
+    // Llama 2 (a Strip decoder), a Metaspace decoder, Gemma (neither: the spaces stay).
+    let decoders = [
+        ("strip", seq(true)),
+        (
+            "metaspace",
+            serde_json::json!({"type": "Sequence", "decoders": [{"type": "ByteFallback"},
+                {"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "first", "split": false}]}),
+        ),
+        ("plain", seq(false)),
+    ];
+    for (label, decoder) in decoders {
+        let path = dir.join(format!("{label}.json"));
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+            "pre_tokenizer": {"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "first", "split": false},
+            "post_processor": null,
+            "decoder": decoder,
+            "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
+                "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+                "vocab": {"<unk>": 0, "<s>": 1, "</s>": 2, "\u{2581}Hello": 3, "\u{2581}world": 4, "\u{2581}": 5,
+                          "<0x0A>": 6, "lo": 7, "\u{2581}\u{2581}\u{2581}\u{2581}": 8},
+                "merges": []}
+        });
+        std::fs::write(&path, json.to_string()).unwrap();
+        let tok = Tokenizer::from_file(&path, None).unwrap();
+        assert!(!tok.is_byte_level());
+        assert_eq!(tok.piece(3).unwrap(), " Hello", "{label}");
+        assert_eq!(tok.piece(4).unwrap(), " world", "{label}");
+        assert_eq!(tok.piece(5).unwrap(), " ", "{label}");
+        assert_eq!(tok.piece(8).unwrap(), "    ", "{label}: an indentation token keeps all its spaces");
+        assert_eq!(tok.piece(7).unwrap(), "lo", "{label}");
+        assert_eq!(tok.piece(6).unwrap(), "\n", "{label}");
+        assert_eq!(tok.piece(99).unwrap(), "", "{label}: ids outside the vocabulary read as nothing");
+        // After a first token, each token adds its piece.
+        let joined: String = [8u32, 4, 7].iter().map(|&i| tok.piece(i).unwrap()).collect();
+        assert_eq!(tok.decode(&[3, 8, 4, 7], false).unwrap(), format!("{}{joined}", tok.decode(&[3], false).unwrap()), "{label}");
+    }
+    // With the Strip decoder a one-token decode loses the first space (what `piece` puts back).
+    let strip = Tokenizer::from_file(&dir.join("strip.json"), None).unwrap();
+    assert_eq!(strip.decode(&[3], false).unwrap(), "Hello");
+    assert_eq!(strip.decode(&[8], false).unwrap(), "   ");
     // A byte-level vocabulary's pieces are its decodes.
     let q = Tokenizer::from_file(&fixtures().join("../hf/qwen2/tokenizer.json"), None).unwrap();
     assert!(q.is_byte_level());
