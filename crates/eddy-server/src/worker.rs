@@ -192,7 +192,7 @@ impl Logprob {
 
 /// What the engine thread sends back for a job. A job of several choices sends each choice's events in
 /// turn, each ending with its `Done`; the events after the k-th `Done` belong to choice k.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) enum Event {
     /// New text (valid UTF-8, never containing or ending in the start of a stop string), and the
     /// log-probabilities (when asked for) of the tokens whose text it completes. A token cut by a stop
@@ -232,7 +232,25 @@ pub(crate) fn spawn(
             let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
                 // The echoed prompt (scored once per prompt: the same for each of its choices).
                 let mut echoed: Option<(usize, (String, Vec<Logprob>))> = None;
+                // Greedy choices of one prompt are the same reply whatever their seeds: the first is
+                // generated, its events recorded and sent again for the others.
+                let greedy = job.params.sampler.temperature == 0.0;
+                let mut first: Option<(usize, Vec<Event>)> = None;
                 for (i, c) in choices.into_iter().enumerate() {
+                    if let Some((_, events)) = first.as_ref().filter(|f| f.0 == c.prompt) {
+                        if job.tx.is_closed() {
+                            return None; // the client left
+                        }
+                        let (last, rest) = events.split_last().expect("a recorded choice ends with Done");
+                        for ev in rest {
+                            let _ = tx.send(ev.clone());
+                        }
+                        if i + 1 < count {
+                            let _ = tx.send(last.clone());
+                            continue;
+                        }
+                        return Some(last.clone());
+                    }
                     if job.echo && echoed.as_ref().is_none_or(|e| e.0 != c.prompt) {
                         let p = &job.prompts[c.prompt];
                         let cancelled = || job.tx.is_closed();
@@ -242,8 +260,15 @@ pub(crate) fn spawn(
                             Err(e) => return Some(Event::Error(e.to_string())),
                         }
                     }
-                    match run_job(&mut engine, &tok, &job, c, echoed.as_ref().map(|e| &e.1), &metrics) {
+                    let prompt = c.prompt;
+                    let mut record = (greedy && i + 1 < count).then(Vec::new);
+                    let r = run_job(&mut engine, &tok, &job, c, echoed.as_ref().map(|e| &e.1), &metrics, record.as_mut());
+                    match r {
                         Some(ev @ Event::Done { .. }) if i + 1 < count => {
+                            if let Some(mut events) = record {
+                                events.push(ev.clone());
+                                first = Some((prompt, events));
+                            }
                             let _ = tx.send(ev);
                         }
                         ev => return ev,
@@ -264,7 +289,8 @@ pub(crate) fn spawn(
 }
 
 /// Generates one choice of a job, sending its text deltas (after `echoed`, the echoed prompt's text and
-/// log-probabilities); returns the last event to send (none when the client left).
+/// log-probabilities), each also pushed to `record` when given; returns the last event to send (none when
+/// the client left).
 fn run_job(
     engine: &mut Engine,
     tok: &Tokenizer,
@@ -272,6 +298,7 @@ fn run_job(
     choice: Choice,
     echoed: Option<&(String, Vec<Logprob>)>,
     metrics: &Metrics,
+    mut record: Option<&mut Vec<Event>>,
 ) -> Option<Event> {
     let Job { prompts, params, stops, tx, keep_special, cache_prompt, .. } = job;
     let Choice { prompt, seed, mut mask } = choice;
@@ -292,7 +319,11 @@ fn run_job(
     if let Some((text, lps)) = echoed {
         echoed_chars = text.chars().count();
         if !text.is_empty() || !lps.is_empty() {
-            let _ = tx.send(Event::Delta(text.clone(), lps.clone()));
+            let ev = Event::Delta(text.clone(), lps.clone());
+            if let Some(r) = record.as_deref_mut() {
+                r.push(ev.clone());
+            }
+            let _ = tx.send(ev);
         }
         if params.max_tokens == 0 {
             let stats = GenerationStats { prompt_tokens: prompt.len(), finish: FinishReason::Length, ..Default::default() };
@@ -313,9 +344,13 @@ fn run_job(
     let mut hit = false;
     let want_lp = params.logprobs.is_some();
     let mut lpq = LogprobQueue { decoded_chars: echoed_chars, ..Default::default() };
-    let send = |text: String, lps: Vec<Logprob>| {
+    let mut send = |text: String, lps: Vec<Logprob>| {
         if !text.is_empty() || !lps.is_empty() {
-            let _ = tx.send(Event::Delta(text, lps));
+            let ev = Event::Delta(text, lps);
+            if let Some(r) = record.as_deref_mut() {
+                r.push(ev.clone());
+            }
+            let _ = tx.send(ev);
         }
     };
     // A client that leaves during the prefill stops it at the next prefill piece.

@@ -576,6 +576,55 @@ fn metric(text: &str, name: &str) -> f64 {
     text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap_or(0.0)
 }
 
+/// Greedy choices (`n` at temperature 0) are one reply whatever their seeds: every choice is the single
+/// greedy reply, usage counts each, and the reply is generated once (the generated-tokens counter of a server
+/// of its own grows by one reply), streamed or not; choices of different prompts are each their own reply.
+#[test]
+fn greedy_choices_are_generated_once() {
+    let Some(p) = model_path() else { return };
+    let addr = start(engine(&p), eddy_server::ServeOptions::default());
+    let c = "/v1/completions";
+    let single = post(addr, c, json!({"prompt": "Once upon a time", "max_tokens": 9, "temperature": 0})).json();
+    let text = single["choices"][0]["text"].as_str().unwrap().to_string();
+    let tokens = single["usage"]["completion_tokens"].as_u64().unwrap();
+    let generated = || metric(&request(addr, "GET", "/metrics", "").body, "eddy_generation_tokens_total");
+    let before = generated();
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 9, "temperature": 0, "n": 3, "seed": 5});
+    let v = post(addr, c, body.clone()).json();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{v}");
+    for (i, ch) in choices.iter().enumerate() {
+        assert_eq!((ch["index"].as_u64(), ch["text"].as_str()), (Some(i as u64), Some(text.as_str())), "{v}");
+        assert_eq!(ch["finish_reason"], single["choices"][0]["finish_reason"]);
+    }
+    assert_eq!(v["usage"]["completion_tokens"], 3 * tokens);
+    assert_eq!(generated() - before, tokens as f64, "one reply generated for three greedy choices");
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let (_, events) = streamed(addr, c, sb);
+    let mut texts = vec![String::new(); 3];
+    let mut finishes = [0; 3];
+    for e in &events {
+        if let Some(ch) = e["choices"].get(0) {
+            let i = ch["index"].as_u64().unwrap() as usize;
+            texts[i] += ch["text"].as_str().unwrap();
+            finishes[i] += ch["finish_reason"].is_string() as usize;
+        }
+    }
+    assert_eq!(texts, vec![text.clone(); 3]);
+    assert_eq!(finishes, [1, 1, 1]);
+    assert_eq!(generated() - before, 2.0 * tokens as f64);
+    // Two prompts, two choices each: each prompt's reply once.
+    let other = post(addr, c, json!({"prompt": "The sky is", "max_tokens": 9, "temperature": 0})).json();
+    let before = generated();
+    let v = post(addr, c, json!({"prompt": ["Once upon a time", "The sky is"], "max_tokens": 9, "temperature": 0, "n": 2})).json();
+    let texts: Vec<&str> = v["choices"].as_array().unwrap().iter().map(|c| c["text"].as_str().unwrap()).collect();
+    let o = other["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(texts, [text.as_str(), text.as_str(), o, o], "{v}");
+    let other_tokens = other["usage"]["completion_tokens"].as_f64().unwrap();
+    assert_eq!(generated() - before, tokens as f64 + other_tokens);
+}
+
 /// A server of its own, so that its counters hold exactly the requests this test sends.
 #[test]
 fn metrics_count_requests_tokens_and_latencies() {
