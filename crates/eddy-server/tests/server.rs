@@ -133,6 +133,19 @@ fn chat_body(msg: &str, extra: Value) -> Value {
     b
 }
 
+/// A streamed completion's text per choice index (of `n`) and how many finish reasons each choice got.
+fn choice_texts(events: &[Value], n: usize) -> (Vec<String>, Vec<usize>) {
+    let (mut texts, mut finishes) = (vec![String::new(); n], vec![0; n]);
+    for e in events {
+        if let Some(ch) = e["choices"].get(0) {
+            let i = ch["index"].as_u64().unwrap() as usize;
+            texts[i] += ch["text"].as_str().unwrap();
+            finishes[i] += ch["finish_reason"].is_string() as usize;
+        }
+    }
+    (texts, finishes)
+}
+
 /// Streamed content concatenated, plus all parsed events (without [DONE], which is asserted last).
 fn streamed(addr: SocketAddr, path: &str, body: Value) -> (String, Vec<Value>) {
     let r = post(addr, path, body);
@@ -602,15 +615,7 @@ fn greedy_choices_are_generated_once() {
     let mut sb = body.clone();
     sb["stream"] = json!(true);
     let (_, events) = streamed(addr, c, sb);
-    let mut texts = vec![String::new(); 3];
-    let mut finishes = [0; 3];
-    for e in &events {
-        if let Some(ch) = e["choices"].get(0) {
-            let i = ch["index"].as_u64().unwrap() as usize;
-            texts[i] += ch["text"].as_str().unwrap();
-            finishes[i] += ch["finish_reason"].is_string() as usize;
-        }
-    }
+    let (texts, finishes) = choice_texts(&events, 3);
     assert_eq!(texts, vec![text.clone(); 3]);
     assert_eq!(finishes, [1, 1, 1]);
     assert_eq!(generated() - before, 2.0 * tokens as f64);
@@ -1567,15 +1572,7 @@ fn n_choices_are_the_replies_of_consecutive_seeds() {
     sb["stream"] = json!(true);
     sb["stream_options"] = json!({"include_usage": true});
     let (_, events) = streamed(addr, c, sb);
-    let mut texts = vec![String::new(); 3];
-    let mut finishes = [0; 3];
-    for e in &events {
-        if let Some(ch) = e["choices"].get(0) {
-            let i = ch["index"].as_u64().unwrap() as usize;
-            texts[i] += ch["text"].as_str().unwrap();
-            finishes[i] += ch["finish_reason"].is_string() as usize;
-        }
-    }
+    let (texts, finishes) = choice_texts(&events, 3);
     assert_eq!(texts, singles.iter().map(|s| s.0.clone()).collect::<Vec<_>>());
     assert_eq!(finishes, [1, 1, 1]);
     assert_eq!(events.last().unwrap()["usage"]["completion_tokens"], completion);
