@@ -268,6 +268,8 @@ struct Queue {
     empty_only: Vec<usize>,
     /// The kernels of the last list of at least `GRAPH_MIN_OPS` operations, in order ([`Cuda::last_list_kernels`]).
     last_list: Vec<usize>,
+    /// The hash of the list `last_list` came from.
+    last_list_hash: u64,
     /// `EDDY_CUDA_TRACE=1`: each flush prints its list's length, hash and plan to stderr (why a pass
     /// does not replay: a list that changes every time never does).
     trace: bool,
@@ -344,6 +346,7 @@ impl Queue {
             noop: 0,
             empty_only: Vec::new(),
             last_list: Vec::new(),
+            last_list_hash: 0,
             trace: std::env::var("EDDY_CUDA_TRACE").is_ok_and(|v| v == "1"),
         }
     }
@@ -420,7 +423,9 @@ impl Queue {
         let hash = std::mem::take(&mut self.hash);
         let ops = std::mem::take(&mut self.ops);
         let plan = if ops.len() >= GRAPH_MIN_OPS { self.plan.decide(hash, &ops) } else { Plan::Eager };
-        if ops.len() >= GRAPH_MIN_OPS {
+        // Refilled when the list changes (a replayed step costs one comparison).
+        if ops.len() >= GRAPH_MIN_OPS && hash != self.last_list_hash {
+            self.last_list_hash = hash;
             self.last_list.clear();
             self.last_list.extend(ops.iter().filter_map(|op| match op {
                 Op::Kernel { f, .. } => Some(*f),
