@@ -173,8 +173,6 @@ fn norm_threads(d: usize) -> u32 {
 const ATT_MAX_HD: usize = 512;
 /// Keys per block of the attention kernel (`ATT_CHUNK`).
 const ATT_CHUNK: usize = 64;
-/// Attention blocks per multiprocessor the chunk grid aims at (256 threads each: a full multiprocessor).
-const ATT_BLOCKS_PER_SM: usize = 8;
 /// Fewest queries of an attention launch that runs `attention_kv` (one block per KV head and query: its query
 /// heads share each chunk's keys and values in shared memory); `EDDY_CUDA_ATT_KV_MIN` overrides it (0: never).
 /// Measured on the H200 (docs/cuda.md, session 16; 0.5B, 7 query heads per KV head): a 64-token prefill pass's
@@ -192,14 +190,27 @@ fn att_kv_smem(group: usize, hd: usize) -> usize {
 }
 
 /// The attention grid's third dimension `Z` for `blocks_per_query` blocks over the heads of each of `t`
-/// queries and key lists of at most `nmax` chunks on a GPU of `sms` multiprocessors: block z of a (query,
-/// heads) takes its chunks z, z + Z, … (see the kernel), so any `Z` in 1..=nmax gives the same bits. The grid
-/// is sized to about one wave of resident blocks instead of `nmax` (the cache's capacity in chunks: at 4096
-/// rows 64, nearly all of them past a prefill or verify query's keys, whose blocks cost a scheduling slot
-/// each). It depends on the launch shape only, so a captured graph replays it for any context length.
-fn att_chunk_blocks(blocks_per_query: usize, t: usize, nmax: usize, sms: usize) -> usize {
-    let target = ATT_BLOCKS_PER_SM * sms.max(1);
-    target.div_ceil((blocks_per_query * t).max(1)).clamp(1, nmax.max(1))
+/// queries and key lists of at most `nmax` chunks, where `resident` blocks of the kernel fit on the GPU at
+/// once (its occupancy per multiprocessor times the multiprocessors): block z of a (query, heads) takes its
+/// chunks z, z + Z, … (see the kernel), so any `Z` in 1..=nmax gives the same bits. The grid is sized to one
+/// wave of resident blocks instead of `nmax` (the cache's capacity in chunks: at 4096 rows 64, nearly all of
+/// them past a decode, prefill or verify query's keys; such a block only reads its key count and exits, but it
+/// takes a slot, and the next kernel cannot launch before every block of this one has started). It depends
+/// on the launch shape only, so a captured graph replays it for any context length.
+///
+/// (Sessions 16–30 aimed at 8 blocks a multiprocessor, a full one by threads; the kernels' registers let
+/// only 2 reside (`attention` 118 a thread, `attention_kv` 128), so a 0.5B decode step's 14 × 64 blocks ran
+/// in 3.4 waves, nearly all of them blocks past the keys.)
+fn att_chunk_blocks(blocks_per_query: usize, t: usize, nmax: usize, resident: usize) -> usize {
+    resident.max(1).div_ceil((blocks_per_query * t).max(1)).clamp(1, nmax.max(1))
+}
+/// Blocks of `f` (of `threads` threads and `smem` bytes of dynamic shared memory) that fit on one
+/// multiprocessor at once, by the driver's occupancy calculator (registers, shared memory, threads); at least 1.
+fn occupancy(f: Func, threads: u32, smem: u32) -> Result<usize> {
+    // SAFETY: `f` is a kernel of the loaded module; the call only reads its attributes.
+    let n = unsafe { result::occupancy::max_active_block_per_multiprocessor(f.0, threads as i32, smem as usize) }
+        .map_err(|e| Error::Input(format!("no CUDA driver/GPU: occupancy of a kernel: {e:?}")))?;
+    Ok(n.max(1) as usize)
 }
 /// Fewest operations a queued list needs to be considered for a graph (smaller ones run eagerly).
 const GRAPH_MIN_OPS: usize = 32;
@@ -822,6 +833,8 @@ struct Scratch {
     pos_host: Vec<i32>,
     info_host: Vec<i32>,
     paths_host: Vec<i32>,
+    /// `attention_kv`'s blocks per multiprocessor for the last dynamic shared memory size asked (bytes, blocks).
+    att_kv_occupancy: Option<(u32, usize)>,
 }
 
 /// Device scratch of the split tensor-core products: per (row tile, token tile) the `S` blocks' subtree sums
@@ -865,6 +878,8 @@ pub struct Cuda {
     mma_split: Mutex<MmaSplit>,
     /// Multiprocessors of the GPU.
     sms: usize,
+    /// Blocks of `attention` (no dynamic shared memory) that fit on one multiprocessor at once.
+    att_occupancy: usize,
     /// Blocks per row tile of every tensor-core product (1, 2, 4), or 0 to choose by the launch's size
     /// ([`Cuda::mma_plan`]); `EDDY_CUDA_SPLIT` at start, [`Cuda::force_product_launch`].
     forced_split: AtomicUsize,
@@ -1122,6 +1137,7 @@ impl Cuda {
         }
         .map_err(|e| no(format!("shared memory for the empty kernel: {e:?}")))?;
         // Programmatic dependent launch needs sm_90 (`griddepcontrol`); EDDY_CUDA_PDL=0 turns it off.
+        let att_occupancy = occupancy(k.attention, ATT_THREADS, 0)?;
         ctx.queue().pdl = capability.0 >= 9 && std::env::var("EDDY_CUDA_PDL").map_or(true, |v| v != "0");
         let split = std::env::var("EDDY_CUDA_SPLIT").ok().and_then(|v| v.parse().ok()).filter(|s| MMA_SPLITS.contains(s)).unwrap_or(0);
         let persist = std::env::var("EDDY_CUDA_PERSIST").map_or(true, |v| v != "0");
@@ -1132,6 +1148,7 @@ impl Cuda {
             scratch: Mutex::new(Scratch::default()),
             mma_split: Mutex::new(MmaSplit::default()),
             sms,
+            att_occupancy,
             forced_split: AtomicUsize::new(split),
             forced_row_blocks: AtomicUsize::new(0),
             forced_att_blocks: AtomicUsize::new(std::env::var("EDDY_CUDA_ATT_BLOCKS").ok().and_then(|v| v.parse().ok()).unwrap_or(0)),
@@ -1723,12 +1740,26 @@ impl Cuda {
                 f => f == 2,
             };
         let heads = if per_kv { s.n_kv_heads } else { s.n_heads };
+        let kv_smem = att_kv_smem(group, s.head_dim) as u32;
+        let per_sm = if per_kv {
+            match sc.att_kv_occupancy {
+                Some((b, n)) if b == kv_smem => n,
+                _ => {
+                    // A shape the device refused here would fail its launch below with the driver's message.
+                    let n = occupancy(self.k.attention_kv, ATT_THREADS, kv_smem).unwrap_or(1);
+                    sc.att_kv_occupancy = Some((kv_smem, n));
+                    n
+                }
+            }
+        } else {
+            self.att_occupancy
+        };
         let z = match self.forced_att_blocks.load(Ordering::Relaxed) {
-            0 => att_chunk_blocks(heads, t, nmax, self.sms),
+            0 => att_chunk_blocks(heads, t, nmax, per_sm * self.sms),
             f => f.min(nmax),
         };
         if per_kv {
-            self.launch_smem(self.k.attention_kv, (heads, t, z), ATT_THREADS, att_kv_smem(group, s.head_dim) as u32, a);
+            self.launch_smem(self.k.attention_kv, (heads, t, z), ATT_THREADS, kv_smem, a);
         } else {
             self.launch3(self.k.attention, (heads, t, z), ATT_THREADS, a);
         }
