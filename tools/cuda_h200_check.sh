@@ -6,7 +6,7 @@
 #   tools/cuda_h200_check.sh TEST_BINARY STAGE_DIR SHA256_OF_THE_0.5B [LLAMA_TGZ_OR_DIR] [EDDY_BINARY]
 #
 # Runs: the GPU tests (parity, products, batch invariance, the Qwen2.5-Coder-0.5B model test, one at a time),
-# the decode / verify-curve / prefill timing with CUDA graphs and without (EDDY_CUDA_GRAPHS=0), and once more
+# the phase-boundary probe (phase_boundary_timing), the decode / verify-curve / prefill timing with CUDA graphs and without (EDDY_CUDA_GRAPHS=0), and once more
 # per NAME=VALUE word of $TIMING_ENVS (with that variable set: to compare settings in one call); when given
 # llama.cpp's build for the GPU (its tarball, or the folder it was unpacked into, holding bin/llama-bench) and
 # an eddy binary, `eddy speed --device cuda` and llama-bench on the same GGUF, alternated twice (pp512, tg128,
@@ -28,6 +28,8 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     echo "== GPU tests"
     "$bin" --ignored --test-threads 1 --skip timing --skip profile --skip smollm2 --skip gemma3 --nocapture 2>&1 | grep -v "^$"
 fi
+echo "== phase boundaries (kernel boundary vs grid and cluster barriers)"
+"$bin" --ignored --exact phase_boundary_timing --nocapture 2>&1 | grep -E "µs|not run|panicked|GPU|compute"
 timing() { "$bin" --ignored --test-threads 1 --nocapture decode_and_verify_timing 2>&1 | grep -E "decode|verify|queue|prefill|graph|empty"; }
 echo "== timing, graphs on"
 timing

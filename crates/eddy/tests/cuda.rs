@@ -17,7 +17,7 @@
 #![cfg(feature = "cuda")]
 
 use eddy::backend::cpu::{matmul_reference, quantize_activations, ThreadPool};
-use eddy::backend::cuda::{Cuda, GpuQ, GraphPlan, Plan};
+use eddy::backend::cuda::{Cuda, GpuQ, GraphPlan, Plan, SyncProbe};
 use eddy::backend::{parity, Attend, AttnShape, Backend, Cpu, Visibility};
 use eddy::models::forward::{decode, forward, forward_tree, Logits, Workspace};
 use eddy::quant::import::{quantize_f32, QuantKind};
@@ -1287,6 +1287,33 @@ fn decode_and_verify_timing() {
 /// Qwen2.5-Coder-0.5B (or `$EDDY_CUDA_MODEL`) between `cuProfilerStart` and `cuProfilerStop`, for a
 /// kernel-time split under `ncu --profile-from-start off` (run with `EDDY_CUDA_GRAPHS=0` so the kernels
 /// launch one by one). Prints the passes' wall times; asserts nothing.
+/// What a phase boundary costs (docs/cuda.md, "What a phase boundary costs"): a grid-wide barrier and the
+/// cluster barrier against a kernel boundary under programmatic dependent launch, each with the read of a
+/// value another block wrote before it. Prints µs a boundary; asserts only that every barrier ordered the
+/// writes before it (no read missed its value).
+#[test]
+#[ignore = "needs an NVIDIA GPU; prints timings"]
+fn phase_boundary_timing() {
+    let be = gpu();
+    let mut probes =
+        vec![(SyncProbe::Launches, "kernel boundary (PDL launches, graph)"), (SyncProbe::Grid, "grid barrier, a block a multiprocessor")];
+    for c in [2, 4, 8] {
+        probes.push((SyncProbe::Cluster(c, true), "cluster barrier + DSMEM read"));
+        probes.push((SyncProbe::Cluster(c, false), "cluster barrier + L2 read"));
+    }
+    println!("{}", be.device_name());
+    for (probe, what) in probes {
+        let rounds = if probe == SyncProbe::Launches { 500 } else { 5000 };
+        match be.sync_probe(probe, rounds, 5) {
+            Ok((secs, missed)) => {
+                println!("{what} {probe:?}: {:.3} µs a boundary", secs * 1e6);
+                assert_eq!(missed, 0, "{probe:?}: reads that missed the value before the barrier");
+            }
+            Err(e) => println!("{what} {probe:?}: not run ({e})"),
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU and the model files; for profiling"]
 fn profile_prefill_verify_decode() {

@@ -1806,6 +1806,114 @@ __device__ __forceinline__ float norm_row(float (&v)[NORM_KMAX], float* x, const
 // between them cost.
 extern "C" __global__ void noop() { pdl_wait(); }
 
+// ---------------------------------------------------------------------------------------------------------
+// What a phase boundary costs (Cuda::sync_probe; docs/cuda.md, "What a phase boundary costs"): the price of the
+// persistent decode kernel's grid barriers against the kernel boundaries they would replace. Each round, every
+// block writes a value into its slot of `slots` (block b, round r: r·gridDim.x + b + 1), synchronizes, and
+// reads the slot its neighbour wrote that round (the dependency a phase has on the one before), checking it.
+//  kind 0: a grid-wide barrier (one counter: each block adds 1 with release semantics, then waits until it
+//          reads (r + 1)·blocks with acquire semantics); all blocks must be resident at once (the host launches
+//          one a multiprocessor);
+//  kind 1: the cluster barrier, the neighbour taken inside the cluster and read from its shared memory
+//          (distributed shared memory; sm_90, launched with a cluster dimension);
+//  kind 2: the cluster barrier, the neighbour's slot read from global memory;
+//  kind 3: no barrier, one round: a chain of such launches (programmatic dependent launch) measures a kernel
+//          boundary with the same dependent read (the neighbour's slot of the launch before).
+// Rounds are numbered from `first` (the host goes on numbering from run to run, so that no value of an earlier
+// run can pass for the current one and the barrier counter needs no reset); `bad` counts reads that did not see
+// the expected value (a barrier that does not order: must stay 0).
+__device__ __forceinline__ unsigned int ld_acquire_gpu(const unsigned int* p) {
+    unsigned int v;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+#else
+    v = *(volatile const unsigned int*)p;
+#endif
+    return v;
+}
+__device__ __forceinline__ void red_release_gpu(unsigned int* p, unsigned int v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+#else
+    __threadfence();
+    atomicAdd(p, v);
+#endif
+}
+__device__ __forceinline__ unsigned int cluster_rank_and_size(unsigned int& size) {
+    unsigned int r = 0;
+    size = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(size));
+#endif
+    return r;
+}
+__device__ __forceinline__ void cluster_barrier() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+    __syncthreads();
+#endif
+}
+// The 32-bit value at `p` (this block's shared memory) in the shared memory of the cluster's block `rank`.
+__device__ __forceinline__ unsigned int ld_cluster_shared(const unsigned int* p, unsigned int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned int v;
+    const unsigned int a = (unsigned int)__cvta_generic_to_shared(p);
+    unsigned int ra;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(ra) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.u32 %0, [%1];\n" : "=r"(v) : "r"(ra) : "memory");
+    return v;
+#else
+    return *p;
+#endif
+}
+extern "C" __global__ void sync_probe(unsigned int* bar, unsigned int* slots, unsigned int* bad, int rounds, int kind,
+                                      int first) {
+    __shared__ unsigned int mine[2];
+    pdl_wait();
+    const unsigned int nb = gridDim.z, b = blockIdx.z;  // blocks along z (clusters group consecutive z)
+    unsigned int csize;
+    const unsigned int crank = cluster_rank_and_size(csize);
+    const bool in_cluster = kind == 1 || kind == 2;
+    const unsigned int nbr = in_cluster ? b - crank + (crank + 1) % csize : (b + 1) % nb;
+    unsigned int errors = 0;
+    // Slots are double-buffered by round: a block writes round r + 2's value only after the barrier of round
+    // r + 1, which every block passes only after its read of round r.
+    for (int r = 0; r < (kind == 3 ? 1 : rounds); ++r) {
+        const unsigned int round = (unsigned int)(first + r);
+        if (threadIdx.x == 0) {
+            const unsigned int v = round * nb + b + 1;
+            if (kind == 1) mine[round & 1] = v;
+            else slots[(round & 1) * nb + b] = v;
+        }
+        if (kind == 0) {
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                red_release_gpu(bar, 1);
+                const unsigned int target = (round + 1) * nb;
+                while (ld_acquire_gpu(bar) < target) {
+                }
+            }
+        } else if (in_cluster) {
+            cluster_barrier();
+        }
+        if (threadIdx.x == 0) {
+            // kind 3 reads what the launch before wrote (the first launch has nothing to read).
+            const unsigned int rd = kind == 3 ? round - 1 : round;
+            const unsigned int want = rd * nb + nbr + 1;
+            unsigned int got = want;
+            if (kind == 1) got = ld_cluster_shared(&mine[round & 1], (crank + 1) % csize);
+            else if (kind != 3 || first > 0) got = __ldcg(slots + (rd & 1) * nb + nbr);
+            errors += got != want;
+        }
+    }
+    // No block leaves while a neighbour may still read its shared memory.
+    if (kind == 1) cluster_barrier();
+    if (threadIdx.x == 0 && errors != 0) atomicAdd(bad, errors);
+}
+
 extern "C" __global__ void rms_norm(const float* x, float* out, const float* __restrict__ w, int d, float eps,
                                     int nrows) {
     pdl_wait();

@@ -212,6 +212,18 @@ fn occupancy(f: Func, threads: u32, smem: u32) -> Result<usize> {
         .map_err(|e| Error::Input(format!("no CUDA driver/GPU: occupancy of a kernel: {e:?}")))?;
     Ok(n.max(1) as usize)
 }
+/// The phase boundaries [`Cuda::sync_probe`] times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyncProbe {
+    /// A grid-wide barrier among one block a multiprocessor.
+    Grid,
+    /// The cluster barrier among clusters of this many blocks; whether the neighbour's value comes from its
+    /// shared memory (distributed shared memory) rather than global memory.
+    Cluster(usize, bool),
+    /// A kernel boundary: consecutive launches with programmatic dependent launch.
+    Launches,
+}
+
 /// Fewest operations a queued list needs to be considered for a graph (smaller ones run eagerly).
 const GRAPH_MIN_OPS: usize = 32;
 /// Graphs kept per backend (decode, verify of each node count in use, a DFlash round of each accepted length).
@@ -236,9 +248,9 @@ unsafe impl Sync for Ctx {}
 #[allow(clippy::large_enum_variant)]
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Op {
-    /// A kernel launch (function handle as an integer, grid, block size, dynamic shared memory bytes, argument
-    /// slots).
-    Kernel { f: usize, grid: [u32; 3], block: u32, smem: u32, n: u8, args: [u64; ARGS] },
+    /// A kernel launch (function handle as an integer, grid, block size, dynamic shared memory bytes, blocks
+    /// of a thread-block cluster along the grid's z (0 or 1: no cluster), argument slots).
+    Kernel { f: usize, grid: [u32; 3], block: u32, smem: u32, cluster: u8, n: u8, args: [u64; ARGS] },
     /// A device-to-device copy of `bytes`.
     Copy { dst: u64, src: u64, bytes: usize },
 }
@@ -366,11 +378,11 @@ impl Queue {
         let mut h = self.hash;
         let mut mix = |w: u64| h = (h.rotate_left(5) ^ w).wrapping_mul(0x517c_c1b7_2722_0a95);
         match &op {
-            Op::Kernel { f, grid, block, smem, n, args } => {
+            Op::Kernel { f, grid, block, smem, cluster, n, args } => {
                 mix(*f as u64);
                 mix(u64::from(grid[0]) | u64::from(grid[1]) << 32);
                 mix(u64::from(grid[2]) | u64::from(*block) << 32);
-                mix(u64::from(*smem) | u64::from(*n) << 32);
+                mix(u64::from(*smem) | u64::from(*n) << 32 | u64::from(*cluster) << 40);
                 args[..*n as usize].iter().for_each(|&a| mix(a));
             }
             Op::Copy { dst, src, bytes } => {
@@ -519,17 +531,30 @@ fn run_ops(ops: &[Op], stream: sys::CUstream, pdl: bool, noop: usize, only: &[us
     let mut after_kernel = false;
     for op in ops {
         match *op {
-            Op::Kernel { f, grid, block, smem, n, args } => {
+            Op::Kernel { f, grid, block, smem, cluster, n, args } => {
                 let mut ptrs = [std::ptr::null_mut::<c_void>(); ARGS];
                 for (p, v) in ptrs.iter_mut().zip(&args[..n as usize]) {
                     *p = v as *const u64 as *mut c_void;
                 }
-                let mut attr = sys::CUlaunchAttribute {
+                let mut attrs = [sys::CUlaunchAttribute {
                     id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
                     pad: [0; 4],
                     value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
-                };
-                let programmatic = pdl && after_kernel;
+                }; 2];
+                let mut na = 0;
+                if pdl && after_kernel {
+                    na += 1;
+                }
+                if cluster > 1 {
+                    attrs[na] = sys::CUlaunchAttribute {
+                        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                        pad: [0; 4],
+                        value: sys::CUlaunchAttributeValue {
+                            clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 1, y: 1, z: u32::from(cluster) },
+                        },
+                    };
+                    na += 1;
+                }
                 let config = sys::CUlaunchConfig {
                     gridDimX: grid[0],
                     gridDimY: grid[1],
@@ -539,8 +564,8 @@ fn run_ops(ops: &[Op], stream: sys::CUstream, pdl: bool, noop: usize, only: &[us
                     blockDimZ: 1,
                     sharedMemBytes: smem,
                     hStream: stream,
-                    attrs: &mut attr,
-                    numAttrs: programmatic as u32,
+                    attrs: attrs.as_mut_ptr(),
+                    numAttrs: na as u32,
                 };
                 // SAFETY: `f` is a kernel of our module whose parameters match `args` (each call site follows
                 // the signature in kernels.cu); the buffers it addresses are live device allocations of the
@@ -749,6 +774,8 @@ struct Kernels {
     mm_q3: [[Func; 2]; 3],
     /// The empty kernel ([`Cuda::set_empty_kernels`]).
     noop: Func,
+    /// The phase-boundary probe ([`Cuda::sync_probe`]).
+    sync_probe: Func,
     /// Five or more tokens, on the tensor cores (`mm_qw{1,2}_f{form}_{p4,p8}_s{S}`): `[split (MMA_SPLITS)][tile
     /// (mma_tile)][form (qform)][bits 4 packed / bytes]`.
     mm_qw: [[[[Func; 2]; 3]; 2]; 3],
@@ -1051,6 +1078,7 @@ impl Cuda {
                 [get("mm_q3_t4_p4")?, get("mm_q3_t4_p8")?],
             ],
             noop: get("noop")?,
+            sync_probe: get("sync_probe")?,
             mm_qw: qw("mm_qw")?,
             mm_q3w: qw("mm_q3w")?,
             mm_qv: qv("mm_qv")?,
@@ -1200,6 +1228,67 @@ impl Cuda {
     /// operations of a forward pass).
     pub fn launches(&self) -> u64 {
         self.queued.load(Ordering::Relaxed)
+    }
+
+    /// What a phase boundary costs on this GPU (kernels.cu, `sync_probe`; docs/cuda.md, "What a phase boundary
+    /// costs"): seconds a round, the mean of `reps` timed runs after one warm-up, and the reads that missed
+    /// the value the round should have shown them (0 for a barrier that orders). Every block writes a value,
+    /// synchronizes, and reads its neighbour's:
+    /// - [`SyncProbe::Grid`]: one launch of one block a multiprocessor (256 threads each; all resident, as a
+    ///   persistent kernel's) synchronizing `rounds` times through a grid-wide barrier (a release add, an
+    ///   acquire spin);
+    /// - [`SyncProbe::Cluster`]`(c, dsmem)`: clusters of `c` blocks (2..=8) synchronizing `rounds` times
+    ///   through the cluster barrier, the neighbour's value read from its shared memory (`dsmem`) or from global
+    ///   memory;
+    /// - [`SyncProbe::Launches`]: `rounds` launches of one round each, in one pass (a graph from the second
+    ///   run on, programmatic dependent launch between them): the kernel boundary the barriers would replace.
+    ///
+    /// # Errors
+    /// A cluster probe on a GPU below compute capability 9.0, or a cluster size outside 2..=8.
+    pub fn sync_probe(&self, probe: SyncProbe, rounds: usize, reps: usize) -> Result<(f64, u64)> {
+        let (kind, cluster) = match probe {
+            SyncProbe::Grid => (0, 1),
+            SyncProbe::Cluster(c, dsmem) => {
+                if self.capability.0 < 9 || !(2..=8).contains(&c) {
+                    return Err(Error::Input(format!("a cluster probe of {c} blocks needs sm_90 and 2..=8 blocks")));
+                }
+                (if dsmem { 1 } else { 2 }, c)
+            }
+            SyncProbe::Launches => (3, 1),
+        };
+        // One block a multiprocessor (what a persistent kernel would run: all resident, one arrival each).
+        let blocks = if kind == 0 { self.sms } else { (self.sms / cluster).max(1) * cluster };
+        let rounds = rounds.max(1);
+        // Counter, two buffers of slots, the miss count; zeroed once: the grid barrier's targets and every
+        // value written go on from run to run (`base`), so a stale value never looks current.
+        let words = 2 + 2 * blocks;
+        let mem = DevMem::new(&self.ctx, 4 * words);
+        // SAFETY: fresh memory of `4 · words` bytes that nothing queued addresses.
+        check(unsafe { result::memset_d8_async(mem.ptr, 0, mem.bytes, self.ctx.stream) }, "memset");
+        let (bar, bad, slots) = (mem.ptr, mem.ptr + 4, mem.ptr + 8);
+        let mut total = 0.0;
+        let mut base = 0usize;
+        for rep in 0..=reps.max(1) {
+            let t0 = std::time::Instant::now();
+            if kind == 3 {
+                for l in 0..rounds {
+                    let a = Args::new().p(bar).p(slots).p(bad).i(1).i(kind).i(base + l);
+                    self.launch_cluster(self.k.sync_probe, (1, 1, blocks), ATT_THREADS, 0, 1, a);
+                }
+            } else {
+                let a = Args::new().p(bar).p(slots).p(bad).i(rounds).i(kind).i(base);
+                self.launch_cluster(self.k.sync_probe, (1, 1, blocks), ATT_THREADS, 0, cluster as u8, a);
+            }
+            self.synchronize();
+            if rep > 0 {
+                total += t0.elapsed().as_secs_f64();
+            }
+            base += rounds;
+        }
+        let mut missed = 0u32;
+        // SAFETY: 4 bytes of our allocation; the stream is idle (synchronized above).
+        check(unsafe { result::memcpy_dtoh_sync(std::slice::from_mut(&mut missed), bad) }, "copy to the host");
+        Ok((total / (reps.max(1) * rounds) as f64, u64::from(missed)))
     }
 
     /// Send the queued work and wait for it (for timing).
@@ -1448,12 +1537,20 @@ impl Cuda {
 
     /// A launch with `smem` bytes of dynamic shared memory.
     fn launch_smem(&self, f: Func, grid: (usize, usize, usize), block: u32, smem: u32, args: Args) {
+        self.launch_cluster(f, grid, block, smem, 1, args)
+    }
+
+    /// A launch whose blocks form thread-block clusters of `cluster` blocks along the grid's z (sm_90; 1: none;
+    /// `grid.2` a multiple of it).
+    fn launch_cluster(&self, f: Func, grid: (usize, usize, usize), block: u32, smem: u32, cluster: u8, args: Args) {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return;
         }
+        debug_assert!(cluster <= 1 || grid.2.is_multiple_of(cluster as usize), "a grid of whole clusters");
         let g = |x: usize| u32::try_from(x).expect("CUDA grid too large");
         self.queued.fetch_add(1, Ordering::Relaxed);
-        let op = Op::Kernel { f: f.0 as usize, grid: [g(grid.0), g(grid.1), g(grid.2)], block, smem, n: args.n as u8, args: args.v };
+        let op =
+            Op::Kernel { f: f.0 as usize, grid: [g(grid.0), g(grid.1), g(grid.2)], block, smem, cluster, n: args.n as u8, args: args.v };
         self.ctx.queue().push(op);
     }
 
