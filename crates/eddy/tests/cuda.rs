@@ -352,6 +352,21 @@ fn rows_do_not_depend_on_the_batch() {
             be.attention(Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t: n, vis: Visibility::Causal }, &mut oz);
             assert!(read(&be, &oz, n * qd) == all, "n_past {n_past} hd {hd}: {z} blocks, per KV head {per_kv}: differs");
         }
+        // So do thread-block clusters over a (query, heads)'s chunks (sm_90: the records combined after the
+        // cluster barrier instead of through the device counter), for the batch and for single queries.
+        for (c, per_kv) in [(2, false), (3, true), (8, false), (8, true), (16, false), (16, true)] {
+            be.force_attention_launch(None, Some(per_kv));
+            be.force_attention_clusters(Some(c));
+            let mut oz = be.alloc(n * qd);
+            be.attention(Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t: n, vis: Visibility::Causal }, &mut oz);
+            assert!(read(&be, &oz, n * qd) == all, "n_past {n_past} hd {hd}: clusters of {c}, per KV head {per_kv}: differs");
+            let last = n - 1;
+            let ql = be.upload(&q[last * qd..]);
+            let mut ol = be.alloc(qd);
+            be.attention(Attend { shape: s, q: &ql, k: &kb, v: &vb, n_past: n_past + last, t: 1, vis: Visibility::Causal }, &mut ol);
+            assert!(read(&be, &ol, qd) == all[last * qd..], "n_past {n_past} hd {hd}: clusters of {c}, one query: differs");
+        }
+        be.force_attention_clusters(None);
         be.force_attention_launch(None, None);
         let chain = TreePaths::chain(n);
         let mut tree_out = be.alloc(n * qd);

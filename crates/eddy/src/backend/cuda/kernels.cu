@@ -27,6 +27,51 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// Thread-block clusters (sm_90; docs/cuda.md): a launch with a cluster dimension groups consecutive blocks along z
+// (Op::Kernel's `cluster`). Without one, or on older targets, a block is a cluster of one.
+// This block's rank in its cluster, and the cluster's size into `size`.
+__device__ __forceinline__ unsigned int cluster_rank_and_size(unsigned int& size) {
+    unsigned int r = 0;
+    size = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(size));
+#endif
+    return r;
+}
+// The cluster barrier in its two halves: arrive (release: this thread's earlier writes, global and shared, are
+// visible to any thread of the cluster that then waits) and wait (acquire). Every thread of the block takes both
+// (the .aligned forms); a thread may exit after arriving, and exited threads do not hold the barrier up.
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+    __syncthreads();
+#endif
+}
+__device__ __forceinline__ void cluster_barrier() {
+    cluster_arrive();
+    cluster_wait();
+}
+// The 32-bit value at `p` (this block's shared memory) in the shared memory of the cluster's block `rank`.
+__device__ __forceinline__ unsigned int ld_cluster_shared(const unsigned int* p, unsigned int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned int v;
+    const unsigned int a = (unsigned int)__cvta_generic_to_shared(p);
+    unsigned int ra;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(ra) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.u32 %0, [%1];\n" : "=r"(v) : "r"(ra) : "memory");
+    return v;
+#else
+    return *p;
+#endif
+}
+
 // A hint to bring the 128-byte line at `p` into L2 (no register, no result): the products prefetch their
 // weights, which no kernel writes, before pdl_wait().
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
@@ -1839,36 +1884,6 @@ __device__ __forceinline__ void red_release_gpu(unsigned int* p, unsigned int v)
     atomicAdd(p, v);
 #endif
 }
-__device__ __forceinline__ unsigned int cluster_rank_and_size(unsigned int& size) {
-    unsigned int r = 0;
-    size = 1;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(size));
-#endif
-    return r;
-}
-__device__ __forceinline__ void cluster_barrier() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#else
-    __syncthreads();
-#endif
-}
-// The 32-bit value at `p` (this block's shared memory) in the shared memory of the cluster's block `rank`.
-__device__ __forceinline__ unsigned int ld_cluster_shared(const unsigned int* p, unsigned int rank) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned int v;
-    const unsigned int a = (unsigned int)__cvta_generic_to_shared(p);
-    unsigned int ra;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(ra) : "r"(a), "r"(rank));
-    asm volatile("ld.shared::cluster.u32 %0, [%1];\n" : "=r"(v) : "r"(ra) : "memory");
-    return v;
-#else
-    return *p;
-#endif
-}
 extern "C" __global__ void sync_probe(unsigned int* bar, unsigned int* slots, unsigned int* bad, int rounds, int kind,
                                       int first) {
     __shared__ unsigned int mine[2];
@@ -2293,12 +2308,27 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2)
             quant_group(val, tid & 31, i * (qd >> 5) + g, qsigns != nullptr ? qsigns + g * 32 : nullptr, o);
         }
     };
+    // The chunks' combination (their records complete and visible), in chunk order.
+    auto combine = [&]() {
+        const float* base = part + ((long long)i * n_heads + h) * nmax * (hd + 2);
+        const float M = att_combine_max(base, nch, hd);
+        for (int d = tid; d < hd; d += ATT_THREADS) {
+            float Z;
+            const float o = att_combine_value(base, nch, hd, M, d, Z);
+            put(d, __fmul_rn(o, __fdiv_rn(1.0f, Z)));
+        }
+    };
     if (nk <= 0) {
         if (blockIdx.z == 0)
             for (int d = tid; d < hd; d += ATT_THREADS) put(d, 0.0f);
         return;
     }
-    if ((int)blockIdx.z >= nch) return;
+    if ((int)blockIdx.z >= nch) return;  // (an exited block does not hold a cluster barrier up)
+    // Launched in clusters (the whole z range of a (query, head) one cluster: rank = z), the blocks' chunk
+    // records meet at the cluster barrier and block 0 combines them; otherwise the last block to finish does.
+    unsigned int csize;
+    const unsigned int crank = cluster_rank_and_size(csize);
+    const bool clustered = csize > 1;
     const int kvh = h / (n_heads / n_kv_heads);
     for (int d = tid; d < hd; d += ATT_THREADS) qs[d] = d == tid ? q0 : qh[d];
     const bool single = nch == 1;
@@ -2414,6 +2444,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2)
             pp[0] = m;
             pp[1] = z;
         }
+        if (clustered) continue;
         // The last block of this (query, head) to finish a chunk combines the chunks.
         __threadfence();
         __syncthreads();
@@ -2423,14 +2454,14 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2)
         if (!last) continue;
         __threadfence();
         if (tid == 0) *cnt_at = 0;
-        const float* base = part + ((long long)i * n_heads + h) * nmax * (hd + 2);
-        const float M = att_combine_max(base, nch, hd);
-        for (int d = tid; d < hd; d += ATT_THREADS) {
-            float Z;
-            const float o = att_combine_value(base, nch, hd, M, d, Z);
-            put(d, __fmul_rn(o, __fdiv_rn(1.0f, Z)));
-        }
+        combine();
         return;
+    }
+    if (clustered && !single) {
+        cluster_arrive();  // this block's records are written (each thread releases its own writes)
+        if (crank != 0) return;
+        cluster_wait();
+        combine();
     }
 }
 
@@ -2520,7 +2551,24 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2)
                 for (int d = lane; d < hd; d += 32) put(h0 + r, d, 0.0f);
         return;
     }
-    if ((int)blockIdx.z >= nch) return;
+    if ((int)blockIdx.z >= nch) return;  // (an exited block does not hold a cluster barrier up)
+    // Launched in clusters (rank = z), the chunk records meet at the cluster barrier and block 0's warps combine
+    // them per head; otherwise the last block to finish a (query, head) does.
+    unsigned int csize;
+    const unsigned int crank = cluster_rank_and_size(csize);
+    const bool clustered = csize > 1;
+    // Head h's combination (its records complete and visible), in chunk order, by one warp.
+    auto combine = [&](int h) {
+        const float* base = part + ((long long)i * n_heads + h) * nmax * (hd + 2);
+        const float M = att_combine_max(base, nch, hd);
+        for (int d0 = 0; d0 < hd; d0 += 32) {
+            const int d = d0 + lane;
+            if (d >= hd) break;  // hd % 32 != 0 (never with quantization, which needs whole groups)
+            float Z;
+            const float o = att_combine_value(base, nch, hd, M, d, Z);
+            put(h, d, __fmul_rn(o, __fdiv_rn(1.0f, Z)));
+        }
+    };
 #pragma unroll
     for (int u = 0; u < ATT_KV_QB; ++u)
         if (tid + u * ATT_THREADS < g * hd) qs[tid + u * ATT_THREADS] = qpre[u];
@@ -2626,6 +2674,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2)
                 pp[0] = m;
                 pp[1] = z;
             }
+            if (clustered) continue;
             // The last block of this (query, head) to finish a chunk combines the chunks.
             __threadfence();
             __syncwarp();
@@ -2636,16 +2685,14 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2)
             if (!last) continue;
             __threadfence();
             if (lane == 0) *cnt_at = 0;
-            const float* base = part + ((long long)i * n_heads + h) * nmax * (hd + 2);
-            const float M = att_combine_max(base, nch, hd);
-            for (int d0 = 0; d0 < hd; d0 += 32) {
-                const int d = d0 + lane;
-                if (d >= hd) break;  // hd % 32 != 0 (never with quantization, which needs whole groups)
-                float Z;
-                const float o = att_combine_value(base, nch, hd, M, d, Z);
-                put(h, d, __fmul_rn(o, __fdiv_rn(1.0f, Z)));
-            }
+            combine(h);
         }
+    }
+    if (clustered && !single) {
+        cluster_arrive();  // this block's records are written (each thread releases its own writes)
+        if (crank != 0) return;
+        cluster_wait();
+        for (int r = warp; r < g; r += ATT_THREADS / 32) combine(h0 + r);
     }
 }
 

@@ -173,6 +173,9 @@ fn norm_threads(d: usize) -> u32 {
 const ATT_MAX_HD: usize = 512;
 /// Keys per block of the attention kernel (`ATT_CHUNK`).
 const ATT_CHUNK: usize = 64;
+/// Most blocks of an attention cluster (`EDDY_CUDA_ATT_CLUSTER`): 8 is the portable limit, 16 what sm_90 allows
+/// a kernel that opts in (both attention kernels do).
+const ATT_MAX_CLUSTER: usize = 16;
 /// Fewest queries of an attention launch that runs `attention_kv` (one block per KV head and query: its query
 /// heads share each chunk's keys and values in shared memory); `EDDY_CUDA_ATT_KV_MIN` overrides it (0: never).
 /// Measured on the H200 (docs/cuda.md, session 16; 0.5B, 7 query heads per KV head): a 64-token prefill pass's
@@ -920,6 +923,11 @@ pub struct Cuda {
     forced_att_kernel: AtomicUsize,
     /// Fewest queries whose attention runs `attention_kv` ([`ATT_KV_MIN_T`]).
     att_kv_min: usize,
+    /// Blocks of the thread-block cluster a (query, heads) of `attention` / `attention_kv` runs as (its chunk
+    /// records combined after the cluster barrier instead of by the last block through a device counter), or 0
+    /// for no clusters (the default): `EDDY_CUDA_ATT_CLUSTER` (2 to 16) at start,
+    /// [`Cuda::force_attention_clusters`]. Taken only on sm_90 and later.
+    att_cluster: AtomicUsize,
     /// Whether large tensor-core products run on a grid of at most the blocks that fit at once, each walking
     /// several row tiles with the next one's loads in flight (`EDDY_CUDA_PERSIST=0`: one row tile per block).
     persist: bool,
@@ -1164,6 +1172,20 @@ impl Cuda {
             )
         }
         .map_err(|e| no(format!("shared memory for the empty kernel: {e:?}")))?;
+        // Attention clusters of up to 16 blocks (sm_90's non-portable size; `att_cluster`).
+        if capability.0 >= 9 {
+            for f in [k.attention.0, k.attention_kv.0] {
+                // SAFETY: a kernel of the loaded module; an attribute sm_90 defines.
+                unsafe {
+                    result::function::set_function_attribute(
+                        f,
+                        sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                        1,
+                    )
+                }
+                .map_err(|e| no(format!("clusters of 16 blocks for the attention: {e:?}")))?;
+            }
+        }
         // Programmatic dependent launch needs sm_90 (`griddepcontrol`); EDDY_CUDA_PDL=0 turns it off.
         let att_occupancy = occupancy(k.attention, ATT_THREADS, 0)?;
         ctx.queue().pdl = capability.0 >= 9 && std::env::var("EDDY_CUDA_PDL").map_or(true, |v| v != "0");
@@ -1181,6 +1203,13 @@ impl Cuda {
             forced_row_blocks: AtomicUsize::new(0),
             forced_att_blocks: AtomicUsize::new(std::env::var("EDDY_CUDA_ATT_BLOCKS").ok().and_then(|v| v.parse().ok()).unwrap_or(0)),
             forced_att_kernel: AtomicUsize::new(0),
+            att_cluster: AtomicUsize::new(
+                std::env::var("EDDY_CUDA_ATT_CLUSTER")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .filter(|c| (2..=ATT_MAX_CLUSTER).contains(c))
+                    .unwrap_or(0),
+            ),
             att_kv_min: std::env::var("EDDY_CUDA_ATT_KV_MIN").ok().and_then(|v| v.parse().ok()).map_or(ATT_KV_MIN_T, |m: usize| {
                 if m == 0 {
                     usize::MAX
@@ -1421,6 +1450,29 @@ impl Cuda {
         assert!(blocks != Some(0), "0 attention blocks per (query, heads)");
         self.forced_att_blocks.store(blocks.unwrap_or(0), Ordering::Relaxed);
         self.forced_att_kernel.store(per_kv_head.map_or(0, |k| if k { 2 } else { 1 }), Ordering::Relaxed);
+    }
+
+    /// Run `attention` and `attention_kv` as thread-block clusters of `blocks` blocks (2 to 16, at most the
+    /// chunks the cache holds) over each (query, heads)'s chunks, their records combined by the cluster's
+    /// first block after the cluster barrier; `None`: as `EDDY_CUDA_ATT_CLUSTER` said at start (unset: no
+    /// clusters, the last block to finish combines through a device counter). The results do not depend on it
+    /// (batch invariance); ignored below compute capability 9.0; for tests and measurements.
+    ///
+    /// # Panics
+    /// On a size outside 2..=16.
+    pub fn force_attention_clusters(&self, blocks: Option<usize>) {
+        let c = match blocks {
+            Some(c) => {
+                assert!((2..=ATT_MAX_CLUSTER).contains(&c), "attention clusters of 2 to {ATT_MAX_CLUSTER} blocks");
+                c
+            }
+            None => std::env::var("EDDY_CUDA_ATT_CLUSTER")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|c| (2..=ATT_MAX_CLUSTER).contains(c))
+                .unwrap_or(0),
+        };
+        self.att_cluster.store(c, Ordering::Relaxed);
     }
 
     /// The `dp4a` kernel for `n` tokens (at most `DP4A_MAX`, or `MM_TT` through `EDDY_CUDA_DP4A_MAX`): (index
@@ -1851,15 +1903,18 @@ impl Cuda {
         } else {
             self.att_occupancy
         };
+        // In clusters, the cluster is the (query, heads)'s whole z range.
+        let cluster = match self.att_cluster.load(Ordering::Relaxed) {
+            c if c >= 2 && self.capability.0 >= 9 => c.min(nmax),
+            _ => 1,
+        };
         let z = match self.forced_att_blocks.load(Ordering::Relaxed) {
+            _ if cluster > 1 => cluster,
             0 => att_chunk_blocks(heads, t, nmax, per_sm * self.sms),
             f => f.min(nmax),
         };
-        if per_kv {
-            self.launch_smem(self.k.attention_kv, (heads, t, z), ATT_THREADS, kv_smem, a);
-        } else {
-            self.launch3(self.k.attention, (heads, t, z), ATT_THREADS, a);
-        }
+        let f = if per_kv { self.k.attention_kv } else { self.k.attention };
+        self.launch_cluster(f, (heads, t, z), ATT_THREADS, if per_kv { kv_smem } else { 0 }, cluster as u8, a);
     }
 
     /// The key lists of `t` queries (see the attention kernel): per query `(lo, hi, path offset, path
