@@ -489,12 +489,13 @@ fn multi_token_products_equal_the_one_token_kernel() {
             }
             // Every launch shape of the tensor-core kernels: mm_qw's split of a row tile over 1, 2, 4 blocks and
             // grids of one block walking every row tile or two walking half each (next tile's loads in flight),
-            // mm_qv with 4, 8, 16 warps a tile; then the large-tile kernels (mm_qt) for every n from 5.
-            for (split, row_blocks, qv, tiled) in
-                LAUNCHES.into_iter().map(|(s, r, v)| (s, r, v, Some(false))).chain([(None, None, None, Some(true))])
-            {
+            // mm_qv with 4, 8, 16 warps a tile, and each tile split over a cluster of 2–8 blocks (sm_90); then the
+            // large-tile kernels (mm_qt) for every n from 5.
+            let plain = LAUNCHES.into_iter().map(|(s, r, v)| (s, r, v, Some(false), None));
+            for (split, row_blocks, qv, tiled, cluster) in plain.chain(QV_CLUSTERS).chain([(None, None, None, Some(true), None)]) {
                 be.force_product_launch(split, row_blocks);
                 be.force_verify_products(qv);
+                be.force_verify_clusters(cluster);
                 be.force_tiled_products(tiled);
                 for &n in &ns {
                     let mut xq = be.new_qact();
@@ -505,7 +506,7 @@ fn multi_token_products_equal_the_one_token_kernel() {
                         let (got, want) = (&all[t * rows..(t + 1) * rows], &ones[t * rows..(t + 1) * rows]);
                         if let Some(r) = (0..rows).find(|&r| got[r].to_bits() != want[r].to_bits()) {
                             panic!(
-                                "{name} {rows}×{cols}: n = {n}, token {t}, row {r}, split {split:?}, row blocks {row_blocks:?}, qv {qv:?}, tiled {tiled:?}: {} vs one-token {}",
+                                "{name} {rows}×{cols}: n = {n}, token {t}, row {r}, split {split:?}, row blocks {row_blocks:?}, qv {qv:?} cluster {cluster:?}, tiled {tiled:?}: {} vs one-token {}",
                                 got[r], want[r]
                             );
                         }
@@ -514,6 +515,7 @@ fn multi_token_products_equal_the_one_token_kernel() {
             }
             be.force_product_launch(None, None);
             be.force_verify_products(None);
+            be.force_verify_clusters(None);
             be.force_tiled_products(None);
             // Prefill runs on mm_qp*: one or several token tiles (65: one token past the first; 130: three, the
             // last partial).
@@ -544,10 +546,14 @@ fn multi_token_products_equal_the_one_token_kernel() {
     for kind in [QuantKind::Q8, QuantKind::Q4] {
         let ws: Vec<_> = rows_of.iter().map(|&r| be.upload_weights(quantize_f32(r, cols, &rng.vec(r * cols), kind))).collect();
         let biases: Vec<_> = rows_of.iter().map(|&r| be.upload(&rng.vec(r))).collect();
-        let launches = [3usize, 24].into_iter().flat_map(|n| LAUNCHES.into_iter().map(move |(s, r, v)| (n, s, r, v, Some(false))));
-        for (n, split, row_blocks, qv, tiled) in launches.chain([(24, None, None, None, Some(true)), (64, None, None, None, None)]) {
+        let launches = [3usize, 24].into_iter().flat_map(|n| LAUNCHES.into_iter().map(move |(s, r, v)| (n, s, r, v, Some(false), None)));
+        let clusters = QV_CLUSTERS.into_iter().map(|(s, r, v, t, c)| (24, s, r, v, t, c));
+        for (n, split, row_blocks, qv, tiled, cluster) in
+            launches.chain(clusters).chain([(24, None, None, None, Some(true), None), (64, None, None, None, None, None)])
+        {
             be.force_product_launch(split, row_blocks);
             be.force_verify_products(qv);
+            be.force_verify_clusters(cluster);
             be.force_tiled_products(tiled);
             let x = rng.vec(n * cols);
             let mut xq = be.new_qact();
@@ -572,7 +578,7 @@ fn multi_token_products_equal_the_one_token_kernel() {
                     be.read(&outs[i], t, 1, r, &mut all);
                     assert!(
                         read(&be, &ones[i], r) == all,
-                        "{kind:?} matmul_parts part {i}: token {t} of n = {n} differs from n = 1 (split {split:?}, row blocks {row_blocks:?}, qv {qv:?}, tiled {tiled:?})"
+                        "{kind:?} matmul_parts part {i}: token {t} of n = {n} differs from n = 1 (split {split:?}, row blocks {row_blocks:?}, qv {qv:?} cluster {cluster:?}, tiled {tiled:?})"
                     );
                 }
             }
@@ -606,6 +612,20 @@ fn multi_token_products_equal_the_one_token_kernel() {
 /// Launch shapes of the tensor-core products the tests force (mm_qw's split, most row blocks; mm_qv's warps a
 /// tile, Some(0) for mm_qw): as chosen, each split of mm_qw on one block walking every row tile and on two,
 /// and mm_qv with each warp count.
+/// A product's launch as the tests force it: split, row blocks, warps a `mm_qv` tile, tiled, `mm_qv` cluster.
+type ProductLaunch = (Option<usize>, Option<usize>, Option<usize>, Option<bool>, Option<usize>);
+
+/// `mm_qv*` with its row tiles split over thread-block clusters (sm_90; [`Cuda::force_verify_clusters`]): (split,
+/// row blocks, warps a tile, tiled, cluster blocks), every size each warp count allows.
+const QV_CLUSTERS: [ProductLaunch; 6] = [
+    (None, None, Some(4), Some(false), Some(2)),
+    (None, None, Some(4), Some(false), Some(8)),
+    (None, None, Some(8), Some(false), Some(2)),
+    (None, None, Some(8), Some(false), Some(4)),
+    (None, None, Some(16), Some(false), Some(2)),
+    (None, None, None, Some(false), Some(4)),
+];
+
 const LAUNCHES: [(Option<usize>, Option<usize>, Option<usize>); 12] = [
     (None, None, None),
     (None, None, Some(0)),

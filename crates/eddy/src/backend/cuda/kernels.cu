@@ -58,6 +58,8 @@ __device__ __forceinline__ void cluster_barrier() {
     cluster_arrive();
     cluster_wait();
 }
+// The float at `p` (this block's shared memory) in the shared memory of the cluster's block `rank`.
+__device__ __forceinline__ float ld_cluster_shared_f32(const float* p, unsigned int rank);
 // The 32-bit value at `p` (this block's shared memory) in the shared memory of the cluster's block `rank`.
 __device__ __forceinline__ unsigned int ld_cluster_shared(const unsigned int* p, unsigned int rank) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -70,6 +72,10 @@ __device__ __forceinline__ unsigned int ld_cluster_shared(const unsigned int* p,
 #else
     return *p;
 #endif
+}
+
+__device__ __forceinline__ float ld_cluster_shared_f32(const float* p, unsigned int rank) {
+    return __uint_as_float(ld_cluster_shared(reinterpret_cast<const unsigned int*>(p), rank));
 }
 
 // A hint to bring the 128-byte line at `p` into L2 (no register, no result): the products prefetch their
@@ -847,7 +853,7 @@ struct QvSmem {
     }
 };
 
-template <int NJ, bool P4, int FORM, int S>
+template <int NJ, bool P4, int FORM, int S, bool CL>
 __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half, const unsigned char* __restrict__ tq,
                                            long long tg, int n) {
     using L = QvSmem<P4, FORM, S>;
@@ -856,12 +862,20 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
     static_assert(S == 4 || S == 8 || S == 16, "4, 8 or 16 warps a tile");
     static_assert(L::stage % 16 == 0, "16-byte aligned stages");
     __shared__ __align__(16) unsigned char smem[L::template bytes<NJ>()];
-    static_assert(L::template bytes<NJ>() <= 48 * 1024, "static shared memory");
+    __shared__ float csum[CL ? MMA_ROWS * NT : 1];  // the block's subtree sums, read by the cluster's block 0
+    static_assert(L::template bytes<NJ>() + MMA_ROWS * NT * 4 <= 48 * 1024, "static shared memory");
     unsigned char(&ring_all)[S][D][L::stage] = *reinterpret_cast<unsigned char(*)[S][D][L::stage]>(smem);
     float(&red)[S][MMA_ROWS * NT] = *reinterpret_cast<float(*)[S][MMA_ROWS * NT]>(smem);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, q = lane & 3;
     const int tile = blockIdx.x, t0 = blockIdx.y * NT;
+    // CL (the `…c` kernels): a tile split over a cluster of SC blocks along z (the host keeps SC ≤ 32 / S): block
+    // h owns the visits 32h/SC .. 32(h+1)/SC − 1, its warp w the VR = V / SC of them from VR·(S·h + w), i.e. the
+    // subtree T(VR·(S·h + w), VR); the block's warps build T(32h/SC, 32/SC), and block 0 adds the SC block sums
+    // in the binary tree over consecutive blocks: mm_q_t1's tree still.
+    unsigned int sc_n = 1, sc_h = 0;
+    if (CL) sc_h = cluster_rank_and_size(sc_n);
+    const int VR = CL ? V / (int)sc_n : V, wv = VR * (S * (int)sc_h + warp);
     int r0;
     const int p = PT.part(tile, r0);
     const uint8_t* __restrict__ codes = QParts::pick(PT.c, p);
@@ -877,15 +891,15 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
     const float* __restrict__ mbase = FORM == 1 ? mn + (long long)min(r0 + min(lane, 15), rows - 1) * nblk : nullptr;
     const int cdst = P4 ? lane * 16 : (lane >> 1) * RS + (lane & 1) * 16;
     // The issue cursor: visit ki's block bi, D blocks ahead of the compute walk (ki = V: past the end).
-    int ki = 0, bi = rev5(V * warp);
+    int ki = 0, bi = rev5(wv);
     auto norm = [&]() {
-        while (ki < V && bi >= nblk) {
+        while (ki < VR && bi >= nblk) {
             ++ki;
-            bi = ki < V ? rev5(V * warp + ki) : nblk;
+            bi = ki < VR ? rev5(wv + ki) : nblk;
         }
     };
     auto issue = [&](int slot) {
-        if (ki < V) {
+        if (ki < VR) {
             unsigned char* st = ring[slot];
             if (P4 ? lane < 16 : true) cp_async16(st + cdst, cbase + (long long)bi * CS);
             if (lane < MMA_ROWS * SPB) cp_async4(st + L::scales + lane * 4, sbase + (long long)bi * SPB);
@@ -920,12 +934,13 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
     int slot = 0;
 #pragma unroll
     for (int k = 0; k < V; ++k) {
+        if (CL && k >= VR) break;  // a split tile: this warp's VR visits are done
 #pragma unroll
         for (int j = 0; j < NJ; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) cur[j][e] = 0.0f;
 #pragma unroll 1
-        for (int b = rev5(V * warp + k); b < nblk; b += 32) {
+        for (int b = rev5(wv + k); b < nblk; b += 32) {
             cp_async_wait<D - 1>();
             __syncwarp();
             const unsigned char* stg = ring[slot];
@@ -1012,7 +1027,7 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
     }
     cp_async_wait<0>();  // no copy outlives the block (the tail's issues were empty groups)
     __syncthreads();     // every warp is done with its ring: the sums go over the rings
-    // After the last visit (k = V - 1, all ones) cur holds the warp's subtree T(V·warp, V).
+    // After the last visit (k = VR - 1, all ones) cur holds the warp's subtree T(wv, VR).
     float(&res)[NJ][4] = cur;
     // The warps' subtrees meet in the binary tree over consecutive warps, then the bias.
 #pragma unroll
@@ -1030,8 +1045,31 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
         for (int s = 1; s < S; s <<= 1)
 #pragma unroll
             for (int i = 0; i < S; i += 2 * s) x[i] = __fadd_rn(x[i], x[i + s]);
+        if (CL && sc_n > 1) {
+            csum[o] = x[0];
+            continue;
+        }
         const int gr = r0 + o % MMA_ROWS, t = t0 + o / MMA_ROWS;
         if (gr < rows && t < n) out[(long long)t * rows + gr] = bias != nullptr ? __fadd_rn(x[0], bias[gr]) : x[0];
+    }
+    if (CL && sc_n > 1) {
+        cluster_barrier();  // every block's sums are in its shared memory
+        if (sc_h == 0) {
+            for (int o = tid; o < MMA_ROWS * NT; o += 32 * S) {
+                float x[8];  // SC ≤ 8 (S ≥ 4)
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+                    if (i < (int)sc_n) x[i] = i == 0 ? csum[o] : ld_cluster_shared_f32(&csum[o], i);
+#pragma unroll
+                for (int s = 1; s < 8; s <<= 1)
+#pragma unroll
+                    for (int i = 0; i < 8; i += 2 * s)
+                        if (i + s < (int)sc_n) x[i] = __fadd_rn(x[i], x[i + s]);
+                const int gr = r0 + o % MMA_ROWS, t = t0 + o / MMA_ROWS;
+                if (gr < rows && t < n) out[(long long)t * rows + gr] = bias != nullptr ? __fadd_rn(x[0], bias[gr]) : x[0];
+            }
+        }
+        cluster_barrier();  // no block leaves while block 0 may still read its sums
     }
 }
 
@@ -1040,8 +1078,8 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
 // Blocks a multiprocessor should hold at once (registers capped to fit them): 1 (no cap; capping to 24 warps
 // spilled the group-16 variants).
 #define QV_MINB(S) 1
-#define MM_QV_P(NJ, F, P4, PS, S)                                                                            \
-    extern "C" __global__ void __launch_bounds__(32 * S, QV_MINB(S)) mm_qv##NJ##_f##F##_##PS##_w##S(                      \
+#define MM_QV_PX(NJ, F, P4, PS, S, CL, SUF)                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * S, QV_MINB(S)) mm_qv##NJ##_f##F##_##PS##_w##S##SUF(                      \
         const uint8_t* codes, const float* sc, const float* mn, int rows, int cols, int half, int g16,       \
         const int8_t* xq, const float* xs, const int* xsum, const float* xdsum, const int* xsum16, int n,    \
         const float* bias, float* out, const unsigned char* tq, long long tg) {                              \
@@ -1049,9 +1087,9 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
         const QParts pt = {{codes, nullptr, nullptr}, {sc, nullptr, nullptr}, {mn, nullptr, nullptr},        \
                            {bias, nullptr, nullptr},  {out, nullptr, nullptr}, {rows, 0, 0},                  \
                            (rows + MMA_ROWS - 1) / MMA_ROWS, 0};                                             \
-        mm_qv_impl<NJ, P4, F, S>(pt, cols, half, tq, tg, n);                                                \
+        mm_qv_impl<NJ, P4, F, S, CL>(pt, cols, half, tq, tg, n);                                                \
     }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * S, QV_MINB(S)) mm_q3v##NJ##_f##F##_##PS##_w##S(                     \
+    extern "C" __global__ void __launch_bounds__(32 * S, QV_MINB(S)) mm_q3v##NJ##_f##F##_##PS##_w##S##SUF(                     \
         int cols, int half, int g16, const int8_t* xq, const float* xs, const int* xsum, const float* xdsum, \
         const int* xsum16, int n, const uint8_t* c0, const float* s0, const float* m0, int r0,               \
         const float* b0, float* o0, const uint8_t* c1, const float* s1, const float* m1, int r1,             \
@@ -1059,8 +1097,10 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
         const float* b2, float* o2, const unsigned char* tq, long long tg) {                                 \
         (void)g16, (void)xq, (void)xs, (void)xsum, (void)xdsum, (void)xsum16;                                \
         const QParts pt = QPARTS3;                                                                           \
-        mm_qv_impl<NJ, P4, F, S>(pt, cols, half, tq, tg, n);                                                \
+        mm_qv_impl<NJ, P4, F, S, CL>(pt, cols, half, tq, tg, n);                                                \
     }
+// The kernels (`…_w{S}`) and their cluster-split forms (`…_w{S}c`, launched in clusters along z).
+#define MM_QV_P(NJ, F, P4, PS, S) MM_QV_PX(NJ, F, P4, PS, S, false, ) MM_QV_PX(NJ, F, P4, PS, S, true, c)
 MM_FAMILY(MM_QV_P, 4, 8, 16)
 // And tiles of 32 tokens (17–32 in one pass over the weights).
 #define MM_QV4(F, S) MM_PACKINGS(MM_QV_P, 4, F, S)

@@ -227,6 +227,11 @@ pub enum SyncProbe {
     Launches,
 }
 
+/// `EDDY_CUDA_QV_CLUSTER` (2, 4 or 8; anything else: 0, no clusters).
+fn qv_cluster_from_env() -> usize {
+    std::env::var("EDDY_CUDA_QV_CLUSTER").ok().and_then(|v| v.parse().ok()).filter(|c| [2, 4, 8].contains(c)).unwrap_or(0)
+}
+
 /// Fewest operations a queued list needs to be considered for a graph (smaller ones run eagerly).
 const GRAPH_MIN_OPS: usize = 32;
 /// Graphs kept per backend (decode, verify of each node count in use, a DFlash round of each accepted length).
@@ -787,8 +792,13 @@ struct Kernels {
     /// The verify sizes on the tensor cores, warps with loads of their own (`mm_qv{1,2,4}_f{form}_{p4,p8}_w{S}`):
     /// `[warps per row tile (QV_WARPS)][tile (qv_tile)][form (qform)][bits 4 packed / bytes]`.
     mm_qv: [[[[Func; 2]; 3]; 3]; 3],
+    /// Their cluster-split forms (`…_w{S}c`): a row tile's visits split over a thread-block cluster along z,
+    /// the block sums added by the cluster's first block ([`Cuda::qv_plan`], `EDDY_CUDA_QV_CLUSTER`).
+    mm_qvc: [[[[Func; 2]; 3]; 3]; 3],
     /// The same for up to three matrices in one launch.
     mm_q3v: [[[[Func; 2]; 3]; 3]; 3],
+    /// `mm_q3v*`'s cluster-split forms.
+    mm_q3vc: [[[[Func; 2]; 3]; 3]; 3],
     /// Dynamic shared memory bytes of `mm_qw` / `mm_q3w` (the kernels' table `mm_qw_smem`, same index).
     mm_qw_smem: [[[[u32; 2]; 3]; 2]; 3],
     /// Large products on the tensor cores with large tiles (`mm_qt2_f{form}_{p4,p8}`): `[form (qform)][bits 4
@@ -951,6 +961,11 @@ pub struct Cuda {
     /// (up to `QV_MAX` tokens, warps per tile by [`Cuda::qv_plan`]), [`QV_OFF`] never (`mm_qw*`), else always with that
     /// many warps per row tile (4, 8, 16); `EDDY_CUDA_QV` at start, [`Cuda::force_verify_products`].
     forced_qv: AtomicUsize,
+    /// Blocks of the cluster an `mm_qv*` row tile is split over, or 0 for none ([`Cuda::qv_plan`],
+    /// `EDDY_CUDA_QV_CLUSTER`, [`Cuda::force_verify_clusters`]); whether every launch splits (else only launches
+    /// of fewer tiles than multiprocessors).
+    qv_cluster: AtomicUsize,
+    qv_cluster_always: AtomicBool,
     name: String,
     capability: (i32, i32),
     /// The GPU's PCI address (`domain:bus:device.function`), when the driver gives it.
@@ -1032,9 +1047,9 @@ impl Cuda {
             let sp = |s: &str| -> Result<[[[Func; 2]; 3]; 2]> { Ok([tile(base, 1, s)?, tile(base, 2, s)?]) };
             Ok([sp("s1")?, sp("s2")?, sp("s4")?])
         };
-        let qv = |base: &str| -> Result<[[[[Func; 2]; 3]; 3]; 3]> {
+        let qv = |base: &str, c: &str| -> Result<[[[[Func; 2]; 3]; 3]; 3]> {
             let sp = |s: &str| -> Result<[[[Func; 2]; 3]; 3]> { Ok([tile(base, 1, s)?, tile(base, 2, s)?, tile(base, 4, s)?]) };
-            Ok([sp("w4")?, sp("w8")?, sp("w16")?])
+            Ok([sp(&format!("w4{c}"))?, sp(&format!("w8{c}"))?, sp(&format!("w16{c}"))?])
         };
         // The products' shared-memory tables (i32 bytes per variant, beyond the 48 KB a launch gets unasked).
         let table = |name: &str, len: usize| -> Result<Vec<i32>> {
@@ -1089,8 +1104,10 @@ impl Cuda {
             sync_probe: get("sync_probe")?,
             mm_qw: qw("mm_qw")?,
             mm_q3w: qw("mm_q3w")?,
-            mm_qv: qv("mm_qv")?,
-            mm_q3v: qv("mm_q3v")?,
+            mm_qv: qv("mm_qv", "")?,
+            mm_q3v: qv("mm_q3v", "")?,
+            mm_qvc: qv("mm_qv", "c")?,
+            mm_q3vc: qv("mm_q3v", "c")?,
             mm_qw_smem: smem,
             mm_qt: qt("mm_qt")?,
             mm_q3t: qt("mm_q3t")?,
@@ -1231,6 +1248,8 @@ impl Cuda {
                 Ok("3") => 3,
                 _ => FA_PV_PRODUCTS,
             }),
+            qv_cluster: AtomicUsize::new(qv_cluster_from_env()),
+            qv_cluster_always: AtomicBool::new(false),
             forced_qv: AtomicUsize::new(match std::env::var("EDDY_CUDA_QV").ok().and_then(|v| v.parse::<usize>().ok()) {
                 Some(0) => QV_OFF,
                 Some(w) if QV_WARPS.contains(&w) => w,
@@ -1420,6 +1439,10 @@ impl Cuda {
     /// `QV_MAX` tokens, with 8 warps a tile where that brings `QV_MIN_WARPS_PER_SM` warps to every
     /// multiprocessor, else 16 (measured on the 1.5B's shapes, random Q4_K/Q6_K-form weights, 8–32 tokens: 8
     /// beat 4 everywhere, e.g. the LM head at 16 tokens 166 against 186 µs, and 16 gains where tiles are few).
+    ///
+    /// The third grid dimension is the cluster size: 1, or with `EDDY_CUDA_QV_CLUSTER=c` (sm_90) `c` (at most
+    /// 32 / warps) where the launch has fewer row and token tiles than the GPU has multiprocessors — each tile then
+    /// split over a cluster of `c` blocks (`mm_qvc*`) — or always where [`Cuda::force_verify_clusters`] says so.
     fn qv_plan(&self, tiles: usize, n: usize, xq: &CudaQAct) -> Option<(usize, (usize, usize, usize))> {
         if xq.tg == 0 {
             return None;
@@ -1434,7 +1457,34 @@ impl Cuda {
             w => w,
         };
         let wi = QV_WARPS.iter().position(|&w| w == warps).expect("a warp count of QV_WARPS");
-        Some((wi, (tiles, ttiles, 1)))
+        let cluster = match self.qv_cluster.load(Ordering::Relaxed) {
+            c if c >= 2 && self.capability.0 >= 9 && (self.qv_cluster_always.load(Ordering::Relaxed) || tiles * ttiles < self.sms) => {
+                c.min(32 / warps)
+            }
+            _ => 1,
+        };
+        Some((wi, (tiles, ttiles, cluster)))
+    }
+
+    /// Split every `mm_qv*` row tile over a thread-block cluster of `blocks` blocks (2, 4 or 8; at most 32 / the
+    /// tile's warps): `Some`, for every launch; `None`, as `EDDY_CUDA_QV_CLUSTER` said at start (unset: never;
+    /// set: launches of fewer tiles than multiprocessors). The results do not depend on it (batch invariance);
+    /// ignored below compute capability 9.0; for tests and measurements.
+    ///
+    /// # Panics
+    /// On other sizes.
+    pub fn force_verify_clusters(&self, blocks: Option<usize>) {
+        match blocks {
+            Some(c) => {
+                assert!([2, 4, 8].contains(&c), "verify-product clusters of 2, 4 or 8 blocks");
+                self.qv_cluster.store(c, Ordering::Relaxed);
+                self.qv_cluster_always.store(true, Ordering::Relaxed);
+            }
+            None => {
+                self.qv_cluster.store(qv_cluster_from_env(), Ordering::Relaxed);
+                self.qv_cluster_always.store(false, Ordering::Relaxed);
+            }
+        }
     }
 
     /// Run the attention with `blocks` blocks per (query, heads), each walking every `blocks`-th key chunk
@@ -1766,7 +1816,8 @@ impl Cuda {
                 } else if let Some((wi, grid)) = self.qv_plan(rows.div_ceil(MMA_ROWS), n, xq) {
                     let (v, _) = qv_tile(n);
                     let a = a.p(xq.tiled.ptr()).l(xq.tg);
-                    self.launch_smem(self.k.mm_qv[wi][v][qform(q)][p], grid, (32 * QV_WARPS[wi]) as u32, 0, a);
+                    let f = if grid.2 > 1 { self.k.mm_qvc } else { self.k.mm_qv }[wi][v][qform(q)][p];
+                    self.launch_cluster(f, grid, (32 * QV_WARPS[wi]) as u32, 0, grid.2 as u8, a);
                 } else {
                     let (v, nt) = mma_tile(n);
                     let tiles = rows.div_ceil(MMA_ROWS);
@@ -2257,7 +2308,8 @@ impl Backend for Cuda {
         } else if let Some((wi, grid)) = self.qv_plan(blocks, n, xq) {
             let (v, _) = qv_tile(n);
             let a = a.p(xq.tiled.ptr()).l(xq.tg);
-            self.launch_smem(self.k.mm_q3v[wi][v][qform(q0)][p], grid, (32 * QV_WARPS[wi]) as u32, 0, a);
+            let f = if grid.2 > 1 { self.k.mm_q3vc } else { self.k.mm_q3v }[wi][v][qform(q0)][p];
+            self.launch_cluster(f, grid, (32 * QV_WARPS[wi]) as u32, 0, grid.2 as u8, a);
         } else {
             let (v, nt) = mma_tile(n);
             let (si, grid) = self.mma_plan(blocks, n);
