@@ -1,8 +1,11 @@
 //! With the `cuda` feature: compile the CUDA kernels (`src/backend/cuda/kernels.cu`) with nvcc into a fatbin
 //! in `OUT_DIR`, which `backend::cuda` embeds. Without the feature this does nothing.
 //!
-//! The fatbin holds SASS for sm_90 (H100/H200) and PTX for compute_80, which the driver compiles at load for
-//! any later GPU (Ampere, Ada, Blackwell: RTX 30/40/50). nvcc is found via the `NVCC` environment variable,
+//! The fatbin holds SASS for sm_90 (H100/H200), PTX for compute_90, which the driver compiles at load for GPUs
+//! of compute capability 9.0 and later (Blackwell: RTX 50, B200), and PTX for compute_80 for Ampere and Ada
+//! (RTX 30/40). The compute_90 PTX keeps what the kernels compile only for sm_90 and later (programmatic
+//! dependent launch's wait, thread-block clusters): a Blackwell GPU given the compute_80 PTX would run the
+//! programmatic launches the host asks for from 9.0 on without their wait. nvcc is found via the `NVCC` environment variable,
 //! then `PATH`, then the virtual environment `tools/install_nvcc.sh` creates (`~/.cache/eddy/cuda-venv`).
 
 use std::path::{Path, PathBuf};
@@ -32,7 +35,7 @@ fn main() {
         }
     }
     cmd.args(["-fatbin", "-O3", "-std=c++17", "-Xptxas=-warn-spills"])
-        .args(["-gencode", "arch=compute_90,code=sm_90", "-gencode", "arch=compute_80,code=compute_80"])
+        .args(["-gencode", "arch=compute_90,code=[sm_90,compute_90]", "-gencode", "arch=compute_80,code=compute_80"])
         .arg("-o")
         .arg(&out)
         .arg(src);

@@ -327,11 +327,14 @@ fn rows_do_not_depend_on_the_batch() {
         (None, None, 300, 64),
         (Some(100), None, 300, 128),
         (None, Some(30.0), 700, 256),
+        (None, None, 1100, 64),
     ] {
         let s = AttnShape { n_heads: 14, n_kv_heads: 2, head_dim: hd, scale: 0.125, window, softcap };
         let (qd, kvd) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
-        let total = n_past + n;
-        let (q, k, v) = (rng.vec(n * qd), rng.vec(total * kvd), rng.vec(total * kvd));
+        // A cache of at least 1,040 rows (17 chunks: launches may take clusters of 16, with blocks past a short
+        // query's keys); the rows past the queries' keys are never read.
+        let cap = (n_past + n).max(1040);
+        let (q, k, v) = (rng.vec(n * qd), rng.vec(cap * kvd), rng.vec(cap * kvd));
         let (qb, kb, vb) = (be.upload(&q), be.upload(&k), be.upload(&v));
         let mut out = be.alloc(n * qd);
         be.attention(Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t: n, vis: Visibility::Causal }, &mut out);
@@ -487,6 +490,21 @@ fn multi_token_products_equal_the_one_token_kernel() {
                 be.matmul_to_host(&w, &xt, &q1, 1, &mut one);
                 ones.extend_from_slice(&one);
             }
+            // The one-token kernel with 4 blocks of a row loaded at once: the same chains, the same bits.
+            be.force_decode_unroll(Some(4));
+            for t in 0..nmax {
+                let xt = be.upload(&x[t * cols..(t + 1) * cols]);
+                let mut q1 = be.new_qact();
+                be.quantize(&xt, 1, cols, &w, &mut q1);
+                let mut one = vec![0f32; rows];
+                be.matmul_to_host(&w, &xt, &q1, 1, &mut one);
+                let want = &ones[t * rows..(t + 1) * rows];
+                assert!(
+                    one.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{name} {rows}×{cols}: token {t}: loads 4 deep differ"
+                );
+            }
+            be.force_decode_unroll(None);
             // Every launch shape of the tensor-core kernels: mm_qw's split of a row tile over 1, 2, 4 blocks and
             // grids of one block walking every row tile or two walking half each (next tile's loads in flight),
             // mm_qv with 4, 8, 16 warps a tile, and each tile split over a cluster of 2–8 blocks (sm_90); then the
@@ -569,10 +587,13 @@ fn multi_token_products_equal_the_one_token_kernel() {
                 let mut q1 = be.new_qact();
                 be.quantize(&xt, 1, cols, &ws[0], &mut q1);
                 let mut ones: Vec<_> = rows_of.iter().map(|&r| be.alloc(r)).collect();
+                // One token with 2 and 4 blocks of a row in flight a lane, in turn (the same bits).
+                be.force_decode_unroll(Some([2, 4][t % 2]));
                 {
                     let mut parts: Vec<_> = ws.iter().zip(&biases).zip(ones.iter_mut()).map(|((w, b), o)| (w, Some(b), o)).collect();
                     be.matmul_parts(&mut parts, &xt, &q1, 1);
                 }
+                be.force_decode_unroll(None);
                 for (i, &r) in rows_of.iter().enumerate() {
                     let mut all = Vec::new();
                     be.read(&outs[i], t, 1, r, &mut all);
@@ -1318,10 +1339,6 @@ fn decode_and_verify_timing() {
     println!("{file}: graph use {:?}", be.graph_stats());
 }
 
-/// One 64-token prefill pass (after 256 tokens of context), one 16-node verify and one decode step of
-/// Qwen2.5-Coder-0.5B (or `$EDDY_CUDA_MODEL`) between `cuProfilerStart` and `cuProfilerStop`, for a
-/// kernel-time split under `ncu --profile-from-start off` (run with `EDDY_CUDA_GRAPHS=0` so the kernels
-/// launch one by one). Prints the passes' wall times; asserts nothing.
 /// What a phase boundary costs (docs/cuda.md, "What a phase boundary costs"): a grid-wide barrier and the
 /// cluster barrier against a kernel boundary under programmatic dependent launch, each with the read of a
 /// value another block wrote before it. Prints µs a boundary; asserts only that every barrier ordered the
@@ -1334,9 +1351,10 @@ fn phase_boundary_timing() {
         vec![(SyncProbe::Launches, "kernel boundary (PDL launches, graph)"), (SyncProbe::Grid, "grid barrier, a block a multiprocessor")];
     for c in [2, 4, 8] {
         probes.push((SyncProbe::Cluster(c, true), "cluster barrier + DSMEM read"));
+        probes.push((SyncProbe::ClusterShared(c), "cluster barrier (shared-memory fence, relaxed arrive) + DSMEM read"));
         probes.push((SyncProbe::Cluster(c, false), "cluster barrier + L2 read"));
     }
-    println!("{}", be.device_name());
+    println!("device: {}", be.device_name());
     for (probe, what) in probes {
         let rounds = if probe == SyncProbe::Launches { 500 } else { 5000 };
         match be.sync_probe(probe, rounds, 5) {
@@ -1349,6 +1367,10 @@ fn phase_boundary_timing() {
     }
 }
 
+/// One 64-token prefill pass (after 256 tokens of context), one 16-node verify and one decode step of
+/// Qwen2.5-Coder-0.5B (or `$EDDY_CUDA_MODEL`) between `cuProfilerStart` and `cuProfilerStop`, for a
+/// kernel-time split under `ncu --profile-from-start off` (run with `EDDY_CUDA_GRAPHS=0` so the kernels
+/// launch one by one). Prints the passes' wall times; asserts nothing.
 #[test]
 #[ignore = "needs an NVIDIA GPU and the model files; for profiling"]
 fn profile_prefill_verify_decode() {

@@ -58,6 +58,17 @@ __device__ __forceinline__ void cluster_barrier() {
     cluster_arrive();
     cluster_wait();
 }
+// The cluster barrier for data in shared memory only: a release fence restricted to this block's shared memory
+// at cluster scope, a relaxed arrive, the (acquiring) wait. Measured by the probe's kind 4; not yet used.
+__device__ __forceinline__ void cluster_barrier_shared() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.release.sync_restrict::shared::cta.cluster;\n" ::: "memory");
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+    __syncthreads();
+#endif
+}
 // The float at `p` (this block's shared memory) in the shared memory of the cluster's block `rank`.
 __device__ __forceinline__ float ld_cluster_shared_f32(const float* p, unsigned int rank);
 // The 32-bit value at `p` (this block's shared memory) in the shared memory of the cluster's block `rank`.
@@ -212,13 +223,14 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, int n, int c
 // per 32 (explicit offsets) or null; `half` = 2^(bits-1) for the implicit offset.
 #define MM_ROWS 4
 
-template <int TT, bool P4>
+template <int TT, bool P4, int U = 0>
 __device__ __forceinline__ void mm_q_impl(int bx, const uint8_t* __restrict__ codes, const float* __restrict__ sc,
                                           const float* __restrict__ mn, int rows, int cols, int half, int g16,
                                           const int8_t* __restrict__ xq, const float* __restrict__ xs,
                                           const int* __restrict__ xsum, const float* __restrict__ xdsum,
                                           const int* __restrict__ xsum16, int n, const float* __restrict__ bias,
                                           float* __restrict__ out) {
+    static_assert(U == 0 || TT == 1, "deeper loads for one-token launches only");
     const int lane = threadIdx.x & 31;
     const int row = bx * MM_ROWS + (threadIdx.x >> 5);
     const int t0 = blockIdx.y * TT;
@@ -308,12 +320,85 @@ __device__ __forceinline__ void mm_q_impl(int bx, const uint8_t* __restrict__ co
 #pragma unroll
     for (int i = 0; i < TT; ++i) acc[i] = 0.0f;
     if (first) step(lane, pc0, pc1, ps0, ps1, pm, acc, nt);
+    if (U == 0) {
 #pragma unroll 2
-    for (int b = lane + 32; b < nblk; b += 32) {
-        uint4 c0, c1 = make_uint4(0, 0, 0, 0);
-        float s0, s1, m;
-        load(b, c0, c1, s0, s1, m);
-        step(b, c0, c1, s0, s1, m, acc, nt);
+        for (int b = lane + 32; b < nblk; b += 32) {
+            uint4 c0, c1 = make_uint4(0, 0, 0, 0);
+            float s0, s1, m;
+            load(b, c0, c1, s0, s1, m);
+            step(b, c0, c1, s0, s1, m, acc, nt);
+        }
+    } else {
+        // The `u` kernels: the lane's next U blocks loaded together, then their terms in order (the same chain):
+        // one memory round trip per U blocks of a long row (the down projections) instead of about one per two.
+        // The activations of the U blocks (token t0: one-token launches) are loaded with them, so that no
+        // step waits on its own load.
+        constexpr int UU = U > 0 ? U : 1;
+        const long long t = t0;
+        for (int b0 = lane + 32; b0 < nblk; b0 += 32 * UU) {
+            uint4 c0[UU], c1[UU];
+            float s0[UU], s1[UU], m[UU], d[UU], xd[UU];
+            int4 a0[UU], a1[UU];
+            int h0[UU], h1[UU];
+#pragma unroll
+            for (int u = 0; u < UU; ++u) {
+                const int b = b0 + 32 * u;
+                c1[u] = make_uint4(0, 0, 0, 0);
+                if (b < nblk) {
+                    load(b, c0[u], c1[u], s0[u], s1[u], m[u]);
+                    const int4* ap = reinterpret_cast<const int4*>(xq + t * cols + (long long)b * 32);
+                    a0[u] = ap[0];
+                    a1[u] = ap[1];
+                    const long long ab = t * nblk + b;
+                    d[u] = xs[ab];
+                    if (g16) {
+                        h0[u] = xsum16[2 * ab];
+                        h1[u] = xsum16[2 * ab + 1];
+                    } else if (mn != nullptr) {
+                        xd[u] = xdsum[ab];
+                    } else {
+                        h0[u] = xsum[ab];
+                    }
+                }
+            }
+            // Each block's term, as `step` adds it for token t0 (the same operations in the same order).
+#pragma unroll
+            for (int u = 0; u < UU; ++u) {
+                if (b0 + 32 * u >= nblk) continue;
+                uint32_t w[8];
+                if (P4) {
+                    const uint32_t L[4] = {c0[u].x, c0[u].y, c0[u].z, c0[u].w};
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        w[k] = L[k] & 0x0F0F0F0Fu;
+                        w[k + 4] = (L[k] >> 4) & 0x0F0F0F0Fu;
+                    }
+                } else {
+                    w[0] = c0[u].x; w[1] = c0[u].y; w[2] = c0[u].z; w[3] = c0[u].w;
+                    w[4] = c1[u].x; w[5] = c1[u].y; w[6] = c1[u].z; w[7] = c1[u].w;
+                }
+                int e0 = 0, e1 = 0;
+                e0 = dp4a_us(w[0], a0[u].x, e0);
+                e0 = dp4a_us(w[1], a0[u].y, e0);
+                e0 = dp4a_us(w[2], a0[u].z, e0);
+                e0 = dp4a_us(w[3], a0[u].w, e0);
+                e1 = dp4a_us(w[4], a1[u].x, e1);
+                e1 = dp4a_us(w[5], a1[u].y, e1);
+                e1 = dp4a_us(w[6], a1[u].z, e1);
+                e1 = dp4a_us(w[7], a1[u].w, e1);
+                float a = acc[0];
+                if (g16) {
+                    a = __fmaf_rn(__fmul_rn(s0[u], d[u]), (float)(e0 - half * h0[u]), a);
+                    a = __fmaf_rn(__fmul_rn(s1[u], d[u]), (float)(e1 - half * h1[u]), a);
+                } else if (mn != nullptr) {
+                    a = __fmaf_rn(__fmul_rn(s0[u], d[u]), (float)(e0 + e1), a);
+                    a = __fmaf_rn(m[u], xd[u], a);
+                } else {
+                    a = __fmaf_rn(__fmul_rn(s0[u], d[u]), (float)(e0 + e1 - half * h0[u]), a);
+                }
+                acc[0] = a;
+            }
+        }
     }
 #pragma unroll
     for (int i = 0; i < TT; ++i) {
@@ -339,6 +424,20 @@ MM_Q(mm_q_t2_p4, 2, true)
 MM_Q(mm_q_t2_p8, 2, false)
 MM_Q(mm_q_t4_p4, 4, true)
 MM_Q(mm_q_t4_p8, 4, false)
+// One token with U = 4 blocks of a row and their activations in flight a lane (`EDDY_CUDA_T1_UNROLL=4`, rows of
+// 3+ blocks a lane; bit-identical to mm_q_t1). 95 (packed 4-bit) and 122 registers a thread: 4 blocks of 4 warps
+// a multiprocessor, enough for a row count of one wave (1,536 rows: 384 blocks); U = 8 took 188–217 and was
+// dropped unmeasured.
+#define MM_QU(NAME, P4, U)                                                                                   \
+    extern "C" __global__ void NAME(const uint8_t* codes, const float* sc, const float* mn, int rows,       \
+                                    int cols, int half, int g16, const int8_t* xq, const float* xs,         \
+                                    const int* xsum, const float* xdsum, const int* xsum16, int n,          \
+                                    const float* bias, float* out) {                                        \
+        mm_q_impl<1, P4, U>(blockIdx.x, codes, sc, mn, rows, cols, half, g16, xq, xs, xsum, xdsum, xsum16, n,   \
+                            bias, out);                                                                     \
+    }
+MM_QU(mm_q_t1u4_p4, true, 4)
+MM_QU(mm_q_t1u4_p8, false, 4)
 
 // ---------------------------------------------------------------------------------------------------------
 // The same products for 5 and more tokens (DP4A_MAX in mod.rs) on the tensor cores (mma.sync m16n8k32 /
@@ -430,6 +529,8 @@ MM_Q3(mm_q3_t2_p4, (mm_q_impl<2, true>), MM_ROWS, NO_BOUNDS)
 MM_Q3(mm_q3_t2_p8, (mm_q_impl<2, false>), MM_ROWS, NO_BOUNDS)
 MM_Q3(mm_q3_t4_p4, (mm_q_impl<4, true>), MM_ROWS, NO_BOUNDS)
 MM_Q3(mm_q3_t4_p8, (mm_q_impl<4, false>), MM_ROWS, NO_BOUNDS)
+MM_Q3(mm_q3_t1u4_p4, (mm_q_impl<1, true, 4>), MM_ROWS, NO_BOUNDS)
+MM_Q3(mm_q3_t1u4_p8, (mm_q_impl<1, false, 4>), MM_ROWS, NO_BOUNDS)
 
 // ---------------------------------------------------------------------------------------------------------
 // mm_qw*: the block walks a list of work items — (row tile, step of 32 blocks) for its row tiles blockIdx.x,
@@ -1903,7 +2004,12 @@ extern "C" __global__ void noop() { pdl_wait(); }
 //          (distributed shared memory; sm_90, launched with a cluster dimension);
 //  kind 2: the cluster barrier, the neighbour's slot read from global memory;
 //  kind 3: no barrier, one round: a chain of such launches (programmatic dependent launch) measures a kernel
-//          boundary with the same dependent read (the neighbour's slot of the launch before).
+//          boundary with the same dependent read (the neighbour's slot of the launch before);
+//  kind 4: kind 1 with a lighter barrier: a release fence restricted to the block's shared memory
+//          (fence.release.sync_restrict::shared::cta.cluster: MEMBAR.CTA in the SASS, where arrive.release
+//          puts a GPU-wide MEMBAR) and a relaxed arrive; the wait acquires.
+// A grid barrier that waits about a second (2^31 clocks) counts a million misses and gives up, so that a GPU
+// shared with other work cannot hang the probe.
 // Rounds are numbered from `first` (the host goes on numbering from run to run, so that no value of an earlier
 // run can pass for the current one and the barrier counter needs no reset); `bad` counts reads that did not see
 // the expected value (a barrier that does not order: must stay 0).
@@ -1931,7 +2037,7 @@ extern "C" __global__ void sync_probe(unsigned int* bar, unsigned int* slots, un
     const unsigned int nb = gridDim.z, b = blockIdx.z;  // blocks along z (clusters group consecutive z)
     unsigned int csize;
     const unsigned int crank = cluster_rank_and_size(csize);
-    const bool in_cluster = kind == 1 || kind == 2;
+    const bool in_cluster = kind == 1 || kind == 2 || kind == 4;
     const unsigned int nbr = in_cluster ? b - crank + (crank + 1) % csize : (b + 1) % nb;
     unsigned int errors = 0;
     // Slots are double-buffered by round: a block writes round r + 2's value only after the barrier of round
@@ -1940,7 +2046,7 @@ extern "C" __global__ void sync_probe(unsigned int* bar, unsigned int* slots, un
         const unsigned int round = (unsigned int)(first + r);
         if (threadIdx.x == 0) {
             const unsigned int v = round * nb + b + 1;
-            if (kind == 1) mine[round & 1] = v;
+            if (kind == 1 || kind == 4) mine[round & 1] = v;
             else slots[(round & 1) * nb + b] = v;
         }
         if (kind == 0) {
@@ -1948,9 +2054,16 @@ extern "C" __global__ void sync_probe(unsigned int* bar, unsigned int* slots, un
             if (threadIdx.x == 0) {
                 red_release_gpu(bar, 1);
                 const unsigned int target = (round + 1) * nb;
+                const long long start = clock64();
                 while (ld_acquire_gpu(bar) < target) {
+                    if (clock64() - start > (1LL << 31)) {
+                        errors += 1000000;
+                        break;
+                    }
                 }
             }
+        } else if (kind == 4) {
+            cluster_barrier_shared();
         } else if (in_cluster) {
             cluster_barrier();
         }
@@ -1959,13 +2072,13 @@ extern "C" __global__ void sync_probe(unsigned int* bar, unsigned int* slots, un
             const unsigned int rd = kind == 3 ? round - 1 : round;
             const unsigned int want = rd * nb + nbr + 1;
             unsigned int got = want;
-            if (kind == 1) got = ld_cluster_shared(&mine[round & 1], (crank + 1) % csize);
+            if (kind == 1 || kind == 4) got = ld_cluster_shared(&mine[round & 1], (crank + 1) % csize);
             else if (kind != 3 || first > 0) got = __ldcg(slots + (rd & 1) * nb + nbr);
             errors += got != want;
         }
     }
     // No block leaves while a neighbour may still read its shared memory.
-    if (kind == 1) cluster_barrier();
+    if (kind == 1 || kind == 4) cluster_barrier();
     if (threadIdx.x == 0 && errors != 0) atomicAdd(bad, errors);
 }
 

@@ -11,7 +11,7 @@
 //!
 //! # Kernels compiled at build time, not at run time
 //! The kernels (`kernels.cu`) are compiled by nvcc when the crate is built (`build.rs`) into a fatbin
-//! (SASS for sm_90, PTX for compute_80) embedded in the binary, rather than compiled at start with NVRTC:
+//! (SASS for sm_90, PTX for compute_90 and compute_80) embedded in the binary, rather than compiled at start with NVRTC:
 //! every build (CI included) checks them, and a user's machine needs only the NVIDIA driver — no runtime
 //! compiler library, no first-start compilation. The driver API is loaded dynamically (`cudarc`), so a
 //! binary built with the feature starts on a machine without CUDA; [`Cuda::new`] then returns an error.
@@ -223,9 +223,19 @@ pub enum SyncProbe {
     /// The cluster barrier among clusters of this many blocks; whether the neighbour's value comes from its
     /// shared memory (distributed shared memory) rather than global memory.
     Cluster(usize, bool),
+    /// The same from shared memory behind a lighter barrier: a release fence restricted to the block's shared
+    /// memory, then a relaxed arrive.
+    ClusterShared(usize),
     /// A kernel boundary: consecutive launches with programmatic dependent launch.
     Launches,
 }
+
+/// `EDDY_CUDA_T1_UNROLL` (4; anything else: 2, `mm_q_t1`).
+fn t1_unroll_from_env() -> usize {
+    std::env::var("EDDY_CUDA_T1_UNROLL").ok().and_then(|v| v.parse().ok()).filter(|&u| u == 4).unwrap_or(2)
+}
+/// `Cuda::t1_unroll`'s value for "`mm_q_t1u4*` at every width" (tests).
+const T1_DEEP_ALWAYS: usize = 104;
 
 /// `EDDY_CUDA_QV_CLUSTER` (2, 4 or 8; anything else: 0, no clusters).
 fn qv_cluster_from_env() -> usize {
@@ -780,6 +790,10 @@ struct Kernels {
     mm_q: [[Func; 2]; 3],
     /// The same for up to three matrices in one launch.
     mm_q3: [[Func; 2]; 3],
+    /// One-token products with 4 blocks of a row and their activations in flight a lane (`mm_q_t1u4_{p4,p8}`,
+    /// `mm_q3_t1u4_*`; `EDDY_CUDA_T1_UNROLL=4`): `[p4, p8]`.
+    mm_qu: [Func; 2],
+    mm_q3u: [Func; 2],
     /// The empty kernel ([`Cuda::set_empty_kernels`]).
     noop: Func,
     /// The phase-boundary probe ([`Cuda::sync_probe`]).
@@ -918,6 +932,9 @@ pub struct Cuda {
     mma_split: Mutex<MmaSplit>,
     /// Multiprocessors of the GPU.
     sms: usize,
+    /// Whether clusters of a kernel fit the GPU at once: (kernel, threads, dynamic shared memory, cluster
+    /// blocks) → fits ([`Cuda::fitting_cluster`]).
+    cluster_fits: Mutex<HashMap<(usize, u32, u32, usize), bool>>,
     /// Blocks of `attention` (no dynamic shared memory) that fit on one multiprocessor at once.
     att_occupancy: usize,
     /// Blocks per row tile of every tensor-core product (1, 2, 4), or 0 to choose by the launch's size
@@ -966,6 +983,9 @@ pub struct Cuda {
     /// of fewer tiles than multiprocessors).
     qv_cluster: AtomicUsize,
     qv_cluster_always: AtomicBool,
+    /// Blocks of a row a one-token product loads at once: 4 (`mm_q_t1u4*`, rows of 3+ blocks a lane), else
+    /// `mm_q_t1`'s two, or [`T1_DEEP_ALWAYS`] (`EDDY_CUDA_T1_UNROLL`, [`Cuda::force_decode_unroll`]).
+    t1_unroll: AtomicUsize,
     name: String,
     capability: (i32, i32),
     /// The GPU's PCI address (`domain:bus:device.function`), when the driver gives it.
@@ -1095,6 +1115,8 @@ impl Cuda {
                 [get("mm_q_t2_p4")?, get("mm_q_t2_p8")?],
                 [get("mm_q_t4_p4")?, get("mm_q_t4_p8")?],
             ],
+            mm_qu: [get("mm_q_t1u4_p4")?, get("mm_q_t1u4_p8")?],
+            mm_q3u: [get("mm_q3_t1u4_p4")?, get("mm_q3_t1u4_p8")?],
             mm_q3: [
                 [get("mm_q3_t1_p4")?, get("mm_q3_t1_p8")?],
                 [get("mm_q3_t2_p4")?, get("mm_q3_t2_p8")?],
@@ -1189,9 +1211,10 @@ impl Cuda {
             )
         }
         .map_err(|e| no(format!("shared memory for the empty kernel: {e:?}")))?;
-        // Attention clusters of up to 16 blocks (sm_90's non-portable size; `att_cluster`).
+        // Attention clusters of up to 16 blocks (sm_90's non-portable size; `att_cluster`), and the empty kernel
+        // that may stand in for them (`Cuda::set_empty_kernels`).
         if capability.0 >= 9 {
-            for f in [k.attention.0, k.attention_kv.0] {
+            for f in [k.attention.0, k.attention_kv.0, k.noop.0] {
                 // SAFETY: a kernel of the loaded module; an attribute sm_90 defines.
                 unsafe {
                     result::function::set_function_attribute(
@@ -1215,6 +1238,7 @@ impl Cuda {
             scratch: Mutex::new(Scratch::default()),
             mma_split: Mutex::new(MmaSplit::default()),
             sms,
+            cluster_fits: Mutex::new(HashMap::new()),
             att_occupancy,
             forced_split: AtomicUsize::new(split),
             forced_row_blocks: AtomicUsize::new(0),
@@ -1250,6 +1274,7 @@ impl Cuda {
             }),
             qv_cluster: AtomicUsize::new(qv_cluster_from_env()),
             qv_cluster_always: AtomicBool::new(false),
+            t1_unroll: AtomicUsize::new(t1_unroll_from_env()),
             forced_qv: AtomicUsize::new(match std::env::var("EDDY_CUDA_QV").ok().and_then(|v| v.parse::<usize>().ok()) {
                 Some(0) => QV_OFF,
                 Some(w) if QV_WARPS.contains(&w) => w,
@@ -1288,27 +1313,34 @@ impl Cuda {
     /// - [`SyncProbe::Cluster`]`(c, dsmem)`: clusters of `c` blocks (2..=8) synchronizing `rounds` times
     ///   through the cluster barrier, the neighbour's value read from its shared memory (`dsmem`) or from global
     ///   memory;
-    /// - [`SyncProbe::Launches`]: `rounds` launches of one round each, in one pass (a graph from the second
-    ///   run on, programmatic dependent launch between them): the kernel boundary the barriers would replace.
+    /// - [`SyncProbe::ClusterShared`]`(c)`: the DSMEM form behind a release fence restricted to shared memory and
+    ///   a relaxed arrive (`MEMBAR.CTA` where `arrive.release` puts a GPU-wide one);
+    /// - [`SyncProbe::Launches`]: `rounds` launches of one round each, in one pass (replayed as a graph from the
+    ///   third run on, programmatic dependent launch between them): the kernel boundary the barriers would
+    ///   replace.
     ///
     /// # Errors
     /// A cluster probe on a GPU below compute capability 9.0, or a cluster size outside 2..=8.
     pub fn sync_probe(&self, probe: SyncProbe, rounds: usize, reps: usize) -> Result<(f64, u64)> {
+        let cluster_kind = |c: usize, kind: usize| {
+            if self.capability.0 < 9 || !(2..=8).contains(&c) {
+                return Err(Error::Input(format!("a cluster probe of {c} blocks needs sm_90 and 2..=8 blocks")));
+            }
+            Ok((kind, c))
+        };
         let (kind, cluster) = match probe {
             SyncProbe::Grid => (0, 1),
-            SyncProbe::Cluster(c, dsmem) => {
-                if self.capability.0 < 9 || !(2..=8).contains(&c) {
-                    return Err(Error::Input(format!("a cluster probe of {c} blocks needs sm_90 and 2..=8 blocks")));
-                }
-                (if dsmem { 1 } else { 2 }, c)
-            }
+            SyncProbe::Cluster(c, dsmem) => cluster_kind(c, if dsmem { 1 } else { 2 })?,
+            SyncProbe::ClusterShared(c) => cluster_kind(c, 4)?,
             SyncProbe::Launches => (3, 1),
         };
         // One block a multiprocessor (what a persistent kernel would run: all resident, one arrival each).
         let blocks = if kind == 0 { self.sms } else { (self.sms / cluster).max(1) * cluster };
         let rounds = rounds.max(1);
-        // Counter, two buffers of slots, the miss count; zeroed once: the grid barrier's targets and every
-        // value written go on from run to run (`base`), so a stale value never looks current.
+        // Counter, the miss count, two buffers of slots; zeroed once: the barriers' targets and every value
+        // written go on from run to run (`base`), so a stale value never looks current. The launches' chain
+        // (kind 3) keeps its arguments from run to run, so that its pass is captured as a graph (seen, captured,
+        // then replayed: the first three runs are not timed), and zeroes the slots before each run instead.
         let words = 2 + 2 * blocks;
         let mem = DevMem::new(&self.ctx, 4 * words);
         // SAFETY: fresh memory of `4 · words` bytes that nothing queued addresses.
@@ -1316,11 +1348,16 @@ impl Cuda {
         let (bar, bad, slots) = (mem.ptr, mem.ptr + 4, mem.ptr + 8);
         let mut total = 0.0;
         let mut base = 0usize;
-        for rep in 0..=reps.max(1) {
+        let warm = if kind == 3 { 3 } else { 1 };
+        for rep in 0..warm + reps.max(1) {
+            if kind == 3 {
+                // SAFETY: the slots lie in our allocation; the stream is idle (synchronized after each run).
+                check(unsafe { result::memset_d8_async(slots, 0, 4 * 2 * blocks, self.ctx.stream) }, "memset");
+            }
             let t0 = std::time::Instant::now();
             if kind == 3 {
                 for l in 0..rounds {
-                    let a = Args::new().p(bar).p(slots).p(bad).i(1).i(kind).i(base + l);
+                    let a = Args::new().p(bar).p(slots).p(bad).i(1).i(kind).i(l);
                     self.launch_cluster(self.k.sync_probe, (1, 1, blocks), ATT_THREADS, 0, 1, a);
                 }
             } else {
@@ -1328,7 +1365,7 @@ impl Cuda {
                 self.launch_cluster(self.k.sync_probe, (1, 1, blocks), ATT_THREADS, 0, cluster as u8, a);
             }
             self.synchronize();
-            if rep > 0 {
+            if rep >= warm {
                 total += t0.elapsed().as_secs_f64();
             }
             base += rounds;
@@ -1337,6 +1374,51 @@ impl Cuda {
         // SAFETY: 4 bytes of our allocation; the stream is idle (synchronized above).
         check(unsafe { result::memcpy_dtoh_sync(std::slice::from_mut(&mut missed), bad) }, "copy to the host");
         Ok((total / (reps.max(1) * rounds) as f64, u64::from(missed)))
+    }
+
+    /// The largest cluster of at most `want` blocks of `f` (`threads` a block, `smem` bytes of dynamic shared
+    /// memory) that the GPU can hold at once, by the driver's `cuOccupancyMaxActiveClusters` (cached): `want`,
+    /// `want − 1`, … down to 2 (`pow2`: `want`, `want / 2`, …), else 1 (no cluster).
+    fn fitting_cluster(&self, f: Func, threads: u32, smem: u32, want: usize, pow2: bool) -> usize {
+        let mut c = want;
+        while c >= 2 {
+            let key = (f.0 as usize, threads, smem, c);
+            let cached = self.cluster_fits.lock().unwrap_or_else(|e| e.into_inner()).get(&key).copied();
+            let fits = cached.unwrap_or_else(|| {
+                let mut attr = sys::CUlaunchAttribute {
+                    id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                    pad: [0; 4],
+                    value: sys::CUlaunchAttributeValue {
+                        clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 1, y: 1, z: c as u32 },
+                    },
+                };
+                let config = sys::CUlaunchConfig {
+                    gridDimX: 1,
+                    gridDimY: 1,
+                    gridDimZ: c as u32,
+                    blockDimX: threads,
+                    blockDimY: 1,
+                    blockDimZ: 1,
+                    sharedMemBytes: smem,
+                    hStream: self.ctx.stream,
+                    attrs: &mut attr,
+                    numAttrs: 1,
+                };
+                let mut n: std::ffi::c_int = 0;
+                self.ctx.bind();
+                // SAFETY: a kernel of our module; the config and its attribute live through the call, which
+                // only computes.
+                let ok = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.0, &config) } == sys::CUresult::CUDA_SUCCESS;
+                let fits = ok && n > 0;
+                self.cluster_fits.lock().unwrap_or_else(|e| e.into_inner()).insert(key, fits);
+                fits
+            });
+            if fits {
+                return c;
+            }
+            c = if pow2 { c / 2 } else { c - 1 };
+        }
+        1
     }
 
     /// Send the queued work and wait for it (for timing).
@@ -1523,6 +1605,35 @@ impl Cuda {
                 .unwrap_or(0),
         };
         self.att_cluster.store(c, Ordering::Relaxed);
+    }
+
+    /// Whether an `n`-token product of rows of `cols` values runs on the one-token kernel with deeper loads
+    /// (`mm_q_t1u4*`): asked for (`EDDY_CUDA_T1_UNROLL=4`, [`Cuda::force_decode_unroll`]), one token, and rows
+    /// of at least 3 blocks a lane (the down projections), unless forced for every width.
+    fn t1_deep(&self, n: usize, cols: usize) -> bool {
+        n == 1
+            && match self.t1_unroll.load(Ordering::Relaxed) {
+                4 => cols / QK >= 3 * 32,
+                T1_DEEP_ALWAYS => true,
+                _ => false,
+            }
+    }
+
+    /// Run one-token products with 4 blocks of a row and their activations in flight a lane for every width
+    /// (`Some(4)`: `mm_q_t1u4*`, whose chains are `mm_q_t1`'s with the loads issued together), with `mm_q_t1`
+    /// (`Some(2)`), or as `EDDY_CUDA_T1_UNROLL` said at start (`None`; unset: `mm_q_t1`; `4`: rows of 3+ blocks
+    /// a lane). The results do not depend on it; for tests and measurements.
+    ///
+    /// # Panics
+    /// On other depths.
+    pub fn force_decode_unroll(&self, blocks: Option<usize>) {
+        let u = match blocks {
+            Some(4) => T1_DEEP_ALWAYS,
+            Some(2) => 2,
+            Some(u) => panic!("one-token loads 2 or 4 blocks deep, not {u}"),
+            None => t1_unroll_from_env(),
+        };
+        self.t1_unroll.store(u, Ordering::Relaxed);
     }
 
     /// The `dp4a` kernel for `n` tokens (at most `DP4A_MAX`, or `MM_TT` through `EDDY_CUDA_DP4A_MAX`): (index
@@ -1804,7 +1915,8 @@ impl Cuda {
                 let p = if q.packed4 { 0 } else { 1 };
                 if n <= self.dp4a_max {
                     let (ti, tt) = Self::dp4a_tile(n);
-                    self.launch(self.k.mm_q[ti][p], (rows.div_ceil(MM_ROWS), n.div_ceil(tt)), (32 * MM_ROWS) as u32, a);
+                    let f = if self.t1_deep(n, cols) { self.k.mm_qu[p] } else { self.k.mm_q[ti][p] };
+                    self.launch(f, (rows.div_ceil(MM_ROWS), n.div_ceil(tt)), (32 * MM_ROWS) as u32, a);
                 } else if self.prefill_products(n) {
                     let smem = self.k.mm_qp_smem[qform(q)][p];
                     let grid = (rows.div_ceil(QP_ROWS), n.div_ceil(QP_TOKENS), 1);
@@ -1813,11 +1925,14 @@ impl Cuda {
                     let grid = (rows.div_ceil(QT_ROWS), n.div_ceil(QT_TOKENS), 1);
                     let smem = self.k.mm_qt_smem[qform(q)][p];
                     self.launch_smem(self.k.mm_qt[qform(q)][p], grid, QT_THREADS, smem, a);
-                } else if let Some((wi, grid)) = self.qv_plan(rows.div_ceil(MMA_ROWS), n, xq) {
+                } else if let Some((wi, mut grid)) = self.qv_plan(rows.div_ceil(MMA_ROWS), n, xq) {
                     let (v, _) = qv_tile(n);
                     let a = a.p(xq.tiled.ptr()).l(xq.tg);
-                    let f = if grid.2 > 1 { self.k.mm_qvc } else { self.k.mm_qv }[wi][v][qform(q)][p];
-                    self.launch_cluster(f, grid, (32 * QV_WARPS[wi]) as u32, 0, grid.2 as u8, a);
+                    let threads = (32 * QV_WARPS[wi]) as u32;
+                    let fc = self.k.mm_qvc[wi][v][qform(q)][p];
+                    grid.2 = if grid.2 > 1 { self.fitting_cluster(fc, threads, 0, grid.2, true) } else { 1 };
+                    let f = if grid.2 > 1 { fc } else { self.k.mm_qv[wi][v][qform(q)][p] };
+                    self.launch_cluster(f, grid, threads, 0, grid.2 as u8, a);
                 } else {
                     let (v, nt) = mma_tile(n);
                     let tiles = rows.div_ceil(MMA_ROWS);
@@ -1954,9 +2069,11 @@ impl Cuda {
         } else {
             self.att_occupancy
         };
-        // In clusters, the cluster is the (query, heads)'s whole z range.
+        // In clusters, the cluster is the (query, heads)'s whole z range (the largest the GPU holds at once).
+        let f = if per_kv { self.k.attention_kv } else { self.k.attention };
+        let smem = if per_kv { kv_smem } else { 0 };
         let cluster = match self.att_cluster.load(Ordering::Relaxed) {
-            c if c >= 2 && self.capability.0 >= 9 => c.min(nmax),
+            c if c >= 2 && self.capability.0 >= 9 => self.fitting_cluster(f, ATT_THREADS, smem, c.min(nmax), false),
             _ => 1,
         };
         let z = match self.forced_att_blocks.load(Ordering::Relaxed) {
@@ -1964,8 +2081,7 @@ impl Cuda {
             0 => att_chunk_blocks(heads, t, nmax, per_sm * self.sms),
             f => f.min(nmax),
         };
-        let f = if per_kv { self.k.attention_kv } else { self.k.attention };
-        self.launch_cluster(f, (heads, t, z), ATT_THREADS, if per_kv { kv_smem } else { 0 }, cluster as u8, a);
+        self.launch_cluster(f, (heads, t, z), ATT_THREADS, smem, cluster as u8, a);
     }
 
     /// The key lists of `t` queries (see the attention kernel): per query `(lo, hi, path offset, path
@@ -2298,18 +2414,22 @@ impl Backend for Cuda {
         let p = if q0.packed4 { 0 } else { 1 };
         if n <= self.dp4a_max {
             let (ti, tt) = Self::dp4a_tile(n);
-            self.launch(self.k.mm_q3[ti][p], (blocks, n.div_ceil(tt)), (32 * MM_ROWS) as u32, a);
+            let f = if self.t1_deep(n, q0.cols) { self.k.mm_q3u[p] } else { self.k.mm_q3[ti][p] };
+            self.launch(f, (blocks, n.div_ceil(tt)), (32 * MM_ROWS) as u32, a);
         } else if prefill {
             let smem = self.k.mm_qp_smem[qform(q0)][p];
             self.launch_smem(self.k.mm_q3p[qform(q0)][p], (blocks, n.div_ceil(QP_TOKENS), 1), QP_THREADS, smem, a);
         } else if tiled {
             let smem = self.k.mm_qt_smem[qform(q0)][p];
             self.launch_smem(self.k.mm_q3t[qform(q0)][p], (blocks, n.div_ceil(QT_TOKENS), 1), QT_THREADS, smem, a);
-        } else if let Some((wi, grid)) = self.qv_plan(blocks, n, xq) {
+        } else if let Some((wi, mut grid)) = self.qv_plan(blocks, n, xq) {
             let (v, _) = qv_tile(n);
             let a = a.p(xq.tiled.ptr()).l(xq.tg);
-            let f = if grid.2 > 1 { self.k.mm_q3vc } else { self.k.mm_q3v }[wi][v][qform(q0)][p];
-            self.launch_cluster(f, grid, (32 * QV_WARPS[wi]) as u32, 0, grid.2 as u8, a);
+            let threads = (32 * QV_WARPS[wi]) as u32;
+            let fc = self.k.mm_q3vc[wi][v][qform(q0)][p];
+            grid.2 = if grid.2 > 1 { self.fitting_cluster(fc, threads, 0, grid.2, true) } else { 1 };
+            let f = if grid.2 > 1 { fc } else { self.k.mm_q3v[wi][v][qform(q0)][p] };
+            self.launch_cluster(f, grid, threads, 0, grid.2 as u8, a);
         } else {
             let (v, nt) = mma_tile(n);
             let (si, grid) = self.mma_plan(blocks, n);
