@@ -26,6 +26,16 @@ use eddy::quant::{rtn, super_blocks, GroupScales, QMatrix, WeightMatrix, QK};
 use eddy::tree::TreePaths;
 use std::sync::Arc;
 
+/// The product of `w` (`rows` rows) with one token's activations `x`, quantized for it, on the host.
+fn one_token_product(be: &Cuda, w: &<Cuda as Backend>::Weights, x: &[f32], rows: usize) -> Vec<f32> {
+    let xt = be.upload(x);
+    let mut q1 = be.new_qact();
+    be.quantize(&xt, 1, x.len(), w, &mut q1);
+    let mut one = vec![0f32; rows];
+    be.matmul_to_host(w, &xt, &q1, 1, &mut one);
+    one
+}
+
 /// SplitMix64 test data.
 struct Rng(u64);
 
@@ -309,11 +319,7 @@ fn rows_do_not_depend_on_the_batch() {
         let mut all = vec![0f32; n * rows];
         be.matmul_to_host(&w, &xb, &xq, n, &mut all);
         for t in 0..n {
-            let xt = be.upload(&x[t * cols..(t + 1) * cols]);
-            let mut q1 = be.new_qact();
-            be.quantize(&xt, 1, cols, &w, &mut q1);
-            let mut one = vec![0f32; rows];
-            be.matmul_to_host(&w, &xt, &q1, 1, &mut one);
+            let one = one_token_product(&be, &w, &x[t * cols..(t + 1) * cols], rows);
             assert!(one == all[t * rows..(t + 1) * rows], "{name}: row {t} of the n = {n} product differs from n = 1");
         }
     }
@@ -481,23 +487,11 @@ fn multi_token_products_equal_the_one_token_kernel() {
         for (name, w) in forms {
             let w = be.upload_weights(w);
             // One token at a time.
-            let mut ones = Vec::with_capacity(nmax * rows);
-            for t in 0..nmax {
-                let xt = be.upload(&x[t * cols..(t + 1) * cols]);
-                let mut q1 = be.new_qact();
-                be.quantize(&xt, 1, cols, &w, &mut q1);
-                let mut one = vec![0f32; rows];
-                be.matmul_to_host(&w, &xt, &q1, 1, &mut one);
-                ones.extend_from_slice(&one);
-            }
+            let ones: Vec<f32> = (0..nmax).flat_map(|t| one_token_product(&be, &w, &x[t * cols..(t + 1) * cols], rows)).collect();
             // The one-token kernel with 4 blocks of a row loaded at once: the same chains, the same bits.
             be.force_decode_unroll(Some(4));
             for t in 0..nmax {
-                let xt = be.upload(&x[t * cols..(t + 1) * cols]);
-                let mut q1 = be.new_qact();
-                be.quantize(&xt, 1, cols, &w, &mut q1);
-                let mut one = vec![0f32; rows];
-                be.matmul_to_host(&w, &xt, &q1, 1, &mut one);
+                let one = one_token_product(&be, &w, &x[t * cols..(t + 1) * cols], rows);
                 let want = &ones[t * rows..(t + 1) * rows];
                 assert!(
                     one.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()),
