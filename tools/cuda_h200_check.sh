@@ -5,7 +5,8 @@
 #
 #   tools/cuda_h200_check.sh TEST_BINARY STAGE_DIR SHA256_OF_THE_0.5B [LLAMA_TGZ_OR_DIR] [EDDY_BINARY]
 #
-# Runs: the GPU tests (parity, products, batch invariance, the Qwen2.5-Coder-0.5B model test, one at a time),
+# Runs: the GPU tests (parity, products, batch invariance, the Qwen2.5-Coder-0.5B model test, one at a time;
+# again with $TEST_ENVS set, a list of NAME=VALUE words, for the opt-in kernels),
 # the phase-boundary probe (phase_boundary_timing), the decode / verify-curve / prefill timing with CUDA graphs and without (EDDY_CUDA_GRAPHS=0), and once more
 # per NAME=VALUE word of $TIMING_ENVS (with that variable set: to compare settings in one call); when given
 # llama.cpp's build for the GPU (its tarball, or the folder it was unpacked into, holding bin/llama-bench) and
@@ -27,6 +28,12 @@ export EDDY_MODELS=$stage
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
     echo "== GPU tests"
     "$bin" --ignored --test-threads 1 --skip timing --skip profile --skip smollm2 --skip gemma3 --nocapture 2>&1 | grep -v "^$"
+    # The opt-in kernels through whole models (decode steps against verify passes, bit for bit): once with
+    # every NAME=VALUE word of $TEST_ENVS set together.
+    if [ -n "${TEST_ENVS:-}" ]; then
+        echo "== GPU tests with $TEST_ENVS"
+        env $TEST_ENVS "$bin" --ignored --test-threads 1 --skip timing --skip profile --skip smollm2 --skip gemma3 2>&1 | grep -E "^test |test result|panicked"
+    fi
 fi
 echo "== phase boundaries (kernel boundary vs grid and cluster barriers)"
 timeout 300 "$bin" --ignored --exact phase_boundary_timing --nocapture 2>&1 | grep -E "µs|not run|panicked|device:"
