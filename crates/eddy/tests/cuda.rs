@@ -366,6 +366,7 @@ fn rows_do_not_depend_on_the_batch() {
         for (c, per_kv) in [(2, false), (3, true), (8, false), (8, true), (16, false), (16, true)] {
             be.force_attention_launch(None, Some(per_kv));
             be.force_attention_clusters(Some(c));
+            let clustered = be.cluster_launches();
             let mut oz = be.alloc(n * qd);
             be.attention(Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t: n, vis: Visibility::Causal }, &mut oz);
             assert!(read(&be, &oz, n * qd) == all, "n_past {n_past} hd {hd}: clusters of {c}, per KV head {per_kv}: differs");
@@ -374,6 +375,9 @@ fn rows_do_not_depend_on_the_batch() {
             let mut ol = be.alloc(qd);
             be.attention(Attend { shape: s, q: &ql, k: &kb, v: &vb, n_past: n_past + last, t: 1, vis: Visibility::Causal }, &mut ol);
             assert!(read(&be, &ol, qd) == all[last * qd..], "n_past {n_past} hd {hd}: clusters of {c}, one query: differs");
+            if be.compute_capability().0 >= 9 {
+                assert!(be.cluster_launches() >= clustered + 2, "n_past {n_past} hd {hd}: clusters of {c}: not launched as clusters");
+            }
         }
         be.force_attention_clusters(None);
         be.force_attention_launch(None, None);
@@ -473,7 +477,9 @@ fn multi_token_products_equal_the_one_token_kernel() {
     let ns = [2usize, 3, 4, 5, 8, 9, 16, 17, 31, 33, 64];
     let nmax = 130;
     // Widths of 24, 72 and 28 blocks (a partial last stage of mm_qt's 8), rows of one to three 64-row tiles.
-    for (rows, cols) in [(45usize, 768usize), (37, 2304), (150, 896)] {
+    // (8,960 columns: 280 blocks a row, the 1.5B's down projection: the 4-deep one-token loads run whole batches
+    // and several of them.)
+    for (rows, cols) in [(45usize, 768usize), (37, 2304), (150, 896), (20, 8960)] {
         let x = rng.vec(nmax * cols);
         let xb = be.upload(&x);
         let mut forms: Vec<(String, WeightMatrix)> = all_forms()
@@ -509,6 +515,7 @@ fn multi_token_products_equal_the_one_token_kernel() {
                 be.force_verify_products(qv);
                 be.force_verify_clusters(cluster);
                 be.force_tiled_products(tiled);
+                let clustered = be.cluster_launches();
                 for &n in &ns {
                     let mut xq = be.new_qact();
                     be.quantize(&xb, n, cols, &w, &mut xq);
@@ -523,6 +530,9 @@ fn multi_token_products_equal_the_one_token_kernel() {
                             );
                         }
                     }
+                }
+                if cluster.is_some() && be.compute_capability().0 >= 9 {
+                    assert!(be.cluster_launches() > clustered, "{name} {rows}×{cols}: cluster {cluster:?}: no launch ran as a cluster");
                 }
             }
             be.force_product_launch(None, None);
@@ -619,21 +629,45 @@ fn multi_token_products_equal_the_one_token_kernel() {
             }
         }
     }
+    // Three matrices of 8,960 columns (280 blocks a row) in one one-token launch: loads 2 and 4 blocks deep
+    // (`mm_q3_t1`, `mm_q3_t1u4`) give the same bits.
+    let cols = 8960;
+    for kind in [QuantKind::Q8, QuantKind::Q4] {
+        let ws: Vec<_> = rows_of.iter().map(|&r| be.upload_weights(quantize_f32(r, cols, &rng.vec(r * cols), kind))).collect();
+        let x = rng.vec(cols);
+        let xb = be.upload(&x);
+        let mut xq = be.new_qact();
+        be.quantize(&xb, 1, cols, &ws[0], &mut xq);
+        let mut by_depth = Vec::new();
+        for depth in [2, 4] {
+            be.force_decode_unroll(Some(depth));
+            let mut outs: Vec<_> = rows_of.iter().map(|&r| be.alloc(r)).collect();
+            {
+                let mut parts: Vec<_> = ws.iter().zip(outs.iter_mut()).map(|(w, o)| (w, None, o)).collect();
+                be.matmul_parts(&mut parts, &xb, &xq, 1);
+            }
+            by_depth.push(outs.iter().zip(rows_of).flat_map(|(o, r)| read(&be, o, r)).collect::<Vec<f32>>());
+        }
+        be.force_decode_unroll(None);
+        assert!(
+            by_depth[0].iter().zip(&by_depth[1]).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{kind:?} matmul_parts of {cols} columns: loads 4 deep differ from 2"
+        );
+    }
     be.force_product_launch(None, None);
     be.force_verify_products(None);
     be.force_tiled_products(None);
 }
 
-/// Launch shapes of the tensor-core products the tests force (mm_qw's split, most row blocks; mm_qv's warps a
-/// tile, Some(0) for mm_qw): as chosen, each split of mm_qw on one block walking every row tile and on two,
-/// and mm_qv with each warp count.
 /// A product's launch as the tests force it: split, row blocks, warps a `mm_qv` tile, tiled, `mm_qv` cluster.
 type ProductLaunch = (Option<usize>, Option<usize>, Option<usize>, Option<bool>, Option<usize>);
 
 /// `mm_qv*` with its row tiles split over thread-block clusters (sm_90; [`Cuda::force_verify_clusters`]): (split,
-/// row blocks, warps a tile, tiled, cluster blocks), every size each warp count allows.
-const QV_CLUSTERS: [ProductLaunch; 6] = [
+/// row blocks, warps a tile, tiled, cluster blocks), every size each warp count allows, and the default warps
+/// (32 / the cluster size).
+const QV_CLUSTERS: [ProductLaunch; 7] = [
     (None, None, Some(4), Some(false), Some(2)),
+    (None, None, Some(4), Some(false), Some(4)),
     (None, None, Some(4), Some(false), Some(8)),
     (None, None, Some(8), Some(false), Some(2)),
     (None, None, Some(8), Some(false), Some(4)),
@@ -641,6 +675,9 @@ const QV_CLUSTERS: [ProductLaunch; 6] = [
     (None, None, None, Some(false), Some(4)),
 ];
 
+/// Launch shapes of the tensor-core products the tests force (mm_qw's split, most row blocks; mm_qv's warps a
+/// tile, Some(0) for mm_qw): as chosen, each split of mm_qw on one block walking every row tile and on two,
+/// and mm_qv with each warp count.
 const LAUNCHES: [(Option<usize>, Option<usize>, Option<usize>); 12] = [
     (None, None, None),
     (None, None, Some(0)),

@@ -58,15 +58,19 @@ __device__ __forceinline__ void cluster_barrier() {
     cluster_arrive();
     cluster_wait();
 }
-// The cluster barrier for data in shared memory only: a release fence restricted to this block's shared memory
-// at cluster scope, a relaxed arrive, the (acquiring) wait. Measured by the probe's kind 4; not yet used.
+// The cluster barrier that publishes this block's shared-memory writes only (what a neighbour then reads
+// through distributed shared memory): a release fence restricted to the block's shared memory at cluster scope
+// (MEMBAR.CTA in the SASS, where arrive.release puts a GPU-wide MEMBAR), a relaxed arrive, the acquiring wait.
+// It does not order this block's earlier remote reads (use cluster_barrier() before a block may exit while
+// others read it). The restricted fence needs PTX ISA 8.6 (nvcc 12.8+); older compilers get the full barrier.
 __device__ __forceinline__ void cluster_barrier_shared() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && \
+    (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 8))
     asm volatile("fence.release.sync_restrict::shared::cta.cluster;\n" ::: "memory");
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
     asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 #else
-    __syncthreads();
+    cluster_barrier();
 #endif
 }
 // The float at `p` (this block's shared memory) in the shared memory of the cluster's block `rank`.
@@ -977,6 +981,7 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
     unsigned int sc_n = 1, sc_h = 0;
     if (CL) sc_h = cluster_rank_and_size(sc_n);
     const int VR = CL ? V / (int)sc_n : V, wv = VR * (S * (int)sc_h + warp);
+    if (CL && VR == 0) __trap();  // a cluster larger than the visits (the host never launches one)
     int r0;
     const int p = PT.part(tile, r0);
     const uint8_t* __restrict__ codes = QParts::pick(PT.c, p);
@@ -991,7 +996,7 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
     const float* __restrict__ sbase = sc + (long long)min(r0 + min(srow, 15), rows - 1) * nblk * SPB + lane % SPB;
     const float* __restrict__ mbase = FORM == 1 ? mn + (long long)min(r0 + min(lane, 15), rows - 1) * nblk : nullptr;
     const int cdst = P4 ? lane * 16 : (lane >> 1) * RS + (lane & 1) * 16;
-    // The issue cursor: visit ki's block bi, D blocks ahead of the compute walk (ki = V: past the end).
+    // The issue cursor: visit ki's block bi, D blocks ahead of the compute walk (ki = VR: past the end).
     int ki = 0, bi = rev5(wv);
     auto norm = [&]() {
         while (ki < VR && bi >= nblk) {
@@ -1154,7 +1159,7 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
         if (gr < rows && t < n) out[(long long)t * rows + gr] = bias != nullptr ? __fadd_rn(x[0], bias[gr]) : x[0];
     }
     if (CL && sc_n > 1) {
-        cluster_barrier();  // every block's sums are in its shared memory
+        cluster_barrier_shared();  // every block's sums are in its shared memory (only shared stores to release)
         if (sc_h == 0) {
             for (int o = tid; o < MMA_ROWS * NT; o += 32 * S) {
                 float x[8];  // SC ≤ 8 (S ≥ 4)
@@ -2008,8 +2013,8 @@ extern "C" __global__ void noop() { pdl_wait(); }
 //  kind 4: kind 1 with a lighter barrier: a release fence restricted to the block's shared memory
 //          (fence.release.sync_restrict::shared::cta.cluster: MEMBAR.CTA in the SASS, where arrive.release
 //          puts a GPU-wide MEMBAR) and a relaxed arrive; the wait acquires.
-// A grid barrier that waits about a second (2^31 clocks) counts a million misses and gives up, so that a GPU
-// shared with other work cannot hang the probe.
+// A grid barrier that waits a second counts a million misses and stops waiting for the rest of the launch, so
+// that a GPU shared with other work cannot hang the probe.
 // Rounds are numbered from `first` (the host goes on numbering from run to run, so that no value of an earlier
 // run can pass for the current one and the barrier counter needs no reset); `bad` counts reads that did not see
 // the expected value (a barrier that does not order: must stay 0).
@@ -2021,6 +2026,12 @@ __device__ __forceinline__ unsigned int ld_acquire_gpu(const unsigned int* p) {
     v = *(volatile const unsigned int*)p;
 #endif
     return v;
+}
+// Nanoseconds of the GPU's global timer (the same on every multiprocessor, unlike clock64).
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+    return t;
 }
 __device__ __forceinline__ void red_release_gpu(unsigned int* p, unsigned int v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
@@ -2040,6 +2051,7 @@ extern "C" __global__ void sync_probe(unsigned int* bar, unsigned int* slots, un
     const bool in_cluster = kind == 1 || kind == 2 || kind == 4;
     const unsigned int nbr = in_cluster ? b - crank + (crank + 1) % csize : (b + 1) % nb;
     unsigned int errors = 0;
+    bool gave_up = false;
     // Slots are double-buffered by round: a block writes round r + 2's value only after the barrier of round
     // r + 1, which every block passes only after its read of round r.
     for (int r = 0; r < (kind == 3 ? 1 : rounds); ++r) {
@@ -2054,11 +2066,11 @@ extern "C" __global__ void sync_probe(unsigned int* bar, unsigned int* slots, un
             if (threadIdx.x == 0) {
                 red_release_gpu(bar, 1);
                 const unsigned int target = (round + 1) * nb;
-                const long long start = clock64();
-                while (ld_acquire_gpu(bar) < target) {
-                    if (clock64() - start > (1LL << 31)) {
+                const unsigned long long start = global_ns();
+                while (!gave_up && ld_acquire_gpu(bar) < target) {
+                    if (global_ns() - start > 1000000000ull) {
                         errors += 1000000;
-                        break;
+                        gave_up = true;  // no more waiting in later rounds either
                     }
                 }
             }

@@ -935,6 +935,8 @@ pub struct Cuda {
     /// Whether clusters of a kernel fit the GPU at once: (kernel, threads, dynamic shared memory, cluster
     /// blocks) → fits ([`Cuda::fitting_cluster`]).
     cluster_fits: Mutex<HashMap<(usize, u32, u32, usize), bool>>,
+    /// Launches queued as thread-block clusters ([`Cuda::cluster_launches`]).
+    cluster_launches: AtomicU64,
     /// Blocks of `attention` (no dynamic shared memory) that fit on one multiprocessor at once.
     att_occupancy: usize,
     /// Blocks per row tile of every tensor-core product (1, 2, 4), or 0 to choose by the launch's size
@@ -1239,6 +1241,7 @@ impl Cuda {
             mma_split: Mutex::new(MmaSplit::default()),
             sms,
             cluster_fits: Mutex::new(HashMap::new()),
+            cluster_launches: AtomicU64::new(0),
             att_occupancy,
             forced_split: AtomicUsize::new(split),
             forced_row_blocks: AtomicUsize::new(0),
@@ -1295,6 +1298,16 @@ impl Cuda {
     /// The GPU's PCI address (`domain:bus:device.function`, as NVML names devices), if the driver gives it.
     pub fn pci_bus_id(&self) -> Option<&str> {
         self.pci_bus_id.as_deref()
+    }
+
+    /// Launches queued as thread-block clusters since [`Cuda::new`] (tests: that a cluster kernel ran).
+    pub fn cluster_launches(&self) -> u64 {
+        self.cluster_launches.load(Ordering::Relaxed)
+    }
+
+    /// The GPU's compute capability (major, minor).
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.capability
     }
 
     /// Kernel launches plus memory copies and sets queued on the stream since [`Cuda::new`] (to count the
@@ -1409,9 +1422,11 @@ impl Cuda {
                 // SAFETY: a kernel of our module; the config and its attribute live through the call, which
                 // only computes.
                 let ok = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.0, &config) } == sys::CUresult::CUDA_SUCCESS;
-                let fits = ok && n > 0;
-                self.cluster_fits.lock().unwrap_or_else(|e| e.into_inner()).insert(key, fits);
-                fits
+                // A failed call (an unrelated earlier error, say) is not an answer: not cached.
+                if ok {
+                    self.cluster_fits.lock().unwrap_or_else(|e| e.into_inner()).insert(key, n > 0);
+                }
+                ok && n > 0
             });
             if fits {
                 return c;
@@ -1522,9 +1537,10 @@ impl Cuda {
     /// multiprocessor, else 16 (measured on the 1.5B's shapes, random Q4_K/Q6_K-form weights, 8–32 tokens: 8
     /// beat 4 everywhere, e.g. the LM head at 16 tokens 166 against 186 µs, and 16 gains where tiles are few).
     ///
-    /// The third grid dimension is the cluster size: 1, or with `EDDY_CUDA_QV_CLUSTER=c` (sm_90) `c` (at most
-    /// 32 / warps) where the launch has fewer row and token tiles than the GPU has multiprocessors — each tile then
-    /// split over a cluster of `c` blocks (`mm_qvc*`) — or always where [`Cuda::force_verify_clusters`] says so.
+    /// The third grid dimension is the cluster size: 1, or with `EDDY_CUDA_QV_CLUSTER=c` (sm_90) `c` where the
+    /// launch has fewer row and token tiles than the GPU has multiprocessors — each tile then split over a
+    /// cluster of `c` blocks (`mm_qvc*`) of 32 / c warps, one visit each — or always where
+    /// [`Cuda::force_verify_clusters`] says so (with forced warps, `c` at most 32 / warps).
     fn qv_plan(&self, tiles: usize, n: usize, xq: &CudaQAct) -> Option<(usize, (usize, usize, usize))> {
         if xq.tg == 0 {
             return None;
@@ -1538,13 +1554,18 @@ impl Cuda {
             0 => 16,
             w => w,
         };
-        let wi = QV_WARPS.iter().position(|&w| w == warps).expect("a warp count of QV_WARPS");
         let cluster = match self.qv_cluster.load(Ordering::Relaxed) {
-            c if c >= 2 && self.capability.0 >= 9 && (self.qv_cluster_always.load(Ordering::Relaxed) || tiles * ttiles < self.sms) => {
-                c.min(32 / warps)
-            }
+            c if c >= 2 && self.capability.0 >= 9 && (self.qv_cluster_always.load(Ordering::Relaxed) || tiles * ttiles < self.sms) => c,
             _ => 1,
         };
+        // A split tile has 32 / c visits a block: unless forced, 32 / c warps (one visit each), else at most
+        // the warps' visits allow.
+        let (warps, cluster) = match (cluster, self.forced_qv.load(Ordering::Relaxed)) {
+            (1, _) => (warps, 1),
+            (c, 0) => (32 / c, c),
+            (c, _) => (warps, c.min(32 / warps)),
+        };
+        let wi = QV_WARPS.iter().position(|&w| w == warps).expect("a warp count of QV_WARPS");
         Some((wi, (tiles, ttiles, cluster)))
     }
 
@@ -1760,6 +1781,9 @@ impl Cuda {
             return;
         }
         debug_assert!(cluster <= 1 || grid.2.is_multiple_of(cluster as usize), "a grid of whole clusters");
+        if cluster > 1 {
+            self.cluster_launches.fetch_add(1, Ordering::Relaxed);
+        }
         let g = |x: usize| u32::try_from(x).expect("CUDA grid too large");
         self.queued.fetch_add(1, Ordering::Relaxed);
         let op =
