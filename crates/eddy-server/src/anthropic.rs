@@ -245,6 +245,36 @@ pub fn error(e: &ApiError) -> (StatusCode, Value) {
     (e.status, json!({"type": "error", "error": {"type": kind, "message": e.message}}))
 }
 
+/// A served model as Anthropic's Models API describes one (`GET /v1/models/{id}` from an Anthropic client):
+/// the name as id and display name, `created_at` the server's start (`created`, Unix seconds) in RFC 3339,
+/// active, and the context as both token limits.
+pub fn model_info(id: &str, created: u64, ctx: usize) -> Value {
+    json!({"type": "model", "id": id, "display_name": id, "created_at": rfc3339(created), "lifecycle": "active",
+           "max_input_tokens": ctx, "max_tokens": ctx})
+}
+
+/// Anthropic's model list: one page holding every served name.
+pub fn model_list(names: &[String], created: u64, ctx: usize) -> Value {
+    let data: Vec<Value> = names.iter().map(|n| model_info(n, created, ctx)).collect();
+    json!({"data": data, "has_more": false, "first_id": names.first(), "last_id": names.last()})
+}
+
+/// Unix seconds as an RFC 3339 UTC time, `YYYY-MM-DDTHH:MM:SSZ` (the proleptic Gregorian calendar: days since
+/// 1970-01-01 to a civil date by 400-year eras of 146,097 days).
+fn rfc3339(secs: u64) -> String {
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let z = days + 719_468; // days since 0000-03-01
+    let era = z / 146_097;
+    let doe = z % 146_097; // day of the era, 0..146_096
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365; // year of the era, 0..399
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100); // day of the year from March 1st
+    let mp = (5 * doy + 2) / 153; // month from March, 0..11
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem / 60 % 60, rem % 60)
+}
+
 fn event(name: &str, data: Value) -> Bytes {
     Bytes::from(format!("event: {name}\ndata: {data}\n\n"))
 }
@@ -363,6 +393,15 @@ impl EventStream {
 mod tests {
     use super::*;
     use crate::api::{obj, sse_event};
+
+    #[test]
+    fn rfc3339_dates() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z"); // a leap day of a 400-year leap year
+        assert_eq!(rfc3339(4_107_542_399), "2100-02-28T23:59:59Z"); // 2100 is not a leap year
+        assert_eq!(rfc3339(4_107_542_400), "2100-03-01T00:00:00Z");
+        assert_eq!(rfc3339(1_796_428_800 + 3_723), "2026-12-05T01:02:03Z");
+    }
 
     /// A conversation with a tool round trip becomes the chat request it means.
     #[test]

@@ -12,7 +12,8 @@
 //!
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses`, `POST /v1/messages`,
 //! `POST /v1/messages/count_tokens`, `POST /tokenize`, `POST /detokenize`, `GET /v1/models`,
-//! `GET /v1/models/{id}`, `GET /health`, `GET /metrics` (Prometheus text).
+//! `GET /v1/models/{id}` (in Anthropic's shapes for Anthropic clients), `GET /health`, `GET /metrics`
+//! (Prometheus text).
 //!
 //! The server has one model and answers a request naming any model with it (llama-server's behaviour;
 //! clients often send a fixed name): `model` in a response is the first served name. Chat requests may
@@ -467,18 +468,36 @@ fn model_object(st: &AppState, id: &str) -> Value {
            "context_length": st.ctx, "max_model_len": st.ctx})
 }
 
-async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
+/// Whether a request comes from an Anthropic client (its SDKs send `anthropic-version` on every request):
+/// `/v1/models` then answers in Anthropic's shapes.
+fn from_anthropic_client(headers: &axum::http::HeaderMap) -> bool {
+    headers.contains_key("anthropic-version")
+}
+
+async fn models(State(st): State<Arc<AppState>>, headers: axum::http::HeaderMap) -> Json<Value> {
+    if from_anthropic_client(&headers) {
+        return Json(anthropic::model_list(&st.names, st.created, st.ctx));
+    }
     let data: Vec<Value> = st.names.iter().map(|n| model_object(&st, n)).collect();
     Json(json!({"object": "list", "data": data}))
 }
 
-async fn model(State(st): State<Arc<AppState>>, axum::extract::Path(id): axum::extract::Path<String>) -> Response {
+async fn model(
+    State(st): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    let anthropic = from_anthropic_client(&headers);
     if st.names.contains(&id) {
-        return Json(model_object(&st, &id)).into_response();
+        let v = if anthropic { anthropic::model_info(&id, st.created, st.ctx) } else { model_object(&st, &id) };
+        return Json(v).into_response();
     }
-    ApiError::invalid(Some("model"), format!("the model `{id}` does not exist; this server serves {}", st.names.join(", ")))
-        .with_status(StatusCode::NOT_FOUND, "invalid_request_error", Some("model_not_found"))
-        .into_response()
+    let e = ApiError::invalid(Some("model"), format!("the model `{id}` does not exist; this server serves {}", st.names.join(", ")))
+        .with_status(StatusCode::NOT_FOUND, "invalid_request_error", Some("model_not_found"));
+    if anthropic {
+        return anthropic_error(e);
+    }
+    e.into_response()
 }
 
 #[derive(Clone, Copy, PartialEq)]

@@ -1,10 +1,10 @@
 """The official `anthropic` Python SDK against eddy serve's Messages API: a reply whole and streamed, a token
-count, an error the SDK maps to its exception type, a forced tool call with its result sent back, and a
-structured output.
+count, an error the SDK maps to its exception type, a forced tool call with its result sent back, a
+structured output, and the Models API (list, retrieve, an unknown id).
 
 usage: anthropic_client.py BASE_URL TOOLS_BASE_URL  -> prints one JSON object on stdout:
   {"whole": {...}, "stream": {...}, "count": N, "error": {...}, "tool": {...}, "tool_stream": {...}, "answer": {...},
-   "structured": {...}}
+   "structured": {...}, "models": {...}}
 Each entry holds what the SDK parsed; the Rust test compares them with the chat API's answers. Exits non-zero
 if the SDK raises (it validates the response shapes and the event stream as it parses them).
 """
@@ -66,5 +66,18 @@ schema = {"type": "object", "properties": {"city": {"type": "string"}}, "require
 m = tc.messages.create(model="q", max_tokens=48, extra_body=greedy, messages=ask,
                        output_config={"format": {"type": "json_schema", "schema": schema}})
 out["structured"] = json.loads("".join(b.text for b in m.content if b.type == "text"))
+
+# The Models API as this SDK reads it (a page of ModelInfo; retrieve one; an unknown id is NotFoundError).
+page = client.models.list()
+info = client.models.retrieve(page.data[0].id)
+assert info.type == "model" and info.lifecycle == "active", info
+try:
+    client.models.retrieve("claude-nonexistent")
+    raise SystemExit("an unknown model was found")
+except anthropic.NotFoundError as e:
+    missing = e.body["error"]["type"]
+out["models"] = {"ids": [m.id for m in page.data], "has_more": page.has_more, "retrieved": info.id,
+                 "display_name": info.display_name, "created_year": info.created_at.year,
+                 "max_input_tokens": info.max_input_tokens, "missing": missing}
 
 json.dump(out, sys.stdout)

@@ -908,6 +908,15 @@ fn anthropic_messages_api() {
     let stop = if names.is_empty() { "end_turn" } else { "tool_use" };
     assert_eq!(a["stop_reason"], if want["choices"][0]["finish_reason"] == "length" { "max_tokens" } else { stop }, "{want}");
     assert!(v["structured"]["city"].is_string(), "{v}");
+    // The Models API in Anthropic's shapes (the SDK sends anthropic-version); without that header, OpenAI's.
+    let served = "SmolLM2-135M-Instruct.Q4_1";
+    assert_eq!(
+        v["models"],
+        json!({"ids": [served], "has_more": false, "retrieved": served, "display_name": served,
+               "created_year": v["models"]["created_year"], "max_input_tokens": CTX, "missing": "not_found_error"})
+    );
+    assert!(v["models"]["created_year"].as_u64().is_some_and(|y| y >= 2026), "{v}");
+    assert_eq!(request(addr, "GET", "/v1/models", "").json()["object"], "list");
     // Raw: a missing max_tokens is Anthropic's error object; count_tokens needs none (null is none).
     let r = post(addr, "/v1/messages", json!({"messages": [{"role": "user", "content": "hi"}]}));
     assert_eq!(r.status, 400);
