@@ -3219,10 +3219,13 @@ extern "C" __global__ void __launch_bounds__(CAND_THREADS, 1)
 #define FA_KT 64
 #define FA_WARPS 4
 
+// x rounded to TF32 (to nearest, ties away), as the f32 bit pattern whose low 13 bits are zero: the mask makes
+// that explicit rather than relying on cvt's unused bits, since lo = x − hi must be taken from the hi the mma
+// sees (the compiled code cleared them already: the mask changes no result).
 __device__ __forceinline__ uint32_t tf32_hi(float x) {
     uint32_t r;
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
+    return r & 0xFFFFE000u;
 }
 __device__ __forceinline__ void mma_tf32(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
