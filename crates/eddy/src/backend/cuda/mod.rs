@@ -230,16 +230,35 @@ pub enum SyncProbe {
     Launches,
 }
 
-/// `EDDY_CUDA_T1_UNROLL` (4; anything else: 2, `mm_q_t1`).
+/// A measurement setting from the environment (`EDDY_CUDA_*`): `None` when unset, the value when it parses and
+/// `ok` takes it; otherwise a one-line warning on stderr naming the variable and what it takes (`takes`), and
+/// `None`, so that a mistyped setting is not silently measured as the default.
+fn env_setting<T: std::str::FromStr>(name: &str, takes: &str, ok: impl Fn(&T) -> bool) -> Option<T> {
+    let v = std::env::var(name).ok()?;
+    match v.trim().parse::<T>() {
+        Ok(x) if ok(&x) => Some(x),
+        _ => {
+            eprintln!("warning: {name}={v} ignored: it takes {takes}");
+            None
+        }
+    }
+}
+
+/// `EDDY_CUDA_T1_UNROLL` (4; unset or anything else: 2, `mm_q_t1`).
 fn t1_unroll_from_env() -> usize {
-    std::env::var("EDDY_CUDA_T1_UNROLL").ok().and_then(|v| v.parse().ok()).filter(|&u| u == 4).unwrap_or(2)
+    env_setting("EDDY_CUDA_T1_UNROLL", "4 (2 is the default)", |&u: &usize| u == 4 || u == 2).unwrap_or(2)
+}
+
+/// `EDDY_CUDA_ATT_CLUSTER` (2 to 16; unset or anything else: 0, no clusters).
+fn att_cluster_from_env() -> usize {
+    env_setting("EDDY_CUDA_ATT_CLUSTER", "2 to 16", |c: &usize| (2..=ATT_MAX_CLUSTER).contains(c)).unwrap_or(0)
 }
 /// `Cuda::t1_unroll`'s value for "`mm_q_t1u4*` at every width" (tests).
 const T1_DEEP_ALWAYS: usize = 104;
 
-/// `EDDY_CUDA_QV_CLUSTER` (2, 4 or 8; anything else: 0, no clusters).
+/// `EDDY_CUDA_QV_CLUSTER` (2, 4 or 8; unset or anything else: 0, no clusters).
 fn qv_cluster_from_env() -> usize {
-    std::env::var("EDDY_CUDA_QV_CLUSTER").ok().and_then(|v| v.parse().ok()).filter(|c| [2, 4, 8].contains(c)).unwrap_or(0)
+    env_setting("EDDY_CUDA_QV_CLUSTER", "2, 4 or 8", |c: &usize| [2, 4, 8].contains(c)).unwrap_or(0)
 }
 
 /// Fewest operations a queued list needs to be considered for a graph (smaller ones run eagerly).
@@ -974,7 +993,7 @@ pub struct Cuda {
     /// How causal attention of more than [`INVARIANT_TOKENS`] queries runs: 0 on the kernels every other
     /// launch takes (`attention_kv`, or `attention` where its shapes do not fit; to measure against them),
     /// else on `attention_mma` with P·V in that many TF32 products (1 or 3); `EDDY_CUDA_FA=0|1|3` at start
-    /// (unset or any other value: [`FA_PV_PRODUCTS`]), [`Cuda::force_prefill_attention`].
+    /// (unset: [`FA_PV_PRODUCTS`]; another value is ignored with a warning), [`Cuda::force_prefill_attention`].
     prefill_fa: AtomicUsize,
     /// Whether products of 5+ tokens below the large-tile kernels run on `mm_qv*`: 0 by the launch's size
     /// (up to `QV_MAX` tokens, warps per tile by [`Cuda::qv_plan`]), [`QV_OFF`] never (`mm_qw*`), else always with that
@@ -1231,7 +1250,7 @@ impl Cuda {
         // Programmatic dependent launch needs sm_90 (`griddepcontrol`); EDDY_CUDA_PDL=0 turns it off.
         let att_occupancy = occupancy(k.attention, ATT_THREADS, 0)?;
         ctx.queue().pdl = capability.0 >= 9 && std::env::var("EDDY_CUDA_PDL").map_or(true, |v| v != "0");
-        let split = std::env::var("EDDY_CUDA_SPLIT").ok().and_then(|v| v.parse().ok()).filter(|s| MMA_SPLITS.contains(s)).unwrap_or(0);
+        let split = env_setting("EDDY_CUDA_SPLIT", "1, 2 or 4", |s: &usize| MMA_SPLITS.contains(s)).unwrap_or(0);
         let persist = std::env::var("EDDY_CUDA_PERSIST").map_or(true, |v| v != "0");
         Ok(Cuda {
             kernel_names,
@@ -1245,16 +1264,12 @@ impl Cuda {
             att_occupancy,
             forced_split: AtomicUsize::new(split),
             forced_row_blocks: AtomicUsize::new(0),
-            forced_att_blocks: AtomicUsize::new(std::env::var("EDDY_CUDA_ATT_BLOCKS").ok().and_then(|v| v.parse().ok()).unwrap_or(0)),
-            forced_att_kernel: AtomicUsize::new(0),
-            att_cluster: AtomicUsize::new(
-                std::env::var("EDDY_CUDA_ATT_CLUSTER")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .filter(|c| (2..=ATT_MAX_CLUSTER).contains(c))
-                    .unwrap_or(0),
+            forced_att_blocks: AtomicUsize::new(
+                env_setting("EDDY_CUDA_ATT_BLOCKS", "a block count from 1", |&b: &usize| b > 0).unwrap_or(0),
             ),
-            att_kv_min: std::env::var("EDDY_CUDA_ATT_KV_MIN").ok().and_then(|v| v.parse().ok()).map_or(ATT_KV_MIN_T, |m: usize| {
+            forced_att_kernel: AtomicUsize::new(0),
+            att_cluster: AtomicUsize::new(att_cluster_from_env()),
+            att_kv_min: env_setting("EDDY_CUDA_ATT_KV_MIN", "a query count (0: never)", |_: &usize| true).map_or(ATT_KV_MIN_T, |m| {
                 if m == 0 {
                     usize::MAX
                 } else {
@@ -1262,26 +1277,20 @@ impl Cuda {
                 }
             }),
             persist,
-            dp4a_max: std::env::var("EDDY_CUDA_DP4A_MAX")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .filter(|m| (1..=MM_TT).contains(m))
-                .unwrap_or(DP4A_MAX),
+            dp4a_max: env_setting("EDDY_CUDA_DP4A_MAX", "1 to 8", |m: &usize| (1..=MM_TT).contains(m)).unwrap_or(DP4A_MAX),
             forced_tiled: AtomicUsize::new(0),
-            qt_min: std::env::var("EDDY_CUDA_QT_MIN").ok().and_then(|v| v.parse().ok()).unwrap_or(QT_MIN),
+            qt_min: env_setting("EDDY_CUDA_QT_MIN", "a token count", |_: &usize| true).unwrap_or(QT_MIN),
             prefill_qp: AtomicBool::new(std::env::var("EDDY_CUDA_QP").map_or(true, |v| v != "0")),
-            prefill_fa: AtomicUsize::new(match std::env::var("EDDY_CUDA_FA").as_deref() {
-                Ok("0") => 0,
-                Ok("3") => 3,
-                _ => FA_PV_PRODUCTS,
-            }),
+            prefill_fa: AtomicUsize::new(
+                env_setting("EDDY_CUDA_FA", "0, 1 or 3", |f: &usize| [0, 1, 3].contains(f)).unwrap_or(FA_PV_PRODUCTS),
+            ),
             qv_cluster: AtomicUsize::new(qv_cluster_from_env()),
             qv_cluster_always: AtomicBool::new(false),
             t1_unroll: AtomicUsize::new(t1_unroll_from_env()),
-            forced_qv: AtomicUsize::new(match std::env::var("EDDY_CUDA_QV").ok().and_then(|v| v.parse::<usize>().ok()) {
+            forced_qv: AtomicUsize::new(match env_setting("EDDY_CUDA_QV", "0, 4, 8 or 16", |w: &usize| *w == 0 || QV_WARPS.contains(w)) {
                 Some(0) => QV_OFF,
-                Some(w) if QV_WARPS.contains(&w) => w,
-                _ => 0,
+                Some(w) => w,
+                None => 0,
             }),
             name,
             capability,
@@ -1619,11 +1628,7 @@ impl Cuda {
                 assert!((2..=ATT_MAX_CLUSTER).contains(&c), "attention clusters of 2 to {ATT_MAX_CLUSTER} blocks");
                 c
             }
-            None => std::env::var("EDDY_CUDA_ATT_CLUSTER")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .filter(|c| (2..=ATT_MAX_CLUSTER).contains(c))
-                .unwrap_or(0),
+            None => att_cluster_from_env(),
         };
         self.att_cluster.store(c, Ordering::Relaxed);
     }
