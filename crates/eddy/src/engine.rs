@@ -779,6 +779,10 @@ impl Engine {
         // Prefix cache: keep the committed rows shared with this prompt (at least one token is prefilled,
         // for its logits).
         let keep = if self.prefix_cache { on_device!(&self.exec, &self.lm.model, |c, m| reusable_prefix(m, &c.state, prompt)) } else { 0 };
+        if self.prefix_cache {
+            // Hybrid models: also snapshot where this prompt parts from the tokens it replaces.
+            on_core!(&mut self.exec, |c| c.state.plan_checkpoint(prompt, keep));
+        }
         self.exec.truncate(keep);
         stats.cached_tokens = keep;
         if self.exec.speculating() && !self.cost.is_calibrated() {

@@ -11,10 +11,12 @@
 //!
 //! Prefix cache: attention rows can be kept for any shared prefix. A GDN state cannot be rewound, so a
 //! prefill that starts from an exact state (empty, or a snapshot) saves the GDN states at its last
-//! [`GDN_CHUNK`] boundary before its last token ([`MAX_SNAPSHOTS`] kept); [`SeqState::reusable_prefix`]
-//! offers those lengths, and [`SeqState::truncate`] to one of them restores the snapshot (at the next
-//! pass). States reached by decoding are never reused: a cold prefill computes them differently (up to
-//! rounding).
+//! [`GDN_CHUNK`] boundary before its last token, and at the last boundary within the prefix it shares with the
+//! tokens it replaces ([`SeqState::plan_checkpoint`]: where two conversations part, such as after a shared
+//! system prompt, so that the next conversation that shares it resumes there); [`MAX_SNAPSHOTS`] are kept.
+//! [`SeqState::reusable_prefix`] offers those lengths, and [`SeqState::truncate`] to one of them restores the
+//! snapshot (at the next pass). States reached by decoding are never reused: a cold prefill computes them
+//! differently (up to rounding).
 
 use crate::backend::{Backend, Cols, Cpu, GdnShape};
 use crate::error::{Error, Result};
@@ -202,7 +204,11 @@ pub struct SeqState<B: Backend = Cpu> {
     /// The GDN states equal those an aligned chunked prefill of `tokens` from the start computes.
     pub(crate) exact: bool,
     snapshots: Vec<Snapshot<B>>,
-    pub(crate) capture: Option<Capture<B>>,
+    /// The snapshots the current prefill fills (at most two: its last boundary and `checkpoint`).
+    pub(crate) captures: Vec<Capture<B>>,
+    /// A position the next prefills should also snapshot at (a [`GDN_CHUNK`] boundary where the prompt parted
+    /// from the tokens it replaced), until one of them reaches it.
+    pub(crate) checkpoint: Option<usize>,
     /// Parents of the pending verified tree (hybrid models; commit checks paths against it); empty when
     /// none is pending (a tree has at least its root).
     pub(crate) tree: Vec<usize>,
@@ -243,7 +249,8 @@ impl<B: Backend> SeqState<B> {
             restore_pending: false,
             exact: true,
             snapshots: Vec::new(),
-            capture: None,
+            captures: Vec::new(),
+            checkpoint: None,
             tree: Vec::new(),
             features: FeatureCapture::default(),
         }
@@ -274,7 +281,7 @@ impl<B: Backend> SeqState<B> {
         }
         self.tokens.truncate(n);
         self.tree.clear();
-        self.capture = None;
+        self.captures.clear();
         if self.is_hybrid() {
             self.restore_pending = true;
         }
@@ -325,15 +332,38 @@ impl<B: Backend> SeqState<B> {
         self.exact = true;
     }
 
-    /// Keep the capture of the last prefill as a snapshot of the first `at` committed tokens.
+    /// Keep the captures of the last prefill pass as snapshots of the first `at` committed tokens (the oldest
+    /// snapshots make room).
     pub(crate) fn save_capture(&mut self) {
-        if let Some(Capture { at, layers }) = self.capture.take() {
+        for Capture { at, layers } in std::mem::take(&mut self.captures) {
+            if self.checkpoint == Some(at) {
+                self.checkpoint = None;
+            }
             let tokens = self.tokens[..at].to_vec();
             self.snapshots.retain(|s| s.tokens != tokens);
             if self.snapshots.len() >= MAX_SNAPSHOTS {
                 self.snapshots.remove(0);
             }
             self.snapshots.push(Snapshot { tokens, layers });
+        }
+    }
+
+    /// Before a prefill of `prompt` that keeps the first `keep` committed tokens: for a hybrid model, ask the
+    /// prefill to snapshot also at the last [`GDN_CHUNK`] boundary of the prefix `prompt` shares with the
+    /// committed tokens, when that lies past `keep` and no snapshot holds it. Two conversations that share a
+    /// system prompt part there; without it the first one's snapshots lie past the shared part and the
+    /// second overwrites them, so every conversation would prefill the shared part again. A no-op for
+    /// attention-only models (their rows are kept for any shared prefix).
+    pub fn plan_checkpoint(&mut self, prompt: &[u32], keep: usize) {
+        self.checkpoint = None;
+        if !self.is_hybrid() {
+            return;
+        }
+        let limit = prompt.len().saturating_sub(1);
+        let common = self.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(limit);
+        let at = common / GDN_CHUNK * GDN_CHUNK;
+        if at > keep && !self.has_snapshot(at, prompt) {
+            self.checkpoint = Some(at);
         }
     }
 
@@ -481,7 +511,8 @@ where
             restore_pending: self.restore_pending,
             exact: self.exact,
             snapshots: self.snapshots.clone(),
-            capture: self.capture.clone(),
+            captures: self.captures.clone(),
+            checkpoint: self.checkpoint,
             tree: self.tree.clone(),
             features: self.features.clone(),
         }

@@ -1,6 +1,7 @@
 //! The engine's prefix cache on the hybrid Qwen3.5 model (tiny synthetic checkpoint): a request that shares a
 //! prefix with the previous one resumes from a saved Gated DeltaNet state and gives exactly (bit for bit:
-//! every token and every log-probability) what a cold engine gives; `cached_tokens` reports the reuse.
+//! every token and every log-probability) what a cold engine gives; `cached_tokens` reports the reuse,
+//! including conversations that share only a start (snapshotted where they part).
 //! Also: prefilling in pieces of any size gives the same result, and a cancelled prefill stops early and
 //! leaves the engine correct.
 
@@ -74,19 +75,26 @@ fn hybrid_prefix_cache_equals_cold_runs() {
     assert_eq!(st.cached_tokens, 128);
     assert_eq!(pre, cold(&c));
 
-    // A-B-A: B leaves A after 100 tokens, before any snapshot of A, so nothing is reused; the snapshots of A
-    // are dropped with the rows B overwrites; A again starts cold, then resumes.
+    // A-B-A: B leaves A after 100 tokens (a shared system prompt, say), before any snapshot of A, so nothing
+    // is reused, and the snapshots of A are dropped with the rows B overwrites; but B's prefill snapshots
+    // where it parted from A (the chunk boundary 64), so A again resumes there, then at its own 128.
     let mut b = a[..100].to_vec();
     b.extend(tokens(60, 3));
     let (rb, st) = run(&mut e, &b);
     assert_eq!(st.cached_tokens, 0);
     assert_eq!(rb, cold(&b));
     let (ra, st) = run(&mut e, &a);
-    assert_eq!(st.cached_tokens, 0);
+    assert_eq!(st.cached_tokens, 64);
     assert_eq!(ra, first);
     let (ra, st) = run(&mut e, &a);
     assert_eq!(st.cached_tokens, 128);
     assert_eq!(ra, first);
+    // A third conversation with the same 100-token start resumes at the shared 64 too.
+    let mut c3 = a[..100].to_vec();
+    c3.extend(tokens(45, 4));
+    let (rc, st) = run(&mut e, &c3);
+    assert_eq!(st.cached_tokens, 64);
+    assert_eq!(rc, cold(&c3));
 
     // Off: nothing reused, same output.
     let mut off = engine(256, false);

@@ -238,11 +238,22 @@ fn prefill<B: Backend>(
     let (start, end) = (state.n_past(), state.n_past() + tokens.len());
     if let Some(s) = state.gdn_shape() {
         // From an exact state, snapshot the GDN states at the last chunk boundary before the last token (the
-        // prefix cache reuses at most all but the last prompt token).
-        let at = (end.saturating_sub(1) / GDN_CHUNK) * GDN_CHUNK;
-        let known = at <= start && state.has_snapshot(at, &state.tokens);
-        state.capture = None;
-        if state.exact && at > 0 && at >= start && !(known && at == start) {
+        // prefix cache reuses at most all but the last prompt token), and at the planned checkpoint (where
+        // the prompt parted from the tokens it replaced, `SeqState::plan_checkpoint`) when this pass reaches it.
+        let last = (end.saturating_sub(1) / GDN_CHUNK) * GDN_CHUNK;
+        let known = last <= start && state.has_snapshot(last, &state.tokens);
+        let mut ats = Vec::new();
+        if last > 0 && last >= start && !(known && last == start) {
+            ats.push(last);
+        }
+        if let Some(cp) = state.checkpoint.filter(|&cp| cp > start && cp < last) {
+            ats.push(cp);
+        }
+        state.captures.clear();
+        if !state.exact {
+            ats.clear();
+        }
+        for at in ats {
             // At `start` the snapshot is the current state; past it, the GDN layers fill it in at `at`.
             let layers = state
                 .layers
@@ -259,7 +270,7 @@ fn prefill<B: Backend>(
                     LayerState::Kv { .. } => None,
                 })
                 .collect();
-            state.capture = Some(Capture { at, layers });
+            state.captures.push(Capture { at, layers });
         }
     }
     // Runs end at multiples of `max_batch` positions: the same cuts whatever the prefill's start.
@@ -306,7 +317,7 @@ pub fn decode<B: Backend>(
     sync(model, be, ws, state)?;
     state.check_room(1)?;
     state.tree.clear();
-    state.capture = None;
+    state.captures.clear();
     logits.clear();
     ws.ids.clear();
     ws.cands.reset(0, 0);
@@ -423,7 +434,8 @@ enum Rows<'a> {
 
 /// A GDN layer's part of the snapshot the current prefill takes: (absolute position, its conv window and
 /// recurrent state to fill), when the snapshot falls in this pass.
-type SnapshotSlot<'a, B> = Option<(usize, &'a mut (<B as Backend>::Buf, <B as Backend>::Buf))>;
+/// The snapshots a GDN layer fills during this pass: (absolute position, that layer's conv window and state).
+type SnapshotSlot<'a, B> = Vec<(usize, &'a mut (<B as Backend>::Buf, <B as Backend>::Buf))>;
 
 /// What every layer of one pass shares.
 struct Pass<'a> {
@@ -474,13 +486,13 @@ fn pass<B: Backend>(
     }
     let p = Pass { c, t, n_past, row0, vis, tree: matches!(rows, Rows::Tree { .. }) };
     be.embed(&model.embed, tokens, c.embed_scale, &mut ws.x);
-    let SeqState { layers, capture, features, .. } = state;
+    let SeqState { layers, captures, features, .. } = state;
     features.grow(be, t, c.d_model);
     // Whether `ws.o` holds the last block's FFN output, not yet added to the residual stream (the add is
     // fused into the next block's norm).
     let mut pending = false;
     for (l, (layer, st)) in model.layers.iter().zip(layers.iter_mut()).enumerate() {
-        let slot = capture.as_mut().and_then(|cap| cap.layers[l].as_mut().map(|s| (cap.at, s)));
+        let slot = captures.iter_mut().filter_map(|cap| cap.layers[l].as_mut().map(|s| (cap.at, s))).collect();
         block(be, &p, layer, st, slot, ws, pending);
         pending = true;
         if features.captures(l) {
@@ -664,7 +676,7 @@ fn delta_net_mixer<B: Backend>(
         be.gdn_tree(&s, rec, gc, ga, gb, parents, &mut tree.gamma, &mut tree.u, go);
         be.copy(gx, &mut tree.x, t * cd);
         be.copy(gc, &mut tree.c, t * cd);
-    } else if t == 1 && capture.as_ref().is_none_or(|c| c.0 != p.n_past + 1) {
+    } else if t == 1 && !capture.iter().any(|c| c.0 == p.n_past + 1) {
         // One token (the decode step): the fused recurrent step, the same values as a chunk of one row.
         if tree.rows < 1 {
             *tree = GdnTree { x: be.alloc(cd), c: be.alloc(cd), gamma: be.alloc(hv), u: be.alloc(vd), rows: 1 };
@@ -672,11 +684,17 @@ fn delta_net_mixer<B: Backend>(
         be.gdn_step(&s, rec, gc, ga, gb, &mut tree.gamma, &mut tree.u, go);
         be.gdn_conv_commit(&s, conv, gx, &iota[..1]);
     } else {
-        // Chunk boundaries at absolute multiples of GDN_CHUNK, cut also where a snapshot is due.
+        // Chunk boundaries at absolute multiples of GDN_CHUNK, cut also where a snapshot is due (snapshots
+        // sit on such boundaries, so the cuts change no value).
         let n_past = p.n_past;
-        let cap = capture.as_ref().map(|c| c.0).filter(|&at| at > n_past && at <= n_past + t).map(|at| at - n_past);
+        let due = |at: usize| at > n_past && at <= n_past + t;
         let lead = (GDN_CHUNK - n_past % GDN_CHUNK) % GDN_CHUNK;
-        let mut cuts = [0, t, lead, cap.unwrap_or(0)];
+        let mut cuts = [0, t, lead, 0, 0];
+        for (slot, &(at, _)) in cuts[3..].iter_mut().zip(capture.iter()) {
+            if due(at) {
+                *slot = at - n_past;
+            }
+        }
         cuts.sort_unstable();
         let mut prev = 0;
         for &cut in cuts.iter().filter(|&&x| x > 0 && x <= t) {
@@ -684,8 +702,7 @@ fn delta_net_mixer<B: Backend>(
                 continue;
             }
             be.gdn_chunked(&s, rec, gc, ga, gb, prev..cut, GDN_CHUNK, go);
-            if Some(cut) == cap {
-                let (_, (snap_conv, snap_rec)) = capture.as_mut().expect("capture checked above");
+            for (_, (snap_conv, snap_rec)) in capture.iter_mut().filter(|c| due(c.0) && c.0 - n_past == cut) {
                 be.copy(conv, snap_conv, s.conv_state_len());
                 be.gdn_conv_commit(&s, snap_conv, gx, &iota[..cut]);
                 be.copy(rec, snap_rec, s.state_len());
@@ -719,7 +736,7 @@ pub(crate) fn blocks<B: Backend>(
     assert!(t <= ws.max_batch && ws.positions.len() == t, "blocks: {t} rows, {} positions, batch {}", ws.positions.len(), ws.max_batch);
     let p = Pass { c, t, n_past: row0, row0, vis, tree: false };
     for (l, (layer, st)) in layers.iter().zip(kv.iter_mut()).enumerate() {
-        block(be, &p, layer, st, None, ws, l > 0);
+        block(be, &p, layer, st, Vec::new(), ws, l > 0);
     }
     be.add(&mut ws.x, &ws.o, t * c.d_model);
 }
@@ -769,7 +786,7 @@ pub fn mtp_forward<B: Backend>(
         ws.positions.clear();
         ws.positions.extend(n_past..n_past + n);
         let p = Pass { c, t: n, n_past, row0: n_past, vis: Visibility::Causal, tree: false };
-        block(be, &p, &mtp.layer, &mut state.layers[0], None, ws, false);
+        block(be, &p, &mtp.layer, &mut state.layers[0], Vec::new(), ws, false);
         be.add(&mut ws.x, &ws.o, n * d);
         head(model, be, ws, state, &mtp.norm, n, 0..n, logits);
         state.tokens.extend_from_slice(toks);
