@@ -253,10 +253,37 @@ pub fn model_info(id: &str, created: u64, ctx: usize) -> Value {
            "max_input_tokens": ctx, "max_tokens": ctx})
 }
 
-/// Anthropic's model list: one page holding every served name.
-pub fn model_list(names: &[String], created: u64, ctx: usize) -> Value {
-    let data: Vec<Value> = names.iter().map(|n| model_info(n, created, ctx)).collect();
-    json!({"data": data, "has_more": false, "first_id": names.first(), "last_id": names.last()})
+/// A page of Anthropic's model list from the query (`limit` 1 to 1000, default 20; `after_id` / `before_id`:
+/// the models after / before that id in the list; `lifecycle`: every served model is active). Errors: a
+/// `limit` out of range or not a number, an `after_id` or `before_id` not served, or both given.
+pub fn model_page(names: &[String], created: u64, ctx: usize, q: &std::collections::HashMap<String, String>) -> R<Value> {
+    let limit = match q.get("limit") {
+        None => 20,
+        Some(l) => match l.parse::<usize>() {
+            Ok(n) if (1..=1000).contains(&n) => n,
+            _ => return Err(invalid("limit", format!("limit must be an integer from 1 to 1000, got {l}"))),
+        },
+    };
+    let pos = |k: &str| -> R<Option<usize>> {
+        match q.get(k) {
+            None => Ok(None),
+            Some(id) => {
+                names.iter().position(|n| n == id).map(Some).ok_or_else(|| invalid(k, format!("{k} `{id}` is not a model of this server")))
+            }
+        }
+    };
+    let (after, before) = (pos("after_id")?, pos("before_id")?);
+    let (lo, hi) = match (after, before) {
+        (Some(_), Some(_)) => return Err(invalid("before_id", "give after_id or before_id, not both")),
+        (Some(a), None) => (a + 1, (a + 1 + limit).min(names.len())),
+        (None, Some(b)) => (b.saturating_sub(limit), b),
+        (None, None) => (0, limit.min(names.len())),
+    };
+    let active = q.get("lifecycle").is_none_or(|l| l.split(',').any(|v| v.trim() == "active"));
+    let page: &[String] = if active { &names[lo..hi] } else { &[] };
+    let has_more = active && if before.is_some() { lo > 0 } else { hi < names.len() };
+    let data: Vec<Value> = page.iter().map(|n| model_info(n, created, ctx)).collect();
+    Ok(json!({"data": data, "has_more": has_more, "first_id": page.first(), "last_id": page.last()}))
 }
 
 /// Unix seconds as an RFC 3339 UTC time, `YYYY-MM-DDTHH:MM:SSZ` (the proleptic Gregorian calendar: days since

@@ -204,7 +204,16 @@ async fn stop_signal() -> i32 {
 /// The axum router with the engine thread started behind it.
 pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router> {
     opts.validate()?;
-    let names = if opts.aliases.is_empty() { vec![model_id_for(&engine)] } else { opts.aliases.clone() };
+    // Model ids are unique in both APIs: a repeated --alias is listed once.
+    let mut names: Vec<String> = Vec::new();
+    for a in &opts.aliases {
+        if !names.contains(a) {
+            names.push(a.clone());
+        }
+    }
+    if names.is_empty() {
+        names.push(model_id_for(&engine));
+    }
     let cors = cors_layer(&opts.cors_origins)?;
     let (tx, rx) = std::sync::mpsc::channel();
     let metrics = Arc::new(Metrics::default());
@@ -349,7 +358,9 @@ async fn count_requests(State(st): State<Arc<AppState>>, req: Request, next: Nex
 /// Turns every error response that is not JSON (axum's own rejections: body too large, unreadable body)
 /// into an OpenAI error object with the same status.
 async fn json_errors(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    let anthropic = req.uri().path().starts_with("/v1/messages");
+    let path = req.uri().path();
+    let models_route = path.starts_with("/v1/models") || path.starts_with("/models");
+    let anthropic = path.starts_with("/v1/messages") || (models_route && from_anthropic_client(req.headers()));
     let resp = next.run(req).await;
     let status = resp.status();
     let json = resp.headers().get(header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
@@ -474,12 +485,22 @@ fn from_anthropic_client(headers: &axum::http::HeaderMap) -> bool {
     headers.contains_key("anthropic-version")
 }
 
-async fn models(State(st): State<Arc<AppState>>, headers: axum::http::HeaderMap) -> Json<Value> {
+/// The model routes' answers depend on `anthropic-version`: caches must keep the two shapes apart.
+const VARY_ANTHROPIC: (header::HeaderName, &str) = (header::VARY, "anthropic-version");
+
+async fn models(
+    State(st): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
+    axum::extract::Query(q): axum::extract::Query<std::collections::HashMap<String, String>>,
+) -> Response {
     if from_anthropic_client(&headers) {
-        return Json(anthropic::model_list(&st.names, st.created, st.ctx));
+        return match anthropic::model_page(&st.names, st.created, st.ctx, &q) {
+            Ok(v) => ([VARY_ANTHROPIC], Json(v)).into_response(),
+            Err(e) => ([VARY_ANTHROPIC], anthropic_error(e)).into_response(),
+        };
     }
     let data: Vec<Value> = st.names.iter().map(|n| model_object(&st, n)).collect();
-    Json(json!({"object": "list", "data": data}))
+    ([VARY_ANTHROPIC], Json(json!({"object": "list", "data": data}))).into_response()
 }
 
 async fn model(
@@ -490,14 +511,16 @@ async fn model(
     let anthropic = from_anthropic_client(&headers);
     if st.names.contains(&id) {
         let v = if anthropic { anthropic::model_info(&id, st.created, st.ctx) } else { model_object(&st, &id) };
-        return Json(v).into_response();
+        return ([VARY_ANTHROPIC], Json(v)).into_response();
     }
-    let e = ApiError::invalid(Some("model"), format!("the model `{id}` does not exist; this server serves {}", st.names.join(", ")))
+    // The id as given, cut to a readable length (it is echoed back).
+    let shown: String = if id.chars().count() > 200 { id.chars().take(200).chain("…".chars()).collect() } else { id.clone() };
+    let e = ApiError::invalid(Some("model"), format!("the model `{shown}` does not exist; this server serves {}", st.names.join(", ")))
         .with_status(StatusCode::NOT_FOUND, "invalid_request_error", Some("model_not_found"));
     if anthropic {
-        return anthropic_error(e);
+        return ([VARY_ANTHROPIC], anthropic_error(e)).into_response();
     }
-    e.into_response()
+    ([VARY_ANTHROPIC], e).into_response()
 }
 
 #[derive(Clone, Copy, PartialEq)]

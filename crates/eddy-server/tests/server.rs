@@ -75,10 +75,15 @@ impl Resp {
 }
 
 fn send(addr: SocketAddr, method: &str, path: &str, body: &str) -> TcpStream {
+    send_with(addr, method, path, "", body)
+}
+
+/// A request with extra header lines (`extra`: each ending in CRLF).
+fn send_with(addr: SocketAddr, method: &str, path: &str, extra: &str, body: &str) -> TcpStream {
     let mut s = TcpStream::connect(addr).unwrap();
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n{extra}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )
     .unwrap();
@@ -87,7 +92,15 @@ fn send(addr: SocketAddr, method: &str, path: &str, body: &str) -> TcpStream {
 
 /// One request, whole response (chunked bodies decoded).
 fn request(addr: SocketAddr, method: &str, path: &str, body: &str) -> Resp {
-    let mut s = send(addr, method, path, body);
+    read_response(send(addr, method, path, body))
+}
+
+/// The same from an Anthropic client (its SDKs send `anthropic-version` on every request).
+fn anthropic_request(addr: SocketAddr, method: &str, path: &str) -> Resp {
+    read_response(send_with(addr, method, path, "anthropic-version: 2023-06-01\r\n", ""))
+}
+
+fn read_response(mut s: TcpStream) -> Resp {
     let mut raw = Vec::new();
     s.read_to_end(&mut raw).unwrap();
     let split = raw.windows(4).position(|w| w == b"\r\n\r\n").expect("no header end");
@@ -1825,11 +1838,40 @@ fn any_model_name_is_answered_and_aliases_are_listed() {
         assert_eq!(v["choices"][0]["message"], plain["choices"][0]["message"]);
     }
     let Some(p) = model_path() else { return };
-    let opts = eddy_server::ServeOptions { aliases: vec!["smol".into(), "gpt-4o-mini".into()], ..Default::default() };
-    let aliased = start(engine(&p), opts);
+    // A repeated alias is listed once.
+    let aliases = ["smol", "gpt-4o-mini", "smol", "third"].map(String::from).to_vec();
+    let aliased = start(engine(&p), eddy_server::ServeOptions { aliases, ..Default::default() });
     let v = request(aliased, "GET", "/v1/models", "").json();
     let ids: Vec<&str> = v["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
-    assert_eq!(ids, ["smol", "gpt-4o-mini"]);
+    assert_eq!(ids, ["smol", "gpt-4o-mini", "third"]);
+    // Anthropic's pages: limit, after_id, before_id, has_more; bad paging is Anthropic's 400, an unserved
+    // route its error object too; the answers vary with anthropic-version.
+    let page = |q: &str| anthropic_request(aliased, "GET", &format!("/v1/models{q}"));
+    let ids_of =
+        |v: &Value| -> Vec<String> { v["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap().to_string()).collect() };
+    let v = page("?limit=2").json();
+    assert_eq!(
+        (ids_of(&v), &v["has_more"], &v["first_id"], &v["last_id"]),
+        (vec!["smol".into(), "gpt-4o-mini".into()], &json!(true), &json!("smol"), &json!("gpt-4o-mini"))
+    );
+    let v = page("?limit=2&after_id=gpt-4o-mini").json();
+    assert_eq!((ids_of(&v), &v["has_more"]), (vec!["third".to_string()], &json!(false)));
+    let v = page("?after_id=third").json();
+    assert_eq!((ids_of(&v), &v["has_more"], &v["first_id"]), (Vec::<String>::new(), &json!(false), &Value::Null));
+    let v = page("?limit=1&before_id=third").json();
+    assert_eq!((ids_of(&v), &v["has_more"]), (vec!["gpt-4o-mini".to_string()], &json!(true)));
+    assert_eq!(ids_of(&page("?lifecycle=retired").json()), Vec::<String>::new());
+    for q in ["?limit=0", "?limit=1001", "?limit=abc", "?after_id=nope", "?after_id=smol&before_id=third"] {
+        let r = page(q);
+        assert_eq!(r.status, 400, "{q}: {}", r.body);
+        assert_eq!((&r.json()["type"], &r.json()["error"]["type"]), (&json!("error"), &json!("invalid_request_error")), "{q}");
+    }
+    for (method, path, status) in [("GET", "/v1/models/", 404), ("DELETE", "/v1/models/smol", 405)] {
+        let r = anthropic_request(aliased, method, path);
+        assert_eq!((r.status, &r.json()["type"]), (status, &json!("error")), "{method} {path}: {}", r.body);
+    }
+    assert!(page("").headers.to_ascii_lowercase().contains("vary: anthropic-version"), "{}", page("").headers);
+    assert!(request(aliased, "GET", "/v1/models", "").headers.to_ascii_lowercase().contains("anthropic-version"));
     assert_eq!(request(aliased, "GET", "/v1/models/gpt-4o-mini", "").json()["context_length"], CTX);
     let v = post(aliased, c, chat_body(Q, json!({"max_tokens": 8, "model": "other"}))).json();
     assert_eq!(v["model"], "smol");
