@@ -109,6 +109,7 @@ pub fn endpoint_label(path: &str) -> &'static str {
         "/detokenize" => "/detokenize",
         "/health" => "/health",
         "/metrics" => "/metrics",
+        p if p.starts_with("/v1/models/") || p.starts_with("/models/") => "/v1/models/{id}",
         _ => "other",
     }
 }
@@ -254,6 +255,10 @@ mod tests {
         m.request(endpoint_label("/nope"), 404);
         for route in ["/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize"] {
             assert_eq!(endpoint_label(route), route);
+        }
+        // One label for every model id (ids cannot grow the label set).
+        for path in ["/v1/models/smol", "/models/gpt-4o-mini", "/v1/models/"] {
+            assert_eq!(endpoint_label(path), "/v1/models/{id}");
         }
         m.queue_delta(1);
         m.queue_delta(1);
