@@ -261,15 +261,17 @@ pub fn model_page(names: &[String], created: u64, ctx: usize, q: &std::collectio
         None => 20,
         Some(l) => match l.parse::<usize>() {
             Ok(n) if (1..=1000).contains(&n) => n,
-            _ => return Err(invalid("limit", format!("limit must be an integer from 1 to 1000, got {l}"))),
+            _ => return Err(invalid("limit", format!("limit must be an integer from 1 to 1000, got {}", crate::api::shown(l)))),
         },
     };
     let pos = |k: &str| -> R<Option<usize>> {
         match q.get(k) {
             None => Ok(None),
-            Some(id) => {
-                names.iter().position(|n| n == id).map(Some).ok_or_else(|| invalid(k, format!("{k} `{id}` is not a model of this server")))
-            }
+            Some(id) => names
+                .iter()
+                .position(|n| n == id)
+                .map(Some)
+                .ok_or_else(|| invalid(k, format!("{k} `{}` is not a model of this server", crate::api::shown(id)))),
         }
     };
     let (after, before) = (pos("after_id")?, pos("before_id")?);

@@ -130,6 +130,15 @@ fn number(o: &Map<String, Value>, k: &str, ok: impl Fn(f32) -> bool, range: &str
     }
 }
 
+/// A client's value as an error message echoes it: at most 200 characters, then an ellipsis.
+pub fn shown(v: &str) -> String {
+    if v.chars().count() > 200 {
+        v.chars().take(200).chain("…".chars()).collect()
+    } else {
+        v.to_string()
+    }
+}
+
 fn integer(o: &Map<String, Value>, k: &str, min: i64) -> R<Option<i64>> {
     match get(o, k) {
         None => Ok(None),

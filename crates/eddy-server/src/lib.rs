@@ -241,12 +241,12 @@ pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router>
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
-        .route("/v1/models/{id}", get(model))
+        .route("/v1/models/{*id}", get(model))
         // The same API without the /v1 prefix, as llama-server answers it (clients given a bare host).
         .route("/chat/completions", post(chat_completions))
         .route("/completions", post(completions))
         .route("/models", get(models))
-        .route("/models/{id}", get(model))
+        .route("/models/{*id}", get(model))
         .route("/v1/responses", post(create_response))
         .route("/v1/messages", post(messages))
         .route("/v1/messages/count_tokens", post(count_tokens))
@@ -361,22 +361,30 @@ async fn json_errors(State(st): State<Arc<AppState>>, req: Request, next: Next) 
     let path = req.uri().path();
     let models_route = path.starts_with("/v1/models") || path.starts_with("/models");
     let anthropic = path.starts_with("/v1/messages") || (models_route && from_anthropic_client(req.headers()));
-    let resp = next.run(req).await;
+    let mut resp = next.run(req).await;
+    if models_route {
+        // The models routes answer in the shape anthropic-version asks for: caches must keep them apart.
+        resp.headers_mut().append(header::VARY, header::HeaderValue::from_static("anthropic-version"));
+    }
     let status = resp.status();
     let json = resp.headers().get(header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
     if !(status.is_client_error() || status.is_server_error()) {
         return resp;
     }
     if json && anthropic {
-        // An OpenAI error object from a fallback (404, 405) on Anthropic's routes: in Anthropic's shape.
-        let body = axum::body::to_bytes(resp.into_body(), 64 << 10).await.unwrap_or_default();
+        // An OpenAI error object from a fallback (404, 405) on Anthropic's routes: in Anthropic's shape, its
+        // headers (Allow, Retry-After, Vary) kept.
+        let (mut parts, body) = resp.into_parts();
+        let body = axum::body::to_bytes(body, 64 << 10).await.unwrap_or_default();
         let v: Value = serde_json::from_slice(&body).unwrap_or_default();
         if v["type"] == "error" {
-            return (status, Json(v)).into_response();
+            return Response::from_parts(parts, Body::from(body));
         }
         let message = v["error"]["message"].as_str().unwrap_or(status.canonical_reason().unwrap_or("error")).to_string();
         let (status, v) = anthropic::error(&ApiError::invalid(None, message).with_status(status, "invalid_request_error", None));
-        return (status, Json(v)).into_response();
+        parts.headers.remove(header::CONTENT_LENGTH);
+        parts.status = status;
+        return Response::from_parts(parts, Body::from(v.to_string()));
     }
     if json {
         return resp;
@@ -485,9 +493,6 @@ fn from_anthropic_client(headers: &axum::http::HeaderMap) -> bool {
     headers.contains_key("anthropic-version")
 }
 
-/// The model routes' answers depend on `anthropic-version`: caches must keep the two shapes apart.
-const VARY_ANTHROPIC: (header::HeaderName, &str) = (header::VARY, "anthropic-version");
-
 async fn models(
     State(st): State<Arc<AppState>>,
     headers: axum::http::HeaderMap,
@@ -495,12 +500,12 @@ async fn models(
 ) -> Response {
     if from_anthropic_client(&headers) {
         return match anthropic::model_page(&st.names, st.created, st.ctx, &q) {
-            Ok(v) => ([VARY_ANTHROPIC], Json(v)).into_response(),
-            Err(e) => ([VARY_ANTHROPIC], anthropic_error(e)).into_response(),
+            Ok(v) => Json(v).into_response(),
+            Err(e) => anthropic_error(e),
         };
     }
     let data: Vec<Value> = st.names.iter().map(|n| model_object(&st, n)).collect();
-    ([VARY_ANTHROPIC], Json(json!({"object": "list", "data": data}))).into_response()
+    Json(json!({"object": "list", "data": data})).into_response()
 }
 
 async fn model(
@@ -511,16 +516,17 @@ async fn model(
     let anthropic = from_anthropic_client(&headers);
     if st.names.contains(&id) {
         let v = if anthropic { anthropic::model_info(&id, st.created, st.ctx) } else { model_object(&st, &id) };
-        return ([VARY_ANTHROPIC], Json(v)).into_response();
+        return Json(v).into_response();
     }
-    // The id as given, cut to a readable length (it is echoed back).
-    let shown: String = if id.chars().count() > 200 { id.chars().take(200).chain("…".chars()).collect() } else { id.clone() };
-    let e = ApiError::invalid(Some("model"), format!("the model `{shown}` does not exist; this server serves {}", st.names.join(", ")))
-        .with_status(StatusCode::NOT_FOUND, "invalid_request_error", Some("model_not_found"));
+    let e = ApiError::invalid(
+        Some("model"),
+        format!("the model `{}` does not exist; this server serves {}", api::shown(&id), st.names.join(", ")),
+    )
+    .with_status(StatusCode::NOT_FOUND, "invalid_request_error", Some("model_not_found"));
     if anthropic {
-        return ([VARY_ANTHROPIC], anthropic_error(e)).into_response();
+        return anthropic_error(e);
     }
-    ([VARY_ANTHROPIC], e).into_response()
+    e.into_response()
 }
 
 #[derive(Clone, Copy, PartialEq)]

@@ -1839,11 +1839,15 @@ fn any_model_name_is_answered_and_aliases_are_listed() {
     }
     let Some(p) = model_path() else { return };
     // A repeated alias is listed once.
-    let aliases = ["smol", "gpt-4o-mini", "smol", "third"].map(String::from).to_vec();
+    let aliases = ["smol", "gpt-4o-mini", "smol", "org/third"].map(String::from).to_vec();
     let aliased = start(engine(&p), eddy_server::ServeOptions { aliases, ..Default::default() });
     let v = request(aliased, "GET", "/v1/models", "").json();
     let ids: Vec<&str> = v["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
-    assert_eq!(ids, ["smol", "gpt-4o-mini", "third"]);
+    assert_eq!(ids, ["smol", "gpt-4o-mini", "org/third"]);
+    // An id with a slash is found as written (hub-style names) and percent-encoded.
+    for path in ["/v1/models/org/third", "/v1/models/org%2Fthird", "/models/org/third"] {
+        assert_eq!(request(aliased, "GET", path, "").json()["id"], "org/third", "{path}");
+    }
     // Anthropic's pages: limit, after_id, before_id, has_more; bad paging is Anthropic's 400, an unserved
     // route its error object too; the answers vary with anthropic-version.
     let page = |q: &str| anthropic_request(aliased, "GET", &format!("/v1/models{q}"));
@@ -1855,13 +1859,13 @@ fn any_model_name_is_answered_and_aliases_are_listed() {
         (vec!["smol".into(), "gpt-4o-mini".into()], &json!(true), &json!("smol"), &json!("gpt-4o-mini"))
     );
     let v = page("?limit=2&after_id=gpt-4o-mini").json();
-    assert_eq!((ids_of(&v), &v["has_more"]), (vec!["third".to_string()], &json!(false)));
-    let v = page("?after_id=third").json();
+    assert_eq!((ids_of(&v), &v["has_more"]), (vec!["org/third".to_string()], &json!(false)));
+    let v = page("?after_id=org%2Fthird").json();
     assert_eq!((ids_of(&v), &v["has_more"], &v["first_id"]), (Vec::<String>::new(), &json!(false), &Value::Null));
-    let v = page("?limit=1&before_id=third").json();
+    let v = page("?limit=1&before_id=org/third").json();
     assert_eq!((ids_of(&v), &v["has_more"]), (vec!["gpt-4o-mini".to_string()], &json!(true)));
     assert_eq!(ids_of(&page("?lifecycle=retired").json()), Vec::<String>::new());
-    for q in ["?limit=0", "?limit=1001", "?limit=abc", "?after_id=nope", "?after_id=smol&before_id=third"] {
+    for q in ["?limit=0", "?limit=1001", "?limit=abc", "?after_id=nope", "?after_id=smol&before_id=org/third"] {
         let r = page(q);
         assert_eq!(r.status, 400, "{q}: {}", r.body);
         assert_eq!((&r.json()["type"], &r.json()["error"]["type"]), (&json!("error"), &json!("invalid_request_error")), "{q}");
@@ -1869,6 +1873,8 @@ fn any_model_name_is_answered_and_aliases_are_listed() {
     for (method, path, status) in [("GET", "/v1/models/", 404), ("DELETE", "/v1/models/smol", 405)] {
         let r = anthropic_request(aliased, method, path);
         assert_eq!((r.status, &r.json()["type"]), (status, &json!("error")), "{method} {path}: {}", r.body);
+        let h = r.headers.to_ascii_lowercase();
+        assert!(h.contains("anthropic-version") && (status != 405 || h.contains("allow:")), "{method} {path}: {h}");
     }
     assert!(page("").headers.to_ascii_lowercase().contains("vary: anthropic-version"), "{}", page("").headers);
     assert!(request(aliased, "GET", "/v1/models", "").headers.to_ascii_lowercase().contains("anthropic-version"));

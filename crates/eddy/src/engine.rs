@@ -802,6 +802,7 @@ impl Engine {
         let mut at = keep;
         while at < prompt.len() {
             if sink.cancelled() {
+                on_core!(&mut self.exec, |c| c.state.drop_checkpoint());
                 return Ok(false);
             }
             let end = ((at / piece + 1) * piece).min(prompt.len());
@@ -840,6 +841,7 @@ impl Engine {
             });
             at = end;
         }
+        on_core!(&mut self.exec, |c| c.state.drop_checkpoint());
         Ok(true)
     }
 

@@ -78,6 +78,9 @@ pub enum LayerState<B: Backend = Cpu> {
 struct Snapshot<B: Backend> {
     tokens: Vec<u32>,
     layers: Vec<Option<(B::Buf, B::Buf)>>,
+    /// Taken where a prompt parted from the sequence it replaced ([`SeqState::plan_checkpoint`]): a shared
+    /// start, evicted only after every other snapshot.
+    checkpoint: bool,
 }
 
 /// A snapshot being filled by the current prefill at absolute position `at`.
@@ -270,6 +273,7 @@ impl<B: Backend> SeqState<B> {
     pub fn clear(&mut self) {
         self.truncate(0);
         self.snapshots.clear();
+        self.checkpoint = None;
     }
 
     /// Keep only the first `n` committed tokens (the rows after them become scratch). A hybrid model's
@@ -332,25 +336,33 @@ impl<B: Backend> SeqState<B> {
         self.exact = true;
     }
 
-    /// Keep the captures of the last prefill pass as snapshots of the first `at` committed tokens (the oldest
-    /// snapshots make room).
+    /// Keep the captures of the last prefill pass as snapshots of the first `at` committed tokens. The oldest
+    /// snapshot makes room, a checkpoint only when every snapshot is one: a long prefill saves one snapshot a
+    /// piece, and those must not push out the shared start it was asked to keep.
     pub(crate) fn save_capture(&mut self) {
         for Capture { at, layers } in std::mem::take(&mut self.captures) {
-            if self.checkpoint == Some(at) {
+            let checkpoint = self.checkpoint == Some(at);
+            if checkpoint {
                 self.checkpoint = None;
             }
             let tokens = self.tokens[..at].to_vec();
             self.snapshots.retain(|s| s.tokens != tokens);
             if self.snapshots.len() >= MAX_SNAPSHOTS {
-                self.snapshots.remove(0);
+                let oldest = self.snapshots.iter().position(|s| !s.checkpoint).unwrap_or(0);
+                self.snapshots.remove(oldest);
             }
-            self.snapshots.push(Snapshot { tokens, layers });
+            self.snapshots.push(Snapshot { tokens, layers, checkpoint });
         }
+    }
+
+    /// Forget a checkpoint the last prefill did not reach (cancelled, or not exact there).
+    pub(crate) fn drop_checkpoint(&mut self) {
+        self.checkpoint = None;
     }
 
     /// Before a prefill of `prompt` that keeps the first `keep` committed tokens: for a hybrid model, ask the
     /// prefill to snapshot also at the last [`GDN_CHUNK`] boundary of the prefix `prompt` shares with the
-    /// committed tokens, when that lies past `keep` and no snapshot holds it. Two conversations that share a
+    /// committed tokens, when that lies past `keep`, or mark the snapshot already there as that checkpoint. Two conversations that share a
     /// system prompt part there; without it the first one's snapshots lie past the shared part and the
     /// second overwrites them, so every conversation would prefill the shared part again. A no-op for
     /// attention-only models (their rows are kept for any shared prefix).
@@ -362,7 +374,13 @@ impl<B: Backend> SeqState<B> {
         let limit = prompt.len().saturating_sub(1);
         let common = self.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(limit);
         let at = common / GDN_CHUNK * GDN_CHUNK;
-        if at > keep && !self.has_snapshot(at, prompt) {
+        if at == 0 {
+            return;
+        }
+        // A snapshot already there (the previous prefill's, one a piece) is kept as the checkpoint.
+        if let Some(s) = self.snapshots.iter_mut().find(|s| s.tokens.len() == at && s.tokens[..] == prompt[..at]) {
+            s.checkpoint = true;
+        } else if at > keep {
             self.checkpoint = Some(at);
         }
     }
@@ -479,7 +497,7 @@ where
     B::Buf: Clone,
 {
     fn clone(&self) -> Self {
-        Snapshot { tokens: self.tokens.clone(), layers: self.layers.clone() }
+        Snapshot { tokens: self.tokens.clone(), layers: self.layers.clone(), checkpoint: self.checkpoint }
     }
 }
 

@@ -96,6 +96,36 @@ fn hybrid_prefix_cache_equals_cold_runs() {
     assert_eq!(st.cached_tokens, 64);
     assert_eq!(rc, cold(&c3));
 
+    // Pieces of 64: every piece saves a snapshot (A's second one is the shared start, which B reuses and
+    // keeps as its checkpoint), and a long B's six more pieces must not push that one out.
+    let mut e64 = engine(64, true);
+    let (first64, _) = run(&mut e64, &a);
+    assert_eq!(first64, first);
+    let mut long_b = a[..100].to_vec();
+    long_b.extend(tokens(330, 5));
+    let (rb, st) = run(&mut e64, &long_b);
+    assert_eq!(st.cached_tokens, 64);
+    assert_eq!(rb, cold(&long_b));
+    let (ra, st) = run(&mut e64, &a);
+    assert_eq!(st.cached_tokens, 64);
+    assert_eq!(ra, first);
+    // A checkpoint at a piece's first position (pieces of 256): D (400 tokens) leaves snapshots at 192 and
+    // 384; E shares D's first 280, resumes at 192, and snapshots the shared start at 256 as its second piece
+    // begins; F, with the same 280-token start, resumes there.
+    let mut e256 = engine(256, true);
+    let d = tokens(400, 6);
+    run(&mut e256, &d);
+    let mut e = d[..280].to_vec();
+    e.extend(tokens(100, 7));
+    let (re, st) = run(&mut e256, &e);
+    assert_eq!(st.cached_tokens, 192);
+    assert_eq!(re, cold(&e));
+    let mut f = d[..280].to_vec();
+    f.extend(tokens(40, 8));
+    let (rf, st) = run(&mut e256, &f);
+    assert_eq!(st.cached_tokens, 256);
+    assert_eq!(rf, cold(&f));
+
     // Off: nothing reused, same output.
     let mut off = engine(256, false);
     run(&mut off, &a);

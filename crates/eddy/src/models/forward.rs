@@ -246,7 +246,8 @@ fn prefill<B: Backend>(
         if last > 0 && last >= start && !(known && last == start) {
             ats.push(last);
         }
-        if let Some(cp) = state.checkpoint.filter(|&cp| cp > start && cp < last) {
+        // (A checkpoint at this pass's start, a piece boundary, is the current state: copied below.)
+        if let Some(cp) = state.checkpoint.filter(|&cp| cp >= start && cp < last) {
             ats.push(cp);
         }
         state.captures.clear();
@@ -689,6 +690,7 @@ fn delta_net_mixer<B: Backend>(
         let n_past = p.n_past;
         let due = |at: usize| at > n_past && at <= n_past + t;
         let lead = (GDN_CHUNK - n_past % GDN_CHUNK) % GDN_CHUNK;
+        debug_assert!(capture.len() <= 2, "a pass fills at most two snapshots (its last boundary, the checkpoint)");
         let mut cuts = [0, t, lead, 0, 0];
         for (slot, &(at, _)) in cuts[3..].iter_mut().zip(capture.iter()) {
             if due(at) {
