@@ -48,83 +48,60 @@ fn cold(prompt: &[u32]) -> Vec<TokenLogprobs> {
     run(&mut engine(256, false), prompt).0
 }
 
+/// A run of `prompt` on `e` that reuses `cached` tokens and gives exactly what a cold engine gives.
+fn resumes(e: &mut Engine, prompt: &[u32], cached: usize) -> Vec<TokenLogprobs> {
+    let (out, st) = run(e, prompt);
+    assert_eq!(st.cached_tokens, cached, "a prompt of {} tokens", prompt.len());
+    assert_eq!(out, cold(prompt), "a prompt of {} tokens", prompt.len());
+    out
+}
+
+/// The first `n` tokens of `base`, then `more` others.
+fn parted(base: &[u32], n: usize, more: usize, seed: u32) -> Vec<u32> {
+    let mut p = base[..n].to_vec();
+    p.extend(tokens(more, seed));
+    p
+}
+
 #[test]
 fn hybrid_prefix_cache_equals_cold_runs() {
     let a = tokens(150, 1);
     let mut e = engine(256, true);
-    let (first, st) = run(&mut e, &a);
-    assert_eq!(first, cold(&a));
-    assert_eq!(st.cached_tokens, 0);
-
+    let first = resumes(&mut e, &a, 0);
     // The same prompt again: resumes at the last chunk boundary before its last token (128).
-    let (again, st) = run(&mut e, &a);
-    assert_eq!(st.cached_tokens, 128);
-    assert_eq!(again, first);
-
+    let again = resumes(&mut e, &a, 128);
     // The next turn: the prompt, the reply, more text. The reply was decoded, so it is prefilled again.
     let mut next: Vec<u32> = a.clone();
     next.extend(again.iter().map(|t| t.id));
     next.extend(tokens(30, 2));
-    let (turn2, st) = run(&mut e, &next);
-    assert_eq!(st.cached_tokens, 128);
-    assert_eq!(turn2, cold(&next));
-
+    resumes(&mut e, &next, 128);
     // A strict prefix of the first prompt.
-    let c = a[..140].to_vec();
-    let (pre, st) = run(&mut e, &c);
-    assert_eq!(st.cached_tokens, 128);
-    assert_eq!(pre, cold(&c));
+    resumes(&mut e, &a[..140], 128);
 
     // A-B-A: B leaves A after 100 tokens (a shared system prompt, say), before any snapshot of A, so nothing
     // is reused, and the snapshots of A are dropped with the rows B overwrites; but B's prefill snapshots
-    // where it parted from A (the chunk boundary 64), so A again resumes there, then at its own 128.
-    let mut b = a[..100].to_vec();
-    b.extend(tokens(60, 3));
-    let (rb, st) = run(&mut e, &b);
-    assert_eq!(st.cached_tokens, 0);
-    assert_eq!(rb, cold(&b));
-    let (ra, st) = run(&mut e, &a);
-    assert_eq!(st.cached_tokens, 64);
-    assert_eq!(ra, first);
-    let (ra, st) = run(&mut e, &a);
-    assert_eq!(st.cached_tokens, 128);
-    assert_eq!(ra, first);
-    // A third conversation with the same 100-token start resumes at the shared 64 too.
-    let mut c3 = a[..100].to_vec();
-    c3.extend(tokens(45, 4));
-    let (rc, st) = run(&mut e, &c3);
-    assert_eq!(st.cached_tokens, 64);
-    assert_eq!(rc, cold(&c3));
+    // where it parted from A (the chunk boundary 64), so A again resumes there, then at its own 128. A third
+    // conversation with the same 100-token start resumes at the shared 64 too.
+    resumes(&mut e, &parted(&a, 100, 60, 3), 0);
+    assert_eq!(resumes(&mut e, &a, 64), first);
+    resumes(&mut e, &a, 128);
+    resumes(&mut e, &parted(&a, 100, 45, 4), 64);
 
     // Pieces of 64: every piece saves a snapshot (A's second one is the shared start, which B reuses and
     // keeps as its checkpoint), and a long B's six more pieces must not push that one out.
     let mut e64 = engine(64, true);
-    let (first64, _) = run(&mut e64, &a);
-    assert_eq!(first64, first);
-    let mut long_b = a[..100].to_vec();
-    long_b.extend(tokens(330, 5));
-    let (rb, st) = run(&mut e64, &long_b);
-    assert_eq!(st.cached_tokens, 64);
-    assert_eq!(rb, cold(&long_b));
-    let (ra, st) = run(&mut e64, &a);
-    assert_eq!(st.cached_tokens, 64);
-    assert_eq!(ra, first);
+    resumes(&mut e64, &a, 0);
+    resumes(&mut e64, &parted(&a, 100, 330, 5), 64);
+    resumes(&mut e64, &a, 64);
+
     // A checkpoint at a piece's first position (pieces of 256): D (400 tokens) leaves snapshots at 192 and
     // 384; E shares D's first 280, resumes at 192, and snapshots the shared start at 256 as its second piece
     // begins; F, with the same 280-token start, resumes there.
     let mut e256 = engine(256, true);
     let d = tokens(400, 6);
-    run(&mut e256, &d);
-    let mut e = d[..280].to_vec();
-    e.extend(tokens(100, 7));
-    let (re, st) = run(&mut e256, &e);
-    assert_eq!(st.cached_tokens, 192);
-    assert_eq!(re, cold(&e));
-    let mut f = d[..280].to_vec();
-    f.extend(tokens(40, 8));
-    let (rf, st) = run(&mut e256, &f);
-    assert_eq!(st.cached_tokens, 256);
-    assert_eq!(rf, cold(&f));
+    resumes(&mut e256, &d, 0);
+    resumes(&mut e256, &parted(&d, 280, 100, 7), 192);
+    resumes(&mut e256, &parted(&d, 280, 40, 8), 256);
 
     // Off: nothing reused, same output.
     let mut off = engine(256, false);
