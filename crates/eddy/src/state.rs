@@ -378,8 +378,8 @@ impl<B: Backend> SeqState<B> {
             return;
         }
         // A snapshot already there (the previous prefill's, one a piece) is kept as the checkpoint.
-        if let Some(s) = self.snapshots.iter_mut().find(|s| s.tokens.len() == at && s.tokens[..] == prompt[..at]) {
-            s.checkpoint = true;
+        if let Some(i) = self.snapshot_at(at, prompt) {
+            self.snapshots[i].checkpoint = true;
         } else if at > keep {
             self.checkpoint = Some(at);
         }
@@ -387,7 +387,12 @@ impl<B: Backend> SeqState<B> {
 
     /// Whether a snapshot of exactly the first `at` committed tokens (of `tokens`) exists.
     pub(crate) fn has_snapshot(&self, at: usize, tokens: &[u32]) -> bool {
-        self.snapshots.iter().any(|s| s.tokens.len() == at && s.tokens[..] == tokens[..at])
+        self.snapshot_at(at, tokens).is_some()
+    }
+
+    /// The index of the snapshot of exactly the first `at` tokens of `tokens`, if one exists.
+    fn snapshot_at(&self, at: usize, tokens: &[u32]) -> Option<usize> {
+        self.snapshots.iter().position(|s| s.tokens.len() == at && s.tokens[..] == tokens[..at])
     }
 
     /// Commit an accepted path of the last verified token tree (see [`crate::tree`]): `path` lists node

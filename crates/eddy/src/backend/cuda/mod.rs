@@ -560,6 +560,15 @@ fn programmatic_edges(g: sys::CUgraph) -> u64 {
     }
 }
 
+/// The launch attribute that groups `blocks` consecutive blocks along the grid's z into a thread-block cluster.
+fn cluster_attr(blocks: u32) -> sys::CUlaunchAttribute {
+    sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+        pad: [0; 4],
+        value: sys::CUlaunchAttributeValue { clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 1, y: 1, z: blocks } },
+    }
+}
+
 /// Launch `ops` on `stream` in order; with `pdl`, each kernel that follows a kernel with programmatic stream
 /// serialization (it may start before its predecessor ends and waits for it in `pdl_wait`, kernels.cu). With
 /// `noop` not 0, that kernel is launched in place of each kernel (same grid, block and shared memory), or of
@@ -583,13 +592,7 @@ fn run_ops(ops: &[Op], stream: sys::CUstream, pdl: bool, noop: usize, only: &[us
                     na += 1;
                 }
                 if cluster > 1 {
-                    attrs[na] = sys::CUlaunchAttribute {
-                        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-                        pad: [0; 4],
-                        value: sys::CUlaunchAttributeValue {
-                            clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 1, y: 1, z: u32::from(cluster) },
-                        },
-                    };
+                    attrs[na] = cluster_attr(u32::from(cluster));
                     na += 1;
                 }
                 let config = sys::CUlaunchConfig {
@@ -1407,13 +1410,7 @@ impl Cuda {
             let key = (f.0 as usize, threads, smem, c);
             let cached = self.cluster_fits.lock().unwrap_or_else(|e| e.into_inner()).get(&key).copied();
             let fits = cached.unwrap_or_else(|| {
-                let mut attr = sys::CUlaunchAttribute {
-                    id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-                    pad: [0; 4],
-                    value: sys::CUlaunchAttributeValue {
-                        clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 1, y: 1, z: c as u32 },
-                    },
-                };
+                let mut attr = cluster_attr(c as u32);
                 let config = sys::CUlaunchConfig {
                     gridDimX: 1,
                     gridDimY: 1,
