@@ -492,7 +492,8 @@ fn multi_token_products_equal_the_one_token_kernel() {
         forms.push(("M g32 rotated".into(), rtn::quantize(rows, cols, &rng.vec(rows * cols), rtn::Format::M, 32, rot)));
         for (name, w) in forms {
             let w = be.upload_weights(w);
-            // One token at a time.
+            // One token at a time, on `mm_q_t1` (2 blocks of a row loaded at once).
+            be.force_decode_unroll(Some(2));
             let ones: Vec<f32> = (0..nmax).flat_map(|t| one_token_product(&be, &w, &x[t * cols..(t + 1) * cols], rows)).collect();
             // The one-token kernel with 4 blocks of a row loaded at once: the same chains, the same bits.
             be.force_decode_unroll(Some(4));

@@ -428,7 +428,7 @@ MM_Q(mm_q_t2_p4, 2, true)
 MM_Q(mm_q_t2_p8, 2, false)
 MM_Q(mm_q_t4_p4, 4, true)
 MM_Q(mm_q_t4_p8, 4, false)
-// One token with U = 4 blocks of a row and their activations in flight a lane (`EDDY_CUDA_T1_UNROLL=4`, rows of
+// One token with U = 4 blocks of a row and their activations in flight a lane (the default for rows of
 // 3+ blocks a lane; bit-identical to mm_q_t1). 95 (packed 4-bit) and 122 registers a thread: 4 blocks of 4 warps
 // a multiprocessor, enough for a row count of one wave (1,536 rows: 384 blocks); U = 8 took 188–217 and was
 // dropped unmeasured.

@@ -244,14 +244,24 @@ fn env_setting<T: std::str::FromStr>(name: &str, takes: &str, ok: impl Fn(&T) ->
     }
 }
 
-/// `EDDY_CUDA_T1_UNROLL` (4; unset or anything else: 2, `mm_q_t1`).
+/// `EDDY_CUDA_T1_UNROLL`: 2 (`mm_q_t1` for every one-token product) or 4 (unset, the default: `mm_q_t1u4*`
+/// for rows of 3+ blocks a lane).
 fn t1_unroll_from_env() -> usize {
-    env_setting("EDDY_CUDA_T1_UNROLL", "4 (2 is the default)", |&u: &usize| u == 4 || u == 2).unwrap_or(2)
+    env_setting("EDDY_CUDA_T1_UNROLL", "2 or 4 (4 is the default)", |&u: &usize| u == 4 || u == 2).unwrap_or(4)
 }
 
-/// `EDDY_CUDA_ATT_CLUSTER` (2 to 16; unset or anything else: 0, no clusters).
-fn att_cluster_from_env() -> usize {
-    env_setting("EDDY_CUDA_ATT_CLUSTER", "2 to 16", |c: &usize| (2..=ATT_MAX_CLUSTER).contains(c)).unwrap_or(0)
+/// Blocks of the thread-block cluster a decode step's attention runs as by default ([`Cuda::att_cluster`]).
+/// Measured on the H100 (docs/cuda.md, session 32): see there for the A/B against no clusters and 8.
+const ATT_DECODE_CLUSTER: usize = 16;
+
+/// `EDDY_CUDA_ATT_CLUSTER`: 2 to 16, clusters of that size for every attention launch; 0 or 1, none; unset,
+/// [`ATT_DECODE_CLUSTER`] for one-query launches only. Returns (size, whether every launch takes it).
+fn att_cluster_from_env() -> (usize, bool) {
+    match env_setting("EDDY_CUDA_ATT_CLUSTER", "0 or 1 (none) or 2 to 16", |c: &usize| *c <= ATT_MAX_CLUSTER) {
+        Some(c) if c >= 2 => (c, true),
+        Some(_) => (0, true),
+        None => (ATT_DECODE_CLUSTER, false),
+    }
 }
 /// `Cuda::t1_unroll`'s value for "`mm_q_t1u4*` at every width" (tests).
 const T1_DEEP_ALWAYS: usize = 104;
@@ -813,7 +823,7 @@ struct Kernels {
     /// The same for up to three matrices in one launch.
     mm_q3: [[Func; 2]; 3],
     /// One-token products with 4 blocks of a row and their activations in flight a lane (`mm_q_t1u4_{p4,p8}`,
-    /// `mm_q3_t1u4_*`; `EDDY_CUDA_T1_UNROLL=4`): `[p4, p8]`.
+    /// `mm_q3_t1u4_*`; the default for rows of 3+ blocks a lane): `[p4, p8]`.
     mm_qu: [Func; 2],
     mm_q3u: [Func; 2],
     /// The empty kernel ([`Cuda::set_empty_kernels`]).
@@ -976,9 +986,11 @@ pub struct Cuda {
     att_kv_min: usize,
     /// Blocks of the thread-block cluster a (query, heads) of `attention` / `attention_kv` runs as (its chunk
     /// records combined after the cluster barrier instead of by the last block through a device counter), or 0
-    /// for no clusters (the default): `EDDY_CUDA_ATT_CLUSTER` (2 to 16) at start,
-    /// [`Cuda::force_attention_clusters`]. Taken only on sm_90 and later.
+    /// for no clusters; with `att_cluster_all` false only one-query launches (decode steps) take it. Default
+    /// [`ATT_DECODE_CLUSTER`] for decode steps; `EDDY_CUDA_ATT_CLUSTER` at start, [`Cuda::force_attention_clusters`].
+    /// Taken only on sm_90 and later.
     att_cluster: AtomicUsize,
+    att_cluster_all: AtomicBool,
     /// Whether large tensor-core products run on a grid of at most the blocks that fit at once, each walking
     /// several row tiles with the next one's loads in flight (`EDDY_CUDA_PERSIST=0`: one row tile per block).
     persist: bool,
@@ -1007,8 +1019,8 @@ pub struct Cuda {
     /// of fewer tiles than multiprocessors).
     qv_cluster: AtomicUsize,
     qv_cluster_always: AtomicBool,
-    /// Blocks of a row a one-token product loads at once: 4 (`mm_q_t1u4*`, rows of 3+ blocks a lane), else
-    /// `mm_q_t1`'s two, or [`T1_DEEP_ALWAYS`] (`EDDY_CUDA_T1_UNROLL`, [`Cuda::force_decode_unroll`]).
+    /// Blocks of a row a one-token product loads at once: 4 (the default: `mm_q_t1u4*`, rows of 3+ blocks a
+    /// lane), else `mm_q_t1`'s two, or [`T1_DEEP_ALWAYS`] (`EDDY_CUDA_T1_UNROLL`, [`Cuda::force_decode_unroll`]).
     t1_unroll: AtomicUsize,
     name: String,
     capability: (i32, i32),
@@ -1271,7 +1283,8 @@ impl Cuda {
                 env_setting("EDDY_CUDA_ATT_BLOCKS", "a block count from 1", |&b: &usize| b > 0).unwrap_or(0),
             ),
             forced_att_kernel: AtomicUsize::new(0),
-            att_cluster: AtomicUsize::new(att_cluster_from_env()),
+            att_cluster: AtomicUsize::new(att_cluster_from_env().0),
+            att_cluster_all: AtomicBool::new(att_cluster_from_env().1),
             att_kv_min: env_setting("EDDY_CUDA_ATT_KV_MIN", "a query count (0: never)", |_: &usize| true).map_or(ATT_KV_MIN_T, |m| {
                 if m == 0 {
                     usize::MAX
@@ -1611,28 +1624,30 @@ impl Cuda {
         self.forced_att_kernel.store(per_kv_head.map_or(0, |k| if k { 2 } else { 1 }), Ordering::Relaxed);
     }
 
-    /// Run `attention` and `attention_kv` as thread-block clusters of `blocks` blocks (2 to 16, at most the
-    /// chunks the cache holds) over each (query, heads)'s chunks, their records combined by the cluster's
-    /// first block after the cluster barrier; `None`: as `EDDY_CUDA_ATT_CLUSTER` said at start (unset: no
-    /// clusters, the last block to finish combines through a device counter). The results do not depend on it
-    /// (batch invariance); ignored below compute capability 9.0; for tests and measurements.
+    /// Run every `attention` and `attention_kv` launch as thread-block clusters of `blocks` blocks (2 to 16, at
+    /// most the chunks the cache holds) over each (query, heads)'s chunks, their records combined by the
+    /// cluster's first block after the cluster barrier; `Some(0)` or `Some(1)`: no clusters (the last block to
+    /// finish combines through a device counter); `None`: as `EDDY_CUDA_ATT_CLUSTER` said at start (unset:
+    /// [`ATT_DECODE_CLUSTER`] for decode steps, none for more queries). The results do not depend on it (batch
+    /// invariance); ignored below compute capability 9.0; for tests and measurements.
     ///
     /// # Panics
-    /// On a size outside 2..=16.
+    /// On a size above 16.
     pub fn force_attention_clusters(&self, blocks: Option<usize>) {
-        let c = match blocks {
+        let (c, all) = match blocks {
             Some(c) => {
-                assert!((2..=ATT_MAX_CLUSTER).contains(&c), "attention clusters of 2 to {ATT_MAX_CLUSTER} blocks");
-                c
+                assert!(c <= ATT_MAX_CLUSTER, "attention clusters of at most {ATT_MAX_CLUSTER} blocks");
+                (if c >= 2 { c } else { 0 }, true)
             }
             None => att_cluster_from_env(),
         };
         self.att_cluster.store(c, Ordering::Relaxed);
+        self.att_cluster_all.store(all, Ordering::Relaxed);
     }
 
     /// Whether an `n`-token product of rows of `cols` values runs on the one-token kernel with deeper loads
-    /// (`mm_q_t1u4*`): asked for (`EDDY_CUDA_T1_UNROLL=4`, [`Cuda::force_decode_unroll`]), one token, and rows
-    /// of at least 3 blocks a lane (the down projections), unless forced for every width.
+    /// (`mm_q_t1u4*`): one token, and rows of at least 3 blocks a lane (the down projections; the default,
+    /// `EDDY_CUDA_T1_UNROLL=2` turns it off), or every width when forced ([`Cuda::force_decode_unroll`]).
     fn t1_deep(&self, n: usize, cols: usize) -> bool {
         n == 1
             && match self.t1_unroll.load(Ordering::Relaxed) {
@@ -1644,8 +1659,8 @@ impl Cuda {
 
     /// Run one-token products with 4 blocks of a row and their activations in flight a lane for every width
     /// (`Some(4)`: `mm_q_t1u4*`, whose chains are `mm_q_t1`'s with the loads issued together), with `mm_q_t1`
-    /// (`Some(2)`), or as `EDDY_CUDA_T1_UNROLL` said at start (`None`; unset: `mm_q_t1`; `4`: rows of 3+ blocks
-    /// a lane). The results do not depend on it; for tests and measurements.
+    /// (`Some(2)`), or as `EDDY_CUDA_T1_UNROLL` said at start (`None`; unset or `4`: `mm_q_t1u4*` for rows of
+    /// 3+ blocks a lane; `2`: `mm_q_t1`). The results do not depend on it; for tests and measurements.
     ///
     /// # Panics
     /// On other depths.
@@ -2098,8 +2113,9 @@ impl Cuda {
         // In clusters, the cluster is the (query, heads)'s whole z range (the largest the GPU holds at once).
         let f = if per_kv { self.k.attention_kv } else { self.k.attention };
         let smem = if per_kv { kv_smem } else { 0 };
+        let clustered = t == 1 || self.att_cluster_all.load(Ordering::Relaxed);
         let cluster = match self.att_cluster.load(Ordering::Relaxed) {
-            c if c >= 2 && self.capability.0 >= 9 => self.fitting_cluster(f, ATT_THREADS, smem, c.min(nmax), false),
+            c if c >= 2 && clustered && self.capability.0 >= 9 => self.fitting_cluster(f, ATT_THREADS, smem, c.min(nmax), false),
             _ => 1,
         };
         let z = match self.forced_att_blocks.load(Ordering::Relaxed) {
