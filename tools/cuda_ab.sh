@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# A/B of CUDA settings on a lent GPU machine, alternated in one call so that the machine's drift hits every setting
+# alike (docs/cuda.md, "Measured on an NVIDIA H100: session 31's opt-ins, …"). Run from the repository root there:
+#
+#   tools/cuda_ab.sh MODEL_GGUF EDDY_BINARY TEST_BINARY [LLAMA_DIR]
+#
+# $SETTINGS: the settings to compare, separated by ';', each a list of NAME=VALUE words ("" or "X=1" for the
+# defaults); default: the defaults against the session-31 decode kernels. $ROUNDS (3): rounds of
+# `eddy speed --device cuda -p 512 -n 128 -r 3` over every setting, each round ending with llama-bench (tg128, pp512)
+# when LLAMA_DIR (holding bin/llama-bench) is given. $TIMING_ROUNDS (1): rounds of `decode_and_verify_timing`
+# (device argmax: the decode step and the 8-, 16- and 32-node verifies) over every setting. Prints one line per run
+# and, at the end, each setting's mean tg128 and its ratio to the first setting's.
+set -u -o pipefail
+model=$1 eddy=$2 bin=$3 llama=${4:-}
+IFS=';' read -r -a settings <<< "${SETTINGS:-X=1;EDDY_CUDA_T1_UNROLL=2 EDDY_CUDA_ATT_CLUSTER=0}"
+export EDDY_MODELS=$(dirname "$model")
+echo "== $(basename "$model") on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
+declare -A sum n
+for r in $(seq "${ROUNDS:-3}"); do
+    for s in "${settings[@]}"; do
+        line=$(env X=1 $s "$eddy" speed --device cuda --model "$model" -p 512 -n 128 -r 3 2>&1)
+        tg=$(grep '"tg128"' <<< "$line" | grep -o '"avg_ts":[0-9.]*' | cut -d: -f2)
+        pp=$(grep '"pp512"' <<< "$line" | grep -o '"avg_ts":[0-9.]*' | cut -d: -f2)
+        echo "round $r [$s] tg128 ${tg:-?} pp512 ${pp:-?}"
+        if [ -n "$tg" ]; then
+            sum[$s]=$(awk -v a="${sum[$s]:-0}" -v b="$tg" 'BEGIN { print a + b }')
+            n[$s]=$(( ${n[$s]:-0} + 1 ))
+        fi
+    done
+    if [ -n "$llama" ]; then
+        # llama-bench's table: | model | size | params | backend | ngl | fa | test | t/s |
+        LD_LIBRARY_PATH=$llama/bin "$llama/bin/llama-bench" -m "$model" -ngl 99 -fa 1 -p 512 -n 128 -r 3 2>&1 |
+            awk -F'|' -v r="$r" '$8 ~ /pp512|tg128/ { gsub(/ /, "", $8); print "round " r " llama.cpp " $8 " " $9 }'
+    fi
+done
+for t in $(seq "${TIMING_ROUNDS:-1}"); do
+    for s in "${settings[@]}"; do
+        echo "timing round $t [$s]"
+        env X=1 $s EDDY_CUDA_MODEL=$(basename "$model") "$bin" --ignored --exact decode_and_verify_timing --nocapture 2>&1 |
+            grep -E "device argmax: (decode|8-node verify|16-node verify|32-node verify)"
+    done
+done
+first=${settings[0]}
+for s in "${settings[@]}"; do
+    [ -n "${n[$s]:-}" ] || continue
+    awk -v s="$s" -v a="${sum[$s]}" -v k="${n[$s]}" -v f="${sum[$first]:-0}" -v fk="${n[$first]:-1}" -v base="$first" \
+        'BEGIN { m = a / k; d = (f > 0) ? (m / (f / fk) - 1) * 100 : 0
+                 printf "mean tg128 [%s] %.1f t/s (%d runs), %+.1f %% against [%s]\n", s, m, k, d, base }'
+done
