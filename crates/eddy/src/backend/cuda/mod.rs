@@ -986,8 +986,9 @@ pub struct Cuda {
     att_kv_min: usize,
     /// Blocks of the thread-block cluster a (query, heads) of `attention` / `attention_kv` runs as (its chunk
     /// records combined after the cluster barrier instead of by the last block through a device counter), or 0
-    /// for no clusters; with `att_cluster_all` false only one-query launches (decode steps) take it. Default
-    /// [`ATT_DECODE_CLUSTER`] for decode steps; `EDDY_CUDA_ATT_CLUSTER` at start, [`Cuda::force_attention_clusters`].
+    /// for no clusters; with `att_cluster_all` false only one-query launches (decode steps) without a forced
+    /// block count take it. Default [`ATT_DECODE_CLUSTER`] for those; `EDDY_CUDA_ATT_CLUSTER` at start,
+    /// [`Cuda::force_attention_clusters`].
     /// Taken only on sm_90 and later.
     att_cluster: AtomicUsize,
     att_cluster_all: AtomicBool,
@@ -1267,6 +1268,7 @@ impl Cuda {
         ctx.queue().pdl = capability.0 >= 9 && std::env::var("EDDY_CUDA_PDL").map_or(true, |v| v != "0");
         let split = env_setting("EDDY_CUDA_SPLIT", "1, 2 or 4", |s: &usize| MMA_SPLITS.contains(s)).unwrap_or(0);
         let persist = std::env::var("EDDY_CUDA_PERSIST").map_or(true, |v| v != "0");
+        let att_cluster = att_cluster_from_env();
         Ok(Cuda {
             kernel_names,
             ctx,
@@ -1283,8 +1285,8 @@ impl Cuda {
                 env_setting("EDDY_CUDA_ATT_BLOCKS", "a block count from 1", |&b: &usize| b > 0).unwrap_or(0),
             ),
             forced_att_kernel: AtomicUsize::new(0),
-            att_cluster: AtomicUsize::new(att_cluster_from_env().0),
-            att_cluster_all: AtomicBool::new(att_cluster_from_env().1),
+            att_cluster: AtomicUsize::new(att_cluster.0),
+            att_cluster_all: AtomicBool::new(att_cluster.1),
             att_kv_min: env_setting("EDDY_CUDA_ATT_KV_MIN", "a query count (0: never)", |_: &usize| true).map_or(ATT_KV_MIN_T, |m| {
                 if m == 0 {
                     usize::MAX
@@ -1628,8 +1630,8 @@ impl Cuda {
     /// most the chunks the cache holds) over each (query, heads)'s chunks, their records combined by the
     /// cluster's first block after the cluster barrier; `Some(0)` or `Some(1)`: no clusters (the last block to
     /// finish combines through a device counter); `None`: as `EDDY_CUDA_ATT_CLUSTER` said at start (unset:
-    /// [`ATT_DECODE_CLUSTER`] for decode steps, none for more queries). The results do not depend on it (batch
-    /// invariance); ignored below compute capability 9.0; for tests and measurements.
+    /// clusters of 16 for one-query launches without a forced block count, none for more queries). The results
+    /// do not depend on it (batch invariance); ignored below compute capability 9.0; for tests and measurements.
     ///
     /// # Panics
     /// On a size above 16.
@@ -2113,7 +2115,8 @@ impl Cuda {
         // In clusters, the cluster is the (query, heads)'s whole z range (the largest the GPU holds at once).
         let f = if per_kv { self.k.attention_kv } else { self.k.attention };
         let smem = if per_kv { kv_smem } else { 0 };
-        let clustered = t == 1 || self.att_cluster_all.load(Ordering::Relaxed);
+        // One-query launches take the default clusters unless a block count is forced (an A/B of the grid).
+        let clustered = self.att_cluster_all.load(Ordering::Relaxed) || (t == 1 && self.forced_att_blocks.load(Ordering::Relaxed) == 0);
         let cluster = match self.att_cluster.load(Ordering::Relaxed) {
             c if c >= 2 && clustered && self.capability.0 >= 9 => self.fitting_cluster(f, ATT_THREADS, smem, c.min(nmax), false),
             _ => 1,
