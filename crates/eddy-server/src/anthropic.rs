@@ -288,20 +288,13 @@ pub fn model_page(names: &[String], created: u64, ctx: usize, q: &std::collectio
     Ok(json!({"data": data, "has_more": has_more, "first_id": page.first(), "last_id": page.last()}))
 }
 
-/// Unix seconds as an RFC 3339 UTC time, `YYYY-MM-DDTHH:MM:SSZ` (the proleptic Gregorian calendar: days since
-/// 1970-01-01 to a civil date by 400-year eras of 146,097 days).
+/// Unix seconds as an RFC 3339 UTC time, `YYYY-MM-DDTHH:MM:SSZ` (chrono's formatting).
 fn rfc3339(secs: u64) -> String {
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    let z = days + 719_468; // days since 0000-03-01
-    let era = z / 146_097;
-    let doe = z % 146_097; // day of the era, 0..146_096
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365; // year of the era, 0..399
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100); // day of the year from March 1st
-    let mp = (5 * doy + 2) / 153; // month from March, 0..11
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + u64::from(month <= 2);
-    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem / 60 % 60, rem % 60)
+    i64::try_from(secs)
+        .ok()
+        .and_then(|s| chrono::DateTime::from_timestamp(s, 0))
+        .unwrap_or_default()
+        .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
 }
 
 fn event(name: &str, data: Value) -> Bytes {
