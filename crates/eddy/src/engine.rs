@@ -778,8 +778,9 @@ impl Engine {
     fn prefill(&mut self, prompt: &[u32], stats: &mut GenerationStats, sink: &dyn TokenSink) -> Result<bool> {
         // Prefix cache: keep the committed rows shared with this prompt (at least one token is prefilled,
         // for its logits).
-        let keep = if self.prefix_cache { on_device!(&self.exec, &self.lm.model, |c, m| reusable_prefix(m, &c.state, prompt)) } else { 0 };
+        let mut keep = 0;
         if self.prefix_cache {
+            keep = on_device!(&self.exec, &self.lm.model, |c, m| reusable_prefix(m, &c.state, prompt));
             // Hybrid models: also snapshot where this prompt parts from the tokens it replaces.
             on_core!(&mut self.exec, |c| c.state.plan_checkpoint(prompt, keep));
         }

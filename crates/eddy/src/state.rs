@@ -362,10 +362,10 @@ impl<B: Backend> SeqState<B> {
 
     /// Before a prefill of `prompt` that keeps the first `keep` committed tokens: for a hybrid model, ask the
     /// prefill to snapshot also at the last [`GDN_CHUNK`] boundary of the prefix `prompt` shares with the
-    /// committed tokens, when that lies past `keep`, or mark the snapshot already there as that checkpoint. Two conversations that share a
-    /// system prompt part there; without it the first one's snapshots lie past the shared part and the
-    /// second overwrites them, so every conversation would prefill the shared part again. A no-op for
-    /// attention-only models (their rows are kept for any shared prefix).
+    /// committed tokens, when that lies past `keep`, or mark the snapshot already there as that checkpoint.
+    /// Two conversations that share a system prompt part there; without it the first one's snapshots lie past
+    /// the shared part and the second overwrites them, so every conversation would prefill the shared part
+    /// again. A no-op for attention-only models (their rows are kept for any shared prefix).
     pub fn plan_checkpoint(&mut self, prompt: &[u32], keep: usize) {
         self.checkpoint = None;
         if !self.is_hybrid() {
