@@ -374,11 +374,17 @@ fn rows_do_not_depend_on_the_batch() {
             let last = n - 1;
             let ql = be.upload(&q[last * qd..]);
             let mut ol = be.alloc(qd);
+            let dec = be.decode_attention_launches();
             be.attention(Attend { shape: s, q: &ql, k: &kb, v: &vb, n_past: n_past + last, t: 1, vis: Visibility::Causal }, &mut ol);
             assert!(read(&be, &ol, qd) == all[last * qd..], "n_past {n_past} hd {hd}: clusters of {c}, one query: differs");
             if be.compute_capability().0 >= 9 {
                 let ran = be.cluster_launches() - clustered;
                 assert!(if c >= 2 { ran >= 2 } else { ran == 0 }, "n_past {n_past} hd {hd}: clusters of {c}: {ran} cluster launches");
+                // One query per query head in clusters of head dims 64 and 128: the decode kernel (blocks walking
+                // up to 9 chunks; records of chunks 16 and 17 through memory).
+                let want = u64::from(c >= 2 && !per_kv && hd <= 128);
+                let got = be.decode_attention_launches() - dec;
+                assert!(got == want, "n_past {n_past} hd {hd}: clusters of {c}, per KV head {per_kv}: {got} decode attention launches");
             }
         }
         be.force_attention_clusters(None);
@@ -394,6 +400,33 @@ fn rows_do_not_depend_on_the_batch() {
             be.attention(Attend { shape: s, q: &qi, k: &kb, v: &vb, n_past: n_past + i, t: 1, vis: Visibility::Causal }, &mut oi);
             assert!(read(&be, &oi, qd) == all[i * qd..(i + 1) * qd], "window {window:?}: query {i} of 16 differs from the single query");
         }
+        // The last query alone, as the last node of the chain as a tree (its keys partly listed by path), and
+        // with its output quantized (the o projection's input): on the decode kernel and on `attention`, the
+        // outputs and the next product's results bit for bit.
+        let ql = be.upload(&q[(n - 1) * qd..]);
+        let wq = be.upload_weights(quantize_f32(40, qd, &rng.vec(40 * qd), QuantKind::Q8));
+        let mut prods = Vec::new();
+        for dec in [true, false] {
+            be.force_decode_attention(Some(dec));
+            let before = be.decode_attention_launches();
+            let node = Attend { shape: s, q: &ql, k: &kb, v: &vb, n_past, t: 1, vis: Visibility::Tree { first: n - 1, paths: &chain } };
+            let mut on = be.alloc(qd);
+            be.attention(node, &mut on);
+            assert!(read(&be, &on, qd) == all[(n - 1) * qd..], "hd {hd}: the chain's last node alone (decode kernel {dec}) differs");
+            let last = Attend { shape: s, q: &ql, k: &kb, v: &vb, n_past: n_past + n - 1, t: 1, vis: Visibility::Causal };
+            let (mut o, mut xq) = (be.alloc(qd), be.new_qact());
+            be.attention_quantize(last, &mut o, &wq, &mut xq);
+            assert!(read(&be, &o, qd) == all[(n - 1) * qd..], "hd {hd}: attention_quantize (decode kernel {dec}) differs");
+            let mut p = vec![0f32; 40];
+            be.matmul_to_host(&wq, &o, &xq, 1, &mut p);
+            prods.push(p);
+            if be.compute_capability().0 >= 9 {
+                let ran = be.decode_attention_launches() - before;
+                assert!(ran == if dec && hd <= 128 { 2 } else { 0 }, "hd {hd}: decode kernel {dec}: {ran} launches");
+            }
+        }
+        be.force_decode_attention(None);
+        assert!(prods[0] == prods[1], "hd {hd}: the decode kernel's quantized output gives another product");
     }
 }
 

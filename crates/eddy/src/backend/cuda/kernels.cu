@@ -47,6 +47,12 @@ __device__ __forceinline__ void cluster_arrive() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
 #endif
 }
+// The arrive without release semantics (the barrier only orders the blocks' progress, not their writes).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+#endif
+}
 __device__ __forceinline__ void cluster_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
@@ -2429,6 +2435,14 @@ __device__ __forceinline__ float att_combine_value(const float* base, int nch, i
     return acc;
 }
 
+// A score quarter's chain extended by four key values against the query values q[0..3], in order.
+__device__ __forceinline__ float att_dot4(float p, const float* q, float4 k) {
+    p = __fmaf_rn(q[0], k.x, p);
+    p = __fmaf_rn(q[1], k.y, p);
+    p = __fmaf_rn(q[2], k.z, p);
+    return __fmaf_rn(q[3], k.w, p);
+}
+
 // Loads per thread issued together before their use (each batch one memory round trip): key float4s of the
 // score chains, value rows of the output chains.
 #define ATT_KB 8
@@ -2530,11 +2544,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2)
 #pragma unroll
                     for (int u = 0; u < ATT_KB; ++u) {
                         if (b + u < (hd >> 4)) {
-                            const int d4 = b + u;
-                            p = __fmaf_rn(qq[4 * d4], kv[u].x, p);
-                            p = __fmaf_rn(qq[4 * d4 + 1], kv[u].y, p);
-                            p = __fmaf_rn(qq[4 * d4 + 2], kv[u].z, p);
-                            p = __fmaf_rn(qq[4 * d4 + 3], kv[u].w, p);
+                            p = att_dot4(p, qq + 4 * (b + u), kv[u]);
                         }
                     }
                 }
@@ -2629,6 +2639,206 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2)
         combine();
     }
 }
+
+// The decode step's attention: one query (t = 1), head dims 64 and 128, its chunk blocks a thread-block cluster
+// of Z = gridDim.z per query head (rank = z; block z takes the chunks z, z + Z, ... in turn). A small body with
+// one block barrier a chunk (two for a block walking several) and no fence, where `attention` carries every
+// case in 7,000 instructions (a kernel that runs once a layer starts with a cold instruction cache;
+// docs/cuda.md, "A decode attention of its own").
+// Every value is computed by `attention`'s operations in its order, so a (query, head) gets the same bits from
+// either kernel (and so from `attention_kv`):
+//  * thread (key j = tid % 64, quarter qt = tid / 64) computes p_qt of key j as `attention` does (the query from
+//    shared memory, the key's quarter in float4s loaded before the barrier);
+//  * after the barrier each warp of the first HD / 32 holds the scores of keys lane and lane + 32 (the quarters
+//    added in order, scaled, soft-capped), so its two xor trees are `attention`'s two warps' trees: m, the
+//    exponentials e_j, and z = the two trees' sums added;
+//  * thread d < HD computes output value d: the P = 256 / HD fma chains over the keys pt, pt + P, ... (e_j from
+//    the lane that holds it, v_j[d] loaded before the barrier), added in order;
+//  * one chunk: the output as `attention`'s single-chunk path; several: the chunk records (m, z, o[HD]), those
+//    of chunks below ATT_DEC_CAP stored into the shared memory of the cluster's first block (the rest into
+//    `part` as `attention` stores them), and after the cluster barrier that block combines them in chunk
+//    order as `attention`'s `combine` does.
+// The output quantization as `attention`'s (`qq` not null: the warp of 32 output values quantizes them).
+#define ATT_DEC_CAP 16
+// Stores `v` at `p` (this block's shared memory) in the shared memory of the cluster's block `rank`.
+__device__ __forceinline__ void st_cluster_shared_f32(float* p, unsigned int rank, float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const unsigned int a = (unsigned int)__cvta_generic_to_shared(p);
+    unsigned int ra;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(ra) : "r"(a), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(ra), "f"(v) : "memory");
+#else
+    *p = v;
+#endif
+}
+
+template <int HD>
+__device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, const float* __restrict__ k,
+                                                   const float* __restrict__ v, float* __restrict__ out,
+                                                   const int4* __restrict__ info, const int* __restrict__ paths,
+                                                   float* part, int nmax, int n_heads, int n_kv_heads, float scale,
+                                                   float softcap, const QActOut& qo, const float* __restrict__ qsigns) {
+    constexpr int P = ATT_THREADS / HD;  // value parts of an output value (`attention`'s P)
+    constexpr int QF = HD / 16;          // float4s in a quarter of the head
+    constexpr int RW = HD + 2;           // a chunk record: m, z, o[HD]
+    __shared__ __align__(16) float qs[HD];
+    __shared__ float sp[4][ATT_CHUNK];
+    __shared__ __align__(16) float es[HD / 32][ATT_CHUNK];  // each PV warp's copy of the exponentials
+    __shared__ __align__(16) int offs[ATT_CHUNK];           // the chunk's key rows, as offsets into k and v
+    __shared__ float rec[ATT_DEC_CAP * RW];
+    const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    // The key list is staged with the pass (written by no kernel): read before the wait.
+    const int4 qi = info[0];
+    const int nc = qi.y - qi.x, nk = nc + qi.w;
+    const int nch = (nk + ATT_CHUNK - 1) / ATT_CHUNK;
+    // Element offsets fit in 32 bits (the host checks the cache's length).
+    const int kvd = n_kv_heads * HD, kvo = (h / (n_heads / n_kv_heads)) * HD;
+    pdl_wait();
+    float val = 0.0f;  // output value tid (tid < HD)
+    if (nk > 0) {
+        if ((int)blockIdx.z >= nch) return;  // (an exited block does not hold the cluster barrier up)
+        unsigned int csize;
+        const unsigned int crank = cluster_rank_and_size(csize);
+        const bool single = nch == 1;
+        // Before a block stores into the first block's shared memory, every block of the cluster has started:
+        // the barrier's first phase (arrived here, waited for at the first store).
+        if (!single) cluster_arrive_relaxed();
+        if (tid < HD) qs[tid] = q[(long long)h * HD + tid];
+        const int j = tid % ATT_CHUNK, qt = tid / ATT_CHUNK;
+        for (int c = blockIdx.z; c < nch; c += gridDim.z) {
+            const int j0 = c * ATT_CHUNK, cnt = min(ATT_CHUNK, nk - j0);
+            if (c != (int)blockIdx.z) __syncthreads();  // the previous chunk's readers of offs, sp, es are done
+            if (tid < cnt) {
+                const int jj = j0 + tid;
+                offs[tid] = (jj < nc ? qi.x + jj : paths[qi.z + jj - nc]) * kvd + kvo;
+            }
+            __syncthreads();
+            // This thread's key quarter and (thread d < HD) the chunk's values of output value d, in flight at once.
+            float4 kq[QF];
+            if (j < cnt) {
+                const float4* kr = reinterpret_cast<const float4*>(k + offs[j] + qt * (HD / 4));
+#pragma unroll
+                for (int u = 0; u < QF; ++u) kq[u] = kr[u];
+            }
+            float vv[ATT_CHUNK];
+            if (tid < HD) {
+#pragma unroll
+                for (int j4 = 0; j4 < ATT_CHUNK; j4 += 4) {
+                    const int4 o4 = *reinterpret_cast<const int4*>(offs + j4);
+                    const int o[4] = {o4.x, o4.y, o4.z, o4.w};
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) vv[j4 + u] = j4 + u < cnt ? v[o[u] + tid] : 0.0f;
+                }
+            }
+            if (j < cnt) {
+                const float* qq = qs + qt * (HD / 4);
+                float p = 0.0f;
+#pragma unroll
+                for (int u = 0; u < QF; ++u) p = att_dot4(p, qq + 4 * u, kq[u]);
+                sp[qt][j] = p;
+            }
+            __syncthreads();
+            if (!single && c == (int)blockIdx.z) cluster_wait();
+            if (tid >= HD) continue;
+            // Scores of keys lane and lane + 32; the chunk's max and exponential sum as `attention`'s two warps.
+            float s[2], e[2];
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int jj = lane + 32 * hf;
+                s[hf] = -INFINITY;
+                if (jj < cnt) {
+                    s[hf] = __fmul_rn(__fadd_rn(__fadd_rn(__fadd_rn(sp[0][jj], sp[1][jj]), sp[2][jj]), sp[3][jj]), scale);
+                    if (softcap > 0.0f) s[hf] = __fmul_rn(softcap, tanhf(__fdiv_rn(s[hf], softcap)));
+                }
+            }
+            const float m = fmaxf(warp_max(s[0]), warp_max(s[1]));
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                e[hf] = lane + 32 * hf < cnt ? expf(__fsub_rn(s[hf], m)) : 0.0f;
+                es[w][lane + 32 * hf] = e[hf];
+            }
+            const float z = __fadd_rn(warp_sum(e[0]), warp_sum(e[1]));
+            __syncwarp();
+            // Output value tid: the P chains over the keys pt, pt + P, ... (key jj extends chain jj % P, keys
+            // in increasing order), added in order.
+            float a[P];
+#pragma unroll
+            for (int pt = 0; pt < P; ++pt) a[pt] = 0.0f;
+#pragma unroll
+            for (int j4 = 0; j4 < ATT_CHUNK; j4 += 4) {
+                const float4 e4 = *reinterpret_cast<const float4*>(&es[w][j4]);
+                const float ej[4] = {e4.x, e4.y, e4.z, e4.w};
+#pragma unroll
+                for (int u = 0; u < 4; ++u)
+                    if (j4 + u < cnt) a[(j4 + u) % P] = __fmaf_rn(ej[u], vv[j4 + u], a[(j4 + u) % P]);
+            }
+            float acc = a[0];
+#pragma unroll
+            for (int pt = 1; pt < P; ++pt) acc = __fadd_rn(acc, a[pt]);
+            if (single) {
+                val = __fmul_rn(acc, __fdiv_rn(1.0f, z));
+            } else if (c < ATT_DEC_CAP) {
+                float* r = rec + c * RW;
+                st_cluster_shared_f32(r + 2 + tid, 0, acc);
+                if (tid == 0) {
+                    st_cluster_shared_f32(r, 0, m);
+                    st_cluster_shared_f32(r + 1, 0, z);
+                }
+            } else {
+                float* r = part + ((long long)h * nmax + c) * RW;
+                r[2 + tid] = acc;
+                if (tid == 0) {
+                    r[0] = m;
+                    r[1] = z;
+                }
+            }
+        }
+        if (!single) {
+            // The records meet at the cluster barrier; the first block combines them in chunk order.
+            cluster_arrive();
+            if (crank != 0) return;
+            cluster_wait();
+            if (tid < HD) {
+                const float* pb = part + (long long)h * nmax * RW;
+                auto rd = [&](int c, int x) { return c < ATT_DEC_CAP ? rec[c * RW + x] : __ldcg(pb + c * RW + x); };
+                float M = -INFINITY;
+                for (int c = 0; c < nch; ++c) M = fmaxf(M, rd(c, 0));
+                float Z = 0.0f, o = 0.0f;
+#pragma unroll 4
+                for (int c = 0; c < nch; ++c) {
+                    const float wc = expf(__fsub_rn(rd(c, 0), M));
+                    Z = __fmaf_rn(rd(c, 1), wc, Z);
+                    o = __fmaf_rn(rd(c, 2 + tid), wc, o);
+                }
+                val = __fmul_rn(o, __fdiv_rn(1.0f, Z));
+            }
+        }
+    } else if (blockIdx.z != 0) {
+        return;
+    }
+    if (tid < HD) {
+        out[(long long)h * HD + tid] = val;
+        if (qo.q != nullptr) {
+            const long long g = ((long long)h * HD + tid) >> 5;
+            quant_group(val, lane, g, qsigns != nullptr ? qsigns + g * 32 : nullptr, qo);
+        }
+    }
+}
+
+#define ATT_DEC(HDV)                                                                                               \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_dec_hd##HDV(                            \
+        const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                     \
+        float* __restrict__ out, const int4* __restrict__ info, const int* __restrict__ paths, float* part,        \
+        int* count, int nmax, int n_heads, int n_kv_heads, int hd, float scale, float softcap,                     \
+        const float* __restrict__ qsigns, int8_t* __restrict__ qq, float* __restrict__ qscale,                     \
+        int* __restrict__ qsum, float* __restrict__ qdsum, int* __restrict__ qsum16, unsigned char* qtq,          \
+        long long qtg) {                                                                                           \
+        const QActOut qo = {qq, qscale, qsum, qdsum, qsum16, qtq, qtg, ((long long)n_heads * HDV) >> 5};           \
+        attention_dec_impl<HDV>(q, k, v, out, info, paths, part, nmax, n_heads, n_kv_heads, scale, softcap, qo,    \
+                                qsigns);                                                                           \
+    }
+ATT_DEC(64)
+ATT_DEC(128)
 
 // The same attention with one block per (KV head, query, z) for launches of several queries (prefill and
 // verify): the block stages each chunk's keys and values of its KV head in shared memory once, and its warps

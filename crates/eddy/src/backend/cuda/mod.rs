@@ -263,6 +263,11 @@ fn att_cluster_from_env() -> (usize, bool) {
         None => (ATT_DECODE_CLUSTER, false),
     }
 }
+/// `EDDY_CUDA_ATT_DEC`: 0 puts decode steps' attention back on `attention` (an A/B); unset or 1, `attention_dec`.
+fn att_dec_from_env() -> bool {
+    env_setting("EDDY_CUDA_ATT_DEC", "0 or 1", |d: &u8| *d <= 1).is_none_or(|d| d == 1)
+}
+
 /// `Cuda::t1_unroll`'s value for "`mm_q_t1u4*` at every width" (tests).
 const T1_DEEP_ALWAYS: usize = 104;
 
@@ -880,6 +885,8 @@ struct Kernels {
     concat_rows: Func,
     rope: Func,
     attention: Func,
+    /// The decode step's attention (one query, in a cluster; `attention_dec_hd{64,128}`).
+    attention_dec: [Func; 2],
     /// The attention with one block per KV head (`attention_kv`; dynamic shared memory `att_kv_smem`).
     attention_kv: Func,
     /// Causal attention of prefill runs on the tensor cores: `[P·V in one TF32 product (attention_mma_hd*) /
@@ -992,6 +999,11 @@ pub struct Cuda {
     /// Taken only on sm_90 and later.
     att_cluster: AtomicUsize,
     att_cluster_all: AtomicBool,
+    /// Whether one-query launches in clusters of head dims 64 and 128 run `attention_dec` (default; the same
+    /// bits as `attention`): `EDDY_CUDA_ATT_DEC=0` at start, [`Cuda::force_decode_attention`].
+    att_dec: AtomicBool,
+    /// `attention_dec` launches queued since [`Cuda::new`] (tests: that it ran).
+    att_dec_launches: AtomicU64,
     /// Whether large tensor-core products run on a grid of at most the blocks that fit at once, each walking
     /// several row tiles with the next one's loads in flight (`EDDY_CUDA_PERSIST=0`: one row tile per block).
     persist: bool,
@@ -1193,6 +1205,7 @@ impl Cuda {
             rope: get("rope")?,
             attention: get("attention")?,
             attention_kv: get("attention_kv")?,
+            attention_dec: [get("attention_dec_hd64")?, get("attention_dec_hd128")?],
             attention_mma: [
                 [get("attention_mma_hd64")?, get("attention_mma_hd128")?, get("attention_mma_hd256")?],
                 [get("attention_mma3_hd64")?, get("attention_mma3_hd128")?, get("attention_mma3_hd256")?],
@@ -1251,7 +1264,7 @@ impl Cuda {
         // Attention clusters of up to 16 blocks (sm_90's non-portable size; `att_cluster`), and the empty kernel
         // that may stand in for them (`Cuda::set_empty_kernels`).
         if capability.0 >= 9 {
-            for f in [k.attention.0, k.attention_kv.0, k.noop.0] {
+            for f in [k.attention.0, k.attention_kv.0, k.attention_dec[0].0, k.attention_dec[1].0, k.noop.0] {
                 // SAFETY: a kernel of the loaded module; an attribute sm_90 defines.
                 unsafe {
                     result::function::set_function_attribute(
@@ -1287,6 +1300,8 @@ impl Cuda {
             forced_att_kernel: AtomicUsize::new(0),
             att_cluster: AtomicUsize::new(att_cluster.0),
             att_cluster_all: AtomicBool::new(att_cluster.1),
+            att_dec: AtomicBool::new(att_dec_from_env()),
+            att_dec_launches: AtomicU64::new(0),
             att_kv_min: env_setting("EDDY_CUDA_ATT_KV_MIN", "a query count (0: never)", |_: &usize| true).map_or(ATT_KV_MIN_T, |m| {
                 if m == 0 {
                     usize::MAX
@@ -1330,6 +1345,18 @@ impl Cuda {
     /// Launches queued as thread-block clusters since [`Cuda::new`] (tests: that a cluster kernel ran).
     pub fn cluster_launches(&self) -> u64 {
         self.cluster_launches.load(Ordering::Relaxed)
+    }
+
+    /// Launches of the decode attention (`attention_dec`) queued since [`Cuda::new`] (tests: that it ran).
+    pub fn decode_attention_launches(&self) -> u64 {
+        self.att_dec_launches.load(Ordering::Relaxed)
+    }
+
+    /// Run one-query attention launches in clusters (head dims 64 and 128) on `attention_dec` (`Some(true)`)
+    /// or on `attention` (`Some(false)`); `None`: as `EDDY_CUDA_ATT_DEC` said at start (unset: `attention_dec`).
+    /// The results do not depend on it (the same operations in the same order); for tests and measurements.
+    pub fn force_decode_attention(&self, on: Option<bool>) {
+        self.att_dec.store(on.unwrap_or_else(att_dec_from_env), Ordering::Relaxed);
     }
 
     /// The GPU's compute capability (major, minor).
@@ -2120,6 +2147,21 @@ impl Cuda {
         let cluster = match self.att_cluster.load(Ordering::Relaxed) {
             c if c >= 2 && clustered && self.capability.0 >= 9 => self.fitting_cluster(f, ATT_THREADS, smem, c.min(nmax), false),
             _ => 1,
+        };
+        // A decode step in clusters on its own kernel (head dims 64 and 128; element offsets in 32 bits).
+        let dec = [64, 128]
+            .iter()
+            .position(|&d| d == s.head_dim)
+            .filter(|_| t == 1 && !per_kv && cluster > 1 && self.att_dec.load(Ordering::Relaxed) && k.len.max(v.len) <= i32::MAX as usize);
+        let (f, cluster) = match dec.map(|di| self.k.attention_dec[di]) {
+            Some(fd) => match self.fitting_cluster(fd, ATT_THREADS, 0, cluster, false) {
+                c if c > 1 => {
+                    self.att_dec_launches.fetch_add(1, Ordering::Relaxed);
+                    (fd, c)
+                }
+                _ => (f, cluster),
+            },
+            None => (f, cluster),
         };
         let z = match self.forced_att_blocks.load(Ordering::Relaxed) {
             _ if cluster > 1 => cluster,
