@@ -368,21 +368,21 @@ fn rows_do_not_depend_on_the_batch() {
             be.force_attention_launch(None, Some(per_kv));
             be.force_attention_clusters(Some(c));
             let clustered = be.cluster_launches();
+            let dec = be.decode_attention_launches();
             let mut oz = be.alloc(n * qd);
             be.attention(Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t: n, vis: Visibility::Causal }, &mut oz);
             assert!(read(&be, &oz, n * qd) == all, "n_past {n_past} hd {hd}: clusters of {c}, per KV head {per_kv}: differs");
             let last = n - 1;
             let ql = be.upload(&q[last * qd..]);
             let mut ol = be.alloc(qd);
-            let dec = be.decode_attention_launches();
             be.attention(Attend { shape: s, q: &ql, k: &kb, v: &vb, n_past: n_past + last, t: 1, vis: Visibility::Causal }, &mut ol);
             assert!(read(&be, &ol, qd) == all[last * qd..], "n_past {n_past} hd {hd}: clusters of {c}, one query: differs");
             if be.compute_capability().0 >= 9 {
                 let ran = be.cluster_launches() - clustered;
                 assert!(if c >= 2 { ran >= 2 } else { ran == 0 }, "n_past {n_past} hd {hd}: clusters of {c}: {ran} cluster launches");
-                // One query per query head in clusters of head dims 64 and 128: the decode kernel (blocks walking
-                // up to 9 chunks; records of chunks 16 and 17 through memory).
-                let want = u64::from(c >= 2 && !per_kv && hd <= 128);
+                // Launches per query head in clusters of head dims 64 and 128 (the 16 queries, then the one): the
+                // decode kernel (blocks walking up to 9 chunks; records of chunks 16 and 17 through memory).
+                let want = 2 * u64::from(c >= 2 && !per_kv && hd <= 128);
                 let got = be.decode_attention_launches() - dec;
                 assert!(got == want, "n_past {n_past} hd {hd}: clusters of {c}, per KV head {per_kv}: {got} decode attention launches");
             }
@@ -425,8 +425,26 @@ fn rows_do_not_depend_on_the_batch() {
                 assert!(ran == if dec && hd <= 128 { 2 } else { 0 }, "hd {hd}: decode kernel {dec}: {ran} launches");
             }
         }
-        be.force_decode_attention(None);
         assert!(prods[0] == prods[1], "hd {hd}: the decode kernel's quantized output gives another product");
+        // The 16 queries quantized, per query head in clusters of 16 (as verifies run with EDDY_CUDA_ATT_CLUSTER):
+        // on the decode kernel and on `attention`.
+        be.force_attention_launch(None, Some(false));
+        be.force_attention_clusters(Some(16));
+        let mut prods = Vec::new();
+        for dec in [true, false] {
+            be.force_decode_attention(Some(dec));
+            let batch = Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t: n, vis: Visibility::Causal };
+            let (mut o, mut xq) = (be.alloc(n * qd), be.new_qact());
+            be.attention_quantize(batch, &mut o, &wq, &mut xq);
+            assert!(read(&be, &o, n * qd) == all, "hd {hd}: 16 queries quantized (decode kernel {dec}) differ");
+            let mut p = vec![0f32; n * 40];
+            be.matmul_to_host(&wq, &o, &xq, n, &mut p);
+            prods.push(p);
+        }
+        assert!(prods[0] == prods[1], "hd {hd}: 16 queries: the decode kernel's quantized output gives another product");
+        be.force_decode_attention(None);
+        be.force_attention_clusters(None);
+        be.force_attention_launch(None, None);
     }
 }
 

@@ -2640,8 +2640,9 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2)
     }
 }
 
-// The decode step's attention: one query (t = 1), head dims 64 and 128, its chunk blocks a thread-block cluster
-// of Z = gridDim.z per query head (rank = z; block z takes the chunks z, z + Z, ... in turn). A small body with
+// The decode step's attention: one query (t = 1; or any number, query i = blockIdx.y: an opt-in for verify
+// launches), head dims 64 and 128, its chunk blocks a thread-block cluster of Z = gridDim.z per (query, head)
+// (rank = z; block z takes the chunks z, z + Z, ... in turn). A small body with
 // one block barrier a chunk (two for a block walking several) and no fence, where `attention` carries every
 // case in 7,000 instructions (a kernel that runs once a layer starts with a cold instruction cache;
 // docs/cuda.md, "A decode attention of its own").
@@ -2687,8 +2688,9 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
     __shared__ __align__(16) int offs[ATT_CHUNK];           // the chunk's key rows, as offsets into k and v
     __shared__ float rec[ATT_DEC_CAP * RW];
     const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const long long qh = (long long)blockIdx.y * n_heads + h;  // the (query, head)'s row of q, out and part
     // The key list is staged with the pass (written by no kernel): read before the wait.
-    const int4 qi = info[0];
+    const int4 qi = info[blockIdx.y];
     const int nc = qi.y - qi.x, nk = nc + qi.w;
     const int nch = (nk + ATT_CHUNK - 1) / ATT_CHUNK;
     // Element offsets fit in 32 bits (the host checks the cache's length).
@@ -2703,7 +2705,7 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
         // Before a block stores into the first block's shared memory, every block of the cluster has started:
         // the barrier's first phase (arrived here, waited for at the first store).
         if (!single) cluster_arrive_relaxed();
-        if (tid < HD) qs[tid] = q[(long long)h * HD + tid];
+        if (tid < HD) qs[tid] = q[qh * HD + tid];
         const int j = tid % ATT_CHUNK, qt = tid / ATT_CHUNK;
         for (int c = blockIdx.z; c < nch; c += gridDim.z) {
             const int j0 = c * ATT_CHUNK, cnt = min(ATT_CHUNK, nk - j0);
@@ -2785,7 +2787,7 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
                     st_cluster_shared_f32(r + 1, 0, z);
                 }
             } else {
-                float* r = part + ((long long)h * nmax + c) * RW;
+                float* r = part + (qh * nmax + c) * RW;
                 r[2 + tid] = acc;
                 if (tid == 0) {
                     r[0] = m;
@@ -2799,7 +2801,7 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
             if (crank != 0) return;
             cluster_wait();
             if (tid < HD) {
-                const float* pb = part + (long long)h * nmax * RW;
+                const float* pb = part + qh * nmax * RW;
                 auto rd = [&](int c, int x) { return c < ATT_DEC_CAP ? rec[c * RW + x] : __ldcg(pb + c * RW + x); };
                 float M = -INFINITY;
                 for (int c = 0; c < nch; ++c) M = fmaxf(M, rd(c, 0));
@@ -2817,10 +2819,10 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
         return;
     }
     if (tid < HD) {
-        out[(long long)h * HD + tid] = val;
+        out[qh * HD + tid] = val;
         if (qo.q != nullptr) {
-            const long long g = ((long long)h * HD + tid) >> 5;
-            quant_group(val, lane, g, qsigns != nullptr ? qsigns + g * 32 : nullptr, qo);
+            const long long g = (qh * HD + tid) >> 5, gh = ((long long)h * HD + tid) >> 5;
+            quant_group(val, lane, g, qsigns != nullptr ? qsigns + gh * 32 : nullptr, qo);
         }
     }
 }

@@ -999,8 +999,9 @@ pub struct Cuda {
     /// Taken only on sm_90 and later.
     att_cluster: AtomicUsize,
     att_cluster_all: AtomicBool,
-    /// Whether one-query launches in clusters of head dims 64 and 128 run `attention_dec` (default; the same
-    /// bits as `attention`): `EDDY_CUDA_ATT_DEC=0` at start, [`Cuda::force_decode_attention`].
+    /// Whether launches per query head in clusters (one-query launches by default; every launch with
+    /// `EDDY_CUDA_ATT_CLUSTER`) of head dims 64 and 128 run `attention_dec` (default; the same bits as
+    /// `attention`): `EDDY_CUDA_ATT_DEC=0` at start, [`Cuda::force_decode_attention`].
     att_dec: AtomicBool,
     /// `attention_dec` launches queued since [`Cuda::new`] (tests: that it ran).
     att_dec_launches: AtomicU64,
@@ -1352,8 +1353,8 @@ impl Cuda {
         self.att_dec_launches.load(Ordering::Relaxed)
     }
 
-    /// Run one-query attention launches in clusters (head dims 64 and 128) on `attention_dec` (`Some(true)`)
-    /// or on `attention` (`Some(false)`); `None`: as `EDDY_CUDA_ATT_DEC` said at start (unset: `attention_dec`).
+    /// Run attention launches per query head in clusters (head dims 64 and 128) on `attention_dec`
+    /// (`Some(true)`) or on `attention` (`Some(false)`); `None`: as `EDDY_CUDA_ATT_DEC` said at start (unset: `attention_dec`).
     /// The results do not depend on it (the same operations in the same order); for tests and measurements.
     pub fn force_decode_attention(&self, on: Option<bool>) {
         self.att_dec.store(on.unwrap_or_else(att_dec_from_env), Ordering::Relaxed);
@@ -2148,11 +2149,12 @@ impl Cuda {
             c if c >= 2 && clustered && self.capability.0 >= 9 => self.fitting_cluster(f, ATT_THREADS, smem, c.min(nmax), false),
             _ => 1,
         };
-        // A decode step in clusters on its own kernel (head dims 64 and 128; element offsets in 32 bits).
+        // Launches per query head in clusters (decode steps; verifies too where every launch takes clusters) on
+        // the decode kernel (head dims 64 and 128; element offsets in 32 bits).
         let dec = [64, 128]
             .iter()
             .position(|&d| d == s.head_dim)
-            .filter(|_| t == 1 && !per_kv && cluster > 1 && self.att_dec.load(Ordering::Relaxed) && k.len.max(v.len) <= i32::MAX as usize);
+            .filter(|_| !per_kv && cluster > 1 && self.att_dec.load(Ordering::Relaxed) && k.len.max(v.len) <= i32::MAX as usize);
         let (f, cluster) = match dec.map(|di| self.k.attention_dec[di]) {
             Some(fd) => match self.fitting_cluster(fd, ATT_THREADS, 0, cluster, false) {
                 c if c > 1 => {
