@@ -334,6 +334,7 @@ fn rows_do_not_depend_on_the_batch() {
         (Some(100), None, 300, 128),
         (None, Some(30.0), 700, 256),
         (None, None, 1100, 64),
+        (None, Some(30.0), 1100, 128),
     ] {
         let s = AttnShape { n_heads: 14, n_kv_heads: 2, head_dim: hd, scale: 0.125, window, softcap };
         let (qd, kvd) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
@@ -386,6 +387,17 @@ fn rows_do_not_depend_on_the_batch() {
                 let got = be.decode_attention_launches() - dec;
                 assert!(got == want, "n_past {n_past} hd {hd}: clusters of {c}, per KV head {per_kv}: {got} decode attention launches");
             }
+            // Repeats of the one query: a fault that depends on when the cluster's blocks run (the barrier's
+            // phases, records stored into another block's shared memory) shows as a differing repeat.
+            if c >= 2 && !per_kv {
+                for r in 0..16 {
+                    be.attention(
+                        Attend { shape: s, q: &ql, k: &kb, v: &vb, n_past: n_past + last, t: 1, vis: Visibility::Causal },
+                        &mut ol,
+                    );
+                    assert!(read(&be, &ol, qd) == all[last * qd..], "n_past {n_past} hd {hd}: clusters of {c}, repeat {r}: differs");
+                }
+            }
         }
         be.force_attention_clusters(None);
         be.force_attention_launch(None, None);
@@ -426,7 +438,8 @@ fn rows_do_not_depend_on_the_batch() {
             }
         }
         assert!(prods[0] == prods[1], "hd {hd}: the decode kernel's quantized output gives another product");
-        // The 16 queries quantized, per query head in clusters of 16 (as verifies run with EDDY_CUDA_ATT_CLUSTER):
+        // The 16 queries quantized, per query head in clusters of 16 (as verifies run with EDDY_CUDA_ATT_CLUSTER
+        // and EDDY_CUDA_ATT_KV_MIN above 16):
         // on the decode kernel and on `attention`.
         be.force_attention_launch(None, Some(false));
         be.force_attention_clusters(Some(16));

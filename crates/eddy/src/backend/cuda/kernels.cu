@@ -2640,8 +2640,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2)
     }
 }
 
-// The decode step's attention: one query (t = 1; or any number, query i = blockIdx.y: an opt-in for verify
-// launches), head dims 64 and 128, its chunk blocks a thread-block cluster of Z = gridDim.z per (query, head)
+// The decode step's attention: one query (t = 1; or any number, query i = blockIdx.y: launches per query head
+// in clusters, an opt-in for verifies with EDDY_CUDA_ATT_CLUSTER and EDDY_CUDA_ATT_KV_MIN), head dims 64 and 128, its chunk blocks a thread-block cluster of Z = gridDim.z per (query, head)
 // (rank = z; block z takes the chunks z, z + Z, ... in turn). A small body with
 // one block barrier a chunk (two for a block walking several) and no fence, where `attention` carries every
 // case in 7,000 instructions (a kernel that runs once a layer starts with a cold instruction cache;
@@ -2689,7 +2689,8 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
     __shared__ float rec[ATT_DEC_CAP * RW];
     const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const long long qh = (long long)blockIdx.y * n_heads + h;  // the (query, head)'s row of q, out and part
-    // The key list is staged with the pass (written by no kernel): read before the wait.
+    // The key list is staged with the pass (written by no kernel), so it may be read before the wait (ptxas
+    // places the load after it all the same).
     const int4 qi = info[blockIdx.y];
     const int nc = qi.y - qi.x, nk = nc + qi.w;
     const int nch = (nk + ATT_CHUNK - 1) / ATT_CHUNK;

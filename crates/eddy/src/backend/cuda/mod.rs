@@ -999,11 +999,12 @@ pub struct Cuda {
     /// Taken only on sm_90 and later.
     att_cluster: AtomicUsize,
     att_cluster_all: AtomicBool,
-    /// Whether launches per query head in clusters (one-query launches by default; every launch with
-    /// `EDDY_CUDA_ATT_CLUSTER`) of head dims 64 and 128 run `attention_dec` (default; the same bits as
-    /// `attention`): `EDDY_CUDA_ATT_DEC=0` at start, [`Cuda::force_decode_attention`].
+    /// Whether launches per query head in clusters (one-query launches by default; with
+    /// `EDDY_CUDA_ATT_CLUSTER`, every launch of fewer than `att_kv_min` queries) of head dims 64 and 128 run
+    /// `attention_dec` (default; the same bits as `attention`): `EDDY_CUDA_ATT_DEC=0` at start,
+    /// [`Cuda::force_decode_attention`].
     att_dec: AtomicBool,
-    /// `attention_dec` launches queued since [`Cuda::new`] (tests: that it ran).
+    /// `attention_dec` launches chosen since [`Cuda::new`] (counted when queued; tests: that it ran).
     att_dec_launches: AtomicU64,
     /// Whether large tensor-core products run on a grid of at most the blocks that fit at once, each walking
     /// several row tiles with the next one's loads in flight (`EDDY_CUDA_PERSIST=0`: one row tile per block).
@@ -2149,8 +2150,8 @@ impl Cuda {
             c if c >= 2 && clustered && self.capability.0 >= 9 => self.fitting_cluster(f, ATT_THREADS, smem, c.min(nmax), false),
             _ => 1,
         };
-        // Launches per query head in clusters (decode steps; verifies too where every launch takes clusters) on
-        // the decode kernel (head dims 64 and 128; element offsets in 32 bits).
+        // Launches per query head in clusters (decode steps; with EDDY_CUDA_ATT_CLUSTER, launches below
+        // `att_kv_min` queries too) on the decode kernel (head dims 64 and 128; element offsets in 32 bits).
         let dec = [64, 128]
             .iter()
             .position(|&d| d == s.head_dim)
