@@ -27,6 +27,15 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// A load issued before pdl_wait() of data no kernel writes (weights, what the pass stages): coherent (L2), because
+// ptxas moves a read-only (`ld.global.nc`, a `const __restrict__` pointer's) load that the source places before
+// `griddepcontrol.wait` to after it (seen in the SASS of rms_norm_quant and attention_dec), which puts its memory
+// round trip back on the chain the early load was to take it off.
+template <typename T>
+__device__ __forceinline__ T ld_early(const T* p) {
+    return __ldcg(p);
+}
+
 // Thread-block clusters (sm_90; docs/cuda.md): a launch with a cluster dimension groups consecutive blocks along z
 // (Op::Kernel's `cluster`). Without one, or on older targets, a block is a cluster of one.
 // This block's rank in its cluster, and the cluster's size into `size`.
@@ -2130,12 +2139,12 @@ extern "C" __global__ void rms_norm_quant(float* x, const float* __restrict__ re
     const long long row = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int G = d >> 5;
-    // The norm's weights (written by no kernel) into registers before the wait.
+    // The norm's weights (written by no kernel) into registers before the wait (`ld_early`).
     float wv[NORM_KMAX];
 #pragma unroll
     for (int k = 0; k < NORM_KMAX; ++k) {
         const int g = warp + k * nw;
-        wv[k] = g < G ? w[g * 32 + lane] : 0.0f;
+        wv[k] = g < G ? ld_early(w + g * 32 + lane) : 0.0f;
     }
     pdl_wait();
     float v[NORM_KMAX];
@@ -2689,9 +2698,8 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
     __shared__ float rec[ATT_DEC_CAP * RW];
     const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const long long qh = (long long)blockIdx.y * n_heads + h;  // the (query, head)'s row of q, out and part
-    // The key list is staged with the pass (written by no kernel), so it may be read before the wait (ptxas
-    // places the load after it all the same).
-    const int4 qi = info[blockIdx.y];
+    // The key list is staged with the pass (written by no kernel): read before the wait (`ld_early`).
+    const int4 qi = ld_early(info + blockIdx.y);
     const int nc = qi.y - qi.x, nk = nc + qi.w;
     const int nch = (nk + ATT_CHUNK - 1) / ATT_CHUNK;
     // Element offsets fit in 32 bits (the host checks the cache's length).
