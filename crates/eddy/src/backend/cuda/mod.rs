@@ -2146,25 +2146,26 @@ impl Cuda {
         let smem = if per_kv { kv_smem } else { 0 };
         // One-query launches take the default clusters unless a block count is forced (an A/B of the grid).
         let clustered = self.att_cluster_all.load(Ordering::Relaxed) || (t == 1 && self.forced_att_blocks.load(Ordering::Relaxed) == 0);
-        let cluster = match self.att_cluster.load(Ordering::Relaxed) {
-            c if c >= 2 && clustered && self.capability.0 >= 9 => self.fitting_cluster(f, ATT_THREADS, smem, c.min(nmax), false),
-            _ => 1,
+        let want = match self.att_cluster.load(Ordering::Relaxed) {
+            c if c >= 2 && clustered && self.capability.0 >= 9 => c.min(nmax),
+            _ => 0,
         };
         // Launches per query head in clusters (decode steps; with EDDY_CUDA_ATT_CLUSTER, launches below
-        // `att_kv_min` queries too) on the decode kernel (head dims 64 and 128; element offsets in 32 bits).
+        // `att_kv_min` queries too) on the decode kernel (head dims 64 and 128; element offsets in 32 bits),
+        // which needs a cluster of at least 2 (its chunk records meet in the first block's shared memory).
         let dec = [64, 128]
             .iter()
             .position(|&d| d == s.head_dim)
-            .filter(|_| !per_kv && cluster > 1 && self.att_dec.load(Ordering::Relaxed) && k.len.max(v.len) <= i32::MAX as usize);
-        let (f, cluster) = match dec.map(|di| self.k.attention_dec[di]) {
-            Some(fd) => match self.fitting_cluster(fd, ATT_THREADS, 0, cluster, false) {
-                c if c > 1 => {
-                    self.att_dec_launches.fetch_add(1, Ordering::Relaxed);
-                    (fd, c)
-                }
-                _ => (f, cluster),
-            },
-            None => (f, cluster),
+            .filter(|_| !per_kv && want >= 2 && self.att_dec.load(Ordering::Relaxed) && k.len.max(v.len) <= i32::MAX as usize)
+            .map(|di| self.k.attention_dec[di])
+            .map(|fd| (fd, self.fitting_cluster(fd, ATT_THREADS, 0, want, false)));
+        let (f, cluster) = match dec {
+            Some((fd, c)) if c > 1 => {
+                self.att_dec_launches.fetch_add(1, Ordering::Relaxed);
+                (fd, c)
+            }
+            _ if want >= 2 => (f, self.fitting_cluster(f, ATT_THREADS, smem, want, false)),
+            _ => (f, 1),
         };
         let z = match self.forced_att_blocks.load(Ordering::Relaxed) {
             _ if cluster > 1 => cluster,
