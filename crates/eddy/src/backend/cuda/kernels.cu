@@ -2400,6 +2400,17 @@ extern "C" __global__ void rope_store(float* __restrict__ q, int qw, float* __re
 // hd must be a multiple of 16 and at most ATT_MAX_HD.
 #define ATT_THREADS 256
 #define ATT_CHUNK 64
+
+// Output value `c` of query `i`'s row (qd values) into `out`, and with `o.q` set quantized with the 32 values of
+// its warp as quantize_q8 would (lane = c % 32; `qsigns`: the next product's input rotation or null).
+__device__ __forceinline__ void att_put(float* __restrict__ out, long long qd, long long i, long long c, float val,
+                                        int lane, const float* __restrict__ qsigns, const QActOut& o) {
+    out[i * qd + c] = val;
+    if (o.q != nullptr) {
+        const long long g = c >> 5;
+        quant_group(val, lane, i * (qd >> 5) + g, qsigns != nullptr ? qsigns + g * 32 : nullptr, o);
+    }
+}
 #define ATT_MAX_HD 512
 
 // The combination of one (query, head)'s `nch` chunk records (m, z, o[hd]) at `base` (read through L2: other
@@ -2488,14 +2499,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2)
     const int nc = qi.y - qi.x, nk = nc + qi.w;
     const int nch = (nk + ATT_CHUNK - 1) / ATT_CHUNK;
     // Output value `d` of (query i, head h), quantized with its warp's 32 values when asked.
-    auto put = [&](int d, float val) {
-        out[i * qd + (long long)h * hd + d] = val;
-        if (qq != nullptr) {
-            const long long g = ((long long)h * hd + d) >> 5;
-            const QActOut o = {qq, qscale, qsum, qdsum, qsum16, qtq, qtg, qd >> 5};
-            quant_group(val, tid & 31, i * (qd >> 5) + g, qsigns != nullptr ? qsigns + g * 32 : nullptr, o);
-        }
-    };
+    const QActOut qo = {qq, qscale, qsum, qdsum, qsum16, qtq, qtg, qd >> 5};
+    auto put = [&](int d, float val) { att_put(out, qd, i, (long long)h * hd + d, val, tid & 31, qsigns, qo); };
     // The chunks' combination (their records complete and visible), in chunk order.
     auto combine = [&]() {
         const float* base = part + ((long long)i * n_heads + h) * nmax * (hd + 2);
@@ -2827,13 +2832,7 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
     } else if (blockIdx.z != 0) {
         return;
     }
-    if (tid < HD) {
-        out[qh * HD + tid] = val;
-        if (qo.q != nullptr) {
-            const long long g = (qh * HD + tid) >> 5, gh = ((long long)h * HD + tid) >> 5;
-            quant_group(val, lane, g, qsigns != nullptr ? qsigns + gh * 32 : nullptr, qo);
-        }
-    }
+    if (tid < HD) att_put(out, (long long)n_heads * HD, blockIdx.y, (long long)h * HD + tid, val, lane, qsigns, qo);
 }
 
 #define ATT_DEC(HDV)                                                                                               \
@@ -2923,14 +2922,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2)
     const int nc = qi.y - qi.x, nk = nc + qi.w;
     const int nch = (nk + ATT_CHUNK - 1) / ATT_CHUNK;
     // Output value `d` of (query i, head h), quantized with its warp's 32 values when asked (lane = d % 32).
-    auto put = [&](int h, int d, float val) {
-        out[i * qd + (long long)h * hd + d] = val;
-        if (qq != nullptr) {
-            const long long gi = ((long long)h * hd + d) >> 5;
-            const QActOut o = {qq, qscale, qsum, qdsum, qsum16, qtq, qtg, qd >> 5};
-            quant_group(val, lane, i * (qd >> 5) + gi, qsigns != nullptr ? qsigns + gi * 32 : nullptr, o);
-        }
-    };
+    const QActOut qo = {qq, qscale, qsum, qdsum, qsum16, qtq, qtg, qd >> 5};
+    auto put = [&](int h, int d, float val) { att_put(out, qd, i, (long long)h * hd + d, val, lane, qsigns, qo); };
     if (nk <= 0) {
         if (blockIdx.z == 0)
             for (int r = warp; r < g; r += ATT_THREADS / 32)
