@@ -18,7 +18,7 @@
 
 use eddy::backend::cpu::{matmul_reference, quantize_activations, ThreadPool};
 use eddy::backend::cuda::{Cuda, GpuQ, GraphPlan, Plan, SyncProbe};
-use eddy::backend::{parity, Attend, AttnShape, Backend, Cpu, Visibility};
+use eddy::backend::{parity, Attend, AttnShape, Backend, Cpu, Rope, RopeMode, Visibility};
 use eddy::models::forward::{decode, forward, forward_tree, Logits, Workspace};
 use eddy::quant::import::{quantize_f32, QuantKind};
 use eddy::quant::rotation::{Rotation, Signs};
@@ -459,6 +459,85 @@ fn rows_do_not_depend_on_the_batch() {
         be.force_attention_clusters(None);
         be.force_attention_launch(None, None);
     }
+}
+
+/// A decode step's RoPE and K/V cache store inside its attention (`attention_dec_rope_hd*`) against the
+/// separate `rope_store` and `attention_quantize`: the output, the next product of its quantization and both
+/// whole caches bit for bit; head dims 64 and 128, both pairings, partial rotation, groups of 7 and 1 query
+/// heads per KV head, windows and soft-caps, one chunk, several (a block walking two, records of chunks 16
+/// and 17 through memory), repeated; launches it does not take (several queries, head dim 256, no rotation)
+/// fall back to the two operations.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn decode_rope_inside_attention_equals_rope_store() {
+    let be = gpu();
+    let mut rng = Rng(17);
+    let fused_ran = |before: u64| be.fused_rope_launches() - before;
+    let cases = [
+        // (heads, kv heads, hd, rope mode, rotated dims, window, softcap, n_past)
+        (14, 2, 64, RopeMode::Neox, 64, None, None, 37),
+        (14, 2, 64, RopeMode::Neox, 64, None, None, 300),
+        (14, 2, 64, RopeMode::Normal, 64, Some(100), None, 300),
+        (9, 3, 64, RopeMode::Normal, 32, None, Some(30.0), 700),
+        (14, 2, 64, RopeMode::Neox, 64, None, None, 1100),
+        (12, 2, 128, RopeMode::Neox, 128, None, None, 300),
+        (12, 12, 128, RopeMode::Neox, 64, Some(500), None, 1100),
+        (8, 1, 128, RopeMode::Normal, 128, None, Some(30.0), 64),
+        (4, 1, 256, RopeMode::Neox, 256, None, None, 300),
+        (14, 2, 64, RopeMode::Neox, 0, None, None, 300),
+    ];
+    for (n_heads, n_kv_heads, hd, mode, rot, window, softcap, n_past) in cases {
+        let shape = AttnShape { n_heads, n_kv_heads, head_dim: hd, scale: 0.125, window, softcap };
+        let (qd, kvd) = (n_heads * hd, n_kv_heads * hd);
+        let rope = Rope::new(mode, rot, 10_000.0, 1.0);
+        let cap = (n_past + 20).max(1040);
+        let (q, k, v) = (rng.vec(2 * qd), rng.vec(2 * kvd), rng.vec(2 * kvd));
+        let (kc, vc) = (rng.vec(cap * kvd), rng.vec(cap * kvd));
+        let w = be.upload_weights(quantize_f32(40, qd, &rng.vec(40 * qd), QuantKind::Q8));
+        for t in [1usize, 2] {
+            let positions: Vec<usize> = (n_past..n_past + t).collect();
+            let what = format!("{n_heads}/{n_kv_heads} heads, hd {hd}, {mode:?} {rot}, window {window:?}, n_past {n_past}, {t} queries");
+            let mut results = Vec::new();
+            for (fused, runs) in [(false, 1), (true, 4)] {
+                be.force_fused_rope(Some(fused));
+                let vb = be.upload(&v);
+                let (mut kcb, mut vcb) = (be.upload(&kc), be.upload(&vc));
+                let (mut out, mut xq) = (be.alloc(t * qd), be.new_qact());
+                for r in 0..runs {
+                    // (The unfused operations rotate q and k in place.)
+                    let (mut qb, mut kb) = (be.upload(&q), be.upload(&k));
+                    let before = be.fused_rope_launches();
+                    let vis = Visibility::Causal;
+                    be.rope_store_attention_quantize(
+                        &rope, shape, &mut qb, &mut kb, &vb, &positions, &mut kcb, &mut vcb, n_past, n_past, vis, &mut out, &w, &mut xq,
+                    );
+                    let mut p = vec![0f32; t * 40];
+                    be.matmul_to_host(&w, &out, &xq, t, &mut p);
+                    let got = (read(&be, &out, t * qd), p, read(&be, &kcb, cap * kvd), read(&be, &vcb, cap * kvd));
+                    if be.compute_capability().0 >= 9 {
+                        let takes = fused && t == 1 && hd <= 128 && rot > 0;
+                        let ran = fused_ran(before);
+                        assert!(ran == u64::from(takes), "{what}: fused {fused}: {ran} fused launches");
+                    }
+                    if r > 0 {
+                        assert!(got == results[1], "{what}: repeat {r} of the fused step differs");
+                    } else {
+                        results.push(got);
+                    }
+                }
+            }
+            let (a, b) = (&results[0], &results[1]);
+            assert!(a.0 == b.0, "{what}: attention outputs differ");
+            assert!(a.1 == b.1, "{what}: the next product of the quantized outputs differs");
+            assert!(a.2 == b.2, "{what}: key caches differ");
+            assert!(a.3 == b.3, "{what}: value caches differ");
+            // The new rows are in the caches, and the rows around them untouched.
+            let row = |c: &[f32], r: usize| c[r * kvd..(r + 1) * kvd].to_vec();
+            assert!(row(&b.3, n_past) == v[..kvd] && row(&b.3, n_past + t) == row(&vc, n_past + t), "{what}: value cache rows");
+            assert!(row(&b.2, n_past - 1) == row(&kc, n_past - 1), "{what}: key cache row before the new one changed");
+        }
+    }
+    be.force_fused_rope(None);
 }
 
 /// Causal attention of more than 64 queries (prefill runs: `attention_mma` on the tensor cores, head dims 64,

@@ -305,6 +305,35 @@ pub trait Backend: Send + Sync + 'static {
         self.quantize(out, a.t, a.shape.n_heads * a.shape.head_dim, w, xq);
     }
 
+    /// [`Backend::rope_store`] of the `positions.len()` rows of `q` and `k` (`v` unrotated), whose K/V rows go
+    /// to cache rows `row0..` of `kc`, `vc`, then [`Backend::attention_quantize`] of the rotated queries
+    /// against those caches (`n_past`, `vis` as in [`Attend`]) into `out` and `xq`, as one operation: a GPU
+    /// runs a decode step's three in one kernel. Afterwards `q` and `k` hold either the rotated rows or the
+    /// products' (a backend's choice): only the caches, `out` and `xq` are results.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_store_attention_quantize(
+        &self,
+        rope: &Rope,
+        shape: AttnShape,
+        q: &mut Self::Buf,
+        k: &mut Self::Buf,
+        v: &Self::Buf,
+        positions: &[usize],
+        kc: &mut Self::Buf,
+        vc: &mut Self::Buf,
+        n_past: usize,
+        row0: usize,
+        vis: Visibility<'_>,
+        out: &mut Self::Buf,
+        w: &Self::Weights,
+        xq: &mut Self::QAct,
+    ) {
+        let (qd, kvd, hd) = (shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim, shape.head_dim);
+        self.rope_store(rope, q, qd, k, v, kvd, hd, positions, kc, vc, row0);
+        let a = Attend { shape, q, k: kc, v: vc, n_past, t: positions.len(), vis };
+        self.attention_quantize(a, out, w, xq);
+    }
+
     /// Copy rows `row0..row0 + n` of `buf` (`width` each) to the end of `out` (hidden-state readout).
     fn read(&self, buf: &Self::Buf, row0: usize, n: usize, width: usize, out: &mut Vec<f32>);
     /// `dst[..len] = src[..len]` (state snapshots).

@@ -632,16 +632,15 @@ fn attention_mixer<B: Backend>(be: &B, p: &Pass, a: &Attention<B>, kc: &mut B::B
     if let Some(w) = &a.k_norm {
         be.rms_norm_inplace(k, t * kvd, w, c.norm_eps);
     }
-    be.rope_store(&a.rope, q, qd, k, v, kvd, hd, positions, kc, vc, p.row0);
     let shape =
         AttnShape { n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: hd, scale: c.attn_scale, window: a.window, softcap: None };
-    let call = Attend { shape, q, k: kc, v: vc, n_past: p.n_past, t, vis: p.vis };
     if a.gated {
-        be.attention(call, att);
+        be.rope_store(&a.rope, q, qd, k, v, kvd, hd, positions, kc, vc, p.row0);
+        be.attention(Attend { shape, q, k: kc, v: vc, n_past: p.n_past, t, vis: p.vis }, att);
         be.mul_sigmoid(att, attn_gate, t * qd);
         be.quantize(att, t, qd, &a.wo, xq);
     } else {
-        be.attention_quantize(call, att, &a.wo, xq);
+        be.rope_store_attention_quantize(&a.rope, shape, q, k, v, positions, kc, vc, p.n_past, p.row0, p.vis, att, &a.wo, xq);
     }
     be.matmul(&a.wo, att, xq, t, o);
 }

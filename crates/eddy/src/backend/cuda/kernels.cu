@@ -2277,20 +2277,32 @@ extern "C" __global__ void concat_rows(const float* __restrict__ a, const float*
 // (i, i + half), else (2i, 2i + 1).
 // Pair i of the head at `p` rotated by pos*inv_freq[i]; the rotated pair also written to `copy` when not null.
 // cos and sin of pair i's angle at `pos`.
-__device__ __forceinline__ void rope_cs(int i, int pos, const float* __restrict__ inv_freq, float& c, float& s) {
-    const double ang = (double)pos * (double)inv_freq[i];
+// cos and sin of the angle pos·f (f: the pair's inverse frequency).
+__device__ __forceinline__ void rope_cs_at(int pos, float f, float& c, float& s) {
+    const double ang = (double)pos * (double)f;
     double sd, cd;
     sincos(ang, &sd, &cd);
     c = (float)cd;
     s = (float)sd;
 }
+__device__ __forceinline__ void rope_cs(int i, int pos, const float* __restrict__ inv_freq, float& c, float& s) {
+    rope_cs_at(pos, inv_freq[i], c, s);
+}
+
+// The dims of pair i (neox: i and i + half; else 2i and 2i + 1).
+__device__ __forceinline__ int rope_a(int i, int half, int neox) { return neox ? i : 2 * i; }
+__device__ __forceinline__ int rope_b(int i, int half, int neox) { return neox ? i + half : 2 * i + 1; }
+// The pair (x0, x1) rotated by the angle of cos c, sin s into (y0, y1).
+__device__ __forceinline__ void rope_turn(float x0, float x1, float c, float s, float& y0, float& y1) {
+    y0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+    y1 = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+}
 
 // Pair i of the head at `p` rotated by the angle of cos c, sin s; the rotated pair also written to `copy`.
 __device__ __forceinline__ void rope_rotate(float* p, float* copy, int i, int half, int neox, float c, float s) {
-    const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
-    const float x0 = p[a], x1 = p[b];
-    const float y0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
-    const float y1 = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+    const int a = rope_a(i, half, neox), b = rope_b(i, half, neox);
+    float y0, y1;
+    rope_turn(p[a], p[b], c, s, y0, y1);
     p[a] = y0;
     p[b] = y1;
     if (copy != nullptr) {
@@ -2674,6 +2686,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2)
 //    `part` as `attention` stores them), and after the cluster barrier that block combines them in chunk
 //    order as `attention`'s `combine` does.
 // The output quantization as `attention`'s (`qq` not null: the warp of 32 output values quantizes them).
+// `attention_dec_rope_hd*` (ROPE, decode steps only) also takes the step's `rope_store` in (DecRope below): one
+// launch less a layer, the same bits.
 #define ATT_DEC_CAP 16
 // Stores `v` at `p` (this block's shared memory) in the shared memory of the cluster's block `rank`.
 __device__ __forceinline__ void st_cluster_shared_f32(float* p, unsigned int rank, float v) {
@@ -2687,12 +2701,30 @@ __device__ __forceinline__ void st_cluster_shared_f32(float* p, unsigned int ran
 #endif
 }
 
-template <int HD>
+// The decode step's RoPE and cache store taken into its attention (`attention_dec_rope_hd*`, `rope_store`'s
+// operations): `q` and the new key and value rows (`kraw`, `vraw`: row 0, n_kv_heads·HD values) are as the
+// products left them; the one query's rotated head goes to shared memory, the rotated key and the value of
+// the block's KV head are used in place of the list's last key (the new cache row info.y − 1, which no block
+// reads), and the first z block of the KV head's first query head stores both into that row of `kc`, `vc`
+// (the caches `k`, `v`). Rotated pairs i < half, the dims from 2·half on copied.
+struct DecRope {
+    const float* kraw;
+    const float* vraw;
+    float* kc;
+    float* vc;
+    const int* pos;
+    const float* inv_freq;
+    int half;
+    int neox;
+};
+
+template <int HD, bool ROPE>
 __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, const float* __restrict__ k,
                                                    const float* __restrict__ v, float* __restrict__ out,
                                                    const int4* __restrict__ info, const int* __restrict__ paths,
                                                    float* part, int nmax, int n_heads, int n_kv_heads, float scale,
-                                                   float softcap, const QActOut& qo, const float* __restrict__ qsigns) {
+                                                   float softcap, const QActOut& qo, const float* __restrict__ qsigns,
+                                                   const DecRope& rp) {
     constexpr int P = ATT_THREADS / HD;  // value parts of an output value (`attention`'s P)
     constexpr int QF = HD / 16;          // float4s in a quarter of the head
     constexpr int RW = HD + 2;           // a chunk record: m, z, o[HD]
@@ -2701,6 +2733,8 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
     __shared__ __align__(16) float es[HD / 32][ATT_CHUNK];  // each PV warp's copy of the exponentials
     __shared__ __align__(16) int offs[ATT_CHUNK];           // the chunk's key rows, as offsets into k and v
     __shared__ float rec[ATT_DEC_CAP * RW];
+    __shared__ __align__(16) float kn[ROPE ? HD : 4];  // the new key, rotated
+    __shared__ float vns[ROPE ? HD : 1];               // the new value row
     const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const long long qh = (long long)blockIdx.y * n_heads + h;  // the (query, head)'s row of q, out and part
     // The key list is staged with the pass (written by no kernel): read before the wait (`ld_early`).
@@ -2709,6 +2743,9 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
     const int nch = (nk + ATT_CHUNK - 1) / ATT_CHUNK;
     // Element offsets fit in 32 bits (the host checks the cache's length).
     const int kvd = n_kv_heads * HD, kvo = (h / (n_heads / n_kv_heads)) * HD;
+    // RoPE: thread i < half's pair angle, from the staged position and frequencies, before the wait.
+    float rc = 0.0f, rs = 0.0f;
+    if (ROPE && tid < rp.half) rope_cs_at(ld_early(rp.pos), ld_early(rp.inv_freq + tid), rc, rs);
     pdl_wait();
     float val = 0.0f;  // output value tid (tid < HD)
     if (nk > 0) {
@@ -2719,22 +2756,63 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
         // Before a block stores into the first block's shared memory, every block of the cluster has started:
         // the barrier's first phase (arrived here, waited for at the first store).
         if (!single) cluster_arrive_relaxed();
-        if (tid < HD) qs[tid] = q[qh * HD + tid];
+        if (!ROPE) {
+            if (tid < HD) qs[tid] = q[qh * HD + tid];
+        } else if (tid < HD) {
+            // The KV head's first query head's first block also stores the new rows into the caches (each
+            // thread the values it computed).
+            const bool store = blockIdx.z == 0 && h % (n_heads / n_kv_heads) == 0;
+            const long long row = (long long)(qi.y - 1) * kvd + kvo;
+            const float vt = rp.vraw[kvo + tid];
+            vns[tid] = vt;
+            if (store) rp.vc[row + tid] = vt;
+            const float* qr = q + qh * HD;
+            const float* kr = rp.kraw + kvo;
+            if (tid < rp.half) {
+                const int a = rope_a(tid, rp.half, rp.neox), b = rope_b(tid, rp.half, rp.neox);
+                float y0, y1;
+                rope_turn(qr[a], qr[b], rc, rs, y0, y1);
+                qs[a] = y0;
+                qs[b] = y1;
+                rope_turn(kr[a], kr[b], rc, rs, y0, y1);
+                kn[a] = y0;
+                kn[b] = y1;
+                if (store) {
+                    rp.kc[row + a] = y0;
+                    rp.kc[row + b] = y1;
+                }
+            } else if (tid < HD - rp.half) {
+                const int d = tid + rp.half;  // 2·half + (tid − half)
+                qs[d] = qr[d];
+                const float kd = kr[d];
+                kn[d] = kd;
+                if (store) rp.kc[row + d] = kd;
+            }
+        }
         const int j = tid % ATT_CHUNK, qt = tid / ATT_CHUNK;
         for (int c = blockIdx.z; c < nch; c += gridDim.z) {
             const int j0 = c * ATT_CHUNK, cnt = min(ATT_CHUNK, nk - j0);
+            const int jn = ROPE && j0 + cnt == nk ? cnt - 1 : -1;  // RoPE: the new key's index in the chunk
             if (c != (int)blockIdx.z) __syncthreads();  // the previous chunk's readers of offs, sp, es are done
             if (tid < cnt) {
                 const int jj = j0 + tid;
-                offs[tid] = (jj < nc ? qi.x + jj : paths[qi.z + jj - nc]) * kvd + kvo;
+                // RoPE: the list's last key is the new row (offset −1: taken from kn and vn).
+                offs[tid] = ROPE && jj == nk - 1 ? -1 : (jj < nc ? qi.x + jj : paths[qi.z + jj - nc]) * kvd + kvo;
             }
             __syncthreads();
             // This thread's key quarter and (thread d < HD) the chunk's values of output value d, in flight at once.
             float4 kq[QF];
             if (j < cnt) {
-                const float4* kr = reinterpret_cast<const float4*>(k + offs[j] + qt * (HD / 4));
+                const int oj = offs[j];
+                if (ROPE && oj < 0) {
+                    const float4* kr = reinterpret_cast<const float4*>(kn + qt * (HD / 4));
 #pragma unroll
-                for (int u = 0; u < QF; ++u) kq[u] = kr[u];
+                    for (int u = 0; u < QF; ++u) kq[u] = kr[u];
+                } else {
+                    const float4* kr = reinterpret_cast<const float4*>(k + oj + qt * (HD / 4));
+#pragma unroll
+                    for (int u = 0; u < QF; ++u) kq[u] = kr[u];
+                }
             }
             float vv[ATT_CHUNK];
             if (tid < HD) {
@@ -2743,7 +2821,7 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
                     const int4 o4 = *reinterpret_cast<const int4*>(offs + j4);
                     const int o[4] = {o4.x, o4.y, o4.z, o4.w};
 #pragma unroll
-                    for (int u = 0; u < 4; ++u) vv[j4 + u] = j4 + u < cnt ? v[o[u] + tid] : 0.0f;
+                    for (int u = 0; u < 4; ++u) vv[j4 + u] = j4 + u < cnt && (!ROPE || o[u] >= 0) ? v[o[u] + tid] : 0.0f;
                 }
             }
             if (j < cnt) {
@@ -2756,6 +2834,7 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
             __syncthreads();
             if (!single && c == (int)blockIdx.z) cluster_wait();
             if (tid >= HD) continue;
+            const float vn = ROPE && jn >= 0 ? vns[tid] : 0.0f;  // RoPE: value tid of the new row
             // Scores of keys lane and lane + 32; the chunk's max and exponential sum as `attention`'s two warps.
             float s[2], e[2];
 #pragma unroll
@@ -2785,8 +2864,11 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
                 const float4 e4 = *reinterpret_cast<const float4*>(&es[w][j4]);
                 const float ej[4] = {e4.x, e4.y, e4.z, e4.w};
 #pragma unroll
-                for (int u = 0; u < 4; ++u)
-                    if (j4 + u < cnt) a[(j4 + u) % P] = __fmaf_rn(ej[u], vv[j4 + u], a[(j4 + u) % P]);
+                for (int u = 0; u < 4; ++u) {
+                    // RoPE: the new row's value (key jn of the last chunk) from the raw row.
+                    const float vj = ROPE && j4 + u == jn ? vn : vv[j4 + u];
+                    if (j4 + u < cnt) a[(j4 + u) % P] = __fmaf_rn(ej[u], vj, a[(j4 + u) % P]);
+                }
             }
             float acc = a[0];
 #pragma unroll
@@ -2835,17 +2917,27 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
     if (tid < HD) att_put(out, (long long)n_heads * HD, blockIdx.y, (long long)h * HD + tid, val, lane, qsigns, qo);
 }
 
+// The decode kernels' parameters: `attention`'s (count, hd unused), then the quantized output's.
+#define ATT_DEC_PARAMS                                                                                             \
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, float* __restrict__ out, \
+        const int4* __restrict__ info, const int* __restrict__ paths, float* part, int* count, int nmax,           \
+        int n_heads, int n_kv_heads, int hd, float scale, float softcap, const float* __restrict__ qsigns,         \
+        int8_t* __restrict__ qq, float* __restrict__ qscale, int* __restrict__ qsum, float* __restrict__ qdsum,    \
+        int* __restrict__ qsum16, unsigned char* qtq, long long qtg
 #define ATT_DEC(HDV)                                                                                               \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_dec_hd##HDV(                            \
-        const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                     \
-        float* __restrict__ out, const int4* __restrict__ info, const int* __restrict__ paths, float* part,        \
-        int* count, int nmax, int n_heads, int n_kv_heads, int hd, float scale, float softcap,                     \
-        const float* __restrict__ qsigns, int8_t* __restrict__ qq, float* __restrict__ qscale,                     \
-        int* __restrict__ qsum, float* __restrict__ qdsum, int* __restrict__ qsum16, unsigned char* qtq,          \
-        long long qtg) {                                                                                           \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_dec_hd##HDV(ATT_DEC_PARAMS) {           \
         const QActOut qo = {qq, qscale, qsum, qdsum, qsum16, qtq, qtg, ((long long)n_heads * HDV) >> 5};           \
-        attention_dec_impl<HDV>(q, k, v, out, info, paths, part, nmax, n_heads, n_kv_heads, scale, softcap, qo,    \
-                                qsigns);                                                                           \
+        const DecRope rp = {};                                                                                     \
+        attention_dec_impl<HDV, false>(q, k, v, out, info, paths, part, nmax, n_heads, n_kv_heads, scale, softcap, \
+                                       qo, qsigns, rp);                                                            \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_dec_rope_hd##HDV(                       \
+        ATT_DEC_PARAMS, const float* __restrict__ kraw, const float* __restrict__ vraw, float* kc, float* vc,      \
+        const int* __restrict__ pos, const float* __restrict__ inv_freq, int half, int neox) {                     \
+        const QActOut qo = {qq, qscale, qsum, qdsum, qsum16, qtq, qtg, ((long long)n_heads * HDV) >> 5};           \
+        const DecRope rp = {kraw, vraw, kc, vc, pos, inv_freq, half, neox};                                        \
+        attention_dec_impl<HDV, true>(q, k, v, out, info, paths, part, nmax, n_heads, n_kv_heads, scale, softcap,  \
+                                      qo, qsigns, rp);                                                             \
     }
 ATT_DEC(64)
 ATT_DEC(128)

@@ -267,6 +267,11 @@ fn att_cluster_from_env() -> (usize, bool) {
 fn att_dec_from_env() -> bool {
     env_setting("EDDY_CUDA_ATT_DEC", "0 or 1", |d: &u8| *d <= 1).is_none_or(|d| d == 1)
 }
+/// `EDDY_CUDA_ROPE_ATT`: 0 runs a decode step's RoPE and cache store as their own kernel (`rope_store`, an
+/// A/B); unset or 1, inside its attention (`attention_dec_rope_hd*`) where that kernel runs.
+fn rope_att_from_env() -> bool {
+    env_setting("EDDY_CUDA_ROPE_ATT", "0 or 1", |d: &u8| *d <= 1).is_none_or(|d| d == 1)
+}
 
 /// `Cuda::t1_unroll`'s value for "`mm_q_t1u4*` at every width" (tests).
 const T1_DEEP_ALWAYS: usize = 104;
@@ -887,6 +892,8 @@ struct Kernels {
     attention: Func,
     /// The decode step's attention (one query, in a cluster; `attention_dec_hd{64,128}`).
     attention_dec: [Func; 2],
+    /// The same with the step's RoPE and K/V cache store (`attention_dec_rope_hd{64,128}`).
+    attention_dec_rope: [Func; 2],
     /// The attention with one block per KV head (`attention_kv`; dynamic shared memory `att_kv_smem`).
     attention_kv: Func,
     /// Causal attention of prefill runs on the tensor cores: `[P·V in one TF32 product (attention_mma_hd*) /
@@ -1006,6 +1013,11 @@ pub struct Cuda {
     att_dec: AtomicBool,
     /// `attention_dec` launches chosen since [`Cuda::new`] (counted when queued; tests: that it ran).
     att_dec_launches: AtomicU64,
+    /// Whether a decode step's RoPE and K/V store run inside its attention where `attention_dec` runs it
+    /// (default; the same bits as `rope_store`): `EDDY_CUDA_ROPE_ATT=0` at start, [`Cuda::force_fused_rope`].
+    rope_att: AtomicBool,
+    /// `attention_dec_rope` launches queued since [`Cuda::new`] (tests: that it ran).
+    rope_att_launches: AtomicU64,
     /// Whether large tensor-core products run on a grid of at most the blocks that fit at once, each walking
     /// several row tiles with the next one's loads in flight (`EDDY_CUDA_PERSIST=0`: one row tile per block).
     persist: bool,
@@ -1208,6 +1220,7 @@ impl Cuda {
             attention: get("attention")?,
             attention_kv: get("attention_kv")?,
             attention_dec: [get("attention_dec_hd64")?, get("attention_dec_hd128")?],
+            attention_dec_rope: [get("attention_dec_rope_hd64")?, get("attention_dec_rope_hd128")?],
             attention_mma: [
                 [get("attention_mma_hd64")?, get("attention_mma_hd128")?, get("attention_mma_hd256")?],
                 [get("attention_mma3_hd64")?, get("attention_mma3_hd128")?, get("attention_mma3_hd256")?],
@@ -1266,7 +1279,8 @@ impl Cuda {
         // Attention clusters of up to 16 blocks (sm_90's non-portable size; `att_cluster`), and the empty kernel
         // that may stand in for them (`Cuda::set_empty_kernels`).
         if capability.0 >= 9 {
-            for f in [k.attention.0, k.attention_kv.0, k.attention_dec[0].0, k.attention_dec[1].0, k.noop.0] {
+            let dec = k.attention_dec.iter().chain(&k.attention_dec_rope).map(|f| f.0);
+            for f in [k.attention.0, k.attention_kv.0, k.noop.0].into_iter().chain(dec) {
                 // SAFETY: a kernel of the loaded module; an attribute sm_90 defines.
                 unsafe {
                     result::function::set_function_attribute(
@@ -1304,6 +1318,8 @@ impl Cuda {
             att_cluster_all: AtomicBool::new(att_cluster.1),
             att_dec: AtomicBool::new(att_dec_from_env()),
             att_dec_launches: AtomicU64::new(0),
+            rope_att: AtomicBool::new(rope_att_from_env()),
+            rope_att_launches: AtomicU64::new(0),
             att_kv_min: env_setting("EDDY_CUDA_ATT_KV_MIN", "a query count (0: never)", |_: &usize| true).map_or(ATT_KV_MIN_T, |m| {
                 if m == 0 {
                     usize::MAX
@@ -1359,6 +1375,19 @@ impl Cuda {
     /// The results do not depend on it (the same operations in the same order); for tests and measurements.
     pub fn force_decode_attention(&self, on: Option<bool>) {
         self.att_dec.store(on.unwrap_or_else(att_dec_from_env), Ordering::Relaxed);
+    }
+
+    /// Launches of the decode attention with the step's RoPE and cache store (`attention_dec_rope`) queued
+    /// since [`Cuda::new`] (tests: that it ran).
+    pub fn fused_rope_launches(&self) -> u64 {
+        self.rope_att_launches.load(Ordering::Relaxed)
+    }
+
+    /// Run a decode step's RoPE and K/V cache store inside its attention (`Some(true)`, where the decode
+    /// attention runs) or as `rope_store` (`Some(false)`); `None`: as `EDDY_CUDA_ROPE_ATT` said at start
+    /// (unset: inside). The results do not depend on it; for tests and measurements.
+    pub fn force_fused_rope(&self, on: Option<bool>) {
+        self.rope_att.store(on.unwrap_or_else(rope_att_from_env), Ordering::Relaxed);
     }
 
     /// The GPU's compute capability (major, minor).
@@ -2027,7 +2056,50 @@ impl Cuda {
 
     /// Attention of `t` queries into `out` ([`Backend::attention`]); with `quant`, `out` also quantized for the
     /// weights into the activations (head dims a multiple of 32).
-    fn attention_into(&self, a: Attend<'_, CudaBuf>, out: &mut CudaBuf, quant: Option<(&CudaWeights, &mut CudaQAct)>) {
+    /// Whether an attention launch of `t` queries of shape `s` runs one block per KV head (`attention_kv`).
+    fn att_per_kv(&self, s: &AttnShape, t: usize) -> bool {
+        let group = s.n_heads / s.n_kv_heads;
+        let fits = s.head_dim <= ATT_KV_MAX_HD && group <= ATT_KV_MAX_GROUP;
+        fits && match self.forced_att_kernel.load(Ordering::Relaxed) {
+            0 => t >= self.att_kv_min,
+            f => f == 2,
+        }
+    }
+
+    /// The cluster an attention launch of `t` queries over at most `nmax` chunks asks for (0: none): in
+    /// clusters, the cluster is the (query, heads)'s whole z range (the largest the GPU holds at once).
+    fn att_want_cluster(&self, t: usize, nmax: usize) -> usize {
+        // One-query launches take the default clusters unless a block count is forced (an A/B of the grid).
+        let clustered = self.att_cluster_all.load(Ordering::Relaxed) || (t == 1 && self.forced_att_blocks.load(Ordering::Relaxed) == 0);
+        match self.att_cluster.load(Ordering::Relaxed) {
+            c if c >= 2 && clustered && self.capability.0 >= 9 => c.min(nmax),
+            _ => 0,
+        }
+    }
+
+    /// The decode kernel and its cluster size for an attention launch per query head (`per_kv` false)
+    /// asking for clusters of `want`, if it runs it: head dims 64 and 128, caches of `k_len`, `v_len` values
+    /// (element offsets in 32 bits), a cluster of at least 2 that fits (its chunk records meet in the first
+    /// block's shared memory). `rope`: the variant with the step's RoPE and cache store.
+    fn att_dec_launch(&self, hd: usize, per_kv: bool, want: usize, k_len: usize, v_len: usize, rope: bool) -> Option<(Func, usize)> {
+        let di = [64, 128].iter().position(|&d| d == hd)?;
+        if per_kv || want < 2 || !self.att_dec.load(Ordering::Relaxed) || k_len.max(v_len) > i32::MAX as usize {
+            return None;
+        }
+        let f = if rope { self.k.attention_dec_rope[di] } else { self.k.attention_dec[di] };
+        let c = self.fitting_cluster(f, ATT_THREADS, 0, want, false);
+        (c > 1).then_some((f, c))
+    }
+
+    /// `rope`: the launch is a decode step's with its RoPE and cache store (`Backend::rope_store_attention_quantize`;
+    /// `a.k`, `a.v` the caches, the decode kernel chosen by the caller).
+    fn attention_into(
+        &self,
+        a: Attend<'_, CudaBuf>,
+        out: &mut CudaBuf,
+        quant: Option<(&CudaWeights, &mut CudaQAct)>,
+        rope: Option<RopeIn<'_>>,
+    ) {
         let Attend { shape, q, k, v, n_past, t, vis } = a;
         let s = &shape;
         let qd = s.n_heads * s.head_dim;
@@ -2080,9 +2152,7 @@ impl Cuda {
         let kvd = s.n_kv_heads * s.head_dim;
         let rows_needed = info.chunks_exact(4).map(|c| c[1] as usize).chain(paths.iter().map(|&r| r as usize + 1)).max().unwrap_or(0);
         assert!(k.len >= rows_needed * kvd && v.len >= rows_needed * kvd, "attention: the cache holds fewer rows than the queries see");
-        // Chunks of the longest key list the cache can give (a fixed grid for every step of one shape: the
-        // blocks past a query's keys exit at once).
-        let nmax = (k.len / kvd).max(maxk).div_ceil(ATT_CHUNK).max(1);
+        let nmax = att_chunks(k.len, kvd, maxk);
         let part = self.ensure(&mut sc.att_part, 4 * t * s.n_heads * nmax * (s.head_dim + 2), false);
         let count = self.ensure(&mut sc.att_count, 4 * t * s.n_heads, true);
         // The output's quantization (signs, codes, scales, sums, d·sums, half sums; codes 0: none).
@@ -2093,6 +2163,7 @@ impl Cuda {
         // Staged after the `ensure`s (which may flush the queue and so reuse the arena).
         let info_dev = self.stage(SLOT_INFO, &info);
         let paths_dev = self.stage(SLOT_PATHS, &paths);
+        let rope_dev = rope.map(|r| (self.stage(SLOT_POS, &[r.pos]), self.stage(SLOT_FREQ, r.inv_freq)));
         sc.info_host = info;
         sc.paths_host = paths;
         let a = Args::new()
@@ -2118,14 +2189,13 @@ impl Cuda {
             .p(qa[5])
             .p(qa[6])
             .l(qa[7] as usize);
+        let a = match (rope, rope_dev) {
+            (Some(r), Some((pos, freq))) => a.p(r.k).p(r.v).p(k.ptr()).p(v.ptr()).p(pos).p(freq).i(r.inv_freq.len()).i(r.neox as usize),
+            _ => a,
+        };
         // One block per KV head and query from `att_kv_min` queries on (prefill, verify), where the shapes fit.
         let group = s.n_heads / s.n_kv_heads;
-        let fits = s.head_dim <= ATT_KV_MAX_HD && group <= ATT_KV_MAX_GROUP;
-        let per_kv = fits
-            && match self.forced_att_kernel.load(Ordering::Relaxed) {
-                0 => t >= self.att_kv_min,
-                f => f == 2,
-            };
+        let per_kv = self.att_per_kv(s, t);
         let heads = if per_kv { s.n_kv_heads } else { s.n_heads };
         let kv_smem = att_kv_smem(group, s.head_dim) as u32;
         let per_sm = if per_kv {
@@ -2141,27 +2211,19 @@ impl Cuda {
         } else {
             self.att_occupancy
         };
-        // In clusters, the cluster is the (query, heads)'s whole z range (the largest the GPU holds at once).
         let f = if per_kv { self.k.attention_kv } else { self.k.attention };
         let smem = if per_kv { kv_smem } else { 0 };
-        // One-query launches take the default clusters unless a block count is forced (an A/B of the grid).
-        let clustered = self.att_cluster_all.load(Ordering::Relaxed) || (t == 1 && self.forced_att_blocks.load(Ordering::Relaxed) == 0);
-        let want = match self.att_cluster.load(Ordering::Relaxed) {
-            c if c >= 2 && clustered && self.capability.0 >= 9 => c.min(nmax),
-            _ => 0,
-        };
+        let want = self.att_want_cluster(t, nmax);
         // Launches per query head in clusters (decode steps; with EDDY_CUDA_ATT_CLUSTER, launches below
-        // `att_kv_min` queries too) on the decode kernel (head dims 64 and 128; element offsets in 32 bits),
-        // which needs a cluster of at least 2 (its chunk records meet in the first block's shared memory).
-        let dec = [64, 128]
-            .iter()
-            .position(|&d| d == s.head_dim)
-            .filter(|_| !per_kv && want >= 2 && self.att_dec.load(Ordering::Relaxed) && k.len.max(v.len) <= i32::MAX as usize)
-            .map(|di| self.k.attention_dec[di])
-            .map(|fd| (fd, self.fitting_cluster(fd, ATT_THREADS, 0, want, false)));
+        // `att_kv_min` queries too) on the decode kernel where it runs them.
+        let dec = match rope {
+            Some(r) => Some(r.launch),
+            None => self.att_dec_launch(s.head_dim, per_kv, want, k.len, v.len, false),
+        };
         let (f, cluster) = match dec {
-            Some((fd, c)) if c > 1 => {
+            Some((fd, c)) => {
                 self.att_dec_launches.fetch_add(1, Ordering::Relaxed);
+                self.rope_att_launches.fetch_add(rope.is_some() as u64, Ordering::Relaxed);
                 (fd, c)
             }
             _ if want >= 2 => (f, self.fitting_cluster(f, ATT_THREADS, smem, want, false)),
@@ -2208,6 +2270,26 @@ impl Cuda {
         }
         maxk
     }
+}
+
+/// Chunks of the longest key list a cache of `k_len` values (`kvd` a row) can give, at least `maxk` keys: an
+/// attention launch's fixed grid for every step of one shape (the blocks past a query's keys exit at once).
+fn att_chunks(k_len: usize, kvd: usize, maxk: usize) -> usize {
+    (k_len / kvd).max(maxk).div_ceil(ATT_CHUNK).max(1)
+}
+
+/// A decode step's RoPE and K/V cache store taken into its attention (`attention_dec_rope_hd*`): device
+/// addresses of the products' unrotated `k` row and its `v` row (`n_kv_heads·head_dim` f32 each), the query's
+/// position, the layer's inverse frequencies of the rotated pairs, the pair layout, and the decode kernel and
+/// cluster size chosen for the launch.
+#[derive(Clone, Copy)]
+struct RopeIn<'a> {
+    k: u64,
+    v: u64,
+    pos: i32,
+    inv_freq: &'a [f32],
+    neox: bool,
+    launch: (Func, usize),
 }
 
 impl Drop for Cuda {
@@ -2773,17 +2855,76 @@ impl Backend for Cuda {
     }
 
     fn attention(&self, a: Attend<'_, CudaBuf>, out: &mut CudaBuf) {
-        self.attention_into(a, out, None);
+        self.attention_into(a, out, None, None);
     }
 
     fn attention_quantize(&self, a: Attend<'_, CudaBuf>, out: &mut CudaBuf, w: &CudaWeights, xq: &mut CudaQAct) {
         if a.shape.head_dim.is_multiple_of(QK) {
-            self.attention_into(a, out, Some((w, xq)));
+            self.attention_into(a, out, Some((w, xq)), None);
         } else {
             // A head's outputs are not whole quantization groups: two launches.
-            self.attention_into(a, out, None);
+            self.attention_into(a, out, None, None);
             self.quantize(out, a.t, a.shape.n_heads * a.shape.head_dim, w, xq);
         }
+    }
+
+    /// A decode step (one causal query whose K/V row is the cache's next) on the decode attention takes its
+    /// RoPE and cache store into that kernel (`attention_dec_rope_hd*`: one launch less a layer, the same
+    /// bits; `EDDY_CUDA_ROPE_ATT=0` turns it off); anything else runs `rope_store` and `attention_quantize`.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_store_attention_quantize(
+        &self,
+        rope: &Rope,
+        shape: AttnShape,
+        q: &mut CudaBuf,
+        k: &mut CudaBuf,
+        v: &CudaBuf,
+        positions: &[usize],
+        kc: &mut CudaBuf,
+        vc: &mut CudaBuf,
+        n_past: usize,
+        row0: usize,
+        vis: Visibility<'_>,
+        out: &mut CudaBuf,
+        w: &CudaWeights,
+        xq: &mut CudaQAct,
+    ) {
+        let (hd, half, t) = (shape.head_dim, rope.rot_dims / 2, positions.len());
+        let (qd, kvd) = (shape.n_heads * hd, shape.n_kv_heads * hd);
+        let step = t == 1
+            && matches!(vis, Visibility::Causal)
+            && row0 == n_past
+            && half > 0
+            && rope.rot_dims <= hd
+            && rope.inv_freq.len() >= half
+            && hd.is_multiple_of(QK)
+            && shape.n_kv_heads > 0
+            && shape.n_heads.is_multiple_of(shape.n_kv_heads)
+            && self.rope_att.load(Ordering::Relaxed);
+        let launch = step
+            .then(|| {
+                let lo = shape.window.map_or(0, |w| (n_past + 1).saturating_sub(w));
+                let nmax = att_chunks(kc.len, kvd, n_past + 1 - lo);
+                let want = self.att_want_cluster(1, nmax);
+                self.att_dec_launch(hd, self.att_per_kv(&shape, 1), want, kc.len, vc.len, true)
+            })
+            .flatten();
+        let Some(launch) = launch else {
+            self.rope_store(rope, q, qd, k, v, kvd, hd, positions, kc, vc, row0);
+            self.attention_quantize(Attend { shape, q, k: kc, v: vc, n_past, t, vis }, out, w, xq);
+            return;
+        };
+        assert!(k.len >= kvd && v.len >= kvd, "rope_store_attention_quantize: k/v rows too short");
+        assert!(kc.len >= (row0 + 1) * kvd && vc.len >= (row0 + 1) * kvd, "rope_store_attention_quantize: cache row outside the cache");
+        let r = RopeIn {
+            k: k.ptr(),
+            v: v.ptr(),
+            pos: i32::try_from(positions[0]).expect("position exceeds i32"),
+            inv_freq: &rope.inv_freq[..half],
+            neox: rope.mode == RopeMode::Neox,
+            launch,
+        };
+        self.attention_into(Attend { shape, q, k: kc, v: vc, n_past, t, vis }, out, Some((w, xq)), Some(r));
     }
 
     fn read(&self, buf: &CudaBuf, row0: usize, n: usize, width: usize, out: &mut Vec<f32>) {
