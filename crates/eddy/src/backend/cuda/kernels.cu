@@ -2272,21 +2272,19 @@ extern "C" __global__ void concat_rows(const float* __restrict__ a, const float*
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// RoPE on rows 0..nrows of q (qw values each) and k (kw values each), heads of hd, in one launch: pair i of
-// every head rotated by pos*inv_freq[i], cos/sin of the f64 angle rounded to f32 (as the CPU). neox: pairs
-// (i, i + half), else (2i, 2i + 1).
-// Pair i of the head at `p` rotated by pos*inv_freq[i]; the rotated pair also written to `copy` when not null.
-// cos and sin of pair i's angle at `pos`.
-// cos and sin of the angle pos·f (f: the pair's inverse frequency).
-__device__ __forceinline__ void rope_cs_at(int pos, float f, float& c, float& s) {
-    const double ang = (double)pos * (double)f;
+// RoPE: pair i of every head rotated by the angle pos·inv_freq[i]; cos and sin of the f64 angle rounded to f32
+// (as the CPU), computed once per (position, pair) into a table (`rope_table`, kept by the host per frequency
+// list and grown before a pass needs more positions), which the kernels read: (cos, sin) of pair i at position
+// pos is tab[pos·half + i]. neox: pairs (i, i + half), else (2i, 2i + 1).
+extern "C" __global__ void rope_table(float2* __restrict__ tab, long long n, const float* __restrict__ inv_freq,
+                                      int half) {
+    pdl_wait();
+    const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (id >= n) return;
+    const double ang = (double)(id / half) * (double)inv_freq[id % half];
     double sd, cd;
     sincos(ang, &sd, &cd);
-    c = (float)cd;
-    s = (float)sd;
-}
-__device__ __forceinline__ void rope_cs(int i, int pos, const float* __restrict__ inv_freq, float& c, float& s) {
-    rope_cs_at(pos, inv_freq[i], c, s);
+    tab[id] = make_float2((float)cd, (float)sd);
 }
 
 // The dims of pair i (neox: i and i + half; else 2i and 2i + 1).
@@ -2311,15 +2309,9 @@ __device__ __forceinline__ void rope_rotate(float* p, float* copy, int i, int ha
     }
 }
 
-__device__ __forceinline__ void rope_pair(float* p, float* copy, int i, int half, int neox, int pos,
-                                          const float* __restrict__ inv_freq) {
-    float c, s;
-    rope_cs(i, pos, inv_freq, c, s);
-    rope_rotate(p, copy, i, half, neox, c, s);
-}
-
+// RoPE on rows 0..nrows of q (qw values each) and k (kw values each), heads of hd, in one launch.
 extern "C" __global__ void rope(float* __restrict__ q, int qw, float* __restrict__ k, int kw, int hd, int nrows,
-                                const int* __restrict__ pos, const float* __restrict__ inv_freq, int half, int neox) {
+                                const int* __restrict__ pos, const float2* __restrict__ tab, int half, int neox) {
     pdl_wait();
     long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long nq = (long long)nrows * (qw / hd) * half;
@@ -2336,31 +2328,33 @@ extern "C" __global__ void rope(float* __restrict__ q, int qw, float* __restrict
     const long long rh = id / half;
     const int h = (int)(rh % heads);
     const long long t = rh / heads;
-    rope_pair(x + t * width + (long long)h * hd, nullptr, i, half, neox, pos[t], inv_freq);
+    const float2 cs = tab[(long long)pos[t] * half + i];
+    rope_rotate(x + t * width + (long long)h * hd, nullptr, i, half, neox, cs.x, cs.y);
 }
 
 // rope, and the batch's K and V rows stored in the cache at rows row0[0].. (kc, vc: kw values per row) in the
 // same launch: q threads as rope's; per k head, threads 0..half rotate a pair (written to k and the cache) and
 // the others copy the head's unrotated dims 2*half..hd; then one thread per v value.
 extern "C" __global__ void rope_store(float* __restrict__ q, int qw, float* __restrict__ k, int kw, int hd,
-                                      int nrows, const int* __restrict__ pos, const float* __restrict__ inv_freq,
+                                      int nrows, const int* __restrict__ pos, const float2* __restrict__ tab,
                                       int half, int neox, const float* __restrict__ v, float* __restrict__ kc,
                                       float* __restrict__ vc, const int* __restrict__ row0) {
-    // The positions, frequencies and first cache row come from the pass's arena, copied before the pass and
-    // written by no kernel: this thread's cos and sin are computed before the wait.
+    // The positions and first cache row come from the pass's arena, copied before the pass, and the table was
+    // filled before it: written by no kernel of the pass, so this thread's cos and sin are read before the wait.
     long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long nq = (long long)nrows * (qw / hd) * half;
     const int kper = hd - half;  // half pairs + (hd - 2 half) unrotated dims
     const long long nk = (long long)nrows * (kw / hd) * kper;
-    float c = 0.0f, s = 0.0f;
+    float2 cs = make_float2(0.0f, 0.0f);
     if (id < nq) {
         const long long t = id / half / (qw / hd);
-        rope_cs((int)(id % half), pos[t], inv_freq, c, s);
+        cs = ld_early(tab + (long long)ld_early(pos + t) * half + id % half);
     } else if (id - nq < nk && (int)((id - nq) % kper) < half) {
         const long long t = (id - nq) / kper / (kw / hd);
-        rope_cs((int)((id - nq) % kper), pos[t], inv_freq, c, s);
+        cs = ld_early(tab + (long long)ld_early(pos + t) * half + (id - nq) % kper);
     }
-    const long long r0 = row0[0];
+    const float c = cs.x, s = cs.y;
+    const long long r0 = ld_early(row0);
     pdl_wait();
     if (id < nq) {
         const int heads = qw / hd;
@@ -2713,7 +2707,7 @@ struct DecRope {
     float* kc;
     float* vc;
     const int* pos;
-    const float* inv_freq;
+    const float2* tab;  // the (cos, sin) table (`rope_table`)
     int half;
     int neox;
 };
@@ -2743,9 +2737,13 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
     const int nch = (nk + ATT_CHUNK - 1) / ATT_CHUNK;
     // Element offsets fit in 32 bits (the host checks the cache's length).
     const int kvd = n_kv_heads * HD, kvo = (h / (n_heads / n_kv_heads)) * HD;
-    // RoPE: thread i < half's pair angle, from the staged position and frequencies, before the wait.
+    // RoPE: thread i < half's pair's cos and sin (the table, the staged position), before the wait.
     float rc = 0.0f, rs = 0.0f;
-    if (ROPE && tid < rp.half) rope_cs_at(ld_early(rp.pos), ld_early(rp.inv_freq + tid), rc, rs);
+    if (ROPE && tid < rp.half) {
+        const float2 cs = ld_early(rp.tab + (long long)ld_early(rp.pos) * rp.half + tid);
+        rc = cs.x;
+        rs = cs.y;
+    }
     pdl_wait();
     float val = 0.0f;  // output value tid (tid < HD)
     if (nk > 0) {
@@ -2933,9 +2931,9 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_dec_rope_hd##HDV(                       \
         ATT_DEC_PARAMS, const float* __restrict__ kraw, const float* __restrict__ vraw, float* kc, float* vc,      \
-        const int* __restrict__ pos, const float* __restrict__ inv_freq, int half, int neox) {                     \
+        const int* __restrict__ pos, const float2* __restrict__ tab, int half, int neox) {                         \
         const QActOut qo = {qq, qscale, qsum, qdsum, qsum16, qtq, qtg, ((long long)n_heads * HDV) >> 5};           \
-        const DecRope rp = {kraw, vraw, kc, vc, pos, inv_freq, half, neox};                                        \
+        const DecRope rp = {kraw, vraw, kc, vc, pos, tab, half, neox};                                             \
         attention_dec_impl<HDV, true>(q, k, v, out, info, paths, part, nmax, n_heads, n_kv_heads, scale, softcap,  \
                                       qo, qsigns, rp);                                                             \
     }

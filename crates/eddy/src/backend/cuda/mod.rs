@@ -889,6 +889,8 @@ struct Kernels {
     split_gate: Func,
     concat_rows: Func,
     rope: Func,
+    /// The (cos, sin) table of a RoPE frequency list (`Cuda::rope_table`).
+    rope_table: Func,
     attention: Func,
     /// The decode step's attention (one query, in a cluster; `attention_dec_hd{64,128}`).
     attention_dec: [Func; 2],
@@ -981,6 +983,8 @@ pub struct Cuda {
     /// Whether clusters of a kernel fit the GPU at once: (kernel, threads, dynamic shared memory, cluster
     /// blocks) → fits ([`Cuda::fitting_cluster`]).
     cluster_fits: Mutex<HashMap<(usize, u32, u32, usize), bool>>,
+    /// The RoPE (cos, sin) tables (`Cuda::rope_table`).
+    rope_tables: Mutex<RopeTables>,
     /// Launches queued as thread-block clusters ([`Cuda::cluster_launches`]).
     cluster_launches: AtomicU64,
     /// Blocks of `attention` (no dynamic shared memory) that fit on one multiprocessor at once.
@@ -1210,6 +1214,7 @@ impl Cuda {
             gather_rows: get("gather_rows")?,
             commit_rows: get("commit_rows")?,
             rope_store: get("rope_store")?,
+            rope_table: get("rope_table")?,
             add: get("add")?,
             add_bias: get("add_bias")?,
             gated_act: get("gated_act")?,
@@ -1306,6 +1311,7 @@ impl Cuda {
             mma_split: Mutex::new(MmaSplit::default()),
             sms,
             cluster_fits: Mutex::new(HashMap::new()),
+            rope_tables: Mutex::new(RopeTables::default()),
             cluster_launches: AtomicU64::new(0),
             att_occupancy,
             forced_split: AtomicUsize::new(split),
@@ -1873,6 +1879,39 @@ impl Cuda {
         self.launch(f, (len.div_ceil(THREADS as usize), 1), THREADS, args);
     }
 
+    /// The device address of the RoPE table of the frequencies `inv_freq` (the rotated pairs' `1/θ_i`) for
+    /// positions up to at least `max_pos`: f32 pairs (cos, sin) of the f64 angle `pos·θ_i`, pair i of position
+    /// pos at `pos·half + i` (`rope_table` in kernels.cu: the CPU's rounding, computed once on the device). A
+    /// table is kept per frequency list; one too short is replaced by one of the next power-of-two positions
+    /// (at least [`ROPE_TABLE_MIN`]), filled before anything queued after this call runs (the queue is run and
+    /// waited for), so kernels may read it before their `griddepcontrol.wait`. Replaced tables stay allocated
+    /// (captured graphs may name them) until the backend is dropped.
+    fn rope_table(&self, inv_freq: &[f32], max_pos: usize) -> u64 {
+        let mut tabs = self.rope_tables.lock().unwrap_or_else(|e| e.into_inner());
+        let same = |f: &[f32]| f.len() == inv_freq.len() && f.iter().zip(inv_freq).all(|(a, b)| a.to_bits() == b.to_bits());
+        let at = tabs.live.iter().position(|t| same(&t.freq));
+        if let Some(t) = at.map(|i| &tabs.live[i]).filter(|t| t.positions > max_pos) {
+            return t.mem.ptr;
+        }
+        let positions = (max_pos + 1).next_power_of_two().max(ROPE_TABLE_MIN);
+        let n = positions.checked_mul(inv_freq.len()).expect("rope table too large");
+        self.ctx.bind();
+        self.ctx.flush();
+        let mem = DevMem::new(&self.ctx, 8 * n);
+        let freq = self.stage(SLOT_FREQ, inv_freq);
+        self.launch_1d(self.k.rope_table, n, Args::new().p(mem.ptr).l(n).p(freq).i(inv_freq.len()));
+        self.synchronize();
+        let table = RopeTable { freq: inv_freq.to_vec(), positions, mem };
+        match at {
+            Some(i) => {
+                let old = std::mem::replace(&mut tabs.live[i], table);
+                tabs.retired.push(old.mem);
+            }
+            None => tabs.live.push(table),
+        }
+        tabs.live[at.unwrap_or(tabs.live.len() - 1)].mem.ptr
+    }
+
     /// Stage a host array for the queued operations (see [`Queue`]); its device address, valid for operations
     /// queued before the next flush: an operation stages its arrays after anything that may flush (`ensure`)
     /// and right before its launch.
@@ -2098,7 +2137,7 @@ impl Cuda {
         a: Attend<'_, CudaBuf>,
         out: &mut CudaBuf,
         quant: Option<(&CudaWeights, &mut CudaQAct)>,
-        rope: Option<RopeIn<'_>>,
+        rope: Option<RopeIn>,
     ) {
         let Attend { shape, q, k, v, n_past, t, vis } = a;
         let s = &shape;
@@ -2163,7 +2202,7 @@ impl Cuda {
         // Staged after the `ensure`s (which may flush the queue and so reuse the arena).
         let info_dev = self.stage(SLOT_INFO, &info);
         let paths_dev = self.stage(SLOT_PATHS, &paths);
-        let rope_dev = rope.map(|r| (self.stage(SLOT_POS, &[r.pos]), self.stage(SLOT_FREQ, r.inv_freq)));
+        let rope_pos = rope.map(|r| self.stage(SLOT_POS, &[r.pos]));
         sc.info_host = info;
         sc.paths_host = paths;
         let a = Args::new()
@@ -2189,8 +2228,8 @@ impl Cuda {
             .p(qa[5])
             .p(qa[6])
             .l(qa[7] as usize);
-        let a = match (rope, rope_dev) {
-            (Some(r), Some((pos, freq))) => a.p(r.k).p(r.v).p(k.ptr()).p(v.ptr()).p(pos).p(freq).i(r.inv_freq.len()).i(r.neox as usize),
+        let a = match (rope, rope_pos) {
+            (Some(r), Some(pos)) => a.p(r.k).p(r.v).p(k.ptr()).p(v.ptr()).p(pos).p(r.tab).i(r.half).i(r.neox as usize),
             _ => a,
         };
         // One block per KV head and query from `att_kv_min` queries on (prefill, verify), where the shapes fit.
@@ -2280,16 +2319,34 @@ fn att_chunks(k_len: usize, kvd: usize, maxk: usize) -> usize {
 
 /// A decode step's RoPE and K/V cache store taken into its attention (`attention_dec_rope_hd*`): device
 /// addresses of the products' unrotated `k` row and its `v` row (`n_kv_heads·head_dim` f32 each), the query's
-/// position, the layer's inverse frequencies of the rotated pairs, the pair layout, and the decode kernel and
-/// cluster size chosen for the launch.
+/// position, the layer's (cos, sin) table ([`Cuda::rope_table`]) and rotated pairs, the pair layout, and the
+/// decode kernel and cluster size chosen for the launch.
 #[derive(Clone, Copy)]
-struct RopeIn<'a> {
+struct RopeIn {
     k: u64,
     v: u64,
     pos: i32,
-    inv_freq: &'a [f32],
+    tab: u64,
+    half: usize,
     neox: bool,
     launch: (Func, usize),
+}
+
+/// Fewest positions of a RoPE table ([`Cuda::rope_table`]).
+const ROPE_TABLE_MIN: usize = 1024;
+
+/// A RoPE (cos, sin) table on the device: its frequency list, the positions it covers, its memory.
+struct RopeTable {
+    freq: Vec<f32>,
+    positions: usize,
+    mem: DevMem,
+}
+
+/// The backend's RoPE tables: one per frequency list in use, and the ones they replaced.
+#[derive(Default)]
+struct RopeTables {
+    live: Vec<RopeTable>,
+    retired: Vec<DevMem>,
 }
 
 impl Drop for Cuda {
@@ -2744,13 +2801,13 @@ impl Backend for Cuda {
             return;
         }
         self.ctx.bind();
+        let tab = self.rope_table(&rope.inv_freq[..half], positions.iter().copied().max().unwrap_or(0));
         let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         s.pos_host.clear();
         s.pos_host.extend(positions.iter().map(|&p| i32::try_from(p).expect("position exceeds i32")));
         let pos_dev = self.stage(SLOT_POS, &s.pos_host);
-        let freq_dev = self.stage(SLOT_FREQ, &rope.inv_freq[..half]);
         let neox = (rope.mode == RopeMode::Neox) as usize;
-        let a = Args::new().p(q.ptr()).i(q_width).p(k.ptr()).i(k_width).i(head_dim).i(n).p(pos_dev).p(freq_dev).i(half).i(neox);
+        let a = Args::new().p(q.ptr()).i(q_width).p(k.ptr()).i(k_width).i(head_dim).i(n).p(pos_dev).p(tab).i(half).i(neox);
         self.launch_1d(self.k.rope, n * (q_width / head_dim + k_width / head_dim) * half, a);
     }
 
@@ -2785,11 +2842,11 @@ impl Backend for Cuda {
             return;
         }
         self.ctx.bind();
+        let tab = self.rope_table(&rope.inv_freq[..half], positions.iter().copied().max().unwrap_or(0));
         let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         s.pos_host.clear();
         s.pos_host.extend(positions.iter().map(|&p| i32::try_from(p).expect("position exceeds i32")));
         let pos_dev = self.stage(SLOT_POS, &s.pos_host);
-        let freq_dev = self.stage(SLOT_FREQ, &rope.inv_freq[..half]);
         let row0_dev = self.stage(SLOT_ROW0, &[i32::try_from(row0).expect("row exceeds i32")]);
         let neox = (rope.mode == RopeMode::Neox) as usize;
         let a = Args::new()
@@ -2800,7 +2857,7 @@ impl Backend for Cuda {
             .i(head_dim)
             .i(n)
             .p(pos_dev)
-            .p(freq_dev)
+            .p(tab)
             .i(half)
             .i(neox)
             .p(v.ptr())
@@ -2916,14 +2973,9 @@ impl Backend for Cuda {
         };
         assert!(k.len >= kvd && v.len >= kvd, "rope_store_attention_quantize: k/v rows too short");
         assert!(kc.len >= (row0 + 1) * kvd && vc.len >= (row0 + 1) * kvd, "rope_store_attention_quantize: cache row outside the cache");
-        let r = RopeIn {
-            k: k.ptr(),
-            v: v.ptr(),
-            pos: i32::try_from(positions[0]).expect("position exceeds i32"),
-            inv_freq: &rope.inv_freq[..half],
-            neox: rope.mode == RopeMode::Neox,
-            launch,
-        };
+        let pos = i32::try_from(positions[0]).expect("position exceeds i32");
+        let tab = self.rope_table(&rope.inv_freq[..half], positions[0]);
+        let r = RopeIn { k: k.ptr(), v: v.ptr(), pos, tab, half, neox: rope.mode == RopeMode::Neox, launch };
         self.attention_into(Attend { shape, q, k: kc, v: vc, n_past, t, vis }, out, Some((w, xq)), Some(r));
     }
 
