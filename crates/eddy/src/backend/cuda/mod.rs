@@ -5,9 +5,10 @@
 //! group of 32 with the CPU's scheme, [`crate::backend::cpu::QuantizedActivations`]). All work goes to one
 //! stream, queued on the host first (`Queue`): a pass reaches the GPU as one list of launches, and a list
 //! seen before runs as a CUDA graph ([`GraphPlan`]); host arrays an operation needs (token ids, positions,
-//! the attention's key lists, RoPE frequencies, the KV row written) go through a device arena the kernels
-//! read, so every decode step of one shape is the same list. Device scratch only grows, so a warm decode
-//! step allocates nothing. Only [`Backend::read`] and [`Backend::matmul_to_host`] wait for the GPU.
+//! the attention's key lists, the KV row written) go through a device arena the kernels read, so every
+//! decode step of one shape is the same list. Device scratch only grows, so a warm decode step allocates
+//! nothing. Only [`Backend::read`] and [`Backend::matmul_to_host`] wait for the GPU (and the growth of a
+//! RoPE table, once per doubling of the positions, `Cuda::rope_table`).
 //!
 //! # Kernels compiled at build time, not at run time
 //! The kernels (`kernels.cu`) are compiled by nvcc when the crate is built (`build.rs`) into a fatbin
@@ -319,7 +320,7 @@ unsafe impl Send for Exec {}
 
 /// Operations queued since the last flush, and the host data they read.
 ///
-/// Host arrays a pass needs (token ids, positions, RoPE frequencies, key lists, the first KV row written)
+/// Host arrays a pass needs (token ids, positions, key lists, the first KV row written)
 /// are staged in `arena` and copied, in one transfer, to the device arena at `arena_dev` right before the
 /// operations run: kernels read them there, so a pass's operation list does not change with them and a
 /// captured graph replays any later step of the same shape ([`GraphPlan`]).
@@ -346,6 +347,9 @@ struct Queue {
     noop: usize,
     /// With `noop` set, the kernels it replaces; empty: all of them ([`Cuda::set_empty_kernels_named`]).
     empty_only: Vec<usize>,
+    /// The kernel `noop` never replaces: the RoPE table's fill ([`Cuda::rope_table`]), whose results outlive
+    /// the measurement.
+    never_empty: usize,
     /// The kernels of the last list of at least `GRAPH_MIN_OPS` operations, in order ([`Cuda::last_list_kernels`]).
     last_list: Vec<usize>,
     /// The hash of the list `last_list` came from.
@@ -425,6 +429,7 @@ impl Queue {
             pdl: false,
             noop: 0,
             empty_only: Vec::new(),
+            never_empty: 0,
             last_list: Vec::new(),
             last_list_hash: 0,
             trace: std::env::var("EDDY_CUDA_TRACE").is_ok_and(|v| v == "1"),
@@ -528,7 +533,7 @@ impl Queue {
                 let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
                 // SAFETY: our stream; the launches below are recorded, not run, until the graph is launched.
                 check(unsafe { result::stream::begin_capture(stream, mode) }, "stream capture");
-                run_ops(&ops, stream, self.pdl, self.noop, &self.empty_only);
+                run_ops(&ops, stream, self.pdl, (self.noop, self.never_empty), &self.empty_only);
                 // SAFETY: the capture begun above.
                 let g = check(unsafe { result::stream::end_capture(stream) }, "end of stream capture");
                 self.stats.programmatic_edges += programmatic_edges(g);
@@ -548,7 +553,7 @@ impl Queue {
             }
             Plan::Eager => {
                 self.stats.eager += 1;
-                run_ops(&ops, stream, self.pdl, self.noop, &self.empty_only);
+                run_ops(&ops, stream, self.pdl, (self.noop, self.never_empty), &self.empty_only);
                 self.ops = ops;
                 self.ops.clear();
             }
@@ -591,9 +596,9 @@ fn cluster_attr(blocks: u32) -> sys::CUlaunchAttribute {
 
 /// Launch `ops` on `stream` in order; with `pdl`, each kernel that follows a kernel with programmatic stream
 /// serialization (it may start before its predecessor ends and waits for it in `pdl_wait`, kernels.cu). With
-/// `noop` not 0, that kernel is launched in place of each kernel (same grid, block and shared memory), or of
-/// each kernel in `only` when that is not empty.
-fn run_ops(ops: &[Op], stream: sys::CUstream, pdl: bool, noop: usize, only: &[usize]) {
+/// `noop` not 0, that kernel is launched in place of each kernel but `keep` (same grid, block and shared
+/// memory), or of each kernel in `only` when that is not empty.
+fn run_ops(ops: &[Op], stream: sys::CUstream, pdl: bool, (noop, keep): (usize, usize), only: &[usize]) {
     let mut after_kernel = false;
     for op in ops {
         match *op {
@@ -633,7 +638,7 @@ fn run_ops(ops: &[Op], stream: sys::CUstream, pdl: bool, noop: usize, only: &[us
                 // config and its attribute live through the call.
                 check(
                     unsafe {
-                        let f = if noop != 0 && (only.is_empty() || only.contains(&f)) { noop } else { f };
+                        let f = if noop != 0 && f != keep && (only.is_empty() || only.contains(&f)) { noop } else { f };
                         sys::cuLaunchKernelEx(&config, f as sys::CUfunction, ptrs.as_mut_ptr(), std::ptr::null_mut()).result()
                     },
                     "kernel launch",
@@ -983,8 +988,8 @@ pub struct Cuda {
     /// Whether clusters of a kernel fit the GPU at once: (kernel, threads, dynamic shared memory, cluster
     /// blocks) → fits ([`Cuda::fitting_cluster`]).
     cluster_fits: Mutex<HashMap<(usize, u32, u32, usize), bool>>,
-    /// The RoPE (cos, sin) tables (`Cuda::rope_table`).
-    rope_tables: Mutex<RopeTables>,
+    /// The RoPE (cos, sin) tables, one per frequency list in use (`Cuda::rope_table`).
+    rope_tables: Mutex<Vec<RopeTable>>,
     /// Launches queued as thread-block clusters ([`Cuda::cluster_launches`]).
     cluster_launches: AtomicU64,
     /// Blocks of `attention` (no dynamic shared memory) that fit on one multiprocessor at once.
@@ -1311,7 +1316,7 @@ impl Cuda {
             mma_split: Mutex::new(MmaSplit::default()),
             sms,
             cluster_fits: Mutex::new(HashMap::new()),
-            rope_tables: Mutex::new(RopeTables::default()),
+            rope_tables: Mutex::new(Vec::new()),
             cluster_launches: AtomicU64::new(0),
             att_occupancy,
             forced_split: AtomicUsize::new(split),
@@ -1816,6 +1821,7 @@ impl Cuda {
         self.synchronize();
         let mut q = self.ctx.queue();
         q.noop = if on { self.k.noop.0 as usize } else { 0 };
+        q.never_empty = self.k.rope_table.0 as usize;
         q.empty_only = only;
         for g in q.plan.drain() {
             // SAFETY: the graphs' work is done (synchronized above) and nothing refers to them any more.
@@ -1884,13 +1890,12 @@ impl Cuda {
     /// pos at `pos·half + i` (`rope_table` in kernels.cu: the CPU's rounding, computed once on the device). A
     /// table is kept per frequency list; one too short is replaced by one of the next power-of-two positions
     /// (at least [`ROPE_TABLE_MIN`]), filled before anything queued after this call runs (the queue is run and
-    /// waited for), so kernels may read it before their `griddepcontrol.wait`. Replaced tables stay allocated
-    /// (captured graphs may name them) until the backend is dropped.
+    /// waited for), so kernels may read it before their `griddepcontrol.wait`.
     fn rope_table(&self, inv_freq: &[f32], max_pos: usize) -> u64 {
         let mut tabs = self.rope_tables.lock().unwrap_or_else(|e| e.into_inner());
         let same = |f: &[f32]| f.len() == inv_freq.len() && f.iter().zip(inv_freq).all(|(a, b)| a.to_bits() == b.to_bits());
-        let at = tabs.live.iter().position(|t| same(&t.freq));
-        if let Some(t) = at.map(|i| &tabs.live[i]).filter(|t| t.positions > max_pos) {
+        let at = tabs.iter().position(|t| same(&t.freq));
+        if let Some(t) = at.map(|i| &tabs[i]).filter(|t| t.positions > max_pos) {
             return t.mem.ptr;
         }
         let positions = (max_pos + 1).next_power_of_two().max(ROPE_TABLE_MIN);
@@ -1902,14 +1907,13 @@ impl Cuda {
         self.launch_1d(self.k.rope_table, n, Args::new().p(mem.ptr).l(n).p(freq).i(inv_freq.len()));
         self.synchronize();
         let table = RopeTable { freq: inv_freq.to_vec(), positions, mem };
+        // The replaced table is freed: no queued work reads it (all ran above), and a kept graph that names it
+        // replays only for a list naming the same address, whatever memory holds it then.
         match at {
-            Some(i) => {
-                let old = std::mem::replace(&mut tabs.live[i], table);
-                tabs.retired.push(old.mem);
-            }
-            None => tabs.live.push(table),
+            Some(i) => tabs[i] = table,
+            None => tabs.push(table),
         }
-        tabs.live[at.unwrap_or(tabs.live.len() - 1)].mem.ptr
+        tabs[at.unwrap_or(tabs.len() - 1)].mem.ptr
     }
 
     /// Stage a host array for the queued operations (see [`Queue`]); its device address, valid for operations
@@ -2340,13 +2344,6 @@ struct RopeTable {
     freq: Vec<f32>,
     positions: usize,
     mem: DevMem,
-}
-
-/// The backend's RoPE tables: one per frequency list in use, and the ones they replaced.
-#[derive(Default)]
-struct RopeTables {
-    live: Vec<RopeTable>,
-    retired: Vec<DevMem>,
 }
 
 impl Drop for Cuda {
@@ -2950,6 +2947,7 @@ impl Backend for Cuda {
         let (qd, kvd) = (shape.n_heads * hd, shape.n_kv_heads * hd);
         let step = t == 1
             && matches!(vis, Visibility::Causal)
+            && shape.window != Some(0)
             && row0 == n_past
             && half > 0
             && rope.rot_dims <= hd
