@@ -41,7 +41,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use eddy::chat::{encode_chat_guarded, ChatTemplate};
+use eddy::chat::{encode_chat_guarded, has_special_text, ChatTemplate};
 use eddy::engine::{Engine, GenerateParams};
 use eddy::stats::GenerationStats;
 use eddy::tokenizer::Tokenizer;
@@ -582,6 +582,20 @@ fn text_prompts(st: &AppState, o: &serde_json::Map<String, Value>) -> Result<Vec
     Ok(out)
 }
 
+/// Every string leaf of `v` passed through [`eddy::chat::defang`] (those without special-token text kept).
+fn defang_leaves(tok: &eddy::tokenizer::Tokenizer, v: &mut Value) {
+    match v {
+        Value::String(s) => {
+            if let Some(d) = eddy::chat::defang(tok, s) {
+                *s = d;
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(|x| defang_leaves(tok, x)),
+        Value::Object(m) => m.values_mut().for_each(|x| defang_leaves(tok, x)),
+        _ => {}
+    }
+}
+
 /// Parses and validates a request body, renders the chat template and tokenizes the prompt, and compiles
 /// its grammar: the CPU-heavy part of a request, run off the async workers.
 fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError> {
@@ -636,12 +650,15 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
             // llama-server's prefill of the assistant turn; one that made tool calls is a finished turn
             // (vLLM renders it and opens a new one: its results may still be coming).
             let made_calls = |m: &Value| m.get("tool_calls").is_some_and(|c| c.as_array().is_some_and(|a| !a.is_empty()));
-            let text = if messages.last().is_some_and(|m| m["role"] == "assistant" && !made_calls(m)) {
-                t.render_continue_json(&messages, &kwargs)
-            } else {
-                t.render_json(&messages, true, &kwargs)
-            }
-            .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
+            let continued = messages.last().is_some_and(|m| m["role"] == "assistant" && !made_calls(m));
+            let render = |messages: &[Value], kwargs: &serde_json::Map<String, Value>| {
+                if continued {
+                    t.render_continue_json(messages, kwargs)
+                } else {
+                    t.render_json(messages, true, kwargs)
+                }
+            };
+            let text = render(&messages, &kwargs).map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
             thinking = reasoning::thinking_mode(t, &messages, &kwargs, &text);
             // What users and tools wrote is text, whatever special-token spelling it holds.
             let mut untrusted = Vec::new();
@@ -656,7 +673,22 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
             if let Some(e) = surely_too_long(st, "messages", text.len()) {
                 return Err(e);
             }
-            encode_chat_guarded(&st.tokenizer, &text, &untrusted).map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
+            // Where they hold special-token text, the conversation rendered again with it defanged: the
+            // template's markup told apart by position.
+            let defanged = untrusted.iter().any(|u| has_special_text(&st.tokenizer, u)).then(|| {
+                let defang_all = |v: &mut Value| defang_leaves(&st.tokenizer, v);
+                let mut dm = messages.clone();
+                for m in dm.iter_mut().filter_map(|m| m.as_object_mut()) {
+                    m.iter_mut().filter(|(k, _)| k.as_str() != "role").for_each(|(_, v)| defang_all(v));
+                }
+                let mut dk = kwargs.clone();
+                if let Some(tools) = dk.get_mut("tools") {
+                    defang_all(tools);
+                }
+                render(&dm, &dk).ok()
+            });
+            encode_chat_guarded(&st.tokenizer, &text, &untrusted, defanged.flatten().as_deref())
+                .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
         }
         Kind::Text => Vec::new(),
     };

@@ -249,18 +249,59 @@ pub fn encode_chat(tok: &Tokenizer, rendered: &str) -> Result<Vec<u32>> {
     tok.encode(rendered, false)
 }
 
+/// Whether `s` holds the text of one of `tok`'s special tokens (what [`encode_chat_guarded`] guards).
+pub fn has_special_text(tok: &Tokenizer, s: &str) -> bool {
+    tok.special_token_texts().iter().any(|t| s.contains(t.as_str()))
+}
+
+/// The byte that [`defang`] writes over the first byte of a special token's text.
+const DEFANG: u8 = b'~';
+
+/// `s` with the first byte of every special-token text in it overwritten by `~` (`^` where it already is
+/// `~`): the same length, the same characters elsewhere, no special token left, nothing a JSON string
+/// escapes or a trim removes. `None` if `s` holds none, or one that starts with a non-ASCII byte or that the
+/// overwrite cannot remove. A chat rendered with its messages' texts defanged has the template's markup, and
+/// only it, as special tokens: [`encode_chat_guarded`] takes their places from there.
+pub fn defang(tok: &Tokenizer, s: &str) -> Option<String> {
+    let specials = tok.special_token_texts();
+    let find = |s: &str| specials.iter().filter_map(|t| s.find(t.as_str())).min();
+    find(s)?;
+    let mut b = s.as_bytes().to_vec();
+    for _ in 0..8 {
+        let Some(at) = find(std::str::from_utf8(&b).ok()?) else {
+            return String::from_utf8(b).ok();
+        };
+        if !b[at].is_ascii() {
+            return None;
+        }
+        b[at] = if b[at] == DEFANG { b'^' } else { DEFANG };
+    }
+    None
+}
+
 /// [`encode_chat`] that reads special-token text written inside `untrusted` strings (message contents,
 /// tool arguments and descriptions: what users and tools wrote) as plain text, and only the template's own
-/// markup as special tokens, so that a user cannot open a turn of another role by writing `<|im_start|>`.
+/// markup as special tokens, so that a user cannot open a turn of another role by writing `<|im_start|>`,
+/// nor turn the template's `<|im_end|>` into text by writing `<|im_end|>`.
 ///
-/// Each untrusted string that holds a special token's text is looked up in `rendered` (as written, trimmed,
-/// or as a JSON string body, the way `tojson` writes it); the special tokens inside those occurrences are
-/// encoded as text, every other one as itself. Without such strings this is [`encode_chat`], token for
-/// token. Errors ([`Error::Text`]): an untrusted string with special-token text that the template rewrote
-/// (it cannot be told apart from the markup), tokenizer errors.
-pub fn encode_chat_guarded(tok: &Tokenizer, rendered: &str, untrusted: &[&str]) -> Result<Vec<u32>> {
+/// `defanged`: the same conversation rendered with each untrusted string passed through [`defang`]. Where
+/// it differs from `rendered` only by those overwritten bytes (a template that does not branch on the
+/// texts), its special tokens are the markup, by position. Otherwise (or without it) each untrusted string
+/// that holds a special token's text is looked up in `rendered` (as written, trimmed, or as a JSON string
+/// body, the way `tojson` writes it) and every occurrence is read as text — also one that is the
+/// template's own markup, where the string is nothing but markup text. Without such strings this is
+/// [`encode_chat`], token for token. Errors ([`Error::Text`]): without a usable `defanged`, an untrusted
+/// string with special-token text that the template rewrote (it cannot be told apart from the markup);
+/// tokenizer errors.
+pub fn encode_chat_guarded(tok: &Tokenizer, rendered: &str, untrusted: &[&str], defanged: Option<&str>) -> Result<Vec<u32>> {
     let specials = tok.special_token_texts();
     let has_special = |s: &str| specials.iter().any(|t| s.contains(t.as_str()));
+    if !untrusted.iter().any(|u| has_special(u)) {
+        return encode_chat(tok, rendered);
+    }
+    if let Some(marks) = defanged.and_then(|d| markup_by_position(&specials, rendered, d)) {
+        return encode_marked(tok, rendered, marks);
+    }
     // Byte ranges of `rendered` that are untrusted text.
     let mut plain: Vec<(usize, usize)> = Vec::new();
     for &u in untrusted.iter().filter(|u| has_special(u)) {
@@ -293,6 +334,37 @@ pub fn encode_chat_guarded(tok: &Tokenizer, rendered: &str, untrusted: &[&str]) 
             }
         }
     }
+    encode_marked(tok, rendered, marks)
+}
+
+/// The special tokens of `defanged` (byte ranges), if `rendered` equals it but where `defanged` holds a
+/// [`defang`] byte over the first byte of a special token's text of `rendered`; each range checked to hold
+/// the same text in `rendered`.
+fn markup_by_position(specials: &[String], rendered: &str, defanged: &str) -> Option<Vec<(usize, usize)>> {
+    let (r, d) = (rendered.as_bytes(), defanged.as_bytes());
+    if r.len() != d.len() {
+        return None;
+    }
+    for i in (0..r.len()).filter(|&i| r[i] != d[i]) {
+        let starts_special = specials.iter().any(|t| r[i..].starts_with(t.as_bytes()));
+        if !(starts_special && (d[i] == DEFANG || d[i] == b'^')) {
+            return None;
+        }
+    }
+    let mut marks = Vec::new();
+    for t in specials {
+        for (at, _) in defanged.match_indices(t.as_str()) {
+            if !rendered[at..].starts_with(t.as_str()) {
+                return None;
+            }
+            marks.push((at, at + t.len()));
+        }
+    }
+    Some(marks)
+}
+
+/// `rendered` encoded with the byte ranges `marks` as special tokens and the rest as plain text.
+fn encode_marked(tok: &Tokenizer, rendered: &str, mut marks: Vec<(usize, usize)>) -> Result<Vec<u32>> {
     // Longest first at a position, then drop overlaps.
     marks.sort_by_key(|&(a, b)| (a, std::cmp::Reverse(b)));
     let mut ids = Vec::new();
