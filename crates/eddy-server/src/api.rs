@@ -139,10 +139,22 @@ pub fn shown(v: &str) -> String {
     }
 }
 
+/// An integer, or a float with no fractional part within ±2^53 (where f64 holds every integer exactly):
+/// `5.0` reads as 5, as vLLM and llama-server read it (clients that keep settings as floats send it).
+fn whole_i64(v: &Value) -> Option<i64> {
+    const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53
+    v.as_i64().or_else(|| v.as_f64().filter(|x| x.fract() == 0.0 && x.abs() <= EXACT).map(|x| x as i64))
+}
+
+/// [`whole_i64`] for values of 0 and up, unsigned integers up to 2^64 − 1 included.
+fn whole_u64(v: &Value) -> Option<u64> {
+    v.as_u64().or_else(|| whole_i64(v).and_then(|x| u64::try_from(x).ok()))
+}
+
 fn integer(o: &Map<String, Value>, k: &str, min: i64) -> R<Option<i64>> {
     match get(o, k) {
         None => Ok(None),
-        Some(v) => match v.as_i64() {
+        Some(v) => match whole_i64(v) {
             Some(x) if x >= min => Ok(Some(x)),
             Some(x) => Err(ApiError::invalid(Some(k), format!("{k} must be at least {min}, got {x}"))),
             None if v.is_u64() => Err(ApiError::invalid(Some(k), format!("{k} is out of range, got {v} (at most {})", i64::MAX))),
@@ -225,7 +237,7 @@ pub fn parse_common(o: &Map<String, Value>, chat: bool) -> R<Common> {
                 format!("logprobs must be a boolean, got {v} (top_logprobs sets the alternatives)"),
             ))
         }
-        Some(v) => match v.as_u64() {
+        Some(v) => match whole_u64(v) {
             Some(k) if k <= MAX_LOGPROBS as u64 => Some(k as usize),
             _ => {
                 return Err(ApiError::invalid(
@@ -303,7 +315,7 @@ pub fn parse_common(o: &Map<String, Value>, chat: bool) -> R<Common> {
     // -1 asks for a random seed (llama.cpp's convention, and `eddy run --seed -1`), as no seed does.
     match get(o, "seed") {
         None => {}
-        Some(v) => match (v.as_u64(), v.as_i64()) {
+        Some(v) => match (whole_u64(v), whole_i64(v)) {
             (Some(x), _) => s.seed = x,
             (None, Some(-1)) => {}
             _ => {

@@ -430,6 +430,11 @@ fn errors() {
     assert_eq!(v["error"]["param"], "temperature");
     assert_error(&post(addr, c, chat_body("hi", json!({"temperature": 7}))), 400, "temperature");
     assert_error(&post(addr, c, chat_body("hi", json!({"max_tokens": -1}))), 400, "max_tokens");
+    // Whole-number floats read as integers (vLLM and llama-server accept them); fractions do not.
+    let v = post(addr, c, chat_body("hi", json!({"max_tokens": 2.0, "n": 1.0, "seed": 3.0, "top_k": 40.0, "temperature": 0}))).json();
+    assert_eq!(v["usage"]["completion_tokens"], 2, "{v}");
+    assert_error(&post(addr, c, chat_body("hi", json!({"max_tokens": 2.5}))), 400, "max_tokens must be an integer");
+    assert_error(&post(addr, c, chat_body("hi", json!({"seed": 1.5}))), 400, "seed must be an integer");
     assert_error(&post(addr, c, json!({"messages": "hi"})), 400, "messages");
     assert_error(&post(addr, c, json!({"messages": [{"role": "robot", "content": "hi"}]})), 400, "robot");
     assert_error(&post(addr, c, chat_body("hi", json!({"response_format": {"type": "yaml"}}))), 400, "yaml");
