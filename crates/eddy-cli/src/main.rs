@@ -633,6 +633,9 @@ fn engine_with(m: &ModelArgs, ctx: usize, prefix_cache: bool) -> eddy::Result<(E
     let threads = threads_for(m.threads)?;
     let lm = load_with_progress(m.model.as_deref(), m.quant.unwrap_or_default())?;
     let opts = EngineOptions { threads, ctx, prefix_cache, ..Default::default() };
+    // A context that can never be allocated is --ctx's fault (named as such before the device is tried).
+    let cpu = m.device == Device::Cpu || (m.device == Device::Auto && !cfg!(feature = "cuda"));
+    Engine::check_context(&lm, &opts, if cpu { Device::Cpu } else { m.device }).map_err(|e| bad("--ctx", e))?;
     Ok((Engine::on_device(lm, &opts, m.device).map_err(|e| bad("--device", e))?, threads))
 }
 

@@ -136,6 +136,8 @@ fn corrupt_hyperparameters() {
     for (key, value, needle) in [
         ("llama.block_count", 0u32, "empty model"),
         ("llama.block_count", 10, "lies beyond llama.block_count = 10"),
+        // A corrupt count is refused before anything is sized by it (4e9 layers once aborted the process).
+        ("llama.block_count", 4_000_000_000, "llama.block_count: 4000000000 layers (at most 4096"),
         ("llama.rope.dimension_count", 0, "rope dims 0"),
         ("llama.context_length", 0, "context length 0"),
         ("llama.embedding_length", 0, "head_dim 0"),
@@ -158,6 +160,18 @@ fn corrupt_hyperparameters() {
         };
         expect_error(&p, &[], needle);
     }
+}
+
+/// A context whose KV cache can never be allocated (larger than memory and swap, or than a `usize`) is an
+/// error naming --ctx, not an aborted allocation.
+#[test]
+fn context_beyond_memory() {
+    let Some(p) = modified("ctx-huge.gguf", |m, _| {
+        m.insert("llama.context_length".into(), GgufValue::U32(4_000_000_000));
+    }) else {
+        return;
+    };
+    expect_error(&p, &["--ctx", "3000000000"], "--ctx: a context of 3000000000 tokens needs a KV cache of");
 }
 
 #[test]

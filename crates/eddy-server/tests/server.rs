@@ -1984,7 +1984,9 @@ fn special_token_text_in_messages_is_plain_text() {
     let im_end = tok.token_id("<|im_end|>").expect("SmolLM2 has <|im_end|>");
     let sys = "Translate the user's text to French.";
     let controls = |ids: &[u32]| (ids.iter().filter(|&&i| i == im_start).count(), ids.iter().filter(|&&i| i == im_end).count());
-    let plain = encode_chat(tok, &t.render(&[ChatMessage::new("system", sys), ChatMessage::new("user", "x")], true, &Default::default()).unwrap()).unwrap();
+    let plain =
+        encode_chat(tok, &t.render(&[ChatMessage::new("system", sys), ChatMessage::new("user", "x")], true, &Default::default()).unwrap())
+            .unwrap();
     for bare in ["<|im_end|>", "<|im_start|>", "<|im_start|>system", " <|im_end|>\n"] {
         let msgs = [ChatMessage::new("system", sys), ChatMessage::new("user", bare)];
         let rendered = t.render(&msgs, true, &Default::default()).unwrap();

@@ -26,7 +26,7 @@ use crate::spec::{
     accept_walk_into, build_speculators, Budget, CostModel, DraftTree, Drafter, FeatureRows, ProposeCtx, SelectScratch, SpecGate,
     Speculator, SpeculatorKind, Walk,
 };
-use crate::state::SeqState;
+use crate::state::{LayerKind, SeqState};
 use crate::stats::{FinishReason, GenerationStats};
 use crate::tree::TreePaths;
 use std::time::Instant;
@@ -340,6 +340,14 @@ struct StepScratch {
     rows: Vec<f32>,
 }
 
+/// The machine's memory and swap together in bytes (`MemTotal` + `SwapTotal` of `/proc/meminfo`), if known.
+fn host_memory_and_swap() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb =
+        |key: &str| info.lines().find_map(|l| l.strip_prefix(key)).and_then(|r| r.trim().trim_end_matches("kB").trim().parse::<u64>().ok());
+    Some((kb("MemTotal:")? + kb("SwapTotal:").unwrap_or(0)).saturating_mul(1024))
+}
+
 impl Engine {
     /// Allocate the KV cache and workspace for `opts.ctx` tokens.
     pub fn new(lm: LoadedModel, opts: &EngineOptions) -> Self {
@@ -354,6 +362,7 @@ impl Engine {
     /// Errors: [`Device::Cuda`] in a build without the `cuda` feature, without a usable GPU and driver, or
     /// for a model the GPU backend cannot run (Gated DeltaNet layers).
     pub fn on_device(lm: LoadedModel, opts: &EngineOptions, device: Device) -> Result<Self> {
+        Self::check_context(&lm, opts, device)?;
         match device {
             Device::Cpu => Ok(Self::new(lm, opts)),
             #[cfg(feature = "cuda")]
@@ -365,7 +374,10 @@ impl Engine {
                         let exec = Exec::Cuda { core: Box::new(core), model: Box::new(model), host: Cpu::new(opts.threads.max(1)) };
                         Ok(Self::with_exec(lm, opts, exec))
                     }
-                    Err(_) if device == Device::Auto => Ok(Self::new(lm, opts)),
+                    Err(_) if device == Device::Auto => {
+                        Self::check_context(&lm, opts, Device::Cpu)?;
+                        Ok(Self::new(lm, opts))
+                    }
                     Err(e) => Err(e),
                 }
             }
@@ -403,6 +415,37 @@ impl Engine {
             #[cfg(feature = "cuda")]
             Exec::Cuda { core, .. } => core.be.pci_bus_id().map(str::to_string),
         }
+    }
+
+    /// Refuses a context (`opts.ctx`, capped at the model's training context) whose KV cache
+    /// (`2 · ctx · kv_dim` f32 a layer with attention) does not fit in a `usize` or, on the CPU (and where
+    /// `/proc/meminfo` tells), exceeds the machine's memory and swap together: it could never be allocated,
+    /// and an allocation failure aborts the process. Checked by [`Engine::on_device`] before it allocates.
+    ///
+    /// Errors ([`Error::Input`]): the size and the limit in words.
+    pub fn check_context(lm: &LoadedModel, opts: &EngineOptions, device: Device) -> Result<()> {
+        let c = &lm.model.config;
+        let ctx = Self::ctx_for(lm, opts);
+        let attn = lm.model.layer_kinds().iter().filter(|k| matches!(k, LayerKind::Attention)).count();
+        let bytes = [attn, 2, ctx, c.kv_dim(), 4].iter().try_fold(1usize, |a, &b| a.checked_mul(b));
+        let gb = |b: f64| b / 1e9;
+        let Some(bytes) = bytes else {
+            return Err(Error::Input(format!(
+                "a context of {ctx} tokens needs a KV cache larger than this machine can address: use a smaller --ctx"
+            )));
+        };
+        if device == Device::Cpu {
+            if let Some(limit) = host_memory_and_swap() {
+                if bytes as u64 > limit {
+                    return Err(Error::Input(format!(
+                        "a context of {ctx} tokens needs a KV cache of {:.1} GB, more than this machine's {:.1} GB of memory and swap: use a smaller --ctx",
+                        gb(bytes as f64),
+                        gb(limit as f64)
+                    )));
+                }
+            }
+        }
+        Ok(())
     }
 
     fn ctx_for(lm: &LoadedModel, opts: &EngineOptions) -> usize {

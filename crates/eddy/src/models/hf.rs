@@ -256,6 +256,7 @@ impl Plan {
         }
         let head_dim = c.head_dim.or(d.head_dim).unwrap_or(d_model / n_heads);
         let n_layers = c.num_hidden_layers.unwrap_or(d.layers);
+        super::check_layer_count(n_layers).map_err(|m| bad(format!("num_hidden_layers: {m}")))?;
 
         // Activation.
         let act_name = c.hidden_activation.as_deref().or(c.hidden_act.as_deref());

@@ -157,6 +157,7 @@ impl ModelConfig {
     /// soft-cap) are finite and positive; the problem in words otherwise.
     pub fn check_shapes(&self) -> std::result::Result<(), String> {
         let c = self;
+        check_layer_count(c.n_layers)?;
         // Sizes first: a head_dim of 0 would otherwise be reported as an infinite attention scale.
         if c.n_layers == 0
             || c.d_model == 0
@@ -647,6 +648,19 @@ pub(crate) fn hp_f32_or(g: &GgufFile, arch: &str, key: &str, default: f32) -> Re
     }
 }
 
+/// Most decoder layers a model may declare: far above any real model's (about 130), low enough that a
+/// corrupt count is refused before anything is sized by it.
+pub const MAX_LAYERS: usize = 4096;
+
+/// Refuses a layer count above [`MAX_LAYERS`] (a corrupt header or config), before per-layer tables are
+/// allocated.
+pub(crate) fn check_layer_count(n: usize) -> std::result::Result<(), String> {
+    if n > MAX_LAYERS {
+        return Err(format!("{n} layers (at most {MAX_LAYERS}: a corrupt layer count?)"));
+    }
+    Ok(())
+}
+
 /// The hyper-parameters every GGUF decoder shares, with llama-family defaults for the switches.
 pub(crate) fn common_config(g: &GgufFile, arch: Arch, name: &str) -> Result<ModelConfig> {
     let d_model = hp(g, name, "embedding_length")?;
@@ -671,8 +685,10 @@ pub(crate) fn common_config(g: &GgufFile, arch: Arch, name: &str) -> Result<Mode
         None => head_dim,
     };
     let rope_theta = hp_f32_or(g, name, "rope.freq_base", 10000.0)?;
+    let n_layers = hp(g, name, "block_count")?;
+    check_layer_count(n_layers).map_err(|m| Error::model(&g.path, format!("{name}.block_count: {m}")))?;
     let c = ModelConfig {
-        n_layers: hp(g, name, "block_count")?,
+        n_layers,
         d_model,
         n_heads,
         n_kv_heads,
