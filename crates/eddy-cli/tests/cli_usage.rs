@@ -518,6 +518,12 @@ fn context_limits() {
     assert!(!out.stdout.is_empty());
     // Larger than the model's training context: capped, not an allocation failure.
     run_smol(&smol, &["--ctx", "100000000000", "-n", "2", "--temperature", "0", "-m", "hi"]);
+    // A prompt past the cap: the error says a longer --ctx cannot help.
+    let long = "word ".repeat(9000);
+    expect_error(
+        &["run", "--model", s, "--threads", "1", "--ctx", "100000", "-m", &long],
+        "(the model's training context, where --ctx is capped)",
+    );
     // --raw with an empty message and no BOS token: nothing to generate from.
     expect_error(&["run", "--model", s, "--threads", "1", "--raw", "-m", ""], "--message: the message is empty and the model adds no BOS");
 }

@@ -598,7 +598,10 @@ fn defang_leaves(tok: &eddy::tokenizer::Tokenizer, v: &mut Value) {
 
 /// Parses and validates a request body, renders the chat template and tokenizes the prompt, and compiles
 /// its grammar: the CPU-heavy part of a request, run off the async workers.
-fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError> {
+///
+/// `count_only` (`/v1/messages/count_tokens`): the prompt is only counted, so a conversation longer than
+/// the context is counted too (clients count to decide when to compact one) instead of refused.
+fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<Prepared, ApiError> {
     let o = api::parse_object(body)?;
     let common = api::parse_common(&o, kind == Kind::Chat)?;
     api::check_logit_bias(&common.sampler, st.vocab)?;
@@ -670,7 +673,7 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
             if let Some(tools) = kwargs.get("tools") {
                 api::string_leaves(tools, &mut untrusted);
             }
-            if let Some(e) = surely_too_long(st, "messages", text.len()) {
+            if let Some(e) = surely_too_long(st, "messages", text.len()).filter(|_| !count_only) {
                 return Err(e);
             }
             // Where they hold special-token text, the conversation rendered again with it defanged: the
@@ -707,14 +710,14 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8]) -> Result<Prepared, ApiError>
         }
         // The engine needs a prompt strictly shorter than the context; `max_tokens` beyond the room left
         // is clamped to it (the reply then ends with finish_reason `length`), as llama-server does.
-        if ids.len() >= st.ctx {
+        if ids.len() >= st.ctx && !count_only {
             return Err(ApiError::invalid(
                 Some(what),
-                format!("This model's maximum context length is {} tokens. However, the {name} {} {} tokens, leaving no room for the completion. Please reduce the length of the {what}.", st.ctx, if kind == Kind::Chat { "have" } else { "has" }, ids.len()),
+                format!("This model's maximum context length is {} tokens. However, the {name} came to {} tokens, leaving no room for the completion. Please reduce the length of the {what}.", st.ctx, ids.len()),
             )
             .with_status(StatusCode::BAD_REQUEST, "invalid_request_error", Some("context_length_exceeded")));
         }
-        let room = st.ctx - ids.len();
+        let room = st.ctx.saturating_sub(ids.len());
         let max_tokens = common.max_tokens.map_or(room, |m| m.min(room));
         job_prompts.push(JobPrompt { ids, max_tokens, echo_skip: bos_added as usize });
     }
@@ -849,7 +852,7 @@ async fn handle(st: Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, 
 /// [`handle`] in either dialect.
 async fn answer(st: Arc<AppState>, kind: Kind, body: Bytes, dialect: Dialect) -> Result<Response, ApiError> {
     let s = st.clone();
-    let Prepared { common, prompts, thinking, calls, choices } = tokio::task::spawn_blocking(move || prepare(&s, kind, &body))
+    let Prepared { common, prompts, thinking, calls, choices } = tokio::task::spawn_blocking(move || prepare(&s, kind, &body, false))
         .await
         .map_err(|e| server_error(format!("preparing the request failed: {e}")))??;
     let Some(slot) = st.queue.admit() else {
@@ -955,7 +958,7 @@ async fn count_tokens(State(st): State<Arc<AppState>>, body: Bytes) -> Response 
         }
         let chat = serde_json::to_vec(&anthropic::to_chat(&o)?.chat).map_err(|e| server_error(e.to_string()))?;
         let s = st.clone();
-        let p = tokio::task::spawn_blocking(move || prepare(&s, Kind::Chat, &chat))
+        let p = tokio::task::spawn_blocking(move || prepare(&s, Kind::Chat, &chat, true))
             .await
             .map_err(|e| server_error(format!("preparing the request failed: {e}")))??;
         Ok::<_, ApiError>(Json(json!({"input_tokens": p.prompts.first().map_or(0, |p| p.ids.len())})).into_response())

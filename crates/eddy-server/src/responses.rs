@@ -168,6 +168,10 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
             Some("text") => json!({"type": "text"}),
             Some("json_object") => json!({"type": "json_object"}),
             Some("json_schema") => {
+                // OpenAI's Responses API asks for the schema itself here (there is no json_schema wrapper).
+                if f.get("schema").is_none_or(Value::is_null) {
+                    return Err(invalid("text", "text.format of type json_schema needs a schema (and a name)"));
+                }
                 let mut js = Map::new();
                 for k in ["name", "schema", "strict", "description"] {
                     if let Some(v) = f.get(k) {

@@ -942,6 +942,12 @@ fn anthropic_messages_api() {
     assert_eq!(r.json()["type"], "error");
     let r = post(addr, "/v1/messages/count_tokens", json!({"max_tokens": null, "messages": [{"role": "user", "content": "hi"}]}));
     assert!(r.json()["input_tokens"].as_u64().is_some_and(|n| n > 0), "{}", r.body);
+    // A conversation longer than the context is counted (clients count to decide when to compact it); the
+    // same request to /v1/messages is refused.
+    let long = json!({"max_tokens": 8, "messages": [{"role": "user", "content": "hello ".repeat(2 * CTX)}]});
+    let r = post(addr, "/v1/messages/count_tokens", long.clone());
+    assert!(r.json()["input_tokens"].as_u64().is_some_and(|n| n as usize > CTX), "{}", r.body);
+    assert_eq!(post(addr, "/v1/messages", long).status, 400);
     // Errors raised before the handler (unknown route, wrong method) are in Anthropic's shape too.
     for (method, path, status) in [("POST", "/v1/messages/batches", 404), ("GET", "/v1/messages", 405)] {
         let r = request(addr, method, path, "{}");
@@ -984,6 +990,13 @@ fn responses_api() {
     assert_eq!(e["error"]["param"], "max_output_tokens");
     let e = assert_error(&post(addr, "/v1/responses", json!({"input": []})), 400, "input");
     assert_eq!(e["error"]["param"], "input");
+    // A json_schema format without its schema is refused, as OpenAI does.
+    let e = assert_error(
+        &post(addr, "/v1/responses", json!({"input": "hi", "text": {"format": {"type": "json_schema"}}})),
+        400,
+        "needs a schema",
+    );
+    assert_eq!(e["error"]["param"], "text");
 }
 
 /// Prefix-cache equivalence: a server with the cache on answers every request exactly as a server with

@@ -760,11 +760,13 @@ impl Engine {
             return Err(Error::Input("prompt: empty (no tokens)".into()));
         }
         if prompt.len() >= self.ctx() {
-            return Err(Error::Input(format!(
-                "prompt: {} tokens but the context holds {} (room is needed for at least one new token); use a longer --ctx or a shorter prompt",
-                prompt.len(),
-                self.ctx()
-            )));
+            // A context at the model's training length is where --ctx is capped: a longer one cannot help.
+            let advice = if self.ctx() >= self.lm.model.config.train_ctx {
+                "the model's training context, where --ctx is capped); use a shorter prompt"
+            } else {
+                "room is needed for at least one new token); use a longer --ctx or a shorter prompt"
+            };
+            return Err(Error::Input(format!("prompt: {} tokens but the context holds {} ({advice}", prompt.len(), self.ctx())));
         }
         let t0 = Instant::now();
         let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };

@@ -388,6 +388,9 @@ fn eddy_folder_round_trip() {
         let (max_kl, min_top1) = if format == Format::L { (0.01, 0.8) } else { (0.6, 0.4) };
         assert!(kl < max_kl && top1 > min_top1, "{q:?}: KL {kl} top-1 {top1}");
     }
+    // --quant on a folder eddy quantized would be ignored: refused instead.
+    let err = eddy::load::load_dir(&tmp.join("L-32-true"), Quant::Q4, &mut |_, _| {}).err().expect("--quant q4 on an eddy folder");
+    assert!(err.to_string().contains("written by `eddy quantize`"), "{err}");
     // Only the finished folders are there: no temporaries.
     let names: Vec<String> = std::fs::read_dir(&tmp).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     assert_eq!(names.len(), 3, "{names:?}");

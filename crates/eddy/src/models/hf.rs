@@ -38,6 +38,12 @@ use std::path::{Path, PathBuf};
 /// an unsupported dtype.
 pub fn load_model(dir: &Path, quant: Quant, progress: &mut dyn FnMut(usize, usize)) -> Result<Model> {
     refuse_foreign_quantization(dir)?;
+    if quant != Quant::None && quantized_by_eddy(dir) {
+        return Err(Error::Input(format!(
+            "{}: --quant {quant} is for unquantized safetensors folders; this one was written by `eddy quantize` and is used as quantized (leave --quant out)",
+            dir.display()
+        )));
+    }
     if super::qwen35::is_qwen35_dir(dir) {
         return super::qwen35::load_dir(dir, quant);
     }
@@ -55,6 +61,15 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     }
     let hf = HfConfig::read(dir)?;
     Ok(Plan::new(&hf, &dir.join(CONFIG_FILE))?.config)
+}
+
+/// Whether the folder's `config.json` says `eddy quantize` wrote it (`quantization_config.quant_method` "eddy").
+fn quantized_by_eddy(dir: &Path) -> bool {
+    let Some(cfg) = std::fs::read_to_string(dir.join(CONFIG_FILE)).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok()) else {
+        return false;
+    };
+    let q = cfg.get("quantization_config").or_else(|| cfg.get("text_config").and_then(|t| t.get("quantization_config")));
+    q.and_then(|q| q.get("quant_method")).and_then(Value::as_str) == Some("eddy")
 }
 
 /// Refuse a folder whose `config.json` names a `quantization_config` eddy does not read (GPTQ, AWQ, FP8,
