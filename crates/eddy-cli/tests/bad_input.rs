@@ -174,6 +174,24 @@ fn context_beyond_memory() {
     expect_error(&p, &["--ctx", "3000000000"], "--ctx: a context of 3000000000 tokens needs a KV cache of");
 }
 
+/// A chat template that does not compile fails chat use only: a raw prompt still runs (as llama.cpp's tools
+/// run such a model), and a chat names the template's error.
+#[test]
+fn broken_chat_template_fails_chat_only() {
+    let Some(p) = modified("broken-template.gguf", |m, _| {
+        m.insert("tokenizer.chat_template".into(), GgufValue::String("{% if %}".into()));
+    }) else {
+        return;
+    };
+    expect_error(&p, &[], "chat template does not compile");
+    let out = Command::new(env!("CARGO_BIN_EXE_eddy"))
+        .args(["run", "--model", p.to_str().unwrap(), "--raw", "-m", "The capital of France is", "--temperature", "0", "-n", "3"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!out.stdout.is_empty());
+}
+
 #[test]
 fn shape_mismatch() {
     let Some(p) = modified("shape.gguf", |_, ts| {

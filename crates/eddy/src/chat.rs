@@ -40,6 +40,8 @@ pub struct ChatTemplate {
     source: String,
     bos_token: Option<String>,
     eos_token: Option<String>,
+    /// Why a model's template did not compile ([`ChatTemplate::compile_error`]): rendering it is that error.
+    broken: Option<String>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -77,7 +79,14 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(|e| Error::Text(format!("chat template does not compile: {}", describe(&e))))?;
-        Ok(ChatTemplate { env, source: source.to_string(), bos_token, eos_token })
+        Ok(ChatTemplate { env, source: source.to_string(), bos_token, eos_token, broken: None })
+    }
+
+    /// Why the model's template does not compile, if it does not: a model's template (from a GGUF file or a
+    /// folder) that fails to compile is kept with its error, which every rendering returns, so that what
+    /// needs no template (raw prompts, perplexity, speed, quantize) still runs, as llama.cpp's tools do.
+    pub fn compile_error(&self) -> Option<&str> {
+        self.broken.as_deref()
     }
 
     /// The template in GGUF metadata `tokenizer.chat_template`, with the tokenizer's BOS/EOS names;
@@ -123,7 +132,13 @@ impl ChatTemplate {
 
     fn with_tokenizer(source: &str, tok: &Tokenizer) -> Result<Self> {
         let name = |id: Option<u32>| id.and_then(|i| tok.token_str(i));
-        Self::new(source, name(tok.bos_id), name(tok.eos_id))
+        let (bos, eos) = (name(tok.bos_id), name(tok.eos_id));
+        match Self::new(source, bos.clone(), eos.clone()) {
+            Err(Error::Text(m)) if m.starts_with("chat template does not compile") => {
+                Ok(ChatTemplate { env: Environment::new(), source: source.to_string(), bos_token: bos, eos_token: eos, broken: Some(m) })
+            }
+            r => r,
+        }
     }
 
     /// The template's Jinja source.
@@ -190,6 +205,9 @@ impl ChatTemplate {
         }
         set("messages", Value::from(msgs));
         set("add_generation_prompt", Value::from(add_generation_prompt));
+        if let Some(m) = &self.broken {
+            return Err(Error::Text(m.clone()));
+        }
         let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(|e| Error::Text(format!("chat template: {}", describe(&e))))?;
         tmpl.render(OrderedMap::value(ctx)).map_err(|e| Error::Text(format!("chat template: {}", describe(&e))))
     }

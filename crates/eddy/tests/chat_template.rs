@@ -158,8 +158,12 @@ fn from_dir_prefers_chat_template_jinja_and_handles_absence() {
     std::fs::write(dir.join("chat_template.jinja"), "jinja:{{ bos_token }}{{ messages[0].content }}\n").unwrap();
     let t = ChatTemplate::from_dir(&dir, &tok).unwrap().unwrap();
     assert_eq!(t.render(&msgs, false, &Map::new()).unwrap(), "jinja:<s>hi");
+    // A template that does not compile is kept with its error, which rendering returns (a model whose chat
+    // template is broken still runs raw prompts).
     std::fs::write(dir.join("chat_template.jinja"), "{% for %}").unwrap();
-    assert!(ChatTemplate::from_dir(&dir, &tok).is_err());
+    let t = ChatTemplate::from_dir(&dir, &tok).unwrap().unwrap();
+    assert!(t.compile_error().is_some_and(|e| e.contains("does not compile")));
+    assert!(t.render(&msgs, false, &Map::new()).unwrap_err().to_string().contains("does not compile"));
     std::fs::remove_dir_all(&dir).ok();
 }
 
