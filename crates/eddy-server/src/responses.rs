@@ -36,7 +36,8 @@ fn text_of(content: &Value, at: &str) -> R<String> {
 /// first), `tools` (function tools), `tool_choice`, `parallel_tool_calls`, `max_output_tokens`,
 /// `temperature`, `top_p`, `text.format` (text, json_object, json_schema), `stream` are read;
 /// `previous_response_id`, non-function tools and image or file inputs are refused; `store`, `metadata`,
-/// `reasoning`, `truncation`, `include`, `user` are accepted and ignored.
+/// `reasoning`, `truncation`, `include` (but log-probabilities: refused, as `top_logprobs`), `user` are
+/// accepted and ignored.
 pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
     let get = |k: &str| o.get(k).filter(|v| !v.is_null());
     // State this server does not keep, or work it does not do in the background.
@@ -50,6 +51,15 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
     }
     if get("background") == Some(&Value::Bool(true)) {
         return Err(invalid("background", "background responses are not supported"));
+    }
+    // Log-probabilities asked for are refused rather than answered with empty lists.
+    let wants_logprobs = get("include").and_then(Value::as_array).is_some_and(|a| a.iter().any(|i| i == "message.output_text.logprobs"));
+    if wants_logprobs || get("top_logprobs").is_some_and(|v| v.as_u64() != Some(0)) {
+        let k = if wants_logprobs { "include" } else { "top_logprobs" };
+        return Err(invalid(
+            k,
+            "log-probabilities are not supported on /v1/responses: use /v1/chat/completions with logprobs and top_logprobs",
+        ));
     }
     let mut messages: Vec<Value> = Vec::new();
     match get("instructions") {

@@ -990,6 +990,9 @@ fn responses_api() {
     assert_eq!(e["error"]["param"], "max_output_tokens");
     let e = assert_error(&post(addr, "/v1/responses", json!({"input": []})), 400, "input");
     assert_eq!(e["error"]["param"], "input");
+    // Log-probabilities are refused, not answered with empty lists.
+    let body = json!({"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 2, "max_output_tokens": 3});
+    assert_eq!(assert_error(&post(addr, "/v1/responses", body), 400, "log-probabilities")["error"]["param"], "include");
     // A json_schema format without its schema is refused, as OpenAI does.
     let e = assert_error(
         &post(addr, "/v1/responses", json!({"input": "hi", "text": {"format": {"type": "json_schema"}}})),
