@@ -1401,7 +1401,7 @@ fn several_prompts_in_one_completion() {
         assert!(ch["text"].as_str().unwrap().starts_with(p), "{v}");
     }
     let long = "word ".repeat(600);
-    let v = assert_error(&post(addr, c, json!({"prompt": ["hi", long], "max_tokens": 2})), 400, "prompt[1] has");
+    let v = assert_error(&post(addr, c, json!({"prompt": ["hi", long], "max_tokens": 2})), 400, "prompt[1] came to");
     assert_eq!(v["error"]["param"], "prompt");
 }
 
