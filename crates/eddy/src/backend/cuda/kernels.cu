@@ -952,7 +952,8 @@ MM_FAMILY(MM_QW_P, 1, 2, 4)
 // Each warp streams its blocks' weights (16 rows of codes, scales, offsets) through a ring of QvSmem::D
 // stages of its own with cp.async, D blocks ahead of the one it computes, so D blocks' bytes per warp are in
 // flight without registers; no barrier but the final one. The activations (a few KB, read by every tile)
-// come through L1 from the token-tiled copy (QActOut): per block, 8 tokens' B fragments are one 8-byte load
+// come from the token-tiled copy (QActOut), staged in the ring with the weights by the 16-warp kernels of up to
+// 16 tokens (QvSmem::staged), else through L1: per block, 8 tokens' B fragments are one 8-byte load
 // a lane from 256 contiguous bytes, their scales and sums one load from 32 or 64; token-major they were 8
 // lines a load, and the L1 wavefronts of those loads bounded the kernel (measured: 16 tokens through the LM
 // head of the 1.5B 275 against 126 µs with every lane reading one token).
@@ -965,11 +966,31 @@ struct QvSmem {
     static constexpr int mins = scales + MMA_ROWS * SPB * 4;
     static constexpr int stage = mins + (FORM == 1 ? MMA_ROWS * 4 : 0);
     static constexpr int D = S == 4 ? 8 : (S == 8 ? 4 : 2);  // stages a warp
-    static constexpr int ring = S * D * stage;
-    // The block's shared memory: the warps' rings, then (after a barrier) the warps' subtree sums over them.
+    // A block's activations, staged with its weights by the 16-warp kernels of up to 16 tokens (NJ ≤ 2; the
+    // others read them through L1): per column j its 8 tokens' codes (256 bytes), scales (32) and (half·)sums
+    // (32, or 64 with group-16 scales). Measured on an H100 (docs/cuda.md, "Verify products with their
+    // activations staged"): the 0.5B's 16-node verify 3.7 % faster; the 8-warp kernels ran slower staged (more
+    // registers and shared memory a block, fewer blocks a multiprocessor), so they keep the L1 loads.
+    static constexpr int SU = FORM == 2 ? 64 : 32;
+    template <int NJ>
+    __host__ __device__ static constexpr bool staged() {
+        return NJ <= 2 && S == 16;
+    }
+    template <int NJ>
+    __host__ __device__ static constexpr int astage() {
+        return staged<NJ>() ? NJ * (256 + 32 + SU) : 0;
+    }
+    // A warp's rings: D weight stages, then D + 1 activation stages (the block issued D ahead lands in the stage
+    // of the block computed last, not the one being computed).
+    template <int NJ>
+    __host__ __device__ static constexpr int warp_bytes() {
+        return D * stage + (staged<NJ>() ? (D + 1) * astage<NJ>() : 0);
+    }
+    // The block's dynamic shared memory: the warps' rings, then (after a barrier) the warps' subtree sums over
+    // them.
     template <int NJ>
     __host__ __device__ static constexpr int bytes() {
-        return ring > S * MMA_ROWS * 8 * NJ * 4 ? ring : S * MMA_ROWS * 8 * NJ * 4;
+        return S * warp_bytes<NJ>() > S * MMA_ROWS * 8 * NJ * 4 ? S * warp_bytes<NJ>() : S * MMA_ROWS * 8 * NJ * 4;
     }
 };
 
@@ -981,10 +1002,12 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
     constexpr int CS = L::CS, RS = L::RS, SPB = L::SPB, D = L::D;
     static_assert(S == 4 || S == 8 || S == 16, "4, 8 or 16 warps a tile");
     static_assert(L::stage % 16 == 0, "16-byte aligned stages");
-    __shared__ __align__(16) unsigned char smem[L::template bytes<NJ>()];
+    constexpr bool STG = L::template staged<NJ>();
+    constexpr int AST = L::template astage<NJ>(), SU = L::SU;
+    static_assert(AST % 16 == 0, "16-byte aligned activation stages");
+    extern __shared__ __align__(16) unsigned char smem[];  // L::bytes<NJ>() (mm_qv_smem)
     __shared__ float csum[CL ? MMA_ROWS * NT : 1];  // the block's subtree sums, read by the cluster's block 0
-    static_assert(L::template bytes<NJ>() + MMA_ROWS * NT * 4 <= 48 * 1024, "static shared memory");
-    unsigned char(&ring_all)[S][D][L::stage] = *reinterpret_cast<unsigned char(*)[S][D][L::stage]>(smem);
+    static_assert(L::template bytes<NJ>() + MMA_ROWS * NT * 4 <= 64 * 1024, "shared memory every sm_80+ GPU grants");
     float(&red)[S][MMA_ROWS * NT] = *reinterpret_cast<float(*)[S][MMA_ROWS * NT]>(smem);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, q = lane & 3;
@@ -1003,7 +1026,9 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
     const float* __restrict__ sc = QParts::pick(PT.s, p);
     const float* __restrict__ mn = QParts::pick(PT.m, p);
     const int rows = QParts::pick(PT.r, p), nblk = cols >> 5;
-    unsigned char(&ring)[D][L::stage] = ring_all[warp];
+    unsigned char(&ring)[D][L::stage] =
+        *reinterpret_cast<unsigned char(*)[D][L::stage]>(smem + warp * L::template warp_bytes<NJ>());
+    unsigned char* const aring = &ring[0][0] + D * L::stage;  // the activation stages (STG)
     // This lane's copies of a stage: P4 lanes 0..15 row `lane`'s 16 code bytes, 8-bit lanes 0..31 half `lane & 1`
     // of row `lane >> 1`'s 32; lanes under 16·SPB one scale (row lane / SPB); lanes under 16 one offset (FORM 1).
     const int crow = P4 ? lane : lane >> 1, srow = lane / SPB;
@@ -1019,12 +1044,40 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
             bi = ki < VR ? rev5(wv + ki) : nblk;
         }
     };
+    // The activations (STG): a block's come from L2 (every tile reads them), and loaded by the walk each sat
+    // on its chain (ncu: long-scoreboard stalls 37 % of the 16-warp kernels' cycles). So they travel with the
+    // block's weights, D blocks ahead, into activation stage (block's index in the walk) mod D + 1 — one more
+    // stage than the weights, since they land while the previous block's are still being read. This lane's
+    // copies of a block's (tiled copy QActOut, column j at (tile (t0 + 8j)/8, block 0, token 0) = abase +
+    // j·nblk·8): codes chunk `lane` (16 chunks of 16 bytes a column: one a lane), then lanes under NJ·(2 + SU/16)
+    // one chunk of the scales (2 a column) or of the sums (SU/16 a column). Only after the wait: the previous
+    // kernel writes them.
+    const long long abase = (long long)(t0 >> 3) * nblk * 8;
+    const unsigned char* __restrict__ acsrc = tq + (abase + (long long)(lane >> 4) * nblk * 8) * 32 + (lane & 15) * 16;
+    constexpr int NSC = 2 * NJ, NSU = NJ * (SU / 16);
+    const int si = lane < NSC ? lane : lane - NSC, sj = lane < NSC ? si >> 1 : si / (SU / 16);
+    const long long sjb = abase + (long long)sj * nblk * 8;
+    const unsigned char* __restrict__ assrc =
+        lane < NSC ? tq + 32 * tg + sjb * 4 + (si & 1) * 16
+                   : (FORM == 2 ? tq + 44 * tg + sjb * 8 + (si % 4) * 16 : tq + (FORM == 1 ? 40 : 36) * tg + sjb * 4 + (si & 1) * 16);
+    const int asstep = lane < NSC ? 32 : SU, asdst = lane < NSC ? NJ * 256 + lane * 16 : NJ * 288 + si * 16;
+    auto issue_act = [&](int as, int b) {
+        unsigned char* ad = aring + as * AST;
+        if (lane < 16 * NJ) cp_async16(ad + lane * 16, acsrc + (long long)b * 256);
+        if (lane < NSC + NSU) cp_async16(ad + asdst, assrc + (long long)b * asstep);
+    };
+    bool acts = false;  // past the wait (the previous kernel writes the activations)
+    int ais = 0;        // the activation stage of the next block issued
     auto issue = [&](int slot) {
         if (ki < VR) {
             unsigned char* st = ring[slot];
             if (P4 ? lane < 16 : true) cp_async16(st + cdst, cbase + (long long)bi * CS);
             if (lane < MMA_ROWS * SPB) cp_async4(st + L::scales + lane * 4, sbase + (long long)bi * SPB);
             if (FORM == 1 && lane < MMA_ROWS) cp_async4(st + L::mins + lane * 4, mbase + bi);
+            if (STG && acts) {
+                issue_act(ais, bi);
+                ais = ais == D ? 0 : ais + 1;
+            }
             bi += 32;
             norm();
         }
@@ -1035,6 +1088,27 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
 #pragma unroll
     for (int i = 0; i < D; ++i) issue(i);
     pdl_wait();
+    if (STG) {
+        // The first D blocks' activations (their weights flew before the wait), waited for here: the walk's
+        // stage waits count one group per block.
+        int k = 0, b = rev5(wv);
+#pragma unroll
+        for (int i = 0; i < D; ++i) {
+            while (k < VR && b >= nblk) {
+                ++k;
+                b = k < VR ? rev5(wv + k) : nblk;
+            }
+            if (k < VR) {
+                issue_act(i, b);
+                b += 32;
+            }
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        acts = true;
+        ais = D;
+    }
+    int acur = 0;  // the activation stage of the block computed next
     // This lane's operands in the tiled copy, per column j of 8 tokens (tile (t0 + 8j)/8; rows past n hold
     // whatever the buffer held: their outputs are not stored): the B fragment's words at 8g + 2q.. of the block's
     // 64 words; the scales and sums of tokens 2q, 2q + 1 side by side.
@@ -1090,23 +1164,27 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
             __syncwarp();  // every lane has read the stage: refill it with the block D ahead
             issue(slot);
             slot = (slot + 1) & (D - 1);
+            const unsigned char* ast = aring + acur * AST;  // block b's activations (STG)
+            acur = acur == D ? 0 : acur + 1;
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
-                const int2 bb = __ldg(pq[j] + 32 * b);  // block b's 8 tokens: 256 bytes, 32 int2
+                // Block b's 8 tokens (256 bytes, 32 int2), then tokens 2q, 2q + 1 of the column: their
+                // activation scales and (half·)sums; the dots arrive as floats (mma_k32c's accumulator inputs).
+                const int2 bb = STG ? *reinterpret_cast<const int2*>(ast + j * 256 + (4 * g + q) * 8) : __ldg(pq[j] + 32 * b);
                 const int b0 = bb.x, b1 = bb.y;
-                // Tokens 2q, 2q + 1 of the column: their activation scales and (half·)sums; the dots arrive as
-                // floats (mma_k32c's accumulator inputs).
-                const float2 dd = __ldg(px[j] + 4 * b);
+                const float2 dd = STG ? *reinterpret_cast<const float2*>(ast + NJ * 256 + j * 32 + q * 8) : __ldg(px[j] + 4 * b);
                 const float d[2] = {dd.x, dd.y};
                 int hx[2], hy[2];
                 if (FORM == 2) {
-                    const int4 hh = __ldg(reinterpret_cast<const int4*>(ph[j] + 16 * b));
+                    const int4 hh = STG ? *reinterpret_cast<const int4*>(ast + NJ * 288 + j * 64 + q * 16)
+                                        : __ldg(reinterpret_cast<const int4*>(ph[j] + 16 * b));
                     hx[0] = hh.x;
                     hy[0] = hh.y;
                     hx[1] = hh.z;
                     hy[1] = hh.w;
                 } else {
-                    const int2 hh = __ldg(reinterpret_cast<const int2*>(ph[j] + 8 * b));
+                    const int2 hh = STG ? *reinterpret_cast<const int2*>(ast + NJ * 288 + j * 32 + q * 8)
+                                        : __ldg(reinterpret_cast<const int2*>(ph[j] + 8 * b));
                     hx[0] = hh.x;
                     hx[1] = hh.y;
                     hy[0] = hy[1] = 0;
@@ -1226,6 +1304,12 @@ MM_FAMILY(MM_QV_P, 4, 8, 16)
 // And tiles of 32 tokens (17–32 in one pass over the weights).
 #define MM_QV4(F, S) MM_PACKINGS(MM_QV_P, 4, F, S)
 MM_QV4(0, 4) MM_QV4(0, 8) MM_QV4(0, 16) MM_QV4(1, 4) MM_QV4(1, 8) MM_QV4(1, 16) MM_QV4(2, 4) MM_QV4(2, 8) MM_QV4(2, 16)
+// Dynamic shared memory bytes of each variant, [S 4, 8, 16][NJ 1, 2, 4][FORM][p4, p8], read by the host (the
+// cluster-split forms take the same).
+#define QVB(NJ, F, S) QvSmem<true, F, S>::template bytes<NJ>(), QvSmem<false, F, S>::template bytes<NJ>()
+#define QVB_NJ(NJ, S) QVB(NJ, 0, S), QVB(NJ, 1, S), QVB(NJ, 2, S)
+#define QVB_S(S) QVB_NJ(1, S), QVB_NJ(2, S), QVB_NJ(4, S)
+extern "C" __device__ const int mm_qv_smem[54] = {QVB_S(4), QVB_S(8), QVB_S(16)};
 
 // ---------------------------------------------------------------------------------------------------------
 // mm_qt*: the large products (prefill) on the tensor cores with large tiles, in mm_q_t1's float order.

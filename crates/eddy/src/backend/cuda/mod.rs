@@ -862,6 +862,9 @@ struct Kernels {
     mm_q3vc: [[[[Func; 2]; 3]; 3]; 3],
     /// Dynamic shared memory bytes of `mm_qw` / `mm_q3w` (the kernels' table `mm_qw_smem`, same index).
     mm_qw_smem: [[[[u32; 2]; 3]; 2]; 3],
+    /// Dynamic shared memory bytes of `mm_qv` / `mm_q3v` and their cluster-split forms (the kernels' table
+    /// `mm_qv_smem`, same index).
+    mm_qv_smem: [[[[u32; 2]; 3]; 3]; 3],
     /// Large products on the tensor cores with large tiles (`mm_qt2_f{form}_{p4,p8}`): `[form (qform)][bits 4
     /// packed / bytes]`.
     mm_qt: [[Func; 2]; 3],
@@ -1160,6 +1163,10 @@ impl Cuda {
         for (i, &b) in table("mm_qw_smem", 36)?.iter().enumerate() {
             smem[i / 12][i / 6 % 2][i / 2 % 3][i % 2] = b as u32;
         }
+        let mut qv_smem = [[[[0u32; 2]; 3]; 3]; 3];
+        for (i, &b) in table("mm_qv_smem", 54)?.iter().enumerate() {
+            qv_smem[i / 18][i / 6 % 3][i / 2 % 3][i % 2] = b as u32;
+        }
         let mut qt_smem = [[0u32; 2]; 3];
         for (i, &b) in table("mm_qt_smem", 6)?.iter().enumerate() {
             qt_smem[i / 2][i % 2] = b as u32;
@@ -1203,6 +1210,7 @@ impl Cuda {
             mm_qvc: qv("mm_qv", "c")?,
             mm_q3vc: qv("mm_q3v", "c")?,
             mm_qw_smem: smem,
+            mm_qv_smem: qv_smem,
             mm_qt: qt("mm_qt")?,
             mm_q3t: qt("mm_q3t")?,
             mm_qt_smem: qt_smem,
@@ -1250,9 +1258,12 @@ impl Cuda {
             // SAFETY: NUL-terminated by the driver (the last byte is never written past the length).
             .then(|| unsafe { std::ffi::CStr::from_ptr(bus.as_ptr()) }.to_string_lossy().into_owned());
         let qw_all = [&k.mm_qw, &k.mm_q3w].into_iter().flat_map(|t| t.iter().flatten().flatten().zip(smem.iter().flatten().flatten()));
+        let qv_all = [&k.mm_qv, &k.mm_qvc, &k.mm_q3v, &k.mm_q3vc]
+            .into_iter()
+            .flat_map(|t| t.iter().flatten().flatten().zip(qv_smem.iter().flatten().flatten()));
         let qt_all = [&k.mm_qt, &k.mm_q3t].into_iter().flat_map(|t| t.iter().zip(qt_smem.iter()));
         let qp_all = [&k.mm_qp, &k.mm_q3p].into_iter().flat_map(|t| t.iter().zip(qp_smem.iter()));
-        let pairs = qw_all.chain(qt_all).chain(qp_all).flat_map(|(fs, bs)| fs.iter().zip(bs.iter()));
+        let pairs = qw_all.chain(qv_all).chain(qt_all).chain(qp_all).flat_map(|(fs, bs)| fs.iter().zip(bs.iter()));
         let fa_all = k.attention_mma.iter().flat_map(|fs| fs.iter().zip(fa_smem.iter())).filter(|(_, &b)| b > 0);
         for (f, &b) in pairs.chain(fa_all) {
             // SAFETY: a kernel of the loaded module; its table entry is at most the device's limit (checked by
@@ -2074,9 +2085,10 @@ impl Cuda {
                     let a = a.p(xq.tiled.ptr()).l(xq.tg);
                     let threads = (32 * QV_WARPS[wi]) as u32;
                     let fc = self.k.mm_qvc[wi][v][qform(q)][p];
-                    grid.2 = if grid.2 > 1 { self.fitting_cluster(fc, threads, 0, grid.2, true) } else { 1 };
+                    let smem = self.k.mm_qv_smem[wi][v][qform(q)][p];
+                    grid.2 = if grid.2 > 1 { self.fitting_cluster(fc, threads, smem, grid.2, true) } else { 1 };
                     let f = if grid.2 > 1 { fc } else { self.k.mm_qv[wi][v][qform(q)][p] };
-                    self.launch_cluster(f, grid, threads, 0, grid.2 as u8, a);
+                    self.launch_cluster(f, grid, threads, smem, grid.2 as u8, a);
                 } else {
                     let (v, nt) = mma_tile(n);
                     let tiles = rows.div_ceil(MMA_ROWS);
@@ -2654,9 +2666,10 @@ impl Backend for Cuda {
             let a = a.p(xq.tiled.ptr()).l(xq.tg);
             let threads = (32 * QV_WARPS[wi]) as u32;
             let fc = self.k.mm_q3vc[wi][v][qform(q0)][p];
-            grid.2 = if grid.2 > 1 { self.fitting_cluster(fc, threads, 0, grid.2, true) } else { 1 };
+            let smem = self.k.mm_qv_smem[wi][v][qform(q0)][p];
+            grid.2 = if grid.2 > 1 { self.fitting_cluster(fc, threads, smem, grid.2, true) } else { 1 };
             let f = if grid.2 > 1 { fc } else { self.k.mm_q3v[wi][v][qform(q0)][p] };
-            self.launch_cluster(f, grid, threads, 0, grid.2 as u8, a);
+            self.launch_cluster(f, grid, threads, smem, grid.2 as u8, a);
         } else {
             let (v, nt) = mma_tile(n);
             let (si, grid) = self.mma_plan(blocks, n);
