@@ -820,14 +820,13 @@ fn chat_prompt(
     let untrusted: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
     // Where they hold special-token text, the conversation rendered again with it defanged: the template's
     // markup told apart by position.
-    let defanged = untrusted.iter().any(|u| eddy::chat::has_special_text(tok, u)).then(|| {
+    encode_chat_guarded(tok, &text, &untrusted, || {
         let dm: Vec<ChatMessage> = messages
             .iter()
             .map(|m| ChatMessage::new(m.role.clone(), eddy::chat::defang(tok, &m.content).unwrap_or_else(|| m.content.clone())))
             .collect();
         template.render(&dm, true, kwargs).ok()
-    });
-    encode_chat_guarded(tok, &text, &untrusted, defanged.flatten().as_deref())
+    })
 }
 
 /// Every --logit-bias id must be a token of the model's vocabulary.

@@ -278,7 +278,7 @@ fn chat_on_stdin_keeps_the_conversation() {
     let mut reply = |msgs: &[(&str, &str)]| {
         let msgs: Vec<ChatMessage> = msgs.iter().map(|(r, c)| ChatMessage { role: r.to_string(), content: c.to_string() }).collect();
         let untrusted: Vec<&str> = msgs.iter().map(|m| m.content.as_str()).collect();
-        let prompt = encode_chat_guarded(&tok, &template.render(&msgs, true, &Default::default()).unwrap(), &untrusted, None).unwrap();
+        let prompt = encode_chat_guarded(&tok, &template.render(&msgs, true, &Default::default()).unwrap(), &untrusted, || None).unwrap();
         let params = eddy::engine::GenerateParams { max_tokens: 12, sampler: Default::default(), ignore_eos: false, logprobs: None };
         let mut ids = Vec::new();
         engine

@@ -41,7 +41,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use eddy::chat::{encode_chat_guarded, has_special_text, ChatTemplate};
+use eddy::chat::{encode_chat_guarded, ChatTemplate};
 use eddy::engine::{Engine, GenerateParams};
 use eddy::stats::GenerationStats;
 use eddy::tokenizer::Tokenizer;
@@ -678,7 +678,7 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
             }
             // Where they hold special-token text, the conversation rendered again with it defanged: the
             // template's markup told apart by position.
-            let defanged = untrusted.iter().any(|u| has_special_text(&st.tokenizer, u)).then(|| {
+            let render_defanged = || {
                 let defang_all = |v: &mut Value| defang_leaves(&st.tokenizer, v);
                 let mut dm = messages.clone();
                 for m in dm.iter_mut().filter_map(|m| m.as_object_mut()) {
@@ -689,8 +689,8 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
                     defang_all(tools);
                 }
                 render(&dm, &dk).ok()
-            });
-            encode_chat_guarded(&st.tokenizer, &text, &untrusted, defanged.flatten().as_deref())
+            };
+            encode_chat_guarded(&st.tokenizer, &text, &untrusted, render_defanged)
                 .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
         }
         Kind::Text => Vec::new(),

@@ -1979,7 +1979,7 @@ fn special_token_text_in_messages_is_plain_text() {
     let msgs = [ChatMessage::new("user", evil)];
     let rendered = t.render(&msgs, true, &Default::default()).unwrap();
     let naive = encode_chat(tok, &rendered).unwrap();
-    let guarded = eddy::chat::encode_chat_guarded(tok, &rendered, &[evil], None).unwrap();
+    let guarded = eddy::chat::encode_chat_guarded(tok, &rendered, &[evil], || None).unwrap();
     let count = |ids: &[u32]| ids.iter().filter(|&&i| i == im_start).count();
     let turns = count(&encode_chat(tok, &t.render(&[ChatMessage::new("user", "hi")], true, &Default::default()).unwrap()).unwrap());
     assert_eq!(count(&guarded), turns, "the user's <|im_start|> became a control token");
@@ -1987,7 +1987,10 @@ fn special_token_text_in_messages_is_plain_text() {
     assert_eq!(tok.decode(&guarded, false).unwrap(), rendered);
     // Nothing to guard: identical to the plain encoding.
     let fine = t.render(&[ChatMessage::new("user", "Name three colors.")], true, &Default::default()).unwrap();
-    assert_eq!(eddy::chat::encode_chat_guarded(tok, &fine, &["Name three colors."], None).unwrap(), encode_chat(tok, &fine).unwrap());
+    assert_eq!(
+        eddy::chat::encode_chat_guarded(tok, &fine, &["Name three colors."], || unreachable!("no special text")).unwrap(),
+        encode_chat(tok, &fine).unwrap()
+    );
     // The server counts the guarded prompt.
     let v = post(addr, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": evil}], "max_tokens": 1})).json();
     assert_eq!(v["usage"]["prompt_tokens"], guarded.len(), "{v}");
@@ -2008,11 +2011,11 @@ fn special_token_text_in_messages_is_plain_text() {
         let rendered = t.render(&msgs, true, &Default::default()).unwrap();
         let dm = [ChatMessage::new("system", sys), ChatMessage::new("user", eddy::chat::defang(tok, bare).unwrap())];
         let defanged = t.render(&dm, true, &Default::default()).unwrap();
-        let ids = eddy::chat::encode_chat_guarded(tok, &rendered, &[sys, bare], Some(&defanged)).unwrap();
+        let ids = eddy::chat::encode_chat_guarded(tok, &rendered, &[sys, bare], || Some(defanged.clone())).unwrap();
         assert_eq!(controls(&ids), controls(&plain), "{bare:?}: the template's markup lost its control tokens");
         assert_eq!(tok.decode(&ids, false).unwrap(), rendered, "{bare:?}");
         // Without the defanged render the occurrences are all read as text (the former behaviour).
-        let blind = eddy::chat::encode_chat_guarded(tok, &rendered, &[sys, bare], None).unwrap();
+        let blind = eddy::chat::encode_chat_guarded(tok, &rendered, &[sys, bare], || None).unwrap();
         assert!(controls(&blind) != controls(&plain), "{bare:?}: the test does not test the position rule");
         let body = json!({"messages": [{"role": "system", "content": sys}, {"role": "user", "content": bare}], "max_tokens": 1});
         let v = post(addr, "/v1/chat/completions", body).json();

@@ -302,22 +302,28 @@ pub fn defang(tok: &Tokenizer, s: &str) -> Option<String> {
 /// markup as special tokens, so that a user cannot open a turn of another role by writing `<|im_start|>`,
 /// nor turn the template's `<|im_end|>` into text by writing `<|im_end|>`.
 ///
-/// `defanged`: the same conversation rendered with each untrusted string passed through [`defang`]. Where
-/// it differs from `rendered` only by those overwritten bytes (a template that does not branch on the
+/// `render_defanged`: renders the same conversation with each untrusted string passed through [`defang`]
+/// (`None` where that fails); called only when an untrusted string holds special-token text. Where its
+/// rendering differs from `rendered` only by those overwritten bytes (a template that does not branch on the
 /// texts), its special tokens are the markup, by position. Otherwise (or without it) each untrusted string
 /// that holds a special token's text is looked up in `rendered` (as written, trimmed, or as a JSON string
 /// body, the way `tojson` writes it) and every occurrence is read as text — also one that is the
 /// template's own markup, where the string is nothing but markup text. Without such strings this is
-/// [`encode_chat`], token for token. Errors ([`Error::Text`]): without a usable `defanged`, an untrusted
+/// [`encode_chat`], token for token. Errors ([`Error::Text`]): without a usable defanged rendering, an untrusted
 /// string with special-token text that the template rewrote (it cannot be told apart from the markup);
 /// tokenizer errors.
-pub fn encode_chat_guarded(tok: &Tokenizer, rendered: &str, untrusted: &[&str], defanged: Option<&str>) -> Result<Vec<u32>> {
+pub fn encode_chat_guarded(
+    tok: &Tokenizer,
+    rendered: &str,
+    untrusted: &[&str],
+    render_defanged: impl FnOnce() -> Option<String>,
+) -> Result<Vec<u32>> {
     let specials = tok.special_token_texts();
     let has_special = |s: &str| specials.iter().any(|t| s.contains(t.as_str()));
     if !untrusted.iter().any(|u| has_special(u)) {
         return encode_chat(tok, rendered);
     }
-    if let Some(marks) = defanged.and_then(|d| markup_by_position(&specials, rendered, d)) {
+    if let Some(marks) = render_defanged().and_then(|d| markup_by_position(&specials, rendered, &d)) {
         return encode_marked(tok, rendered, marks);
     }
     // Byte ranges of `rendered` that are untrusted text.
@@ -338,9 +344,6 @@ pub fn encode_chat_guarded(tok: &Tokenizer, rendered: &str, untrusted: &[&str], 
                     .into(),
             ));
         }
-    }
-    if plain.is_empty() {
-        return encode_chat(tok, rendered);
     }
     // The markup's special tokens: occurrences outside the untrusted ranges.
     let mut marks: Vec<(usize, usize)> = Vec::new();
