@@ -60,8 +60,8 @@ pub struct BenchArgs {
     /// counted apart, as prefix-cache hits.
     #[arg(long)]
     warm: bool,
-    /// Seconds one request may take before it counts as failed.
-    #[arg(long, default_value_t = 600)]
+    /// Seconds one request may take before it counts as failed (at least 1).
+    #[arg(long, default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..))]
     timeout: u64,
 }
 
@@ -139,11 +139,8 @@ pub fn run(a: BenchArgs) -> R<()> {
     if prompts.is_empty() {
         return Err(format!("--dataset {dataset}: no prompts"));
     }
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .timeout_global(Some(Duration::from_secs(a.timeout.max(1))))
-        .http_status_as_error(false)
-        .build()
-        .into();
+    let agent: ureq::Agent =
+        ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(a.timeout))).http_status_as_error(false).build().into();
     let model = match &a.model {
         Some(m) => m.clone(),
         None => first_model(&agent, base)?,

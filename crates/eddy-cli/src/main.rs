@@ -129,7 +129,8 @@ struct ModelArgs {
     #[arg(long)]
     ctx: Option<usize>,
     /// Quantize a safetensors model's weights at load: q8 (int8) or q4 (int4 projections, int8 embedding
-    /// and LM head); default: keep them as stored (f32 / bf16). Not for GGUF files.
+    /// and LM head); default: keep them as stored (f32 / bf16). Not for GGUF files or folders written by `eddy
+    /// quantize` (already quantized).
     #[arg(long, value_name = "q8|q4")]
     quant: Option<Quant>,
     /// Where the model runs: cuda (an NVIDIA GPU; builds with `--features cuda`), cpu, or auto (the GPU
@@ -1440,10 +1441,16 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
         }
         None => None,
     };
-    if a.prompt_tokens + a.gen_tokens > engine.ctx() {
+    // A run samples at least one token after its prompt (the prefill's), also with -n 0.
+    if a.prompt_tokens + a.gen_tokens.max(1) > engine.ctx() {
         return Err(bad(
             "--ctx",
-            format!("-p {} + -n {} tokens do not fit in the context of {} tokens", a.prompt_tokens, a.gen_tokens, engine.ctx()),
+            format!(
+                "-p {} + -n {} tokens do not fit in the context of {} tokens (a run samples at least one token after the prompt)",
+                a.prompt_tokens,
+                a.gen_tokens,
+                engine.ctx()
+            ),
         ));
     }
     if let Some(&largest) = a.verify_sizes.iter().max() {

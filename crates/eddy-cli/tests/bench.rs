@@ -164,6 +164,7 @@ fn bench_option_errors_are_one_line() {
         (&["bench", "--prompt", "x"], "--endpoint: required"),
         (&["bench", "--endpoint", "localhost:1/v1", "--prompt", "x"], "not an http"),
         (&["bench", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m", "--prompt", "x", "--num", "0"], "--num"),
+        (&["bench", "--endpoint", "http://127.0.0.1:9/v1", "--prompt", "x", "--timeout", "0"], "--timeout: invalid value '0'"),
         (&["bench", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m"], "--dataset"),
         (&["bench", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m", "--dataset", "/nonexistent/x"], "not humaneval"),
         (&["bench", "--endpoint", "http://127.0.0.1:9/v1", "--model", "m", "--prompt", "x", "--warmup", "0"], "127.0.0.1:9"),

@@ -526,6 +526,11 @@ fn context_limits() {
     );
     // --raw with an empty message and no BOS token: nothing to generate from.
     expect_error(&["run", "--model", s, "--threads", "1", "--raw", "-m", ""], "--message: the message is empty and the model adds no BOS");
+    // `speed` names --ctx where the prompt fills it, also without new tokens (the prefill samples one).
+    expect_error(
+        &["speed", "--model", s, "--threads", "1", "-p", "64", "-n", "0", "--ctx", "64"],
+        "--ctx: -p 64 + -n 0 tokens do not fit in the context of 64 tokens (a run samples at least one token",
+    );
 }
 
 fn strs(v: &[String]) -> Vec<&str> {
