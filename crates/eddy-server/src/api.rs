@@ -439,13 +439,14 @@ pub fn parse_messages(o: &Map<String, Value>) -> R<Vec<Value>> {
 }
 
 /// An OpenAI tool call of an assistant message as chat templates read it: `{id, type, function: {name,
-/// arguments}}` with `arguments` parsed from its JSON string to the object.
+/// arguments}}` with `arguments` parsed from its JSON string to the object. A string that is not JSON (a
+/// call cut by `max_tokens`, fed back as it came) stays the string, as OpenAI takes it.
 fn template_tool_call(c: &Value) -> Result<Value, String> {
     let f = c.get("function").and_then(Value::as_object).ok_or("function must be an object")?;
     let name = f.get("name").and_then(Value::as_str).ok_or("function.name must be a string")?;
     let args = match f.get("arguments") {
         None | Some(Value::Null) => json!({}),
-        Some(Value::String(s)) => serde_json::from_str::<Value>(s).map_err(|e| format!("function.arguments is not JSON: {e}"))?,
+        Some(Value::String(s)) => serde_json::from_str::<Value>(s).unwrap_or_else(|_| json!(s)),
         Some(v @ Value::Object(_)) => v.clone(),
         Some(_) => return Err("function.arguments must be a JSON string".into()),
     };

@@ -299,7 +299,11 @@ fn final_assistant_message_is_continued() {
     };
     let r = post(addr, "/v1/chat/completions", call(json!("{}")));
     assert_eq!(r.status, 200, "{}", r.body);
-    let v = assert_error(&post(addr, "/v1/chat/completions", call(json!("{not json"))), 400, "not JSON");
+    // Arguments that are not JSON (a call cut by max_tokens, fed back as it came) pass as the string, as
+    // OpenAI takes them.
+    let r = post(addr, "/v1/chat/completions", call(json!("{\"city\": \"Lond")));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = assert_error(&post(addr, "/v1/chat/completions", call(json!(5))), 400, "function.arguments must be a JSON string");
     assert_eq!(v["error"]["param"], "messages[1]");
 }
 
