@@ -157,7 +157,10 @@ fn integer(o: &Map<String, Value>, k: &str, min: i64) -> R<Option<i64>> {
         Some(v) => match whole_i64(v) {
             Some(x) if x >= min => Ok(Some(x)),
             Some(x) => Err(ApiError::invalid(Some(k), format!("{k} must be at least {min}, got {x}"))),
-            None if v.is_u64() => Err(ApiError::invalid(Some(k), format!("{k} is out of range, got {v} (at most {})", i64::MAX))),
+            // A whole number too large for i64 (as an integer, or as a float past 2^53: 1e20).
+            None if v.is_u64() || v.as_f64().is_some_and(|x| x.fract() == 0.0) => {
+                Err(ApiError::invalid(Some(k), format!("{k} is out of range, got {v} (at most {})", i64::MAX)))
+            }
             None => Err(ApiError::invalid(Some(k), format!("{k} must be an integer, got {v}"))),
         },
     }

@@ -1817,6 +1817,9 @@ fn unsupported_and_out_of_range_fields() {
     for k in ["max_tokens", "top_k"] {
         let e = assert_error(&post(addr, c, chat_body("hi", json!({k: u64::MAX}))), 400, "out of range");
         assert_eq!(e["error"]["param"], k);
+        // A whole number written as a float past i64: out of range too, not "must be an integer".
+        let e = assert_error(&post(addr, c, chat_body("hi", json!({k: 1e20}))), 400, "is out of range, got 1e+20");
+        assert_eq!(e["error"]["param"], k);
     }
 }
 
