@@ -76,7 +76,13 @@ pub struct ServeOptions {
     pub keep_alive: Option<Duration>,
     /// Largest request body accepted; larger ones get a 413.
     pub max_body_bytes: usize,
+    /// Longest wait for the next bytes of a request body; a client that stalls longer is answered 400 and
+    /// its connection closed (so it holds neither a worker nor the drain at shutdown).
+    pub body_timeout: Duration,
 }
+
+/// Default [`ServeOptions::body_timeout`]: 60 s.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Default [`ServeOptions::max_body_bytes`]: 32 MiB (clients send long histories).
 pub const MAX_BODY_BYTES: usize = 32 << 20;
@@ -89,6 +95,7 @@ impl Default for ServeOptions {
             max_queue: 16,
             keep_alive: Some(Duration::from_secs(5)),
             max_body_bytes: MAX_BODY_BYTES,
+            body_timeout: BODY_TIMEOUT,
         }
     }
 }
@@ -257,6 +264,7 @@ pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router>
         .fallback(not_found)
         .method_not_allowed_fallback(not_allowed)
         .layer(DefaultBodyLimit::max(opts.max_body_bytes))
+        .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(opts.body_timeout))
         .layer(axum::middleware::from_fn_with_state(state.clone(), json_errors))
         .layer(axum::middleware::from_fn_with_state(state.clone(), count_requests))
         .with_state(state);
