@@ -214,13 +214,13 @@ pub fn parse_common(o: &Map<String, Value>, chat: bool) -> R<Common> {
     }
     // Features not implemented: refuse rather than silently ignore.
     if !chat {
-        for k in ["tools", "tool_choice"] {
+        for k in ["tools", "tool_choice", "reasoning_effort"] {
             if get(o, k).is_some() {
                 return Err(ApiError::invalid(Some(k), format!("{k} is only accepted by /v1/chat/completions")));
             }
         }
     }
-    for k in ["audio", "prediction", "web_search_options", "functions", "function_call", "reasoning_effort"] {
+    for k in ["audio", "prediction", "web_search_options", "functions", "function_call"] {
         if get(o, k).is_some() {
             return Err(ApiError::unsupported(k, k));
         }
@@ -614,6 +614,32 @@ pub fn parse_response_format(o: &Map<String, Value>) -> R<Option<Value>> {
     }
 }
 
+/// OpenAI's `reasoning_effort` (`none`, `minimal`, `low`, `medium`, `high`; null: not given) as chat template
+/// variables, where `chat_template_kwargs` does not set them itself: `reasoning_effort` (templates that
+/// grade their reasoning read it, as vLLM passes it), and for `none` `enable_thinking: false` (Qwen3's
+/// switch; thinking models here have no other grades, so the others leave the template's default). A model
+/// without reasoning ignores both, as vLLM and llama.cpp do.
+///
+/// Errors: a value that is not one of those strings (400 naming `reasoning_effort`).
+pub fn apply_reasoning_effort(o: &Map<String, Value>, kwargs: &mut Map<String, Value>) -> R<()> {
+    const EFFORTS: [&str; 5] = ["none", "minimal", "low", "medium", "high"];
+    let effort = match get(o, "reasoning_effort") {
+        None => return Ok(()),
+        Some(Value::String(e)) if EFFORTS.contains(&e.as_str()) => e.clone(),
+        Some(v) => {
+            return Err(ApiError::invalid(
+                Some("reasoning_effort"),
+                format!("reasoning_effort must be one of none, minimal, low, medium, high; got {v}"),
+            ))
+        }
+    };
+    if effort == "none" {
+        kwargs.entry("enable_thinking").or_insert(Value::Bool(false));
+    }
+    kwargs.entry("reasoning_effort").or_insert(Value::String(effort));
+    Ok(())
+}
+
 /// `chat_template_kwargs` (an object, default empty).
 pub fn parse_kwargs(o: &Map<String, Value>) -> R<Map<String, Value>> {
     let p = Some("chat_template_kwargs");
@@ -859,6 +885,30 @@ pub(crate) fn sse_event(b: &[u8]) -> (String, Value) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reasoning_effort_becomes_template_variables() {
+        let apply = |req: Value, kw: Value| {
+            let mut kwargs = obj(kw);
+            super::apply_reasoning_effort(&obj(req), &mut kwargs).map(|()| Value::Object(kwargs))
+        };
+        assert_eq!(apply(json!({}), json!({})).unwrap(), json!({}));
+        assert_eq!(apply(json!({"reasoning_effort": null}), json!({})).unwrap(), json!({}));
+        assert_eq!(apply(json!({"reasoning_effort": "high"}), json!({})).unwrap(), json!({"reasoning_effort": "high"}));
+        assert_eq!(
+            apply(json!({"reasoning_effort": "none"}), json!({})).unwrap(),
+            json!({"reasoning_effort": "none", "enable_thinking": false})
+        );
+        // The request's own template variables win.
+        assert_eq!(
+            apply(json!({"reasoning_effort": "none"}), json!({"enable_thinking": true, "reasoning_effort": "x"})).unwrap(),
+            json!({"reasoning_effort": "x", "enable_thinking": true})
+        );
+        for bad in [json!("extreme"), json!(3), json!(["low"])] {
+            let e = apply(json!({"reasoning_effort": bad}), json!({})).unwrap_err();
+            assert!(format!("{e:?}").contains("reasoning_effort must be one of"), "{e:?}");
+        }
+    }
 
     /// A body that is not UTF-8 is told so (not that a `\u` escape is wrong); a lone surrogate escape in
     /// valid UTF-8 still gets the escape hint.

@@ -621,6 +621,7 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
         Kind::Chat => {
             let messages = api::parse_messages(&o)?;
             let mut kwargs = api::parse_kwargs(&o)?;
+            api::apply_reasoning_effort(&o, &mut kwargs)?;
             let tools = api::parse_tools(&o)?;
             // The tools reach the prompt whatever tool_choice says (vLLM's default for `none`: the model
             // knows them and answers in text); only the other choices read calls back.
