@@ -369,6 +369,19 @@ async fn json_errors(State(st): State<Arc<AppState>>, req: Request, next: Next) 
     let path = req.uri().path();
     let models_route = path.starts_with("/v1/models") || path.starts_with("/models");
     let anthropic = path.starts_with("/v1/messages") || (models_route && from_anthropic_client(req.headers()));
+    // A compressed body would be read as bytes that are not JSON: refused by name instead (vLLM and
+    // llama.cpp do not decompress request bodies either).
+    let encoding = req.headers().get(header::CONTENT_ENCODING).filter(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"));
+    if let Some(enc) = encoding {
+        let enc = String::from_utf8_lossy(enc.as_bytes()).into_owned();
+        let e = ApiError::invalid(None, format!("Content-Encoding `{enc}` is not supported: send the request body uncompressed"))
+            .with_status(StatusCode::UNSUPPORTED_MEDIA_TYPE, "invalid_request_error", None);
+        if anthropic {
+            let (status, v) = anthropic::error(&e);
+            return (status, Json(v)).into_response();
+        }
+        return e.into_response();
+    }
     let mut resp = next.run(req).await;
     if models_route {
         // The models routes answer in the shape anthropic-version asks for: caches must keep them apart.

@@ -1709,6 +1709,14 @@ fn axum_rejections_are_openai_errors() {
     s.read_to_string(&mut raw).unwrap();
     assert!(raw.starts_with("HTTP/1.1 200"), "{raw}");
     assert_eq!(eddy_server::ServeOptions::default().max_body_bytes, 32 << 20);
+    // A compressed body is refused by name (415), not read as bytes that are not JSON.
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\nContent-Length: 4\r\nConnection: close\r\n\r\nabcd")
+        .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let raw = String::from_utf8_lossy(&raw);
+    assert!(raw.starts_with("HTTP/1.1 415") && raw.contains("Content-Encoding `gzip` is not supported"), "{raw}");
 }
 
 /// A client that stops sending its request body is answered 400 once `body_timeout` passes without bytes,
