@@ -389,7 +389,8 @@ fn main() -> ExitCode {
                 let _ = e.print();
                 return ExitCode::SUCCESS;
             }
-            let _ = writeln!(std::io::stderr(), "error: {}", clap_error_line(&e));
+            let args: Vec<String> = std::env::args().skip(1).collect();
+            let _ = writeln!(std::io::stderr(), "error: {}", clap_error_line(&e, &args));
             return ExitCode::from(2);
         }
     };
@@ -492,8 +493,9 @@ fn one_line(s: &str) -> String {
 }
 
 /// A command-line parse error as one `thing: problem` line (clap's own rendering spans several lines and
-/// a usage block).
-fn clap_error_line(e: &clap::Error) -> String {
+/// a usage block). `args`: the command line after the program name (a stray word after `run` without
+/// `-m` is most likely the message).
+fn clap_error_line(e: &clap::Error, args: &[String]) -> String {
     use clap::error::{ContextKind, ContextValue, ErrorKind};
     let get = |k: ContextKind| match e.get(k) {
         Some(ContextValue::String(s)) => Some(s.clone()),
@@ -525,7 +527,14 @@ fn clap_error_line(e: &clap::Error) -> String {
             }
         }),
         ErrorKind::UnknownArgument => get(ContextKind::InvalidArg).map(|arg| {
-            let what = if arg.starts_with('-') { "unknown option" } else { "unexpected argument (quote text with spaces)" };
+            let has_message = args.iter().any(|a| a == "-m" || a.starts_with("--message") || (a.starts_with("-m") && !a.starts_with("--")));
+            let what = if arg.starts_with('-') {
+                "unknown option"
+            } else if args.first().is_some_and(|c| c == "run") && !has_message {
+                "unexpected argument (a message goes after -m, quoted: eddy run -m \"...\")"
+            } else {
+                "unexpected argument (quote text with spaces)"
+            };
             format!("{arg}: {what}{hint} (see --help)")
         }),
         ErrorKind::ArgumentConflict => get(ContextKind::InvalidArg).map(|arg| match get(ContextKind::PriorArg) {

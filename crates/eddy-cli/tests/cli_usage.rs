@@ -78,7 +78,9 @@ fn parse_errors_are_one_line() {
     expect_error(&["run", "-m", "hi", "--seed", "-5"], "--seed: invalid value '-5'");
     expect_error(&["run", "-m", "hi", "--seed", "x"], "or -1 for a random one");
     expect_error(&["run", "-m", "hi", "--quant", "q5"], "--quant: invalid value 'q5'");
-    expect_error(&["run", "-m", "hi", "extra"], "extra: unexpected argument");
+    expect_error(&["run", "-m", "hi", "extra"], "extra: unexpected argument (quote text with spaces)");
+    // Without -m, a word after `run` is taken for the message it was meant to be.
+    expect_error(&["run", "hello world"], "hello world: unexpected argument (a message goes after -m, quoted: eddy run -m \"...\")");
     expect_error(&["run", "-m", "hi", "--temperature"], "--temperature: a value is required");
 }
 
