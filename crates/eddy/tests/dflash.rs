@@ -483,5 +483,7 @@ fn mismatched_drafter_is_refused_for_a_real_target() {
     let e = engine.speculate(SpeculatorKind::DFlash, Some(Drafter::DFlash(Box::new(d))), Budget::Auto).expect_err("refused");
     assert!(e.to_string().contains("hidden_size 64") && e.to_string().contains("896"), "{e}");
     let e = engine.speculate(SpeculatorKind::DFlash, None, Budget::Auto).expect_err("refused").to_string();
-    assert!(e.contains("needs a DFlash drafter"), "{e}");
+    assert!(e.contains("speculator `dflash` needs a DFlash drafter"), "{e}");
+    let e = engine.speculate(SpeculatorKind::DFlashChain, None, Budget::Auto).expect_err("refused").to_string();
+    assert!(e.contains("speculator `dflash-chain` needs a DFlash drafter"), "{e}");
 }

@@ -749,10 +749,11 @@ pub fn build_speculators<B: Backend>(
         (SpeculatorKind::Draft | SpeculatorKind::DFlash, Some(Drafter::DFlash(d))) => out.push(dflash(d, dflash::TreeShape::Best)?),
         (SpeculatorKind::DFlashChain, Some(Drafter::DFlash(d))) => out.push(dflash(d, dflash::TreeShape::Chain)?),
         (SpeculatorKind::Draft, None) => return Err(Error::Input("speculator `draft` needs a draft model (--draft-model PATH)".into())),
-        (SpeculatorKind::DFlash | SpeculatorKind::DFlashChain, None) => {
-            return Err(Error::Input(
-                "speculator `dflash` needs a DFlash drafter (--draft-model DIR, or a drafter folder next to the model)".into(),
-            ))
+        (k @ (SpeculatorKind::DFlash | SpeculatorKind::DFlashChain), None) => {
+            let name = if k == SpeculatorKind::DFlash { "dflash" } else { "dflash-chain" };
+            return Err(Error::Input(format!(
+                "speculator `{name}` needs a DFlash drafter (--draft-model DIR, or a drafter folder next to the model)"
+            )));
         }
         (SpeculatorKind::DFlash | SpeculatorKind::DFlashChain, Some(Drafter::Model(m))) => {
             return Err(Error::model(&m.source, "not a DFlash drafter (config.json must name DFlashDraftModel); use --speculator draft"))
