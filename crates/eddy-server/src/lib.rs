@@ -942,7 +942,12 @@ async fn create_response(State(st): State<Arc<AppState>>, body: Bytes) -> Result
     }
     let chat = Bytes::from(serde_json::to_vec(&req.chat).map_err(|e| server_error(e.to_string()))?);
     // Errors of the chat request in the Responses API's names.
-    let renames = [("max_tokens", "max_output_tokens"), ("response_format", "text.format"), ("messages", "input")];
+    let renames = [
+        ("max_tokens", "max_output_tokens"),
+        ("response_format", "text.format"),
+        ("messages", "input"),
+        ("reasoning_effort", "reasoning.effort"),
+    ];
     answer(st, Kind::Chat, chat, Dialect::Responses { echo: req.echo }).await.map_err(|e| e.renamed(&renames))
 }
 

@@ -34,10 +34,10 @@ fn text_of(content: &Value, at: &str) -> R<String> {
 /// messages of role user, system, developer or assistant; `function_call`; `function_call_output`;
 /// `reasoning` items are dropped, the template re-renders past turns), `instructions` (a system message
 /// first), `tools` (function tools), `tool_choice`, `parallel_tool_calls`, `max_output_tokens`,
-/// `temperature`, `top_p`, `text.format` (text, json_object, json_schema), `stream` are read;
-/// `previous_response_id`, non-function tools and image or file inputs are refused; `store`, `metadata`,
-/// `reasoning`, `truncation`, `include` (but log-probabilities: refused, as `top_logprobs`), `user` are
-/// accepted and ignored.
+/// `temperature`, `top_p`, `text.format` (text, json_object, json_schema), `reasoning.effort` (chat's
+/// `reasoning_effort`), `stream` are read; `previous_response_id`, non-function tools and image or file
+/// inputs are refused; `store`, `metadata`, `reasoning.summary`, `truncation`, `include` (but
+/// log-probabilities: refused, as `top_logprobs`), `user` are accepted and ignored.
 pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
     let get = |k: &str| o.get(k).filter(|v| !v.is_null());
     // State this server does not keep, or work it does not do in the background.
@@ -128,6 +128,10 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
         if let Some(v) = get(from) {
             chat[to] = v.clone();
         }
+    }
+    // reasoning.effort: the chat request's reasoning_effort (chat template variables there, checked there).
+    if let Some(effort) = get("reasoning").and_then(|r| r.get("effort")).filter(|v| !v.is_null()) {
+        chat["reasoning_effort"] = effort.clone();
     }
     match get("tools") {
         None => {}
@@ -503,6 +507,10 @@ mod tests {
                 "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "object"}}}})
         );
         assert_eq!(r.echo["instructions"], "Be brief.");
+        let r = to_chat(&obj(json!({"input": "x", "reasoning": {"effort": "none", "summary": "auto"}}))).unwrap();
+        assert_eq!(r.chat["reasoning_effort"], "none");
+        let r = to_chat(&obj(json!({"input": "x", "reasoning": {"effort": null}}))).unwrap();
+        assert!(r.chat.get("reasoning_effort").is_none(), "{}", r.chat);
         for (body, needle) in [
             (json!({}), "input is required"),
             (json!({"input": "x", "previous_response_id": "resp_1"}), "keeps no responses"),

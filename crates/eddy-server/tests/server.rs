@@ -994,6 +994,12 @@ fn responses_api() {
     assert_eq!(e["error"]["param"], "max_output_tokens");
     let e = assert_error(&post(addr, "/v1/responses", json!({"input": []})), 400, "input");
     assert_eq!(e["error"]["param"], "input");
+    // reasoning.effort is chat's reasoning_effort: accepted, and checked under its own name.
+    let r = post(addr, "/v1/responses", json!({"input": "hi", "reasoning": {"effort": "low"}, "max_output_tokens": 2}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let e =
+        assert_error(&post(addr, "/v1/responses", json!({"input": "hi", "reasoning": {"effort": "max"}})), 400, "reasoning.effort must be");
+    assert_eq!(e["error"]["param"], "reasoning.effort");
     // Log-probabilities are refused, not answered with empty lists.
     let body = json!({"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 2, "max_output_tokens": 3});
     assert_eq!(assert_error(&post(addr, "/v1/responses", body), 400, "log-probabilities")["error"]["param"], "include");
