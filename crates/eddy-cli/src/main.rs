@@ -527,7 +527,7 @@ fn clap_error_line(e: &clap::Error, args: &[String]) -> String {
             }
         }),
         ErrorKind::UnknownArgument => get(ContextKind::InvalidArg).map(|arg| {
-            let has_message = args.iter().any(|a| a == "-m" || a.starts_with("--message") || (a.starts_with("-m") && !a.starts_with("--")));
+            let has_message = args.iter().any(|a| a.starts_with("-m") || a.starts_with("--message"));
             let what = if arg.starts_with('-') {
                 "unknown option"
             } else if args.first().is_some_and(|c| c == "run") && !has_message {
