@@ -645,21 +645,22 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
             let Some(t) = &st.template else {
                 return Err(ApiError::invalid(None, "the model has no chat template; use /v1/completions"));
             };
+            // A template without a call syntax eddy knows gets the generic one: the conversation is
+            // rewritten for it (inside `render`, so that the defanged rendering is rewritten alike).
+            let mut generic = None;
             if let Some(tools) = &tools {
-                let Some(family) = tools::Family::of_template(t.source()) else {
-                    return Err(ApiError::invalid(
-                        Some("tools"),
-                        "this model's chat template has no tool-call syntax eddy knows (Hermes/Qwen <tool_call>, Mistral [TOOL_CALLS], Llama 3 JSON), so its tool calls could not be read back",
-                    ));
-                };
+                let family = tools::Family::of_template(t.source()).unwrap_or(tools::Family::Generic);
                 if schema.is_some() && tools.choice != api::ToolChoice::Auto {
                     return Err(ApiError::invalid(
                         Some("response_format"),
                         "response_format cannot be combined with a tool_choice that forces a call",
                     ));
                 }
-                let g = family.call_grammar(tools, |name| st.tokenizer.token_id(name));
-                if matches!(tools.choice, api::ToolChoice::Required | api::ToolChoice::Named(_)) {
+                let g = family.call_grammar(tools, schema.as_ref(), |name| st.tokenizer.token_id(name));
+                if family == tools::Family::Generic {
+                    generic = Some((tools.choice.clone(), tools.parallel));
+                }
+                if generic.is_some() || matches!(tools.choice, api::ToolChoice::Required | api::ToolChoice::Named(_)) {
                     grammar = Some(("tools", g.map_err(|e| ApiError::invalid(Some("tools"), e))?));
                 } else if let Ok(g) = g {
                     check_tools(st, &g)?;
@@ -677,6 +678,14 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
             let made_calls = |m: &Value| m.get("tool_calls").is_some_and(|c| c.as_array().is_some_and(|a| !a.is_empty()));
             let continued = messages.last().is_some_and(|m| m["role"] == "assistant" && !made_calls(m));
             let render = |messages: &[Value], kwargs: &serde_json::Map<String, Value>| {
+                let rewritten;
+                let messages = match &generic {
+                    Some((choice, parallel)) => {
+                        rewritten = tools::generic_messages(messages, kwargs.get("tools"), choice, *parallel);
+                        &rewritten[..]
+                    }
+                    None => messages,
+                };
                 if continued {
                     t.render_continue_json(messages, kwargs)
                 } else {

@@ -23,10 +23,18 @@
 //! come in another order. A streamed call whose arguments turn out malformed (possible only without a
 //! grammar) has been sent as far as it went; the whole reply then reads it as content.
 //!
-//! A template that mentions tools in none of these ways is refused when a request brings tools.
+//! - Generic, for a template that writes calls in none of these ways (SmolLM2, Gemma 3): the model is
+//!   told the tools and the format in a system message ([`generic_messages`]) and the whole reply is one
+//!   JSON object under a grammar, as llama.cpp's generic format: `{"tool_call": {"name": …, "arguments":
+//!   {…}}}` (`{"tool_calls": [{…}, …]}` when parallel calls are allowed) or, with `tool_choice` `auto`,
+//!   `{"response": "…"}`, whose text streams as content. Past calls and tool results are written into
+//!   the conversation in the same JSON (a result as a user message), as the template cannot write them.
 
 use crate::api::{Tool, ToolChoice, Tools};
 use serde_json::{json, Value};
+
+/// A reply read for calls: its content (`None` when blank) and its calls as (name, arguments JSON text).
+pub type Reply = (Option<String>, Vec<(String, String)>);
 
 /// The tool-call syntax of a chat template.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,6 +45,8 @@ pub enum Family {
     /// `[TOOL_CALLS]name[ARGS]{…}`.
     MistralArgs,
     Llama3,
+    /// No call syntax in the template: one JSON object a reply (see the module docs).
+    Generic,
 }
 
 const OPEN: &str = "<tool_call>";
@@ -66,7 +76,7 @@ impl Family {
     /// Whether the output must be decoded with special tokens kept (the family's marker is a control
     /// token that decoding would otherwise drop).
     pub fn keeps_special_tokens(self) -> bool {
-        self != Family::Hermes
+        !matches!(self, Family::Hermes | Family::Generic)
     }
 
     fn is_mistral(self) -> bool {
@@ -95,7 +105,16 @@ impl Family {
     /// calls, arguments valid under each tool's schema. A named function is called exactly once, as
     /// OpenAI and vLLM do (repeating it would only run on to `max_tokens`). `special_id(text)` gives the
     /// id of a control token (Mistral's markers).
-    pub fn call_grammar(self, tools: &Tools, special_id: impl Fn(&str) -> Option<u32>) -> Result<String, String> {
+    ///
+    /// [`Family::Generic`]'s grammar is that of every reply, whatever the choice: with `auto` it allows
+    /// `{"response": …}` too, the response a string or, given `response_schema` (a `response_format`'s),
+    /// JSON matching it. The other families ignore `response_schema`.
+    pub fn call_grammar(
+        self,
+        tools: &Tools,
+        response_schema: Option<&Value>,
+        special_id: impl Fn(&str) -> Option<u32>,
+    ) -> Result<String, String> {
         let allowed: Vec<&Tool> = match &tools.choice {
             ToolChoice::Named(n) => tools.tools.iter().filter(|t| &t.name == n).collect(),
             _ => tools.tools.iter().collect(),
@@ -130,6 +149,24 @@ impl Family {
                        "required": ["name", args_key], "additionalProperties": false})
             })
             .collect();
+        // Generic with `auto`: the response a reply may be instead of calls.
+        let response = (self == Family::Generic && tools.choice == ToolChoice::Auto).then(|| match response_schema {
+            None => json!({"type": "string"}),
+            Some(schema) => {
+                let mut p = schema.clone();
+                crate::grammar::close_objects(&mut p);
+                if let Some(o) = p.as_object_mut() {
+                    // llguidance reads its options at the root only.
+                    o.remove("x-guidance");
+                }
+                if !has_internal_ref(&p) {
+                    return p;
+                }
+                rebase_refs(&mut p, "#/$defs/response");
+                defs.insert("response".into(), p);
+                json!({"$ref": "#/$defs/response"})
+            }
+        });
         let with_defs = |mut v: Value| {
             if !defs.is_empty() {
                 v["$defs"] = Value::Object(defs.clone());
@@ -185,20 +222,35 @@ impl Family {
                 g
             }
             Family::Llama3 => format!("start: body\nbody: %json {}\n", text(&call)?),
+            Family::Generic => {
+                let calls = if parallel {
+                    json!({"type": "object", "properties": {"tool_calls": {"type": "array", "minItems": 1, "items": {"anyOf": one}}},
+                           "required": ["tool_calls"], "additionalProperties": false})
+                } else {
+                    json!({"type": "object", "properties": {"tool_call": {"anyOf": one}}, "required": ["tool_call"], "additionalProperties": false})
+                };
+                let mut reply = match response {
+                    None => calls,
+                    Some(r) => json!({"anyOf": [calls, {"type": "object", "properties": {"response": r}, "required": ["response"],
+                                                        "additionalProperties": false}]}),
+                };
+                reply["x-guidance"] = compact;
+                format!("start: body\nbody: %json {}\n", text(&with_defs(reply))?)
+            }
         })
     }
 
     /// Splits a whole reply into its content (text outside the calls; `None` when blank) and its tool
     /// calls as `(name, arguments JSON text as written)`, read as a stream read in one step. When a call's
     /// arguments are not a JSON object (a malformed call), the whole reply is content.
-    pub fn parse(self, text: &str, names: &[String]) -> (Option<String>, Vec<(String, String)>) {
+    pub fn parse(self, text: &str, names: &[String]) -> Reply {
         self.parse_reply(text, names, false)
     }
 
     /// [`Family::parse`] of a reply that may have been `cut` off by the token limit (finish reason
     /// `length`): then the last call's arguments may be unfinished and are kept as written, as a streamed
     /// reply has already sent them (OpenAI's behaviour too); every other call must still be well formed.
-    pub fn parse_reply(self, text: &str, names: &[String], cut: bool) -> (Option<String>, Vec<(String, String)>) {
+    pub fn parse_reply(self, text: &str, names: &[String], cut: bool) -> Reply {
         let mut s = CallStreamer::new(self, names.to_vec());
         let mut pieces = s.push(text);
         pieces.extend(s.finish());
@@ -248,6 +300,146 @@ pub fn bare_calls(text: &str, names: &[String]) -> Option<Vec<(String, String)>>
     (!calls.is_empty()).then_some(calls)
 }
 
+/// A whole generic reply ([`Family::Generic`]) read at once: its content (the response, a string's text or
+/// other JSON as written compactly) and its calls; `None` when it is no such object.
+fn generic_reply(text: &str) -> Option<Reply> {
+    let v: Value = serde_json::from_str(text.trim()).ok()?;
+    match (v.get("response"), v.get("tool_call"), v.get("tool_calls")) {
+        (Some(Value::String(r)), None, None) => Some((Some(r.clone()), Vec::new())),
+        (Some(r), None, None) => Some((Some(r.to_string()), Vec::new())),
+        (None, Some(c), None) => Some((None, vec![call_of_value(c)?])),
+        (None, None, Some(Value::Array(cs))) => Some((None, cs.iter().map(call_of_value).collect::<Option<_>>()?)),
+        _ => None,
+    }
+}
+
+/// JSON as Python's `json.dumps` writes it by default (`, ` and `: ` separators), as the generic format's
+/// grammar makes the model write it ([`grammar_options`]).
+pub fn spaced_json(v: &Value) -> String {
+    struct Spaced;
+    impl serde_json::ser::Formatter for Spaced {
+        fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+            if first {
+                Ok(())
+            } else {
+                w.write_all(b", ")
+            }
+        }
+        fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+            if first {
+                Ok(())
+            } else {
+                w.write_all(b", ")
+            }
+        }
+        fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+            w.write_all(b": ")
+        }
+    }
+    let mut out = Vec::new();
+    let mut ser = serde_json::Serializer::with_formatter(&mut out, Spaced);
+    // Writing a `Value` into memory cannot fail, and what it writes is UTF-8.
+    let _ = serde::Serialize::serialize(v, &mut ser);
+    String::from_utf8(out).unwrap_or_default()
+}
+
+/// The conversation `messages` (as [`crate::api::parse_messages`] gives them) for a template without
+/// tool-call syntax ([`Family::Generic`]), as llama.cpp's generic format (and minja's polyfills for such
+/// templates) writes it:
+/// - a system message tells the model the tools (`tools`: the request's list, OpenAI's form, one function
+///   a line) and the reply format for `choice` and `parallel` (appended to the conversation's own system
+///   message, or first);
+/// - an assistant message with `tool_calls` carries them as its content in the reply format, after its
+///   text;
+/// - a tool result becomes a user message `{"tool_response": {"name": …, "content": …}}` (the name from the
+///   message, else from the call its `tool_call_id` answers), and results in a row share one message, so
+///   that templates which require turns to alternate (Gemma) take them (a user message right after them
+///   joins that message too).
+pub fn generic_messages(messages: &[Value], tools: Option<&Value>, choice: &ToolChoice, parallel: bool) -> Vec<Value> {
+    let parallel = parallel && !matches!(choice, ToolChoice::Named(_));
+    let call_form = "{\"name\": \"<function name>\", \"arguments\": {<arguments>}}";
+    let calls_form = if parallel {
+        format!("{{\"tool_calls\": [{call_form}, …]}} to call one or more functions")
+    } else {
+        format!("{{\"tool_call\": {call_form}}} to call a function")
+    };
+    let mut note = String::from("You can call these functions (each with a JSON Schema of its arguments):\n");
+    for t in tools.and_then(Value::as_array).into_iter().flatten() {
+        note.push_str(&spaced_json(t.get("function").unwrap_or(t)));
+        note.push('\n');
+    }
+    note.push_str(&match choice {
+        ToolChoice::Auto => format!(
+            "\nReply with one JSON object: {calls_form}, or {{\"response\": \"<your reply>\"}} to answer the user. A function's result comes back as {{\"tool_response\": {{\"name\": …, \"content\": …}}}}."
+        ),
+        ToolChoice::Named(n) => format!("\nCall the function `{n}`: reply with one JSON object, {{\"tool_call\": {{\"name\": \"{n}\", \"arguments\": {{<arguments>}}}}}}."),
+        _ => format!("\nReply with one JSON object: {calls_form}."),
+    });
+    let mut out: Vec<Value> = Vec::with_capacity(messages.len() + 1);
+    match messages.first() {
+        Some(m) if m["role"] == "system" => {
+            let own = m["content"].as_str().unwrap_or("");
+            let mut m = m.clone();
+            m["content"] = json!(if own.is_empty() { note } else { format!("{own}\n\n{note}") });
+            out.push(m);
+        }
+        _ => out.push(json!({"role": "system", "content": note})),
+    }
+    // Tool call ids to names, for results that give only the id.
+    let mut named = std::collections::HashMap::new();
+    let mut merged_result = false;
+    for m in messages.iter().skip(usize::from(messages.first().is_some_and(|m| m["role"] == "system"))) {
+        let mut m = m.clone();
+        if let Some(calls) = m.as_object_mut().and_then(|o| o.remove("tool_calls")).and_then(|c| c.as_array().cloned()) {
+            let calls: Vec<Value> = calls
+                .iter()
+                .map(|c| {
+                    let name = c.pointer("/function/name").cloned().unwrap_or(Value::Null);
+                    if let (Some(id), Some(n)) = (c.get("id").and_then(Value::as_str), name.as_str()) {
+                        named.insert(id.to_string(), n.to_string());
+                    }
+                    json!({"name": name, "arguments": c.pointer("/function/arguments").cloned().unwrap_or(json!({}))})
+                })
+                .collect();
+            let json = match calls.as_slice() {
+                [one] if !parallel => json!({"tool_call": one}),
+                _ => json!({"tool_calls": calls}),
+            };
+            let text = m["content"].as_str().unwrap_or("").trim();
+            let json = spaced_json(&json);
+            m["content"] = json!(if text.is_empty() { json } else { format!("{text}\n{json}") });
+        }
+        if m["role"] == "tool" {
+            let name = m
+                .get("name")
+                .and_then(Value::as_str)
+                .map(String::from)
+                .or_else(|| m.get("tool_call_id").and_then(Value::as_str).and_then(|id| named.get(id).cloned()));
+            let result = json!({"tool_response": {"name": name, "content": m["content"]}});
+            let text = spaced_json(&result);
+            match out.last_mut() {
+                Some(last) if merged_result => {
+                    let joined = format!("{}\n{text}", last["content"].as_str().unwrap_or(""));
+                    last["content"] = json!(joined);
+                }
+                _ => out.push(json!({"role": "user", "content": text})),
+            }
+            merged_result = true;
+            continue;
+        }
+        match out.last_mut() {
+            // The user's next words after results: the same turn.
+            Some(last) if merged_result && m["role"] == "user" => {
+                let joined = format!("{}\n\n{}", last["content"].as_str().unwrap_or(""), m["content"].as_str().unwrap_or(""));
+                last["content"] = json!(joined);
+            }
+            _ => out.push(m),
+        }
+        merged_result = false;
+    }
+    out
+}
+
 /// The JSON values of `text`, separated by whitespace, `,` or `;` and possibly inside one `[…]` list (a
 /// call list written in a form the streaming reader could not follow); `None` unless all of it parses.
 fn json_values(text: &str) -> Option<Vec<Value>> {
@@ -289,68 +481,158 @@ enum Head {
     At(String, usize),
 }
 
+/// Why a scan of the text so far stopped short of what it looked for.
+enum Miss {
+    /// The text so far may still become it.
+    More,
+    /// It is something else.
+    Not,
+}
+
+/// A reading position in text that may end early (more is streaming in).
+struct Cursor<'a> {
+    s: &'a str,
+    i: usize,
+}
+
+impl Cursor<'_> {
+    fn ws(&mut self) {
+        let b = self.s.as_bytes();
+        while self.i < b.len() && b[self.i].is_ascii_whitespace() {
+            self.i += 1;
+        }
+    }
+
+    /// Skips whitespace, then the first of `lits` that is next; its index in `lits`.
+    fn lit(&mut self, lits: &[&str]) -> Result<usize, Miss> {
+        self.ws();
+        let rest = &self.s[self.i..];
+        if let Some(k) = lits.iter().position(|l| rest.starts_with(l)) {
+            self.i += lits[k].len();
+            return Ok(k);
+        }
+        Err(if lits.iter().any(|l| l.starts_with(rest)) { Miss::More } else { Miss::Not })
+    }
+
+    /// Skips whitespace; the next byte, if the text has one yet.
+    fn peek(&mut self) -> Result<u8, Miss> {
+        self.ws();
+        self.s.as_bytes().get(self.i).copied().ok_or(Miss::More)
+    }
+}
+
 /// Reads the head of a call object at the start of `s` (leading whitespace allowed).
 fn scan_head(s: &str) -> Head {
-    let b = s.as_bytes();
-    let mut i = 0;
-    let skip_ws = |i: &mut usize| {
-        while *i < b.len() && b[*i].is_ascii_whitespace() {
-            *i += 1;
-        }
-    };
-    // `Ok` when `lit` is next (and skipped), else More (a prefix of it) or Not.
-    let expect = |i: &mut usize, lits: &[&str]| -> Result<(), Head> {
-        let rest = &s[*i..];
-        for l in lits {
-            if rest.starts_with(l) {
-                *i += l.len();
-                return Ok(());
-            }
-        }
-        if lits.iter().any(|l| l.starts_with(rest)) {
-            Err(Head::More)
-        } else {
-            Err(Head::Not)
-        }
-    };
-    let mut run = || -> Result<Head, Head> {
-        skip_ws(&mut i);
-        expect(&mut i, &["{"])?;
-        skip_ws(&mut i);
-        expect(&mut i, &["\"name\""])?;
-        skip_ws(&mut i);
-        expect(&mut i, &[":"])?;
-        skip_ws(&mut i);
-        expect(&mut i, &["\""])?;
-        let start = i - 1;
+    let mut c = Cursor { s, i: 0 };
+    let mut run = || -> Result<Head, Miss> {
+        c.lit(&["{"])?;
+        c.lit(&["\"name\""])?;
+        c.lit(&[":"])?;
+        c.lit(&["\""])?;
+        let (b, start) = (s.as_bytes(), c.i - 1);
         let mut esc = false;
         loop {
-            let Some(&c) = b.get(i) else {
-                return Err(Head::More);
+            let Some(&ch) = b.get(c.i) else {
+                return Err(Miss::More);
             };
-            i += 1;
-            match c {
+            c.i += 1;
+            match ch {
                 _ if esc => esc = false,
                 b'\\' => esc = true,
                 b'"' => break,
                 _ => {}
             }
         }
-        let name: String = serde_json::from_str(&s[start..i]).map_err(|_| Head::Not)?;
-        skip_ws(&mut i);
-        expect(&mut i, &[","])?;
-        skip_ws(&mut i);
-        expect(&mut i, &["\"arguments\"", "\"parameters\""])?;
-        skip_ws(&mut i);
-        expect(&mut i, &[":"])?;
-        skip_ws(&mut i);
-        match b.get(i) {
-            None => Err(Head::More),
-            Some(b'{') => Ok(Head::At(name, i)),
-            Some(_) => Err(Head::Not),
+        let name: String = serde_json::from_str(&s[start..c.i]).map_err(|_| Miss::Not)?;
+        c.lit(&[","])?;
+        c.lit(&["\"arguments\"", "\"parameters\""])?;
+        c.lit(&[":"])?;
+        match c.peek()? {
+            b'{' => Ok(Head::At(name, c.i)),
+            _ => Err(Miss::Not),
         }
     };
-    run().unwrap_or_else(|h| h)
+    run().unwrap_or_else(|m| match m {
+        Miss::More => Head::More,
+        Miss::Not => Head::Not,
+    })
+}
+
+/// How far the head of a generic reply ([`Family::Generic`]) has been read: `{"response": `,
+/// `{"tool_call": ` or `{"tool_calls": [`.
+#[derive(Debug, PartialEq)]
+enum Envelope {
+    More,
+    Not,
+    /// `{"response": "`: the string's text begins at this byte offset.
+    Text(usize),
+    /// `{"response": ` and a value other than a string (a `response_format` schema's), beginning here.
+    Value(usize),
+    /// `{"tool_call": `: the call object begins at this offset (after whitespace).
+    Call(usize),
+    /// `{"tool_calls": [`: the first call object begins at this offset.
+    Calls(usize),
+}
+
+/// Reads the head of a generic reply at the start of `s` (leading whitespace allowed).
+fn scan_envelope(s: &str) -> Envelope {
+    let mut c = Cursor { s, i: 0 };
+    let mut run = || -> Result<Envelope, Miss> {
+        c.lit(&["{"])?;
+        let key = c.lit(&["\"response\"", "\"tool_call\"", "\"tool_calls\""])?;
+        c.lit(&[":"])?;
+        let first = c.peek()?;
+        Ok(match (key, first) {
+            (0, b'"') => Envelope::Text(c.i + 1),
+            (0, _) => Envelope::Value(c.i),
+            (1, b'{') => Envelope::Call(c.i),
+            (2, b'[') => Envelope::Calls(c.i + 1),
+            _ => Envelope::Not,
+        })
+    };
+    run().unwrap_or_else(|m| match m {
+        Miss::More => Envelope::More,
+        Miss::Not => Envelope::Not,
+    })
+}
+
+/// The longest prefix of `s` (the inside of a JSON string being streamed) that holds only whole
+/// characters and escapes (a `\\u` high surrogate with its low one), and whether the string's closing
+/// quote ends it.
+fn string_prefix(s: &str) -> (usize, bool) {
+    let b = s.as_bytes();
+    let hex = |at: usize| {
+        b.get(at..at + 4)
+            .filter(|h| h.iter().all(u8::is_ascii_hexdigit))
+            .map(|h| h.iter().fold(0u32, |x, &d| x * 16 + (d as char).to_digit(16).unwrap_or(0)))
+    };
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'"' => return (i, true),
+            b'\\' => {
+                let need = match b.get(i + 1) {
+                    None => return (i, false),
+                    Some(b'u') => match hex(i + 2) {
+                        None if b.len() < i + 6 => return (i, false),
+                        // Not an escape: only the two bytes are stepped over (the decoder refuses it).
+                        None => 2,
+                        // A high surrogate takes its low one with it, once the text can tell.
+                        Some(0xD800..=0xDBFF) if b.len() < i + 12 => return (i, false),
+                        Some(0xD800..=0xDBFF) if b[i + 6] == b'\\' && b[i + 7] == b'u' && hex(i + 8).is_some() => 12,
+                        Some(_) => 6,
+                    },
+                    Some(_) => 2,
+                };
+                if i + need > b.len() {
+                    return (i, false);
+                }
+                i += need;
+            }
+            _ => i += 1,
+        }
+    }
+    (i, false)
 }
 
 /// Finds where a JSON value ends, fed in pieces: brackets counted outside strings.
@@ -425,6 +707,14 @@ enum State {
     Bare,
     /// The rest is content (a Llama 3 reply that is no call).
     Content,
+    /// Generic: the reply's head (`{"response": ` or `{"tool_call": ` or `{"tool_calls": [`) is next.
+    Envelope,
+    /// Generic: inside the response string.
+    Response,
+    /// Generic: inside a response that is a JSON object or list.
+    ResponseValue(ValueEnd),
+    /// Generic: after the response or the calls, the end of the reply's object.
+    Rest,
 }
 
 /// Reads tool calls out of streamed text (see the module docs): content goes out as it comes (holding
@@ -443,7 +733,8 @@ pub struct CallStreamer {
 
 impl CallStreamer {
     pub fn new(family: Family, names: Vec<String>) -> Self {
-        CallStreamer { family, names, state: State::Text { start: true }, list: false, after_call: false, buf: String::new() }
+        let state = if family == Family::Generic { State::Envelope } else { State::Text { start: true } };
+        CallStreamer { family, names, state, list: false, after_call: false, buf: String::new() }
     }
 
     /// Adds `text`; returns the pieces now complete.
@@ -657,6 +948,21 @@ impl CallStreamer {
                             }
                         }
                     }
+                    Family::Generic => {
+                        self.skip_ws();
+                        match self.buf.chars().next() {
+                            None if self.list => false,
+                            Some(',') if self.list => {
+                                self.take(1);
+                                self.state = State::Head;
+                                true
+                            }
+                            _ => {
+                                self.state = State::Rest;
+                                true
+                            }
+                        }
+                    }
                 }
             }
             State::Whole => {
@@ -684,6 +990,72 @@ impl CallStreamer {
                 out.push(Piece::Content(t));
                 false
             }
+            State::Envelope => {
+                let t = self.buf.trim_start();
+                if t.is_empty() {
+                    return false;
+                }
+                if !t.starts_with('{') {
+                    self.state = State::Content;
+                    return true;
+                }
+                match scan_envelope(&self.buf) {
+                    Envelope::More => false,
+                    Envelope::Text(at) => {
+                        self.take(at);
+                        self.state = State::Response;
+                        true
+                    }
+                    Envelope::Value(at) if matches!(self.buf.as_bytes()[at], b'{' | b'[') => {
+                        self.take(at);
+                        self.state = State::ResponseValue(ValueEnd::default());
+                        true
+                    }
+                    // Some other object, or a response that is a number, `true`, `false` or `null` (its end
+                    // is only sure at the reply's): read whole at the end.
+                    Envelope::Not | Envelope::Value(_) => {
+                        self.state = State::Bare;
+                        false
+                    }
+                    Envelope::Call(at) => {
+                        self.take(at);
+                        self.state = State::Head;
+                        true
+                    }
+                    Envelope::Calls(at) => {
+                        self.take(at);
+                        self.list = true;
+                        self.state = State::Head;
+                        true
+                    }
+                }
+            }
+            State::Response => {
+                let (n, closed) = string_prefix(&self.buf);
+                let raw = self.take(n);
+                out.push(Piece::Content(serde_json::from_str(&format!("\"{raw}\"")).unwrap_or(raw)));
+                if closed {
+                    self.take(1);
+                    self.state = State::Rest;
+                }
+                closed
+            }
+            State::ResponseValue(mut v) => match v.feed(&self.buf) {
+                Some(n) => {
+                    out.push(Piece::Content(self.take(n)));
+                    self.state = State::Rest;
+                    true
+                }
+                None => {
+                    out.push(Piece::Content(std::mem::take(&mut self.buf)));
+                    self.state = State::ResponseValue(v);
+                    false
+                }
+            },
+            State::Rest => {
+                self.buf.clear();
+                false
+            }
         }
     }
 
@@ -701,10 +1073,22 @@ impl CallStreamer {
             State::Text { .. } if self.after_call && rest.trim().is_empty() => {}
             State::Text { .. } | State::Content => out.push(Piece::Content(rest)),
             State::Marker | State::Name => out.push(Piece::Content(format!("{MISTRAL}{rest}"))),
+            State::Bare if self.family == Family::Generic => match generic_reply(&rest) {
+                Some((content, c)) => {
+                    out.extend(content.map(Piece::Content));
+                    calls(&mut out, c)
+                }
+                None => match bare_calls(&rest, &self.names) {
+                    Some(c) => calls(&mut out, c),
+                    None => out.push(Piece::Content(rest)),
+                },
+            },
             State::Bare => match bare_calls(&rest, &self.names) {
                 Some(c) => calls(&mut out, c),
                 None => out.push(Piece::Content(rest)),
             },
+            // Generic: a call cut before its arguments (the grammar writes no other head).
+            State::Head | State::Whole if self.family == Family::Generic => {}
             State::Head | State::Whole => {
                 let found =
                     json_values(&rest).and_then(|vs| vs.iter().map(call_of_value).collect::<Option<Vec<_>>>()).filter(|c| !c.is_empty());
@@ -714,7 +1098,7 @@ impl CallStreamer {
                         let marker = match self.family {
                             Family::Hermes => OPEN,
                             Family::Mistral | Family::MistralArgs => MISTRAL,
-                            Family::Llama3 => "",
+                            Family::Llama3 | Family::Generic => "",
                         };
                         let list = if self.list { "[" } else { "" };
                         out.push(Piece::Content(format!("{marker}{list}{rest}")))
@@ -723,6 +1107,9 @@ impl CallStreamer {
             }
             State::Args(_) => out.push(Piece::Args(rest)),
             State::ObjectTail(_) | State::Between => {}
+            // A reply cut in its head or in a partial escape: nothing more to say.
+            State::Envelope | State::Response | State::Rest => {}
+            State::ResponseValue(_) => out.push(Piece::Content(rest)),
         }
         self.state = State::Text { start: false };
         out.retain(|p| !matches!(p, Piece::Content(c) if c.is_empty()));
@@ -987,6 +1374,152 @@ mod tests {
         assert!(ids.iter().all(|i| i.len() == 9 && i.chars().all(|c| c.is_ascii_alphanumeric())), "{ids:?}");
     }
 
+    #[test]
+    fn generic_replies_whole_and_streamed_agree_at_every_cut() {
+        let g = Family::Generic;
+        // Escapes, a surrogate pair, raw UTF-8: the response's text, decoded, whatever the cuts.
+        check(
+            g,
+            "{\"response\": \"Line 1\\n\\\"q\\\" caf\\u00e9 \\ud83d\\ude00 naïve \\\\ end\"}",
+            Some("Line 1\n\"q\" café 😀 naïve \\ end"),
+            &[],
+        );
+        check(
+            g,
+            "{\"tool_call\": {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}}",
+            None,
+            &[("get_weather", "{\"city\": \"Paris\"}")],
+        );
+        check(
+            g,
+            "{\"tool_calls\": [{\"name\": \"f\", \"arguments\": {\"x\": \"}]\"}}, {\"name\": \"g\", \"arguments\": {}}]}",
+            None,
+            &[("f", "{\"x\": \"}]\"}"), ("g", "{}")],
+        );
+        // A response_format schema's object streams as written.
+        check(g, "{\"response\": {\"a\": [1, \"}\"]}}", Some("{\"a\": [1, \"}\"]}"), &[]);
+        // Without the envelope (a grammar-free model): text is content, a bare call is read at the end.
+        check(g, "Hello there.", Some("Hello there."), &[]);
+        check(g, "{\"response\": 42}", Some("42"), &[]);
+        let names = vec!["f".to_string()];
+        assert_eq!(g.parse("{\"name\": \"f\", \"arguments\": {}}", &names), (None, vec![("f".into(), "{}".into())]));
+        // The reply's text streams as it comes, not at its end.
+        let pieces = streamed(g, &format!("{{\"response\": \"{}\"}}", "word ".repeat(30)), 4, &[]);
+        assert!(pieces.iter().filter(|p| matches!(p, Piece::Content(_))).count() > 20, "{pieces:?}");
+    }
+
+    #[test]
+    fn generic_replies_cut_off() {
+        let g = Family::Generic;
+        // Cut in the response: what was written; cut in an escape: the escape is not half-written.
+        assert_eq!(g.parse_reply("{\"response\": \"Hello wor", &[], true), (Some("Hello wor".into()), vec![]));
+        for step in 1..6 {
+            let (c, calls) = gather(&streamed(g, "{\"response\": \"ab\\u00", step, &[]));
+            assert_eq!((c.as_str(), calls.len()), ("ab", 0), "step {step}");
+        }
+        // Cut in a call's arguments: kept as streamed; cut in the next call's head: nothing of it.
+        let text = "{\"tool_calls\": [{\"name\": \"f\", \"arguments\": {\"x\": 1}}, {\"name\": \"g\", \"argu";
+        assert_eq!(g.parse_reply(text, &[], true), (None, vec![("f".into(), "{\"x\": 1}".into())]));
+        let text = "{\"tool_call\": {\"name\": \"f\", \"arguments\": {\"x\": ";
+        assert_eq!(g.parse_reply(text, &[], true), (None, vec![("f".into(), "{\"x\": ".into())]));
+    }
+
+    #[test]
+    fn generic_grammar_by_choice() {
+        let g = byte_grammars();
+        let f = Family::Generic;
+        let call = "{\"tool_call\": {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}}";
+        let calls = "{\"tool_calls\": [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}, {\"name\": \"get_time\", \"arguments\": {}}]}";
+        let reply = "{\"response\": \"Hi!\"}";
+        let auto = |parallel| test_tools(ToolChoice::Auto, parallel);
+        for (tools, text, ok) in [
+            (auto(false), call, true),
+            (auto(false), reply, true),
+            (auto(false), calls, false),
+            (auto(true), calls, true),
+            (auto(true), reply, true),
+            (auto(true), call, false),
+            (test_tools(ToolChoice::Required, false), reply, false),
+            (test_tools(ToolChoice::Required, false), call, true),
+            (test_tools(ToolChoice::Named("get_weather".into()), true), call, true),
+            (test_tools(ToolChoice::Named("get_time".into()), true), call, false),
+            (auto(false), "{\"tool_call\": {\"name\": \"get_weather\", \"arguments\": {\"town\": \"Paris\"}}}", false),
+            (auto(false), "{\"response\": \"Hi!\", \"tool_call\": {}}", false),
+        ] {
+            let r = grammar_allows(&g, f, &tools, text);
+            assert_eq!(r.is_ok(), ok, "{:?} parallel {}: {text}: {r:?}", tools.choice, tools.parallel);
+        }
+        // A response_format schema (with a reference of its own) is the response's.
+        let schema = json!({"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"],
+            "$defs": {"P": {"type": "integer"}}});
+        grammar_allows_response(&g, f, &auto(false), Some(&schema), "{\"response\": {\"p\": 3}}").unwrap();
+        assert!(grammar_allows_response(&g, f, &auto(false), Some(&schema), reply).is_err());
+        grammar_allows_response(&g, f, &auto(false), Some(&schema), call).unwrap();
+    }
+
+    #[test]
+    fn generic_conversation_for_templates_without_tool_syntax() {
+        let tools = test_tools(ToolChoice::Auto, false);
+        let msgs = |m: Value| crate::api::parse_messages(json!({"messages": m}).as_object().unwrap()).unwrap();
+        let conv = msgs(json!([
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Weather and time in Paris?"},
+            {"role": "assistant", "content": "Checking.", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+                {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "Sunny"},
+            {"role": "tool", "tool_call_id": "c2", "content": "12:00"},
+            {"role": "user", "content": "Thanks!"},
+        ]));
+        let out = generic_messages(&conv, Some(&tools.json), &tools.choice, false);
+        let roles: Vec<&str> = out.iter().map(|m| m["role"].as_str().unwrap()).collect();
+        assert_eq!(roles, ["system", "user", "assistant", "user"]);
+        let system = out[0]["content"].as_str().unwrap();
+        assert!(system.starts_with("Be brief.\n\nYou can call these functions"), "{system}");
+        assert!(
+            system.contains("{\"name\": \"get_weather\", \"description\": \"The forecast.\", \"parameters\": {\"type\": \"object\""),
+            "{system}"
+        );
+        assert!(system.contains("{\"tool_call\": {\"name\": \"<function name>\"") && system.contains("{\"response\": "), "{system}");
+        assert_eq!(
+            out[2],
+            json!({"role": "assistant", "content": "Checking.\n{\"tool_calls\": [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}, {\"name\": \"get_time\", \"arguments\": {}}]}"})
+        );
+        assert_eq!(
+            out[3]["content"],
+            "{\"tool_response\": {\"name\": \"get_weather\", \"content\": \"Sunny\"}}\n{\"tool_response\": {\"name\": \"get_time\", \"content\": \"12:00\"}}\n\nThanks!"
+        );
+        // Without a system message one comes first; a forced call leaves `response` out; one call with
+        // parallel calls off is written as `tool_call`.
+        let conv = msgs(json!([{"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]}]));
+        let out = generic_messages(&conv, Some(&tools.json), &ToolChoice::Required, false);
+        assert_eq!(out[0]["role"], "system");
+        assert!(!out[0]["content"].as_str().unwrap().contains("response"), "{}", out[0]["content"]);
+        assert_eq!(out[2]["content"], "{\"tool_call\": {\"name\": \"get_time\", \"arguments\": {}}}");
+        // A template that requires alternating turns (as Gemma's) takes the rewritten conversation.
+        let gemma = "{%- for m in messages %}{%- if m.role == 'system' %}{%- continue %}{%- endif %}{%- if (m.role == 'user') != (loop.index0 % 2 == 1) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{%- endfor %}";
+        let t = eddy::chat::ChatTemplate::new(gemma, None, None).unwrap();
+        let conv = msgs(json!([
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "Sunny"},
+        ]));
+        assert!(t.render_json(&conv, true, &serde_json::Map::new()).is_err(), "the test template must refuse a tool turn");
+        let out = generic_messages(&conv, Some(&tools.json), &tools.choice, true);
+        let text = t.render_json(&out, true, &serde_json::Map::new()).unwrap();
+        assert!(
+            text.contains("<start_of_turn>user\n{\"tool_response\": {\"name\": \"get_weather\", \"content\": \"Sunny\"}}<end_of_turn>"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn spaced_json_writes_as_python() {
+        assert_eq!(spaced_json(&json!({"a": [1, {"b": "é\n"}], "c": null})), "{\"a\": [1, {\"b\": \"é\\n\"}], \"c\": null}");
+    }
+
     /// Special tokens of the test vocabulary (after the 256 bytes); the last is end-of-sequence.
     const SPECIALS: [&str; 6] = ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>", "<|eot_id|>", "</s>"];
 
@@ -1019,8 +1552,13 @@ mod tests {
     /// Whether the call grammar of `f` for `tools` allows exactly `text` (each token under the mask, then
     /// the end).
     fn grammar_allows(g: &Grammars, f: Family, tools: &Tools, text: &str) -> Result<(), String> {
+        grammar_allows_response(g, f, tools, None, text)
+    }
+
+    /// [`grammar_allows`] with a `response_format` schema (the generic format's response).
+    fn grammar_allows_response(g: &Grammars, f: Family, tools: &Tools, response: Option<&Value>, text: &str) -> Result<(), String> {
         let special = |name: &str| SPECIALS.iter().position(|s| *s == name).map(|i| 256 + i as u32);
-        let mut c = g.lark(f.call_grammar(tools, special)?)?;
+        let mut c = g.lark(f.call_grammar(tools, response, special)?)?;
         let n = 256 + SPECIALS.len();
         for (k, id) in byte_tokens(text).into_iter().enumerate() {
             let mut logits = vec![0.0f32; n];
@@ -1148,8 +1686,9 @@ mod tests {
             Family::Llama3 => format!("{{\"name\": \"f\", \"parameters\": {args}}}"),
             Family::Mistral => format!("[TOOL_CALLS][{{\"name\": \"f\", \"arguments\": {args}, \"id\": \"abcdefghi\"}}]"),
             Family::MistralArgs => format!("[TOOL_CALLS]f[ARGS]{args}"),
+            Family::Generic => format!("{{\"tool_call\": {{\"name\": \"f\", \"arguments\": {args}}}}}"),
         };
-        for f in [Family::Hermes, Family::Llama3, Family::Mistral, Family::MistralArgs] {
+        for f in [Family::Hermes, Family::Llama3, Family::Mistral, Family::MistralArgs, Family::Generic] {
             for params in [&nested, &old] {
                 grammar_allows(&g, f, &tools(params), &call(f, "{\"p\": {\"x\": 1}}")).unwrap_or_else(|e| panic!("{f:?}: {e}"));
                 assert!(grammar_allows(&g, f, &tools(params), &call(f, "{\"p\": {\"y\": 1}}")).is_err(), "{f:?}");

@@ -2222,16 +2222,76 @@ fn constrained_decoding_with_speculation_is_lossless() {
     assert!(accepted > 0, "no draft accepted: speculation was not exercised");
 }
 
-/// Tools on a model whose template has no tool-call syntax: a clear 400; tool_choice none is accepted.
-#[test]
-fn tools_on_a_template_without_tool_syntax() {
-    let addr = server_or_skip!();
-    let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]);
-    let r = post(addr, "/v1/chat/completions", chat_body("hi", json!({"tools": tools})));
-    let v = assert_error(&r, 400, "tool-call syntax");
-    assert_eq!(v["error"]["param"], "tools");
-    let r = post(addr, "/v1/chat/completions", chat_body("hi", json!({"tools": tools, "tool_choice": "none", "max_tokens": 2})));
+/// A chat reply's content, its calls (name, arguments text) and its finish reason.
+type Reply = (Value, Vec<(String, String)>, String);
+
+/// The reply to `body`, whole and gathered from its stream's deltas.
+fn reply_of(addr: SocketAddr, body: &Value) -> (Reply, Reply) {
+    let r = post(addr, "/v1/chat/completions", body.clone());
     assert_eq!(r.status, 200, "{}", r.body);
+    let v: Value = serde_json::from_str(&r.body).unwrap();
+    let c = &v["choices"][0];
+    let calls = c["message"]["tool_calls"].as_array().into_iter().flatten();
+    let calls =
+        calls.map(|t| (t["function"]["name"].as_str().unwrap().to_string(), t["function"]["arguments"].as_str().unwrap().to_string()));
+    let whole = (c["message"]["content"].clone(), calls.collect(), c["finish_reason"].as_str().unwrap().to_string());
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let (text, ev) = streamed(addr, "/v1/chat/completions", sb);
+    let mut calls: Vec<(String, String)> = Vec::new();
+    for d in ev.iter().filter_map(|e| e["choices"][0]["delta"]["tool_calls"].as_array()).flatten() {
+        let i = d["index"].as_u64().unwrap() as usize;
+        if let Some(n) = d["function"]["name"].as_str() {
+            assert_eq!(i, calls.len(), "{ev:?}");
+            calls.push((n.to_string(), String::new()));
+        }
+        calls[i].1 += d["function"]["arguments"].as_str().unwrap_or("");
+    }
+    let finish = ev.iter().rev().find_map(|e| e["choices"][0]["finish_reason"].as_str()).unwrap().to_string();
+    let content = if text.is_empty() { Value::Null } else { json!(text) };
+    (whole, (content, calls, finish))
+}
+
+/// Tools on a model whose template has no tool-call syntax (SmolLM2's): the generic format (a system
+/// message with the tools, the reply one JSON object under a grammar). A forced call is a call of the tool
+/// with arguments matching its schema, the same streamed; `auto` answers with calls or content, the same
+/// streamed; a conversation carrying a call and its result renders; tool_choice none is plain text.
+#[test]
+fn tools_on_a_template_without_tool_syntax_use_the_generic_format() {
+    let addr = server_or_skip!();
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+    let ask = "What is the weather in Paris?";
+    let forced = chat_body(ask, json!({"tools": tools, "tool_choice": "required", "parallel_tool_calls": false, "max_tokens": 40}));
+    let (whole, streamed) = reply_of(addr, &forced);
+    assert_eq!(whole, streamed);
+    let (content, calls, finish) = whole;
+    assert_eq!((content, finish.as_str(), calls.len()), (Value::Null, "tool_calls", 1), "{calls:?}");
+    assert_eq!(calls[0].0, "get_weather");
+    let args: Value = serde_json::from_str(&calls[0].1).unwrap();
+    assert!(args["city"].is_string() && args.as_object().unwrap().len() == 1, "{args}");
+    for question in [ask, "Write a haiku about the sea."] {
+        let auto = chat_body(question, json!({"tools": tools, "max_tokens": 40}));
+        let (whole, streamed) = reply_of(addr, &auto);
+        assert_eq!(whole, streamed);
+        let (content, calls, finish) = whole;
+        assert!(content.is_string() == calls.is_empty() || finish == "length", "{content} {calls:?} {finish}");
+        assert_eq!(finish == "tool_calls", !calls.is_empty() && finish != "length", "{finish}");
+    }
+    // The call and its result fed back: the template takes the rewritten conversation.
+    let mut turn = chat_body(ask, json!({"tools": tools, "max_tokens": 8}));
+    turn["messages"].as_array_mut().unwrap().extend([
+        json!({"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}),
+        json!({"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 °C"}),
+    ]);
+    let r = post(addr, "/v1/chat/completions", turn);
+    assert_eq!(r.status, 200, "{}", r.body);
+    // tool_choice none: the tools reach the prompt only, the reply is plain text.
+    let r = post(addr, "/v1/chat/completions", chat_body("hi", json!({"tools": tools, "tool_choice": "none", "max_tokens": 8})));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v: Value = serde_json::from_str(&r.body).unwrap();
+    assert!(v["choices"][0]["message"]["content"].as_str().is_some_and(|c| !c.starts_with('{')), "{v}");
     let r = post(
         addr,
         "/v1/chat/completions",
