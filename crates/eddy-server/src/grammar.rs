@@ -207,6 +207,29 @@ pub struct Constraint {
 }
 
 impl Constraint {
+    /// The error of a grammar that fails before the reply's first free choice, else `None`: llguidance
+    /// builds parts of a grammar lazily (its lexer), so one that compiles may fail at its first mask or at
+    /// the mask after the tokens it forces (a string pattern fails once its opening quote is taken). Run on
+    /// a clone: the constraint itself is untouched.
+    pub fn early_failure(&self) -> Option<String> {
+        let mut m = self.m.clone();
+        let failed = |m: &Matcher, e: String| Some(m.get_error().unwrap_or(e));
+        if let Err(e) = m.compute_mask() {
+            return failed(&m, e.to_string());
+        }
+        let forced = m.compute_ff_tokens();
+        if forced.is_empty() {
+            return m.get_error();
+        }
+        if let Err(e) = m.consume_tokens(&forced) {
+            return failed(&m, e.to_string());
+        }
+        if m.is_stopped() {
+            return m.get_error();
+        }
+        m.compute_mask().err().and_then(|e| failed(&m, e.to_string()))
+    }
+
     /// Whether the digit bound lets `tokens[last]` through, `tokens` continuing what was consumed and
     /// allowed by the grammar, `scan` the reply before the last: not past the bound, and a token that
     /// fills the run with digits only must leave the grammar a way to end the number (some next token
@@ -529,6 +552,22 @@ mod tests {
     /// A number the schema keeps open (`multipleOf`) cannot run into the bound with nothing left: the
     /// digit that fills the run must be one after which the number can end, in `apply` and in
     /// `accepted_prefix` alike.
+    /// A pattern too large for the lazy lexer compiles, then fails once its opening quote (forced) is
+    /// taken: found before the reply, on a clone; a plain schema has no such failure.
+    #[test]
+    fn grammars_failing_before_the_first_choice_are_found_early() {
+        let (g, eos) = grammars();
+        let c = g.json_schema(&json!({"type": "string", "pattern": "^a{1000000}$"})).unwrap();
+        let e = c.early_failure().expect("the lexer limit");
+        assert!(e.contains("lexer"), "{e}");
+        let mut c = g.json_schema(&json!({"type": "string", "pattern": "^a{3}$"})).unwrap();
+        assert_eq!(c.early_failure(), None);
+        // The constraint itself is untouched: it still starts at the quote.
+        let mut logits = vec![0.0f32; eos as usize + 1];
+        assert!(c.apply(&mut logits));
+        assert!(logits[b'"' as usize].is_finite() && logits[b'a' as usize] == f32::NEG_INFINITY);
+    }
+
     #[test]
     fn the_last_digit_lets_the_number_end() {
         let (g, eos) = grammars();

@@ -769,6 +769,11 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
                 .as_ref()
                 .map_err(|e| ApiError::invalid(Some(param), format!("structured output is not available for this model: {e}")))?;
             let c = gs.lark(g).map_err(|e| ApiError::invalid(Some(param), grammar_error(param, &e)))?;
+            // A grammar failing before the reply's first free choice ([`grammar::Constraint::early_failure`])
+            // is a 400 before any byte of the reply (a streamed reply could only report it after its 200).
+            if let Some(e) = c.early_failure() {
+                return Err(ApiError::invalid(Some(param), format!("invalid {param}: its grammar failed before the first token: {e}")));
+            }
             Some((c, param))
         }
     };

@@ -2589,17 +2589,20 @@ fn structured_outputs_stay_bounded_and_closed() {
     assert_eq!(person.as_object().unwrap().keys().collect::<Vec<_>>(), ["name"], "{person}");
 }
 
-/// A schema that compiles but whose grammar fails while the reply is generated (llguidance builds its
-/// lexer lazily: a pattern of a million `a`s) is a 400 naming `response_format`, not a reply cut short;
-/// and with `auto` tools and a `response_format` the reply is content even when it looks like a call.
+/// A schema that compiles but whose grammar fails at its first mask (llguidance builds its lexer lazily: a
+/// pattern of a million `a`s) is a 400 naming `response_format`, whole or streamed (before the stream's
+/// 200), not a reply cut short; and with `auto` tools and a `response_format` the reply is content even
+/// when it looks like a call.
 #[test]
 fn grammar_failures_are_errors_and_json_replies_are_content() {
     let Some(addr) = qwen05_server() else { return };
     let schema = json!({"type": "string", "pattern": "^a{1000000}$"});
-    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+    let mut body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
         "response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}});
-    let v = assert_error(&post(addr, "/v1/chat/completions", body), 400, "grammar failed");
+    let v = assert_error(&post(addr, "/v1/chat/completions", body.clone()), 400, "grammar failed before the first token");
     assert_eq!(v["error"]["param"], "response_format", "{v}");
+    body["stream"] = json!(true);
+    assert_error(&post(addr, "/v1/chat/completions", body), 400, "grammar failed before the first token");
     let tools = json!([{"type": "function", "function": {"name": "get_weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
     let v = post(
