@@ -514,6 +514,26 @@ impl Cursor<'_> {
         Err(if lits.iter().any(|l| l.starts_with(rest)) { Miss::More } else { Miss::Not })
     }
 
+    /// Skips whitespace, then a JSON string: its value.
+    fn string(&mut self) -> Result<String, Miss> {
+        self.lit(&["\""])?;
+        let (b, start) = (self.s.as_bytes(), self.i - 1);
+        let mut esc = false;
+        loop {
+            let Some(&ch) = b.get(self.i) else {
+                return Err(Miss::More);
+            };
+            self.i += 1;
+            match ch {
+                _ if esc => esc = false,
+                b'\\' => esc = true,
+                b'"' => break,
+                _ => {}
+            }
+        }
+        serde_json::from_str(&self.s[start..self.i]).map_err(|_| Miss::Not)
+    }
+
     /// Skips whitespace; the next byte, if the text has one yet.
     fn peek(&mut self) -> Result<u8, Miss> {
         self.ws();
@@ -528,22 +548,7 @@ fn scan_head(s: &str) -> Head {
         c.lit(&["{"])?;
         c.lit(&["\"name\""])?;
         c.lit(&[":"])?;
-        c.lit(&["\""])?;
-        let (b, start) = (s.as_bytes(), c.i - 1);
-        let mut esc = false;
-        loop {
-            let Some(&ch) = b.get(c.i) else {
-                return Err(Miss::More);
-            };
-            c.i += 1;
-            match ch {
-                _ if esc => esc = false,
-                b'\\' => esc = true,
-                b'"' => break,
-                _ => {}
-            }
-        }
-        let name: String = serde_json::from_str(&s[start..c.i]).map_err(|_| Miss::Not)?;
+        let name = c.string()?;
         c.lit(&[","])?;
         c.lit(&["\"arguments\"", "\"parameters\""])?;
         c.lit(&[":"])?;
@@ -556,6 +561,15 @@ fn scan_head(s: &str) -> Head {
         Miss::More => Head::More,
         Miss::Not => Head::Not,
     })
+}
+
+/// The name of a call object cut off after its name (`{"name": "…"` and perhaps more of the head).
+fn head_name(s: &str) -> Option<String> {
+    let mut c = Cursor { s, i: 0 };
+    c.lit(&["{"]).ok()?;
+    c.lit(&["\"name\""]).ok()?;
+    c.lit(&[":"]).ok()?;
+    c.string().ok()
 }
 
 /// How far the head of a generic reply ([`Family::Generic`]) has been read: `{"response": `,
@@ -1087,13 +1101,25 @@ impl CallStreamer {
                 Some(c) => calls(&mut out, c),
                 None => out.push(Piece::Content(rest)),
             },
-            // Generic: a call cut before its arguments (the grammar writes no other head).
-            State::Head | State::Whole if self.family == Family::Generic => {}
+            // Generic: a call cut before its name (the grammar writes no other head).
+            State::Head if self.family == Family::Generic => {
+                if let Some(name) = head_name(&rest) {
+                    out.push(Piece::Call(name));
+                    out.push(Piece::Args(String::new()));
+                }
+            }
+            State::Whole if self.family == Family::Generic => {}
             State::Head | State::Whole => {
                 let found =
                     json_values(&rest).and_then(|vs| vs.iter().map(call_of_value).collect::<Option<Vec<_>>>()).filter(|c| !c.is_empty());
                 match found {
                     Some(c) => calls(&mut out, c),
+                    // Cut off after its name: the call, its arguments not begun (a whole reply keeps it
+                    // only when it was cut off, as any call whose arguments did not close).
+                    None if self.state == State::Head && head_name(&rest).is_some() => {
+                        out.push(Piece::Call(head_name(&rest).unwrap_or_default()));
+                        out.push(Piece::Args(String::new()));
+                    }
                     None => {
                         let marker = match self.family {
                             Family::Hermes => OPEN,
@@ -1291,6 +1317,13 @@ mod tests {
         for step in 1..9 {
             assert_eq!(gather(&streamed(Family::Hermes, text, step, &[])), (String::new(), want.clone()), "step {step}");
         }
+        // Cut off after a name: that call, no arguments yet, whole as streamed.
+        let named = "<tool_call>\n{\"name\": \"get_weather\", \"argu";
+        let want = vec![("get_weather".to_string(), String::new())];
+        assert_eq!(Family::Hermes.parse_reply(named, &[], true), (None, want.clone()));
+        for step in 1..9 {
+            assert_eq!(gather(&streamed(Family::Hermes, named, step, &[])), (String::new(), want.clone()), "step {step}");
+        }
         // Not cut off, the unfinished call makes the reply content, as before.
         assert_eq!(Family::Hermes.parse(text, &[]), (Some(text.into()), vec![]));
         // A block that is no call (its arguments are no object) stays content in both readings.
@@ -1417,9 +1450,13 @@ mod tests {
             let (c, calls) = gather(&streamed(g, "{\"response\": \"ab\\u00", step, &[]));
             assert_eq!((c.as_str(), calls.len()), ("ab", 0), "step {step}");
         }
-        // Cut in a call's arguments: kept as streamed; cut in the next call's head: nothing of it.
+        // Cut in a call's arguments: kept as streamed; cut in the next call's head: the call once its name
+        // is whole, its arguments empty; nothing of it before.
         let text = "{\"tool_calls\": [{\"name\": \"f\", \"arguments\": {\"x\": 1}}, {\"name\": \"g\", \"argu";
-        assert_eq!(g.parse_reply(text, &[], true), (None, vec![("f".into(), "{\"x\": 1}".into())]));
+        let f = ("f".to_string(), "{\"x\": 1}".to_string());
+        assert_eq!(g.parse_reply(text, &[], true), (None, vec![f.clone(), ("g".into(), String::new())]));
+        let text = "{\"tool_calls\": [{\"name\": \"f\", \"arguments\": {\"x\": 1}}, {\"name\": \"g";
+        assert_eq!(g.parse_reply(text, &[], true), (None, vec![f]));
         let text = "{\"tool_call\": {\"name\": \"f\", \"arguments\": {\"x\": ";
         assert_eq!(g.parse_reply(text, &[], true), (None, vec![("f".into(), "{\"x\": ".into())]));
     }

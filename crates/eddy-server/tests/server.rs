@@ -2524,8 +2524,9 @@ fn tool_choice_none_keeps_the_tools_in_the_prompt() {
 }
 
 /// A forced call cut short is never content: before its name is read (3 tokens) the reply has neither
-/// content nor calls, whole and streamed; cut inside its arguments by a stop string, the partial call is
-/// kept and the finish reason stays `stop` (not `tool_calls`: the call is not whole).
+/// content nor calls, whole and streamed; cut after its name, the call with its arguments as far as they
+/// went (empty right after the name), whole as streamed; cut inside its arguments by a stop string, the
+/// partial call is kept and the finish reason stays `stop` (not `tool_calls`: the call is not whole).
 #[test]
 fn a_forced_call_cut_short_shows_no_markup() {
     let Some(addr) = qwen05_server() else { return };
@@ -2544,6 +2545,16 @@ fn a_forced_call_cut_short_shows_no_markup() {
     let (text, ev) = streamed(addr, "/v1/chat/completions", body(json!({"max_tokens": 3, "stream": true})));
     assert!(text.is_empty(), "{text:?}");
     assert_eq!(ev.iter().rev().find_map(|e| e["choices"][0]["finish_reason"].as_str()), Some("length"));
+    let mut empty = false;
+    for n in 4..=14 {
+        let (whole, streamed) = reply_of(addr, &body(json!({"max_tokens": n})));
+        assert_eq!(whole, streamed, "max_tokens {n}");
+        let (content, calls, finish) = whole;
+        assert_eq!((content, finish.as_str()), (Value::Null, "length"), "max_tokens {n}");
+        assert!(calls.iter().all(|(name, args)| name == "get_weather" && "{\"city\": \"Tokyo\"}".starts_with(args.as_str())), "{calls:?}");
+        empty |= calls == [("get_weather".to_string(), String::new())];
+    }
+    assert!(empty, "no token limit fell between the name and the arguments");
     let v = post(addr, "/v1/chat/completions", body(json!({"max_tokens": 40, "stop": ["}"]}))).json();
     let c = &v["choices"][0];
     assert_eq!(c["finish_reason"], "stop", "{v}");
