@@ -641,15 +641,21 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
             if let Some(tools) = &tools {
                 kwargs.insert("tools".into(), tools.json.clone());
             }
-            let tools = tools.filter(|t| t.choice != api::ToolChoice::None);
             let Some(t) = &st.template else {
                 return Err(ApiError::invalid(None, "the model has no chat template; use /v1/completions"));
             };
-            // A template without a call syntax eddy knows gets the generic one: the conversation is
-            // rewritten for it (inside `render`, so that the defanged rendering is rewritten alike).
-            let mut generic = None;
+            let made_calls = |m: &Value| m.get("tool_calls").is_some_and(|c| c.as_array().is_some_and(|a| !a.is_empty()));
+            // A template without a call syntax eddy knows gets the generic one ([`tools::generic_messages`]):
+            // the conversation is rewritten for it whenever it has tools or past calls (with tool_choice
+            // `none` too, so that the model still sees them), inside `render` so that the defanged rendering
+            // is rewritten alike.
+            let known = tools::Family::of_template(t.source());
+            let past_calls = messages.iter().any(|m| m["role"] == "tool" || made_calls(m));
+            let generic = (known.is_none() && (tools.is_some() || past_calls))
+                .then(|| (tools.as_ref().map_or(api::ToolChoice::None, |t| t.choice.clone()), tools.as_ref().is_none_or(|t| t.parallel)));
+            let tools = tools.filter(|t| t.choice != api::ToolChoice::None);
             if let Some(tools) = &tools {
-                let family = tools::Family::of_template(t.source()).unwrap_or(tools::Family::Generic);
+                let family = known.unwrap_or(tools::Family::Generic { json: schema.is_some() });
                 if schema.is_some() && tools.choice != api::ToolChoice::Auto {
                     return Err(ApiError::invalid(
                         Some("response_format"),
@@ -657,10 +663,7 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
                     ));
                 }
                 let g = family.call_grammar(tools, schema.as_ref(), |name| st.tokenizer.token_id(name));
-                if family == tools::Family::Generic {
-                    generic = Some((tools.choice.clone(), tools.parallel));
-                }
-                if generic.is_some() || matches!(tools.choice, api::ToolChoice::Required | api::ToolChoice::Named(_)) {
+                if family.is_generic() || matches!(tools.choice, api::ToolChoice::Required | api::ToolChoice::Named(_)) {
                     grammar = Some(("tools", g.map_err(|e| ApiError::invalid(Some("tools"), e))?));
                 } else if let Ok(g) = g {
                     check_tools(st, &g)?;
@@ -675,8 +678,13 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
             // An assistant message last is continued (the reply extends it), as vLLM's and
             // llama-server's prefill of the assistant turn; one that made tool calls is a finished turn
             // (vLLM renders it and opens a new one: its results may still be coming).
-            let made_calls = |m: &Value| m.get("tool_calls").is_some_and(|c| c.as_array().is_some_and(|a| !a.is_empty()));
             let continued = messages.last().is_some_and(|m| m["role"] == "assistant" && !made_calls(m));
+            if continued && calls.as_ref().is_some_and(|c| c.family.is_generic()) {
+                return Err(ApiError::invalid(
+                    Some("messages"),
+                    "a last assistant message cannot be continued with tools on this model: its chat template has no tool-call syntax, so every reply is one JSON object (eddy's generic tool format) that cannot extend that text",
+                ));
+            }
             let render = |messages: &[Value], kwargs: &serde_json::Map<String, Value>| {
                 let rewritten;
                 let messages = match &generic {
@@ -1172,11 +1180,14 @@ impl Formatter {
                     message["reasoning_content"] = json!(reasoning);
                 }
                 if let Some(c) = &self.calls {
-                    let (content, mut calls) = c.family.parse_reply(&text, &c.names, c.forced || finish == "length");
+                    // Cut off (by the token limit or a stop string), the last call is kept as streamed.
+                    let cut = c.forced || finish == "length" || stop.is_some();
+                    let (content, mut calls) = c.family.parse_reply(&text, &c.names, cut);
                     if !c.parallel {
                         calls.truncate(1);
                     }
-                    if !calls.is_empty() || c.forced {
+                    // The generic format's reply is never content as written (its JSON is the format's).
+                    if !calls.is_empty() || c.forced || c.family.is_generic() {
                         message["content"] = json!(if c.forced { None } else { content });
                         let complete = calls.last().is_some_and(|(_, a)| complete_arguments(a));
                         if !calls.is_empty() {

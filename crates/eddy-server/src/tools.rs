@@ -45,8 +45,12 @@ pub enum Family {
     /// `[TOOL_CALLS]name[ARGS]{…}`.
     MistralArgs,
     Llama3,
-    /// No call syntax in the template: one JSON object a reply (see the module docs).
-    Generic,
+    /// No call syntax in the template: one JSON object a reply (see the module docs). `json`: the request
+    /// has a `response_format`, so a response is its JSON and kept as written (a string with its quotes);
+    /// otherwise the response is a string whose text is the content.
+    Generic {
+        json: bool,
+    },
 }
 
 const OPEN: &str = "<tool_call>";
@@ -76,7 +80,12 @@ impl Family {
     /// Whether the output must be decoded with special tokens kept (the family's marker is a control
     /// token that decoding would otherwise drop).
     pub fn keeps_special_tokens(self) -> bool {
-        !matches!(self, Family::Hermes | Family::Generic)
+        !matches!(self, Family::Hermes | Family::Generic { .. })
+    }
+
+    /// Whether this is the generic format ([`Family::Generic`]).
+    pub fn is_generic(self) -> bool {
+        matches!(self, Family::Generic { .. })
     }
 
     fn is_mistral(self) -> bool {
@@ -150,7 +159,7 @@ impl Family {
             })
             .collect();
         // Generic with `auto`: the response a reply may be instead of calls.
-        let response = (self == Family::Generic && tools.choice == ToolChoice::Auto).then(|| match response_schema {
+        let response = (self.is_generic() && tools.choice == ToolChoice::Auto).then(|| match response_schema {
             None => json!({"type": "string"}),
             Some(schema) => {
                 let mut p = schema.clone();
@@ -222,7 +231,7 @@ impl Family {
                 g
             }
             Family::Llama3 => format!("start: body\nbody: %json {}\n", text(&call)?),
-            Family::Generic => {
+            Family::Generic { .. } => {
                 let calls = if parallel {
                     json!({"type": "object", "properties": {"tool_calls": {"type": "array", "minItems": 1, "items": {"anyOf": one}}},
                            "required": ["tool_calls"], "additionalProperties": false})
@@ -347,12 +356,13 @@ pub fn spaced_json(v: &Value) -> String {
 /// tool-call syntax ([`Family::Generic`]), as llama.cpp's generic format (and minja's polyfills for such
 /// templates) writes it:
 /// - a system message tells the model the tools (`tools`: the request's list, OpenAI's form, one function
-///   a line) and the reply format for `choice` and `parallel` (appended to the conversation's own system
-///   message, or first);
+///   a line) and the reply format for `choice` and `parallel`, or with `tool_choice` `none` that it calls
+///   none now (appended to the conversation's own system message, or first; none without tools);
 /// - an assistant message with `tool_calls` carries them as its content in the reply format, after its
 ///   text;
 /// - a tool result becomes a user message `{"tool_response": {"name": …, "content": …}}` (the name from the
-///   message, else from the call its `tool_call_id` answers), and results in a row share one message, so
+///   message, else from the call its `tool_call_id` answers; left out when neither gives it), and results
+///   in a row share one message, so
 ///   that templates which require turns to alternate (Gemma) take them (a user message right after them
 ///   joins that message too).
 pub fn generic_messages(messages: &[Value], tools: Option<&Value>, choice: &ToolChoice, parallel: bool) -> Vec<Value> {
@@ -363,12 +373,14 @@ pub fn generic_messages(messages: &[Value], tools: Option<&Value>, choice: &Tool
     } else {
         format!("{{\"tool_call\": {call_form}}} to call a function")
     };
+    let listed = tools.and_then(Value::as_array).filter(|l| !l.is_empty());
     let mut note = String::from("You can call these functions (each with a JSON Schema of its arguments):\n");
-    for t in tools.and_then(Value::as_array).into_iter().flatten() {
+    for t in listed.into_iter().flatten() {
         note.push_str(&spaced_json(t.get("function").unwrap_or(t)));
         note.push('\n');
     }
     note.push_str(&match choice {
+        ToolChoice::None => "\nNo function can be called in this reply: answer the user in plain text.".to_string(),
         ToolChoice::Auto => format!(
             "\nReply with one JSON object: {calls_form}, or {{\"response\": \"<your reply>\"}} to answer the user. A function's result comes back as {{\"tool_response\": {{\"name\": …, \"content\": …}}}}."
         ),
@@ -377,6 +389,7 @@ pub fn generic_messages(messages: &[Value], tools: Option<&Value>, choice: &Tool
     });
     let mut out: Vec<Value> = Vec::with_capacity(messages.len() + 1);
     match messages.first() {
+        _ if listed.is_none() => {}
         Some(m) if m["role"] == "system" => {
             let own = m["content"].as_str().unwrap_or("");
             let mut m = m.clone();
@@ -388,9 +401,11 @@ pub fn generic_messages(messages: &[Value], tools: Option<&Value>, choice: &Tool
     // Tool call ids to names, for results that give only the id.
     let mut named = std::collections::HashMap::new();
     let mut merged_result = false;
-    for m in messages.iter().skip(usize::from(messages.first().is_some_and(|m| m["role"] == "system"))) {
+    let skip = listed.is_some() && messages.first().is_some_and(|m| m["role"] == "system");
+    for m in messages.iter().skip(usize::from(skip)) {
         let mut m = m.clone();
-        if let Some(calls) = m.as_object_mut().and_then(|o| o.remove("tool_calls")).and_then(|c| c.as_array().cloned()) {
+        let calls = m.as_object_mut().and_then(|o| o.remove("tool_calls")).and_then(|c| c.as_array().cloned());
+        if let Some(calls) = calls.filter(|c| !c.is_empty()) {
             let calls: Vec<Value> = calls
                 .iter()
                 .map(|c| {
@@ -415,7 +430,10 @@ pub fn generic_messages(messages: &[Value], tools: Option<&Value>, choice: &Tool
                 .and_then(Value::as_str)
                 .map(String::from)
                 .or_else(|| m.get("tool_call_id").and_then(Value::as_str).and_then(|id| named.get(id).cloned()));
-            let result = json!({"tool_response": {"name": name, "content": m["content"]}});
+            let result = match name {
+                Some(name) => json!({"tool_response": {"name": name, "content": m["content"]}}),
+                None => json!({"tool_response": {"content": m["content"]}}),
+            };
             let text = spaced_json(&result);
             match out.last_mut() {
                 Some(last) if merged_result => {
@@ -723,8 +741,10 @@ enum State {
     Content,
     /// Generic: the reply's head (`{"response": ` or `{"tool_call": ` or `{"tool_calls": [`) is next.
     Envelope,
-    /// Generic: inside the response string.
-    Response,
+    /// Generic: inside the response string (`raw`: kept as written, quotes and escapes, else decoded).
+    Response { raw: bool },
+    /// Generic: inside a response that is a number, `true`, `false` or `null`.
+    ResponseScalar,
     /// Generic: inside a response that is a JSON object or list.
     ResponseValue(ValueEnd),
     /// Generic: after the response or the calls, the end of the reply's object.
@@ -747,7 +767,7 @@ pub struct CallStreamer {
 
 impl CallStreamer {
     pub fn new(family: Family, names: Vec<String>) -> Self {
-        let state = if family == Family::Generic { State::Envelope } else { State::Text { start: true } };
+        let state = if family.is_generic() { State::Envelope } else { State::Text { start: true } };
         CallStreamer { family, names, state, list: false, after_call: false, buf: String::new() }
     }
 
@@ -962,7 +982,7 @@ impl CallStreamer {
                             }
                         }
                     }
-                    Family::Generic => {
+                    Family::Generic { .. } => {
                         self.skip_ws();
                         match self.buf.chars().next() {
                             None if self.list => false,
@@ -1016,18 +1036,22 @@ impl CallStreamer {
                 match scan_envelope(&self.buf) {
                     Envelope::More => false,
                     Envelope::Text(at) => {
+                        let raw = matches!(self.family, Family::Generic { json: true });
                         self.take(at);
-                        self.state = State::Response;
+                        if raw {
+                            out.push(Piece::Content("\"".into()));
+                        }
+                        self.state = State::Response { raw };
                         true
                     }
-                    Envelope::Value(at) if matches!(self.buf.as_bytes()[at], b'{' | b'[') => {
+                    Envelope::Value(at) => {
+                        let object = matches!(self.buf.as_bytes()[at], b'{' | b'[');
                         self.take(at);
-                        self.state = State::ResponseValue(ValueEnd::default());
+                        self.state = if object { State::ResponseValue(ValueEnd::default()) } else { State::ResponseScalar };
                         true
                     }
-                    // Some other object, or a response that is a number, `true`, `false` or `null` (its end
-                    // is only sure at the reply's): read whole at the end.
-                    Envelope::Not | Envelope::Value(_) => {
+                    // Some other object: read whole at the end.
+                    Envelope::Not => {
                         self.state = State::Bare;
                         false
                     }
@@ -1044,28 +1068,34 @@ impl CallStreamer {
                     }
                 }
             }
-            State::Response => {
+            State::Response { raw } => {
                 let (n, closed) = string_prefix(&self.buf);
-                let raw = self.take(n);
-                out.push(Piece::Content(serde_json::from_str(&format!("\"{raw}\"")).unwrap_or(raw)));
+                let text = self.take(n + usize::from(closed && raw));
+                out.push(Piece::Content(match raw {
+                    true => text,
+                    false => serde_json::from_str(&format!("\"{text}\"")).unwrap_or(text),
+                }));
                 if closed {
-                    self.take(1);
+                    if !raw {
+                        self.take(1);
+                    }
                     self.state = State::Rest;
                 }
                 closed
             }
-            State::ResponseValue(mut v) => match v.feed(&self.buf) {
-                Some(n) => {
-                    out.push(Piece::Content(self.take(n)));
+            State::ResponseScalar | State::ResponseValue(_) => {
+                let end = match &mut self.state {
+                    State::ResponseValue(v) => v.feed(&self.buf),
+                    // A scalar holds no `}`, `,` or whitespace: the first of them ends it.
+                    _ => self.buf.find(|c: char| c == '}' || c == ',' || c.is_whitespace()),
+                };
+                let n = end.unwrap_or(self.buf.len());
+                out.push(Piece::Content(self.take(n)));
+                if end.is_some() {
                     self.state = State::Rest;
-                    true
                 }
-                None => {
-                    out.push(Piece::Content(std::mem::take(&mut self.buf)));
-                    self.state = State::ResponseValue(v);
-                    false
-                }
-            },
+                end.is_some()
+            }
             State::Rest => {
                 self.buf.clear();
                 false
@@ -1087,7 +1117,7 @@ impl CallStreamer {
             State::Text { .. } if self.after_call && rest.trim().is_empty() => {}
             State::Text { .. } | State::Content => out.push(Piece::Content(rest)),
             State::Marker | State::Name => out.push(Piece::Content(format!("{MISTRAL}{rest}"))),
-            State::Bare if self.family == Family::Generic => match generic_reply(&rest) {
+            State::Bare if self.family.is_generic() => match generic_reply(&rest) {
                 Some((content, c)) => {
                     out.extend(content.map(Piece::Content));
                     calls(&mut out, c)
@@ -1102,13 +1132,13 @@ impl CallStreamer {
                 None => out.push(Piece::Content(rest)),
             },
             // Generic: a call cut before its name (the grammar writes no other head).
-            State::Head if self.family == Family::Generic => {
+            State::Head if self.family.is_generic() => {
                 if let Some(name) = head_name(&rest) {
                     out.push(Piece::Call(name));
                     out.push(Piece::Args(String::new()));
                 }
             }
-            State::Whole if self.family == Family::Generic => {}
+            State::Whole if self.family.is_generic() => {}
             State::Head | State::Whole => {
                 let found =
                     json_values(&rest).and_then(|vs| vs.iter().map(call_of_value).collect::<Option<Vec<_>>>()).filter(|c| !c.is_empty());
@@ -1124,7 +1154,7 @@ impl CallStreamer {
                         let marker = match self.family {
                             Family::Hermes => OPEN,
                             Family::Mistral | Family::MistralArgs => MISTRAL,
-                            Family::Llama3 | Family::Generic => "",
+                            Family::Llama3 | Family::Generic { .. } => "",
                         };
                         let list = if self.list { "[" } else { "" };
                         out.push(Piece::Content(format!("{marker}{list}{rest}")))
@@ -1134,8 +1164,8 @@ impl CallStreamer {
             State::Args(_) => out.push(Piece::Args(rest)),
             State::ObjectTail(_) | State::Between => {}
             // A reply cut in its head or in a partial escape: nothing more to say.
-            State::Envelope | State::Response | State::Rest => {}
-            State::ResponseValue(_) => out.push(Piece::Content(rest)),
+            State::Envelope | State::Response { .. } | State::Rest => {}
+            State::ResponseValue(_) | State::ResponseScalar => out.push(Piece::Content(rest)),
         }
         self.state = State::Text { start: false };
         out.retain(|p| !matches!(p, Piece::Content(c) if c.is_empty()));
@@ -1409,7 +1439,7 @@ mod tests {
 
     #[test]
     fn generic_replies_whole_and_streamed_agree_at_every_cut() {
-        let g = Family::Generic;
+        let g = Family::Generic { json: false };
         // Escapes, a surrogate pair, raw UTF-8: the response's text, decoded, whatever the cuts.
         check(
             g,
@@ -1429,11 +1459,17 @@ mod tests {
             None,
             &[("f", "{\"x\": \"}]\"}"), ("g", "{}")],
         );
-        // A response_format schema's object streams as written.
+        // A response_format schema's JSON streams as written: objects, numbers past f64 and i64, strings
+        // with their quotes and escapes.
         check(g, "{\"response\": {\"a\": [1, \"}\"]}}", Some("{\"a\": [1, \"}\"]}"), &[]);
+        check(g, "{\"response\": 25492651248239236268}", Some("25492651248239236268"), &[]);
+        check(g, "{\"response\": 28E81384430994283248760}", Some("28E81384430994283248760"), &[]);
+        check(g, "{\"response\": true}", Some("true"), &[]);
+        let json = Family::Generic { json: true };
+        check(json, "{\"response\": \"a\\\"b \\u00e9\"}", Some("\"a\\\"b \\u00e9\""), &[]);
+        check(json, "{\"tool_call\": {\"name\": \"f\", \"arguments\": {}}}", None, &[("f", "{}")]);
         // Without the envelope (a grammar-free model): text is content, a bare call is read at the end.
         check(g, "Hello there.", Some("Hello there."), &[]);
-        check(g, "{\"response\": 42}", Some("42"), &[]);
         let names = vec!["f".to_string()];
         assert_eq!(g.parse("{\"name\": \"f\", \"arguments\": {}}", &names), (None, vec![("f".into(), "{}".into())]));
         // The reply's text streams as it comes, not at its end.
@@ -1443,7 +1479,7 @@ mod tests {
 
     #[test]
     fn generic_replies_cut_off() {
-        let g = Family::Generic;
+        let g = Family::Generic { json: false };
         // Cut in the response: what was written; cut in an escape: the escape is not half-written.
         assert_eq!(g.parse_reply("{\"response\": \"Hello wor", &[], true), (Some("Hello wor".into()), vec![]));
         for step in 1..6 {
@@ -1464,7 +1500,7 @@ mod tests {
     #[test]
     fn generic_grammar_by_choice() {
         let g = byte_grammars();
-        let f = Family::Generic;
+        let f = Family::Generic { json: false };
         let call = "{\"tool_call\": {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}}";
         let calls = "{\"tool_calls\": [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}, {\"name\": \"get_time\", \"arguments\": {}}]}";
         let reply = "{\"response\": \"Hi!\"}";
@@ -1534,6 +1570,25 @@ mod tests {
         assert_eq!(out[0]["role"], "system");
         assert!(!out[0]["content"].as_str().unwrap().contains("response"), "{}", out[0]["content"]);
         assert_eq!(out[2]["content"], "{\"tool_call\": {\"name\": \"get_time\", \"arguments\": {}}}");
+        // Without tools (or with tool_choice none) past calls and results are still written out; the note
+        // comes only with tools, and with none it says that no call can be made now.
+        let conv = msgs(json!([{"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+            {"role": "tool", "content": "12:00"},
+            {"role": "assistant", "content": "Noon.", "tool_calls": []}]));
+        let out = generic_messages(&conv, None, &ToolChoice::None, true);
+        assert_eq!(
+            out,
+            vec![
+                json!({"role": "user", "content": "Hi"}),
+                json!({"role": "assistant", "content": "{\"tool_calls\": [{\"name\": \"get_time\", \"arguments\": {}}]}"}),
+                json!({"role": "user", "content": "{\"tool_response\": {\"content\": \"12:00\"}}"}),
+                json!({"role": "assistant", "content": "Noon."}),
+            ]
+        );
+        let out = generic_messages(&conv, Some(&tools.json), &ToolChoice::None, true);
+        let system = out[0]["content"].as_str().unwrap();
+        assert!(system.contains("get_weather") && system.contains("plain text") && !system.contains("\"response\""), "{system}");
         // A template that requires alternating turns (as Gemma's) takes the rewritten conversation.
         let gemma = "{%- for m in messages %}{%- if m.role == 'system' %}{%- continue %}{%- endif %}{%- if (m.role == 'user') != (loop.index0 % 2 == 1) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{%- endfor %}";
         let t = eddy::chat::ChatTemplate::new(gemma, None, None).unwrap();
@@ -1723,9 +1778,9 @@ mod tests {
             Family::Llama3 => format!("{{\"name\": \"f\", \"parameters\": {args}}}"),
             Family::Mistral => format!("[TOOL_CALLS][{{\"name\": \"f\", \"arguments\": {args}, \"id\": \"abcdefghi\"}}]"),
             Family::MistralArgs => format!("[TOOL_CALLS]f[ARGS]{args}"),
-            Family::Generic => format!("{{\"tool_call\": {{\"name\": \"f\", \"arguments\": {args}}}}}"),
+            Family::Generic { .. } => format!("{{\"tool_call\": {{\"name\": \"f\", \"arguments\": {args}}}}}"),
         };
-        for f in [Family::Hermes, Family::Llama3, Family::Mistral, Family::MistralArgs, Family::Generic] {
+        for f in [Family::Hermes, Family::Llama3, Family::Mistral, Family::MistralArgs, Family::Generic { json: false }] {
             for params in [&nested, &old] {
                 grammar_allows(&g, f, &tools(params), &call(f, "{\"p\": {\"x\": 1}}")).unwrap_or_else(|e| panic!("{f:?}: {e}"));
                 assert!(grammar_allows(&g, f, &tools(params), &call(f, "{\"p\": {\"y\": 1}}")).is_err(), "{f:?}");

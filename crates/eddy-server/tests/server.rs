@@ -2254,8 +2254,10 @@ fn reply_of(addr: SocketAddr, body: &Value) -> (Reply, Reply) {
 
 /// Tools on a model whose template has no tool-call syntax (SmolLM2's): the generic format (a system
 /// message with the tools, the reply one JSON object under a grammar). A forced call is a call of the tool
-/// with arguments matching its schema, the same streamed; `auto` answers with calls or content, the same
-/// streamed; a conversation carrying a call and its result renders; tool_choice none is plain text.
+/// with arguments matching its schema, the same streamed; `auto` answers with calls or content (never the
+/// format's JSON), the same streamed, also cut by the token limit or a stop string; a conversation carrying
+/// a call and its result renders, and with tool_choice none the call still reaches the prompt; the reply
+/// is then plain text; a last assistant message cannot be continued in this format.
 #[test]
 fn tools_on_a_template_without_tool_syntax_use_the_generic_format() {
     let addr = server_or_skip!();
@@ -2270,14 +2272,34 @@ fn tools_on_a_template_without_tool_syntax_use_the_generic_format() {
     assert_eq!(calls[0].0, "get_weather");
     let args: Value = serde_json::from_str(&calls[0].1).unwrap();
     assert!(args["city"].is_string() && args.as_object().unwrap().len() == 1, "{args}");
-    for question in [ask, "Write a haiku about the sea."] {
-        let auto = chat_body(question, json!({"tools": tools, "max_tokens": 40}));
-        let (whole, streamed) = reply_of(addr, &auto);
-        assert_eq!(whole, streamed);
+    // The 135M model calls a tool for nearly anything; told not to, it answers.
+    let chatty = |extra: Value| {
+        let mut b = chat_body("Hello, how are you?", json!({"tools": tools, "max_tokens": 40}));
+        b["messages"].as_array_mut().unwrap().insert(
+            0,
+            json!({"role": "system", "content": "Only call functions for weather questions. Otherwise reply with {\"response\": ...}."}),
+        );
+        b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        b
+    };
+    let mut answered = false;
+    for body in [
+        chat_body(ask, json!({"tools": tools, "max_tokens": 40})),
+        chat_body("Write a haiku about the sea.", json!({"tools": tools, "max_tokens": 40})),
+        chatty(json!({})),
+        chatty(json!({"max_tokens": 6})),
+        chat_body(ask, json!({"tools": tools, "max_tokens": 10})),
+        chat_body(ask, json!({"tools": tools, "stop": ["Paris"], "parallel_tool_calls": false})),
+    ] {
+        let (whole, streamed) = reply_of(addr, &body);
+        assert_eq!(whole, streamed, "{body}");
         let (content, calls, finish) = whole;
-        assert!(content.is_string() == calls.is_empty() || finish == "length", "{content} {calls:?} {finish}");
-        assert_eq!(finish == "tool_calls", !calls.is_empty() && finish != "length", "{finish}");
+        assert!(!content.as_str().unwrap_or("").contains("{\""), "the format's JSON as content: {content}");
+        assert!(content.is_null() || calls.is_empty(), "{content} {calls:?}");
+        assert_eq!(finish == "tool_calls", !calls.is_empty() && finish != "length" && body.get("stop").is_none(), "{finish}");
+        answered |= content.is_string();
     }
+    assert!(answered, "no reply was content: the response path was not exercised");
     // The call and its result fed back: the template takes the rewritten conversation.
     let mut turn = chat_body(ask, json!({"tools": tools, "max_tokens": 8}));
     turn["messages"].as_array_mut().unwrap().extend([
@@ -2285,9 +2307,17 @@ fn tools_on_a_template_without_tool_syntax_use_the_generic_format() {
             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}),
         json!({"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 °C"}),
     ]);
-    let r = post(addr, "/v1/chat/completions", turn);
+    let r = post(addr, "/v1/chat/completions", turn.clone());
     assert_eq!(r.status, 200, "{}", r.body);
-    // tool_choice none: the tools reach the prompt only, the reply is plain text.
+    // tool_choice none: the tools and the past call reach the prompt, the reply is plain text.
+    let prompt_tokens = |body: Value| post(addr, "/v1/chat/completions", body).json()["usage"]["prompt_tokens"].as_u64().unwrap();
+    turn["tool_choice"] = json!("none");
+    let with_call = prompt_tokens(turn.clone());
+    turn["messages"][1]["tool_calls"] = json!([]);
+    assert!(with_call > prompt_tokens(turn.clone()) + 8, "the call did not reach the prompt");
+    let mut continued = chat_body(ask, json!({"tools": tools}));
+    continued["messages"].as_array_mut().unwrap().push(json!({"role": "assistant", "content": "Sure, "}));
+    assert_error(&post(addr, "/v1/chat/completions", continued), 400, "cannot be continued");
     let r = post(addr, "/v1/chat/completions", chat_body("hi", json!({"tools": tools, "tool_choice": "none", "max_tokens": 8})));
     assert_eq!(r.status, 200, "{}", r.body);
     let v: Value = serde_json::from_str(&r.body).unwrap();
