@@ -630,6 +630,8 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
     let mut thinking = None;
     let mut calls = None;
     let mut grammar: Option<(&'static str, String)> = None;
+    // The tools whose call grammar is `grammar` (to name the one a compile error is about).
+    let mut tools_checked = None;
     let prompt = match kind {
         Kind::Chat => {
             let messages = api::parse_messages(&o)?;
@@ -665,8 +667,9 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
                 let g = family.call_grammar(tools, schema.as_ref(), |name| st.tokenizer.token_id(name));
                 if family.is_generic() || matches!(tools.choice, api::ToolChoice::Required | api::ToolChoice::Named(_)) {
                     grammar = Some(("tools", g.map_err(|e| ApiError::invalid(Some("tools"), e))?));
+                    tools_checked = Some(tools.clone());
                 } else if let Ok(g) = g {
-                    check_tools(st, &g)?;
+                    check_tools(st, tools, &g)?;
                 }
                 calls = Some(Calls {
                     family,
@@ -776,7 +779,13 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
                 .get_or_init(|| grammar::Grammars::new(&st.tokenizer, st.n_logits))
                 .as_ref()
                 .map_err(|e| ApiError::invalid(Some(param), format!("structured output is not available for this model: {e}")))?;
-            let c = gs.lark(g).map_err(|e| ApiError::invalid(Some(param), grammar_error(param, &e)))?;
+            let c = gs.lark(g).map_err(|e| {
+                let msg = match (&tools_checked, param) {
+                    (Some(t), "tools") => tools_error(gs, t, &e),
+                    _ => grammar_error(param, &e),
+                };
+                ApiError::invalid(Some(param), msg)
+            })?;
             // A grammar failing before the reply's first free choice ([`grammar::Constraint::early_failure`])
             // is a 400 before any byte of the reply (a streamed reply could only report it after its 200).
             if let Some(e) = c.early_failure() {
@@ -807,7 +816,7 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
 /// call would check them: `g` (the call grammar of every tool) is compiled once per distinct list, so a
 /// malformed schema is a 400 with `auto` as with the forced choices (which compile it anyway). With `none` the
 /// tools only reach the prompt and are not checked.
-fn check_tools(st: &AppState, g: &str) -> Result<(), ApiError> {
+fn check_tools(st: &AppState, tools: &api::Tools, g: &str) -> Result<(), ApiError> {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     g.hash(&mut h);
@@ -819,7 +828,7 @@ fn check_tools(st: &AppState, g: &str) -> Result<(), ApiError> {
     let Ok(gs) = st.grammars.get_or_init(|| grammar::Grammars::new(&st.tokenizer, st.n_logits)).as_ref() else {
         return Ok(());
     };
-    gs.lark(g.to_string()).map_err(|e| ApiError::invalid(Some("tools"), grammar_error("tools", &e)))?;
+    gs.lark(g.to_string()).map_err(|e| ApiError::invalid(Some("tools"), tools_error(gs, tools, &e)))?;
     let mut seen = st.checked_tools.lock().unwrap_or_else(|e| e.into_inner());
     if seen.len() >= 1024 {
         seen.clear();
@@ -847,15 +856,33 @@ fn schema_grammar(schema: &Value) -> Result<String, ApiError> {
     Ok(format!("start: body\nbody: %json {text}\n"))
 }
 
-/// The 400 message for a grammar of `param` that the compiler refused (`e`); for a `response_format`
-/// schema, with how to set the llguidance option the message names, where it names one.
+/// The 400 message for a grammar of `param` that the compiler refused (`e`), without the grammar's listing
+/// and the position in it that llguidance adds (the grammar is eddy's wrapper, not what the client sent);
+/// for a `response_format` schema, with how to set the llguidance option the message names, where it names
+/// one.
 fn grammar_error(param: &str, e: &str) -> String {
     let hint = if param == "response_format" && e.contains("lenient") {
         " (to let unsupported keywords through unchecked, add \"x-guidance\": {\"lenient\": true} at the top level of the schema)"
     } else {
         ""
     };
+    let e = e.lines().next().unwrap_or("");
+    // `at 2(7): …`: a line and column of the wrapper grammar.
+    let e = e.strip_prefix("at ").and_then(|r| r.split_once("): ")).map_or(e, |(_, rest)| rest);
     format!("invalid {param}: {e}{hint}")
+}
+
+/// The 400 message for a call grammar of `tools` that the compiler refused (`e`): the first tool whose
+/// schema fails alone, named by its place in the request (its references then read as in its own schema),
+/// else [`grammar_error`]'s.
+fn tools_error(gs: &grammar::Grammars, tools: &api::Tools, e: &str) -> String {
+    for (i, t) in tools.tools.iter().enumerate() {
+        let Ok(g) = schema_grammar(&t.parameters) else { continue };
+        if let Err(e) = gs.lark(g) {
+            return grammar_error(&format!("tools[{i}].function.parameters (`{}`)", t.name), &e);
+        }
+    }
+    grammar_error("tools", e)
 }
 
 /// A chat request with tools: how to read the calls back.

@@ -2462,16 +2462,25 @@ fn tool_calls_whole_and_streamed_on_qwen() {
 }
 
 /// A tool schema that does not compile is a 400 whatever `tool_choice` says (not only when a call is forced),
+/// naming the tool by its place and reading its references in its own schema (not eddy's wrapper grammar),
 /// and a good list after it is still served.
 #[test]
 fn malformed_tool_schemas_are_refused_whatever_tool_choice() {
     let Some(addr) = qwen05_server() else { return };
     let c = "/v1/chat/completions";
     let tool = |params: Value| json!({"type": "function", "function": {"name": "ping", "parameters": params}});
+    let other = json!({"type": "function", "function": {"name": "pong", "parameters": {"type": "object", "properties": {}}}});
     for choice in [json!("auto"), json!("required"), json!({"type": "function", "function": {"name": "ping"}}), Value::Null] {
         let bad = json!({"type": "object", "properties": {"x": {"type": "banana"}}});
-        let v = assert_error(&post(addr, c, chat_body("hi", json!({"tools": [tool(bad)], "tool_choice": choice}))), 400, "banana");
+        let body = chat_body("hi", json!({"tools": [other, tool(bad)], "tool_choice": choice}));
+        let v = assert_error(&post(addr, c, body), 400, "invalid tools[1].function.parameters (`ping`): ");
         assert_eq!(v["error"]["param"], "tools", "tool_choice {choice}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains("banana") && !msg.contains("start:") && !msg.contains('\n'), "{msg}");
+        let missing = json!({"type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}});
+        let body = chat_body("hi", json!({"tools": [other, tool(missing)], "tool_choice": choice}));
+        let v = assert_error(&post(addr, c, body), 400, "'#/$defs/missing'");
+        assert!(!v["error"]["message"].as_str().unwrap().contains("tool1"), "{v}");
     }
     let good = tool(json!({"type": "object", "properties": {"x": {"type": "string"}}}));
     for _ in 0..2 {
