@@ -193,9 +193,9 @@ struct RunArgs {
     /// `eddy serve`'s `seed`): a random seed.
     #[arg(long, allow_negative_numbers = true, value_parser = parse_seed)]
     seed: Option<Seed>,
-    /// Most tokens to generate (at least 1); generation also stops at an end-of-turn token or when the
-    /// context is full.
-    #[arg(long, short = 'n', default_value_t = 1024)]
+    /// Most tokens to generate (at least 1, or -1 for no limit, as llama.cpp's -n); generation also stops at
+    /// an end-of-turn token or when the context is full.
+    #[arg(long, short = 'n', default_value = "1024", allow_negative_numbers = true, value_parser = parse_max_tokens)]
     max_tokens: usize,
     /// Print the statistics as one JSON object (on stderr) instead of the panel.
     #[arg(long)]
@@ -686,9 +686,6 @@ fn sampler_params(a: &RunArgs) -> eddy::Result<SamplerParams> {
 fn run(a: RunArgs) -> eddy::Result<()> {
     // Everything the user typed is checked before the (slow) model load.
     let sampler = sampler_params(&a)?;
-    if a.max_tokens == 0 {
-        return Err(bad("--max-tokens", "must be at least 1"));
-    }
     let kwargs = match &a.chat_template_kwargs {
         None => serde_json::Map::new(),
         Some(s) => match serde_json::from_str::<serde_json::Value>(s) {
@@ -1043,6 +1040,14 @@ fn parse_logit_bias(s: &str) -> Result<LogitBias, String> {
 struct Seed(Option<u64>);
 
 /// `--seed N`: an integer from 0 to 2^64 − 1, or -1 for a random seed.
+/// `--max-tokens`: a count of at least 1, or -1 for no limit (the context bounds the reply).
+fn parse_max_tokens(s: &str) -> Result<usize, String> {
+    match s.trim() {
+        "-1" => Ok(usize::MAX),
+        t => t.parse().ok().filter(|&n| n >= 1).ok_or_else(|| format!("`{s}` is not a token count (at least 1, or -1 for no limit)")),
+    }
+}
+
 fn parse_seed(s: &str) -> Result<Seed, String> {
     match s.trim() {
         "-1" => Ok(Seed(None)),

@@ -74,7 +74,12 @@ fn parse_errors_are_one_line() {
     expect_error(&["perplexity"], "--file: required");
     expect_error(&["run", "-m", "hi", "-n", "4", "-n", "5"], "--max-tokens: given more than once");
     expect_error(&["run", "-m", "hi", "--threads", "abc"], "--threads: invalid value 'abc'");
-    expect_error(&["run", "-m", "hi", "-n", "-1"], "--max-tokens: invalid value '-1'");
+    // -1 is llama.cpp's "no limit" (taken: the model load fails next); other negatives are refused.
+    expect_error(
+        &["run", "-m", "hi", "-n", "-2"],
+        "--max-tokens: invalid value '-2': `-2` is not a token count (at least 1, or -1 for no limit)",
+    );
+    expect_error(&run_args(&["-n", "-1"]), "eddy-test-model.gguf");
     expect_error(&["run", "-m", "hi", "--seed", "-5"], "--seed: invalid value '-5'");
     expect_error(&["run", "-m", "hi", "--seed", "x"], "or -1 for a random one");
     expect_error(&["run", "-m", "hi", "--quant", "q5"], "--quant: invalid value 'q5'");
@@ -94,7 +99,7 @@ fn bad_option_values_are_named_before_the_model_loads() {
     expect_error(&run_args(&["--top-p", "-0.5"]), "--top-p:");
     expect_error(&run_args(&["--min-p", "NaN"]), "--min-p:");
     expect_error(&run_args(&["--repetition-penalty", "0"]), "--repetition-penalty:");
-    expect_error(&run_args(&["-n", "0"]), "--max-tokens: must be at least 1");
+    expect_error(&run_args(&["-n", "0"]), "--max-tokens: invalid value '0'");
     for v in ["15043", "x+1", "+1", "+7+1", "15043+101", "15043-nan", "15043+inf", "15043+1e400", "-5+1", "15043*2"] {
         expect_error(&run_args(&["--logit-bias", v]), "--logit-bias: invalid value");
     }
