@@ -779,12 +779,9 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
                 .get_or_init(|| grammar::Grammars::new(&st.tokenizer, st.n_logits))
                 .as_ref()
                 .map_err(|e| ApiError::invalid(Some(param), format!("structured output is not available for this model: {e}")))?;
-            let c = gs.lark(g).map_err(|e| {
-                let msg = match (&tools_checked, param) {
-                    (Some(t), "tools") => tools_error(gs, t, &e),
-                    _ => grammar_error(param, &e),
-                };
-                ApiError::invalid(Some(param), msg)
+            let c = gs.lark(g).map_err(|e| match (&tools_checked, param) {
+                (Some(t), "tools") => tools_error(gs, t, schema.as_ref(), &e),
+                _ => ApiError::invalid(Some(param), grammar_error(param, &e)),
             })?;
             // A grammar failing before the reply's first free choice ([`grammar::Constraint::early_failure`])
             // is a 400 before any byte of the reply (a streamed reply could only report it after its 200).
@@ -828,7 +825,7 @@ fn check_tools(st: &AppState, tools: &api::Tools, g: &str) -> Result<(), ApiErro
     let Ok(gs) = st.grammars.get_or_init(|| grammar::Grammars::new(&st.tokenizer, st.n_logits)).as_ref() else {
         return Ok(());
     };
-    gs.lark(g.to_string()).map_err(|e| ApiError::invalid(Some("tools"), tools_error(gs, tools, &e)))?;
+    gs.lark(g.to_string()).map_err(|e| tools_error(gs, tools, None, &e))?;
     let mut seen = st.checked_tools.lock().unwrap_or_else(|e| e.into_inner());
     if seen.len() >= 1024 {
         seen.clear();
@@ -872,17 +869,21 @@ fn grammar_error(param: &str, e: &str) -> String {
     format!("invalid {param}: {e}{hint}")
 }
 
-/// The 400 message for a call grammar of `tools` that the compiler refused (`e`): the first tool whose
-/// schema fails alone, named by its place in the request (its references then read as in its own schema),
-/// else [`grammar_error`]'s.
-fn tools_error(gs: &grammar::Grammars, tools: &api::Tools, e: &str) -> String {
+/// The 400 for a call grammar of `tools` that the compiler refused (`e`): the first tool whose schema fails
+/// alone, named by its place in the request (its references then read as in its own schema), or the
+/// `response` schema (a `response_format`'s, in the generic format's grammar) when it fails alone, else
+/// [`grammar_error`]'s for `tools`.
+fn tools_error(gs: &grammar::Grammars, tools: &api::Tools, response: Option<&Value>, e: &str) -> ApiError {
+    let fails = |schema: &Value| schema_grammar(schema).ok().and_then(|g| gs.lark(g).err());
     for (i, t) in tools.tools.iter().enumerate() {
-        let Ok(g) = schema_grammar(&t.parameters) else { continue };
-        if let Err(e) = gs.lark(g) {
-            return grammar_error(&format!("tools[{i}].function.parameters (`{}`)", t.name), &e);
+        if let Some(e) = fails(&t.parameters) {
+            return ApiError::invalid(Some("tools"), grammar_error(&format!("tools[{i}].function.parameters (`{}`)", t.name), &e));
         }
     }
-    grammar_error("tools", e)
+    match response.and_then(fails) {
+        Some(e) => ApiError::invalid(Some("response_format"), grammar_error("response_format", &e)),
+        None => ApiError::invalid(Some("tools"), grammar_error("tools", e)),
+    }
 }
 
 /// A chat request with tools: how to read the calls back.

@@ -158,15 +158,18 @@ impl Family {
                        "required": ["name", args_key], "additionalProperties": false})
             })
             .collect();
-        // Generic with `auto`: the response a reply may be instead of calls.
+        // Generic with `auto`: the response a reply may be instead of calls. The response schema's own
+        // `x-guidance` options (llguidance reads them at the root only) go to the root, over eddy's.
+        let mut reply_options = compact.clone();
         let response = (self.is_generic() && tools.choice == ToolChoice::Auto).then(|| match response_schema {
             None => json!({"type": "string"}),
             Some(schema) => {
                 let mut p = schema.clone();
                 crate::grammar::close_objects(&mut p);
-                if let Some(o) = p.as_object_mut() {
-                    // llguidance reads its options at the root only.
-                    o.remove("x-guidance");
+                if let Some(Value::Object(own)) = p.as_object_mut().and_then(|o| o.remove("x-guidance")) {
+                    if let Some(r) = reply_options.as_object_mut() {
+                        r.extend(own);
+                    }
                 }
                 if !has_internal_ref(&p) {
                     return p;
@@ -243,7 +246,7 @@ impl Family {
                     Some(r) => json!({"anyOf": [calls, {"type": "object", "properties": {"response": r}, "required": ["response"],
                                                         "additionalProperties": false}]}),
                 };
-                reply["x-guidance"] = compact;
+                reply["x-guidance"] = reply_options;
                 format!("start: body\nbody: %json {}\n", text(&with_defs(reply))?)
             }
         })
@@ -1528,6 +1531,12 @@ mod tests {
         grammar_allows_response(&g, f, &auto(false), Some(&schema), "{\"response\": {\"p\": 3}}").unwrap();
         assert!(grammar_allows_response(&g, f, &auto(false), Some(&schema), reply).is_err());
         grammar_allows_response(&g, f, &auto(false), Some(&schema), call).unwrap();
+        // The schema's own llguidance options apply (at the root, where llguidance reads them).
+        let tight = "{\"response\":{\"p\":3}}";
+        assert!(grammar_allows_response(&g, f, &auto(false), Some(&schema), tight).is_err());
+        let mut loose = schema.clone();
+        loose["x-guidance"] = json!({"key_separator": ":"});
+        grammar_allows_response(&g, f, &auto(false), Some(&loose), tight).unwrap();
     }
 
     #[test]

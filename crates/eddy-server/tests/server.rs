@@ -2315,6 +2315,11 @@ fn tools_on_a_template_without_tool_syntax_use_the_generic_format() {
     let with_call = prompt_tokens(turn.clone());
     turn["messages"][1]["tool_calls"] = json!([]);
     assert!(with_call > prompt_tokens(turn.clone()) + 8, "the call did not reach the prompt");
+    // A response_format schema that does not compile is named as such, not as the tools.
+    let bad = json!({"type": "json_schema", "json_schema": {"name": "o", "schema": {"type": "banana"}}});
+    let v =
+        assert_error(&post(addr, "/v1/chat/completions", chat_body(ask, json!({"tools": tools, "response_format": bad}))), 400, "banana");
+    assert_eq!(v["error"]["param"], "response_format", "{v}");
     let mut continued = chat_body(ask, json!({"tools": tools}));
     continued["messages"].as_array_mut().unwrap().push(json!({"role": "assistant", "content": "Sure, "}));
     assert_error(&post(addr, "/v1/chat/completions", continued), 400, "cannot be continued");
