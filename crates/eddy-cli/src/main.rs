@@ -742,17 +742,27 @@ fn run(a: RunArgs) -> eddy::Result<()> {
     let energy = EnergyMeter::start_with_gpu(engine.gpu_pci_bus_id().as_deref());
     let mut e_first = None;
     let params = GenerateParams { max_tokens: a.max_tokens, sampler, ignore_eos: false, logprobs: None };
-    let stats = stream_reply(&mut engine, &prompt, &params, &|| false, &mut || {
+    // Ctrl-C stops the reply and still prints the panel (as llama.cpp prints its timings), then exits 130.
+    use std::sync::atomic::Ordering::SeqCst;
+    stop_replies_on_sigint();
+    GENERATING.store(true, SeqCst);
+    let stop = || STOP_REPLY.load(SeqCst);
+    let r = stream_reply(&mut engine, &prompt, &params, &stop, &mut || {
         if e_first.is_none() {
             e_first = Some(energy.as_ref().map(|m| m.joules()).unwrap_or(0.0));
         }
-        true
-    })?
-    .stats;
+        !stop()
+    });
+    GENERATING.store(false, SeqCst);
+    let stats = r?.stats;
     let total_j = energy.as_ref().ok().map(|m| (m.joules(), m.sources()));
     // No token generated: all of it was prefill.
     let prefill_j = e_first.or(total_j.as_ref().map(|t| t.0)).unwrap_or(0.0);
     print_stats(&stats, energy.as_ref().err(), total_j, prefill_j, a.json);
+    if stop() {
+        let _ = writeln!(std::io::stderr(), "interrupted");
+        std::process::exit(130);
+    }
     Ok(())
 }
 
@@ -845,10 +855,28 @@ fn check_logit_bias(engine: &Engine, biases: &[LogitBias]) -> eddy::Result<()> {
     }
 }
 
-/// Set by Ctrl-C while a chat reply is generated: the reply stops at the next token.
+/// Set by Ctrl-C while a reply is generated: the reply stops at the next token.
 static STOP_REPLY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-/// A chat reply is being generated (Ctrl-C stops it; otherwise Ctrl-C ends the chat).
+/// A reply is being generated (Ctrl-C stops it; otherwise Ctrl-C ends the process as usual).
 static GENERATING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Ctrl-C (SIGINT only: SIGTERM and SIGHUP keep their default, ending the process) stops the reply being
+/// generated ([`GENERATING`] → [`STOP_REPLY`]), or at any other time ends the process as an unhandled SIGINT
+/// would. The handler only touches atomics.
+fn stop_replies_on_sigint() {
+    use std::sync::atomic::Ordering::SeqCst;
+    // SAFETY: both actions are async-signal-safe (atomic loads and stores; emulate_default_handler is
+    // documented for use inside handlers).
+    let _ = unsafe {
+        signal_hook::low_level::register(signal_hook::consts::SIGINT, || {
+            if GENERATING.load(SeqCst) {
+                STOP_REPLY.store(true, SeqCst);
+            } else {
+                let _ = signal_hook::low_level::emulate_default_handler(signal_hook::consts::SIGINT);
+            }
+        })
+    };
+}
 
 /// `eddy run` without --message: a conversation read from stdin, a line per user message (a line ending
 /// in `\` continues on the next). The whole conversation is rendered through the chat template each turn;
@@ -864,19 +892,7 @@ fn chat(a: &RunArgs, sampler: SamplerParams, kwargs: &serde_json::Map<String, se
     let Some(template) = engine.lm.template.take() else {
         return Err(bad("--message", "the model has no chat template, so it cannot hold a chat: give --message (sent as raw text)"));
     };
-    // Ctrl-C (SIGINT only: SIGTERM and SIGHUP keep their default, ending the process) stops a reply, or
-    // at the prompt ends the chat as an unhandled SIGINT would. The handler only touches atomics.
-    // SAFETY: both actions are async-signal-safe (atomic loads and stores; emulate_default_handler is
-    // documented for use inside handlers).
-    let _ = unsafe {
-        signal_hook::low_level::register(signal_hook::consts::SIGINT, || {
-            if GENERATING.load(SeqCst) {
-                STOP_REPLY.store(true, SeqCst);
-            } else {
-                let _ = signal_hook::low_level::emulate_default_handler(signal_hook::consts::SIGINT);
-            }
-        })
-    };
+    stop_replies_on_sigint();
     // Notes go to stderr; a stderr that cannot be written is not an error.
     let note = |s: &str| {
         let _ = write!(std::io::stderr(), "{s}");

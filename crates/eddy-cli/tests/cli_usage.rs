@@ -510,6 +510,31 @@ fn closed_pipes_do_not_panic() {
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// Ctrl-C during a one-shot `eddy run -m` stops the reply, prints the stats panel all the same (as llama.cpp
+/// prints its timings) and exits 130, as an interrupted command; the text so far stays on stdout.
+#[test]
+fn an_interrupted_run_prints_its_panel() {
+    let Some(smol) = smol() else { return };
+    let mut child = Command::new(env!("CARGO_BIN_EXE_eddy"))
+        .args(["run", "--model", smol.to_str().unwrap(), "--threads", "1", "--raw", "-n", "-1", "--temperature", "0"])
+        .args(["-m", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut first = [0u8; 16];
+    stdout.read_exact(&mut first).unwrap();
+    assert!(Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap().success());
+    let mut rest = Vec::new();
+    stdout.read_to_end(&mut rest).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert!(err.contains("generation speed") && err.trim_end().ends_with("interrupted"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
 #[test]
 fn context_limits() {
     let Some(smol) = smol() else { return };
