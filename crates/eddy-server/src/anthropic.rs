@@ -189,9 +189,69 @@ fn stop_of(choice: &Value) -> (&'static str, Value) {
     }
 }
 
-/// A call's arguments as the `input` object of a `tool_use` block (a cut-off or malformed text: `{}`).
+/// A call's arguments as the `input` object of a `tool_use` block: a text cut off mid-way (by `max_tokens` or
+/// a stop sequence) completed as [`complete_partial_object`] does, which is what Anthropic's SDKs make of the
+/// same text streamed as `input_json_delta`s; a malformed one `{}`.
 fn tool_input(args: &str) -> Value {
-    serde_json::from_str::<Value>(args).ok().filter(Value::is_object).unwrap_or_else(|| json!({}))
+    serde_json::from_str::<Value>(args).ok().filter(Value::is_object).or_else(|| complete_partial_object(args)).unwrap_or_else(|| json!({}))
+}
+
+/// The JSON object that the cut-off text `s` begins, completed as partial-JSON parsers complete a stream: an
+/// unfinished string value is closed, an unfinished key (and a key without its value) and an unfinished
+/// literal are dropped, open objects and lists are closed. Candidates, longest first: all of `s`, then `s` up
+/// to each point where a member or element was whole (after `{`/`[`, before a `,`, after a value's end),
+/// each with its closers; the first that parses as an object. `None` when none does.
+fn complete_partial_object(s: &str) -> Option<Value> {
+    // Per open container: its closer and, for objects, whether a key is expected next.
+    let mut stack: Vec<(u8, bool)> = Vec::new();
+    let closers = |stack: &[(u8, bool)]| stack.iter().rev().map(|&(c, _)| c as char).collect::<String>();
+    let mut points: Vec<(usize, String)> = Vec::new();
+    let (mut in_str, mut esc, mut key) = (false, false, false);
+    for (i, &c) in s.as_bytes().iter().enumerate() {
+        if in_str {
+            match c {
+                _ if esc => esc = false,
+                b'\\' => esc = true,
+                b'"' => {
+                    in_str = false;
+                    if !key {
+                        points.push((i + 1, closers(&stack)));
+                    }
+                }
+                _ => {}
+            }
+            continue;
+        }
+        match c {
+            b'"' => {
+                in_str = true;
+                key = stack.last().is_some_and(|&(_, k)| k);
+            }
+            b'{' | b'[' => {
+                stack.push((if c == b'{' { b'}' } else { b']' }, c == b'{'));
+                points.push((i + 1, closers(&stack)));
+            }
+            b'}' | b']' => {
+                stack.pop();
+                points.push((i + 1, closers(&stack)));
+            }
+            b',' => {
+                points.push((i, closers(&stack)));
+                if let Some(top) = stack.last_mut() {
+                    top.1 = top.0 == b'}';
+                }
+            }
+            b':' => {
+                if let Some(top) = stack.last_mut() {
+                    top.1 = false;
+                }
+            }
+            _ => {}
+        }
+    }
+    let whole = format!("{s}{}{}", if in_str { "\"" } else { "" }, closers(&stack));
+    let parse = |t: &str| serde_json::from_str::<Value>(t).ok().filter(Value::is_object);
+    parse(&whole).or_else(|| points.iter().rev().find_map(|(at, close)| parse(&format!("{}{close}", &s[..*at]))))
 }
 
 /// The message id for a chat completion id (`chatcmpl-…` → `msg_…`).
@@ -423,6 +483,28 @@ mod tests {
         assert_eq!(rfc3339(4_107_542_399), "2100-02-28T23:59:59Z"); // 2100 is not a leap year
         assert_eq!(rfc3339(4_107_542_400), "2100-03-01T00:00:00Z");
         assert_eq!(rfc3339(1_796_428_800 + 3_723), "2026-12-05T01:02:03Z");
+    }
+
+    /// Cut-off arguments complete as a partial-JSON parser completes the same text streamed.
+    #[test]
+    fn cut_tool_input_is_completed() {
+        for (cut, want) in [
+            ("{\"city\": \"Paris\", \"unit\": \"c\"", json!({"city": "Paris", "unit": "c"})),
+            ("{\"city\": \"Paris\", \"unit\": \"c", json!({"city": "Paris", "unit": "c"})),
+            ("{\"city\": \"Paris\", \"un", json!({"city": "Paris"})),
+            ("{\"city\": \"Paris\", \"unit\": ", json!({"city": "Paris"})),
+            ("{\"n\": 12", json!({"n": 12})),
+            ("{\"n\": 12, \"b\": tr", json!({"n": 12})),
+            ("{\"a\": [1, {\"b\": \"x\"}, [2", json!({"a": [1, {"b": "x"}, [2]]})),
+            ("{\"a\": \"x\\", json!({})),
+            ("{\"q\": \"say \\\"hi", json!({"q": "say \"hi"})),
+            ("{", json!({})),
+            ("", json!({})),
+            ("[1, 2", json!({})),
+        ] {
+            assert_eq!(tool_input(cut), want, "{cut}");
+        }
+        assert_eq!(tool_input("{\"x\": 1}"), json!({"x": 1}));
     }
 
     /// A conversation with a tool round trip becomes the chat request it means.

@@ -664,6 +664,7 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
                         "response_format cannot be combined with a tool_choice that forces a call",
                     ));
                 }
+                check_each_tool(st, tools)?;
                 let g = family.call_grammar(tools, schema.as_ref(), |name| st.tokenizer.token_id(name));
                 if family.is_generic() || matches!(tools.choice, api::ToolChoice::Required | api::ToolChoice::Named(_)) {
                     grammar = Some(("tools", g.map_err(|e| ApiError::invalid(Some("tools"), e))?));
@@ -786,6 +787,7 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
             // A grammar failing before the reply's first free choice ([`grammar::Constraint::early_failure`])
             // is a 400 before any byte of the reply (a streamed reply could only report it after its 200).
             if let Some(e) = c.early_failure() {
+                let e = compiler_message(&e);
                 return Err(ApiError::invalid(Some(param), format!("invalid {param}: its grammar failed before the first token: {e}")));
             }
             Some((c, param))
@@ -814,23 +816,54 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
 /// malformed schema is a 400 with `auto` as with the forced choices (which compile it anyway). With `none` the
 /// tools only reach the prompt and are not checked.
 fn check_tools(st: &AppState, tools: &api::Tools, g: &str) -> Result<(), ApiError> {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    g.hash(&mut h);
-    let key = h.finish();
-    if st.checked_tools.lock().unwrap_or_else(|e| e.into_inner()).contains(&key) {
-        return Ok(());
-    }
     // Without grammars for this model (no end-of-sequence token) only the forced choices are refused.
     let Ok(gs) = st.grammars.get_or_init(|| grammar::Grammars::new(&st.tokenizer, st.n_logits)).as_ref() else {
         return Ok(());
     };
-    gs.lark(g.to_string()).map_err(|e| tools_error(gs, tools, None, &e))?;
+    once_per_grammar(st, "list", g, || gs.lark(g.to_string()).map(|_| ()).map_err(|e| tools_error(gs, tools, None, &e)))
+}
+
+/// `check` for the grammar `g` (of the kind `kind`) unless it passed before: the outcome of a passed check is
+/// kept in [`AppState::checked_tools`] (at most 1,024 entries; then it starts over).
+fn once_per_grammar(st: &AppState, kind: &str, g: &str, check: impl FnOnce() -> Result<(), ApiError>) -> Result<(), ApiError> {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (kind, g).hash(&mut h);
+    let key = h.finish();
+    if st.checked_tools.lock().unwrap_or_else(|e| e.into_inner()).contains(&key) {
+        return Ok(());
+    }
+    check()?;
     let mut seen = st.checked_tools.lock().unwrap_or_else(|e| e.into_inner());
     if seen.len() >= 1024 {
         seen.clear();
     }
     seen.insert(key);
+    Ok(())
+}
+
+/// Each tool's arguments grammar compiled alone and its first steps probed
+/// ([`grammar::Constraint::early_failure`]), once per distinct schema: a tool whose grammar fails lazily (a
+/// pattern too large for the lexer) would fail only when a reply reaches it, after the 200 of a stream and
+/// perhaps after a valid call of another tool; found here, it is a 400 before the reply that names the tool.
+fn check_each_tool(st: &AppState, tools: &api::Tools) -> Result<(), ApiError> {
+    let Ok(gs) = st.grammars.get_or_init(|| grammar::Grammars::new(&st.tokenizer, st.n_logits)).as_ref() else {
+        return Ok(());
+    };
+    for (i, t) in tools.tools.iter().enumerate() {
+        let g = schema_grammar(&t.parameters)?;
+        let name = format!("tools[{i}].function.parameters (`{}`)", t.name);
+        once_per_grammar(st, "tool", &g, || {
+            let c = gs.lark(g.clone()).map_err(|e| ApiError::invalid(Some("tools"), grammar_error(&name, &e)))?;
+            match c.early_failure() {
+                Some(e) => Err(ApiError::invalid(
+                    Some("tools"),
+                    format!("invalid {name}: its grammar failed before the first token: {}", compiler_message(&e)),
+                )),
+                None => Ok(()),
+            }
+        })?;
+    }
     Ok(())
 }
 
@@ -863,10 +896,23 @@ fn grammar_error(param: &str, e: &str) -> String {
     } else {
         ""
     };
-    let e = e.lines().next().unwrap_or("");
+    format!("invalid {param}: {}{hint}", compiler_message(e))
+}
+
+/// llguidance's message `e` on one line, without what describes eddy's wrapper grammar rather than the
+/// client's schema: the listing of the grammar (`   2 | body: %json …` and its `^` marker), the position in it
+/// (`at 2(7): `) and the parser state it appends to a failure (`<state>…`). The other lines (a regex
+/// error's pattern and reason) are kept, joined by spaces.
+fn compiler_message(e: &str) -> String {
+    let e = e.split("<state>").next().unwrap_or("");
+    let listing = |l: &str| {
+        let t = l.trim_start();
+        let digits = t.len() - t.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+        (digits > 0 && t[digits..].starts_with(" |")) || (!t.is_empty() && t.chars().all(|c| c == '^' || c == ' '))
+    };
+    let text = e.lines().filter(|l| !listing(l)).map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ");
     // `at 2(7): …`: a line and column of the wrapper grammar.
-    let e = e.strip_prefix("at ").and_then(|r| r.split_once("): ")).map_or(e, |(_, rest)| rest);
-    format!("invalid {param}: {e}{hint}")
+    text.strip_prefix("at ").and_then(|r| r.split_once("): ")).map_or(text.clone(), |(_, rest)| rest.to_string())
 }
 
 /// The 400 for a call grammar of `tools` that the compiler refused (`e`): the first tool whose schema fails
@@ -997,6 +1043,8 @@ async fn create_response(State(st): State<Arc<AppState>>, body: Bytes) -> Result
         ("response_format", "text.format"),
         ("messages", "input"),
         ("reasoning_effort", "reasoning.effort"),
+        ("function.parameters", "parameters"),
+        ("function.name", "name"),
     ];
     answer(st, Kind::Chat, chat, Dialect::Responses { echo: req.echo }).await.map_err(|e| e.renamed(&renames))
 }
@@ -1009,7 +1057,12 @@ async fn messages(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
         let model = if req.model.is_empty() { st.names[0].clone() } else { req.model };
         let chat = Bytes::from(serde_json::to_vec(&req.chat).map_err(|e| server_error(e.to_string()))?);
         // Errors of the chat request in the Messages API's names.
-        let renames = [("response_format", "output_config.format"), ("stop", "stop_sequences")];
+        let renames = [
+            ("response_format", "output_config.format"),
+            ("stop", "stop_sequences"),
+            ("function.parameters", "input_schema"),
+            ("function.name", "name"),
+        ];
         answer(st, Kind::Chat, chat, Dialect::Anthropic { model }).await.map_err(|e| e.renamed(&renames))
     };
     r.await.unwrap_or_else(anthropic_error)
@@ -1618,5 +1671,20 @@ mod tests {
         assert!(cors_layer(&["http://localhost:3000/".into()]).is_ok());
         let e = cors_layer(&["localhost:3000".into()]).unwrap_err().to_string();
         assert!(e.contains("--cors-origin") && e.contains("not an origin"), "{e}");
+    }
+
+    /// Compiler messages keep what is about the client's schema (a regex error's reason on its later
+    /// lines) and lose eddy's wrapper grammar (its listing, the position in it, the parser state).
+    #[test]
+    fn compiler_messages_lose_the_wrapper_grammar() {
+        let listing = "at 2(7): failed to compile JSON schema: Invalid type: strin\n   1 | start: body\n   2 | body: %json {\"type\": \"strin\"}\n             ^\n";
+        assert_eq!(compiler_message(listing), "failed to compile JSON schema: Invalid type: strin");
+        let regex = "at 2(7): failed to compile JSON schema: regex parse error:\n    (?<=a)b\n    ^^^^\nerror: look-around is not supported\n   1 | start: body\n";
+        assert_eq!(
+            compiler_message(regex),
+            "failed to compile JSON schema: regex parse error: (?<=a)b error: look-around is not supported"
+        );
+        let state = "lexer error: too many expressions constructed\n<state>\nTokens: ⟦\"⟧\n</state><grammar>\n\n</grammar>";
+        assert_eq!(compiler_message(state), "lexer error: too many expressions constructed");
     }
 }

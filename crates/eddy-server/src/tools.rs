@@ -252,7 +252,8 @@ impl Family {
         })
     }
 
-    /// Splits a whole reply into its content (text outside the calls; `None` when blank) and its tool
+    /// Splits a whole reply into its content (text outside the calls, trimmed; `None` when blank; the generic
+    /// format's response as written, `None` when empty) and its tool
     /// calls as `(name, arguments JSON text as written)`, read as a stream read in one step. When a call's
     /// arguments are not a JSON object (a malformed call), the whole reply is content.
     pub fn parse(self, text: &str, names: &[String]) -> Reply {
@@ -284,7 +285,11 @@ impl Family {
         if !valid {
             return (Some(text.trim().to_string()).filter(|t| !t.is_empty()), Vec::new());
         }
-        let content = (!content.trim().is_empty()).then(|| content.trim().to_string());
+        // A generic reply's content is its response as streamed, whitespace and all.
+        let content = match self.is_generic() {
+            true => Some(content).filter(|c| !c.is_empty()),
+            false => (!content.trim().is_empty()).then(|| content.trim().to_string()),
+        };
         (content, calls)
     }
 }
@@ -1299,7 +1304,9 @@ mod tests {
         for step in 1..9 {
             let (c, got) = gather(&streamed(f, text, step, &[]));
             assert_eq!(got, want, "{f:?} step {step}: {text}");
-            assert_eq!(c.trim(), content.unwrap_or(""), "{f:?} step {step}: {text}");
+            // The generic format's content is exactly what streamed; the others' is trimmed.
+            let c = if f.is_generic() { c.as_str() } else { c.trim() };
+            assert_eq!(c, content.unwrap_or(""), "{f:?} step {step}: {text}");
         }
     }
 
@@ -1468,6 +1475,7 @@ mod tests {
         check(g, "{\"response\": 25492651248239236268}", Some("25492651248239236268"), &[]);
         check(g, "{\"response\": 28E81384430994283248760}", Some("28E81384430994283248760"), &[]);
         check(g, "{\"response\": true}", Some("true"), &[]);
+        check(g, "{\"response\": \" Hello, \"}", Some(" Hello, "), &[]);
         let json = Family::Generic { json: true };
         check(json, "{\"response\": \"a\\\"b \\u00e9\"}", Some("\"a\\\"b \\u00e9\""), &[]);
         check(json, "{\"tool_call\": {\"name\": \"f\", \"arguments\": {}}}", None, &[("f", "{}")]);

@@ -904,6 +904,11 @@ fn anthropic_messages_api() {
     let addr = server_or_skip!();
     let Some(tools) = qwen05_server() else { return };
     let v = sdk_script("anthropic_client.py", &[format!("http://{addr}"), format!("http://{tools}")]);
+    // A tool schema error names the Anthropic field.
+    let bad = json!({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {"x": {"type": "banana"}}}}]});
+    let r = post(addr, "/v1/messages", bad);
+    assert!(r.status == 400 && r.body.contains("invalid tools[0].input_schema (`f`): "), "{}", r.body);
     let want = terse_reply(addr);
     let text = want["choices"][0]["message"]["content"].as_str().unwrap();
     let stop = if want["choices"][0]["finish_reason"] == "length" { "max_tokens" } else { "end_turn" };
@@ -970,6 +975,11 @@ fn responses_api() {
     let addr = server_or_skip!();
     let Some(tools) = qwen05_server() else { return };
     let v = sdk_script("responses_client.py", &[format!("http://{addr}/v1"), format!("http://{tools}/v1")]);
+    // A tool schema error names the Responses field.
+    let bad = json!({"model": "m", "input": "hi", "max_output_tokens": 4,
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "banana"}}}}]});
+    let r = post(addr, "/v1/responses", bad);
+    assert!(r.status == 400 && r.body.contains("invalid tools[0].parameters (`f`): "), "{}", r.body);
     let want = terse_reply(addr);
     let text = want["choices"][0]["message"]["content"].as_str().unwrap();
     let status = if want["choices"][0]["finish_reason"] == "length" { "incomplete" } else { "completed" };
@@ -2288,6 +2298,8 @@ fn tools_on_a_template_without_tool_syntax_use_the_generic_format() {
         chat_body("Write a haiku about the sea.", json!({"tools": tools, "max_tokens": 40})),
         chatty(json!({})),
         chatty(json!({"max_tokens": 6})),
+        // Ended by a stop string after a space: the space stays, whole as streamed.
+        chatty(json!({"stop": ["are"]})),
         chat_body(ask, json!({"tools": tools, "max_tokens": 10})),
         chat_body(ask, json!({"tools": tools, "stop": ["Paris"], "parallel_tool_calls": false})),
     ] {
@@ -2486,6 +2498,17 @@ fn malformed_tool_schemas_are_refused_whatever_tool_choice() {
         let body = chat_body("hi", json!({"tools": [other, tool(missing)], "tool_choice": choice}));
         let v = assert_error(&post(addr, c, body), 400, "'#/$defs/missing'");
         assert!(!v["error"]["message"].as_str().unwrap().contains("tool1"), "{v}");
+        // A schema that compiles but whose grammar fails lazily (once a reply reaches this tool): refused
+        // before the reply, streamed too, naming the tool.
+        let lazy = json!({"type": "object", "properties": {"x": {"type": "string", "pattern": "^a{1000000}$"}}, "required": ["x"]});
+        for stream in [false, true] {
+            let body = chat_body("hi", json!({"tools": [other, tool(lazy.clone())], "tool_choice": choice, "stream": stream}));
+            assert_error(
+                &post(addr, c, body),
+                400,
+                "invalid tools[1].function.parameters (`ping`): its grammar failed before the first token",
+            );
+        }
     }
     let good = tool(json!({"type": "object", "properties": {"x": {"type": "string"}}}));
     for _ in 0..2 {
