@@ -254,6 +254,12 @@ fn complete_partial_object(s: &str) -> Option<Value> {
     parse(&whole).or_else(|| points.iter().rev().find_map(|(at, close)| parse(&format!("{}{close}", &s[..*at]))))
 }
 
+/// A `tool_use` block's id for a chat tool call's: OpenAI's `call_…` in Anthropic's form, `toolu_…` (the
+/// Mistral families' 9-character ids, which their templates require back, are kept).
+fn tool_use_id(call_id: &str) -> String {
+    call_id.strip_prefix("call_").map_or_else(|| call_id.to_string(), |rest| format!("toolu_{rest}"))
+}
+
 /// The message id for a chat completion id (`chatcmpl-…` → `msg_…`).
 fn message_id(chat_id: &str) -> String {
     format!("msg_{}", chat_id.trim_start_matches("chatcmpl-"))
@@ -274,9 +280,8 @@ pub fn from_chat(v: &Value, model: &str) -> Value {
     }
     for c in m["tool_calls"].as_array().into_iter().flatten() {
         let f = &c["function"];
-        content.push(
-            json!({"type": "tool_use", "id": c["id"], "name": f["name"], "input": tool_input(f["arguments"].as_str().unwrap_or(""))}),
-        );
+        content.push(json!({"type": "tool_use", "id": tool_use_id(c["id"].as_str().unwrap_or("")), "name": f["name"],
+                   "input": tool_input(f["arguments"].as_str().unwrap_or(""))}));
     }
     let (stop_reason, stop_sequence) = stop_of(ch);
     let u = &v["usage"];
@@ -446,6 +451,7 @@ impl EventStream {
         for call in delta["tool_calls"].as_array().into_iter().flatten() {
             let f = &call["function"];
             if let Some(id) = call["id"].as_str() {
+                let id = tool_use_id(id);
                 self.open(Block::Tool, json!({"type": "tool_use", "id": id, "name": f["name"], "input": {}}), true, &mut out);
             }
             if let (Some(args), Some((index, Block::Tool))) = (f["arguments"].as_str().filter(|a| !a.is_empty()), self.open) {
@@ -561,14 +567,14 @@ mod tests {
     fn replies_translate_back() {
         let chat = json!({"id": "chatcmpl-abc", "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
             "role": "assistant", "content": "Checking.", "reasoning_content": "Need the time.",
-            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{\"tz\": \"UTC\"}"}}]}}],
+            "tool_calls": [{"id": "call_c1", "type": "function", "function": {"name": "get_time", "arguments": "{\"tz\": \"UTC\"}"}}]}}],
             "usage": {"prompt_tokens": 30, "completion_tokens": 12, "prompt_tokens_details": {"cached_tokens": 10}}});
         assert_eq!(
             from_chat(&chat, "m"),
             json!({"id": "msg_abc", "type": "message", "role": "assistant", "model": "m", "content": [
                 {"type": "thinking", "thinking": "Need the time.", "signature": ""},
                 {"type": "text", "text": "Checking."},
-                {"type": "tool_use", "id": "c1", "name": "get_time", "input": {"tz": "UTC"}}],
+                {"type": "tool_use", "id": "toolu_c1", "name": "get_time", "input": {"tz": "UTC"}}],
                 "stop_reason": "tool_use", "stop_sequence": null,
                 "usage": {"input_tokens": 20, "output_tokens": 12, "cache_read_input_tokens": 10}})
         );
@@ -587,7 +593,7 @@ mod tests {
             chunk(json!({"content": "Hi"}), Value::Null),
             chunk(json!({"content": " there"}), Value::Null),
             chunk(
-                json!({"tool_calls": [{"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": ""}}]}),
+                json!({"tool_calls": [{"index": 0, "id": "call_c1", "type": "function", "function": {"name": "f", "arguments": ""}}]}),
                 Value::Null,
             ),
             chunk(json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\": 1}"}}]}), Value::Null),
@@ -620,7 +626,7 @@ mod tests {
         assert_eq!(datas[1]["content_block"]["type"], "thinking");
         assert_eq!(datas[4], json!({"type": "content_block_start", "index": 1, "content_block": {"type": "text", "text": ""}}));
         assert_eq!(datas[6]["delta"], json!({"type": "text_delta", "text": " there"}));
-        assert_eq!(datas[8]["content_block"], json!({"type": "tool_use", "id": "c1", "name": "f", "input": {}}));
+        assert_eq!(datas[8]["content_block"], json!({"type": "tool_use", "id": "toolu_c1", "name": "f", "input": {}}));
         assert_eq!(datas[9]["delta"], json!({"type": "input_json_delta", "partial_json": "{\"a\": 1}"}));
         assert_eq!(datas[11]["delta"]["stop_reason"], "tool_use");
         assert_eq!(datas[11]["usage"]["output_tokens"], 5);
