@@ -630,8 +630,6 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
     let mut thinking = None;
     let mut calls = None;
     let mut grammar: Option<(&'static str, String)> = None;
-    // The tools whose call grammar is `grammar` (to name the one a compile error is about).
-    let mut tools_checked = None;
     let prompt = match kind {
         Kind::Chat => {
             let messages = api::parse_messages(&o)?;
@@ -668,9 +666,8 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
                 let g = family.call_grammar(tools, schema.as_ref(), |name| st.tokenizer.token_id(name));
                 if family.is_generic() || matches!(tools.choice, api::ToolChoice::Required | api::ToolChoice::Named(_)) {
                     grammar = Some(("tools", g.map_err(|e| ApiError::invalid(Some("tools"), e))?));
-                    tools_checked = Some(tools.clone());
                 } else if let Ok(g) = g {
-                    check_tools(st, tools, &g)?;
+                    check_tools(st, &g)?;
                 }
                 calls = Some(Calls {
                     family,
@@ -780,8 +777,8 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
                 .get_or_init(|| grammar::Grammars::new(&st.tokenizer, st.n_logits))
                 .as_ref()
                 .map_err(|e| ApiError::invalid(Some(param), format!("structured output is not available for this model: {e}")))?;
-            let c = gs.lark(g).map_err(|e| match (&tools_checked, param) {
-                (Some(t), "tools") => tools_error(gs, t, schema.as_ref(), &e),
+            let c = gs.lark(g).map_err(|e| match param {
+                "tools" => tools_error(gs, schema.as_ref(), &e),
                 _ => ApiError::invalid(Some(param), grammar_error(param, &e)),
             })?;
             // A grammar failing before the reply's first free choice ([`grammar::Constraint::early_failure`])
@@ -815,12 +812,12 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
 /// call would check them: `g` (the call grammar of every tool) is compiled once per distinct list, so a
 /// malformed schema is a 400 with `auto` as with the forced choices (which compile it anyway). With `none` the
 /// tools only reach the prompt and are not checked.
-fn check_tools(st: &AppState, tools: &api::Tools, g: &str) -> Result<(), ApiError> {
+fn check_tools(st: &AppState, g: &str) -> Result<(), ApiError> {
     // Without grammars for this model (no end-of-sequence token) only the forced choices are refused.
     let Ok(gs) = st.grammars.get_or_init(|| grammar::Grammars::new(&st.tokenizer, st.n_logits)).as_ref() else {
         return Ok(());
     };
-    once_per_grammar(st, "list", g, || gs.lark(g.to_string()).map(|_| ()).map_err(|e| tools_error(gs, tools, None, &e)))
+    once_per_grammar(st, "list", g, || gs.lark(g.to_string()).map(|_| ()).map_err(|e| tools_error(gs, None, &e)))
 }
 
 /// `check` for the grammar `g` (of the kind `kind`) unless it passed before: the outcome of a passed check is
@@ -915,18 +912,11 @@ fn compiler_message(e: &str) -> String {
     text.strip_prefix("at ").and_then(|r| r.split_once("): ")).map_or(text.clone(), |(_, rest)| rest.to_string())
 }
 
-/// The 400 for a call grammar of `tools` that the compiler refused (`e`): the first tool whose schema fails
-/// alone, named by its place in the request (its references then read as in its own schema), or the
-/// `response` schema (a `response_format`'s, in the generic format's grammar) when it fails alone, else
-/// [`grammar_error`]'s for `tools`.
-fn tools_error(gs: &grammar::Grammars, tools: &api::Tools, response: Option<&Value>, e: &str) -> ApiError {
-    let fails = |schema: &Value| schema_grammar(schema).ok().and_then(|g| gs.lark(g).err());
-    for (i, t) in tools.tools.iter().enumerate() {
-        if let Some(e) = fails(&t.parameters) {
-            return ApiError::invalid(Some("tools"), grammar_error(&format!("tools[{i}].function.parameters (`{}`)", t.name), &e));
-        }
-    }
-    match response.and_then(fails) {
+/// The 400 for a call grammar of tools that the compiler refused (`e`): the `response` schema (a
+/// `response_format`'s, in the generic format's grammar) when it fails alone, else [`grammar_error`]'s for
+/// `tools`. A tool whose schema fails alone never gets here: [`check_each_tool`] names it first.
+fn tools_error(gs: &grammar::Grammars, response: Option<&Value>, e: &str) -> ApiError {
+    match response.and_then(|schema| schema_grammar(schema).ok().and_then(|g| gs.lark(g).err())) {
         Some(e) => ApiError::invalid(Some("response_format"), grammar_error("response_format", &e)),
         None => ApiError::invalid(Some("tools"), grammar_error("tools", e)),
     }

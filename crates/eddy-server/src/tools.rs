@@ -1139,26 +1139,21 @@ impl CallStreamer {
                 Some(c) => calls(&mut out, c),
                 None => out.push(Piece::Content(rest)),
             },
-            // Generic: a call cut before its name (the grammar writes no other head).
-            State::Head if self.family.is_generic() => {
-                if let Some(name) = head_name(&rest) {
-                    out.push(Piece::Call(name));
-                    out.push(Piece::Args(String::new()));
-                }
-            }
-            State::Whole if self.family.is_generic() => {}
             State::Head | State::Whole => {
                 let found =
                     json_values(&rest).and_then(|vs| vs.iter().map(call_of_value).collect::<Option<Vec<_>>>()).filter(|c| !c.is_empty());
-                match found {
-                    Some(c) => calls(&mut out, c),
+                let named = if self.state == State::Head { head_name(&rest) } else { None };
+                match (found, named) {
+                    (Some(c), _) => calls(&mut out, c),
                     // Cut off after its name: the call, its arguments not begun (a whole reply keeps it
                     // only when it was cut off, as any call whose arguments did not close).
-                    None if self.state == State::Head && head_name(&rest).is_some() => {
-                        out.push(Piece::Call(head_name(&rest).unwrap_or_default()));
+                    (None, Some(name)) => {
+                        out.push(Piece::Call(name));
                         out.push(Piece::Args(String::new()));
                     }
-                    None => {
+                    // Generic: a call cut before its name is nothing (its text is the format's JSON).
+                    (None, None) if self.family.is_generic() => {}
+                    (None, None) => {
                         let marker = match self.family {
                             Family::Hermes => OPEN,
                             Family::Mistral | Family::MistralArgs => MISTRAL,
