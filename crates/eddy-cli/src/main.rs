@@ -153,7 +153,7 @@ struct RunArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// The user message (must not be empty unless --raw); `-` reads it from stdin (trailing newlines
-    /// dropped). Without it: a chat, each line read from stdin a user message (a line ending in `\` goes
+    /// dropped); Ctrl-C stops its reply, prints the stats and exits 130. Without it: a chat, each line read from stdin a user message (a line ending in `\` goes
     /// on to the next), each reply streamed to stdout with a one-line summary on stderr; `/clear` starts
     /// over, `/exit` or end of input ends it, Ctrl-C stops a reply (at the prompt: ends the chat).
     #[arg(long = "message", short = 'm', allow_hyphen_values = true)]
