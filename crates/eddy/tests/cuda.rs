@@ -401,7 +401,38 @@ fn rows_do_not_depend_on_the_batch() {
         }
         be.force_attention_clusters(None);
         be.force_attention_launch(None, None);
+        // The launch per KV head in clusters (`attention_kvc`, the verifies' default on sm_90 for head dims 64
+        // and 128) against `attention_kv` (0): clusters of 2 (blocks walking up to 9 chunks, records of chunks
+        // from 2 on through memory), 3, 8 and 16 (blocks past a short query's keys), the outputs quantized
+        // too (the next product bit for bit), a chain as a tree, repeated (a fault that depends on when the
+        // cluster's blocks run differs between repeats).
         let chain = TreePaths::chain(n);
+        let wk = be.upload_weights(quantize_f32(24, qd, &rng.vec(24 * qd), QuantKind::Q8));
+        let mut kv_prods = Vec::new();
+        for c in [0, 2, 3, 8, 16] {
+            be.force_kv_cluster_attention(Some(c));
+            let before = be.kv_cluster_attention_launches();
+            for r in 0..4 {
+                let batch = Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t: n, vis: Visibility::Causal };
+                let (mut o, mut xq) = (be.alloc(n * qd), be.new_qact());
+                be.attention_quantize(batch, &mut o, &wk, &mut xq);
+                assert!(read(&be, &o, n * qd) == all, "n_past {n_past} hd {hd}: per KV head in clusters of {c}, round {r}: differs");
+                let mut p = vec![0f32; n * 24];
+                be.matmul_to_host(&wk, &o, &xq, n, &mut p);
+                kv_prods.push(p);
+            }
+            let vis = Visibility::Tree { first: 0, paths: &chain };
+            let mut o = be.alloc(n * qd);
+            be.attention(Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t: n, vis }, &mut o);
+            assert!(read(&be, &o, n * qd) == all, "n_past {n_past} hd {hd}: per KV head in clusters of {c}, a chain as a tree: differs");
+            if be.compute_capability().0 >= 9 {
+                let ran = be.kv_cluster_attention_launches() - before;
+                let want = if c >= 2 && hd <= 128 { 5 } else { 0 };
+                assert!(ran == want, "n_past {n_past} hd {hd}: per KV head in clusters of {c}: {ran} launches of attention_kvc");
+            }
+        }
+        assert!(kv_prods.windows(2).all(|w| w[0] == w[1]), "n_past {n_past} hd {hd}: the quantized outputs give other products");
+        be.force_kv_cluster_attention(None);
         let mut tree_out = be.alloc(n * qd);
         let vis = Visibility::Tree { first: 0, paths: &chain };
         be.attention(Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t: n, vis }, &mut tree_out);
@@ -459,6 +490,46 @@ fn rows_do_not_depend_on_the_batch() {
         be.force_attention_clusters(None);
         be.force_attention_launch(None, None);
     }
+}
+
+/// `rms_norm_quantize` on the kernels for rows of one and two groups of 32 a warp (`rms_norm_quant_k{1,2}`)
+/// against the 8-group kernel, bit for bit: the residual stream, the normed rows, the quantized activations
+/// through a product (rotated and plain), with and without the residual; widths of one group a warp (512,
+/// 896: 28 warps), two (1,536: 48 groups on 32 warps, the second partly; 2,048) and more (4,096: the 8-group
+/// kernel either way), 1 and 3 rows.
+#[test]
+#[ignore]
+fn fitted_norm_kernels_equal_the_8_group_one() {
+    let be = gpu();
+    let mut rng = Rng(21);
+    for d in [512usize, 896, 1536, 2048, 4096] {
+        let rows = 40;
+        let data = rng.vec(rows * d);
+        let rot = Rotation { input: Some(Arc::new(Signs::random(d, 3))), output: None };
+        for (kind, host) in
+            [("Q8", quantize_f32(rows, d, &data, QuantKind::Q8)), ("M g64 rotated", rtn::quantize(rows, d, &data, rtn::Format::M, 64, rot))]
+        {
+            let w = be.upload_weights(host);
+            for n in [1usize, 3] {
+                let (x, r, nw) = (rng.vec(n * d), rng.vec(n * d), rng.vec(d));
+                let (rb, nwb) = (be.upload(&r), be.upload(&nw));
+                for residual in [false, true] {
+                    let mut got = Vec::new();
+                    for fit in [true, false] {
+                        be.force_fitted_norm(Some(fit));
+                        let mut xb = be.upload(&x);
+                        let (mut h, mut q, mut o) = (be.alloc(n * d), be.new_qact(), be.alloc(n * rows));
+                        be.rms_norm_quantize(&mut xb, residual.then_some(&rb), n, d, &nwb, 1e-6, &mut h, &w, &mut q);
+                        be.matmul(&w, &h, &q, n, &mut o);
+                        got.push((read(&be, &xb, n * d), read(&be, &h, n * d), read(&be, &o, n * rows)));
+                    }
+                    assert!(got[0] == got[1], "d {d} {kind} n {n} residual {residual}: the fitted norm kernel differs");
+                    assert!(got[0].1.iter().any(|&v| v != 0.0), "d {d}: an all-zero normed row");
+                }
+            }
+        }
+    }
+    be.force_fitted_norm(None);
 }
 
 /// A decode step's RoPE and K/V cache store inside its attention (`attention_dec_rope_hd*`) against the
@@ -1018,6 +1089,17 @@ fn model_matches_cpu(name: &str) {
     assert!(gl == one_by_one, "{name}: a 16-node verify differs from 16 decode steps");
     forward(&gm, &be, &mut gws, &mut gst, &toks, Logits::All, &mut gl).unwrap();
     assert!(gl == one_by_one, "{name}: a 16-token pass differs from 16 decode steps");
+    // The same with the verify's attention per KV head in clusters (`attention_kvc`) and the fitted norm
+    // kernels, whatever the defaults.
+    be.force_kv_cluster_attention(Some(8));
+    be.force_fitted_norm(Some(true));
+    for round in 0..2 {
+        gst.truncate(base);
+        forward_tree(&gm, &be, &mut gws, &mut gst, &toks, &chain, 0, &mut gl).unwrap();
+        assert!(gl == one_by_one, "{name}: a 16-node verify with attention_kvc and the fitted norms differs (round {round})");
+    }
+    be.force_kv_cluster_attention(None);
+    be.force_fitted_norm(None);
     gst.truncate(base);
     let mut stepped = Vec::new();
     let before = be.graph_stats();

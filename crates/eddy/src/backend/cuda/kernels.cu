@@ -2064,13 +2064,16 @@ extern "C" __global__ void embed(const void* __restrict__ w, int wtype, int rows
 // order; inv = 1/sqrt(sum/d + eps); out = (x * inv) * w. d <= NORM_KMAX * 32 * 32.
 #define NORM_KMAX 8
 
-// The row's values into v (x += res first when res is not null, written back) and 1/rms.
-__device__ __forceinline__ float norm_row(float (&v)[NORM_KMAX], float* x, const float* __restrict__ res, int d,
-                                          float eps, float* red) {
+// The row's values into v (x += res first when res is not null, written back) and 1/rms. K ≤ NORM_KMAX: the
+// groups a warp holds (rows of at most K·32 warps' groups; the loop over k stops at the row's end either way,
+// so every K that covers the row computes the same values).
+template <int K = NORM_KMAX>
+__device__ __forceinline__ float norm_row(float (&v)[K], float* x, const float* __restrict__ res, int d, float eps,
+                                          float* red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     float ss = 0.0f;
 #pragma unroll
-    for (int k = 0; k < NORM_KMAX; ++k) {
+    for (int k = 0; k < K; ++k) {
         const int c = (warp + k * nw) * 32 + lane;
         v[k] = 0.0f;
         if (c < d) {
@@ -2213,29 +2216,32 @@ extern "C" __global__ void rms_norm(const float* x, float* out, const float* __r
 // The residual add, RMSNorm and int8 quantization of a row in one kernel (rms_norm's block and sequence): with
 // `res`, x += res first (written back); the normed row goes to `h`, and each warp quantizes its groups as
 // quantize_q8 would (`signs`: the input rotation of the next product, or null). d must be a multiple of 32.
-extern "C" __global__ void rms_norm_quant(float* x, const float* __restrict__ res, float* __restrict__ h,
-                                          const float* __restrict__ w, int d, float eps,
-                                          const float* __restrict__ signs, int8_t* __restrict__ q,
-                                          float* __restrict__ scale, int* __restrict__ sum,
-                                          float* __restrict__ dsum, int* __restrict__ sum16, unsigned char* tq,
-                                          long long tg) {
+// `rms_norm_quant_k{1,2}` hold at most 1 or 2 groups a warp (rows up to 1,024 or 2,048 values; the host picks
+// them there): the same operations without the 8-group body's unrolled copies of `quant_group` (4,040
+// instructions against about a fifth, which a kernel run twice a layer fetches cold each time).
+#define RMS_NORM_QUANT_PARAMS                                                                                      \
+    float *x, const float *__restrict__ res, float *__restrict__ h, const float *__restrict__ w, int d, float eps,   \
+        const float *__restrict__ signs, int8_t *__restrict__ q, float *__restrict__ scale, int *__restrict__ sum,   \
+        float *__restrict__ dsum, int *__restrict__ sum16, unsigned char *tq, long long tg
+template <int K>
+__device__ __forceinline__ void rms_norm_quant_impl(RMS_NORM_QUANT_PARAMS) {
     __shared__ float red[32];
     const long long row = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int G = d >> 5;
     // The norm's weights (written by no kernel) into registers before the wait (`ld_early`).
-    float wv[NORM_KMAX];
+    float wv[K];
 #pragma unroll
-    for (int k = 0; k < NORM_KMAX; ++k) {
+    for (int k = 0; k < K; ++k) {
         const int g = warp + k * nw;
         wv[k] = g < G ? ld_early(w + g * 32 + lane) : 0.0f;
     }
     pdl_wait();
-    float v[NORM_KMAX];
-    const float inv = norm_row(v, x + row * d, res != nullptr ? res + row * d : nullptr, d, eps, red);
+    float v[K];
+    const float inv = norm_row<K>(v, x + row * d, res != nullptr ? res + row * d : nullptr, d, eps, red);
     const QActOut o = {q, scale, sum, dsum, sum16, tq, tg, G};
 #pragma unroll
-    for (int k = 0; k < NORM_KMAX; ++k) {
+    for (int k = 0; k < K; ++k) {
         const int g = warp + k * nw;
         if (g < G) {
             const int c = g * 32 + lane;
@@ -2244,6 +2250,15 @@ extern "C" __global__ void rms_norm_quant(float* x, const float* __restrict__ re
             quant_group(hv, lane, row * G + g, signs != nullptr ? signs + g * 32 : nullptr, o);
         }
     }
+}
+extern "C" __global__ void rms_norm_quant(RMS_NORM_QUANT_PARAMS) {
+    rms_norm_quant_impl<NORM_KMAX>(x, res, h, w, d, eps, signs, q, scale, sum, dsum, sum16, tq, tg);
+}
+extern "C" __global__ void rms_norm_quant_k1(RMS_NORM_QUANT_PARAMS) {
+    rms_norm_quant_impl<1>(x, res, h, w, d, eps, signs, q, scale, sum, dsum, sum16, tq, tg);
+}
+extern "C" __global__ void rms_norm_quant_k2(RMS_NORM_QUANT_PARAMS) {
+    rms_norm_quant_impl<2>(x, res, h, w, d, eps, signs, q, scale, sum, dsum, sum16, tq, tg);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -3051,6 +3066,7 @@ __device__ __forceinline__ AttAcc att_kv_values(const float* es, const float* vs
     float* acc = r.v;
 #pragma unroll
     for (int u = 0; u < ATT_KV_ND; ++u) acc[u] = 0.0f;
+#pragma unroll 1
     for (int pt = 0; pt < P; ++pt) {
         float a[ND];
 #pragma unroll
@@ -3067,6 +3083,55 @@ __device__ __forceinline__ AttAcc att_kv_values(const float* es, const float* vs
         for (int u = 0; u < ND; ++u) acc[u] = pt == 0 ? a[u] : __fadd_rn(acc[u], a[u]);
     }
     return r;
+}
+// One warp's query head on a staged chunk (`attention_kv`, `attention_kvc`): the scores of keys lane and lane + 32
+// against the query row `qr` (keys `ks`, row stride `ld`, q4 = hd / 4), each the four quarter chains in increasing
+// d (four query values from one broadcast load serve both keys' chains), added in order, scaled, soft-capped; the
+// chunk's max `m` and exponential sum `z` as `attention`'s two warps' trees; the exponentials into `es` (the
+// warp's copy, read back by `att_kv_values` after the `__syncwarp`).
+__device__ __forceinline__ void att_kv_scores(const float* qr, const float* ks, float* es, int ld, int q4, int lane,
+                                              int cnt, float scale, float softcap, float& m, float& z) {
+    float pc[2][4];
+#pragma unroll
+    for (int k4 = 0; k4 < 4; ++k4) {
+        pc[0][k4] = 0.0f;
+        pc[1][k4] = 0.0f;
+        const float* kq = qr + k4 * q4;
+#pragma unroll 4
+        for (int d = 0; d < q4; d += 4) {
+            const float4 qv = *reinterpret_cast<const float4*>(kq + d);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int j = lane + 32 * half;
+                if (j < cnt) {
+                    const float* kr = ks + j * ld + k4 * q4 + d;
+                    float a = pc[half][k4];
+                    a = __fmaf_rn(qv.x, kr[0], a);
+                    a = __fmaf_rn(qv.y, kr[1], a);
+                    a = __fmaf_rn(qv.z, kr[2], a);
+                    a = __fmaf_rn(qv.w, kr[3], a);
+                    pc[half][k4] = a;
+                }
+            }
+        }
+    }
+    float s[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float sv = -INFINITY;
+        if (lane + 32 * half < cnt) {
+            sv = __fmul_rn(__fadd_rn(__fadd_rn(__fadd_rn(pc[half][0], pc[half][1]), pc[half][2]), pc[half][3]), scale);
+            if (softcap > 0.0f) sv = __fmul_rn(softcap, tanhf(__fdiv_rn(sv, softcap)));
+        }
+        s[half] = sv;
+    }
+    m = fmaxf(warp_max(s[0]), warp_max(s[1]));
+    const float e0 = lane < cnt ? expf(__fsub_rn(s[0], m)) : 0.0f;
+    const float e1 = lane + 32 < cnt ? expf(__fsub_rn(s[1], m)) : 0.0f;
+    z = __fadd_rn(warp_sum(e0), warp_sum(e1));
+    es[lane] = e0;
+    es[lane + 32] = e1;
+    __syncwarp();
 }
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2)
     attention_kv(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
@@ -3162,49 +3227,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2)
         __syncthreads();
         for (int r = warp; r < g; r += ATT_THREADS / 32) {
             const int h = h0 + r;
-            const float* qr = qs + r * hd;
-            // The four quarter chains of both keys, a quarter at a time: four query values at once from shared
-            // memory (one broadcast load) serve both keys' chains, each chain still in increasing d.
-            float pc[2][4];
-#pragma unroll
-            for (int k4 = 0; k4 < 4; ++k4) {
-                pc[0][k4] = 0.0f;
-                pc[1][k4] = 0.0f;
-                const float* kq = qr + k4 * q4;
-                for (int d = 0; d < q4; d += 4) {
-                    const float4 qv = *reinterpret_cast<const float4*>(kq + d);
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const int j = lane + 32 * half;
-                        if (j < cnt) {
-                            const float* kr = ks + j * ld + k4 * q4 + d;
-                            float a = pc[half][k4];
-                            a = __fmaf_rn(qv.x, kr[0], a);
-                            a = __fmaf_rn(qv.y, kr[1], a);
-                            a = __fmaf_rn(qv.z, kr[2], a);
-                            a = __fmaf_rn(qv.w, kr[3], a);
-                            pc[half][k4] = a;
-                        }
-                    }
-                }
-            }
-            float s[2];
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                float sv = -INFINITY;
-                if (lane + 32 * half < cnt) {
-                    sv = __fmul_rn(__fadd_rn(__fadd_rn(__fadd_rn(pc[half][0], pc[half][1]), pc[half][2]), pc[half][3]), scale);
-                    if (softcap > 0.0f) sv = __fmul_rn(softcap, tanhf(__fdiv_rn(sv, softcap)));
-                }
-                s[half] = sv;
-            }
-            const float m = fmaxf(warp_max(s[0]), warp_max(s[1]));
-            const float e0 = lane < cnt ? expf(__fsub_rn(s[0], m)) : 0.0f;
-            const float e1 = lane + 32 < cnt ? expf(__fsub_rn(s[1], m)) : 0.0f;
-            const float z = __fadd_rn(warp_sum(e0), warp_sum(e1));
-            es[lane] = e0;
-            es[lane + 32] = e1;
-            __syncwarp();
+            float m, z;
+            att_kv_scores(qs + r * hd, ks, es, ld, q4, lane, cnt, scale, softcap, m, z);
             const float inv1 = __fdiv_rn(1.0f, z);
             float* pp = part + (((long long)i * n_heads + h) * nmax + c) * (hd + 2);
             // Output values lane, lane + 32, ... at once (two for head dims up to 64, else ATT_KV_ND): each
@@ -3248,6 +3272,165 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2)
         for (int r = warp; r < g; r += ATT_THREADS / 32) combine(h0 + r);
     }
 }
+
+// `attention_kv`'s launches in clusters, head dims 64 and 128 (verifies and short prefill passes by default
+// from `att_kv_min` queries on; docs/cuda.md, "The verify's attention in clusters"): one 256-thread block per
+// (KV head, query, z), the Z = gridDim.z chunk blocks of a (query, KV head) one thread-block cluster (rank =
+// z; block z takes the chunks z, z + Z, … in turn). `attention_dec`'s shape on `attention_kv`'s work: the key
+// list and the first chunk's key rows (as 32-bit element offsets) read before the wait (staged with the
+// pass, written by no kernel); after it the group's query rows and the chunk's keys and values loaded at once
+// (one memory round trip), staged in shared memory, one block barrier; the chunk records (m, z, o[HD]) of
+// chunks below Z stored straight into the cluster's first block's shared memory (`st.shared::cluster`), the
+// rest into `part`; after the cluster barrier that block's warps combine them per head in chunk order. No
+// fence and no device counter (`attention_kv` without clusters: a fence, an atomic and two more round trips).
+// Every value is computed by `attention_kv`'s operations in its order (the quarter chains of a score, the
+// two xor trees, the P chains of an output value added in order, `attention`'s combination), so a (query,
+// head) gets the same bits from either kernel.
+// Dynamic shared memory (`att_kvc_smem` on the host): keys and values [ATT_CHUNK][HD + 1], the query rows
+// [g][HD], the warps' exponentials [8][ATT_CHUNK], the records [Z][g][HD + 2] (used in the first block).
+template <int HD>
+__device__ __forceinline__ void attention_kvc_impl(const float* __restrict__ q, const float* __restrict__ k,
+                                                   const float* __restrict__ v, float* __restrict__ out,
+                                                   const int4* __restrict__ info, const int* __restrict__ paths,
+                                                   float* part, int nmax, int n_heads, int n_kv_heads, float scale,
+                                                   float softcap, const QActOut& qo, const float* __restrict__ qsigns) {
+    constexpr int LD = HD + 1, Q4 = HD / 4, RW = HD + 2, P = ATT_THREADS / HD, ND = HD / 32;
+    constexpr int KB = (ATT_CHUNK * Q4) / ATT_THREADS;  // float4s of keys (and of values) a thread loads
+    extern __shared__ __align__(16) float kvc_smem[];
+    __shared__ int offs[ATT_CHUNK];
+    const int kvh = blockIdx.x, i = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = n_heads / n_kv_heads, h0 = kvh * g, Z = gridDim.z;
+    float* ks = kvc_smem;
+    float* vs = ks + ATT_CHUNK * LD;
+    float* qs = vs + ATT_CHUNK * LD;
+    float* es = qs + g * HD + warp * ATT_CHUNK;
+    float* rec = qs + g * HD + (ATT_THREADS / 32) * ATT_CHUNK;
+    const long long qd = (long long)n_heads * HD;
+    // Element offsets fit in 32 bits (the host checks the cache's length).
+    const int kvd = n_kv_heads * HD, kvo = kvh * HD;
+    const int4 qi = ld_early(info + i);
+    const int nc = qi.y - qi.x, nk = nc + qi.w;
+    const int nch = (nk + ATT_CHUNK - 1) / ATT_CHUNK;
+    // The first chunk's key rows, before the wait.
+    const int c0 = blockIdx.z;
+    auto offset = [&](int jj) { return (jj < nc ? qi.x + jj : ld_early(paths + qi.z + jj - nc)) * kvd + kvo; };
+    if (c0 < nch && tid < min(ATT_CHUNK, nk - c0 * ATT_CHUNK)) offs[tid] = offset(c0 * ATT_CHUNK + tid);
+    pdl_wait();
+    auto put = [&](int h, int d, float val) { att_put(out, qd, i, (long long)h * HD + d, val, lane, qsigns, qo); };
+    if (nk <= 0) {
+        if (c0 == 0)
+            for (int r = warp; r < g; r += ATT_THREADS / 32)
+                for (int d = lane; d < HD; d += 32) put(h0 + r, d, 0.0f);
+        return;
+    }
+    if (c0 >= nch) return;  // (an exited block does not hold the cluster barrier up)
+    unsigned int csize;
+    const unsigned int crank = cluster_rank_and_size(csize);
+    const bool single = nch == 1;
+    // Before a block stores into the first block's shared memory, every block of the cluster has started: the
+    // barrier's first phase (arrived here, waited for before the first store).
+    if (!single) cluster_arrive_relaxed();
+    for (int c = c0; c < nch; c += Z) {
+        const int j0 = c * ATT_CHUNK, cnt = min(ATT_CHUNK, nk - j0);
+        if (c != c0) {
+            __syncthreads();  // the previous chunk's readers of offs, keys, values are done
+            if (tid < cnt) offs[tid] = offset(j0 + tid);
+        }
+        __syncthreads();
+        // The chunk's keys and values (and with the first chunk the group's query rows), all in flight at once.
+        float4 kv[KB], vv[KB];
+#pragma unroll
+        for (int u = 0; u < KB; ++u) {
+            const int x = tid + u * ATT_THREADS, j = x / Q4;
+            if (j < cnt) {
+                const int at = offs[j] + 4 * (x % Q4);
+                kv[u] = *reinterpret_cast<const float4*>(k + at);
+                vv[u] = *reinterpret_cast<const float4*>(v + at);
+            }
+        }
+        if (c == c0)
+            for (int x = tid; x < g * HD; x += ATT_THREADS) qs[x] = q[i * qd + (long long)h0 * HD + x];
+#pragma unroll
+        for (int u = 0; u < KB; ++u) {
+            const int x = tid + u * ATT_THREADS, j = x / Q4;
+            if (j < cnt) {
+                float* kd = ks + j * LD + 4 * (x % Q4);
+                float* vd = vs + j * LD + 4 * (x % Q4);
+                kd[0] = kv[u].x, kd[1] = kv[u].y, kd[2] = kv[u].z, kd[3] = kv[u].w;
+                vd[0] = vv[u].x, vd[1] = vv[u].y, vd[2] = vv[u].z, vd[3] = vv[u].w;
+            }
+        }
+        __syncthreads();
+        if (!single && c == c0) cluster_wait();
+#pragma unroll 1
+        for (int r = warp; r < g; r += ATT_THREADS / 32) {
+            const int h = h0 + r;
+            float m, z;
+            att_kv_scores(qs + r * HD, ks, es, LD, Q4, lane, cnt, scale, softcap, m, z);
+            const AttAcc va = att_kv_values<ND>(es, vs, LD, lane, HD, P, cnt);
+            if (single) {
+                const float inv1 = __fdiv_rn(1.0f, z);
+#pragma unroll 1
+                for (int u = 0; u < ND; ++u) {
+                    float a = va.v[0];  // va.v[u] by selects (an indexed register array would live in memory)
+#pragma unroll
+                    for (int x = 1; x < ND; ++x) a = u == x ? va.v[x] : a;
+                    put(h, lane + 32 * u, __fmul_rn(a, inv1));
+                }
+            } else if (c < Z) {
+                float* rr = rec + (c * g + r) * RW;
+#pragma unroll
+                for (int u = 0; u < ND; ++u) st_cluster_shared_f32(rr + 2 + lane + 32 * u, 0, va.v[u]);
+                if (lane == 0) {
+                    st_cluster_shared_f32(rr, 0, m);
+                    st_cluster_shared_f32(rr + 1, 0, z);
+                }
+            } else {
+                float* rr = part + (((long long)i * n_heads + h) * nmax + c) * RW;
+#pragma unroll
+                for (int u = 0; u < ND; ++u) rr[2 + lane + 32 * u] = va.v[u];
+                if (lane == 0) {
+                    rr[0] = m;
+                    rr[1] = z;
+                }
+            }
+            __syncwarp();  // es is rewritten by the warp's next head
+        }
+    }
+    if (single) return;
+    // The records meet at the cluster barrier; the first block's warps combine them per head in chunk order.
+    cluster_arrive();
+    if (crank != 0) return;
+    cluster_wait();
+#pragma unroll 1
+    for (int r = warp; r < g; r += ATT_THREADS / 32) {
+        const int h = h0 + r;
+        const float* pb = part + ((long long)i * n_heads + h) * nmax * RW;
+        auto rd = [&](int c, int x) { return c < Z ? rec[(c * g + r) * RW + x] : __ldcg(pb + c * RW + x); };
+        float M = -INFINITY;
+        for (int c = 0; c < nch; ++c) M = fmaxf(M, rd(c, 0));
+#pragma unroll 1
+        for (int u = 0; u < ND; ++u) {
+            const int d = lane + 32 * u;
+            float Zs = 0.0f, o = 0.0f;
+#pragma unroll 4
+            for (int c = 0; c < nch; ++c) {
+                const float wc = expf(__fsub_rn(rd(c, 0), M));
+                Zs = __fmaf_rn(rd(c, 1), wc, Zs);
+                o = __fmaf_rn(rd(c, 2 + d), wc, o);
+            }
+            put(h, d, __fmul_rn(o, __fdiv_rn(1.0f, Zs)));
+        }
+    }
+}
+#define ATT_KVC(HDV)                                                                                               \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_kvc_hd##HDV(ATT_DEC_PARAMS) {          \
+        const QActOut qo = {qq, qscale, qsum, qdsum, qsum16, qtq, qtg, ((long long)n_heads * HDV) >> 5};           \
+        attention_kvc_impl<HDV>(q, k, v, out, info, paths, part, nmax, n_heads, n_kv_heads, scale, softcap, qo,   \
+                                qsigns);                                                                           \
+    }
+ATT_KVC(64)
+ATT_KVC(128)
 
 // ---------------------------------------------------------------------------------------------------------
 // Greedy sampling: the index of the largest value of each row (sampling.rs `argmax`: lowest index on ties,

@@ -193,6 +193,12 @@ fn att_kv_smem(group: usize, hd: usize) -> usize {
     4 * (2 * ATT_CHUNK * (hd + 1) + group * hd + (ATT_THREADS as usize / 32) * ATT_CHUNK)
 }
 
+/// Dynamic shared memory bytes of `attention_kvc` in clusters of `cluster` blocks: `attention_kv`'s, then the
+/// chunk records `[cluster][group][hd + 2]` (those of chunks below `cluster`, in the cluster's first block).
+fn att_kvc_smem(group: usize, hd: usize, cluster: usize) -> usize {
+    att_kv_smem(group, hd) + 4 * cluster * group * (hd + 2)
+}
+
 /// The attention grid's third dimension `Z` for `blocks_per_query` blocks over the heads of each of `t`
 /// queries and key lists of at most `nmax` chunks, where `resident` blocks of the kernel fit on the GPU at
 /// once (its occupancy per multiprocessor times the multiprocessors): block z of a (query, heads) takes its
@@ -264,6 +270,32 @@ fn att_cluster_from_env() -> (usize, bool) {
         None => (ATT_DECODE_CLUSTER, false),
     }
 }
+/// Blocks of the cluster a launch per KV head of head dims 64 and 128 (verifies) runs as on `attention_kvc`
+/// by default ([`Cuda::att_kvc`]): 0, off — the kernel has not run on a GPU yet (session 37 got no device), so
+/// it stays an opt-in until its tests pass there and it is measured (docs/cuda.md, "The verify's attention in
+/// clusters"); 8 is the size to measure first.
+const ATT_KVC_CLUSTER: usize = 0;
+
+/// `EDDY_CUDA_ATT_KVC`: 0 or 1 puts launches per KV head on `attention_kv` without clusters; 2 to 16,
+/// `attention_kvc` in clusters of that size; unset, [`ATT_KVC_CLUSTER`].
+fn att_kvc_from_env() -> usize {
+    match env_setting("EDDY_CUDA_ATT_KVC", "0 or 1 (off) or 2 to 16", |c: &usize| *c <= ATT_MAX_CLUSTER) {
+        Some(c) if c >= 2 => c,
+        Some(_) => 0,
+        None => ATT_KVC_CLUSTER,
+    }
+}
+
+/// Whether `rms_norm_quantize` runs rows of at most one or two groups a warp on `rms_norm_quant_k{1,2}` by
+/// default: not yet (not run on a GPU; as [`ATT_KVC_CLUSTER`]).
+const NORM_FIT: bool = false;
+
+/// `EDDY_CUDA_NORM_FIT`: 1 runs `rms_norm_quantize` of rows of at most one or two groups of 32 a warp on
+/// `rms_norm_quant_k{1,2}`, 0 every row on the 8-group kernel; unset, [`NORM_FIT`].
+fn norm_fit_from_env() -> bool {
+    env_setting("EDDY_CUDA_NORM_FIT", "0 or 1", |d: &u8| *d <= 1).map_or(NORM_FIT, |d| d == 1)
+}
+
 /// `EDDY_CUDA_ATT_DEC`: 0 puts decode steps' attention back on `attention` (an A/B); unset or 1, `attention_dec`.
 fn att_dec_from_env() -> bool {
     env_setting("EDDY_CUDA_ATT_DEC", "0 or 1", |d: &u8| *d <= 1).is_none_or(|d| d == 1)
@@ -885,6 +917,8 @@ struct Kernels {
     embed: Func,
     rms_norm: Func,
     rms_norm_quant: Func,
+    /// The same for rows of at most one and two groups of 32 a warp (`rms_norm_quant_k{1,2}`).
+    rms_norm_quant_k: [Func; 2],
     gated_act_quant: Func,
     store_rows: Func,
     gather_rows: Func,
@@ -906,6 +940,9 @@ struct Kernels {
     attention_dec_rope: [Func; 2],
     /// The attention with one block per KV head (`attention_kv`; dynamic shared memory `att_kv_smem`).
     attention_kv: Func,
+    /// The same in clusters over a (query, KV head)'s chunks, head dims 64 and 128 (`attention_kvc_hd{64,128}`;
+    /// dynamic shared memory `att_kvc_smem`).
+    attention_kvc: [Func; 2],
     /// Causal attention of prefill runs on the tensor cores: `[P·V in one TF32 product (attention_mma_hd*) /
     /// three (attention_mma3_hd*)][hd 64, 128, 256]`.
     attention_mma: [[Func; 3]; 2],
@@ -1025,6 +1062,17 @@ pub struct Cuda {
     att_dec: AtomicBool,
     /// `attention_dec` launches chosen since [`Cuda::new`] (counted when queued; tests: that it ran).
     att_dec_launches: AtomicU64,
+    /// Blocks of the cluster a launch per KV head (`att_kv_min` queries on: verifies) of head dims 64 and 128
+    /// runs as on `attention_kvc` without forced clusters or block counts, or 0: `attention_kv` as before
+    /// ([`ATT_KVC_CLUSTER`]; `EDDY_CUDA_ATT_KVC` at start, [`Cuda::force_kv_cluster_attention`]). With forced
+    /// clusters (`att_cluster_all`) those launches take `attention_kvc` unless this is 0.
+    att_kvc: AtomicUsize,
+    /// `attention_kvc` launches queued since [`Cuda::new`] (tests: that it ran).
+    att_kvc_launches: AtomicU64,
+    /// Whether `rms_norm_quantize` of rows of at most one or two groups of 32 a warp runs the kernel of that
+    /// many (`rms_norm_quant_k{1,2}`) or the 8-group one ([`NORM_FIT`]; `EDDY_CUDA_NORM_FIT` at start,
+    /// [`Cuda::force_fitted_norm`]).
+    norm_fit: AtomicBool,
     /// Whether a decode step's RoPE and K/V store run inside its attention where `attention_dec` runs it
     /// (default; the same bits as `rope_store`): `EDDY_CUDA_ROPE_ATT=0` at start, [`Cuda::force_fused_rope`].
     rope_att: AtomicBool,
@@ -1222,6 +1270,7 @@ impl Cuda {
             embed: get("embed")?,
             rms_norm: get("rms_norm")?,
             rms_norm_quant: get("rms_norm_quant")?,
+            rms_norm_quant_k: [get("rms_norm_quant_k1")?, get("rms_norm_quant_k2")?],
             gated_act_quant: get("gated_act_quant")?,
             store_rows: get("store_rows")?,
             gather_rows: get("gather_rows")?,
@@ -1237,6 +1286,7 @@ impl Cuda {
             rope: get("rope")?,
             attention: get("attention")?,
             attention_kv: get("attention_kv")?,
+            attention_kvc: [get("attention_kvc_hd64")?, get("attention_kvc_hd128")?],
             attention_dec: [get("attention_dec_hd64")?, get("attention_dec_hd128")?],
             attention_dec_rope: [get("attention_dec_rope_hd64")?, get("attention_dec_rope_hd128")?],
             attention_mma: [
@@ -1286,6 +1336,18 @@ impl Cuda {
             )
         }
         .map_err(|e| no(format!("shared memory for the attention kernel: {e:?}")))?;
+        for f in k.attention_kvc {
+            // SAFETY: a kernel of the loaded module; `optin` is the device's own limit (a launch asking for more
+            // is never made: `fitting_cluster` finds no cluster for it).
+            unsafe {
+                result::function::set_function_attribute(
+                    f.0,
+                    sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    optin as i32,
+                )
+            }
+            .map_err(|e| no(format!("shared memory for the attention kernel: {e:?}")))?;
+        }
         // The empty kernel stands in for any kernel with that kernel's dynamic shared memory
         // (`Cuda::set_empty_kernels`): it may ask for as much as the device grants one block.
         // SAFETY: a kernel of the loaded module; `optin` is the device's own limit.
@@ -1300,7 +1362,7 @@ impl Cuda {
         // Attention clusters of up to 16 blocks (sm_90's non-portable size; `att_cluster`), and the empty kernel
         // that may stand in for them (`Cuda::set_empty_kernels`).
         if capability.0 >= 9 {
-            let dec = k.attention_dec.iter().chain(&k.attention_dec_rope).map(|f| f.0);
+            let dec = k.attention_dec.iter().chain(&k.attention_dec_rope).chain(&k.attention_kvc).map(|f| f.0);
             for f in [k.attention.0, k.attention_kv.0, k.noop.0].into_iter().chain(dec) {
                 // SAFETY: a kernel of the loaded module; an attribute sm_90 defines.
                 unsafe {
@@ -1340,6 +1402,9 @@ impl Cuda {
             att_cluster_all: AtomicBool::new(att_cluster.1),
             att_dec: AtomicBool::new(att_dec_from_env()),
             att_dec_launches: AtomicU64::new(0),
+            att_kvc: AtomicUsize::new(att_kvc_from_env()),
+            att_kvc_launches: AtomicU64::new(0),
+            norm_fit: AtomicBool::new(norm_fit_from_env()),
             rope_att: AtomicBool::new(rope_att_from_env()),
             rope_att_launches: AtomicU64::new(0),
             att_kv_min: env_setting("EDDY_CUDA_ATT_KV_MIN", "a query count (0: never)", |_: &usize| true).map_or(ATT_KV_MIN_T, |m| {
@@ -1390,6 +1455,42 @@ impl Cuda {
     /// Launches of the decode attention (`attention_dec`) queued since [`Cuda::new`] (tests: that it ran).
     pub fn decode_attention_launches(&self) -> u64 {
         self.att_dec_launches.load(Ordering::Relaxed)
+    }
+
+    /// Run `rms_norm_quantize` of rows of at most one or two groups of 32 a warp on the kernel of that many
+    /// (`Some(true)`) or on the 8-group one (`Some(false)`); `None`: as `EDDY_CUDA_NORM_FIT` said at start
+    /// (unset: [`NORM_FIT`]). The results do not depend on it; for tests and measurements.
+    pub fn force_fitted_norm(&self, on: Option<bool>) {
+        self.norm_fit.store(on.unwrap_or_else(norm_fit_from_env), Ordering::Relaxed);
+    }
+
+    /// Launches of the attention per KV head in clusters (`attention_kvc`) queued since [`Cuda::new`] (tests:
+    /// that it ran).
+    pub fn kv_cluster_attention_launches(&self) -> u64 {
+        self.att_kvc_launches.load(Ordering::Relaxed)
+    }
+
+    /// Run attention launches per KV head of head dims 64 and 128 (verifies) on `attention_kvc` in clusters of
+    /// `blocks` (2 to 16; under forced clusters, [`Cuda::force_attention_clusters`], their size), or with
+    /// `Some(0)` / `Some(1)` on `attention_kv` as before; `None`: as `EDDY_CUDA_ATT_KVC` said at start (unset:
+    /// [`ATT_KVC_CLUSTER`]). The results do not depend on it (the same operations in the same
+    /// order); ignored below compute capability 9.0; for tests and measurements.
+    ///
+    /// # Panics
+    /// On a size above 16.
+    pub fn force_kv_cluster_attention(&self, blocks: Option<usize>) {
+        let c = match blocks {
+            Some(c) => {
+                assert!(c <= ATT_MAX_CLUSTER, "attention clusters of at most {ATT_MAX_CLUSTER} blocks");
+                if c >= 2 {
+                    c
+                } else {
+                    0
+                }
+            }
+            None => att_kvc_from_env(),
+        };
+        self.att_kvc.store(c, Ordering::Relaxed);
     }
 
     /// Run attention launches per query head in clusters (head dims 64 and 128) on `attention_dec`
@@ -2146,6 +2247,44 @@ impl Cuda {
         (c > 1).then_some((f, c))
     }
 
+    /// `attention_kvc` and its cluster size for a launch of `t` queries of shape `s` per KV head (`per_kv`) over
+    /// key lists of at most `nmax` chunks, if it runs it: head dims 64 and 128, sm_90, caches of at most `cache`
+    /// values (element offsets in 32 bits), clusters not turned off, a cluster of at least 2 that fits with its
+    /// records in shared memory. The default size is [`Cuda::att_kvc`]'s, capped at what fills the GPU's
+    /// multiprocessors about once at two blocks each (as [`att_chunk_blocks`]; a function of the launch's shape,
+    /// so a captured graph replays it): 8 for 16 queries of 2 KV heads on 132 multiprocessors, 3 for 64.
+    /// Returns the kernel, the cluster, its dynamic shared memory.
+    fn att_kvc_launch(&self, s: &AttnShape, t: usize, per_kv: bool, nmax: usize, cache: usize) -> Option<(Func, usize, u32)> {
+        let (hd, group) = (s.head_dim, s.n_heads / s.n_kv_heads);
+        let di = [64, 128].iter().position(|&d| d == hd)?;
+        let kvc = self.att_kvc.load(Ordering::Relaxed);
+        if !per_kv || kvc < 2 || self.capability.0 < 9 || cache > i32::MAX as usize {
+            return None;
+        }
+        let want = if self.att_cluster_all.load(Ordering::Relaxed) {
+            self.att_cluster.load(Ordering::Relaxed)
+        } else if self.forced_att_blocks.load(Ordering::Relaxed) == 0 {
+            kvc.min(att_chunk_blocks(s.n_kv_heads, t, nmax, 2 * self.sms).max(2))
+        } else {
+            0
+        }
+        .min(nmax);
+        if want < 2 {
+            return None;
+        }
+        let f = self.k.attention_kvc[di];
+        // The records' shared memory grows with the cluster: each size asks for its own.
+        let mut c = want;
+        while c >= 2 {
+            let smem = att_kvc_smem(group, hd, c) as u32;
+            if self.fitting_cluster(f, ATT_THREADS, smem, c, false) == c {
+                return Some((f, c, smem));
+            }
+            c -= 1;
+        }
+        None
+    }
+
     /// `rope`: the launch is a decode step's with its RoPE and cache store (`Backend::rope_store_attention_quantize`;
     /// `a.k`, `a.v` the caches, the decode kernel chosen by the caller).
     fn attention_into(
@@ -2275,14 +2414,19 @@ impl Cuda {
             Some(r) => Some(r.launch),
             None => self.att_dec_launch(s.head_dim, per_kv, want, k.len, v.len, false),
         };
-        let (f, cluster) = match dec {
-            Some((fd, c)) => {
+        let kvc = if dec.is_none() { self.att_kvc_launch(s, t, per_kv, nmax, k.len.max(v.len)) } else { None };
+        let (f, cluster, smem) = match (dec, kvc) {
+            (Some((fd, c)), _) => {
                 self.att_dec_launches.fetch_add(1, Ordering::Relaxed);
                 self.rope_att_launches.fetch_add(rope.is_some() as u64, Ordering::Relaxed);
-                (fd, c)
+                (fd, c, smem)
             }
-            _ if want >= 2 => (f, self.fitting_cluster(f, ATT_THREADS, smem, want, false)),
-            _ => (f, 1),
+            (None, Some((fk, c, kb))) => {
+                self.att_kvc_launches.fetch_add(1, Ordering::Relaxed);
+                (fk, c, kb)
+            }
+            _ if want >= 2 => (f, self.fitting_cluster(f, ATT_THREADS, smem, want, false), smem),
+            _ => (f, 1, smem),
         };
         let z = match self.forced_att_blocks.load(Ordering::Relaxed) {
             _ if cluster > 1 => cluster,
@@ -2561,7 +2705,14 @@ impl Backend for Cuda {
             .p(s16)
             .p(tq)
             .l(tg as usize);
-        self.launch(self.k.rms_norm_quant, (n, 1), norm_threads(d), a);
+        // Rows of at most one or two groups a warp on the kernels of that many (the same operations).
+        let threads = norm_threads(d);
+        let per_warp = d.div_ceil(32).div_ceil(threads as usize / 32);
+        let f = match per_warp {
+            1 | 2 if self.norm_fit.load(Ordering::Relaxed) => self.k.rms_norm_quant_k[per_warp - 1],
+            _ => self.k.rms_norm_quant,
+        };
+        self.launch(f, (n, 1), threads, a);
     }
 
     #[allow(clippy::too_many_arguments)]
