@@ -401,16 +401,18 @@ fn rows_do_not_depend_on_the_batch() {
         }
         be.force_attention_clusters(None);
         be.force_attention_launch(None, None);
-        // The launch per KV head in clusters (`attention_kvc`, the verifies' default on sm_90 for head dims 64
-        // and 128) against `attention_kv` (0): clusters of 2 (blocks walking up to 9 chunks, records of chunks
-        // from 2 on through memory), 3, 8 and 16 (blocks past a short query's keys), the outputs quantized
+        // The launch per KV head in clusters (`attention_kvc`, head dims 64 and 128 on sm_90) against
+        // `attention_kv` (0): clusters of 2 (blocks walking up to 9 chunks, records of chunks from 2 on through
+        // memory), 3 and 8, and 16 (capped to one wave of blocks, 9 on 132 multiprocessors) and exactly 16 under
+        // forced clusters (blocks past a short query's keys, the largest record area), the outputs quantized
         // too (the next product bit for bit), a chain as a tree, repeated (a fault that depends on when the
         // cluster's blocks run differs between repeats).
         let chain = TreePaths::chain(n);
         let wk = be.upload_weights(quantize_f32(24, qd, &rng.vec(24 * qd), QuantKind::Q8));
         let mut kv_prods = Vec::new();
-        for c in [0, 2, 3, 8, 16] {
+        for (c, forced) in [(0, false), (2, false), (3, false), (8, false), (16, false), (16, true)] {
             be.force_kv_cluster_attention(Some(c));
+            be.force_attention_clusters(forced.then_some(c));
             let before = be.kv_cluster_attention_launches();
             for r in 0..4 {
                 let batch = Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t: n, vis: Visibility::Causal };
@@ -430,6 +432,7 @@ fn rows_do_not_depend_on_the_batch() {
                 let want = if c >= 2 && hd <= 128 { 5 } else { 0 };
                 assert!(ran == want, "n_past {n_past} hd {hd}: per KV head in clusters of {c}: {ran} launches of attention_kvc");
             }
+            be.force_attention_clusters(None);
         }
         assert!(kv_prods.windows(2).all(|w| w[0] == w[1]), "n_past {n_past} hd {hd}: the quantized outputs give other products");
         be.force_kv_cluster_attention(None);
@@ -517,11 +520,14 @@ fn fitted_norm_kernels_equal_the_8_group_one() {
                     let mut got = Vec::new();
                     for fit in [true, false] {
                         be.force_fitted_norm(Some(fit));
+                        let before = be.fitted_norm_launches();
                         let mut xb = be.upload(&x);
                         let (mut h, mut q, mut o) = (be.alloc(n * d), be.new_qact(), be.alloc(n * rows));
                         be.rms_norm_quantize(&mut xb, residual.then_some(&rb), n, d, &nwb, 1e-6, &mut h, &w, &mut q);
                         be.matmul(&w, &h, &q, n, &mut o);
                         got.push((read(&be, &xb, n * d), read(&be, &h, n * d), read(&be, &o, n * rows)));
+                        let ran = be.fitted_norm_launches() - before;
+                        assert!(ran == u64::from(fit && d <= 2048), "d {d} fitted {fit}: {ran} launches of rms_norm_quant_k*");
                     }
                     assert!(got[0] == got[1], "d {d} {kind} n {n} residual {residual}: the fitted norm kernel differs");
                     assert!(got[0].1.iter().any(|&v| v != 0.0), "d {d}: an all-zero normed row");

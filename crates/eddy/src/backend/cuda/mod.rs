@@ -1073,6 +1073,8 @@ pub struct Cuda {
     /// many (`rms_norm_quant_k{1,2}`) or the 8-group one ([`NORM_FIT`]; `EDDY_CUDA_NORM_FIT` at start,
     /// [`Cuda::force_fitted_norm`]).
     norm_fit: AtomicBool,
+    /// `rms_norm_quant_k{1,2}` launches queued since [`Cuda::new`] (tests: that they ran).
+    norm_fit_launches: AtomicU64,
     /// Whether a decode step's RoPE and K/V store run inside its attention where `attention_dec` runs it
     /// (default; the same bits as `rope_store`): `EDDY_CUDA_ROPE_ATT=0` at start, [`Cuda::force_fused_rope`].
     rope_att: AtomicBool,
@@ -1337,13 +1339,21 @@ impl Cuda {
         }
         .map_err(|e| no(format!("shared memory for the attention kernel: {e:?}")))?;
         for f in k.attention_kvc {
-            // SAFETY: a kernel of the loaded module; `optin` is the device's own limit (a launch asking for more
-            // is never made: `fitting_cluster` finds no cluster for it).
+            // The dynamic part may take what the device grants a block beside the kernel's static shared memory
+            // (the driver refuses a sum above the limit); a launch asking for more is never made
+            // (`fitting_cluster` finds no cluster for it, and the launch falls back to `attention_kv`).
+            // SAFETY: a kernel of the loaded module; attributes every device defines.
+            let fixed = unsafe {
+                result::function::get_function_attribute(f.0, sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+            }
+            .map_err(|e| no(format!("shared memory of the attention kernel: {e:?}")))?;
+            let dynamic = optin.saturating_sub(fixed.max(0) as u32);
+            // SAFETY: as above; `dynamic` plus the static part is the device's own limit.
             unsafe {
                 result::function::set_function_attribute(
                     f.0,
                     sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    optin as i32,
+                    dynamic as i32,
                 )
             }
             .map_err(|e| no(format!("shared memory for the attention kernel: {e:?}")))?;
@@ -1405,6 +1415,7 @@ impl Cuda {
             att_kvc: AtomicUsize::new(att_kvc_from_env()),
             att_kvc_launches: AtomicU64::new(0),
             norm_fit: AtomicBool::new(norm_fit_from_env()),
+            norm_fit_launches: AtomicU64::new(0),
             rope_att: AtomicBool::new(rope_att_from_env()),
             rope_att_launches: AtomicU64::new(0),
             att_kv_min: env_setting("EDDY_CUDA_ATT_KV_MIN", "a query count (0: never)", |_: &usize| true).map_or(ATT_KV_MIN_T, |m| {
@@ -1462,6 +1473,11 @@ impl Cuda {
     /// (unset: [`NORM_FIT`]). The results do not depend on it; for tests and measurements.
     pub fn force_fitted_norm(&self, on: Option<bool>) {
         self.norm_fit.store(on.unwrap_or_else(norm_fit_from_env), Ordering::Relaxed);
+    }
+
+    /// Launches of `rms_norm_quant_k{1,2}` queued since [`Cuda::new`] (tests: that they ran).
+    pub fn fitted_norm_launches(&self) -> u64 {
+        self.norm_fit_launches.load(Ordering::Relaxed)
     }
 
     /// Launches of the attention per KV head in clusters (`attention_kvc`) queued since [`Cuda::new`] (tests:
@@ -2709,7 +2725,10 @@ impl Backend for Cuda {
         let threads = norm_threads(d);
         let per_warp = d.div_ceil(32).div_ceil(threads as usize / 32);
         let f = match per_warp {
-            1 | 2 if self.norm_fit.load(Ordering::Relaxed) => self.k.rms_norm_quant_k[per_warp - 1],
+            1 | 2 if self.norm_fit.load(Ordering::Relaxed) => {
+                self.norm_fit_launches.fetch_add(1, Ordering::Relaxed);
+                self.k.rms_norm_quant_k[per_warp - 1]
+            }
             _ => self.k.rms_norm_quant,
         };
         self.launch(f, (n, 1), threads, a);
