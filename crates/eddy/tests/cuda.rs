@@ -17,7 +17,7 @@
 #![cfg(feature = "cuda")]
 
 use eddy::backend::cpu::{matmul_reference, quantize_activations, ThreadPool};
-use eddy::backend::cuda::{Cuda, GpuQ, GraphPlan, Plan, SyncProbe};
+use eddy::backend::cuda::{one_launch, Cuda, Form, GpuQ, GraphPlan, Plan, SyncProbe};
 use eddy::backend::{parity, Attend, AttnShape, Backend, Cpu, Rope, RopeMode, Visibility};
 use eddy::models::forward::{decode, forward, forward_tree, Logits, Workspace};
 use eddy::quant::import::{quantize_f32, QuantKind};
@@ -880,6 +880,128 @@ fn multi_token_products_equal_the_one_token_kernel() {
     be.force_product_launch(None, None);
     be.force_verify_products(None);
     be.force_tiled_products(None);
+}
+
+/// Parts of different forms in one `matmul_parts` launch (the 0.5B's Q5_0 q/k beside its Q8_0 v: code widths;
+/// the 1.5B's Q4_K q/k beside its Q6_K v: packings and epilogues): every part's outputs equal its own product's
+/// bit for bit, for one token (`mm_q3x_t1*`, loads 2 and 4 blocks deep), the `dp4a` tiles, the tensor-core
+/// kernels of every launch shape and prefill runs; and the launch is one where [`one_launch`] says so (fewer
+/// operations queued than a launch per part), a launch per part otherwise.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn parts_of_different_forms_share_a_launch() {
+    let be = gpu();
+    let mut rng = Rng(43);
+    let rows_of = [64usize, 19, 40];
+    type Part = (u8, usize, bool, Scales);
+    let q5: Part = (5, 32, false, Scales::F16);
+    let q8: Part = (8, 32, false, Scales::F16);
+    let q4k: Part = (4, 32, true, Scales::SuperI8);
+    let q6k: Part = (6, 16, false, Scales::SuperI8);
+    let cases: [(&str, [Part; 3], bool); 3] = [
+        ("Q5_0 q/k, Q8_0 v", [q5, q5, q8], true),
+        ("Q4_K q/k, Q6_K v", [q4k, q4k, q6k], false),
+        ("Q6_K, Q4_K, Q5_0", [q6k, q4k, q5], false),
+    ];
+    for cols in [896usize, 8960] {
+        for (name, forms, same_packing) in cases {
+            let ws: Vec<_> = rows_of
+                .iter()
+                .zip(forms)
+                .map(|(&r, (b, g, e, s))| be.upload_weights(WeightMatrix::Q(random_q(&mut rng, r, cols, b, g, e, s))))
+                .collect();
+            let biases: Vec<_> = rows_of.iter().map(|&r| be.upload(&rng.vec(r))).collect();
+            let shapes = LAUNCHES.into_iter().map(|(s, r, v)| (s, r, v, Some(false), None)).chain(QV_CLUSTERS).chain([(
+                None,
+                None,
+                None,
+                Some(true),
+                None,
+            )]);
+            let ns = if cols == 896 { vec![1usize, 2, 3, 5, 16, 24, 64, 70] } else { vec![1, 16] };
+            for (shape, n) in shapes.flat_map(|sh| ns.clone().into_iter().map(move |n| (sh, n))) {
+                let (split, row_blocks, qv, tiled, cluster) = shape;
+                if n > 1 && cols == 8960 && (split.is_some() || cluster.is_some()) {
+                    continue;
+                }
+                be.force_product_launch(split, row_blocks);
+                be.force_verify_products(qv);
+                be.force_verify_clusters(cluster);
+                be.force_tiled_products(tiled);
+                let x = rng.vec(n * cols);
+                let xb = be.upload(&x);
+                let mut xq = be.new_qact();
+                be.quantize(&xb, n, cols, &ws[0], &mut xq);
+                let mut want = Vec::new();
+                for (i, &r) in rows_of.iter().enumerate() {
+                    let mut one = be.alloc(n * r);
+                    be.matmul_bias(&ws[i], &xb, &xq, n, Some(&biases[i]), &mut one);
+                    want.push(read(&be, &one, n * r));
+                }
+                let depths: &[Option<usize>] = if n == 1 { &[Some(2), Some(4)] } else { &[None] };
+                let mut queued = [0u64; 2];
+                for &depth in depths {
+                    be.force_decode_unroll(depth);
+                    for (j, joint) in [false, true].into_iter().enumerate() {
+                        be.force_joint_parts(Some(joint));
+                        let mut outs: Vec<_> = rows_of.iter().map(|&r| be.alloc(n * r)).collect();
+                        let l0 = be.launches();
+                        {
+                            let mut parts: Vec<_> =
+                                ws.iter().zip(&biases).zip(outs.iter_mut()).map(|((w, b), o)| (w, Some(b), o)).collect();
+                            be.matmul_parts(&mut parts, &xb, &xq, n);
+                        }
+                        queued[j] = be.launches() - l0;
+                        for (i, &r) in rows_of.iter().enumerate() {
+                            let got = read(&be, &outs[i], n * r);
+                            if let Some(k) = (0..n * r).find(|&k| got[k].to_bits() != want[i][k].to_bits()) {
+                                panic!(
+                                    "{name} {cols} columns, n = {n}, joint {joint}, depth {depth:?}, launch {shape:?}: part {i} element {k}: {} vs its own product's {}",
+                                    got[k], want[i][k]
+                                );
+                            }
+                        }
+                    }
+                    // Code widths alone never split a launch; packings and epilogues only up to one token.
+                    let shared = same_packing || n == 1;
+                    assert_eq!(
+                        queued[1] < queued[0],
+                        shared,
+                        "{name} {cols} columns, n = {n}, launch {shape:?}: {} operations queued joint, {} a part each",
+                        queued[1],
+                        queued[0]
+                    );
+                }
+            }
+        }
+    }
+    be.force_decode_unroll(None);
+    be.force_joint_parts(None);
+    be.force_product_launch(None, None);
+    be.force_verify_products(None);
+    be.force_verify_clusters(None);
+    be.force_tiled_products(None);
+}
+
+/// Which parts share a `matmul_parts` launch ([`one_launch`]): code widths (`half`) for every token count,
+/// packings and epilogue forms for one token only, never different widths or input rotations; everything
+/// must agree with the joint launches off.
+#[test]
+fn one_launch_groups_what_the_kernels_take_per_part() {
+    let f = |packed4: bool, g16: bool, half: i32, explicit: bool| Form { cols: 896, packed4, g16, half, explicit, rotation: 0 };
+    let (q5, q8) = (f(false, false, 16, false), f(false, false, 128, false));
+    let (q4k, q6k) = (f(true, false, 8, true), f(false, true, 32, false));
+    for n in [1usize, 2, 4, 5, 16, 64, 200] {
+        assert!(one_launch(&[q5, q5, q8], n, 4, true), "code widths, n = {n}");
+        assert!(!one_launch(&[q5, q5, q8], n, 4, false), "code widths with joint launches off, n = {n}");
+        assert!(one_launch(&[q5, q5], n, 4, false), "one form, n = {n}");
+        assert_eq!(one_launch(&[q4k, q4k, q6k], n, 4, true), n == 1, "packings, n = {n}");
+        assert_eq!(one_launch(&[q6k, f(false, false, 32, false)], n, 4, true), n <= 4, "epilogues, n = {n}");
+        assert!(!one_launch(&[q5, Form { cols: 1536, ..q5 }], n, 4, true), "widths, n = {n}");
+        assert!(!one_launch(&[q5, Form { rotation: 7, ..q5 }], n, 4, true), "rotations, n = {n}");
+        assert!(!one_launch(&[q5], n, 4, true) && !one_launch(&[q5; 4], n, 4, true), "part counts, n = {n}");
+    }
+    assert!(!one_launch(&[q5, q5], 0, 4, true), "no tokens");
 }
 
 /// A product's launch as the tests force it: split, row blocks, warps a `mm_qv` tile, tiled, `mm_qv` cluster.

@@ -241,14 +241,15 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, int n, int c
 // otherwise 32 bytes, one code each. `sc` one f32 scale per 16 values (g16) or per 32, `mn` one f32 offset
 // per 32 (explicit offsets) or null; `half` = 2^(bits-1) for the implicit offset.
 #define MM_ROWS 4
+// The parameters of a one-launch `dp4a` product of a block row `bx` (G: the group-16 flag, or MM_Q3's flags).
+#define MM_Q_PARAMS(G)                                                                                      \
+    int bx, const uint8_t *__restrict__ codes, const float *__restrict__ sc, const float *__restrict__ mn,   \
+        int rows, int cols, int half, int G, const int8_t *__restrict__ xq, const float *__restrict__ xs,    \
+        const int *__restrict__ xsum, const float *__restrict__ xdsum, const int *__restrict__ xsum16, int n, \
+        const float *__restrict__ bias, float *__restrict__ out
 
 template <int TT, bool P4, int U = 0>
-__device__ __forceinline__ void mm_q_impl(int bx, const uint8_t* __restrict__ codes, const float* __restrict__ sc,
-                                          const float* __restrict__ mn, int rows, int cols, int half, int g16,
-                                          const int8_t* __restrict__ xq, const float* __restrict__ xs,
-                                          const int* __restrict__ xsum, const float* __restrict__ xdsum,
-                                          const int* __restrict__ xsum16, int n, const float* __restrict__ bias,
-                                          float* __restrict__ out) {
+__device__ __forceinline__ void mm_q_impl(MM_Q_PARAMS(g16)) {
     static_assert(U == 0 || TT == 1, "deeper loads for one-token launches only");
     const int lane = threadIdx.x & 31;
     const int row = bx * MM_ROWS + (threadIdx.x >> 5);
@@ -516,9 +517,16 @@ __device__ __forceinline__ void mma_k16c(int (&c)[4], uint32_t a0, uint32_t a1, 
 __device__ __forceinline__ float qt_float(int r) { return __fsub_rn(__int_as_float(r), 12582912.0f); }
 
 
-// Up to three matrices of one format and width that read the same activations (q/k/v, gate/up) in one launch:
-// the grid's block rows cover part 0's rows, then part 1's, then part 2's (rows 0 for an absent part), RPB rows
-// per block; each part's rows are computed exactly as the one-matrix kernel computes them.
+// Part p's implicit-offset code 2^(bits-1) (`half`): a launch of several parts passes them packed, part p's in
+// bits 8p..8p+7 (every `half` is at most 128), so parts of different code widths (the 0.5B's Q5_0 q/k and Q8_0
+// v) share one launch; a one-matrix launch passes its own, which is part 0's.
+__device__ __forceinline__ int part_half(int packed, int p) { return (packed >> (8 * p)) & 0xFF; }
+
+// Up to three matrices of one code packing and width that read the same activations (q/k/v, gate/up) in one
+// launch: the grid's block rows cover part 0's rows, then part 1's, then part 2's (rows 0 for an absent part),
+// RPB rows per block; each part's rows are computed exactly as the one-matrix kernel computes them. The parts'
+// `half` are packed (part_half), their offsets by pointer; part p's group-16 flag is bit p of `g16` and its code
+// packing bit 4 + p, handed to IMPL as `flags` (bit 0 group 16, bit 1 nibble-packed).
 #define MM_Q3(NAME, IMPL, RPB, BOUNDS)                                                                       \
     extern "C" __global__ void BOUNDS NAME(                                                                  \
         int cols, int half, int g16, const int8_t* xq, const float* xs, const int* xsum, const float* xdsum, \
@@ -531,25 +539,42 @@ __device__ __forceinline__ float qt_float(int r) { return __fsub_rn(__int_as_flo
         const uint8_t* c = c0;                                                                              \
         const float *s = s0, *m = m0, *b = b0;                                                              \
         float* o = o0;                                                                                      \
-        int r = r0;                                                                                         \
+        int r = r0, p = 0;                                                                                  \
         if (bx >= nb0 + nb1) {                                                                              \
             bx -= nb0 + nb1;                                                                                \
-            c = c2; s = s2; m = m2; r = r2; b = b2; o = o2;                                                 \
+            c = c2; s = s2; m = m2; r = r2; b = b2; o = o2; p = 2;                                          \
         } else if (bx >= nb0) {                                                                             \
             bx -= nb0;                                                                                      \
-            c = c1; s = s1; m = m1; r = r1; b = b1; o = o1;                                                 \
+            c = c1; s = s1; m = m1; r = r1; b = b1; o = o1; p = 1;                                          \
         }                                                                                                   \
-        IMPL(bx, c, s, m, r, cols, half, g16, xq, xs, xsum, xdsum, xsum16, n, b, o);                        \
+        const int flags = ((g16 >> p) & 1) | (((g16 >> (4 + p)) & 1) << 1);                                 \
+        IMPL(bx, c, s, m, r, cols, part_half(half, p), flags, xq, xs, xsum, xdsum, xsum16, n, b, o);        \
     }
+// A part of an MM_Q3 launch on the kernel of one packing (the packing bit of `flags` is the kernel's own).
+template <int TT, bool P4, int U = 0>
+__device__ __forceinline__ void mm_q_part(MM_Q_PARAMS(flags)) {
+    mm_q_impl<TT, P4, U>(bx, codes, sc, mn, rows, cols, half, flags & 1, xq, xs, xsum, xdsum, xsum16, n, bias, out);
+}
+// One token, parts of either packing (the 1.5B's Q4_K q/k beside a Q6_K v): a branch uniform over the block
+// into the part's packing.
+template <int U>
+__device__ __forceinline__ void mm_q_mixed(MM_Q_PARAMS(flags)) {
+    if (flags & 2)
+        mm_q_part<1, true, U>(bx, codes, sc, mn, rows, cols, half, flags, xq, xs, xsum, xdsum, xsum16, n, bias, out);
+    else
+        mm_q_part<1, false, U>(bx, codes, sc, mn, rows, cols, half, flags, xq, xs, xsum, xdsum, xsum16, n, bias, out);
+}
 #define NO_BOUNDS
-MM_Q3(mm_q3_t1_p4, (mm_q_impl<1, true>), MM_ROWS, NO_BOUNDS)
-MM_Q3(mm_q3_t1_p8, (mm_q_impl<1, false>), MM_ROWS, NO_BOUNDS)
-MM_Q3(mm_q3_t2_p4, (mm_q_impl<2, true>), MM_ROWS, NO_BOUNDS)
-MM_Q3(mm_q3_t2_p8, (mm_q_impl<2, false>), MM_ROWS, NO_BOUNDS)
-MM_Q3(mm_q3_t4_p4, (mm_q_impl<4, true>), MM_ROWS, NO_BOUNDS)
-MM_Q3(mm_q3_t4_p8, (mm_q_impl<4, false>), MM_ROWS, NO_BOUNDS)
-MM_Q3(mm_q3_t1u4_p4, (mm_q_impl<1, true, 4>), MM_ROWS, NO_BOUNDS)
-MM_Q3(mm_q3_t1u4_p8, (mm_q_impl<1, false, 4>), MM_ROWS, NO_BOUNDS)
+MM_Q3(mm_q3_t1_p4, (mm_q_part<1, true>), MM_ROWS, NO_BOUNDS)
+MM_Q3(mm_q3_t1_p8, (mm_q_part<1, false>), MM_ROWS, NO_BOUNDS)
+MM_Q3(mm_q3_t2_p4, (mm_q_part<2, true>), MM_ROWS, NO_BOUNDS)
+MM_Q3(mm_q3_t2_p8, (mm_q_part<2, false>), MM_ROWS, NO_BOUNDS)
+MM_Q3(mm_q3_t4_p4, (mm_q_part<4, true>), MM_ROWS, NO_BOUNDS)
+MM_Q3(mm_q3_t4_p8, (mm_q_part<4, false>), MM_ROWS, NO_BOUNDS)
+MM_Q3(mm_q3_t1u4_p4, (mm_q_part<1, true, 4>), MM_ROWS, NO_BOUNDS)
+MM_Q3(mm_q3_t1u4_p8, (mm_q_part<1, false, 4>), MM_ROWS, NO_BOUNDS)
+MM_Q3(mm_q3x_t1, (mm_q_mixed<0>), MM_ROWS, NO_BOUNDS)
+MM_Q3(mm_q3x_t1u4, (mm_q_mixed<4>), MM_ROWS, NO_BOUNDS)
 
 // ---------------------------------------------------------------------------------------------------------
 // mm_qw*: the block walks a list of work items — (row tile, step of 32 blocks) for its row tiles blockIdx.x,
@@ -641,6 +666,7 @@ struct QParts {
         r0 = tile * tr;
         return 0;
     }
+    __device__ __forceinline__ static int half_of(int packed, int p) { return part_half(packed, p); }
     // Part p's entries by selects (no local-memory array indexed at run time).
     template <typename X>
     __device__ __forceinline__ static X pick(const X (&x)[3], int p) {
@@ -753,6 +779,8 @@ __device__ __forceinline__ void mm_qw_impl(const QParts& PT, int cols, int half,
         const float* const cf = reinterpret_cast<const float*>(cur);
         const int* const ci = reinterpret_cast<const int*>(cur);
         const int step = it % nsteps, sb = min(32, nblk - step * 32);
+        int tr0;
+        const int hp = QParts::half_of(half, PT.part((int)blockIdx.x + (it / nsteps) * (int)gridDim.x, tr0));
 #pragma unroll
         for (int k = 0; k < C; ++k) {
             const int cl = cls[k], m = cl >> L::LS;
@@ -799,13 +827,13 @@ __device__ __forceinline__ void mm_qw_impl(const QParts& PT, int cols, int half,
                         const int hy = FORM == 2 ? ci[L::hs / 4 + tok * L::SS + m * SPB + 1] : 0;
                         float acc = P[k][j][e];
                         if (FORM == 2) {
-                            acc = __fmaf_rn(__fmul_rn(s[ri][0], d), (float)(d0[e] - half * hx), acc);
-                            acc = __fmaf_rn(__fmul_rn(s[ri][1], d), (float)(d1[e] - half * hy), acc);
+                            acc = __fmaf_rn(__fmul_rn(s[ri][0], d), (float)(d0[e] - hp * hx), acc);
+                            acc = __fmaf_rn(__fmul_rn(s[ri][1], d), (float)(d1[e] - hp * hy), acc);
                         } else if (FORM == 1) {
                             acc = __fmaf_rn(__fmul_rn(s[ri][0], d), (float)d0[e], acc);
                             acc = __fmaf_rn(mm[ri], __int_as_float(hx), acc);
                         } else {
-                            acc = __fmaf_rn(__fmul_rn(s[ri][0], d), (float)(d0[e] - half * hx), acc);
+                            acc = __fmaf_rn(__fmul_rn(s[ri][0], d), (float)(d0[e] - hp * hx), acc);
                         }
                         P[k][j][e] = acc;
                     }
@@ -1022,6 +1050,7 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
     if (CL && VR == 0) __trap();  // a cluster larger than the visits (the host never launches one)
     int r0;
     const int p = PT.part(tile, r0);
+    half = QParts::half_of(half, p);
     const uint8_t* __restrict__ codes = QParts::pick(PT.c, p);
     const float* __restrict__ sc = QParts::pick(PT.s, p);
     const float* __restrict__ mn = QParts::pick(PT.m, p);
@@ -1387,6 +1416,7 @@ __device__ __forceinline__ void mm_qt_impl(const QParts& PT, int cols, int half,
     // Row tile -> part (the host passes the parts' tile counts of QT_ROWS rows in nb0 / nb1).
     int r0;
     const int p = PT.part(blockIdx.x, r0, QT_ROWS);
+    half = QParts::half_of(half, p);
     const uint8_t* __restrict__ codes = QParts::pick(PT.c, p);
     const float* __restrict__ sc = QParts::pick(PT.s, p);
     const float* __restrict__ mn = QParts::pick(PT.m, p);
@@ -1701,6 +1731,7 @@ __device__ __forceinline__ void mm_qp_impl(const QParts& PT, int cols, int half,
     // Row tile -> part (the host passes the parts' tile counts of BM rows in nb0 / nb1).
     int r0;
     const int p = PT.part(blockIdx.x, r0, BM);
+    half = QParts::half_of(half, p);
     const uint8_t* __restrict__ codes = QParts::pick(PT.c, p);
     const float* __restrict__ sc = QParts::pick(PT.s, p);
     const float* __restrict__ mn = QParts::pick(PT.m, p);

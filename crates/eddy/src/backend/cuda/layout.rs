@@ -93,3 +93,50 @@ impl GpuQ {
         1 << (self.bits - 1)
     }
 }
+
+/// What the product kernels need to know of a matrix's GPU layout to run it beside others in one launch
+/// ([`one_launch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Form {
+    /// Input features.
+    pub cols: usize,
+    /// Nibble-packed codes ([`GpuQ::packed4`]).
+    pub packed4: bool,
+    /// One scale per 16 values ([`GpuQ::g16`]).
+    pub g16: bool,
+    /// `2^(bits−1)`, the implicit offset's code ([`GpuQ::half`]): at most 128.
+    pub half: i32,
+    /// Explicit offsets ([`GpuQ::mins`]).
+    pub explicit: bool,
+    /// The input rotation's [`crate::quant::Signs`] id, 0 for none (the parts read one quantized input).
+    pub rotation: u64,
+}
+
+/// Whether 2 or 3 matrices of forms `parts`, read from one input, can be one product launch of `n` tokens
+/// (`Backend::matmul_parts`): the kernels take each part's `half` (packed a byte a part), group-16 flag and
+/// offsets per part, so only what is a template parameter of the kernel that runs `n` tokens must agree —
+/// nothing for one token (`mm_q3x_t1*` picks each part's code packing by a branch uniform over the block),
+/// the code packing up to `dp4a_max` tokens, the packing and the epilogue form (group-16 scales, explicit
+/// offsets) on the tensor cores. Width and input rotation always. With `mixed` off, parts must agree in
+/// everything (the launches before session 38; `EDDY_CUDA_JOINT=1` turns `mixed` on). Each part's outputs are computed
+/// exactly as its own launch computes them, so the grouping does not change a bit.
+pub fn one_launch(parts: &[Form], n: usize, dp4a_max: usize, mixed: bool) -> bool {
+    let Some(a) = parts.first() else { return false };
+    if !(2..=3).contains(&parts.len()) || n == 0 {
+        return false;
+    }
+    parts.iter().all(|b| {
+        b.cols == a.cols
+            && b.rotation == a.rotation
+            && (0..=128).contains(&b.half)
+            && if !mixed {
+                b == a
+            } else if n == 1 {
+                true
+            } else if n <= dp4a_max {
+                b.packed4 == a.packed4
+            } else {
+                b.packed4 == a.packed4 && b.g16 == a.g16 && b.explicit == a.explicit
+            }
+    })
+}

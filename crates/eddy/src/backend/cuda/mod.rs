@@ -30,7 +30,7 @@ mod graph;
 mod layout;
 
 pub use graph::{GraphPlan, Plan};
-pub use layout::GpuQ;
+pub use layout::{one_launch, Form, GpuQ};
 
 use super::{Activation, Attend, AttnShape, Backend, Cols, GdnShape, Rope, RopeMode, Visibility};
 use crate::error::{Error, Result};
@@ -253,6 +253,16 @@ fn env_setting<T: std::str::FromStr>(name: &str, takes: &str, ok: impl Fn(&T) ->
 
 /// `EDDY_CUDA_T1_UNROLL`: 2 (`mm_q_t1` for every one-token product) or 4 (unset, the default: `mm_q_t1u4*`
 /// for rows of 3+ blocks a lane).
+/// Whether `matmul_parts` groups parts of different forms by default ([`one_launch`]): off until its GPU test
+/// (`parts_of_different_forms_share_a_launch`) and an A/B have run on a GPU (written in session 38 without one).
+const JOINT_PARTS: bool = false;
+
+/// `EDDY_CUDA_JOINT`: 1, parts of different forms in one launch where the kernels allow it; 0, only parts of
+/// one form; unset, [`JOINT_PARTS`].
+fn joint_from_env() -> bool {
+    env_setting("EDDY_CUDA_JOINT", "0 or 1", |j: &u8| *j <= 1).map_or(JOINT_PARTS, |j| j == 1)
+}
+
 fn t1_unroll_from_env() -> usize {
     env_setting("EDDY_CUDA_T1_UNROLL", "2 or 4 (4 is the default)", |&u: &usize| u == 4 || u == 2).unwrap_or(4)
 }
@@ -873,6 +883,8 @@ struct Kernels {
     /// `mm_q3_t1u4_*`; the default for rows of 3+ blocks a lane): `[p4, p8]`.
     mm_qu: [Func; 2],
     mm_q3u: [Func; 2],
+    /// One token, parts of either code packing in one launch (`mm_q3x_t1`, `mm_q3x_t1u4`).
+    mm_q3x: [Func; 2],
     /// The empty kernel ([`Cuda::set_empty_kernels`]).
     noop: Func,
     /// The phase-boundary probe ([`Cuda::sync_probe`]).
@@ -1111,6 +1123,9 @@ pub struct Cuda {
     /// Blocks of a row a one-token product loads at once: 4 (the default: `mm_q_t1u4*`, rows of 3+ blocks a
     /// lane), else `mm_q_t1`'s two, or [`T1_DEEP_ALWAYS`] (`EDDY_CUDA_T1_UNROLL`, [`Cuda::force_decode_unroll`]).
     t1_unroll: AtomicUsize,
+    /// Whether `matmul_parts` runs parts of different forms in one launch where the kernels allow it
+    /// ([`one_launch`]; [`JOINT_PARTS`] unless `EDDY_CUDA_JOINT` says otherwise, [`Cuda::force_joint_parts`]).
+    joint: AtomicBool,
     name: String,
     capability: (i32, i32),
     /// The GPU's PCI address (`domain:bus:device.function`), when the driver gives it.
@@ -1246,6 +1261,7 @@ impl Cuda {
             ],
             mm_qu: [get("mm_q_t1u4_p4")?, get("mm_q_t1u4_p8")?],
             mm_q3u: [get("mm_q3_t1u4_p4")?, get("mm_q3_t1u4_p8")?],
+            mm_q3x: [get("mm_q3x_t1")?, get("mm_q3x_t1u4")?],
             mm_q3: [
                 [get("mm_q3_t1_p4")?, get("mm_q3_t1_p8")?],
                 [get("mm_q3_t2_p4")?, get("mm_q3_t2_p8")?],
@@ -1436,6 +1452,7 @@ impl Cuda {
             qv_cluster: AtomicUsize::new(qv_cluster_from_env()),
             qv_cluster_always: AtomicBool::new(false),
             t1_unroll: AtomicUsize::new(t1_unroll_from_env()),
+            joint: AtomicBool::new(joint_from_env()),
             forced_qv: AtomicUsize::new(match env_setting("EDDY_CUDA_QV", "0, 4, 8 or 16", |w: &usize| *w == 0 || QV_WARPS.contains(w)) {
                 Some(0) => QV_OFF,
                 Some(w) => w,
@@ -1871,6 +1888,15 @@ impl Cuda {
             None => t1_unroll_from_env(),
         };
         self.t1_unroll.store(u, Ordering::Relaxed);
+    }
+
+    /// Run `matmul_parts` of different forms in one launch where the kernels allow it (`Some(true)`,
+    /// [`one_launch`]), only parts of one form (`Some(false)`: a launch per part otherwise), or as
+    /// `EDDY_CUDA_JOINT` said at start (`None`; unset: [`JOINT_PARTS`]). The results do not depend on it; for
+    /// tests and measurements.
+    pub fn force_joint_parts(&self, on: Option<bool>) {
+        let on = on.unwrap_or_else(joint_from_env);
+        self.joint.store(on, Ordering::Relaxed);
     }
 
     /// The `dp4a` kernel for `n` tokens (at most `DP4A_MAX`, or `MM_TT` through `EDDY_CUDA_DP4A_MAX`): (index
@@ -2544,13 +2570,15 @@ impl Drop for Cuda {
 
 /// Whether two quantized matrices share the layout one product launch needs (width, code packing, scale and
 /// offset forms, input rotation).
-fn same_form(a: &CudaQ, b: &CudaQ) -> bool {
-    a.cols == b.cols
-        && a.packed4 == b.packed4
-        && a.g16 == b.g16
-        && a.half == b.half
-        && a.mins.is_some() == b.mins.is_some()
-        && a.in_signs.as_ref().map(|s| s.0) == b.in_signs.as_ref().map(|s| s.0)
+fn form(q: &CudaQ) -> Form {
+    Form {
+        cols: q.cols,
+        packed4: q.packed4,
+        g16: q.g16,
+        half: q.half,
+        explicit: q.mins.is_some(),
+        rotation: q.in_signs.as_ref().map_or(0, |s| s.0),
+    }
 }
 
 /// Upload of a host weight matrix into the device layout.
@@ -2758,8 +2786,8 @@ impl Backend for Cuda {
 
     #[allow(clippy::type_complexity)]
     fn matmul_parts(&self, parts: &mut [(&CudaWeights, Option<&CudaBuf>, &mut CudaBuf)], x: &CudaBuf, xq: &CudaQAct, n: usize) {
-        // One launch when the parts are 2 or 3 quantized matrices of one format and width without an output
-        // rotation, read from the same activations; else one product per part.
+        // One launch when the parts are 2 or 3 quantized matrices without an output rotation whose forms the
+        // kernel for `n` tokens can run together (`one_launch`); else one product per part.
         let qs: Vec<&CudaQ> = parts
             .iter()
             .filter_map(|(w, _, _)| match w {
@@ -2767,7 +2795,8 @@ impl Backend for Cuda {
                 _ => None,
             })
             .collect();
-        if n == 0 || !(2..=3).contains(&parts.len()) || qs.len() != parts.len() || !qs.iter().all(|q| same_form(q, qs[0])) {
+        let forms: Vec<Form> = qs.iter().map(|q| form(q)).collect();
+        if qs.len() != parts.len() || !one_launch(&forms, n, self.dp4a_max, self.joint.load(Ordering::Relaxed)) {
             for (w, bias, out) in parts.iter_mut() {
                 self.matmul_bias(w, x, xq, n, *bias, out);
             }
@@ -2782,16 +2811,13 @@ impl Backend for Cuda {
             "activations quantized for another input rotation than these weights'"
         );
         self.ctx.bind();
-        let mut a = Args::new()
-            .i(q0.cols)
-            .i(q0.half as usize)
-            .i(q0.g16 as usize)
-            .p(xq.q.ptr())
-            .p(xq.scale.ptr())
-            .p(xq.sum.ptr())
-            .p(xq.dsum.ptr())
-            .p(xq.sum16.ptr())
-            .i(n);
+        // Per part p: its `half` in bits 8p.., its group-16 flag in bit p, its code packing in bit 4 + p (read
+        // by the kernels that take parts of different forms; the others' forms agree in the rest).
+        let half = qs.iter().enumerate().fold(0, |h, (i, q)| h | (q.half as usize) << (8 * i));
+        let flags = qs.iter().enumerate().fold(0, |f, (i, q)| f | (q.g16 as usize) << i | (q.packed4 as usize) << (4 + i));
+        let mixed_packing = qs.iter().any(|q| q.packed4 != q0.packed4);
+        let mut a =
+            Args::new().i(q0.cols).i(half).i(flags).p(xq.q.ptr()).p(xq.scale.ptr()).p(xq.sum.ptr()).p(xq.dsum.ptr()).p(xq.sum16.ptr()).i(n);
         let mut blocks = 0;
         let all_rows: usize = qs.iter().map(|q| q.rows).sum();
         let prefill = self.prefill_products(n);
@@ -2823,7 +2849,12 @@ impl Backend for Cuda {
         let p = if q0.packed4 { 0 } else { 1 };
         if n <= self.dp4a_max {
             let (ti, tt) = Self::dp4a_tile(n);
-            let f = if self.t1_deep(n, q0.cols) { self.k.mm_q3u[p] } else { self.k.mm_q3[ti][p] };
+            let deep = self.t1_deep(n, q0.cols);
+            let f = match (mixed_packing, deep) {
+                (true, _) => self.k.mm_q3x[deep as usize],
+                (false, true) => self.k.mm_q3u[p],
+                (false, false) => self.k.mm_q3[ti][p],
+            };
             self.launch(f, (blocks, n.div_ceil(tt)), (32 * MM_ROWS) as u32, a);
         } else if prefill {
             let smem = self.k.mm_qp_smem[qform(q0)][p];
