@@ -251,11 +251,9 @@ fn env_setting<T: std::str::FromStr>(name: &str, takes: &str, ok: impl Fn(&T) ->
     }
 }
 
-/// `EDDY_CUDA_T1_UNROLL`: 2 (`mm_q_t1` for every one-token product) or 4 (unset, the default: `mm_q_t1u4*`
-/// for rows of 3+ blocks a lane).
-/// Whether `matmul_parts` groups parts of different forms by default ([`one_launch`]): off until its GPU test
-/// (`parts_of_different_forms_share_a_launch`) and an A/B have run on a GPU (written in session 38 without one).
-const JOINT_PARTS: bool = false;
+/// Whether `matmul_parts` groups parts of different forms by default ([`one_launch`]): measured on an H100 in
+/// session 38 (docs/cuda.md, "Three defaults measured"): the 0.5B's decode step −5 %, the 1.5B's −5 %.
+const JOINT_PARTS: bool = true;
 
 /// `EDDY_CUDA_JOINT`: 1, parts of different forms in one launch where the kernels allow it; 0, only parts of
 /// one form; unset, [`JOINT_PARTS`].
@@ -263,6 +261,8 @@ fn joint_from_env() -> bool {
     env_setting("EDDY_CUDA_JOINT", "0 or 1", |j: &u8| *j <= 1).map_or(JOINT_PARTS, |j| j == 1)
 }
 
+/// `EDDY_CUDA_T1_UNROLL`: 2 (`mm_q_t1` for every one-token product) or 4 (unset, the default: `mm_q_t1u4*`
+/// for rows of 3+ blocks a lane).
 fn t1_unroll_from_env() -> usize {
     env_setting("EDDY_CUDA_T1_UNROLL", "2 or 4 (4 is the default)", |&u: &usize| u == 4 || u == 2).unwrap_or(4)
 }
@@ -281,10 +281,10 @@ fn att_cluster_from_env() -> (usize, bool) {
     }
 }
 /// Blocks of the cluster a launch per KV head of head dims 64 and 128 (verifies) runs as on `attention_kvc`
-/// by default ([`Cuda::att_kvc`]): 0, off — the kernel has not run on a GPU yet (session 37 got no device), so
-/// it stays an opt-in until its tests pass there and it is measured (docs/cuda.md, "The verify's attention in
-/// clusters"); 8 is the size to measure first.
-const ATT_KVC_CLUSTER: usize = 0;
+/// by default ([`Cuda::att_kvc`]; capped at one wave). Measured on an H100 in session 38 (docs/cuda.md, "Three
+/// defaults measured"): the 0.5B's 16-node verify −1.8 % against `attention_kv`, clusters of 4 and 16 within
+/// ±0.6 % of 8; the 1.5B's even.
+const ATT_KVC_CLUSTER: usize = 8;
 
 /// `EDDY_CUDA_ATT_KVC`: 0 or 1 puts launches per KV head on `attention_kv` without clusters; 2 to 16,
 /// `attention_kvc` in clusters of that size; unset, [`ATT_KVC_CLUSTER`].
@@ -297,8 +297,9 @@ fn att_kvc_from_env() -> usize {
 }
 
 /// Whether `rms_norm_quantize` runs rows of at most one or two groups a warp on `rms_norm_quant_k{1,2}` by
-/// default: not yet (not run on a GPU; as [`ATT_KVC_CLUSTER`]).
-const NORM_FIT: bool = false;
+/// default. Measured on an H100 in session 38 (docs/cuda.md, "Three defaults measured"): the decode step −4.1 %
+/// (0.5B) and −3.5 % (1.5B).
+const NORM_FIT: bool = true;
 
 /// `EDDY_CUDA_NORM_FIT`: 1 runs `rms_norm_quantize` of rows of at most one or two groups of 32 a warp on
 /// `rms_norm_quant_k{1,2}`, 0 every row on the 8-group kernel; unset, [`NORM_FIT`].
