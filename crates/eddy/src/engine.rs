@@ -18,7 +18,9 @@ use crate::backend::cuda::Cuda;
 use crate::backend::{Backend, Cpu};
 use crate::error::{Error, Result};
 use crate::load::LoadedModel;
-use crate::models::forward::{commit_tree, decode, forward, forward_tree, last_hidden, reusable_prefix, Logits, Workspace};
+use crate::models::forward::{
+    commit_tree, decode, decode_ahead, forward, forward_tree, last_hidden, reusable_prefix, take_ahead_id, Logits, Workspace,
+};
 use crate::models::Model;
 use crate::sampling::{LogitMask, Sampler, SamplerParams};
 use crate::spec::dflash::{time_block_pass, DFlashDrafter, TargetParts};
@@ -318,6 +320,9 @@ pub struct Engine {
     step: StepScratch,
     /// Greedy decoding on a device takes each logits row's argmax there ([`Engine::set_device_argmax`]).
     device_argmax: bool,
+    /// Plain greedy decoding queues the next step before the current one's token is back
+    /// ([`Engine::set_run_ahead`]): forced on or off, or `None` where the backend runs ahead.
+    run_ahead: Option<bool>,
     /// Sampled decoding on a device reduces each logits row to its candidates there
     /// ([`Engine::set_device_sampling`]).
     device_sampling: bool,
@@ -338,6 +343,18 @@ struct StepScratch {
     paths: TreePaths,
     walk: Walk,
     rows: Vec<f32>,
+}
+
+/// `EDDY_RUN_AHEAD`: 0 or 1 force run-ahead decoding off or on ([`Engine::set_run_ahead`]); unset, `None`.
+fn run_ahead_from_env() -> Option<bool> {
+    match std::env::var("EDDY_RUN_AHEAD").ok()?.trim() {
+        "0" => Some(false),
+        "1" => Some(true),
+        v => {
+            eprintln!("warning: EDDY_RUN_AHEAD={v} ignored: it takes 0 or 1");
+            None
+        }
+    }
 }
 
 /// The machine's memory and swap together in bytes (`MemTotal` + `SwapTotal` of `/proc/meminfo`), if known.
@@ -464,6 +481,7 @@ impl Engine {
             cost,
             step: StepScratch::default(),
             device_argmax: std::env::var("EDDY_DEVICE_ARGMAX").map_or(true, |v| v != "0"),
+            run_ahead: run_ahead_from_env(),
             device_sampling: std::env::var("EDDY_DEVICE_SAMPLING").map_or(true, |v| v != "0"),
             device_sampled: (0, 0),
             gate: SpecGate::default(),
@@ -478,6 +496,19 @@ impl Engine {
     /// path's (same argmax, same tie rule); the CPU always samples on the host.
     pub fn set_device_argmax(&mut self, on: bool) {
         self.device_argmax = on;
+    }
+
+    /// Whether plain greedy decoding (no speculation, temperature 0, no penalty or logit bias, no
+    /// log-probabilities, no constraint, an attention model without a final logit soft-cap) queues step n + 1
+    /// before step n's token is back, its input token read where step n's argmax was taken
+    /// ([`crate::models::forward::decode_ahead`]): the host's queueing and the token's trip back then run
+    /// while the device computes. The tokens are plain decoding's; a generation that ends (a stop token,
+    /// the sink, a stop string) drops the one step run past it. `Some(true)` forces it (on the CPU too,
+    /// where nothing overlaps: for tests), `Some(false)` turns it off, `None` (default; `EDDY_RUN_AHEAD=0` /
+    /// `1` at start force it) uses it where the backend runs ahead ([`Backend::runs_ahead`]) and the device
+    /// takes the argmax ([`Engine::set_device_argmax`]).
+    pub fn set_run_ahead(&mut self, on: Option<bool>) {
+        self.run_ahead = on;
     }
 
     /// Whether sampled decoding on a device (CUDA) reduces each verified logits row to its sampling
@@ -796,6 +827,21 @@ impl Engine {
             // The constraint allows no first token.
             out.stats.finish = FinishReason::Stop;
         }
+        let ahead_from = match &next {
+            Some((tok, None)) if self.runs_ahead_for(params, out.mask.is_none()) => Some(*tok),
+            _ => None,
+        };
+        if let Some(tok) = ahead_from {
+            next = None;
+            let r = self.decode_ahead_loop(tok, &mut out);
+            if r.is_err() {
+                // Whatever was in flight: waited for and dropped, so the next generation starts clean.
+                let keep =
+                    on_core!(&self.exec, |c| c.state.tokens.iter().take_while(|&&t| t != crate::models::forward::AHEAD_TOKEN).count());
+                self.settle_ahead(keep.min(self.exec.n_past()));
+            }
+            r?;
+        }
         while let Some((tok, tok_lp)) = next.take() {
             // Emit `tok` (sampled at position history.len()), then one decode step below it.
             let full = self.exec.n_past() >= self.ctx();
@@ -889,6 +935,78 @@ impl Engine {
         }
         on_core!(&mut self.exec, |c| c.state.drop_checkpoint());
         Ok(true)
+    }
+
+    /// Whether a generation with `params` (and a constraint unless `no_mask`) decodes ahead
+    /// ([`Engine::set_run_ahead`]).
+    fn runs_ahead_for(&self, params: &GenerateParams, no_mask: bool) -> bool {
+        let sp = &params.sampler;
+        let on = match self.run_ahead {
+            Some(on) => on,
+            None => self.device_argmax && on_core!(&self.exec, |c| c.be.runs_ahead()),
+        };
+        on && no_mask
+            && sp.temperature == 0.0
+            && !sp.modifies_logits()
+            && params.logprobs.is_none()
+            && self.lm.model.config.final_softcap.is_none()
+            && !self.exec.speculating()
+            && !on_core!(&self.exec, |c| c.state.is_hybrid())
+    }
+
+    /// Plain greedy decoding from `tok` (sampled, not yet emitted) with one step queued ahead
+    /// ([`Engine::set_run_ahead`]): the step below `tok` is queued before `tok` is emitted, and the step
+    /// below the next token (its input: this step's argmax, on the device) before this step's token is
+    /// waited for. Each token is emitted exactly as [`Engine::decode_step`]'s loop emits it; where the
+    /// generation ends, the step queued below the last token is waited for and its row dropped.
+    fn decode_ahead_loop(&mut self, mut tok: u32, out: &mut Emit) -> Result<()> {
+        let ctx = self.ctx();
+        // Whether the step below `tok` is queued (its row counted in `n_past`).
+        let mut queued = false;
+        loop {
+            let before = self.exec.n_past() - usize::from(queued);
+            let full = before >= ctx;
+            // (Not below a token the limit ends the generation at: a first token of one, a prefill's timing.)
+            if !queued && !full && out.stats.generated_tokens + 1 < out.params.max_tokens {
+                self.queue_ahead(Some(tok))?;
+                queued = true;
+            }
+            if let Some(f) = out.emit(tok, None, self.lm.tokenizer.is_stop(tok), full) {
+                out.stats.finish = f;
+                if queued {
+                    self.settle_ahead(before);
+                }
+                return Ok(());
+            }
+            // Neither full nor at the limit, so the step below `tok` is queued. The step below the next token,
+            // unless the next token ends the generation for certain (the token limit, a full context).
+            let t = Instant::now();
+            let ahead = self.exec.n_past() < ctx && out.stats.generated_tokens + 1 < out.params.max_tokens;
+            if ahead {
+                self.queue_ahead(None)?;
+            }
+            let next = on_core!(&mut self.exec, |c| take_ahead_id(&c.be, &mut c.ws))
+                .ok_or_else(|| Error::Input("run-ahead decoding: a queued step's token went missing".into()))?;
+            if ahead {
+                on_core!(&mut self.exec, |c| c.state.resolve_ahead(next));
+            }
+            let stats = &mut out.stats;
+            stats.decode_passes += 1;
+            stats.verify_time += t.elapsed();
+            (tok, queued) = (next, ahead);
+        }
+    }
+
+    /// Queue one run-ahead decode step of `token` (`None`: the last queued step's argmax).
+    fn queue_ahead(&mut self, token: Option<u32>) -> Result<()> {
+        on_device!(&mut self.exec, &self.lm.model, |c, m| decode_ahead(m, &c.be, &mut c.ws, &mut c.state, token))
+    }
+
+    /// Wait for every run-ahead step still in flight, drop their argmaxes, keep the first `keep` committed
+    /// rows.
+    fn settle_ahead(&mut self, keep: usize) {
+        on_core!(&mut self.exec, |c| while take_ahead_id(&c.be, &mut c.ws).is_some() {});
+        self.exec.truncate(keep);
     }
 
     /// One decode step below the last emitted token `tok`: the speculators' tree (just the root without

@@ -276,6 +276,18 @@ impl<B: Backend> SeqState<B> {
         self.checkpoint = None;
     }
 
+    /// Give the last committed token, a run-ahead step's input recorded as
+    /// [`crate::models::forward::AHEAD_TOKEN`], its id once it is back. Returns whether there was one.
+    pub fn resolve_ahead(&mut self, id: u32) -> bool {
+        match self.tokens.last_mut() {
+            Some(t) if *t == crate::models::forward::AHEAD_TOKEN => {
+                *t = id;
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Keep only the first `n` committed tokens (the rows after them become scratch). A hybrid model's
     /// GDN states are restored from the longest snapshot of at most `n` tokens before the next pass, which
     /// re-runs the tokens after it (none when `n` came from [`SeqState::reusable_prefix`]).

@@ -19,7 +19,7 @@
 use eddy::backend::cpu::{matmul_reference, quantize_activations, ThreadPool};
 use eddy::backend::cuda::{one_launch, Cuda, Form, GpuQ, GraphPlan, Plan, SyncProbe};
 use eddy::backend::{parity, Attend, AttnShape, Backend, Cpu, Rope, RopeMode, Visibility};
-use eddy::models::forward::{decode, forward, forward_tree, Logits, Workspace};
+use eddy::models::forward::{decode, decode_ahead, forward, forward_tree, take_ahead_id, Logits, Workspace};
 use eddy::quant::import::{quantize_f32, QuantKind};
 use eddy::quant::rotation::{Rotation, Signs};
 use eddy::quant::{rtn, super_blocks, GroupScales, QMatrix, WeightMatrix, QK};
@@ -1642,6 +1642,40 @@ fn decode_and_verify_timing() {
     }
     let da = t0.elapsed().as_secs_f64() / steps as f64;
     println!("{file}: device argmax: decode {:.3} ms/step = {:.0} tok/s", 1e3 * da, 1.0 / da);
+    // Run ahead (`decode_ahead`): step n + 1 queued, its token read on the device from step n's argmax,
+    // before step n's id is waited for, so the host's queueing and the id's trip back overlap the GPU. The
+    // same ids as the steps above.
+    be.force_run_ahead(Some(true));
+    let ahead_base = st.n_past();
+    st.truncate(base);
+    let mut want = Vec::new();
+    let mut t = next;
+    for _ in 0..24 {
+        decode(&gm, &be, &mut ws, &mut st, t, &mut logits).unwrap();
+        t = ws.ids[0];
+        want.push(t);
+    }
+    st.truncate(base);
+    decode_ahead(&gm, &be, &mut ws, &mut st, Some(next)).unwrap();
+    let mut got = Vec::new();
+    for _ in 0..24 {
+        decode_ahead(&gm, &be, &mut ws, &mut st, None).unwrap();
+        let id = take_ahead_id(&be, &mut ws).unwrap();
+        assert!(st.resolve_ahead(id));
+        got.push(id);
+    }
+    assert_eq!(got, want, "run-ahead ids against plain decode steps'");
+    let t0 = std::time::Instant::now();
+    for _ in 0..steps {
+        decode_ahead(&gm, &be, &mut ws, &mut st, None).unwrap();
+        let id = take_ahead_id(&be, &mut ws).unwrap();
+        st.resolve_ahead(id);
+    }
+    let dr = t0.elapsed().as_secs_f64() / steps as f64;
+    take_ahead_id(&be, &mut ws).unwrap();
+    be.force_run_ahead(None);
+    st.truncate(ahead_base.min(st.n_past()));
+    println!("{file}: run ahead: decode {:.3} ms/step = {:.0} tok/s ({:.2}× the device-argmax step)", 1e3 * dr, 1.0 / dr, dr / da);
     st.truncate(base);
     for n in [1usize, 2, 4, 8, 16, 32, 48, 64] {
         let toks: Vec<u32> = prompt.iter().cycle().take(n).copied().collect();
@@ -1916,6 +1950,59 @@ fn generate_from_scratch(
         })
         .unwrap();
     (toks, stats)
+}
+
+/// Run-ahead decoding on the GPU (the next step queued before this one's id is back, its token read on the
+/// device; `Engine::set_run_ahead`) generates what plain greedy decoding does, wherever the generation ends:
+/// the token limit (1, 2, 200), the sink stopping it, an end-of-generation token; and the engine's next request
+/// reuses the same prefix. Prints both decode speeds.
+#[test]
+#[ignore = "needs an NVIDIA GPU and the model files"]
+fn run_ahead_generates_what_plain_decoding_does() {
+    use eddy::engine::GenerateParams;
+    std::env::set_var("EDDY_CUDA_RUN_AHEAD", "1");
+    let (mut e, prompt) = engine_05b_on_gpu();
+    std::env::remove_var("EDDY_CUDA_RUN_AHEAD");
+    for (max_tokens, ignore_eos, stop_after) in
+        [(200usize, true, None), (1, false, None), (2, false, None), (60, true, Some(9usize)), (600, false, None)]
+    {
+        let params = GenerateParams { max_tokens, sampler: Default::default(), ignore_eos, logprobs: None };
+        let mut runs = Vec::new();
+        for ahead in [Some(false), None, Some(false), Some(true)] {
+            e.set_run_ahead(ahead);
+            e.clear_cache();
+            let mut toks = Vec::new();
+            let stats = e
+                .generate(&prompt, &params, &mut |t| {
+                    toks.push(t);
+                    stop_after.is_none_or(|k| toks.len() < k)
+                })
+                .unwrap();
+            // A request continuing the conversation: what it keeps of the committed sequence.
+            let follow: Vec<u32> = prompt.iter().chain(&toks).chain(&prompt[..8]).copied().collect();
+            let again = GenerateParams { max_tokens: 4, ..params.clone() };
+            let mut more = Vec::new();
+            let st2 = e
+                .generate(&follow, &again, &mut |t| {
+                    more.push(t);
+                    true
+                })
+                .unwrap();
+            println!(
+                "max {max_tokens}, run ahead {ahead:?}: {} tokens ({:?}), decode {:.1} t/s; next request kept {} of {}",
+                toks.len(),
+                stats.finish,
+                stats.generation_speed(),
+                st2.cached_tokens,
+                follow.len()
+            );
+            runs.push((toks, stats.finish, st2.cached_tokens, more));
+        }
+        for r in &runs[1..] {
+            assert_eq!(&runs[0], r, "max_tokens {max_tokens}, ignore_eos {ignore_eos}, stop after {stop_after:?}");
+        }
+    }
+    e.set_run_ahead(None);
 }
 
 /// Greedy generation through the engine on the GPU, with the argmax on the device and with the logits copied

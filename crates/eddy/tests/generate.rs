@@ -119,3 +119,67 @@ fn logprobs_are_the_raw_distribution_and_speculation_keeps_them() {
     let (spec_hot, _) = run(&mut engine, hot);
     assert_eq!(spec_hot, plain_hot);
 }
+
+/// Run-ahead decoding (the next step queued before the current one's token is back; forced on the CPU, where
+/// its argmaxes are taken at once) gives plain greedy decoding's tokens and finish reason wherever the
+/// generation ends — the token limit (1, 2, 9), an end-of-generation token, a full context, the sink stopping
+/// it — and leaves the same committed sequence: the next request reuses the same prefix.
+#[test]
+fn run_ahead_decoding_gives_plain_decodings_tokens() {
+    use eddy::stats::FinishReason;
+    let smol = "SmolLM2-135M-Instruct.Q4_1.gguf";
+    let Some(mut engine) = common::engine(smol, 96) else { return };
+    let prompt = chat_prompt(&engine, "Say hi.");
+    let tail = chat_prompt(&engine, "Then say bye.");
+    // (max tokens, ignore end-of-generation tokens, tokens the sink takes before stopping)
+    let cases = [(1usize, false, None), (2, false, None), (9, true, None), (200, false, None), (200, true, None), (40, true, Some(5usize))];
+    let (mut ends, mut runs_cached) = (Vec::new(), Vec::new());
+    for (max_tokens, ignore_eos, stop_after) in cases {
+        let mut runs = Vec::new();
+        for ahead in [false, true] {
+            engine.set_run_ahead(Some(ahead));
+            engine.clear_cache();
+            let params = GenerateParams {
+                max_tokens,
+                sampler: SamplerParams { temperature: 0.0, ..Default::default() },
+                ignore_eos,
+                logprobs: None,
+            };
+            let mut out = Vec::new();
+            let st = engine
+                .generate(&prompt, &params, &mut |t| {
+                    out.push(t);
+                    stop_after.is_none_or(|k| out.len() < k)
+                })
+                .unwrap();
+            // The committed sequence: what a request continuing the conversation keeps of it (every token but
+            // the last one emitted, which no step ran), and that request's tokens.
+            let follow: Vec<u32> = prompt.iter().chain(&out).chain(&tail).copied().collect();
+            let params = GenerateParams { max_tokens: 6, ..params };
+            let mut next = Vec::new();
+            // (A full context leaves no room for more.)
+            let cached = (follow.len() < engine.ctx()).then(|| {
+                let st2 = engine
+                    .generate(&follow, &params, &mut |t| {
+                        next.push(t);
+                        true
+                    })
+                    .unwrap();
+                (follow.len(), st2.cached_tokens)
+            });
+            runs.push((out, st.finish, st.generated_tokens, cached, next));
+        }
+        assert_eq!(
+            runs[0], runs[1],
+            "max_tokens {max_tokens}, ignore_eos {ignore_eos}, sink stops after {stop_after:?}: plain vs run-ahead"
+        );
+        ends.push(runs[0].1);
+        runs_cached.extend(runs[0].3.map(|(_, c)| (prompt.len() + runs[0].0.len(), c)));
+    }
+    engine.set_run_ahead(None);
+    // The cases reach the ends they are meant to; the next request reused every token up to the last one the
+    // sink took (all of them where an end-of-generation token, which the sink never sees, ended the run).
+    assert!(runs_cached.len() >= 4 && runs_cached.iter().all(|&(p, c)| c == p - 1 || c == p), "{runs_cached:?}");
+    assert_eq!(ends[0], FinishReason::Length);
+    assert!(ends.contains(&FinishReason::Stop) && ends.contains(&FinishReason::Cancelled), "{ends:?}");
+}

@@ -79,6 +79,10 @@ impl Cols {
     }
 }
 
+/// Run-ahead argmaxes a backend holds untaken at most ([`Backend::matmul_argmax_ahead`]): the step being
+/// read back and the one queued behind it, with room for one more.
+pub const AHEAD_IN_FLIGHT: usize = 3;
+
 /// The operations of a forward pass, on buffers owned by the implementation.
 ///
 /// Shapes are in rows of `width` values; `n` is the number of rows an operation reads/writes from the
@@ -171,6 +175,35 @@ pub trait Backend: Send + Sync + 'static {
         for (o, row) in out[..n].iter_mut().zip(logits.chunks_exact(rows.max(1))) {
             *o = crate::sampling::argmax(row);
         }
+    }
+
+    /// Run-ahead greedy decoding ([`crate::models::forward::decode_ahead`]): whether this backend keeps a
+    /// pass's argmax where it computes it ([`Backend::matmul_argmax_ahead`]), embeds it as the next pass's
+    /// token without the host ([`Backend::embed_ahead`]) and hands it back later
+    /// ([`Backend::take_ahead_id`]), so that the host queues step n + 1 while step n runs. Without it
+    /// (the default) run-ahead passes take their argmax at once and the workspace holds it.
+    fn runs_ahead(&self) -> bool {
+        false
+    }
+    /// [`Backend::matmul_argmax`] of one row whose id stays on the backend: the queued work is sent to the
+    /// device and nothing waits. Ids come back in order from [`Backend::take_ahead_id`]; at most
+    /// [`AHEAD_IN_FLIGHT`] may be untaken. Only called where [`Backend::runs_ahead`].
+    fn matmul_argmax_ahead(&self, w: &Self::Weights, x: &Self::Buf, xq: &Self::QAct, rows: usize) {
+        let _ = (w, x, xq, rows);
+        unreachable!("matmul_argmax_ahead on a backend that does not run ahead");
+    }
+    /// [`Backend::embed`] of one token: `token`, or with `None` the id of the latest
+    /// [`Backend::matmul_argmax_ahead`], read where it was computed when the pass runs. Both forms queue the
+    /// same operations (a device replays one graph for every run-ahead step). Only called where
+    /// [`Backend::runs_ahead`].
+    fn embed_ahead(&self, table: &Self::Weights, token: Option<u32>, scale: Option<f32>, x: &mut Self::Buf) {
+        let _ = (table, token, scale, x);
+        unreachable!("embed_ahead on a backend that does not run ahead");
+    }
+    /// The id of the oldest [`Backend::matmul_argmax_ahead`] not yet taken (waiting for its pass), or `None`
+    /// when none is in flight.
+    fn take_ahead_id(&self) -> Option<u32> {
+        None
     }
 
     /// The sampling candidates of rows `0..n` of `x` (`width` logits each) at inverse temperature `inv_t`,

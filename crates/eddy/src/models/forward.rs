@@ -83,6 +83,13 @@ pub struct Workspace<B: Backend = Cpu> {
     /// The sampling head's logits of the last pass (`max_batch × vocab`, allocated on first use), for the
     /// rows whose candidates do not decide the sample.
     pub head_logits: Option<B::Buf>,
+    /// Run-ahead passes' argmaxes taken at once on a backend that does not run ahead (oldest first;
+    /// [`decode_ahead`], [`take_ahead_id`]).
+    ahead_ids: std::collections::VecDeque<u32>,
+    /// A run-ahead pass: the greedy head keeps its argmax on a backend that runs ahead.
+    ahead_head: bool,
+    /// A run-ahead pass's input token when the host knows it (`None`: the previous pass's argmax).
+    ahead_token: Option<u32>,
 }
 
 impl<B: Backend> Workspace<B> {
@@ -131,6 +138,9 @@ impl<B: Backend> Workspace<B> {
             sample_head: None,
             cands: Candidates::default(),
             head_logits: None,
+            ahead_ids: std::collections::VecDeque::new(),
+            ahead_head: false,
+            ahead_token: None,
         }
     }
 }
@@ -295,6 +305,72 @@ fn prefill<B: Backend>(
         state.save_capture();
     }
     Ok(())
+}
+
+/// What `state.tokens` holds for a run-ahead step's input until its id is back ([`decode_ahead`]).
+pub const AHEAD_TOKEN: u32 = u32::MAX;
+
+/// One run-ahead greedy decode step: [`decode`] of `token` (with `None`: the argmax of the previous run-ahead
+/// step, still where the backend computed it) whose own argmax stays on the backend — taken later, in order,
+/// by [`take_ahead_id`] — so that the host can queue the next step while this one runs (on a backend that
+/// [`Backend::runs_ahead`]; on others each argmax is taken at once and held in `ws`). `state.tokens` records
+/// [`AHEAD_TOKEN`] for a `None` input until [`SeqState::resolve_ahead`] gives it its id. The same values as
+/// [`decode`] with the greedy head ([`Workspace::argmax_head`]), so the same tokens: only the host's wait
+/// moves.
+///
+/// Errors: as [`decode`]; a `None` input with no run-ahead argmax in flight; a hybrid model or one whose
+/// logits are soft-capped (their greedy head runs on the host).
+pub fn decode_ahead<B: Backend>(
+    model: &Model<B>,
+    be: &B,
+    ws: &mut Workspace<B>,
+    state: &mut SeqState<B>,
+    token: Option<u32>,
+) -> Result<()> {
+    if state.is_hybrid() || model.config.final_softcap.is_some() {
+        return Err(Error::Input("run-ahead decoding: not for hybrid or logit-soft-capped models".into()));
+    }
+    if token.is_none() && !be.runs_ahead() && ws.ahead_ids.is_empty() {
+        return Err(Error::Input("run-ahead decoding: no argmax in flight to continue from".into()));
+    }
+    if let Some(t) = token {
+        check_tokens(model, &[t])?;
+    }
+    // On a backend that runs ahead every step embeds through `embed_ahead` (one operation list for both
+    // inputs); elsewhere a known token is embedded as usual.
+    let tokens = [match token {
+        Some(t) if !be.runs_ahead() => t,
+        _ => AHEAD_TOKEN,
+    }];
+    check_state(model, state)?;
+    state.check_room(1)?;
+    state.tree.clear();
+    state.captures.clear();
+    ws.ids.clear();
+    ws.cands.reset(0, 0);
+    state.hidden.clear();
+    state.features.clear();
+    let (argmax_head, sample_head) = (ws.argmax_head, ws.sample_head.take());
+    (ws.argmax_head, ws.ahead_head, ws.ahead_token) = (true, true, token);
+    let mut none = Vec::new();
+    pass(model, be, ws, state, &tokens, Rows::Chain, 0..1, &mut none);
+    (ws.argmax_head, ws.sample_head, ws.ahead_head, ws.ahead_token) = (argmax_head, sample_head, false, None);
+    // `pass` left the id in `ws.ids` (not running ahead) or on the backend.
+    if let Some(id) = ws.ids.pop() {
+        ws.ahead_ids.push_back(id);
+    }
+    state.tokens.push(token.unwrap_or(AHEAD_TOKEN));
+    Ok(())
+}
+
+/// The argmax of the oldest run-ahead step ([`decode_ahead`]) not yet taken, waiting for it; `None` when
+/// none is in flight.
+pub fn take_ahead_id<B: Backend>(be: &B, ws: &mut Workspace<B>) -> Option<u32> {
+    if be.runs_ahead() {
+        be.take_ahead_id()
+    } else {
+        ws.ahead_ids.pop_front()
+    }
 }
 
 /// One decode step: `token` at position `n_past`, committed by the same pass, its logits into `logits`
@@ -486,7 +562,15 @@ fn pass<B: Backend>(
         }
     }
     let p = Pass { c, t, n_past, row0, vis, tree: matches!(rows, Rows::Tree { .. }) };
-    be.embed(&model.embed, tokens, c.embed_scale, &mut ws.x);
+    if tokens == [AHEAD_TOKEN] {
+        // A run-ahead step's input: the previous step's argmax (`decode_ahead`).
+        match ws.ahead_ids.back() {
+            Some(&id) if !be.runs_ahead() => be.embed(&model.embed, &[id], c.embed_scale, &mut ws.x),
+            _ => be.embed_ahead(&model.embed, ws.ahead_token, c.embed_scale, &mut ws.x),
+        }
+    } else {
+        be.embed(&model.embed, tokens, c.embed_scale, &mut ws.x);
+    }
     let SeqState { layers, captures, features, .. } = state;
     features.grow(be, t, c.d_model);
     // Whether `ws.o` holds the last block's FFN output, not yet added to the residual stream (the add is
@@ -538,6 +622,10 @@ fn head<B: Backend>(
         be.read(&ws.h, 0, n, d, &mut state.hidden);
     }
     be.quantize(&ws.h, n, d, model.lm_head(), &mut ws.xq);
+    if ws.argmax_head && c.final_softcap.is_none() && ws.ahead_head && n == 1 && be.runs_ahead() {
+        be.matmul_argmax_ahead(model.lm_head(), &ws.h, &ws.xq, c.vocab_size);
+        return;
+    }
     if ws.argmax_head && c.final_softcap.is_none() {
         let start = ws.ids.len();
         ws.ids.resize(start + n, 0);

@@ -32,7 +32,7 @@ mod layout;
 pub use graph::{GraphPlan, Plan};
 pub use layout::{one_launch, Form, GpuQ};
 
-use super::{Activation, Attend, AttnShape, Backend, Cols, GdnShape, Rope, RopeMode, Visibility};
+use super::{Activation, Attend, AttnShape, Backend, Cols, GdnShape, Rope, RopeMode, Visibility, AHEAD_IN_FLIGHT};
 use crate::error::{Error, Result};
 use crate::quant::rotation::blocks;
 use crate::quant::{WeightMatrix, QK};
@@ -1020,6 +1020,51 @@ impl Drop for Pinned {
     }
 }
 
+/// Run-ahead argmaxes in flight ([`Backend::matmul_argmax_ahead`]): a page-locked landing slot each and the
+/// event recorded after its copy, taken in order from `first`.
+struct Ahead {
+    ids: *mut u32,
+    events: [sys::CUevent; AHEAD_IN_FLIGHT],
+    first: usize,
+    len: usize,
+}
+// SAFETY: page-locked host memory and events of our context, used behind the backend's mutex.
+unsafe impl Send for Ahead {}
+
+impl Ahead {
+    /// Slots and events in the bound context.
+    fn new() -> Ahead {
+        // SAFETY: a page-locked allocation of AHEAD_IN_FLIGHT ids in the bound context.
+        let ids = check(unsafe { result::malloc_host(4 * AHEAD_IN_FLIGHT, 0) }, "page-locked allocation") as *mut u32;
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+        let events = std::array::from_fn(|_| check(result::event::create(flags), "event creation"));
+        Ahead { ids, events, first: 0, len: 0 }
+    }
+}
+
+impl Drop for Ahead {
+    fn drop(&mut self) {
+        // SAFETY: ours; a copy still in flight is waited for before its slot is freed.
+        unsafe {
+            for &e in &self.events {
+                let _ = result::event::synchronize(e);
+                let _ = result::event::destroy(e);
+            }
+            let _ = result::free_host(self.ids as *mut c_void);
+        }
+    }
+}
+
+/// Whether run-ahead argmaxes stay on the device by default ([`Backend::runs_ahead`], so the engine decodes
+/// ahead): measured on an H200 in session 38 (docs/cuda.md, "Run-ahead greedy decoding"): tg128 +10.7 % on the
+/// 0.5B, +5.9 % on the 1.5B. `EDDY_CUDA_RUN_AHEAD=0` turns it off.
+const RUN_AHEAD: bool = true;
+
+/// `EDDY_CUDA_RUN_AHEAD`: 1 or 0 ([`Backend::runs_ahead`]); unset, [`RUN_AHEAD`].
+fn run_ahead_from_env() -> bool {
+    env_setting("EDDY_CUDA_RUN_AHEAD", "0 or 1", |r: &u8| *r <= 1).map_or(RUN_AHEAD, |r| r == 1)
+}
+
 /// The CUDA backend: one device, one stream, kernels from the embedded fatbin.
 ///
 /// Operations are queued on the host (`Queue`) and sent to the GPU when a result is read back
@@ -1033,6 +1078,10 @@ pub struct Cuda {
     /// [`Cuda::last_list_kernels`]).
     kernel_names: HashMap<usize, String>,
     scratch: Mutex<Scratch>,
+    /// Run-ahead argmaxes in flight (made on first use).
+    ahead: Mutex<Option<Ahead>>,
+    /// [`Backend::runs_ahead`] ([`RUN_AHEAD`], `EDDY_CUDA_RUN_AHEAD`, [`Cuda::force_run_ahead`]).
+    run_ahead: AtomicBool,
     /// The split products' partial sums and per-tile counters (apart from `scratch`, which callers of the
     /// products may hold).
     mma_split: Mutex<MmaSplit>,
@@ -1413,6 +1462,8 @@ impl Cuda {
             ctx,
             k,
             scratch: Mutex::new(Scratch::default()),
+            ahead: Mutex::new(None),
+            run_ahead: AtomicBool::new(run_ahead_from_env()),
             mma_split: Mutex::new(MmaSplit::default()),
             sms,
             cluster_fits: Mutex::new(HashMap::new()),
@@ -1891,6 +1942,13 @@ impl Cuda {
         self.t1_unroll.store(u, Ordering::Relaxed);
     }
 
+    /// Keep run-ahead argmaxes on the device ([`Backend::runs_ahead`]: `Some(true)`), take them at once
+    /// (`Some(false)`), or as `EDDY_CUDA_RUN_AHEAD` said at start (`None`; unset: [`RUN_AHEAD`]). Change it
+    /// only with no run-ahead step in flight. The tokens do not depend on it; for tests and measurements.
+    pub fn force_run_ahead(&self, on: Option<bool>) {
+        self.run_ahead.store(on.unwrap_or_else(run_ahead_from_env), Ordering::Relaxed);
+    }
+
     /// Run `matmul_parts` of different forms in one launch where the kernels allow it (`Some(true)`,
     /// [`one_launch`]), only parts of one form (`Some(false)`: a launch per part otherwise), or as
     /// `EDDY_CUDA_JOINT` said at start (`None`; unset: [`JOINT_PARTS`]). The results do not depend on it; for
@@ -2110,6 +2168,58 @@ impl Cuda {
         }
         self.queued.fetch_add(1, Ordering::Relaxed);
         self.ctx.queue().push(Op::Copy { dst, src, bytes: 4 * values });
+    }
+
+    /// [`Backend::embed`], the first token's id copied (queued) from device memory at `from` when given
+    /// ([`Backend::embed_ahead`]).
+    fn embed_from(&self, table: &CudaWeights, tokens: &[u32], scale: Option<f32>, x: &mut CudaBuf, from: Option<u64>) {
+        let (rows, cols) = (table.rows(), table.cols());
+        let n = tokens.len();
+        assert!(x.len >= n * cols, "embed: x holds {} values, {n}×{cols} needed", x.len);
+        assert!(tokens.iter().all(|&t| (t as usize) < rows), "embed: token id outside the table of {rows} rows");
+        if n == 0 {
+            return;
+        }
+        assert_eq!(cols % QK, 0, "embed: the table's width must be a multiple of 32");
+        // A pass begins: what was queued before runs as its own list.
+        self.ctx.flush();
+        let tok = self.stage(SLOTS, tokens);
+        if let Some(src) = from {
+            // The id is read on the device when the pass runs (the argmax of the pass queued before).
+            self.dtod(tok, src, 1);
+        }
+        let (w, wtype, p4, g16, half, sc, mn, ins, outs) = match table {
+            CudaWeights::F32 { data, .. } => (data.ptr, 0, 0, 0, 0, 0, 0, 0, 0),
+            CudaWeights::Bf16 { data, .. } => (data.ptr, 1, 0, 0, 0, 0, 0, 0, 0),
+            CudaWeights::Q(q) => (
+                q.codes.ptr,
+                2,
+                q.packed4 as usize,
+                q.g16 as usize,
+                q.half as usize,
+                q.scales.ptr,
+                q.mins.as_ref().map_or(0, |m| m.ptr),
+                q.in_signs.as_ref().map_or(0, |s| s.1.ptr),
+                q.out_signs.as_ref().map_or(0, |s| s.0.ptr),
+            ),
+        };
+        let a = Args::new()
+            .p(w)
+            .i(wtype)
+            .i(rows)
+            .i(cols)
+            .i(p4)
+            .i(g16)
+            .i(half)
+            .p(sc)
+            .p(mn)
+            .p(ins)
+            .p(outs)
+            .p(tok)
+            .f(scale.unwrap_or(1.0))
+            .i(scale.is_some() as usize)
+            .p(x.ptr());
+        self.launch(self.k.embed, (n, 1), THREADS, a);
     }
 
     /// Queue [`Backend::argmax_rows`] of the `n` rows (`width` values each) at `src`, run the queue and copy
@@ -2662,49 +2772,71 @@ impl Backend for Cuda {
     }
 
     fn embed(&self, table: &CudaWeights, tokens: &[u32], scale: Option<f32>, x: &mut CudaBuf) {
-        let (rows, cols) = (table.rows(), table.cols());
-        let n = tokens.len();
-        assert!(x.len >= n * cols, "embed: x holds {} values, {n}×{cols} needed", x.len);
-        assert!(tokens.iter().all(|&t| (t as usize) < rows), "embed: token id outside the table of {rows} rows");
-        if n == 0 {
-            return;
-        }
-        assert_eq!(cols % QK, 0, "embed: the table's width must be a multiple of 32");
-        // A pass begins: what was queued before runs as its own list.
-        self.ctx.flush();
-        let tok = self.stage(SLOTS, tokens);
-        let (w, wtype, p4, g16, half, sc, mn, ins, outs) = match table {
-            CudaWeights::F32 { data, .. } => (data.ptr, 0, 0, 0, 0, 0, 0, 0, 0),
-            CudaWeights::Bf16 { data, .. } => (data.ptr, 1, 0, 0, 0, 0, 0, 0, 0),
-            CudaWeights::Q(q) => (
-                q.codes.ptr,
-                2,
-                q.packed4 as usize,
-                q.g16 as usize,
-                q.half as usize,
-                q.scales.ptr,
-                q.mins.as_ref().map_or(0, |m| m.ptr),
-                q.in_signs.as_ref().map_or(0, |s| s.1.ptr),
-                q.out_signs.as_ref().map_or(0, |s| s.0.ptr),
-            ),
+        self.embed_from(table, tokens, scale, x, None);
+    }
+
+    fn runs_ahead(&self) -> bool {
+        self.run_ahead.load(Ordering::Relaxed)
+    }
+
+    fn matmul_argmax_ahead(&self, w: &CudaWeights, x: &CudaBuf, xq: &CudaQAct, rows: usize) {
+        assert_eq!(rows, w.rows(), "matmul_argmax_ahead: {rows} rows for a matrix of {}", w.rows());
+        self.ctx.bind();
+        let dev = {
+            let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+            self.ensure(&mut s.logits, 4 * rows, false)
         };
-        let a = Args::new()
-            .p(w)
-            .i(wtype)
-            .i(rows)
-            .i(cols)
-            .i(p4)
-            .i(g16)
-            .i(half)
-            .p(sc)
-            .p(mn)
-            .p(ins)
-            .p(outs)
-            .p(tok)
-            .f(scale.unwrap_or(1.0))
-            .i(scale.is_some() as usize)
-            .p(x.ptr());
-        self.launch(self.k.embed, (n, 1), THREADS, a);
+        self.matmul_into(w, x, xq, 1, dev, 0);
+        let (ids, part) = {
+            let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+            (self.ensure(&mut s.ids, 4, false), self.ensure(&mut s.am_part, 8 * AM_PARTS, false))
+        };
+        self.launch(self.k.argmax_part, (AM_PARTS, 1), THREADS, Args::new().p(dev).i(rows).p(part));
+        self.launch(self.k.argmax_finish, (1, 1), AM_PARTS as u32, Args::new().p(part).p(ids));
+        // The pass goes to the GPU; its id lands in a page-locked slot, with an event after it.
+        self.ctx.flush();
+        let mut g = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
+        let a = g.get_or_insert_with(Ahead::new);
+        assert!(a.len < AHEAD_IN_FLIGHT, "matmul_argmax_ahead: {AHEAD_IN_FLIGHT} ids already untaken");
+        let slot = (a.first + a.len) % AHEAD_IN_FLIGHT;
+        self.queued.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: slot `slot` of the page-locked ids (untaken slots are not reused), one u32 from `ids`; the event
+        // orders its read after the copy.
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(a.ids.add(slot), 1);
+            check(result::memcpy_dtoh_async(dst, ids, self.ctx.stream), "device-to-host copy");
+            check(result::event::record(a.events[slot], self.ctx.stream), "event record");
+        }
+        a.len += 1;
+    }
+
+    fn embed_ahead(&self, table: &CudaWeights, token: Option<u32>, scale: Option<f32>, x: &mut CudaBuf) {
+        self.ctx.bind();
+        let ids = {
+            let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+            self.ensure(&mut s.ids, 4, false)
+        };
+        if let Some(t) = token {
+            assert!((t as usize) < table.rows(), "embed: token id outside the table of {} rows", table.rows());
+            // A known token goes where an argmax would have left it, in stream order before the pass, so
+            // that both inputs queue the same list (one graph).
+            self.ctx.flush();
+            self.htod(ids, &[t]);
+        }
+        self.embed_from(table, &[0], scale, x, Some(ids));
+    }
+
+    fn take_ahead_id(&self) -> Option<u32> {
+        let mut g = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
+        let a = g.as_mut().filter(|a| a.len > 0)?;
+        // SAFETY: the slot's copy was recorded before its event; waiting for the event makes it visible.
+        let id = unsafe {
+            check(result::event::synchronize(a.events[a.first]), "event wait");
+            a.ids.add(a.first).read_volatile()
+        };
+        a.first = (a.first + 1) % AHEAD_IN_FLIGHT;
+        a.len -= 1;
+        Some(id)
     }
 
     fn quantize(&self, x: &CudaBuf, n: usize, cols: usize, w: &CudaWeights, xq: &mut CudaQAct) {
