@@ -799,6 +799,8 @@ impl Engine {
             };
             return Err(Error::Input(format!("prompt: {} tokens but the context holds {} ({advice}", prompt.len(), self.ctx())));
         }
+        // A run-ahead loop unwound by a panic (a server catches them and keeps the engine) leaves its steps.
+        self.recover_ahead();
         let t0 = Instant::now();
         let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };
         if !self.prefill(prompt, &mut stats, &*sink)? {
@@ -836,9 +838,7 @@ impl Engine {
             let r = self.decode_ahead_loop(tok, &mut out);
             if r.is_err() {
                 // Whatever was in flight: waited for and dropped, so the next generation starts clean.
-                let keep =
-                    on_core!(&self.exec, |c| c.state.tokens.iter().take_while(|&&t| t != crate::models::forward::AHEAD_TOKEN).count());
-                self.settle_ahead(keep.min(self.exec.n_past()));
+                self.recover_ahead();
             }
             r?;
         }
@@ -966,11 +966,6 @@ impl Engine {
         loop {
             let before = self.exec.n_past() - usize::from(queued);
             let full = before >= ctx;
-            // (Not below a token the limit ends the generation at: a first token of one, a prefill's timing.)
-            if !queued && !full && out.stats.generated_tokens + 1 < out.params.max_tokens {
-                self.queue_ahead(Some(tok))?;
-                queued = true;
-            }
             if let Some(f) = out.emit(tok, None, self.lm.tokenizer.is_stop(tok), full) {
                 out.stats.finish = f;
                 if queued {
@@ -978,9 +973,15 @@ impl Engine {
                 }
                 return Ok(());
             }
-            // Neither full nor at the limit, so the step below `tok` is queued. The step below the next token,
-            // unless the next token ends the generation for certain (the token limit, a full context).
             let t = Instant::now();
+            // Not full, so there is room for the step below `tok`: queued before `tok` was emitted where it came
+            // from a run-ahead step, else now (the first token: emitted first, as plain decoding does, so the
+            // time to the first token does not change).
+            if !queued {
+                self.queue_ahead(Some(tok))?;
+            }
+            // The step below the next token, unless the next token ends the generation for certain (the token
+            // limit, a full context).
             let ahead = self.exec.n_past() < ctx && out.stats.generated_tokens + 1 < out.params.max_tokens;
             if ahead {
                 self.queue_ahead(None)?;
@@ -1000,6 +1001,17 @@ impl Engine {
     /// Queue one run-ahead decode step of `token` (`None`: the last queued step's argmax).
     fn queue_ahead(&mut self, token: Option<u32>) -> Result<()> {
         on_device!(&mut self.exec, &self.lm.model, |c, m| decode_ahead(m, &c.be, &mut c.ws, &mut c.state, token))
+    }
+
+    /// Drop what a run-ahead loop that did not finish left: its untaken argmaxes (waited for), the rows from
+    /// its first step whose input never came back, and the workspace's head settings. Nothing when it finished.
+    fn recover_ahead(&mut self) {
+        on_core!(&mut self.exec, |c| {
+            while take_ahead_id(&c.be, &mut c.ws).is_some() {}
+            c.ws.reset_heads();
+        });
+        let keep = on_core!(&self.exec, |c| c.state.tokens.iter().take_while(|&&t| t != crate::models::forward::AHEAD_TOKEN).count());
+        self.exec.truncate(keep);
     }
 
     /// Wait for every run-ahead step still in flight, drop their argmaxes, keep the first `keep` committed

@@ -176,6 +176,38 @@ fn run_ahead_decoding_gives_plain_decodings_tokens() {
         ends.push(runs[0].1);
         runs_cached.extend(runs[0].3.map(|(_, c)| (prompt.len() + runs[0].0.len(), c)));
     }
+    // A sink that panics mid-generation (a server catches it and keeps the engine): the steps left in flight
+    // are dropped, and the next generation is plain decoding's.
+    let params = GenerateParams {
+        max_tokens: 12,
+        sampler: SamplerParams { temperature: 0.0, ..Default::default() },
+        ignore_eos: true,
+        logprobs: None,
+    };
+    let mut tokens_of = |engine: &mut eddy::engine::Engine, ahead: bool| {
+        engine.set_run_ahead(Some(ahead));
+        engine.clear_cache();
+        let mut out = Vec::new();
+        engine
+            .generate(&prompt, &params, &mut |t| {
+                out.push(t);
+                true
+            })
+            .unwrap();
+        out
+    };
+    let plain = tokens_of(&mut engine, false);
+    engine.set_run_ahead(Some(true));
+    let mut seen = 0;
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        engine.generate(&prompt, &params, &mut |_| {
+            seen += 1;
+            assert!(seen < 3, "the sink fails at its third token");
+            true
+        })
+    }));
+    assert!(caught.is_err());
+    assert_eq!(tokens_of(&mut engine, true), plain, "after a sink's panic");
     engine.set_run_ahead(None);
     // The cases reach the ends they are meant to; the next request reused every token up to the last one the
     // sink took (all of them where an end-of-generation token, which the sink never sees, ended the run).

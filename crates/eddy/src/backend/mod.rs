@@ -193,9 +193,9 @@ pub trait Backend: Send + Sync + 'static {
         unreachable!("matmul_argmax_ahead on a backend that does not run ahead");
     }
     /// [`Backend::embed`] of one token: `token`, or with `None` the id of the latest
-    /// [`Backend::matmul_argmax_ahead`], read where it was computed when the pass runs. Both forms queue the
-    /// same operations (a device replays one graph for every run-ahead step). Only called where
-    /// [`Backend::runs_ahead`].
+    /// [`Backend::matmul_argmax_ahead`] (one must be untaken), read where it was computed when the pass runs.
+    /// Both forms queue the same operations (a device replays one graph for every run-ahead step). Only called
+    /// where [`Backend::runs_ahead`].
     fn embed_ahead(&self, table: &Self::Weights, token: Option<u32>, scale: Option<f32>, x: &mut Self::Buf) {
         let _ = (table, token, scale, x);
         unreachable!("embed_ahead on a backend that does not run ahead");

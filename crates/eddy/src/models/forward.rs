@@ -93,6 +93,15 @@ pub struct Workspace<B: Backend = Cpu> {
 }
 
 impl<B: Backend> Workspace<B> {
+    /// The heads back to plain logits: [`Workspace::argmax_head`] and [`Workspace::sample_head`] off, no
+    /// run-ahead pass in progress (after a pass that did not return: a caught panic).
+    pub fn reset_heads(&mut self) {
+        self.argmax_head = false;
+        self.sample_head = None;
+        self.ahead_head = false;
+        self.ahead_token = None;
+    }
+
     /// Allocate for `model` and batches of up to `max_batch` tokens.
     pub fn new(be: &B, model: &Model<B>, max_batch: usize) -> Self {
         let c = &model.config;
@@ -318,8 +327,11 @@ pub const AHEAD_TOKEN: u32 = u32::MAX;
 /// [`decode`] with the greedy head ([`Workspace::argmax_head`]), so the same tokens: only the host's wait
 /// moves.
 ///
-/// Errors: as [`decode`]; a `None` input with no run-ahead argmax in flight; a hybrid model or one whose
-/// logits are soft-capped (their greedy head runs on the host).
+/// Errors: as [`decode`]; a `None` input with no run-ahead argmax in flight; a hybrid model (its recurrent
+/// state's bookkeeping is [`decode`]'s) or one whose logits are soft-capped (its greedy head runs on the host).
+///
+/// # Panics
+/// On a backend that runs ahead, a `None` input with no run-ahead argmax untaken.
 pub fn decode_ahead<B: Backend>(
     model: &Model<B>,
     be: &B,

@@ -2816,6 +2816,10 @@ impl Backend for Cuda {
             let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
             self.ensure(&mut s.ids, 4, false)
         };
+        if token.is_none() {
+            let pending = self.ahead.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|a| a.len > 0);
+            assert!(pending, "embed_ahead: no run-ahead argmax is untaken to continue from");
+        }
         if let Some(t) = token {
             assert!((t as usize) < table.rows(), "embed: token id outside the table of {} rows", table.rows());
             // A known token goes where an argmax would have left it, in stream order before the pass, so
