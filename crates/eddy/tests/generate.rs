@@ -184,7 +184,7 @@ fn run_ahead_decoding_gives_plain_decodings_tokens() {
         ignore_eos: true,
         logprobs: None,
     };
-    let mut tokens_of = |engine: &mut eddy::engine::Engine, ahead: bool| {
+    let tokens_of = |engine: &mut eddy::engine::Engine, ahead: bool| {
         engine.set_run_ahead(Some(ahead));
         engine.clear_cache();
         let mut out = Vec::new();
