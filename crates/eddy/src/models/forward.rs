@@ -316,6 +316,17 @@ fn prefill<B: Backend>(
     Ok(())
 }
 
+/// Drop what a decode step's pass leaves for its caller (a pending tree, captures, head ids and candidates,
+/// hidden and feature rows) before the next one.
+fn begin_step<B: Backend>(ws: &mut Workspace<B>, state: &mut SeqState<B>) {
+    state.tree.clear();
+    state.captures.clear();
+    ws.ids.clear();
+    ws.cands.reset(0, 0);
+    state.hidden.clear();
+    state.features.clear();
+}
+
 /// What `state.tokens` holds for a run-ahead step's input until its id is back ([`decode_ahead`]).
 pub const AHEAD_TOKEN: u32 = u32::MAX;
 
@@ -356,12 +367,7 @@ pub fn decode_ahead<B: Backend>(
     }];
     check_state(model, state)?;
     state.check_room(1)?;
-    state.tree.clear();
-    state.captures.clear();
-    ws.ids.clear();
-    ws.cands.reset(0, 0);
-    state.hidden.clear();
-    state.features.clear();
+    begin_step(ws, state);
     let (argmax_head, sample_head) = (ws.argmax_head, ws.sample_head.take());
     (ws.argmax_head, ws.ahead_head, ws.ahead_token) = (true, true, token);
     let mut none = Vec::new();
@@ -405,13 +411,8 @@ pub fn decode<B: Backend>(
     check_state(model, state)?;
     sync(model, be, ws, state)?;
     state.check_room(1)?;
-    state.tree.clear();
-    state.captures.clear();
     logits.clear();
-    ws.ids.clear();
-    ws.cands.reset(0, 0);
-    state.hidden.clear();
-    state.features.clear();
+    begin_step(ws, state);
     pass(model, be, ws, state, &tokens, Rows::Chain, 0..1, logits);
     state.tokens.push(token);
     if state.is_hybrid() {

@@ -2228,12 +2228,29 @@ impl Cuda {
         if n == 0 {
             return;
         }
+        let ids = self.argmax_queue(src, n, width);
+        self.dtoh(out, ids);
+    }
+
+    /// Queue the argmax kernels of the `n` rows (`width` values each) at `src`; the device address of the
+    /// `n` ids they write.
+    fn argmax_queue(&self, src: u64, n: usize, width: usize) -> u64 {
         let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let ids = self.ensure(&mut s.ids, 4 * n, false);
         let part = self.ensure(&mut s.am_part, 8 * AM_PARTS * n, false);
         self.launch(self.k.argmax_part, (AM_PARTS, n), THREADS, Args::new().p(src).i(width).p(part));
         self.launch(self.k.argmax_finish, (n, 1), AM_PARTS as u32, Args::new().p(part).p(ids));
-        self.dtoh(out, ids);
+        ids
+    }
+
+    /// Queue the product of `n` rows into the logits scratch (`n × rows` values); its device address.
+    fn head_logits(&self, w: &CudaWeights, x: &CudaBuf, xq: &CudaQAct, n: usize, rows: usize) -> u64 {
+        let dev = {
+            let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+            self.ensure(&mut s.logits, 4 * n * rows, false)
+        };
+        self.matmul_into(w, x, xq, n, dev, 0);
+        dev
     }
 
     fn mem_from<T: Copy>(&self, host: &[T]) -> DevMem {
@@ -2782,17 +2799,8 @@ impl Backend for Cuda {
     fn matmul_argmax_ahead(&self, w: &CudaWeights, x: &CudaBuf, xq: &CudaQAct, rows: usize) {
         assert_eq!(rows, w.rows(), "matmul_argmax_ahead: {rows} rows for a matrix of {}", w.rows());
         self.ctx.bind();
-        let dev = {
-            let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-            self.ensure(&mut s.logits, 4 * rows, false)
-        };
-        self.matmul_into(w, x, xq, 1, dev, 0);
-        let (ids, part) = {
-            let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-            (self.ensure(&mut s.ids, 4, false), self.ensure(&mut s.am_part, 8 * AM_PARTS, false))
-        };
-        self.launch(self.k.argmax_part, (AM_PARTS, 1), THREADS, Args::new().p(dev).i(rows).p(part));
-        self.launch(self.k.argmax_finish, (1, 1), AM_PARTS as u32, Args::new().p(part).p(ids));
+        let dev = self.head_logits(w, x, xq, 1, rows);
+        let ids = self.argmax_queue(dev, 1, rows);
         // The pass goes to the GPU; its id lands in a page-locked slot, with an event after it.
         self.ctx.flush();
         let mut g = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
@@ -3059,11 +3067,7 @@ impl Backend for Cuda {
     fn matmul_argmax(&self, w: &CudaWeights, x: &CudaBuf, xq: &CudaQAct, n: usize, rows: usize, out: &mut [u32]) {
         assert!(rows == w.rows() && out.len() >= n, "matmul_argmax: {rows} rows for a matrix of {}, {} ids for {n}", w.rows(), out.len());
         self.ctx.bind();
-        let dev = {
-            let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-            self.ensure(&mut s.logits, 4 * n * rows, false)
-        };
-        self.matmul_into(w, x, xq, n, dev, 0);
+        let dev = self.head_logits(w, x, xq, n, rows);
         self.argmax_into(dev, n, rows, &mut out[..n]);
     }
 
