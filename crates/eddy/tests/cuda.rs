@@ -732,13 +732,16 @@ fn multi_token_products_equal_the_one_token_kernel() {
             // grids of one block walking every row tile or two walking half each (next tile's loads in flight),
             // mm_qv with 4, 8, 16 warps a tile, and each tile split over a cluster of 2–8 blocks (sm_90); then the
             // large-tile kernels (mm_qt) for every n from 5.
+            // Then the resident mm_qv kernels (every tile's launch, a grid of the tiles, one block or two).
             let plain = LAUNCHES.into_iter().map(|(s, r, v)| (s, r, v, Some(false), None));
-            for (split, row_blocks, qv, tiled, cluster) in plain.chain(QV_CLUSTERS).chain([(None, None, None, Some(true), None)]) {
+            let shapes = plain.chain(QV_CLUSTERS).chain([(None, None, None, Some(true), None)]).map(|s| (s, false));
+            for ((split, row_blocks, qv, tiled, cluster), res) in shapes.chain(RESIDENT.map(|s| (s, true))) {
                 be.force_product_launch(split, row_blocks);
                 be.force_verify_products(qv);
                 be.force_verify_clusters(cluster);
                 be.force_tiled_products(tiled);
-                let clustered = be.cluster_launches();
+                be.force_resident_products(Some(res));
+                let (clustered, resident) = (be.cluster_launches(), be.resident_launches());
                 for &n in &ns {
                     let mut xq = be.new_qact();
                     be.quantize(&xb, n, cols, &w, &mut xq);
@@ -748,7 +751,7 @@ fn multi_token_products_equal_the_one_token_kernel() {
                         let (got, want) = (&all[t * rows..(t + 1) * rows], &ones[t * rows..(t + 1) * rows]);
                         if let Some(r) = (0..rows).find(|&r| got[r].to_bits() != want[r].to_bits()) {
                             panic!(
-                                "{name} {rows}×{cols}: n = {n}, token {t}, row {r}, split {split:?}, row blocks {row_blocks:?}, qv {qv:?} cluster {cluster:?}, tiled {tiled:?}: {} vs one-token {}",
+                                "{name} {rows}×{cols}: n = {n}, token {t}, row {r}, split {split:?}, row blocks {row_blocks:?}, qv {qv:?} cluster {cluster:?}, tiled {tiled:?}, resident {res}: {} vs one-token {}",
                                 got[r], want[r]
                             );
                         }
@@ -757,11 +760,13 @@ fn multi_token_products_equal_the_one_token_kernel() {
                 if cluster.is_some() && be.compute_capability().0 >= 9 {
                     assert!(be.cluster_launches() > clustered, "{name} {rows}×{cols}: cluster {cluster:?}: no launch ran as a cluster");
                 }
+                assert_eq!(be.resident_launches() > resident, res, "{name} {rows}×{cols}: resident {res}: resident launches");
             }
             be.force_product_launch(None, None);
             be.force_verify_products(None);
             be.force_verify_clusters(None);
             be.force_tiled_products(None);
+            be.force_resident_products(None);
             // Prefill runs on mm_qp*: one or several token tiles (65: one token past the first; 130: three, the
             // last partial).
             let mut first: Option<Vec<f32>> = None;
@@ -793,11 +798,12 @@ fn multi_token_products_equal_the_one_token_kernel() {
         let biases: Vec<_> = rows_of.iter().map(|&r| be.upload(&rng.vec(r))).collect();
         let launches = [3usize, 24].into_iter().flat_map(|n| LAUNCHES.into_iter().map(move |(s, r, v)| (n, s, r, v, Some(false), None)));
         let clusters = QV_CLUSTERS.into_iter().map(|(s, r, v, t, c)| (24, s, r, v, t, c));
-        for (n, split, row_blocks, qv, tiled, cluster) in
-            launches.chain(clusters).chain([(24, None, None, None, Some(true), None), (64, None, None, None, None, None)])
-        {
+        let shapes = launches.chain(clusters).chain([(24, None, None, None, Some(true), None), (64, None, None, None, None, None)]);
+        let resident = RESIDENT.into_iter().flat_map(|(s, r, v, t, c)| [(8, s, r, v, t, c, true), (24, s, r, v, t, c, true)]);
+        for (n, split, row_blocks, qv, tiled, cluster, res) in shapes.map(|(n, s, r, v, t, c)| (n, s, r, v, t, c, false)).chain(resident) {
             be.force_product_launch(split, row_blocks);
             be.force_verify_products(qv);
+            be.force_resident_products(Some(res));
             be.force_verify_clusters(cluster);
             be.force_tiled_products(tiled);
             let x = rng.vec(n * cols);
@@ -805,10 +811,12 @@ fn multi_token_products_equal_the_one_token_kernel() {
             let xb = be.upload(&x);
             be.quantize(&xb, n, cols, &ws[0], &mut xq);
             let mut outs: Vec<_> = rows_of.iter().map(|&r| be.alloc(n * r)).collect();
+            let resident = be.resident_launches();
             {
                 let mut parts: Vec<_> = ws.iter().zip(&biases).zip(outs.iter_mut()).map(|((w, b), o)| (w, Some(b), o)).collect();
                 be.matmul_parts(&mut parts, &xb, &xq, n);
             }
+            assert_eq!(be.resident_launches() > resident, res, "{kind:?} matmul_parts, n = {n}: resident {res}: resident launches");
             for t in 0..n {
                 let xt = be.upload(&x[t * cols..(t + 1) * cols]);
                 let mut q1 = be.new_qact();
@@ -826,7 +834,7 @@ fn multi_token_products_equal_the_one_token_kernel() {
                     be.read(&outs[i], t, 1, r, &mut all);
                     assert!(
                         read(&be, &ones[i], r) == all,
-                        "{kind:?} matmul_parts part {i}: token {t} of n = {n} differs from n = 1 (split {split:?}, row blocks {row_blocks:?}, qv {qv:?} cluster {cluster:?}, tiled {tiled:?})"
+                        "{kind:?} matmul_parts part {i}: token {t} of n = {n} differs from n = 1 (split {split:?}, row blocks {row_blocks:?}, qv {qv:?} cluster {cluster:?}, tiled {tiled:?}, resident {res})"
                     );
                 }
             }
@@ -877,6 +885,7 @@ fn multi_token_products_equal_the_one_token_kernel() {
             "{kind:?} matmul_parts of {cols} columns: loads 4 deep differ from 2"
         );
     }
+    be.force_resident_products(None);
     be.force_product_launch(None, None);
     be.force_verify_products(None);
     be.force_tiled_products(None);
@@ -918,9 +927,10 @@ fn parts_of_different_forms_share_a_launch() {
                 Some(true),
                 None,
             )]);
+            let shapes = shapes.map(|s| (s, false)).chain(RESIDENT.map(|s| (s, true)));
             let ns = if cols == 896 { vec![1usize, 2, 3, 5, 16, 24, 64, 70] } else { vec![1, 16] };
             for (shape, n) in shapes.flat_map(|sh| ns.clone().into_iter().map(move |n| (sh, n))) {
-                let (split, row_blocks, qv, tiled, cluster) = shape;
+                let ((split, row_blocks, qv, tiled, cluster), res) = shape;
                 if n > 1 && cols == 8960 && (split.is_some() || cluster.is_some()) {
                     continue;
                 }
@@ -928,6 +938,7 @@ fn parts_of_different_forms_share_a_launch() {
                 be.force_verify_products(qv);
                 be.force_verify_clusters(cluster);
                 be.force_tiled_products(tiled);
+                be.force_resident_products(Some(res));
                 let x = rng.vec(n * cols);
                 let xb = be.upload(&x);
                 let mut xq = be.new_qact();
@@ -981,6 +992,7 @@ fn parts_of_different_forms_share_a_launch() {
     be.force_verify_products(None);
     be.force_verify_clusters(None);
     be.force_tiled_products(None);
+    be.force_resident_products(None);
 }
 
 /// Which parts share a `matmul_parts` launch ([`one_launch`]): code widths (`half`) for every token count,
@@ -1023,6 +1035,12 @@ const QV_CLUSTERS: [ProductLaunch; 7] = [
 /// Launch shapes of the tensor-core products the tests force (mm_qw's split, most row blocks; mm_qv's warps a
 /// tile, Some(0) for mm_qw): as chosen, each split of mm_qw on one block walking every row tile and on two,
 /// and mm_qv with each warp count.
+/// The resident `mm_qv*` launches the equality tests run ([`Cuda::force_resident_products`]): (split, row
+/// blocks, warps, tiled, cluster) as [`QV_CLUSTERS`]'s, the row blocks the grid: as many blocks as fit (every
+/// tile its own block in these small launches), one block walking every row tile, two walking half each.
+const RESIDENT: [ProductLaunch; 3] =
+    [(None, None, None, Some(false), None), (None, Some(1), None, Some(false), None), (None, Some(2), None, Some(false), None)];
+
 const LAUNCHES: [(Option<usize>, Option<usize>, Option<usize>); 12] = [
     (None, None, None),
     (None, None, Some(0)),

@@ -994,6 +994,7 @@ struct QvSmem {
     static constexpr int mins = scales + MMA_ROWS * SPB * 4;
     static constexpr int stage = mins + (FORM == 1 ? MMA_ROWS * 4 : 0);
     static constexpr int D = S == 4 ? 8 : (S == 8 ? 4 : 2);  // stages a warp
+    static constexpr int DR = 8;                              // stages a warp of the resident kernels
     // A block's activations, staged with its weights by the 16-warp kernels of up to 16 tokens (NJ ≤ 2; the
     // others read them through L1): per column j its 8 tokens' codes (256 bytes), scales (32) and (half·)sums
     // (32, or 64 with group-16 scales). Measured on an H100 (docs/cuda.md, "Verify products with their
@@ -1020,26 +1021,60 @@ struct QvSmem {
     __host__ __device__ static constexpr int bytes() {
         return S * warp_bytes<NJ>() > S * MMA_ROWS * 8 * NJ * 4 ? S * warp_bytes<NJ>() : S * MMA_ROWS * 8 * NJ * 4;
     }
+    // The resident kernels (`…r`, RES): a block's activation bytes of one block of 32 columns (NJ columns of 8
+    // tokens: codes, scales, sums), and its fixed part: the warps' weight rings of DR stages (never staged
+    // activations; twice the 8-warp kernels' D: with fewer blocks a multiprocessor, as many weight bytes in
+    // flight), then the warps' subtree sums beside them (the rings stay in use across tiles). Each warp's
+    // resident activations follow: `qv_res_entries` blocks of `act` bytes (the host adds S·entries·act).
+    template <int NJ>
+    __host__ __device__ static constexpr int act() {
+        return NJ * (256 + 32 + SU);
+    }
+    template <int NJ>
+    __host__ __device__ static constexpr int res_fixed() {
+        return S * DR * stage + S * MMA_ROWS * 8 * NJ * 4;
+    }
 };
+// The most blocks of 32 columns a warp of a resident kernel visits in a tile (warp w: the chains of the classes
+// rev5(V·w + k), k < V, class c holding the blocks c, c + 32, ... below nblk): the host's `qv_res_entries`.
+__device__ __forceinline__ int qv_res_entries(int v, int nblk) {
+    int most = 0;
+    for (int w = 0; w < 32 / v; ++w) {
+        int e = 0;
+        for (int k = 0; k < v; ++k) {
+            const int c = rev5(v * w + k);
+            e += c < nblk ? (nblk - 1 - c) / 32 + 1 : 0;
+        }
+        most = max(most, e);
+    }
+    return most;
+}
 
-template <int NJ, bool P4, int FORM, int S, bool CL>
-__device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half, const unsigned char* __restrict__ tq,
+template <int NJ, bool P4, int FORM, int S, bool CL, bool RES>
+__device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int halves, const unsigned char* __restrict__ tq,
                                            long long tg, int n) {
     using L = QvSmem<P4, FORM, S>;
     constexpr int V = 32 / S, LV = V == 8 ? 3 : (V == 4 ? 2 : (V == 2 ? 1 : 0)), NT = 8 * NJ;
-    constexpr int CS = L::CS, RS = L::RS, SPB = L::SPB, D = L::D;
+    constexpr int CS = L::CS, RS = L::RS, SPB = L::SPB, D = RES ? L::DR : L::D;
     static_assert(S == 4 || S == 8 || S == 16, "4, 8 or 16 warps a tile");
     static_assert(L::stage % 16 == 0, "16-byte aligned stages");
-    constexpr bool STG = L::template staged<NJ>();
-    constexpr int AST = L::template astage<NJ>(), SU = L::SU;
+    // RES (the `…r` kernels): a block walks the row tiles blockIdx.x, + gridDim.x, ... (a grid of the blocks that
+    // fit at once), each warp's weight ring running on from one tile into the next, and each warp holds the
+    // activations of the blocks it visits (the same in every tile) in shared memory, loaded once: a launch of
+    // many tiles (the gate/up products, the LM head) reads the activations from L2 once a block instead of once
+    // a tile (16 tokens through the LM head: as many bytes as its weights).
+    static_assert(!(RES && CL), "resident kernels are not split over clusters");
+    constexpr bool STG = !RES && L::template staged<NJ>(), ASM = STG || RES;
+    constexpr int AST = RES ? L::template act<NJ>() : L::template astage<NJ>(), SU = L::SU;
     static_assert(AST % 16 == 0, "16-byte aligned activation stages");
     extern __shared__ __align__(16) unsigned char smem[];  // L::bytes<NJ>() (mm_qv_smem)
     __shared__ float csum[CL ? MMA_ROWS * NT : 1];  // the block's subtree sums, read by the cluster's block 0
     static_assert(L::template bytes<NJ>() + MMA_ROWS * NT * 4 <= 64 * 1024, "shared memory every sm_80+ GPU grants");
-    float(&red)[S][MMA_ROWS * NT] = *reinterpret_cast<float(*)[S][MMA_ROWS * NT]>(smem);
+    float(&red)[S][MMA_ROWS * NT] = *reinterpret_cast<float(*)[S][MMA_ROWS * NT]>(smem + (RES ? S * D * L::stage : 0));
+    // (RES: the warp's ring of D stages at warp·D·stage, its resident activations after the sums.)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, q = lane & 3;
-    const int tile = blockIdx.x, t0 = blockIdx.y * NT;
+    const int t0 = blockIdx.y * NT, ntiles = RES ? PT.tiles() : (int)blockIdx.x + 1;
     // CL (the `…c` kernels): a tile split over a cluster of SC blocks along z (the host keeps SC ≤ 32 / S): block
     // h owns the visits 32h/SC .. 32(h+1)/SC − 1, its warp w the VR = V / SC of them from VR·(S·h + w), i.e. the
     // subtree T(VR·(S·h + w), VR); the block's warps build T(32h/SC, 32/SC), and block 0 adds the SC block sums
@@ -1048,22 +1083,27 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
     if (CL) sc_h = cluster_rank_and_size(sc_n);
     const int VR = CL ? V / (int)sc_n : V, wv = VR * (S * (int)sc_h + warp);
     if (CL && VR == 0) __trap();  // a cluster larger than the visits (the host never launches one)
-    int r0;
-    const int p = PT.part(tile, r0);
-    half = QParts::half_of(half, p);
-    const uint8_t* __restrict__ codes = QParts::pick(PT.c, p);
-    const float* __restrict__ sc = QParts::pick(PT.s, p);
-    const float* __restrict__ mn = QParts::pick(PT.m, p);
-    const int rows = QParts::pick(PT.r, p), nblk = cols >> 5;
+    const int nblk = cols >> 5;
     unsigned char(&ring)[D][L::stage] =
-        *reinterpret_cast<unsigned char(*)[D][L::stage]>(smem + warp * L::template warp_bytes<NJ>());
-    unsigned char* const aring = &ring[0][0] + D * L::stage;  // the activation stages (STG)
+        *reinterpret_cast<unsigned char(*)[D][L::stage]>(smem + warp * (RES ? D * L::stage : L::template warp_bytes<NJ>()));
+    // The activation stages (STG), or the warp's resident activations (RES: its blocks in walk order).
+    unsigned char* const aring = RES ? smem + L::template res_fixed<NJ>() + warp * qv_res_entries(V, nblk) * AST
+                                     : &ring[0][0] + D * L::stage;
     // This lane's copies of a stage: P4 lanes 0..15 row `lane`'s 16 code bytes, 8-bit lanes 0..31 half `lane & 1`
     // of row `lane >> 1`'s 32; lanes under 16·SPB one scale (row lane / SPB); lanes under 16 one offset (FORM 1).
     const int crow = P4 ? lane : lane >> 1, srow = lane / SPB;
-    const uint8_t* __restrict__ cbase = codes + (long long)min(r0 + min(crow, 15), rows - 1) * nblk * CS + (P4 ? 0 : (lane & 1) * 16);
-    const float* __restrict__ sbase = sc + (long long)min(r0 + min(srow, 15), rows - 1) * nblk * SPB + lane % SPB;
-    const float* __restrict__ mbase = FORM == 1 ? mn + (long long)min(r0 + min(lane, 15), rows - 1) * nblk : nullptr;
+    const uint8_t* cbase;
+    const float *sbase, *mbase;
+    // The issuing tile's copy sources (RES: the issue cursor moves to the block's next tile ahead of the walk).
+    auto set_bases = [&](int t) {
+        int ir0;
+        const int ip = PT.part(t, ir0), ir = QParts::pick(PT.r, ip);
+        cbase = QParts::pick(PT.c, ip) + (long long)min(ir0 + min(crow, 15), ir - 1) * nblk * CS + (P4 ? 0 : (lane & 1) * 16);
+        sbase = QParts::pick(PT.s, ip) + (long long)min(ir0 + min(srow, 15), ir - 1) * nblk * SPB + lane % SPB;
+        mbase = FORM == 1 ? QParts::pick(PT.m, ip) + (long long)min(ir0 + min(lane, 15), ir - 1) * nblk : nullptr;
+    };
+    int itile = blockIdx.x;
+    set_bases(itile);
     const int cdst = P4 ? lane * 16 : (lane >> 1) * RS + (lane & 1) * 16;
     // The issue cursor: visit ki's block bi, D blocks ahead of the compute walk (ki = VR: past the end).
     int ki = 0, bi = rev5(wv);
@@ -1092,7 +1132,10 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
     const int asstep = lane < NSC ? 32 : SU, asdst = lane < NSC ? NJ * 256 + lane * 16 : NJ * 288 + si * 16;
     auto issue_act = [&](int as, int b) {
         unsigned char* ad = aring + as * AST;
-        if (lane < 16 * NJ) cp_async16(ad + lane * 16, acsrc + (long long)b * 256);
+        // Code chunk c (column c / 16's chunk c % 16) by lane c % 32 (RES with NJ = 4: two a lane).
+#pragma unroll
+        for (int c = lane; c < 16 * NJ; c += 32)
+            cp_async16(ad + c * 16, acsrc + (long long)((c >> 4) - (lane >> 4)) * nblk * 8 * 32 + (long long)b * 256);
         if (lane < NSC + NSU) cp_async16(ad + asdst, assrc + (long long)b * asstep);
     };
     bool acts = false;  // past the wait (the previous kernel writes the activations)
@@ -1109,6 +1152,12 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
             }
             bi += 32;
             norm();
+            if (RES && ki >= VR && (itile += gridDim.x) < ntiles) {
+                set_bases(itile);
+                ki = 0;
+                bi = rev5(wv);
+                norm();
+            }
         }
         cp_async_commit();
     };
@@ -1137,6 +1186,15 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
         acts = true;
         ais = D;
     }
+    if (RES) {
+        // The warp's blocks' activations, once for every tile (read by the walk in the same order).
+        int e = 0;
+        for (int k = 0; k < VR; ++k)
+            for (int b = rev5(wv + k); b < nblk; b += 32) issue_act(e++, b);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncwarp();
+    }
     int acur = 0;  // the activation stage of the block computed next
     // This lane's operands in the tiled copy, per column j of 8 tokens (tile (t0 + 8j)/8; rows past n hold
     // whatever the buffer held: their outputs are not stored): the B fragment's words at 8g + 2q.. of the block's
@@ -1156,149 +1214,160 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
     // pairwise merge (compile time).
     float cur[NJ][4], st[LV > 0 ? LV : 1][NJ][4];
     int slot = 0;
+    for (int tile = blockIdx.x; tile < ntiles; tile += RES ? gridDim.x : 1) {
+        int r0;
+        const int p = PT.part(tile, r0);
+        const int half = QParts::half_of(halves, p), rows = QParts::pick(PT.r, p);
+        int ei = 0;  // RES: the block's entry in the warp's resident activations
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-        if (CL && k >= VR) break;  // a split tile: this warp's VR visits are done
+        for (int k = 0; k < V; ++k) {
+            if (CL && k >= VR) break;  // a split tile: this warp's VR visits are done
+#pragma unroll
+            for (int j = 0; j < NJ; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) cur[j][e] = 0.0f;
+#pragma unroll 1
+            for (int b = rev5(wv + k); b < nblk; b += 32) {
+                cp_async_wait<D - 1>();
+                __syncwarp();
+                const unsigned char* stg = ring[slot];
+                uint32_t a[4];
+                if (P4) {
+                    const uint32_t wa = *reinterpret_cast<const uint32_t*>(stg + g * RS + 4 * q);
+                    const uint32_t wb = *reinterpret_cast<const uint32_t*>(stg + (g + 8) * RS + 4 * q);
+                    a[0] = wa & 0x0F0F0F0Fu;
+                    a[1] = wb & 0x0F0F0F0Fu;
+                    a[2] = (wa >> 4) & 0x0F0F0F0Fu;
+                    a[3] = (wb >> 4) & 0x0F0F0F0Fu;
+                } else {
+                    a[0] = *reinterpret_cast<const uint32_t*>(stg + g * RS + 4 * q);
+                    a[1] = *reinterpret_cast<const uint32_t*>(stg + (g + 8) * RS + 4 * q);
+                    a[2] = *reinterpret_cast<const uint32_t*>(stg + g * RS + 16 + 4 * q);
+                    a[3] = *reinterpret_cast<const uint32_t*>(stg + (g + 8) * RS + 16 + 4 * q);
+                }
+                const float* ss = reinterpret_cast<const float*>(stg + L::scales);
+                float s[2][2], m[2];
+#pragma unroll
+                for (int ri = 0; ri < 2; ++ri) {
+                    s[ri][0] = ss[(g + 8 * ri) * SPB];
+                    s[ri][1] = FORM == 2 ? ss[(g + 8 * ri) * SPB + 1] : 0.0f;
+                    m[ri] = FORM == 1 ? reinterpret_cast<const float*>(stg + L::mins)[g + 8 * ri] : 0.0f;
+                }
+                __syncwarp();  // every lane has read the stage: refill it with the block D ahead
+                issue(slot);
+                slot = (slot + 1) & (D - 1);
+                // Block b's activations (STG: from its stage; RES: resident).
+                const unsigned char* ast = aring + (RES ? ei++ : acur) * AST;
+                if (STG) acur = acur == D ? 0 : acur + 1;
+#pragma unroll
+                for (int j = 0; j < NJ; ++j) {
+                    // Block b's 8 tokens (256 bytes, 32 int2), then tokens 2q, 2q + 1 of the column: their
+                    // activation scales and (half·)sums; the dots arrive as floats (mma_k32c's accumulator inputs).
+                    const int2 bb = ASM ? *reinterpret_cast<const int2*>(ast + j * 256 + (4 * g + q) * 8) : __ldg(pq[j] + 32 * b);
+                    const int b0 = bb.x, b1 = bb.y;
+                    const float2 dd = ASM ? *reinterpret_cast<const float2*>(ast + NJ * 256 + j * 32 + q * 8) : __ldg(px[j] + 4 * b);
+                    const float d[2] = {dd.x, dd.y};
+                    int hx[2], hy[2];
+                    if (FORM == 2) {
+                        const int4 hh = ASM ? *reinterpret_cast<const int4*>(ast + NJ * 288 + j * 64 + q * 16)
+                                            : __ldg(reinterpret_cast<const int4*>(ph[j] + 16 * b));
+                        hx[0] = hh.x;
+                        hy[0] = hh.y;
+                        hx[1] = hh.z;
+                        hy[1] = hh.w;
+                    } else {
+                        const int2 hh = ASM ? *reinterpret_cast<const int2*>(ast + NJ * 288 + j * 32 + q * 8)
+                                            : __ldg(reinterpret_cast<const int2*>(ph[j] + 8 * b));
+                        hx[0] = hh.x;
+                        hx[1] = hh.y;
+                        hy[0] = hy[1] = 0;
+                    }
+                    int d0[4], d1[4];
+                    if (FORM == 2) {
+                        mma_k16c(d0, a[0], a[1], b0, QT_BIAS - half * hx[0], QT_BIAS - half * hx[1]);
+                        mma_k16c(d1, a[2], a[3], b1, QT_BIAS - half * hy[0], QT_BIAS - half * hy[1]);
+                    } else if (FORM == 1) {
+                        mma_k32c(d0, a, b0, b1, QT_BIAS, QT_BIAS);
+                    } else {
+                        mma_k32c(d0, a, b0, b1, QT_BIAS - half * hx[0], QT_BIAS - half * hx[1]);
+                    }
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {  // row g (e < 2) or g + 8, token 2q + (e & 1)
+                        const int ri = e >> 1, h = e & 1;
+                        float acc = cur[j][e];
+                        acc = __fmaf_rn(__fmul_rn(s[ri][0], d[h]), qt_float(d0[e]), acc);
+                        if (FORM == 2) acc = __fmaf_rn(__fmul_rn(s[ri][1], d[h]), qt_float(d1[e]), acc);
+                        if (FORM == 1) acc = __fmaf_rn(m[ri], __int_as_float(hx[h]), acc);
+                        cur[j][e] = acc;
+                    }
+                }
+            }
+            // Chain k meets the finished subtrees of k's trailing one bits (T(i, 2s) = T(i, s) + T(i + s, s)).
+            int l = 0;
+#pragma unroll
+            for (; l < LV && ((k >> l) & 1); ++l)
+#pragma unroll
+                for (int j = 0; j < NJ; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) cur[j][e] = __fadd_rn(st[l][j][e], cur[j][e]);
+            if (l < LV) {
+#pragma unroll
+                for (int j = 0; j < NJ; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) st[l][j][e] = cur[j][e];
+            }
+        }
+        if (!RES) {
+            cp_async_wait<0>();  // no copy outlives the block (the tail's issues were empty groups)
+            __syncthreads();     // every warp is done with its ring: the sums go over the rings
+        }
+        // After the last visit (k = VR - 1, all ones) cur holds the warp's subtree T(wv, VR).
+        float(&res)[NJ][4] = cur;
+        // The warps' subtrees meet in the binary tree over consecutive warps, then the bias.
 #pragma unroll
         for (int j = 0; j < NJ; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) cur[j][e] = 0.0f;
-#pragma unroll 1
-        for (int b = rev5(wv + k); b < nblk; b += 32) {
-            cp_async_wait<D - 1>();
-            __syncwarp();
-            const unsigned char* stg = ring[slot];
-            uint32_t a[4];
-            if (P4) {
-                const uint32_t wa = *reinterpret_cast<const uint32_t*>(stg + g * RS + 4 * q);
-                const uint32_t wb = *reinterpret_cast<const uint32_t*>(stg + (g + 8) * RS + 4 * q);
-                a[0] = wa & 0x0F0F0F0Fu;
-                a[1] = wb & 0x0F0F0F0Fu;
-                a[2] = (wa >> 4) & 0x0F0F0F0Fu;
-                a[3] = (wb >> 4) & 0x0F0F0F0Fu;
-            } else {
-                a[0] = *reinterpret_cast<const uint32_t*>(stg + g * RS + 4 * q);
-                a[1] = *reinterpret_cast<const uint32_t*>(stg + (g + 8) * RS + 4 * q);
-                a[2] = *reinterpret_cast<const uint32_t*>(stg + g * RS + 16 + 4 * q);
-                a[3] = *reinterpret_cast<const uint32_t*>(stg + (g + 8) * RS + 16 + 4 * q);
-            }
-            const float* ss = reinterpret_cast<const float*>(stg + L::scales);
-            float s[2][2], m[2];
+            for (int e = 0; e < 4; ++e) red[warp][(8 * j + 2 * q + (e & 1)) * MMA_ROWS + g + 8 * (e >> 1)] = res[j][e];
+        __syncthreads();
+        const float* __restrict__ bias = QParts::pick(PT.b, p);
+        float* __restrict__ out = QParts::pick(PT.o, p);
+        for (int o = tid; o < MMA_ROWS * NT; o += 32 * S) {
+            float x[S];
 #pragma unroll
-            for (int ri = 0; ri < 2; ++ri) {
-                s[ri][0] = ss[(g + 8 * ri) * SPB];
-                s[ri][1] = FORM == 2 ? ss[(g + 8 * ri) * SPB + 1] : 0.0f;
-                m[ri] = FORM == 1 ? reinterpret_cast<const float*>(stg + L::mins)[g + 8 * ri] : 0.0f;
-            }
-            __syncwarp();  // every lane has read the stage: refill it with the block D ahead
-            issue(slot);
-            slot = (slot + 1) & (D - 1);
-            const unsigned char* ast = aring + acur * AST;  // block b's activations (STG)
-            acur = acur == D ? 0 : acur + 1;
+            for (int i = 0; i < S; ++i) x[i] = red[i][o];
 #pragma unroll
-            for (int j = 0; j < NJ; ++j) {
-                // Block b's 8 tokens (256 bytes, 32 int2), then tokens 2q, 2q + 1 of the column: their
-                // activation scales and (half·)sums; the dots arrive as floats (mma_k32c's accumulator inputs).
-                const int2 bb = STG ? *reinterpret_cast<const int2*>(ast + j * 256 + (4 * g + q) * 8) : __ldg(pq[j] + 32 * b);
-                const int b0 = bb.x, b1 = bb.y;
-                const float2 dd = STG ? *reinterpret_cast<const float2*>(ast + NJ * 256 + j * 32 + q * 8) : __ldg(px[j] + 4 * b);
-                const float d[2] = {dd.x, dd.y};
-                int hx[2], hy[2];
-                if (FORM == 2) {
-                    const int4 hh = STG ? *reinterpret_cast<const int4*>(ast + NJ * 288 + j * 64 + q * 16)
-                                        : __ldg(reinterpret_cast<const int4*>(ph[j] + 16 * b));
-                    hx[0] = hh.x;
-                    hy[0] = hh.y;
-                    hx[1] = hh.z;
-                    hy[1] = hh.w;
-                } else {
-                    const int2 hh = STG ? *reinterpret_cast<const int2*>(ast + NJ * 288 + j * 32 + q * 8)
-                                        : __ldg(reinterpret_cast<const int2*>(ph[j] + 8 * b));
-                    hx[0] = hh.x;
-                    hx[1] = hh.y;
-                    hy[0] = hy[1] = 0;
-                }
-                int d0[4], d1[4];
-                if (FORM == 2) {
-                    mma_k16c(d0, a[0], a[1], b0, QT_BIAS - half * hx[0], QT_BIAS - half * hx[1]);
-                    mma_k16c(d1, a[2], a[3], b1, QT_BIAS - half * hy[0], QT_BIAS - half * hy[1]);
-                } else if (FORM == 1) {
-                    mma_k32c(d0, a, b0, b1, QT_BIAS, QT_BIAS);
-                } else {
-                    mma_k32c(d0, a, b0, b1, QT_BIAS - half * hx[0], QT_BIAS - half * hx[1]);
-                }
+            for (int s = 1; s < S; s <<= 1)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {  // row g (e < 2) or g + 8, token 2q + (e & 1)
-                    const int ri = e >> 1, h = e & 1;
-                    float acc = cur[j][e];
-                    acc = __fmaf_rn(__fmul_rn(s[ri][0], d[h]), qt_float(d0[e]), acc);
-                    if (FORM == 2) acc = __fmaf_rn(__fmul_rn(s[ri][1], d[h]), qt_float(d1[e]), acc);
-                    if (FORM == 1) acc = __fmaf_rn(m[ri], __int_as_float(hx[h]), acc);
-                    cur[j][e] = acc;
-                }
+                for (int i = 0; i < S; i += 2 * s) x[i] = __fadd_rn(x[i], x[i + s]);
+            if (CL && sc_n > 1) {
+                csum[o] = x[0];
+                continue;
             }
+            const int gr = r0 + o % MMA_ROWS, t = t0 + o / MMA_ROWS;
+            if (gr < rows && t < n) out[(long long)t * rows + gr] = bias != nullptr ? __fadd_rn(x[0], bias[gr]) : x[0];
         }
-        // Chain k meets the finished subtrees of k's trailing one bits (T(i, 2s) = T(i, s) + T(i + s, s)).
-        int l = 0;
-#pragma unroll
-        for (; l < LV && ((k >> l) & 1); ++l)
-#pragma unroll
-            for (int j = 0; j < NJ; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) cur[j][e] = __fadd_rn(st[l][j][e], cur[j][e]);
-        if (l < LV) {
-#pragma unroll
-            for (int j = 0; j < NJ; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) st[l][j][e] = cur[j][e];
-        }
-    }
-    cp_async_wait<0>();  // no copy outlives the block (the tail's issues were empty groups)
-    __syncthreads();     // every warp is done with its ring: the sums go over the rings
-    // After the last visit (k = VR - 1, all ones) cur holds the warp's subtree T(wv, VR).
-    float(&res)[NJ][4] = cur;
-    // The warps' subtrees meet in the binary tree over consecutive warps, then the bias.
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) red[warp][(8 * j + 2 * q + (e & 1)) * MMA_ROWS + g + 8 * (e >> 1)] = res[j][e];
-    __syncthreads();
-    const float* __restrict__ bias = QParts::pick(PT.b, p);
-    float* __restrict__ out = QParts::pick(PT.o, p);
-    for (int o = tid; o < MMA_ROWS * NT; o += 32 * S) {
-        float x[S];
-#pragma unroll
-        for (int i = 0; i < S; ++i) x[i] = red[i][o];
-#pragma unroll
-        for (int s = 1; s < S; s <<= 1)
-#pragma unroll
-            for (int i = 0; i < S; i += 2 * s) x[i] = __fadd_rn(x[i], x[i + s]);
         if (CL && sc_n > 1) {
-            csum[o] = x[0];
-            continue;
-        }
-        const int gr = r0 + o % MMA_ROWS, t = t0 + o / MMA_ROWS;
-        if (gr < rows && t < n) out[(long long)t * rows + gr] = bias != nullptr ? __fadd_rn(x[0], bias[gr]) : x[0];
-    }
-    if (CL && sc_n > 1) {
-        cluster_barrier_shared();  // every block's sums are in its shared memory (only shared stores to release)
-        if (sc_h == 0) {
-            for (int o = tid; o < MMA_ROWS * NT; o += 32 * S) {
-                float x[8];  // SC ≤ 8 (S ≥ 4)
+            cluster_barrier_shared();  // every block's sums are in its shared memory (only shared stores to release)
+            if (sc_h == 0) {
+                for (int o = tid; o < MMA_ROWS * NT; o += 32 * S) {
+                    float x[8];  // SC ≤ 8 (S ≥ 4)
 #pragma unroll
-                for (int i = 0; i < 8; ++i)
-                    if (i < (int)sc_n) x[i] = i == 0 ? csum[o] : ld_cluster_shared_f32(&csum[o], i);
+                    for (int i = 0; i < 8; ++i)
+                        if (i < (int)sc_n) x[i] = i == 0 ? csum[o] : ld_cluster_shared_f32(&csum[o], i);
 #pragma unroll
-                for (int s = 1; s < 8; s <<= 1)
+                    for (int s = 1; s < 8; s <<= 1)
 #pragma unroll
-                    for (int i = 0; i < 8; i += 2 * s)
-                        if (i + s < (int)sc_n) x[i] = __fadd_rn(x[i], x[i + s]);
-                const int gr = r0 + o % MMA_ROWS, t = t0 + o / MMA_ROWS;
-                if (gr < rows && t < n) out[(long long)t * rows + gr] = bias != nullptr ? __fadd_rn(x[0], bias[gr]) : x[0];
+                        for (int i = 0; i < 8; i += 2 * s)
+                            if (i + s < (int)sc_n) x[i] = __fadd_rn(x[i], x[i + s]);
+                    const int gr = r0 + o % MMA_ROWS, t = t0 + o / MMA_ROWS;
+                    if (gr < rows && t < n) out[(long long)t * rows + gr] = bias != nullptr ? __fadd_rn(x[0], bias[gr]) : x[0];
+                }
             }
+            cluster_barrier();  // no block leaves while block 0 may still read its sums
         }
-        cluster_barrier();  // no block leaves while block 0 may still read its sums
+        if (RES) __syncthreads();  // the sums' buffer serves the next tile
     }
+    if (RES) cp_async_wait<0>();  // (the issues past the last tile were empty groups)
 }
 
 // One matrix (`mm_qv{NJ}_f{F}_{p4,p8}_w{S}`) and up to three (`mm_q3v…`, the parts' arguments as MM_Q3's).
@@ -1306,7 +1375,7 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
 // Blocks a multiprocessor should hold at once (registers capped to fit them): 1 (no cap; capping to 24 warps
 // spilled the group-16 variants).
 #define QV_MINB(S) 1
-#define MM_QV_PX(NJ, F, P4, PS, S, CL, SUF)                                                                          \
+#define MM_QV_PX(NJ, F, P4, PS, S, CL, RES, SUF)                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * S, QV_MINB(S)) mm_qv##NJ##_f##F##_##PS##_w##S##SUF(                      \
         const uint8_t* codes, const float* sc, const float* mn, int rows, int cols, int half, int g16,       \
         const int8_t* xq, const float* xs, const int* xsum, const float* xdsum, const int* xsum16, int n,    \
@@ -1315,7 +1384,7 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
         const QParts pt = {{codes, nullptr, nullptr}, {sc, nullptr, nullptr}, {mn, nullptr, nullptr},        \
                            {bias, nullptr, nullptr},  {out, nullptr, nullptr}, {rows, 0, 0},                  \
                            (rows + MMA_ROWS - 1) / MMA_ROWS, 0};                                             \
-        mm_qv_impl<NJ, P4, F, S, CL>(pt, cols, half, tq, tg, n);                                                \
+        mm_qv_impl<NJ, P4, F, S, CL, RES>(pt, cols, half, tq, tg, n);                                           \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(32 * S, QV_MINB(S)) mm_q3v##NJ##_f##F##_##PS##_w##S##SUF(                     \
         int cols, int half, int g16, const int8_t* xq, const float* xs, const int* xsum, const float* xdsum, \
@@ -1325,10 +1394,10 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int half,
         const float* b2, float* o2, const unsigned char* tq, long long tg) {                                 \
         (void)g16, (void)xq, (void)xs, (void)xsum, (void)xdsum, (void)xsum16;                                \
         const QParts pt = QPARTS3;                                                                           \
-        mm_qv_impl<NJ, P4, F, S, CL>(pt, cols, half, tq, tg, n);                                                \
+        mm_qv_impl<NJ, P4, F, S, CL, RES>(pt, cols, half, tq, tg, n);                                           \
     }
 // The kernels (`…_w{S}`) and their cluster-split forms (`…_w{S}c`, launched in clusters along z).
-#define MM_QV_P(NJ, F, P4, PS, S) MM_QV_PX(NJ, F, P4, PS, S, false, ) MM_QV_PX(NJ, F, P4, PS, S, true, c)
+#define MM_QV_P(NJ, F, P4, PS, S) MM_QV_PX(NJ, F, P4, PS, S, false, false, ) MM_QV_PX(NJ, F, P4, PS, S, true, false, c)
 MM_FAMILY(MM_QV_P, 4, 8, 16)
 // And tiles of 32 tokens (17–32 in one pass over the weights).
 #define MM_QV4(F, S) MM_PACKINGS(MM_QV_P, 4, F, S)
@@ -1339,6 +1408,18 @@ MM_QV4(0, 4) MM_QV4(0, 8) MM_QV4(0, 16) MM_QV4(1, 4) MM_QV4(1, 8) MM_QV4(1, 16) 
 #define QVB_NJ(NJ, S) QVB(NJ, 0, S), QVB(NJ, 1, S), QVB(NJ, 2, S)
 #define QVB_S(S) QVB_NJ(1, S), QVB_NJ(2, S), QVB_NJ(4, S)
 extern "C" __device__ const int mm_qv_smem[54] = {QVB_S(4), QVB_S(8), QVB_S(16)};
+// The resident kernels (`…_w8r`, RES; 8 warps, grid: the blocks that fit at once, each walking row tiles
+// blockIdx.x, + gridDim.x, ...) and their shared memory, [NJ 1, 2, 4][FORM][p4, p8][fixed bytes, bytes a
+// resident block of 32 columns]: the host asks for fixed + 8·qv_res_entries(4, cols / 32)·(bytes a block).
+#define MM_QV_R(NJ, F, P4, PS, S) MM_QV_PX(NJ, F, P4, PS, S, false, true, r)
+MM_PACKINGS(MM_QV_R, 1, 0, 8) MM_PACKINGS(MM_QV_R, 1, 1, 8) MM_PACKINGS(MM_QV_R, 1, 2, 8)
+MM_PACKINGS(MM_QV_R, 2, 0, 8) MM_PACKINGS(MM_QV_R, 2, 1, 8) MM_PACKINGS(MM_QV_R, 2, 2, 8)
+MM_PACKINGS(MM_QV_R, 4, 0, 8) MM_PACKINGS(MM_QV_R, 4, 1, 8) MM_PACKINGS(MM_QV_R, 4, 2, 8)
+#define QVR(NJ, F)                                                                                  \
+    QvSmem<true, F, 8>::template res_fixed<NJ>(), QvSmem<true, F, 8>::template act<NJ>(),          \
+        QvSmem<false, F, 8>::template res_fixed<NJ>(), QvSmem<false, F, 8>::template act<NJ>()
+#define QVR_NJ(NJ) QVR(NJ, 0), QVR(NJ, 1), QVR(NJ, 2)
+extern "C" __device__ const int mm_qvr_smem[36] = {QVR_NJ(1), QVR_NJ(2), QVR_NJ(4)};
 
 // ---------------------------------------------------------------------------------------------------------
 // mm_qt*: the large products (prefill) on the tensor cores with large tiles, in mm_q_t1's float order.

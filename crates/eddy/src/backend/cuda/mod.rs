@@ -320,6 +320,38 @@ fn rope_att_from_env() -> bool {
 /// `Cuda::t1_unroll`'s value for "`mm_q_t1u4*` at every width" (tests).
 const T1_DEEP_ALWAYS: usize = 104;
 
+/// Whether `mm_qv*` launches of more row tiles than fit the GPU at once run on the resident kernels
+/// (`mm_qv*_w8r`: a grid of the blocks that fit, each walking row tiles with the activations it reads held in
+/// shared memory, loaded once; [`Cuda::qv_res_plan`]). Measured on an H100 in session 39 (docs/cuda.md,
+/// "Resident verify products"): the 16-node verify −4.8 % (0.5B) and −4.9 % (1.5B), the 1.5B's LM head at 16
+/// tokens 174 → 109 µs, its gate/up products 20.0 → 15.4 µs.
+const QV_RES: bool = true;
+
+/// `Cuda::qv_res`'s values: never, launches of more row tiles than fit at once, every launch that fits
+/// shared memory (tests).
+const QV_RES_OFF: usize = 0;
+const QV_RES_LARGE: usize = 1;
+const QV_RES_ALWAYS: usize = 2;
+
+/// `EDDY_CUDA_QV_RES`: 1 runs `mm_qv*` launches of more row tiles than fit at once on the resident kernels,
+/// 0 never; unset, [`QV_RES`].
+fn qv_res_from_env() -> usize {
+    match env_setting("EDDY_CUDA_QV_RES", "0 or 1", |d: &u8| *d <= 1).map_or(QV_RES, |d| d == 1) {
+        true => QV_RES_LARGE,
+        false => QV_RES_OFF,
+    }
+}
+
+/// The most blocks of 32 columns a warp of a resident product kernel visits in a row tile of `cols` columns:
+/// warp w of the 8 takes the chains of classes rev5(4w + k), k < 4, class c the blocks c, c + 32, … below
+/// cols / 32 (the kernels' `qv_res_entries`, which sizes the warps' shares of the shared memory the same way).
+fn qv_res_entries(cols: usize) -> usize {
+    let nblk = cols / QK;
+    let rev5 = |i: usize| (i as u32).reverse_bits() as usize >> 27;
+    let chain = |c: usize| if c < nblk { (nblk - 1 - c) / 32 + 1 } else { 0 };
+    (0..8).map(|w| (0..4).map(|k| chain(rev5(4 * w + k))).sum::<usize>()).max().unwrap_or(0)
+}
+
 /// `EDDY_CUDA_QV_CLUSTER` (2, 4 or 8; unset or anything else: 0, no clusters).
 fn qv_cluster_from_env() -> usize {
     env_setting("EDDY_CUDA_QV_CLUSTER", "2, 4 or 8", |c: &usize| [2, 4, 8].contains(c)).unwrap_or(0)
@@ -905,6 +937,14 @@ struct Kernels {
     mm_q3v: [[[[Func; 2]; 3]; 3]; 3],
     /// `mm_q3v*`'s cluster-split forms.
     mm_q3vc: [[[[Func; 2]; 3]; 3]; 3],
+    /// The resident forms (`mm_qv{1,2,4}_f{form}_{p4,p8}_w8r`, [`Cuda::qv_res_plan`]): `[tile (qv_tile)][form
+    /// (qform)][bits 4 packed / bytes]`.
+    mm_qvr: [[[Func; 2]; 3]; 3],
+    /// The same for up to three matrices in one launch.
+    mm_q3vr: [[[Func; 2]; 3]; 3],
+    /// Their shared memory (the kernels' table `mm_qvr_smem`, same index): (fixed bytes, bytes a resident
+    /// block of 32 columns); a launch takes fixed + 8 · [`qv_res_entries`] · the second.
+    mm_qvr_smem: [[[(u32, u32); 2]; 3]; 3],
     /// Dynamic shared memory bytes of `mm_qw` / `mm_q3w` (the kernels' table `mm_qw_smem`, same index).
     mm_qw_smem: [[[[u32; 2]; 3]; 2]; 3],
     /// Dynamic shared memory bytes of `mm_qv` / `mm_q3v` and their cluster-split forms (the kernels' table
@@ -1094,6 +1134,8 @@ pub struct Cuda {
     rope_tables: Mutex<Vec<RopeTable>>,
     /// Launches queued as thread-block clusters ([`Cuda::cluster_launches`]).
     cluster_launches: AtomicU64,
+    /// Launches queued on the resident product kernels ([`Cuda::resident_launches`]).
+    resident_launches: AtomicU64,
     /// Blocks of `attention` (no dynamic shared memory) that fit on one multiprocessor at once.
     att_occupancy: usize,
     /// Blocks per row tile of every tensor-core product (1, 2, 4), or 0 to choose by the launch's size
@@ -1170,6 +1212,14 @@ pub struct Cuda {
     /// of fewer tiles than multiprocessors).
     qv_cluster: AtomicUsize,
     qv_cluster_always: AtomicBool,
+    /// Whether launches of more `mm_qv*` row tiles than fit at once run on the resident kernels ([`QV_RES`],
+    /// `EDDY_CUDA_QV_RES`, [`Cuda::force_resident_products`]).
+    qv_res: AtomicUsize,
+    /// The most dynamic shared memory a resident product kernel may ask for (bytes).
+    qvr_smem_max: u32,
+    /// Blocks of a resident product kernel that fit on one multiprocessor: (kernel, dynamic shared memory) →
+    /// blocks ([`Cuda::qv_res_plan`]).
+    qvr_occupancy: Mutex<HashMap<(usize, u32), usize>>,
     /// Blocks of a row a one-token product loads at once: 4 (the default: `mm_q_t1u4*`, rows of 3+ blocks a
     /// lane), else `mm_q_t1`'s two, or [`T1_DEEP_ALWAYS`] (`EDDY_CUDA_T1_UNROLL`, [`Cuda::force_decode_unroll`]).
     t1_unroll: AtomicUsize,
@@ -1282,6 +1332,11 @@ impl Cuda {
         for (i, &b) in table("mm_qv_smem", 54)?.iter().enumerate() {
             qv_smem[i / 18][i / 6 % 3][i / 2 % 3][i % 2] = b as u32;
         }
+        let mut qvr_smem = [[[(0u32, 0u32); 2]; 3]; 3];
+        let t = table("mm_qvr_smem", 36)?;
+        for (i, b) in t.chunks(2).enumerate() {
+            qvr_smem[i / 6][i / 2 % 3][i % 2] = (b[0] as u32, b[1] as u32);
+        }
         let mut qt_smem = [[0u32; 2]; 3];
         for (i, &b) in table("mm_qt_smem", 6)?.iter().enumerate() {
             qt_smem[i / 2][i % 2] = b as u32;
@@ -1325,6 +1380,9 @@ impl Cuda {
             mm_q3v: qv("mm_q3v", "")?,
             mm_qvc: qv("mm_qv", "c")?,
             mm_q3vc: qv("mm_q3v", "c")?,
+            mm_qvr: [tile("mm_qv", 1, "w8r")?, tile("mm_qv", 2, "w8r")?, tile("mm_qv", 4, "w8r")?],
+            mm_q3vr: [tile("mm_q3v", 1, "w8r")?, tile("mm_q3v", 2, "w8r")?, tile("mm_q3v", 4, "w8r")?],
+            mm_qvr_smem: qvr_smem,
             mm_qw_smem: smem,
             mm_qv_smem: qv_smem,
             mm_qt: qt("mm_qt")?,
@@ -1404,15 +1462,15 @@ impl Cuda {
             )
         }
         .map_err(|e| no(format!("shared memory for the attention kernel: {e:?}")))?;
-        for f in k.attention_kvc {
-            // The dynamic part may take what the device grants a block beside the kernel's static shared memory
-            // (the driver refuses a sum above the limit); a launch asking for more is never made
-            // (`fitting_cluster` finds no cluster for it, and the launch falls back to `attention_kv`).
+        // Kernels whose dynamic shared memory grows with the launch (the resident products with the columns,
+        // [`Cuda::qv_res_plan`]; `attention_kvc` with the cluster) may take what the device grants a block beside
+        // their static part (the driver refuses a sum above the limit): `grant_all` returns those bytes.
+        let grant_all = |f: Func, what: &str| -> Result<u32> {
             // SAFETY: a kernel of the loaded module; attributes every device defines.
             let fixed = unsafe {
                 result::function::get_function_attribute(f.0, sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
             }
-            .map_err(|e| no(format!("shared memory of the attention kernel: {e:?}")))?;
+            .map_err(|e| no(format!("shared memory of {what}: {e:?}")))?;
             let dynamic = optin.saturating_sub(fixed.max(0) as u32);
             // SAFETY: as above; `dynamic` plus the static part is the device's own limit.
             unsafe {
@@ -1422,7 +1480,18 @@ impl Cuda {
                     dynamic as i32,
                 )
             }
-            .map_err(|e| no(format!("shared memory for the attention kernel: {e:?}")))?;
+            .map_err(|e| no(format!("shared memory for {what}: {e:?}")))?;
+            Ok(dynamic)
+        };
+        // `qvr_smem_max`: the least any resident product kernel may ask for.
+        let mut qvr_smem_max = optin;
+        for &f in k.mm_qvr.iter().chain(k.mm_q3vr.iter()).flatten().flatten() {
+            qvr_smem_max = qvr_smem_max.min(grant_all(f, "a resident product kernel")?);
+        }
+        // A launch of `attention_kvc` asking for more than it was granted is never made (`fitting_cluster` finds
+        // no cluster for it, and the launch falls back to `attention_kv`).
+        for f in k.attention_kvc {
+            grant_all(f, "the attention kernel")?;
         }
         // The empty kernel stands in for any kernel with that kernel's dynamic shared memory
         // (`Cuda::set_empty_kernels`): it may ask for as much as the device grants one block.
@@ -1469,6 +1538,7 @@ impl Cuda {
             cluster_fits: Mutex::new(HashMap::new()),
             rope_tables: Mutex::new(Vec::new()),
             cluster_launches: AtomicU64::new(0),
+            resident_launches: AtomicU64::new(0),
             att_occupancy,
             forced_split: AtomicUsize::new(split),
             forced_row_blocks: AtomicUsize::new(0),
@@ -1503,6 +1573,9 @@ impl Cuda {
             ),
             qv_cluster: AtomicUsize::new(qv_cluster_from_env()),
             qv_cluster_always: AtomicBool::new(false),
+            qv_res: AtomicUsize::new(qv_res_from_env()),
+            qvr_smem_max,
+            qvr_occupancy: Mutex::new(HashMap::new()),
             t1_unroll: AtomicUsize::new(t1_unroll_from_env()),
             joint: AtomicBool::new(joint_from_env()),
             forced_qv: AtomicUsize::new(match env_setting("EDDY_CUDA_QV", "0, 4, 8 or 16", |w: &usize| *w == 0 || QV_WARPS.contains(w)) {
@@ -1530,6 +1603,12 @@ impl Cuda {
     /// Launches queued as thread-block clusters since [`Cuda::new`] (tests: that a cluster kernel ran).
     pub fn cluster_launches(&self) -> u64 {
         self.cluster_launches.load(Ordering::Relaxed)
+    }
+
+    /// Launches queued on the resident product kernels (`mm_qv*_w8r`, [`Cuda::force_resident_products`]) since
+    /// [`Cuda::new`] (tests: that they ran).
+    pub fn resident_launches(&self) -> u64 {
+        self.resident_launches.load(Ordering::Relaxed)
     }
 
     /// Launches of the decode attention (`attention_dec`) queued since [`Cuda::new`] (tests: that it ran).
@@ -1854,6 +1933,66 @@ impl Cuda {
         };
         let wi = QV_WARPS.iter().position(|&w| w == warps).expect("a warp count of QV_WARPS");
         Some((wi, (tiles, ttiles, cluster)))
+    }
+
+    /// The resident launch of a product of `n` tokens over `tiles` row tiles of 16 (`mm_qv*_w8r`, or
+    /// `mm_q3v*_w8r` for `parts`) from `xq`, of `cols` columns, form `form` and packing `p`: `Some((tile
+    /// variant (qv_tile), grid, dynamic shared memory bytes))` where the resident kernels are on, the product
+    /// would take `mm_qv*` with the warps chosen by its size, the activations its warps visit fit shared memory,
+    /// and its tiles are more than the blocks that fit at once (or always, [`Cuda::force_resident_products`]);
+    /// the grid `(at most the blocks that fit, token tiles, 1)`, block x walking row tiles x, x + grid.0, ….
+    /// Each output has `mm_q_t1`'s bits (docs/cuda.md, "Resident verify products").
+    #[allow(clippy::too_many_arguments)]
+    fn qv_res_plan(
+        &self,
+        tiles: usize,
+        n: usize,
+        cols: usize,
+        form: usize,
+        p: usize,
+        parts: bool,
+        xq: &CudaQAct,
+    ) -> Option<(usize, (usize, usize, usize), u32)> {
+        let mode = self.qv_res.load(Ordering::Relaxed);
+        if mode == QV_RES_OFF || xq.tg == 0 || n > QV_MAX || self.forced_qv.load(Ordering::Relaxed) != 0 {
+            return None;
+        }
+        let (v, nt) = qv_tile(n);
+        let ttiles = n.div_ceil(nt);
+        let (fixed, act) = self.k.mm_qvr_smem[v][form][p];
+        let smem = fixed as usize + 8 * qv_res_entries(cols) * act as usize;
+        if smem > self.qvr_smem_max as usize {
+            return None;
+        }
+        let f = if parts { self.k.mm_q3vr[v][form][p] } else { self.k.mm_qvr[v][form][p] };
+        let per_sm = {
+            let mut m = self.qvr_occupancy.lock().unwrap_or_else(|e| e.into_inner());
+            *m.entry((f.0 as usize, smem as u32)).or_insert_with(|| occupancy(f, 256, smem as u32).unwrap_or(1))
+        };
+        let slots = per_sm.max(1) * self.sms;
+        if mode != QV_RES_ALWAYS && tiles * ttiles <= slots {
+            return None;
+        }
+        let gx = match self.forced_row_blocks.load(Ordering::Relaxed) {
+            0 => (slots / ttiles).clamp(1, tiles),
+            b => tiles.min(b),
+        };
+        self.resident_launches.fetch_add(1, Ordering::Relaxed);
+        Some((v, (gx, ttiles, 1), smem as u32))
+    }
+
+    /// Run `mm_qv*` launches on the resident kernels where their activations fit shared memory (`Some(true)`:
+    /// every such launch, however few its tiles), never (`Some(false)`), or as `EDDY_CUDA_QV_RES` said at start
+    /// (`None`; unset: [`QV_RES`], launches of more tiles than fit at once). Only where the warps per tile
+    /// are not forced ([`Cuda::force_verify_products`]). The results do not depend on it (batch invariance);
+    /// for tests and measurements.
+    pub fn force_resident_products(&self, on: Option<bool>) {
+        let mode = match on {
+            Some(true) => QV_RES_ALWAYS,
+            Some(false) => QV_RES_OFF,
+            None => qv_res_from_env(),
+        };
+        self.qv_res.store(mode, Ordering::Relaxed);
     }
 
     /// Split every `mm_qv*` row tile over a thread-block cluster of `blocks` blocks (2, 4 or 8; at most 32 / the
@@ -2351,6 +2490,8 @@ impl Cuda {
                     let grid = (rows.div_ceil(QT_ROWS), n.div_ceil(QT_TOKENS), 1);
                     let smem = self.k.mm_qt_smem[qform(q)][p];
                     self.launch_smem(self.k.mm_qt[qform(q)][p], grid, QT_THREADS, smem, a);
+                } else if let Some((v, grid, smem)) = self.qv_res_plan(rows.div_ceil(MMA_ROWS), n, cols, qform(q), p, false, xq) {
+                    self.launch_smem(self.k.mm_qvr[v][qform(q)][p], grid, 256, smem, a.p(xq.tiled.ptr()).l(xq.tg));
                 } else if let Some((wi, mut grid)) = self.qv_plan(rows.div_ceil(MMA_ROWS), n, xq) {
                     let (v, _) = qv_tile(n);
                     let a = a.p(xq.tiled.ptr()).l(xq.tg);
@@ -3007,6 +3148,8 @@ impl Backend for Cuda {
         } else if tiled {
             let smem = self.k.mm_qt_smem[qform(q0)][p];
             self.launch_smem(self.k.mm_q3t[qform(q0)][p], (blocks, n.div_ceil(QT_TOKENS), 1), QT_THREADS, smem, a);
+        } else if let Some((v, grid, smem)) = self.qv_res_plan(blocks, n, q0.cols, qform(q0), p, true, xq) {
+            self.launch_smem(self.k.mm_q3vr[v][qform(q0)][p], grid, 256, smem, a.p(xq.tiled.ptr()).l(xq.tg));
         } else if let Some((wi, mut grid)) = self.qv_plan(blocks, n, xq) {
             let (v, _) = qv_tile(n);
             let a = a.p(xq.tiled.ptr()).l(xq.tg);
