@@ -698,6 +698,7 @@ fn multi_token_products_equal_the_one_token_kernel() {
     let mut rng = Rng(19);
     let ns = [2usize, 3, 4, 5, 8, 9, 16, 17, 31, 33, 64];
     let nmax = 130;
+    let mut resident_ran = false;
     // Widths of 24, 72 and 28 blocks (a partial last stage of mm_qt's 8), rows of one to three 64-row tiles.
     // (8,960 columns: 280 blocks a row, the 1.5B's down projection: the 4-deep one-token loads run whole batches
     // and several of them.)
@@ -760,7 +761,9 @@ fn multi_token_products_equal_the_one_token_kernel() {
                 if cluster.is_some() && be.compute_capability().0 >= 9 {
                     assert!(be.cluster_launches() > clustered, "{name} {rows}×{cols}: cluster {cluster:?}: no launch ran as a cluster");
                 }
-                assert_eq!(be.resident_launches() > resident, res, "{name} {rows}×{cols}: resident {res}: resident launches");
+                // (Forced on, a shape whose activations do not fit the device's shared memory takes mm_qv.)
+                assert!(res || be.resident_launches() == resident, "{name} {rows}×{cols}: resident launches while off");
+                resident_ran |= be.resident_launches() > resident;
             }
             be.force_product_launch(None, None);
             be.force_verify_products(None);
@@ -816,7 +819,8 @@ fn multi_token_products_equal_the_one_token_kernel() {
                 let mut parts: Vec<_> = ws.iter().zip(&biases).zip(outs.iter_mut()).map(|((w, b), o)| (w, Some(b), o)).collect();
                 be.matmul_parts(&mut parts, &xb, &xq, n);
             }
-            assert_eq!(be.resident_launches() > resident, res, "{kind:?} matmul_parts, n = {n}: resident {res}: resident launches");
+            assert!(res || be.resident_launches() == resident, "{kind:?} matmul_parts, n = {n}: resident launches while off");
+            resident_ran |= be.resident_launches() > resident;
             for t in 0..n {
                 let xt = be.upload(&x[t * cols..(t + 1) * cols]);
                 let mut q1 = be.new_qact();
@@ -885,6 +889,7 @@ fn multi_token_products_equal_the_one_token_kernel() {
             "{kind:?} matmul_parts of {cols} columns: loads 4 deep differ from 2"
         );
     }
+    assert!(resident_ran, "forced on, no launch ran on the resident kernels");
     be.force_resident_products(None);
     be.force_product_launch(None, None);
     be.force_verify_products(None);

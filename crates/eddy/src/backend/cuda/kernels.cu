@@ -1074,7 +1074,10 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int halve
     // (RES: the warp's ring of D stages at warp·D·stage, its resident activations after the sums.)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, q = lane & 3;
-    const int t0 = blockIdx.y * NT, ntiles = RES ? PT.tiles() : (int)blockIdx.x + 1;
+    const int t0 = blockIdx.y * NT;
+    // The row tiles this block walks: RES, blockIdx.x, + gridDim.x, ...; else blockIdx.x alone (a compile-time
+    // single pass: a walk of run-time length kept the tile's state live and cost the other kernels registers).
+    const int ntiles = RES ? PT.tiles() : 0, nwalk = RES ? (ntiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 1;
     // CL (the `…c` kernels): a tile split over a cluster of SC blocks along z (the host keeps SC ≤ 32 / S): block
     // h owns the visits 32h/SC .. 32(h+1)/SC − 1, its warp w the VR = V / SC of them from VR·(S·h + w), i.e. the
     // subtree T(VR·(S·h + w), VR); the block's warps build T(32h/SC, 32/SC), and block 0 adds the SC block sums
@@ -1094,10 +1097,11 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int halve
     const int crow = P4 ? lane : lane >> 1, srow = lane / SPB;
     const uint8_t* cbase;
     const float *sbase, *mbase;
+    int ip, ir0;  // the issuing tile's part and first row there
     // The issuing tile's copy sources (RES: the issue cursor moves to the block's next tile ahead of the walk).
     auto set_bases = [&](int t) {
-        int ir0;
-        const int ip = PT.part(t, ir0), ir = QParts::pick(PT.r, ip);
+        ip = PT.part(t, ir0);
+        const int ir = QParts::pick(PT.r, ip);
         cbase = QParts::pick(PT.c, ip) + (long long)min(ir0 + min(crow, 15), ir - 1) * nblk * CS + (P4 ? 0 : (lane & 1) * 16);
         sbase = QParts::pick(PT.s, ip) + (long long)min(ir0 + min(srow, 15), ir - 1) * nblk * SPB + lane % SPB;
         mbase = FORM == 1 ? QParts::pick(PT.m, ip) + (long long)min(ir0 + min(lane, 15), ir - 1) * nblk : nullptr;
@@ -1214,9 +1218,10 @@ __device__ __forceinline__ void mm_qv_impl(const QParts& PT, int cols, int halve
     // pairwise merge (compile time).
     float cur[NJ][4], st[LV > 0 ? LV : 1][NJ][4];
     int slot = 0;
-    for (int tile = blockIdx.x; tile < ntiles; tile += RES ? gridDim.x : 1) {
-        int r0;
-        const int p = PT.part(tile, r0);
+    for (int it = 0; it < nwalk; ++it) {
+        const int tile = blockIdx.x + (RES ? it * gridDim.x : 0);
+        int r0 = ir0;  // (not RES: the issuing tile is this one)
+        const int p = RES ? PT.part(tile, r0) : ip;
         const int half = QParts::half_of(halves, p), rows = QParts::pick(PT.r, p);
         int ei = 0;  // RES: the block's entry in the warp's resident activations
 #pragma unroll
@@ -2955,6 +2960,46 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
         rc = cs.x;
         rs = cs.y;
     }
+    const int j = tid % ATT_CHUNK, qt = tid / ATT_CHUNK;
+    float4 kq[QF];        // this thread's key quarter (key j of the chunk)
+    float vv[ATT_CHUNK];  // thread d < HD: value d of the chunk's keys
+    // Chunk c's key rows into `offs`, then this thread's key quarter and values from the caches, the new row
+    // (ROPE: offset −1, taken from kn and vns) left out.
+    auto load_kv = [&](int c) {
+        const int j0 = c * ATT_CHUNK, cnt = min(ATT_CHUNK, nk - j0);
+        if (c != (int)blockIdx.z) __syncthreads();  // the previous chunk's readers of offs, sp, es are done
+        if (tid < cnt) {
+            const int jj = j0 + tid;
+            // RoPE: the list's last key is the new row (offset −1: taken from kn and vn).
+            offs[tid] = ROPE && jj == nk - 1 ? -1 : (jj < nc ? qi.x + jj : paths[qi.z + jj - nc]) * kvd + kvo;
+        }
+        __syncthreads();
+        // This thread's key quarter and (thread d < HD) the chunk's values of output value d, in flight at once.
+        if (j < cnt) {
+            const int oj = offs[j];
+            if (!ROPE || oj >= 0) {
+                const float4* kr = reinterpret_cast<const float4*>(k + oj + qt * (HD / 4));
+#pragma unroll
+                for (int u = 0; u < QF; ++u) kq[u] = ld_early(kr + u);
+            }
+        }
+        if (tid < HD) {
+#pragma unroll
+            for (int j4 = 0; j4 < ATT_CHUNK; j4 += 4) {
+                const int4 o4 = *reinterpret_cast<const int4*>(offs + j4);
+                const int o[4] = {o4.x, o4.y, o4.z, o4.w};
+#pragma unroll
+                for (int u = 0; u < 4; ++u)
+                    vv[j4 + u] = j4 + u < cnt && (!ROPE || o[u] >= 0) ? ld_early(v + o[u] + tid) : 0.0f;
+            }
+        }
+    };
+    // ROPE (decode steps): the block's first chunk is read before the wait. Its rows are cache rows earlier
+    // passes wrote (the step's own row comes from kraw and vraw, and this kernel's store of it is read by no
+    // block), and the kernel before this one (the q/k/v product) writes no cache row: so the keys' and values'
+    // memory round trip overlaps that product (`ld_early`: an L2 load the compiler keeps before the wait).
+    const bool early = ROPE && nk > 0 && (int)blockIdx.z < nch;
+    if (early) load_kv(blockIdx.z);
     pdl_wait();
     float val = 0.0f;  // output value tid (tid < HD)
     if (nk > 0) {
@@ -2998,40 +3043,18 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
                 if (store) rp.kc[row + d] = kd;
             }
         }
-        const int j = tid % ATT_CHUNK, qt = tid / ATT_CHUNK;
         for (int c = blockIdx.z; c < nch; c += gridDim.z) {
             const int j0 = c * ATT_CHUNK, cnt = min(ATT_CHUNK, nk - j0);
             const int jn = ROPE && j0 + cnt == nk ? cnt - 1 : -1;  // RoPE: the new key's index in the chunk
-            if (c != (int)blockIdx.z) __syncthreads();  // the previous chunk's readers of offs, sp, es are done
-            if (tid < cnt) {
-                const int jj = j0 + tid;
-                // RoPE: the list's last key is the new row (offset −1: taken from kn and vn).
-                offs[tid] = ROPE && jj == nk - 1 ? -1 : (jj < nc ? qi.x + jj : paths[qi.z + jj - nc]) * kvd + kvo;
+            if (early && c == (int)blockIdx.z) {
+                __syncthreads();  // (loaded before the wait) the RoPE above wrote qs, kn, vns
+            } else {
+                load_kv(c);
             }
-            __syncthreads();
-            // This thread's key quarter and (thread d < HD) the chunk's values of output value d, in flight at once.
-            float4 kq[QF];
-            if (j < cnt) {
-                const int oj = offs[j];
-                if (ROPE && oj < 0) {
-                    const float4* kr = reinterpret_cast<const float4*>(kn + qt * (HD / 4));
+            if (ROPE && j < cnt && offs[j] < 0) {  // the new key, rotated above
+                const float4* kr = reinterpret_cast<const float4*>(kn + qt * (HD / 4));
 #pragma unroll
-                    for (int u = 0; u < QF; ++u) kq[u] = kr[u];
-                } else {
-                    const float4* kr = reinterpret_cast<const float4*>(k + oj + qt * (HD / 4));
-#pragma unroll
-                    for (int u = 0; u < QF; ++u) kq[u] = kr[u];
-                }
-            }
-            float vv[ATT_CHUNK];
-            if (tid < HD) {
-#pragma unroll
-                for (int j4 = 0; j4 < ATT_CHUNK; j4 += 4) {
-                    const int4 o4 = *reinterpret_cast<const int4*>(offs + j4);
-                    const int o[4] = {o4.x, o4.y, o4.z, o4.w};
-#pragma unroll
-                    for (int u = 0; u < 4; ++u) vv[j4 + u] = j4 + u < cnt && (!ROPE || o[u] >= 0) ? v[o[u] + tid] : 0.0f;
-                }
+                for (int u = 0; u < QF; ++u) kq[u] = kr[u];
             }
             if (j < cnt) {
                 const float* qq = qs + qt * (HD / 4);

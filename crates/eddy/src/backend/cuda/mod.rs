@@ -323,8 +323,8 @@ const T1_DEEP_ALWAYS: usize = 104;
 /// Whether `mm_qv*` launches of more row tiles than fit the GPU at once run on the resident kernels
 /// (`mm_qv*_w8r`: a grid of the blocks that fit, each walking row tiles with the activations it reads held in
 /// shared memory, loaded once; [`Cuda::qv_res_plan`]). Measured on an H100 in session 39 (docs/cuda.md,
-/// "Resident verify products"): the 16-node verify −4.8 % (0.5B) and −4.9 % (1.5B), the 1.5B's LM head at 16
-/// tokens 174 → 109 µs, its gate/up products 20.0 → 15.4 µs.
+/// "Resident verify products" and the section before it): against session 38's binaries the 0.5B's 16-node
+/// verify −3.6 %, the 1.5B's even (its LM head faster, its gate/up products slower).
 const QV_RES: bool = true;
 
 /// `Cuda::qv_res`'s values: never, launches of more row tiles than fit at once, every launch that fits
@@ -2433,7 +2433,10 @@ impl Cuda {
         let s16 = self.ensure(&mut xq.sum16, 8 * groups, false);
         // The token-tiled copy only where an `mm_qv*` kernel may read it: past the dp4a kernels' token counts,
         // up to QV_TILED_MAX, with `mm_qv*` enabled.
-        xq.tg = if self.qv_enabled() && n > self.dp4a_max && n <= QV_TILED_MAX { n.next_multiple_of(8) * (cols / QK) } else { 0 };
+        // Its tokens padded to the `mm_qv*` tile the launch takes (8, 16 or 32 tokens: a tile's rows past n are
+        // read, never stored).
+        xq.tg =
+            if self.qv_enabled() && n > self.dp4a_max && n <= QV_TILED_MAX { n.next_multiple_of(qv_tile(n).1) * (cols / QK) } else { 0 };
         let tq = if xq.tg > 0 { self.ensure(&mut xq.tiled, 52 * xq.tg, false) } else { 0 };
         xq.n = n;
         xq.cols = cols;
