@@ -2996,8 +2996,11 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
     };
     // ROPE (decode steps): the block's first chunk is read before the wait. Its rows are cache rows earlier
     // passes wrote (the step's own row comes from kraw and vraw, and this kernel's store of it is read by no
-    // block), and the kernel before this one (the q/k/v product) writes no cache row: so the keys' and values'
-    // memory round trip overlaps that product (`ld_early`: an L2 load the compiler keeps before the wait).
+    // block; every pass starts a list of its own), the kernel before this one (the q/k/v product, or the q/k
+    // norms of models that have them) writes no cache row, and every earlier kernel has ended (each block of
+    // every kernel waits before it lets the next launch, and none exits before its wait): so the keys' and
+    // values' memory round trip overlaps that kernel (`ld_early`: an L2 load the compiler keeps before the
+    // wait). A kernel that returned before its wait, or a pass sharing a list, would break this.
     const bool early = ROPE && nk > 0 && (int)blockIdx.z < nch;
     if (early) load_kv(blockIdx.z);
     pdl_wait();
