@@ -635,7 +635,8 @@ fn head<B: Backend>(
         be.read(&ws.h, 0, n, d, &mut state.hidden);
     }
     be.quantize(&ws.h, n, d, model.lm_head(), &mut ws.xq);
-    if ws.argmax_head && c.final_softcap.is_none() && ws.ahead_head && n == 1 && be.runs_ahead() {
+    // (`decode_ahead` sets the greedy head with it and refuses soft-capped logits.)
+    if ws.ahead_head && n == 1 && be.runs_ahead() {
         be.matmul_argmax_ahead(model.lm_head(), &ws.h, &ws.xq, c.vocab_size);
         return;
     }
