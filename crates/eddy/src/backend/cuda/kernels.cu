@@ -30,7 +30,9 @@ __device__ __forceinline__ void pdl_wait() {
 // A load issued before pdl_wait() of data no kernel writes (weights, what the pass stages): coherent (L2), because
 // ptxas moves a read-only (`ld.global.nc`, a `const __restrict__` pointer's) load that the source places before
 // `griddepcontrol.wait` to after it (seen in the SASS of rms_norm_quant and attention_dec), which puts its memory
-// round trip back on the chain the early load was to take it off.
+// round trip back on the chain the early load was to take it off. Meant for loads before the wait: sm_90 compiles
+// it to strong L2 loads (`LDG.E.*.STRONG.GPU`), and after the wait plain loads were faster where measured
+// (docs/cuda.md, "Weak loads after the wait").
 template <typename T>
 __device__ __forceinline__ T ld_early(const T* p) {
     return __ldcg(p);
@@ -2964,8 +2966,11 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
     float4 kq[QF];        // this thread's key quarter (key j of the chunk)
     float vv[ATT_CHUNK];  // thread d < HD: value d of the chunk's keys
     // Chunk c's key rows into `offs`, then this thread's key quarter and values from the caches, the new row
-    // (ROPE: offset −1, taken from kn and vns) left out.
-    auto load_kv = [&](int c) {
+    // (ROPE: offset −1, taken from kn and vns) left out. `pre`: the call before the wait, whose loads must be
+    // `ld_early`'s (see below); after the wait plain loads, which go through L1 as weak loads where `ld_early`'s
+    // are strong L2 ones: on an H100 the 1.5B's decode at 4,000 tokens of context took 7.1 % more tokens a second
+    // so (docs/cuda.md, "Weak loads after the wait").
+    auto load_kv = [&](int c, bool pre) {
         const int j0 = c * ATT_CHUNK, cnt = min(ATT_CHUNK, nk - j0);
         if (c != (int)blockIdx.z) __syncthreads();  // the previous chunk's readers of offs, sp, es are done
         if (tid < cnt) {
@@ -2980,7 +2985,7 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
             if (!ROPE || oj >= 0) {
                 const float4* kr = reinterpret_cast<const float4*>(k + oj + qt * (HD / 4));
 #pragma unroll
-                for (int u = 0; u < QF; ++u) kq[u] = ld_early(kr + u);
+                for (int u = 0; u < QF; ++u) kq[u] = pre ? ld_early(kr + u) : kr[u];
             }
         }
         if (tid < HD) {
@@ -2990,7 +2995,7 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
                 const int o[4] = {o4.x, o4.y, o4.z, o4.w};
 #pragma unroll
                 for (int u = 0; u < 4; ++u)
-                    vv[j4 + u] = j4 + u < cnt && (!ROPE || o[u] >= 0) ? ld_early(v + o[u] + tid) : 0.0f;
+                    vv[j4 + u] = j4 + u < cnt && (!ROPE || o[u] >= 0) ? (pre ? ld_early(v + o[u] + tid) : v[o[u] + tid]) : 0.0f;
             }
         }
     };
@@ -3002,7 +3007,7 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
     // values' memory round trip overlaps that kernel (`ld_early`: an L2 load the compiler keeps before the
     // wait). A kernel that returned before its wait, or a pass sharing a list, would break this.
     const bool early = ROPE && nk > 0 && (int)blockIdx.z < nch;
-    if (early) load_kv(blockIdx.z);
+    if (early) load_kv(blockIdx.z, true);
     pdl_wait();
     float val = 0.0f;  // output value tid (tid < HD)
     if (nk > 0) {
@@ -3052,7 +3057,7 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
             if (early && c == (int)blockIdx.z) {
                 __syncthreads();  // (loaded before the wait) the RoPE above wrote qs, kn, vns
             } else {
-                load_kv(c);
+                load_kv(c, false);
             }
             if (ROPE && j < cnt && offs[j] < 0) {  // the new key, rotated above
                 const float4* kr = reinterpret_cast<const float4*>(kn + qt * (HD / 4));
