@@ -100,6 +100,11 @@ struct SpeedArgs {
     /// n-1, so n >= 2 for a tg line; 0 = prefill only.
     #[arg(short = 'n', long, default_value_t = 64)]
     gen_tokens: usize,
+    /// Tokens already in the context when the decode test starts (llama-bench's -d for its tg test): its
+    /// prompt is max(d, 1) tokens, so its n-1 timed steps attend to d+1 … d+n-1 keys. Default 0, as
+    /// llama-bench's tg128; the prefill test always starts from an empty context.
+    #[arg(short = 'd', long, default_value_t = 0)]
+    depth: usize,
     /// Repetitions (at least 1).
     #[arg(short = 'r', long, default_value_t = 3)]
     repetitions: usize,
@@ -1472,12 +1477,24 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
         None => None,
     };
     // A run samples at least one token after its prompt (the prefill's), also with -n 0.
-    if a.prompt_tokens + a.gen_tokens.max(1) > engine.ctx() {
+    if a.prompt_tokens + 1 > engine.ctx() {
         return Err(bad(
             "--ctx",
             format!(
-                "-p {} + -n {} tokens do not fit in the context of {} tokens (a run samples at least one token after the prompt)",
+                "-p {} tokens do not fit in the context of {} tokens (a run samples one token after the prompt)",
                 a.prompt_tokens,
+                engine.ctx()
+            ),
+        ));
+    }
+    // The decode test's prompt: the depth, at least one token (the first generated token is the prefill's).
+    let tg_prompt_tokens = a.depth.max(1);
+    if a.gen_tokens > 1 && tg_prompt_tokens + a.gen_tokens > engine.ctx() {
+        return Err(bad(
+            "--ctx",
+            format!(
+                "-d {} + -n {} tokens do not fit in the context of {} tokens (the decode test's prompt is max(d, 1) tokens)",
+                a.depth,
                 a.gen_tokens,
                 engine.ctx()
             ),
@@ -1500,7 +1517,7 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
     // (bytes and special tokens) when the vocabulary is large enough.
     let (lo, span) = if vocab > 512 { (256, vocab - 256) } else { (0, vocab.max(1)) };
     let mut x = 0x9E37_79B9_7F4A_7C15u64;
-    let prompt: Vec<u32> = (0..a.prompt_tokens)
+    let tokens: Vec<u32> = (0..a.prompt_tokens.max(tg_prompt_tokens))
         .map(|_| {
             x ^= x << 13;
             x ^= x >> 7;
@@ -1508,14 +1525,24 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
             (lo + x % span) as u32
         })
         .collect();
-    let params = GenerateParams { max_tokens: a.gen_tokens.max(1), sampler: SamplerParams::default(), ignore_eos: true, logprobs: None };
+    let prompt = &tokens[..a.prompt_tokens];
+    let tg_prompt = &tokens[..tg_prompt_tokens];
+    let params = |n: usize| GenerateParams { max_tokens: n, sampler: SamplerParams::default(), ignore_eos: true, logprobs: None };
+    // One run gives both lines when the decode starts where the prefill test ends (-d equal to -p).
+    let shared = a.depth == a.prompt_tokens;
     let (mut pp, mut tg) = (Vec::new(), Vec::new());
     for _ in 0..a.repetitions {
-        // Every repetition prefills the whole prompt (no prefix-cache reuse).
+        // Every run prefills its whole prompt (no prefix-cache reuse).
         engine.clear_cache();
-        let s = engine.generate(&prompt, &params, &mut |_| true)?;
+        let s = engine.generate(prompt, &params(if shared { a.gen_tokens.max(1) } else { 1 }), &mut |_| true)?;
         pp.push(s.prefill_speed());
         if a.gen_tokens > 1 {
+            let s = if shared {
+                s
+            } else {
+                engine.clear_cache();
+                engine.generate(tg_prompt, &params(a.gen_tokens), &mut |_| true)?
+            };
             tg.push(s.generation_speed());
         }
     }
@@ -1534,8 +1561,8 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
     )?;
     if a.gen_tokens > 1 {
         print_line(
-            &serde_json::json!({"model": model, "test": format!("tg{}", a.gen_tokens), "device": engine.device(), "threads": threads, "avg_ts": tm, "stddev_ts": ts,
-                "weight_bytes": engine.lm.model.weight_bytes()})
+            &serde_json::json!({"model": model, "test": format!("tg{}", a.gen_tokens), "depth": a.depth, "device": engine.device(), "threads": threads,
+                "avg_ts": tm, "stddev_ts": ts, "weight_bytes": engine.lm.model.weight_bytes()})
             .to_string(),
         )?;
     }
@@ -1550,7 +1577,7 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
         print_line(&j.to_string())?;
     }
     if !a.verify_sizes.is_empty() {
-        let times = engine.verify_times(&prompt, &a.verify_sizes, a.repetitions.max(3))?;
+        let times = engine.verify_times(prompt, &a.verify_sizes, a.repetitions.max(3))?;
         let one = times.iter().find(|t| t.0 == 1).map(|t| t.1);
         for (n, secs) in times {
             let mut j = serde_json::json!({"model": model, "test": format!("verify{n}"), "device": engine.device(), "threads": threads,

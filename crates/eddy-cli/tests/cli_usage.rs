@@ -561,7 +561,7 @@ fn context_limits() {
     // `speed` names --ctx where the prompt fills it, also without new tokens (the prefill samples one).
     expect_error(
         &["speed", "--model", s, "--threads", "1", "-p", "64", "-n", "0", "--ctx", "64"],
-        "--ctx: -p 64 + -n 0 tokens do not fit in the context of 64 tokens (a run samples at least one token",
+        "--ctx: -p 64 tokens do not fit in the context of 64 tokens (a run samples one token after the prompt)",
     );
 }
 
@@ -608,8 +608,21 @@ fn speed_inputs() {
     let s = smol.to_str().unwrap();
     expect_error(
         &["speed", "--model", s, "--threads", "1", "-p", "4", "-n", "100", "--ctx", "16"],
-        "--ctx: -p 4 + -n 100 tokens do not fit",
+        "--ctx: -d 0 + -n 100 tokens do not fit in the context of 16 tokens",
     );
+    expect_error(&["speed", "--model", s, "--threads", "1", "-p", "4", "-n", "8", "-d", "12", "--ctx", "16"], "--ctx: -d 12 + -n 8 tokens");
+    // The decode test starts at its own depth (llama-bench's -d), apart from the prefill test's prompt.
+    for (d, p) in [("0", "4"), ("6", "4"), ("4", "4")] {
+        let out = eddy(&["speed", "--model", s, "--threads", "1", "-p", p, "-n", "3", "-d", d, "-r", "1", "--ctx", "16"]);
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        let lines: Vec<serde_json::Value> =
+            String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert_eq!(lines[0]["test"], "pp4");
+        assert_eq!(lines[1]["test"], "tg3");
+        assert_eq!(lines[1]["depth"].as_u64(), Some(d.parse().unwrap()), "{}", lines[1]);
+        assert!(lines[1]["avg_ts"].as_f64().is_some_and(|t| t > 0.0), "{}", lines[1]);
+    }
     let out = eddy(&["speed", "--model", s, "--threads", "1", "-p", "4", "-n", "0", "-r", "1"]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8(out.stdout).unwrap();
