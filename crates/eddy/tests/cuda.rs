@@ -1343,6 +1343,19 @@ fn timing_model() -> String {
     std::env::var("EDDY_CUDA_MODEL").unwrap_or_else(|_| "qwen2.5-coder-0.5b-instruct.gguf".into())
 }
 
+/// The timing tests' prompt: the reference prompt's tokens, repeated to `$EDDY_CUDA_DEPTH` tokens where that is
+/// set (the context the decode steps then attend to, as `eddy speed -d`), and the cache rows the state needs.
+fn timing_prompt(lm: &eddy::load::LoadedModel) -> (Vec<u32>, usize) {
+    let prompt = lm.tokenizer.encode(PROMPT, true).unwrap();
+    let depth = std::env::var("EDDY_CUDA_DEPTH").ok().map(|d| d.trim().parse::<usize>().expect("EDDY_CUDA_DEPTH: a token count"));
+    let prompt = match depth {
+        Some(n) => prompt.iter().cycle().take(n.max(1)).copied().collect(),
+        None => prompt,
+    };
+    let rows = (prompt.len() + 512).max(1024);
+    (prompt, rows)
+}
+
 /// Seconds per launch of `matmul_parts` over `ws` (after 5 unmeasured launches), `reps` launches timed.
 fn parts_secs(
     be: &Cuda,
@@ -1561,8 +1574,8 @@ fn decode_and_verify_timing() {
     let lm = eddy::load::load_gguf(&path, &mut |_, _| {}).unwrap();
     let be = gpu();
     let gm = lm.model.to_backend(&be).unwrap();
-    let prompt = lm.tokenizer.encode(PROMPT, true).unwrap();
-    let (mut ws, mut st) = (Workspace::new(&be, &gm, 64), gm.new_state(&be, 1024));
+    let (prompt, rows) = timing_prompt(&lm);
+    let (mut ws, mut st) = (Workspace::new(&be, &gm, 64), gm.new_state(&be, rows));
     let mut logits = Vec::new();
     forward(&gm, &be, &mut ws, &mut st, &prompt, Logits::Last, &mut logits).unwrap();
     let vocab = gm.config.vocab_size;
