@@ -7,12 +7,12 @@
 # $SETTINGS: the settings to compare, separated by ';', each a list of NAME=VALUE words ("" or "X=1" for the
 # defaults); default: the defaults against the session-31 decode kernels. $ROUNDS (3): rounds of
 # `eddy speed --device cuda -p 512 -n 128 -d $DEPTH -r 3` over every setting, each round ending with llama-bench
-# (tg128, pp512, with the same -d) when LLAMA_DIR (holding bin/llama-bench) is given. $DEPTH (0): the tokens in the
-# context when the decode test starts, llama-bench's -d (0: its tg128 from an empty context; before 2026-12-06 this
-# script measured eddy's tg128 after the 512-token prompt and llama.cpp's from an empty context). $TIMING_ROUNDS (1):
-# rounds of `decode_and_verify_timing` (device argmax: the decode step and the 8-, 16- and 32-node verifies) over
-# every setting. Prints one line per run
-# and, at the end, each setting's mean tg128 and its ratio to the first setting's.
+# (pp512 from an empty context, tg128 at the same -d) when LLAMA_DIR (holding bin/llama-bench) is given. $DEPTH (0):
+# the tokens in the context when the decode test starts, llama-bench's -d (0: its tg128 from an empty context;
+# before 2026-12-06 this script measured eddy's tg128 after the 512-token prompt and llama.cpp's from an empty
+# context). $TIMING_ROUNDS (1): rounds of `decode_and_verify_timing` (device argmax: the decode step and the 8-, 16-
+# and 32-node verifies) over every setting. Prints one line per run and, at the end, each setting's mean tg128 and
+# its ratio to the first setting's.
 set -u -o pipefail
 model=$1 eddy=$2 bin=$3 llama=${4:-}
 IFS=';' read -r -a settings <<< "${SETTINGS:-X=1;EDDY_CUDA_T1_UNROLL=2 EDDY_CUDA_ATT_CLUSTER=0}"
@@ -31,9 +31,12 @@ for r in $(seq "${ROUNDS:-3}"); do
         fi
     done
     if [ -n "$llama" ]; then
-        # llama-bench's table: | model | size | params | backend | ngl | fa | test | t/s |
-        LD_LIBRARY_PATH=$llama/bin "$llama/bin/llama-bench" -m "$model" -ngl 99 -fa 1 -p 512 -n 128 -d "${DEPTH:-0}" -r 3 2>&1 |
-            awk -F'|' -v r="$r" '$8 ~ /pp512|tg128/ { gsub(/ /, "", $8); print "round " r " llama.cpp " $8 " " $9 }'
+        # llama-bench's table: | model | size | params | backend | ngl | fa | test | t/s |. Its -d deepens every
+        # test of a run, and eddy's pp512 starts from an empty context: so two runs.
+        for test in "-p 512 -n 0 -d 0" "-p 0 -n 128 -d ${DEPTH:-0}"; do
+            LD_LIBRARY_PATH=$llama/bin "$llama/bin/llama-bench" -m "$model" -ngl 99 -fa 1 $test -r 3 2>&1 |
+                awk -F'|' -v r="$r" '$8 ~ /pp512|tg128/ { gsub(/ /, "", $8); print "round " r " llama.cpp " $8 " " $9 }'
+        done
     fi
 done
 for t in $(seq "${TIMING_ROUNDS:-1}"); do
