@@ -112,8 +112,9 @@ struct SpeedArgs {
     /// 1,2,4,8,16,32,64) after the -p prompt: the cost curve speculative decoding trades against.
     #[arg(long, value_name = "N,N,...", value_delimiter = ',')]
     verify_sizes: Vec<usize>,
-    /// DFlash drafter folder whose block pass to time, on the model's device, after the -p prompt (a
-    /// `dflash_pass` line; default: a drafter found next to the model, as `eddy run` finds it).
+    /// DFlash drafter folder whose block pass to time, on the model's device, at the decode test's context (-d;
+    /// without a decode test, -p) (a `dflash_pass` line; default: a drafter found next to the model, as `eddy
+    /// run` finds it).
     #[arg(long, value_name = "DIR")]
     draft_model: Option<std::path::PathBuf>,
 }
@@ -1568,9 +1569,12 @@ fn speed(a: SpeedArgs) -> eddy::Result<()> {
     }
     if let Some((dir, d)) = dflash {
         let step = if tm > 0.0 { Some(1.0 / tm) } else { None };
-        let ms = engine.time_dflash_pass(d, a.prompt_tokens, a.repetitions.max(5))? * 1e3;
+        // At the decode test's context when one ran (so that its ratio compares passes over the same keys),
+        // else at the prefill test's.
+        let context = if a.gen_tokens > 1 { tg_prompt_tokens } else { a.prompt_tokens };
+        let ms = engine.time_dflash_pass(d, context, a.repetitions.max(5))? * 1e3;
         let mut j = serde_json::json!({"model": model, "test": "dflash_pass", "drafter": dir.display().to_string(), "device": engine.device(),
-            "threads": threads, "context": a.prompt_tokens, "ms": ms});
+            "threads": threads, "context": context, "ms": ms});
         if let Some(step) = step {
             j["vs_decode_step"] = serde_json::json!(ms / (step * 1e3));
         }

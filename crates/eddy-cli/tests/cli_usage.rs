@@ -646,6 +646,23 @@ fn speed_inputs() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.code() == Some(2) && err.contains("--draft-model") && err.contains("not one"), "{err}");
     assert!(out.stdout.is_empty());
+    // The drafter's pass is timed at the decode test's context (-d), so that its ratio to a decode step compares
+    // passes over the same keys; without a decode test, at the prefill test's (-p).
+    let models = eddy::load::models_dir();
+    let (target, drafter) = (models.join("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"), models.join("dflash-qwen2.5-coder-1.5b"));
+    assert!(target.is_file() && drafter.is_dir(), "the 1.5B or its drafter is missing: run tools/fetch_models.sh");
+    let (t, dr) = (target.to_str().unwrap(), drafter.to_str().unwrap());
+    for (n, d, context) in [("3", "24", 24), ("0", "24", 6)] {
+        let out =
+            eddy(&["speed", "--model", t, "--threads", "2", "-p", "6", "-n", n, "-d", d, "-r", "1", "--ctx", "64", "--draft-model", dr]);
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        let lines: Vec<serde_json::Value> =
+            String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("a JSON line")).collect();
+        let pass = lines.iter().find(|l| l["test"] == "dflash_pass").expect("a dflash_pass line");
+        assert_eq!(pass["context"].as_u64(), Some(context), "-n {n} -d {d}: {pass}");
+        assert!(pass["ms"].as_f64().is_some_and(|ms| ms > 0.0), "{pass}");
+        assert_eq!(pass.get("vs_decode_step").is_some(), n != "0", "-n {n}: {pass}");
+    }
 }
 
 /// `eddy serve` on SIGTERM drains: the stream in flight runs to its end (`[DONE]`), then the process exits 0.
