@@ -495,6 +495,131 @@ fn rows_do_not_depend_on_the_batch() {
     }
 }
 
+/// A verify's committed chunks computed once for all its queries (`attention_kvs`, then `attention_kvc` over
+/// the tail) give every node the bits of the per-query kernels and of the node alone on the decode kernel:
+/// trees of 2, 5, 16 and 64 nodes (branching: a node's path skips its siblings' rows), contexts of exactly one
+/// chunk, of a chunk and a part, and of many chunks (blocks walking several), groups of 6 and 7, head dims 64
+/// and 128, the soft-cap, the outputs quantized (the next product bit for bit), a block of queries that all see
+/// the same rows and causal queries, repeated.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn shared_chunk_attention_equals_per_query() {
+    let be = gpu();
+    let mut rng = Rng(37);
+    let cap = 4200;
+    for (n_heads, hd, softcap) in [(12, 128, None), (14, 64, Some(30.0)), (12, 64, None), (14, 128, None)] {
+        let s = AttnShape { n_heads, n_kv_heads: 2, head_dim: hd, scale: 0.125, window: None, softcap };
+        let (qd, kvd) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
+        let (k, v) = (rng.vec(cap * kvd), rng.vec(cap * kvd));
+        let (kb, vb) = (be.upload(&k), be.upload(&v));
+        let wq = be.upload_weights(quantize_f32(24, qd, &rng.vec(24 * qd), QuantKind::Q8));
+        for (t, n_past) in [(2, 64), (4, 64), (16, 64), (5, 100), (16, 1100), (64, 2100), (16, 4000)] {
+            // A tree: node 0 the root, node i's parent drawn among the earlier nodes.
+            let parents: Vec<usize> = (0..t).map(|i| if i == 0 { usize::MAX } else { (rng.next() as usize) % i }).collect();
+            let tree = TreePaths::new(&parents).unwrap();
+            let q = rng.vec(t * qd);
+            let qb = be.upload(&q);
+            let what = format!("{n_heads} heads, hd {hd}, {t} nodes after {n_past}");
+            let vis = Visibility::Tree { first: 0, paths: &tree };
+            let verify = || Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t, vis };
+            // The reference: per query.
+            be.force_shared_chunk_attention(Some(false));
+            let (mut o, mut xq) = (be.alloc(t * qd), be.new_qact());
+            be.attention_quantize(verify(), &mut o, &wq, &mut xq);
+            let want = read(&be, &o, t * qd);
+            let mut want_p = vec![0f32; t * 24];
+            be.matmul_to_host(&wq, &o, &xq, t, &mut want_p);
+            be.force_shared_chunk_attention(Some(true));
+            // Every count of rows a warp (more blocks for fewer rows), and a repeat.
+            for (r, rows) in [1, 2, 3, 6, 6].into_iter().enumerate() {
+                be.force_shared_chunk_rows(Some(rows));
+                let what = format!("{what}, {rows} rows a warp");
+                let before = be.shared_chunk_attention_launches();
+                let (mut o, mut xq) = (be.alloc(t * qd), be.new_qact());
+                be.attention_quantize(verify(), &mut o, &wq, &mut xq);
+                assert!(read(&be, &o, t * qd) == want, "{what}, repeat {r}: differs");
+                let mut p = vec![0f32; t * 24];
+                be.matmul_to_host(&wq, &o, &xq, t, &mut p);
+                assert!(p == want_p, "{what}, repeat {r}: the quantized output gives another product");
+                if be.compute_capability().0 >= 9 {
+                    let ran = be.shared_chunk_attention_launches() - before;
+                    assert!(ran == 1, "{what}: {ran} launches of attention_kvs");
+                }
+            }
+            // Each node alone (its own path; the decode kernel).
+            for i in [0, t / 2, t - 1] {
+                let qi = be.upload(&q[i * qd..(i + 1) * qd]);
+                let mut oi = be.alloc(qd);
+                let node = Attend { shape: s, q: &qi, k: &kb, v: &vb, n_past, t: 1, vis: Visibility::Tree { first: i, paths: &tree } };
+                be.attention(node, &mut oi);
+                assert!(read(&be, &oi, qd) == want[i * qd..(i + 1) * qd], "{what}: node {i} alone differs");
+            }
+            // A block of t queries that all see the first n_past rows, and t causal queries (a short prefill run).
+            for vis in [Visibility::Block { rows: n_past }, Visibility::Causal] {
+                let mut outs = Vec::new();
+                for on in [false, true] {
+                    be.force_shared_chunk_attention(Some(on));
+                    let before = be.shared_chunk_attention_launches();
+                    let mut o = be.alloc(t * qd);
+                    be.attention(Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t, vis }, &mut o);
+                    outs.push(read(&be, &o, t * qd));
+                    if be.compute_capability().0 >= 9 {
+                        let ran = be.shared_chunk_attention_launches() - before;
+                        assert!(ran == u64::from(on), "{what}: {vis:?}: {ran} launches of attention_kvs");
+                    }
+                }
+                assert!(outs[0] == outs[1], "{what}: {vis:?}: differs");
+            }
+        }
+    }
+    be.force_shared_chunk_attention(None);
+    be.force_shared_chunk_rows(None);
+}
+
+/// A verify's attention alone (launches queued back to back, no graph): µs a launch with the committed chunks
+/// shared by the nodes (`attention_kvs` + `attention_kvc`; with 6, 3, 2 and 1 query rows an `attention_kvs`
+/// warp) and per node (`attention_kvc`), 16- and 64-node chains at several depths, on the 1.5B's shape (12 query heads of 2 KV heads, head dim 128) and the 0.5B's
+/// (14 of 2, 64), in a cache of 4,096 rows.
+#[test]
+#[ignore = "needs an NVIDIA GPU; prints timings"]
+fn verify_attention_timing() {
+    let be = gpu();
+    let mut rng = Rng(41);
+    let cap = 4096;
+    for (n_heads, hd) in [(12, 128), (14, 64)] {
+        let s = AttnShape { n_heads, n_kv_heads: 2, head_dim: hd, scale: 0.125, window: None, softcap: None };
+        let (qd, kvd) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
+        let (kb, vb) = (be.upload(&rng.vec(cap * kvd)), be.upload(&rng.vec(cap * kvd)));
+        for t in [16, 64] {
+            let chain = TreePaths::chain(t);
+            let qb = be.upload(&rng.vec(t * qd));
+            let mut o = be.alloc(t * qd);
+            for n_past in [64, 512, 1024, 2048, 3584] {
+                let mut line = format!("verify attention, {n_heads}/2 heads, hd {hd}, {t} nodes after {n_past}:");
+                for (on, rows) in [(false, 6), (true, 6), (true, 3), (true, 2), (true, 1)] {
+                    be.force_shared_chunk_attention(Some(on));
+                    be.force_shared_chunk_rows(Some(rows));
+                    let vis = Visibility::Tree { first: 0, paths: &chain };
+                    let one = || Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t, vis };
+                    be.attention(one(), &mut o);
+                    read(&be, &o, 1);
+                    let reps = 200;
+                    let t0 = std::time::Instant::now();
+                    for _ in 0..reps {
+                        be.attention(one(), &mut o);
+                    }
+                    read(&be, &o, 1);
+                    let us = t0.elapsed().as_secs_f64() * 1e6 / reps as f64;
+                    line += &if on { format!(" shared (rows {rows}) {us:.2} µs") } else { format!(" per node {us:.2} µs") };
+                }
+                println!("{line}");
+            }
+        }
+    }
+    be.force_shared_chunk_attention(None);
+    be.force_shared_chunk_rows(None);
+}
+
 /// `rms_norm_quantize` on the kernels for rows of one and two groups of 32 a warp (`rms_norm_quant_k{1,2}`)
 /// against the 8-group kernel, bit for bit: the residual stream, the normed rows, the quantized activations
 /// through a product (rotated and plain), with and without the residual; widths of one group a warp (512,

@@ -3227,6 +3227,29 @@ __device__ __forceinline__ AttAcc att_kv_values(const float* es, const float* vs
     }
     return r;
 }
+// A chunk's scores from the summed quarter chains of keys lane and lane + 32 (`raw0`, `raw1`): scaled and
+// soft-capped; the chunk's max `m` and exponential sum `z` as `attention`'s two warps' trees; the exponentials
+// into `es` (read back after the `__syncwarp`). Shared by `att_kv_scores` and `attention_kvs`.
+__device__ __forceinline__ void att_kv_softmax(float raw0, float raw1, float* es, int lane, int cnt, float scale,
+                                               float softcap, float& m, float& z) {
+    float s[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float sv = -INFINITY;
+        if (lane + 32 * half < cnt) {
+            sv = __fmul_rn(half == 0 ? raw0 : raw1, scale);
+            if (softcap > 0.0f) sv = __fmul_rn(softcap, tanhf(__fdiv_rn(sv, softcap)));
+        }
+        s[half] = sv;
+    }
+    m = fmaxf(warp_max(s[0]), warp_max(s[1]));
+    const float e0 = lane < cnt ? expf(__fsub_rn(s[0], m)) : 0.0f;
+    const float e1 = lane + 32 < cnt ? expf(__fsub_rn(s[1], m)) : 0.0f;
+    z = __fadd_rn(warp_sum(e0), warp_sum(e1));
+    es[lane] = e0;
+    es[lane + 32] = e1;
+    __syncwarp();
+}
 // One warp's query head on a staged chunk (`attention_kv`, `attention_kvc`): the scores of keys lane and lane + 32
 // against the query row `qr` (keys `ks`, row stride `ld`, q4 = hd / 4), each the four quarter chains in increasing
 // d (four query values from one broadcast load serve both keys' chains), added in order, scaled, soft-capped; the
@@ -3258,23 +3281,11 @@ __device__ __forceinline__ void att_kv_scores(const float* qr, const float* ks, 
             }
         }
     }
-    float s[2];
+    float raw[2];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        float sv = -INFINITY;
-        if (lane + 32 * half < cnt) {
-            sv = __fmul_rn(__fadd_rn(__fadd_rn(__fadd_rn(pc[half][0], pc[half][1]), pc[half][2]), pc[half][3]), scale);
-            if (softcap > 0.0f) sv = __fmul_rn(softcap, tanhf(__fdiv_rn(sv, softcap)));
-        }
-        s[half] = sv;
-    }
-    m = fmaxf(warp_max(s[0]), warp_max(s[1]));
-    const float e0 = lane < cnt ? expf(__fsub_rn(s[0], m)) : 0.0f;
-    const float e1 = lane + 32 < cnt ? expf(__fsub_rn(s[1], m)) : 0.0f;
-    z = __fadd_rn(warp_sum(e0), warp_sum(e1));
-    es[lane] = e0;
-    es[lane + 32] = e1;
-    __syncwarp();
+    for (int half = 0; half < 2; ++half)
+        raw[half] = __fadd_rn(__fadd_rn(__fadd_rn(pc[half][0], pc[half][1]), pc[half][2]), pc[half][3]);
+    att_kv_softmax(raw[0], raw[1], es, lane, cnt, scale, softcap, m, z);
 }
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2)
     attention_kv(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
@@ -3436,7 +3447,8 @@ __device__ __forceinline__ void attention_kvc_impl(const float* __restrict__ q, 
                                                    const float* __restrict__ v, float* __restrict__ out,
                                                    const int4* __restrict__ info, const int* __restrict__ paths,
                                                    float* part, int nmax, int n_heads, int n_kv_heads, float scale,
-                                                   float softcap, const QActOut& qo, const float* __restrict__ qsigns) {
+                                                   float softcap, const QActOut& qo, const float* __restrict__ qsigns,
+                                                   int shared) {
     constexpr int LD = HD + 1, Q4 = HD / 4, RW = HD + 2, P = ATT_THREADS / HD, ND = HD / 32;
     constexpr int KB = (ATT_CHUNK * Q4) / ATT_THREADS;  // float4s of keys (and of values) a thread loads
     extern __shared__ __align__(16) float kvc_smem[];
@@ -3454,10 +3466,15 @@ __device__ __forceinline__ void attention_kvc_impl(const float* __restrict__ q, 
     const int4 qi = ld_early(info + i);
     const int nc = qi.y - qi.x, nk = nc + qi.w;
     const int nch = (nk + ATT_CHUNK - 1) / ATT_CHUNK;
+    // With `shared`, the chunks below S, wholly inside the first query's committed rows (which every query of
+    // the launch sees from the same first row), have their records in `part` (`attention_kvs`, the launch
+    // before); this launch computes the chunks S, S + 1, … (the tail) and combines them all.
+    const int4 first = shared ? ld_early(info) : qi;
+    const int S = shared ? (first.y - first.x) / ATT_CHUNK : 0, T = nch - S;
     // The first chunk's key rows, before the wait.
     const int c0 = blockIdx.z;
     auto offset = [&](int jj) { return (jj < nc ? qi.x + jj : ld_early(paths + qi.z + jj - nc)) * kvd + kvo; };
-    if (c0 < nch && tid < min(ATT_CHUNK, nk - c0 * ATT_CHUNK)) offs[tid] = offset(c0 * ATT_CHUNK + tid);
+    if (c0 < T && tid < min(ATT_CHUNK, nk - (S + c0) * ATT_CHUNK)) offs[tid] = offset((S + c0) * ATT_CHUNK + tid);
     pdl_wait();
     auto put = [&](int h, int d, float val) { att_put(out, qd, i, (long long)h * HD + d, val, lane, qsigns, qo); };
     if (nk <= 0) {
@@ -3466,16 +3483,17 @@ __device__ __forceinline__ void attention_kvc_impl(const float* __restrict__ q, 
                 for (int d = lane; d < HD; d += 32) put(h0 + r, d, 0.0f);
         return;
     }
-    if (c0 >= nch) return;  // (an exited block does not hold the cluster barrier up)
+    // (An exited block does not hold the cluster barrier up; the first block combines even without a tail.)
+    if (c0 >= T && c0 != 0) return;
     unsigned int csize;
     const unsigned int crank = cluster_rank_and_size(csize);
-    const bool single = nch == 1;
+    const bool single = nch == 1 && S == 0;
     // Before a block stores into the first block's shared memory, every block of the cluster has started: the
-    // barrier's first phase (arrived here, waited for before the first store).
-    if (!single) cluster_arrive_relaxed();
-    for (int c = c0; c < nch; c += Z) {
+    // barrier's first phase (arrived here, waited for before the first store; without a tail, no store).
+    if (!single && T > 0) cluster_arrive_relaxed();
+    for (int c = S + c0; c < nch; c += Z) {
         const int j0 = c * ATT_CHUNK, cnt = min(ATT_CHUNK, nk - j0);
-        if (c != c0) {
+        if (c != S + c0) {
             __syncthreads();  // the previous chunk's readers of offs, keys, values are done
             if (tid < cnt) offs[tid] = offset(j0 + tid);
         }
@@ -3491,7 +3509,7 @@ __device__ __forceinline__ void attention_kvc_impl(const float* __restrict__ q, 
                 vv[u] = *reinterpret_cast<const float4*>(v + at);
             }
         }
-        if (c == c0)
+        if (c == S + c0)
             for (int x = tid; x < g * HD; x += ATT_THREADS) qs[x] = q[i * qd + (long long)h0 * HD + x];
 #pragma unroll
         for (int u = 0; u < KB; ++u) {
@@ -3504,7 +3522,7 @@ __device__ __forceinline__ void attention_kvc_impl(const float* __restrict__ q, 
             }
         }
         __syncthreads();
-        if (!single && c == c0) cluster_wait();
+        if (!single && c == S + c0) cluster_wait();
 #pragma unroll 1
         for (int r = warp; r < g; r += ATT_THREADS / 32) {
             const int h = h0 + r;
@@ -3520,8 +3538,8 @@ __device__ __forceinline__ void attention_kvc_impl(const float* __restrict__ q, 
                     for (int x = 1; x < ND; ++x) a = u == x ? va.v[x] : a;
                     put(h, lane + 32 * u, __fmul_rn(a, inv1));
                 }
-            } else if (c < Z) {
-                float* rr = rec + (c * g + r) * RW;
+            } else if (c - S < Z) {
+                float* rr = rec + ((c - S) * g + r) * RW;
 #pragma unroll
                 for (int u = 0; u < ND; ++u) st_cluster_shared_f32(rr + 2 + lane + 32 * u, 0, va.v[u]);
                 if (lane == 0) {
@@ -3542,38 +3560,236 @@ __device__ __forceinline__ void attention_kvc_impl(const float* __restrict__ q, 
     }
     if (single) return;
     // The records meet at the cluster barrier; the first block's warps combine them per head in chunk order.
-    cluster_arrive();
-    if (crank != 0) return;
-    cluster_wait();
+    if (T > 0) {
+        cluster_arrive();
+        if (crank != 0) return;
+        cluster_wait();
+    }
 #pragma unroll 1
     for (int r = warp; r < g; r += ATT_THREADS / 32) {
         const int h = h0 + r;
         const float* pb = part + ((long long)i * n_heads + h) * nmax * RW;
-        auto rd = [&](int c, int x) { return c < Z ? rec[(c * g + r) * RW + x] : __ldcg(pb + c * RW + x); };
-        float M = -INFINITY;
-        for (int c = 0; c < nch; ++c) M = fmaxf(M, rd(c, 0));
+        auto rd = [&](int c, int x) {
+            return c >= S && c - S < Z ? rec[((c - S) * g + r) * RW + x] : __ldcg(pb + c * RW + x);
+        };
+        if (nch == 1) {
+            // One chunk (its record from `attention_kvs`): the single chunk's output as above, not the
+            // combination (which would turn an output of −0 into +0).
+            const float inv1 = __fdiv_rn(1.0f, rd(0, 1));
 #pragma unroll 1
-        for (int u = 0; u < ND; ++u) {
-            const int d = lane + 32 * u;
-            float Zs = 0.0f, o = 0.0f;
-#pragma unroll 4
-            for (int c = 0; c < nch; ++c) {
-                const float wc = expf(__fsub_rn(rd(c, 0), M));
-                Zs = __fmaf_rn(rd(c, 1), wc, Zs);
-                o = __fmaf_rn(rd(c, 2 + d), wc, o);
-            }
-            put(h, d, __fmul_rn(o, __fdiv_rn(1.0f, Zs)));
+            for (int u = 0; u < ND; ++u) put(h, lane + 32 * u, __fmul_rn(rd(0, 2 + lane + 32 * u), inv1));
+            continue;
         }
+        // M: the lanes' maxima over chunks lane, lane + 32, …, then the warp's (a max does not depend on the
+        // order). Then the chains in chunk order, ATT_CB chunks' records loaded before their fmas, every
+        // output value of the head at once: one memory round trip per ATT_CB chunks instead of one a chunk
+        // and value.
+        float M = -INFINITY;
+        for (int c = lane; c < nch; c += 32) M = fmaxf(M, rd(c, 0));
+        M = warp_max(M);
+        float Zs = 0.0f, o[ND];
+#pragma unroll
+        for (int u = 0; u < ND; ++u) o[u] = 0.0f;
+#pragma unroll 1
+        for (int cb = 0; cb < nch; cb += ATT_CB) {
+            float mb[ATT_CB], zb[ATT_CB], ob[ATT_CB][ND];
+#pragma unroll
+            for (int x = 0; x < ATT_CB; ++x) {
+                const int c = min(cb + x, nch - 1);
+                mb[x] = rd(c, 0);
+                zb[x] = rd(c, 1);
+#pragma unroll
+                for (int u = 0; u < ND; ++u) ob[x][u] = rd(c, 2 + lane + 32 * u);
+            }
+#pragma unroll
+            for (int x = 0; x < ATT_CB; ++x) {
+                if (cb + x < nch) {
+                    const float wc = expf(__fsub_rn(mb[x], M));
+                    Zs = __fmaf_rn(zb[x], wc, Zs);
+#pragma unroll
+                    for (int u = 0; u < ND; ++u) o[u] = __fmaf_rn(ob[x][u], wc, o[u]);
+                }
+            }
+        }
+        const float inv = __fdiv_rn(1.0f, Zs);
+#pragma unroll
+        for (int u = 0; u < ND; ++u) put(h, lane + 32 * u, __fmul_rn(o[u], inv));
     }
 }
 #define ATT_KVC(HDV)                                                                                               \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_kvc_hd##HDV(ATT_DEC_PARAMS) {          \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_kvc_hd##HDV(ATT_DEC_PARAMS, int shared) { \
         const QActOut qo = {qq, qscale, qsum, qdsum, qsum16, qtq, qtg, ((long long)n_heads * HDV) >> 5};           \
         attention_kvc_impl<HDV>(q, k, v, out, info, paths, part, nmax, n_heads, n_kv_heads, scale, softcap, qo,   \
-                                qsigns);                                                                           \
+                                qsigns, shared);                                                                   \
     }
 ATT_KVC(64)
 ATT_KVC(128)
+
+// The committed chunks of a tree verify (or of a block of queries that all see the same rows, or of causal
+// queries without a window), shared by its queries: every query of such a launch sees the committed cache rows
+// from the same first row info[i].x on, at least as far as the first query does (then its own path), so the
+// chunks wholly inside the first query's, c < S = (info[0].y − info[0].x) / ATT_CHUNK, hold the same keys for
+// all of them. `attention_kvs_hd<HD>`: one block of ATT_THREADS per (KV head, z, s) stages chunk c = z, z + Z,
+// … (< S) of its KV head once and computes the chunk record (m, z, o[HD]) of every (query, query head) row of
+// its share s of the launch's t·g rows (row i·g + r: query i, head kvh·g + r; the warps' rows consecutive, at
+// most ATT_KVS_RPW a warp) into `part`, where `attention_kvc` (with `shared` set) reads them and computes the
+// chunks from S on, the tail with the path keys, per query, as before. A block reads each committed key and
+// value once for all the launch's queries instead of once per query, and a warp's rows reuse every key it
+// holds in registers. Each record is computed by `att_kv_scores`' and `att_kv_values`' operations in their
+// order (per score the four quarter chains in increasing d, added in order: the running sum over the quarters
+// is that sum; the max and the exponential sum by the same xor trees over keys lane and lane + 32; per output
+// value the P chains over the keys pt, pt + P, … added in order), so every row gets the bits it gets from
+// `attention_kvc` alone, and from the decode kernel.
+// Dynamic shared memory (`att_kvs_smem` on the host): keys and values [ATT_CHUNK][HD + 1], the block's query
+// rows [8·ATT_KVS_RPW][HD], the warps' exponentials [8·ATT_KVS_RPW][ATT_CHUNK].
+#define ATT_KVS_RPW 6
+template <int HD>
+__device__ __forceinline__ void attention_kvs_impl(const float* __restrict__ q, const float* __restrict__ k,
+                                                   const float* __restrict__ v, const int4* __restrict__ info,
+                                                   float* __restrict__ part, int nmax, int t, int n_heads,
+                                                   int n_kv_heads, float scale, float softcap) {
+    constexpr int LD = HD + 1, Q4 = HD / 4, RW = HD + 2, P = ATT_THREADS / HD, ND = HD / 32, R = ATT_KVS_RPW;
+    constexpr int W = ATT_THREADS / 32, KB = (ATT_CHUNK * Q4) / ATT_THREADS;
+    extern __shared__ __align__(16) float kvs_smem[];
+    const int kvh = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = n_heads / n_kv_heads, Z = gridDim.y;
+    float* ks = kvs_smem;
+    float* vs = ks + ATT_CHUNK * LD;
+    float* qs = vs + ATT_CHUNK * LD + warp * R * HD;
+    float* es = vs + ATT_CHUNK * LD + W * R * HD + warp * R * ATT_CHUNK;
+    const int4 qi = ld_early(info);
+    const int S = (qi.y - qi.x) / ATT_CHUNK;
+    pdl_wait();  // (before any exit: the next kernel may launch once every block has passed its wait)
+    if ((int)blockIdx.y >= S) return;
+    // This warp's rows: the launch's t·g rows split evenly over the grid's warps (at most R each: the host's
+    // share count).
+    const int rows = t * g, per = (rows + W * gridDim.z - 1) / (W * gridDim.z);
+    if (per > R) __trap();
+    const int r0 = (blockIdx.z * W + warp) * per, nr = max(0, min(per, rows - r0));
+    const long long qd = (long long)n_heads * HD;
+    const int kvd = n_kv_heads * HD, kvo = kvh * HD;
+    for (int r = 0; r < nr; ++r) {
+        const int row = r0 + r, i = row / g, h = kvh * g + row % g;
+        for (int x = lane; x < HD; x += 32) qs[r * HD + x] = q[i * qd + (long long)h * HD + x];
+    }
+    for (int c = blockIdx.y; c < S; c += Z) {
+        const int j0 = qi.x + c * ATT_CHUNK;
+        __syncthreads();  // the previous chunk's readers of keys and values are done
+        {
+            float4 kv[KB], vv[KB];
+#pragma unroll
+            for (int u = 0; u < KB; ++u) {
+                const int x = tid + u * ATT_THREADS, at = (j0 + x / Q4) * kvd + kvo + 4 * (x % Q4);
+                kv[u] = *reinterpret_cast<const float4*>(k + at);
+                vv[u] = *reinterpret_cast<const float4*>(v + at);
+            }
+#pragma unroll
+            for (int u = 0; u < KB; ++u) {
+                const int x = tid + u * ATT_THREADS;
+                float* kd = ks + (x / Q4) * LD + 4 * (x % Q4);
+                float* vd = vs + (x / Q4) * LD + 4 * (x % Q4);
+                kd[0] = kv[u].x, kd[1] = kv[u].y, kd[2] = kv[u].z, kd[3] = kv[u].w;
+                vd[0] = vv[u].x, vd[1] = vv[u].y, vd[2] = vv[u].z, vd[3] = vv[u].w;
+            }
+        }
+        __syncthreads();
+        if (nr == 0) continue;
+        // Scores of keys lane and lane + 32 against the warp's rows: per quarter the keys' values in registers,
+        // each row's two quarter chains, added to the running sums in quarter order.
+        float ps[R][2];
+#pragma unroll
+        for (int k4 = 0; k4 < 4; ++k4) {
+            float kr[2][Q4];
+#pragma unroll
+            for (int d = 0; d < Q4; ++d) {
+                kr[0][d] = ks[lane * LD + k4 * Q4 + d];
+                kr[1][d] = ks[(lane + 32) * LD + k4 * Q4 + d];
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if (r < nr) {
+                    const float* qr = qs + r * HD + k4 * Q4;
+                    float a0 = 0.0f, a1 = 0.0f;
+#pragma unroll
+                    for (int d = 0; d < Q4; d += 4) {
+                        const float4 qv = *reinterpret_cast<const float4*>(qr + d);
+                        a0 = __fmaf_rn(qv.x, kr[0][d], a0);
+                        a0 = __fmaf_rn(qv.y, kr[0][d + 1], a0);
+                        a0 = __fmaf_rn(qv.z, kr[0][d + 2], a0);
+                        a0 = __fmaf_rn(qv.w, kr[0][d + 3], a0);
+                        a1 = __fmaf_rn(qv.x, kr[1][d], a1);
+                        a1 = __fmaf_rn(qv.y, kr[1][d + 1], a1);
+                        a1 = __fmaf_rn(qv.z, kr[1][d + 2], a1);
+                        a1 = __fmaf_rn(qv.w, kr[1][d + 3], a1);
+                    }
+                    ps[r][0] = k4 == 0 ? a0 : __fadd_rn(ps[r][0], a0);
+                    ps[r][1] = k4 == 0 ? a1 : __fadd_rn(ps[r][1], a1);
+                }
+            }
+        }
+        // Per row: scale, soft-cap, the chunk's max and exponential sum, the exponentials into the warp's rows.
+        float ms[R], zs[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (r < nr) att_kv_softmax(ps[r][0], ps[r][1], es + r * ATT_CHUNK, lane, ATT_CHUNK, scale, softcap, ms[r], zs[r]);
+        // Output values lane + 32·u: the P chains (keys pt, pt + P, …) of every row at once, each value read
+        // once for the warp's rows; the chains added in order.
+        float a[R][P][ND];
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int pt = 0; pt < P; ++pt)
+#pragma unroll
+                for (int u = 0; u < ND; ++u) a[r][pt][u] = 0.0f;
+#pragma unroll 2
+        for (int jj = 0; jj < ATT_CHUNK; jj += P) {
+            float vv[P][ND];
+#pragma unroll
+            for (int pt = 0; pt < P; ++pt)
+#pragma unroll
+                for (int u = 0; u < ND; ++u) vv[pt][u] = vs[(jj + pt) * LD + lane + 32 * u];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if (r < nr) {
+#pragma unroll
+                    for (int pt = 0; pt < P; ++pt) {
+                        const float e = es[r * ATT_CHUNK + jj + pt];
+#pragma unroll
+                        for (int u = 0; u < ND; ++u) a[r][pt][u] = __fmaf_rn(e, vv[pt][u], a[r][pt][u]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (r < nr) {
+                const int row = r0 + r, i = row / g, h = kvh * g + row % g;
+                float* pp = part + (((long long)i * n_heads + h) * nmax + c) * RW;
+#pragma unroll
+                for (int u = 0; u < ND; ++u) {
+                    float o = a[r][0][u];
+#pragma unroll
+                    for (int pt = 1; pt < P; ++pt) o = __fadd_rn(o, a[r][pt][u]);
+                    pp[2 + lane + 32 * u] = o;
+                }
+                if (lane == 0) {
+                    pp[0] = ms[r];
+                    pp[1] = zs[r];
+                }
+            }
+        }
+        __syncwarp();  // es is rewritten with the next chunk
+    }
+}
+#define ATT_KVS(HDV)                                                                                               \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_kvs_hd##HDV(                           \
+        const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                     \
+        const int4* __restrict__ info, float* __restrict__ part, int nmax, int t, int n_heads, int n_kv_heads,     \
+        float scale, float softcap) {                                                                              \
+        attention_kvs_impl<HDV>(q, k, v, info, part, nmax, t, n_heads, n_kv_heads, scale, softcap);               \
+    }
+ATT_KVS(64)
+ATT_KVS(128)
 
 // ---------------------------------------------------------------------------------------------------------
 // Greedy sampling: the index of the largest value of each row (sampling.rs `argmax`: lowest index on ties,

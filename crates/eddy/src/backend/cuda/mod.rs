@@ -40,7 +40,7 @@ use crate::sampling::{Candidates, MAX_CANDIDATES};
 use cudarc::driver::{result, sys};
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// The kernels, compiled by build.rs.
@@ -199,6 +199,17 @@ fn att_kvc_smem(group: usize, hd: usize, cluster: usize) -> usize {
     att_kv_smem(group, hd) + 4 * cluster * group * (hd + 2)
 }
 
+/// Query rows (query, query head) a warp of `attention_kvs` takes at most (`ATT_KVS_RPW`).
+const ATT_KVS_RPW: usize = 6;
+
+/// Dynamic shared memory bytes of `attention_kvs` of head dimension `hd`: keys and values
+/// `[ATT_CHUNK][hd + 1]`, the block's query rows `[8·ATT_KVS_RPW][hd]`, their exponentials
+/// `[8·ATT_KVS_RPW][ATT_CHUNK]`.
+fn att_kvs_smem(hd: usize) -> usize {
+    let rows = (ATT_THREADS as usize / 32) * ATT_KVS_RPW;
+    4 * (2 * ATT_CHUNK * (hd + 1) + rows * hd + rows * ATT_CHUNK)
+}
+
 /// The attention grid's third dimension `Z` for `blocks_per_query` blocks over the heads of each of `t`
 /// queries and key lists of at most `nmax` chunks, where `resident` blocks of the kernel fit on the GPU at
 /// once (its occupancy per multiprocessor times the multiprocessors): block z of a (query, heads) takes its
@@ -294,6 +305,37 @@ fn att_kvc_from_env() -> usize {
         Some(_) => 0,
         None => ATT_KVC_CLUSTER,
     }
+}
+
+/// Whether a verify's committed chunks run once for all its queries (`attention_kvs`) by default.
+const ATT_KVS: bool = true;
+
+/// `EDDY_CUDA_ATT_KVS`: 0 or 1; unset, [`ATT_KVS`].
+fn att_kvs_from_env() -> bool {
+    env_setting("EDDY_CUDA_ATT_KVS", "0 or 1", |c: &u8| *c <= 1).map_or(ATT_KVS, |c| c == 1)
+}
+
+/// The fewest queries a launch computes its committed chunks once for (`attention_kvs`) by default: with 2 the
+/// extra launch costs more than the second reading of the keys saves (1.5B, depth 2,048, H100: a 2-node verify
+/// 2.49 ms against 2.34 per query; 4 nodes 3.05 against 3.72).
+const ATT_KVS_MIN_QUERIES: usize = 4;
+
+/// The fewest (query, committed key) pairs, t × committed rows, a launch computes its committed chunks once
+/// for by default: below it the second launch and the combination over more records cost about what sharing
+/// saves (1.5B, H100, depth 512: 4 nodes +7.8 %, 16 nodes +1.5 %, 64 nodes −6.5 %; depth 2,048: 4 nodes −25 %).
+const ATT_KVS_MIN_PAIRS: usize = 8192;
+
+/// The fewest committed rows a launch computes its committed chunks once for by default (depth 64: the
+/// model-free timing's 64-node launch 44 µs shared against 28 per query).
+const ATT_KVS_MIN_COMMITTED: usize = 256;
+
+/// The query rows an `attention_kvs` warp takes at most, by default: fewer rows, more blocks (each stages
+/// the chunk again) and less reuse of each key a warp holds.
+const ATT_KVS_ROWS: usize = ATT_KVS_RPW;
+
+/// `EDDY_CUDA_ATT_KVS_ROWS`: 1 to [`ATT_KVS_RPW`]; unset, [`ATT_KVS_ROWS`].
+fn att_kvs_rows_from_env() -> usize {
+    env_setting("EDDY_CUDA_ATT_KVS_ROWS", "1 to 6", |r: &usize| (1..=ATT_KVS_RPW).contains(r)).unwrap_or(ATT_KVS_ROWS)
 }
 
 /// Whether `rms_norm_quantize` runs rows of at most one or two groups a warp on `rms_norm_quant_k{1,2}` by
@@ -996,6 +1038,9 @@ struct Kernels {
     /// The same in clusters over a (query, KV head)'s chunks, head dims 64 and 128 (`attention_kvc_hd{64,128}`;
     /// dynamic shared memory `att_kvc_smem`).
     attention_kvc: [Func; 2],
+    /// The committed chunks of a verify shared by its queries, head dims 64 and 128 (`attention_kvs_hd{64,128}`;
+    /// dynamic shared memory `att_kvs_smem`): their records for `attention_kvc`'s combination.
+    attention_kvs: [Func; 2],
     /// Causal attention of prefill runs on the tensor cores: `[P·V in one TF32 product (attention_mma_hd*) /
     /// three (attention_mma3_hd*)][hd 64, 128, 256]`.
     attention_mma: [[Func; 3]; 2],
@@ -1173,6 +1218,19 @@ pub struct Cuda {
     att_kvc: AtomicUsize,
     /// `attention_kvc` launches queued since [`Cuda::new`] (tests: that it ran).
     att_kvc_launches: AtomicU64,
+    /// Whether verifies (and blocks of queries seeing the same rows) compute their committed chunks once for all
+    /// their queries (`attention_kvs`) before `attention_kvc` takes the tail ([`ATT_KVS`]; `EDDY_CUDA_ATT_KVS`
+    /// at start, [`Cuda::force_shared_chunk_attention`]).
+    /// 0: off; 1: where [`ATT_KVS_MIN_QUERIES`], [`ATT_KVS_MIN_PAIRS`] and [`ATT_KVS_MIN_COMMITTED`] say it
+    /// pays; 2: wherever it can run (tests).
+    att_kvs: AtomicU8,
+    /// Whether the device grants `attention_kvs` its shared memory, head dims 64 and 128.
+    kvs_fits: [bool; 2],
+    /// `attention_kvs` launches queued since [`Cuda::new`] (tests: that it ran).
+    att_kvs_launches: AtomicU64,
+    /// The query rows an `attention_kvs` warp takes at most ([`ATT_KVS_ROWS`]; `EDDY_CUDA_ATT_KVS_ROWS`, or
+    /// [`Cuda::force_shared_chunk_rows`]).
+    att_kvs_rows: AtomicUsize,
     /// Whether `rms_norm_quantize` of rows of at most one or two groups of 32 a warp runs the kernel of that
     /// many (`rms_norm_quant_k{1,2}`) or the 8-group one ([`NORM_FIT`]; `EDDY_CUDA_NORM_FIT` at start,
     /// [`Cuda::force_fitted_norm`]).
@@ -1413,6 +1471,7 @@ impl Cuda {
             attention: get("attention")?,
             attention_kv: get("attention_kv")?,
             attention_kvc: [get("attention_kvc_hd64")?, get("attention_kvc_hd128")?],
+            attention_kvs: [get("attention_kvs_hd64")?, get("attention_kvs_hd128")?],
             attention_dec: [get("attention_dec_hd64")?, get("attention_dec_hd128")?],
             attention_dec_rope: [get("attention_dec_rope_hd64")?, get("attention_dec_rope_hd128")?],
             attention_mma: [
@@ -1493,6 +1552,11 @@ impl Cuda {
         for f in k.attention_kvc {
             grant_all(f, "the attention kernel")?;
         }
+        // `attention_kvs` runs where the device grants its shared memory (sm_90's 227 KB a block; not sm_86's 99).
+        let mut kvs_fits = [false; 2];
+        for ((f, hd), fits) in k.attention_kvs.into_iter().zip([64, 128]).zip(&mut kvs_fits) {
+            *fits = grant_all(f, "the shared-chunk attention kernel")? as usize >= att_kvs_smem(hd);
+        }
         // The empty kernel stands in for any kernel with that kernel's dynamic shared memory
         // (`Cuda::set_empty_kernels`): it may ask for as much as the device grants one block.
         // SAFETY: a kernel of the loaded module; `optin` is the device's own limit.
@@ -1552,6 +1616,10 @@ impl Cuda {
             att_dec_launches: AtomicU64::new(0),
             att_kvc: AtomicUsize::new(att_kvc_from_env()),
             att_kvc_launches: AtomicU64::new(0),
+            att_kvs: AtomicU8::new(att_kvs_from_env().into()),
+            kvs_fits,
+            att_kvs_launches: AtomicU64::new(0),
+            att_kvs_rows: AtomicUsize::new(att_kvs_rows_from_env()),
             norm_fit: AtomicBool::new(norm_fit_from_env()),
             norm_fit_launches: AtomicU64::new(0),
             rope_att: AtomicBool::new(rope_att_from_env()),
@@ -1655,6 +1723,39 @@ impl Cuda {
             None => att_kvc_from_env(),
         };
         self.att_kvc.store(c, Ordering::Relaxed);
+    }
+
+    /// Launches of the shared committed chunks' attention (`attention_kvs`) queued since [`Cuda::new`] (tests:
+    /// that it ran).
+    pub fn shared_chunk_attention_launches(&self) -> u64 {
+        self.att_kvs_launches.load(Ordering::Relaxed)
+    }
+
+    /// Compute the committed chunks of a verify (tree visibility, a block of queries that see the same rows, or
+    /// causal queries; no sliding window; head dims 64 and 128 on sm_90) once for all its queries (`attention_kvs`, then
+    /// `attention_kvc` over the rest) wherever it can run, from 2 queries and one whole committed chunk on,
+    /// `Some(true)`, or per query (`Some(false)`, as before); `None`: as `EDDY_CUDA_ATT_KVS` said at start
+    /// (unset: [`ATT_KVS`]), where it pays ([`ATT_KVS_MIN_QUERIES`], [`ATT_KVS_MIN_PAIRS`],
+    /// [`ATT_KVS_MIN_COMMITTED`]). The results do not depend on it (the same operations in the same order); for
+    /// tests and measurements.
+    pub fn force_shared_chunk_attention(&self, on: Option<bool>) {
+        let mode = match on {
+            Some(on) => 2 * u8::from(on),
+            None => att_kvs_from_env().into(),
+        };
+        self.att_kvs.store(mode, Ordering::Relaxed);
+    }
+
+    /// At most `rows` query rows (1 to 6) an `attention_kvs` warp; `None`: as `EDDY_CUDA_ATT_KVS_ROWS` said at
+    /// start (unset: [`ATT_KVS_ROWS`]). Fewer rows a warp means more blocks, each staging its chunk again. The
+    /// results do not depend on it (every row's operations are the same); for tests and measurements.
+    ///
+    /// # Panics
+    /// If `rows` is outside 1 to 6.
+    pub fn force_shared_chunk_rows(&self, rows: Option<usize>) {
+        let r = rows.unwrap_or_else(att_kvs_rows_from_env);
+        assert!((1..=ATT_KVS_RPW).contains(&r), "attention_kvs: {r} rows a warp (1 to {ATT_KVS_RPW})");
+        self.att_kvs_rows.store(r, Ordering::Relaxed);
     }
 
     /// Run attention launches per query head in clusters (head dims 64 and 128) on `attention_dec`
@@ -2568,7 +2669,9 @@ impl Cuda {
     /// multiprocessors about once at two blocks each (as [`att_chunk_blocks`]; a function of the launch's shape,
     /// so a captured graph replays it): 8 for 16 queries of 2 KV heads on 132 multiprocessors, 3 for 64.
     /// Returns the kernel, the cluster, its dynamic shared memory.
-    fn att_kvc_launch(&self, s: &AttnShape, t: usize, per_kv: bool, nmax: usize, cache: usize) -> Option<(Func, usize, u32)> {
+    /// With `shared` (`attention_kvs` takes the committed chunks), the cluster is capped at the tail's most
+    /// chunks, ⌈(63 + t) / 64⌉ (the last committed rows and a path of at most `t` keys).
+    fn att_kvc_launch(&self, s: &AttnShape, t: usize, per_kv: bool, nmax: usize, cache: usize, shared: bool) -> Option<(Func, usize, u32)> {
         let (hd, group) = (s.head_dim, s.n_heads / s.n_kv_heads);
         let di = [64, 128].iter().position(|&d| d == hd)?;
         let kvc = self.att_kvc.load(Ordering::Relaxed);
@@ -2578,7 +2681,8 @@ impl Cuda {
         let want = if self.att_cluster_all.load(Ordering::Relaxed) {
             self.att_cluster.load(Ordering::Relaxed)
         } else if self.forced_att_blocks.load(Ordering::Relaxed) == 0 {
-            kvc.min(att_chunk_blocks(s.n_kv_heads, t, nmax, 2 * self.sms).max(2))
+            let tail = if shared { (ATT_CHUNK - 1 + t).div_ceil(ATT_CHUNK).max(2) } else { usize::MAX };
+            kvc.min(att_chunk_blocks(s.n_kv_heads, t, nmax, 2 * self.sms).max(2)).min(tail)
         } else {
             0
         }
@@ -2597,6 +2701,31 @@ impl Cuda {
             c -= 1;
         }
         None
+    }
+
+    /// Whether a launch of `t` queries of shape `s` seeing `vis`, whose first query sees `committed` cache rows,
+    /// computes its whole committed chunks once for all queries (`attention_kvs`): every query sees the first
+    /// query's committed rows (a tree, a block, or causal queries; no sliding window), at least one whole chunk
+    /// of them, 2 queries or more, head dims 64 and 128 where the device grants the kernel's shared memory,
+    /// sm_90 with `attention_kvc` on, no kernel, block count or per-query-head launch forced, and no forced
+    /// clusters below 2 (`attention_kvc` takes the rest); by default only where it pays (at least
+    /// [`ATT_KVS_MIN_QUERIES`] queries, [`ATT_KVS_MIN_COMMITTED`] committed rows and [`ATT_KVS_MIN_PAIRS`] of both).
+    fn att_kvs_use(&self, s: &AttnShape, t: usize, vis: Visibility, committed: usize) -> bool {
+        let same_rows = matches!(vis, Visibility::Tree { .. } | Visibility::Block { .. } | Visibility::Causal) && s.window.is_none();
+        let fits = [64, 128].iter().position(|&d| d == s.head_dim).is_some_and(|di| self.kvs_fits[di]);
+        let pays = t >= ATT_KVS_MIN_QUERIES && committed >= ATT_KVS_MIN_COMMITTED && t * committed >= ATT_KVS_MIN_PAIRS;
+        let mode = self.att_kvs.load(Ordering::Relaxed);
+        same_rows
+            && fits
+            && t >= 2
+            && committed >= ATT_CHUNK
+            && s.n_heads / s.n_kv_heads <= ATT_KV_MAX_GROUP
+            && self.capability.0 >= 9
+            && (mode == 2 || (mode == 1 && pays))
+            && self.att_kvc.load(Ordering::Relaxed) >= 2
+            && self.forced_att_kernel.load(Ordering::Relaxed) != 1
+            && self.forced_att_blocks.load(Ordering::Relaxed) == 0
+            && !(self.att_cluster_all.load(Ordering::Relaxed) && self.att_cluster.load(Ordering::Relaxed) < 2)
     }
 
     /// `rope`: the launch is a decode step's with its RoPE and cache store (`Backend::rope_store_attention_quantize`;
@@ -2657,6 +2786,7 @@ impl Cuda {
         let sc = &mut *guard;
         let (mut info, mut paths) = (std::mem::take(&mut sc.info_host), std::mem::take(&mut sc.paths_host));
         let maxk = Cuda::key_lists(s, n_past, t, vis, &mut info, &mut paths);
+        let shared = self.att_kvs_use(s, t, vis, (info[1] - info[0]) as usize);
         let kvd = s.n_kv_heads * s.head_dim;
         let rows_needed = info.chunks_exact(4).map(|c| c[1] as usize).chain(paths.iter().map(|&r| r as usize + 1)).max().unwrap_or(0);
         assert!(k.len >= rows_needed * kvd && v.len >= rows_needed * kvd, "attention: the cache holds fewer rows than the queries see");
@@ -2703,7 +2833,7 @@ impl Cuda {
         };
         // One block per KV head and query from `att_kv_min` queries on (prefill, verify), where the shapes fit.
         let group = s.n_heads / s.n_kv_heads;
-        let per_kv = self.att_per_kv(s, t);
+        let per_kv = shared || self.att_per_kv(s, t);
         let heads = if per_kv { s.n_kv_heads } else { s.n_heads };
         let kv_smem = att_kv_smem(group, s.head_dim) as u32;
         let per_sm = if per_kv {
@@ -2728,7 +2858,30 @@ impl Cuda {
             Some(r) => Some(r.launch),
             None => self.att_dec_launch(s.head_dim, per_kv, want, k.len, v.len, false),
         };
-        let kvc = if dec.is_none() { self.att_kvc_launch(s, t, per_kv, nmax, k.len.max(v.len)) } else { None };
+        let kvc = if dec.is_none() { self.att_kvc_launch(s, t, per_kv, nmax, k.len.max(v.len), shared) } else { None };
+        // A verify's whole committed chunks, once for all its queries, before `attention_kvc` takes the rest
+        // (it reads their records from `part`; `shared` tells it from where its chunks start).
+        let shared = shared && kvc.is_some();
+        if shared {
+            let di = usize::from(s.head_dim == 128);
+            let rows = self.att_kvs_rows.load(Ordering::Relaxed);
+            let splits = (t * group).div_ceil((ATT_THREADS as usize / 32) * rows);
+            let zs = (2 * self.sms).div_ceil(s.n_kv_heads * splits).clamp(1, nmax);
+            let ka = Args::new()
+                .p(q.ptr())
+                .p(k.ptr())
+                .p(v.ptr())
+                .p(info_dev)
+                .p(part)
+                .i(nmax)
+                .i(t)
+                .i(s.n_heads)
+                .i(s.n_kv_heads)
+                .f(s.scale)
+                .f(s.softcap.unwrap_or(0.0));
+            self.att_kvs_launches.fetch_add(1, Ordering::Relaxed);
+            self.launch_smem(self.k.attention_kvs[di], (s.n_kv_heads, zs, splits), ATT_THREADS, att_kvs_smem(s.head_dim) as u32, ka);
+        }
         let (f, cluster, smem) = match (dec, kvc) {
             (Some((fd, c)), _) => {
                 self.att_dec_launches.fetch_add(1, Ordering::Relaxed);
@@ -2747,6 +2900,8 @@ impl Cuda {
             0 => att_chunk_blocks(heads, t, nmax, per_sm * self.sms),
             f => f.min(nmax),
         };
+        // `attention_kvc` takes whether `attention_kvs` ran.
+        let a = if dec.is_none() && kvc.is_some() { a.i(usize::from(shared)) } else { a };
         self.launch_cluster(f, (heads, t, z), ATT_THREADS, smem, cluster as u8, a);
     }
 
