@@ -199,7 +199,9 @@ fn att_kvc_smem(group: usize, hd: usize, cluster: usize) -> usize {
     att_kv_smem(group, hd) + 4 * cluster * group * (hd + 2)
 }
 
-/// Query rows (query, query head) a warp of `attention_kvs` takes at most (`ATT_KVS_RPW`).
+/// Query rows (query, query head) a warp of `attention_kvs` takes at most (`ATT_KVS_RPW`), and by default
+/// (`EDDY_CUDA_ATT_KVS_ROWS` fewer: more blocks, each staging its chunk again, and less reuse of each key a
+/// warp holds).
 const ATT_KVS_RPW: usize = 6;
 
 /// Dynamic shared memory bytes of `attention_kvs` of head dimension `hd`: keys and values
@@ -329,13 +331,9 @@ const ATT_KVS_MIN_PAIRS: usize = 8192;
 /// model-free timing's 64-node launch 44 µs shared against 28 per query).
 const ATT_KVS_MIN_COMMITTED: usize = 256;
 
-/// The query rows an `attention_kvs` warp takes at most, by default: fewer rows, more blocks (each stages
-/// the chunk again) and less reuse of each key a warp holds.
-const ATT_KVS_ROWS: usize = ATT_KVS_RPW;
-
-/// `EDDY_CUDA_ATT_KVS_ROWS`: 1 to [`ATT_KVS_RPW`]; unset, [`ATT_KVS_ROWS`].
+/// `EDDY_CUDA_ATT_KVS_ROWS`: 1 to [`ATT_KVS_RPW`]; unset, [`ATT_KVS_RPW`].
 fn att_kvs_rows_from_env() -> usize {
-    env_setting("EDDY_CUDA_ATT_KVS_ROWS", "1 to 6", |r: &usize| (1..=ATT_KVS_RPW).contains(r)).unwrap_or(ATT_KVS_ROWS)
+    env_setting("EDDY_CUDA_ATT_KVS_ROWS", "1 to 6", |r: &usize| (1..=ATT_KVS_RPW).contains(r)).unwrap_or(ATT_KVS_RPW)
 }
 
 /// Whether `rms_norm_quantize` runs rows of at most one or two groups a warp on `rms_norm_quant_k{1,2}` by
@@ -1218,17 +1216,16 @@ pub struct Cuda {
     att_kvc: AtomicUsize,
     /// `attention_kvc` launches queued since [`Cuda::new`] (tests: that it ran).
     att_kvc_launches: AtomicU64,
-    /// Whether verifies (and blocks of queries seeing the same rows) compute their committed chunks once for all
-    /// their queries (`attention_kvs`) before `attention_kvc` takes the tail ([`ATT_KVS`]; `EDDY_CUDA_ATT_KVS`
-    /// at start, [`Cuda::force_shared_chunk_attention`]).
-    /// 0: off; 1: where [`ATT_KVS_MIN_QUERIES`], [`ATT_KVS_MIN_PAIRS`] and [`ATT_KVS_MIN_COMMITTED`] say it
-    /// pays; 2: wherever it can run (tests).
+    /// Where verifies (and blocks of queries seeing the same rows) compute their committed chunks once for all
+    /// their queries (`attention_kvs`) before `attention_kvc` takes the tail: 0 nowhere; 1 where it pays
+    /// ([`ATT_KVS_MIN_QUERIES`], [`ATT_KVS_MIN_COMMITTED`], [`ATT_KVS_MIN_PAIRS`]); 2 wherever it can run (tests).
+    /// [`ATT_KVS`] and `EDDY_CUDA_ATT_KVS` at start choose 0 or 1; [`Cuda::force_shared_chunk_attention`] any.
     att_kvs: AtomicU8,
     /// Whether the device grants `attention_kvs` its shared memory, head dims 64 and 128.
     kvs_fits: [bool; 2],
     /// `attention_kvs` launches queued since [`Cuda::new`] (tests: that it ran).
     att_kvs_launches: AtomicU64,
-    /// The query rows an `attention_kvs` warp takes at most ([`ATT_KVS_ROWS`]; `EDDY_CUDA_ATT_KVS_ROWS`, or
+    /// The query rows an `attention_kvs` warp takes at most ([`ATT_KVS_RPW`]; `EDDY_CUDA_ATT_KVS_ROWS`, or
     /// [`Cuda::force_shared_chunk_rows`]).
     att_kvs_rows: AtomicUsize,
     /// Whether `rms_norm_quantize` of rows of at most one or two groups of 32 a warp runs the kernel of that
@@ -1747,7 +1744,7 @@ impl Cuda {
     }
 
     /// At most `rows` query rows (1 to 6) an `attention_kvs` warp; `None`: as `EDDY_CUDA_ATT_KVS_ROWS` said at
-    /// start (unset: [`ATT_KVS_ROWS`]). Fewer rows a warp means more blocks, each staging its chunk again. The
+    /// start (unset: [`ATT_KVS_RPW`]). Fewer rows a warp means more blocks, each staging its chunk again. The
     /// results do not depend on it (every row's operations are the same); for tests and measurements.
     ///
     /// # Panics
