@@ -663,12 +663,13 @@ fn fitted_norm_kernels_equal_the_8_group_one() {
     be.force_fitted_norm(None);
 }
 
-/// A decode step's RoPE and K/V cache store inside its attention (`attention_dec_rope_hd*`) against the
-/// separate `rope_store` and `attention_quantize`: the output, the next product of its quantization and both
-/// whole caches bit for bit; head dims 64 and 128, both pairings, partial rotation, groups of 7 and 1 query
-/// heads per KV head, windows and soft-caps, one chunk, several (a block walking two, records of chunks 16
-/// and 17 through memory), repeated; launches it does not take (several queries, head dim 256, no rotation)
-/// fall back to the two operations.
+/// A decode step's RoPE and K/V cache store inside its attention (`attention_dkv_rope_hd*`, the default, and
+/// `attention_dec_rope_hd*`) against the separate `rope_store` and `attention_quantize`: the output, the next
+/// product of its quantization and both whole caches bit for bit; head dims 64 and 128, both pairings, partial
+/// rotation, groups of 7, 6, 16 and 1 query heads per KV head, windows and soft-caps, one chunk, several (the
+/// cluster kernel's blocks walking two, records of chunks 16 and 17 through memory; the split kernel's past 64
+/// chunks), repeated; launches it does not take (several queries, head dim 256, no rotation) fall back to the
+/// two operations.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn decode_rope_inside_attention_equals_rope_store() {
@@ -683,6 +684,8 @@ fn decode_rope_inside_attention_equals_rope_store() {
         (9, 3, 64, RopeMode::Normal, 32, None, Some(30.0), 700),
         (14, 2, 64, RopeMode::Neox, 64, None, None, 1100),
         (12, 2, 128, RopeMode::Neox, 128, None, None, 300),
+        (12, 2, 128, RopeMode::Neox, 128, None, None, 4500),
+        (16, 1, 64, RopeMode::Normal, 64, None, None, 2100),
         (12, 12, 128, RopeMode::Neox, 64, Some(500), None, 1100),
         (8, 1, 128, RopeMode::Normal, 128, None, Some(30.0), 64),
         (4, 1, 256, RopeMode::Neox, 256, None, None, 300),
@@ -700,8 +703,9 @@ fn decode_rope_inside_attention_equals_rope_store() {
             let positions: Vec<usize> = (n_past..n_past + t).collect();
             let what = format!("{n_heads}/{n_kv_heads} heads, hd {hd}, {mode:?} {rot}, window {window:?}, n_past {n_past}, {t} queries");
             let mut results = Vec::new();
-            for (fused, runs) in [(false, 1), (true, 4)] {
+            for (fused, split, runs) in [(false, false, 1), (true, true, 4), (true, false, 2)] {
                 be.force_fused_rope(Some(fused));
+                be.force_split_decode_attention(Some(split));
                 let vb = be.upload(&v);
                 let (mut kcb, mut vcb) = (be.upload(&kc), be.upload(&vc));
                 let (mut out, mut xq) = (be.alloc(t * qd), be.new_qact());
@@ -721,13 +725,14 @@ fn decode_rope_inside_attention_equals_rope_store() {
                         let ran = fused_ran(before);
                         assert!(ran == u64::from(takes), "{what}: fused {fused}: {ran} fused launches");
                     }
-                    if r > 0 {
-                        assert!(got == results[1], "{what}: repeat {r} of the fused step differs");
+                    if results.len() > 1 {
+                        assert!(got == results[1], "{what}: fused (split {split}) run {r} differs from the first fused step");
                     } else {
                         results.push(got);
                     }
                 }
             }
+            be.force_split_decode_attention(None);
             let (a, b) = (&results[0], &results[1]);
             assert!(a.0 == b.0, "{what}: attention outputs differ");
             assert!(a.1 == b.1, "{what}: the next product of the quantized outputs differs");
@@ -740,6 +745,87 @@ fn decode_rope_inside_attention_equals_rope_store() {
         }
     }
     be.force_fused_rope(None);
+}
+
+/// The decode attention split over blocks per KV head (`attention_dkv_hd*`) against `attention` and the
+/// cluster kernel (`attention_dec_hd*`), one query: the output and the next product of its quantization bit for
+/// bit; groups of 1, 6, 7, 8 and 16 query heads per KV head (items of every divisor of the group up to 8),
+/// head dims 64 and 128, windows and soft-caps, contexts of one key, of a chunk and one key, of one chunk for
+/// each block and of more chunks than blocks (items walked in turn; the combination's weights reloaded past 64
+/// chunks), grids of 1, 2 and 8 blocks a multiprocessor, a tree node's keys partly listed by path, repeated (a
+/// fault that depends on which block finishes a head group last differs between repeats); and by default only
+/// from 17 chunks on.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn split_decode_attention_equals_attention() {
+    let be = gpu();
+    let mut rng = Rng(29);
+    let cases = [
+        // (heads, kv heads, hd, window, softcap, n_past)
+        (14, 2, 64, None, None, 0),
+        (14, 2, 64, None, None, 64),
+        (12, 2, 128, None, None, 300),
+        (12, 2, 128, None, Some(30.0), 2100),
+        (14, 2, 64, Some(700), None, 2100),
+        (8, 1, 128, None, None, 1100),
+        (16, 1, 64, None, None, 1100),
+        (12, 12, 128, None, None, 700),
+        (12, 2, 128, None, None, 4500),
+        (14, 2, 64, None, None, 4500),
+    ];
+    let chain = TreePaths::chain(3);
+    for (n_heads, n_kv_heads, hd, window, softcap, n_past) in cases {
+        let s = AttnShape { n_heads, n_kv_heads, head_dim: hd, scale: 0.125, window, softcap };
+        let (qd, kvd) = (n_heads * hd, n_kv_heads * hd);
+        let cap = n_past + 8;
+        let (q, k, v) = (rng.vec(qd), rng.vec(cap * kvd), rng.vec(cap * kvd));
+        let (qb, kb, vb) = (be.upload(&q), be.upload(&k), be.upload(&v));
+        let wq = be.upload_weights(quantize_f32(40, qd, &rng.vec(40 * qd), QuantKind::Q8));
+        // The query as the last of three chain nodes over n_past − 2 committed rows (the others' keys by path),
+        // and as the causal query at n_past: the same keys.
+        let views: Vec<(&str, usize, Visibility)> = if n_past >= 2 {
+            vec![("causal", n_past, Visibility::Causal), ("tree node", n_past - 2, Visibility::Tree { first: 2, paths: &chain })]
+        } else {
+            vec![("causal", n_past, Visibility::Causal)]
+        };
+        let run = |n_past: usize, vis: Visibility| {
+            let (mut o, mut xq) = (be.alloc(qd), be.new_qact());
+            be.attention_quantize(Attend { shape: s, q: &qb, k: &kb, v: &vb, n_past, t: 1, vis }, &mut o, &wq, &mut xq);
+            let mut p = vec![0f32; 40];
+            be.matmul_to_host(&wq, &o, &xq, 1, &mut p);
+            (read(&be, &o, qd), p)
+        };
+        let what = format!("{n_heads}/{n_kv_heads} heads, hd {hd}, window {window:?}, softcap {softcap:?}, n_past {n_past}");
+        be.force_decode_attention(Some(false));
+        let want = run(n_past, Visibility::Causal);
+        assert!(want.0.iter().all(|x| x.is_finite()) && want.0.iter().any(|&x| x != 0.0), "{what}: attention's output");
+        be.force_decode_attention(Some(true));
+        be.force_split_decode_attention(Some(false));
+        assert!(run(n_past, Visibility::Causal) == want, "{what}: the cluster kernel differs from attention");
+        be.force_split_decode_attention(Some(true));
+        for per_sm in [1, 2, 8] {
+            be.force_split_decode_blocks(Some(per_sm));
+            for &(view, np, vis) in &views {
+                for r in 0..4 {
+                    let before = be.split_decode_launches();
+                    let got = run(np, vis);
+                    assert!(got.0 == want.0, "{what}, {view}, {per_sm} blocks a multiprocessor, run {r}: outputs differ");
+                    assert!(got.1 == want.1, "{what}, {view}, {per_sm} blocks a multiprocessor, run {r}: next product differs");
+                    let ran = be.split_decode_launches() - before;
+                    assert!(ran == u64::from(hd <= 128), "{what}: {ran} launches of attention_dkv");
+                }
+            }
+        }
+        // By default the split kernel takes contexts of more chunks than a cluster of 16 blocks holds.
+        be.force_split_decode_blocks(None);
+        be.force_split_decode_attention(None);
+        let before = be.split_decode_launches();
+        assert!(run(n_past, Visibility::Causal) == want, "{what}: the default decode kernel differs");
+        let ran = be.split_decode_launches() - before;
+        let keys = window.map_or(n_past + 1, |w| w.min(n_past + 1));
+        assert!(ran == u64::from(hd <= 128 && keys.div_ceil(64) >= 17), "{what}: {ran} default launches of attention_dkv");
+    }
+    be.force_decode_attention(None);
 }
 
 /// Causal attention of more than 64 queries (prefill runs: `attention_mma` on the tensor cores, head dims 64,

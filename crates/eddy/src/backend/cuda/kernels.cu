@@ -2930,12 +2930,100 @@ struct DecRope {
     int neox;
 };
 
+// The decode kernels' shared steps (`attention_dec_impl`, `attention_dkv_impl`).
+// Chunk keys j0 .. j0 + cnt − 1 of a key list (`info` entry qi: committed rows qi.x + j below nc, then the rows
+// listed at paths[qi.z ..]) as element offsets of their KV head (kvo) into the caches (kvd values a row), thread
+// tid < cnt the key tid; ROPE: the list's last key (nk − 1) is the step's new row, offset −1 (read from the
+// raw rows, not the cache).
+template <bool ROPE>
+__device__ __forceinline__ void dec_key_rows(int* offs, int4 qi, const int* __restrict__ paths, int nk, int nc,
+                                             int kvd, int kvo, int j0, int cnt, int tid) {
+    if (tid < cnt) {
+        const int jj = j0 + tid;
+        offs[tid] = ROPE && jj == nk - 1 ? -1 : (jj < nc ? qi.x + jj : paths[qi.z + jj - nc]) * kvd + kvo;
+    }
+}
+// Thread (key j < cnt, quarter qt)'s key quarter from the key cache at the offsets (the new row, −1, left to
+// the caller); `pre`: before the wait (`ld_early`).
+template <int HD, bool ROPE>
+__device__ __forceinline__ void dec_key_quarter(float4 (&kq)[HD / 16], const float* __restrict__ k, const int* offs,
+                                                int j, int qt, int cnt, bool pre) {
+    if (j < cnt) {
+        const int oj = offs[j];
+        if (!ROPE || oj >= 0) {
+            const float4* kr = reinterpret_cast<const float4*>(k + oj + qt * (HD / 4));
+#pragma unroll
+            for (int u = 0; u < HD / 16; ++u) kq[u] = pre ? ld_early(kr + u) : kr[u];
+        }
+    }
+}
+// One head's chunk of cnt keys on one warp, as `attention`'s two warps: the scores of keys lane and lane + 32
+// from their quarters (sq[qt·ATT_CHUNK + j], added in order, scaled, soft-capped), m = their max, the
+// exponentials into `e` (0 past cnt), z = the two xor trees' sums added.
+__device__ __forceinline__ void dec_chunk_softmax(const float* sq, float* e, int cnt, int lane, float scale,
+                                                  float softcap, float& m, float& z) {
+    float s[2], x[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int jj = lane + 32 * hf;
+        s[hf] = -INFINITY;
+        if (jj < cnt) {
+            const float p = __fadd_rn(__fadd_rn(__fadd_rn(sq[jj], sq[ATT_CHUNK + jj]), sq[2 * ATT_CHUNK + jj]), sq[3 * ATT_CHUNK + jj]);
+            s[hf] = __fmul_rn(p, scale);
+            if (softcap > 0.0f) s[hf] = __fmul_rn(softcap, tanhf(__fdiv_rn(s[hf], softcap)));
+        }
+    }
+    m = fmaxf(warp_max(s[0]), warp_max(s[1]));
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        x[hf] = lane + 32 * hf < cnt ? expf(__fsub_rn(s[hf], m)) : 0.0f;
+        e[lane + 32 * hf] = x[hf];
+    }
+    z = __fadd_rn(warp_sum(x[0]), warp_sum(x[1]));
+}
+// Thread tid < HD's part of the step's new key and value row of its KV head (kvo): value tid into `vns`, the
+// key rotated (pair tid < half by the cos c and sin s of that pair; the dims from 2·half copied) into `kn`;
+// with `store` both also into the caches' element offset `row`. WQ: the same for the query head at `qr` into
+// `qs` (the pair's or dim's query value first).
+template <int HD, bool WQ>
+__device__ __forceinline__ void dec_new_row(const DecRope& rp, float* kn, float* vns, int tid, int kvo,
+                                            long long row, bool store, float c, float s, const float* __restrict__ qr,
+                                            float* qs) {
+    const float vt = rp.vraw[kvo + tid];
+    vns[tid] = vt;
+    if (store) rp.vc[row + tid] = vt;
+    const float* kr = rp.kraw + kvo;
+    if (tid < rp.half) {
+        const int a = rope_a(tid, rp.half, rp.neox), b = rope_b(tid, rp.half, rp.neox);
+        float y0, y1;
+        if (WQ) {
+            rope_turn(qr[a], qr[b], c, s, y0, y1);
+            qs[a] = y0;
+            qs[b] = y1;
+        }
+        rope_turn(kr[a], kr[b], c, s, y0, y1);
+        kn[a] = y0;
+        kn[b] = y1;
+        if (store) {
+            rp.kc[row + a] = y0;
+            rp.kc[row + b] = y1;
+        }
+    } else if (tid < HD - rp.half) {
+        const int d = tid + rp.half;  // 2·half + (tid − half)
+        if (WQ) qs[d] = qr[d];
+        const float kd = kr[d];
+        kn[d] = kd;
+        if (store) rp.kc[row + d] = kd;
+    }
+}
+
 template <int HD, bool ROPE>
 __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, const float* __restrict__ k,
                                                    const float* __restrict__ v, float* __restrict__ out,
                                                    const int4* __restrict__ info, const int* __restrict__ paths,
-                                                   float* part, int nmax, int n_heads, int n_kv_heads, float scale,
-                                                   float softcap, const QActOut& qo, const float* __restrict__ qsigns,
+                                                   float* part, int* /* count: unused (a cluster's records) */,
+                                                   int nmax, int n_heads, int n_kv_heads, float scale, float softcap,
+                                                   const QActOut& qo, const float* __restrict__ qsigns,
                                                    const DecRope& rp) {
     constexpr int P = ATT_THREADS / HD;  // value parts of an output value (`attention`'s P)
     constexpr int QF = HD / 16;          // float4s in a quarter of the head
@@ -2973,21 +3061,10 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
     auto load_kv = [&](int c, bool pre) {
         const int j0 = c * ATT_CHUNK, cnt = min(ATT_CHUNK, nk - j0);
         if (c != (int)blockIdx.z) __syncthreads();  // the previous chunk's readers of offs, sp, es are done
-        if (tid < cnt) {
-            const int jj = j0 + tid;
-            // RoPE: the list's last key is the new row (offset −1: taken from kn and vn).
-            offs[tid] = ROPE && jj == nk - 1 ? -1 : (jj < nc ? qi.x + jj : paths[qi.z + jj - nc]) * kvd + kvo;
-        }
+        dec_key_rows<ROPE>(offs, qi, paths, nk, nc, kvd, kvo, j0, cnt, tid);
         __syncthreads();
         // This thread's key quarter and (thread d < HD) the chunk's values of output value d, in flight at once.
-        if (j < cnt) {
-            const int oj = offs[j];
-            if (!ROPE || oj >= 0) {
-                const float4* kr = reinterpret_cast<const float4*>(k + oj + qt * (HD / 4));
-#pragma unroll
-                for (int u = 0; u < QF; ++u) kq[u] = pre ? ld_early(kr + u) : kr[u];
-            }
-        }
+        dec_key_quarter<HD, ROPE>(kq, k, offs, j, qt, cnt, pre);
         if (tid < HD) {
 #pragma unroll
             for (int j4 = 0; j4 < ATT_CHUNK; j4 += 4) {
@@ -3025,31 +3102,7 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
             // thread the values it computed).
             const bool store = blockIdx.z == 0 && h % (n_heads / n_kv_heads) == 0;
             const long long row = (long long)(qi.y - 1) * kvd + kvo;
-            const float vt = rp.vraw[kvo + tid];
-            vns[tid] = vt;
-            if (store) rp.vc[row + tid] = vt;
-            const float* qr = q + qh * HD;
-            const float* kr = rp.kraw + kvo;
-            if (tid < rp.half) {
-                const int a = rope_a(tid, rp.half, rp.neox), b = rope_b(tid, rp.half, rp.neox);
-                float y0, y1;
-                rope_turn(qr[a], qr[b], rc, rs, y0, y1);
-                qs[a] = y0;
-                qs[b] = y1;
-                rope_turn(kr[a], kr[b], rc, rs, y0, y1);
-                kn[a] = y0;
-                kn[b] = y1;
-                if (store) {
-                    rp.kc[row + a] = y0;
-                    rp.kc[row + b] = y1;
-                }
-            } else if (tid < HD - rp.half) {
-                const int d = tid + rp.half;  // 2·half + (tid − half)
-                qs[d] = qr[d];
-                const float kd = kr[d];
-                kn[d] = kd;
-                if (store) rp.kc[row + d] = kd;
-            }
+            dec_new_row<HD, true>(rp, kn, vns, tid, kvo, row, store, rc, rs, q + qh * HD, qs);
         }
         for (int c = blockIdx.z; c < nch; c += gridDim.z) {
             const int j0 = c * ATT_CHUNK, cnt = min(ATT_CHUNK, nk - j0);
@@ -3076,23 +3129,8 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
             if (tid >= HD) continue;
             const float vn = ROPE && jn >= 0 ? vns[tid] : 0.0f;  // RoPE: value tid of the new row
             // Scores of keys lane and lane + 32; the chunk's max and exponential sum as `attention`'s two warps.
-            float s[2], e[2];
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int jj = lane + 32 * hf;
-                s[hf] = -INFINITY;
-                if (jj < cnt) {
-                    s[hf] = __fmul_rn(__fadd_rn(__fadd_rn(__fadd_rn(sp[0][jj], sp[1][jj]), sp[2][jj]), sp[3][jj]), scale);
-                    if (softcap > 0.0f) s[hf] = __fmul_rn(softcap, tanhf(__fdiv_rn(s[hf], softcap)));
-                }
-            }
-            const float m = fmaxf(warp_max(s[0]), warp_max(s[1]));
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                e[hf] = lane + 32 * hf < cnt ? expf(__fsub_rn(s[hf], m)) : 0.0f;
-                es[w][lane + 32 * hf] = e[hf];
-            }
-            const float z = __fadd_rn(warp_sum(e[0]), warp_sum(e[1]));
+            float m, z;
+            dec_chunk_softmax(&sp[0][0], es[w], cnt, lane, scale, softcap, m, z);
             __syncwarp();
             // Output value tid: the P chains over the keys pt, pt + P, ... (key jj extends chain jj % P, keys
             // in increasing order), added in order.
@@ -3157,30 +3195,312 @@ __device__ __forceinline__ void attention_dec_impl(const float* __restrict__ q, 
     if (tid < HD) att_put(out, (long long)n_heads * HD, blockIdx.y, (long long)h * HD + tid, val, lane, qsigns, qo);
 }
 
-// The decode kernels' parameters: `attention`'s (count, hd unused), then the quantized output's.
+// The decode kernels' parameters: `attention`'s (hd unused; count used by `attention_dkv` only), then the
+// quantized output's.
 #define ATT_DEC_PARAMS                                                                                             \
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, float* __restrict__ out, \
         const int4* __restrict__ info, const int* __restrict__ paths, float* part, int* count, int nmax,           \
         int n_heads, int n_kv_heads, int hd, float scale, float softcap, const float* __restrict__ qsigns,         \
         int8_t* __restrict__ qq, float* __restrict__ qscale, int* __restrict__ qsum, float* __restrict__ qdsum,    \
         int* __restrict__ qsum16, unsigned char* qtq, long long qtg
-#define ATT_DEC(HDV)                                                                                               \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_dec_hd##HDV(ATT_DEC_PARAMS) {           \
+// A decode kernel family `NAME` (`IMPL`: attention_dec_impl or attention_dkv_impl): NAME_hdHDV without the
+// step's RoPE, NAME_rope_hdHDV with it.
+#define ATT_DEC_FAMILY(NAME, IMPL, HDV)                                                                            \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) NAME##_hd##HDV(ATT_DEC_PARAMS) {                  \
         const QActOut qo = {qq, qscale, qsum, qdsum, qsum16, qtq, qtg, ((long long)n_heads * HDV) >> 5};           \
         const DecRope rp = {};                                                                                     \
-        attention_dec_impl<HDV, false>(q, k, v, out, info, paths, part, nmax, n_heads, n_kv_heads, scale, softcap, \
-                                       qo, qsigns, rp);                                                            \
+        IMPL<HDV, false>(q, k, v, out, info, paths, part, count, nmax, n_heads, n_kv_heads, scale, softcap, qo,    \
+                         qsigns, rp);                                                                              \
     }                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_dec_rope_hd##HDV(                       \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) NAME##_rope_hd##HDV(                              \
         ATT_DEC_PARAMS, const float* __restrict__ kraw, const float* __restrict__ vraw, float* kc, float* vc,      \
         const int* __restrict__ pos, const float2* __restrict__ tab, int half, int neox) {                         \
         const QActOut qo = {qq, qscale, qsum, qdsum, qsum16, qtq, qtg, ((long long)n_heads * HDV) >> 5};           \
         const DecRope rp = {kraw, vraw, kc, vc, pos, tab, half, neox};                                             \
-        attention_dec_impl<HDV, true>(q, k, v, out, info, paths, part, nmax, n_heads, n_kv_heads, scale, softcap,  \
-                                      qo, qsigns, rp);                                                             \
+        IMPL<HDV, true>(q, k, v, out, info, paths, part, count, nmax, n_heads, n_kv_heads, scale, softcap, qo,     \
+                        qsigns, rp);                                                                               \
     }
-ATT_DEC(64)
-ATT_DEC(128)
+ATT_DEC_FAMILY(attention_dec, attention_dec_impl, 64)
+ATT_DEC_FAMILY(attention_dec, attention_dec_impl, 128)
+
+// The decode step's attention split over blocks per KV head (`attention_dkv_hd*`; docs/cuda.md, "The decode
+// attention per KV head, over many blocks"): one query (t = 1), head dims 64 and 128, a grid (S, KV heads) of
+// blocks with no cluster. The work of a KV head is nch × G / g items (G = n_heads / n_kv_heads query heads; g
+// the smallest divisor of G, at most ATT_DKV_MAXG(HD), whose items fit the S blocks, else the largest): item
+// w = c + nch·hg is chunk c of the heads hg·g .. hg·g + g − 1 of the KV head, and block b takes the items b,
+// b + S, ... in turn. An item loads the chunk's 64 keys and values once for its g query heads, and at depth a
+// KV head's chunks run side by side where `attention_dec` walks them in the series of one cluster's blocks.
+// Every value is computed by `attention`'s operations in its order (as `attention_dec_impl` states them): a
+// head's scores, exponentials, z and output chains per chunk, the chunk records (m, z, o[HD]) into `part`, and
+// the block that finishes a head group's last item (a device counter per group, reset by it) combines each
+// head's records in chunk order as `att_combine_value` does: M = max m_c, w_c = expf(m_c − M), Z and o[d] the
+// fma chains of z_c·w_c and o_c[d]·w_c, out = o·(1/Z). One chunk: out = o·(1/z) (the combination's exact
+// value). ROPE: the step's RoPE and cache store as `attention_dec_rope_hd*` (the new key and value from `kraw`,
+// `vraw`; the item of the last chunk and head group 0 stores them). The output quantized by the warp of 32
+// output values as `attention`'s.
+// Registers and shared memory are sized to run two blocks a multiprocessor next to the kernel before it (as
+// `attention_dec`, 128 registers and ≈ 12 KB): a thread holds its key quarter (32 values at HD 128), while its
+// values are prefetched into L2 with the keys and loaded into registers once the scores are done; the score
+// quarters, the output parts and the combination's weights share one array.
+#define ATT_DKV_MAXG(HD) ((HD) == 64 ? 8 : 6)
+#define ATT_DKV_CB 16  // chunks whose values a combining thread loads at once
+template <int HD, bool ROPE>
+__device__ __forceinline__ void attention_dkv_impl(const float* __restrict__ q, const float* __restrict__ k,
+                                                   const float* __restrict__ v, float* __restrict__ out,
+                                                   const int4* __restrict__ info, const int* __restrict__ paths,
+                                                   float* part, int* count, int nmax, int n_heads, int n_kv_heads,
+                                                   float scale, float softcap, const QActOut& qo,
+                                                   const float* __restrict__ qsigns, const DecRope& rp) {
+    constexpr int P = ATT_THREADS / HD;  // value parts of an output value
+    constexpr int QF = HD / 16;          // float4s in a quarter of the head
+    constexpr int VPT = ATT_CHUNK / P;   // values a thread loads of a chunk
+    constexpr int RW = HD + 2;           // a chunk record: m, z, o[HD]
+    constexpr int MG = ATT_DKV_MAXG(HD);
+    __shared__ __align__(16) float qs[MG][HD];           // the item's query heads (rotated: ROPE)
+    // Score quarters sp[h][qt][j], then output parts red[h][pt·HD + d], then the combination's w_c and z_c of 64
+    // chunks (cw[h][c], cz[h][c]): one after the other, a barrier between.
+    __shared__ __align__(16) float work[MG * ATT_THREADS];
+    __shared__ __align__(16) float es[MG][ATT_CHUNK];    // exponentials
+    __shared__ float ms[MG], zs[MG];                     // a chunk's m and z; the combination's M
+    __shared__ __align__(16) int offs[ATT_CHUNK];        // the chunk's key rows as offsets (−1: the new row)
+    __shared__ __align__(16) float kn[ROPE ? HD : 4];    // the new key, rotated
+    __shared__ float vns[ROPE ? HD : 1];                 // the new value row
+    __shared__ float2 cs[ROPE ? HD / 2 : 1];             // the (cos, sin) of the pairs
+    __shared__ int last;
+    auto sp = [&](int h, int qt, int j) -> float& { return work[(h * 4 + qt) * ATT_CHUNK + j]; };
+    auto red = [&](int h, int i) -> float& { return work[h * ATT_THREADS + i]; };
+    float* cw = work;                    // [h · 64 + c]
+    float* cz = work + MG * ATT_CHUNK;   // [h · 64 + c]
+    const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5;
+    const int kvh = blockIdx.y, S = gridDim.x, G = n_heads / n_kv_heads;
+    const long long qd = (long long)n_heads * HD;
+    // The key list is staged with the pass (written by no kernel): read before the wait (`ld_early`).
+    const int4 qi = ld_early(info);
+    const int nc = qi.y - qi.x, nk = nc + qi.w;
+    const int nch = (nk + ATT_CHUNK - 1) / ATT_CHUNK;
+    int g = 1;  // query heads an item: the smallest divisor of G (at most MG) whose items fit
+    for (int d = 1; d <= min(G, MG); ++d) {
+        if (G % d == 0) {
+            g = d;
+            if (nch * (G / d) <= S) break;
+        }
+    }
+    const int W = nch * (G / g);
+    const int kvd = n_kv_heads * HD, kvo = kvh * HD;
+    if (ROPE && tid < rp.half) cs[tid] = ld_early(rp.tab + (long long)ld_early(rp.pos) * rp.half + tid);
+    const int j = tid % ATT_CHUNK, qt = tid / ATT_CHUNK;  // key j's quarter qt
+    const int vd = tid % HD, vpt = tid / HD;              // value vd of the keys vpt, vpt + P, ...
+    float4 kq[QF];
+    // Chunk c's key rows into `offs`, this thread's key quarter into kq, and the chunk's values into L2 (the new
+    // row left out: ROPE). `pre`: before the wait (`ld_early`; see `attention_dec_impl` for why that is safe
+    // for ROPE launches; a prefetch only warms L2).
+    auto load_k = [&](int c, bool pre) {
+        const int j0 = c * ATT_CHUNK, cnt = min(ATT_CHUNK, nk - j0);
+        __syncthreads();  // the previous item's readers of offs (and of the shared arrays) are done
+        dec_key_rows<ROPE>(offs, qi, paths, nk, nc, kvd, kvo, j0, cnt, tid);
+        __syncthreads();
+        dec_key_quarter<HD, ROPE>(kq, k, offs, j, qt, cnt, pre);
+        constexpr int LPR = HD / 32;  // 128-byte lines of a value row
+        for (int x = tid; x < cnt * LPR; x += ATT_THREADS) {
+            const int o = offs[x / LPR];
+            if (!ROPE || o >= 0) prefetch_l2(v + o + (x % LPR) * 32);
+        }
+    };
+    const bool early = ROPE && nk > 0 && (int)blockIdx.x < W;
+    if (early) load_k((int)blockIdx.x % nch, true);
+    pdl_wait();
+    if (nk <= 0) {
+        if (blockIdx.x == 0)
+            for (int e = tid; e < G * HD; e += ATT_THREADS)
+                att_put(out, qd, 0, (long long)kvh * G * HD + e, 0.0f, lane, qsigns, qo);
+        return;
+    }
+    const bool single = nch == 1;
+    for (int wi = blockIdx.x; wi < W; wi += S) {
+        const int c = wi % nch, h0 = kvh * G + (wi / nch) * g;  // the item's chunk and first query head
+        const int j0 = c * ATT_CHUNK, cnt = min(ATT_CHUNK, nk - j0);
+        const int jn = ROPE && j0 + cnt == nk ? cnt - 1 : -1;  // ROPE: the new key's index in the chunk
+        if (!(early && wi == (int)blockIdx.x)) load_k(c, false);
+        // The item's query heads into qs (ROPE: rotated; dims from 2·half on copied), and with the last chunk
+        // the new key and value (the item of head group 0 also stores them into the caches' row info.y − 1).
+        if (!ROPE) {
+            for (int e = tid; e < g * HD; e += ATT_THREADS) qs[e / HD][e % HD] = q[(long long)h0 * HD + e];
+        } else {
+            const int hw = HD - rp.half;  // a head's threads: the pairs, then the copied dims
+            for (int e = tid; e < g * hw; e += ATT_THREADS) {
+                const int h = e / hw, i = e % hw;
+                const float* qr = q + (long long)(h0 + h) * HD;
+                if (i < rp.half) {
+                    const int a = rope_a(i, rp.half, rp.neox), b = rope_b(i, rp.half, rp.neox);
+                    float y0, y1;
+                    rope_turn(qr[a], qr[b], cs[i].x, cs[i].y, y0, y1);
+                    qs[h][a] = y0;
+                    qs[h][b] = y1;
+                } else {
+                    const int d = i + rp.half;
+                    qs[h][d] = qr[d];
+                }
+            }
+            if (jn >= 0 && tid < HD) {
+                const float2 c2 = tid < rp.half ? cs[tid] : make_float2(0.0f, 0.0f);
+                const long long row = (long long)(qi.y - 1) * kvd + kvo;
+                dec_new_row<HD, false>(rp, kn, vns, tid, kvo, row, h0 == kvh * G, c2.x, c2.y, nullptr, nullptr);
+            }
+        }
+        __syncthreads();
+        if (ROPE && j < cnt && offs[j] < 0) {  // the new key, rotated above
+            const float4* kr = reinterpret_cast<const float4*>(kn + qt * (HD / 4));
+#pragma unroll
+            for (int u = 0; u < QF; ++u) kq[u] = kr[u];
+        }
+        // Score quarters: thread (j, qt) for every head of the item.
+        if (j < cnt) {
+            for (int h = 0; h < g; ++h) {
+                const float* qq = &qs[h][qt * (HD / 4)];
+                float p = 0.0f;
+#pragma unroll
+                for (int u = 0; u < QF; ++u) p = att_dot4(p, qq + 4 * u, kq[u]);
+                sp(h, qt, j) = p;
+            }
+        }
+        // This thread's values (from L2: prefetched with the keys), in flight over the softmax.
+        float vv[VPT];
+#pragma unroll
+        for (int u = 0; u < VPT; ++u) {
+            const int jj = vpt + u * P;
+            const int o = offs[jj];
+            vv[u] = jj < cnt && (!ROPE || o >= 0) ? v[o + vd] : 0.0f;
+        }
+        __syncthreads();
+        // Warp h: head h's scores of keys lane and lane + 32, m, the exponentials, z (`attention`'s two warps).
+        for (int h = wp; h < g; h += ATT_THREADS / 32) {
+            float m, z;
+            dec_chunk_softmax(&sp(h, 0, 0), es[h], cnt, lane, scale, softcap, m, z);
+            if (lane == 0) {
+                ms[h] = m;
+                zs[h] = z;
+            }
+        }
+        __syncthreads();  // (also: every score quarter read before the output parts replace them)
+        // Output chains: thread (vd, vpt) over the keys vpt, vpt + P, ... in order, for every head of the item.
+        const float vn = jn >= 0 ? vns[vd] : 0.0f;
+        for (int h = 0; h < g; ++h) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int u = 0; u < VPT; ++u) {
+                const int jj = vpt + u * P;
+                if (jj < cnt) acc = __fmaf_rn(es[h][jj], ROPE && jj == jn ? vn : vv[u], acc);
+            }
+            red(h, vpt * HD + vd) = acc;
+        }
+        __syncthreads();
+        // The parts added in order: the output (one chunk) or the chunk records.
+        for (int e = tid; e < g * HD; e += ATT_THREADS) {
+            const int h = e / HD, d = e % HD;
+            float acc = red(h, d);
+#pragma unroll
+            for (int pt = 1; pt < P; ++pt) acc = __fadd_rn(acc, red(h, pt * HD + d));
+            if (single) {
+                att_put(out, qd, 0, (long long)h0 * HD + e, __fmul_rn(acc, __fdiv_rn(1.0f, zs[h])), lane, qsigns, qo);
+            } else {
+                float* r = part + ((long long)(h0 + h) * nmax + c) * RW;
+                r[2 + d] = acc;
+                if (d == 0) {
+                    r[0] = ms[h];
+                    r[1] = zs[h];
+                }
+            }
+        }
+        if (single) continue;
+        // The block that finishes the head group's last item combines its heads' records.
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) last = atomicAdd(count + h0, 1) == nch - 1;
+        __syncthreads();  // (also: the output parts are read before the weights replace them)
+        if (!last) continue;
+        __threadfence();
+        if (tid == 0) count[h0] = 0;
+        const float* base = part + (long long)h0 * nmax * RW;  // head h's chunk c at base + (h·nmax + c)·RW
+        // Outputs e = tid + 256·r of the group's g·HD, two at a time (r0, r0 + 1), each over the chunks
+        // ATT_DKV_CB at a time; the first batch's values are loaded with M's and the first weights' records.
+        for (int r0 = 0; r0 * ATT_THREADS < g * HD; r0 += 2) {
+            const float* pr[2];
+            bool has[2];
+            float acc[2], Z[2], o[2][ATT_DKV_CB];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int e = tid + (r0 + r) * ATT_THREADS;
+                has[r] = e < g * HD;
+                pr[r] = base + (long long)(e / HD) * nmax * RW + 2 + e % HD;
+                acc[r] = Z[r] = 0.0f;
+            }
+            for (int c0 = 0; c0 < nch; c0 += ATT_DKV_CB) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    if (has[r]) {
+#pragma unroll
+                        for (int u = 0; u < ATT_DKV_CB; ++u)
+                            if (c0 + u < nch) o[r][u] = __ldcg(pr[r] + (long long)(c0 + u) * RW);
+                    }
+                }
+                // The weights of chunks c0 .. c0 + 63 (warp h: head h), with M first (over every chunk; the first
+                // 64 chunks' m and z kept from that pass): in the first pass's first batch, then every 64 chunks
+                // (and again from chunk 0 in later passes where they were replaced).
+                if (c0 % 64 == 0 && (r0 == 0 || nch > 64)) {
+                    __syncthreads();  // the weights' earlier readers are done
+                    for (int h = wp; h < g; h += ATT_THREADS / 32) {
+                        const float* rh = base + (long long)h * nmax * RW;
+                        float m2[2], z2[2];
+#pragma unroll
+                        for (int hf = 0; hf < 2; ++hf) {
+                            const int cc = c0 + lane + 32 * hf;
+                            m2[hf] = cc < nch ? __ldcg(rh + (long long)cc * RW) : -INFINITY;
+                            z2[hf] = cc < nch ? __ldcg(rh + (long long)cc * RW + 1) : 0.0f;
+                        }
+                        if (c0 == 0 && r0 == 0) {
+                            float mx = fmaxf(m2[0], m2[1]);
+                            for (int cc = lane + 64; cc < nch; cc += 32) mx = fmaxf(mx, __ldcg(rh + (long long)cc * RW));
+                            mx = warp_max(mx);
+                            if (lane == 0) ms[h] = mx;
+                            __syncwarp();
+                        }
+                        const float M = ms[h];
+#pragma unroll
+                        for (int hf = 0; hf < 2; ++hf) {
+                            cw[h * 64 + lane + 32 * hf] = expf(__fsub_rn(m2[hf], M));
+                            cz[h * 64 + lane + 32 * hf] = z2[hf];
+                        }
+                    }
+                    __syncthreads();
+                }
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    if (has[r]) {
+                        const int h = (tid + (r0 + r) * ATT_THREADS) / HD;
+#pragma unroll
+                        for (int u = 0; u < ATT_DKV_CB; ++u) {
+                            if (c0 + u < nch) {
+                                const float wc = cw[h * 64 + (c0 + u) % 64];
+                                Z[r] = __fmaf_rn(cz[h * 64 + (c0 + u) % 64], wc, Z[r]);
+                                acc[r] = __fmaf_rn(o[r][u], wc, acc[r]);
+                            }
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                if (has[r]) {
+                    const int e = tid + (r0 + r) * ATT_THREADS;
+                    att_put(out, qd, 0, (long long)h0 * HD + e, __fmul_rn(acc[r], __fdiv_rn(1.0f, Z[r])), lane, qsigns, qo);
+                }
+            }
+        }
+    }
+}
+
+ATT_DEC_FAMILY(attention_dkv, attention_dkv_impl, 64)
+ATT_DEC_FAMILY(attention_dkv, attention_dkv_impl, 128)
 
 // The same attention with one block per (KV head, query, z) for launches of several queries (prefill and
 // verify): the block stages each chunk's keys and values of its KV head in shared memory once, and its warps

@@ -284,6 +284,33 @@ fn t1_unroll_from_env() -> usize {
 /// Measured on the H100 (docs/cuda.md, session 32): see there for the A/B against no clusters and 8.
 const ATT_DECODE_CLUSTER: usize = 16;
 
+/// Where a decode step's attention runs split over blocks per KV head (`attention_dkv_hd*`: each KV head's
+/// chunks read once for the item's query heads, the chunks spread over [`ATT_DKV_PER_SM`] blocks a
+/// multiprocessor; docs/cuda.md, "The decode attention per KV head, over many blocks") instead of in clusters
+/// of at most 16 blocks per query head (`attention_dec_hd*`): 0 nowhere, 1 from [`ATT_DKV_MIN_CHUNKS`] key
+/// chunks on, 2 everywhere (tests). The same bits either way.
+const ATT_DKV: u8 = 1;
+
+/// The fewest key chunks of a decode step on `attention_dkv` by default: more than a cluster of
+/// [`ATT_DECODE_CLUSTER`] blocks holds (below, `attention_dec`'s blocks take one chunk each and combine in
+/// shared memory, which the split kernel's combination through memory does not beat).
+const ATT_DKV_MIN_CHUNKS: usize = ATT_DECODE_CLUSTER + 1;
+
+/// Blocks a multiprocessor of `attention_dkv`'s grid by default ([`Cuda::att_dkv_per_sm`]): the grid is
+/// ⌈this × multiprocessors / KV heads⌉ blocks per KV head.
+const ATT_DKV_PER_SM: usize = 2;
+
+/// `EDDY_CUDA_ATT_DKV`: 0 runs decode steps' attention in clusters per query head (`attention_dec`), 1 on
+/// `attention_dkv` from [`ATT_DKV_MIN_CHUNKS`] chunks, 2 always; unset, [`ATT_DKV`].
+fn att_dkv_from_env() -> u8 {
+    env_setting("EDDY_CUDA_ATT_DKV", "0, 1 or 2", |d: &u8| *d <= 2).unwrap_or(ATT_DKV)
+}
+
+/// `EDDY_CUDA_ATT_DKV_SM`: `attention_dkv`'s blocks a multiprocessor, 1 to 8; unset, [`ATT_DKV_PER_SM`].
+fn att_dkv_per_sm_from_env() -> usize {
+    env_setting("EDDY_CUDA_ATT_DKV_SM", "1 to 8", |d: &usize| (1..=8).contains(d)).unwrap_or(ATT_DKV_PER_SM)
+}
+
 /// `EDDY_CUDA_ATT_CLUSTER`: 2 to 16, clusters of that size for every attention launch; 0 or 1, none; unset,
 /// [`ATT_DECODE_CLUSTER`] for one-query launches only. Returns (size, whether every launch takes it).
 fn att_cluster_from_env() -> (usize, bool) {
@@ -1031,6 +1058,10 @@ struct Kernels {
     attention_dec: [Func; 2],
     /// The same with the step's RoPE and K/V cache store (`attention_dec_rope_hd{64,128}`).
     attention_dec_rope: [Func; 2],
+    /// The decode step's attention split over blocks per KV head (`attention_dkv_hd{64,128}`).
+    attention_dkv: [Func; 2],
+    /// The same with the step's RoPE and K/V cache store (`attention_dkv_rope_hd{64,128}`).
+    attention_dkv_rope: [Func; 2],
     /// The attention with one block per KV head (`attention_kv`; dynamic shared memory `att_kv_smem`).
     attention_kv: Func,
     /// The same in clusters over a (query, KV head)'s chunks, head dims 64 and 128 (`attention_kvc_hd{64,128}`;
@@ -1207,8 +1238,18 @@ pub struct Cuda {
     /// `attention_dec` (default; the same bits as `attention`): `EDDY_CUDA_ATT_DEC=0` at start,
     /// [`Cuda::force_decode_attention`].
     att_dec: AtomicBool,
-    /// `attention_dec` launches chosen since [`Cuda::new`] (counted when queued; tests: that it ran).
+    /// `attention_dec` and `attention_dkv` launches chosen since [`Cuda::new`] (counted when queued; tests: that
+    /// it ran).
     att_dec_launches: AtomicU64,
+    /// Where one-query launches that would run `attention_dec` (and no forced clusters or block counts) run
+    /// `attention_dkv` instead: 0 nowhere, 1 from [`ATT_DKV_MIN_CHUNKS`] key chunks, 2 always ([`ATT_DKV`];
+    /// `EDDY_CUDA_ATT_DKV` at start, [`Cuda::force_split_decode_attention`]).
+    att_dkv: AtomicU8,
+    /// `attention_dkv`'s blocks a multiprocessor ([`ATT_DKV_PER_SM`]; `EDDY_CUDA_ATT_DKV_SM` at start,
+    /// [`Cuda::force_split_decode_blocks`]).
+    att_dkv_per_sm: AtomicUsize,
+    /// `attention_dkv` launches queued since [`Cuda::new`] (tests: that it ran).
+    att_dkv_launches: AtomicU64,
     /// Blocks of the cluster a launch per KV head (`att_kv_min` queries on: verifies) of head dims 64 and 128
     /// runs as on `attention_kvc` without forced clusters or block counts, or 0: `attention_kv` as before
     /// ([`ATT_KVC_CLUSTER`]; `EDDY_CUDA_ATT_KVC` at start, [`Cuda::force_kv_cluster_attention`]). With forced
@@ -1471,6 +1512,8 @@ impl Cuda {
             attention_kvs: [get("attention_kvs_hd64")?, get("attention_kvs_hd128")?],
             attention_dec: [get("attention_dec_hd64")?, get("attention_dec_hd128")?],
             attention_dec_rope: [get("attention_dec_rope_hd64")?, get("attention_dec_rope_hd128")?],
+            attention_dkv: [get("attention_dkv_hd64")?, get("attention_dkv_hd128")?],
+            attention_dkv_rope: [get("attention_dkv_rope_hd64")?, get("attention_dkv_rope_hd128")?],
             attention_mma: [
                 [get("attention_mma_hd64")?, get("attention_mma_hd128")?, get("attention_mma_hd256")?],
                 [get("attention_mma3_hd64")?, get("attention_mma3_hd128")?, get("attention_mma3_hd256")?],
@@ -1611,6 +1654,9 @@ impl Cuda {
             att_cluster_all: AtomicBool::new(att_cluster.1),
             att_dec: AtomicBool::new(att_dec_from_env()),
             att_dec_launches: AtomicU64::new(0),
+            att_dkv: AtomicU8::new(att_dkv_from_env()),
+            att_dkv_per_sm: AtomicUsize::new(att_dkv_per_sm_from_env()),
+            att_dkv_launches: AtomicU64::new(0),
             att_kvc: AtomicUsize::new(att_kvc_from_env()),
             att_kvc_launches: AtomicU64::new(0),
             att_kvs: AtomicU8::new(att_kvs_from_env().into()),
@@ -1760,6 +1806,28 @@ impl Cuda {
     /// The results do not depend on it (the same operations in the same order); for tests and measurements.
     pub fn force_decode_attention(&self, on: Option<bool>) {
         self.att_dec.store(on.unwrap_or_else(att_dec_from_env), Ordering::Relaxed);
+    }
+
+    /// Run one-query launches that take the decode attention split over blocks per KV head (`attention_dkv`)
+    /// at every context (`Some(true)`) or in clusters per query head (`attention_dec`, `Some(false)`); `None`:
+    /// as `EDDY_CUDA_ATT_DKV` said at start (unset: [`ATT_DKV`], the split kernel from [`ATT_DKV_MIN_CHUNKS`]
+    /// chunks). The same bits either way; for tests and measurements.
+    pub fn force_split_decode_attention(&self, on: Option<bool>) {
+        let mode = on.map_or_else(att_dkv_from_env, |on| if on { 2 } else { 0 });
+        self.att_dkv.store(mode, Ordering::Relaxed);
+    }
+
+    /// `attention_dkv`'s grid: this many blocks a multiprocessor (1 to 8; fewer give each block more items and
+    /// an item more query heads); `None`: as `EDDY_CUDA_ATT_DKV_SM` said at start (unset: [`ATT_DKV_PER_SM`]).
+    pub fn force_split_decode_blocks(&self, per_sm: Option<usize>) {
+        let n = per_sm.unwrap_or_else(att_dkv_per_sm_from_env);
+        assert!((1..=8).contains(&n), "attention_dkv: 1 to 8 blocks a multiprocessor");
+        self.att_dkv_per_sm.store(n, Ordering::Relaxed);
+    }
+
+    /// Launches of `attention_dkv` queued since [`Cuda::new`] (tests: that it ran).
+    pub fn split_decode_launches(&self) -> u64 {
+        self.att_dkv_launches.load(Ordering::Relaxed)
     }
 
     /// Launches of the decode attention with the step's RoPE and cache store (`attention_dec_rope`) queued
@@ -2645,18 +2713,47 @@ impl Cuda {
         }
     }
 
-    /// The decode kernel and its cluster size for an attention launch per query head (`per_kv` false)
-    /// asking for clusters of `want`, if it runs it: head dims 64 and 128, caches of `k_len`, `v_len` values
-    /// (element offsets in 32 bits), a cluster of at least 2 that fits (its chunk records meet in the first
-    /// block's shared memory). `rope`: the variant with the step's RoPE and cache store.
-    fn att_dec_launch(&self, hd: usize, per_kv: bool, want: usize, k_len: usize, v_len: usize, rope: bool) -> Option<(Func, usize)> {
-        let di = [64, 128].iter().position(|&d| d == hd)?;
-        if per_kv || want < 2 || !self.att_dec.load(Ordering::Relaxed) || k_len.max(v_len) > i32::MAX as usize {
+    /// The decode kernel for an attention launch of `t` queries of shape `s` per query head (`per_kv` false)
+    /// seeing at most `keys` keys and asking for clusters of `want`, if it runs it: head dims 64 and 128, caches
+    /// of `k_len`, `v_len` values (element offsets in 32 bits); one query without forced clusters or block
+    /// counts on `attention_dkv` where [`Cuda::att_dkv`] says so, else on `attention_dec` in a cluster of at
+    /// least 2 that fits (its chunk records meet in the first block's shared memory). `rope`: the variant with
+    /// the step's RoPE and cache store. The choice depends on `keys`: a captured graph holds its launch's.
+    #[allow(clippy::too_many_arguments)]
+    fn att_dec_launch(
+        &self,
+        s: &AttnShape,
+        t: usize,
+        keys: usize,
+        per_kv: bool,
+        want: usize,
+        k_len: usize,
+        v_len: usize,
+        rope: bool,
+    ) -> Option<DecKernel> {
+        let di = [64, 128].iter().position(|&d| d == s.head_dim)?;
+        if per_kv || !self.att_dec.load(Ordering::Relaxed) || k_len.max(v_len) > i32::MAX as usize {
+            return None;
+        }
+        let split = t == 1
+            && match self.att_dkv.load(Ordering::Relaxed) {
+                0 => false,
+                1 => keys.div_ceil(ATT_CHUNK) >= ATT_DKV_MIN_CHUNKS,
+                _ => true,
+            }
+            && !self.att_cluster_all.load(Ordering::Relaxed)
+            && self.forced_att_blocks.load(Ordering::Relaxed) == 0;
+        if split {
+            let f = if rope { self.k.attention_dkv_rope[di] } else { self.k.attention_dkv[di] };
+            let blocks = (self.att_dkv_per_sm.load(Ordering::Relaxed) * self.sms).div_ceil(s.n_kv_heads).max(1);
+            return Some(DecKernel::Split(f, blocks));
+        }
+        if want < 2 {
             return None;
         }
         let f = if rope { self.k.attention_dec_rope[di] } else { self.k.attention_dec[di] };
         let c = self.fitting_cluster(f, ATT_THREADS, 0, want, false);
-        (c > 1).then_some((f, c))
+        (c > 1).then_some(DecKernel::Cluster(f, c))
     }
 
     /// `attention_kvc` and its cluster size for a launch of `t` queries of shape `s` per KV head (`per_kv`) over
@@ -2853,7 +2950,7 @@ impl Cuda {
         // `att_kv_min` queries too) on the decode kernel where it runs them.
         let dec = match rope {
             Some(r) => Some(r.launch),
-            None => self.att_dec_launch(s.head_dim, per_kv, want, k.len, v.len, false),
+            None => self.att_dec_launch(s, t, maxk, per_kv, want, k.len, v.len, false),
         };
         let kvc = if dec.is_none() { self.att_kvc_launch(s, t, per_kv, nmax, k.len.max(v.len), shared) } else { None };
         // A verify's whole committed chunks, once for all its queries, before `attention_kvc` takes the rest
@@ -2879,12 +2976,17 @@ impl Cuda {
             self.att_kvs_launches.fetch_add(1, Ordering::Relaxed);
             self.launch_smem(self.k.attention_kvs[di], (s.n_kv_heads, zs, splits), ATT_THREADS, att_kvs_smem(s.head_dim) as u32, ka);
         }
+        if dec.is_some() {
+            self.att_dec_launches.fetch_add(1, Ordering::Relaxed);
+            self.rope_att_launches.fetch_add(rope.is_some() as u64, Ordering::Relaxed);
+        }
+        if let Some(DecKernel::Split(fd, blocks)) = dec {
+            self.att_dkv_launches.fetch_add(1, Ordering::Relaxed);
+            self.launch_cluster(fd, (blocks, s.n_kv_heads, 1), ATT_THREADS, 0, 1, a);
+            return;
+        }
         let (f, cluster, smem) = match (dec, kvc) {
-            (Some((fd, c)), _) => {
-                self.att_dec_launches.fetch_add(1, Ordering::Relaxed);
-                self.rope_att_launches.fetch_add(rope.is_some() as u64, Ordering::Relaxed);
-                (fd, c, smem)
-            }
+            (Some(DecKernel::Cluster(fd, c)), _) => (fd, c, smem),
             (None, Some((fk, c, kb))) => {
                 self.att_kvc_launches.fetch_add(1, Ordering::Relaxed);
                 (fk, c, kb)
@@ -2946,7 +3048,7 @@ fn att_chunks(k_len: usize, kvd: usize, maxk: usize) -> usize {
 /// A decode step's RoPE and K/V cache store taken into its attention (`attention_dec_rope_hd*`): device
 /// addresses of the products' unrotated `k` row and its `v` row (`n_kv_heads·head_dim` f32 each), the query's
 /// position, the layer's (cos, sin) table ([`Cuda::rope_table`]) and rotated pairs, the pair layout, and the
-/// decode kernel and cluster size chosen for the launch.
+/// decode kernel chosen for the launch.
 #[derive(Clone, Copy)]
 struct RopeIn {
     k: u64,
@@ -2955,7 +3057,16 @@ struct RopeIn {
     tab: u64,
     half: usize,
     neox: bool,
-    launch: (Func, usize),
+    launch: DecKernel,
+}
+
+/// The decode attention kernel a one-query launch (or, with forced clusters, a launch per query head) runs.
+#[derive(Clone, Copy)]
+enum DecKernel {
+    /// `attention_dec[_rope]_hd*` in clusters of this many blocks per query head.
+    Cluster(Func, usize),
+    /// `attention_dkv[_rope]_hd*` on this many blocks per KV head (grid (blocks, KV heads)).
+    Split(Func, usize),
 }
 
 /// Fewest positions of a RoPE table ([`Cuda::rope_table`]).
@@ -3614,7 +3725,7 @@ impl Backend for Cuda {
                 let lo = shape.window.map_or(0, |w| (n_past + 1).saturating_sub(w));
                 let nmax = att_chunks(kc.len, kvd, n_past + 1 - lo);
                 let want = self.att_want_cluster(1, nmax);
-                self.att_dec_launch(hd, self.att_per_kv(&shape, 1), want, kc.len, vc.len, true)
+                self.att_dec_launch(&shape, 1, n_past + 1 - lo, self.att_per_kv(&shape, 1), want, kc.len, vc.len, true)
             })
             .flatten();
         let Some(launch) = launch else {
