@@ -17,7 +17,7 @@
 #![cfg(feature = "cuda")]
 
 use eddy::backend::cpu::{matmul_reference, quantize_activations, ThreadPool};
-use eddy::backend::cuda::{one_launch, Cuda, Form, GpuQ, GraphPlan, Plan, SyncProbe};
+use eddy::backend::cuda::{one_launch, split_decode_plan, Cuda, Form, GpuQ, GraphPlan, Plan, SyncProbe};
 use eddy::backend::{parity, Attend, AttnShape, Backend, Cpu, Rope, RopeMode, Visibility};
 use eddy::models::forward::{decode, decode_ahead, forward, forward_tree, take_ahead_id, Logits, Workspace};
 use eddy::quant::import::{quantize_f32, QuantKind};
@@ -189,6 +189,19 @@ fn graph_plan_captures_repeated_lists_and_replays_equal_ones() {
     let mut none: GraphPlan<Vec<u32>, ()> = GraphPlan::new(0);
     assert_eq!(none.decide(1, &a), Plan::Eager);
     assert_eq!(none.decide(1, &a), Plan::Eager);
+}
+
+/// The decode attention's kernel by depth (host side): by default `attention_dkv` from 17 chunks of 64 keys
+/// (1,025 keys) on, on ⌈2 × multiprocessors / KV heads⌉ blocks per KV head; mode 0 never, mode 2 from one key.
+#[test]
+fn split_decode_takes_contexts_past_a_cluster() {
+    assert_eq!(split_decode_plan(1, 1024, 2, 132, 2), None);
+    assert_eq!(split_decode_plan(1, 1025, 2, 132, 2), Some(132));
+    assert_eq!(split_decode_plan(1, 4500, 2, 132, 8), Some(33));
+    assert_eq!(split_decode_plan(1, 4500, 1, 132, 3), Some(44));
+    assert_eq!(split_decode_plan(0, 100_000, 2, 132, 2), None);
+    assert_eq!(split_decode_plan(2, 1, 2, 132, 2), Some(132));
+    assert_eq!(split_decode_plan(2, 1, 1, 1, 8), Some(1));
 }
 
 /// Without a driver or GPU, `Cuda::new` is an error that says so (no panic); with one, it names the GPU.

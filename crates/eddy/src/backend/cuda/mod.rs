@@ -300,6 +300,19 @@ const ATT_DKV_MIN_CHUNKS: usize = ATT_DECODE_CLUSTER + 1;
 /// ⌈this × multiprocessors / KV heads⌉ blocks per KV head.
 const ATT_DKV_PER_SM: usize = 2;
 
+/// Whether a decode step whose query sees `keys` keys runs `attention_dkv` under `mode` (0 nowhere, 1 from
+/// [`ATT_DKV_MIN_CHUNKS`] chunks of 64 keys, 2 always: [`ATT_DKV`]), and if so its grid's blocks per KV head:
+/// ⌈`per_sm` × `sms` / `n_kv_heads`⌉ (`per_sm` blocks on each of `sms` multiprocessors), at least 1. A function
+/// of the launch's shape and depth, so a captured graph holds the choice of its step.
+pub fn split_decode_plan(mode: u8, keys: usize, per_sm: usize, sms: usize, n_kv_heads: usize) -> Option<usize> {
+    let takes = match mode {
+        0 => false,
+        1 => keys.div_ceil(ATT_CHUNK) >= ATT_DKV_MIN_CHUNKS,
+        _ => true,
+    };
+    takes.then(|| (per_sm * sms).div_ceil(n_kv_heads.max(1)).max(1))
+}
+
 /// `EDDY_CUDA_ATT_DKV`: 0 runs decode steps' attention in clusters per query head (`attention_dec`), 1 on
 /// `attention_dkv` from [`ATT_DKV_MIN_CHUNKS`] chunks, 2 always; unset, [`ATT_DKV`].
 fn att_dkv_from_env() -> u8 {
@@ -2735,17 +2748,11 @@ impl Cuda {
         if per_kv || !self.att_dec.load(Ordering::Relaxed) || k_len.max(v_len) > i32::MAX as usize {
             return None;
         }
-        let split = t == 1
-            && match self.att_dkv.load(Ordering::Relaxed) {
-                0 => false,
-                1 => keys.div_ceil(ATT_CHUNK) >= ATT_DKV_MIN_CHUNKS,
-                _ => true,
-            }
-            && !self.att_cluster_all.load(Ordering::Relaxed)
-            && self.forced_att_blocks.load(Ordering::Relaxed) == 0;
-        if split {
+        let free = t == 1 && !self.att_cluster_all.load(Ordering::Relaxed) && self.forced_att_blocks.load(Ordering::Relaxed) == 0;
+        let per_sm = self.att_dkv_per_sm.load(Ordering::Relaxed);
+        if let Some(blocks) = split_decode_plan(self.att_dkv.load(Ordering::Relaxed), keys, per_sm, self.sms, s.n_kv_heads).filter(|_| free)
+        {
             let f = if rope { self.k.attention_dkv_rope[di] } else { self.k.attention_dkv[di] };
-            let blocks = (self.att_dkv_per_sm.load(Ordering::Relaxed) * self.sms).div_ceil(s.n_kv_heads).max(1);
             return Some(DecKernel::Split(f, blocks));
         }
         if want < 2 {
