@@ -681,8 +681,8 @@ fn fitted_norm_kernels_equal_the_8_group_one() {
 /// product of its quantization and both whole caches bit for bit; head dims 64 and 128, both pairings, partial
 /// rotation, groups of 7, 6, 16 and 1 query heads per KV head, windows and soft-caps, one chunk, several (the
 /// cluster kernel's blocks walking two, records of chunks 16 and 17 through memory; the split kernel's past 64
-/// chunks), repeated; launches it does not take (several queries, head dim 256, no rotation) fall back to the
-/// two operations.
+/// chunks; with one block a multiprocessor, blocks taking several items), repeated; launches it does not take
+/// (several queries, head dim 256, no rotation) fall back to the two operations.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn decode_rope_inside_attention_equals_rope_store() {
@@ -716,9 +716,10 @@ fn decode_rope_inside_attention_equals_rope_store() {
             let positions: Vec<usize> = (n_past..n_past + t).collect();
             let what = format!("{n_heads}/{n_kv_heads} heads, hd {hd}, {mode:?} {rot}, window {window:?}, n_past {n_past}, {t} queries");
             let mut results = Vec::new();
-            for (fused, split, runs) in [(false, false, 1), (true, true, 4), (true, false, 2)] {
+            for (fused, split, per_sm, runs) in [(false, false, 2, 1), (true, true, 2, 4), (true, true, 1, 2), (true, false, 2, 2)] {
                 be.force_fused_rope(Some(fused));
                 be.force_split_decode_attention(Some(split));
+                be.force_split_decode_blocks(Some(per_sm));
                 let vb = be.upload(&v);
                 let (mut kcb, mut vcb) = (be.upload(&kc), be.upload(&vc));
                 let (mut out, mut xq) = (be.alloc(t * qd), be.new_qact());
@@ -746,6 +747,7 @@ fn decode_rope_inside_attention_equals_rope_store() {
                 }
             }
             be.force_split_decode_attention(None);
+            be.force_split_decode_blocks(None);
             let (a, b) = (&results[0], &results[1]);
             assert!(a.0 == b.0, "{what}: attention outputs differ");
             assert!(a.1 == b.1, "{what}: the next product of the quantized outputs differs");
@@ -765,13 +767,16 @@ fn decode_rope_inside_attention_equals_rope_store() {
 /// bit; groups of 1, 6, 7, 8 and 16 query heads per KV head (items of every divisor of the group up to 8),
 /// head dims 64 and 128, windows and soft-caps, contexts of one key, of a chunk and one key, of one chunk for
 /// each block and of more chunks than blocks (items walked in turn; the combination's weights reloaded past 64
-/// chunks), grids of 1, 2 and 8 blocks a multiprocessor, a tree node's keys partly listed by path, repeated (a
+/// chunks, and at 3,000 keys a second pass over the combination's outputs on the first 64 chunks' weights; at
+/// 8,300 keys three windows of weights), grids of 1, 2 and 8 blocks a multiprocessor, a tree node's keys partly
+/// listed by path, repeated (a
 /// fault that depends on which block finishes a head group last differs between repeats); and by default only
 /// from 17 chunks on.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn split_decode_attention_equals_attention() {
     let be = gpu();
+    let sm90 = be.compute_capability().0 >= 9; // (the split kernel runs on sm_90 and later only)
     let mut rng = Rng(29);
     let cases = [
         // (heads, kv heads, hd, window, softcap, n_past)
@@ -783,8 +788,10 @@ fn split_decode_attention_equals_attention() {
         (8, 1, 128, None, None, 1100),
         (16, 1, 64, None, None, 1100),
         (12, 12, 128, None, None, 700),
+        (12, 2, 128, None, None, 3000),
         (12, 2, 128, None, None, 4500),
         (14, 2, 64, None, None, 4500),
+        (16, 2, 64, None, None, 8300),
     ];
     let chain = TreePaths::chain(3);
     for (n_heads, n_kv_heads, hd, window, softcap, n_past) in cases {
@@ -825,7 +832,7 @@ fn split_decode_attention_equals_attention() {
                     assert!(got.0 == want.0, "{what}, {view}, {per_sm} blocks a multiprocessor, run {r}: outputs differ");
                     assert!(got.1 == want.1, "{what}, {view}, {per_sm} blocks a multiprocessor, run {r}: next product differs");
                     let ran = be.split_decode_launches() - before;
-                    assert!(ran == u64::from(hd <= 128), "{what}: {ran} launches of attention_dkv");
+                    assert!(ran == u64::from(hd <= 128 && sm90), "{what}: {ran} launches of attention_dkv");
                 }
             }
         }
@@ -836,7 +843,7 @@ fn split_decode_attention_equals_attention() {
         assert!(run(n_past, Visibility::Causal) == want, "{what}: the default decode kernel differs");
         let ran = be.split_decode_launches() - before;
         let keys = window.map_or(n_past + 1, |w| w.min(n_past + 1));
-        assert!(ran == u64::from(hd <= 128 && keys.div_ceil(64) >= 17), "{what}: {ran} default launches of attention_dkv");
+        assert!(ran == u64::from(hd <= 128 && sm90 && keys.div_ceil(64) >= 17), "{what}: {ran} default launches of attention_dkv");
     }
     be.force_decode_attention(None);
 }

@@ -3239,7 +3239,8 @@ ATT_DEC_FAMILY(attention_dec, attention_dec_impl, 128)
 // `vraw`; the item of the last chunk and head group 0 stores them). The output quantized by the warp of 32
 // output values as `attention`'s.
 // Registers and shared memory are sized to run two blocks a multiprocessor next to the kernel before it (as
-// `attention_dec`, 128 registers and ≈ 12 KB): a thread holds its key quarter (32 values at HD 128), while its
+// `attention_dec`, 128 registers and ≈ 12 KB; a larger grid runs in waves, no block waits for another but at
+// the counter): a thread holds its key quarter (32 values at HD 128), while its
 // values are prefetched into L2 with the keys and loaded into registers once the scores are done; the score
 // quarters, the output parts and the combination's weights share one array.
 #define ATT_DKV_MAXG(HD) ((HD) == 64 ? 8 : 6)
@@ -3363,7 +3364,8 @@ __device__ __forceinline__ void attention_dkv_impl(const float* __restrict__ q, 
                 sp(h, qt, j) = p;
             }
         }
-        // This thread's values (from L2: prefetched with the keys), in flight over the softmax.
+        // This thread's values (from L2: prefetched with the keys), in flight over the softmax (offs past cnt are
+        // stale and not used).
         float vv[VPT];
 #pragma unroll
         for (int u = 0; u < VPT; ++u) {

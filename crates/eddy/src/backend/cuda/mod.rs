@@ -387,7 +387,8 @@ fn norm_fit_from_env() -> bool {
     env_setting("EDDY_CUDA_NORM_FIT", "0 or 1", |d: &u8| *d <= 1).map_or(NORM_FIT, |d| d == 1)
 }
 
-/// `EDDY_CUDA_ATT_DEC`: 0 puts decode steps' attention back on `attention` (an A/B); unset or 1, `attention_dec`.
+/// `EDDY_CUDA_ATT_DEC`: 0 puts decode steps' attention back on `attention` (an A/B; `attention_dkv` too); unset or
+/// 1, `attention_dec` (and `attention_dkv` where [`Cuda::att_dkv`] says).
 fn att_dec_from_env() -> bool {
     env_setting("EDDY_CUDA_ATT_DEC", "0 or 1", |d: &u8| *d <= 1).is_none_or(|d| d == 1)
 }
@@ -2748,7 +2749,12 @@ impl Cuda {
         if per_kv || !self.att_dec.load(Ordering::Relaxed) || k_len.max(v_len) > i32::MAX as usize {
             return None;
         }
-        let free = t == 1 && !self.att_cluster_all.load(Ordering::Relaxed) && self.forced_att_blocks.load(Ordering::Relaxed) == 0;
+        // sm_90 only, as the cluster kernel: the one measured and tested (its compute_80 PTX would run, but no GPU
+        // below 9.0 has run it).
+        let free = t == 1
+            && self.capability.0 >= 9
+            && !self.att_cluster_all.load(Ordering::Relaxed)
+            && self.forced_att_blocks.load(Ordering::Relaxed) == 0;
         let per_sm = self.att_dkv_per_sm.load(Ordering::Relaxed);
         if let Some(blocks) = split_decode_plan(self.att_dkv.load(Ordering::Relaxed), keys, per_sm, self.sms, s.n_kv_heads).filter(|_| free)
         {
