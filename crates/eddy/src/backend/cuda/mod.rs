@@ -299,6 +299,9 @@ const ATT_DKV_MIN_CHUNKS: usize = ATT_DECODE_CLUSTER + 1;
 /// Blocks a multiprocessor of `attention_dkv`'s grid by default ([`Cuda::att_dkv_per_sm`]): the grid is
 /// ⌈this × multiprocessors / KV heads⌉ blocks per KV head.
 const ATT_DKV_PER_SM: usize = 2;
+/// The blocks a multiprocessor `attention_dkv`'s grid may be given (`EDDY_CUDA_ATT_DKV_SM`,
+/// [`Cuda::force_split_decode_blocks`]).
+const ATT_DKV_SM_RANGE: std::ops::RangeInclusive<usize> = 1..=8;
 
 /// Whether a decode step whose query sees `keys` keys runs `attention_dkv` under `mode` (0 nowhere, 1 from
 /// [`ATT_DKV_MIN_CHUNKS`] chunks of 64 keys, 2 always: [`ATT_DKV`]), and if so its grid's blocks per KV head:
@@ -321,7 +324,7 @@ fn att_dkv_from_env() -> u8 {
 
 /// `EDDY_CUDA_ATT_DKV_SM`: `attention_dkv`'s blocks a multiprocessor, 1 to 8; unset, [`ATT_DKV_PER_SM`].
 fn att_dkv_per_sm_from_env() -> usize {
-    env_setting("EDDY_CUDA_ATT_DKV_SM", "1 to 8", |d: &usize| (1..=8).contains(d)).unwrap_or(ATT_DKV_PER_SM)
+    env_setting("EDDY_CUDA_ATT_DKV_SM", "1 to 8", |d: &usize| ATT_DKV_SM_RANGE.contains(d)).unwrap_or(ATT_DKV_PER_SM)
 }
 
 /// `EDDY_CUDA_ATT_CLUSTER`: 2 to 16, clusters of that size for every attention launch; 0 or 1, none; unset,
@@ -1835,7 +1838,7 @@ impl Cuda {
     /// an item more query heads); `None`: as `EDDY_CUDA_ATT_DKV_SM` said at start (unset: [`ATT_DKV_PER_SM`]).
     pub fn force_split_decode_blocks(&self, per_sm: Option<usize>) {
         let n = per_sm.unwrap_or_else(att_dkv_per_sm_from_env);
-        assert!((1..=8).contains(&n), "attention_dkv: 1 to 8 blocks a multiprocessor");
+        assert!(ATT_DKV_SM_RANGE.contains(&n), "attention_dkv: 1 to 8 blocks a multiprocessor");
         self.att_dkv_per_sm.store(n, Ordering::Relaxed);
     }
 
