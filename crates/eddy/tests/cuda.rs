@@ -1209,8 +1209,10 @@ fn parts_of_different_forms_share_a_launch() {
                             }
                         }
                     }
-                    // Code widths alone never split a launch; packings and epilogues only up to one token.
-                    let shared = same_packing || n == 1;
+                    // Code widths alone never split a launch; packings and epilogues only up to one token. With
+                    // the joint launches off, parts of one form still pair (the second case's q/k); on, the
+                    // third case's two parts of 8-bit codes pair on the dp4a kernels (2–4 tokens).
+                    let shared = same_packing || n == 1 || (name == "Q6_K, Q4_K, Q5_0" && n <= 4);
                     assert_eq!(
                         queued[1] < queued[0],
                         shared,
@@ -1240,16 +1242,17 @@ fn one_launch_groups_what_the_kernels_take_per_part() {
     let (q5, q8) = (f(false, false, 16, false), f(false, false, 128, false));
     let (q4k, q6k) = (f(true, false, 8, true), f(false, true, 32, false));
     for n in [1usize, 2, 4, 5, 16, 64, 200] {
-        assert!(one_launch(&[q5, q5, q8], n, 4, true), "code widths, n = {n}");
-        assert!(!one_launch(&[q5, q5, q8], n, 4, false), "code widths with joint launches off, n = {n}");
-        assert!(one_launch(&[q5, q5], n, 4, false), "one form, n = {n}");
-        assert_eq!(one_launch(&[q4k, q4k, q6k], n, 4, true), n == 1, "packings, n = {n}");
-        assert_eq!(one_launch(&[q6k, f(false, false, 32, false)], n, 4, true), n <= 4, "epilogues, n = {n}");
-        assert!(!one_launch(&[q5, Form { cols: 1536, ..q5 }], n, 4, true), "widths, n = {n}");
-        assert!(!one_launch(&[q5, Form { rotation: 7, ..q5 }], n, 4, true), "rotations, n = {n}");
-        assert!(!one_launch(&[q5], n, 4, true) && !one_launch(&[q5; 4], n, 4, true), "part counts, n = {n}");
+        assert!(one_launch(&[q5, q5, q8], n, n <= 4, true), "code widths, n = {n}");
+        assert!(!one_launch(&[q5, q5, q8], n, n <= 4, false), "code widths with joint launches off, n = {n}");
+        assert!(one_launch(&[q5, q5], n, n <= 4, false), "one form, n = {n}");
+        assert_eq!(one_launch(&[q4k, q4k, q6k], n, n <= 4, true), n == 1, "packings, n = {n}");
+        assert_eq!(one_launch(&[q6k, f(false, false, 32, false)], n, n <= 4, true), n <= 4, "epilogues, n = {n}");
+        assert!(!one_launch(&[q5, Form { cols: 1536, ..q5 }], n, n <= 4, true), "widths, n = {n}");
+        assert!(!one_launch(&[q5, Form { rotation: 7, ..q5 }], n, n <= 4, true), "rotations, n = {n}");
+        assert!(!one_launch(&[q5], n, n <= 4, true) && !one_launch(&[q5; 4], n, n <= 4, true), "part counts, n = {n}");
     }
-    assert!(!one_launch(&[q5, q5], 0, 4, true), "no tokens");
+    assert!(one_launch(&[q6k, f(false, false, 32, false)], 16, true, true), "epilogues on the dp4a kernels past 4 tokens");
+    assert!(!one_launch(&[q5, q5], 0, true, true), "no tokens");
 }
 
 /// A product's launch as the tests force it: split, row blocks, warps a `mm_qv` tile, tiled, `mm_qv` cluster.
@@ -1950,9 +1953,12 @@ fn decode_and_verify_timing() {
         assert_eq!(ws.ids.len(), n, "one id per node");
         println!("{file}: device argmax: {n}-node verify {:.3} ms ({:.2}× a decode step)", 1e3 * dv, dv / da);
     }
-    let toks: Vec<u32> = prompt.iter().cycle().take(16).copied().collect();
-    let chain = TreePaths::chain(16);
-    kernel_census(&be, &format!("{file}: 16-node verify, device argmax"), &mut || {
+    // The census's verify size: 16 nodes, or `$EDDY_CUDA_CENSUS_NODES`.
+    let cn =
+        std::env::var("EDDY_CUDA_CENSUS_NODES").map_or(16, |v| v.trim().parse::<usize>().expect("EDDY_CUDA_CENSUS_NODES: a node count"));
+    let toks: Vec<u32> = prompt.iter().cycle().take(cn).copied().collect();
+    let chain = TreePaths::chain(cn);
+    kernel_census(&be, &format!("{file}: {cn}-node verify, device argmax"), &mut || {
         forward_tree(&gm, &be, &mut ws, &mut st, &toks, &chain, 0, &mut logits).unwrap();
     });
     // A 16-node tree of a DFlash round's form (two children at each of the first depths, then a chain),

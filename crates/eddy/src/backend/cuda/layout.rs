@@ -116,11 +116,11 @@ pub struct Form {
 /// (`Backend::matmul_parts`): the kernels take each part's `half` (packed a byte a part), group-16 flag and
 /// offsets per part, so only what is a template parameter of the kernel that runs `n` tokens must agree —
 /// nothing for one token (`mm_q3x_t1*` picks each part's code packing by a branch uniform over the block),
-/// the code packing up to `dp4a_max` tokens, the packing and the epilogue form (group-16 scales, explicit
-/// offsets) on the tensor cores. Width and input rotation always. With `mixed` off, parts must agree in
-/// everything (the launches before session 38; `EDDY_CUDA_JOINT=1` turns `mixed` on). Each part's outputs are computed
+/// the code packing on the `dp4a` kernels (`dp4a`: the launch runs on them), the packing and the epilogue form
+/// (group-16 scales, explicit offsets) on the tensor cores. Width and input rotation always. With `mixed` off,
+/// parts must agree in everything (the launches before session 38; `EDDY_CUDA_JOINT=1` turns `mixed` on). Each part's outputs are computed
 /// exactly as its own launch computes them, so the grouping does not change a bit.
-pub fn one_launch(parts: &[Form], n: usize, dp4a_max: usize, mixed: bool) -> bool {
+pub fn one_launch(parts: &[Form], n: usize, dp4a: bool, mixed: bool) -> bool {
     let Some(a) = parts.first() else { return false };
     if !(2..=3).contains(&parts.len()) || n == 0 {
         return false;
@@ -133,7 +133,7 @@ pub fn one_launch(parts: &[Form], n: usize, dp4a_max: usize, mixed: bool) -> boo
                 b == a
             } else if n == 1 {
                 true
-            } else if n <= dp4a_max {
+            } else if dp4a {
                 b.packed4 == a.packed4
             } else {
                 b.packed4 == a.packed4 && b.g16 == a.g16 && b.explicit == a.explicit

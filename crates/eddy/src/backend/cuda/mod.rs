@@ -1303,8 +1303,11 @@ pub struct Cuda {
     /// Most tokens of a quantized product on the `dp4a` kernels: `DP4A_MAX`, or `EDDY_CUDA_DP4A_MAX` (1 to 8;
     /// to measure the crossover).
     dp4a_max: usize,
+    /// Whether `matmul_parts` runs two of three parts in one launch where all three cannot share one
+    /// (`EDDY_CUDA_PAIR=0`: each part alone then).
+    pair_parts: bool,
     /// Whether products of 5+ tokens run on `mm_qt*`: 0 by the launch's size (from `qt_min` tokens), 1 never,
-    /// 2 always where the width allows ([`Cuda::force_tiled_products`]).
+    /// 2 always where the width allows (`EDDY_CUDA_QT` at start, [`Cuda::force_tiled_products`]).
     forced_tiled: AtomicUsize,
     /// Fewest tokens on `mm_qt*` (`QT_MIN`, or `EDDY_CUDA_QT_MIN`).
     qt_min: usize,
@@ -1693,7 +1696,8 @@ impl Cuda {
             }),
             persist,
             dp4a_max: env_setting("EDDY_CUDA_DP4A_MAX", "1 to 8", |m: &usize| (1..=MM_TT).contains(m)).unwrap_or(DP4A_MAX),
-            forced_tiled: AtomicUsize::new(0),
+            pair_parts: std::env::var("EDDY_CUDA_PAIR").map_or(true, |v| v != "0"),
+            forced_tiled: AtomicUsize::new(env_setting("EDDY_CUDA_QT", "0, 1 or 2", |t: &usize| *t <= 2).unwrap_or(0)),
             qt_min: env_setting("EDDY_CUDA_QT_MIN", "a token count", |_: &usize| true).unwrap_or(QT_MIN),
             prefill_qp: AtomicBool::new(std::env::var("EDDY_CUDA_QP").map_or(true, |v| v != "0")),
             prefill_fa: AtomicUsize::new(
@@ -3364,7 +3368,31 @@ impl Backend for Cuda {
             })
             .collect();
         let forms: Vec<Form> = qs.iter().map(|q| form(q)).collect();
-        if qs.len() != parts.len() || !one_launch(&forms, n, self.dp4a_max, self.joint.load(Ordering::Relaxed)) {
+        let dp4a = n <= self.dp4a_max;
+        let joint = self.joint.load(Ordering::Relaxed);
+        if qs.len() != parts.len() || !one_launch(&forms, n, dp4a, joint) {
+            // Three parts that cannot share a launch: two of them that can in one (a verify's q and k beside a
+            // v of another code width), the third alone.
+            let pair = |i: usize, j: usize| one_launch(&[forms[i], forms[j]], n, dp4a, joint);
+            if self.pair_parts && qs.len() == 3 && parts.len() == 3 {
+                if let Some((i, j)) = [(0, 1), (0, 2), (1, 2)].into_iter().find(|&(i, j)| pair(i, j)) {
+                    // Parts i, j to the front, the third last: the launches write disjoint outputs, so their
+                    // order does not matter.
+                    match (i, j) {
+                        (0, 1) => {}
+                        (0, _) => parts.swap(1, 2),
+                        _ => {
+                            parts.swap(0, 1);
+                            parts.swap(1, 2);
+                        }
+                    }
+                    let (two, rest) = parts.split_at_mut(2);
+                    self.matmul_parts(two, x, xq, n);
+                    let (w, bias, out) = &mut rest[0];
+                    self.matmul_bias(w, x, xq, n, *bias, out);
+                    return;
+                }
+            }
             for (w, bias, out) in parts.iter_mut() {
                 self.matmul_bias(w, x, xq, n, *bias, out);
             }
@@ -3389,8 +3417,8 @@ impl Backend for Cuda {
         let mut blocks = 0;
         let all_rows: usize = qs.iter().map(|q| q.rows).sum();
         let prefill = self.prefill_products(n);
-        let tiled = n > self.dp4a_max && !prefill && self.tiled_for(n, all_rows, q0.cols);
-        let tile_rows = if n <= self.dp4a_max {
+        let tiled = !dp4a && !prefill && self.tiled_for(n, all_rows, q0.cols);
+        let tile_rows = if dp4a {
             MM_ROWS
         } else if prefill {
             QP_ROWS
@@ -3415,7 +3443,7 @@ impl Backend for Cuda {
             a = a.p(0).p(0).p(0).i(0).p(0).p(0);
         }
         let p = if q0.packed4 { 0 } else { 1 };
-        if n <= self.dp4a_max {
+        if dp4a {
             let (ti, tt) = Self::dp4a_tile(n);
             let deep = self.t1_deep(n, q0.cols);
             let f = match (mixed_packing, deep) {
