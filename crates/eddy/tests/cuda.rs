@@ -17,7 +17,7 @@
 #![cfg(feature = "cuda")]
 
 use eddy::backend::cpu::{matmul_reference, quantize_activations, ThreadPool};
-use eddy::backend::cuda::{one_launch, split_decode_plan, Cuda, Form, GpuQ, GraphPlan, Plan, SyncProbe};
+use eddy::backend::cuda::{one_launch, pair_first, split_decode_plan, Cuda, Form, GpuQ, GraphPlan, Plan, SyncProbe};
 use eddy::backend::{parity, Attend, AttnShape, Backend, Cpu, Rope, RopeMode, Visibility};
 use eddy::models::forward::{decode, decode_ahead, forward, forward_tree, take_ahead_id, Logits, Workspace};
 use eddy::quant::import::{quantize_f32, QuantKind};
@@ -1130,8 +1130,8 @@ fn multi_token_products_equal_the_one_token_kernel() {
 /// Parts of different forms in one `matmul_parts` launch (the 0.5B's Q5_0 q/k beside its Q8_0 v: code widths;
 /// the 1.5B's Q4_K q/k beside its Q6_K v: packings and epilogues): every part's outputs equal its own product's
 /// bit for bit, for one token (`mm_q3x_t1*`, loads 2 and 4 blocks deep), the `dp4a` tiles, the tensor-core
-/// kernels of every launch shape and prefill runs; and the launch is one where [`one_launch`] says so (fewer
-/// operations queued than a launch per part), a launch per part otherwise.
+/// kernels of every launch shape and prefill runs; and the joint launches queue fewer operations than parts of
+/// one form alone (which still pair) exactly where [`one_launch`] lets parts of different forms share one.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn parts_of_different_forms_share_a_launch() {
@@ -1143,13 +1143,15 @@ fn parts_of_different_forms_share_a_launch() {
     let q8: Part = (8, 32, false, Scales::F16);
     let q4k: Part = (4, 32, true, Scales::SuperI8);
     let q6k: Part = (6, 16, false, Scales::SuperI8);
-    let cases: [(&str, [Part; 3], bool); 3] = [
-        ("Q5_0 q/k, Q8_0 v", [q5, q5, q8], true),
-        ("Q4_K q/k, Q6_K v", [q4k, q4k, q6k], false),
-        ("Q6_K, Q4_K, Q5_0", [q6k, q4k, q5], false),
+    // (name, forms, all of one packing, two of another form than each other that pair on the dp4a kernels)
+    let cases: [(&str, [Part; 3], bool, bool); 3] = [
+        ("Q5_0 q/k, Q8_0 v", [q5, q5, q8], true, false),
+        ("Q4_K q/k, Q6_K v", [q4k, q4k, q6k], false, false),
+        ("Q6_K, Q4_K, Q5_0", [q6k, q4k, q5], false, true),
     ];
+    be.force_pair_parts(Some(true));
     for cols in [896usize, 8960] {
-        for (name, forms, same_packing) in cases {
+        for (name, forms, same_packing, dp4a_pair) in cases {
             let ws: Vec<_> = rows_of
                 .iter()
                 .zip(forms)
@@ -1209,14 +1211,14 @@ fn parts_of_different_forms_share_a_launch() {
                             }
                         }
                     }
-                    // Code widths alone never split a launch; packings and epilogues only up to one token. With
-                    // the joint launches off, parts of one form still pair (the second case's q/k); on, the
-                    // third case's two parts of 8-bit codes pair on the dp4a kernels (2–4 tokens).
-                    let shared = same_packing || n == 1 || (name == "Q6_K, Q4_K, Q5_0" && n <= 4);
+                    // Code widths alone never split a launch; packings only for one token, epilogues on the dp4a
+                    // kernels too. With the joint launches off, parts of one form still pair (the second case's
+                    // q/k); on, the third case's two parts of one code packing pair on the dp4a kernels.
+                    let shared = same_packing || n == 1 || (dp4a_pair && n <= be.dp4a_tokens());
                     assert_eq!(
                         queued[1] < queued[0],
                         shared,
-                        "{name} {cols} columns, n = {n}, launch {shape:?}: {} operations queued joint, {} a part each",
+                        "{name} {cols} columns, n = {n}, launch {shape:?}: {} operations queued joint, {} with one form a launch",
                         queued[1],
                         queued[0]
                     );
@@ -1226,6 +1228,7 @@ fn parts_of_different_forms_share_a_launch() {
     }
     be.force_decode_unroll(None);
     be.force_joint_parts(None);
+    be.force_pair_parts(None);
     be.force_product_launch(None, None);
     be.force_verify_products(None);
     be.force_verify_clusters(None);
@@ -1234,8 +1237,8 @@ fn parts_of_different_forms_share_a_launch() {
 }
 
 /// Which parts share a `matmul_parts` launch ([`one_launch`]): code widths (`half`) for every token count,
-/// packings and epilogue forms for one token only, never different widths or input rotations; everything
-/// must agree with the joint launches off.
+/// packings for one token only, epilogue forms on the `dp4a` kernels too, never different widths or input
+/// rotations; everything must agree with the joint launches off.
 #[test]
 fn one_launch_groups_what_the_kernels_take_per_part() {
     let f = |packed4: bool, g16: bool, half: i32, explicit: bool| Form { cols: 896, packed4, g16, half, explicit, rotation: 0 };
@@ -1253,6 +1256,16 @@ fn one_launch_groups_what_the_kernels_take_per_part() {
     }
     assert!(one_launch(&[q6k, f(false, false, 32, false)], 16, true, true), "epilogues on the dp4a kernels past 4 tokens");
     assert!(!one_launch(&[q5, q5], 0, true, true), "no tokens");
+    // Where three parts cannot share a launch, a pair runs first and the third alone, then the caller's order
+    // comes back.
+    for (i, j) in [(0usize, 1usize), (0, 2), (1, 2)] {
+        let mut parts = ['a', 'b', 'c'];
+        pair_first(&mut parts, (i, j), false);
+        let k = 3 - i - j;
+        assert_eq!(parts, [['a', 'b', 'c'][i], ['a', 'b', 'c'][j], ['a', 'b', 'c'][k]], "pair ({i}, {j}) first");
+        pair_first(&mut parts, (i, j), true);
+        assert_eq!(parts, ['a', 'b', 'c'], "pair ({i}, {j}) back");
+    }
 }
 
 /// A product's launch as the tests force it: split, row blocks, warps a `mm_qv` tile, tiled, `mm_qv` cluster.

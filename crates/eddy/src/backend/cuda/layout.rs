@@ -94,6 +94,21 @@ impl GpuQ {
     }
 }
 
+/// Puts parts `i` and `j` (`i < j < 3`) of a three-part `Backend::matmul_parts` first and the third last, in
+/// that order, so that the pair can run as one launch ([`one_launch`]); `back` undoes it.
+///
+/// # Panics
+/// If `parts` does not hold three parts or the pair is not `i < j < 3`.
+pub fn pair_first<T>(parts: &mut [T], (i, j): (usize, usize), back: bool) {
+    assert!(parts.len() == 3 && i < j && j < 3, "a pair i < j of three parts");
+    match (i, j, back) {
+        (0, 1, _) => {}
+        (0, _, _) => parts.swap(1, 2),
+        (_, _, false) => parts.rotate_left(1),
+        (_, _, true) => parts.rotate_right(1),
+    }
+}
+
 /// What the product kernels need to know of a matrix's GPU layout to run it beside others in one launch
 /// ([`one_launch`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,8 +133,8 @@ pub struct Form {
 /// nothing for one token (`mm_q3x_t1*` picks each part's code packing by a branch uniform over the block),
 /// the code packing on the `dp4a` kernels (`dp4a`: the launch runs on them), the packing and the epilogue form
 /// (group-16 scales, explicit offsets) on the tensor cores. Width and input rotation always. With `mixed` off,
-/// parts must agree in everything (the launches before session 38; `EDDY_CUDA_JOINT=1` turns `mixed` on). Each part's outputs are computed
-/// exactly as its own launch computes them, so the grouping does not change a bit.
+/// parts must agree in everything (the launches before session 38; `EDDY_CUDA_JOINT=1` turns `mixed` on). Each
+/// part's outputs are computed exactly as its own launch computes them, so the grouping does not change a bit.
 pub fn one_launch(parts: &[Form], n: usize, dp4a: bool, mixed: bool) -> bool {
     let Some(a) = parts.first() else { return false };
     if !(2..=3).contains(&parts.len()) || n == 0 {

@@ -30,7 +30,7 @@ mod graph;
 mod layout;
 
 pub use graph::{GraphPlan, Plan};
-pub use layout::{one_launch, Form, GpuQ};
+pub use layout::{one_launch, pair_first, Form, GpuQ};
 
 use super::{Activation, Attend, AttnShape, Backend, Cols, GdnShape, Rope, RopeMode, Visibility, AHEAD_IN_FLIGHT};
 use crate::error::{Error, Result};
@@ -267,6 +267,17 @@ fn env_setting<T: std::str::FromStr>(name: &str, takes: &str, ok: impl Fn(&T) ->
 /// Whether `matmul_parts` groups parts of different forms by default ([`one_launch`]): measured on an H100 in
 /// session 38 (docs/cuda.md, "Three defaults measured"): the 0.5B's decode step −5 %, the 1.5B's −5 %.
 const JOINT_PARTS: bool = true;
+
+/// `EDDY_CUDA_PAIR`: 0, `matmul_parts` runs each part alone where its parts cannot all share one launch; unset or
+/// anything else, two that can share one ([`Cuda::force_pair_parts`]).
+fn pair_from_env() -> bool {
+    std::env::var("EDDY_CUDA_PAIR").map_or(true, |v| v != "0")
+}
+
+/// `EDDY_CUDA_QT`: `Cuda::forced_tiled`'s start value (0 by the launch's size, 1 never, 2 always).
+fn tiled_from_env() -> usize {
+    env_setting("EDDY_CUDA_QT", "0, 1 or 2", |t: &usize| *t <= 2).unwrap_or(0)
+}
 
 /// `EDDY_CUDA_JOINT`: 1, parts of different forms in one launch where the kernels allow it; 0, only parts of
 /// one form; unset, [`JOINT_PARTS`].
@@ -1304,8 +1315,8 @@ pub struct Cuda {
     /// to measure the crossover).
     dp4a_max: usize,
     /// Whether `matmul_parts` runs two of three parts in one launch where all three cannot share one
-    /// (`EDDY_CUDA_PAIR=0`: each part alone then).
-    pair_parts: bool,
+    /// (`EDDY_CUDA_PAIR=0` at start, [`Cuda::force_pair_parts`]: each part alone then).
+    pair_parts: AtomicBool,
     /// Whether products of 5+ tokens run on `mm_qt*`: 0 by the launch's size (from `qt_min` tokens), 1 never,
     /// 2 always where the width allows (`EDDY_CUDA_QT` at start, [`Cuda::force_tiled_products`]).
     forced_tiled: AtomicUsize,
@@ -1696,8 +1707,8 @@ impl Cuda {
             }),
             persist,
             dp4a_max: env_setting("EDDY_CUDA_DP4A_MAX", "1 to 8", |m: &usize| (1..=MM_TT).contains(m)).unwrap_or(DP4A_MAX),
-            pair_parts: std::env::var("EDDY_CUDA_PAIR").map_or(true, |v| v != "0"),
-            forced_tiled: AtomicUsize::new(env_setting("EDDY_CUDA_QT", "0, 1 or 2", |t: &usize| *t <= 2).unwrap_or(0)),
+            pair_parts: AtomicBool::new(pair_from_env()),
+            forced_tiled: AtomicUsize::new(tiled_from_env()),
             qt_min: env_setting("EDDY_CUDA_QT_MIN", "a token count", |_: &usize| true).unwrap_or(QT_MIN),
             prefill_qp: AtomicBool::new(std::env::var("EDDY_CUDA_QP").map_or(true, |v| v != "0")),
             prefill_fa: AtomicUsize::new(
@@ -2012,10 +2023,11 @@ impl Cuda {
     }
 
     /// Run every quantized product of 5+ tokens on the large-tile kernels `mm_qt*` (`Some(true)`, where the row
-    /// has at most `QT_MAXB` blocks of 32), never (`Some(false)`), or from `QT_MIN` tokens (`None`, the
-    /// default). The results do not depend on it (batch invariance); for tests and measurements.
+    /// has at most `QT_MAXB` blocks of 32), never (`Some(false)`), or as `EDDY_CUDA_QT` said at start (`None`;
+    /// unset: from `QT_MIN` tokens). The results do not depend on it (batch invariance); for tests and
+    /// measurements.
     pub fn force_tiled_products(&self, tiled: Option<bool>) {
-        self.forced_tiled.store(tiled.map_or(0, |t| if t { 2 } else { 1 }), Ordering::Relaxed);
+        self.forced_tiled.store(tiled.map_or_else(tiled_from_env, |t| if t { 2 } else { 1 }), Ordering::Relaxed);
     }
 
     /// Whether a product of `n` tokens runs on `mm_qp*`: `n` above [`INVARIANT_TOKENS`] (a prefill run), unless
@@ -2276,12 +2288,23 @@ impl Cuda {
     }
 
     /// Run `matmul_parts` of different forms in one launch where the kernels allow it (`Some(true)`,
-    /// [`one_launch`]), only parts of one form (`Some(false)`: a launch per part otherwise), or as
-    /// `EDDY_CUDA_JOINT` said at start (`None`; unset: [`JOINT_PARTS`]). The results do not depend on it; for
-    /// tests and measurements.
+    /// [`one_launch`]), only parts of one form (`Some(false)`), or as `EDDY_CUDA_JOINT` said at start (`None`;
+    /// unset: [`JOINT_PARTS`]). The results do not depend on it; for tests and measurements.
     pub fn force_joint_parts(&self, on: Option<bool>) {
         let on = on.unwrap_or_else(joint_from_env);
         self.joint.store(on, Ordering::Relaxed);
+    }
+
+    /// Where the parts of a `matmul_parts` cannot all share one launch, run two that can together and the third
+    /// alone (`Some(true)`), each alone (`Some(false)`), or as `EDDY_CUDA_PAIR` said at start (`None`; unset:
+    /// pairs). The results do not depend on it; for tests and measurements.
+    pub fn force_pair_parts(&self, on: Option<bool>) {
+        self.pair_parts.store(on.unwrap_or_else(pair_from_env), Ordering::Relaxed);
+    }
+
+    /// Most tokens of a quantized product on the `dp4a` kernels (`DP4A_MAX`, or `EDDY_CUDA_DP4A_MAX`).
+    pub fn dp4a_tokens(&self) -> usize {
+        self.dp4a_max
     }
 
     /// The `dp4a` kernel for `n` tokens (at most `DP4A_MAX`, or `MM_TT` through `EDDY_CUDA_DP4A_MAX`): (index
@@ -3359,7 +3382,8 @@ impl Backend for Cuda {
     #[allow(clippy::type_complexity)]
     fn matmul_parts(&self, parts: &mut [(&CudaWeights, Option<&CudaBuf>, &mut CudaBuf)], x: &CudaBuf, xq: &CudaQAct, n: usize) {
         // One launch when the parts are 2 or 3 quantized matrices without an output rotation whose forms the
-        // kernel for `n` tokens can run together (`one_launch`); else one product per part.
+        // kernel for `n` tokens can run together (`one_launch`); else two of three that can in one and the third
+        // alone, or one product per part.
         let qs: Vec<&CudaQ> = parts
             .iter()
             .filter_map(|(w, _, _)| match w {
@@ -3374,22 +3398,16 @@ impl Backend for Cuda {
             // Three parts that cannot share a launch: two of them that can in one (a verify's q and k beside a
             // v of another code width), the third alone.
             let pair = |i: usize, j: usize| one_launch(&[forms[i], forms[j]], n, dp4a, joint);
-            if self.pair_parts && qs.len() == 3 && parts.len() == 3 {
+            if self.pair_parts.load(Ordering::Relaxed) && qs.len() == 3 && parts.len() == 3 {
                 if let Some((i, j)) = [(0, 1), (0, 2), (1, 2)].into_iter().find(|&(i, j)| pair(i, j)) {
-                    // Parts i, j to the front, the third last: the launches write disjoint outputs, so their
-                    // order does not matter.
-                    match (i, j) {
-                        (0, 1) => {}
-                        (0, _) => parts.swap(1, 2),
-                        _ => {
-                            parts.swap(0, 1);
-                            parts.swap(1, 2);
-                        }
-                    }
+                    // Parts i, j to the front, the third last (the launches write disjoint outputs, so their
+                    // order does not matter), and back in the caller's order after.
+                    pair_first(parts, (i, j), false);
                     let (two, rest) = parts.split_at_mut(2);
                     self.matmul_parts(two, x, xq, n);
                     let (w, bias, out) = &mut rest[0];
                     self.matmul_bias(w, x, xq, n, *bias, out);
+                    pair_first(parts, (i, j), true);
                     return;
                 }
             }
