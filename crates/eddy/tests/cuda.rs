@@ -17,7 +17,7 @@
 #![cfg(feature = "cuda")]
 
 use eddy::backend::cpu::{matmul_reference, quantize_activations, ThreadPool};
-use eddy::backend::cuda::{one_launch, pair_first, split_decode_plan, Cuda, Form, GpuQ, GraphPlan, Plan, SyncProbe};
+use eddy::backend::cuda::{one_launch, split_decode_plan, Cuda, Form, GpuQ, GraphPlan, Plan, SyncProbe};
 use eddy::backend::{parity, Attend, AttnShape, Backend, Cpu, Rope, RopeMode, Visibility};
 use eddy::models::forward::{decode, decode_ahead, forward, forward_tree, take_ahead_id, Logits, Workspace};
 use eddy::quant::import::{quantize_f32, QuantKind};
@@ -1245,27 +1245,18 @@ fn one_launch_groups_what_the_kernels_take_per_part() {
     let (q5, q8) = (f(false, false, 16, false), f(false, false, 128, false));
     let (q4k, q6k) = (f(true, false, 8, true), f(false, true, 32, false));
     for n in [1usize, 2, 4, 5, 16, 64, 200] {
-        assert!(one_launch(&[q5, q5, q8], n, n <= 4, true), "code widths, n = {n}");
-        assert!(!one_launch(&[q5, q5, q8], n, n <= 4, false), "code widths with joint launches off, n = {n}");
-        assert!(one_launch(&[q5, q5], n, n <= 4, false), "one form, n = {n}");
-        assert_eq!(one_launch(&[q4k, q4k, q6k], n, n <= 4, true), n == 1, "packings, n = {n}");
-        assert_eq!(one_launch(&[q6k, f(false, false, 32, false)], n, n <= 4, true), n <= 4, "epilogues, n = {n}");
-        assert!(!one_launch(&[q5, Form { cols: 1536, ..q5 }], n, n <= 4, true), "widths, n = {n}");
-        assert!(!one_launch(&[q5, Form { rotation: 7, ..q5 }], n, n <= 4, true), "rotations, n = {n}");
-        assert!(!one_launch(&[q5], n, n <= 4, true) && !one_launch(&[q5; 4], n, n <= 4, true), "part counts, n = {n}");
+        let dp4a = n <= 4;
+        assert!(one_launch(&[q5, q5, q8], n, dp4a, true), "code widths, n = {n}");
+        assert!(!one_launch(&[q5, q5, q8], n, dp4a, false), "code widths with joint launches off, n = {n}");
+        assert!(one_launch(&[q5, q5], n, dp4a, false), "one form, n = {n}");
+        assert_eq!(one_launch(&[q4k, q4k, q6k], n, dp4a, true), n == 1, "packings, n = {n}");
+        assert_eq!(one_launch(&[q6k, f(false, false, 32, false)], n, dp4a, true), n <= 4, "epilogues, n = {n}");
+        assert!(!one_launch(&[q5, Form { cols: 1536, ..q5 }], n, dp4a, true), "widths, n = {n}");
+        assert!(!one_launch(&[q5, Form { rotation: 7, ..q5 }], n, dp4a, true), "rotations, n = {n}");
+        assert!(!one_launch(&[q5], n, dp4a, true) && !one_launch(&[q5; 4], n, dp4a, true), "part counts, n = {n}");
     }
     assert!(one_launch(&[q6k, f(false, false, 32, false)], 16, true, true), "epilogues on the dp4a kernels past 4 tokens");
     assert!(!one_launch(&[q5, q5], 0, true, true), "no tokens");
-    // Where three parts cannot share a launch, a pair runs first and the third alone, then the caller's order
-    // comes back.
-    for (i, j) in [(0usize, 1usize), (0, 2), (1, 2)] {
-        let mut parts = ['a', 'b', 'c'];
-        pair_first(&mut parts, (i, j), false);
-        let k = 3 - i - j;
-        assert_eq!(parts, [['a', 'b', 'c'][i], ['a', 'b', 'c'][j], ['a', 'b', 'c'][k]], "pair ({i}, {j}) first");
-        pair_first(&mut parts, (i, j), true);
-        assert_eq!(parts, ['a', 'b', 'c'], "pair ({i}, {j}) back");
-    }
 }
 
 /// A product's launch as the tests force it: split, row blocks, warps a `mm_qv` tile, tiled, `mm_qv` cluster.

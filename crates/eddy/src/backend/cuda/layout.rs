@@ -94,21 +94,6 @@ impl GpuQ {
     }
 }
 
-/// Puts parts `i` and `j` (`i < j < 3`) of a three-part `Backend::matmul_parts` first and the third last, in
-/// that order, so that the pair can run as one launch ([`one_launch`]); `back` undoes it.
-///
-/// # Panics
-/// If `parts` does not hold three parts or the pair is not `i < j < 3`.
-pub fn pair_first<T>(parts: &mut [T], (i, j): (usize, usize), back: bool) {
-    assert!(parts.len() == 3 && i < j && j < 3, "a pair i < j of three parts");
-    match (i, j, back) {
-        (0, 1, _) => {}
-        (0, _, _) => parts.swap(1, 2),
-        (_, _, false) => parts.rotate_left(1),
-        (_, _, true) => parts.rotate_right(1),
-    }
-}
-
 /// What the product kernels need to know of a matrix's GPU layout to run it beside others in one launch
 /// ([`one_launch`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -30,7 +30,7 @@ mod graph;
 mod layout;
 
 pub use graph::{GraphPlan, Plan};
-pub use layout::{one_launch, pair_first, Form, GpuQ};
+pub use layout::{one_launch, Form, GpuQ};
 
 use super::{Activation, Attend, AttnShape, Backend, Cols, GdnShape, Rope, RopeMode, Visibility, AHEAD_IN_FLIGHT};
 use crate::error::{Error, Result};
@@ -3398,16 +3398,17 @@ impl Backend for Cuda {
             // Three parts that cannot share a launch: two of them that can in one (a verify's q and k beside a
             // v of another code width), the third alone.
             let pair = |i: usize, j: usize| one_launch(&[forms[i], forms[j]], n, dp4a, joint);
-            if self.pair_parts.load(Ordering::Relaxed) && qs.len() == 3 && parts.len() == 3 {
+            let pairing = self.pair_parts.load(Ordering::Relaxed) && qs.len() == 3;
+            if let ([a, b, c], true) = (&mut *parts, pairing) {
                 if let Some((i, j)) = [(0, 1), (0, 2), (1, 2)].into_iter().find(|&(i, j)| pair(i, j)) {
-                    // Parts i, j to the front, the third last (the launches write disjoint outputs, so their
-                    // order does not matter), and back in the caller's order after.
-                    pair_first(parts, (i, j), false);
-                    let (two, rest) = parts.split_at_mut(2);
-                    self.matmul_parts(two, x, xq, n);
-                    let (w, bias, out) = &mut rest[0];
-                    self.matmul_bias(w, x, xq, n, *bias, out);
-                    pair_first(parts, (i, j), true);
+                    // The pair in one launch, the third alone (the launches write disjoint outputs).
+                    let (p, q, r) = match (i, j) {
+                        (0, 1) => (a, b, c),
+                        (0, _) => (a, c, b),
+                        _ => (b, c, a),
+                    };
+                    self.matmul_parts(&mut [(p.0, p.1, &mut *p.2), (q.0, q.1, &mut *q.2)], x, xq, n);
+                    self.matmul_bias(r.0, x, xq, n, r.1, r.2);
                     return;
                 }
             }
