@@ -1001,6 +1001,24 @@ fn multi_token_products_equal_the_one_token_kernel() {
             be.force_verify_clusters(None);
             be.force_tiled_products(None);
             be.force_resident_products(None);
+            // Two to four tokens on the tensor cores (the `dp4a` kernels capped at one token; 4 tokens run there by
+            // default since session 51), on the plain and the resident kernels.
+            be.force_dp4a_tokens(Some(1));
+            for res in [false, true] {
+                be.force_resident_products(Some(res));
+                for n in 2..=4 {
+                    let mut xq = be.new_qact();
+                    be.quantize(&xb, n, cols, &w, &mut xq);
+                    let mut all = vec![f32::NAN; n * rows];
+                    be.matmul_to_host(&w, &xb, &xq, n, &mut all);
+                    assert!(
+                        all.iter().zip(&ones[..n * rows]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{name} {rows}×{cols}: n = {n} on the tensor cores (resident {res}) differs from one token at a time"
+                    );
+                }
+            }
+            be.force_dp4a_tokens(None);
+            be.force_resident_products(None);
             // Prefill runs on mm_qp*: one or several token tiles (65: one token past the first; 130: three, the
             // last partial).
             let mut first: Option<Vec<f32>> = None;

@@ -59,12 +59,15 @@ const MM_ROWS: usize = 4;
 /// Tokens per block of the f32/bf16 product kernels for batches of more than one token (`TT` of `mm_f*_t8`), and
 /// the most tokens `EDDY_CUDA_DP4A_MAX` may put on the `dp4a` kernels.
 const MM_TT: usize = 8;
-/// Most tokens of a quantized product on the `dp4a` kernels (`mm_q*_t2` for 2 tokens, `mm_q*_t4` for 3–4); more
+/// Most tokens of a quantized product on the `dp4a` kernels (`mm_q*_t2` for 2 tokens, `mm_q*_t4` for 3); more
 /// go to the tensor cores. Measured on the H200 (docs/cuda.md, session 16; 0.5B, argmax on the device): a 2-node
 /// verify 0.97 ms with `mm_q_t2` (1.38 with the former 8-token tile), 4 nodes 1.20 with `mm_q_t4` (1.59), 8
-/// nodes 1.46 on two `mm_q_t4` tiles against 1.38 with `mma`. Every kernel gives the same bits (batch
-/// invariance), so the cut is free.
-const DP4A_MAX: usize = 4;
+/// nodes 1.46 on two `mm_q_t4` tiles against 1.38 with `mma`. Since the verify products' rework (sessions 35–50)
+/// 4 tokens run faster on the tensor cores: on an H100 (session 51, `eddy speed --verify-sizes`) the 1.5B's
+/// 4-node verify 2.151–2.156 ms with 3 here against 2.351–2.392 with 4 (−8 %), the 0.5B's 1.318 / 1.327 against
+/// 1.326–1.342; 3 tokens stay on `mm_q_t4` (2 here put the 0.5B's 3-node verify 5 % slower). Every kernel gives
+/// the same bits (batch invariance), so the cut is free.
+const DP4A_MAX: usize = 3;
 /// Weight rows per block of the tensor-core quantized products (`MMA_ROWS`; `QW_WARPS` warps each).
 const MMA_ROWS: usize = 16;
 /// Threads per block of the tensor-core quantized products (`32·QW_WARPS`).
@@ -262,6 +265,11 @@ fn env_setting<T: std::str::FromStr>(name: &str, takes: &str, ok: impl Fn(&T) ->
             None
         }
     }
+}
+
+/// `EDDY_CUDA_DP4A_MAX` (1 to 8), else [`DP4A_MAX`].
+fn dp4a_max_from_env() -> usize {
+    env_setting("EDDY_CUDA_DP4A_MAX", "1 to 8", |m: &usize| (1..=MM_TT).contains(m)).unwrap_or(DP4A_MAX)
 }
 
 /// Whether `matmul_parts` groups parts of different forms by default ([`one_launch`]): measured on an H100 in
@@ -1312,8 +1320,8 @@ pub struct Cuda {
     /// several row tiles with the next one's loads in flight (`EDDY_CUDA_PERSIST=0`: one row tile per block).
     persist: bool,
     /// Most tokens of a quantized product on the `dp4a` kernels: `DP4A_MAX`, or `EDDY_CUDA_DP4A_MAX` (1 to 8;
-    /// to measure the crossover).
-    dp4a_max: usize,
+    /// to measure the crossover), or [`Cuda::force_dp4a_tokens`].
+    dp4a_max: AtomicUsize,
     /// Whether `matmul_parts` runs two of three parts in one launch where all three cannot share one
     /// (`EDDY_CUDA_PAIR=0` at start, [`Cuda::force_pair_parts`]: each part alone then).
     pair_parts: AtomicBool,
@@ -1706,7 +1714,7 @@ impl Cuda {
                 }
             }),
             persist,
-            dp4a_max: env_setting("EDDY_CUDA_DP4A_MAX", "1 to 8", |m: &usize| (1..=MM_TT).contains(m)).unwrap_or(DP4A_MAX),
+            dp4a_max: AtomicUsize::new(dp4a_max_from_env()),
             pair_parts: AtomicBool::new(pair_from_env()),
             forced_tiled: AtomicUsize::new(tiled_from_env()),
             qt_min: env_setting("EDDY_CUDA_QT_MIN", "a token count", |_: &usize| true).unwrap_or(QT_MIN),
@@ -2304,7 +2312,15 @@ impl Cuda {
 
     /// Most tokens of a quantized product on the `dp4a` kernels (`DP4A_MAX`, or `EDDY_CUDA_DP4A_MAX`).
     pub fn dp4a_tokens(&self) -> usize {
-        self.dp4a_max
+        self.dp4a_max.load(Ordering::Relaxed)
+    }
+
+    /// Put products of up to `tokens` tokens (1 to 8) on the `dp4a` kernels and more on the tensor cores
+    /// (`Some`), or as `EDDY_CUDA_DP4A_MAX` said at start (`None`; unset: `DP4A_MAX`). The results do not depend
+    /// on it (batch invariance); for tests and measurements.
+    pub fn force_dp4a_tokens(&self, tokens: Option<usize>) {
+        let m = tokens.filter(|t| (1..=MM_TT).contains(t)).unwrap_or_else(dp4a_max_from_env);
+        self.dp4a_max.store(m, Ordering::Relaxed);
     }
 
     /// The `dp4a` kernel for `n` tokens (at most `DP4A_MAX`, or `MM_TT` through `EDDY_CUDA_DP4A_MAX`): (index
@@ -2645,8 +2661,11 @@ impl Cuda {
         // up to QV_TILED_MAX, with `mm_qv*` enabled.
         // Its tokens padded to the `mm_qv*` tile the launch takes (8, 16 or 32 tokens: a tile's rows past n are
         // read, never stored).
-        xq.tg =
-            if self.qv_enabled() && n > self.dp4a_max && n <= QV_TILED_MAX { n.next_multiple_of(qv_tile(n).1) * (cols / QK) } else { 0 };
+        xq.tg = if self.qv_enabled() && n > self.dp4a_tokens() && n <= QV_TILED_MAX {
+            n.next_multiple_of(qv_tile(n).1) * (cols / QK)
+        } else {
+            0
+        };
         let tq = if xq.tg > 0 { self.ensure(&mut xq.tiled, 52 * xq.tg, false) } else { 0 };
         xq.n = n;
         xq.cols = cols;
@@ -2691,7 +2710,7 @@ impl Cuda {
                     .p(if q.out_signs.is_some() { 0 } else { bias })
                     .p(out);
                 let p = if q.packed4 { 0 } else { 1 };
-                if n <= self.dp4a_max {
+                if n <= self.dp4a_tokens() {
                     let (ti, tt) = Self::dp4a_tile(n);
                     let f = if self.t1_deep(n, cols) { self.k.mm_qu[p] } else { self.k.mm_q[ti][p] };
                     self.launch(f, (rows.div_ceil(MM_ROWS), n.div_ceil(tt)), (32 * MM_ROWS) as u32, a);
@@ -3392,7 +3411,7 @@ impl Backend for Cuda {
             })
             .collect();
         let forms: Vec<Form> = qs.iter().map(|q| form(q)).collect();
-        let dp4a = n <= self.dp4a_max;
+        let dp4a = n <= self.dp4a_tokens();
         let joint = self.joint.load(Ordering::Relaxed);
         if qs.len() != parts.len() || !one_launch(&forms, n, dp4a, joint) {
             // Three parts that cannot share a launch: two of them that can in one (a verify's q and k beside a
