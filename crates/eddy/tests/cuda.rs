@@ -960,6 +960,27 @@ fn multi_token_products_equal_the_one_token_kernel() {
                 );
             }
             be.force_decode_unroll(None);
+            // Two tokens with 0, 2 and 4 blocks of a row loaded at once (`mm_q_t2`, `mm_q_t2u2*`, `mm_q_t2u4*`):
+            // each token the one-token kernel's bits.
+            for depth in [0usize, 2, 4] {
+                be.force_two_token_unroll(Some(depth));
+                for t0 in [0usize, 7] {
+                    let mut xq = be.new_qact();
+                    let xt = be.upload(&x[t0 * cols..(t0 + 2) * cols]);
+                    be.quantize(&xt, 2, cols, &w, &mut xq);
+                    let mut two = vec![f32::NAN; 2 * rows];
+                    be.matmul_to_host(&w, &xt, &xq, 2, &mut two);
+                    if let Some(k) = (0..2 * rows).find(|&k| two[k].to_bits() != ones[t0 * rows + k].to_bits()) {
+                        panic!(
+                            "{name} {rows}×{cols}: tokens {t0}, {}: loads {depth} deep: element {k}: {} vs one-token {}",
+                            t0 + 1,
+                            two[k],
+                            ones[t0 * rows + k]
+                        );
+                    }
+                }
+            }
+            be.force_two_token_unroll(None);
             // Every launch shape of the tensor-core kernels: mm_qw's split of a row tile over 1, 2, 4 blocks and
             // grids of one block walking every row tile or two walking half each (next tile's loads in flight),
             // mm_qv with 4, 8, 16 warps a tile, and each tile split over a cluster of 2–8 blocks (sm_90); then the
@@ -1206,9 +1227,12 @@ fn parts_of_different_forms_share_a_launch() {
                     want.push(read(&be, &one, n * r));
                 }
                 let depths: &[Option<usize>] = if n == 1 { &[Some(2), Some(4)] } else { &[None] };
+                // Two tokens: parts of different packings apart, then in one launch (`mm_q3x_t2`).
+                let mixes: &[bool] = if n == 2 { &[false, true] } else { &[false] };
                 let mut queued = [0u64; 2];
-                for &depth in depths {
+                for (&depth, &mix) in depths.iter().flat_map(|d| mixes.iter().map(move |m| (d, m))) {
                     be.force_decode_unroll(depth);
+                    be.force_mixed_two_tokens(Some(mix));
                     for (j, joint) in [false, true].into_iter().enumerate() {
                         be.force_joint_parts(Some(joint));
                         let mut outs: Vec<_> = rows_of.iter().map(|&r| be.alloc(n * r)).collect();
@@ -1223,20 +1247,22 @@ fn parts_of_different_forms_share_a_launch() {
                             let got = read(&be, &outs[i], n * r);
                             if let Some(k) = (0..n * r).find(|&k| got[k].to_bits() != want[i][k].to_bits()) {
                                 panic!(
-                                    "{name} {cols} columns, n = {n}, joint {joint}, depth {depth:?}, launch {shape:?}: part {i} element {k}: {} vs its own product's {}",
+                                    "{name} {cols} columns, n = {n}, joint {joint}, depth {depth:?}, two-token packings mixed {mix}, launch {shape:?}: part {i} element {k}: {} vs its own product's {}",
                                     got[k], want[i][k]
                                 );
                             }
                         }
                     }
-                    // Code widths alone never split a launch; packings only for one token, epilogues on the dp4a
-                    // kernels too. With the joint launches off, parts of one form still pair (the second case's
-                    // q/k); on, the third case's two parts of one code packing pair on the dp4a kernels.
-                    let shared = same_packing || n == 1 || (dp4a_pair && n <= be.dp4a_tokens());
+                    // Code widths alone never split a launch; packings only for one token (two with `mix`, on
+                    // the dp4a kernels), epilogues on the dp4a kernels too. With the joint launches off, parts of
+                    // one form still pair (the second case's q/k); on, the third case's two parts of one code
+                    // packing pair on the dp4a kernels.
+                    let dp4a = n <= be.dp4a_tokens();
+                    let shared = same_packing || n == 1 || (mix && dp4a) || (dp4a_pair && dp4a);
                     assert_eq!(
                         queued[1] < queued[0],
                         shared,
-                        "{name} {cols} columns, n = {n}, launch {shape:?}: {} operations queued joint, {} with one form a launch",
+                        "{name} {cols} columns, n = {n}, two-token packings mixed {mix}, launch {shape:?}: {} operations queued joint, {} with one form a launch",
                         queued[1],
                         queued[0]
                     );
@@ -1245,6 +1271,7 @@ fn parts_of_different_forms_share_a_launch() {
         }
     }
     be.force_decode_unroll(None);
+    be.force_mixed_two_tokens(None);
     be.force_joint_parts(None);
     be.force_pair_parts(None);
     be.force_product_launch(None, None);
@@ -1262,19 +1289,27 @@ fn one_launch_groups_what_the_kernels_take_per_part() {
     let f = |packed4: bool, g16: bool, half: i32, explicit: bool| Form { cols: 896, packed4, g16, half, explicit, rotation: 0 };
     let (q5, q8) = (f(false, false, 16, false), f(false, false, 128, false));
     let (q4k, q6k) = (f(true, false, 8, true), f(false, true, 32, false));
-    for n in [1usize, 2, 4, 5, 16, 64, 200] {
-        let dp4a = n <= 4;
-        assert!(one_launch(&[q5, q5, q8], n, dp4a, true), "code widths, n = {n}");
-        assert!(!one_launch(&[q5, q5, q8], n, dp4a, false), "code widths with joint launches off, n = {n}");
-        assert!(one_launch(&[q5, q5], n, dp4a, false), "one form, n = {n}");
-        assert_eq!(one_launch(&[q4k, q4k, q6k], n, dp4a, true), n == 1, "packings, n = {n}");
-        assert_eq!(one_launch(&[q6k, f(false, false, 32, false)], n, dp4a, true), n <= 4, "epilogues, n = {n}");
-        assert!(!one_launch(&[q5, Form { cols: 1536, ..q5 }], n, dp4a, true), "widths, n = {n}");
-        assert!(!one_launch(&[q5, Form { rotation: 7, ..q5 }], n, dp4a, true), "rotations, n = {n}");
-        assert!(!one_launch(&[q5], n, dp4a, true) && !one_launch(&[q5; 4], n, dp4a, true), "part counts, n = {n}");
+    for mixed_tokens in [1usize, 2] {
+        for dp4a_max in [1usize, 3, 4] {
+            for n in [1usize, 2, 3, 4, 5, 16, 64, 200] {
+                let dp4a = n <= dp4a_max;
+                let one = |parts: &[Form], joint: bool| one_launch(parts, n, dp4a, joint, mixed_tokens);
+                let case = format!("n = {n}, dp4a up to {dp4a_max}, packings mixed up to {mixed_tokens}");
+                assert!(one(&[q5, q5, q8], true), "code widths, {case}");
+                assert!(!one(&[q5, q5, q8], false), "code widths with joint launches off, {case}");
+                assert!(one(&[q5, q5], false), "one form, {case}");
+                let packings = n == 1 || (dp4a && n <= mixed_tokens);
+                assert_eq!(one(&[q4k, q4k, q6k], true), packings, "packings, {case}");
+                assert!(!one(&[q4k, q4k, q6k], false), "packings with joint launches off, {case}");
+                assert_eq!(one(&[q6k, f(false, false, 32, false)], true), n == 1 || dp4a, "epilogues, {case}");
+                assert!(!one(&[q5, Form { cols: 1536, ..q5 }], true), "widths, {case}");
+                assert!(!one(&[q5, Form { rotation: 7, ..q5 }], true), "rotations, {case}");
+                assert!(!one(&[q5], true) && !one(&[q5; 4], true), "part counts, {case}");
+            }
+        }
     }
-    assert!(one_launch(&[q6k, f(false, false, 32, false)], 16, true, true), "epilogues on the dp4a kernels past 4 tokens");
-    assert!(!one_launch(&[q5, q5], 0, true, true), "no tokens");
+    assert!(one_launch(&[q6k, f(false, false, 32, false)], 16, true, true, 1), "epilogues on the dp4a kernels past 4 tokens");
+    assert!(!one_launch(&[q5, q5], 0, true, true, 2), "no tokens");
 }
 
 /// A product's launch as the tests force it: split, row blocks, warps a `mm_qv` tile, tiled, `mm_qv` cluster.

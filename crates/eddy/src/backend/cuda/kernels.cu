@@ -252,7 +252,7 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, int n, int c
 
 template <int TT, bool P4, int U = 0>
 __device__ __forceinline__ void mm_q_impl(MM_Q_PARAMS(g16)) {
-    static_assert(U == 0 || TT == 1, "deeper loads for one-token launches only");
+    static_assert(U == 0 || TT <= 2, "deeper loads for one- and two-token launches only");
     const int lane = threadIdx.x & 31;
     const int row = bx * MM_ROWS + (threadIdx.x >> 5);
     const int t0 = blockIdx.y * TT;
@@ -351,39 +351,46 @@ __device__ __forceinline__ void mm_q_impl(MM_Q_PARAMS(g16)) {
             step(b, c0, c1, s0, s1, m, acc, nt);
         }
     } else {
-        // The `u` kernels: the lane's next U blocks loaded together, then their terms in order (the same chain):
+        // The `u` kernels: the lane's next U blocks loaded together, then their terms in order (the same chains):
         // one memory round trip per U blocks of a long row (the down projections) instead of about one per two.
-        // The activations of the U blocks (token t0: one-token launches) are loaded with them, so that no
-        // step waits on its own load.
+        // The activations of the U blocks (each of the launch's TT tokens: 1 or 2) are loaded with them, so that
+        // no step waits on its own load. (TT == 1 keeps the one-token code free of token checks.)
         constexpr int UU = U > 0 ? U : 1;
-        const long long t = t0;
+        long long tok[TT];
+#pragma unroll
+        for (int i = 0; i < TT; ++i) tok[i] = t0 + i;
         for (int b0 = lane + 32; b0 < nblk; b0 += 32 * UU) {
             uint4 c0[UU], c1[UU];
-            float s0[UU], s1[UU], m[UU], d[UU], xd[UU];
-            int4 a0[UU], a1[UU];
-            int h0[UU], h1[UU];
+            float s0[UU], s1[UU], m[UU], d[UU][TT], xd[UU][TT];
+            int4 a0[UU][TT], a1[UU][TT];
+            int h0[UU][TT], h1[UU][TT];
 #pragma unroll
             for (int u = 0; u < UU; ++u) {
                 const int b = b0 + 32 * u;
                 c1[u] = make_uint4(0, 0, 0, 0);
                 if (b < nblk) {
                     load(b, c0[u], c1[u], s0[u], s1[u], m[u]);
-                    const int4* ap = reinterpret_cast<const int4*>(xq + t * cols + (long long)b * 32);
-                    a0[u] = ap[0];
-                    a1[u] = ap[1];
-                    const long long ab = t * nblk + b;
-                    d[u] = xs[ab];
-                    if (g16) {
-                        h0[u] = xsum16[2 * ab];
-                        h1[u] = xsum16[2 * ab + 1];
-                    } else if (mn != nullptr) {
-                        xd[u] = xdsum[ab];
-                    } else {
-                        h0[u] = xsum[ab];
+#pragma unroll
+                    for (int i = 0; i < TT; ++i) {
+                        if (TT > 1 && i >= nt) continue;
+                        const long long t = tok[i];
+                        const int4* ap = reinterpret_cast<const int4*>(xq + t * cols + (long long)b * 32);
+                        a0[u][i] = ap[0];
+                        a1[u][i] = ap[1];
+                        const long long ab = t * nblk + b;
+                        d[u][i] = xs[ab];
+                        if (g16) {
+                            h0[u][i] = xsum16[2 * ab];
+                            h1[u][i] = xsum16[2 * ab + 1];
+                        } else if (mn != nullptr) {
+                            xd[u][i] = xdsum[ab];
+                        } else {
+                            h0[u][i] = xsum[ab];
+                        }
                     }
                 }
             }
-            // Each block's term, as `step` adds it for token t0 (the same operations in the same order).
+            // Each block's term, as `step` adds it for each token (the same operations in the same order).
 #pragma unroll
             for (int u = 0; u < UU; ++u) {
                 if (b0 + 32 * u >= nblk) continue;
@@ -399,26 +406,30 @@ __device__ __forceinline__ void mm_q_impl(MM_Q_PARAMS(g16)) {
                     w[0] = c0[u].x; w[1] = c0[u].y; w[2] = c0[u].z; w[3] = c0[u].w;
                     w[4] = c1[u].x; w[5] = c1[u].y; w[6] = c1[u].z; w[7] = c1[u].w;
                 }
-                int e0 = 0, e1 = 0;
-                e0 = dp4a_us(w[0], a0[u].x, e0);
-                e0 = dp4a_us(w[1], a0[u].y, e0);
-                e0 = dp4a_us(w[2], a0[u].z, e0);
-                e0 = dp4a_us(w[3], a0[u].w, e0);
-                e1 = dp4a_us(w[4], a1[u].x, e1);
-                e1 = dp4a_us(w[5], a1[u].y, e1);
-                e1 = dp4a_us(w[6], a1[u].z, e1);
-                e1 = dp4a_us(w[7], a1[u].w, e1);
-                float a = acc[0];
-                if (g16) {
-                    a = __fmaf_rn(__fmul_rn(s0[u], d[u]), (float)(e0 - half * h0[u]), a);
-                    a = __fmaf_rn(__fmul_rn(s1[u], d[u]), (float)(e1 - half * h1[u]), a);
-                } else if (mn != nullptr) {
-                    a = __fmaf_rn(__fmul_rn(s0[u], d[u]), (float)(e0 + e1), a);
-                    a = __fmaf_rn(m[u], xd[u], a);
-                } else {
-                    a = __fmaf_rn(__fmul_rn(s0[u], d[u]), (float)(e0 + e1 - half * h0[u]), a);
+#pragma unroll
+                for (int i = 0; i < TT; ++i) {
+                    if (TT > 1 && i >= nt) continue;
+                    int e0 = 0, e1 = 0;
+                    e0 = dp4a_us(w[0], a0[u][i].x, e0);
+                    e0 = dp4a_us(w[1], a0[u][i].y, e0);
+                    e0 = dp4a_us(w[2], a0[u][i].z, e0);
+                    e0 = dp4a_us(w[3], a0[u][i].w, e0);
+                    e1 = dp4a_us(w[4], a1[u][i].x, e1);
+                    e1 = dp4a_us(w[5], a1[u][i].y, e1);
+                    e1 = dp4a_us(w[6], a1[u][i].z, e1);
+                    e1 = dp4a_us(w[7], a1[u][i].w, e1);
+                    float a = acc[i];
+                    if (g16) {
+                        a = __fmaf_rn(__fmul_rn(s0[u], d[u][i]), (float)(e0 - half * h0[u][i]), a);
+                        a = __fmaf_rn(__fmul_rn(s1[u], d[u][i]), (float)(e1 - half * h1[u][i]), a);
+                    } else if (mn != nullptr) {
+                        a = __fmaf_rn(__fmul_rn(s0[u], d[u][i]), (float)(e0 + e1), a);
+                        a = __fmaf_rn(m[u], xd[u][i], a);
+                    } else {
+                        a = __fmaf_rn(__fmul_rn(s0[u], d[u][i]), (float)(e0 + e1 - half * h0[u][i]), a);
+                    }
+                    acc[i] = a;
                 }
-                acc[0] = a;
             }
         }
     }
@@ -449,17 +460,22 @@ MM_Q(mm_q_t4_p8, 4, false)
 // One token with U = 4 blocks of a row and their activations in flight a lane (the default for rows of
 // 3+ blocks a lane; bit-identical to mm_q_t1). 95 (packed 4-bit) and 122 registers a thread: 4 blocks of 4 warps
 // a multiprocessor, enough for a row count of one wave (1,536 rows: 384 blocks); U = 8 took 188–217 and was
-// dropped unmeasured.
-#define MM_QU(NAME, P4, U)                                                                                   \
+// dropped unmeasured. Two tokens likewise with U = 2 or 4 (`mm_q_t2u*`: bit-identical to mm_q_t2; opt-in,
+// EDDY_CUDA_T2_UNROLL, for the verify's down projections).
+#define MM_QU(NAME, TT, P4, U)                                                                               \
     extern "C" __global__ void NAME(const uint8_t* codes, const float* sc, const float* mn, int rows,       \
                                     int cols, int half, int g16, const int8_t* xq, const float* xs,         \
                                     const int* xsum, const float* xdsum, const int* xsum16, int n,          \
                                     const float* bias, float* out) {                                        \
-        mm_q_impl<1, P4, U>(blockIdx.x, codes, sc, mn, rows, cols, half, g16, xq, xs, xsum, xdsum, xsum16, n,   \
-                            bias, out);                                                                     \
+        mm_q_impl<TT, P4, U>(blockIdx.x, codes, sc, mn, rows, cols, half, g16, xq, xs, xsum, xdsum, xsum16, n,  \
+                             bias, out);                                                                    \
     }
-MM_QU(mm_q_t1u4_p4, true, 4)
-MM_QU(mm_q_t1u4_p8, false, 4)
+MM_QU(mm_q_t1u4_p4, 1, true, 4)
+MM_QU(mm_q_t1u4_p8, 1, false, 4)
+MM_QU(mm_q_t2u2_p4, 2, true, 2)
+MM_QU(mm_q_t2u2_p8, 2, false, 2)
+MM_QU(mm_q_t2u4_p4, 2, true, 4)
+MM_QU(mm_q_t2u4_p8, 2, false, 4)
 
 // ---------------------------------------------------------------------------------------------------------
 // The same products for 5 and more tokens (DP4A_MAX in mod.rs) on the tensor cores (mma.sync m16n8k32 /
@@ -557,14 +573,14 @@ template <int TT, bool P4, int U = 0>
 __device__ __forceinline__ void mm_q_part(MM_Q_PARAMS(flags)) {
     mm_q_impl<TT, P4, U>(bx, codes, sc, mn, rows, cols, half, flags & 1, xq, xs, xsum, xdsum, xsum16, n, bias, out);
 }
-// One token, parts of either packing (the 1.5B's Q4_K q/k beside a Q6_K v): a branch uniform over the block
-// into the part's packing.
-template <int U>
+// One token (or two: `mm_q3x_t2`, opt-in, EDDY_CUDA_MIXED_T2), parts of either packing (the 1.5B's Q4_K q/k
+// beside a Q6_K v): a branch uniform over the block into the part's packing.
+template <int TT, int U>
 __device__ __forceinline__ void mm_q_mixed(MM_Q_PARAMS(flags)) {
     if (flags & 2)
-        mm_q_part<1, true, U>(bx, codes, sc, mn, rows, cols, half, flags, xq, xs, xsum, xdsum, xsum16, n, bias, out);
+        mm_q_part<TT, true, U>(bx, codes, sc, mn, rows, cols, half, flags, xq, xs, xsum, xdsum, xsum16, n, bias, out);
     else
-        mm_q_part<1, false, U>(bx, codes, sc, mn, rows, cols, half, flags, xq, xs, xsum, xdsum, xsum16, n, bias, out);
+        mm_q_part<TT, false, U>(bx, codes, sc, mn, rows, cols, half, flags, xq, xs, xsum, xdsum, xsum16, n, bias, out);
 }
 #define NO_BOUNDS
 MM_Q3(mm_q3_t1_p4, (mm_q_part<1, true>), MM_ROWS, NO_BOUNDS)
@@ -575,8 +591,9 @@ MM_Q3(mm_q3_t4_p4, (mm_q_part<4, true>), MM_ROWS, NO_BOUNDS)
 MM_Q3(mm_q3_t4_p8, (mm_q_part<4, false>), MM_ROWS, NO_BOUNDS)
 MM_Q3(mm_q3_t1u4_p4, (mm_q_part<1, true, 4>), MM_ROWS, NO_BOUNDS)
 MM_Q3(mm_q3_t1u4_p8, (mm_q_part<1, false, 4>), MM_ROWS, NO_BOUNDS)
-MM_Q3(mm_q3x_t1, (mm_q_mixed<0>), MM_ROWS, NO_BOUNDS)
-MM_Q3(mm_q3x_t1u4, (mm_q_mixed<4>), MM_ROWS, NO_BOUNDS)
+MM_Q3(mm_q3x_t1, (mm_q_mixed<1, 0>), MM_ROWS, NO_BOUNDS)
+MM_Q3(mm_q3x_t1u4, (mm_q_mixed<1, 4>), MM_ROWS, NO_BOUNDS)
+MM_Q3(mm_q3x_t2, (mm_q_mixed<2, 0>), MM_ROWS, NO_BOUNDS)
 
 // ---------------------------------------------------------------------------------------------------------
 // mm_qw*: the block walks a list of work items — (row tile, step of 32 blocks) for its row tiles blockIdx.x,

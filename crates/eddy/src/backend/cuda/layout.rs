@@ -115,12 +115,13 @@ pub struct Form {
 /// Whether 2 or 3 matrices of forms `parts`, read from one input, can be one product launch of `n` tokens
 /// (`Backend::matmul_parts`): the kernels take each part's `half` (packed a byte a part), group-16 flag and
 /// offsets per part, so only what is a template parameter of the kernel that runs `n` tokens must agree —
-/// nothing for one token (`mm_q3x_t1*` picks each part's code packing by a branch uniform over the block),
-/// the code packing on the `dp4a` kernels (`dp4a`: the launch runs on them), the packing and the epilogue form
+/// nothing for one token (`mm_q3x_t1*` picks each part's code packing by a branch uniform over the block) or,
+/// on the `dp4a` kernels, for up to `mixed_tokens` tokens (2: `mm_q3x_t2`, `EDDY_CUDA_MIXED_T2`; else 1), the
+/// code packing on the `dp4a` kernels (`dp4a`: the launch runs on them), the packing and the epilogue form
 /// (group-16 scales, explicit offsets) on the tensor cores. Width and input rotation always. With `mixed` off,
 /// parts must agree in everything (the launches before session 38; `EDDY_CUDA_JOINT=1` turns `mixed` on). Each
 /// part's outputs are computed exactly as its own launch computes them, so the grouping does not change a bit.
-pub fn one_launch(parts: &[Form], n: usize, dp4a: bool, mixed: bool) -> bool {
+pub fn one_launch(parts: &[Form], n: usize, dp4a: bool, mixed: bool, mixed_tokens: usize) -> bool {
     let Some(a) = parts.first() else { return false };
     if !(2..=3).contains(&parts.len()) || n == 0 {
         return false;
@@ -131,7 +132,7 @@ pub fn one_launch(parts: &[Form], n: usize, dp4a: bool, mixed: bool) -> bool {
             && (0..=128).contains(&b.half)
             && if !mixed {
                 b == a
-            } else if n == 1 {
+            } else if n == 1 || (dp4a && n <= mixed_tokens) {
                 true
             } else if dp4a {
                 b.packed4 == a.packed4

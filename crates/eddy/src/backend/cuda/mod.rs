@@ -423,6 +423,31 @@ fn rope_att_from_env() -> bool {
 /// `Cuda::t1_unroll`'s value for "`mm_q_t1u4*` at every width" (tests).
 const T1_DEEP_ALWAYS: usize = 104;
 
+/// Blocks of a row a two-token product loads at once (`mm_q_t2u{2,4}*`, rows of 3+ blocks a lane: the verify's
+/// down projections) by default: 0, none (`mm_q_t2`'s loop, two blocks in flight by unrolling). Not yet measured
+/// (session 52 wrote the kernels without a GPU): `EDDY_CUDA_T2_UNROLL=2|4` is the A/B.
+const T2_UNROLL: usize = 0;
+
+/// Added to `Cuda::t2_unroll`'s 2 or 4 for "at every width" (tests).
+const T2_DEEP_ALWAYS: usize = 100;
+
+/// `EDDY_CUDA_T2_UNROLL`: 0 (`mm_q_t2` for every two-token product), 2 or 4 (`mm_q_t2u2*` / `mm_q_t2u4*` for rows
+/// of 3+ blocks a lane); unset, [`T2_UNROLL`].
+fn t2_unroll_from_env() -> usize {
+    env_setting("EDDY_CUDA_T2_UNROLL", "0, 2 or 4", |u: &usize| [0, 2, 4].contains(u)).unwrap_or(T2_UNROLL)
+}
+
+/// Whether `matmul_parts` runs two-token parts of different code packings in one launch (`mm_q3x_t2`: the
+/// 1.5B's Q4_K q/k beside its Q6_K v) by default, where the parts would otherwise pair and leave the third
+/// alone. Not yet measured (session 52 wrote the kernel without a GPU): `EDDY_CUDA_MIXED_T2=1` is the A/B.
+const MIXED_T2: bool = false;
+
+/// `EDDY_CUDA_MIXED_T2`: 1 runs two-token parts of different code packings in one launch; 0 does not; unset,
+/// [`MIXED_T2`].
+fn mixed_t2_from_env() -> bool {
+    env_setting("EDDY_CUDA_MIXED_T2", "0 or 1", |m: &u8| *m <= 1).map_or(MIXED_T2, |m| m == 1)
+}
+
 /// Whether `mm_qv*` launches of more row tiles than fit the GPU at once run on the resident kernels
 /// (`mm_qv*_w8r`: a grid of the blocks that fit, each walking row tiles with the activations it reads held in
 /// shared memory, loaded once; [`Cuda::qv_res_plan`]). Measured on an H100 in session 39 (docs/cuda.md,
@@ -1019,8 +1044,11 @@ struct Kernels {
     /// `mm_q3_t1u4_*`; the default for rows of 3+ blocks a lane): `[p4, p8]`.
     mm_qu: [Func; 2],
     mm_q3u: [Func; 2],
-    /// One token, parts of either code packing in one launch (`mm_q3x_t1`, `mm_q3x_t1u4`).
-    mm_q3x: [Func; 2],
+    /// Two-token products with 2 or 4 blocks of a row and their activations in flight a lane (`mm_q_t2u2_*`,
+    /// `mm_q_t2u4_*`; [`T2_UNROLL`]): `[2 / 4 blocks][p4, p8]`.
+    mm_q2u: [[Func; 2]; 2],
+    /// Parts of either code packing in one launch: one token (`mm_q3x_t1`, `mm_q3x_t1u4`), two (`mm_q3x_t2`).
+    mm_q3x: [Func; 3],
     /// The empty kernel ([`Cuda::set_empty_kernels`]).
     noop: Func,
     /// The phase-boundary probe ([`Cuda::sync_probe`]).
@@ -1358,6 +1386,13 @@ pub struct Cuda {
     /// Blocks of a row a one-token product loads at once: 4 (the default: `mm_q_t1u4*`, rows of 3+ blocks a
     /// lane), else `mm_q_t1`'s two, or [`T1_DEEP_ALWAYS`] (`EDDY_CUDA_T1_UNROLL`, [`Cuda::force_decode_unroll`]).
     t1_unroll: AtomicUsize,
+    /// Blocks of a row a two-token product loads at once: 0 (`mm_q_t2`), 2 or 4 for rows of 3+ blocks a lane,
+    /// or those plus [`T2_DEEP_ALWAYS`] (every width) ([`T2_UNROLL`], `EDDY_CUDA_T2_UNROLL`,
+    /// [`Cuda::force_two_token_unroll`]).
+    t2_unroll: AtomicUsize,
+    /// Whether two-token parts of different code packings share a `matmul_parts` launch ([`MIXED_T2`],
+    /// `EDDY_CUDA_MIXED_T2`, [`Cuda::force_mixed_two_tokens`]).
+    mixed_t2: AtomicBool,
     /// Whether `matmul_parts` runs parts of different forms in one launch where the kernels allow it
     /// ([`one_launch`]; [`JOINT_PARTS`] unless `EDDY_CUDA_JOINT` says otherwise, [`Cuda::force_joint_parts`]).
     joint: AtomicBool,
@@ -1501,7 +1536,8 @@ impl Cuda {
             ],
             mm_qu: [get("mm_q_t1u4_p4")?, get("mm_q_t1u4_p8")?],
             mm_q3u: [get("mm_q3_t1u4_p4")?, get("mm_q3_t1u4_p8")?],
-            mm_q3x: [get("mm_q3x_t1")?, get("mm_q3x_t1u4")?],
+            mm_q2u: [[get("mm_q_t2u2_p4")?, get("mm_q_t2u2_p8")?], [get("mm_q_t2u4_p4")?, get("mm_q_t2u4_p8")?]],
+            mm_q3x: [get("mm_q3x_t1")?, get("mm_q3x_t1u4")?, get("mm_q3x_t2")?],
             mm_q3: [
                 [get("mm_q3_t1_p4")?, get("mm_q3_t1_p8")?],
                 [get("mm_q3_t2_p4")?, get("mm_q3_t2_p8")?],
@@ -1728,6 +1764,8 @@ impl Cuda {
             qvr_smem_max,
             qvr_occupancy: Mutex::new(HashMap::new()),
             t1_unroll: AtomicUsize::new(t1_unroll_from_env()),
+            t2_unroll: AtomicUsize::new(t2_unroll_from_env()),
+            mixed_t2: AtomicBool::new(mixed_t2_from_env()),
             joint: AtomicBool::new(joint_from_env()),
             forced_qv: AtomicUsize::new(match env_setting("EDDY_CUDA_QV", "0, 4, 8 or 16", |w: &usize| *w == 0 || QV_WARPS.contains(w)) {
                 Some(0) => QV_OFF,
@@ -2271,6 +2309,56 @@ impl Cuda {
             }
     }
 
+    /// Whether an `n`-token product of rows of `cols` values runs on a two-token kernel with deeper loads: the
+    /// index into `mm_q2u` (0: `mm_q_t2u2*`, 1: `mm_q_t2u4*`) for two tokens and rows of at least 3 blocks a lane
+    /// where [`T2_UNROLL`] or `EDDY_CUDA_T2_UNROLL` says 2 or 4, or every width when forced
+    /// ([`Cuda::force_two_token_unroll`]).
+    fn t2_deep(&self, n: usize, cols: usize) -> Option<usize> {
+        if n != 2 {
+            return None;
+        }
+        let u = self.t2_unroll.load(Ordering::Relaxed);
+        let always = u >= T2_DEEP_ALWAYS;
+        match u % T2_DEEP_ALWAYS {
+            d @ (2 | 4) if always || cols / QK >= 3 * 32 => Some(d / 4),
+            _ => None,
+        }
+    }
+
+    /// Run two-token products with `Some(2)` or `Some(4)` blocks of a row and their activations in flight a
+    /// lane for every width (`mm_q_t2u2*`, `mm_q_t2u4*`: `mm_q_t2`'s chains with the loads issued together),
+    /// on `mm_q_t2` (`Some(0)`), or as `EDDY_CUDA_T2_UNROLL` said at start (`None`; unset: [`T2_UNROLL`]). The
+    /// results do not depend on it; for tests and measurements.
+    ///
+    /// # Panics
+    /// On other depths.
+    pub fn force_two_token_unroll(&self, blocks: Option<usize>) {
+        let u = match blocks {
+            Some(0) => 0,
+            Some(d @ (2 | 4)) => T2_DEEP_ALWAYS + d,
+            Some(u) => panic!("two-token loads 0, 2 or 4 blocks deep, not {u}"),
+            None => t2_unroll_from_env(),
+        };
+        self.t2_unroll.store(u, Ordering::Relaxed);
+    }
+
+    /// Most tokens of a `matmul_parts` launch on the `dp4a` kernels whose parts may differ in code packing: 2
+    /// where two-token parts share a launch (`mm_q3x_t2`; [`MIXED_T2`], `EDDY_CUDA_MIXED_T2`), else 1.
+    pub fn mixed_packing_tokens(&self) -> usize {
+        if self.mixed_t2.load(Ordering::Relaxed) {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Run two-token parts of different code packings in one `matmul_parts` launch (`Some(true)`:
+    /// `mm_q3x_t2`), apart (`Some(false)`), or as `EDDY_CUDA_MIXED_T2` said at start (`None`; unset:
+    /// [`MIXED_T2`]). The results do not depend on it; for tests and measurements.
+    pub fn force_mixed_two_tokens(&self, on: Option<bool>) {
+        self.mixed_t2.store(on.unwrap_or_else(mixed_t2_from_env), Ordering::Relaxed);
+    }
+
     /// Run one-token products with 4 blocks of a row and their activations in flight a lane for every width
     /// (`Some(4)`: `mm_q_t1u4*`, whose chains are `mm_q_t1`'s with the loads issued together), with `mm_q_t1`
     /// (`Some(2)`), or as `EDDY_CUDA_T1_UNROLL` said at start (`None`; unset or `4`: `mm_q_t1u4*` for rows of
@@ -2712,7 +2800,13 @@ impl Cuda {
                 let p = if q.packed4 { 0 } else { 1 };
                 if n <= self.dp4a_tokens() {
                     let (ti, tt) = Self::dp4a_tile(n);
-                    let f = if self.t1_deep(n, cols) { self.k.mm_qu[p] } else { self.k.mm_q[ti][p] };
+                    let f = if self.t1_deep(n, cols) {
+                        self.k.mm_qu[p]
+                    } else if let Some(u) = self.t2_deep(n, cols) {
+                        self.k.mm_q2u[u][p]
+                    } else {
+                        self.k.mm_q[ti][p]
+                    };
                     self.launch(f, (rows.div_ceil(MM_ROWS), n.div_ceil(tt)), (32 * MM_ROWS) as u32, a);
                 } else if self.prefill_products(n) {
                     let smem = self.k.mm_qp_smem[qform(q)][p];
@@ -3413,10 +3507,11 @@ impl Backend for Cuda {
         let forms: Vec<Form> = qs.iter().map(|q| form(q)).collect();
         let dp4a = n <= self.dp4a_tokens();
         let joint = self.joint.load(Ordering::Relaxed);
-        if qs.len() != parts.len() || !one_launch(&forms, n, dp4a, joint) {
+        let mixed_tokens = self.mixed_packing_tokens();
+        if qs.len() != parts.len() || !one_launch(&forms, n, dp4a, joint, mixed_tokens) {
             // Three parts that cannot share a launch: two of them that can in one (a verify's q and k beside a
             // v of another code width), the third alone.
-            let pair = |i: usize, j: usize| one_launch(&[forms[i], forms[j]], n, dp4a, joint);
+            let pair = |i: usize, j: usize| one_launch(&[forms[i], forms[j]], n, dp4a, joint, mixed_tokens);
             let pairing = self.pair_parts.load(Ordering::Relaxed) && qs.len() == 3;
             if let ([a, b, c], true) = (&mut *parts, pairing) {
                 if let Some((i, j)) = [(0, 1), (0, 2), (1, 2)].into_iter().find(|&(i, j)| pair(i, j)) {
@@ -3485,6 +3580,7 @@ impl Backend for Cuda {
             let (ti, tt) = Self::dp4a_tile(n);
             let deep = self.t1_deep(n, q0.cols);
             let f = match (mixed_packing, deep) {
+                (true, _) if n == 2 => self.k.mm_q3x[2],
                 (true, _) => self.k.mm_q3x[deep as usize],
                 (false, true) => self.k.mm_q3u[p],
                 (false, false) => self.k.mm_q3[ti][p],
