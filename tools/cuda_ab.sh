@@ -62,7 +62,8 @@ for s in "${settings[@]}"; do
     awk -v s="$s" -v a="${sum[$s]}" -v k="${n[$s]}" -v f="${sum[$first]:-0}" -v fk="${n[$first]:-1}" -v base="$first" \
         'BEGIN { m = a / k; d = (f > 0) ? (m / (f / fk) - 1) * 100 : 0
                  printf "mean tg128 [%s] %.1f t/s (%d runs), %+.1f %% against [%s]\n", s, m, k, d, base }'
-    for size in ${VERIFY_SIZES//,/ }; do
+    sizes=${VERIFY_SIZES:-}
+    for size in ${sizes//,/ }; do
         key="$s|$size" fkey="$first|$size"
         [ -n "${vn[$key]:-}" ] || continue
         awk -v s="$s" -v z="$size" -v a="${vsum[$key]}" -v k="${vn[$key]}" -v f="${vsum[$fkey]:-0}" -v fk="${vn[$fkey]:-1}" -v base="$first" \

@@ -1168,9 +1168,10 @@ fn multi_token_products_equal_the_one_token_kernel() {
 
 /// Parts of different forms in one `matmul_parts` launch (the 0.5B's Q5_0 q/k beside its Q8_0 v: code widths;
 /// the 1.5B's Q4_K q/k beside its Q6_K v: packings and epilogues): every part's outputs equal its own product's
-/// bit for bit, for one token (`mm_q3x_t1*`, loads 2 and 4 blocks deep), the `dp4a` tiles, the tensor-core
-/// kernels of every launch shape and prefill runs; and the joint launches queue fewer operations than parts of
-/// one form alone (which still pair) exactly where [`one_launch`] lets parts of different forms share one.
+/// bit for bit, for one token (`mm_q3x_t1*`, loads 2 and 4 blocks deep), two (`mm_q3x_t2` on and off), the
+/// `dp4a` tiles, the tensor-core kernels of every launch shape and prefill runs; and the joint launches queue
+/// fewer operations than parts of one form alone (which still pair) exactly where [`one_launch`] lets parts of
+/// different forms share one.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn parts_of_different_forms_share_a_launch() {
@@ -1205,7 +1206,7 @@ fn parts_of_different_forms_share_a_launch() {
                 None,
             )]);
             let shapes = shapes.map(|s| (s, false)).chain(RESIDENT.map(|s| (s, true)));
-            let ns = if cols == 896 { vec![1usize, 2, 3, 5, 16, 24, 64, 70] } else { vec![1, 16] };
+            let ns = if cols == 896 { vec![1usize, 2, 3, 5, 16, 24, 64, 70] } else { vec![1, 2, 16] };
             for (shape, n) in shapes.flat_map(|sh| ns.clone().into_iter().map(move |n| (sh, n))) {
                 let ((split, row_blocks, qv, tiled, cluster), res) = shape;
                 if n > 1 && cols == 8960 && (split.is_some() || cluster.is_some()) {
@@ -1282,7 +1283,8 @@ fn parts_of_different_forms_share_a_launch() {
 }
 
 /// Which parts share a `matmul_parts` launch ([`one_launch`]): code widths (`half`) for every token count,
-/// packings for one token only, epilogue forms on the `dp4a` kernels too, never different widths or input
+/// packings for one token (and two on the `dp4a` kernels where `mixed_tokens` is 2), epilogue forms on the `dp4a`
+/// kernels too, never different widths or input
 /// rotations; everything must agree with the joint launches off.
 #[test]
 fn one_launch_groups_what_the_kernels_take_per_part() {

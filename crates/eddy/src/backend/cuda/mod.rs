@@ -3580,8 +3580,11 @@ impl Backend for Cuda {
             let (ti, tt) = Self::dp4a_tile(n);
             let deep = self.t1_deep(n, q0.cols);
             let f = match (mixed_packing, deep) {
-                (true, _) if n == 2 => self.k.mm_q3x[2],
-                (true, _) => self.k.mm_q3x[deep as usize],
+                (true, _) => match n {
+                    1 => self.k.mm_q3x[deep as usize],
+                    2 => self.k.mm_q3x[2],
+                    _ => unreachable!("parts of different code packings share launches of at most 2 tokens (one_launch)"),
+                },
                 (false, true) => self.k.mm_q3u[p],
                 (false, false) => self.k.mm_q3[ti][p],
             };
