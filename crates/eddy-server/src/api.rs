@@ -368,7 +368,7 @@ pub fn parse_common(o: &Map<String, Value>, chat: bool) -> R<Common> {
 /// `messages` → the JSON messages the chat template reads: `role` (`developer` given as `system`),
 /// `content` (a string; text parts joined), an assistant message's `tool_calls` (each `function.arguments`
 /// given to the template as the object its JSON string holds, as transformers' templates expect), a tool
-/// message's `tool_call_id` and `name`.
+/// message's `tool_call_id` (required, as OpenAI requires it) and `name`.
 pub fn parse_messages(o: &Map<String, Value>) -> R<Vec<Value>> {
     let p = Some("messages");
     let Some(list) = get(o, "messages") else {
@@ -435,6 +435,14 @@ pub fn parse_messages(o: &Map<String, Value>) -> R<Vec<Value>> {
                 }
                 Some(_) => return Err(bad(format!("{at}.{k} must be a string"))),
             }
+        }
+        // A tool result answers one call: OpenAI refuses a tool message that does not say which.
+        if role == "tool" && !msg.contains_key("tool_call_id") {
+            let param = format!("{at}.tool_call_id");
+            return Err(ApiError::invalid(
+                Some(&param),
+                format!("{param} is required: a message of role tool must name the tool call it answers"),
+            ));
         }
         out.push(Value::Object(msg));
     }

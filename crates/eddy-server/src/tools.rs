@@ -1586,7 +1586,7 @@ mod tests {
         // comes only with tools, and with none it says that no call can be made now.
         let conv = msgs(json!([{"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
-            {"role": "tool", "content": "12:00"},
+            {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
             {"role": "assistant", "content": "Noon.", "tool_calls": []}]));
         let out = generic_messages(&conv, None, &ToolChoice::None, true);
         assert_eq!(
@@ -1594,7 +1594,7 @@ mod tests {
             vec![
                 json!({"role": "user", "content": "Hi"}),
                 json!({"role": "assistant", "content": "{\"tool_calls\": [{\"name\": \"get_time\", \"arguments\": {}}]}"}),
-                json!({"role": "user", "content": "{\"tool_response\": {\"content\": \"12:00\"}}"}),
+                json!({"role": "user", "content": "{\"tool_response\": {\"name\": \"get_time\", \"content\": \"12:00\"}}"}),
                 json!({"role": "assistant", "content": "Noon."}),
             ]
         );

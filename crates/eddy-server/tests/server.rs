@@ -441,6 +441,16 @@ fn errors() {
     assert_error(&post(addr, c, chat_body("hi", json!({"seed": 1.5}))), 400, "seed must be an integer");
     assert_error(&post(addr, c, json!({"messages": "hi"})), 400, "messages");
     assert_error(&post(addr, c, json!({"messages": [{"role": "robot", "content": "hi"}]})), 400, "robot");
+    // A tool message must name the call it answers (OpenAI refuses it without tool_call_id; null is none).
+    for id in [None, Some(Value::Null)] {
+        let mut tool = json!({"role": "tool", "content": "42"});
+        if let Some(id) = id {
+            tool["tool_call_id"] = id;
+        }
+        let body = json!({"messages": [{"role": "user", "content": "hi"}, tool], "max_tokens": 2});
+        let v = assert_error(&post(addr, c, body), 400, "messages[1].tool_call_id is required");
+        assert_eq!((&v["error"]["param"], &v["error"]["type"]), (&json!("messages[1].tool_call_id"), &json!("invalid_request_error")));
+    }
     assert_error(&post(addr, c, chat_body("hi", json!({"response_format": {"type": "yaml"}}))), 400, "yaml");
     assert_error(&post(addr, c, chat_body("hi", json!({"tools": [{"type": "function"}]}))), 400, "tools[0].function");
     let f = |name: &str| json!({"type": "function", "function": {"name": name}});
