@@ -32,7 +32,8 @@ fn text_of(content: &Value, at: &str) -> R<String> {
 
 /// Translates a Responses request body into the chat request it means. `input` (a string, or items:
 /// messages of role user, system, developer or assistant; `function_call`; `function_call_output`;
-/// `reasoning` items are dropped, the template re-renders past turns), `instructions` (a system message
+/// `reasoning` items are dropped, the template re-renders past turns; a `function_call_output` must answer
+/// a `function_call` item before it, as OpenAI requires), `instructions` (a system message
 /// first), `tools` (function tools), `tool_choice`, `parallel_tool_calls`, `max_output_tokens`,
 /// `temperature`, `top_p`, `text.format` (text, json_object, json_schema), `reasoning.effort` (chat's
 /// `reasoning_effort`), `stream` are read; `previous_response_id`, non-function tools and image or file
@@ -73,6 +74,8 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
         None => return Err(invalid("input", "input is required")),
         Some(Value::String(s)) => messages.push(json!({"role": "user", "content": s})),
         Some(Value::Array(items)) => {
+            // The call ids of the function_call items so far: an output must answer one of them.
+            let mut call_ids = std::collections::HashSet::new();
             for (i, item) in items.iter().enumerate() {
                 let at = format!("input[{i}]");
                 let field =
@@ -88,7 +91,9 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
                         messages.push(json!({"role": role, "content": content}));
                     }
                     Some("function_call") => {
-                        let call = json!({"id": field("call_id")?, "type": "function",
+                        let call_id = field("call_id")?;
+                        call_ids.insert(call_id);
+                        let call = json!({"id": call_id, "type": "function",
                                           "function": {"name": field("name")?, "arguments": field("arguments")?}});
                         // Consecutive calls are one assistant turn's parallel calls.
                         match messages.last_mut() {
@@ -107,7 +112,14 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
                             Some(v @ Value::Array(_)) => text_of(v, &format!("{at}.output"))?,
                             _ => return Err(invalid("input", format!("{at}.output must be a string"))),
                         };
-                        messages.push(json!({"role": "tool", "tool_call_id": field("call_id")?, "content": output}));
+                        let call_id = field("call_id")?;
+                        if !call_ids.contains(call_id) {
+                            return Err(invalid(
+                                "input",
+                                format!("{at}: No tool call found for function call output with call_id {}: no function_call item before it has that call_id", crate::api::shown(call_id)),
+                            ));
+                        }
+                        messages.push(json!({"role": "tool", "tool_call_id": call_id, "content": output}));
                     }
                     Some("reasoning") => {}
                     Some(t) => return Err(invalid("input", format!("{at}: {t} items are not supported"))),
@@ -521,6 +533,11 @@ mod tests {
             (json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}), "input_image parts"),
             (json!({"input": [{"role": "tool", "content": "x"}]}), "input[0].role"),
             (json!({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}), "input[0].call_id"),
+            (
+                json!({"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c2", "output": "x"}]}),
+                "input[1]: No tool call found for function call output with call_id c2",
+            ),
             (json!({"input": "x", "tools": [{"type": "web_search"}]}), "only function tools"),
             (json!({"input": "x", "text": {"format": {"type": "yaml"}}}), "text.format.type"),
         ] {

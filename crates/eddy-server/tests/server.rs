@@ -1032,6 +1032,28 @@ fn responses_api() {
     assert_eq!(e["error"]["param"], "text");
 }
 
+/// A function_call_output must answer a function_call item earlier in input, as OpenAI requires: an output
+/// whose call_id no earlier call has (none at all, a later one, another id) is a 400 naming the item and the id.
+#[test]
+fn responses_outputs_answer_earlier_calls() {
+    let addr = server_or_skip!();
+    let call = |id: &str| json!({"type": "function_call", "call_id": id, "name": "get_time", "arguments": "{}"});
+    let output = |id: &str| json!({"type": "function_call_output", "call_id": id, "output": "12:00"});
+    let user = json!({"role": "user", "content": "What time is it?"});
+    for (input, at, id) in [
+        (json!([user, output("c1")]), 1, "c1"),
+        (json!([user, output("c1"), call("c1")]), 1, "c1"),
+        (json!([user, call("c1"), output("c1"), output("c2")]), 3, "c2"),
+    ] {
+        let r = post(addr, "/v1/responses", json!({"input": input, "max_output_tokens": 2}));
+        let e = assert_error(&r, 400, &format!("input[{at}]: No tool call found for function call output with call_id {id}"));
+        assert_eq!((&e["error"]["param"], &e["error"]["type"]), (&json!("input"), &json!("invalid_request_error")));
+    }
+    let r =
+        post(addr, "/v1/responses", json!({"input": [user, call("c1"), call("c2"), output("c2"), output("c1")], "max_output_tokens": 2}));
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
 /// Prefix-cache equivalence: a server with the cache on answers every request exactly as a server with
 /// it off (a cold run each time): the same prompt repeated, A-B-A, and a prompt that is a strict prefix of
 /// the one before. Passes without a cache too; the cached-token counts are checked by the next test.
