@@ -17,8 +17,6 @@ type R<T> = Result<T, ApiError>;
 pub struct Request {
     /// The chat-completions request body.
     pub chat: Value,
-    /// The model the request names (echoed in the reply).
-    pub model: String,
 }
 
 fn invalid(param: &str, message: impl Into<String>) -> ApiError {
@@ -36,7 +34,8 @@ fn text_of(content: &Value, at: &str) -> R<String> {
 /// turns), `tools`, `tool_choice` (`disable_parallel_tool_use` included), `stop_sequences`, `temperature`,
 /// `top_p`, `top_k`, `thinking` (the template's `enable_thinking`), `output_config.format` (a JSON schema
 /// the reply follows) and `stream` are read; images,
-/// documents and server tools are refused; other fields (metadata, service_tier) are ignored.
+/// documents and server tools are refused; other fields (metadata, service_tier) are ignored. `model` may
+/// name any model (a string): the served one answers, and the reply names it.
 pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
     let model = match o.get("model") {
         None | Some(Value::Null) => String::new(),
@@ -175,7 +174,7 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
         Some("disabled") => chat["chat_template_kwargs"] = json!({"enable_thinking": false}),
         _ => {}
     }
-    Ok(Request { chat, model })
+    Ok(Request { chat })
 }
 
 /// Anthropic's `stop_reason` and `stop_sequence` for a chat choice (its `finish_reason`, and the stop string
@@ -530,7 +529,6 @@ mod tests {
             ],
         })))
         .unwrap();
-        assert_eq!(r.model, "claude-x");
         assert_eq!(
             r.chat,
             json!({"model": "claude-x", "max_tokens": 64, "temperature": 0.5, "stop": ["\n\n"],

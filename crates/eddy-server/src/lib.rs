@@ -944,11 +944,11 @@ struct Prepared {
     choices: Vec<Choice>,
 }
 
-/// How a reply is written: OpenAI's chat or text completions, Anthropic's Messages (`model`: the name the
-/// request gave), or OpenAI's Responses (`echo`: the request fields a response repeats).
+/// How a reply is written: OpenAI's chat or text completions, Anthropic's Messages, or OpenAI's Responses
+/// (`echo`: the request fields a response repeats). Each names the served model as chat does.
 enum Dialect {
     OpenAi,
-    Anthropic { model: String },
+    Anthropic,
     Responses { echo: serde_json::Map<String, Value> },
 }
 
@@ -1007,15 +1007,18 @@ async fn answer(st: Arc<AppState>, kind: Kind, body: Bytes, dialect: Dialect) ->
     };
     match (common.stream, dialect) {
         (true, Dialect::OpenAi) => Ok(stream_response(fmt, rx, st.keep_alive, None)),
-        (true, Dialect::Anthropic { model }) => {
-            let events = Events::Anthropic(anthropic::EventStream::new(model, input_tokens));
+        (true, Dialect::Anthropic) => {
+            let events = Events::Anthropic(anthropic::EventStream::new(fmt.model.clone(), input_tokens));
             Ok(stream_response(fmt, rx, st.keep_alive, Some(events)))
         }
         (true, Dialect::Responses { echo }) => {
             Ok(stream_response(fmt, rx, st.keep_alive, Some(Events::Responses(Box::new(responses::EventStream::new(echo))))))
         }
         (false, Dialect::OpenAi) => Ok(Json(whole_response(fmt, rx).await?).into_response()),
-        (false, Dialect::Anthropic { model }) => Ok(Json(anthropic::from_chat(&whole_response(fmt, rx).await?, &model)).into_response()),
+        (false, Dialect::Anthropic) => {
+            let model = fmt.model.clone();
+            Ok(Json(anthropic::from_chat(&whole_response(fmt, rx).await?, &model)).into_response())
+        }
         (false, Dialect::Responses { echo }) => Ok(Json(responses::from_chat(&whole_response(fmt, rx).await?, &echo)).into_response()),
     }
 }
@@ -1023,9 +1026,8 @@ async fn answer(st: Arc<AppState>, kind: Kind, body: Bytes, dialect: Dialect) ->
 /// `POST /v1/responses`: OpenAI's Responses API, answered through the chat path ([`responses`]).
 async fn create_response(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
     let mut req = responses::to_chat(&api::parse_object(&body)?)?;
-    if req.echo["model"].is_null() {
-        req.echo.insert("model".into(), json!(st.names[0]));
-    }
+    // The served model, whatever the request named (as chat completions report it).
+    req.echo.insert("model".into(), json!(st.names[0]));
     let chat = Bytes::from(serde_json::to_vec(&req.chat).map_err(|e| server_error(e.to_string()))?);
     // Errors of the chat request in the Responses API's names.
     let renames = [
@@ -1044,7 +1046,6 @@ async fn create_response(State(st): State<Arc<AppState>>, body: Bytes) -> Result
 async fn messages(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let r = async {
         let req = anthropic::to_chat(&api::parse_object(&body)?)?;
-        let model = if req.model.is_empty() { st.names[0].clone() } else { req.model };
         let chat = Bytes::from(serde_json::to_vec(&req.chat).map_err(|e| server_error(e.to_string()))?);
         // Errors of the chat request in the Messages API's names.
         let renames = [
@@ -1053,7 +1054,7 @@ async fn messages(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
             ("function.parameters", "input_schema"),
             ("function.name", "name"),
         ];
-        answer(st, Kind::Chat, chat, Dialect::Anthropic { model }).await.map_err(|e| e.renamed(&renames))
+        answer(st, Kind::Chat, chat, Dialect::Anthropic).await.map_err(|e| e.renamed(&renames))
     };
     r.await.unwrap_or_else(anthropic_error)
 }

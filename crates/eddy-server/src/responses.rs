@@ -17,7 +17,8 @@ type R<T> = Result<T, ApiError>;
 pub struct Request {
     /// The chat-completions request body.
     pub chat: Value,
-    /// The request fields a response object repeats (model, instructions, tools, sampling, ...).
+    /// The request fields a response object repeats (instructions, tools, sampling, ...; the server adds
+    /// `model`, the served model's name).
     pub echo: Map<String, Value>,
 }
 
@@ -210,18 +211,9 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
         };
     }
     let mut echo = Map::new();
-    for k in [
-        "model",
-        "instructions",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "temperature",
-        "top_p",
-        "max_output_tokens",
-        "text",
-        "metadata",
-    ] {
+    for k in
+        ["instructions", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p", "max_output_tokens", "text", "metadata"]
+    {
         echo.insert(k.into(), get(k).cloned().unwrap_or(Value::Null));
     }
     Ok(Request { chat, echo })

@@ -905,8 +905,8 @@ fn weather_round_trip(tools: SocketAddr, id: &Value, arguments: &str, text: &Val
 }
 
 /// Anthropic's Messages API through the official `anthropic` SDK: a reply whole and streamed equals the chat
-/// API's reply to the same conversation (system prompt included), with stop reason, usage and the model
-/// named by the request; count_tokens counts that prompt; an image block is a 400 the SDK raises as
+/// API's reply to the same conversation (system prompt included), with stop reason, usage and the served
+/// model's name (whatever the request named, as chat completions report it); count_tokens counts that prompt; an image block is a 400 the SDK raises as
 /// BadRequestError; on Qwen2.5-Coder-0.5B a forced call comes back as a tool_use block (whole and streamed)
 /// and its tool_result gets an answer. Raw errors are Anthropic's error objects.
 #[test]
@@ -924,7 +924,7 @@ fn anthropic_messages_api() {
     let stop = if want["choices"][0]["finish_reason"] == "length" { "max_tokens" } else { "end_turn" };
     assert_eq!(v["whole"]["text"], text, "{v}");
     assert_eq!(v["whole"]["stop_reason"], stop);
-    assert_eq!(v["whole"]["model"], "claude-test");
+    assert_eq!(v["whole"]["model"], "SmolLM2-135M-Instruct.Q4_1");
     let u = &v["whole"]["usage"];
     assert_eq!(
         u["input_tokens"].as_u64().unwrap() + u["cache_read_input_tokens"].as_u64().unwrap(),
@@ -1944,6 +1944,18 @@ fn any_model_name_is_answered_and_aliases_are_listed() {
         assert_eq!(v["model"], "SmolLM2-135M-Instruct.Q4_1");
         assert_eq!(v["choices"][0]["message"], plain["choices"][0]["message"]);
     }
+    // The Responses and Messages APIs name the served model too, whole and streamed (in their first event).
+    let responses = json!({"model": "gpt-4o-mini", "input": Q, "max_output_tokens": 4});
+    let messages = json!({"model": "claude-x", "max_tokens": 4, "messages": [{"role": "user", "content": Q}]});
+    for (path, body, first) in [("/v1/responses", responses, "/response/model"), ("/v1/messages", messages, "/message/model")] {
+        let r = post(addr, path, body.clone());
+        assert_eq!((r.status, &r.json()["model"]), (200, &json!("SmolLM2-135M-Instruct.Q4_1")), "{path}: {}", r.body);
+        let mut body = body;
+        body["stream"] = json!(true);
+        let r = post(addr, path, body);
+        let event: Value = serde_json::from_str(r.body.lines().find_map(|l| l.strip_prefix("data: ")).unwrap()).unwrap();
+        assert_eq!(event.pointer(first), Some(&json!("SmolLM2-135M-Instruct.Q4_1")), "{path}: {}", r.body);
+    }
     let Some(p) = model_path() else { return };
     // A repeated alias is listed once.
     let aliases = ["smol", "gpt-4o-mini", "smol", "org/third"].map(String::from).to_vec();
@@ -1987,6 +1999,10 @@ fn any_model_name_is_answered_and_aliases_are_listed() {
     assert!(request(aliased, "GET", "/v1/models", "").headers.to_ascii_lowercase().contains("anthropic-version"));
     assert_eq!(request(aliased, "GET", "/v1/models/gpt-4o-mini", "").json()["context_length"], CTX);
     let v = post(aliased, c, chat_body(Q, json!({"max_tokens": 8, "model": "other"}))).json();
+    assert_eq!(v["model"], "smol");
+    let v = post(aliased, "/v1/responses", json!({"model": "other", "input": Q, "max_output_tokens": 2})).json();
+    assert_eq!(v["model"], "smol");
+    let v = post(aliased, "/v1/messages", json!({"model": "other", "max_tokens": 2, "messages": [{"role": "user", "content": Q}]})).json();
     assert_eq!(v["model"], "smol");
 }
 
