@@ -6,7 +6,7 @@ mod bench;
 mod fetch;
 
 use clap::{Args, Parser, Subcommand};
-use eddy::chat::{encode_chat_guarded, ChatMessage};
+use eddy::chat::{encode_chat_guarded, ChatMessage, ChatTemplate};
 use eddy::engine::{default_threads, Device, Engine, EngineOptions, GenerateParams};
 use eddy::load::{load, LoadedModel};
 use eddy::model_dir::Quant;
@@ -164,8 +164,8 @@ struct RunArgs {
     /// over, `/exit` or end of input ends it, Ctrl-C stops a reply (at the prompt: ends the chat).
     #[arg(long = "message", short = 'm', allow_hyphen_values = true)]
     message: Option<String>,
-    /// A system message placed before the user message (with --raw or without a chat template: prepended
-    /// to the message, followed by a blank line).
+    /// A system message placed before the user message (with --raw: prepended to the message, followed by
+    /// a blank line). A model without a chat template chats in ChatML, as llama.cpp does.
     #[arg(long, allow_hyphen_values = true)]
     system: Option<String>,
     /// Send the message as raw text, without the chat template (BOS is added if the model wants one).
@@ -725,21 +725,16 @@ fn run(a: RunArgs) -> eddy::Result<()> {
     let (mut engine, _) = engine_for(&a.model)?;
     attach_speculators(&mut engine, &a.spec, spec_kind, spec_budget)?;
     check_logit_bias(&engine, &a.logit_bias)?;
-    let lm = &engine.lm;
-    let prompt = match (&lm.template, a.raw) {
-        (Some(t), false) => {
-            let mut msgs = Vec::new();
-            if let Some(s) = &a.system {
-                msgs.push(ChatMessage { role: "system".into(), content: s.clone() });
-            }
-            msgs.push(ChatMessage { role: "user".into(), content: message });
-            chat_prompt(t, &lm.tokenizer, &msgs, &kwargs)?
+    let prompt = if a.raw {
+        engine.lm.tokenizer.encode(&with_system(&a.system, &message), true)?
+    } else {
+        let template = ChatTemplate::or_chatml(engine.lm.template.take(), &engine.lm.tokenizer);
+        let mut msgs = Vec::new();
+        if let Some(s) = &a.system {
+            msgs.push(ChatMessage { role: "system".into(), content: s.clone() });
         }
-        (None, false) => {
-            let _ = writeln!(std::io::stderr(), "note: the model has no chat template; sending the message as raw text");
-            lm.tokenizer.encode(&with_system(&a.system, &message), true)?
-        }
-        (_, true) => lm.tokenizer.encode(&with_system(&a.system, &message), true)?,
+        msgs.push(ChatMessage { role: "user".into(), content: message });
+        chat_prompt(&template, &engine.lm.tokenizer, &msgs, &kwargs)?
     };
     if prompt.is_empty() {
         return Err(bad(source, "the message is empty and the model adds no BOS token: nothing to generate from"));
@@ -831,7 +826,7 @@ fn stream_reply(
 /// text: special-token text written in them (`<|im_end|>` in a question, or in a reply fed back into the
 /// next turn) stays text, as in `eddy serve` ([`encode_chat_guarded`]).
 fn chat_prompt(
-    template: &eddy::chat::ChatTemplate,
+    template: &ChatTemplate,
     tok: &eddy::tokenizer::Tokenizer,
     messages: &[ChatMessage],
     kwargs: &serde_json::Map<String, serde_json::Value>,
@@ -895,9 +890,7 @@ fn chat(a: &RunArgs, sampler: SamplerParams, kwargs: &serde_json::Map<String, se
     let (mut engine, _) = engine_for(&a.model)?;
     attach_speculators(&mut engine, &a.spec, spec_kind, spec_budget)?;
     check_logit_bias(&engine, &a.logit_bias)?;
-    let Some(template) = engine.lm.template.take() else {
-        return Err(bad("--message", "the model has no chat template, so it cannot hold a chat: give --message (sent as raw text)"));
-    };
+    let template = ChatTemplate::or_chatml(engine.lm.template.take(), &engine.lm.tokenizer);
     stop_replies_on_sigint();
     // Notes go to stderr; a stderr that cannot be written is not an error.
     let note = |s: &str| {

@@ -263,6 +263,33 @@ fn run_smol(smol: &Path, extra: &[&str]) -> Output {
     out
 }
 
+/// A model without a chat template (Gemma 3 270m, a base model) chats in ChatML, as llama.cpp falls back to,
+/// after one warning line on stderr: a reply to `-m` and to a chat on stdin is the reply to a raw run of the
+/// ChatML text (--raw adds the BOS this tokenizer wants, as the ChatML fallback writes it).
+#[test]
+fn a_model_without_a_chat_template_chats_in_chatml() {
+    let Some(smol) = smol() else { return };
+    let gemma = smol.with_file_name("gemma-3-270m-q4_k_m.gguf");
+    assert!(gemma.is_file(), "{} is missing: run `tools/fetch_models.sh gemma3`", gemma.display());
+    let q = "Name three colors of the rainbow.";
+    let chatml = format!("<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n");
+    let base = ["run", "--model", gemma.to_str().unwrap(), "--threads", "1", "-n", "8", "--temperature", "0"];
+    fn with<'a>(base: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
+        [base, extra].concat()
+    }
+    let raw = eddy(&with(&base, &["--raw", "-m", &chatml]));
+    assert_eq!(raw.status.code(), Some(0), "{}", String::from_utf8_lossy(&raw.stderr));
+    assert!(raw.stdout.len() > 1, "an empty reply");
+    let warning = "warning: the model has no chat template; chatting in ChatML";
+    assert!(!String::from_utf8_lossy(&raw.stderr).contains(warning), "--raw uses no template");
+    for out in [eddy(&with(&base, &["-m", q])), eddy_stdin(&base, Some(format!("{q}\n").as_bytes()))] {
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert_eq!(out.status.code(), Some(0), "{err}");
+        assert_eq!(err.lines().filter(|l| l.starts_with(warning)).count(), 1, "{err}");
+        assert_eq!(String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&raw.stdout), "{err}");
+    }
+}
+
 /// `eddy run` without --message: a chat on stdin. Each reply is the engine's greedy reply to the whole
 /// conversation so far through the chat template (the previous replies included); a blank line is skipped,
 /// a line ending in `\` goes on to the next, `/clear` starts over, the end of input ends the chat (exit 0);

@@ -18,7 +18,9 @@
 //! The server has one model and answers a request naming any model with it (llama-server's behaviour;
 //! clients often send a fixed name): `model` in a response is the first served name. Chat requests may
 //! bring `tools` ([`tools`]) and any request a `response_format` JSON schema; `tool_choice` `required` or a
-//! named function, and JSON schemas, constrain decoding with llguidance ([`grammar`]).
+//! named function, and JSON schemas, constrain decoding with llguidance ([`grammar`]). A model without a
+//! chat template chats in ChatML, as llama-server does ([`ChatTemplate::or_chatml`]; tools then take eddy's
+//! generic format).
 //!
 //! A streaming request that is still waiting for its first token (queued, or in a long prefill) gets an
 //! SSE comment `: keep-alive` every [`ServeOptions::keep_alive`], so that proxies and clients with read
@@ -131,7 +133,8 @@ struct AppState {
     /// Tokens per row of the model's logits.
     n_logits: usize,
     tokenizer: Tokenizer,
-    template: Option<ChatTemplate>,
+    /// The model's chat template, or ChatML when it has none ([`ChatTemplate::or_chatml`]).
+    template: ChatTemplate,
     ctx: usize,
     /// Token ids a prompt may hold: below the vocabulary of both the tokenizer and the model.
     vocab: usize,
@@ -231,7 +234,7 @@ pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router>
         checked_tools: std::sync::Mutex::new(std::collections::HashSet::new()),
         n_logits: engine.lm.model.config.vocab_size,
         tokenizer: engine.lm.tokenizer.clone(),
-        template: engine.lm.template.take(),
+        template: ChatTemplate::or_chatml(engine.lm.template.take(), &engine.lm.tokenizer),
         ctx: engine.ctx(),
         vocab: engine.lm.tokenizer.vocab_size().min(engine.lm.model.config.vocab_size),
         max_prompt_bytes: engine.lm.tokenizer.max_text_bytes(engine.ctx()),
@@ -641,9 +644,7 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
             if let Some(tools) = &tools {
                 kwargs.insert("tools".into(), tools.json.clone());
             }
-            let Some(t) = &st.template else {
-                return Err(ApiError::invalid(None, "the model has no chat template; use /v1/completions"));
-            };
+            let t = &st.template;
             let made_calls = |m: &Value| m.get("tool_calls").is_some_and(|c| c.as_array().is_some_and(|a| !a.is_empty()));
             // A template without a call syntax eddy knows gets the generic one ([`tools::generic_messages`]):
             // the conversation is rewritten for it whenever it has tools or past calls (with tool_choice

@@ -2405,6 +2405,33 @@ fn qwen(name: &str) -> Option<SocketAddr> {
     Some(start(eng, eddy_server::ServeOptions::default()))
 }
 
+/// Gemma 3 270m: a base model, without a chat template, whose tokenizer adds a BOS.
+fn gemma_server() -> Option<SocketAddr> {
+    static ADDR: OnceLock<Option<SocketAddr>> = OnceLock::new();
+    *ADDR.get_or_init(|| qwen("gemma-3-270m-q4_k_m.gguf"))
+}
+
+/// A model without a chat template chats in ChatML, as llama-server falls back to: a chat's prompt and
+/// greedy reply are those of a raw completion of the ChatML text (after the BOS this tokenizer adds), on
+/// each API; tools take the generic format (a forced call is read back as a call).
+#[test]
+fn a_model_without_a_chat_template_chats_in_chatml() {
+    let Some(addr) = gemma_server() else { return };
+    let chatml = format!("<|im_start|>user\n{Q}<|im_end|>\n<|im_start|>assistant\n");
+    let raw = post(addr, "/v1/completions", json!({"prompt": chatml, "max_tokens": 8, "temperature": 0})).json();
+    let (text, prompt_tokens) = (&raw["choices"][0]["text"], &raw["usage"]["prompt_tokens"]);
+    assert!(text.as_str().is_some_and(|t| !t.is_empty()), "{raw}");
+    let v = post(addr, "/v1/chat/completions", chat_body(Q, json!({"max_tokens": 8}))).json();
+    assert_eq!((&v["choices"][0]["message"]["content"], &v["usage"]["prompt_tokens"]), (text, prompt_tokens), "{v}");
+    let v = post(addr, "/v1/messages", json!({"max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": Q}]})).json();
+    assert_eq!(&v["content"][0]["text"], text, "{v}");
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+    let body = chat_body("What is the weather in Paris?", json!({"tools": tools, "tool_choice": "required", "max_tokens": 40}));
+    let v = post(addr, "/v1/chat/completions", body).json();
+    assert_eq!(v["choices"][0]["message"]["tool_calls"][0]["function"]["name"], "get_weather", "{v}");
+}
+
 /// Qwen2.5-Coder-0.5B (structured outputs).
 fn qwen05_server() -> Option<SocketAddr> {
     static ADDR: OnceLock<Option<SocketAddr>> = OnceLock::new();
@@ -2810,7 +2837,7 @@ fn echo_scores_the_prompt() {
 /// tokenizer put there, its first echoed token scored after it; a token-id prompt comes back whole.
 #[test]
 fn echo_leaves_out_only_the_bos_the_tokenizer_added() {
-    let Some(addr) = qwen("gemma-3-270m-q4_k_m.gguf") else { return };
+    let Some(addr) = gemma_server() else { return };
     let text = "Hello world, again";
     let v = post(addr, "/v1/completions", json!({"prompt": text, "echo": true, "logprobs": 1, "max_tokens": 0})).json();
     let c = &v["choices"][0];

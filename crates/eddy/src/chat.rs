@@ -58,6 +58,11 @@ const TEMPLATE_NAME: &str = "chat_template";
 /// holding a core and the request forever.
 pub const TEMPLATE_FUEL: u64 = 50_000_000;
 
+/// ChatML, the chat format llama.cpp falls back to for a model without a template: each message
+/// `<|im_start|>{role}\n{content}<|im_end|>\n`, then `<|im_start|>assistant\n` as the generation prompt
+/// ([`ChatTemplate::chatml`] puts the tokenizer's BOS first where it adds one).
+pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
 impl ChatTemplate {
     /// Compiles `source`; `bos_token`/`eos_token` are the strings the template sees under those names.
     /// A syntax error is an [`Error::Text`].
@@ -128,6 +133,30 @@ impl ChatTemplate {
             return Self::with_tokenizer(&source, tok).map(Some).map_err(|e| Error::model(&path, e.to_string()));
         }
         Ok(None)
+    }
+
+    /// [`CHATML_TEMPLATE`] for the model of `tok`, with its BOS first when `tok` adds one to a text it
+    /// encodes (as llama.cpp's prompt then starts with it; the chat prompt is encoded without adding it).
+    pub fn chatml(tok: &Tokenizer) -> Self {
+        let bos = tok.add_bos && tok.bos_id.is_some();
+        let source = if bos { format!("{{{{ bos_token }}}}{CHATML_TEMPLATE}") } else { CHATML_TEMPLATE.to_string() };
+        // The source is eddy's own and compiles: a failure would be kept as the template's error.
+        Self::with_tokenizer(&source, tok).unwrap_or_else(|e| ChatTemplate {
+            env: Environment::new(),
+            source,
+            bos_token: None,
+            eos_token: None,
+            broken: Some(e.to_string()),
+        })
+    }
+
+    /// The model's template `template`, or when it has none [`ChatTemplate::chatml`], announced by a
+    /// one-line warning on stderr: what `eddy run` and `eddy serve` chat with (llama.cpp's fallback too).
+    pub fn or_chatml(template: Option<Self>, tok: &Tokenizer) -> Self {
+        template.unwrap_or_else(|| {
+            eprintln!("warning: the model has no chat template; chatting in ChatML (<|im_start|>role ... <|im_end|>), as llama.cpp does");
+            Self::chatml(tok)
+        })
     }
 
     fn with_tokenizer(source: &str, tok: &Tokenizer) -> Result<Self> {

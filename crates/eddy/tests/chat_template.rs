@@ -2,7 +2,7 @@
 //! `tools/make_text_fixtures.py`). Model files come from `$EDDY_MODELS` (default `~/.cache/eddy/models`); a
 //! missing file fails the test (run `tools/fetch_models.sh all`) unless `EDDY_SKIP_MODEL_TESTS=1`.
 
-use eddy::chat::{encode_chat, ChatMessage, ChatTemplate};
+use eddy::chat::{encode_chat, ChatMessage, ChatTemplate, CHATML_TEMPLATE};
 use eddy::gguf::GgufFile;
 use eddy::tokenizer::Tokenizer;
 use serde_json::{Map, Value};
@@ -99,10 +99,40 @@ fn qwen15_template_matches_transformers() {
     check_gguf_model("qwen15");
 }
 
-/// Gemma 3 270m is a base model: no template, so the caller falls back to raw text.
+/// Gemma 3 270m is a base model: no template, so `eddy run` and `eddy serve` chat with it in ChatML.
 #[test]
 fn gemma3_has_no_template() {
     check_gguf_model("gemma3");
+}
+
+/// ChatML, llama.cpp's fallback for a model without a template: each message `<|im_start|>role\n…<|im_end|>\n`,
+/// then the assistant's header as the generation prompt; the tokenizer's BOS first only where it adds one
+/// (Gemma 3's does, SmolLM2's does not), as llama.cpp's prompt has it.
+#[test]
+fn chatml_is_the_fallback_template() {
+    let t = ChatTemplate::new(CHATML_TEMPLATE, None, None).unwrap();
+    let msgs = [
+        ChatMessage::new("system", "Be brief."),
+        ChatMessage::new("user", "Hi"),
+        ChatMessage::new("assistant", "Hello!"),
+        ChatMessage::new("user", "Bye"),
+    ];
+    let turns = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n";
+    assert_eq!(t.render(&msgs, true, &Map::new()).unwrap(), format!("{turns}<|im_start|>assistant\n"));
+    assert_eq!(t.render(&msgs, false, &Map::new()).unwrap(), turns);
+    for (file, bos) in [("gemma-3-270m-q4_k_m.gguf", "<bos>"), ("SmolLM2-135M-Instruct.Q4_1.gguf", "")] {
+        let Some(path) = model_file(file) else { return };
+        let g = GgufFile::open(&path).unwrap();
+        let tok = Tokenizer::from_gguf(&g).unwrap();
+        let t = ChatTemplate::chatml(&tok);
+        let want = format!("{bos}<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+        assert_eq!(t.render(&msgs[1..2], true, &Map::new()).unwrap(), want, "{file}");
+        // The model's own template wins; none: ChatML.
+        assert_eq!(ChatTemplate::or_chatml(None, &tok).source(), t.source(), "{file}");
+        let own = ChatTemplate::from_gguf(&g, &tok).unwrap();
+        let has_own = own.is_some();
+        assert_eq!(ChatTemplate::or_chatml(own, &tok).source() != t.source(), has_own, "{file}");
+    }
 }
 
 /// Templates exercising Jinja features (tojson, namespace, loop controls, Python methods, whitespace
