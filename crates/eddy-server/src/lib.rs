@@ -78,8 +78,8 @@ pub struct ServeOptions {
     pub keep_alive: Option<Duration>,
     /// Largest request body accepted; larger ones get a 413.
     pub max_body_bytes: usize,
-    /// Longest wait for the next bytes of a request body; a client that stalls longer is answered 400 and
-    /// its connection closed (so it holds neither a worker nor the drain at shutdown).
+    /// Longest wait for the next bytes of a request body; a client that stalls longer is answered 408
+    /// Request Timeout and its connection closed (so it holds neither a worker nor the drain at shutdown).
     pub body_timeout: Duration,
 }
 
@@ -143,6 +143,8 @@ struct AppState {
     jobs: std::sync::mpsc::Sender<Job>,
     queue: Arc<Queue>,
     max_body_bytes: usize,
+    /// [`ServeOptions::body_timeout`], for the 408's message.
+    body_timeout: Duration,
     created: u64,
     next_id: AtomicU64,
     metrics: Arc<Metrics>,
@@ -241,6 +243,7 @@ pub fn router(mut engine: Engine, opts: ServeOptions) -> std::io::Result<Router>
         jobs: tx,
         queue: queue.clone(),
         max_body_bytes: opts.max_body_bytes,
+        body_timeout: opts.body_timeout,
         created: unix_now(),
         next_id: AtomicU64::new(1),
         metrics: metrics.clone(),
@@ -432,6 +435,34 @@ async fn json_errors(State(st): State<Arc<AppState>>, req: Request, next: Next) 
     e.into_response()
 }
 
+/// A request body read whole (axum's [`Bytes`] extractor), except that a body whose bytes stopped arriving
+/// for [`ServeOptions::body_timeout`] is answered 408 Request Timeout (axum's own rejection is a 400 that
+/// names no cause the client can act on). Other rejections are axum's, made error objects by [`json_errors`].
+struct RequestBody(Bytes);
+
+impl axum::extract::FromRequest<Arc<AppState>> for RequestBody {
+    type Rejection = Response;
+
+    async fn from_request(req: Request, st: &Arc<AppState>) -> Result<Self, Response> {
+        let rejection = match Bytes::from_request(req, st).await {
+            Ok(b) => return Ok(RequestBody(b)),
+            Err(r) => r,
+        };
+        // The timeout layer's error, under axum's buffering error and its boxes.
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&rejection);
+        while let Some(e) = cause {
+            if e.is::<tower_http::timeout::TimeoutError>() {
+                let secs = st.body_timeout.as_secs_f64();
+                let e = ApiError::invalid(None, format!("no bytes of the request body arrived for {secs} s: the request timed out"))
+                    .with_status(StatusCode::REQUEST_TIMEOUT, "invalid_request_error", Some("request_timeout"));
+                return Err(e.into_response());
+            }
+            cause = e.source();
+        }
+        Err(rejection.into_response())
+    }
+}
+
 async fn prometheus(State(st): State<Arc<AppState>>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], st.metrics.render()).into_response()
 }
@@ -463,7 +494,7 @@ async fn health() -> Json<Value> {
 /// `POST /tokenize` (llama-server's and vLLM's): the token ids of `content` (or `prompt`), their `count`
 /// and the context length (`max_model_len`); with `with_pieces` each token is `{id, piece}`, the piece its
 /// text, or its bytes when they are not valid UTF-8 alone (as llama-server). Tokenized on the blocking pool.
-async fn tokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Json<Value>, ApiError> {
+async fn tokenize(State(st): State<Arc<AppState>>, RequestBody(body): RequestBody) -> Result<Json<Value>, ApiError> {
     let s = st.clone();
     let run = move || -> Result<Value, ApiError> {
         let t = api::parse_tokenize(&api::parse_object(&body)?)?;
@@ -493,7 +524,7 @@ async fn tokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Json<V
 
 /// `POST /detokenize`: the text of `tokens` (special tokens included), as `content` (llama-server) and
 /// `prompt` (vLLM).
-async fn detokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Json<Value>, ApiError> {
+async fn detokenize(State(st): State<Arc<AppState>>, RequestBody(body): RequestBody) -> Result<Json<Value>, ApiError> {
     let s = st.clone();
     let run = move || -> Result<Value, ApiError> {
         let ids = api::parse_detokenize(&api::parse_object(&body)?, s.vocab)?;
@@ -559,11 +590,11 @@ enum Kind {
     Text,
 }
 
-async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn chat_completions(State(st): State<Arc<AppState>>, RequestBody(body): RequestBody) -> Response {
     handle(st, Kind::Chat, body).await.unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn completions(State(st): State<Arc<AppState>>, RequestBody(body): RequestBody) -> Response {
     handle(st, Kind::Text, body).await.unwrap_or_else(IntoResponse::into_response)
 }
 
@@ -1025,7 +1056,7 @@ async fn answer(st: Arc<AppState>, kind: Kind, body: Bytes, dialect: Dialect) ->
 }
 
 /// `POST /v1/responses`: OpenAI's Responses API, answered through the chat path ([`responses`]).
-async fn create_response(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+async fn create_response(State(st): State<Arc<AppState>>, RequestBody(body): RequestBody) -> Result<Response, ApiError> {
     let mut req = responses::to_chat(&api::parse_object(&body)?)?;
     // The served model, whatever the request named (as chat completions report it).
     req.echo.insert("model".into(), json!(st.names[0]));
@@ -1044,7 +1075,7 @@ async fn create_response(State(st): State<Arc<AppState>>, body: Bytes) -> Result
 
 /// `POST /v1/messages`: Anthropic's Messages API, answered through the chat path ([`anthropic`]); errors
 /// in Anthropic's shape.
-async fn messages(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn messages(State(st): State<Arc<AppState>>, RequestBody(body): RequestBody) -> Response {
     let r = async {
         let req = anthropic::to_chat(&api::parse_object(&body)?)?;
         let chat = Bytes::from(serde_json::to_vec(&req.chat).map_err(|e| server_error(e.to_string()))?);
@@ -1071,7 +1102,7 @@ fn anthropic_error(e: ApiError) -> Response {
 }
 
 /// `POST /v1/messages/count_tokens`: the prompt tokens a Messages request would have (`input_tokens`).
-async fn count_tokens(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn count_tokens(State(st): State<Arc<AppState>>, RequestBody(body): RequestBody) -> Response {
     let r = async {
         let mut o = api::parse_object(&body)?;
         // A count needs no max_tokens.

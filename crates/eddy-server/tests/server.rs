@@ -1767,23 +1767,26 @@ fn axum_rejections_are_openai_errors() {
     assert!(raw.starts_with("HTTP/1.1 415") && raw.contains("Content-Encoding `gzip` is not supported"), "{raw}");
 }
 
-/// A client that stops sending its request body is answered 400 once `body_timeout` passes without bytes,
-/// instead of holding the connection (and the drain at shutdown) for as long as it stays open.
+/// A client that stops sending its request body is answered 408 Request Timeout once `body_timeout` passes
+/// without bytes, instead of holding the connection (and the drain at shutdown) for as long as it stays
+/// open; on Anthropic's routes in Anthropic's error shape.
 #[test]
 fn stalled_request_bodies_time_out() {
     let Some(p) = model_path() else { return };
     let opts = eddy_server::ServeOptions { body_timeout: std::time::Duration::from_millis(300), ..Default::default() };
     let addr = start(engine(&p), opts);
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
-    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"mess")
-        .unwrap();
-    let t0 = std::time::Instant::now();
-    let mut raw = String::new();
-    let _ = s.read_to_string(&mut raw);
-    assert!(raw.starts_with("HTTP/1.1 400"), "{raw}");
-    assert!(raw.contains("\"invalid_request_error\""), "{raw}");
-    assert!(t0.elapsed() < std::time::Duration::from_secs(15), "answered after {:?}", t0.elapsed());
+    for (path, shape) in [("/v1/chat/completions", "\"code\":\"request_timeout\""), ("/v1/messages", "\"type\":\"error\"")] {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
+        write!(s, "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"mess").unwrap();
+        let t0 = std::time::Instant::now();
+        let mut raw = String::new();
+        let _ = s.read_to_string(&mut raw);
+        assert!(raw.starts_with("HTTP/1.1 408"), "{path}: {raw}");
+        assert!(raw.contains("\"invalid_request_error\"") && raw.contains(shape), "{path}: {raw}");
+        assert!(raw.contains("no bytes of the request body arrived for 0.3 s"), "{path}: {raw}");
+        assert!(t0.elapsed() < std::time::Duration::from_secs(15), "answered after {:?}", t0.elapsed());
+    }
     assert_eq!(eddy_server::ServeOptions::default().body_timeout, std::time::Duration::from_secs(60));
 }
 
