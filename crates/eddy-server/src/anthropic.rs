@@ -9,6 +9,15 @@
 use crate::api::ApiError;
 use axum::body::Bytes;
 use axum::http::StatusCode;
+
+/// The chat request's field names in the Messages API's, for errors of a translated request
+/// ([`ApiError::renamed`]).
+pub const RENAMES: [(&str, &str); 4] = [
+    ("response_format", "output_config.format"),
+    ("stop", "stop_sequences"),
+    ("function.parameters", "input_schema"),
+    ("function.name", "name"),
+];
 use serde_json::{json, Map, Value};
 
 type R<T> = Result<T, ApiError>;
@@ -17,6 +26,9 @@ type R<T> = Result<T, ApiError>;
 pub struct Request {
     /// The chat-completions request body.
     pub chat: Value,
+    /// Where each chat message came from in the client's request: `system`, `messages[i]`, or
+    /// `messages[i].content[j]` for a tool result ([`ApiError::at_origins`]).
+    pub origins: Vec<String>,
 }
 
 fn invalid(param: &str, message: impl Into<String>) -> ApiError {
@@ -46,12 +58,14 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
         return Err(invalid("max_tokens", "max_tokens is required"));
     };
     let mut messages: Vec<Value> = Vec::new();
+    let mut origins: Vec<String> = Vec::new();
     match o.get("system") {
         None | Some(Value::Null) => {}
         Some(s) => {
             let text = text_of(s, "system")?;
             if !text.is_empty() {
                 messages.push(json!({"role": "system", "content": text}));
+                origins.push("system".into());
             }
         }
     }
@@ -67,6 +81,7 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
         let blocks = match m.get("content") {
             Some(Value::String(s)) => {
                 messages.push(json!({"role": role, "content": s}));
+                origins.push(at);
                 continue;
             }
             Some(Value::Array(b)) => b,
@@ -89,7 +104,7 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
                         None | Some(Value::Null) => String::new(),
                         Some(c) => crate::api::content_text(c, &format!("{at}.content"), "messages", &["text"], "blocks")?,
                     };
-                    results.push(json!({"role": "tool", "tool_call_id": field("tool_use_id")?, "content": content}));
+                    results.push((json!({"role": "tool", "tool_call_id": field("tool_use_id")?, "content": content}), at));
                 }
                 // The template renders past turns without their reasoning.
                 (Some("thinking" | "redacted_thinking"), "assistant") => {}
@@ -98,15 +113,20 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
             }
         }
         // Tool results answer the previous assistant turn: they come before the user's text.
-        messages.extend(results);
+        for (result, origin) in results {
+            messages.push(result);
+            origins.push(origin);
+        }
         if role == "assistant" && (!text.is_empty() || !calls.is_empty()) {
             let mut a = json!({"role": "assistant", "content": text});
             if !calls.is_empty() {
                 a["tool_calls"] = Value::Array(calls);
             }
             messages.push(a);
+            origins.push(at);
         } else if role == "user" && !text.is_empty() {
             messages.push(json!({"role": "user", "content": text}));
+            origins.push(at);
         }
     }
     let mut chat = json!({"model": model, "messages": messages, "max_tokens": max_tokens});
@@ -174,7 +194,7 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
         Some("disabled") => chat["chat_template_kwargs"] = json!({"enable_thinking": false}),
         _ => {}
     }
-    Ok(Request { chat })
+    Ok(Request { chat, origins })
 }
 
 /// Anthropic's `stop_reason` and `stop_sequence` for a chat choice (its `finish_reason`, and the stop string
@@ -543,6 +563,7 @@ mod tests {
                 "tools": [{"type": "function", "function": {"name": "get_time", "description": "Now.", "parameters": {"type": "object", "properties": {}}}}],
                 "tool_choice": "required", "parallel_tool_calls": false})
         );
+        assert_eq!(r.origins, ["system", "messages[0]", "messages[1]", "messages[2].content[0]", "messages[2]"]);
         for (body, needle) in [
             (json!({"messages": []}), "max_tokens is required"),
             (json!({"max_tokens": 5}), "messages must be an array"),

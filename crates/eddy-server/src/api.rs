@@ -64,6 +64,49 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// The error in the fields a translated request's client sent: each `messages[k]` in `param` and in the
+    /// message (message `k` of the chat request the client's request became, a place the client never
+    /// wrote) is replaced by `origins[k]`, the client's own field (`messages[1].content[0]`, `input[2]`,
+    /// `system`). Indices beyond `origins` are left as they are. Apply before [`ApiError::renamed`].
+    pub fn at_origins(mut self, origins: &[String]) -> ApiError {
+        self.param = self.param.map(|p| chat_indices_replaced(&p, origins));
+        self.message = chat_indices_replaced(&self.message, origins);
+        self
+    }
+}
+
+/// `text` with each `messages[k]` (not inside a longer identifier) replaced by `origins[k]` where it exists.
+fn chat_indices_replaced(text: &str, origins: &[String]) -> String {
+    const HEAD: &str = "messages[";
+    let ident = |c: Option<char>| c.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == '.');
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find(HEAD) {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + HEAD.len()..];
+        let digits = after.bytes().take_while(u8::is_ascii_digit).count();
+        let origin = after[digits..]
+            .starts_with(']')
+            .then(|| after[..digits].parse::<usize>().ok())
+            .flatten()
+            .and_then(|k| origins.get(k))
+            .filter(|_| !ident(rest[..i].chars().next_back()));
+        match origin {
+            Some(o) => {
+                out.push_str(o);
+                rest = &after[digits + 1..];
+            }
+            None => {
+                out.push_str(HEAD);
+                rest = after;
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
 /// `text` with each whole-word `from` (not inside a longer identifier) replaced by `to`.
 fn replace_word(text: &str, from: &str, to: &str) -> String {
     let ident = |c: Option<char>| c.is_some_and(|c| c.is_alphanumeric() || c == '_');
@@ -953,6 +996,25 @@ mod tests {
         assert_eq!((e.param.as_deref(), e.message.as_str()), (Some("stop_sequences[1]"), "stop_sequences[1] stopped: no stop_x"));
         let e = ApiError::invalid(Some("stops"), "x").renamed(&[("stop", "stop_sequences")]);
         assert_eq!(e.param.as_deref(), Some("stops"));
+    }
+
+    /// Errors of a translated request name the client's fields where they name a chat message: each
+    /// `messages[k]` becomes the message's origin, in param and message; other text is left alone.
+    #[test]
+    fn chat_indices_become_the_clients_fields() {
+        let origins = ["system".to_string(), "messages[0]".into(), "messages[1].content[0]".into()];
+        let e =
+            ApiError::invalid(Some("messages[2].tool_call_id"), "messages[2].tool_call_id is required; messages[1] and messages[7] too")
+                .at_origins(&origins);
+        assert_eq!(e.param.as_deref(), Some("messages[1].content[0].tool_call_id"));
+        assert_eq!(e.message, "messages[1].content[0].tool_call_id is required; messages[0] and messages[7] too");
+        let e = ApiError::invalid(Some("messages"), "x.messages[0], my_messages[0], messages[], messages[1x]").at_origins(&origins);
+        assert_eq!((e.param.as_deref(), e.message.as_str()), (Some("messages"), "x.messages[0], my_messages[0], messages[], messages[1x]"));
+        // Then renamed: an index mapped to `input[…]` is not renamed again, a bare `messages` is.
+        let e =
+            ApiError::invalid(Some("messages[1]"), "messages[1] of the messages").at_origins(&["instructions".into(), "input[0]".into()]);
+        let e = e.renamed(&[("messages", "input")]);
+        assert_eq!((e.param.as_deref(), e.message.as_str()), (Some("input[0]"), "input[0] of the input"));
     }
 
     /// A prompt array mixing strings and token ids is malformed (not "2 prompts"); batches of strings or of

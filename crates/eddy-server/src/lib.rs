@@ -713,9 +713,10 @@ fn prepare(st: &AppState, kind: Kind, body: &[u8], count_only: bool) -> Result<P
             // (vLLM renders it and opens a new one: its results may still be coming).
             let continued = messages.last().is_some_and(|m| m["role"] == "assistant" && !made_calls(m));
             if continued && calls.as_ref().is_some_and(|c| c.family.is_generic()) {
+                let at = format!("messages[{}]", messages.len() - 1);
                 return Err(ApiError::invalid(
-                    Some("messages"),
-                    "a last assistant message cannot be continued with tools on this model: its chat template has no tool-call syntax, so every reply is one JSON object (eddy's generic tool format) that cannot extend that text",
+                    Some(&at),
+                    format!("{at}: a last assistant message cannot be continued with tools on this model: its chat template has no tool-call syntax, so every reply is one JSON object (eddy's generic tool format) that cannot extend that text"),
                 ));
             }
             let render = |messages: &[Value], kwargs: &serde_json::Map<String, Value>| {
@@ -1061,16 +1062,11 @@ async fn create_response(State(st): State<Arc<AppState>>, RequestBody(body): Req
     // The served model, whatever the request named (as chat completions report it).
     req.echo.insert("model".into(), json!(st.names[0]));
     let chat = Bytes::from(serde_json::to_vec(&req.chat).map_err(|e| server_error(e.to_string()))?);
-    // Errors of the chat request in the Responses API's names.
-    let renames = [
-        ("max_tokens", "max_output_tokens"),
-        ("response_format", "text.format"),
-        ("messages", "input"),
-        ("reasoning_effort", "reasoning.effort"),
-        ("function.parameters", "parameters"),
-        ("function.name", "name"),
-    ];
-    answer(st, Kind::Chat, chat, Dialect::Responses { echo: req.echo }).await.map_err(|e| e.renamed(&renames))
+    // Errors of the chat request at the client's items, in the Responses API's names.
+    let origins = req.origins;
+    answer(st, Kind::Chat, chat, Dialect::Responses { echo: req.echo })
+        .await
+        .map_err(|e| e.at_origins(&origins).renamed(&responses::RENAMES))
 }
 
 /// `POST /v1/messages`: Anthropic's Messages API, answered through the chat path ([`anthropic`]); errors
@@ -1079,14 +1075,9 @@ async fn messages(State(st): State<Arc<AppState>>, RequestBody(body): RequestBod
     let r = async {
         let req = anthropic::to_chat(&api::parse_object(&body)?)?;
         let chat = Bytes::from(serde_json::to_vec(&req.chat).map_err(|e| server_error(e.to_string()))?);
-        // Errors of the chat request in the Messages API's names.
-        let renames = [
-            ("response_format", "output_config.format"),
-            ("stop", "stop_sequences"),
-            ("function.parameters", "input_schema"),
-            ("function.name", "name"),
-        ];
-        answer(st, Kind::Chat, chat, Dialect::Anthropic).await.map_err(|e| e.renamed(&renames))
+        // Errors of the chat request at the client's messages and blocks, in the Messages API's names.
+        let origins = req.origins;
+        answer(st, Kind::Chat, chat, Dialect::Anthropic).await.map_err(|e| e.at_origins(&origins).renamed(&anthropic::RENAMES))
     };
     r.await.unwrap_or_else(anthropic_error)
 }
@@ -1109,11 +1100,13 @@ async fn count_tokens(State(st): State<Arc<AppState>>, RequestBody(body): Reques
         if o.get("max_tokens").is_none_or(Value::is_null) {
             o.insert("max_tokens".into(), json!(1));
         }
-        let chat = serde_json::to_vec(&anthropic::to_chat(&o)?.chat).map_err(|e| server_error(e.to_string()))?;
+        let req = anthropic::to_chat(&o)?;
+        let chat = serde_json::to_vec(&req.chat).map_err(|e| server_error(e.to_string()))?;
         let s = st.clone();
         let p = tokio::task::spawn_blocking(move || prepare(&s, Kind::Chat, &chat, true))
             .await
-            .map_err(|e| server_error(format!("preparing the request failed: {e}")))??;
+            .map_err(|e| server_error(format!("preparing the request failed: {e}")))?
+            .map_err(|e| e.at_origins(&req.origins).renamed(&anthropic::RENAMES))?;
         Ok::<_, ApiError>(Json(json!({"input_tokens": p.prompts.first().map_or(0, |p| p.ids.len())})).into_response())
     };
     r.await.unwrap_or_else(anthropic_error)

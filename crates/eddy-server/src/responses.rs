@@ -20,7 +20,21 @@ pub struct Request {
     /// The request fields a response object repeats (instructions, tools, sampling, ...; the server adds
     /// `model`, the served model's name).
     pub echo: Map<String, Value>,
+    /// Where each chat message came from in the client's request: `instructions`, `input` (a string), or
+    /// `input[i]`, the item that began it ([`ApiError::at_origins`]).
+    pub origins: Vec<String>,
 }
+
+/// The chat request's field names in the Responses API's, for errors of a translated request
+/// ([`ApiError::renamed`]).
+pub const RENAMES: [(&str, &str); 6] = [
+    ("max_tokens", "max_output_tokens"),
+    ("response_format", "text.format"),
+    ("messages", "input"),
+    ("reasoning_effort", "reasoning.effort"),
+    ("function.parameters", "parameters"),
+    ("function.name", "name"),
+];
 
 fn invalid(param: &str, message: impl Into<String>) -> ApiError {
     ApiError::invalid(Some(param), message)
@@ -64,16 +78,23 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
         ));
     }
     let mut messages: Vec<Value> = Vec::new();
+    let mut origins: Vec<String> = Vec::new();
     match get("instructions") {
         None => {}
         // Empty instructions are none (a template's default system prompt stays).
         Some(Value::String(s)) if s.is_empty() => {}
-        Some(Value::String(s)) => messages.push(json!({"role": "system", "content": s})),
+        Some(Value::String(s)) => {
+            messages.push(json!({"role": "system", "content": s}));
+            origins.push("instructions".into());
+        }
         Some(v) => return Err(invalid("instructions", format!("instructions must be a string, got {v}"))),
     }
     match get("input") {
         None => return Err(invalid("input", "input is required")),
-        Some(Value::String(s)) => messages.push(json!({"role": "user", "content": s})),
+        Some(Value::String(s)) => {
+            messages.push(json!({"role": "user", "content": s}));
+            origins.push("input".into());
+        }
         Some(Value::Array(items)) => {
             // The call ids of the function_call items so far: an output must answer one of them.
             let mut call_ids = std::collections::HashSet::new();
@@ -90,6 +111,7 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
                         };
                         let content = text_of(item.get("content").unwrap_or(&Value::Null), &format!("{at}.content"))?;
                         messages.push(json!({"role": role, "content": content}));
+                        origins.push(at.clone());
                     }
                     Some("function_call") => {
                         let call_id = field("call_id")?;
@@ -104,7 +126,10 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
                                 }
                             }
                             Some(m) if m["role"] == "assistant" => m["tool_calls"] = json!([call]),
-                            _ => messages.push(json!({"role": "assistant", "content": "", "tool_calls": [call]})),
+                            _ => {
+                                messages.push(json!({"role": "assistant", "content": "", "tool_calls": [call]}));
+                                origins.push(at.clone());
+                            }
                         }
                     }
                     Some("function_call_output") => {
@@ -121,6 +146,7 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
                             ));
                         }
                         messages.push(json!({"role": "tool", "tool_call_id": call_id, "content": output}));
+                        origins.push(at.clone());
                     }
                     Some("reasoning") => {}
                     Some(t) => return Err(invalid("input", format!("{at}: {t} items are not supported"))),
@@ -216,7 +242,7 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
     {
         echo.insert(k.into(), get(k).cloned().unwrap_or(Value::Null));
     }
-    Ok(Request { chat, echo })
+    Ok(Request { chat, echo, origins })
 }
 
 /// The response id for a chat completion id (`chatcmpl-…` → `resp_…`), and item ids under it.
@@ -511,6 +537,8 @@ mod tests {
                 "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "object"}}}})
         );
         assert_eq!(r.echo["instructions"], "Be brief.");
+        // The parallel calls (input[3] and input[4]) are one assistant message, begun by input[3].
+        assert_eq!(r.origins, ["instructions", "input[0]", "input[1]", "input[3]", "input[5]"]);
         let r = to_chat(&obj(json!({"input": "x", "reasoning": {"effort": "none", "summary": "auto"}}))).unwrap();
         assert_eq!(r.chat["reasoning_effort"], "none");
         let r = to_chat(&obj(json!({"input": "x", "reasoning": {"effort": null}}))).unwrap();

@@ -1054,6 +1054,34 @@ fn responses_outputs_answer_earlier_calls() {
     assert_eq!(r.status, 200, "{}", r.body);
 }
 
+/// An error of a translated request names the client's own field, not the place in the chat request it
+/// became: a last assistant turn that cannot be continued with tools (SmolLM2's template has no call
+/// syntax) is `messages[2]` of the chat request behind each, the system prompt or instructions first, which
+/// is `messages[1]` of the Messages request (its count_tokens too) and `input[1]` of the Responses one.
+#[test]
+fn translated_errors_name_the_clients_fields() {
+    let addr = server_or_skip!();
+    let schema = json!({"type": "object", "properties": {"city": {"type": "string"}}});
+    let (ask, prefill) = ("What is the weather in Paris?", "Let me check, ");
+    let chat = json!({"max_tokens": 8, "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}],
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ask}, {"role": "assistant", "content": prefill}]});
+    let e = assert_error(&post(addr, "/v1/chat/completions", chat), 400, "messages[2]: a last assistant message cannot be continued");
+    assert_eq!(e["error"]["param"], "messages[2]");
+    let messages = json!({"max_tokens": 8, "system": "Be brief.", "tools": [{"name": "get_weather", "input_schema": schema}],
+        "messages": [{"role": "user", "content": ask}, {"role": "assistant", "content": [{"type": "text", "text": prefill}]}]});
+    for path in ["/v1/messages", "/v1/messages/count_tokens"] {
+        let r = post(addr, path, messages.clone());
+        assert_eq!((r.status, &r.json()["type"]), (400, &json!("error")), "{path}: {}", r.body);
+        let m = r.json()["error"]["message"].as_str().unwrap().to_string();
+        assert!(m.starts_with("messages[1]: a last assistant message cannot be continued"), "{path}: {m}");
+    }
+    let responses = json!({"max_output_tokens": 8, "instructions": "Be brief.",
+        "tools": [{"type": "function", "name": "get_weather", "parameters": schema}],
+        "input": [{"role": "user", "content": ask}, {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": prefill}]}]});
+    let e = assert_error(&post(addr, "/v1/responses", responses), 400, "input[1]: a last assistant message cannot be continued");
+    assert_eq!(e["error"]["param"], "input[1]");
+}
+
 /// Prefix-cache equivalence: a server with the cache on answers every request exactly as a server with
 /// it off (a cold run each time): the same prompt repeated, A-B-A, and a prompt that is a strict prefix of
 /// the one before. Passes without a cache too; the cached-token counts are checked by the next test.
