@@ -1061,12 +1061,59 @@ async fn create_response(State(st): State<Arc<AppState>>, RequestBody(body): Req
     let mut req = responses::to_chat(&api::parse_object(&body)?)?;
     // The served model, whatever the request named (as chat completions report it).
     req.echo.insert("model".into(), json!(st.names[0]));
-    let chat = Bytes::from(serde_json::to_vec(&req.chat).map_err(|e| server_error(e.to_string()))?);
     // Errors of the chat request at the client's items, in the Responses API's names.
-    let origins = req.origins;
-    answer(st, Kind::Chat, chat, Dialect::Responses { echo: req.echo })
+    let client_error = |e: ApiError, origins: &[String]| e.at_origins(origins).renamed(&responses::RENAMES);
+    if req.echo["truncation"] == "auto" {
+        let (s, mut chat, mut origins) = (st.clone(), req.chat, req.origins);
+        (req.chat, req.origins) = tokio::task::spawn_blocking(move || {
+            truncate_to_fit(&s, &mut chat, &mut origins).map_err(|e| client_error(e, &origins))?;
+            Ok::<_, ApiError>((chat, origins))
+        })
         .await
-        .map_err(|e| e.at_origins(&origins).renamed(&responses::RENAMES))
+        .map_err(|e| server_error(format!("truncating the input failed: {e}")))??;
+    }
+    let chat = Bytes::from(serde_json::to_vec(&req.chat).map_err(|e| server_error(e.to_string()))?);
+    let origins = req.origins;
+    answer(st, Kind::Chat, chat, Dialect::Responses { echo: req.echo }).await.map_err(|e| client_error(e, &origins))
+}
+
+/// The Responses API's `truncation: "auto"`: when the prompt of `chat` (a chat request) does not fit the
+/// context, its first messages are dropped, the fewest that make it fit, so that what is left starts with a
+/// user message; system messages (instructions, system and developer items) are kept wherever they are.
+/// `origins` (the messages' places in the client's request) lose the same entries. Nothing is dropped when
+/// the prompt fits, or when even the last user message with what follows it does not (the chat path then
+/// refuses the request as too long). Each try renders and counts the prompt, as `count_tokens` does: a
+/// binary search over the user messages where the kept part may start.
+fn truncate_to_fit(st: &AppState, chat: &mut Value, origins: &mut Vec<String>) -> Result<(), ApiError> {
+    let Some(messages) = chat["messages"].as_array().cloned() else { return Ok(()) };
+    let kept = |from: usize| -> Vec<usize> { (0..messages.len()).filter(|&i| i >= from || messages[i]["role"] == "system").collect() };
+    let fits = |from: usize| -> Result<bool, ApiError> {
+        let mut c = chat.clone();
+        c["messages"] = kept(from).into_iter().map(|i| messages[i].clone()).collect();
+        let body = serde_json::to_vec(&c).map_err(|e| server_error(e.to_string()))?;
+        Ok(prepare(st, Kind::Chat, &body, true)?.prompts.first().is_some_and(|p| p.ids.len() < st.ctx))
+    };
+    if fits(0)? {
+        return Ok(());
+    }
+    // Where the kept part may start: a user message after the first message that is not a system one.
+    let first = messages.iter().position(|m| m["role"] != "system").unwrap_or(messages.len());
+    let starts: Vec<usize> = (first + 1..messages.len()).filter(|&i| messages[i]["role"] == "user").collect();
+    // The first start that fits (dropping more never lengthens the prompt).
+    let (mut lo, mut hi) = (0, starts.len());
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        if fits(starts[mid])? {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    let Some(&from) = starts.get(lo) else { return Ok(()) };
+    let keep = kept(from);
+    chat["messages"] = keep.iter().map(|&i| messages[i].clone()).collect();
+    *origins = keep.iter().filter_map(|&i| origins.get(i).cloned()).collect();
+    Ok(())
 }
 
 /// `POST /v1/messages`: Anthropic's Messages API, answered through the chat path ([`anthropic`]); errors

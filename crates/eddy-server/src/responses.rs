@@ -51,9 +51,10 @@ fn text_of(content: &Value, at: &str) -> R<String> {
 /// a `function_call` item before it, as OpenAI requires), `instructions` (a system message
 /// first), `tools` (function tools), `tool_choice`, `parallel_tool_calls`, `max_output_tokens`,
 /// `temperature`, `top_p`, `text.format` (text, json_object, json_schema), `reasoning.effort` (chat's
-/// `reasoning_effort`), `stream` are read; `previous_response_id`, non-function tools and image or file
-/// inputs are refused; `store`, `metadata`, `reasoning.summary`, `truncation`, `include` (but
-/// log-probabilities: refused, as `top_logprobs`), `user` are accepted and ignored.
+/// `reasoning_effort`), `stream` are read; `truncation` (`disabled`, the default, or `auto`) is checked and
+/// repeated in the echo (with `auto` the server drops leading input items that do not fit); `previous_response_id`,
+/// non-function tools and image or file inputs are refused; `store`, `metadata`, `reasoning.summary`,
+/// `include` (but log-probabilities: refused, as `top_logprobs`), `user` are accepted and ignored.
 pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
     let get = |k: &str| o.get(k).filter(|v| !v.is_null());
     // State this server does not keep, or work it does not do in the background.
@@ -236,7 +237,13 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
             _ => return Err(invalid("text", "text.format.type must be text, json_object or json_schema")),
         };
     }
+    let truncation = match get("truncation") {
+        None => "disabled",
+        Some(Value::String(t)) if t == "auto" || t == "disabled" => t.as_str(),
+        Some(v) => return Err(invalid("truncation", format!("truncation must be \"auto\" or \"disabled\", got {v}"))),
+    };
     let mut echo = Map::new();
+    echo.insert("truncation".into(), json!(truncation));
     for k in
         ["instructions", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p", "max_output_tokens", "text", "metadata"]
     {
@@ -536,7 +543,7 @@ mod tests {
                 "tool_choice": {"type": "function", "function": {"name": "get_time"}},
                 "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "object"}}}})
         );
-        assert_eq!(r.echo["instructions"], "Be brief.");
+        assert_eq!((&r.echo["instructions"], &r.echo["truncation"]), (&json!("Be brief."), &json!("disabled")));
         // The parallel calls (input[3] and input[4]) are one assistant message, begun by input[3].
         assert_eq!(r.origins, ["instructions", "input[0]", "input[1]", "input[3]", "input[5]"]);
         let r = to_chat(&obj(json!({"input": "x", "reasoning": {"effort": "none", "summary": "auto"}}))).unwrap();
@@ -560,6 +567,7 @@ mod tests {
             ),
             (json!({"input": "x", "tools": [{"type": "web_search"}]}), "only function tools"),
             (json!({"input": "x", "text": {"format": {"type": "yaml"}}}), "text.format.type"),
+            (json!({"input": "x", "truncation": "middle"}), "truncation must be"),
         ] {
             let e = to_chat(&obj(body.clone())).err().unwrap_or_else(|| panic!("accepted: {body}"));
             assert!(e.message.contains(needle), "{body}: {}", e.message);

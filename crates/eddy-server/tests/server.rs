@@ -1082,6 +1082,37 @@ fn translated_errors_name_the_clients_fields() {
     assert_eq!(e["error"]["param"], "input[1]");
 }
 
+/// `truncation: "auto"` on /v1/responses: an input longer than the context loses its first items, the
+/// fewest that make it fit and never the instructions, and the reply is the reply to what is left
+/// (reported as `"truncation": "auto"`); without it the same input is a 400 naming input. A value other
+/// than auto or disabled is refused.
+#[test]
+fn responses_truncation_auto_drops_the_oldest_items() {
+    let addr = server_or_skip!();
+    let (old, recent) = ("Tell me about the weather. ".repeat(70), "Tell me about the sea. ".repeat(20));
+    let items = |texts: &[(&str, &str)]| -> Value { texts.iter().map(|(role, text)| json!({"role": role, "content": text})).collect() };
+    let all = items(&[("user", &old), ("assistant", "Sunny."), ("user", &recent), ("assistant", "Blue."), ("user", Q)]);
+    let left = items(&[("user", &recent), ("assistant", "Blue."), ("user", Q)]);
+    let body = |input: &Value, truncation: &str| json!({"instructions": "You are terse.", "input": input, "max_output_tokens": 8, "temperature": 0, "truncation": truncation});
+    let e = assert_error(&post(addr, "/v1/responses", body(&all, "disabled")), 400, "maximum context length");
+    assert_eq!((&e["error"]["param"], &e["error"]["code"]), (&json!("input"), &json!("context_length_exceeded")));
+    let text = |v: &Value| v["output"][0]["content"][0]["text"].clone();
+    let want = post(addr, "/v1/responses", body(&left, "disabled")).json();
+    assert!(text(&want).as_str().is_some_and(|t| !t.is_empty()), "{want}");
+    let r = post(addr, "/v1/responses", body(&all, "auto"));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!((&v["truncation"], text(&v), &v["usage"]["input_tokens"]), (&json!("auto"), text(&want), &want["usage"]["input_tokens"]));
+    assert!(v["usage"]["input_tokens"].as_u64().unwrap() < CTX as u64 && want["usage"]["input_tokens"].as_u64().unwrap() > 150, "{v}");
+    // A prompt that fits is left whole (the instructions and the old turns are all prefilled).
+    let short = items(&[("user", "Hi."), ("assistant", "Hello."), ("user", Q)]);
+    let (whole, auto) =
+        (post(addr, "/v1/responses", body(&short, "disabled")).json(), post(addr, "/v1/responses", body(&short, "auto")).json());
+    assert_eq!((text(&auto), &auto["usage"]["input_tokens"]), (text(&whole), &whole["usage"]["input_tokens"]));
+    assert_eq!(whole["truncation"], "disabled");
+    assert_error(&post(addr, "/v1/responses", body(&short, "middle")), 400, "truncation must be");
+}
+
 /// Prefix-cache equivalence: a server with the cache on answers every request exactly as a server with
 /// it off (a cold run each time): the same prompt repeated, A-B-A, and a prompt that is a strict prefix of
 /// the one before. Passes without a cache too; the cached-token counts are checked by the next test.
