@@ -1078,42 +1078,172 @@ async fn create_response(State(st): State<Arc<AppState>>, RequestBody(body): Req
 }
 
 /// The Responses API's `truncation: "auto"`: when the prompt of `chat` (a chat request) does not fit the
-/// context, its first messages are dropped, the fewest that make it fit, so that what is left starts with a
-/// user message; system messages (instructions, system and developer items) are kept wherever they are.
-/// `origins` (the messages' places in the client's request) lose the same entries. Nothing is dropped when
-/// the prompt fits, or when even the last user message with what follows it does not (the chat path then
-/// refuses the request as too long). Each try renders and counts the prompt, as `count_tokens` does: a
-/// binary search over the user messages where the kept part may start.
+/// context, its first messages are dropped, the fewest that make it fit; system messages (instructions,
+/// system and developer items) are kept wherever they are. `origins` (the messages' places in the client's
+/// request) lose the same entries.
+///
+/// The kept part starts at a message boundary that keeps no tool message whose call was dropped: at a user
+/// message when one fits, else at an assistant message (its calls with their outputs after it), unless the
+/// template refuses such a start. With `max_tokens` (the client's `max_output_tokens`) the kept part leaves
+/// that room for the reply where some start does; otherwise it only has to fit the prompt. Nothing is
+/// dropped when the prompt fits (with that room, when some start gives it), or when no start fits (the chat
+/// path then refuses the request as too long).
+///
+/// Each try renders and counts the prompt, as the chat path does: a kept part whose message text alone is
+/// longer than [`AppState::max_prompt_bytes`] cannot fit and is never tried, and [`first_fit`] searches from
+/// the end, so that the text tokenized stays within a few times that of the answer.
 fn truncate_to_fit(st: &AppState, chat: &mut Value, origins: &mut Vec<String>) -> Result<(), ApiError> {
-    let Some(messages) = chat["messages"].as_array().cloned() else { return Ok(()) };
+    let Some(messages) = chat.get_mut("messages").and_then(Value::as_array_mut).map(std::mem::take) else { return Ok(()) };
+    // The rest of the request, without its messages: each try serializes it with the kept ones.
+    let rest = std::mem::take(chat);
     let kept = |from: usize| -> Vec<usize> { (0..messages.len()).filter(|&i| i >= from || messages[i]["role"] == "system").collect() };
-    let fits = |from: usize| -> Result<bool, ApiError> {
-        let mut c = chat.clone();
-        c["messages"] = kept(from).into_iter().map(|i| messages[i].clone()).collect();
-        let body = serde_json::to_vec(&c).map_err(|e| server_error(e.to_string()))?;
-        Ok(prepare(st, Kind::Chat, &body, true)?.prompts.first().is_some_and(|p| p.ids.len() < st.ctx))
+    // A try's prompt tokens; `None` when it is longer than the context (or the template refuses it, at
+    // an assistant start: `lenient`).
+    let count = |from: usize, lenient: bool| -> Result<Option<usize>, ApiError> {
+        #[derive(serde::Serialize)]
+        struct Try<'a> {
+            #[serde(flatten)]
+            rest: &'a Value,
+            messages: Vec<&'a Value>,
+        }
+        let body = serde_json::to_vec(&Try { rest: &rest, messages: kept(from).into_iter().map(|i| &messages[i]).collect() })
+            .map_err(|e| server_error(e.to_string()))?;
+        match prepare(st, Kind::Chat, &body, false) {
+            Ok(p) => Ok(p.prompts.first().map(|p| p.ids.len())),
+            Err(e) if e.code == Some("context_length_exceeded") || lenient => Ok(None),
+            Err(e) => Err(e),
+        }
     };
-    if fits(0)? {
-        return Ok(());
+    let result = (|| {
+        let ctx = st.ctx;
+        let room = rest["max_tokens"].as_u64().map_or(0, |m| usize::try_from(m).unwrap_or(usize::MAX));
+        // Bytes of text each start keeps: the system messages' and those of the messages from it on.
+        let bytes: Vec<usize> = messages.iter().map(message_text_bytes).collect();
+        let system: usize = messages.iter().zip(&bytes).filter(|(m, _)| m["role"] == "system").map(|(_, b)| b).sum();
+        let mut after = vec![system; messages.len() + 1];
+        for i in (0..messages.len()).rev() {
+            after[i] = after[i + 1] + if messages[i]["role"] == "system" { 0 } else { bytes[i] };
+        }
+        let with_room = |n: usize| room < ctx && n + room <= ctx;
+        let whole = if after[0] <= st.max_prompt_bytes { count(0, false)? } else { None };
+        if whole.is_some_and(with_room) || (whole.is_some() && room >= ctx) {
+            return Ok(None);
+        }
+        let first = messages.iter().position(|m| m["role"] != "system").unwrap_or(messages.len());
+        let valid = valid_starts(&messages);
+        let starts = |role: &str| -> Vec<usize> {
+            (first + 1..messages.len()).filter(|&i| valid[i] && messages[i]["role"] == role && after[i] <= st.max_prompt_bytes).collect()
+        };
+        let mut counted = std::collections::HashMap::new();
+        let mut count_once = |from: usize, lenient: bool| -> Result<Option<usize>, ApiError> {
+            if let Some(&n) = counted.get(&from) {
+                return Ok(n);
+            }
+            let n = count(from, lenient)?;
+            counted.insert(from, n);
+            Ok(n)
+        };
+        let roles = [(starts("user"), false), (starts("assistant"), true)];
+        // Room for the reply first (a user start, then an assistant one), then the prompt alone (unless the
+        // whole request fits it).
+        for (alone, wanted) in [(false, room < ctx), (true, whole.is_none())] {
+            for (starts, lenient) in roles.iter().filter(|_| wanted) {
+                let fits = |k: usize| Ok(count_once(starts[k], *lenient)?.is_some_and(|n| alone || with_room(n)));
+                if let Some(k) = first_fit(starts.len(), |k| after[starts[k]], fits)? {
+                    return Ok(Some(starts[k]));
+                }
+            }
+        }
+        Ok(None)
+    })();
+    *chat = rest;
+    let from = result?;
+    let keep = from.map_or_else(|| (0..messages.len()).collect(), kept);
+    if from.is_some() {
+        *origins = keep.iter().filter_map(|&i| origins.get(i).cloned()).collect();
     }
-    // Where the kept part may start: a user message after the first message that is not a system one.
-    let first = messages.iter().position(|m| m["role"] != "system").unwrap_or(messages.len());
-    let starts: Vec<usize> = (first + 1..messages.len()).filter(|&i| messages[i]["role"] == "user").collect();
-    // The first start that fits (dropping more never lengthens the prompt).
-    let (mut lo, mut hi) = (0, starts.len());
+    let mut messages = messages;
+    chat["messages"] =
+        if from.is_some() { keep.into_iter().map(|i| std::mem::take(&mut messages[i])).collect() } else { Value::Array(messages) };
+    Ok(())
+}
+
+/// Bytes of the text a message's content holds (its strings; the role and tool-call ids left out): a
+/// rendering of the message is at least about that long.
+fn message_text_bytes(m: &Value) -> usize {
+    let mut leaves = Vec::new();
+    api::string_leaves(&m["content"], &mut leaves);
+    leaves.iter().map(|s| s.len()).sum()
+}
+
+/// Whether each message may start the kept part of a truncated conversation: it is no system or tool
+/// message, and no tool message from it on answers a call made before it (an orphaned output).
+fn valid_starts(messages: &[Value]) -> Vec<bool> {
+    // The message that made each call id (the last such before the output).
+    let mut made: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    // Starts in (call, output] would orphan the output: counted by a difference array.
+    let mut cut = vec![0i64; messages.len() + 1];
+    for (i, m) in messages.iter().enumerate() {
+        for c in m["tool_calls"].as_array().into_iter().flatten() {
+            if let Some(id) = c["id"].as_str() {
+                made.insert(id, i);
+            }
+        }
+        if m["role"] == "tool" {
+            if let Some(&c) = m["tool_call_id"].as_str().and_then(|id| made.get(id)) {
+                cut[c + 1] += 1;
+                cut[i + 1] -= 1;
+            }
+        }
+    }
+    let mut open = 0;
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            open += cut[i];
+            open == 0 && m["role"] != "system" && m["role"] != "tool"
+        })
+        .collect()
+}
+
+/// The first of `n` candidates (ordered from the longest kept text to the shortest) for which `fits` holds,
+/// given that it holds from some candidate on. Searched from the end: back from the last candidate, each try
+/// keeping at least twice the text (`bytes(k)`) of the one before, until one does not fit; then a binary
+/// search between the two. So the text tried stays within a small multiple of the answer's (plus the
+/// longest single candidate step), whatever the length of the whole.
+fn first_fit(
+    n: usize,
+    bytes: impl Fn(usize) -> usize,
+    mut fits: impl FnMut(usize) -> Result<bool, ApiError>,
+) -> Result<Option<usize>, ApiError> {
+    if n == 0 || !fits(n - 1)? {
+        return Ok(None);
+    }
+    // `hi` fits; then, once a try does not fit, everything before `lo` does not either.
+    let mut hi = n - 1;
+    let mut lo = loop {
+        if hi == 0 {
+            return Ok(Some(0));
+        }
+        // The latest candidate before `hi` keeping at least twice its text.
+        let want = bytes(hi).saturating_mul(2).max(1);
+        let k = (0..hi).rev().find(|&k| bytes(k) >= want).unwrap_or(0);
+        if fits(k)? {
+            hi = k;
+        } else {
+            break k + 1;
+        }
+    };
     while lo < hi {
         let mid = (lo + hi) / 2;
-        if fits(starts[mid])? {
+        if fits(mid)? {
             hi = mid;
         } else {
             lo = mid + 1;
         }
     }
-    let Some(&from) = starts.get(lo) else { return Ok(()) };
-    let keep = kept(from);
-    chat["messages"] = keep.iter().map(|&i| messages[i].clone()).collect();
-    *origins = keep.iter().filter_map(|&i| origins.get(i).cloned()).collect();
-    Ok(())
+    Ok(Some(hi))
 }
 
 /// `POST /v1/messages`: Anthropic's Messages API, answered through the chat path ([`anthropic`]); errors
@@ -1749,5 +1879,41 @@ mod tests {
         );
         let state = "lexer error: too many expressions constructed\n<state>\nTokens: ⟦\"⟧\n</state><grammar>\n\n</grammar>";
         assert_eq!(compiler_message(state), "lexer error: too many expressions constructed");
+    }
+
+    /// The search for the first start that fits tries text within a small multiple of the answer's, however
+    /// long the conversation: 3,000 turns of 4 KB each, of which the last 30 fit.
+    #[test]
+    fn first_fit_tries_bounded_text() {
+        let (n, turn, fit) = (3000usize, 4400usize, 30usize);
+        let bytes = |k: usize| (n - k) * turn;
+        let mut tried = Vec::new();
+        let found = first_fit(n, bytes, |k| {
+            tried.push(k);
+            Ok(n - k <= fit)
+        })
+        .unwrap();
+        assert_eq!(found, Some(n - fit));
+        let text: usize = tried.iter().map(|&k| bytes(k)).sum();
+        assert!(text <= 8 * fit * turn && tried.len() < 20, "tried {tried:?}: {text} bytes");
+        // All fit, none fits, no candidates.
+        assert_eq!(first_fit(5, |k| 5 - k, |_| Ok(true)).unwrap(), Some(0));
+        assert_eq!(first_fit(5, |k| 5 - k, |_| Ok(false)).unwrap(), None);
+        assert_eq!(first_fit(0, |_| 0, |_| Ok(true)).unwrap(), None);
+        for answer in 0..7 {
+            assert_eq!(first_fit(7, |k| 1 << (7 - k), |k| Ok(k >= answer)).unwrap(), Some(answer), "answer {answer}");
+        }
+    }
+
+    /// A start is refused inside a call and its output (the output would be kept without its call), and at
+    /// system and tool messages.
+    #[test]
+    fn valid_starts_orphan_no_output() {
+        let call = |id: &str| json!({"role": "assistant", "content": "", "tool_calls": [{"id": id, "type": "function", "function": {"name": "f", "arguments": "{}"}}]});
+        let out = |id: &str| json!({"role": "tool", "tool_call_id": id, "content": "r"});
+        let user = json!({"role": "user", "content": "u"});
+        let system = json!({"role": "system", "content": "s"});
+        let m = [user.clone(), call("a"), user.clone(), out("a"), user.clone(), system, call("b"), out("b"), user];
+        assert_eq!(valid_starts(&m), [true, true, false, false, true, false, true, false, true]);
     }
 }

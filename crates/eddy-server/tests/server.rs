@@ -1113,6 +1113,99 @@ fn responses_truncation_auto_drops_the_oldest_items() {
     assert_error(&post(addr, "/v1/responses", body(&short, "middle")), 400, "truncation must be");
 }
 
+/// The input tokens of a Responses request for `input` with `extra` fields, sent with truncation disabled
+/// (a 200 expected).
+fn responses_input_tokens(addr: SocketAddr, input: &Value, extra: &Value) -> u64 {
+    let mut body = json!({"input": input, "temperature": 0, "truncation": "disabled"});
+    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    let r = post(addr, "/v1/responses", body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.json()["usage"]["input_tokens"].as_u64().unwrap()
+}
+
+/// `truncation: "auto"` with an input of megabytes (1,000 turns of 4 KB): the search tries only kept parts
+/// of bounded text, and the answer is the last question alone, as sent by itself.
+#[test]
+fn responses_truncation_auto_of_megabytes_keeps_the_last_turn() {
+    let addr = server_or_skip!();
+    let turn = "the quick brown fox jumps over the lazy dog ".repeat(100);
+    let mut input: Vec<Value> = (0..1000)
+        .flat_map(|i| [json!({"role": "user", "content": format!("{i} {turn}")}), json!({"role": "assistant", "content": "ok"})])
+        .collect();
+    input.push(json!({"role": "user", "content": Q}));
+    let extra = json!({"max_output_tokens": 4});
+    let body = json!({"input": input, "max_output_tokens": 4, "temperature": 0, "truncation": "auto"});
+    assert!(body.to_string().len() > 4_000_000);
+    let r = post(addr, "/v1/responses", body);
+    assert_eq!(r.status, 200, "{}", &r.body[..r.body.len().min(500)]);
+    let alone = responses_input_tokens(addr, &json!([{"role": "user", "content": Q}]), &extra);
+    assert_eq!(r.json()["usage"]["input_tokens"], alone);
+}
+
+/// `truncation: "auto"` on an agent loop (one user message, then function_call / function_call_output
+/// pairs): the kept part starts at a call, with its output, the oldest pairs dropped (the most that leave
+/// room for max_output_tokens); and a start that would keep an output whose call is dropped is skipped.
+#[test]
+fn responses_truncation_auto_starts_at_calls_and_keeps_no_orphan() {
+    let addr = server_or_skip!();
+    let tools =
+        json!([{"type": "function", "name": "read_file", "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}]);
+    let call = |i: usize| json!({"type": "function_call", "call_id": format!("c{i}"), "name": "read_file", "arguments": format!("{{\"path\": \"f{i}.txt\"}}")});
+    let out =
+        |i: usize| json!({"type": "function_call_output", "call_id": format!("c{i}"), "output": "line of file content here\n".repeat(12)});
+    let mut input = vec![json!({"role": "user", "content": "Summarize the repo"})];
+    input.extend((0..12).flat_map(|i| [call(i), out(i)]));
+    let extra = json!({"tools": tools, "max_output_tokens": 8});
+    let body =
+        |truncation: &str| json!({"input": input, "tools": tools, "max_output_tokens": 8, "temperature": 0, "truncation": truncation});
+    assert_error(&post(addr, "/v1/responses", body("disabled")), 400, "maximum context length");
+    let r = post(addr, "/v1/responses", body("auto"));
+    assert_eq!(r.status, 200, "{}", r.body);
+    // The most recent pairs that fit with room for the 8 output tokens.
+    let tail = |k: usize| Value::Array(input[input.len() - 2 * k..].to_vec());
+    let fits = |k: usize| {
+        let mut b = json!({"input": tail(k), "temperature": 0});
+        b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let r = post(addr, "/v1/responses", b);
+        (r.status == 200).then(|| r.json()["usage"]["input_tokens"].as_u64().unwrap()).filter(|&n| n + 8 <= CTX as u64)
+    };
+    let k = (1..12).take_while(|&k| fits(k).is_some()).last().expect("one pair fits");
+    assert!(k < 12);
+    assert_eq!(r.json()["usage"]["input_tokens"], fits(k).unwrap());
+    // An output after a later user message, its call before it: starting at that user message would orphan
+    // it, so the kept part starts at the next one.
+    let big = "the quick brown fox jumps over the lazy dog ".repeat(40);
+    let user = |t: &str| json!({"role": "user", "content": t});
+    let orphan = json!([user(&big), call(0), user("One."), out(0), user("Two."), user(Q)]);
+    let r = post(
+        addr,
+        "/v1/responses",
+        json!({"input": orphan, "tools": tools, "max_output_tokens": 8, "temperature": 0, "truncation": "auto"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["usage"]["input_tokens"], responses_input_tokens(addr, &json!([user("Two."), user(Q)]), &extra));
+}
+
+/// `truncation: "auto"` leaves room for max_output_tokens where dropping turns can: a prompt that fits by
+/// itself but not with the reply's room loses its oldest turn; with a max_output_tokens no start can make
+/// room for (beyond the context), the whole prompt is kept.
+#[test]
+fn responses_truncation_auto_makes_room_for_the_reply() {
+    let addr = server_or_skip!();
+    let (old, recent) = ("Tell me about the weather. ".repeat(30), "Tell me about the sea. ".repeat(30));
+    let items = |texts: &[(&str, &str)]| -> Value { texts.iter().map(|(role, text)| json!({"role": role, "content": text})).collect() };
+    let all = items(&[("user", &old), ("assistant", "Sunny."), ("user", &recent), ("assistant", "Blue."), ("user", Q)]);
+    let left = items(&[("user", &recent), ("assistant", "Blue."), ("user", Q)]);
+    let whole = responses_input_tokens(addr, &all, &json!({"max_output_tokens": 200}));
+    let kept = responses_input_tokens(addr, &left, &json!({"max_output_tokens": 200}));
+    assert!(whole + 200 > CTX as u64 && kept + 200 <= CTX as u64, "{whole} {kept}");
+    for (max, want) in [(200, kept), (2 * CTX as u64, whole)] {
+        let r = post(addr, "/v1/responses", json!({"input": all, "max_output_tokens": max, "temperature": 0, "truncation": "auto"}));
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.json()["usage"]["input_tokens"], want, "max_output_tokens {max}");
+    }
+}
+
 /// Prefix-cache equivalence: a server with the cache on answers every request exactly as a server with
 /// it off (a cold run each time): the same prompt repeated, A-B-A, and a prompt that is a strict prefix of
 /// the one before. Passes without a cache too; the cached-token counts are checked by the next test.
