@@ -13,7 +13,7 @@ use eddy::model_dir::Quant;
 use eddy::sampling::SamplerParams;
 use eddy::spec::dflash::{find_next_to, is_dflash_dir, DFlashDrafter};
 use eddy::spec::{Budget, Drafter, SpeculatorKind};
-use eddy::stats::{peak_rss_bytes, EnergyMeter, GenerationStats};
+use eddy::stats::{peak_rss_bytes, EnergyMeter, FinishReason, GenerationStats};
 use eddy::tokenizer::StreamDecoder;
 use std::io::{Read, Write};
 use std::process::ExitCode;
@@ -725,10 +725,12 @@ fn run(a: RunArgs) -> eddy::Result<()> {
     let (mut engine, _) = engine_for(&a.model)?;
     attach_speculators(&mut engine, &a.spec, spec_kind, spec_budget)?;
     check_logit_bias(&engine, &a.logit_bias)?;
+    let mut end_text = None;
     let prompt = if a.raw {
         engine.lm.tokenizer.encode(&with_system(&a.system, &message), true)?
     } else {
         let template = ChatTemplate::or_chatml(engine.lm.template.take(), &engine.lm.tokenizer);
+        end_text = template.end_text().map(str::to_string);
         let mut msgs = Vec::new();
         if let Some(s) = &a.system {
             msgs.push(ChatMessage { role: "system".into(), content: s.clone() });
@@ -748,7 +750,7 @@ fn run(a: RunArgs) -> eddy::Result<()> {
     stop_replies_on_sigint();
     GENERATING.store(true, SeqCst);
     let stop = || STOP_REPLY.load(SeqCst);
-    let r = stream_reply(&mut engine, &prompt, &params, &stop, &mut || {
+    let r = stream_reply(&mut engine, &prompt, &params, end_text.as_deref(), &stop, &mut || {
         if e_first.is_none() {
             e_first = Some(energy.as_ref().map(|m| m.joules()).unwrap_or(0.0));
         }
@@ -779,42 +781,55 @@ struct Streamed {
 /// Generates the reply to `prompt`, writing its text to stdout as it comes and a newline after it; what is
 /// still pending at the end, an incomplete character cut by --max-tokens, is left out rather than printed as
 /// a U+FFFD the model never finished. `cancelled` is asked between prefill pieces (`true` stops before the
-/// first token), `on_token` before each token is written (`false` stops). A reader that goes away (broken
-/// pipe) stops generation; other write errors are errors.
+/// first token), `on_token` before each token is written (`false` stops). `end_text` (the chat template's
+/// [`ChatTemplate::end_text`]) ends the reply as a stop string does: it is not written, and the reply's
+/// finish is `Stop`. A reader that goes away (broken pipe) stops generation; other write errors are errors.
 fn stream_reply(
     engine: &mut Engine,
     prompt: &[u32],
     params: &GenerateParams,
+    end_text: Option<&str>,
     cancelled: &dyn Fn() -> bool,
     on_token: &mut dyn FnMut() -> bool,
 ) -> eddy::Result<Streamed> {
     let tok = engine.lm.tokenizer.clone();
     let mut dec = StreamDecoder::new(&tok, true);
+    let mut ends = eddy::stop::StopMatcher::new(end_text.into_iter().map(str::to_string).collect());
     let mut out = std::io::stdout().lock();
     let mut write_err = None;
     let mut text = String::new();
-    let stats = engine.generate_cancellable(prompt, params, cancelled, &mut |id, _| {
+    let mut ended = false;
+    let mut write = |t: &str, text: &mut String| {
+        text.push_str(t);
+        out.write_all(t.as_bytes()).and_then(|_| out.flush())
+    };
+    let mut stats = engine.generate_cancellable(prompt, params, cancelled, &mut |id, _| {
         if !on_token() {
             return false;
         }
         if let Ok(Some(t)) = dec.push(id) {
-            text.push_str(&t);
-            if let Err(e) = out.write_all(t.as_bytes()).and_then(|_| out.flush()) {
+            let (t, end) = ends.push(&t);
+            if let Err(e) = write(&t, &mut text) {
                 write_err = Some(e);
                 return false;
             }
+            ended = end;
         }
-        true
+        !ended
     })?;
     if write_err.is_none() {
-        if let Ok(Some(t)) = dec.finish() {
-            let t = t.trim_end_matches('\u{FFFD}');
-            text.push_str(t);
-            let _ = out.write_all(t.as_bytes());
+        if !ended {
+            let rest = dec.finish().ok().flatten().map(|t| t.trim_end_matches('\u{FFFD}').to_string()).unwrap_or_default();
+            let (t, end) = ends.push(&rest);
+            ended = end;
+            let _ = write(&if end { t } else { t + &ends.flush() }, &mut text);
         }
         if let Err(e) = writeln!(out).and_then(|_| out.flush()) {
             write_err = Some(e);
         }
+    }
+    if ended {
+        stats.finish = FinishReason::Stop;
     }
     match write_err {
         Some(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(bad("stdout", format!("cannot write the reply: {e}"))),
@@ -990,7 +1005,7 @@ fn chat(a: &RunArgs, sampler: SamplerParams, kwargs: &serde_json::Map<String, se
             _ => 0.0,
         };
         let mut e_first = None;
-        let r = stream_reply(&mut engine, &prompt, &params, &stop, &mut || {
+        let r = stream_reply(&mut engine, &prompt, &params, template.end_text(), &stop, &mut || {
             if let (None, Some(Ok(m))) = (e_first, &energy) {
                 e_first = Some(m.joules() - j0);
             }

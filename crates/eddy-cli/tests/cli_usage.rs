@@ -290,6 +290,36 @@ fn a_model_without_a_chat_template_chats_in_chatml() {
     }
 }
 
+/// The ChatML fallback on a vocabulary without `<|im_end|>` (Gemma 3 270m) stops where the model writes that
+/// text, which a raw run writes on past into invented turns: `-m` prints the raw reply's text before it, and
+/// a chat on stdin keeps that reply in its history (the second reply is the raw run's on the conversation
+/// with the first reply so cut).
+#[test]
+fn chatml_fallback_stops_at_im_end_text() {
+    let Some(smol) = smol() else { return };
+    let gemma = smol.with_file_name("gemma-3-270m-q4_k_m.gguf");
+    assert!(gemma.is_file(), "{} is missing: run `tools/fetch_models.sh gemma3`", gemma.display());
+    let base = ["run", "--model", gemma.to_str().unwrap(), "--threads", "1", "-n", "60", "--temperature", "0"];
+    let raw_reply = |chatml: &str| -> String {
+        let out = eddy(&[&base[..], &["--raw", "-m", chatml]].concat());
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        let raw = String::from_utf8(out.stdout).unwrap();
+        let end = raw.find("<|im_end|>").unwrap_or_else(|| panic!("the raw reply never writes <|im_end|>: {raw:?}"));
+        raw[..end].to_string()
+    };
+    let (q1, q2) = ("Name three colors of the rainbow.", "And two more?");
+    let turn = |role: &str, text: &str| format!("<|im_start|>{role}\n{text}<|im_end|>\n");
+    let first = raw_reply(&format!("{}<|im_start|>assistant\n", turn("user", q1)));
+    assert!(!first.trim().is_empty() && !first.contains("<|im_start|>"), "{first:?}");
+    let out = eddy(&[&base[..], &["-m", q1]].concat());
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), format!("{first}\n"));
+    let second = raw_reply(&format!("{}{}{}<|im_start|>assistant\n", turn("user", q1), turn("assistant", &first), turn("user", q2)));
+    let out = eddy_stdin(&base, Some(format!("{q1}\n{q2}\n").as_bytes()));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), format!("{first}\n{second}\n"));
+}
+
 /// `eddy run` without --message: a chat on stdin. Each reply is the engine's greedy reply to the whole
 /// conversation so far through the chat template (the previous replies included); a blank line is skipped,
 /// a line ending in `\` goes on to the next, `/clear` starts over, the end of input ends the chat (exit 0);

@@ -20,7 +20,7 @@
 //! bring `tools` ([`tools`]) and any request a `response_format` JSON schema; `tool_choice` `required` or a
 //! named function, and JSON schemas, constrain decoding with llguidance ([`grammar`]). A model without a
 //! chat template chats in ChatML, as llama-server does ([`ChatTemplate::or_chatml`]; tools then take eddy's
-//! generic format).
+//! generic format; a reply stops at [`ChatTemplate::end_text`] where the vocabulary has no `<|im_end|>`).
 //!
 //! A streaming request that is still waiting for its first token (queued, or in a long prefill) gets an
 //! SSE comment `: keep-alive` every [`ServeOptions::keep_alive`], so that proxies and clients with read
@@ -1011,6 +1011,7 @@ async fn answer(st: Arc<AppState>, kind: Kind, body: Bytes, dialect: Dialect) ->
         prompts,
         params: GenerateParams { max_tokens: 0, sampler: common.sampler.clone(), ignore_eos: false, logprobs: common.logprobs },
         stops: common.stops.clone(),
+        end_text: if kind == Kind::Chat { st.template.end_text().map(str::to_string) } else { None },
         tx,
         queued_at: Instant::now(),
         slot,

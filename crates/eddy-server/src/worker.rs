@@ -6,6 +6,7 @@ use crate::metrics::Metrics;
 use eddy::engine::{Engine, GenerateParams, TokenLogprobs};
 use eddy::sampling::LogitMask;
 use eddy::stats::{FinishReason, GenerationStats};
+use eddy::stop::StopMatcher;
 use eddy::tokenizer::{StreamDecoder, Tokenizer};
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -20,7 +21,11 @@ pub(crate) struct Job {
     /// The sampling and log-probability parameters (`max_tokens`, `seed` and `prompt_len` are each
     /// choice's own).
     pub params: GenerateParams,
+    /// The client's stop strings (`stop`, `stop_sequences`).
     pub stops: Vec<String>,
+    /// The text that ends a turn where the model has no token for it ([`eddy::chat::ChatTemplate::end_text`]):
+    /// a stop string too, but a reply that ends there ended its turn (no client stop string is reported).
+    pub end_text: Option<String>,
     pub tx: UnboundedSender<Event>,
     /// When the job entered the queue.
     pub queued_at: Instant,
@@ -300,7 +305,7 @@ fn run_job(
     metrics: &Metrics,
     mut record: Option<&mut Vec<Event>>,
 ) -> Option<Event> {
-    let Job { prompts, params, stops, tx, keep_special, cache_prompt, .. } = job;
+    let Job { prompts, params, stops, end_text, tx, keep_special, cache_prompt, .. } = job;
     let Choice { prompt, seed, mut mask } = choice;
     let JobPrompt { ids: prompt, max_tokens, .. } = &prompts[prompt];
     let (prompt, keep_special, echo) = (&prompt[..], *keep_special, echoed.is_some());
@@ -339,7 +344,7 @@ fn run_job(
     };
     // Tokens whose text the decoder still holds (an incomplete character), for the cut at the end.
     let mut held: Vec<u32> = Vec::new();
-    let mut stop = StopMatcher::new(stops.clone());
+    let mut stop = StopMatcher::new(stops.iter().chain(end_text).cloned().collect());
     let mut n = 0usize;
     let mut hit = false;
     let want_lp = params.logprobs.is_some();
@@ -425,7 +430,9 @@ fn run_job(
                 }
             }
             let finish = if hit || stats.finish == FinishReason::Stop { "stop" } else { "length" };
-            Some(Event::Done { finish, stop: stop.matched().map(str::to_string), completion_tokens: n, stats })
+            // The turn's end text is reported as no stop string, unless the client listed it too.
+            let matched = stop.matched().filter(|m| stops.iter().any(|s| s == m));
+            Some(Event::Done { finish, stop: matched.map(str::to_string), completion_tokens: n, stats })
         }
     }
 }
@@ -540,98 +547,5 @@ impl LogprobQueue {
             }
         }
         lps
-    }
-}
-
-/// Finds stop strings in streamed text across delta boundaries. Text that could be the start of a stop
-/// string is held back until it is known not to be one.
-pub struct StopMatcher {
-    stops: Vec<String>,
-    pending: String,
-    /// The stop string found, once one is.
-    matched: Option<String>,
-}
-
-impl StopMatcher {
-    /// A matcher for `stops` (empty strings are ignored).
-    pub fn new(stops: Vec<String>) -> Self {
-        StopMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), pending: String::new(), matched: None }
-    }
-
-    /// Adds `text`; returns the text that is safe to emit, and whether a stop string was found (then the
-    /// returned text is everything before it and the rest is dropped).
-    pub fn push(&mut self, text: &str) -> (String, bool) {
-        self.pending.push_str(text);
-        // The earliest occurrence; at one position the first listed stop string.
-        if let Some((i, s)) = self.stops.iter().filter_map(|s| Some((self.pending.find(s.as_str())?, s))).min_by_key(|e| e.0) {
-            let out = self.pending[..i].to_string();
-            self.matched = Some(s.clone());
-            self.pending.clear();
-            return (out, true);
-        }
-        let cut = self.pending.len() - self.holdback();
-        let out: String = self.pending.drain(..cut).collect();
-        (out, false)
-    }
-
-    /// The stop string that ended the text, if one did.
-    pub fn matched(&self) -> Option<&str> {
-        self.matched.as_deref()
-    }
-
-    /// Everything still held back (at the end of generation).
-    pub fn flush(&mut self) -> String {
-        std::mem::take(&mut self.pending)
-    }
-
-    /// Length of the longest suffix of `pending` that is a prefix of some stop string.
-    fn holdback(&self) -> usize {
-        let p = &self.pending;
-        p.char_indices().map(|(i, _)| i).find(|&i| self.stops.iter().any(|s| s.starts_with(&p[i..]))).map_or(0, |i| p.len() - i)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::StopMatcher;
-
-    fn run(stops: &[&str], deltas: &[&str]) -> (Vec<String>, bool) {
-        let mut m = StopMatcher::new(stops.iter().map(|s| s.to_string()).collect());
-        let mut out = Vec::new();
-        for d in deltas {
-            let (t, hit) = m.push(d);
-            out.push(t);
-            if hit {
-                return (out, true);
-            }
-        }
-        out.push(m.flush());
-        (out, false)
-    }
-
-    #[test]
-    fn stop_across_deltas_is_never_emitted() {
-        let (out, hit) = run(&["END"], &["abc E", "N", "D tail"]);
-        assert!(hit);
-        // The earliest match is the one reported.
-        let mut m = StopMatcher::new(vec!["b".into(), "END".into()]);
-        assert_eq!((m.push("xENDb"), m.matched()), (("x".to_string(), true), Some("END")));
-        assert_eq!(StopMatcher::new(vec!["z".into()]).matched(), None);
-        assert_eq!(out, vec!["abc ", "", ""]);
-    }
-
-    #[test]
-    fn false_start_is_released() {
-        let (out, hit) = run(&["END"], &["xE", "Ny", "z"]);
-        assert!(!hit);
-        assert_eq!(out.concat(), "xENyz");
-        assert_eq!(out[0], "x");
-    }
-
-    #[test]
-    fn earliest_of_several_stops_wins_and_multibyte_is_safe() {
-        let (out, hit) = run(&["é!", "b"], &["aé", "!b"]);
-        assert!(hit);
-        assert_eq!(out.concat(), "a");
     }
 }

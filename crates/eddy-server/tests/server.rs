@@ -2587,6 +2587,48 @@ fn a_model_without_a_chat_template_chats_in_chatml() {
     assert_eq!(v["choices"][0]["message"]["tool_calls"][0]["function"]["name"], "get_weather", "{v}");
 }
 
+/// The ChatML fallback on a vocabulary without `<|im_end|>` (Gemma 3 270m) stops where the model writes
+/// that text: each API's reply is the raw completion's text before it (which goes on into invented turns),
+/// finished as a turn (`stop`, `end_turn` without a stop sequence, `completed`), streamed alike; a client's
+/// stop string earlier in the text still cuts it, and is reported.
+#[test]
+fn chatml_fallback_stops_at_im_end_text() {
+    let Some(addr) = gemma_server() else { return };
+    let chatml = format!("<|im_start|>user\n{Q}<|im_end|>\n<|im_start|>assistant\n");
+    let raw = post(addr, "/v1/completions", json!({"prompt": chatml, "max_tokens": 60, "temperature": 0})).json();
+    let raw = raw["choices"][0]["text"].as_str().unwrap().to_string();
+    let want = &raw[..raw.find("<|im_end|>").unwrap_or_else(|| panic!("the raw reply never writes <|im_end|>: {raw:?}"))];
+    assert!(!want.trim().is_empty() && !want.contains("<|im_start|>"), "{raw:?}");
+    let body = chat_body(Q, json!({"max_tokens": 60}));
+    let v = post(addr, "/v1/chat/completions", body.clone()).json();
+    assert_eq!((v["choices"][0]["message"]["content"].as_str(), &v["choices"][0]["finish_reason"]), (Some(want), &json!("stop")), "{v}");
+    let mut sb = body;
+    sb["stream"] = json!(true);
+    assert_eq!(streamed(addr, "/v1/chat/completions", sb).0, want);
+    let m = post(addr, "/v1/messages", json!({"max_tokens": 60, "temperature": 0, "messages": [{"role": "user", "content": Q}]})).json();
+    assert_eq!(
+        (m["content"][0]["text"].as_str(), &m["stop_reason"], &m["stop_sequence"]),
+        (Some(want), &json!("end_turn"), &Value::Null),
+        "{m}"
+    );
+    let r = post(addr, "/v1/responses", json!({"input": Q, "max_output_tokens": 60, "temperature": 0})).json();
+    assert_eq!((r["output"][0]["content"][0]["text"].as_str(), &r["status"]), (Some(want), &json!("completed")), "{r}");
+    // A client's stop string before the end text.
+    let word = want.split_whitespace().nth(1).unwrap().to_string();
+    let m = post(
+        addr,
+        "/v1/messages",
+        json!({"max_tokens": 60, "temperature": 0, "stop_sequences": [word], "messages": [{"role": "user", "content": Q}]}),
+    )
+    .json();
+    let cut = &want[..want.find(&word).unwrap()];
+    assert_eq!(
+        (m["content"][0]["text"].as_str().unwrap_or(""), &m["stop_reason"], &m["stop_sequence"]),
+        (cut, &json!("stop_sequence"), &json!(word)),
+        "{m}"
+    );
+}
+
 /// Qwen2.5-Coder-0.5B (structured outputs).
 fn qwen05_server() -> Option<SocketAddr> {
     static ADDR: OnceLock<Option<SocketAddr>> = OnceLock::new();

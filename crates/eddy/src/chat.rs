@@ -42,6 +42,8 @@ pub struct ChatTemplate {
     eos_token: Option<String>,
     /// Why a model's template did not compile ([`ChatTemplate::compile_error`]): rendering it is that error.
     broken: Option<String>,
+    /// [`ChatTemplate::end_text`].
+    end_text: Option<String>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -62,6 +64,9 @@ pub const TEMPLATE_FUEL: u64 = 50_000_000;
 /// `<|im_start|>{role}\n{content}<|im_end|>\n`, then `<|im_start|>assistant\n` as the generation prompt
 /// ([`ChatTemplate::chatml`] puts the tokenizer's BOS first where it adds one).
 pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+/// The text that ends a ChatML turn ([`CHATML_TEMPLATE`]).
+pub const CHATML_END: &str = "<|im_end|>";
 
 impl ChatTemplate {
     /// Compiles `source`; `bos_token`/`eos_token` are the strings the template sees under those names.
@@ -84,7 +89,7 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(|e| Error::Text(format!("chat template does not compile: {}", describe(&e))))?;
-        Ok(ChatTemplate { env, source: source.to_string(), bos_token, eos_token, broken: None })
+        Ok(ChatTemplate { env, source: source.to_string(), bos_token, eos_token, broken: None, end_text: None })
     }
 
     /// Why the model's template does not compile, if it does not: a model's template (from a GGUF file or a
@@ -141,13 +146,25 @@ impl ChatTemplate {
         let bos = tok.add_bos && tok.bos_id.is_some();
         let source = if bos { format!("{{{{ bos_token }}}}{CHATML_TEMPLATE}") } else { CHATML_TEMPLATE.to_string() };
         // The source is eddy's own and compiles: a failure would be kept as the template's error.
-        Self::with_tokenizer(&source, tok).unwrap_or_else(|e| ChatTemplate {
+        let mut t = Self::with_tokenizer(&source, tok).unwrap_or_else(|e| ChatTemplate {
             env: Environment::new(),
             source,
             bos_token: None,
             eos_token: None,
             broken: Some(e.to_string()),
-        })
+            end_text: None,
+        });
+        // A vocabulary without `<|im_end|>` cannot end the turn with a token: the model writes it as text.
+        t.end_text = tok.token_id(CHATML_END).is_none().then(|| CHATML_END.to_string());
+        t
+    }
+
+    /// Text that ends a reply in this template's format where the model has no token for it: the ChatML
+    /// fallback's `<|im_end|>` on a vocabulary without that token ([`ChatTemplate::chatml`]; `None` for a
+    /// model's own template). Generation stops at it, as at a stop string ([`crate::stop::StopMatcher`]),
+    /// and the text is left out of the reply; without it the model writes on into turns it invents.
+    pub fn end_text(&self) -> Option<&str> {
+        self.end_text.as_deref()
     }
 
     /// The model's template `template`, or when it has none [`ChatTemplate::chatml`], announced by a
@@ -163,9 +180,14 @@ impl ChatTemplate {
         let name = |id: Option<u32>| id.and_then(|i| tok.token_str(i));
         let (bos, eos) = (name(tok.bos_id), name(tok.eos_id));
         match Self::new(source, bos.clone(), eos.clone()) {
-            Err(Error::Text(m)) if m.starts_with("chat template does not compile") => {
-                Ok(ChatTemplate { env: Environment::new(), source: source.to_string(), bos_token: bos, eos_token: eos, broken: Some(m) })
-            }
+            Err(Error::Text(m)) if m.starts_with("chat template does not compile") => Ok(ChatTemplate {
+                env: Environment::new(),
+                source: source.to_string(),
+                bos_token: bos,
+                eos_token: eos,
+                broken: Some(m),
+                end_text: None,
+            }),
             r => r,
         }
     }

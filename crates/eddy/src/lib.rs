@@ -22,6 +22,7 @@ pub mod sampling;
 pub mod spec;
 pub mod state;
 pub mod stats;
+pub mod stop;
 pub mod tokenizer;
 pub mod tree;
 

@@ -107,7 +107,8 @@ fn gemma3_has_no_template() {
 
 /// ChatML, llama.cpp's fallback for a model without a template: each message `<|im_start|>role\n…<|im_end|>\n`,
 /// then the assistant's header as the generation prompt; the tokenizer's BOS first only where it adds one
-/// (Gemma 3's does, SmolLM2's does not), as llama.cpp's prompt has it.
+/// (Gemma 3's does, SmolLM2's does not), as llama.cpp's prompt has it. Its end of turn is a stop text
+/// ([`ChatTemplate::end_text`]) only where the vocabulary has no `<|im_end|>` token (Gemma 3's).
 #[test]
 fn chatml_is_the_fallback_template() {
     let t = ChatTemplate::new(CHATML_TEMPLATE, None, None).unwrap();
@@ -120,13 +121,14 @@ fn chatml_is_the_fallback_template() {
     let turns = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n";
     assert_eq!(t.render(&msgs, true, &Map::new()).unwrap(), format!("{turns}<|im_start|>assistant\n"));
     assert_eq!(t.render(&msgs, false, &Map::new()).unwrap(), turns);
-    for (file, bos) in [("gemma-3-270m-q4_k_m.gguf", "<bos>"), ("SmolLM2-135M-Instruct.Q4_1.gguf", "")] {
+    for (file, bos, end) in [("gemma-3-270m-q4_k_m.gguf", "<bos>", Some("<|im_end|>")), ("SmolLM2-135M-Instruct.Q4_1.gguf", "", None)] {
         let Some(path) = model_file(file) else { return };
         let g = GgufFile::open(&path).unwrap();
         let tok = Tokenizer::from_gguf(&g).unwrap();
         let t = ChatTemplate::chatml(&tok);
         let want = format!("{bos}<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
         assert_eq!(t.render(&msgs[1..2], true, &Map::new()).unwrap(), want, "{file}");
+        assert_eq!(t.end_text(), end, "{file}");
         // The model's own template wins; none: ChatML.
         assert_eq!(ChatTemplate::or_chatml(None, &tok).source(), t.source(), "{file}");
         let own = ChatTemplate::from_gguf(&g, &tok).unwrap();
