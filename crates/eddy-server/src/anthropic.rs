@@ -104,7 +104,11 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
                         None | Some(Value::Null) => String::new(),
                         Some(c) => crate::api::content_text(c, &format!("{at}.content"), "messages", &["text"], "blocks")?,
                     };
-                    results.push((json!({"role": "tool", "tool_call_id": field("tool_use_id")?, "content": content}), at));
+                    let id = field("tool_use_id")?;
+                    if id.trim().is_empty() {
+                        return Err(invalid("messages", format!("{at}.tool_use_id must name the tool_use block it answers, not be blank")));
+                    }
+                    results.push((json!({"role": "tool", "tool_call_id": id, "content": content}), at));
                 }
                 // The template renders past turns without their reasoning.
                 (Some("thinking" | "redacted_thinking"), "assistant") => {}

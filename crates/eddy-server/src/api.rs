@@ -476,15 +476,19 @@ pub fn parse_messages(o: &Map<String, Value>) -> R<Vec<Value>> {
                 Some(Value::String(v)) => {
                     msg.insert(k.into(), json!(v));
                 }
-                Some(_) => return Err(bad(format!("{at}.{k} must be a string"))),
+                Some(_) => {
+                    let param = format!("{at}.{k}");
+                    return Err(ApiError::invalid(Some(&param), format!("{param} must be a string")));
+                }
             }
         }
-        // A tool result answers one call: OpenAI refuses a tool message that does not say which.
-        if role == "tool" && !msg.contains_key("tool_call_id") {
+        // A tool result answers one call: OpenAI refuses a tool message that does not say which (an empty
+        // or blank id names none).
+        if role == "tool" && msg.get("tool_call_id").and_then(Value::as_str).is_none_or(|id| id.trim().is_empty()) {
             let param = format!("{at}.tool_call_id");
             return Err(ApiError::invalid(
                 Some(&param),
-                format!("{param} is required: a message of role tool must name the tool call it answers"),
+                format!("{param} is required (a non-blank string): a message of role tool must name the tool call it answers"),
             ));
         }
         out.push(Value::Object(msg));

@@ -140,6 +140,9 @@ pub fn to_chat(o: &Map<String, Value>) -> R<Request> {
                             _ => return Err(invalid("input", format!("{at}.output must be a string"))),
                         };
                         let call_id = field("call_id")?;
+                        if call_id.trim().is_empty() {
+                            return Err(invalid("input", format!("{at}.call_id must name the function_call it answers, not be blank")));
+                        }
                         if !call_ids.contains(call_id) {
                             return Err(invalid(
                                 "input",

@@ -441,8 +441,9 @@ fn errors() {
     assert_error(&post(addr, c, chat_body("hi", json!({"seed": 1.5}))), 400, "seed must be an integer");
     assert_error(&post(addr, c, json!({"messages": "hi"})), 400, "messages");
     assert_error(&post(addr, c, json!({"messages": [{"role": "robot", "content": "hi"}]})), 400, "robot");
-    // A tool message must name the call it answers (OpenAI refuses it without tool_call_id; null is none).
-    for id in [None, Some(Value::Null)] {
+    // A tool message must name the call it answers (OpenAI refuses it without tool_call_id; null, empty and
+    // blank are none); a non-string id is refused at its own field.
+    for id in [None, Some(Value::Null), Some(json!("")), Some(json!(" \t"))] {
         let mut tool = json!({"role": "tool", "content": "42"});
         if let Some(id) = id {
             tool["tool_call_id"] = id;
@@ -451,6 +452,24 @@ fn errors() {
         let v = assert_error(&post(addr, c, body), 400, "messages[1].tool_call_id is required");
         assert_eq!((&v["error"]["param"], &v["error"]["type"]), (&json!("messages[1].tool_call_id"), &json!("invalid_request_error")));
     }
+    for id in [json!(5), json!([]), json!({})] {
+        let body = json!({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": id}], "max_tokens": 2});
+        let v = assert_error(&post(addr, c, body), 400, "messages[1].tool_call_id must be a string");
+        assert_eq!(v["error"]["param"], "messages[1].tool_call_id");
+    }
+    // The same gaps in the translated APIs, named in their fields.
+    let call = json!({"type": "function_call", "call_id": "", "name": "f", "arguments": "{}"});
+    let output = json!({"type": "function_call_output", "call_id": "", "output": "42"});
+    let v = assert_error(
+        &post(addr, "/v1/responses", json!({"input": [{"role": "user", "content": "hi"}, call, output]})),
+        400,
+        "input[2].call_id must name",
+    );
+    assert_eq!(v["error"]["param"], "input");
+    let result = json!([{"type": "tool_result", "tool_use_id": " ", "content": "42"}]);
+    let r = post(addr, "/v1/messages", json!({"max_tokens": 2, "messages": [{"role": "user", "content": result}]}));
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.json()["error"]["message"].as_str().unwrap().contains("messages[0].content[0].tool_use_id must name"), "{}", r.body);
     assert_error(&post(addr, c, chat_body("hi", json!({"response_format": {"type": "yaml"}}))), 400, "yaml");
     assert_error(&post(addr, c, chat_body("hi", json!({"tools": [{"type": "function"}]}))), 400, "tools[0].function");
     let f = |name: &str| json!({"type": "function", "function": {"name": name}});
