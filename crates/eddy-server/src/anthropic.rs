@@ -12,7 +12,9 @@ use axum::http::StatusCode;
 
 /// The chat request's field names in the Messages API's, for errors of a translated request
 /// ([`ApiError::renamed`]).
-pub const RENAMES: [(&str, &str); 4] = [
+pub const RENAMES: [(&str, &str); 5] = [
+    // The schema's wrapper is chat's alone (output_config.format holds the schema): before its parent.
+    ("response_format.json_schema", "output_config.format"),
     ("response_format", "output_config.format"),
     ("stop", "stop_sequences"),
     ("function.parameters", "input_schema"),

@@ -27,8 +27,10 @@ pub struct Request {
 
 /// The chat request's field names in the Responses API's, for errors of a translated request
 /// ([`ApiError::renamed`]).
-pub const RENAMES: [(&str, &str); 6] = [
+pub const RENAMES: [(&str, &str); 7] = [
     ("max_tokens", "max_output_tokens"),
+    // The schema's wrapper is chat's alone (text.format holds name, schema and strict): before its parent.
+    ("response_format.json_schema", "text.format"),
     ("response_format", "text.format"),
     ("messages", "input"),
     ("reasoning_effort", "reasoning.effort"),

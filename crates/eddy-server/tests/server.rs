@@ -1099,6 +1099,17 @@ fn translated_errors_name_the_clients_fields() {
         "input": [{"role": "user", "content": ask}, {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": prefill}]}]});
     let e = assert_error(&post(addr, "/v1/responses", responses), 400, "input[1]: a last assistant message cannot be continued");
     assert_eq!(e["error"]["param"], "input[1]");
+    // A schema that is no object, in each API's own field (no chat json_schema wrapper).
+    let text = json!({"format": {"type": "json_schema", "name": "x", "schema": 5}});
+    let e =
+        assert_error(&post(addr, "/v1/responses", json!({"input": ask, "text": text})), 400, "text.format.schema must be a JSON schema");
+    assert_eq!(e["error"]["param"], "text.format");
+    assert!(!e["error"]["message"].as_str().unwrap().contains("json_schema."), "{e}");
+    let format = json!({"format": {"type": "json_schema", "schema": 5}});
+    let r = post(addr, "/v1/messages", json!({"max_tokens": 8, "messages": [{"role": "user", "content": ask}], "output_config": format}));
+    assert_eq!(r.status, 400, "{}", r.body);
+    let m = r.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(m.starts_with("output_config.format.schema must be a JSON schema"), "{m}");
 }
 
 /// `truncation: "auto"` on /v1/responses: an input longer than the context loses its first items, the
