@@ -71,6 +71,10 @@ enum Cmd {
         /// answers CORS preflight requests and adds the CORS headers.
         #[arg(long = "cors-origin", value_name = "ORIGIN")]
         cors_origins: Vec<String>,
+        /// Longest wait, in seconds (fractions allowed, more than 0), for the next bytes of a request body:
+        /// a client that stalls longer is answered 408 Request Timeout and its connection closed.
+        #[arg(long, value_name = "SECONDS", default_value = "60", value_parser = parse_body_timeout)]
+        body_timeout: std::time::Duration,
         #[command(flatten)]
         spec: SpecArgs,
     },
@@ -405,8 +409,8 @@ fn main() -> ExitCode {
         Cmd::Perplexity(a) => perplexity(a),
         Cmd::Quantize(a) => quantize(a),
         Cmd::Speed(a) => speed(a),
-        Cmd::Serve { model, host, port, max_queue, no_prefix_cache, aliases, cors_origins, spec } => {
-            let opts = eddy_server::ServeOptions { max_queue, aliases, cors_origins, ..Default::default() };
+        Cmd::Serve { model, host, port, max_queue, no_prefix_cache, aliases, cors_origins, body_timeout, spec } => {
+            let opts = eddy_server::ServeOptions { max_queue, aliases, cors_origins, body_timeout, ..Default::default() };
             serve(model, &host, port, opts, !no_prefix_cache, &spec)
         }
         Cmd::Bandwidth { threads } => bandwidth(threads),
@@ -1086,6 +1090,16 @@ fn parse_seed(s: &str) -> Result<Seed, String> {
             .map(|v| Seed(Some(v)))
             .map_err(|_| format!("`{s}` is not a seed (an integer from 0 to 2^64 - 1, or -1 for a random one)")),
     }
+}
+
+/// `--body-timeout SECONDS`: a positive, finite number of seconds.
+fn parse_body_timeout(s: &str) -> Result<std::time::Duration, String> {
+    s.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|v| *v > 0.0)
+        .and_then(|v| std::time::Duration::try_from_secs_f64(v).ok())
+        .ok_or_else(|| format!("`{s}` is not a timeout (a number of seconds more than 0, e.g. 60 or 2.5)"))
 }
 
 fn random_seed() -> u64 {

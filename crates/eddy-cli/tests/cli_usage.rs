@@ -758,12 +758,39 @@ fn serve_drains_requests_in_flight_on_sigterm() {
     assert!(log.contains("finishing the requests in flight") && log.contains("eddy serve: stopped"), "{log}");
 }
 
+/// `eddy serve --body-timeout 0.5` (listed in `--help`): a body whose bytes stop arriving is answered 408
+/// after that wait, which the message names.
+#[test]
+fn serve_body_timeout_sets_the_408_wait() {
+    let help = String::from_utf8(eddy(&["serve", "--help"]).stdout).unwrap();
+    assert!(help.contains("--body-timeout <SECONDS>") && help.contains("408 Request Timeout"), "{help}");
+    let Some(smol) = smol() else { return };
+    let (mut child, addr, _err) =
+        common::spawn_serve(&["--model", smol.to_str().unwrap(), "--threads", "1", "--ctx", "512", "--port", "0", "--body-timeout", "0.5"]);
+    let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+    write!(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{")
+        .unwrap();
+    let mut reply = String::new();
+    let _ = conn.read_to_string(&mut reply);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(reply.starts_with("HTTP/1.1 408"), "{reply}");
+    assert!(reply.contains("no bytes of the request body arrived for 0.5 s"), "{reply}");
+}
+
 /// Options of `eddy serve` that need no model are refused before it loads (no "listening" line).
 #[test]
 fn serve_option_errors_come_before_listening() {
     let Some(smol) = smol() else { return };
     let s = smol.to_str().unwrap();
-    for (args, needle) in [(&["--alias="][..], "--alias"), (&["--cors-origin", "localhost:3000"][..], "--cors-origin")] {
+    let cases = [
+        (&["--alias="][..], "--alias"),
+        (&["--cors-origin", "localhost:3000"][..], "--cors-origin"),
+        (&["--body-timeout", "0"][..], "--body-timeout"),
+        (&["--body-timeout", "-1"][..], "--body-timeout"),
+        (&["--body-timeout", "soon"][..], "--body-timeout"),
+    ];
+    for (args, needle) in cases {
         let mut all = vec!["serve", "--model", s, "--threads", "1", "--port", "0"];
         all.extend_from_slice(args);
         let out = eddy(&all);

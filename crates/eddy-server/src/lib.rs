@@ -78,8 +78,9 @@ pub struct ServeOptions {
     pub keep_alive: Option<Duration>,
     /// Largest request body accepted; larger ones get a 413.
     pub max_body_bytes: usize,
-    /// Longest wait for the next bytes of a request body; a client that stalls longer is answered 408
-    /// Request Timeout and its connection closed (so it holds neither a worker nor the drain at shutdown).
+    /// Longest wait for the next bytes of a request body (`--body-timeout`, more than zero); a client that
+    /// stalls longer is answered 408 Request Timeout and its connection closed (so it holds neither a
+    /// worker nor the drain at shutdown).
     pub body_timeout: Duration,
 }
 
@@ -104,12 +105,15 @@ impl Default for ServeOptions {
 
 impl ServeOptions {
     /// Checks what needs no model (so the CLI can refuse before loading one): no empty `--alias`, every
-    /// `--cors-origin` `*` or an origin.
+    /// `--cors-origin` `*` or an origin, a `body_timeout` (`--body-timeout`) longer than zero.
     ///
     /// Errors: `InvalidInput` naming the option.
     pub fn validate(&self) -> std::io::Result<()> {
         if self.aliases.iter().any(|a| a.trim().is_empty()) {
             return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "--alias: a model name must not be empty"));
+        }
+        if self.body_timeout.is_zero() {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "--body-timeout: the timeout must be more than 0 seconds"));
         }
         cors_layer(&self.cors_origins).map(|_| ())
     }
