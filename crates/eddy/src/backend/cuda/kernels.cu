@@ -460,8 +460,9 @@ MM_Q(mm_q_t4_p8, 4, false)
 // One token with U = 4 blocks of a row and their activations in flight a lane (the default for rows of
 // 3+ blocks a lane; bit-identical to mm_q_t1). 95 (packed 4-bit) and 122 registers a thread: 4 blocks of 4 warps
 // a multiprocessor, enough for a row count of one wave (1,536 rows: 384 blocks); U = 8 took 188–217 and was
-// dropped unmeasured. Two tokens likewise with U = 2 or 4 (`mm_q_t2u*`: bit-identical to mm_q_t2; opt-in,
-// EDDY_CUDA_T2_UNROLL, for the verify's down projections).
+// dropped unmeasured. Two tokens likewise with U = 4 (`mm_q_t2u4*`: bit-identical to mm_q_t2; the default for
+// rows of 3+ blocks a lane, the verify's down projections: the 1.5B's 2-node verify −7 % on an H100, where U = 2
+// gave −6 % and was dropped; docs/cuda.md, session 53).
 #define MM_QU(NAME, TT, P4, U)                                                                               \
     extern "C" __global__ void NAME(const uint8_t* codes, const float* sc, const float* mn, int rows,       \
                                     int cols, int half, int g16, const int8_t* xq, const float* xs,         \
@@ -472,8 +473,6 @@ MM_Q(mm_q_t4_p8, 4, false)
     }
 MM_QU(mm_q_t1u4_p4, 1, true, 4)
 MM_QU(mm_q_t1u4_p8, 1, false, 4)
-MM_QU(mm_q_t2u2_p4, 2, true, 2)
-MM_QU(mm_q_t2u2_p8, 2, false, 2)
 MM_QU(mm_q_t2u4_p4, 2, true, 4)
 MM_QU(mm_q_t2u4_p8, 2, false, 4)
 
@@ -573,7 +572,7 @@ template <int TT, bool P4, int U = 0>
 __device__ __forceinline__ void mm_q_part(MM_Q_PARAMS(flags)) {
     mm_q_impl<TT, P4, U>(bx, codes, sc, mn, rows, cols, half, flags & 1, xq, xs, xsum, xdsum, xsum16, n, bias, out);
 }
-// One token (or two: `mm_q3x_t2`, opt-in, EDDY_CUDA_MIXED_T2), parts of either packing (the 1.5B's Q4_K q/k
+// One token (or two: `mm_q3x_t2`, EDDY_CUDA_MIXED_T2), parts of either packing (the 1.5B's Q4_K q/k
 // beside a Q6_K v): a branch uniform over the block into the part's packing.
 template <int TT, int U>
 __device__ __forceinline__ void mm_q_mixed(MM_Q_PARAMS(flags)) {

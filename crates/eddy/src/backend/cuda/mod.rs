@@ -420,27 +420,37 @@ fn rope_att_from_env() -> bool {
     env_setting("EDDY_CUDA_ROPE_ATT", "0 or 1", |d: &u8| *d <= 1).is_none_or(|d| d == 1)
 }
 
-/// `Cuda::t1_unroll`'s value for "`mm_q_t1u4*` at every width" (tests).
-const T1_DEEP_ALWAYS: usize = 104;
+/// `Cuda::t1_unroll`'s and `Cuda::t2_unroll`'s value for "4 blocks deep at every width" (`mm_q_t1u4*`,
+/// `mm_q_t2u4*`; tests).
+const DEEP_ALWAYS: usize = 104;
 
-/// Blocks of a row a two-token product loads at once (`mm_q_t2u{2,4}*`, rows of 3+ blocks a lane: the verify's
-/// down projections) by default: 0, none (`mm_q_t2`'s loop, two blocks in flight by unrolling). Not yet measured
-/// (session 52 wrote the kernels without a GPU): `EDDY_CUDA_T2_UNROLL=2|4` is the A/B.
-const T2_UNROLL: usize = 0;
+/// Whether a product of rows of `cols` values loads 4 blocks of a row at once under the unroll setting `u`
+/// (`Cuda::t1_unroll` or `Cuda::t2_unroll`): 4 for rows of at least 3 blocks a lane, [`DEEP_ALWAYS`] for all.
+fn deep_at(u: usize, cols: usize) -> bool {
+    match u {
+        4 => cols / QK >= 3 * 32,
+        DEEP_ALWAYS => true,
+        _ => false,
+    }
+}
 
-/// Added to `Cuda::t2_unroll`'s 2 or 4 for "at every width" (tests).
-const T2_DEEP_ALWAYS: usize = 100;
+/// Blocks of a row a two-token product loads at once (`mm_q_t2u4*`, rows of 3+ blocks a lane: the verify's down
+/// projections) by default: 4. Measured on an H100 in session 53 (docs/cuda.md, "Two-token products with deeper
+/// loads … measured"): the 1.5B's 2-node verify −7.1 % (three rounds of `eddy speed`), tg128 and the 3-node verify
+/// even; 2 blocks deep gave −5.8 % and were dropped.
+const T2_UNROLL: usize = 4;
 
-/// `EDDY_CUDA_T2_UNROLL`: 0 (`mm_q_t2` for every two-token product), 2 or 4 (`mm_q_t2u2*` / `mm_q_t2u4*` for rows
-/// of 3+ blocks a lane); unset, [`T2_UNROLL`].
+/// `EDDY_CUDA_T2_UNROLL`: 0 (`mm_q_t2` for every two-token product) or 4 (`mm_q_t2u4*` for rows of 3+ blocks a
+/// lane); unset, [`T2_UNROLL`].
 fn t2_unroll_from_env() -> usize {
-    env_setting("EDDY_CUDA_T2_UNROLL", "0, 2 or 4", |u: &usize| [0, 2, 4].contains(u)).unwrap_or(T2_UNROLL)
+    env_setting("EDDY_CUDA_T2_UNROLL", "0 or 4", |u: &usize| [0, 4].contains(u)).unwrap_or(T2_UNROLL)
 }
 
 /// Whether `matmul_parts` runs two-token parts of different code packings in one launch (`mm_q3x_t2`: the
 /// 1.5B's Q4_K q/k beside its Q6_K v) by default, where the parts would otherwise pair and leave the third
-/// alone. Not yet measured (session 52 wrote the kernel without a GPU): `EDDY_CUDA_MIXED_T2=1` is the A/B.
-const MIXED_T2: bool = false;
+/// alone. Measured on an H100 in session 53: with [`T2_UNROLL`] on, the 1.5B's 2-node verify a further −1.9 %
+/// (−8.8 % for both against neither).
+const MIXED_T2: bool = true;
 
 /// `EDDY_CUDA_MIXED_T2`: 1 runs two-token parts of different code packings in one launch; 0 does not; unset,
 /// [`MIXED_T2`].
@@ -557,6 +567,8 @@ struct Queue {
     last_list: Vec<usize>,
     /// The hash of the list `last_list` came from.
     last_list_hash: u64,
+    /// While recording ([`Cuda::record_kernels`]): every kernel flushed since, in launch order.
+    recorded: Option<Vec<usize>>,
     /// `EDDY_CUDA_TRACE=1`: each flush prints its list's length, hash and plan to stderr (why a pass
     /// does not replay: a list that changes every time never does).
     trace: bool,
@@ -635,6 +647,7 @@ impl Queue {
             never_empty: 0,
             last_list: Vec::new(),
             last_list_hash: 0,
+            recorded: None,
             trace: std::env::var("EDDY_CUDA_TRACE").is_ok_and(|v| v == "1"),
         }
     }
@@ -716,6 +729,12 @@ impl Queue {
             self.last_list_hash = hash;
             self.last_list.clear();
             self.last_list.extend(ops.iter().filter_map(|op| match op {
+                Op::Kernel { f, .. } => Some(*f),
+                Op::Copy { .. } => None,
+            }));
+        }
+        if let Some(r) = &mut self.recorded {
+            r.extend(ops.iter().filter_map(|op| match op {
                 Op::Kernel { f, .. } => Some(*f),
                 Op::Copy { .. } => None,
             }));
@@ -1044,9 +1063,9 @@ struct Kernels {
     /// `mm_q3_t1u4_*`; the default for rows of 3+ blocks a lane): `[p4, p8]`.
     mm_qu: [Func; 2],
     mm_q3u: [Func; 2],
-    /// Two-token products with 2 or 4 blocks of a row and their activations in flight a lane (`mm_q_t2u2_*`,
-    /// `mm_q_t2u4_*`; [`T2_UNROLL`]): `[2 / 4 blocks][p4, p8]`.
-    mm_q2u: [[Func; 2]; 2],
+    /// Two-token products with 4 blocks of a row and their activations in flight a lane (`mm_q_t2u4_*`;
+    /// [`T2_UNROLL`]): `[p4, p8]`.
+    mm_q2u: [Func; 2],
     /// Parts of either code packing in one launch: one token (`mm_q3x_t1`, `mm_q3x_t1u4`), two (`mm_q3x_t2`).
     mm_q3x: [Func; 3],
     /// The empty kernel ([`Cuda::set_empty_kernels`]).
@@ -1384,11 +1403,10 @@ pub struct Cuda {
     /// blocks ([`Cuda::qv_res_plan`]).
     qvr_occupancy: Mutex<HashMap<(usize, u32), usize>>,
     /// Blocks of a row a one-token product loads at once: 4 (the default: `mm_q_t1u4*`, rows of 3+ blocks a
-    /// lane), else `mm_q_t1`'s two, or [`T1_DEEP_ALWAYS`] (`EDDY_CUDA_T1_UNROLL`, [`Cuda::force_decode_unroll`]).
+    /// lane), else `mm_q_t1`'s two, or [`DEEP_ALWAYS`] (`EDDY_CUDA_T1_UNROLL`, [`Cuda::force_decode_unroll`]).
     t1_unroll: AtomicUsize,
-    /// Blocks of a row a two-token product loads at once: 0 (`mm_q_t2`), 2 or 4 for rows of 3+ blocks a lane,
-    /// or those plus [`T2_DEEP_ALWAYS`] (every width) ([`T2_UNROLL`], `EDDY_CUDA_T2_UNROLL`,
-    /// [`Cuda::force_two_token_unroll`]).
+    /// Blocks of a row a two-token product loads at once: 0 (`mm_q_t2`), 4 for rows of 3+ blocks a lane, or
+    /// [`DEEP_ALWAYS`] (4 at every width) ([`T2_UNROLL`], `EDDY_CUDA_T2_UNROLL`, [`Cuda::force_two_token_unroll`]).
     t2_unroll: AtomicUsize,
     /// Whether two-token parts of different code packings share a `matmul_parts` launch ([`MIXED_T2`],
     /// `EDDY_CUDA_MIXED_T2`, [`Cuda::force_mixed_two_tokens`]).
@@ -1536,7 +1554,7 @@ impl Cuda {
             ],
             mm_qu: [get("mm_q_t1u4_p4")?, get("mm_q_t1u4_p8")?],
             mm_q3u: [get("mm_q3_t1u4_p4")?, get("mm_q3_t1u4_p8")?],
-            mm_q2u: [[get("mm_q_t2u2_p4")?, get("mm_q_t2u2_p8")?], [get("mm_q_t2u4_p4")?, get("mm_q_t2u4_p8")?]],
+            mm_q2u: [get("mm_q_t2u4_p4")?, get("mm_q_t2u4_p8")?],
             mm_q3x: [get("mm_q3x_t1")?, get("mm_q3x_t1u4")?, get("mm_q3x_t2")?],
             mm_q3: [
                 [get("mm_q3_t1_p4")?, get("mm_q3_t1_p8")?],
@@ -2301,42 +2319,28 @@ impl Cuda {
     /// (`mm_q_t1u4*`): one token, and rows of at least 3 blocks a lane (the down projections; the default,
     /// `EDDY_CUDA_T1_UNROLL=2` turns it off), or every width when forced ([`Cuda::force_decode_unroll`]).
     fn t1_deep(&self, n: usize, cols: usize) -> bool {
-        n == 1
-            && match self.t1_unroll.load(Ordering::Relaxed) {
-                4 => cols / QK >= 3 * 32,
-                T1_DEEP_ALWAYS => true,
-                _ => false,
-            }
+        n == 1 && deep_at(self.t1_unroll.load(Ordering::Relaxed), cols)
     }
 
-    /// Whether an `n`-token product of rows of `cols` values runs on a two-token kernel with deeper loads: the
-    /// index into `mm_q2u` (0: `mm_q_t2u2*`, 1: `mm_q_t2u4*`) for two tokens and rows of at least 3 blocks a lane
-    /// where [`T2_UNROLL`] or `EDDY_CUDA_T2_UNROLL` says 2 or 4, or every width when forced
-    /// ([`Cuda::force_two_token_unroll`]).
-    fn t2_deep(&self, n: usize, cols: usize) -> Option<usize> {
-        if n != 2 {
-            return None;
-        }
-        let u = self.t2_unroll.load(Ordering::Relaxed);
-        let always = u >= T2_DEEP_ALWAYS;
-        match u % T2_DEEP_ALWAYS {
-            d @ (2 | 4) if always || cols / QK >= 3 * 32 => Some(d / 4),
-            _ => None,
-        }
+    /// Whether an `n`-token product of rows of `cols` values runs on the two-token kernel with deeper loads
+    /// (`mm_q_t2u4*`): two tokens and rows of at least 3 blocks a lane where [`T2_UNROLL`] or
+    /// `EDDY_CUDA_T2_UNROLL` says 4, or every width when forced ([`Cuda::force_two_token_unroll`]).
+    fn t2_deep(&self, n: usize, cols: usize) -> bool {
+        n == 2 && deep_at(self.t2_unroll.load(Ordering::Relaxed), cols)
     }
 
-    /// Run two-token products with `Some(2)` or `Some(4)` blocks of a row and their activations in flight a
-    /// lane for every width (`mm_q_t2u2*`, `mm_q_t2u4*`: `mm_q_t2`'s chains with the loads issued together),
-    /// on `mm_q_t2` (`Some(0)`), or as `EDDY_CUDA_T2_UNROLL` said at start (`None`; unset: [`T2_UNROLL`]). The
-    /// results do not depend on it; for tests and measurements.
+    /// Run two-token products with 4 blocks of a row and their activations in flight a lane for every width
+    /// (`Some(4)`: `mm_q_t2u4*`, `mm_q_t2`'s chains with the loads issued together), on `mm_q_t2` (`Some(0)`), or
+    /// as `EDDY_CUDA_T2_UNROLL` said at start (`None`; unset: [`T2_UNROLL`]). The results do not depend on it; for
+    /// tests and measurements.
     ///
     /// # Panics
     /// On other depths.
     pub fn force_two_token_unroll(&self, blocks: Option<usize>) {
         let u = match blocks {
             Some(0) => 0,
-            Some(d @ (2 | 4)) => T2_DEEP_ALWAYS + d,
-            Some(u) => panic!("two-token loads 0, 2 or 4 blocks deep, not {u}"),
+            Some(4) => DEEP_ALWAYS,
+            Some(u) => panic!("two-token loads 0 or 4 blocks deep, not {u}"),
             None => t2_unroll_from_env(),
         };
         self.t2_unroll.store(u, Ordering::Relaxed);
@@ -2368,7 +2372,7 @@ impl Cuda {
     /// On other depths.
     pub fn force_decode_unroll(&self, blocks: Option<usize>) {
         let u = match blocks {
-            Some(4) => T1_DEEP_ALWAYS,
+            Some(4) => DEEP_ALWAYS,
             Some(2) => 2,
             Some(u) => panic!("one-token loads 2 or 4 blocks deep, not {u}"),
             None => t1_unroll_from_env(),
@@ -2481,6 +2485,21 @@ impl Cuda {
     pub fn last_list_kernels(&self) -> Vec<String> {
         let q = self.ctx.queue();
         q.last_list.iter().map(|f| self.kernel_names.get(f).cloned().unwrap_or_else(|| "?".into())).collect()
+    }
+
+    /// Start recording the kernels sent to the GPU (`true`, dropping any earlier record) or stop (`false`): for
+    /// tests that a setting picked the kernel it names. Work queued before the call counts when it is flushed.
+    pub fn record_kernels(&self, on: bool) {
+        self.ctx.queue().recorded = on.then(Vec::new);
+    }
+
+    /// The names of the kernels sent to the GPU since [`Cuda::record_kernels`]`(true)` or the last call, in
+    /// launch order (flushes the queue first); empty while not recording.
+    pub fn recorded_kernels(&self) -> Vec<String> {
+        self.ctx.flush();
+        let mut q = self.ctx.queue();
+        let fs = q.recorded.as_mut().map(std::mem::take).unwrap_or_default();
+        fs.iter().map(|f| self.kernel_names.get(f).cloned().unwrap_or_else(|| "?".into())).collect()
     }
 
     fn set_empty(&self, on: bool, only: Vec<usize>) {
@@ -2802,8 +2821,8 @@ impl Cuda {
                     let (ti, tt) = Self::dp4a_tile(n);
                     let f = if self.t1_deep(n, cols) {
                         self.k.mm_qu[p]
-                    } else if let Some(u) = self.t2_deep(n, cols) {
-                        self.k.mm_q2u[u][p]
+                    } else if self.t2_deep(n, cols) {
+                        self.k.mm_q2u[p]
                     } else {
                         self.k.mm_q[ti][p]
                     };
