@@ -207,6 +207,10 @@ struct RunArgs {
     /// an end-of-turn token or when the context is full.
     #[arg(long, short = 'n', default_value = "1024", allow_negative_numbers = true, value_parser = parse_max_tokens)]
     max_tokens: usize,
+    /// End the reply where the text TEXT appears (not printed; the finish is a stop), as the API's `stop`;
+    /// repeatable. Empty texts are refused.
+    #[arg(long, value_name = "TEXT", allow_hyphen_values = true)]
+    stop: Vec<String>,
     /// Print the statistics as one JSON object (on stderr) instead of the panel.
     #[arg(long)]
     json: bool,
@@ -696,6 +700,9 @@ fn sampler_params(a: &RunArgs) -> eddy::Result<SamplerParams> {
 fn run(a: RunArgs) -> eddy::Result<()> {
     // Everything the user typed is checked before the (slow) model load.
     let sampler = sampler_params(&a)?;
+    if a.stop.iter().any(String::is_empty) {
+        return Err(bad("--stop", "an empty text would end every reply before it starts"));
+    }
     let kwargs = match &a.chat_template_kwargs {
         None => serde_json::Map::new(),
         Some(s) => match serde_json::from_str::<serde_json::Value>(s) {
@@ -754,7 +761,7 @@ fn run(a: RunArgs) -> eddy::Result<()> {
     stop_replies_on_sigint();
     GENERATING.store(true, SeqCst);
     let stop = || STOP_REPLY.load(SeqCst);
-    let r = stream_reply(&mut engine, &prompt, &params, end_text.as_deref(), &stop, &mut || {
+    let r = stream_reply(&mut engine, &prompt, &params, &stops(&a.stop, end_text.as_deref()), &stop, &mut || {
         if e_first.is_none() {
             e_first = Some(energy.as_ref().map(|m| m.joules()).unwrap_or(0.0));
         }
@@ -773,6 +780,11 @@ fn run(a: RunArgs) -> eddy::Result<()> {
     Ok(())
 }
 
+/// The texts that end a reply: the user's `--stop` texts, then the chat template's end text if it has one.
+fn stops(user: &[String], end_text: Option<&str>) -> Vec<String> {
+    user.iter().cloned().chain(end_text.map(str::to_string)).collect()
+}
+
 /// A reply [`stream_reply`] wrote to stdout.
 struct Streamed {
     stats: GenerationStats,
@@ -785,20 +797,20 @@ struct Streamed {
 /// Generates the reply to `prompt`, writing its text to stdout as it comes and a newline after it; what is
 /// still pending at the end, an incomplete character cut by --max-tokens, is left out rather than printed as
 /// a U+FFFD the model never finished. `cancelled` is asked between prefill pieces (`true` stops before the
-/// first token), `on_token` before each token is written (`false` stops). `end_text` (the chat template's
-/// [`ChatTemplate::end_text`]) ends the reply as a stop string does: it is not written, and the reply's
+/// first token), `on_token` before each token is written (`false` stops). `stops` (the user's `--stop` texts
+/// and the chat template's [`ChatTemplate::end_text`], [`stops`]) end the reply: the text is not written, and the reply's
 /// finish is `Stop`. A reader that goes away (broken pipe) stops generation; other write errors are errors.
 fn stream_reply(
     engine: &mut Engine,
     prompt: &[u32],
     params: &GenerateParams,
-    end_text: Option<&str>,
+    stops: &[String],
     cancelled: &dyn Fn() -> bool,
     on_token: &mut dyn FnMut() -> bool,
 ) -> eddy::Result<Streamed> {
     let tok = engine.lm.tokenizer.clone();
     let mut dec = StreamDecoder::new(&tok, true);
-    let mut ends = eddy::stop::StopMatcher::new(end_text.into_iter().map(str::to_string).collect());
+    let mut ends = eddy::stop::StopMatcher::new(stops.to_vec());
     let mut out = std::io::stdout().lock();
     let mut write_err = None;
     let mut text = String::new();
@@ -1009,7 +1021,7 @@ fn chat(a: &RunArgs, sampler: SamplerParams, kwargs: &serde_json::Map<String, se
             _ => 0.0,
         };
         let mut e_first = None;
-        let r = stream_reply(&mut engine, &prompt, &params, template.end_text(), &stop, &mut || {
+        let r = stream_reply(&mut engine, &prompt, &params, &stops(&a.stop, template.end_text()), &stop, &mut || {
             if let (None, Some(Ok(m))) = (e_first, &energy) {
                 e_first = Some(m.joules() - j0);
             }

@@ -95,6 +95,7 @@ fn bad_option_values_are_named_before_the_model_loads() {
     expect_error(&run_args(&["--temperature", "-1"]), "--temperature: must be a number >= 0");
     expect_error(&run_args(&["--temperature", "NaN"]), "--temperature:");
     expect_error(&run_args(&["--temperature", "inf"]), "--temperature:");
+    expect_error(&run_args(&["--stop", "ok", "--stop", ""]), "--stop: an empty text");
     expect_error(&run_args(&["--top-p", "0"]), "--top-p: must be in (0, 1]");
     expect_error(&run_args(&["--top-p", "-0.5"]), "--top-p:");
     expect_error(&run_args(&["--min-p", "NaN"]), "--min-p:");
@@ -318,6 +319,29 @@ fn chatml_fallback_stops_at_im_end_text() {
     let out = eddy_stdin(&base, Some(format!("{q1}\n{q2}\n").as_bytes()));
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(String::from_utf8(out.stdout).unwrap(), format!("{first}\n{second}\n"));
+}
+
+/// `--stop TEXT` ends a reply where TEXT first appears, TEXT not printed: the greedy reply cut before a piece of
+/// its own middle (a piece that spans tokens), in a one-shot run and in a chat on stdin; a text it never writes
+/// changes nothing.
+#[test]
+fn stop_texts_end_the_reply() {
+    let Some(smol) = smol() else { return };
+    let base = ["-n", "24", "--temperature", "0"];
+    let full = String::from_utf8(run_smol(&smol, &[&base[..], &["-m", "Tell me about the sea."]].concat()).stdout).unwrap();
+    let chars: Vec<char> = full.trim_end().chars().collect();
+    assert!(chars.len() > 20, "a short reply: {full:?}");
+    let piece: String = chars[10..16].iter().collect();
+    let cut = &full[..full.find(&piece).unwrap()];
+    let out = run_smol(&smol, &[&base[..], &["-m", "Tell me about the sea.", "--stop", "no such text", "--stop", &piece]].concat());
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), format!("{cut}\n"), "stopped at {piece:?}");
+    let out = run_smol(&smol, &[&base[..], &["-m", "Tell me about the sea.", "--stop", "no such text"]].concat());
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), full);
+    let mut args = vec!["run", "--model", smol.to_str().unwrap(), "--threads", "1", "--stop", &piece];
+    args.extend_from_slice(&base);
+    let out = eddy_stdin(&args, Some(b"Tell me about the sea.\n"));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), format!("{cut}\n"));
 }
 
 /// `eddy run` without --message: a chat on stdin. Each reply is the engine's greedy reply to the whole
