@@ -960,35 +960,39 @@ fn multi_token_products_equal_the_one_token_kernel() {
                 );
             }
             be.force_decode_unroll(None);
-            // Two tokens with 0 and 4 blocks of a row loaded at once (`mm_q_t2`, `mm_q_t2u4*`): each token the
-            // one-token kernel's bits.
-            for depth in [0usize, 4] {
-                be.force_two_token_unroll(Some(depth));
+            // Two tokens with 0 and 4 blocks of a row loaded at once (`mm_q_t2`, `mm_q_t2u4*`), three and four (on
+            // the dp4a kernels) with 0 and 2 (`mm_q_t4`, `mm_q_t4u2*`): each token the one-token kernel's bits.
+            be.force_dp4a_tokens(Some(4));
+            for (n, depth) in [(2usize, 0usize), (2, 4), (3, 0), (3, 2), (4, 0), (4, 2)] {
+                be.force_two_token_unroll(Some(if n == 2 { depth } else { 0 }));
+                be.force_four_token_unroll(Some(if n == 2 { 0 } else { depth }));
+                let tile = if n == 2 { 2 } else { 4 };
+                let kernel = if depth == 0 { format!("mm_q_t{tile}_") } else { format!("mm_q_t{tile}u{depth}_") };
                 for t0 in [0usize, 7] {
                     let mut xq = be.new_qact();
-                    let xt = be.upload(&x[t0 * cols..(t0 + 2) * cols]);
-                    be.quantize(&xt, 2, cols, &w, &mut xq);
-                    let mut two = vec![f32::NAN; 2 * rows];
+                    let xt = be.upload(&x[t0 * cols..(t0 + n) * cols]);
+                    be.quantize(&xt, n, cols, &w, &mut xq);
+                    let mut got = vec![f32::NAN; n * rows];
                     be.record_kernels(true);
-                    be.matmul_to_host(&w, &xt, &xq, 2, &mut two);
+                    be.matmul_to_host(&w, &xt, &xq, n, &mut got);
                     let ran = be.recorded_kernels();
                     be.record_kernels(false);
-                    let kernel = if depth == 0 { "mm_q_t2_".to_string() } else { format!("mm_q_t2u{depth}_") };
                     assert!(
                         ran.iter().filter(|k| k.starts_with("mm_q")).count() == 1 && ran.iter().any(|k| k.starts_with(&kernel)),
-                        "{name} {rows}×{cols}: loads {depth} deep ran {ran:?}, not {kernel}*"
+                        "{name} {rows}×{cols}: {n} tokens, loads {depth} deep ran {ran:?}, not {kernel}*"
                     );
-                    if let Some(k) = (0..2 * rows).find(|&k| two[k].to_bits() != ones[t0 * rows + k].to_bits()) {
+                    if let Some(k) = (0..n * rows).find(|&k| got[k].to_bits() != ones[t0 * rows + k].to_bits()) {
                         panic!(
-                            "{name} {rows}×{cols}: tokens {t0}, {}: loads {depth} deep: element {k}: {} vs one-token {}",
-                            t0 + 1,
-                            two[k],
+                            "{name} {rows}×{cols}: {n} tokens from {t0}, loads {depth} deep: element {k}: {} vs one-token {}",
+                            got[k],
                             ones[t0 * rows + k]
                         );
                     }
                 }
             }
             be.force_two_token_unroll(None);
+            be.force_four_token_unroll(None);
+            be.force_dp4a_tokens(None);
             // Every launch shape of the tensor-core kernels: mm_qw's split of a row tile over 1, 2, 4 blocks and
             // grids of one block walking every row tile or two walking half each (next tile's loads in flight),
             // mm_qv with 4, 8, 16 warps a tile, and each tile split over a cluster of 2–8 blocks (sm_90); then the
@@ -1214,7 +1218,7 @@ fn parts_of_different_forms_share_a_launch() {
                 None,
             )]);
             let shapes = shapes.map(|s| (s, false)).chain(RESIDENT.map(|s| (s, true)));
-            let ns = if cols == 896 { vec![1usize, 2, 3, 5, 16, 24, 64, 70] } else { vec![1, 2, 16] };
+            let ns = if cols == 896 { vec![1usize, 2, 3, 5, 16, 24, 64, 70] } else { vec![1, 2, 3, 16] };
             for (shape, n) in shapes.flat_map(|sh| ns.clone().into_iter().map(move |n| (sh, n))) {
                 let ((split, row_blocks, qv, tiled, cluster), res) = shape;
                 if n > 1 && cols == 8960 && (split.is_some() || cluster.is_some()) {
@@ -1236,12 +1240,14 @@ fn parts_of_different_forms_share_a_launch() {
                     want.push(read(&be, &one, n * r));
                 }
                 let depths: &[Option<usize>] = if n == 1 { &[Some(2), Some(4)] } else { &[None] };
-                // Two tokens: parts of different packings apart, then in one launch (`mm_q3x_t2`).
-                let mixes: &[bool] = if n == 2 { &[false, true] } else { &[false] };
+                // Two and three tokens: parts of different packings apart, then in one launch (`mm_q3x_t2`,
+                // `mm_q3x_t4`).
+                let mixes: &[bool] = if n == 2 || n == 3 { &[false, true] } else { &[false] };
                 let mut queued = [0u64; 2];
                 for (&depth, &mix) in depths.iter().flat_map(|d| mixes.iter().map(move |m| (d, m))) {
                     be.force_decode_unroll(depth);
-                    be.force_mixed_two_tokens(Some(mix));
+                    be.force_mixed_two_tokens(Some(n == 2 && mix));
+                    be.force_mixed_four_tokens(Some(n == 3 && mix));
                     for (j, joint) in [false, true].into_iter().enumerate() {
                         be.force_joint_parts(Some(joint));
                         let mut outs: Vec<_> = rows_of.iter().map(|&r| be.alloc(n * r)).collect();
@@ -1262,7 +1268,7 @@ fn parts_of_different_forms_share_a_launch() {
                             }
                         }
                     }
-                    // Code widths alone never split a launch; packings only for one token (two with `mix`, on
+                    // Code widths alone never split a launch; packings only for one token (two or three with `mix`, on
                     // the dp4a kernels), epilogues on the dp4a kernels too. With the joint launches off, parts of
                     // one form still pair (the second case's q/k); on, the third case's two parts of one code
                     // packing pair on the dp4a kernels.
@@ -1281,6 +1287,7 @@ fn parts_of_different_forms_share_a_launch() {
     }
     be.force_decode_unroll(None);
     be.force_mixed_two_tokens(None);
+    be.force_mixed_four_tokens(None);
     be.force_joint_parts(None);
     be.force_pair_parts(None);
     be.force_product_launch(None, None);
@@ -1299,7 +1306,7 @@ fn one_launch_groups_what_the_kernels_take_per_part() {
     let f = |packed4: bool, g16: bool, half: i32, explicit: bool| Form { cols: 896, packed4, g16, half, explicit, rotation: 0 };
     let (q5, q8) = (f(false, false, 16, false), f(false, false, 128, false));
     let (q4k, q6k) = (f(true, false, 8, true), f(false, true, 32, false));
-    for mixed_tokens in [1usize, 2] {
+    for mixed_tokens in [1usize, 2, 4] {
         for dp4a_max in [1usize, 3, 4] {
             for n in [1usize, 2, 3, 4, 5, 16, 64, 200] {
                 let dp4a = n <= dp4a_max;

@@ -252,7 +252,7 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, int n, int c
 
 template <int TT, bool P4, int U = 0>
 __device__ __forceinline__ void mm_q_impl(MM_Q_PARAMS(g16)) {
-    static_assert(U == 0 || TT <= 2, "deeper loads for one- and two-token launches only");
+    static_assert(U == 0 || TT <= 4, "deeper loads for launches of up to four tokens");
     const int lane = threadIdx.x & 31;
     const int row = bx * MM_ROWS + (threadIdx.x >> 5);
     const int t0 = blockIdx.y * TT;
@@ -462,7 +462,8 @@ MM_Q(mm_q_t4_p8, 4, false)
 // a multiprocessor, enough for a row count of one wave (1,536 rows: 384 blocks); U = 8 took 188–217 and was
 // dropped unmeasured. Two tokens likewise with U = 4 (`mm_q_t2u4*`: bit-identical to mm_q_t2; the default for
 // rows of 3+ blocks a lane, the verify's down projections: the 1.5B's 2-node verify −7 % on an H100, where U = 2
-// gave −6 % and was dropped; docs/cuda.md, session 53).
+// gave −6 % and was dropped; docs/cuda.md, session 53). Three or four tokens with U = 2 (`mm_q_t4u2*`, 136 / 146
+// registers; opt-in, EDDY_CUDA_T4_UNROLL, not yet measured).
 #define MM_QU(NAME, TT, P4, U)                                                                               \
     extern "C" __global__ void NAME(const uint8_t* codes, const float* sc, const float* mn, int rows,       \
                                     int cols, int half, int g16, const int8_t* xq, const float* xs,         \
@@ -475,6 +476,8 @@ MM_QU(mm_q_t1u4_p4, 1, true, 4)
 MM_QU(mm_q_t1u4_p8, 1, false, 4)
 MM_QU(mm_q_t2u4_p4, 2, true, 4)
 MM_QU(mm_q_t2u4_p8, 2, false, 4)
+MM_QU(mm_q_t4u2_p4, 4, true, 2)
+MM_QU(mm_q_t4u2_p8, 4, false, 2)
 
 // ---------------------------------------------------------------------------------------------------------
 // The same products for 5 and more tokens (DP4A_MAX in mod.rs) on the tensor cores (mma.sync m16n8k32 /
@@ -572,7 +575,7 @@ template <int TT, bool P4, int U = 0>
 __device__ __forceinline__ void mm_q_part(MM_Q_PARAMS(flags)) {
     mm_q_impl<TT, P4, U>(bx, codes, sc, mn, rows, cols, half, flags & 1, xq, xs, xsum, xdsum, xsum16, n, bias, out);
 }
-// One token (or two: `mm_q3x_t2`, EDDY_CUDA_MIXED_T2), parts of either packing (the 1.5B's Q4_K q/k
+// One token (or two: `mm_q3x_t2`, EDDY_CUDA_MIXED_T2; three or four: `mm_q3x_t4`, opt-in, EDDY_CUDA_MIXED_T4), parts of either packing (the 1.5B's Q4_K q/k
 // beside a Q6_K v): a branch uniform over the block into the part's packing.
 template <int TT, int U>
 __device__ __forceinline__ void mm_q_mixed(MM_Q_PARAMS(flags)) {
@@ -593,6 +596,7 @@ MM_Q3(mm_q3_t1u4_p8, (mm_q_part<1, false, 4>), MM_ROWS, NO_BOUNDS)
 MM_Q3(mm_q3x_t1, (mm_q_mixed<1, 0>), MM_ROWS, NO_BOUNDS)
 MM_Q3(mm_q3x_t1u4, (mm_q_mixed<1, 4>), MM_ROWS, NO_BOUNDS)
 MM_Q3(mm_q3x_t2, (mm_q_mixed<2, 0>), MM_ROWS, NO_BOUNDS)
+MM_Q3(mm_q3x_t4, (mm_q_mixed<4, 0>), MM_ROWS, NO_BOUNDS)
 
 // ---------------------------------------------------------------------------------------------------------
 // mm_qw*: the block walks a list of work items — (row tile, step of 32 blocks) for its row tiles blockIdx.x,

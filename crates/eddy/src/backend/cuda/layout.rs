@@ -116,7 +116,7 @@ pub struct Form {
 /// (`Backend::matmul_parts`): the kernels take each part's `half` (packed a byte a part), group-16 flag and
 /// offsets per part, so only what is a template parameter of the kernel that runs `n` tokens must agree —
 /// nothing for one token (`mm_q3x_t1*` picks each part's code packing by a branch uniform over the block) or,
-/// on the `dp4a` kernels, for up to `mixed_tokens` tokens (2: `mm_q3x_t2`, `EDDY_CUDA_MIXED_T2`; else 1); the
+/// on the `dp4a` kernels, for up to `mixed_tokens` tokens (2: `mm_q3x_t2`, `EDDY_CUDA_MIXED_T2`; 4: `mm_q3x_t4`, `EDDY_CUDA_MIXED_T4`; else 1); the
 /// code packing on the `dp4a` kernels (`dp4a`: the launch runs on them) beyond that; the packing and the
 /// epilogue form (group-16 scales, explicit offsets) on the tensor cores. Width and input rotation always. With `mixed` off,
 /// parts must agree in everything (the launches before session 38; `EDDY_CUDA_JOINT=1` turns `mixed` on). Each

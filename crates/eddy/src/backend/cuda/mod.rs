@@ -420,18 +420,15 @@ fn rope_att_from_env() -> bool {
     env_setting("EDDY_CUDA_ROPE_ATT", "0 or 1", |d: &u8| *d <= 1).is_none_or(|d| d == 1)
 }
 
-/// `Cuda::t1_unroll`'s and `Cuda::t2_unroll`'s value for "4 blocks deep at every width" (`mm_q_t1u4*`,
-/// `mm_q_t2u4*`; tests).
+/// `Cuda::t1_unroll`'s, `Cuda::t2_unroll`'s and `Cuda::t4_unroll`'s value for "deeper loads at every width"
+/// (`mm_q_t1u4*`, `mm_q_t2u4*`, `mm_q_t4u2*`; tests).
 const DEEP_ALWAYS: usize = 104;
 
-/// Whether a product of rows of `cols` values loads 4 blocks of a row at once under the unroll setting `u`
-/// (`Cuda::t1_unroll` or `Cuda::t2_unroll`): 4 for rows of at least 3 blocks a lane, [`DEEP_ALWAYS`] for all.
-fn deep_at(u: usize, cols: usize) -> bool {
-    match u {
-        4 => cols / QK >= 3 * 32,
-        DEEP_ALWAYS => true,
-        _ => false,
-    }
+/// Whether a product of rows of `cols` values loads `depth` blocks of a row at once under the unroll setting
+/// `u` (`Cuda::t1_unroll`, `Cuda::t2_unroll`, `Cuda::t4_unroll`): `depth` for rows of at least 3 blocks a lane,
+/// [`DEEP_ALWAYS`] for all.
+fn deep_at(u: usize, depth: usize, cols: usize) -> bool {
+    (u == depth && cols / QK >= 3 * 32) || u == DEEP_ALWAYS
 }
 
 /// Blocks of a row a two-token product loads at once (`mm_q_t2u4*`, rows of 3+ blocks a lane: the verify's down
@@ -456,6 +453,29 @@ const MIXED_T2: bool = true;
 /// [`MIXED_T2`].
 fn mixed_t2_from_env() -> bool {
     env_setting("EDDY_CUDA_MIXED_T2", "0 or 1", |m: &u8| *m <= 1).map_or(MIXED_T2, |m| m == 1)
+}
+
+/// Blocks of a row a three- or four-token `dp4a` product loads at once (`mm_q_t4u2*`, rows of 3+ blocks a lane:
+/// the 3-node verify's down projections) by default: 0, none (`mm_q_t4`'s loop). Written in session 53 after
+/// the two-token kernels' measurement (`mm_q_impl`'s `U` path for TT = 4, 136 / 146 registers, no spills), not
+/// yet run: `EDDY_CUDA_T4_UNROLL=2` is the A/B.
+const T4_UNROLL: usize = 0;
+
+/// `EDDY_CUDA_T4_UNROLL`: 0 (`mm_q_t4` for every three- or four-token `dp4a` product) or 2 (`mm_q_t4u2*` for
+/// rows of 3+ blocks a lane); unset, [`T4_UNROLL`].
+fn t4_unroll_from_env() -> usize {
+    env_setting("EDDY_CUDA_T4_UNROLL", "0 or 2", |u: &usize| [0, 2].contains(u)).unwrap_or(T4_UNROLL)
+}
+
+/// Whether `matmul_parts` runs three- and four-token parts of different code packings in one `dp4a` launch
+/// (`mm_q3x_t4`: the 1.5B's Q4_K q/k beside its Q6_K v in a 3-node verify) by default. Written in session 53,
+/// not yet run: `EDDY_CUDA_MIXED_T4=1` is the A/B.
+const MIXED_T4: bool = false;
+
+/// `EDDY_CUDA_MIXED_T4`: 1 runs three- and four-token parts of different code packings in one launch; 0 does
+/// not; unset, [`MIXED_T4`].
+fn mixed_t4_from_env() -> bool {
+    env_setting("EDDY_CUDA_MIXED_T4", "0 or 1", |m: &u8| *m <= 1).map_or(MIXED_T4, |m| m == 1)
 }
 
 /// Whether `mm_qv*` launches of more row tiles than fit the GPU at once run on the resident kernels
@@ -1066,8 +1086,12 @@ struct Kernels {
     /// Two-token products with 4 blocks of a row and their activations in flight a lane (`mm_q_t2u4_*`;
     /// [`T2_UNROLL`]): `[p4, p8]`.
     mm_q2u: [Func; 2],
-    /// Parts of either code packing in one launch: one token (`mm_q3x_t1`, `mm_q3x_t1u4`), two (`mm_q3x_t2`).
-    mm_q3x: [Func; 3],
+    /// Three- or four-token products with 2 blocks of a row and their activations in flight a lane
+    /// (`mm_q_t4u2_*`; [`T4_UNROLL`]): `[p4, p8]`.
+    mm_q4u: [Func; 2],
+    /// Parts of either code packing in one launch: one token (`mm_q3x_t1`, `mm_q3x_t1u4`), two (`mm_q3x_t2`),
+    /// three or four (`mm_q3x_t4`).
+    mm_q3x: [Func; 4],
     /// The empty kernel ([`Cuda::set_empty_kernels`]).
     noop: Func,
     /// The phase-boundary probe ([`Cuda::sync_probe`]).
@@ -1411,6 +1435,13 @@ pub struct Cuda {
     /// Whether two-token parts of different code packings share a `matmul_parts` launch ([`MIXED_T2`],
     /// `EDDY_CUDA_MIXED_T2`, [`Cuda::force_mixed_two_tokens`]).
     mixed_t2: AtomicBool,
+    /// Blocks of a row a three- or four-token `dp4a` product loads at once: 0 (`mm_q_t4`), 2 for rows of 3+
+    /// blocks a lane, or [`DEEP_ALWAYS`] (2 at every width) ([`T4_UNROLL`], `EDDY_CUDA_T4_UNROLL`,
+    /// [`Cuda::force_four_token_unroll`]).
+    t4_unroll: AtomicUsize,
+    /// Whether three- and four-token parts of different code packings share a `dp4a` launch ([`MIXED_T4`],
+    /// `EDDY_CUDA_MIXED_T4`, [`Cuda::force_mixed_four_tokens`]).
+    mixed_t4: AtomicBool,
     /// Whether `matmul_parts` runs parts of different forms in one launch where the kernels allow it
     /// ([`one_launch`]; [`JOINT_PARTS`] unless `EDDY_CUDA_JOINT` says otherwise, [`Cuda::force_joint_parts`]).
     joint: AtomicBool,
@@ -1555,7 +1586,8 @@ impl Cuda {
             mm_qu: [get("mm_q_t1u4_p4")?, get("mm_q_t1u4_p8")?],
             mm_q3u: [get("mm_q3_t1u4_p4")?, get("mm_q3_t1u4_p8")?],
             mm_q2u: [get("mm_q_t2u4_p4")?, get("mm_q_t2u4_p8")?],
-            mm_q3x: [get("mm_q3x_t1")?, get("mm_q3x_t1u4")?, get("mm_q3x_t2")?],
+            mm_q4u: [get("mm_q_t4u2_p4")?, get("mm_q_t4u2_p8")?],
+            mm_q3x: [get("mm_q3x_t1")?, get("mm_q3x_t1u4")?, get("mm_q3x_t2")?, get("mm_q3x_t4")?],
             mm_q3: [
                 [get("mm_q3_t1_p4")?, get("mm_q3_t1_p8")?],
                 [get("mm_q3_t2_p4")?, get("mm_q3_t2_p8")?],
@@ -1784,6 +1816,8 @@ impl Cuda {
             t1_unroll: AtomicUsize::new(t1_unroll_from_env()),
             t2_unroll: AtomicUsize::new(t2_unroll_from_env()),
             mixed_t2: AtomicBool::new(mixed_t2_from_env()),
+            t4_unroll: AtomicUsize::new(t4_unroll_from_env()),
+            mixed_t4: AtomicBool::new(mixed_t4_from_env()),
             joint: AtomicBool::new(joint_from_env()),
             forced_qv: AtomicUsize::new(match env_setting("EDDY_CUDA_QV", "0, 4, 8 or 16", |w: &usize| *w == 0 || QV_WARPS.contains(w)) {
                 Some(0) => QV_OFF,
@@ -2319,14 +2353,45 @@ impl Cuda {
     /// (`mm_q_t1u4*`): one token, and rows of at least 3 blocks a lane (the down projections; the default,
     /// `EDDY_CUDA_T1_UNROLL=2` turns it off), or every width when forced ([`Cuda::force_decode_unroll`]).
     fn t1_deep(&self, n: usize, cols: usize) -> bool {
-        n == 1 && deep_at(self.t1_unroll.load(Ordering::Relaxed), cols)
+        n == 1 && deep_at(self.t1_unroll.load(Ordering::Relaxed), 4, cols)
     }
 
     /// Whether an `n`-token product of rows of `cols` values runs on the two-token kernel with deeper loads
     /// (`mm_q_t2u4*`): two tokens and rows of at least 3 blocks a lane where [`T2_UNROLL`] or
     /// `EDDY_CUDA_T2_UNROLL` says 4, or every width when forced ([`Cuda::force_two_token_unroll`]).
     fn t2_deep(&self, n: usize, cols: usize) -> bool {
-        n == 2 && deep_at(self.t2_unroll.load(Ordering::Relaxed), cols)
+        n == 2 && deep_at(self.t2_unroll.load(Ordering::Relaxed), 4, cols)
+    }
+
+    /// Whether an `n`-token `dp4a` product of rows of `cols` values runs on the four-token kernel with deeper
+    /// loads (`mm_q_t4u2*`): three or four tokens and rows of at least 3 blocks a lane where [`T4_UNROLL`] or
+    /// `EDDY_CUDA_T4_UNROLL` says 2, or every width when forced ([`Cuda::force_four_token_unroll`]).
+    fn t4_deep(&self, n: usize, cols: usize) -> bool {
+        (3..=4).contains(&n) && deep_at(self.t4_unroll.load(Ordering::Relaxed), 2, cols)
+    }
+
+    /// Run three- and four-token `dp4a` products with 2 blocks of a row and their activations in flight a lane
+    /// for every width (`Some(2)`: `mm_q_t4u2*`, `mm_q_t4`'s chains with the loads issued together), on `mm_q_t4`
+    /// (`Some(0)`), or as `EDDY_CUDA_T4_UNROLL` said at start (`None`; unset: [`T4_UNROLL`]). The results do not
+    /// depend on it; for tests and measurements.
+    ///
+    /// # Panics
+    /// On other depths.
+    pub fn force_four_token_unroll(&self, blocks: Option<usize>) {
+        let u = match blocks {
+            Some(0) => 0,
+            Some(2) => DEEP_ALWAYS,
+            Some(u) => panic!("three- and four-token loads 0 or 2 blocks deep, not {u}"),
+            None => t4_unroll_from_env(),
+        };
+        self.t4_unroll.store(u, Ordering::Relaxed);
+    }
+
+    /// Run three- and four-token parts of different code packings in one `dp4a` launch (`Some(true)`:
+    /// `mm_q3x_t4`), apart (`Some(false)`), or as `EDDY_CUDA_MIXED_T4` said at start (`None`; unset:
+    /// [`MIXED_T4`]). The results do not depend on it; for tests and measurements.
+    pub fn force_mixed_four_tokens(&self, on: Option<bool>) {
+        self.mixed_t4.store(on.unwrap_or_else(mixed_t4_from_env), Ordering::Relaxed);
     }
 
     /// Run two-token products with 4 blocks of a row and their activations in flight a lane for every width
@@ -2346,10 +2411,13 @@ impl Cuda {
         self.t2_unroll.store(u, Ordering::Relaxed);
     }
 
-    /// Most tokens of a `matmul_parts` launch on the `dp4a` kernels whose parts may differ in code packing: 2
-    /// where two-token parts share a launch (`mm_q3x_t2`; [`MIXED_T2`], `EDDY_CUDA_MIXED_T2`), else 1.
+    /// Most tokens of a `matmul_parts` launch on the `dp4a` kernels whose parts may differ in code packing: 4
+    /// where three- and four-token parts share a launch (`mm_q3x_t4`; [`MIXED_T4`], `EDDY_CUDA_MIXED_T4`; two
+    /// tokens then too), 2 where two-token parts do (`mm_q3x_t2`; [`MIXED_T2`], `EDDY_CUDA_MIXED_T2`), else 1.
     pub fn mixed_packing_tokens(&self) -> usize {
-        if self.mixed_t2.load(Ordering::Relaxed) {
+        if self.mixed_t4.load(Ordering::Relaxed) {
+            4
+        } else if self.mixed_t2.load(Ordering::Relaxed) {
             2
         } else {
             1
@@ -2823,6 +2891,8 @@ impl Cuda {
                         self.k.mm_qu[p]
                     } else if self.t2_deep(n, cols) {
                         self.k.mm_q2u[p]
+                    } else if self.t4_deep(n, cols) {
+                        self.k.mm_q4u[p]
                     } else {
                         self.k.mm_q[ti][p]
                     };
@@ -3602,7 +3672,8 @@ impl Backend for Cuda {
                 (true, _) => match n {
                     1 => self.k.mm_q3x[deep as usize],
                     2 => self.k.mm_q3x[2],
-                    _ => unreachable!("parts of different code packings share launches of at most 2 tokens (one_launch)"),
+                    3 | 4 => self.k.mm_q3x[3],
+                    _ => unreachable!("parts of different code packings share launches of at most 4 tokens (one_launch)"),
                 },
                 (false, true) => self.k.mm_q3u[p],
                 (false, false) => self.k.mm_q3[ti][p],
