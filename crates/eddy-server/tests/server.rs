@@ -1112,6 +1112,20 @@ fn translated_errors_name_the_clients_fields() {
     assert!(m.starts_with("output_config.format.schema must be a JSON schema"), "{m}");
 }
 
+/// Responses input items of (role, text) pairs.
+fn items(texts: &[(&str, &str)]) -> Value {
+    texts.iter().map(|(role, text)| json!({"role": role, "content": text})).collect()
+}
+
+/// Responses input items for the truncation tests: a weather question (`old` repeats of its sentence) and a
+/// sea question (`recent` repeats), each answered, then `Q`; and the same without the first exchange.
+fn two_exchanges_then_q(old: usize, recent: usize) -> (Value, Value) {
+    let (old, recent) = ("Tell me about the weather. ".repeat(old), "Tell me about the sea. ".repeat(recent));
+    let all = items(&[("user", &old), ("assistant", "Sunny."), ("user", &recent), ("assistant", "Blue."), ("user", Q)]);
+    let left = items(&[("user", &recent), ("assistant", "Blue."), ("user", Q)]);
+    (all, left)
+}
+
 /// `truncation: "auto"` on /v1/responses: an input longer than the context loses its first items, the
 /// fewest that make it fit and never the instructions, and the reply is the reply to what is left
 /// (reported as `"truncation": "auto"`); without it the same input is a 400 naming input. A value other
@@ -1119,10 +1133,7 @@ fn translated_errors_name_the_clients_fields() {
 #[test]
 fn responses_truncation_auto_drops_the_oldest_items() {
     let addr = server_or_skip!();
-    let (old, recent) = ("Tell me about the weather. ".repeat(70), "Tell me about the sea. ".repeat(20));
-    let items = |texts: &[(&str, &str)]| -> Value { texts.iter().map(|(role, text)| json!({"role": role, "content": text})).collect() };
-    let all = items(&[("user", &old), ("assistant", "Sunny."), ("user", &recent), ("assistant", "Blue."), ("user", Q)]);
-    let left = items(&[("user", &recent), ("assistant", "Blue."), ("user", Q)]);
+    let (all, left) = two_exchanges_then_q(70, 20);
     let body = |input: &Value, truncation: &str| json!({"instructions": "You are terse.", "input": input, "max_output_tokens": 8, "temperature": 0, "truncation": truncation});
     let e = assert_error(&post(addr, "/v1/responses", body(&all, "disabled")), 400, "maximum context length");
     assert_eq!((&e["error"]["param"], &e["error"]["code"]), (&json!("input"), &json!("context_length_exceeded")));
@@ -1222,10 +1233,7 @@ fn responses_truncation_auto_starts_at_calls_and_keeps_no_orphan() {
 #[test]
 fn responses_truncation_auto_makes_room_for_the_reply() {
     let addr = server_or_skip!();
-    let (old, recent) = ("Tell me about the weather. ".repeat(30), "Tell me about the sea. ".repeat(30));
-    let items = |texts: &[(&str, &str)]| -> Value { texts.iter().map(|(role, text)| json!({"role": role, "content": text})).collect() };
-    let all = items(&[("user", &old), ("assistant", "Sunny."), ("user", &recent), ("assistant", "Blue."), ("user", Q)]);
-    let left = items(&[("user", &recent), ("assistant", "Blue."), ("user", Q)]);
+    let (all, left) = two_exchanges_then_q(30, 30);
     let whole = responses_input_tokens(addr, &all, &json!({"max_output_tokens": 200}));
     let kept = responses_input_tokens(addr, &left, &json!({"max_output_tokens": 200}));
     assert!(whole + 200 > CTX as u64 && kept + 200 <= CTX as u64, "{whole} {kept}");

@@ -594,6 +594,14 @@ struct Queue {
     trace: bool,
 }
 
+/// The kernels a list of operations launches, in order (its copies left out).
+fn kernels_of(ops: &[Op]) -> impl Iterator<Item = usize> + '_ {
+    ops.iter().filter_map(|op| match op {
+        Op::Kernel { f, .. } => Some(*f),
+        Op::Copy { .. } => None,
+    })
+}
+
 /// Staging slots of [`Queue::staged`].
 const SLOT_POS: usize = 0;
 const SLOT_FREQ: usize = 1;
@@ -748,16 +756,10 @@ impl Queue {
         if ops.len() >= GRAPH_MIN_OPS && hash != self.last_list_hash {
             self.last_list_hash = hash;
             self.last_list.clear();
-            self.last_list.extend(ops.iter().filter_map(|op| match op {
-                Op::Kernel { f, .. } => Some(*f),
-                Op::Copy { .. } => None,
-            }));
+            self.last_list.extend(kernels_of(&ops));
         }
         if let Some(r) = &mut self.recorded {
-            r.extend(ops.iter().filter_map(|op| match op {
-                Op::Kernel { f, .. } => Some(*f),
-                Op::Copy { .. } => None,
-            }));
+            r.extend(kernels_of(&ops));
         }
         if self.trace {
             eprintln!("eddy cuda: list of {} ops, hash {hash:016x}: {plan:?}", ops.len());
@@ -2552,7 +2554,7 @@ impl Cuda {
     /// verify or prefill pass), in launch order.
     pub fn last_list_kernels(&self) -> Vec<String> {
         let q = self.ctx.queue();
-        q.last_list.iter().map(|f| self.kernel_names.get(f).cloned().unwrap_or_else(|| "?".into())).collect()
+        q.last_list.iter().map(|f| self.kernel_name(*f)).collect()
     }
 
     /// Start recording the kernels sent to the GPU (`true`, dropping any earlier record) or stop (`false`): for
@@ -2567,7 +2569,12 @@ impl Cuda {
         self.ctx.flush();
         let mut q = self.ctx.queue();
         let fs = q.recorded.as_mut().map(std::mem::take).unwrap_or_default();
-        fs.iter().map(|f| self.kernel_names.get(f).cloned().unwrap_or_else(|| "?".into())).collect()
+        fs.iter().map(|&f| self.kernel_name(f)).collect()
+    }
+
+    /// The name of the kernel `f` (a launch's function), or `?` for one not loaded from eddy's module.
+    fn kernel_name(&self, f: usize) -> String {
+        self.kernel_names.get(&f).cloned().unwrap_or_else(|| "?".into())
     }
 
     fn set_empty(&self, on: bool, only: Vec<usize>) {
